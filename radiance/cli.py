@@ -1,0 +1,64 @@
+"""`radiance` command line: a thin dispatcher.
+
+Each area registers its own subcommands from its package (`register(subparsers)` in
+`radiance.<area>.cli`), so the parsers live next to the code they drive. Errors that are the
+user's (bad path, broken checkpoint, bad option) print one line and exit 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from radiance import __version__
+from radiance.errors import RadianceError
+
+# (module, subcommands it registers) in the order --help lists them
+_AREAS = (
+    "radiance.server.cli",      # serve
+    "radiance.engine.cli",      # generate
+    "radiance.checkpoint.cli",  # convert, inspect
+    "radiance.bench.cli",       # bench, eval
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radiance",
+        description="Serve 4-bit MXFP4 / NVFP4 LLM checkpoints on GPUs without FP4 tensor cores "
+                    "(and on the CPU through reference kernels).",
+    )
+    parser.add_argument("--version", action="version", version=f"radiance {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _AREAS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:  # an area not built yet must not break the others
+            if exc.name and exc.name.startswith("radiance"):
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except RadianceError as exc:
+        print(f"radiance {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Every knob of radiance as frozen dataclasses, plus the glue that exposes them on the CLI.
+
+Each area owns one dataclass; `EngineConfig` bundles the ones the engine needs. Validation lives
+in `__post_init__` so a bad value fails where it is built, with the field's name in the message.
+`add_dataclass_args` / `dataclass_from_args` turn any of these into argparse flags, so every field
+is reachable from the command line without a hand-written flag per field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+QUANTIZATIONS = ("auto", "mxfp4", "nvfp4", "none")
+RULES = ("mse", "noclip", "ocp")
+# "none" only with quantization="nvfp4": serve the NVFP4 weights dequantized (W4A16), no requant
+MODEL_RULES = RULES + ("none",)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how to quantize it."""
+
+    model: str | None = None  # path to an HF directory / GGUF file; None = embedded SmolLM2
+    quantization: str = "auto"  # auto: as the checkpoint says; mxfp4: quantize 16-bit linears at load
+    rule: str = "mse"  # block-exponent rule for any conversion to MXFP4
+    dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on CPU
+    device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped by KV)
+    ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _check(self.rule in MODEL_RULES, f"rule must be one of {MODEL_RULES}, got {self.rule!r}")
+        _check(self.rule != "none" or self.quantization == "nvfp4", "rule 'none' only applies to quantization 'nvfp4'")
+        _check(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the process may use
+    cpu_kv_cache_bytes: int = 512 << 20  # KV budget when running on the CPU
+    num_gpu_blocks_override: int | None = None  # force a block count (tests, preemption drills)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        _check(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes must be positive")
+        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        _check(self.max_num_seqs > 0, "max_num_seqs must be positive")
+        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels serve the linears and how they are checked."""
+
+    decode_band: int = 64  # M up to this runs the split-K decode kernel, above it the prefill kernel
+    use_triton: bool = True  # False forces the torch reference path everywhere
+    activations: str = "fp8"  # fp8 = W4A8; bf16 = W4A16 (dequantized weights, 16-bit activations)
+    numerics_check: bool = False  # compare served outputs against the fp32 reference while running
+    numerics_check_every: int = 100  # check one call in this many per layer when enabled
+
+    def __post_init__(self):
+        _check(1 <= self.decode_band <= 256, "decode_band must be in [1, 256]")
+        _check(self.activations in ("fp8", "bf16"), "activations must be fp8 or bf16")
+        _check(self.numerics_check_every > 0, "numerics_check_every must be positive")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Model runner execution."""
+
+    enforce_eager: bool = False  # True disables CUDA graphs
+    cuda_graph_max_batch: int = 64  # largest decode batch bucket captured
+
+    def __post_init__(self):
+        _check(self.cuda_graph_max_batch > 0, "cuda_graph_max_batch must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+    @classmethod
+    def from_flat(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (`max_num_seqs=8, quantization="none"`), routing each
+        to the sub-config that owns it. Unknown names are an error, not silently dropped."""
+        parts = {}
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory  # type: ignore[misc]
+            names = {g.name for g in dataclasses.fields(sub)}
+            parts[f.name] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        if kwargs:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
+        return cls(**{name: dataclasses.fields(cls)[i].default_factory(**vals)  # type: ignore[misc]
+                      for i, (name, vals) in enumerate(parts.items())})
+
+
+
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "none")
+REASONING_PARSERS = ("auto", "think", "none")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server (`radiance serve`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases; default from the model
+    api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY`
+    chat_template: str | None = None  # a jinja file (or literal template) overriding the model's
+    tool_call_parser: str = "auto"  # auto: chosen from the chat template's tool markup
+    reasoning_parser: str = "auto"  # auto: "think" when the chat template uses <think>
+    max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for
+    max_n: int = 16  # upper bound of `n` (each choice is one engine request)
+    uvicorn_log_level: str = "warning"
+
+    def __post_init__(self):
+        _check(0 <= self.port <= 65535, "port must be in [0, 65535]")
+        _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        _check(0 <= self.max_logprobs <= 20, "max_logprobs must be in [0, 20]")
+        _check(self.max_n >= 1, "max_n must be positive")
+        _check(all(name for name in self.served_model_name), "served_model_name entries must be non-empty")
+        _check(self.api_key is None or self.api_key != "", "api_key must be non-empty when given")
+
+
+# ---------------------------------------------------------------- argparse glue
+
+
+def _base_type(tp):
+    """(python type, is_optional, is_tuple) of a dataclass field annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        base, _, is_tuple = _base_type(args[0])
+        return base, True, is_tuple
+    if origin is tuple:
+        return typing.get_args(tp)[0], False, True
+    return tp, False, False
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), group: str | None = None) -> None:
+    """Add a `--field-name` flag for every field of dataclass `cls` (defaults stay in the class)."""
+    hints = typing.get_type_hints(cls)
+    target = parser.add_argument_group(group or cls.__name__) if group is not False else parser
+    for f in dataclasses.fields(cls):
+        if f.name in skip or dataclasses.is_dataclass(hints[f.name]):
+            continue
+        base, optional, is_tuple = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = f"(default: {default})"
+        if base is bool:
+            target.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=argparse.SUPPRESS,
+                                metavar="BOOL", help=help_text)
+        elif is_tuple:
+            target.add_argument(flag, type=base, nargs="+", default=argparse.SUPPRESS, help=help_text)
+        else:
+            target.add_argument(flag, type=base, default=argparse.SUPPRESS, help=help_text)
+
+
+def dataclass_kwargs(args: argparse.Namespace, cls) -> dict:
+    """The fields of `cls` that were given on the command line."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            out[f.name] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    for f in dataclasses.fields(EngineConfig):
+        add_dataclass_args(parser, f.default_factory, skip=skip, group=f"{f.name} options")  # type: ignore[misc]
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    flat = {}
+    for f in dataclasses.fields(EngineConfig):
+        flat.update(dataclass_kwargs(args, f.default_factory))  # type: ignore[misc]
+    flat.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineConfig.from_flat(**flat)

@@ -1,0 +1,33 @@
+"""Input validation shared by the codecs: every problem is a ValueError that names it."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_matrix(t, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [N, K], got shape {tuple(t.shape)}")
+
+
+def check_k_multiple(t: torch.Tensor, multiple: int, fmt: str) -> None:
+    if t.shape[1] % multiple:
+        raise ValueError(f"{fmt} needs K (the last dimension) to be a multiple of {multiple}, got K={t.shape[1]}")
+
+
+def check_finite(t: torch.Tensor, name: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+        raise ValueError(f"{name} contains NaN or inf (first at index {bad}); refusing to quantize it")
+
+
+def check_partitions(n_rows: int, partition_sizes, n_global: int | None = None) -> tuple[int, ...]:
+    """Validate partition sizes against N rows (and the number of global scales when given)."""
+    sizes = (n_rows,) if partition_sizes is None else tuple(int(p) for p in partition_sizes)
+    if any(p <= 0 for p in sizes) or sum(sizes) != n_rows:
+        raise ValueError(f"partition_sizes {sizes} must be positive and sum to N={n_rows}")
+    if n_global is not None and n_global != len(sizes):
+        raise ValueError(f"{n_global} global scale(s) for {len(sizes)} partition(s) {sizes}")
+    return sizes

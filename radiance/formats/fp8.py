@@ -1,0 +1,34 @@
+"""FP8 e4m3 per-output-channel weights (compressed-tensors `float-quantized`, strategy channel)."""
+
+from __future__ import annotations
+
+import torch
+
+from radiance.formats._checks import check_finite, check_matrix
+
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (w8 float8_e4m3fn [N, K], scale fp32 [N, 1]) with w ~= w8 * scale."""
+    check_matrix(w, "w")
+    if not w.is_floating_point():
+        raise ValueError(f"quantize_fp8_per_channel needs a floating-point weight, got {w.dtype}")
+    check_finite(w, "w")
+    w = w.float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    w8 = (w / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return w8, scale
+
+
+def dequantize_fp8_per_channel(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    check_matrix(w8, "w8")
+    if w8.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"FP8 weight must be float8_e4m3fn, got {w8.dtype}")
+    scale = torch.as_tensor(scale, device=w8.device).float()
+    if scale.numel() == w8.shape[0]:
+        scale = scale.reshape(-1, 1)
+    elif scale.numel() != 1:
+        raise ValueError(f"FP8 scale must be per-channel [{w8.shape[0]}, 1] or per-tensor, got {tuple(scale.shape)}")
+    return w8.float() * scale

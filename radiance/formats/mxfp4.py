@@ -1,0 +1,105 @@
+"""MXFP4 (OCP microscaling): e2m1 codes with one e8m0 exponent per 32 consecutive k.
+
+Block exponent rules (DESIGN.md section 3), e unbiased, block scale 2^e:
+  noclip  e = ceil(log2(amax / 6))    never clips
+  ocp     e = floor(log2(amax)) - 2   the OCP spec's rule; clips values above 6 * 2^e
+  mse     whichever of noclip and noclip - 1 gives the lower squared error (ties: noclip)
+amax == 0 gives e = 0; e is clamped to [-127, 127] and stored biased (byte = e + 127).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radiance.formats._checks import check_finite, check_k_multiple, check_matrix
+from radiance.formats.e2m1 import E2M1_MAX, e2m1_to_float, pack_e2m1, round_to_e2m1, unpack_e2m1
+
+MX_BLOCK = 32
+RULES = ("mse", "noclip", "ocp")
+E8M0_BIAS = 127
+
+
+def scale_by_pow2(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """x * 2^e exactly for integer e in [-254, 254], in two steps so no factor is subnormal."""
+    e = e.to(torch.int32)
+    half = torch.div(e, 2, rounding_mode="floor")
+    return torch.ldexp(torch.ldexp(x, half), e - half)
+
+
+def _floor_log2(v: torch.Tensor) -> torch.Tensor:
+    """Exact floor(log2(v)) for positive finite float32 v (frexp: v = m * 2^E, m in [0.5, 1))."""
+    _, exponent = torch.frexp(v)
+    return exponent.to(torch.int32) - 1
+
+
+def noclip_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """Smallest integer e with amax <= 6 * 2^e (exact, no float log)."""
+    amax = amax.float()
+    e = _floor_log2(torch.where(amax > 0, amax, torch.ones_like(amax))) - 2  # 6*2^(f-2) = 1.5*2^f >= 2^f
+    # amax in [2^f, 2^(f+1)): 6 * 2^(f-2) = 1.5 * 2^f covers amax iff amax <= 1.5 * 2^f, else one more.
+    too_small = amax > scale_by_pow2(torch.full_like(amax, E2M1_MAX), e)
+    return e + too_small.to(torch.int32)
+
+
+def ocp_exponent(amax: torch.Tensor) -> torch.Tensor:
+    amax = amax.float()
+    return _floor_log2(torch.where(amax > 0, amax, torch.ones_like(amax))) - 2
+
+
+def _quantize_blocks(blocks: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and dequantized values of fp32 blocks [..., 32] under exponents e [...]."""
+    scaled = scale_by_pow2(blocks, -e.unsqueeze(-1))
+    codes = round_to_e2m1(scaled)
+    values = scale_by_pow2(e2m1_to_float(codes), e.unsqueeze(-1))
+    return codes, values
+
+
+def block_exponents(blocks: torch.Tensor, rule: str) -> torch.Tensor:
+    """Unbiased int32 exponents [...] for fp32 blocks [..., 32] under `rule`, clamped to [-127, 127]."""
+    if rule not in RULES:
+        raise ValueError(f"unknown MXFP4 rule {rule!r}; expected one of {RULES}")
+    amax = blocks.abs().amax(dim=-1)
+    if rule == "ocp":
+        e = ocp_exponent(amax)
+    else:
+        e = noclip_exponent(amax)
+        if rule == "mse":
+            e_lo = torch.clamp(e - 1, -127, 127)
+            err_hi = (blocks - _quantize_blocks(blocks, torch.clamp(e, -127, 127))[1]).square().sum(-1)
+            err_lo = (blocks - _quantize_blocks(blocks, e_lo)[1]).square().sum(-1)
+            e = torch.where(err_lo < err_hi, e - 1, e)
+    e = torch.where(amax > 0, e, torch.zeros_like(e))
+    return torch.clamp(e, -127, 127)
+
+
+def quantize_mxfp4(w: torch.Tensor, rule: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (packed uint8 [N, K/2], scale uint8 e8m0 [N, K/32])."""
+    check_matrix(w, "w")
+    check_k_multiple(w, MX_BLOCK, "MXFP4")
+    if rule not in RULES:
+        raise ValueError(f"unknown MXFP4 rule {rule!r}; expected one of {RULES}")
+    if not w.is_floating_point():
+        raise ValueError(f"quantize_mxfp4 needs a floating-point weight, got {w.dtype}")
+    check_finite(w, "w")
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // MX_BLOCK, MX_BLOCK)
+    e = block_exponents(blocks, rule)
+    codes, _ = _quantize_blocks(blocks, e)
+    return pack_e2m1(codes.reshape(n, k)), (e + E8M0_BIAS).to(torch.uint8)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(packed [N, K/2], e8m0 scale [N, K/32]) -> float32 [N, K]."""
+    check_matrix(packed, "packed")
+    check_matrix(scale, "scale")
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(f"dequantize_mxfp4 needs uint8 packed and uint8 e8m0 scale, got {packed.dtype} and {scale.dtype}")
+    n, half_k = packed.shape
+    if scale.shape != (n, half_k * 2 // MX_BLOCK) or (half_k * 2) % MX_BLOCK:
+        raise ValueError(f"MXFP4 shapes disagree: packed {tuple(packed.shape)} needs scale "
+                         f"[{n}, {half_k * 2 // MX_BLOCK}] and K a multiple of 32, got scale {tuple(scale.shape)}")
+    if scale.numel() and int(scale.max()) == 255:
+        raise ValueError("MXFP4 scale contains 0xFF (the e8m0 NaN encoding)")
+    values = e2m1_to_float(unpack_e2m1(packed)).reshape(n, -1, MX_BLOCK)
+    e = scale.to(torch.int32) - E8M0_BIAS
+    return scale_by_pow2(values, e.unsqueeze(-1)).reshape(n, half_k * 2)
