@@ -1,0 +1,54 @@
+"""Config dataclasses: validation, flat construction and the argparse glue."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from radiance.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig, add_engine_args,
+                             engine_config_from_args)
+
+
+def test_configs_are_frozen():
+    cfg = EngineConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.quantization = "none"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: ModelConfig(quantization="int4"), "quantization"),
+    (lambda: ModelConfig(rule="nearest"), "rule"),
+    (lambda: ModelConfig(rule="none", quantization="mxfp4"), "only applies"),
+    (lambda: CacheConfig(block_size=12), "power of two"),
+    (lambda: CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
+    (lambda: KernelConfig(decode_band=512), "decode_band"),
+])
+def test_invalid_values_name_the_field(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_from_flat_routes_fields_and_rejects_unknown():
+    cfg = EngineConfig.from_flat(max_num_seqs=3, quantization="none", decode_band=16, block_size=32)
+    assert cfg.scheduler.max_num_seqs == 3 and cfg.model.quantization == "none"
+    assert cfg.kernel.decode_band == 16 and cfg.cache.block_size == 32
+    with pytest.raises(ValueError, match="unknown engine option.*max_seqs"):
+        EngineConfig.from_flat(max_seqs=3)
+
+
+def test_every_engine_field_is_a_cli_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-num-seqs", "5", "--enforce-eager", "--enable-prefix-caching", "false",
+                              "--ignore", "lm_head", "mlp", "--gpu-memory-utilization", "0.5"])
+    cfg = engine_config_from_args(args, model="some/dir")
+    assert cfg.scheduler.max_num_seqs == 5 and cfg.runner.enforce_eager is True
+    assert cfg.cache.enable_prefix_caching is False and cfg.model.ignore == ("lm_head", "mlp")
+    assert cfg.cache.gpu_memory_utilization == 0.5 and cfg.model.model == "some/dir"
+    flags = {a.dest for a in parser._actions}
+    for sub in dataclasses.fields(EngineConfig):
+        for f in dataclasses.fields(sub.default_factory):
+            assert f.name in flags, f.name
+    # untouched fields keep the dataclass defaults
+    assert cfg.kernel == KernelConfig()
