@@ -157,6 +157,29 @@ class ServerConfig:
         _check(self.api_key is None or self.api_key != "", "api_key must be non-empty when given")
 
 
+CONVERT_FORMATS = ("mxfp4", "nvfp4", "fp8")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """Checkpoint conversion (`radiance convert`): the format written and what stays 16-bit."""
+
+    format: str = "mxfp4"  # linears are written in this format (compressed-tensors layout)
+    rule: str = "mse"  # block-exponent rule when converting to MXFP4
+    ignore: tuple[str, ...] = ()  # regexes (re.search) of linears to keep 16-bit, e.g. "layers\\.0\\."
+    quantize_lm_head: bool = False  # lm_head stays 16-bit unless set (a tied head is then untied)
+    dense_dtype: str = "bfloat16"  # dtype of the 16-bit tensors written (embeddings, norms, kept linears)
+    max_shard_bytes: int = 2 << 30  # safetensors shard size
+    chunk_rows: int | None = None  # rows per requant chunk (bounds the fp32 transient); None = automatic
+
+    def __post_init__(self):
+        _check(self.format in CONVERT_FORMATS, f"format must be one of {CONVERT_FORMATS}, got {self.format!r}")
+        _check(self.rule in RULES, f"rule must be one of {RULES}, got {self.rule!r}")
+        _check(self.dense_dtype in ("bfloat16", "float16"), "dense_dtype must be bfloat16 or float16")
+        _check(self.max_shard_bytes > 0, "max_shard_bytes must be positive")
+        _check(self.chunk_rows is None or self.chunk_rows > 0, "chunk_rows must be positive")
+
+
 # ---------------------------------------------------------------- argparse glue
 
 

@@ -1,0 +1,209 @@
+"""CLI of the measuring area: `radiance bench {kernels,engine,serve}` and `radiance eval {ppl,kl}`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+from pathlib import Path
+
+from radiance.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _optional_module(name: str):
+    """The module, or None while its area has not built it yet."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:
+            return None
+        raise
+
+
+def _not_built(what: str):
+    def run(args) -> int:
+        raise ConfigError(f"{what} is not available in this build")
+    return run
+
+
+# ------------------------------------------------------------------------------ bench
+
+
+def _add_kernels(sub) -> None:
+    # the kernels area adds its own `kernels` parser to the bench subparsers (radiance/bench/kernels.py)
+    module = _optional_module("radiance.bench.kernels")
+    if module is not None and hasattr(module, "add_kernels_parser"):
+        module.add_kernels_parser(sub)
+    else:
+        p = sub.add_parser("kernels", help="W4A8 GEMM vs cuBLAS bf16/fp8 and the reference path (CUDA)")
+        p.set_defaults(func=_not_built("bench kernels"))
+
+
+def _add_engine(sub) -> None:
+    # the engine area adds its own `engine` parser (radiance/bench/engine_bench.py), as kernels does
+    module = _optional_module("radiance.bench.engine_bench")
+    if module is not None and hasattr(module, "add_engine_parser"):
+        module.add_engine_parser(sub)
+        engine = sub.choices["engine"]
+        engine.add_argument("--plot", metavar="FILE.png",
+                            help="output tok/s against concurrency and prefill tok/s against prompt length")
+        engine.set_defaults(func=_with_engine_plot(engine.get_default("func")))
+    else:
+        p = sub.add_parser("engine", help="offline engine speed: decode ms/step by depth, prefill tok/s, "
+                                          "aggregate tok/s by concurrency (MODEL may be synthetic:llama-3.1-8b, ...)")
+        p.set_defaults(func=_not_built("bench engine"))
+
+
+def _with_engine_plot(run_engine):
+    """Wraps the engine bench: its rows come back through its --json file, then get plotted."""
+    def run(args) -> int:
+        if not getattr(args, "plot", None):
+            return run_engine(args)
+        import tempfile
+
+        from radiance.bench.plot import plot_engine_rows
+
+        with tempfile.TemporaryDirectory() as tmp:
+            keep = getattr(args, "json", None)
+            args.json = keep or str(Path(tmp) / "rows.json")
+            rc = run_engine(args)
+            rows = _read_json(args.json)
+        plot_engine_rows(args.plot, rows)
+        return rc
+    return run
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="load-test any OpenAI-compatible server (streaming)")
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
+    p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="levels, e.g. 1,8,32,128")
+    p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt length in words (~tokens)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or one prompt per line")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (for servers that reject unknown fields)")
+    p.add_argument("--api-key")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", help="name of this configuration in --json and --plot")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="aggregate tok/s against concurrency")
+    p.add_argument("--plot-with", nargs="+", default=(), metavar="RESULT.json",
+                   help="earlier --json outputs to draw as extra lines in --plot")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    from radiance.bench import serve_bench
+    from radiance.bench.report import to_json
+
+    opts = serve_bench.ServeBenchOptions(
+        url=args.url, model=args.model, concurrency=tuple(args.concurrency), num_prompts=args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len, dataset=args.dataset,
+        request_rate=args.request_rate, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
+        api_key=args.api_key, timeout_s=args.timeout, warmup=args.warmup, seed=args.seed)
+    result = serve_bench.run_serve_bench(opts)
+    if args.label:
+        result["label"] = args.label
+    print(to_json(result) if args.json else serve_bench.serve_table(result))
+    if args.plot:
+        from radiance.bench.plot import plot_serve_results
+        earlier = [_read_json(path) for path in args.plot_with]
+        plot_serve_results(args.plot, earlier + [result])
+    failed = sum(lv["failed"] for lv in result["levels"])
+    return 1 if failed and not any(lv["ok"] for lv in result["levels"]) else 0
+
+
+def _read_json(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read bench result {path}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------ eval
+
+
+def _add_eval_mode(sub, mode: str) -> None:
+    what = "perplexity" if mode == "ppl" else "KL(16-bit || quantized) of next-token distributions"
+    p = sub.add_parser(mode, help=f"{what} over chunks of a text file")
+    p.add_argument("model", nargs="?", help="HF directory or GGUF file (default: the embedded SmolLM2)")
+    p.add_argument("--quantization", choices=("none", "mxfp4", "nvfp4"), default="none" if mode == "ppl" else "mxfp4",
+                   help="nvfp4: quantize to NVFP4, then serve as the engine would (requantized with --rule)")
+    p.add_argument("--rule", choices=("mse", "noclip", "ocp", "none"), default="mse",
+                   help="block-exponent rule of the conversion to MXFP4; none (with nvfp4): NVFP4 as W4A16")
+    p.add_argument("--activations", choices=("fp8", "bf16"), default="fp8", help="fp8 = W4A8, bf16 = W4A16")
+    p.add_argument("--variants", nargs="+", metavar="QUANT[/RULE[/ACT]]",
+                   help="several configurations in one pass over the text (one reference pass for kl), "
+                        "e.g. mxfp4/mse/fp8 mxfp4/mse/bf16 nvfp4/none; replaces --quantization/--rule/--activations")
+    p.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext2-test.txt")
+    p.add_argument("--chunks", type=int, default=64)
+    p.add_argument("--chunk-len", type=int, default=512)
+    p.add_argument("--device", help="cuda, cpu, cuda:1 (default: cuda when available)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="16-bit path dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_eval_command, eval_mode=mode)
+
+
+def run_eval_command(args) -> int:
+    from radiance.bench import quality
+    from radiance.bench.loading import load_eval_model
+    from radiance.bench.report import format_table, to_json
+
+    if args.variants:
+        variants = tuple(quality.Variant.parse(v) for v in args.variants)
+    else:
+        variants = (quality.Variant(args.quantization, args.rule, args.activations),)
+    req = quality.EvalRequest(args.eval_mode, args.model, variants, args.text, args.chunks, args.chunk_len,
+                              args.device, args.dtype)
+    result = quality.run_eval(req, load_eval_model)
+    if args.json:
+        print(to_json(result))
+        return 0
+    print(f"{result['model']}: {result['chunks']} chunks of {result['chunk_len']} tokens "
+          f"({result['tokens']} scored) from {result['text']}, {result['seconds']:.0f} s")
+    if "reference_ppl" in result:
+        print(f"reference (16-bit) perplexity: {result['reference_ppl']:.4f}")
+    if args.eval_mode == "kl":
+        headers = ("configuration", "ppl", "KL mean", "KL p99", "top-1 agree")
+        rows = [(r["label"], r["ppl"], r["kl"], r["kl_p99"], r["top1_agreement"]) for r in result["results"]]
+        print(format_table(headers, rows, digits=(0, 4, 5, 4, 4)))
+    else:
+        print(format_table(("configuration", "ppl"), [(r["label"], r["ppl"]) for r in result["results"]], (0, 4)))
+    return 0
+
+
+# ------------------------------------------------------------------------------ registration
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: kernels, engine, serve")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
+    _add_kernels(bench_sub)
+    _add_engine(bench_sub)
+    _add_serve(bench_sub)
+
+    ev = subparsers.add_parser("eval", help="quality: perplexity and KL against the 16-bit model")
+    ev_sub = ev.add_subparsers(dest="eval_command", metavar="WHAT", required=True)
+    _add_eval_mode(ev_sub, "ppl")
+    _add_eval_mode(ev_sub, "kl")

@@ -1,0 +1,263 @@
+"""Offline engine speed on the GPU: a random-weight model with a real config (no download).
+
+Measures, per variant (bf16, MXFP4): batch-1 decode ms/step at two context depths, prefill tok/s at two
+prompt lengths, aggregate output tok/s at several concurrencies, and the batch-1 decode step time
+against the sum of its kernels' device times (engine overhead); then HF transformers `generate` in bf16
+on the same config as the peer. Everything is measured in one process, side by side.
+`python -m radiance.bench.engine_bench --model synthetic:llama-3.1-8b` (or `radiance bench engine`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import time
+
+import torch
+
+from radiance.bench.report import format_table
+from radiance.bench.synthetic import SyntheticCheckpoint
+
+logger = logging.getLogger(__name__)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _random_ids(n: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
+
+
+def _engine(model: str, quantization: str, max_model_len: int, device: str, overrides: dict | None, **options):
+    from radiance.config import EngineConfig
+    from radiance.engine.llm_engine import LLMEngine
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ckpt = SyntheticCheckpoint(model, device=device, dtype=dtype, overrides=overrides)
+    config = EngineConfig.from_flat(model=model, quantization=quantization, max_model_len=max_model_len,
+                                    device=device, **options)
+    return LLMEngine(config, checkpoint=ckpt, progress=False)
+
+
+def _decode_ms(engine, context: int, steps: int, gen) -> float:
+    """Median wall ms of a batch-1 decode step with `context` tokens in the cache."""
+    from radiance.engine.sampling_params import SamplingParams
+
+    vocab = engine.model.config.vocab_size
+    engine.add_request("decode", _random_ids(context, vocab, gen),
+                       SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+    times = []
+    while engine.has_unfinished_requests():
+        _sync()
+        t0 = time.perf_counter()
+        outs = engine.step()
+        _sync()
+        if outs and len(outs[0].token_ids) > 2:  # past the prefill and the first decode (warm-up)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _prefill_tok_s(engine, length: int, gen, repeats: int = 3) -> float:
+    from radiance.engine.sampling_params import SamplingParams
+
+    vocab = engine.model.config.vocab_size
+    best = float("inf")
+    for r in range(repeats + 1):
+        engine.add_request(f"prefill{r}", _random_ids(length, vocab, gen), SamplingParams(max_tokens=1, temperature=0.0))
+        _sync()
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        _sync()
+        if r:  # the first is warm-up (Triton compiles for new shapes)
+            best = min(best, time.perf_counter() - t0)
+    return length / best
+
+
+def _aggregate_tok_s(engine, concurrency: int, prompt_len: int, output_len: int, gen) -> float:
+    from radiance.engine.sampling_params import SamplingParams
+
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(f"agg{i}", _random_ids(prompt_len, vocab, gen), params)
+    _sync()
+    t0 = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished_requests():
+        produced += sum(1 for o in engine.step() if o.token_ids)
+    _sync()
+    return produced / (time.perf_counter() - t0)
+
+
+def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, float]:
+    """(median step wall ms, mean per-step sum of CUDA kernel times) over profiled batch-1 decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from radiance.engine.sampling_params import SamplingParams
+
+    vocab = engine.model.config.vocab_size
+    engine.add_request("prof", _random_ids(context, vocab, gen),
+                       SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()  # prefill, first decode
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            _sync()
+            t0 = time.perf_counter()
+            engine.step()
+            _sync()
+            walls.append(time.perf_counter() - t0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    # device-side records only (kernels, memcpy/memset), graph-launched ones included
+    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                    if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    return statistics.median(walls) * 1e3, kernel_us / steps / 1e3
+
+
+def bench_variant(model: str, quantization: str, contexts, prefills, concurrencies, max_model_len: int,
+                  device: str = "cuda", overrides: dict | None = None) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    engine = _engine(model, quantization, max_model_len, device, overrides, max_num_batched_tokens=max(prefills),
+                     max_num_seqs=max(concurrencies), gpu_memory_utilization=0.85)
+    row = {"variant": quantization, "load": engine.load_summary}
+    for c in contexts:
+        row[f"decode_ms@{c}"] = _decode_ms(engine, c, 32, gen)
+    for p in prefills:
+        row[f"prefill_tok_s@{p}"] = _prefill_tok_s(engine, p, gen)
+    for n in concurrencies:
+        row[f"agg_tok_s@{n}"] = _aggregate_tok_s(engine, n, 128, 128, gen)
+    if device == "cuda":
+        row["profiled_step_ms"], row["kernel_sum_ms"] = _kernel_sum_ms(engine, contexts[0], gen)
+        # unprofiled step time over the kernels' device time (the profiler itself slows the host side)
+        base = row[f"decode_ms@{contexts[0]}"]
+        row["overhead_ratio"] = base / row["kernel_sum_ms"] if row["kernel_sum_ms"] else float("nan")
+    del engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+@torch.inference_mode()
+def bench_hf(model: str, contexts, prefills, concurrencies) -> dict:
+    """HF transformers (eager, its default) bf16 on the same config, random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = SyntheticCheckpoint(model, device="cuda")
+    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "architectures"})
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(config).eval()
+    torch.set_default_dtype(old)
+    gen = torch.Generator().manual_seed(0)
+    vocab = config.vocab_size
+    row = {"variant": "hf-transformers-bf16"}
+
+    def generate(batch, prompt_len, new):
+        ids = torch.tensor([_random_ids(prompt_len, vocab, gen) for _ in range(batch)], device="cuda")
+        _sync()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        _sync()
+        return time.perf_counter() - t0
+
+    for c in contexts:
+        generate(1, c, 2)
+        short, long = generate(1, c, 2), generate(1, c, 34)
+        row[f"decode_ms@{c}"] = (long - short) / 32 * 1e3
+    for p in prefills:
+        ids = torch.tensor([_random_ids(p, vocab, gen)], device="cuda")
+        hf(ids[:, :16])
+        _sync()
+        t0 = time.perf_counter()
+        hf(ids, logits_to_keep=1)
+        _sync()
+        row[f"prefill_tok_s@{p}"] = p / (time.perf_counter() - t0)
+    for n in concurrencies:
+        row[f"agg_tok_s@{n}"] = n * 128 / generate(n, 128, 128)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def run(model: str = "synthetic:llama-3.1-8b", variants=("none", "mxfp4"), contexts=(128, 8192),
+        prefills=(1024, 8192), concurrencies=(16, 64), with_hf: bool = True, device: str = "cuda",
+        overrides: dict | None = None) -> list[dict]:
+    """`device="cpu"` with a small `overrides` config is a dry run of the harness (no timings that matter)."""
+    max_model_len = max(max(contexts), max(prefills)) + 256
+    rows = []
+    for v in variants:
+        rows.append(_guarded(v, bench_variant, model, v, contexts, prefills, concurrencies, max_model_len, device,
+                             overrides))
+        print(table(rows), flush=True)
+    if with_hf:
+        rows.append(_guarded("hf-transformers-bf16", bench_hf, model, contexts, prefills, concurrencies))
+    return rows
+
+
+def _guarded(label: str, fn, *args) -> dict:
+    """One failing variant must not lose the others' numbers."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - reported in the table and the log
+        logger.exception("benchmark %s failed", label)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"variant": label, "error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+def table(rows: list[dict]) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("variant", "load", "error")))
+    return format_table(["variant"] + keys, [[r["variant"]] + [r.get(k) for k in keys] for r in rows],
+                        digits=[0] + [2] * len(keys))
+
+
+def add_engine_parser(sub) -> None:
+    p = sub.add_parser("engine", help="offline engine speed on the GPU: decode ms/step, prefill tok/s, "
+                                      "aggregate tok/s (MODEL: synthetic:llama-3.1-8b, ...)")
+    _add_args(p)
+    p.set_defaults(func=_run_args)
+
+
+def _add_args(p) -> None:
+    p.add_argument("--model", default="synthetic:llama-3.1-8b")
+    p.add_argument("--variants", nargs="+", default=["none", "mxfp4"], help="quantization options to compare")
+    p.add_argument("--contexts", nargs="+", type=int, default=[128, 8192])
+    p.add_argument("--prefills", nargs="+", type=int, default=[1024, 8192])
+    p.add_argument("--concurrency", nargs="+", type=int, default=[16, 64])
+    p.add_argument("--no-hf", dest="with_hf", action="store_false", help="skip the HF transformers peer")
+    p.add_argument("--json", help="also write the rows to this file")
+
+
+def _run_args(args) -> int:
+    rows = run(args.model, tuple(args.variants), tuple(args.contexts), tuple(args.prefills),
+               tuple(args.concurrency), args.with_hf)
+    for r in rows:
+        for line in r.get("load", []):
+            print(f"[{r['variant']}] {line}")
+    print(table(rows))
+    for r in rows:
+        if "error" in r:
+            print(f"[{r['variant']}] FAILED: {r['error']}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    _add_args(parser)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    raise SystemExit(_run_args(parser.parse_args()))

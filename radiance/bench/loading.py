@@ -1,0 +1,37 @@
+"""Loading models for the measuring commands, through the engine's loader (so `eval` measures
+exactly what the engine would serve). Synthetic names (`synthetic:llama-3.1-8b`) build random
+weights on the device instead of opening a checkpoint."""
+
+from __future__ import annotations
+
+import logging
+
+from radiance.bench.quality import Variant
+from radiance.bench.synthetic import SyntheticCheckpoint, is_synthetic
+from radiance.config import KernelConfig, ModelConfig
+from radiance.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def open_model_source(model: str | None, device: str | None, dtype: str | None):
+    """A SyntheticCheckpoint for synthetic names, else None (the loader opens the path itself)."""
+    if not is_synthetic(model):
+        return None
+    from radiance.engine.loader import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    return SyntheticCheckpoint(model, device=dev, dtype=resolve_dtype(dtype, dev))
+
+
+def load_eval_model(model: str | None, variant: Variant, device: str | None, dtype: str | None):
+    """(model with forward_logits, tokenizer) for one variant; the signature quality.run_eval expects."""
+    from radiance.engine.loader import load_model
+
+    if is_synthetic(model):
+        raise ConfigError("synthetic models have no tokenizer; evaluate a real checkpoint (or omit MODEL)")
+    model_config = ModelConfig(model=model, quantization=variant.quantization, rule=variant.rule,
+                               device=device, dtype=dtype)
+    loaded = load_model(model_config, KernelConfig(activations=variant.activations), progress=False)
+    logger.info("eval %s: %s", variant.label, " | ".join(loaded.summary[1:]))
+    return loaded.model, loaded.tokenizer

@@ -1,0 +1,94 @@
+"""The arithmetic behind every benchmark and evaluation number: percentiles, rates, perplexity
+and KL divergence. Pure functions, no I/O, so each one can be checked against a hand-computed case."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks (numpy's default).
+    NaN for an empty sequence, so a level where every request failed still prints a row."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    data = sorted(values)
+    if not data:
+        return math.nan
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def tokens_per_second(num_tokens: int | float, seconds: float) -> float:
+    """Rate of `num_tokens` over `seconds`; NaN when no time elapsed (a rate cannot be measured)."""
+    if seconds <= 0.0:
+        return math.nan
+    return num_tokens / seconds
+
+
+def decode_tokens_per_second(output_tokens: int, ttft_s: float, e2e_s: float) -> float:
+    """A stream's generation speed after its first token: (tokens - 1) / (e2e - ttft).
+    The first token belongs to the prefill, so it is left out of the decode rate."""
+    if output_tokens < 2:
+        return math.nan
+    return tokens_per_second(output_tokens - 1, e2e_s - ttft_s)
+
+
+def inter_token_latencies(token_times: Sequence[float]) -> list[float]:
+    """Gaps between successive token arrival times (seconds)."""
+    return [b - a for a, b in zip(token_times, token_times[1:])]
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    p50: float
+    p99: float
+    mean: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "LatencySummary":
+        return cls(p50=percentile(values, 50), p99=percentile(values, 99), mean=mean(values))
+
+
+# ------------------------------------------------------------------------ quality arithmetic
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood (nats) of `targets` [..., T] under `logits` [..., T, V], in fp64
+    so sums over tens of thousands of tokens do not drift."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return -logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def perplexity(total_nll: float, num_tokens: int) -> float:
+    """exp(mean NLL)."""
+    if num_tokens <= 0:
+        raise ValueError("perplexity needs at least one token")
+    return math.exp(total_nll / num_tokens)
+
+
+def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(ref || model) = sum_v p_ref (log p_ref - log p_model), in nats, fp64.
+    Shapes [..., V] -> [...]. Zero-probability reference entries contribute nothing (0 log 0 = 0)."""
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"KL needs logits of the same shape, got {tuple(ref_logits.shape)} and {tuple(logits.shape)}")
+    ref_logp = torch.log_softmax(ref_logits.double(), dim=-1)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    ref_p = ref_logp.exp()
+    terms = torch.where(ref_p > 0, ref_p * (ref_logp - logp), torch.zeros_like(ref_p))
+    # clamp: rounding can leave a -1e-17 for identical distributions
+    return terms.sum(dim=-1).clamp_min(0.0)
+
+
+def top1_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per position, 1.0 where both distributions have the same argmax token."""
+    return (ref_logits.argmax(dim=-1) == logits.argmax(dim=-1)).double()

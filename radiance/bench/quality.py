@@ -1,0 +1,218 @@
+"""`radiance eval ppl|kl`: perplexity of a model and KL(ref || model) of its next-token
+distributions, where the reference is the same model on the same stack with quantization none.
+
+Text is tokenized once and cut into `chunks` non-overlapping windows of `chunk_len` tokens; every
+model sees exactly the same windows. Position t of a window predicts token t+1, so a window
+contributes chunk_len - 1 scored positions, for perplexity and KL alike. Several quantized
+variants can be compared against one reference pass (`evaluate`), each scored on the same chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from tqdm import tqdm
+
+from radiance.bench import metrics
+from radiance.config import MODEL_RULES
+from radiance.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class LogitsModel(Protocol):
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # [B, T] -> [B, T, V]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to serve the model: the knobs that change numerics."""
+
+    quantization: str = "none"  # none | mxfp4 | nvfp4
+    rule: str = "mse"  # mse | noclip | ocp; "none" with nvfp4 = serve NVFP4 dequantized (W4A16)
+    activations: str = "fp8"  # fp8 = W4A8, bf16 = W4A16 (16-bit activations)
+
+    def __post_init__(self):
+        if self.quantization not in ("none", "mxfp4", "nvfp4"):
+            raise ConfigError(f"quantization must be none, mxfp4 or nvfp4, got {self.quantization!r}")
+        if self.rule not in MODEL_RULES:
+            raise ConfigError(f"rule must be one of {MODEL_RULES}, got {self.rule!r}")
+        if self.rule == "none" and self.quantization != "nvfp4":
+            raise ConfigError("rule 'none' only applies to quantization 'nvfp4' (NVFP4 served as W4A16)")
+        if self.activations not in ("fp8", "bf16"):
+            raise ConfigError(f"activations must be fp8 or bf16, got {self.activations!r}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        """'mxfp4', 'mxfp4/ocp', 'nvfp4/mse/bf16', 'nvfp4/none' -> Variant."""
+        parts = spec.split("/")
+        if not 1 <= len(parts) <= 3:
+            raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]]")
+        return cls(*parts)
+
+    @property
+    def label(self) -> str:
+        if self.quantization == "none":
+            return "16-bit"
+        if self.quantization == "nvfp4" and self.rule == "none":
+            return "nvfp4 as W4A16"
+        scheme = "W4A8" if self.activations == "fp8" else "W4A16"
+        source = "mxfp4" if self.quantization == "mxfp4" else "nvfp4->mxfp4"
+        return f"{source} {self.rule} {scheme}"
+
+
+# --------------------------------------------------------------------------- text
+
+
+def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len: int) -> torch.Tensor:
+    """[chunks, chunk_len] non-overlapping windows from the start of the token stream; fewer
+    chunks when the text is short (at least one whole window is required)."""
+    if chunk_len < 2:
+        raise ConfigError("chunk_len must be at least 2 (one token predicts the next)")
+    if chunks < 1:
+        raise ConfigError("chunks must be positive")
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    available = ids.numel() // chunk_len
+    if available == 0:
+        raise ConfigError(f"the text has {ids.numel()} tokens, fewer than one chunk of {chunk_len}")
+    if available < chunks:
+        logger.warning("text holds only %d chunks of %d tokens (asked for %d)", available, chunk_len, chunks)
+    n = min(chunks, available)
+    return ids[: n * chunk_len].reshape(n, chunk_len)
+
+
+def tokenize_text(tokenizer, path: str, tokens_needed: int) -> list[int]:
+    """Token ids of the text file; only a prefix long enough for `tokens_needed` is tokenized."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"text file not found: {path}")
+    if tokenizer is None:
+        raise ConfigError("this model has no tokenizer (synthetic models cannot be evaluated on text)")
+    text = file.read_text(encoding="utf-8")
+    take = tokens_needed * 8  # chars per token is below 8 for any natural text and BPE vocabulary
+    while True:
+        ids = tokenizer(text[:take], add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens_needed or take >= len(text):
+            return ids
+        take *= 2
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+@dataclass
+class _Accumulator:
+    nll: float = 0.0
+    tokens: int = 0
+    kl_values: list[torch.Tensor] | None = None
+    top1: float = 0.0
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, ref_logits: torch.Tensor | None) -> None:
+        self.nll += metrics.token_nll(logits, targets).sum().item()
+        self.tokens += targets.numel()
+        if ref_logits is not None:
+            if self.kl_values is None:
+                self.kl_values = []
+            self.kl_values.append(metrics.kl_divergence(ref_logits, logits).reshape(-1).float())
+            self.top1 += metrics.top1_agreement(ref_logits, logits).sum().item()
+
+    def result(self) -> dict:
+        out = {"ppl": metrics.perplexity(self.nll, self.tokens), "nll": self.nll / self.tokens, "tokens": self.tokens}
+        if self.kl_values is not None:
+            kl = torch.cat(self.kl_values).double()
+            out.update(kl=kl.mean().item(), kl_p99=torch.quantile(kl, 0.99).item() if kl.numel() <= 16_000_000 else math.nan,
+                       kl_max=kl.max().item(), top1_agreement=self.top1 / self.tokens)
+        return out
+
+
+def _scored_logits(model: LogitsModel, window: torch.Tensor, device) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model.forward_logits(window.to(device).unsqueeze(0))
+    return logits[0, :-1].float().cpu()  # the last position has no target in the window
+
+
+def evaluate(chunks: torch.Tensor, models: dict[str, LogitsModel], reference: LogitsModel | None = None,
+             device=None, progress: bool = True) -> dict:
+    """Score every model on every chunk. With a reference, also KL(ref || model) and top-1 agreement;
+    the reference's own perplexity is reported under key "reference". Returns {name: metrics}."""
+    accs = {name: _Accumulator() for name in models}
+    ref_acc = _Accumulator() if reference is not None else None
+    bar = tqdm(chunks, desc="eval", unit="chunk", disable=not progress, leave=False)
+    for window in bar:
+        targets = window[1:]
+        ref_logits = _scored_logits(reference, window, device) if reference is not None else None
+        if ref_acc is not None:
+            ref_acc.add(ref_logits, targets, None)
+        for name, model in models.items():
+            accs[name].add(_scored_logits(model, window, device), targets, ref_logits)
+        # running numbers of the first model, so a long run shows where it is heading
+        first = next(iter(accs.values()))
+        bar.set_postfix(ppl=f"{math.exp(first.nll / first.tokens):.3f}",
+                        **({"kl": f"{torch.cat(first.kl_values).double().mean().item():.4f}"} if first.kl_values else {}))
+    out = {name: acc.result() for name, acc in accs.items()}
+    if ref_acc is not None:
+        out["reference"] = ref_acc.result()
+    return out
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    mode: str  # "ppl" or "kl"
+    model: str | None
+    variants: tuple[Variant, ...]
+    text: str
+    chunks: int = 64
+    chunk_len: int = 512
+    device: str | None = None
+    dtype: str | None = None
+
+
+def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
+    """Load the reference (for kl) and every variant with `loader(model, variant, device, dtype)`,
+    which returns (model with forward_logits, tokenizer), then score them on the same chunks."""
+    if req.mode not in ("ppl", "kl"):
+        raise ConfigError(f"eval mode must be ppl or kl, got {req.mode!r}")
+    if not req.variants or len({v.label for v in req.variants}) != len(req.variants):
+        raise ConfigError("give at least one variant, each once")
+    start = time.perf_counter()
+    models, tokenizer = {}, None
+    reference = None
+    if req.mode == "kl":
+        reference, tokenizer = loader(req.model, Variant("none"), req.device, req.dtype)
+    for variant in req.variants:
+        if req.mode == "kl" and variant.quantization == "none":
+            raise ConfigError("KL of the 16-bit model against itself is 0 by construction; pick a quantization")
+        models[variant.label], tok = loader(req.model, variant, req.device, req.dtype)
+        tokenizer = tokenizer or tok
+    ids = tokenize_text(tokenizer, req.text, req.chunks * req.chunk_len)
+    chunks = chunk_token_ids(ids, req.chunks, req.chunk_len)
+    device = next(_model_device(m) for m in [*models.values(), reference] if m is not None)
+    scores = evaluate(chunks, models, reference, device=device, progress=progress)
+    results = []
+    for variant in req.variants:
+        row = {**asdict(variant), "label": variant.label, **scores[variant.label]}
+        results.append(row)
+    out = {"mode": req.mode, "model": req.model or "embedded SmolLM2", "text": req.text,
+           "chunks": int(chunks.shape[0]), "chunk_len": req.chunk_len, "tokens": results[0]["tokens"],
+           "seconds": time.perf_counter() - start, "results": results}
+    if "reference" in scores:
+        out["reference_ppl"] = scores["reference"]["ppl"]
+    # the first variant's numbers at the top level: `--json | jq .ppl` works for the single case
+    out.update({k: results[0][k] for k in ("ppl", "kl", "kl_p99", "top1_agreement") if k in results[0]})
+    return out
+
+
+def _model_device(model) -> torch.device:
+    device = getattr(model, "device", None)
+    if device is not None:
+        return torch.device(device)
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")

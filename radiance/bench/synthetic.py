@@ -1,0 +1,175 @@
+"""Synthetic models: the exact public configs of real models with random weights, built directly on
+the target device (no download), so GPU benchmarks run at true shapes.
+
+`SyntheticCheckpoint` quacks like `radiance.checkpoint.open_checkpoint(...)`: `.config`,
+`.names()`, `.iter_weights()` with the canonical names of docs/ARCHITECTURE.md, and no tokenizer.
+`weight_format` picks what the linears arrive as: 16-bit (`dense`, the loader may quantize them),
+or already `mxfp4` / `nvfp4` (as a quantized checkpoint would deliver them).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+
+import torch
+from tqdm import tqdm
+
+from radiance.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "synthetic:"
+
+# config.json of each model as published on the Hugging Face hub (checked against the model cards;
+# only the fields a model needs, verbatim values).
+SYNTHETIC_CONFIGS: dict[str, dict] = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+        "bos_token_id": 128000, "eos_token_id": 128001,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+        "initializer_range": 0.02,
+    },
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "attention_bias": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151645,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
+        "initializer_range": 0.02,
+    },
+    "qwen3-32b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "attention_bias": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151645,
+        "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
+        "initializer_range": 0.02,
+    },
+}
+
+WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4")
+
+
+def is_synthetic(model: str | None) -> bool:
+    return bool(model) and model.startswith(PREFIX)
+
+
+def synthetic_config(name: str, overrides: dict | None = None) -> dict:
+    key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    if key not in SYNTHETIC_CONFIGS:
+        raise ConfigError(f"unknown synthetic model {name!r}; expected one of "
+                          + ", ".join(PREFIX + k for k in SYNTHETIC_CONFIGS))
+    config = copy.deepcopy(SYNTHETIC_CONFIGS[key])
+    config.update(overrides or {})
+    return config
+
+
+class SyntheticCheckpoint:
+    """Random weights with a real model's shapes, generated one tensor at a time on `device`."""
+
+    kind = "synthetic"
+    quant = None
+    chat_template = None
+    eos_token_ids: list[int] = []
+
+    def __init__(self, name: str, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
+                 weight_format: str = "dense", rule: str = "mse", seed: int = 0, overrides: dict | None = None):
+        if weight_format not in WEIGHT_FORMATS:
+            raise ConfigError(f"synthetic weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+        self.config = synthetic_config(name, overrides)
+        self.path = name if name.startswith(PREFIX) else PREFIX + name
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype
+        self.weight_format = weight_format
+        self.rule = rule
+        self.seed = seed
+        self.eos_token_ids = []
+
+    def tokenizer(self):
+        return None
+
+    # ------------------------------------------------------------------ shapes
+
+    def _dims(self) -> dict:
+        c = self.config
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return {"hidden": c["hidden_size"], "inter": c["intermediate_size"], "q": c["num_attention_heads"] * head_dim,
+                "kv": c["num_key_value_heads"] * head_dim, "head_dim": head_dim}
+
+    def _layer_entries(self, i: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...] | None]]:
+        """(name, shape, partition_sizes or None for a plain tensor) of layer i, in load order."""
+        d, pre = self._dims(), f"model.layers.{i}."
+        entries = [(pre + "input_layernorm.weight", (d["hidden"],), None),
+                   (pre + "self_attn.qkv_proj", (d["q"] + 2 * d["kv"], d["hidden"]), (d["q"], d["kv"], d["kv"]))]
+        if self.config.get("attention_bias") or self.config.get("model_type") == "qwen2":
+            entries.append((pre + "self_attn.qkv_proj.bias", (d["q"] + 2 * d["kv"],), None))
+        if self.config.get("model_type") == "qwen3":
+            entries += [(pre + "self_attn.q_norm.weight", (d["head_dim"],), None),
+                        (pre + "self_attn.k_norm.weight", (d["head_dim"],), None)]
+        entries += [(pre + "self_attn.o_proj", (d["hidden"], d["q"]), (d["hidden"],)),
+                    (pre + "post_attention_layernorm.weight", (d["hidden"],), None),
+                    (pre + "mlp.gate_up_proj", (2 * d["inter"], d["hidden"]), (d["inter"], d["inter"])),
+                    (pre + "mlp.down_proj", (d["hidden"], d["inter"]), (d["hidden"],))]
+        return entries
+
+    def _entries(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...] | None]]:
+        c, d = self.config, self._dims()
+        out = [("model.embed_tokens.weight", (c["vocab_size"], d["hidden"]), None)]
+        for i in range(c["num_hidden_layers"]):
+            out += self._layer_entries(i)
+        out.append(("model.norm.weight", (d["hidden"],), None))
+        if not c.get("tie_word_embeddings", False):
+            out.append(("lm_head.weight", (c["vocab_size"], d["hidden"]), None))
+        return out
+
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self._entries()]
+
+    def num_parameters(self) -> int:
+        total = 0
+        for _, shape, _ in self._entries():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    # ------------------------------------------------------------------ weights
+
+    def _linear(self, values: torch.Tensor, partitions: tuple[int, ...]):
+        from radiance.formats import DenseWeight, Mxfp4Weight, Nvfp4Weight, quantize_mxfp4, quantize_nvfp4
+
+        if self.weight_format == "mxfp4":
+            packed, scale = quantize_mxfp4(values, rule=self.rule)
+            return Mxfp4Weight(packed, scale, partitions)
+        if self.weight_format == "nvfp4":
+            packed, scale, global_scale = quantize_nvfp4(values, partitions)
+            return Nvfp4Weight(packed, scale, global_scale, partitions)
+        return DenseWeight(values, partitions)
+
+    def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, object]]:
+        """Yield (canonical name, Weight or tensor) one at a time, each made on the device.
+        Norm weights are ones (as initialized), everything else N(0, initializer_range)."""
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.seed)
+        std = float(self.config.get("initializer_range", 0.02))
+        entries = self._entries()
+        for name, shape, partitions in tqdm(entries, desc=f"building {self.path}", unit="tensor",
+                                            disable=not progress, leave=False):
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(shape, dtype=self.dtype, device=self.device)
+                continue
+            values = torch.empty(shape, dtype=self.dtype, device=self.device).normal_(0.0, std, generator=gen)
+            yield name, (self._linear(values, partitions) if partitions is not None else values)

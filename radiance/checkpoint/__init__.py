@@ -1,0 +1,52 @@
+"""Checkpoint reading, writing and inspection.
+
+`open_checkpoint(path)` reads an HF directory (16-bit, compressed-tensors nvfp4/mxfp4/fp8, Quark OCP MX)
+or a GGUF file (None = the embedded SmolLM2) into one in-memory form: linears as `radiance.formats`
+Weight objects under merged canonical names, everything else as plain tensors.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from radiance.checkpoint.base import Checkpoint, EntryInfo, is_weight
+from radiance.checkpoint.report import RequantReport
+from radiance.errors import CheckpointError
+
+__all__ = ["Checkpoint", "EntryInfo", "RequantReport", "open_checkpoint", "is_weight", "embedded_model_path",
+           "convert_checkpoint"]
+
+
+def embedded_model_path() -> str:
+    from radiance.checkpoint.gguf_reader import embedded_model_path as find
+    return find()
+
+
+def open_checkpoint(path: str | None = None) -> Checkpoint:
+    """Open a model: an HF directory, a .gguf file, a directory holding one .gguf, or None (embedded SmolLM2)."""
+    if path is None:
+        path = embedded_model_path()
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise CheckpointError("no such file or directory", file=path)
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "config.json")):
+            from radiance.checkpoint.hf_reader import HfCheckpoint
+            return HfCheckpoint(path)
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+        else:
+            what = "several .gguf files (name one)" if ggufs else "neither config.json nor a .gguf file"
+            raise CheckpointError(f"not a model directory: it holds {what}", file=path)
+    if path.endswith(".gguf"):
+        from radiance.checkpoint.gguf_reader import GgufCheckpoint
+        return GgufCheckpoint(path)
+    raise CheckpointError("not a model: expected an HF directory with config.json or a .gguf file", file=path)
+
+
+def convert_checkpoint(*args, **kwargs):
+    """See `radiance.checkpoint.writer.convert_checkpoint`."""
+    from radiance.checkpoint.writer import convert_checkpoint as convert
+    return convert(*args, **kwargs)

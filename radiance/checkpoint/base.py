@@ -1,0 +1,73 @@
+"""The in-memory form every reader produces (see docs/ARCHITECTURE.md, section checkpoint)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from radiance.checkpoint.quant_config import QuantSpec
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What `names()` yields, described without reading tensor data (for `inspect`)."""
+
+    name: str  # canonical name
+    is_linear: bool
+    format: str  # "dense" | "mxfp4" | "nvfp4" | "fp8" for linears; the dtype (or GGUF type) otherwise
+    shape: tuple[int, ...]  # (N, K) for linears
+    partition_sizes: tuple[int, ...] = ()
+    nbytes: int = 0  # bytes on disk
+    source_format: str = ""  # e.g. "Q4_1" for GGUF tensors
+
+
+@dataclass
+class Checkpoint:
+    """Base of the HF and GGUF readers."""
+
+    path: str
+    kind: str  # "hf" | "gguf"
+    config: dict
+    quant: QuantSpec
+    warnings: list[str] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.describe()]
+
+    def describe(self) -> list[EntryInfo]:
+        raise NotImplementedError
+
+    def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, object]]:
+        """(canonical name, Weight | torch.Tensor), one at a time."""
+        raise NotImplementedError
+
+    def tokenizer(self):
+        raise NotImplementedError
+
+    @property
+    def chat_template(self) -> str | None:
+        raise NotImplementedError
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        raise NotImplementedError
+
+    @property
+    def architecture(self) -> str:
+        archs = self.config.get("architectures") or [self.config.get("model_type", "unknown")]
+        return str(archs[0])
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    def state_dict(self, progress: bool = False) -> dict[str, object]:
+        """Everything at once (small models and tests only)."""
+        return dict(self.iter_weights(progress=progress))
+
+
+def is_weight(obj: object) -> bool:
+    """True for the linear Weight containers of radiance.formats (not plain tensors)."""
+    return not isinstance(obj, torch.Tensor) and hasattr(obj, "partition_sizes") and hasattr(obj, "format")

@@ -1,0 +1,89 @@
+"""Converting linears between formats, with the error of every conversion reported.
+
+`convert_linear` is the single-weight step; `convert_weights` applies it to a checkpoint stream
+(keeping lm_head and --ignore'd linears 16-bit) and feeds a RequantReport. The engine's loader can call
+either for quantization at load.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+
+from radiance.checkpoint.base import is_weight
+from radiance.checkpoint.report import RequantReport
+from radiance.formats import (DenseWeight, Fp8Weight, Nvfp4Weight, dequantize, quantize_fp8_per_channel,
+                              quantize_nvfp4, to_mxfp4)
+
+TARGETS = ("mxfp4", "nvfp4", "fp8", "dense")
+
+
+def rel_rms(approx: torch.Tensor, ref: torch.Tensor) -> float:
+    """||approx - ref|| / ||ref|| in float64 accumulation (0 for an all-zero reference)."""
+    err = (approx.float() - ref.float()).square().sum(dtype=torch.float64)
+    norm = ref.float().square().sum(dtype=torch.float64)
+    return float((err / norm).sqrt()) if float(norm) > 0 else 0.0
+
+
+def convert_linear(weight, target: str, rule: str = "mse", chunk_rows: int | None = None,
+                   dense_dtype: torch.dtype = torch.bfloat16):
+    """Weight -> (Weight in `target` with the same partitions, relRMS vs the dequantized source).
+
+    A weight already in the target format is returned unchanged (relRMS 0): never requantize a
+    quantized weight into its own format.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"unknown target format {target!r}; expected one of {TARGETS}")
+    if weight.format == target and not (target == "dense" and weight.tensor.dtype != dense_dtype):
+        return weight, 0.0
+    if target == "mxfp4":
+        return to_mxfp4(weight, rule=rule, chunk_rows=chunk_rows)
+    source = dequantize(weight)
+    sizes = weight.partition_sizes
+    if target == "nvfp4":
+        packed, scale, global_scale = quantize_nvfp4(source, sizes)
+        new = Nvfp4Weight(packed, scale, global_scale, sizes)
+    elif target == "fp8":
+        w8, scale = quantize_fp8_per_channel(source)
+        new = Fp8Weight(w8, scale, sizes)
+    else:
+        new = DenseWeight(source.to(dense_dtype), sizes)
+    return new, rel_rms(dequantize(new), source)
+
+
+def selects(patterns: Iterable[str], name: str) -> bool:
+    """True when any regex matches the canonical module name (re.search, like the CLI's --ignore)."""
+    return any(re.search(p, name) for p in patterns)
+
+
+def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str = "mse",
+                    ignore: tuple[str, ...] = (), quantize_lm_head: bool = False,
+                    report: RequantReport | None = None, chunk_rows: int | None = None,
+                    dense_dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, object]]:
+    """Stream (name, Weight|tensor) -> the same with linears converted to `target`.
+
+    lm_head (unless `quantize_lm_head`) and linears whose name matches an `ignore` regex become 16-bit
+    `DenseWeight`s; plain tensors pass through. Each conversion is added to `report`.
+    """
+    for name, obj in items:
+        if name == "lm_head.weight" and quantize_lm_head:
+            obj, name = DenseWeight(obj), "lm_head"
+        if not is_weight(obj):
+            yield name, obj
+            continue
+        keep_dense = selects(ignore, name) or (name == "lm_head" and not quantize_lm_head)
+        goal = "dense" if keep_dense else target
+        if goal == "dense" and obj.format == "dense":
+            if report is not None:
+                report.keep(name, "dense")
+            yield name, obj  # the writer casts it to the 16-bit dtype
+            continue
+        new, err = convert_linear(obj, goal, rule, chunk_rows, dense_dtype)
+        if report is not None:
+            if new is obj:
+                report.keep(name, obj.format)
+            else:
+                report.add(name, obj.format, err, goal)
+        yield name, new

@@ -1,0 +1,97 @@
+"""config.json: loading it with errors a user can act on, and the shapes it implies.
+
+The shapes let the reader reject a tensor of the wrong size with a message that names it, instead of
+failing later inside a matmul.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from radiance.errors import CheckpointError
+
+
+def load_json(path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} not found", file=path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{what} is not valid JSON: {exc}", file=path) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} must hold a JSON object, got {type(data).__name__}", file=path)
+    return data
+
+
+def load_config(model_dir: str) -> dict:
+    """Read `config.json` of an HF model directory and check the fields radiance relies on."""
+    path = os.path.join(model_dir, "config.json")
+    config = load_json(path, "config.json")
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise CheckpointError(f"config.json field {key!r} must be a positive integer, got {value!r}", file=path)
+    return config
+
+
+def quantization_config(config: dict) -> dict | None:
+    """The checkpoint's quantization_config (older compressed-tensors exports call it compression_config)."""
+    qc = config.get("quantization_config") or config.get("compression_config")
+    return qc if isinstance(qc, dict) else None
+
+
+def head_dim(config: dict) -> int | None:
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return hidden // heads if hidden and heads else None
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of each projection of a Llama/Qwen-style decoder layer, by leaf name ({} if unknown)."""
+    hidden = config.get("hidden_size")
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    inter = config.get("intermediate_size")
+    hd = head_dim(config)
+    if not (hidden and heads and hd and inter):
+        return {}
+    q, kv = heads * hd, kv_heads * hd
+    return {
+        "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+        "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
+        "lm_head": (config.get("vocab_size") or 0, hidden),
+    }
+
+
+def eos_token_ids(model_dir: str, config: dict) -> list[int]:
+    """EOS ids from generation_config.json (it may list several), else from config.json."""
+    ids = None
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        ids = load_json(gen_path, "generation_config.json").get("eos_token_id")
+    if ids is None:
+        ids = config.get("eos_token_id")
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def chat_template(model_dir: str) -> str | None:
+    """The chat template a model ships: chat_template.jinja, chat_template.json or tokenizer_config.json."""
+    jinja = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.exists(jinja):
+        with open(jinja, encoding="utf-8") as handle:
+            return handle.read()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            template = load_json(path, name).get("chat_template")
+            if isinstance(template, list):  # named templates: take "default"
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default") or next(iter(named.values()), None)
+            if template:
+                return template
+    return None

@@ -1,0 +1,218 @@
+"""Hugging Face model directories: config.json + safetensors (16-bit, compressed-tensors, Quark).
+
+Everything that can be checked from the headers is checked when the checkpoint is opened (missing
+tensors, wrong shapes and dtypes, config/tensor disagreements), so a broken checkpoint fails in a
+second with a message naming file and tensor, not minutes into a load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from radiance.checkpoint.base import Checkpoint, EntryInfo
+from radiance.checkpoint.hf_config import (chat_template, eos_token_ids, expected_shapes, load_config,
+                                           quantization_config)
+from radiance.checkpoint.layout import FLOAT_DTYPES, check_linear, detect_format, read_linear, required_tensors
+from radiance.checkpoint.names import (QUANT_SUFFIXES, canonical_linear, is_linear_module, leaf, partition_modules,
+                                       sort_key, split_tensor_name)
+from radiance.checkpoint.quant_config import parse_quantization_config
+from radiance.checkpoint.safetensors_io import SafetensorsIndex
+from radiance.errors import CheckpointError
+from radiance.formats import DenseWeight, concat_partitions, dequantize
+
+logger = logging.getLogger(__name__)
+
+_DECODER_PROJ = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj$")
+
+
+@dataclass
+class _Linear:
+    canonical: str
+    modules: tuple[str, ...]  # checkpoint projections, partition order
+    formats: tuple[str, ...]  # stored format of each projection
+
+
+class HfCheckpoint(Checkpoint):
+    def __init__(self, path: str):
+        path = os.path.abspath(path)
+        config = load_config(path)
+        self.config_file = os.path.join(path, "config.json")
+        quant = parse_quantization_config(quantization_config(config), self.config_file)
+        super().__init__(path=path, kind="hf", config=config, quant=quant, warnings=quant.warnings)
+        self.index = SafetensorsIndex(path)
+        self._module_tensors: dict[str, list[str]] = {}
+        for name in self.index.meta:
+            self._module_tensors.setdefault(split_tensor_name(name)[0], []).append(name)
+        self._shapes = expected_shapes(config)
+        self._linears, self._plain, self._biases = self._plan()
+        # a tied lm_head is still a Linear module of the model, so naming it in ignore is right
+        virtual = ["lm_head"] if self.tie_word_embeddings else []
+        self.quant.check_modules(sorted(self._module_tensors) + virtual)
+        self._tokenizer = None
+
+    # ------------------------------------------------------------------ planning (headers only)
+
+    def _expected(self, module: str) -> tuple[int, int] | None:
+        if _DECODER_PROJ.match(module) or module == "lm_head":
+            return self._shapes.get(leaf(module))
+        return None
+
+    def _plan(self):
+        parts: dict[str, dict[int, str]] = {}
+        plain, biases = [], {}
+        for name in self.index.meta:
+            module, leafname = split_tensor_name(name)
+            if is_linear_module(module) or leafname in QUANT_SUFFIXES:
+                canonical, index = canonical_linear(module)
+                if leafname == "bias":
+                    if canonical != module:
+                        biases.setdefault(f"{canonical}.bias", {})[index] = name
+                    else:
+                        plain.append(name)
+                    continue
+                parts.setdefault(canonical, {})[index] = module
+            else:
+                plain.append(name)
+        mismatches: dict[tuple[str, str, str], list[str]] = {}
+        linears = []
+        for canonical, found in parts.items():
+            # a checkpoint may already store the merged module (one partition)
+            modules = (canonical,) if found.get(0) == canonical else partition_modules(canonical)
+            formats = []
+            for module in modules:
+                scheme = self.quant.scheme_for(module, linear=True)
+                detected = detect_format(module, self.index)
+                if detected is None:
+                    missing = [t for t in required_tensors(module, scheme.format, scheme.layout) if t not in self.index]
+                    raise CheckpointError("tensor missing from the checkpoint", file=self.path,
+                                          tensor=(missing or [f"{module}.weight"])[0])
+                if detected != scheme.format:
+                    mismatches.setdefault((scheme.format, detected, leaf(module)), []).append(module)
+                check_linear(module, detected, self.index, self._expected(module))
+                formats.append(detected)
+            linears.append(_Linear(canonical, modules, tuple(formats)))
+        for (said, stored, kind), modules in mismatches.items():
+            fix = (f"add {kind!r} modules to quantization_config ignore" if stored == "dense"
+                   else "check the quantization_config targets")
+            self.quant._warn(f"quantization_config says {len(modules)} {kind} module(s) (e.g. {modules[0]}) are "
+                             f"{said} but they are stored as {stored}; reading them as stored ({fix})")
+        self._check_plain(plain)
+        self._check_complete(linears, plain)
+        return sorted(linears, key=lambda e: sort_key(e.canonical)), sorted(plain, key=sort_key), biases
+
+    def _check_plain(self, plain: list[str]) -> None:
+        hidden, vocab = self.config.get("hidden_size"), self.config.get("vocab_size")
+        for name in plain:
+            meta = self.index.meta[name]
+            expected = None
+            if name.endswith("norm.weight") and ("layernorm" in name or name == "model.norm.weight") and hidden:
+                expected = (hidden,)
+            elif name in ("model.embed_tokens.weight", "lm_head.weight") and hidden and vocab:
+                expected = (vocab, hidden)
+            if expected and tuple(meta.shape) != expected:
+                raise CheckpointError(f"wrong shape {list(meta.shape)}, expected {list(expected)}",
+                                      file=meta.file, tensor=name)
+            if expected and meta.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"wrong dtype {meta.dtype}, expected a 16/32-bit float",
+                                      file=meta.file, tensor=name)
+
+    def _check_complete(self, linears: list[_Linear], plain: list[str]) -> None:
+        """Llama/Qwen-style decoders: every layer must have all its linears and norms."""
+        layers = self.config.get("num_hidden_layers")
+        if not layers or not self._shapes or not any(n.startswith("model.layers.") for n in self.index.meta):
+            return
+        have = {e.canonical for e in linears} | set(plain)
+        needed = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.tie_word_embeddings:
+            needed.append("lm_head")
+        for i in range(layers):
+            p = f"model.layers.{i}"
+            needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.mlp.gate_up_proj",
+                       f"{p}.mlp.down_proj", f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        for name in needed:
+            if name == "lm_head" and ("lm_head.weight" in have or "lm_head" in have):
+                continue
+            if name not in have:
+                tensor = name if name.endswith(".weight") else f"{partition_modules(name)[0]}.weight"
+                raise CheckpointError("tensor missing from the checkpoint", file=self.path, tensor=tensor)
+
+    # ------------------------------------------------------------------ interface
+
+    def describe(self) -> list[EntryInfo]:
+        out = []
+        for e in self._linears:
+            tensors = [n for m in e.modules for n in self._module_tensors.get(m, ()) if not n.endswith(".bias")]
+            shapes = [self._stored_shape(m, f) for m, f in zip(e.modules, e.formats)]
+            fmt = e.formats[0] if len(set(e.formats)) == 1 else "dense"
+            name = "lm_head.weight" if e.canonical == "lm_head" and fmt == "dense" else e.canonical
+            if name == "lm_head.weight":
+                fmt = str(self.index.meta[name].dtype).replace("torch.", "")
+            out.append(EntryInfo(name, name != "lm_head.weight", fmt, (sum(s[0] for s in shapes), shapes[0][1]),
+                                 tuple(s[0] for s in shapes), sum(self.index.meta[t].nbytes for t in tensors)))
+        for name in self._plain:
+            meta = self.index.meta[name]
+            out.append(EntryInfo(name, False, str(meta.dtype).replace("torch.", ""), meta.shape, (), meta.nbytes))
+        for name, parts in self._biases.items():
+            metas = [self.index.meta[parts[i]] for i in sorted(parts)]
+            out.append(EntryInfo(name, False, str(metas[0].dtype).replace("torch.", ""),
+                                 (sum(m.shape[0] for m in metas),), (), sum(m.nbytes for m in metas)))
+        return sorted(out, key=lambda e: sort_key(e.name))
+
+    def _stored_shape(self, module: str, fmt: str) -> tuple[int, int]:
+        main = self.index.meta.get(f"{module}.weight_packed") or self.index.meta[f"{module}.weight"]
+        n, k = main.shape[0], main.shape[-1]
+        return (n, k * 2) if main.dtype == torch.uint8 else (n, k)
+
+    def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, object]]:
+        items = [("linear", e) for e in self._linears] + [("plain", n) for n in self._plain] \
+            + [("bias", n) for n in self._biases]
+        items.sort(key=lambda item: sort_key(item[1].canonical if item[0] == "linear" else item[1]))
+        for what, item in tqdm(items, desc=f"reading {os.path.basename(self.path)}", unit="tensor",
+                               disable=not progress, leave=False):
+            if what == "plain":
+                yield item, self.index.get(item)
+            elif what == "bias":
+                parts = self._biases[item]
+                yield item, torch.cat([self.index.get(parts[i]) for i in sorted(parts)])
+            else:
+                weight = self._read_linear(item)
+                if item.canonical == "lm_head" and weight.format == "dense":
+                    yield "lm_head.weight", weight.tensor
+                else:
+                    yield item.canonical, weight
+
+    def _read_linear(self, entry: _Linear):
+        weights = [read_linear(m, f, self.index, self._expected(m)) for m, f in zip(entry.modules, entry.formats)]
+        if len(weights) == 1:
+            return weights[0]
+        if len(set(entry.formats)) > 1:
+            # partitions stored in different formats cannot share one kernel: serve them 16-bit
+            self.quant._warn(f"{entry.canonical}: partitions stored as {', '.join(entry.formats)}; "
+                             "merged as 16-bit (bfloat16)")
+            return concat_partitions([DenseWeight(dequantize(w).to(torch.bfloat16)) for w in weights])
+        return concat_partitions(weights)
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+            except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
+                raise CheckpointError(f"cannot load the tokenizer: {exc}", file=self.path) from None
+        return self._tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        return chat_template(self.path)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return eos_token_ids(self.path, self.config)
+

@@ -1,0 +1,78 @@
+"""`radiance inspect`: what a checkpoint holds, per layer class, from its headers alone."""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+from radiance.checkpoint.base import Checkpoint
+from radiance.checkpoint.names import layer_kind
+
+_LAYER = re.compile(r"\.layers\.\d+\.")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
+
+
+def _shape(shape, partitions=()) -> str:
+    text = "[" + ", ".join(str(d) for d in shape) + "]"
+    if len(partitions) > 1:
+        text += " (" + "+".join(str(p) for p in partitions) + ")"
+    return text
+
+
+def _model_line(config: dict) -> str:
+    parts = []
+    for key, label in (("num_hidden_layers", "layers"), ("hidden_size", "hidden"),
+                       ("intermediate_size", "intermediate"), ("vocab_size", "vocab")):
+        if config.get(key) is not None:
+            parts.append(f"{label} {config[key]}")
+    if config.get("num_attention_heads"):
+        parts.append(f"heads {config['num_attention_heads']}/{config.get('num_key_value_heads') or config['num_attention_heads']} kv")
+    if config.get("tie_word_embeddings"):
+        parts.append("tied embeddings")
+    if config.get("max_position_embeddings"):
+        parts.append(f"max len {config['max_position_embeddings']}")
+    return ", ".join(parts)
+
+
+def inspect_lines(ckpt: Checkpoint, with_tokenizer: bool = False) -> list[str]:
+    entries = ckpt.describe()
+    lines = [f"model      {ckpt.path}", f"kind       {ckpt.kind}, {ckpt.architecture}",
+             f"config     {_model_line(ckpt.config)}", f"quant      {ckpt.quant.describe()}"]
+    if ckpt.kind == "gguf":
+        kinds = sorted({e.source_format for e in entries if e.source_format})
+        lines[-1] += f"; GGUF {'/'.join(kinds)} tensors are dequantized to float32 at load"
+    template = ckpt.chat_template
+    lines.append(f"generation eos ids {ckpt.eos_token_ids}, chat template {'yes' if template else 'no'}")
+    if with_tokenizer:
+        tok = ckpt.tokenizer()
+        lines.append(f"tokenizer  {type(tok).__name__}, {len(tok)} tokens")
+
+    linears: OrderedDict[tuple, list] = OrderedDict()
+    others: OrderedDict[tuple, list] = OrderedDict()
+    for e in entries:
+        if e.is_linear:
+            key = (layer_kind(e.name), e.format, e.shape, e.partition_sizes, e.source_format)
+            linears.setdefault(key, []).append(e)
+        else:
+            key = (_LAYER.sub(".layers.*.", e.name), e.format, e.shape, e.source_format)
+            others.setdefault(key, []).append(e)
+    lines += ["", "linears (per layer class)",
+              f"  {'class':<14}{'count':>6}  {'format':<8}{'shape [N, K] (partitions)':<32}{'bytes':>11}"]
+    for (kind, fmt, shape, parts, source), group in linears.items():
+        note = f"  stored {source}" if source else ""
+        lines.append(f"  {kind:<14}{len(group):>6}  {fmt:<8}{_shape(shape, parts):<32}"
+                     f"{_mib(sum(e.nbytes for e in group)):>11}{note}")
+    if not linears:
+        lines.append("  (none)")
+    lines += ["", "other tensors", f"  {'name':<46}{'count':>6}  {'dtype':<10}{'shape':<16}{'bytes':>11}"]
+    for (name, fmt, shape, source), group in others.items():
+        note = f"  stored {source}" if source else ""
+        lines.append(f"  {name:<46}{len(group):>6}  {fmt:<10}{_shape(shape):<16}"
+                     f"{_mib(sum(e.nbytes for e in group)):>11}{note}")
+    total = sum(e.nbytes for e in entries)
+    lines += ["", f"total      {len(entries)} entries, {_mib(total)}"]
+    lines += ["", f"warnings   {len(ckpt.warnings) or 'none'}"] + [f"  - {w}" for w in ckpt.warnings]
+    return lines

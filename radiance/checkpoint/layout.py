@@ -1,0 +1,211 @@
+"""How each weight format is laid out as named tensors in a checkpoint, in both directions.
+
+compressed-tensors: nvfp4 `weight_packed` u8 [N,K/2] + `weight_scale` e4m3 [N,K/16] + `weight_global_scale`
+f32 [1]; mxfp4 `weight_packed` + `weight_scale` u8 e8m0 [N,K/32]; fp8 `weight` e4m3 [N,K] + `weight_scale`
+f32 [N,1]. Quark OCP MX fp4 keeps the packed codes under `weight` (u8) with a u8 e8m0 `weight_scale`.
+Reading validates dtype and shape of every tensor and raises CheckpointError naming the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from radiance.errors import CheckpointError
+from radiance.formats import MX_BLOCK, NV_BLOCK, DenseWeight, Fp8Weight, Mxfp4Weight, Nvfp4Weight
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+E8M0_DTYPES = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
+
+
+class TensorSource(Protocol):
+    meta: dict  # name -> object with .shape, .dtype, .file
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def detect_format(module: str, src: TensorSource) -> str | None:
+    """The format a module's tensors are stored in, from names and dtypes alone (None: no weight)."""
+    meta = src.meta
+    if f"{module}.weight_packed" in meta:
+        scale = meta.get(f"{module}.weight_scale")
+        if f"{module}.weight_global_scale" in meta or (scale is not None and scale.dtype == torch.float8_e4m3fn):
+            return "nvfp4"
+        return "mxfp4"
+    weight = meta.get(f"{module}.weight")
+    if weight is None:
+        return None
+    if weight.dtype == torch.float8_e4m3fn:
+        return "fp8"
+    if weight.dtype == torch.uint8 and f"{module}.weight_scale" in meta:
+        return "mxfp4"  # Quark OCP MX layout
+    return "dense"
+
+
+def required_tensors(module: str, fmt: str, layout: str = "compressed-tensors") -> list[str]:
+    if fmt == "nvfp4":
+        return [f"{module}.{t}" for t in ("weight_packed", "weight_scale", "weight_global_scale")]
+    if fmt == "mxfp4":
+        main = "weight" if layout == "quark" else "weight_packed"
+        return [f"{module}.{main}", f"{module}.weight_scale"]
+    if fmt == "fp8":
+        return [f"{module}.weight", f"{module}.weight_scale"]
+    return [f"{module}.weight"]
+
+
+def _file_of(src: TensorSource, name: str) -> str | None:
+    meta = src.meta.get(name)
+    return getattr(meta, "file", None)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One tensor a format needs: its name, allowed dtypes, exact shape (None: any) and role."""
+
+    name: str
+    dtypes: tuple
+    shape: tuple | None
+    what: str
+    numel: tuple[int, ...] | None = None  # allowed element counts when the shape is free
+
+
+def _dims(src: TensorSource, name: str, expected: tuple[int, int] | None, k_per_elem: int) -> tuple[int, int]:
+    """(N, K) to validate against: the config's when known, else from the main tensor itself."""
+    if expected:
+        return expected
+    meta = src.meta.get(name)
+    if meta is None:
+        raise CheckpointError("tensor missing from the checkpoint", file=getattr(src, "model_dir", None), tensor=name)
+    if len(meta.shape) != 2:
+        raise CheckpointError(f"linear weight must be 2-D, got shape {list(meta.shape)}", file=meta.file, tensor=name)
+    return meta.shape[0], meta.shape[1] * k_per_elem
+
+
+def _slots(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None) -> dict[str, _Slot]:
+    if fmt == "dense":
+        n, k = _dims(src, f"{module}.weight", expected, 1)
+        return {"w": _Slot(f"{module}.weight", FLOAT_DTYPES, (n, k), "a 16-bit linear weight")}
+    if fmt in ("mxfp4", "nvfp4"):
+        main = f"{module}.weight_packed" if (fmt == "nvfp4" or f"{module}.weight_packed" in src.meta) \
+            else f"{module}.weight"  # Quark keeps the packed codes under `weight`
+        n, k = _dims(src, main, expected, 2)
+        group = MX_BLOCK if fmt == "mxfp4" else NV_BLOCK
+        if k % group:
+            raise CheckpointError(f"K={k} is not a multiple of the {fmt} block {group}", tensor=main,
+                                  file=_file_of(src, main))
+        slots = {"packed": _Slot(main, (torch.uint8,), (n, k // 2), f"{fmt} packed e2m1 codes")}
+        if fmt == "mxfp4":
+            slots["scale"] = _Slot(f"{module}.weight_scale", (torch.uint8,) + E8M0_DTYPES, (n, k // group),
+                                   "mxfp4 e8m0 scales")
+        else:
+            slots["scale"] = _Slot(f"{module}.weight_scale", (torch.float8_e4m3fn,), (n, k // group),
+                                   "nvfp4 e4m3 block scales")
+            slots["global"] = _Slot(f"{module}.weight_global_scale", FLOAT_DTYPES, None,
+                                    "the nvfp4 global scale", (1,))
+        return slots
+    if fmt == "fp8":
+        n, k = _dims(src, f"{module}.weight", expected, 1)
+        return {"w8": _Slot(f"{module}.weight", (torch.float8_e4m3fn,), (n, k), "an fp8 e4m3 weight"),
+                "scale": _Slot(f"{module}.weight_scale", FLOAT_DTYPES, None, "fp8 weight scales "
+                               f"(per-channel [{n}, 1] or per-tensor)", (1, n))}
+    raise CheckpointError(f"unknown weight format {fmt!r}", tensor=module)
+
+
+def check_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None = None) -> dict:
+    """Validate names, dtypes and shapes of one projection's tensors from the headers alone."""
+    slots = _slots(module, fmt, src, expected)
+    for slot in slots.values():
+        meta = src.meta.get(slot.name)
+        if meta is None:
+            raise CheckpointError(f"tensor missing: {slot.what} of a {fmt} linear", tensor=slot.name,
+                                  file=getattr(src, "model_dir", None))
+        if meta.dtype not in slot.dtypes:
+            allowed = " or ".join(str(d).replace("torch.", "") for d in slot.dtypes)
+            raise CheckpointError(f"wrong dtype {str(meta.dtype).replace('torch.', '')} for {slot.what}, "
+                                  f"expected {allowed}", file=meta.file, tensor=slot.name)
+        if slot.shape is not None and tuple(meta.shape) != tuple(slot.shape):
+            raise CheckpointError(f"wrong shape {list(meta.shape)} for {slot.what}, expected {list(slot.shape)}",
+                                  file=meta.file, tensor=slot.name)
+        numel = 1
+        for dim in meta.shape:
+            numel *= dim
+        if slot.numel is not None and numel not in slot.numel:
+            raise CheckpointError(f"wrong shape {list(meta.shape)} for {slot.what}", file=meta.file, tensor=slot.name)
+    return slots
+
+
+def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None = None):
+    """Read one projection's tensors into a Weight, validating every dtype and shape first."""
+    slots = check_linear(module, fmt, src, expected)
+    t = {role: src.get(slot.name) for role, slot in slots.items()}
+    try:
+        if fmt == "dense":
+            return DenseWeight(t["w"])
+        if fmt == "mxfp4":
+            return Mxfp4Weight(t["packed"], t["scale"].view(torch.uint8))
+        if fmt == "nvfp4":
+            gs = t["global"].float().reshape(1)
+            if not bool(torch.isfinite(gs).all()) or float(gs) <= 0:
+                raise CheckpointError(f"nvfp4 global scale must be finite and positive, got {float(gs)}",
+                                      file=_file_of(src, slots["global"].name), tensor=slots["global"].name)
+            return Nvfp4Weight(t["packed"], t["scale"], gs)
+        n = t["w8"].shape[0]
+        scale = t["scale"].float().reshape(-1, 1)
+        return Fp8Weight(t["w8"], scale.expand(n, 1).contiguous() if scale.numel() == 1 else scale)
+    except CheckpointError:
+        raise
+    except ValueError as exc:  # a container's own check: keep the module in the message
+        raise CheckpointError(str(exc), tensor=module) from None
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def split_partitions(weight) -> list:
+    """A merged weight -> one weight per partition (each NVFP4 part keeps its own global scale)."""
+    sizes = weight.partition_sizes
+    if len(sizes) == 1:
+        return [weight]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    parts = []
+    for p in range(len(sizes)):
+        a, b = bounds[p], bounds[p + 1]
+        if isinstance(weight, Nvfp4Weight):
+            parts.append(Nvfp4Weight(weight.packed[a:b], weight.scale[a:b], weight.global_scale[p:p + 1]))
+        elif isinstance(weight, Mxfp4Weight):
+            parts.append(Mxfp4Weight(weight.packed[a:b], weight.scale[a:b]))
+        elif isinstance(weight, Fp8Weight):
+            scale = weight.scale[a:b] if weight.scale.numel() > 1 else weight.scale
+            parts.append(Fp8Weight(weight.w8[a:b], scale))
+        else:
+            parts.append(DenseWeight(weight.tensor[a:b]))
+    return parts
+
+
+def _dense_dtype(dtype: torch.dtype, target: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.bfloat16, torch.float16) else target
+
+
+def weight_tensors(module: str, weight, dense_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """One projection's weight -> its tensors in the compressed-tensors layout."""
+    if isinstance(weight, Nvfp4Weight):
+        return {f"{module}.weight_packed": weight.packed, f"{module}.weight_scale": weight.scale,
+                f"{module}.weight_global_scale": weight.global_scale.float().reshape(1)}
+    if isinstance(weight, Mxfp4Weight):
+        return {f"{module}.weight_packed": weight.packed, f"{module}.weight_scale": weight.scale}
+    if isinstance(weight, Fp8Weight):
+        n = weight.shape[0]
+        scale = weight.scale.float().reshape(-1, 1)
+        return {f"{module}.weight": weight.w8, f"{module}.weight_scale": scale.expand(n, 1).contiguous()}
+    tensor = weight.tensor
+    return {f"{module}.weight": tensor.to(_dense_dtype(tensor.dtype, dense_dtype))}
+
+
+def plain_tensor(tensor: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Non-linear tensors (embeddings, norms, biases): fp32 -> the 16-bit dtype; 16-bit kept."""
+    if tensor.dtype == torch.float32:
+        return tensor.to(dense_dtype)
+    return tensor
+

@@ -1,0 +1,82 @@
+"""Canonical names: how checkpoint modules map onto radiance's merged linears.
+
+HF checkpoints store q/k/v and gate/up as separate projections; radiance serves them as one merged
+linear (`qkv_proj`, `gate_up_proj`) whose partitions keep their own scales. This module is the one
+place that knows those spellings, so readers, the writer and `inspect` agree.
+"""
+
+from __future__ import annotations
+
+import re
+
+# merged module -> the projections it is made of, in partition order
+MERGES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# projection -> (merged module, partition index)
+PARTITION_OF: dict[str, tuple[str, int]] = {
+    proj: (merged, i) for merged, projs in MERGES.items() for i, proj in enumerate(projs)
+}
+# projections that are linears but not merged
+SINGLE_LINEARS = ("o_proj", "down_proj")
+LINEAR_LEAVES = tuple(PARTITION_OF) + SINGLE_LINEARS + tuple(MERGES)
+
+# per-module tensors a quantized linear may carry besides `weight`
+QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_scale",
+                  "input_global_scale", "weight_zero_point", "input_zero_point", "weight_shape")
+TENSOR_SUFFIXES = ("weight", "bias") + QUANT_SUFFIXES
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def split_tensor_name(name: str) -> tuple[str, str]:
+    """'model.layers.0.mlp.up_proj.weight_scale' -> ('model.layers.0.mlp.up_proj', 'weight_scale')."""
+    module, _, leaf = name.rpartition(".")
+    return module, leaf
+
+
+def leaf(module: str) -> str:
+    return module.rpartition(".")[2]
+
+
+def is_linear_module(module: str) -> bool:
+    """True for the projections radiance serves with a linear kernel (and lm_head)."""
+    return leaf(module) in LINEAR_LEAVES or module == "lm_head" or module.endswith(".lm_head")
+
+
+def canonical_linear(module: str) -> tuple[str, int]:
+    """Checkpoint projection -> (canonical module, partition index)."""
+    parent, _, proj = module.rpartition(".")
+    if proj in PARTITION_OF:
+        merged, index = PARTITION_OF[proj]
+        return f"{parent}.{merged}", index
+    return module, 0
+
+
+def partition_modules(canonical: str) -> tuple[str, ...]:
+    """Canonical linear -> the checkpoint projections it is made of, in partition order."""
+    parent, _, name = canonical.rpartition(".")
+    if name in MERGES:
+        return tuple(f"{parent}.{proj}" for proj in MERGES[name])
+    return (canonical,)
+
+
+def layer_kind(module: str) -> str:
+    """Class of a linear for reports: 'qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj', 'lm_head'."""
+    return leaf(module)
+
+
+def layer_index(name: str) -> int | None:
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def sort_key(name: str) -> tuple:
+    """Embeddings first, then layers in numeric order, then final norm and lm_head."""
+    index = layer_index(name)
+    if index is not None:
+        return (1, index, name)
+    if "embed" in name:
+        return (0, 0, name)
+    return (2, 0, name)

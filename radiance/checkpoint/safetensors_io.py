@@ -1,0 +1,172 @@
+"""Safetensors files of a model directory: one file, several, or shards with an index.
+
+Tensors are read one at a time through memory-mapped handles, so a model never needs two full copies
+in memory. Every failure names the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from radiance.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+
+# safetensors header dtype strings -> torch dtypes
+_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None  # None: a dtype torch cannot hold
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * (torch.tensor([], dtype=self.dtype).element_size() if self.dtype is not None else 1)
+
+
+class SafetensorsIndex:
+    """Tensor name -> file, shapes and dtypes from the headers; reads tensors on demand."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._handles: dict[str, object] = {}
+        self.files = self._find_files()
+        self.meta: dict[str, TensorMeta] = {}
+        for path in self.files:
+            handle = self._open(path)
+            for name in handle.keys():
+                if name in self.meta:
+                    raise CheckpointError("tensor stored in two files", file=path, tensor=name)
+                piece = handle.get_slice(name)
+                self.meta[name] = TensorMeta(name, path, tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype()))
+        self._check_index()
+
+    def _find_files(self) -> list[str]:
+        index_path = os.path.join(self.model_dir, INDEX_NAME)
+        if os.path.exists(index_path):
+            self._weight_map = self._read_index(index_path)
+            files = sorted({os.path.join(self.model_dir, f) for f in self._weight_map.values()})
+            for path in files:
+                if not os.path.exists(path):
+                    raise CheckpointError("shard listed in the index is missing", file=path)
+            return files
+        self._weight_map = None
+        files = sorted(glob.glob(os.path.join(self.model_dir, "*.safetensors")))
+        if not files:
+            has_bin = glob.glob(os.path.join(self.model_dir, "*.bin"))
+            hint = " (PyTorch .bin checkpoints are not read; convert them to safetensors)" if has_bin else ""
+            raise CheckpointError(f"no .safetensors files in the model directory{hint}", file=self.model_dir)
+        return files
+
+    @staticmethod
+    def _read_index(path: str) -> dict[str, str]:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                weight_map = json.load(handle).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+            raise CheckpointError(f"safetensors index is not valid JSON: {exc}", file=path) from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError("safetensors index has no weight_map", file=path)
+        return weight_map
+
+    def _check_index(self) -> None:
+        if self._weight_map is None:
+            return
+        for name, file in self._weight_map.items():
+            meta = self.meta.get(name)
+            if meta is None:
+                raise CheckpointError("tensor listed in the index is missing from its shard",
+                                      file=os.path.join(self.model_dir, file), tensor=name)
+
+    def _open(self, path: str):
+        handle = self._handles.get(path)
+        if handle is None:
+            try:
+                handle = safe_open(path, framework="pt")
+            except Exception as exc:  # SafetensorError is not importable under one name across versions
+                raise CheckpointError(f"unreadable safetensors file (truncated or corrupt?): {exc}",
+                                      file=path) from None
+            self._handles[path] = handle
+        return handle
+
+    def names(self) -> list[str]:
+        return list(self.meta)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.meta
+
+    def get(self, name: str) -> torch.Tensor:
+        meta = self.meta.get(name)
+        if meta is None:
+            raise CheckpointError("tensor missing from the checkpoint", file=self.model_dir, tensor=name)
+        try:
+            return self._open(meta.file).get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tensor: {exc}", file=meta.file, tensor=name) from None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class ShardWriter:
+    """Writes tensors into numbered shards of at most `max_shard_bytes`, then the index."""
+
+    def __init__(self, out_dir: str, max_shard_bytes: int = 2 << 30):
+        self.out_dir = out_dir
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+        os.makedirs(out_dir, exist_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        index = len(self._shards)
+        save_file(self._pending, os.path.join(self.out_dir, f"_shard_{index:05d}.tmp"), metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Rename shards to their final names, write the index when there are several; returns file names."""
+        if self._pending or not self._shards:
+            self._flush()
+        count = len(self._shards)
+        names = (["model.safetensors"] if count == 1
+                 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+        weight_map = {}
+        for i, (final, tensors) in enumerate(zip(names, self._shards)):
+            os.replace(os.path.join(self.out_dir, f"_shard_{i:05d}.tmp"), os.path.join(self.out_dir, final))
+            os.chmod(os.path.join(self.out_dir, final), 0o644)  # save_file creates 0600 files
+            weight_map.update({t: final for t in tensors})
+        if count > 1:
+            with open(os.path.join(self.out_dir, INDEX_NAME), "w", encoding="utf-8") as handle:
+                json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, handle, indent=2)
+        return names

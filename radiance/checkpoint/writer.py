@@ -1,0 +1,145 @@
+"""Writing checkpoints in the compressed-tensors layout (`radiance convert`).
+
+The output is an ordinary HF directory: config.json with a `quantization_config` that the
+compressed-tensors library accepts (schemes as in its MXFP4A16 / NVFP4A16 / FP8_DYNAMIC presets),
+safetensors shards (+ index), tokenizer files and generation_config.json. Merged linears are split
+back into their projections (q/k/v, gate/up), each NVFP4 partition with its own global scale.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Iterator
+
+import torch
+
+from radiance.checkpoint.base import Checkpoint, is_weight
+from radiance.checkpoint.convert import convert_weights
+from radiance.checkpoint.layout import plain_tensor, split_partitions, weight_tensors
+from radiance.checkpoint.names import partition_modules
+from radiance.checkpoint.report import RequantReport
+from radiance.checkpoint.safetensors_io import ShardWriter
+from radiance.config import ConvertConfig
+from radiance.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+# weights-only schemes: activations are quantized by the serving kernel, so no input scales are stored
+_WEIGHT_ARGS = {
+    "mxfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+              "block_structure": None, "dynamic": False, "actorder": None, "scale_dtype": "torch.uint8",
+              "zp_dtype": None, "observer": "minmax", "observer_kwargs": {}},
+    "nvfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+              "block_structure": None, "dynamic": False, "actorder": None, "scale_dtype": "torch.float8_e4m3fn",
+              "zp_dtype": None, "observer": "minmax", "observer_kwargs": {}},
+    "fp8": {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
+            "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax",
+            "observer_kwargs": {}},
+}
+_FP8_INPUT = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "token",
+              "block_structure": None, "dynamic": True, "actorder": None, "observer": None, "observer_kwargs": {}}
+STORAGE = {"mxfp4": "mxfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized", "fp8": "float-quantized"}
+
+
+def quantization_config_for(fmt: str, ignore: list[str], rule: str | None = None) -> dict:
+    """A compressed-tensors quantization_config for linears stored in `fmt`, `ignore` = module names."""
+    group = {"targets": ["Linear"], "weights": dict(_WEIGHT_ARGS[fmt]),
+             "input_activations": dict(_FP8_INPUT) if fmt == "fp8" else None,
+             "output_activations": None, "format": STORAGE[fmt]}
+    config = {"quant_method": "compressed-tensors", "format": STORAGE[fmt], "quantization_status": "compressed",
+              "config_groups": {"group_0": group}, "ignore": list(ignore), "kv_cache_scheme": None,
+              "global_compression_ratio": None, "provider": "radiance"}
+    if rule is not None and fmt == "mxfp4":
+        config["radiance"] = {"mxfp4_rule": rule}  # provenance; other readers ignore unknown top-level keys
+    return config
+
+
+def _with_untied_head(items: Iterator, quantize_lm_head: bool, tied: bool) -> Iterator:
+    """A tied lm_head that is to be quantized needs its own tensor: emit a copy of the embeddings."""
+    for name, obj in items:
+        yield name, obj
+        if quantize_lm_head and tied and name == "model.embed_tokens.weight":
+            yield "lm_head.weight", obj.clone()
+
+
+def _copy_side_files(ckpt: Checkpoint, dst: str) -> None:
+    """Tokenizer, chat template and generation config next to the weights."""
+    if ckpt.kind == "hf":
+        copied = [n for n in TOKENIZER_FILES + ("generation_config.json",)
+                  if os.path.exists(os.path.join(ckpt.path, n))]
+        for name in copied:
+            shutil.copyfile(os.path.join(ckpt.path, name), os.path.join(dst, name))
+        if not any(n.startswith("tokenizer") for n in copied):
+            logger.warning("%s has no tokenizer files; the converted checkpoint has none either", ckpt.path)
+        if "generation_config.json" in copied:
+            return
+    else:
+        tokenizer = ckpt.tokenizer()
+        if ckpt.chat_template and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = ckpt.chat_template
+        tokenizer.save_pretrained(dst)
+    eos = ckpt.eos_token_ids
+    generation = {"bos_token_id": ckpt.config.get("bos_token_id"),
+                  "eos_token_id": eos if len(eos) != 1 else eos[0]}
+    with open(os.path.join(dst, "generation_config.json"), "w", encoding="utf-8") as handle:
+        json.dump({k: v for k, v in generation.items() if v not in (None, [])}, handle, indent=2)
+
+
+def convert_checkpoint(src, dst: str, config: ConvertConfig = ConvertConfig(), progress: bool = True) -> RequantReport:
+    """Read `src` (path, None = embedded model, or an open Checkpoint), write `config.format` to `dst`."""
+    from radiance.checkpoint import open_checkpoint
+
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    dst = os.path.abspath(dst)
+    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise CheckpointError("destination exists and is not an empty directory; choose a new one", file=dst)
+    if os.path.abspath(ckpt.path) == dst:
+        raise CheckpointError("destination is the source", file=dst)
+    dense_dtype = getattr(torch, config.dense_dtype)
+    report = RequantReport(config.format, config.rule if config.format == "mxfp4" else None)
+    logger.info("converting %s -> %s (%s%s)", ckpt.path, dst, config.format,
+                f", rule {config.rule}" if config.format == "mxfp4" else "")
+    writer = ShardWriter(dst, config.max_shard_bytes)
+    kept_dense: list[str] = []
+    partition_sizes: dict[str, tuple[int, ...]] = {}
+    items = _with_untied_head(ckpt.iter_weights(progress=progress), config.quantize_lm_head, ckpt.tie_word_embeddings)
+    for name, obj in convert_weights(items, config.format, config.rule, config.ignore, config.quantize_lm_head,
+                                     report, config.chunk_rows, dense_dtype):
+        if is_weight(obj):
+            modules = partition_modules(name)
+            parts = split_partitions(obj)
+            if len(parts) != len(modules):
+                raise CheckpointError(f"{name} has {len(parts)} partitions, expected {len(modules)}", tensor=name)
+            partition_sizes[name] = obj.partition_sizes
+            for module, part in zip(modules, parts):
+                for tensor_name, tensor in weight_tensors(module, part, dense_dtype).items():
+                    writer.add(tensor_name, tensor)
+                if part.format == "dense":
+                    kept_dense.append(module)
+        elif name.endswith(".bias") and name[: -len(".bias")] in partition_sizes:
+            merged = name[: -len(".bias")]
+            for module, piece in zip(partition_modules(merged), torch.split(obj, partition_sizes[merged])):
+                writer.add(f"{module}.bias", plain_tensor(piece, dense_dtype))
+        else:
+            writer.add(name, plain_tensor(obj, dense_dtype))
+    files = writer.finish()
+
+    out_config = {k: v for k, v in ckpt.config.items()
+                  if k not in ("quantization_config", "compression_config", "gguf_file_type")}
+    out_config["torch_dtype"] = config.dense_dtype
+    if config.quantize_lm_head:
+        out_config["tie_word_embeddings"] = False
+    ignore = kept_dense if ("lm_head" in kept_dense or config.quantize_lm_head) else ["lm_head"] + kept_dense
+    out_config["quantization_config"] = quantization_config_for(config.format, ignore, config.rule)
+    _copy_side_files(ckpt, dst)
+    # config.json last: its presence marks a complete conversion
+    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(out_config, handle, indent=2)
+    report.log_summary()
+    logger.info("wrote %s (%d file(s), %.1f MiB)", dst, len(files), writer.total_bytes / 2**20)
+    return report

@@ -1,0 +1,150 @@
+"""Drives an `LLMEngine` from an asyncio task without ever blocking the event loop.
+
+Engine steps run in one worker thread; requests and aborts are queued and applied by that thread between
+steps, so the engine is only ever touched from one thread. Each request gets an asyncio queue its
+`generate` iterator reads; abandoning the iterator (client disconnect) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from radiance.config import EngineConfig
+from radiance.engine.llm_engine import LLMEngine
+from radiance.engine.outputs import RequestOutput
+from radiance.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig | None = None, checkpoint=None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config, checkpoint=checkpoint)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radiance-engine")
+        self._lock = threading.Lock()
+        self._pending: list[tuple] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.errored: BaseException | None = None
+
+    # the attributes of the synchronous engine the server reads
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def chat_template(self):
+        return self.engine.chat_template
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def load_summary(self) -> list[str]:
+        return self.engine.load_summary
+
+    def stats(self):
+        return self.engine.stats()
+
+    # ---------------------------------------------------------------- requests
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        params = params or SamplingParams()
+        if self.errored is not None:
+            raise RuntimeError(f"engine stopped after an error: {self.errored}")
+        self.engine.check_request(prompt_token_ids, params)  # ValueError before anything is queued
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._ensure_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        with self._lock:
+            self._pending.append(("add", request_id, list(prompt_token_ids), params))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is None:
+            return
+        with self._lock:
+            self._pending.append(("abort", request_id))
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    # ---------------------------------------------------------------- the loop
+
+    def _step_in_thread(self) -> list[RequestOutput]:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        failures = []
+        for item in pending:
+            if item[0] == "add":
+                try:
+                    self.engine.add_request(item[1], item[2], item[3])
+                except ValueError as exc:
+                    failures.append((item[1], exc))
+            else:
+                self.engine.abort_request(item[1])
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        return failures + outputs
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                idle = not self._pending
+            if idle and not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                results = await loop.run_in_executor(self._executor, self._step_in_thread)
+            except Exception as exc:  # a broken step fails every waiting request, loudly
+                logger.exception("engine step failed")
+                self.errored = exc
+                for _, queue in self._queues.values():
+                    queue.put_nowait(exc)
+                self._queues.clear()
+                return
+            for item in results:
+                if isinstance(item, tuple):
+                    request_id, exc = item
+                    entry = self._queues.pop(request_id, None)
+                    if entry:
+                        entry[1].put_nowait(exc)
+                    continue
+                entry = self._queues.get(item.request_id)
+                if entry is None:
+                    continue  # aborted while the step ran
+                entry[1].put_nowait(item)
+                if item.finished:
+                    self._queues.pop(item.request_id, None)
+            await asyncio.sleep(0)

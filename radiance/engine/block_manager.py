@@ -1,0 +1,113 @@
+"""Paged KV cache bookkeeping: which cache blocks each sequence owns, plus prefix caching.
+
+A full block is identified by the hash of (hash of the previous block, its token ids), so equal prefixes
+map to equal hash chains. Freed blocks keep their contents and hash until they are handed out again (LRU
+order), so a later request with the same prefix reuses them without recomputing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from radiance.engine.sequence import Sequence
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hash_of_block: list[int | None] = [None] * num_blocks
+        self.tokens_of_block: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against hash collisions
+        self.block_of_hash: dict[int, int] = {}
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---------------------------------------------------------------- prefix cache
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """On admission of a sequence without blocks: take the cached blocks of its longest cached prefix.
+        At least one token is left to compute (its logits start generation). Returns tokens reused."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        parent = None
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(parent, tokens)
+            block = self.block_of_hash.get(h)
+            if block is None or self.tokens_of_block[block] != tokens:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_hashed_blocks = len(seq.block_table)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks that became full since the last call in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_hashed_blocks, full):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self.block_of_hash:
+                self.block_of_hash[h] = block
+                self.hash_of_block[block] = h
+                self.tokens_of_block[block] = tokens
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    # ---------------------------------------------------------------- allocation
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(need):
+            seq.block_table.append(self._take_fresh_block())
+
+    def _take_fresh_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)  # least recently freed first
+        h = self.hash_of_block[block]
+        if h is not None:
+            if self.block_of_hash.get(h) == block:
+                del self.block_of_hash[h]
+            self.hash_of_block[block] = None
+            self.tokens_of_block[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, seq: Sequence) -> None:
+        # tail blocks first: they are the least likely to be shared, so they are evicted first
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = 0

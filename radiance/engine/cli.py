@@ -1,0 +1,56 @@
+"""`radiance generate "PROMPT"`: one prompt through the engine, the answer streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from radiance.config import add_engine_args, engine_config_from_args
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate text for one prompt (offline, no server)",
+                                   description="Generate text for one prompt with the model's chat template "
+                                               "(the embedded SmolLM2 when --model is not given).")
+    parser.add_argument("prompt", help="the user message (or raw text with --no-chat)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (reproducible runs)")
+    parser.add_argument("--chat", dest="chat", action=argparse.BooleanOptionalAction, default=True,
+                        help="wrap the prompt in the model's chat template (default: on when it has one)")
+    parser.add_argument("--system", default=None, help="an optional system message (chat mode)")
+    add_engine_args(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from radiance.engine.llm import LLM
+    from radiance.engine.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM.from_engine_config(config)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed)
+    if args.chat and (llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None)):
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = llm.tokenizer(llm.apply_chat_template(messages), add_special_tokens=False).input_ids
+    else:
+        prompt = args.prompt
+    _stream(llm, prompt, params)
+    return 0
+
+
+def _stream(llm, prompt, params) -> None:
+    engine = llm.engine
+    _, ids = llm._tokenize(prompt)
+    engine.add_request("cli", ids, params)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.text[printed:])
+            sys.stdout.flush()
+            printed = len(out.text)
+    sys.stdout.write("\n")

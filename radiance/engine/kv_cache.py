@@ -1,0 +1,68 @@
+"""Sizing and allocating the paged KV cache: from free GPU memory on CUDA, from a byte budget on the CPU."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radiance.config import CacheConfig, SchedulerConfig
+from radiance.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+    return per_token * block_size
+
+
+@torch.inference_mode()
+def _peak_activation_bytes(model, device: torch.device, num_tokens: int) -> int:
+    """Run one cache-less forward over a full token budget and report the allocator's peak above idle."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device), None)
+    model.compute_logits(hidden[-min(num_tokens, 256):])  # the sampled rows of a large decode batch
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del hidden
+    torch.cuda.empty_cache()
+    return peak
+
+
+def num_kv_blocks(model, cache: CacheConfig, scheduler: SchedulerConfig, device: torch.device,
+                  dtype: torch.dtype) -> int:
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    per_block = block_bytes(model, cache.block_size, dtype)
+    if device.type == "cuda":
+        peak = _peak_activation_bytes(model, device, scheduler.max_num_batched_tokens)
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free  # weights, other processes, the allocator's reserve
+        budget = int(total * cache.gpu_memory_utilization) - used - peak
+        logger.info("KV budget: %.2f GiB (total %.1f, in use %.1f, activation peak %.2f GiB, utilization %.2f)",
+                    budget / 2**30, total / 2**30, used / 2**30, peak / 2**30, cache.gpu_memory_utilization)
+    else:
+        budget = cache.cpu_kv_cache_bytes
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ConfigError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB available, "
+                          f"{per_block / 2**20:.2f} MiB per block): raise gpu_memory_utilization / "
+                          "cpu_kv_cache_bytes or lower max_num_batched_tokens")
+    return int(blocks)
+
+
+def allocate_kv_cache(model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer gets views."""
+    cfg = model.config
+    cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                        dtype=dtype, device=device)
+    for i, attn in enumerate(model.attention_layers()):
+        attn.k_cache = cache[0, i]
+        attn.v_cache = cache[1, i]
+    return cache

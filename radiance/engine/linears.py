@@ -1,0 +1,80 @@
+"""Builds the module that serves one checkpoint linear, as the `quantization` option decides.
+
+auto:  MXFP4 as is; NVFP4 / FP8 requantized to MXFP4 (ModelConfig.rule); 16-bit stays 16-bit.
+mxfp4: 16-bit linears are quantized to MXFP4 too (except those matching ModelConfig.ignore).
+nvfp4: 16-bit linears are quantized to NVFP4, then requantized to MXFP4 with the rule, or with rule
+       "none" served as the dequantized NVFP4 values in 16 bit (W4A16 emulation of an NVFP4 model).
+none:  everything dequantized to 16 bit.
+Quantized linears become `radiance.layers.linear.Mxfp4Linear`, 16-bit ones `DenseLinear`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radiance.config import KernelConfig, ModelConfig
+from radiance.formats import Nvfp4Weight, dequantize, quantize_nvfp4
+
+
+class TorchLinear(nn.Module):
+    """16-bit fallback while radiance.layers.linear is absent (and for dequantized 4-bit weights)."""
+
+    path = "torch-dense"
+    path_reason = "radiance.layers.linear not available"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def _linear_module():
+    try:
+        from radiance.layers import linear
+    except ImportError:
+        return None
+    return linear
+
+
+def dense_linear(tensor: torch.Tensor, dtype: torch.dtype, kernel_config: KernelConfig, name: str = "") -> nn.Module:
+    tensor = tensor.to(dtype)
+    linear = _linear_module()
+    if linear is not None and hasattr(linear, "DenseLinear"):
+        return linear.DenseLinear(tensor, name=name)
+    return TorchLinear(tensor)
+
+
+def mxfp4_linear(weight, rule: str, dtype: torch.dtype, kernel_config: KernelConfig,
+                 name: str = "") -> tuple[nn.Module, float]:
+    linear = _linear_module()
+    if linear is not None and hasattr(linear, "Mxfp4Linear"):
+        return linear.Mxfp4Linear.from_weight(weight, rule, kernel_config, name=name)
+    from radiance.formats import to_mxfp4
+    mx, err = to_mxfp4(weight, rule)
+    return TorchLinear(dequantize(mx).to(dtype)), err
+
+
+def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: KernelConfig,
+                 dtype: torch.dtype) -> tuple[nn.Module, str, float]:
+    """(module, how it is served: "dense" | "mxfp4" | "nvfp4-dequant" , requant relRMS or 0)."""
+    quant = model_config.quantization
+    keep_16bit = any(re.search(p, name) for p in model_config.ignore)
+    if quant == "none":
+        tensor = dequantize(weight) if weight.format != "dense" else weight.tensor
+        return dense_linear(tensor, dtype, kernel_config, name), "dense", 0.0
+    if weight.format == "dense" and (quant == "auto" or keep_16bit):
+        return dense_linear(weight.tensor, dtype, kernel_config, name), "dense", 0.0
+    if weight.format == "dense" and quant == "nvfp4":
+        packed, scale, global_scale = quantize_nvfp4(weight.tensor.float(), weight.partition_sizes)
+        weight = Nvfp4Weight(packed, scale, global_scale, weight.partition_sizes)
+    if model_config.rule == "none":  # only valid with nvfp4 (config checks): serve the NVFP4 values in 16 bit
+        return dense_linear(dequantize(weight), dtype, kernel_config, name), "nvfp4-dequant", 0.0
+    module, err = mxfp4_linear(weight, model_config.rule, dtype, kernel_config, name)
+    return module, "mxfp4", float(err)

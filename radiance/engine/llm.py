@@ -1,0 +1,115 @@
+"""`LLM`: the offline, vLLM-shaped Python API (`from radiance import LLM, SamplingParams`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tqdm import tqdm
+
+from radiance.config import EngineConfig
+from radiance.engine.llm_engine import LLMEngine
+from radiance.engine.outputs import TokenLogprob
+from radiance.engine.sampling_params import SamplingParams
+from radiance.errors import ConfigError
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class GenerationOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str | None = None, quantization: str = "auto", device: str | None = None,
+                 dtype: str | None = None, checkpoint=None, **config):
+        """`config`: any field of the engine's config dataclasses (max_num_seqs=8, enforce_eager=True, ...).
+        `checkpoint`: a checkpoint-like object to serve instead of opening `model`."""
+        engine_config = EngineConfig.from_flat(model=model, quantization=quantization, device=device, dtype=dtype,
+                                               **config)
+        self.engine = LLMEngine(engine_config, checkpoint=checkpoint)
+        self._counter = 0
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, checkpoint=None) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config, checkpoint=checkpoint)
+        llm._counter = 0
+        return llm
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this model has no tokenizer: pass prompts as lists of token ids")
+            return prompt, self.tokenizer(prompt).input_ids
+        return None, [int(t) for t in prompt]
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[GenerationOutput]:
+        """prompts: a string, a list of token ids, or a list of either."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        results: list[GenerationOutput] = []
+        request_slots: dict[str, tuple[int, int]] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            text, ids = self._tokenize(prompt)
+            results.append(GenerationOutput(text, ids, [None] * p.n))  # type: ignore[list-item]
+            for j in range(p.n):
+                request_id = f"llm-{self._counter}"
+                self._counter += 1
+                sub = p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                self.engine.add_request(request_id, ids, sub)
+                request_slots[request_id] = (i, j)
+        bar = tqdm(total=len(request_slots), desc="generating", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in request_slots:
+                    i, j = request_slots[out.request_id]
+                    results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason, out.logprobs)
+                    results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
+                    bar.update(1)
+        bar.close()
+        return results
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        template = self.engine.chat_template
+        try:
+            from radiance.server.chat_template import render_chat
+        except ImportError:
+            render_chat = None
+        if template and render_chat is not None:
+            return render_chat(template, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        if self.tokenizer is None:
+            raise ConfigError("this model has no tokenizer and no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  chat_template=template, **kwargs)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
+             **template_kwargs) -> list[GenerationOutput]:
+        """messages: one conversation (list of {"role", "content"} dicts) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.apply_chat_template(conversation, **template_kwargs)
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append(ids)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return outputs

@@ -1,0 +1,152 @@
+"""The synchronous engine: requests in, one scheduled model step at a time, outputs back."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from radiance.config import EngineConfig
+from radiance.engine.block_manager import BlockManager
+from radiance.engine.detokenizer import IncrementalDetokenizer
+from radiance.engine.loader import load_model
+from radiance.engine.model_runner import ModelRunner
+from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from radiance.engine.sampling_params import SamplingParams
+from radiance.engine.scheduler import Scheduler
+from radiance.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, checkpoint=None, progress: bool = True):
+        self.config = config or EngineConfig()
+        loaded = load_model(self.config, checkpoint=checkpoint, progress=progress)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.chat_template = loaded.chat_template
+        self.model_name = loaded.name
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.config, self.device, self.dtype)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
+                                          self.config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.sequences: dict[str, Sequence] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._aborted: deque[RequestOutput] = deque()
+        self._arrivals = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        kv_tokens = self.runner.num_blocks * self.config.cache.block_size
+        graphs = sorted(self.runner.graphs) if self.runner.graphs else "off"
+        self.load_summary = loaded.summary + [
+            f"KV cache: {self.runner.num_blocks} blocks x {self.config.cache.block_size} = {kv_tokens} tokens; "
+            f"max_model_len {self.max_model_len}; prefix caching "
+            f"{'on' if self.config.cache.enable_prefix_caching else 'off'}; CUDA graphs {graphs}",
+        ]
+        logger.info(self.load_summary[-1])
+
+    # ---------------------------------------------------------------- requests
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError (a 400 for the server) when a request cannot be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
+                             f"{self.max_model_len} tokens including the output (max_model_len)")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        generator = None
+        if params.seed is not None and params.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, generator)
+        self._arrivals += 1
+        self.sequences[request_id] = seq
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                               params.skip_special_tokens, params.stop)
+        self.scheduler.add(seq)
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        self._aborted.append(self._output(seq))
+        self.detokenizers.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ---------------------------------------------------------------- stepping
+
+    def step(self) -> list[RequestOutput]:
+        outputs = list(self._aborted)
+        self._aborted.clear()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        sampled, result = self.runner.execute(scheduled)
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit(s.seq)
+        for i, s in enumerate(sampled):
+            seq = s.seq
+            logprob = None
+            if result.logprobs[i] is not None:
+                chosen, top = result.logprobs[i]
+                logprob = TokenLogprob(result.token_ids[i], chosen, top)
+            self._append(seq, result.token_ids[i], logprob)
+            outputs.append(self._output(seq))
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                self.sequences.pop(seq.request_id, None)
+                self.detokenizers.pop(seq.request_id, None)
+        return outputs
+
+    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+        seq.append_token(token_id, logprob)
+        self.generation_tokens_total += 1
+        p = seq.params
+        hit_stop_string = False
+        if not (token_id in self.eos_token_ids and p.skip_special_tokens):
+            hit_stop_string = self.detokenizers[seq.request_id].add_token(token_id)
+        seq.text = self.detokenizers[seq.request_id].text
+        reason = None
+        if (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids or hit_stop_string:
+            reason = "stop"
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
+            token_ids=list(seq.output_token_ids), logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            finish_reason=seq.finish_reason, finished=seq.is_finished, num_cached_tokens=seq.num_cached_tokens)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage(), num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)

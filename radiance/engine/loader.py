@@ -1,0 +1,178 @@
+"""Loads a model from any checkpoint-like object into the engine's module tree.
+
+A checkpoint-like object has `.config` (HF config.json dict), `.iter_weights()` yielding canonical
+(name, Weight | Tensor) pairs, `.tokenizer()` (may return None: token-id prompts only), `.chat_template`
+and `.eos_token_ids`. `radiance.checkpoint.open_checkpoint` returns one; benchmarks pass synthetic ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from radiance.config import EngineConfig, KernelConfig, ModelConfig
+from radiance.engine.linears import build_linear
+from radiance.errors import CheckpointError
+from radiance.models.llama import UnloadedLinear
+from radiance.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object | None
+    chat_template: str | None
+    eos_token_ids: list[int]
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    summary: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _tensor_target(name: str, model) -> str:
+    """Canonical tensor name -> parameter name in our module tree."""
+    if name.endswith("self_attn.qkv_proj.bias"):
+        return name.replace("qkv_proj.bias", "qkv_bias")
+    return name
+
+
+def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig | None = None,
+               checkpoint=None, progress: bool = True) -> LoadedModel:
+    if isinstance(config, EngineConfig):
+        model_config, kernel_config = config.model, kernel_config or config.kernel
+    else:
+        model_config, kernel_config = config, kernel_config or KernelConfig()
+    device = resolve_device(model_config.device)
+    dtype = resolve_dtype(model_config.dtype, device)
+    torch.manual_seed(model_config.seed)
+    if checkpoint is None:
+        from radiance.checkpoint import open_checkpoint
+        checkpoint = open_checkpoint(model_config.model)
+    started = time.perf_counter()
+    with _default_dtype_and_device(dtype, device):
+        model = build_model(checkpoint.config)
+    model.eval()
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    served = Counter()
+    worst_err = 0.0
+    for name, item in checkpoint.iter_weights(progress=progress):
+        if isinstance(item, torch.Tensor):
+            target = _tensor_target(name, model)
+            if target == "lm_head.weight" and model.config.tie_word_embeddings:
+                logger.debug("ignoring lm_head.weight of a model with tied embeddings")
+                continue
+            param = params.get(target)
+            if param is None:
+                raise CheckpointError("tensor not used by the model", file=getattr(checkpoint, "path", None), tensor=name)
+            if tuple(param.shape) != tuple(item.shape):
+                raise CheckpointError(f"shape {tuple(item.shape)} does not match the model's {tuple(param.shape)}",
+                                      file=getattr(checkpoint, "path", None), tensor=name)
+            param.data.copy_(item)
+            loaded.add(target)
+            continue
+        module, how, err = _install_linear(model, name, item, model_config, kernel_config, dtype, device, checkpoint)
+        if name == "lm_head":  # a quantized head replaces the 16-bit weight slot
+            loaded.add("lm_head.weight")
+            model.lm_head.weight = None
+        served[how] += 1
+        worst_err = max(worst_err, err)
+    missing = [n for n in params if n not in loaded]
+    missing += [n for n, m in model.named_modules() if isinstance(m, UnloadedLinear)]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} weight(s) the model needs, e.g. {missing[:3]}",
+                              file=getattr(checkpoint, "path", None))
+    try:
+        tokenizer = checkpoint.tokenizer()
+    except CheckpointError as exc:  # a weights-only directory still serves token-id prompts
+        logger.warning("no tokenizer (%s): only token-id prompts can be served", exc)
+        tokenizer = None
+    name = _model_name(model_config.model, getattr(checkpoint, "path", None))
+    summary = [
+        f"model: {getattr(checkpoint, 'path', None) or name} ({model.config.architecture}, {model.config.num_layers} layers, hidden {model.config.hidden_size}) "
+        f"on {device} in {str(dtype).replace('torch.', '')}, loaded in {time.perf_counter() - started:.1f} s",
+        "linears: " + ", ".join(f"{n} {how}" for how, n in sorted(served.items()))
+        + (f" (quantization={model_config.quantization}, rule={model_config.rule}, worst requant relRMS {worst_err:.4f})"
+           if served.get("mxfp4") else f" (quantization={model_config.quantization})"),
+    ]
+    summary += _kernel_summary(model)
+    for line in summary:
+        logger.info(line)
+    eos = list(getattr(checkpoint, "eos_token_ids", None) or [])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return LoadedModel(model, tokenizer, getattr(checkpoint, "chat_template", None), eos, str(name),
+                       device, dtype, summary)
+
+
+def _model_name(requested: str | None, path: str | None) -> str:
+    """The name the server lists: the embedded model's, or the directory / file name without .gguf."""
+    if requested is None and (path is None or path.endswith(".gguf")):
+        return EMBEDDED_MODEL_NAME
+    base = os.path.basename(os.path.normpath(requested or path))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+def _install_linear(model, name, weight, model_config, kernel_config, dtype, device, checkpoint):
+    if name == "lm_head":
+        parent, leaf, expected = model.lm_head, "linear", (model.config.vocab_size, model.config.hidden_size)
+    else:
+        parent_name, leaf = name.rsplit(".", 1)
+        try:
+            parent = model.get_submodule(parent_name)
+        except AttributeError:
+            parent = None
+        slot = getattr(parent, leaf, None) if parent is not None else None
+        if not isinstance(slot, UnloadedLinear):
+            raise CheckpointError("linear not used by the model", file=getattr(checkpoint, "path", None), tensor=name)
+        expected = (slot.out_features, slot.in_features)
+    if tuple(weight.shape) != expected:
+        raise CheckpointError(f"linear shape {tuple(weight.shape)} does not match the model's {expected}",
+                              file=getattr(checkpoint, "path", None), tensor=name)
+    from radiance.formats import weight_to
+    module, how, err = build_linear(name, weight_to(weight, device), model_config, kernel_config, dtype)
+    setattr(parent, leaf, module.to(device))
+    return module, how, err
+
+
+def _kernel_summary(model) -> list[str]:
+    try:
+        from radiance.layers.linear import linear_summary
+    except ImportError:
+        return ["kernels: radiance.layers.linear not available, linears run on torch fallbacks"]
+    return [linear_summary(model)]

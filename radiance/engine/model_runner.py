@@ -1,0 +1,165 @@
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache and samples.
+
+Decode-only steps on CUDA replay a CUDA graph captured for the smallest batch bucket that fits (padding
+rows write nowhere: slot -1, context 0); prefill and mixed steps, and everything on the CPU, run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import numpy as np
+import torch
+
+from radiance.config import EngineConfig
+from radiance.engine.kv_cache import allocate_kv_cache, num_kv_blocks
+from radiance.engine.scheduler import ScheduledSequence
+from radiance.layers.attention import AttentionMetadata
+from radiance.layers.sampler import SamplerOutput, SamplingRow, sample
+
+logger = logging.getLogger(__name__)
+
+_TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
+
+
+def decode_num_splits(batch: int, num_kv_heads: int) -> int:
+    """KV partitions per sequence for the split-KV decode kernel: enough CTAs to fill the GPU."""
+    return max(1, min(32, -(-_TARGET_DECODE_CTAS // (batch * num_kv_heads))))
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    buckets = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    buckets += list(range(16, max_batch + 1, 16))
+    if buckets[-1] != max_batch:
+        buckets.append(max_batch)
+    return buckets
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.cache.block_size
+        arch = model.config
+        self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, dtype)
+        wanted = config.model.max_model_len or arch.max_position_embeddings
+        self.max_model_len = min(wanted, arch.max_position_embeddings, self.num_blocks * self.block_size)
+        if config.model.max_model_len and self.max_model_len < config.model.max_model_len:
+            logger.warning("max_model_len lowered to %d (model limit / KV cache capacity)", self.max_model_len)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, dtype)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if device.type == "cuda" and not config.runner.enforce_eager:
+            self._capture_decode_graphs()
+
+    # ---------------------------------------------------------------- inputs
+
+    def _prepare(self, scheduled: list[ScheduledSequence]):
+        bs = self.block_size
+        tokens, positions, slots, q_lens, kv_lens = [], [], [], [], []
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            tokens.extend(seq.token_ids[start:start + n])
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            q_lens.append(n)
+            kv_lens.append(start + n)
+        width = max(len(s.seq.block_table) for s in scheduled)
+        tables = np.zeros((len(scheduled), width), dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            tables[i, :len(s.seq.block_table)] = s.seq.block_table
+        return tokens, np.concatenate(positions), np.concatenate(slots), q_lens, kv_lens, tables
+
+    def _to_device(self, array, dtype) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=dtype).to(self.device, non_blocking=True)
+
+    # ---------------------------------------------------------------- execution
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[list, SamplerOutput | None]:
+        """Runs one step. Returns (the scheduled sequences that sampled a token, their sampler output)."""
+        tokens, positions, slots, q_lens, kv_lens, tables = self._prepare(scheduled)
+        is_decode = all(n == 1 for n in q_lens)
+        batch = len(scheduled)
+        if is_decode and self.graphs and batch <= max(self.graphs):
+            hidden = self._replay(tokens, positions, slots, kv_lens, tables)
+        else:
+            cu = np.zeros(batch + 1, dtype=np.int32)
+            cu[1:] = np.cumsum(q_lens)
+            meta = AttentionMetadata(
+                slot_mapping=self._to_device(slots, torch.int64),
+                block_tables=self._to_device(tables, torch.int32),
+                context_lens=self._to_device(kv_lens, torch.int32),
+                cu_seqlens_q=self._to_device(cu, torch.int32),
+                q_lens=q_lens, kv_lens=kv_lens, is_decode=is_decode,
+                decode_splits=decode_num_splits(batch, self.model.config.num_kv_heads))
+            hidden = self.model(self._to_device(tokens, torch.long), self._to_device(positions, torch.long), meta)
+        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+        if not sampling:
+            return [], None
+        if is_decode and len(sampling) == batch:
+            logits = self.model.compute_logits(hidden)  # one row per sequence already
+        else:
+            last_rows = np.cumsum(q_lens) - 1
+            rows = torch.as_tensor(last_rows[sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+        seqs = [scheduled[i].seq for i in sampling]
+        params = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs)
+                  for seq in seqs for p in (seq.params,)]
+        return [scheduled[i] for i in sampling], sample(logits, params)
+
+    # ---------------------------------------------------------------- CUDA graphs
+
+    def _capture_decode_graphs(self) -> None:
+        max_batch = min(self.config.runner.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+        self.buckets = graph_buckets(max_batch)
+        dev = self.device
+        # one int64 block [tokens, positions, slots, context lens] and the block tables, filled from pinned
+        # host copies with one transfer each per step (no per-field copies while the GPU waits)
+        self.g_meta = torch.zeros(4, max_batch, dtype=torch.long, device=dev)
+        self.g_tables = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.h_meta = torch.zeros(4, max_batch, dtype=torch.long).pin_memory()
+        self.h_tables = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        self.g_tokens, self.g_positions, self.g_slots, self.g_context = self.g_meta.unbind(0)
+        self.g_slots.fill_(-1)
+        self.g_context.fill_(1)
+        self.g_hidden: dict[int, torch.Tensor] = {}
+        pool = None
+        kv_heads = self.model.config.num_kv_heads
+        for batch in reversed(self.buckets):
+            meta = AttentionMetadata(
+                slot_mapping=self.g_slots[:batch], block_tables=self.g_tables[:batch],
+                context_lens=self.g_context[:batch], cu_seqlens_q=None, q_lens=[1] * batch,
+                kv_lens=[1] * batch, is_decode=True, decode_splits=decode_num_splits(batch, kv_heads))
+            args = (self.g_tokens[:batch], self.g_positions[:batch], meta)
+            with torch.inference_mode():
+                self.model(*args)  # warm-up: Triton compiles, allocator settles, outside the capture
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    self.g_hidden[batch] = self.model(*args)
+            pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize(dev)
+        logger.info("captured CUDA graphs for decode batches %s", self.buckets)
+
+    def _replay(self, tokens, positions, slots, kv_lens, tables) -> torch.Tensor:
+        batch = len(tokens)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
+        meta = self.h_meta.numpy()
+        meta[:, batch:bucket] = ((0,), (0,), (-1,), (0,))  # padding rows: write nowhere, attend to nothing
+        meta[0, :batch] = tokens
+        meta[1, :batch] = positions
+        meta[2, :batch] = slots
+        meta[3, :batch] = kv_lens
+        self.h_tables.numpy()[:batch, :tables.shape[1]] = tables
+        self.g_meta[:, :bucket].copy_(self.h_meta[:, :bucket], non_blocking=True)
+        self.g_tables[:batch].copy_(self.h_tables[:batch], non_blocking=True)
+        self.graphs[bucket].replay()
+        return self.g_hidden[bucket][:batch]

@@ -1,0 +1,34 @@
+"""What the engine hands back per step (see docs/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str                    # cumulative
+    token_ids: list[int]         # cumulative
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None    # None | "stop" | "length" | "abort"
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int

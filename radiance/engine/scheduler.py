@@ -1,0 +1,115 @@
+"""Continuous batching: each step picks which sequences advance and by how many tokens.
+
+Running sequences go first (a decode is one token, an unfinished prefill its next chunk), then waiting
+ones are admitted while the token budget (`max_num_batched_tokens`), `max_num_seqs` and free KV blocks
+allow. When a running sequence needs a block and none is free, the most recently arrived running
+sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed from its tokens (prompt + output so far) when it is admitted again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from radiance.config import SchedulerConfig
+from radiance.engine.block_manager import BlockManager
+from radiance.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last known token, whose logits give the next one."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens) to free KV blocks", seq.request_id, seq.num_tokens)
+
+    def _chunk(self, remaining: int, budget: int, nothing_scheduled: bool) -> int:
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        # unchunked: a prefill goes whole; one larger than the budget runs alone rather than never
+        if remaining <= budget or nothing_scheduled:
+            return remaining
+        return 0
+
+    def schedule(self) -> list[ScheduledSequence]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, not scheduled)
+            if n == 0:
+                i += 1
+                continue
+            while not bm.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            bm.allocate(seq, n)
+            scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                cached = bm.match_prefix(seq)
+                if not seq.admitted:
+                    seq.num_cached_tokens = cached
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, not scheduled)
+            if n == 0 or not bm.can_allocate(seq, n):
+                if not scheduled and not self.running and not bm.can_allocate(seq, n):
+                    raise RuntimeError(f"request {seq.request_id} needs more KV blocks than the cache holds")
+                bm.free(seq)  # do not hoard matched prefix blocks while waiting
+                break
+            bm.allocate(seq, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted = True
+            self.running.append(seq)
+            scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        return scheduled

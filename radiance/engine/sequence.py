@@ -1,0 +1,62 @@
+"""One sequence: its tokens, how many of them sit in the KV cache, its blocks and its state."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from radiance.engine.outputs import TokenLogprob
+from radiance.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: int, generator: torch.Generator | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival            # FIFO order; preempted sequences keep theirs
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0      # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0        # prompt tokens served from the prefix cache (first admission)
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0        # leading full blocks already registered in the prefix cache
+        self.block_hashes: list[int] = []
+        self.generator = generator
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.admitted = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        self.token_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)

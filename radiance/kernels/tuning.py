@@ -1,0 +1,86 @@
+"""Tile configurations of the W4A8 GEMM, read from a table in the repo (never re-autotuned at start).
+
+`tuning/<table>.json` lists, per band ("decode", "prefill"), entries tried in order; the first whose
+`shape` ("NxK" or "*") and optional `m_max` match the call wins. `radiance bench kernels --sweep`
+measures candidates on the GPU and prints the entries to paste in.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+TUNING_DIR = Path(__file__).parent / "tuning"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int  # token tile (MMA N when swap_ab)
+    block_n: int  # weight-row tile (MMA M when swap_ab)
+    block_k: int
+    swap_ab: bool
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    split_k: int = 0  # 0 = choose from the SM count (decode); 1 = no split
+    precise_acc: bool = True  # promote fp8 MMA partial sums to fp32 once per K tile
+
+    def __post_init__(self):
+        if self.block_k % 32 or self.block_k < 32:
+            raise ValueError(f"block_k must be a multiple of 32, got {self.block_k}")
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# used when no table matches (other GPUs, CPU interpreter)
+DEFAULT_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=4, split_k=0)
+DEFAULT_PREFILL = GemmConfig(block_m=128, block_n=128, block_k=128, swap_ab=False, num_warps=8, num_stages=3, split_k=1)
+
+
+def _table_name(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return "sm90" if (major, minor) == (9, 0) else None
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(name: str) -> dict:
+    path = TUNING_DIR / f"{name}.json"
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def select_config(m: int, n: int, k: int, decode_band: int, device: torch.device) -> GemmConfig:
+    """The table's config for this call (decode band: M <= decode_band), with block_m fitted to M."""
+    band = "decode" if m <= decode_band else "prefill"
+    name = _table_name(device)
+    entries = load_table(name).get(band, []) if name else []
+    chosen = None
+    for entry in entries:
+        if entry.get("shape", "*") not in ("*", f"{n}x{k}"):
+            continue
+        if entry.get("m_max") is not None and m > entry["m_max"]:
+            continue
+        chosen = GemmConfig(**entry["config"])
+        break
+    if chosen is None:
+        chosen = DEFAULT_DECODE if band == "decode" else DEFAULT_PREFILL
+    if chosen.swap_ab:  # tokens are the MMA N dimension: fit the tile to M (16..256)
+        chosen = GemmConfig(**{**chosen.as_dict(), "block_m": min(256, max(16, _next_pow2(m)))})
+    return chosen

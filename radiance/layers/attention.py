@@ -1,0 +1,116 @@
+"""Attention over a paged KV cache.
+
+One `AttentionMetadata` describes a step's flattened, variable-length batch: sequence i owns query rows
+cu_seqlens_q[i]:cu_seqlens_q[i+1] (its new tokens) and attends to context_lens[i] cached tokens, the
+last q_len of which are the new ones (written to the cache first, at `slot_mapping`). On CUDA the Triton
+kernels of `attention_triton` run; on the CPU (and as the reference) torch SDPA over gathered blocks.
+Without metadata (`meta=None`) attention is plain causal over the given [B, T] batch, no cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor   # [T] int64 cache slot (block * block_size + offset) of each new token; -1 = skip
+    block_tables: torch.Tensor   # [B, max_blocks] int32
+    context_lens: torch.Tensor   # [B] int32, tokens in the cache after this step
+    cu_seqlens_q: torch.Tensor   # [B + 1] int32
+    q_lens: list[int]            # host copies (the CPU path and launch grids)
+    kv_lens: list[int]
+    is_decode: bool              # every sequence has exactly one new token
+    decode_splits: int = 1       # KV partitions per sequence of the decode kernel (fixed per graph bucket)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None):
+        """q [..., Hq, D], k/v [..., Hkv, D] -> [..., Hq * D]."""
+        if meta is None or self.k_cache is None:
+            return self._causal_no_cache(q, k, v)
+        if _use_triton(q):
+            from radiance.layers import attention_triton as at
+            at.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if meta.is_decode:
+                out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                meta.context_lens, self.scale, meta.decode_splits)
+            else:
+                out = at.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                 meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale)
+        else:
+            store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
+                                        meta.kv_lens, self.scale)
+        return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
+
+    def _causal_no_cache(self, q, k, v):
+        squeeze = q.dim() == 3  # [T, H, D] -> one sequence
+        if squeeze:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        out = _sdpa(q, k, v, self.scale, causal=True)
+        if squeeze:
+            out = out.squeeze(0)
+        return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
+
+
+def _sdpa(q, k, v, scale: float, causal: bool = False, mask: torch.Tensor | None = None):
+    """q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D] -> [B, Tq, Hq, D], GQA by repeating kv heads."""
+    group = q.shape[-2] // k.shape[-2]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=-2)
+        v = v.repeat_interleave(group, dim=-2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, is_causal=causal and mask is None, scale=scale)
+    return out.transpose(1, 2)
+
+
+def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k.reshape(-1, *k.shape[-2:])[valid]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v.reshape(-1, *v.shape[-2:])[valid]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    blocks = block_table[: (length + block_size - 1) // block_size].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale):
+    """Reference paged attention: q [T, Hq, D] flattened over sequences -> [T, Hq, D]."""
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        q_i = q[start:start + q_len].unsqueeze(0)
+        k_i = gather_kv(k_cache, block_tables[i], kv_len).unsqueeze(0)
+        v_i = gather_kv(v_cache, block_tables[i], kv_len).unsqueeze(0)
+        if q_len == 1:
+            o = _sdpa(q_i, k_i, v_i, scale)
+        elif q_len == kv_len:
+            o = _sdpa(q_i, k_i, v_i, scale, causal=True)
+        else:  # new tokens sit at the end of the context: row j sees keys up to kv_len - q_len + j
+            rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (kv_len - q_len)
+            mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= rows
+            o = _sdpa(q_i, k_i, v_i, scale, mask=mask)
+        out[start:start + q_len] = o.squeeze(0)
+        start += q_len
+    return out

@@ -1,0 +1,213 @@
+"""Triton attention over the paged KV cache (CUDA; also runs under TRITON_INTERPRET=1 on the CPU).
+
+- `store_kv_cache`: writes each new token's K/V at its cache slot (slot -1 = padding, skipped).
+- `paged_prefill_attention`: variable-length causal attention; sequence b's q rows are the last q_len of
+  its context_lens[b] tokens, all read back from the paged cache (covers prefix-cache hits and chunked
+  prefill). One program per (q tile, sequence, q head).
+- `paged_decode_attention`: one new token per sequence, split-KV ("flash decoding"): one program per
+  (sequence, kv head, split) computes all q heads of its GQA group in one tile, so each K/V element is
+  read once; a second kernel merges the splits by their log-sum-exp. The split count is a launch
+  constant, each split's range is derived from context_lens on the device: CUDA-graph safe.
+The torch references are `radiance.layers.attention.paged_attention_torch` / `store_kv_cache_torch`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+def _precision(q: torch.Tensor) -> str:
+    # fp32 models get exact fp32 dots (the reference-quality path), not tf32
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots + t)
+    if slot >= 0:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(K + t * stride_kt + offs, mask=mask)
+        v = tl.load(V + t * stride_vt + offs, mask=mask)
+        tl.store(KC + slot * stride_cs + offs, k, mask=mask)
+        tl.store(VC + slot * stride_cs + offs, v, mask=mask)
+
+
+def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] -> k_cache/v_cache [blocks, block_size, Hkv, D] at slot_mapping [T]."""
+    tokens = k.shape[0]
+    if tokens == 0:
+        return
+    k = k.reshape(tokens, -1)
+    v = v.reshape(tokens, -1)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    row = k.shape[1]
+    _store_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1),
+                                ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+@triton.jit
+def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale,
+                    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_tb,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    m_block = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_q + b)
+    q_len = tl.load(cu_q + b + 1) - q_start
+    if m_block * BLOCK_M < q_len:
+        kv_len = tl.load(context_lens + b)
+        before = kv_len - q_len  # cached tokens ahead of this step's queries
+        kvh = h // GROUP
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        mask_d = offs_d < HEAD_DIM
+        mask_m = offs_m < q_len
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        q_pos = before + offs_m
+        end = tl.minimum(kv_len, before + (m_block + 1) * BLOCK_M)
+        for start in range(0, end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < kv_len
+            page = tl.load(tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
+            row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            allowed = (q_pos[:, None] >= offs_n[None, :]) & mask_n[None, :]
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
+                            scale: float) -> torch.Tensor:
+    """q [T, Hq, D] (sequences back to back) -> [T, Hq, D]."""
+    tokens, heads, dim = q.shape
+    group = heads // k_cache.shape[2]
+    out = torch.empty_like(q)
+    block_m = 64 if max_q_len > 32 else 16
+    grid = (triton.cdiv(max_q_len, block_m), block_tables.shape[0], heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=dim, D_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32, PRECISION=_precision(q), num_warps=4, num_stages=2)
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
+                         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb,
+                         stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+                         GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(context_lens + b)
+    per_split = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
+        row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0, eviction_policy="evict_first")
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0, eviction_policy="evict_first")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    empty = l_i == 0.0  # a split past the context (or a padding row of a graph bucket)
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(ACC + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], out,
+             mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_merge_kernel(ACC, LSE, O, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask_s = offs_s < SPLITS
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    acc = tl.load(ACC + b * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
+    """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    d_pad = triton.next_power_of_2(dim)
+    acc = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, acc, lse, block_tables, context_lens, scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, D_PAD=d_pad,
+        PAGE=k_cache.shape[1], SPLITS=num_splits, BLOCK_N=64 if dim <= 128 else 32, PRECISION=_precision(q),
+        num_warps=4, num_stages=2)
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(batch, heads)](
+        acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=dim, D_PAD=d_pad, SPLITS=num_splits,
+        S_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=1)
+    return out

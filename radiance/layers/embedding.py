@@ -1,0 +1,34 @@
+"""Token embedding and the output head (tied to the embedding or its own weight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Projects hidden states to vocabulary logits in fp32. `linear` is a quantized linear module when the
+    checkpoint ships one; otherwise the 16-bit `weight` (the embedding's when tied) is used."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
+        super().__init__()
+        self.tied_to = tied_to
+        self.linear: nn.Module | None = None
+        if tied_to is None:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.linear is not None:
+            return self.linear(hidden).float()
+        weight = self.tied_to.weight if self.tied_to is not None else self.weight
+        return F.linear(hidden, weight).float()

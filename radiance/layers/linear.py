@@ -1,0 +1,151 @@
+"""Linear layers: Mxfp4Linear (4-bit weights on the W4A8 kernel) and DenseLinear (16-bit weights).
+
+Each layer decides once, at construction, which path serves it and records why (`.path`,
+`.path_reason`); `linear_summary(model)` turns that into the startup line. Nothing falls back
+silently: a layer the W4A8 kernel cannot serve runs the exact reference and is counted as such.
+Build the layer on the device it will run on (the kernel layout is prepared there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radiance.config import KernelConfig
+from radiance.formats import dequantize_mxfp4, to_mxfp4
+from radiance.kernels import ops  # noqa: F401 - registers torch.ops.radiance.*
+from radiance.kernels import reference
+from radiance.kernels.activation import quantize_activations
+from radiance.kernels.numerics import NumericsMonitor
+from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
+
+log = logging.getLogger(__name__)
+
+PATH_W4A8 = "w4a8-triton"
+PATH_W4A16 = "w4a16"
+PATH_REFERENCE = "reference"
+PATH_DENSE = "dense"
+FP8_GPUS = ((8, 9), (9, 0))  # Ada and Hopper: fp8 tensor cores the kernel is written for
+
+
+def choose_path(device: torch.device, config: KernelConfig) -> tuple[str, str]:
+    if config.activations == "bf16":
+        return PATH_W4A16, "activations=bf16: dequantized weights x 16-bit activations"
+    if not config.use_triton:
+        return PATH_REFERENCE, "use_triton=False"
+    if device.type != "cuda":
+        return PATH_REFERENCE, f"{device.type}: exact reference path"
+    cap = torch.cuda.get_device_capability(device)
+    if cap not in FP8_GPUS:
+        return PATH_REFERENCE, f"sm_{cap[0]}{cap[1]}: no fp8 tensor-core kernel for this GPU"
+    return PATH_W4A8, f"sm_{cap[0]}{cap[1]}: W4A8 Triton kernel"
+
+
+class Mxfp4Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W an MXFP4 weight (packed uint8 [N, K/2], e8m0 scales [N, K/32])."""
+
+    def __init__(self, packed: torch.Tensor, scale_e8m0: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel_config: KernelConfig = KernelConfig(), name: str = ""):
+        super().__init__()
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
+        self.kernel_config = kernel_config
+        self.name = name
+        self.path, self.path_reason = choose_path(packed.device, kernel_config)
+        self.underflow_blocks = 0
+        self.register_buffer("bias", bias, persistent=False)
+        if self.path == PATH_W4A8:
+            prepared = prepare_mxfp4(packed, scale_e8m0)
+            self.underflow_blocks = prepared.underflow_blocks
+            if prepared.underflow_blocks:
+                log.warning("%s: %d MXFP4 blocks lie more than 11 exponents below their row's largest and were "
+                            "re-rounded for the fp8 kernel", name or "linear", prepared.underflow_blocks)
+            self.register_buffer("w_q", prepared.w_q, persistent=False)
+            self.register_buffer("w_shift", prepared.w_shift, persistent=False)
+            self.register_buffer("w_ref", prepared.w_ref, persistent=False)
+            self.register_buffer("w_scale", prepared.w_scale, persistent=False)
+        else:
+            w = dequantize_mxfp4(packed, scale_e8m0)  # exact; fp32 for the reference, 16-bit for W4A16
+            self.register_buffer("w_dense", w if self.path == PATH_REFERENCE else w.to(torch.bfloat16), persistent=False)
+        self.monitor = (NumericsMonitor(name or "linear", kernel_config.numerics_check_every)
+                        if kernel_config.numerics_check and self.path == PATH_W4A8 else None)
+
+    @classmethod
+    def from_weight(cls, weight, rule: str = "mse", kernel_config: KernelConfig = KernelConfig(),
+                    bias: torch.Tensor | None = None, name: str = "") -> tuple["Mxfp4Linear", float]:
+        """Any radiance.formats Weight (dense, mxfp4, nvfp4, fp8) -> (layer, relative RMS error of the conversion)."""
+        mx, rel_rms = to_mxfp4(weight, rule=rule)
+        return cls(mx.packed, mx.scale, bias, kernel_config, name), rel_rms
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, path={self.path}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.path == PATH_W4A8:
+            out = torch.ops.radiance.w4a8_linear(x2, self.w_q, self.w_shift, self.w_scale, self.bias,
+                                                 self.kernel_config.decode_band)
+            if self.monitor is not None and self.monitor.due():
+                self.monitor.check(*quantize_activations(x2), self.dequantized_weight(), self.bias, out)
+        elif self.path == PATH_W4A16:
+            bias = self.bias.to(x.dtype) if self.bias is not None else None
+            out = F.linear(x2, self.w_dense.to(x.dtype), bias)
+        else:
+            out = reference.w4a8_matmul_reference(*reference.quantize_activations_reference(x2), self.w_dense,
+                                                  self.bias, x.dtype)
+        return out.reshape(*lead, self.out_features)
+
+    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Activations already quantized (rmsnorm_quant / quantize_activations): x_q e4m3 [M, K], x_scale [M, 1]."""
+        if self.path == PATH_W4A8:
+            return torch.ops.radiance.w4a8_linear_quantized(x_q, x_scale, self.w_q, self.w_shift, self.w_scale,
+                                                            self.bias, out_dtype, self.kernel_config.decode_band)
+        if self.path == PATH_W4A16:  # 16-bit activations were asked for: use the dequantized fp8 values
+            return self.forward((x_q.float() * x_scale).to(out_dtype))
+        return reference.w4a8_matmul_reference(x_q, x_scale, self.w_dense, self.bias, out_dtype)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The exact fp32 weight this layer multiplies with."""
+        if self.path == PATH_W4A8:
+            from radiance.kernels.prepare import PreparedMxfp4
+            return dequantize_prepared(PreparedMxfp4(self.w_q, self.w_shift, self.w_ref, self.w_scale, 0))
+        return self.w_dense.float()
+
+
+class DenseLinear(nn.Module):
+    """A 16-bit linear (lm_head, layers kept unquantized): F.linear in the activation dtype."""
+
+    path = PATH_DENSE
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, name: str = ""):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.name = name
+        self.path_reason = "16-bit weight"
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+def linear_summary(model: nn.Module) -> str:
+    """One startup line: "N/N linears on the W4A8 kernel", or who runs elsewhere and why."""
+    quantized = [m for m in model.modules() if isinstance(m, Mxfp4Linear)]
+    dense = sum(isinstance(m, DenseLinear) for m in model.modules())
+    on_kernel = sum(m.path == PATH_W4A8 for m in quantized)
+    line = f"{on_kernel}/{len(quantized)} linears on the W4A8 kernel"
+    others = Counter((m.path, m.path_reason) for m in quantized if m.path != PATH_W4A8)
+    if others:
+        line += "; " + "; ".join(f"{n} on {path} ({why})" for (path, why), n in sorted(others.items()))
+    underflow = sum(m.underflow_blocks for m in quantized)
+    if underflow:
+        line += f"; {underflow} weight blocks re-rounded below the fp8 exponent window"
+    if dense:
+        line += f"; {dense} dense 16-bit linear{'s' if dense != 1 else ''}"
+    return line

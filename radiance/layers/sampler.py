@@ -1,0 +1,90 @@
+"""Token sampling for a batch of rows, each with its own settings.
+
+Greedy rows take the argmax. The others are scaled by temperature, filtered by top-k, top-p and min-p,
+and sampled by the exponential race (argmax of p / E, E ~ Exp(1)), which needs no cumulative sum and
+lets a seeded row draw its noise from its own generator: the same seed gives the same tokens however
+the batch around it is composed. Logprobs are those of the unmodified distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingRow:
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    generator: torch.Generator | None = None
+    num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: None or (logprob of the sampled token, [(token id, logprob), ...] top alternatives)
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask (to -inf) what top-k / top-p / min-p exclude; logits already temperature-scaled."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=device)
+    top_p = torch.tensor([r.top_p for r in rows], device=device)
+    min_p = torch.tensor([r.min_p for r in rows], device=device)
+    if any(r.min_p > 0 for r in rows):
+        probs = logits.softmax(-1)
+        keep = probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if any(0 < r.top_k < vocab for r in rows) or any(r.top_p < 1.0 for r in rows):
+        sorted_logits, order = logits.sort(-1, descending=True)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        drop = ranks >= top_k.unsqueeze(1)
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p; the first always stays
+        mass_before = probs.cumsum(-1) - probs
+        drop |= mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """logits [B, V] float32 -> one token per row (and logprobs where asked)."""
+    logits = logits.float()
+    greedy_ids = logits.argmax(-1)
+    token_ids = greedy_ids
+    random_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        sub_rows = [rows[i] for i in random_rows]
+        temps = torch.tensor([r.temperature for r in sub_rows], device=logits.device).unsqueeze(1)
+        probs = _filter(logits[idx] / temps, sub_rows).softmax(-1)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, r in enumerate(sub_rows) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        for j, r in enumerate(sub_rows):
+            if r.generator is not None:
+                noise[j].exponential_(generator=r.generator)
+        token_ids = greedy_ids.clone()
+        token_ids[idx] = (probs / noise).argmax(-1)
+    ids = token_ids.tolist()
+
+    logprobs: list = [None] * len(rows)
+    wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
+    if wanted:
+        lp = logits[wanted].log_softmax(-1)
+        k = max(rows[i].num_logprobs for i in wanted)
+        top_vals, top_ids = lp.topk(max(k, 1), dim=-1) if k > 0 else (None, None)
+        chosen = lp.gather(1, torch.tensor([[ids[i]] for i in wanted], device=lp.device)).squeeze(1).tolist()
+        for j, i in enumerate(wanted):
+            n = rows[i].num_logprobs
+            top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
+            logprobs[i] = (chosen[j], top)
+    return SamplerOutput(ids, logprobs)

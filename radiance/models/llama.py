@@ -1,0 +1,139 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2), the base Qwen2 and Qwen3 extend.
+
+Linears are placeholders until the loader installs the module each checkpoint weight becomes
+(`Mxfp4Linear`, `DenseLinear`, ...): the model only fixes names and shapes, in the canonical merged
+naming (`self_attn.qkv_proj`, `mlp.gate_up_proj`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radiance.layers.attention import Attention, AttentionMetadata
+from radiance.layers.embedding import LMHead, VocabEmbedding
+from radiance.layers.norm import RMSNorm
+from radiance.layers.rotary import RotaryEmbedding
+from radiance.models.arch_config import ArchConfig
+
+
+class UnloadedLinear(nn.Module):
+    """Stands where a linear will be; calling it means the checkpoint never provided the weight."""
+
+    def __init__(self, in_features: int, out_features: int, partitions: tuple[int, ...] | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.partitions = partitions or (out_features,)
+
+    def forward(self, x):
+        raise RuntimeError("linear weight was never loaded")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = [rotary]  # a list: shared by every layer, not registered as a submodule each time
+        self.qkv_proj = UnloadedLinear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size,
+                                       (cfg.q_size, cfg.kv_size, cfg.kv_size))
+        self.o_proj = UnloadedLinear(cfg.q_size, cfg.hidden_size)
+        self.qkv_bias = None
+        if cfg.qkv_bias:
+            self.qkv_bias = nn.Parameter(torch.zeros(cfg.q_size + 2 * cfg.kv_size), requires_grad=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, positions, x, meta):
+        cfg = self.cfg
+        qkv = self.qkv_proj(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        lead = x.shape[:-1]
+        q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = UnloadedLinear(cfg.hidden_size, 2 * cfg.intermediate_size,
+                                           (cfg.intermediate_size, cfg.intermediate_size))
+        self.down_proj = UnloadedLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], meta) -> hidden [T, H] over the paged cache;
+    compute_logits(hidden) -> fp32 logits; forward_logits(input_ids [B, T]) -> [B, T, V] without a cache."""
+
+    arch_overrides: dict = {}
+
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBody(cfg)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None):
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        return self.compute_logits(self.forward(input_ids, positions, None))
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

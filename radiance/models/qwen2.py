@@ -1,0 +1,7 @@
+"""Qwen2: the Llama decoder with a bias on the merged qkv projection."""
+
+from radiance.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    arch_overrides = {"qkv_bias": True}

@@ -1,0 +1,32 @@
+"""Chooses the model class from config.json `architectures`."""
+
+from __future__ import annotations
+
+from radiance.errors import ConfigError
+from radiance.models.arch_config import ArchConfig
+from radiance.models.llama import LlamaForCausalLM
+from radiance.models.qwen2 import Qwen2ForCausalLM
+from radiance.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def resolve_architecture(hf_config: dict) -> tuple[type[LlamaForCausalLM], ArchConfig]:
+    names = hf_config.get("architectures") or []
+    if not names and hf_config.get("model_type") == "llama":
+        names = ["LlamaForCausalLM"]
+    for name in names:
+        if name in MODEL_CLASSES:
+            cls = MODEL_CLASSES[name]
+            return cls, ArchConfig.from_hf(hf_config, name, **cls.arch_overrides)
+    raise ConfigError(f"unsupported model architecture {names or '(none given)'}; "
+                      f"supported: {', '.join(MODEL_CLASSES)}")
+
+
+def build_model(hf_config: dict) -> LlamaForCausalLM:
+    cls, cfg = resolve_architecture(hf_config)
+    return cls(cfg)

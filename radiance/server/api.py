@@ -1,0 +1,156 @@
+"""The FastAPI app: routes, API-key check, background model loading.
+
+`build_app(state)` returns an app whose lifespan starts loading the engine in a worker thread, so
+the port is open (and `/health` answers 503) while weights load. /health, /metrics and /version
+stay public when an API key is set; everything else needs `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from radiance import __version__
+from radiance.server.chat_template import TemplateError, render_chat
+from radiance.server.errors import OpenAIError, error_response, install_error_handlers, invalid
+from radiance.server.metrics import CONTENT_TYPE
+from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      TokenizeRequest, model_card)
+from radiance.server.serving_chat import create_chat_completion
+from radiance.server.serving_common import check_token_ids
+from radiance.server.serving_completions import create_completion
+from radiance.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = ("/health", "/metrics", "/version", "/ping")
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass through
+    untouched; also counts error statuses for /metrics."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        key = self.state.config.api_key
+        if key and scope["path"] not in PUBLIC_PATHS:
+            headers = dict(scope.get("headers") or ())
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                self.state.metrics.http_errors.labels(status="401").inc()
+                response = error_response(OpenAIError(401, "Incorrect or missing API key "
+                                                           "(send Authorization: Bearer KEY)", code="invalid_api_key"))
+                return await response(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.state.metrics.http_errors.labels(status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAPI:
+    """`on_ready(state)` runs once the engine is loaded (the CLI logs the startup summary there);
+    `on_load_failure(state)` when loading raised (the CLI shuts the server down and reports it)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        async def load():
+            try:
+                await state.load()
+            except BaseException:  # noqa: BLE001 - logged by state.load; /health reports it
+                if on_load_failure is not None:
+                    on_load_failure(state)
+                return
+            if on_ready is not None:
+                on_ready(state)
+
+        task = asyncio.create_task(load()) if not state.ready else None
+        yield
+        if task is not None and not task.done():
+            task.cancel()
+
+    app = FastAPI(title="radiance", version=__version__, lifespan=lifespan)
+    app.state.radiance = state
+    install_error_handlers(app)
+
+    app.add_middleware(ApiKeyMiddleware, state=state)
+
+    @app.get("/health")
+    async def health():
+        if state.ready and not state.engine_failed():
+            return Response(status_code=200)
+        status = "failed" if state.load_error or state.engine_failed() else "loading"
+        return JSONResponse(OpenAIError(503, f"model {status}").body(), status_code=503)
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models():
+        root = state.model_path or state.served_names[0]
+        cards = [dict(model_card(name, root, state.created), max_model_len=state.max_model_len or None)
+                 for name in state.served_names]
+        return {"object": "list", "data": cards}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str):
+        served = state.check_model(name)
+        return model_card(served, state.model_path or state.served_names[0], state.created)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state, body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(state, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        state.require_engine()
+        state.check_model(body.model)
+        if body.messages is not None:
+            if not state.chat_template:
+                raise invalid("this model has no chat template", param="messages")
+            try:
+                text = render_chat(state.chat_template, [m.model_dump(exclude_none=True) | {"content": m.text()}
+                                                         for m in body.messages],
+                                   add_generation_prompt=body.add_generation_prompt,
+                                   bos_token=state.tokenizer.bos_token or "", eos_token=state.tokenizer.eos_token or "")
+            except TemplateError as exc:
+                raise invalid(str(exc), param="messages") from exc
+            tokens = state.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.require_engine()
+        state.check_model(body.model)
+        check_token_ids(state, body.tokens, "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    return app

@@ -1,0 +1,112 @@
+"""Render a model's chat template (a jinja2 string from tokenizer_config or GGUF metadata).
+
+Templates run in jinja2's immutable sandbox with the helpers Hugging Face templates expect:
+`raise_exception`, a `tojson` filter that keeps non-ASCII text, and `strftime_now`. Messages go in
+as plain dicts; a tool call's JSON `arguments` string is handed to the template as a dict, since most
+templates print it with `tojson`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from radiance.errors import ConfigError
+
+
+class TemplateError(ValueError):
+    """The template itself refused the messages (its raise_exception) or failed to render."""
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"chat template does not parse: {exc.message} (line {exc.lineno})") from exc
+
+
+def load_template(value: str | None) -> str | None:
+    """`--chat-template`: a path to a file, or the template text itself."""
+    if value is None:
+        return None
+    if "{" not in value and os.path.exists(value):
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    if "{" not in value:
+        raise ConfigError(f"chat template file not found: {value}")
+    return value
+
+
+def _template_message(message: dict) -> dict:
+    """Tool-call arguments arrive as JSON strings; templates want mappings."""
+    out = dict(message)
+    calls = out.get("tool_calls")
+    if calls:
+        fixed = []
+        for call in calls:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass  # leave it a string; the template decides
+            call["function"] = fn
+            fixed.append(call)
+        out["tool_calls"] = fixed
+    return out
+
+
+def render_chat(template: str, messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = True, **kw: Any) -> str:
+    """The prompt text for `messages`. `kw` reaches the template as variables (bos_token, eos_token,
+    enable_thinking, ...)."""
+    compiled = _compile(template)
+    try:
+        return compiled.render(messages=[_template_message(m) for m in messages], tools=tools or None,
+                               add_generation_prompt=add_generation_prompt, **kw)
+    except TemplateError:
+        raise
+    except jinja2.exceptions.SecurityError as exc:
+        raise TemplateError(f"chat template tried an unsafe operation: {exc}") from exc
+    except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise TemplateError(f"chat template failed on these messages: {exc}") from exc
+
+
+def template_features(template: str | None) -> dict:
+    """What markup a template uses, to pick default parsers."""
+    text = template or ""
+    return {
+        "qwen3_coder": "<tool_call>" in text and "<function=" in text,
+        "hermes": "<tool_call>" in text,
+        "think": "<think>" in text,
+    }
+
+
+def prompt_opens_thinking(prompt: str) -> bool:
+    """True when the rendered prompt leaves a `<think>` block open (the model starts inside it)."""
+    start = prompt.rfind("<think>")
+    return start >= 0 and prompt.find("</think>", start) < 0

@@ -1,0 +1,137 @@
+"""OpenAI-shaped errors: every failure answers `{"error": {"message", "type", "param", "code"}}`.
+
+FastAPI's own validation answer (422 with a list of pydantic errors) is replaced by a 400 whose
+`param` names the offending field, as OpenAI clients expect. Unexpected exceptions become a 500
+whose body carries no traceback (the traceback goes to the server log only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radiance.errors import RadianceError
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class OpenAIError(Exception):
+    """Raise anywhere in a route to answer with this status and an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):  # noqa: A002 - OpenAI's field name
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def sse_error(err: OpenAIError) -> str:
+    """The event a stream sends when it fails after its headers went out (then `[DONE]`)."""
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names the union branch it tried (`str`, `list[int]`, `literal[...]`, `NamedToolChoice`)
+    in the error location; API field names are lower_snake_case words."""
+    return any(c in part for c in "[('-") or part in _TYPE_NAMES or part[:1].isupper()
+
+
+def param_from_loc(loc: tuple) -> str | None:
+    """("body", "messages", 0, "role") -> "messages[0].role"."""
+    parts = [p for p in loc if p not in ("body", "query", "path")]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif _is_union_tag(p):
+            continue
+        else:
+            out += f".{p}" if out else str(p)
+    return out or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return "the request body is not valid JSON", None
+    if kind in ("model_attributes_type", "dict_type", "model_type") and len(first.get("loc", ())) <= 1:
+        return "the request body must be a JSON object", None
+    param = param_from_loc(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    # strip pydantic's "Value error, " prefix from our own validators' messages
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        if param is None:  # a whole-request check: its message starts with the field it is about
+            word = msg.split(" ", 1)[0]
+            param = word if word.isidentifier() and word in _request_fields() else None
+        return msg, param
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def _request_fields() -> set[str]:
+    from radiance.server import protocol
+    return {name for model in (protocol.ChatCompletionRequest, protocol.CompletionRequest)
+            for name in model.model_fields}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_request: Request, exc: OpenAIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(OpenAIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"not found: {_request.url.path}"
+        return error_response(OpenAIError(exc.status_code, message))
+
+    @app.exception_handler(RadianceError)
+    async def _radiance_error(_request: Request, exc: RadianceError):
+        return error_response(OpenAIError(400, str(exc)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("internal error while serving %s", request.url.path)
+        return error_response(OpenAIError(500, f"internal server error ({type(exc).__name__})"))

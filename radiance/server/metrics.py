@@ -1,0 +1,98 @@
+"""Prometheus metrics of the server (`/metrics`).
+
+Engine state (running / waiting requests, KV usage, token and preemption totals) is read from
+`engine.stats()` at scrape time, so the numbers are never stale; latencies are observed per request
+by the serving code. Each app has its own registry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "radiance_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """Reads EngineStats when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], object | None], model_name: Callable[[], str]):
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self):
+        stats = self._stats()
+        if stats is None:  # still loading
+            return
+        label = [self._model_name()]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(label, float(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(label, float(value))
+            return c
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", stats.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", stats.kv_cache_usage)
+        yield counter("num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", stats.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], object | None], model_name: Callable[[], str]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats, model_name))
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first output token.",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.time_per_output_token = Histogram(
+            PREFIX + "time_per_output_token_seconds", "Mean time between output tokens of a request, after the first.",
+            registry=self.registry, buckets=_TOKEN_BUCKETS)
+        self.e2e_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last output token.",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished engine requests by finish reason.", ["finished_reason"],
+            registry=self.registry)
+        self.http_errors = Counter(
+            PREFIX + "request_errors", "Requests answered with an error, by HTTP status.", ["status"],
+            registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency bookkeeping of one engine request (one choice)."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float | None = None):
+        self.metrics = metrics
+        self.arrival = arrival if arrival is not None else time.monotonic()
+        self.first_token: float | None = None
+        self.num_tokens = 0
+
+    def tokens(self, total: int) -> None:
+        if total > 0 and self.first_token is None:
+            self.first_token = time.monotonic()
+            self.metrics.time_to_first_token.observe(self.first_token - self.arrival)
+        self.num_tokens = total
+
+    def finished(self, reason: str | None) -> None:
+        end = time.monotonic()
+        self.metrics.e2e_latency.observe(end - self.arrival)
+        if self.first_token is not None and self.num_tokens > 1:
+            self.metrics.time_per_output_token.observe((end - self.first_token) / (self.num_tokens - 1))
+        self.metrics.request_success.labels(finished_reason=reason or "unknown").inc()

@@ -1,0 +1,247 @@
+"""`/v1/chat/completions`: template -> tokens -> n engine requests -> parsed choices (or SSE chunks).
+
+Streaming and non-streaming share one per-choice pipeline (reasoning parser, then tool-call parser),
+fed with each new piece of text; the non-streaming answer is the sum of the pieces, so both modes
+agree on content, reasoning and tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
+from radiance.server.errors import OpenAIError, invalid, sse_error
+from radiance.server.metrics import RequestTimer
+from radiance.server.protocol import ChatCompletionRequest, new_id, now, usage
+from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS
+from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
+                                            merged_outputs, resolve_max_tokens, sampling_params, sse)
+from radiance.server.state import ServerState
+from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, START_TAG
+
+logger = logging.getLogger(__name__)
+
+
+class ChoiceStream:
+    """Turns one choice's cumulative engine outputs into deltas: content, reasoning, tool calls."""
+
+    def __init__(self, state: ServerState, index: int, tools: list[dict] | None, opens_thinking: bool,
+                 forced_prefix: str = ""):
+        self.index = index
+        self.tokenizer = state.tokenizer
+        self.reasoning = (REASONING_PARSERS[state.reasoning_parser_name](opens_thinking)
+                          if state.reasoning_parser_name and not forced_prefix else None)
+        self.tools = TOOL_PARSERS[state.tool_parser_name](tools) if tools and state.tool_parser_name else None
+        if forced_prefix:  # the call markup we put at the end of the prompt is part of what we parse
+            self.tools.feed(forced_prefix)
+        self.timer = RequestTimer(state.metrics)
+        self.sent_chars = 0
+        self.sent_logprobs = 0
+        self.num_tool_calls = 0
+        self.output: Any = None
+
+    def _route(self, text: str, delta: dict) -> None:
+        if self.tools is None:
+            delta["content"] = delta.get("content", "") + text
+            return
+        parsed = self.tools.feed(text)
+        self._take(parsed, delta)
+
+    def _take(self, parsed, delta: dict) -> None:
+        if parsed.content:
+            delta["content"] = delta.get("content", "") + parsed.content
+        for call in parsed.tool_calls:
+            delta.setdefault("tool_calls", []).append({
+                "index": self.num_tool_calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}})
+            self.num_tool_calls += 1
+
+    def step(self, out: Any) -> tuple[dict, dict | None]:
+        """(delta, logprobs or None) for the text this output adds; flushes the parsers when finished."""
+        self.output = out
+        self.timer.tokens(len(out.token_ids))
+        new_text = out.text[self.sent_chars:]
+        self.sent_chars = len(out.text)
+        delta: dict = {}
+        pieces = [new_text]
+        if self.reasoning is not None:
+            r = self.reasoning.feed(new_text)
+            if out.finished:
+                tail = self.reasoning.finish()
+                r.reasoning += tail.reasoning
+                r.content += tail.content
+            if r.reasoning:
+                delta["reasoning_content"] = r.reasoning
+                delta["reasoning"] = r.reasoning
+            pieces = [r.content]
+        for piece in pieces:
+            if piece:
+                self._route(piece, delta)
+        if out.finished:
+            if self.tools is not None:
+                self._take(self.tools.finish(truncated=out.finish_reason == "length"), delta)
+            self.timer.finished(out.finish_reason)
+        logprobs = None
+        if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
+            logprobs = chat_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:])
+            self.sent_logprobs = len(out.logprobs)
+        return delta, logprobs
+
+    def finish_reason(self) -> str | None:
+        reason = self.output.finish_reason if self.output is not None else None
+        return "tool_calls" if reason == "stop" and self.num_tool_calls else reason
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for message in req.messages:
+        item = message.model_dump(exclude_none=True)
+        item["content"] = message.text()
+        out.append(item)
+    return out
+
+
+def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: bool) -> str:
+    if not state.chat_template:
+        raise invalid("this model has no chat template; pass one with --chat-template or use /v1/completions",
+                      param="messages")
+    tok = state.tokenizer
+    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs.setdefault("bos_token", getattr(tok, "bos_token", None) or "")
+    kwargs.setdefault("eos_token", getattr(tok, "eos_token", None) or "")
+    messages = _messages(req)
+    try:
+        prompt = render_chat(state.chat_template, messages,
+                             tools=[t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None,
+                             add_generation_prompt=req.add_generation_prompt, **kwargs)
+    except TemplateError as exc:
+        raise invalid(str(exc), param="messages") from exc
+    if req.continue_final_message:
+        last = messages[-1].get("content") or ""
+        cut = prompt.rfind(last)
+        if not last or cut < 0:
+            raise invalid("continue_final_message: the final message is not in the rendered prompt",
+                          param="messages")
+        prompt = prompt[:cut + len(last)]
+    return prompt
+
+
+def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> str:
+    """tool_choice "required" / named without constrained decoding: the prompt ends with the opening
+    of a tool call (and the function name when one is named), so the model can only continue a call."""
+    if req.tool_choice in (None, "auto", "none"):
+        return ""
+    if state.tool_parser_name is None:
+        raise invalid("tool_choice required/named needs a tool-call parser; this model's chat template has no "
+                      "tool markup (start the server with --tool-call-parser)", param="tool_choice")
+    if req.tool_choice == "required":
+        return START_TAG + "\n"
+    name = req.tool_choice.function.name
+    if state.tool_parser_name == "qwen3_coder":
+        return f"{START_TAG}\n<function={name}>\n"
+    return f'{START_TAG}\n{{"name": {json.dumps(name)}, "arguments": '
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    engine = state.require_engine()
+    model = state.check_model(req.model)
+    check_limits(state, req)
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    prompt = render_prompt(state, req, use_tools)
+    forced_prefix = forced_tool_call_prefix(state, req) if use_tools else ""
+    if forced_prefix:
+        if prompt_opens_thinking(prompt):
+            prompt += "\n</think>\n\n"
+        prompt += forced_prefix
+    prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
+    max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
+                                    "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    request_id = new_id("chatcmpl")
+    jobs = [EngineJob(f"{request_id}-{i}", prompt_ids, sampling_params(req, max_tokens, i)) for i in range(req.n)]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
+    opens_thinking = prompt_opens_thinking(prompt)
+    choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix) for i in range(req.n)]
+    outputs = merged_outputs(engine, jobs)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        stream = _stream(state, request_id, model, outputs, choices, len(prompt_ids), include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    deltas: list[dict] = [{} for _ in choices]
+    logprobs: list[list | None] = [None for _ in choices]
+
+    def on_output(index: int, out: Any) -> None:
+        delta, lp = choices[index].step(out)
+        _merge_delta(deltas[index], delta)
+        if lp is not None:
+            logprobs[index] = (logprobs[index] or []) + lp["content"]
+
+    await collect_until_disconnect(request, outputs, on_output)
+    return JSONResponse(_response(request_id, model, choices, deltas, logprobs, len(prompt_ids)))
+
+
+def _merge_delta(total: dict, delta: dict) -> None:
+    for key, value in delta.items():
+        if key == "tool_calls":
+            total.setdefault(key, []).extend(value)
+        else:
+            total[key] = total.get(key, "") + value
+
+
+def _response(request_id: str, model: str, choices: list[ChoiceStream], deltas: list[dict],
+              logprobs: list[list | None], prompt_len: int) -> dict:
+    body_choices = []
+    for choice, delta, lp in zip(choices, deltas, logprobs):
+        message = {"role": "assistant", "content": delta.get("content") or (None if delta.get("tool_calls") else "")}
+        if "reasoning_content" in delta:
+            message["reasoning_content"] = message["reasoning"] = delta["reasoning_content"]
+        if delta.get("tool_calls"):
+            message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in delta["tool_calls"]]
+        body_choices.append({"index": choice.index, "message": message,
+                             "logprobs": None if lp is None else {"content": lp},
+                             "finish_reason": choice.finish_reason()})
+    finals = [c.output for c in choices]
+    completion_tokens = sum(len(f.token_ids) for f in finals)
+    cached = max((f.num_cached_tokens for f in finals), default=0)
+    return {"id": request_id, "object": "chat.completion", "created": now(), "model": model,
+            "choices": body_choices, "usage": usage(prompt_len, completion_tokens, cached)}
+
+
+async def _stream(state: ServerState, request_id: str, model: str, outputs: AsyncIterator,
+                  choices: list[ChoiceStream], prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
+    created = now()
+
+    def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    try:
+        for choice in choices:
+            yield sse(chunk(choice.index, {"role": "assistant", "content": ""}))
+        async for index, out in outputs:
+            choice = choices[index]
+            delta, logprobs = choice.step(out)
+            if delta or logprobs:
+                yield sse(chunk(index, delta, logprobs))
+            if out.finished:
+                yield sse(chunk(index, {}, None, choice.finish_reason()))
+        if include_usage:
+            completion_tokens = sum(len(c.output.token_ids) for c in choices if c.output is not None)
+            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "choices": [], "usage": usage(prompt_len, completion_tokens)})
+    except OpenAIError as exc:
+        yield sse_error(exc)
+    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band, no traceback to the client
+        logger.exception("chat stream %s failed", request_id)
+        yield sse_error(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,189 @@
+"""What chat and text completions share: limits, sampling params, fan-out of `n` choices, disconnects.
+
+A request with n choices becomes n engine requests (`<id>-<i>`, seed + i when a seed is given);
+their outputs are merged into one stream. Whatever way a request ends (finished, client gone,
+error), engine requests still running are aborted so their KV blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+
+from radiance.engine.sampling_params import SamplingParams
+from radiance.server.errors import OpenAIError, invalid
+from radiance.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+_DISCONNECT_POLL_S = 0.2
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class EngineJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def check_limits(state: ServerState, req: Any) -> None:
+    if req.n > state.config.max_n:
+        raise invalid(f"n must be at most {state.config.max_n}, got {req.n}", param="n")
+    wanted = req.num_logprobs()
+    if wanted is not None and wanted > state.config.max_logprobs:
+        name = "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs"
+        raise invalid(f"{name} must be at most {state.config.max_logprobs}, got {wanted}", param=name)
+
+
+def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
+    vocab = state.vocab_size()
+    bad = [t for t in ids if t < 0 or t >= vocab]
+    if bad:
+        raise invalid(f"{param} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}", param=param)
+
+
+def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, param: str) -> int:
+    """Output budget; prompt + max_tokens must fit the context, and the message gives both numbers."""
+    limit = state.max_model_len
+    if prompt_len == 0:
+        raise invalid("the prompt is empty", param="prompt" if param == "max_tokens" else "messages")
+    if prompt_len >= limit:
+        raise invalid(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                      f"{prompt_len} tokens, which leaves no room for output.",
+                      param="messages" if param != "max_tokens" else "prompt", code="context_length_exceeded")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
+                      f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                      f"completion). Please reduce the prompt or {param}.", param=param,
+                      code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(req: Any, max_tokens: int, choice: int) -> SamplingParams:
+    seed = None if req.seed is None else req.seed + choice
+    return SamplingParams(
+        n=1, max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k in (None, 0) else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos, logprobs=req.num_logprobs(), skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+async def _maybe_await(value: Any) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+async def merged_outputs(engine: Any, jobs: list[EngineJob]) -> AsyncIterator[tuple[int, Any]]:
+    """(job index, RequestOutput) from all jobs as they come; aborts unfinished jobs on exit."""
+    queue: asyncio.Queue = asyncio.Queue()
+    finished: set[int] = set()
+    done_marker = object()
+
+    async def pump(index: int, job: EngineJob) -> None:
+        produced = False
+        try:
+            async for out in engine.generate(job.request_id, job.prompt_token_ids, job.params):
+                produced = True
+                await queue.put((index, out))
+            await queue.put((index, done_marker))
+        except asyncio.CancelledError:
+            raise
+        except ValueError as exc:  # the engine refused the request up front: the client's fault
+            await queue.put((index, invalid(str(exc)) if not produced else exc))
+        except BaseException as exc:  # handed to the consumer, which turns it into an HTTP error
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        while len(finished) < len(jobs):
+            index, item = await queue.get()
+            if item is done_marker:
+                finished.add(index)
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                finished.add(index)
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for index, job in enumerate(jobs):
+            if index not in finished:
+                try:
+                    await _maybe_await(engine.abort(job.request_id))
+                except Exception:  # noqa: BLE001 - aborting is best effort; never mask the real error
+                    logger.exception("abort of %s failed", job.request_id)
+
+
+async def collect_until_disconnect(request: Request, outputs: AsyncIterator[tuple[int, Any]],
+                                   on_output: Callable[[int, Any], None]) -> None:
+    """Drive a non-streaming request to its end; a client that goes away aborts the work."""
+
+    async def consume():
+        async for index, out in outputs:
+            on_output(index, out)
+
+    task = asyncio.create_task(consume())
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                logger.info("client disconnected; request aborted")
+                raise OpenAIError(499, "client disconnected")
+        task.result()  # re-raises an engine error
+    finally:
+        if not task.done():
+            task.cancel()
+        await outputs.aclose()
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def safe_logprob(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+def chat_logprobs(tokenizer: Any, entries: list) -> dict:
+    content = []
+    for entry in entries:
+        text = token_text(tokenizer, entry.token_id)
+        content.append({
+            "token": text, "logprob": safe_logprob(entry.logprob), "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": (t := token_text(tokenizer, tid)), "logprob": safe_logprob(lp),
+                              "bytes": list(t.encode("utf-8"))} for tid, lp in entry.top],
+        })
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer: Any, entries: list, offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        text = token_text(tokenizer, entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(safe_logprob(entry.logprob))
+        top.append({token_text(tokenizer, tid): safe_logprob(lp) for tid, lp in entry.top} if entry.top else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"

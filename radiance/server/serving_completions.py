@@ -1,0 +1,142 @@
+"""`/v1/completions`: one or more prompts (text or token ids), n choices each, streamed or not.
+
+Choice index = prompt index * n + choice number, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from radiance.server.errors import OpenAIError, invalid, sse_error
+from radiance.server.metrics import RequestTimer
+from radiance.server.protocol import CompletionRequest, new_id, now, usage
+from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
+                                            completion_logprobs, merged_outputs, resolve_max_tokens,
+                                            sampling_params, sse)
+from radiance.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """(prompt text, token ids) per prompt."""
+    raw = req.prompt
+    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+        raw = [raw]  # one prompt
+    if not raw:
+        raise invalid("prompt must not be empty", param="prompt")
+    prompts = []
+    for i, item in enumerate(raw):
+        param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise invalid("prompt must not be empty", param=param)
+            prompts.append((item, state.tokenizer.encode(item)))
+        else:
+            if not item:
+                raise invalid("prompt must not be empty", param=param)
+            check_token_ids(state, item, param)
+            prompts.append((state.tokenizer.decode(item), list(item)))
+    return prompts
+
+
+class CompletionChoice:
+    def __init__(self, state: ServerState, index: int, prompt_text: str, echo: bool):
+        self.index = index
+        self.tokenizer = state.tokenizer
+        self.prefix = prompt_text if echo else ""
+        self.timer = RequestTimer(state.metrics)
+        self.sent_chars = 0
+        self.sent_logprobs = 0
+        self.output: Any = None
+
+    def step(self, out: Any) -> tuple[str, dict | None]:
+        self.output = out
+        self.timer.tokens(len(out.token_ids))
+        text = out.text[self.sent_chars:]
+        offset = len(self.prefix) + self.sent_chars
+        if self.sent_chars == 0 and self.prefix:
+            text = self.prefix + text
+        self.sent_chars = len(out.text)
+        logprobs = None
+        if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
+            logprobs = completion_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:], offset)
+            self.sent_logprobs = len(out.logprobs)
+        if out.finished:
+            self.timer.finished(out.finish_reason)
+        return text, logprobs
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
+    engine = state.require_engine()
+    model = state.check_model(req.model)
+    check_limits(state, req)
+    prompts = _prompts(state, req)
+    request_id = new_id("cmpl")
+    jobs, choices = [], []
+    for p, (text, ids) in enumerate(prompts):
+        max_tokens = resolve_max_tokens(state, len(ids), req.output_limit(), "max_tokens")
+        for i in range(req.n):
+            index = p * req.n + i
+            jobs.append(EngineJob(f"{request_id}-{index}", ids, sampling_params(req, max_tokens, i)))
+            choices.append(CompletionChoice(state, index, text, req.echo))
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    outputs = merged_outputs(engine, jobs)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        stream = _stream(request_id, model, outputs, choices, prompt_tokens, include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    texts = ["" for _ in choices]
+    logprobs: list[dict | None] = [None for _ in choices]
+
+    def on_output(index: int, out: Any) -> None:
+        text, lp = choices[index].step(out)
+        texts[index] += text
+        if lp is not None:
+            if logprobs[index] is None:
+                logprobs[index] = lp
+            else:
+                for key, values in lp.items():
+                    logprobs[index][key].extend(values)
+
+    await collect_until_disconnect(request, outputs, on_output)
+    body_choices = [{"index": c.index, "text": texts[c.index], "logprobs": logprobs[c.index],
+                     "finish_reason": c.output.finish_reason} for c in choices]
+    completion_tokens = sum(len(c.output.token_ids) for c in choices)
+    return JSONResponse({"id": request_id, "object": "text_completion", "created": now(), "model": model,
+                         "choices": body_choices, "usage": usage(prompt_tokens, completion_tokens)})
+
+
+async def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[CompletionChoice],
+                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    created = now()
+
+    def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> dict:
+        body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    try:
+        async for index, out in outputs:
+            text, logprobs = choices[index].step(out)
+            if text or logprobs or out.finished:
+                yield sse(chunk(index, text, logprobs, out.finish_reason if out.finished else None))
+        if include_usage:
+            completion_tokens = sum(len(c.output.token_ids) for c in choices if c.output is not None)
+            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    except OpenAIError as exc:
+        yield sse_error(exc)
+    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band, no traceback to the client
+        logger.exception("completion stream %s failed", request_id)
+        yield sse_error(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,129 @@
+"""What the routes share: the engine (loaded in the background), served names, template, parsers.
+
+The engine loads in a worker thread after the HTTP server is up, so `/health` can answer 503 while
+weights load and the event loop never blocks. Attributes the ARCHITECTURE contract puts on the
+synchronous `LLMEngine` (tokenizer, max_model_len, chat_template, model_name, stats, load_summary)
+are looked up on the async engine first and on its inner `.engine` otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Callable
+
+from radiance.config import ServerConfig
+from radiance.errors import RadianceError
+from radiance.server.chat_template import load_template, template_features
+from radiance.server.errors import OpenAIError
+from radiance.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def engine_attr(engine: Any, name: str, default: Any = None) -> Any:
+    for obj in (engine, getattr(engine, "engine", None)):
+        if obj is not None and hasattr(obj, name):
+            return getattr(obj, name)
+    return default
+
+
+def default_model_name(model_path: str | None, engine: Any = None) -> str:
+    if model_path:
+        base = os.path.basename(os.path.normpath(model_path))
+        return base[:-5] if base.endswith(".gguf") else base
+    return engine_attr(engine, "model_name") or EMBEDDED_MODEL_NAME
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any], model_path: str | None = None):
+        self.config = config
+        self.engine_factory = engine_factory
+        self.model_path = model_path
+        self.engine: Any = None
+        self.load_error: BaseException | None = None
+        self.created = int(time.time())
+        self.served_names: tuple[str, ...] = config.served_model_name or (default_model_name(model_path),)
+        self.tokenizer: Any = None
+        self.max_model_len: int = 0
+        self.chat_template: str | None = None
+        self.tool_parser_name: str | None = None
+        self.reasoning_parser_name: str | None = None
+        self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0])
+
+    # ------------------------------------------------------------ loading
+
+    async def load(self) -> None:
+        try:
+            engine = await asyncio.to_thread(self.engine_factory)
+            self.attach(engine)
+        except BaseException as exc:  # reported by /health (503) and by whoever awaits load()
+            self.load_error = exc
+            if not isinstance(exc, RadianceError):
+                logger.exception("model failed to load")
+            raise
+
+    def attach(self, engine: Any) -> None:
+        self.tokenizer = engine_attr(engine, "tokenizer")
+        self.max_model_len = int(engine_attr(engine, "max_model_len"))
+        self.chat_template = load_template(self.config.chat_template) or engine_attr(engine, "chat_template")
+        if not self.config.served_model_name:
+            self.served_names = (default_model_name(self.model_path, engine),)
+        features = template_features(self.chat_template)
+        self.tool_parser_name = self._pick(self.config.tool_call_parser, "qwen3_coder" if features["qwen3_coder"]
+                                           else "hermes" if features["hermes"] else None)
+        self.reasoning_parser_name = self._pick(self.config.reasoning_parser, "think" if features["think"] else None)
+        self.engine = engine  # last: `ready` flips only once everything above is set
+
+    @staticmethod
+    def _pick(flag: str, auto: str | None) -> str | None:
+        if flag == "none":
+            return None
+        return auto if flag == "auto" else flag
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def startup_lines(self) -> list[str]:
+        lines = list(engine_attr(self.engine, "load_summary", None) or [])
+        names = ", ".join(self.served_names)
+        lines.append(f"served model name(s): {names}; max_model_len {self.max_model_len}")
+        lines.append(f"tool-call parser: {self.tool_parser_name or 'none'}; "
+                     f"reasoning parser: {self.reasoning_parser_name or 'none'}; "
+                     f"chat template: {'yes' if self.chat_template else 'none (chat completions unavailable)'}")
+        return lines
+
+    # ------------------------------------------------------------ per request
+
+    def engine_failed(self) -> bool:
+        """The engine loop stopped after an error (AsyncLLMEngine.errored): requests cannot succeed."""
+        return self.engine is not None and engine_attr(self.engine, "errored", None) is not None
+
+    def require_engine(self) -> Any:
+        if self.engine is None:
+            message = "the model failed to load" if self.load_error else "the model is still loading"
+            raise OpenAIError(503, message)
+        if self.engine_failed():
+            raise OpenAIError(503, "the engine stopped after an internal error; restart the server")
+        return self.engine
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request addresses (None = the default); 404 for any other name."""
+        if name is None or name in self.served_names:
+            return name or self.served_names[0]
+        raise OpenAIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.served_names)}",
+                          param="model", code="model_not_found")
+
+    def stats(self):
+        if self.engine is None:
+            return None
+        stats = engine_attr(self.engine, "stats")
+        return stats() if callable(stats) else None
+
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)

@@ -1,0 +1,207 @@
+"""Tool-call parsers: turn model text with `<tool_call>...</tool_call>` markup into OpenAI tool calls.
+
+Two markups: Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and Qwen3-coder
+(`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`).
+
+One incremental scanner serves both streaming and non-streaming requests (non-streaming feeds the
+whole text at once), so both give the same result by construction. Text outside calls streams out
+as content; a possible start tag at a chunk's end is held back until the next chunk decides; a call
+is emitted whole when its end tag arrives. A call cut off by max_tokens is parsed at `finish()` from
+what was generated; markup never reaches the content. Whitespace that only separates content from
+calls is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from radiance.server.streaming_text import LeadingSpaceEater, partial_tag_start
+
+START_TAG = "<tool_call>"
+END_TAG = "</tool_call>"
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text (may be incomplete JSON for a Hermes call cut off by max_tokens)
+
+
+@dataclass
+class ParseDelta:
+    content: str = ""
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+
+    def __iadd__(self, other: "ParseDelta") -> "ParseDelta":
+        self.content += other.content
+        self.tool_calls.extend(other.tool_calls)
+        return self
+
+
+class ToolParser:
+    """Incremental scanner; subclasses only say how one call's body becomes a ParsedToolCall."""
+
+    name = "base"
+
+    def __init__(self, tools: list[dict] | None = None):
+        self.tools = {t["function"]["name"]: t["function"] for t in tools or ()}
+        self._buffer = ""
+        self._in_call = False
+        self._held_space = ""  # trailing whitespace of content, dropped if a call follows
+        self._after_call = LeadingSpaceEater()
+        self.num_calls = 0
+
+    def parse_call(self, body: str, complete: bool) -> ParsedToolCall | None:
+        raise NotImplementedError
+
+    def _content(self, out: ParseDelta, text: str) -> None:
+        text = self._after_call(text)
+        if not text:
+            return
+        text = self._held_space + text
+        body = text.rstrip()
+        self._held_space = text[len(body):]
+        out.content += body
+
+    def _call(self, out: ParseDelta, body: str, complete: bool) -> None:
+        call = self.parse_call(body, complete)
+        if call is not None:
+            out.tool_calls.append(call)
+            self.num_calls += 1
+
+    def feed(self, delta: str) -> ParseDelta:
+        out = ParseDelta()
+        self._buffer += delta
+        while self._buffer:
+            if self._in_call:
+                end = self._buffer.find(END_TAG)
+                if end < 0:
+                    break
+                self._call(out, self._buffer[:end], complete=True)
+                self._buffer = self._buffer[end + len(END_TAG):]
+                self._in_call = False
+                self._after_call.active = True
+                continue
+            start = self._buffer.find(START_TAG)
+            if start >= 0:
+                self._content(out, self._buffer[:start])
+                self._held_space = ""
+                self._buffer = self._buffer[start + len(START_TAG):]
+                self._in_call = True
+                continue
+            keep = partial_tag_start(self._buffer, START_TAG)
+            self._content(out, self._buffer[:keep])
+            self._buffer = self._buffer[keep:]
+            break
+        return out
+
+    def finish(self, truncated: bool = False) -> ParseDelta:
+        """End of generation. `truncated`: cut off by max_tokens (a dangling partial tag is markup)."""
+        out = ParseDelta()
+        if self._in_call:
+            self._call(out, self._buffer, complete=False)
+        elif self._buffer and not truncated:
+            self._content(out, self._buffer)
+        elif self._buffer:  # a start tag cut off by max_tokens: markup, like the space before it
+            self._held_space = ""
+        self._buffer = ""
+        self._in_call = False
+        if self._held_space and not self._after_call.active:
+            out.content += self._held_space
+        self._held_space = ""
+        return out
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+    _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+    def parse_call(self, body: str, complete: bool) -> ParsedToolCall | None:
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+            args = obj.get("arguments", obj.get("parameters", {}))
+            text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            return ParsedToolCall(obj["name"], text)
+        # broken or cut-off JSON: recover the name and the arguments text generated so far
+        name = self._NAME.search(body)
+        if not name:
+            return None
+        args = self._ARGS.search(body)
+        text = body[args.end():].rstrip() if args else "{}"
+        if complete and text.endswith("}"):
+            text = text[:-1].rstrip()  # the closing brace of the outer object
+        return ParsedToolCall(json.loads(f'"{name.group(1)}"'), text)
+
+
+class Qwen3CoderToolParser(ToolParser):
+    name = "qwen3_coder"
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>")
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
+    _VALUE_END = re.compile(r"</parameter>|<parameter=|</function>")
+
+    def parse_call(self, body: str, complete: bool) -> ParsedToolCall | None:
+        fn = self._FUNCTION.search(body)
+        if not fn:
+            return None
+        name = fn.group(1).strip()
+        schema = ((self.tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
+        args: dict = {}
+        pos = fn.end()
+        while (param := self._PARAMETER.search(body, pos)) is not None:
+            end = self._VALUE_END.search(body, param.end())
+            if end is None and not complete:
+                break  # value cut off by max_tokens: keep only whole parameters
+            stop = end.start() if end else len(body)
+            key = param.group(1).strip()
+            args[key] = _convert(_strip_newline(body[param.end():stop]), schema.get(key))
+            pos = end.end() if end and end.group(0) == "</parameter>" else stop
+        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _strip_newline(value: str) -> str:
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+def _convert(value: str, schema: dict | None):
+    """Parameter values are text; the tool's JSON schema says what they really are."""
+    kind = (schema or {}).get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    if kind in (None, "string"):
+        return value
+    if value.strip().lower() in ("null", "none"):
+        return None
+    try:
+        if kind == "integer":
+            return int(value.strip())
+        if kind == "number":
+            number = float(value.strip())
+            return int(number) if number.is_integer() and "." not in value else number
+        if kind == "boolean":
+            return {"true": True, "false": False}[value.strip().lower()]
+        return json.loads(value)
+    except (ValueError, KeyError, json.JSONDecodeError):
+        return value
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    HermesToolParser.name: HermesToolParser,
+    Qwen3CoderToolParser.name: Qwen3CoderToolParser,
+}
+
+
+def parse_tool_calls(parser: ToolParser, text: str, truncated: bool = False) -> ParseDelta:
+    """Non-streaming: the whole text through the same scanner streaming uses."""
+    out = parser.feed(text)
+    out += parser.finish(truncated)
+    return out

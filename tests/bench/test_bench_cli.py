@@ -1,0 +1,41 @@
+import json
+
+import pytest
+
+from radiance.cli import build_parser, main
+
+
+def test_bench_serve_cli_json_and_plot(fake_server, tmp_path, capsys):
+    plot = tmp_path / "serve.png"
+    rc = main(["bench", "serve", "--url", fake_server.url, "--concurrency", "1,2", "--num-prompts", "2",
+               "--input-len", "4", "--output-len", "3", "--json", "--label", "fake", "--warmup", "0",
+               "--plot", str(plot)])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["label"] == "fake"
+    assert [(lv["concurrency"], lv["ok"], lv["output_tokens"]) for lv in result["levels"]] == [(1, 2, 6), (2, 2, 6)]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a second run drawn together with the first one's JSON
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(result))
+    rc = main(["bench", "serve", "--url", fake_server.url, "--concurrency", "1", "--num-prompts", "1",
+               "--input-len", "2", "--output-len", "2", "--warmup", "0", "--plot", str(plot), "--plot-with", str(first)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "TTFT p50 ms" in out and "agg tok/s" in out
+
+
+def test_cli_errors_are_one_line(capsys, tmp_path):
+    rc = main(["bench", "serve", "--url", "http://127.0.0.1:9", "--concurrency", "1", "--dataset",
+               str(tmp_path / "nope.jsonl")])
+    assert rc == 2
+    assert "dataset file not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--url", "x", "--concurrency", "1,a"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "kl", "--text", "t.txt", "--quantization", "int4"])
+    args = build_parser().parse_args(["eval", "kl", "--text", "t.txt"])
+    assert (args.quantization, args.rule, args.activations, args.chunks, args.chunk_len) == ("mxfp4", "mse", "fp8", 64, 512)
+    rc = main(["eval", "kl", "--text", str(tmp_path / "t.txt"), "--variants", "mxfp4/none"])
+    assert rc == 2
+    assert "rule 'none' only applies" in capsys.readouterr().err

@@ -1,0 +1,43 @@
+"""`radiance eval` on the embedded SmolLM2, a few short chunks (CPU)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from radiance.cli import main
+
+TEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext2-test.txt"
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """A slice of WikiText-2 when the shared copy is here, else a fixed paragraph."""
+    path = tmp_path_factory.mktemp("eval") / "text.txt"
+    if TEXT.is_file():
+        path.write_text(TEXT.read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    else:
+        path.write_text(("The city was founded in the twelfth century on the banks of the river . It grew as a "
+                         "market town , and by 1500 it was one of the largest towns in the region . ") * 40)
+    return str(path)
+
+
+def _run_json(capsys, argv) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_eval_kl_and_ppl_on_embedded_model(text_file, capsys):
+    kl = _run_json(capsys, ["eval", "kl", "--text", text_file, "--chunks", "2", "--chunk-len", "48",
+                            "--quantization", "mxfp4", "--rule", "noclip", "--activations", "bf16", "--device", "cpu", "--json"])
+    assert (kl["chunks"], kl["tokens"]) == (2, 2 * 47)
+    # a working 135M model predicts English far better than chance (ppl 49152) and worse than perfect
+    assert 3.0 < kl["reference_ppl"] < 300.0
+    assert 0.0 < kl["kl"] < 3.0  # 4-bit weights move the distributions, but not to noise
+    assert 0.3 < kl["top1_agreement"] < 1.0
+    assert kl["results"][0]["label"] == "mxfp4 noclip W4A16"
+    ppl = _run_json(capsys, ["eval", "ppl", "--text", text_file, "--chunks", "2", "--chunk-len", "48",
+                             "--device", "cpu", "--json"])
+    assert "kl" not in ppl and ppl["tokens"] == kl["tokens"]
+    # the same 16-bit model on the same chunks: the KL run's reference perplexity
+    assert ppl["ppl"] == pytest.approx(kl["reference_ppl"], rel=1e-6)

@@ -1,0 +1,72 @@
+import math
+
+import pytest
+import torch
+
+from radiance.bench import metrics
+
+
+def test_percentile_interpolates_between_ranks():
+    data = [10.0, 20.0, 30.0, 40.0]
+    # hand computed: position (n-1)*q = 3*0.5 = 1.5 -> 20 + 0.5*10
+    assert metrics.percentile(data, 50) == 25.0
+    # 3*0.99 = 2.97 -> 30 + 0.97*10
+    assert metrics.percentile(data, 99) == pytest.approx(39.7)
+    assert metrics.percentile(data, 0) == 10.0
+    assert metrics.percentile(data, 100) == 40.0
+    assert metrics.percentile([5.0], 99) == 5.0
+    assert metrics.percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
+    assert math.isnan(metrics.percentile([], 50))
+    with pytest.raises(ValueError):
+        metrics.percentile(data, 101)
+
+
+def test_rates():
+    assert metrics.tokens_per_second(300, 1.5) == 200.0
+    assert math.isnan(metrics.tokens_per_second(10, 0.0))
+    # 11 tokens: first at 0.2 s, last at 1.2 s -> 10 tokens in 1.0 s
+    assert metrics.decode_tokens_per_second(11, 0.2, 1.2) == pytest.approx(10.0)
+    assert math.isnan(metrics.decode_tokens_per_second(1, 0.2, 1.2))
+    assert metrics.inter_token_latencies([1.0, 1.5, 1.75]) == [0.5, 0.25]
+    s = metrics.LatencySummary.of([1.0, 2.0, 3.0])
+    assert (s.p50, s.mean) == (2.0, 2.0)
+
+
+def test_kl_against_hand_computed_case():
+    # p = (0.5, 0.5), q = (0.25, 0.75): KL = 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75)
+    p_logits = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    q_logits = torch.log(torch.tensor([[0.25, 0.75]], dtype=torch.float64)) + 3.0  # a constant shift must not matter
+    expected = 0.5 * math.log(2.0) + 0.5 * math.log(0.5 / 0.75)
+    assert metrics.kl_divergence(p_logits, q_logits).item() == pytest.approx(expected, rel=1e-12)
+    # not symmetric: KL(q || p) differs
+    reverse = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    assert metrics.kl_divergence(q_logits, p_logits).item() == pytest.approx(reverse, rel=1e-12)
+    same = torch.randn(4, 7, 11)
+    assert torch.all(metrics.kl_divergence(same, same) < 1e-12)
+    # a reference with zero mass on a token: 0 log 0 = 0, no NaN
+    p_zero = torch.tensor([[0.0, float("-inf")]])
+    assert metrics.kl_divergence(p_zero, torch.zeros(1, 2)).item() == pytest.approx(math.log(2.0))
+    with pytest.raises(ValueError):
+        metrics.kl_divergence(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+def test_nll_and_perplexity():
+    # uniform over V tokens: NLL = ln V per token, perplexity = V
+    logits = torch.zeros(1, 5, 8)
+    targets = torch.tensor([[1, 2, 3, 4, 5]])
+    nll = metrics.token_nll(logits, targets)
+    assert nll.shape == (1, 5)
+    assert torch.allclose(nll, torch.full((1, 5), math.log(8.0), dtype=torch.float64))
+    assert metrics.perplexity(nll.sum().item(), 5) == pytest.approx(8.0)
+    # a sharp correct prediction has NLL ~ 0
+    sharp = torch.full((1, 1, 4), -1e4)
+    sharp[0, 0, 2] = 0.0
+    assert metrics.token_nll(sharp, torch.tensor([[2]])).item() == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError):
+        metrics.perplexity(1.0, 0)
+
+
+def test_top1_agreement():
+    a = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    b = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 1.0]])
+    assert metrics.top1_agreement(a, b).tolist() == [1.0, 0.0]

@@ -1,0 +1,119 @@
+import json
+import math
+
+import pytest
+import torch
+
+from radiance.bench import quality
+from radiance.bench.quality import EvalRequest, Variant
+from radiance.errors import ConfigError
+
+
+class BigramModel(torch.nn.Module):
+    """logits[t] = table[token t]: the simplest model with forward_logits."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = torch.nn.Parameter(table, requires_grad=False)
+
+    def forward_logits(self, input_ids):
+        return self.table[input_ids]
+
+
+class WordTokenizer:
+    """Whitespace tokenizer over a fixed vocabulary; unknown words map to 0."""
+
+    def __init__(self, vocab):
+        self.vocab = {w: i for i, w in enumerate(vocab)}
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [self.vocab.get(w, 0) for w in text.split()]}
+
+
+def test_chunking():
+    ids = list(range(25))
+    chunks = quality.chunk_token_ids(ids, 3, 8)
+    assert chunks.tolist() == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    assert quality.chunk_token_ids(ids, 10, 8).shape == (3, 8)  # fewer when the text is short
+    with pytest.raises(ConfigError, match="fewer than one chunk"):
+        quality.chunk_token_ids(ids, 1, 64)
+    with pytest.raises(ConfigError):
+        quality.chunk_token_ids(ids, 1, 1)
+
+
+def test_uniform_model_has_perplexity_vocab_size():
+    v = 13
+    chunks = torch.randint(0, v, (4, 9))
+    out = quality.evaluate(chunks, {"uniform": BigramModel(torch.zeros(v, v))}, progress=False)
+    assert out["uniform"]["tokens"] == 4 * 8
+    assert out["uniform"]["ppl"] == pytest.approx(v)
+    assert "kl" not in out["uniform"]
+
+
+def test_kl_and_ppl_match_a_direct_computation():
+    torch.manual_seed(0)
+    v = 11
+    ref_table, table = torch.randn(v, v), torch.randn(v, v)
+    chunks = torch.randint(0, v, (3, 7))
+    out = quality.evaluate(chunks, {"m": BigramModel(table)}, reference=BigramModel(ref_table), progress=False)
+    # independent computation: plain python loops over positions with softmax in float64
+    kls, nll, agree, n = [], 0.0, 0, 0
+    for row in chunks.tolist():
+        for t in range(len(row) - 1):
+            p = torch.softmax(ref_table[row[t]].double(), 0).tolist()
+            q = torch.softmax(table[row[t]].double(), 0).tolist()
+            kls.append(sum(pi * math.log(pi / qi) for pi, qi in zip(p, q)))
+            nll -= math.log(q[row[t + 1]])
+            agree += int(max(range(v), key=p.__getitem__) == max(range(v), key=q.__getitem__))
+            n += 1
+    assert out["m"]["kl"] == pytest.approx(sum(kls) / n, rel=1e-5)
+    assert out["m"]["kl_max"] == pytest.approx(max(kls), rel=1e-5)
+    assert out["m"]["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-9)
+    assert out["m"]["top1_agreement"] == pytest.approx(agree / n)
+    # the reference against itself: KL 0, full agreement
+    same = quality.evaluate(chunks, {"r": BigramModel(ref_table)}, reference=BigramModel(ref_table), progress=False)
+    assert same["r"]["kl"] < 1e-9 and same["r"]["top1_agreement"] == 1.0
+    assert same["reference"]["ppl"] == pytest.approx(same["r"]["ppl"])
+
+
+def test_variant_parsing_and_labels():
+    assert Variant.parse("nvfp4/none") == Variant("nvfp4", "none")
+    assert Variant.parse("mxfp4/ocp/bf16").label == "mxfp4 ocp W4A16"
+    assert Variant.parse("mxfp4").label == "mxfp4 mse W4A8"
+    assert Variant.parse("nvfp4/noclip").label == "nvfp4->mxfp4 noclip W4A8"
+    assert Variant("nvfp4", "none").label == "nvfp4 as W4A16"
+    for bad in ("int4", "mxfp4/none", "mxfp4/mse/fp4", "a/b/c/d"):
+        with pytest.raises(ConfigError):
+            Variant.parse(bad)
+
+
+def test_run_eval_end_to_end_with_a_fake_loader(tmp_path):
+    vocab = ["the", "cat", "sat", "on", "mat", "a", "dog"]
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(vocab[i % 7] for i in range(3 * 40)))
+    torch.manual_seed(1)
+    base = torch.randn(7, 7)
+    loaded = []
+
+    def loader(model, variant, device, dtype):
+        loaded.append(variant)
+        noise = 0.0 if variant.quantization == "none" else (0.3 if variant.activations == "fp8" else 0.1)
+        return BigramModel(base + noise * torch.randn(7, 7)), WordTokenizer(vocab)
+
+    req = EvalRequest("kl", None, (Variant("mxfp4", activations="fp8"), Variant("mxfp4", activations="bf16")),
+                      str(text), chunks=4, chunk_len=16)
+    out = quality.run_eval(req, loader, progress=False)
+    assert [v.quantization for v in loaded] == ["none", "mxfp4", "mxfp4"]
+    assert out["chunks"] == 4 and out["tokens"] == 4 * 15
+    w4a8, w4a16 = out["results"]
+    assert w4a8["label"] == "mxfp4 mse W4A8" and w4a8["kl"] > w4a16["kl"] > 0  # more noise, more KL
+    assert out["kl"] == w4a8["kl"] and out["ppl"] == w4a8["ppl"]
+    assert out["reference_ppl"] > 1
+    json.dumps(out)  # serializable as-is
+    with pytest.raises(ConfigError, match="itself"):
+        quality.run_eval(EvalRequest("kl", None, (Variant("none"),), str(text), 2, 16), loader, progress=False)
+    with pytest.raises(ConfigError, match="not found"):
+        quality.run_eval(EvalRequest("ppl", None, (Variant("none"),), str(tmp_path / "x.txt"), 2, 16), loader,
+                         progress=False)
+    ppl_only = quality.run_eval(EvalRequest("ppl", None, (Variant("none"),), str(text), 2, 16), loader, progress=False)
+    assert "kl" not in ppl_only and ppl_only["ppl"] > 1

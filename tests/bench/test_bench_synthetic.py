@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from radiance.bench.synthetic import SyntheticCheckpoint, is_synthetic, synthetic_config
+from radiance.errors import ConfigError
+from radiance.formats import Mxfp4Weight, Nvfp4Weight, dequantize
+
+TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100}
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("llama-3.1-8b", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                          max_position_embeddings=131072, tie_word_embeddings=False)),
+    ("qwen3-8b", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000, rms_norm_eps=1e-6,
+                      max_position_embeddings=40960, tie_word_embeddings=False)),
+    ("qwen3-32b", dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000, rms_norm_eps=1e-6,
+                       max_position_embeddings=40960, tie_word_embeddings=False)),
+])
+def test_public_configs(name, expected):
+    # values copied by hand from the models' published config.json files
+    config = synthetic_config("synthetic:" + name)
+    assert {k: config[k] for k in expected} == expected
+
+
+def test_llama_rope_scaling_and_parameter_count():
+    config = synthetic_config("llama-3.1-8b")
+    assert config["rope_scaling"] == {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+    # Llama-3.1-8B has 8,030,261,248 parameters (its published size)
+    assert SyntheticCheckpoint("synthetic:llama-3.1-8b", device="cpu").num_parameters() == 8_030_261_248
+    # Qwen3-32B: 32.8B by its model card
+    assert 32.7e9 < SyntheticCheckpoint("synthetic:qwen3-32b", device="cpu").num_parameters() < 32.9e9
+
+
+def test_unknown_name_and_format():
+    assert is_synthetic("synthetic:qwen3-8b") and not is_synthetic("/models/x") and not is_synthetic(None)
+    with pytest.raises(ConfigError, match="synthetic:llama-3.1-8b"):
+        synthetic_config("synthetic:llama-9")
+    with pytest.raises(ConfigError):
+        SyntheticCheckpoint("qwen3-8b", device="cpu", weight_format="int4")
+
+
+def test_weights_have_canonical_names_and_shapes():
+    ckpt = SyntheticCheckpoint("synthetic:qwen3-8b", device="cpu", dtype=torch.float32, overrides=TINY)
+    assert ckpt.tokenizer() is None and ckpt.chat_template is None and ckpt.eos_token_ids == []
+    weights = dict(ckpt.iter_weights(progress=False))
+    assert list(weights) == ckpt.names()
+    qkv = weights["model.layers.1.self_attn.qkv_proj"]
+    assert qkv.format == "dense" and qkv.shape == (64 + 2 * 32, 64) and qkv.partition_sizes == (64, 32, 32)
+    assert weights["model.layers.0.mlp.gate_up_proj"].partition_sizes == (96, 96)
+    assert weights["model.layers.0.mlp.down_proj"].shape == (64, 96)
+    assert weights["model.layers.0.self_attn.o_proj"].shape == (64, 64)
+    assert weights["model.layers.0.self_attn.q_norm.weight"].shape == (16,)
+    assert torch.all(weights["model.norm.weight"] == 1)
+    assert weights["model.embed_tokens.weight"].shape == (100, 64)
+    assert weights["lm_head.weight"].shape == (100, 64)
+    std = weights["model.embed_tokens.weight"].std().item()
+    assert 0.015 < std < 0.025
+    # Llama has no q/k norm
+    llama = SyntheticCheckpoint("llama-3.1-8b", device="cpu", overrides=TINY)
+    assert not any("q_norm" in n for n in llama.names())
+    # same seed, same weights
+    again = dict(SyntheticCheckpoint("synthetic:qwen3-8b", device="cpu", dtype=torch.float32,
+                                     overrides=TINY).iter_weights(progress=False))
+    assert torch.equal(again["model.layers.1.mlp.down_proj"].tensor, weights["model.layers.1.mlp.down_proj"].tensor)
+
+
+@pytest.mark.parametrize("fmt, cls", [("mxfp4", Mxfp4Weight), ("nvfp4", Nvfp4Weight)])
+def test_quantized_weight_formats(fmt, cls):
+    dense = dict(SyntheticCheckpoint("llama-3.1-8b", device="cpu", dtype=torch.float32, overrides=TINY)
+                 .iter_weights(progress=False))
+    quant = dict(SyntheticCheckpoint("llama-3.1-8b", device="cpu", dtype=torch.float32, overrides=TINY,
+                                     weight_format=fmt).iter_weights(progress=False))
+    w = quant["model.layers.0.self_attn.qkv_proj"]
+    assert isinstance(w, cls) and w.partition_sizes == (64, 32, 32)
+    ref = dense["model.layers.0.self_attn.qkv_proj"].tensor
+    rel = ((dequantize(w) - ref).norm() / ref.norm()).item()
+    assert 0.02 < rel < 0.2  # 4-bit rounding of the same random values
+    assert torch.equal(quant["model.norm.weight"], dense["model.norm.weight"])

@@ -1,0 +1,190 @@
+"""Reading HF directories: canonical names, merged partitions, shards, compressed-tensors and Quark."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from radiance.checkpoint import open_checkpoint
+from radiance.formats import (DenseWeight, Mxfp4Weight, Nvfp4Weight, dequantize, dequantize_nvfp4,
+                              quantize_mxfp4)
+from tests.checkpoint.factory import (CHAT_TEMPLATE, CT_NVFP4_CONFIG, TINY, ct_nvfp4_tensors, dense_state_dict,
+                                      linear_modules, write_dir)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dense"))
+    return write_dir(path, dense_state_dict(), TINY, tokenizer=True)
+
+
+def test_dense_names_and_merged_partitions(dense_dir):
+    sd = dense_state_dict()
+    ckpt = open_checkpoint(dense_dir)
+    assert ckpt.kind == "hf" and ckpt.quant.method == "none" and ckpt.warnings == []
+    names = ckpt.names()
+    assert "model.layers.1.self_attn.qkv_proj" in names and "model.layers.0.mlp.gate_up_proj" in names
+    assert "lm_head.weight" in names and "model.layers.0.self_attn.q_proj" not in names
+    got = ckpt.state_dict()
+    assert set(got) == set(names)
+    qkv = got["model.layers.1.self_attn.qkv_proj"]
+    assert isinstance(qkv, DenseWeight) and qkv.partition_sizes == (64, 32, 32)
+    expected = torch.cat([sd[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv.tensor, expected)
+    gate_up = got["model.layers.0.mlp.gate_up_proj"]
+    assert gate_up.partition_sizes == (96, 96)
+    assert torch.equal(gate_up.tensor[96:], sd["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(got["lm_head.weight"], sd["lm_head.weight"])  # 16-bit head: a plain tensor
+
+
+def test_tokenizer_template_and_eos(dense_dir):
+    ckpt = open_checkpoint(dense_dir)
+    assert ckpt.chat_template == CHAT_TEMPLATE
+    assert ckpt.eos_token_ids == [2]
+    assert ckpt.tokenizer().encode("w5 w7", add_special_tokens=False) == [5, 7]
+
+
+def test_sharded_index_is_read(tmp_path):
+    sd = dense_state_dict(seed=3)
+    names = sorted(sd)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for file, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(tmp_path / file))
+    with open(tmp_path / "model.safetensors.index.json", "w") as handle:
+        json.dump({"weight_map": {k: f for f, ks in shards.items() for k in ks}}, handle)
+    with open(tmp_path / "config.json", "w") as handle:
+        json.dump(TINY, handle)
+    got = open_checkpoint(str(tmp_path)).state_dict()
+    assert torch.equal(got["model.layers.1.mlp.down_proj"].tensor, sd["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(got["model.norm.weight"], sd["model.norm.weight"])
+
+
+def test_compressed_tensors_nvfp4_keeps_each_partition_global_scale(tmp_path):
+    sd = dense_state_dict()
+    quant = ct_nvfp4_tensors(sd, linear_modules())
+    ckpt = open_checkpoint(write_dir(str(tmp_path), quant, TINY, CT_NVFP4_CONFIG))
+    assert ckpt.warnings == []
+    qkv = dict(ckpt.iter_weights(progress=False))["model.layers.0.self_attn.qkv_proj"]
+    assert isinstance(qkv, Nvfp4Weight) and qkv.partition_sizes == (64, 32, 32)
+    p = "model.layers.0.self_attn"
+    gs = [quant[f"{p}.{x}_proj.weight_global_scale"] for x in "qkv"]
+    assert torch.equal(qkv.global_scale, torch.cat(gs))
+    # each partition dequantized with its own global scale...
+    per_part = torch.cat([dequantize_nvfp4(quant[f"{p}.{x}_proj.weight_packed"], quant[f"{p}.{x}_proj.weight_scale"],
+                                           quant[f"{p}.{x}_proj.weight_global_scale"]) for x in "qkv"])
+    assert torch.equal(dequantize(qkv), per_part)
+    # ...which is not what one collapsed (max) global scale would give
+    collapsed = dequantize_nvfp4(qkv.packed, qkv.scale, torch.cat(gs).max().reshape(1))
+    assert not torch.allclose(collapsed, per_part)
+
+
+def test_tensor_named_ignore_is_matched_as_meant(tmp_path):
+    sd = dense_state_dict()
+    kept = "model.layers.1.mlp.down_proj"
+    quant = ct_nvfp4_tensors(sd, [m for m in linear_modules() if m != kept])
+    qc = dict(CT_NVFP4_CONFIG, ignore=["lm_head", f"{kept}.weight"])
+    ckpt = open_checkpoint(write_dir(str(tmp_path), quant, TINY, qc))
+    assert len(ckpt.warnings) == 1 and f"write '{kept}'" in ckpt.warnings[0]
+    got = dict(ckpt.iter_weights(progress=False))
+    assert isinstance(got[kept], DenseWeight) and torch.equal(got[kept].tensor, sd[f"{kept}.weight"])
+    assert isinstance(got["model.layers.0.mlp.down_proj"], Nvfp4Weight)
+
+
+def test_config_tensor_disagreement_is_warned_and_read_as_stored(tmp_path):
+    sd = dense_state_dict()
+    quant = ct_nvfp4_tensors(sd, [m for m in linear_modules() if not m.endswith("o_proj")])
+    ckpt = open_checkpoint(write_dir(str(tmp_path), quant, TINY, CT_NVFP4_CONFIG))
+    assert any("o_proj" in w and "stored as dense" in w for w in ckpt.warnings)
+    assert isinstance(dict(ckpt.iter_weights(progress=False))["model.layers.0.self_attn.o_proj"], DenseWeight)
+
+
+def test_quark_ocp_mx_layout(tmp_path):
+    sd = dense_state_dict()
+    expected = {}
+    for m in linear_modules():
+        packed, scale = quantize_mxfp4(sd.pop(f"{m}.weight").float(), "ocp")
+        sd[f"{m}.weight"], sd[f"{m}.weight_scale"] = packed, scale
+        expected[m] = (packed, scale)
+    qc = {"quant_method": "quark", "export": {"pack_method": "reorder", "kv_cache_group": []},
+          "global_quant_config": {"weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32,
+                                             "scale_format": "e8m0", "is_dynamic": False}},
+          "layer_quant_config": {}, "exclude": ["lm_head"]}
+    got = dict(open_checkpoint(write_dir(str(tmp_path), sd, TINY, qc)).iter_weights(progress=False))
+    gate_up = got["model.layers.1.mlp.gate_up_proj"]
+    assert isinstance(gate_up, Mxfp4Weight) and gate_up.partition_sizes == (96, 96)
+    g, u = expected["model.layers.1.mlp.gate_proj"], expected["model.layers.1.mlp.up_proj"]
+    assert torch.equal(gate_up.packed, torch.cat([g[0], u[0]])) and torch.equal(gate_up.scale, torch.cat([g[1], u[1]]))
+
+
+def test_tied_embeddings_have_no_lm_head(tmp_path):
+    config = dict(TINY, tie_word_embeddings=True)
+    ckpt = open_checkpoint(write_dir(str(tmp_path), dense_state_dict(config), config))
+    assert "lm_head.weight" not in ckpt.names() and "lm_head" not in ckpt.names()
+
+
+def test_directory_with_one_gguf_and_missing_path(tmp_path):
+    from radiance.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no such file"):
+        open_checkpoint(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="neither config.json nor a .gguf"):
+        open_checkpoint(str(tmp_path))
+    assert os.path.isdir(tmp_path)
+
+
+def test_qwen2_biases_are_merged_and_split_back(tmp_path):
+    from radiance.checkpoint import convert_checkpoint
+    from radiance.config import ConvertConfig
+
+    sd = dense_state_dict()
+    gen = torch.Generator().manual_seed(7)
+    for x, n in (("q", 64), ("k", 32), ("v", 32)):
+        sd[f"model.layers.0.self_attn.{x}_proj.bias"] = torch.randn(n, generator=gen).to(torch.bfloat16)
+    src = write_dir(str(tmp_path / "src"), sd, TINY)
+    got = open_checkpoint(src).state_dict()
+    bias = got["model.layers.0.self_attn.qkv_proj.bias"]
+    assert torch.equal(bias, torch.cat([sd[f"model.layers.0.self_attn.{x}_proj.bias"] for x in "qkv"]))
+    assert "model.layers.1.self_attn.qkv_proj.bias" not in got
+    convert_checkpoint(src, str(tmp_path / "out"), ConvertConfig(format="mxfp4"), progress=False)
+    again = open_checkpoint(str(tmp_path / "out"))
+    assert torch.equal(again.state_dict()["model.layers.0.self_attn.qkv_proj.bias"], bias)
+    assert "model.layers.0.self_attn.k_proj.bias" in again.index.meta
+
+
+def test_fp8_per_tensor_scale_becomes_per_channel(tmp_path):
+    from radiance.formats import Fp8Weight
+
+    sd = dense_state_dict()
+    m = "model.layers.0.mlp.down_proj"
+    w = sd.pop(f"{m}.weight").float()
+    scale = w.abs().max() / 448.0
+    sd[f"{m}.weight"] = (w / scale).to(torch.float8_e4m3fn)
+    sd[f"{m}.weight_scale"] = scale.reshape(1)
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {"targets": [m], "weights": {
+              "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}
+    ckpt = open_checkpoint(write_dir(str(tmp_path), sd, TINY, qc))
+    assert ckpt.warnings == []
+    got = ckpt.state_dict()
+    down = got[m]
+    assert isinstance(down, Fp8Weight) and down.scale.shape == (64, 1) and bool((down.scale == scale).all())
+    assert torch.equal(dequantize(down), sd[f"{m}.weight"].float() * scale)
+    assert isinstance(got["model.layers.1.mlp.down_proj"], DenseWeight)  # only the exact target is fp8
+
+
+def test_design_example_mtp_fc_weight_in_ignore(tmp_path):
+    """DESIGN.md: `ignore: ["mtp.fc.weight"]` names a tensor; meant is the module `mtp.fc` (kept 16-bit)."""
+    sd = ct_nvfp4_tensors(dense_state_dict(), linear_modules())
+    gen = torch.Generator().manual_seed(5)
+    sd["mtp.fc.weight"] = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
+    sd.update(ct_nvfp4_tensors({"mtp.proj.weight": torch.randn(64, 64, generator=gen)}, ["mtp.proj"]))
+    qc = dict(CT_NVFP4_CONFIG, ignore=["lm_head", "mtp.fc.weight"])
+    ckpt = open_checkpoint(write_dir(str(tmp_path), sd, TINY, qc))
+    assert len(ckpt.warnings) == 1 and "'mtp.fc.weight' names a tensor" in ckpt.warnings[0]
+    assert "write 'mtp.fc'" in ckpt.warnings[0]
+    got = ckpt.state_dict()
+    assert torch.equal(got["mtp.fc.weight"], sd["mtp.fc.weight"])
+    assert isinstance(got["mtp.proj"], Nvfp4Weight)  # an unknown Linear still follows the "Linear" target

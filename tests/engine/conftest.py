@@ -1,0 +1,74 @@
+"""Fixtures of the engine tests: tiny random HF models saved to disk and read back through
+`open_checkpoint`, and the embedded SmolLM2 loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def tiny_hf_model(arch: str, seed: int = 0):
+    """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
+    missing bias, norm or rope variant changes the logits."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+    if arch == "llama3":
+        config = LlamaConfig(**common, rope_scaling=dict(LLAMA3_ROPE), rope_theta=5000.0)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, tie_word_embeddings=True)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common, head_dim=32)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """arch -> (directory saved with save_pretrained, the HF model)."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            model = tiny_hf_model(arch)
+            path = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(path)
+            cache[arch] = (str(path), model)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    """LLM factory over the tiny Llama 3 model: tiny_llm(**engine_options)."""
+    from radiance import LLM
+
+    path, _ = tiny_model_dir("llama3")
+
+    def make(**options):
+        options.setdefault("device", "cpu")
+        return LLM(path, **options)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct on the CPU (fp32), loaded once."""
+    from radiance import LLM
+
+    return LLM(device="cpu", max_num_seqs=8)

@@ -1,0 +1,121 @@
+"""Scheduling must not change what greedy decoding produces; sampling options behave as documented."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radiance import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(256) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llm):
+    """Each prompt generated alone on a roomy, unchunked, uncached engine."""
+    llm = tiny_llm(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=1)
+    prompts = _prompts(6) + _prompts(4, seed=1, shared_prefix=40)
+    return prompts, [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_outputs_have_the_requested_length(reference):
+    _, outs = reference
+    assert all(len(o) == GREEDY.max_tokens for o in outs)
+    assert len({tuple(o) for o in outs}) == len(outs)  # the model is not degenerate
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_num_seqs=16),                                                   # continuous batch
+    dict(max_num_seqs=16, enable_prefix_caching=True),                       # prefix cache hits
+    dict(max_num_seqs=16, max_num_batched_tokens=16),                        # chunked prefill, mixed steps
+    dict(max_num_seqs=16, enable_chunked_prefill=False, max_num_batched_tokens=64),
+    dict(max_num_seqs=16, num_gpu_blocks_override=12, max_num_batched_tokens=32),  # preemption
+], ids=["batched", "prefix-cache", "chunked", "unchunked", "preemption"])
+def test_greedy_identical_under_scheduling(tiny_llm, reference, options):
+    prompts, expected = reference
+    llm = tiny_llm(**options)
+    if options.get("enable_prefix_caching"):
+        llm.generate(prompts[-1], GREEDY)  # warm the cache with the shared prefix
+    outs = llm.generate(prompts, GREEDY)
+    assert _ids(outs) == expected
+    stats = llm.engine.stats()
+    if "num_gpu_blocks_override" in options:
+        assert stats.num_preemptions > 0
+    if options.get("enable_prefix_caching"):
+        assert max(o.num_cached_tokens for o in outs) >= 32
+    assert stats.num_running == stats.num_waiting == 0
+
+
+def test_prefix_caching_off_reuses_nothing(tiny_llm):
+    llm = tiny_llm(enable_prefix_caching=False)
+    prompts = _prompts(2, seed=3, shared_prefix=48)
+    llm.generate(prompts[0], GREEDY)
+    assert llm.generate(prompts[1], GREEDY)[0].num_cached_tokens == 0
+
+
+def test_seeded_sampling_is_reproducible(tiny_llm):
+    llm = tiny_llm()
+    prompt = _prompts(1, seed=5)[0]
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    first = llm.generate(prompt, params)[0].outputs[0].token_ids
+    # the same request again, now inside a batch of other sampled requests
+    batch = llm.generate([prompt] + _prompts(3, seed=6), [params] + [SamplingParams(max_tokens=16, temperature=1.0)] * 3)
+    assert batch[0].outputs[0].token_ids == first
+    other = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4321, ignore_eos=True))
+    assert other[0].outputs[0].token_ids != first
+
+
+def test_stop_token_ids_and_max_model_len(tiny_llm, reference):
+    prompts, expected = reference
+    llm = tiny_llm(max_model_len=64)
+    stop_at = expected[0][4]
+    out = llm.generate(prompts[0], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_at,)))[0]
+    first = expected[0].index(stop_at)
+    assert out.outputs[0].token_ids == expected[0][:first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    long_prompt = list(range(60))
+    out = llm.generate(long_prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(list(range(64)), GREEDY)
+
+
+def test_logprobs_are_consistent(tiny_llm):
+    llm = tiny_llm()
+    out = llm.generate(_prompts(1, seed=7)[0], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == token
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == token and lp.top[0][1] == pytest.approx(lp.logprob)  # greedy = top-1
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert lp.logprob <= 0
+
+
+def test_abort_and_stats(tiny_llm):
+    llm = tiny_llm()
+    engine = llm.engine
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    engine.step()
+    assert engine.stats().num_running == 2 and engine.stats().kv_cache_usage > 0
+    engine.abort_request("a")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {"a": "abort", "b": "length"}
+    with pytest.raises(ValueError):
+        engine.add_request("c", [], SamplingParams())

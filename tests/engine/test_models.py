@@ -1,0 +1,117 @@
+"""Our 16-bit models against the transformers implementation of the same weights (fp32, rel <= 1e-3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radiance.checkpoint import open_checkpoint
+from radiance.config import ModelConfig
+from radiance.engine.loader import load_model
+from radiance.errors import ConfigError
+from radiance.models.registry import resolve_architecture
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+def test_logits_match_transformers(arch, tiny_model_dir):
+    path, hf = tiny_model_dir(arch)
+    loaded = load_model(ModelConfig(device="cpu"), checkpoint=open_checkpoint(path), progress=False)
+    assert loaded.model.config.architecture == type(hf).__name__
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (2, 300))  # past original_max_position_embeddings of the llama3 rope
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ours = loaded.model.forward_logits(ids)
+    assert ours.shape == ref.shape
+    assert _rel(ours, ref) <= 1e-3
+
+
+def test_llama3_rope_scaling_is_applied(tiny_model_dir):
+    """The same weights with the rope scaling removed must give different logits, so the match above
+    depends on the scaling being right."""
+    path, _ = tiny_model_dir("llama3")
+    ckpt = open_checkpoint(path)
+    scaled = load_model(ModelConfig(device="cpu"), checkpoint=ckpt, progress=False).model
+    ckpt.config = {k: v for k, v in ckpt.config.items() if k not in ("rope_scaling", "rope_parameters")}
+    plain = load_model(ModelConfig(device="cpu"), checkpoint=ckpt, progress=False).model
+    ids = torch.randint(0, 256, (1, 200))
+    assert _rel(plain.forward_logits(ids), scaled.forward_logits(ids)) > 1e-2
+
+
+def test_unknown_architecture_is_a_config_error():
+    with pytest.raises(ConfigError, match="MambaForCausalLM"):
+        resolve_architecture({"architectures": ["MambaForCausalLM"], "hidden_size": 8})
+
+
+def test_unsupported_rope_is_a_config_error(tiny_model_dir):
+    path, _ = tiny_model_dir("llama3")
+    ckpt = open_checkpoint(path)
+    ckpt.config = dict(ckpt.config, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
+    with pytest.raises(ConfigError, match="yarn"):
+        load_model(ModelConfig(device="cpu"), checkpoint=ckpt, progress=False)
+
+
+def test_smollm2_gguf_logits_match_transformers(smollm2):
+    """Our GGUF-loaded SmolLM2 against transformers' own GGUF loader of the same file."""
+    import os
+
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from radiance.checkpoint import embedded_model_path
+
+    # transformers' own GGUF reader (from_pretrained(gguf_file=) would also want accelerate)
+    path = embedded_model_path()
+    hf = LlamaForCausalLM(AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)))
+    state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"]
+    missing = hf.load_state_dict(state, strict=False).missing_keys
+    assert missing == ["lm_head.weight"]  # tied to the embedding
+    hf = hf.float().eval()
+    ids = torch.tensor([smollm2.tokenizer("The capital of France is Paris, and the capital of Italy is").input_ids])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ours = smollm2.engine.model.forward_logits(ids)
+    assert _rel(ours, ref) <= 1e-3
+    assert ours[0, -1].argmax() == ref[0, -1].argmax()
+
+
+@pytest.mark.parametrize("quantization,rule,served", [("mxfp4", "mse", "mxfp4"), ("nvfp4", "mse", "mxfp4"),
+                                                       ("nvfp4", "none", "nvfp4-dequant"), ("none", "mse", "dense")])
+def test_quantization_options(tiny_model_dir, quantization, rule, served):
+    """Quantizing at load: every linear served as asked, logits near the 16-bit ones (4-bit error, not garbage)."""
+    path, hf = tiny_model_dir("qwen3")
+    config = ModelConfig(device="cpu", quantization=quantization, rule=rule)
+    loaded = load_model(config, checkpoint=open_checkpoint(path), progress=False)
+    assert f"8 {served}" in loaded.summary[1]
+    ids = torch.randint(0, 256, (1, 64))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    err = _rel(loaded.model.forward_logits(ids), ref)
+    if served == "dense":
+        assert err <= 1e-3
+    else:  # about the error of the same HF model with its weights rounded to MXFP4 (W4A16 oracle)
+        assert 1e-3 < err < 2.0 * _mxfp4_oracle_error(hf, ids, ref)
+
+
+def _mxfp4_oracle_error(hf, ids, ref) -> float:
+    import copy
+
+    from radiance.formats import DenseWeight, dequantize, to_mxfp4
+
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, module in rounded.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(dequantize(to_mxfp4(DenseWeight(module.weight.detach().clone()))[0]))
+        return _rel(rounded(ids).logits, ref)
+
+
+def test_ignore_keeps_matching_linears_16bit(tiny_model_dir):
+    path, _ = tiny_model_dir("llama3")
+    config = ModelConfig(device="cpu", quantization="mxfp4", ignore=(r"\.mlp\.",))
+    loaded = load_model(config, checkpoint=open_checkpoint(path), progress=False)
+    assert "4 dense" in loaded.summary[1] and "4 mxfp4" in loaded.summary[1]

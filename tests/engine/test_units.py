@@ -1,0 +1,101 @@
+"""Unit tests of the block manager, the sampler and the sampling parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radiance.engine.block_manager import BlockManager
+from radiance.engine.sampling_params import SamplingParams
+from radiance.engine.sequence import Sequence
+from radiance.layers.sampler import SamplingRow, sample
+
+
+def _seq(tokens, rid="r"):
+    return Sequence(rid, tokens, SamplingParams(), 0)
+
+
+def test_block_manager_prefix_reuse_and_eviction():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = _seq(list(range(10)))
+    assert bm.match_prefix(a) == 0
+    bm.allocate(a, 10)
+    assert len(a.block_table) == 3 and bm.num_free_blocks == 3
+    a.num_computed_tokens = 10
+    bm.commit(a)  # blocks 0-1 full and hashed, the third partial
+    b = _seq(list(range(9)) + [99], "b")
+    assert bm.match_prefix(b) == 8  # two shared blocks
+    assert b.block_table == a.block_table[:2]
+    assert bm.ref_counts[a.block_table[0]] == 2
+    c = _seq(list(range(8)), "c")
+    assert bm.match_prefix(c) == 4  # the last token is always recomputed: only one full block reused
+    bm.free(a), bm.free(b), bm.free(c)
+    assert bm.num_free_blocks == 6
+    d = _seq(list(range(10)), "d")  # freed blocks keep their contents until reused
+    assert bm.match_prefix(d) == 8
+    bm.free(d)
+    e = _seq([7] * 24, "e")  # takes every block: the cached ones get evicted
+    bm.allocate(e, 24)
+    bm.free(e)
+    assert bm.match_prefix(_seq(list(range(10)), "f")) == 0
+
+
+def test_block_manager_without_prefix_caching():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    a = _seq(list(range(8)))
+    bm.allocate(a, 8)
+    a.num_computed_tokens = 8
+    bm.commit(a)
+    bm.free(a)
+    assert bm.match_prefix(_seq(list(range(9)), "b")) == 0
+    assert not bm.can_allocate(_seq(list(range(17)), "c"), 17)
+
+
+def test_sampler_filters():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    greedy = logits.argmax(-1).tolist()
+    rows = [SamplingRow(0.0), SamplingRow(1.0, top_k=1), SamplingRow(1.0, top_p=1e-6), SamplingRow(1.0, min_p=1.0)]
+    assert sample(logits, rows).token_ids == greedy
+    # top-k=3 only ever returns one of the 3 best tokens
+    best3 = set(logits[0].topk(3).indices.tolist())
+    many = sample(logits[:1].repeat(300, 1), [SamplingRow(1.5, top_k=3)] * 300).token_ids
+    assert set(many) <= best3 and len(set(many)) == 3
+
+
+def test_sampler_matches_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    ids = torch.tensor(sample(logits, [SamplingRow(1.0)] * 4000).token_ids)
+    freq = torch.bincount(ids, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+    # top_p=0.8 keeps 0.5 and 0.3 (the 0.15 starts above 0.8 of mass), renormalized 5:3
+    ids = torch.tensor(sample(logits, [SamplingRow(1.0, top_p=0.8)] * 4000).token_ids)
+    freq = torch.bincount(ids, minlength=4).float() / 4000
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.625) < 0.03
+
+
+def test_seeded_rows_are_reproducible():
+    logits = torch.randn(1, 1000)
+
+    def draw(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [sample(logits, [SamplingRow(1.0, generator=g)]).token_ids[0] for _ in range(20)]
+
+    assert draw(7) == draw(7) and draw(7) != draw(8)
+
+
+def test_logprobs_rows():
+    logits = torch.randn(2, 30)
+    out = sample(logits, [SamplingRow(0.0, num_logprobs=2), SamplingRow(0.0)])
+    chosen, top = out.logprobs[0]
+    assert out.logprobs[1] is None
+    assert chosen == pytest.approx(logits[0].log_softmax(-1).max().item(), abs=1e-5)
+    assert [t for t, _ in top] == logits[0].topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-2),
+                                 dict(min_p=2), dict(n=0)])
+def test_sampling_params_validation(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

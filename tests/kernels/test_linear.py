@@ -1,0 +1,66 @@
+import logging
+
+import pytest
+import torch
+
+from radiance.config import KernelConfig
+from radiance.formats import DenseWeight, Nvfp4Weight, dequantize, dequantize_mxfp4, quantize_mxfp4, quantize_nvfp4
+from radiance.kernels.numerics import NumericsMonitor
+from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_reference
+from radiance.layers.linear import DenseLinear, Mxfp4Linear, choose_path, linear_summary
+from tests.kernels.conftest import random_mxfp4
+
+
+def test_cpu_layer_is_the_exact_reference():
+    packed, scale = random_mxfp4(40, 96, "cpu")
+    bias = torch.randn(40)
+    layer = Mxfp4Linear(packed, scale, bias)
+    assert layer.path == "reference" and "cpu" in layer.path_reason
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 5, 96).to(dtype)
+        out = layer(x)
+        assert out.shape == (2, 5, 40) and out.dtype == dtype
+        assert torch.equal(out, w4a8_reference(x, packed, scale, bias))
+    x_q, x_s = quantize_activations_reference(x.reshape(-1, 96))
+    assert torch.equal(layer.forward_quantized(x_q, x_s, torch.bfloat16), out.reshape(-1, 40))
+    assert torch.equal(layer.dequantized_weight(), dequantize_mxfp4(packed, scale))
+
+
+def test_from_weight_converts_any_format():
+    w = torch.randn(32, 64)
+    layer, rel = Mxfp4Linear.from_weight(DenseWeight(w))
+    assert 0.05 < rel < 0.2  # MXFP4 of a Gaussian weight: ~0.11 relative RMS
+    packed, scale = quantize_mxfp4(w)
+    assert torch.equal(layer.dequantized_weight(), dequantize_mxfp4(packed, scale))
+    nv = Nvfp4Weight(*quantize_nvfp4(w))
+    layer_nv, rel_nv = Mxfp4Linear.from_weight(nv, rule="noclip")
+    assert rel_nv > 0 and relative_error(layer_nv.dequantized_weight(), dequantize(nv)) == pytest.approx(rel_nv, rel=1e-3)
+
+
+def test_paths_and_summary():
+    packed, scale = random_mxfp4(16, 64, "cpu")
+    ref_layer = Mxfp4Linear(packed, scale)
+    w4a16 = Mxfp4Linear(packed, scale, kernel_config=KernelConfig(activations="bf16"))
+    assert w4a16.path == "w4a16"
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    exact = x.float() @ dequantize_mxfp4(packed, scale).t()
+    assert relative_error(w4a16(x), exact) < 1e-2
+    assert choose_path(torch.device("cpu"), KernelConfig(use_triton=False))[1] == "use_triton=False"
+    model = torch.nn.ModuleList([ref_layer, w4a16, DenseLinear(torch.randn(8, 64))])
+    line = linear_summary(model)
+    assert line.startswith("0/2 linears on the W4A8 kernel")
+    assert "1 on reference (cpu: exact reference path)" in line and "1 on w4a16" in line and "1 dense" in line
+
+
+def test_numerics_monitor_reports_bad_outputs(caplog):
+    packed, scale = random_mxfp4(16, 64, "cpu")
+    w = dequantize_mxfp4(packed, scale)
+    x_q, x_s = quantize_activations_reference(torch.randn(4, 64))
+    good = (x_q.float() * x_s) @ w.t()
+    monitor = NumericsMonitor("layer0", every=2)
+    assert [monitor.due() for _ in range(4)] == [True, False, True, False]
+    with caplog.at_level(logging.WARNING):
+        assert monitor.check(x_q, x_s, w, None, good) < 1e-6
+        assert monitor.failures == 0
+        monitor.check(x_q, x_s, w, None, good * 1.01)
+    assert monitor.failures == 1 and "layer0" in caplog.text

@@ -1,0 +1,102 @@
+"""The W4A8 GEMM (both tilings, split-K, bias, ragged N/K) and the fused op vs the exact reference.
+Run on CUDA, or on the CPU through the Triton interpreter by test_triton_interpreter.py."""
+
+import pytest
+import torch
+
+from radiance.formats import dequantize_mxfp4
+from radiance.kernels import ops  # noqa: F401 - registers torch.ops.radiance.*
+from radiance.kernels.activation import quantize_activations
+from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
+from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_matmul_reference
+from radiance.kernels.tuning import GemmConfig
+from radiance.kernels.w4a8 import expand_weight_fp8, w4a8_gemm
+from tests.kernels.conftest import random_mxfp4
+
+# The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest even), so exactness is
+# checked on fp32 outputs; bf16 is checked on the GPU (test_gpu.py).
+GATE = 2e-3
+ISSUE_M = (1, 2, 3, 5, 8, 16, 17, 33, 64, 65, 128, 257, 1024, 4096)
+SWAP = GemmConfig(block_m=16, block_n=64, block_k=64, swap_ab=True, split_k=0)
+PLAIN = GemmConfig(block_m=64, block_n=32, block_k=64, swap_ab=False, split_k=1)
+SPLIT3 = GemmConfig(block_m=16, block_n=32, block_k=32, swap_ab=True, split_k=3)
+
+
+def _check(device, m, n, k, config, bias: bool, spread: int = 5, out_dtype=torch.float32, gate=GATE):
+    packed, scale = random_mxfp4(n, k, device, spread=spread)
+    pw = prepare_mxfp4(packed, scale)
+    x = torch.randn(m, k, device=device) * 2
+    b = torch.randn(n, device=device) if bias else None
+    x_q, x_scale = quantize_activations(x)
+    out = torch.full((m, n), float("nan"), device=device, dtype=out_dtype)  # poisoned
+    w4a8_gemm(x_q, x_scale, pw, b, out_dtype, config=config, out=out)
+    ref = w4a8_matmul_reference(*quantize_activations_reference(x), dequantize_prepared(pw), b, torch.float32)
+    err = relative_error(out, ref)
+    assert err <= gate, f"M={m} N={n} K={k} {config}: rel {err:.2e}"
+    if pw.underflow_blocks == 0:  # then the prepared weight is the MXFP4 weight itself
+        assert torch.equal(dequantize_prepared(pw), dequantize_mxfp4(packed, scale))
+
+
+def test_expand_arithmetic_gives_exact_weight(device):
+    packed, scale = random_mxfp4(40, 256, device, spread=14)
+    pw = prepare_mxfp4(packed, scale)
+    w8 = expand_weight_fp8(pw, use_asm=False)
+    assert torch.equal(w8.float() * pw.w_scale[:, None], dequantize_prepared(pw))
+
+
+@pytest.mark.parametrize("m", ISSUE_M)
+def test_default_dispatch_every_m_band(device, m):
+    _check(device, m, 48, 96, None, bias=m % 2 == 1)
+
+
+@pytest.mark.parametrize("config", [SWAP, PLAIN, SPLIT3], ids=["swap", "plain", "split3"])
+@pytest.mark.parametrize("m", (1, 5, 17, 70))
+def test_tilings_with_ragged_n_and_k(device, config, m):
+    _check(device, m, 40, 160, config, bias=True)  # N not a tile multiple, K not a multiple of BK
+
+
+def test_wide_exponent_spread_and_underflow(device):
+    _check(device, 9, 64, 128, SWAP, bias=False, spread=16)
+
+
+def test_bf16_out_and_empty_m(device):
+    packed, scale = random_mxfp4(32, 64, device)
+    pw = prepare_mxfp4(packed, scale)
+    x_q, x_s = quantize_activations(torch.randn(0, 64, device=device))
+    assert w4a8_gemm(x_q, x_s, pw).shape == (0, 32)
+    x = torch.randn(4, 64, device=device)
+    out = w4a8_gemm(*quantize_activations(x), pw)
+    assert out.dtype == torch.bfloat16
+    ref = w4a8_matmul_reference(*quantize_activations_reference(x), dequantize_prepared(pw), None, torch.float32)
+    assert relative_error(out, ref) < 8e-3  # bf16 output rounding (truncation under the interpreter)
+
+
+def test_nan_token_does_not_leak_into_other_rows(device):
+    packed, scale = random_mxfp4(48, 128, device)
+    pw = prepare_mxfp4(packed, scale)
+    for m, config in ((5, SWAP), (70, PLAIN)):
+        x = torch.randn(m, 128, device=device)
+        clean = w4a8_gemm(*quantize_activations(x), pw, None, torch.float32, config=config)
+        x[2, 3] = float("nan")
+        x[4, 7] = float("inf")
+        out = w4a8_gemm(*quantize_activations(x), pw, None, torch.float32, config=config)
+        keep = [i for i in range(m) if i not in (2, 4)]
+        assert torch.equal(out[keep], clean[keep])
+        assert not torch.isfinite(out[2]).all()
+
+
+def test_custom_op_matches_reference_and_traces(device):
+    packed, scale = random_mxfp4(48, 96, device)
+    pw = prepare_mxfp4(packed, scale)
+    x = torch.randn(6, 96, device=device)
+    args = (x, pw.w_q, pw.w_shift, pw.w_scale, None, 64)
+    out = torch.ops.radiance.w4a8_linear(*args)
+    ref = w4a8_matmul_reference(*quantize_activations_reference(x), dequantize_prepared(pw), None, torch.float32)
+    assert out.dtype == x.dtype and relative_error(out, ref) <= GATE
+    compiled = torch.compile(lambda *a: torch.ops.radiance.w4a8_linear(*a) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.allclose(compiled(*args), out * 2)
+    torch.library.opcheck(torch.ops.radiance.w4a8_linear.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    x_q, x_s = quantize_activations(x)
+    out_q = torch.ops.radiance.w4a8_linear_quantized(x_q, x_s, pw.w_q, pw.w_shift, pw.w_scale, None, torch.float32, 64)
+    assert torch.equal(out_q, out)

@@ -1,0 +1,129 @@
+"""A scripted stand-in for AsyncLLMEngine (ARCHITECTURE.md contract) and a byte tokenizer, so the
+server's routes, parsers, errors and disconnect handling can be tested fast and deterministically.
+
+The reply is the text after the last `SAY:` in the prompt (up to `<|end|>`), one byte per token.
+`FAIL` in the reply makes generation raise after a few tokens; `SLOW` makes each token take 50 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+from radiance.server.streaming_text import partial_tag_start
+from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+
+BOS, EOS = 256, 257
+
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|tools|>{{ tools | tojson }}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content if m.content else '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking %}<think>{% endif %}{% endif %}"
+)
+
+
+class ByteTokenizer:
+    bos_token, eos_token = "<s>", "</s>"
+    bos_token_id, eos_token_id = BOS, EOS
+
+    def __len__(self):
+        return 258
+
+    def encode(self, text, add_special_tokens=True):
+        return ([BOS] if add_special_tokens else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens=True):
+        data = bytes(i for i in ids if i < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class FakeEngine:
+    def __init__(self, max_model_len=512, chat_template=TEMPLATE):
+        self.tokenizer = ByteTokenizer()
+        self.max_model_len = max_model_len
+        self.chat_template = chat_template
+        self.model_name = "fake-model"
+        self.load_summary = ["model: fake-model (scripted test engine)"]
+        self.active: set[str] = set()
+        self.aborted: list[str] = []
+        self.requests: list[tuple[str, list[int], object]] = []
+        self.prompt_tokens = 0
+        self.generated = 0
+
+    def stats(self):
+        return EngineStats(num_running=len(self.active), num_waiting=0, kv_cache_usage=0.1 * len(self.active),
+                           num_preemptions=0, prompt_tokens_total=self.prompt_tokens,
+                           generation_tokens_total=self.generated)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        self.active.discard(request_id)
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        self.requests.append((request_id, list(prompt_token_ids), params))
+        self.active.add(request_id)
+        self.prompt_tokens += len(prompt_token_ids)
+        prompt = self.tokenizer.decode(prompt_token_ids)
+        reply = prompt.rsplit("SAY:", 1)[-1].split("<|end|>")[0] if "SAY:" in prompt else "ok"
+        data = reply.encode("utf-8")
+        token_ids, logprobs = [], [] if params.logprobs is not None else None
+        try:
+            for i, byte in enumerate(data):
+                if request_id not in self.active:
+                    return
+                if "FAIL" in reply and i == 3:
+                    raise RuntimeError("scripted engine failure")
+                await asyncio.sleep(0.05 if "SLOW" in reply else 0)
+                token_ids.append(byte)
+                self.generated += 1
+                if logprobs is not None:
+                    logprobs.append(TokenLogprob(byte, -0.5, [(byte, -0.5), (32, -1.5)][:params.logprobs]))
+                text = self.tokenizer.decode(token_ids)
+                stop = next((s for s in params.stop if s in text), None)
+                if stop is not None:
+                    text = text[:text.index(stop)]
+                    yield RequestOutput(request_id, list(prompt_token_ids), text, list(token_ids), logprobs,
+                                        "stop", True)
+                    return
+                cut = len(token_ids) >= params.max_tokens
+                done = cut or i == len(data) - 1
+                reason = ("length" if cut else "stop") if done else None
+                if not done:  # hold back a possible start of a stop string, as a real engine does
+                    text = text[:min([partial_tag_start(text, s) for s in params.stop] or [len(text)])]
+                yield RequestOutput(request_id, list(prompt_token_ids), text, list(token_ids),
+                                    None if logprobs is None else list(logprobs), reason, done)
+                if done:
+                    return
+        finally:
+            self.active.discard(request_id)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, port: int | None = None):
+    """Run `app` under uvicorn in a thread; yields the base URL."""
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

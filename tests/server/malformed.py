@@ -1,0 +1,91 @@
+"""Malformed requests and the (status, param) each must get. Shared by the fake-engine and the live tests.
+
+`MODEL` in a body is replaced by the served model name; `BIG` by a token count over the context.
+"""
+
+MSG = [{"role": "user", "content": "hi"}]
+
+# (name, method, path, body (dict or raw bytes), expected status, expected param or None)
+MALFORMED = [
+    ("not json", "POST", "/v1/chat/completions", b"{not json", 400, None),
+    ("json array", "POST", "/v1/chat/completions", b"[1, 2]", 400, None),
+    ("json string", "POST", "/v1/completions", b'"hello"', 400, None),
+    ("missing messages", "POST", "/v1/chat/completions", {"model": "MODEL"}, 400, "messages"),
+    ("empty messages", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": []}, 400, "messages"),
+    ("messages not a list", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": "hi"}, 400, "messages"),
+    ("bad role", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]},
+     400, "messages[0].role"),
+    ("content a number", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": 5}]},
+     400, "messages[0].content"),
+    ("user without content", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user"}]},
+     400, "messages[0]"),
+    ("unknown model", "POST", "/v1/chat/completions", {"model": "no-such-model", "messages": MSG}, 404, "model"),
+    ("unknown model completions", "POST", "/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+    ("max_tokens zero", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": MSG, "max_tokens": 0},
+     400, "max_tokens"),
+    ("max_tokens negative", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "max_tokens": -3},
+     400, "max_tokens"),
+    ("max_tokens a string", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "max_tokens": "5"},
+     400, "max_tokens"),
+    ("max_tokens too large", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "max_tokens": "BIG"},
+     400, "max_tokens"),
+    ("max_completion_tokens too large", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "max_completion_tokens": "BIG"}, 400, "max_completion_tokens"),
+    ("temperature negative", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": MSG, "temperature": -0.5},
+     400, "temperature"),
+    ("temperature a bool", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": MSG, "temperature": True},
+     400, "temperature"),
+    ("top_p above one", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("top_p zero", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("min_p above one", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "min_p": 2}, 400, "min_p"),
+    ("top_k below -1", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "top_k": -5}, 400, "top_k"),
+    ("n zero", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": MSG, "n": 0}, 400, "n"),
+    ("n too many", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": MSG, "n": 1000}, 400, "n"),
+    ("logprobs over 20", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("top_logprobs over 20", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "logprobs": True, "top_logprobs": 25}, 400, "top_logprobs"),
+    ("top_logprobs without logprobs", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("empty prompt", "POST", "/v1/completions", {"model": "MODEL", "prompt": ""}, 400, "prompt"),
+    ("empty token list", "POST", "/v1/completions", {"model": "MODEL", "prompt": []}, 400, "prompt"),
+    ("missing prompt", "POST", "/v1/completions", {"model": "MODEL"}, 400, "prompt"),
+    ("prompt a dict", "POST", "/v1/completions", {"model": "MODEL", "prompt": {"a": 1}}, 400, "prompt"),
+    ("token id out of vocabulary", "POST", "/v1/completions", {"model": "MODEL", "prompt": [1, 2, 10_000_000]},
+     400, "prompt"),
+    ("negative token id", "POST", "/v1/completions", {"model": "MODEL", "prompt": [[1, 2], [-1]]}, 400, "prompt[1]"),
+    ("stream_options without stream", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("unknown tool_choice name", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("tool_choice a bad word", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ("tool without function", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    ("stop with an empty string", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "stop": [""]},
+     400, "stop"),
+    ("stream a string", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("detokenize out of vocabulary", "POST", "/detokenize", {"tokens": [10_000_000]}, 400, "tokens"),
+    ("tokenize neither prompt nor messages", "POST", "/tokenize", {}, 400, None),
+]
+
+
+def body_bytes(body, model: str, big: int):
+    import json
+    if isinstance(body, bytes):
+        return body
+    text = json.dumps(body).replace('"MODEL"', json.dumps(model)).replace('"BIG"', str(big))
+    return text.encode()
+
+
+def check_error_shape(response, status, param):
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, err

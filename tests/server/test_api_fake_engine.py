@@ -1,0 +1,306 @@
+"""The HTTP layer against a scripted engine: shapes, streaming, parsers, errors, auth, disconnects."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from radiance.config import ServerConfig
+from radiance.server.api import build_app
+from radiance.server.state import ServerState
+from tests.server.fake_engine import FakeEngine, serve_in_thread
+from tests.server.malformed import MALFORMED, body_bytes, check_error_shape
+
+KEY = "sk-test-key"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = FakeEngine()
+    state = ServerState(ServerConfig(served_model_name=("fake", "fake-alias"), api_key=KEY, max_n=8),
+                        engine_factory=lambda: engine)
+    state.attach(engine)
+    with serve_in_thread(build_app(state)) as url:
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def http(server, method, path, body=None, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (dict, list)):
+        body = json.dumps(body).encode()
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    return httpx.request(method, server[0] + path, content=body, headers=headers, timeout=30, **kw)
+
+
+def sse_events(text):
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def chat(client, say, **kw):
+    return client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "SAY:" + say}], **kw)
+
+
+def test_chat_non_streaming_shape_and_usage(client, server):
+    r = chat(client, "Hello world")
+    assert r.object == "chat.completion" and r.model == "fake"
+    assert r.choices[0].message.content == "Hello world"
+    assert r.choices[0].finish_reason == "stop"
+    prompt_ids = server[1].requests[-1][1]
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == len("Hello world")
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    chunks = list(chat(client, "Streamed text", stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Streamed text"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len("Streamed text")
+
+
+def test_alias_and_models(client):
+    assert [m.id for m in client.models.list().data] == ["fake", "fake-alias"]
+    r = client.chat.completions.create(model="fake-alias", messages=[{"role": "user", "content": "SAY:x"}])
+    assert r.model == "fake-alias" and r.choices[0].message.content == "x"
+
+
+def test_n_choices_get_consecutive_seeds(client, server):
+    r = chat(client, "abc", n=3, seed=40, temperature=0.7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    seeds = sorted(p.seed for _, _, p in server[1].requests[-3:])
+    assert seeds == [40, 41, 42]
+    assert all(p.temperature == 0.7 and p.n == 1 for _, _, p in server[1].requests[-3:])
+
+
+def test_max_tokens_and_stop(client):
+    r = chat(client, "abcdefgh", max_tokens=3)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("abc", "length")
+    r = chat(client, "one, two, three", stop=[", t"])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("one", "stop")
+
+
+def test_chat_logprobs(client):
+    r = chat(client, "hey", logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == ["h", "e", "y"]
+    assert all(len(c.top_logprobs) == 2 and c.logprob == -0.5 for c in content)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 60])
+def test_tool_calls_same_streaming_and_not(client, max_tokens):
+    say = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    kw = dict(tools=TOOLS, max_tokens=max_tokens)
+    whole = chat(client, say, **kw).choices[0]
+    chunks = list(chat(client, say, stream=True, **kw))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert "<tool_call" not in content and "<tool_call" not in (whole.message.content or "")
+    assert content == (whole.message.content or "")
+    assert [(t.function.name, t.function.arguments) for t in calls] == \
+        [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+    assert reason == [whole.finish_reason]
+    if max_tokens is None:
+        assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+        assert json.loads(whole.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    else:  # cut inside the arguments: the name and the partial arguments, no markup as content
+        assert whole.finish_reason == "length"
+        assert whole.message.tool_calls[0].function.name == "get_weather"
+
+
+def test_tool_choice_none_leaves_text_alone(client, server):
+    say = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    r = chat(client, say, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.content == say and not r.choices[0].message.tool_calls
+    assert "<|tools|>" not in server[1].tokenizer.decode(server[1].requests[-1][1])
+
+
+def test_reasoning_split_when_template_opens_think(client):
+    kw = dict(extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    r = chat(client, "the plan</think>\n\nthe answer", **kw)
+    message = r.choices[0].message
+    assert message.content == "the answer"
+    assert message.model_extra["reasoning_content"] == "the plan" == message.model_extra["reasoning"]
+    chunks = list(chat(client, "the plan</think>\n\nthe answer", stream=True, **kw))
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert (reasoning, content) == ("the plan", "the answer")
+
+
+def test_completions_batch_echo_logprobs_stream(client, server):
+    r = client.completions.create(model="fake", prompt=["SAY:ab", "SAY:cd"], n=2, max_tokens=5)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == ["ab", "ab", "cd", "cd"]
+    r = client.completions.create(model="fake", prompt="SAY:xy", echo=True)
+    assert r.choices[0].text == "SAY:xyxy"
+    r = client.completions.create(model="fake", prompt="SAY:xyz", logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["x", "y", "z"] and lp.text_offset == [0, 1, 2] and lp.top_logprobs[0] == {"x": -0.5}
+    ids = server[1].tokenizer.encode("SAY:tok", add_special_tokens=False)
+    r = client.completions.create(model="fake", prompt=ids)
+    assert r.choices[0].text == "tok"
+    text = "".join(c.choices[0].text for c in client.completions.create(model="fake", prompt="SAY:stream", stream=True)
+                   if c.choices)
+    assert text == "stream"
+
+
+def test_context_length_error_names_both_numbers(server):
+    r = http(server, "POST", "/v1/completions", {"model": "fake", "prompt": "SAY:x", "max_tokens": 600})
+    check_error_shape(r, 400, "max_tokens")
+    prompt_len = len(server[1].tokenizer.encode("SAY:x"))
+    assert str(prompt_len) in r.json()["error"]["message"] and "600" in r.json()["error"]["message"]
+    assert "512" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=[c[0] for c in MALFORMED])
+def test_malformed_request(server, case):
+    _, method, path, body, status, param = case
+    r = http(server, method, path, body_bytes(body, "fake", 10_000))
+    check_error_shape(r, status, param)
+
+
+def test_normal_request_right_after_malformed(server, client):
+    for case in MALFORMED[:5]:
+        http(server, case[1], case[2], body_bytes(case[3], "fake", 10_000))
+    assert chat(client, "still fine").choices[0].message.content == "still fine"
+
+
+def test_api_key(server):
+    for key in (None, "wrong"):
+        r = http(server, "GET", "/v1/models", key=key)
+        check_error_shape(r, 401, None)
+    for path in ("/health", "/metrics", "/version"):
+        assert http(server, "GET", path, key=None).status_code == 200
+
+
+def test_stream_failure_midway_sends_error_then_done(server, client):
+    r = http(server, "POST", "/v1/chat/completions",
+             {"model": "fake", "stream": True, "messages": [{"role": "user", "content": "SAY:abcFAILxyz"}]})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert "error" in events[-1] and events[-1]["error"]["code"] is None
+    assert "Traceback" not in r.text and "scripted engine failure" not in r.text
+    r = http(server, "POST", "/v1/chat/completions",
+             {"model": "fake", "messages": [{"role": "user", "content": "SAY:abcFAILxyz"}]})
+    check_error_shape(r, 500, None)
+    assert "scripted engine failure" not in r.text
+
+
+def test_metrics_and_tokenize(server, client):
+    chat(client, "metrics please")
+    text = http(server, "GET", "/metrics").text
+    for name in ("radiance_num_requests_running", "radiance_num_requests_waiting", "radiance_kv_cache_usage_perc",
+                 "radiance_prompt_tokens_total", "radiance_generation_tokens_total", "radiance_num_preemptions_total",
+                 "radiance_time_to_first_token_seconds_bucket", "radiance_time_per_output_token_seconds_count",
+                 "radiance_e2e_request_latency_seconds_count"):
+        assert name in text, name
+    r = http(server, "POST", "/tokenize", {"prompt": "hi", "add_special_tokens": False}).json()
+    assert r["tokens"] == [104, 105] and r["count"] == 2 and r["max_model_len"] == 512
+    assert http(server, "POST", "/detokenize", {"tokens": [104, 105]}).json() == {"prompt": "hi"}
+
+
+def _wait(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def raw_post(url, path, body, key=KEY):
+    """Send a POST on a plain socket (to hang up whenever the test wants)."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_request(server, stream):
+    engine = server[1]
+    body = {"model": "fake", "stream": stream, "messages": [{"role": "user", "content": "SAY:SLOW" + "z" * 200}]}
+    sock = raw_post(server[0], "/v1/chat/completions", body)
+    try:
+        assert _wait(lambda: len(engine.active) == 1)
+        if stream:
+            assert sock.recv(100).startswith(b"HTTP/1.1 200")
+    finally:
+        sock.close()
+    assert _wait(lambda: not engine.active), engine.active
+    assert engine.aborted and engine.aborted[-1].startswith("chatcmpl-")
+
+
+def test_health_is_503_while_loading():
+    gate = threading.Event()
+    engine = FakeEngine()
+
+    def slow_factory():
+        gate.wait(10)
+        return engine
+
+    state = ServerState(ServerConfig(), engine_factory=slow_factory)
+    with serve_in_thread(build_app(state)) as url:
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "model loading"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "SAY:x"})
+        check_error_shape(r, 503, None)
+        gate.set()
+        assert _wait(lambda: httpx.get(url + "/health").status_code == 200)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "SAY:x"})
+        assert r.json()["choices"][0]["text"] == "x" and r.json()["model"] == "fake-model"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_prefills_the_call(client, server, stream):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(client, '{"city": "Rome"}}</tool_call>', tools=TOOLS, tool_choice=choice, stream=stream)
+    if stream:
+        chunks = list(r)
+        calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason][0]
+    else:
+        calls, content, reason = r.choices[0].message.tool_calls, r.choices[0].message.content or "", \
+            r.choices[0].finish_reason
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
+    assert content == "" and reason == "tool_calls"
+    prompt = server[1].tokenizer.decode(server[1].requests[-1][1])
+    assert prompt.endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+
+
+def test_streaming_n_choices_each_complete(client):
+    chunks = list(chat(client, "two ways", n=2, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == "two ways"
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["stop"]
+
+
+def test_engine_that_stopped_answers_503():
+    engine = FakeEngine()
+    state = ServerState(ServerConfig(), engine_factory=lambda: engine)
+    state.attach(engine)
+    with serve_in_thread(build_app(state)) as url:
+        assert httpx.post(url + "/v1/completions", json={"prompt": "SAY:x"}).status_code == 200
+        engine.errored = RuntimeError("CUDA error")  # what AsyncLLMEngine records when a step fails
+        check_error_shape(httpx.post(url + "/v1/completions", json={"prompt": "SAY:x"}), 503, None)
+        assert httpx.get(url + "/health").status_code == 503
+        assert "CUDA error" not in httpx.post(url + "/v1/completions", json={"prompt": "SAY:x"}).text

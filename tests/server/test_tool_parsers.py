@@ -1,0 +1,150 @@
+"""Tool-call and reasoning parsers on fixed strings, fed whole and split at every chunk boundary."""
+
+import json
+import random
+
+import pytest
+
+from radiance.server.reasoning_parser import ThinkReasoningParser, split_reasoning
+from radiance.server.tool_parsers import (HermesToolParser, ParseDelta, Qwen3CoderToolParser,
+                                          parse_tool_calls)
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}, "extra": {"type": "object"}}}}}
+
+
+def chunkings(text):
+    """Whole, every 2-way split, one char at a time, and a few random splits."""
+    yield [text]
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+    yield list(text)
+    rng = random.Random(len(text))
+    for _ in range(5):
+        cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1)))
+        yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+def stream_tools(parser_cls, chunks, truncated=False):
+    parser = parser_cls([WEATHER_TOOL])
+    out = ParseDelta()
+    for chunk in chunks:
+        out += parser.feed(chunk)
+    out += parser.finish(truncated)
+    return out
+
+
+def as_tuple(delta):
+    return delta.content, [(c.name, c.arguments) for c in delta.tool_calls]
+
+
+HERMES_CASES = [
+    # (text, truncated, expected content, expected [(name, arguments dict or raw str)])
+    ("Hello there, no tools here.\n", False, "Hello there, no tools here.\n", []),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', False, "",
+     [("get_weather", {"city": "Paris"})]),
+    ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>\n'
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>', False, "Let me check.",
+     [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome"})]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', True, "",
+     [("get_weather", '{"city": "Pa')]),  # cut off by max_tokens: name and the arguments so far
+    ('Sure.<tool_call>{"na', True, "Sure.", []),  # too little to name a function: no call, no markup
+    ("Thinking about it <tool_", True, "Thinking about it", []),  # partial start tag at a cut: dropped
+    ("a < b and x<tool_ is text", False, "a < b and x<tool_ is text", []),
+    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call> done', False, "done",
+     [("get_weather", {"city": "Oslo"})]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Köln"}}</tool_call>', False, "",
+     [("get_weather", {"city": "Köln"})]),
+]
+
+
+def check(result, content, calls):
+    got_content, got_calls = as_tuple(result)
+    assert got_content == content
+    assert [c[0] for c in got_calls] == [c[0] for c in calls]
+    for (_, got_args), (_, want_args) in zip(got_calls, calls):
+        if isinstance(want_args, dict):
+            assert json.loads(got_args) == want_args
+        else:
+            assert got_args == want_args
+    assert "<tool_call>" not in got_content and "</tool_call>" not in got_content
+
+
+@pytest.mark.parametrize("text,truncated,content,calls", HERMES_CASES)
+def test_hermes_same_result_at_every_chunk_boundary(text, truncated, content, calls):
+    whole = parse_tool_calls(HermesToolParser([WEATHER_TOOL]), text, truncated)
+    check(whole, content, calls)
+    for chunks in chunkings(text):
+        assert as_tuple(stream_tools(HermesToolParser, chunks, truncated)) == as_tuple(whole), chunks
+
+
+QWEN3_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+              "<parameter=extra>\n{\"a\": [1, 2]}\n</parameter>\n</function>\n</tool_call>")
+
+QWEN3_CASES = [
+    (QWEN3_CALL, False, "", [("get_weather", {"city": "New York", "days": 3, "metric": True, "extra": {"a": [1, 2]}})]),
+    ("I will look it up.\n\n" + QWEN3_CALL + "\n", False, "I will look it up.",
+     [("get_weather", {"city": "New York", "days": 3, "metric": True, "extra": {"a": [1, 2]}})]),
+    # cut inside the second parameter's value: whole parameters only, still valid JSON
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n<parameter=days>\n1", True, "",
+     [("get_weather", {"city": "Lyon"})]),
+    ("<tool_call>\n<function=get_wea", True, "", []),
+    # a model that forgets </parameter>
+    ("<tool_call><function=get_weather><parameter=city>Bern<parameter=days>4</function></tool_call>", False, "",
+     [("get_weather", {"city": "Bern", "days": 4})]),
+    ("No call, but a literal <tool> tag.", False, "No call, but a literal <tool> tag.", []),
+]
+
+
+@pytest.mark.parametrize("text,truncated,content,calls", QWEN3_CASES)
+def test_qwen3_coder_same_result_at_every_chunk_boundary(text, truncated, content, calls):
+    whole = parse_tool_calls(Qwen3CoderToolParser([WEATHER_TOOL]), text, truncated)
+    check(whole, content, calls)
+    for chunks in chunkings(text):
+        assert as_tuple(stream_tools(Qwen3CoderToolParser, chunks, truncated)) == as_tuple(whole), chunks
+
+
+REASONING_CASES = [
+    # (text, starts_inside, reasoning, content)
+    ("<think>\nThe user greets.\n</think>\n\nHello!", False, "The user greets.\n", "Hello!"),
+    ("  <think>short</think>answer", False, "short", "answer"),
+    ("Plain answer, no thinking.", False, "", "Plain answer, no thinking."),
+    ("\nI reason in the prompt's block.\n</think>\n\nDone.", True, "I reason in the prompt's block.\n", "Done."),
+    ("<think>cut off while thin", False, "cut off while thin", ""),
+    ("<thi", False, "", "<thi"),
+    ("a <think> in the middle stays content", False, "", "a <think> in the middle stays content"),
+]
+
+
+@pytest.mark.parametrize("text,starts_inside,reasoning,content", REASONING_CASES)
+def test_reasoning_same_result_at_every_chunk_boundary(text, starts_inside, reasoning, content):
+    whole = split_reasoning(ThinkReasoningParser(starts_inside), text)
+    assert (whole.reasoning, whole.content) == (reasoning, content)
+    for chunks in chunkings(text):
+        parser = ThinkReasoningParser(starts_inside)
+        got_r, got_c = "", ""
+        for chunk in chunks:
+            d = parser.feed(chunk)
+            got_r, got_c = got_r + d.reasoning, got_c + d.content
+        d = parser.finish()
+        assert (got_r + d.reasoning, got_c + d.content) == (reasoning, content), chunks
+
+
+def test_reasoning_then_tool_call_streams_like_the_whole():
+    text = "<think>need weather</think>\n" + QWEN3_CALL
+    for chunks in chunkings(text):
+        rp, tp = ThinkReasoningParser(), Qwen3CoderToolParser([WEATHER_TOOL])
+        reasoning, tools = "", ParseDelta()
+        for chunk in chunks:
+            d = rp.feed(chunk)
+            reasoning += d.reasoning
+            tools += tp.feed(d.content)
+        d = rp.finish()
+        reasoning += d.reasoning
+        tools += tp.feed(d.content)
+        tools += tp.finish()
+        assert reasoning == "need weather"
+        assert tools.content == ""
+        assert [c.name for c in tools.tool_calls] == ["get_weather"]
