@@ -21,6 +21,17 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
 
+    def visible_text(self) -> str:
+        """Text safe to stream while generating: a tail that could still grow into a stop string is held
+        back, so a client never sees characters that a later stop would have cut."""
+        hold = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return self.text[:len(self.text) - hold] if hold else self.text
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 

@@ -128,12 +128,13 @@ class LLMEngine:
         hit_stop_string = False
         if not (token_id in self.eos_token_ids and p.skip_special_tokens):
             hit_stop_string = self.detokenizers[seq.request_id].add_token(token_id)
-        seq.text = self.detokenizers[seq.request_id].text
+        detokenizer = self.detokenizers[seq.request_id]
         reason = None
         if (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids or hit_stop_string:
             reason = "stop"
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        seq.text = detokenizer.text if reason else detokenizer.visible_text()
         if reason:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason

@@ -83,3 +83,17 @@ def test_async_engine_streams_and_aborts(smollm2):
     assert all(len(x.token_ids) < len(y.token_ids) for x, y in zip(a, a[1:]))  # streamed step by step
     assert a[-1].finished and not first.finished
     assert not smollm2.engine.has_unfinished_requests()
+
+
+def test_streamed_text_never_shows_a_partial_stop_string(smollm2):
+    tok = smollm2.tokenizer
+    ids = tok("The capital of France is Paris.", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tok, [1, 2, 3], stop=("is Paris",))
+    shown = []
+    for t in ids:
+        if detok.add_token(t):
+            break
+        shown.append(detok.visible_text())
+    assert detok.text == "The capital of France "  # cut before the stop string
+    assert all(not s.endswith(("i", "is", "is ")) for s in shown)  # held back while it could still match
+    assert all(detok.text.startswith(s) for s in shown)  # nothing shown that the stop later removed
