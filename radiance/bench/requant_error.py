@@ -84,19 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="HF dir or GGUF (default: the embedded SmolLM2)")
     parser.add_argument("--layers", type=int, default=None, help="only the first N decoder layers")
     parser.add_argument("--convert-time", action="store_true", help="also time whole-model convert (mxfp4 mse)")
+    parser.add_argument("--convert-only", action="store_true", help="only time the whole-model converts")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    rows, seconds = measure(args.model, args.layers)
+    rows, seconds = ({}, 0.0) if args.convert_only else measure(args.model, args.layers)
     result = {"model": args.model or "embedded SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
               "threads": torch.get_num_threads(), "measure_seconds": seconds, "rows": rows}
-    if args.convert_time:
+    if args.convert_time or args.convert_only:
         for fmt in ("mxfp4", "nvfp4"):
             result[f"convert_{fmt}_seconds"], result[f"convert_{fmt}_summary"] = time_convert(args.model, fmt, "mse")
-    print(f"\nrelRMS vs the dequantized original weights ({rows['nvfp4']['layers']} linears, "
-          f"torch threads {result['threads']}, {seconds:.1f} s)")
-    print(f"| {'variant':<26} | overall | per-layer mean | worst (layer) |")
-    print(f"|{'-' * 28}|---------|----------------|---------------|")
+    if rows:
+        print(f"\nrelRMS vs the dequantized original weights ({rows['nvfp4']['layers']} linears, "
+              f"torch threads {result['threads']}, {seconds:.1f} s)")
+        print(f"| {'variant':<26} | overall | per-layer mean | worst (layer) |")
+        print(f"|{'-' * 28}|---------|----------------|---------------|")
     for variant, r in rows.items():
         print(f"| {variant:<26} | {r['overall']:.4f}  | {r['mean']:.4f}         | {r['worst']:.4f} ({r['worst_layer']}) |")
     for fmt in ("mxfp4", "nvfp4"):

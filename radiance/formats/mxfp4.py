@@ -54,22 +54,26 @@ def _quantize_blocks(blocks: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tenso
     return codes, values
 
 
-def block_exponents(blocks: torch.Tensor, rule: str) -> torch.Tensor:
-    """Unbiased int32 exponents [...] for fp32 blocks [..., 32] under `rule`, clamped to [-127, 127]."""
+def quantize_blocks(blocks: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unbiased int32 exponents [...], codes [..., 32]) of fp32 blocks [..., 32] under `rule`."""
     if rule not in RULES:
         raise ValueError(f"unknown MXFP4 rule {rule!r}; expected one of {RULES}")
     amax = blocks.abs().amax(dim=-1)
-    if rule == "ocp":
-        e = ocp_exponent(amax)
-    else:
-        e = noclip_exponent(amax)
-        if rule == "mse":
-            e_lo = torch.clamp(e - 1, -127, 127)
-            err_hi = (blocks - _quantize_blocks(blocks, torch.clamp(e, -127, 127))[1]).square().sum(-1)
-            err_lo = (blocks - _quantize_blocks(blocks, e_lo)[1]).square().sum(-1)
-            e = torch.where(err_lo < err_hi, e - 1, e)
-    e = torch.where(amax > 0, e, torch.zeros_like(e))
-    return torch.clamp(e, -127, 127)
+    e = ocp_exponent(amax) if rule == "ocp" else noclip_exponent(amax)
+    e = torch.clamp(torch.where(amax > 0, e, torch.zeros_like(e)), -127, 127)
+    codes, values = _quantize_blocks(blocks, e)
+    if rule == "mse":  # also try one exponent lower (clips the max, finer grid); keep the better block
+        e_lo = torch.clamp(e - 1, -127, 127)
+        codes_lo, values_lo = _quantize_blocks(blocks, e_lo)
+        lower = (blocks - values_lo).square().sum(-1) < (blocks - values).square().sum(-1)
+        e = torch.where(lower, e_lo, e)
+        codes = torch.where(lower.unsqueeze(-1), codes_lo, codes)
+    return e, codes
+
+
+def block_exponents(blocks: torch.Tensor, rule: str) -> torch.Tensor:
+    """Unbiased int32 exponents [...] for fp32 blocks [..., 32] under `rule`, clamped to [-127, 127]."""
+    return quantize_blocks(blocks, rule)[0]
 
 
 def quantize_mxfp4(w: torch.Tensor, rule: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +87,7 @@ def quantize_mxfp4(w: torch.Tensor, rule: str = "mse") -> tuple[torch.Tensor, to
     check_finite(w, "w")
     n, k = w.shape
     blocks = w.float().reshape(n, k // MX_BLOCK, MX_BLOCK)
-    e = block_exponents(blocks, rule)
-    codes, _ = _quantize_blocks(blocks, e)
+    e, codes = quantize_blocks(blocks, rule)
     return pack_e2m1(codes.reshape(n, k)), (e + E8M0_BIAS).to(torch.uint8)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from radiance.checkpoint import convert_checkpoint, embedded_model_path, open_checkpoint
+from radiance.checkpoint import convert_checkpoint, open_checkpoint
 from radiance.checkpoint.gguf_reader import unpermute_rows
 from radiance.config import ConvertConfig
 from radiance.formats import DenseWeight, Mxfp4Weight

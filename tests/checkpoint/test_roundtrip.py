@@ -11,7 +11,7 @@ from radiance.checkpoint.report import RequantReport
 from radiance.config import ConvertConfig
 from radiance.formats import (DenseWeight, Fp8Weight, Mxfp4Weight, Nvfp4Weight, dequantize, nvfp4_to_mxfp4,
                               quantize_mxfp4)
-from tests.checkpoint.factory import CHAT_TEMPLATE, TINY, dense_state_dict, linear_modules, write_dir
+from tests.checkpoint.factory import CHAT_TEMPLATE, TINY, dense_state_dict, write_dir
 
 P0 = "model.layers.0.self_attn"
 
