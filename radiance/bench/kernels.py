@@ -30,6 +30,12 @@ SHAPES = ((4096, 4096), (6144, 4096), (4096, 14336), (14336, 4096), (5120, 17408
 M_LIST = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 CHECK_M = (1, 2, 3, 5, 8, 16, 17, 33, 64, 65, 128, 257, 1024, 4096)
 CHECK_SHAPES = ((48, 96), (4104, 4096), (1024, 14336), (256, 288))
+PREFILL_CANDIDATES = (  # --precision-probe: big-M tilings, each checked at K=14336 and timed
+    GemmConfig(256, 128, 128, True, num_warps=8, num_stages=3, split_k=1),
+    GemmConfig(256, 128, 128, False, num_warps=8, num_stages=3, split_k=1),
+    GemmConfig(128, 128, 128, True, num_warps=8, num_stages=3, split_k=1),
+    GemmConfig(128, 256, 128, False, num_warps=8, num_stages=3, split_k=1),
+)
 LLAMA_8B_LINEARS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate_up, down
 
 
@@ -47,7 +53,7 @@ def _fmt(v: float, digits: int = 1) -> str:
 # ---------------------------------------------------------------- correctness
 
 
-def run_check(device, m_list=CHECK_M, shapes=CHECK_SHAPES) -> list[str]:
+def run_check(device, m_list=CHECK_M, shapes=CHECK_SHAPES, config: GemmConfig | None = None) -> list[str]:
     """Kernel vs exact reference at every M (fresh inputs, poisoned outputs, bias on odd rows)."""
     lines, worst = [], 0.0
     for n, k in shapes:
@@ -58,7 +64,7 @@ def run_check(device, m_list=CHECK_M, shapes=CHECK_SHAPES) -> list[str]:
             bias = torch.randn(n, device=device, dtype=torch.bfloat16) if i % 2 else None
             x_q, x_scale = quantize_activations(x)
             out = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
-            w4a8_gemm(x_q, x_scale, pw, bias, out=out)
+            w4a8_gemm(x_q, x_scale, pw, bias, out=out, config=config)
             ref = reference.w4a8_reference(x, packed, scale, bias)  # bf16, like the kernel
             err = reference.relative_error(out, ref)
             worst = max(worst, err) if err == err else float("inf")
@@ -147,14 +153,15 @@ def time_shape(ops: ShapeOperands, m: int, device, decode_band: int, config: Gem
     return res
 
 
-def bench_table(shapes, m_list, device, decode_band: int, with_reference: bool = True) -> list[str]:
+def bench_table(shapes, m_list, device, decode_band: int, with_reference: bool = True,
+                config: GemmConfig | None = None) -> list[str]:
     header = ("| N x K | M | ours us | GEMM us | bf16 us | fp8 us | ref us | ours TFLOP/s | ours TB/s (4.25b) "
               "| x bf16 | x fp8 |")
     lines = [header, "|" + "---|" * 11]
     for n, k in shapes:
         ops = ShapeOperands(n, k, device, with_reference)
         for m in m_list:
-            r = time_shape(ops, m, device, decode_band)
+            r = time_shape(ops, m, device, decode_band, config)
             ours = r["ours"]
             tflops = 2 * m * n * k / ours / 1e6
             tbs = ops.w_bytes / ours / 1e6
@@ -212,6 +219,22 @@ def run_sweep(shapes, m_list, device, decode_band: int) -> list[str]:
             print("\n".join(lines[-3:]), flush=True)
         del ops
         torch.cuda.empty_cache()
+    return lines
+
+
+def run_precision_probe(device) -> list[str]:
+    """Accuracy (M=1024, K=14336) and speed (28672x4096, M=4096) of the big-M tiling candidates."""
+    lines = []
+    ops = ShapeOperands(28672, 4096, device, with_reference=False)
+    for cfg in PREFILL_CANDIDATES:
+        try:
+            check = run_check(device, m_list=(1024,), shapes=((1024, 14336),), config=cfg)[0]
+            t = time_shape(ops, 4096, device, 64, cfg, variants=("gemm",))["gemm"]
+            lines.append(f"probe {cfg.as_dict()}: {check.split(': ', 1)[1]}; 28672x4096 M=4096 {t:.0f} us "
+                         f"{2 * 4096 * 28672 * 4096 / t / 1e6:.0f} TFLOP/s")
+        except Exception as exc:  # noqa: BLE001
+            lines.append(f"probe {cfg.as_dict()}: failed {type(exc).__name__}: {str(exc)[:150]}")
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -298,9 +321,12 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--requant", action="store_true", help="time NVFP4 -> MXFP4 for an 8B Llama set of linears")
     p.add_argument("--activation-error", action="store_true",
                    help="W4A8 / W4A16 / W4A4 error on real SmolLM2 activations (CPU is enough)")
+    p.add_argument("--precision-probe", action="store_true", help="accuracy and speed of the big-M tilings")
     p.add_argument("--no-table", action="store_true", help="skip the speed table")
     p.add_argument("--no-reference", action="store_true", help="skip the reference-path column")
     p.add_argument("--decode-band", type=int, default=64)
+    p.add_argument("--config", type=lambda t: GemmConfig(**json.loads(t)), default=None,
+                   help="force one GemmConfig (JSON) for --check and the table instead of the tuning table")
     p.add_argument("--out", help="also write all lines to this file")
     return p
 
@@ -324,11 +350,14 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
     print(lines[0], flush=True)
     sections = []
     if args.check:
-        sections += [lambda: run_convert_check(device), lambda: run_ptx_check(device), lambda: run_check(device)]
+        sections += [lambda: run_convert_check(device), lambda: run_ptx_check(device), lambda: run_check(device, config=args.config)]
+    if args.precision_probe:
+        sections.append(lambda: run_precision_probe(device))
     if args.sweep:
         sections.append(lambda: run_sweep(args.shapes, args.m, device, args.decode_band))
     if not args.no_table:
-        sections.append(lambda: bench_table(args.shapes, args.m, device, args.decode_band, not args.no_reference))
+        sections.append(lambda: bench_table(args.shapes, args.m, device, args.decode_band, not args.no_reference,
+                                                args.config))
     if args.requant:
         sections.append(lambda: run_requant(device))
     if args.activation_error:

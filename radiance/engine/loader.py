@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radiance.config import EngineConfig, KernelConfig, ModelConfig
+from radiance.checkpoint.report import RequantReport
 from radiance.engine.linears import build_linear
 from radiance.errors import CheckpointError
 from radiance.models.llama import UnloadedLinear
@@ -90,7 +91,7 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     served = Counter()
-    worst_err = 0.0
+    report = RequantReport(target_format="mxfp4", rule=model_config.rule)
     for name, item in checkpoint.iter_weights(progress=progress):
         if isinstance(item, torch.Tensor):
             target = _tensor_target(name, model)
@@ -111,7 +112,10 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
             loaded.add("lm_head.weight")
             model.lm_head.weight = None
         served[how] += 1
-        worst_err = max(worst_err, err)
+        if how == "mxfp4" and item.format != "mxfp4":
+            report.add(name, item.format, err)
+        else:
+            report.keep(name, item.format if how != "nvfp4-dequant" else "nvfp4 (dequantized)")
     missing = [n for n in params if n not in loaded]
     missing += [n for n, m in model.named_modules() if isinstance(m, UnloadedLinear)]
     if missing:
@@ -127,9 +131,10 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
         f"model: {getattr(checkpoint, 'path', None) or name} ({model.config.architecture}, {model.config.num_layers} layers, hidden {model.config.hidden_size}) "
         f"on {device} in {str(dtype).replace('torch.', '')}, loaded in {time.perf_counter() - started:.1f} s",
         "linears: " + ", ".join(f"{n} {how}" for how, n in sorted(served.items()))
-        + (f" (quantization={model_config.quantization}, rule={model_config.rule}, worst requant relRMS {worst_err:.4f})"
-           if served.get("mxfp4") else f" (quantization={model_config.quantization})"),
+        + f" (quantization={model_config.quantization})",
     ]
+    if report.entries:
+        summary.append("requant: " + report.summary())
     summary += _kernel_summary(model)
     for line in summary:
         logger.info(line)

@@ -82,5 +82,7 @@ def select_config(m: int, n: int, k: int, decode_band: int, device: torch.device
     if chosen is None:
         chosen = DEFAULT_DECODE if band == "decode" else DEFAULT_PREFILL
     if chosen.swap_ab:  # tokens are the MMA N dimension: fit the tile to M (16..256)
-        chosen = GemmConfig(**{**chosen.as_dict(), "block_m": min(256, max(16, _next_pow2(m)))})
+        fitted = min(256, max(16, _next_pow2(m)))
+        block_m = fitted if band == "decode" else min(chosen.block_m, fitted)  # prefill: only shrink
+        chosen = GemmConfig(**{**chosen.as_dict(), "block_m": block_m})
     return chosen

@@ -69,7 +69,7 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
         m, n, k, x_q.stride(0), out.stride(0), per_split,
         HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT_K=splits, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
-        MAX_IMPRECISE_ACC=cfg.block_k if cfg.precise_acc else None,
+        PRECISE_ACC=cfg.precise_acc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _gemm.splitk_reduce_kernel[(-(-m * n // REDUCE_BLOCK),)](

@@ -90,7 +90,8 @@ class ServerState:
         return self.engine is not None
 
     def startup_lines(self) -> list[str]:
-        lines = list(engine_attr(self.engine, "load_summary", None) or [])
+        # the engine already logged its load summary (model, linears, kernels, KV cache) while loading
+        lines = []
         names = ", ".join(self.served_names)
         lines.append(f"served model name(s): {names}; max_model_len {self.max_model_len}")
         lines.append(f"tool-call parser: {self.tool_parser_name or 'none'}; "

@@ -7,8 +7,9 @@ One kernel serves both bands:
     and a handful of tokens the N dimension; K is split over the grid's second axis (SPLIT_K), each
     split writes fp32 partials and `splitk_reduce_kernel` sums them (deterministic, no atomics).
 fp8 tl.dot lowers to wgmma on sm_90 with num_warps % 4 == 0. Hopper's fp8 MMA accumulates with
-reduced precision (~14 bits); MAX_IMPRECISE_ACC = BK promotes the partial sum to fp32 once per K tile,
-which keeps the result within bf16 rounding of the exact fp32 reference.
+reduced precision (~14 bits); PRECISE_ACC sums each K tile from zero in the MMA and adds it to the fp32
+accumulator, which keeps the result within bf16 rounding of the exact fp32 reference (Triton's
+max_num_imprecise_acc did not take effect for the register-A swap-AB tiling on Triton 3.6).
 """
 
 import triton
@@ -22,7 +23,7 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
                      M, N, K, stride_xm, stride_om, k_tiles_per_split,
                      HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, MAX_IMPRECISE_ACC: tl.constexpr):
+                     EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr):
     NB: tl.constexpr = BK // 32
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -65,10 +66,15 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
             w3 = tl.load(w_ptrs + kt * (BK // 2), mask=b_live[None, :, None], other=0)
             s = tl.load(s_ptrs + kt * NB, mask=b_live[None, :], other=0)
         w = expand_e2m1_tile(w3, s.to(tl.int32), USE_ASM)
-        if SWAP_AB:
-            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
+        if PRECISE_ACC:  # the MMA sums one K tile from zero; the fp32 add promotes it
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x))
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        elif SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)
         else:
-            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
+            acc = tl.dot(x, tl.trans(w), acc)
     if SWAP_AB:
         acc = tl.trans(acc)
 
