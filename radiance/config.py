@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import inspect
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,13 +34,13 @@ class ModelConfig:
     """What to load and how to quantize it."""
 
     model: str | None = None  # path to an HF directory / GGUF file; None = embedded SmolLM2
-    quantization: str = "auto"  # auto: as the checkpoint says; mxfp4: quantize 16-bit linears at load
-    rule: str = "mse"  # block-exponent rule for any conversion to MXFP4
+    quantization: str = "auto"  # auto: as the checkpoint says (NVFP4/FP8 requantized to MXFP4); mxfp4: also quantize 16-bit linears; nvfp4: quantize 16-bit linears to NVFP4, then serve per --rule; none: dequantize everything to 16 bit
+    rule: str = "mse"  # block-exponent rule for any conversion to MXFP4 (mse, noclip, ocp; none = serve NVFP4 dequantized)
     dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped by KV)
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
-    seed: int = 0
+    seed: int = 0  # seed of the torch RNG (random weights, sampling without a per-request seed)
 
     def __post_init__(self):
         _check(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
@@ -51,11 +54,11 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache sizing."""
 
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV cache block
     gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the process may use
     cpu_kv_cache_bytes: int = 512 << 20  # KV budget when running on the CPU
     num_gpu_blocks_override: int | None = None  # force a block count (tests, preemption drills)
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
 
     def __post_init__(self):
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two")
@@ -68,9 +71,9 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_seqs: int = 64
+    max_num_seqs: int = 64  # sequences decoded together at most
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = True  # split long prompts across steps so decodes keep running
 
     def __post_init__(self):
         _check(self.max_num_seqs > 0, "max_num_seqs must be positive")
@@ -136,8 +139,8 @@ REASONING_PARSERS = ("auto", "think", "none")
 class ServerConfig:
     """The OpenAI-compatible HTTP server (`radiance serve`)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"  # interface to listen on; 0.0.0.0 for every interface
+    port: int = 8000  # TCP port of the HTTP API
     served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases; default from the model
     api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY`
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's
@@ -145,7 +148,7 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # auto: "think" when the chat template uses <think>
     max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)
-    uvicorn_log_level: str = "warning"
+    uvicorn_log_level: str = "warning"  # log level of uvicorn's own access and error logs
 
     def __post_init__(self):
         _check(0 <= self.port <= 65535, "port must be in [0, 65535]")
@@ -204,9 +207,20 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def field_help(cls) -> dict[str, str]:
+    """The trailing `# comment` of each field in the class source: the one place a field is explained."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, re.M)}
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), group: str | None = None) -> None:
     """Add a `--field-name` flag for every field of dataclass `cls` (defaults stay in the class)."""
     hints = typing.get_type_hints(cls)
+    helps = field_help(cls)
     target = parser.add_argument_group(group or cls.__name__) if group is not False else parser
     for f in dataclasses.fields(cls):
         if f.name in skip or dataclasses.is_dataclass(hints[f.name]):
@@ -214,7 +228,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ..
         base, optional, is_tuple = _base_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_text = f"(default: {default})"
+        help_text = f"{helps.get(f.name, '')} (default: {default})".lstrip()
         if base is bool:
             target.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=argparse.SUPPRESS,
                                 metavar="BOOL", help=help_text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -24,7 +25,7 @@ class EntryInfo:
 
 
 @dataclass
-class Checkpoint:
+class Checkpoint(ABC):
     """Base of the HF and GGUF readers."""
 
     path: str
@@ -36,23 +37,28 @@ class Checkpoint:
     def names(self) -> list[str]:
         return [e.name for e in self.describe()]
 
+    @abstractmethod
     def describe(self) -> list[EntryInfo]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, object]]:
         """(canonical name, Weight | torch.Tensor), one at a time."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def tokenizer(self):
-        raise NotImplementedError
+        ...
 
     @property
+    @abstractmethod
     def chat_template(self) -> str | None:
-        raise NotImplementedError
+        ...
 
     @property
+    @abstractmethod
     def eos_token_ids(self) -> list[int]:
-        raise NotImplementedError
+        ...
 
     @property
     def architecture(self) -> str:

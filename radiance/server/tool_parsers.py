@@ -54,7 +54,8 @@ class ToolParser:
         self.num_calls = 0
 
     def parse_call(self, body: str, complete: bool) -> ParsedToolCall | None:
-        raise NotImplementedError
+        """One call's body -> the parsed call (None when nothing usable); each format defines it."""
+        raise TypeError(f"{type(self).__name__} must define parse_call")
 
     def _content(self, out: ParseDelta, text: str) -> None:
         text = self._after_call(text)
