@@ -82,17 +82,20 @@ def _sdpa(q, k, v, scale: float, causal: bool = False, mask: torch.Tensor | None
     return out.transpose(1, 2)
 
 
+# index_select / index_copy_ rather than advanced indexing: the caches are views into one large tensor,
+# and advanced indexing on such a view costs time proportional to the whole tensor (measured: 8 ms vs
+# 0.007 ms per call for a 537 MB cache on the CPU, torch 2.13).
 def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k.reshape(-1, *k.shape[-2:])[valid]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v.reshape(-1, *v.shape[-2:])[valid]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.reshape(-1, *k.shape[-2:])[valid])
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.reshape(-1, *v.shape[-2:])[valid])
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     block_size = cache.shape[1]
     blocks = block_table[: (length + block_size - 1) // block_size].long()
-    return cache[blocks].reshape(-1, *cache.shape[2:])[:length]
+    return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:length]
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale):
