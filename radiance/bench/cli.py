@@ -116,6 +116,7 @@ def run_serve(args) -> int:
     from radiance.bench import serve_bench
     from radiance.bench.report import to_json
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the table
     opts = serve_bench.ServeBenchOptions(
         url=args.url, model=args.model, concurrency=tuple(args.concurrency), num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, dataset=args.dataset,
@@ -158,6 +159,7 @@ def _add_eval_mode(sub, mode: str) -> None:
     p.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext2-test.txt")
     p.add_argument("--chunks", type=int, default=64)
     p.add_argument("--chunk-len", type=int, default=512)
+    p.add_argument("--first-chunk", type=int, default=0, help="skip this many chunks (evaluate a later slice)")
     p.add_argument("--device", help="cuda, cpu, cuda:1 (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="16-bit path dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -175,7 +177,7 @@ def run_eval_command(args) -> int:
     else:
         variants = (quality.Variant(args.quantization, args.rule, args.activations),)
     req = quality.EvalRequest(args.eval_mode, args.model, variants, args.text, args.chunks, args.chunk_len,
-                              args.device, args.dtype)
+                              args.device, args.dtype, args.first_chunk)
     result = quality.run_eval(req, load_eval_model)
     if args.json:
         print(to_json(result))

@@ -231,17 +231,23 @@ def add_engine_parser(sub) -> None:
 
 
 def _add_args(p) -> None:
-    p.add_argument("--model", default="synthetic:llama-3.1-8b")
-    p.add_argument("--variants", nargs="+", default=["none", "mxfp4"], help="quantization options to compare")
-    p.add_argument("--contexts", nargs="+", type=int, default=[128, 8192])
-    p.add_argument("--prefills", nargs="+", type=int, default=[1024, 8192])
-    p.add_argument("--concurrency", nargs="+", type=int, default=[16, 64])
+    p.add_argument("model_arg", nargs="?", metavar="MODEL",
+                   help="synthetic:llama-3.1-8b (default), synthetic:qwen3-8b or synthetic:qwen3-32b")
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the positional's older spelling
+    p.add_argument("--quantization", "--variants", dest="variants", nargs="+", default=["none", "mxfp4"],
+                   help="quantization options to compare side by side (none = bf16; mxfp4; nvfp4)")
+    p.add_argument("--contexts", nargs="+", type=int, default=[128, 8192, 32768],
+                   help="context depths of the batch-1 decode measurement")
+    p.add_argument("--prefills", nargs="+", type=int, default=[1024, 8192, 32768], help="prompt lengths of the prefill measurement")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 128],
+                   help="concurrent sequences of the aggregate-throughput measurement")
     p.add_argument("--no-hf", dest="with_hf", action="store_false", help="skip the HF transformers peer")
     p.add_argument("--json", help="also write the rows to this file")
 
 
 def _run_args(args) -> int:
-    rows = run(args.model, tuple(args.variants), tuple(args.contexts), tuple(args.prefills),
+    model = args.model_arg or args.model or "synthetic:llama-3.1-8b"
+    rows = run(model, tuple(args.variants), tuple(args.contexts), tuple(args.prefills),
                tuple(args.concurrency), args.with_hf)
     for r in rows:
         for line in r.get("load", []):

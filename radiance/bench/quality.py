@@ -70,21 +70,22 @@ class Variant:
 # --------------------------------------------------------------------------- text
 
 
-def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len: int) -> torch.Tensor:
-    """[chunks, chunk_len] non-overlapping windows from the start of the token stream; fewer
-    chunks when the text is short (at least one whole window is required)."""
+def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len: int, first: int = 0) -> torch.Tensor:
+    """[chunks, chunk_len] non-overlapping windows, starting at window `first` of the token stream
+    (so a long evaluation can be split into slices); fewer chunks when the text is short."""
     if chunk_len < 2:
         raise ConfigError("chunk_len must be at least 2 (one token predicts the next)")
-    if chunks < 1:
-        raise ConfigError("chunks must be positive")
+    if chunks < 1 or first < 0:
+        raise ConfigError("chunks must be positive and first_chunk non-negative")
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-    available = ids.numel() // chunk_len
-    if available == 0:
-        raise ConfigError(f"the text has {ids.numel()} tokens, fewer than one chunk of {chunk_len}")
+    available = ids.numel() // chunk_len - first
+    if available <= 0:
+        raise ConfigError(f"the text has {ids.numel()} tokens, fewer than {first + 1} chunk(s) of {chunk_len}")
     if available < chunks:
-        logger.warning("text holds only %d chunks of %d tokens (asked for %d)", available, chunk_len, chunks)
+        logger.warning("text holds only %d chunks of %d tokens from chunk %d (asked for %d)",
+                       available, chunk_len, first, chunks)
     n = min(chunks, available)
-    return ids[: n * chunk_len].reshape(n, chunk_len)
+    return ids[first * chunk_len: (first + n) * chunk_len].reshape(n, chunk_len)
 
 
 def tokenize_text(tokenizer, path: str, tokens_needed: int) -> list[int]:
@@ -171,6 +172,7 @@ class EvalRequest:
     chunk_len: int = 512
     device: str | None = None
     dtype: str | None = None
+    first_chunk: int = 0
 
 
 def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
@@ -190,8 +192,8 @@ def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
             raise ConfigError("KL of the 16-bit model against itself is 0 by construction; pick a quantization")
         models[variant.label], tok = loader(req.model, variant, req.device, req.dtype)
         tokenizer = tokenizer or tok
-    ids = tokenize_text(tokenizer, req.text, req.chunks * req.chunk_len)
-    chunks = chunk_token_ids(ids, req.chunks, req.chunk_len)
+    ids = tokenize_text(tokenizer, req.text, (req.first_chunk + req.chunks) * req.chunk_len)
+    chunks = chunk_token_ids(ids, req.chunks, req.chunk_len, req.first_chunk)
     device = next(_model_device(m) for m in [*models.values(), reference] if m is not None)
     scores = evaluate(chunks, models, reference, device=device, progress=progress)
     results = []
@@ -199,7 +201,7 @@ def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
         row = {**asdict(variant), "label": variant.label, **scores[variant.label]}
         results.append(row)
     out = {"mode": req.mode, "model": req.model or "embedded SmolLM2", "text": req.text,
-           "chunks": int(chunks.shape[0]), "chunk_len": req.chunk_len, "tokens": results[0]["tokens"],
+           "chunks": int(chunks.shape[0]), "first_chunk": req.first_chunk, "chunk_len": req.chunk_len, "tokens": results[0]["tokens"],
            "seconds": time.perf_counter() - start, "results": results}
     if "reference" in scores:
         out["reference_ppl"] = scores["reference"]["ppl"]

@@ -39,3 +39,11 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     rc = main(["eval", "kl", "--text", str(tmp_path / "t.txt"), "--variants", "mxfp4/none"])
     assert rc == 2
     assert "rule 'none' only applies" in capsys.readouterr().err
+
+
+def test_eval_refuses_synthetic_models(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    rc = main(["eval", "ppl", "synthetic:llama-3.1-8b", "--text", str(text), "--device", "cpu"])
+    assert rc == 2
+    assert "synthetic models have no tokenizer" in capsys.readouterr().err

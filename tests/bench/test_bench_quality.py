@@ -35,7 +35,10 @@ def test_chunking():
     chunks = quality.chunk_token_ids(ids, 3, 8)
     assert chunks.tolist() == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
     assert quality.chunk_token_ids(ids, 10, 8).shape == (3, 8)  # fewer when the text is short
-    with pytest.raises(ConfigError, match="fewer than one chunk"):
+    assert quality.chunk_token_ids(ids, 2, 8, first=1).tolist() == [list(range(8, 16)), list(range(16, 24))]
+    with pytest.raises(ConfigError):
+        quality.chunk_token_ids(ids, 1, 8, first=3)
+    with pytest.raises(ConfigError, match="fewer than 1 chunk"):
         quality.chunk_token_ids(ids, 1, 64)
     with pytest.raises(ConfigError):
         quality.chunk_token_ids(ids, 1, 1)
