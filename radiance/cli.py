@@ -13,6 +13,7 @@ import logging
 import sys
 
 from radiance import __version__
+from radiance.env import log_level
 from radiance.errors import RadianceError
 
 # (module, subcommands it registers) in the order --help lists them
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(and on the CPU through reference kernels).",
     )
     parser.add_argument("--version", action="version", version=f"radiance {__version__}")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--log-level", default=log_level(), choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="default: $RADIANCE_LOG_LEVEL or INFO")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _AREAS:
         try:
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except RadianceError as exc:
+    except (RadianceError, ValueError) as exc:  # config / sampling validation: the user's to fix
+        logging.getLogger("radiance").debug("error details", exc_info=True)
         print(f"radiance {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -13,52 +13,20 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radiance.config import KernelConfig, ModelConfig
 from radiance.formats import Nvfp4Weight, dequantize, quantize_nvfp4
-
-
-class TorchLinear(nn.Module):
-    """16-bit fallback while radiance.layers.linear is absent (and for dequantized 4-bit weights)."""
-
-    path = "torch-dense"
-    path_reason = "radiance.layers.linear not available"
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
-
-
-def _linear_module():
-    try:
-        from radiance.layers import linear
-    except ImportError:
-        return None
-    return linear
+from radiance.layers.linear import DenseLinear, Mxfp4Linear
 
 
 def dense_linear(tensor: torch.Tensor, dtype: torch.dtype, kernel_config: KernelConfig, name: str = "") -> nn.Module:
-    tensor = tensor.to(dtype)
-    linear = _linear_module()
-    if linear is not None and hasattr(linear, "DenseLinear"):
-        return linear.DenseLinear(tensor, name=name)
-    return TorchLinear(tensor)
+    return DenseLinear(tensor.to(dtype), name=name)
 
 
 def mxfp4_linear(weight, rule: str, dtype: torch.dtype, kernel_config: KernelConfig,
                  name: str = "") -> tuple[nn.Module, float]:
-    linear = _linear_module()
-    if linear is not None and hasattr(linear, "Mxfp4Linear"):
-        return linear.Mxfp4Linear.from_weight(weight, rule, kernel_config, name=name)
-    from radiance.formats import to_mxfp4
-    mx, err = to_mxfp4(weight, rule)
-    return TorchLinear(dequantize(mx).to(dtype)), err
+    return Mxfp4Linear.from_weight(weight, rule, kernel_config, name=name)
 
 
 def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: KernelConfig,

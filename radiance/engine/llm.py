@@ -69,8 +69,20 @@ class LLM:
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         results: list[GenerationOutput] = []
         request_slots: dict[str, tuple[int, int]] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-            text, ids = self._tokenize(prompt)
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        for (_, ids), p in zip(tokenized, params_list):  # reject a bad prompt before queueing any
+            self.engine.check_request(ids, p)
+        try:
+            self._add_all(tokenized, params_list, results, request_slots)
+            self._run(results, request_slots, use_tqdm)
+        except BaseException:  # Ctrl-C or an error: leave nothing queued for the next call
+            for request_id in request_slots:
+                self.engine.abort_request(request_id)
+            raise
+        return results
+
+    def _add_all(self, tokenized, params_list, results, request_slots) -> None:
+        for i, ((text, ids), p) in enumerate(zip(tokenized, params_list)):
             results.append(GenerationOutput(text, ids, [None] * p.n))  # type: ignore[list-item]
             for j in range(p.n):
                 request_id = f"llm-{self._counter}"
@@ -78,6 +90,8 @@ class LLM:
                 sub = p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                 self.engine.add_request(request_id, ids, sub)
                 request_slots[request_id] = (i, j)
+
+    def _run(self, results, request_slots, use_tqdm: bool) -> None:
         bar = tqdm(total=len(request_slots), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -87,15 +101,11 @@ class LLM:
                     results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
                     bar.update(1)
         bar.close()
-        return results
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         template = self.engine.chat_template
-        try:
-            from radiance.server.chat_template import render_chat
-        except ImportError:
-            render_chat = None
-        if template and render_chat is not None:
+        from radiance.server.chat_template import render_chat
+        if template:
             return render_chat(template, messages, add_generation_prompt=add_generation_prompt, **kwargs)
         if self.tokenizer is None:
             raise ConfigError("this model has no tokenizer and no chat template")

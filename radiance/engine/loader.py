@@ -176,8 +176,5 @@ def _install_linear(model, name, weight, model_config, kernel_config, dtype, dev
 
 
 def _kernel_summary(model) -> list[str]:
-    try:
-        from radiance.layers.linear import linear_summary
-    except ImportError:
-        return ["kernels: radiance.layers.linear not available, linears run on torch fallbacks"]
+    from radiance.layers.linear import linear_summary
     return [linear_summary(model)]

@@ -16,12 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radiance import __version__
-from radiance.server.chat_template import TemplateError, render_chat
-from radiance.server.errors import OpenAIError, error_response, install_error_handlers, invalid
+
+from radiance.server.errors import OpenAIError, error_response, install_error_handlers
 from radiance.server.metrics import CONTENT_TYPE
 from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, model_card)
-from radiance.server.serving_chat import create_chat_completion
+from radiance.server.serving_chat import create_chat_completion, render_prompt
 from radiance.server.serving_common import check_token_ids
 from radiance.server.serving_completions import create_completion
 from radiance.server.state import ServerState
@@ -131,16 +131,9 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     async def tokenize(body: TokenizeRequest):
         state.require_engine()
         state.check_model(body.model)
-        if body.messages is not None:
-            if not state.chat_template:
-                raise invalid("this model has no chat template", param="messages")
-            try:
-                text = render_chat(state.chat_template, [m.model_dump(exclude_none=True) | {"content": m.text()}
-                                                         for m in body.messages],
-                                   add_generation_prompt=body.add_generation_prompt,
-                                   bos_token=state.tokenizer.bos_token or "", eos_token=state.tokenizer.eos_token or "")
-            except TemplateError as exc:
-                raise invalid(str(exc), param="messages") from exc
+        if body.messages is not None:  # rendered exactly as /v1/chat/completions would render it
+            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            text = render_prompt(state, chat, use_tools=False)
             tokens = state.tokenizer.encode(text, add_special_tokens=False)
         else:
             tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

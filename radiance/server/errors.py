@@ -25,6 +25,7 @@ _TYPE_BY_STATUS = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    499: "client_closed_request",
     500: "internal_server_error",
     503: "service_unavailable",
 }

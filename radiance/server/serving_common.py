@@ -8,6 +8,7 @@ error), engine requests still running are aborted so their KV blocks return to t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -150,6 +151,10 @@ async def collect_until_disconnect(request: Request, outputs: AsyncIterator[tupl
     finally:
         if not task.done():
             task.cancel()
+        # let the cancelled consumer leave the generator before closing it (aclose() on a generator
+        # that is still running raises, which would turn a disconnect into a 500)
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
         await outputs.aclose()
 
 

@@ -35,12 +35,15 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
         if isinstance(item, str):
             if not item:
                 raise invalid("prompt must not be empty", param=param)
+            if state.tokenizer is None:
+                raise invalid("this model has no tokenizer: send the prompt as token ids", param=param)
             prompts.append((item, state.tokenizer.encode(item)))
         else:
             if not item:
                 raise invalid("prompt must not be empty", param=param)
             check_token_ids(state, item, param)
-            prompts.append((state.tokenizer.decode(item), list(item)))
+            text = state.tokenizer.decode(item) if state.tokenizer is not None else ""
+            prompts.append((text, list(item)))
     return prompts
 
 
@@ -51,6 +54,7 @@ class CompletionChoice:
         self.prefix = prompt_text if echo else ""
         self.timer = RequestTimer(state.metrics)
         self.sent_chars = 0
+        self.echoed = False
         self.sent_logprobs = 0
         self.output: Any = None
 
@@ -59,8 +63,9 @@ class CompletionChoice:
         self.timer.tokens(len(out.token_ids))
         text = out.text[self.sent_chars:]
         offset = len(self.prefix) + self.sent_chars
-        if self.sent_chars == 0 and self.prefix:
+        if not self.echoed:  # the prompt goes out once, with the first output (which may be empty)
             text = self.prefix + text
+            self.echoed = True
         self.sent_chars = len(out.text)
         logprobs = None
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:

@@ -127,4 +127,9 @@ class ServerState:
         return stats() if callable(stats) else None
 
     def vocab_size(self) -> int:
+        """The model's vocabulary (the engine checks prompt ids against the same number)."""
+        engine = engine_attr(self.engine, "engine", self.engine)
+        model = getattr(engine, "model", None)
+        if model is not None:
+            return model.config.vocab_size
         return len(self.tokenizer)

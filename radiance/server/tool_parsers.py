@@ -137,7 +137,11 @@ class HermesToolParser(ToolParser):
         text = body[args.end():].rstrip() if args else "{}"
         if complete and text.endswith("}"):
             text = text[:-1].rstrip()  # the closing brace of the outer object
-        return ParsedToolCall(json.loads(f'"{name.group(1)}"'), text)
+        try:  # the name as JSON would read it (escapes); raw when the model wrote an invalid escape
+            fn_name = json.loads(f'"{name.group(1)}"')
+        except json.JSONDecodeError:
+            fn_name = name.group(1)
+        return ParsedToolCall(fn_name, text)
 
 
 class Qwen3CoderToolParser(ToolParser):

@@ -119,3 +119,24 @@ def test_abort_and_stats(tiny_llm):
     assert finished == {"a": "abort", "b": "length"}
     with pytest.raises(ValueError):
         engine.add_request("c", [], SamplingParams())
+
+
+def test_generate_rejects_a_bad_prompt_before_queueing_any(tiny_llm):
+    from radiance import SamplingParams
+
+    llm = tiny_llm(max_num_seqs=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    too_long = [1] * (llm.engine.max_model_len + 1)
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2, 3], too_long], params)
+    assert not llm.engine.has_unfinished_requests()  # nothing left behind for the next call
+    out = llm.generate([[1, 2, 3]], params)
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_cli_bad_option_is_one_line_and_exit_code_2(capsys):
+    from radiance.cli import main
+
+    assert main(["generate", "hi", "--max-num-seqs", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "max_num_seqs must be positive" in err and "Traceback" not in err

@@ -148,3 +148,10 @@ def test_reasoning_then_tool_call_streams_like_the_whole():
         assert reasoning == "need weather"
         assert tools.content == ""
         assert [c.name for c in tools.tool_calls] == ["get_weather"]
+
+
+def test_hermes_invalid_escape_in_a_cut_off_call_keeps_the_raw_name():
+    text = '<tool_call>{"name": "get\\qweather", "arguments": {"city": "Par'
+    whole = stream_tools(HermesToolParser, [text], truncated=True)
+    assert [c.name for c in whole.tool_calls] == ["get\\qweather"]
+    assert "<tool_call>" not in whole.content
