@@ -36,13 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: $RADIANCE_LOG_LEVEL or INFO")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _AREAS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # an area not built yet must not break the others
-            if exc.name and exc.name.startswith("radiance"):
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import math
@@ -24,48 +23,21 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def _optional_module(name: str):
-    """The module, or None while its area has not built it yet."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name == name:
-            return None
-        raise
-
-
-def _not_built(what: str):
-    def run(args) -> int:
-        raise ConfigError(f"{what} is not available in this build")
-    return run
-
-
 # ------------------------------------------------------------------------------ bench
 
 
 def _add_kernels(sub) -> None:
-    # the kernels area adds its own `kernels` parser to the bench subparsers (radiance/bench/kernels.py)
-    module = _optional_module("radiance.bench.kernels")
-    if module is not None and hasattr(module, "add_kernels_parser"):
-        module.add_kernels_parser(sub)
-    else:
-        p = sub.add_parser("kernels", help="W4A8 GEMM vs cuBLAS bf16/fp8 and the reference path (CUDA)")
-        p.set_defaults(func=_not_built("bench kernels"))
+    from radiance.bench.kernels import add_kernels_parser  # the parser lives next to the benchmark
+    add_kernels_parser(sub)
 
 
 def _add_engine(sub) -> None:
-    # the engine area adds its own `engine` parser (radiance/bench/engine_bench.py), as kernels does
-    module = _optional_module("radiance.bench.engine_bench")
-    if module is not None and hasattr(module, "add_engine_parser"):
-        module.add_engine_parser(sub)
-        engine = sub.choices["engine"]
-        engine.add_argument("--plot", metavar="FILE.png",
-                            help="output tok/s against concurrency and prefill tok/s against prompt length")
-        engine.set_defaults(func=_with_engine_plot(engine.get_default("func")))
-    else:
-        p = sub.add_parser("engine", help="offline engine speed: decode ms/step by depth, prefill tok/s, "
-                                          "aggregate tok/s by concurrency (MODEL may be synthetic:llama-3.1-8b, ...)")
-        p.set_defaults(func=_not_built("bench engine"))
+    from radiance.bench.engine_bench import add_engine_parser
+    add_engine_parser(sub)
+    engine = sub.choices["engine"]
+    engine.add_argument("--plot", metavar="FILE.png",
+                        help="output tok/s against concurrency and prefill tok/s against prompt length")
+    engine.set_defaults(func=_with_engine_plot(engine.get_default("func")))
 
 
 def _with_engine_plot(run_engine):
