@@ -135,4 +135,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("internal error while serving %s", request.url.path)
+        # this handler runs outside the middleware that counts error statuses, so count here
+        state = getattr(request.app.state, "radiance", None)
+        if state is not None:
+            state.metrics.http_errors.labels(status="500").inc()
         return error_response(OpenAIError(500, f"internal server error ({type(exc).__name__})"))

@@ -199,6 +199,8 @@ def test_stream_failure_midway_sends_error_then_done(server, client):
              {"model": "fake", "messages": [{"role": "user", "content": "SAY:abcFAILxyz"}]})
     check_error_shape(r, 500, None)
     assert "scripted engine failure" not in r.text
+    metrics = http(server, "GET", "/metrics").text
+    assert 'radiance_request_errors_total{status="500"}' in metrics  # counted although outside the middleware
 
 
 def test_metrics_and_tokenize(server, client):
