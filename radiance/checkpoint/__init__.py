@@ -15,7 +15,18 @@ from radiance.checkpoint.report import RequantReport
 from radiance.errors import CheckpointError
 
 __all__ = ["Checkpoint", "EntryInfo", "RequantReport", "open_checkpoint", "is_weight", "embedded_model_path",
-           "convert_checkpoint"]
+           "convert_checkpoint", "model_name", "EMBEDDED_MODEL_NAME"]
+
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def model_name(path: str | None) -> str:
+    """The name a model is served under: its directory or file name without .gguf; None = the embedded model."""
+    if path is None:
+        return EMBEDDED_MODEL_NAME
+    base = os.path.basename(os.path.normpath(path))
+    return base[:-5] if base.endswith(".gguf") else base
 
 
 def embedded_model_path() -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radiance.config import EngineConfig, KernelConfig, ModelConfig
+from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
 from radiance.engine.linears import build_linear
 from radiance.errors import CheckpointError
@@ -25,7 +25,6 @@ from radiance.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,11 +145,8 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
 
 
 def _model_name(requested: str | None, path: str | None) -> str:
-    """The name the server lists: the embedded model's, or the directory / file name without .gguf."""
-    if requested is None and (path is None or path.endswith(".gguf")):
-        return EMBEDDED_MODEL_NAME
-    base = os.path.basename(os.path.normpath(requested or path))
-    return base[:-5] if base.endswith(".gguf") else base
+    """The name the server lists: the embedded model's when none was asked for and the file is a GGUF."""
+    return model_name(requested if requested is not None or path is None or path.endswith(".gguf") else path)
 
 
 def _install_linear(model, name, weight, model_config, kernel_config, dtype, device, checkpoint):

@@ -54,6 +54,9 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not config.runner.enforce_eager:
             self._capture_decode_graphs()
+            if config.kernel.numerics_check:  # graph replays run no Python, so no check can run inside them
+                logger.warning("numerics check covers eager steps only (prefill, mixed steps, decode batches above "
+                               "%d); add --enforce-eager to check decode steps too", max(self.graphs))
 
     # ---------------------------------------------------------------- inputs
 

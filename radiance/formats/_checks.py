@@ -31,3 +31,17 @@ def check_partitions(n_rows: int, partition_sizes, n_global: int | None = None) 
     if n_global is not None and n_global != len(sizes):
         raise ValueError(f"{n_global} global scale(s) for {len(sizes)} partition(s) {sizes}")
     return sizes
+
+
+def check_mxfp4_pair(packed, scale) -> None:
+    """An MXFP4 weight's two tensors agree: uint8 codes [N, K/2], uint8 e8m0 scales [N, K/32], no NaN scale."""
+    check_matrix(packed, "packed")
+    check_matrix(scale, "scale")
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 needs uint8 packed codes and uint8 e8m0 scales, got {packed.dtype} and {scale.dtype}")
+    n, half_k = packed.shape
+    if (half_k * 2) % 32 or tuple(scale.shape) != (n, half_k * 2 // 32):
+        raise ValueError(f"MXFP4 shapes disagree: packed {tuple(packed.shape)} needs scale "
+                         f"[{n}, {half_k * 2 // 32}] and K a multiple of 32, got scale {tuple(scale.shape)}")
+    if scale.numel() and int(scale.max()) == 255:
+        raise ValueError("MXFP4 scale contains 0xFF (the e8m0 NaN encoding)")

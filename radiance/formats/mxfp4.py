@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from radiance.formats._checks import check_finite, check_k_multiple, check_matrix
+from radiance.formats._checks import check_finite, check_k_multiple, check_matrix, check_mxfp4_pair
 from radiance.formats.e2m1 import E2M1_MAX, e2m1_to_float, pack_e2m1, round_to_e2m1, unpack_e2m1
 
 MX_BLOCK = 32
@@ -93,16 +93,8 @@ def quantize_mxfp4(w: torch.Tensor, rule: str = "mse") -> tuple[torch.Tensor, to
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(packed [N, K/2], e8m0 scale [N, K/32]) -> float32 [N, K]."""
-    check_matrix(packed, "packed")
-    check_matrix(scale, "scale")
-    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
-        raise ValueError(f"dequantize_mxfp4 needs uint8 packed and uint8 e8m0 scale, got {packed.dtype} and {scale.dtype}")
+    check_mxfp4_pair(packed, scale)
     n, half_k = packed.shape
-    if scale.shape != (n, half_k * 2 // MX_BLOCK) or (half_k * 2) % MX_BLOCK:
-        raise ValueError(f"MXFP4 shapes disagree: packed {tuple(packed.shape)} needs scale "
-                         f"[{n}, {half_k * 2 // MX_BLOCK}] and K a multiple of 32, got scale {tuple(scale.shape)}")
-    if scale.numel() and int(scale.max()) == 255:
-        raise ValueError("MXFP4 scale contains 0xFF (the e8m0 NaN encoding)")
     values = e2m1_to_float(unpack_e2m1(packed)).reshape(n, -1, MX_BLOCK)
     e = scale.to(torch.int32) - E8M0_BIAS
     return scale_by_pow2(values, e.unsqueeze(-1)).reshape(n, half_k * 2)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radiance.formats._checks import check_mxfp4_pair
 from radiance.formats import e2m1_to_float, pack_e2m1, round_to_e2m1, unpack_e2m1
 from radiance.formats.mxfp4 import E8M0_BIAS, MX_BLOCK, scale_by_pow2
 
@@ -46,23 +47,10 @@ class PreparedMxfp4:
                              self.w_scale.to(device), self.underflow_blocks)
 
 
-def _check_mxfp4(packed: torch.Tensor, scale_e8m0: torch.Tensor) -> None:
-    if packed.dtype != torch.uint8 or scale_e8m0.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 weight needs uint8 packed and uint8 e8m0 scales, got {packed.dtype}, {scale_e8m0.dtype}")
-    if packed.dim() != 2 or scale_e8m0.dim() != 2:
-        raise ValueError(f"MXFP4 tensors must be 2-D, got packed {tuple(packed.shape)}, scale {tuple(scale_e8m0.shape)}")
-    n, half_k = packed.shape
-    if (2 * half_k) % MX_BLOCK or tuple(scale_e8m0.shape) != (n, 2 * half_k // MX_BLOCK):
-        raise ValueError(f"MXFP4 shapes disagree: packed {tuple(packed.shape)} needs scale [{n}, {2 * half_k // MX_BLOCK}] "
-                         f"and K a multiple of {MX_BLOCK}, got scale {tuple(scale_e8m0.shape)}")
-    if scale_e8m0.numel() and int(scale_e8m0.max()) == 255:
-        raise ValueError("MXFP4 scale contains 0xFF (the e8m0 NaN encoding)")
-
-
 @torch.no_grad()
 def prepare_mxfp4(packed: torch.Tensor, scale_e8m0: torch.Tensor) -> PreparedMxfp4:
     """(packed uint8 [N, K/2], e8m0 [N, K/32]) -> PreparedMxfp4 on the same device."""
-    _check_mxfp4(packed, scale_e8m0)
+    check_mxfp4_pair(packed, scale_e8m0)
     n, half_k = packed.shape
     codes = unpack_e2m1(packed).reshape(n, -1, MX_BLOCK)
     e = scale_e8m0.to(torch.int32) - E8M0_BIAS

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any, Callable
 
 from radiance.config import ServerConfig
 from radiance.errors import RadianceError
 from radiance.server.chat_template import load_template, template_features
+from radiance.checkpoint import model_name
 from radiance.server.errors import OpenAIError
 from radiance.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-
 
 def engine_attr(engine: Any, name: str, default: Any = None) -> Any:
     for obj in (engine, getattr(engine, "engine", None)):
@@ -34,9 +31,8 @@ def engine_attr(engine: Any, name: str, default: Any = None) -> Any:
 
 def default_model_name(model_path: str | None, engine: Any = None) -> str:
     if model_path:
-        base = os.path.basename(os.path.normpath(model_path))
-        return base[:-5] if base.endswith(".gguf") else base
-    return engine_attr(engine, "model_name") or EMBEDDED_MODEL_NAME
+        return model_name(model_path)
+    return engine_attr(engine, "model_name") or model_name(None)
 
 
 class ServerState:
