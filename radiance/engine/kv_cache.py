@@ -19,7 +19,7 @@ def block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
 
 
 @torch.inference_mode()
-def _peak_activation_bytes(model, device: torch.device, num_tokens: int) -> int:
+def _peak_activation_bytes(model, device: torch.device, num_tokens: int, max_sampled_rows: int) -> int:
     """Run one cache-less forward over a full token budget and report the allocator's peak above idle."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -27,7 +27,7 @@ def _peak_activation_bytes(model, device: torch.device, num_tokens: int) -> int:
     before = torch.cuda.memory_allocated(device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     hidden = model(ids, torch.arange(num_tokens, device=device), None)
-    model.compute_logits(hidden[-min(num_tokens, 256):])  # the sampled rows of a large decode batch
+    model.compute_logits(hidden[-min(num_tokens, max_sampled_rows):])  # the sampled rows of a full decode batch
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del hidden
@@ -41,7 +41,7 @@ def num_kv_blocks(model, cache: CacheConfig, scheduler: SchedulerConfig, device:
         return cache.num_gpu_blocks_override
     per_block = block_bytes(model, cache.block_size, dtype)
     if device.type == "cuda":
-        peak = _peak_activation_bytes(model, device, scheduler.max_num_batched_tokens)
+        peak = _peak_activation_bytes(model, device, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
         free, total = torch.cuda.mem_get_info(device)
         used = total - free  # weights, other processes, the allocator's reserve
         budget = int(total * cache.gpu_memory_utilization) - used - peak

@@ -158,8 +158,10 @@ async def collect_until_disconnect(request: Request, outputs: AsyncIterator[tupl
         await outputs.aclose()
 
 
-def token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def token_texts(tokenizer: Any, entries: list) -> dict[int, str]:
+    """Text of every token id in these logprob entries (chosen and alternatives), decoded in one batch."""
+    ids = list(dict.fromkeys([e.token_id for e in entries] + [tid for e in entries for tid, _ in e.top]))
+    return dict(zip(ids, tokenizer.batch_decode([[i] for i in ids]))) if ids else {}
 
 
 def safe_logprob(value: float) -> float:
@@ -167,24 +169,26 @@ def safe_logprob(value: float) -> float:
 
 
 def chat_logprobs(tokenizer: Any, entries: list) -> dict:
+    texts = token_texts(tokenizer, entries)
     content = []
     for entry in entries:
-        text = token_text(tokenizer, entry.token_id)
+        text = texts[entry.token_id]
         content.append({
             "token": text, "logprob": safe_logprob(entry.logprob), "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": (t := token_text(tokenizer, tid)), "logprob": safe_logprob(lp),
+            "top_logprobs": [{"token": (t := texts[tid]), "logprob": safe_logprob(lp),
                               "bytes": list(t.encode("utf-8"))} for tid, lp in entry.top],
         })
     return {"content": content}
 
 
 def completion_logprobs(tokenizer: Any, entries: list, offset: int) -> dict:
+    texts = token_texts(tokenizer, entries)
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
-        text = token_text(tokenizer, entry.token_id)
+        text = texts[entry.token_id]
         tokens.append(text)
         token_logprobs.append(safe_logprob(entry.logprob))
-        top.append({token_text(tokenizer, tid): safe_logprob(lp) for tid, lp in entry.top} if entry.top else None)
+        top.append({texts[tid]: safe_logprob(lp) for tid, lp in entry.top} if entry.top else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -42,6 +42,9 @@ class ByteTokenizer:
         data = bytes(i for i in ids if i < 256)
         return data.decode("utf-8", errors="replace")
 
+    def batch_decode(self, batch, skip_special_tokens=True):
+        return [self.decode(ids, skip_special_tokens) for ids in batch]
+
 
 class FakeEngine:
     def __init__(self, max_model_len=512, chat_template=TEMPLATE):
