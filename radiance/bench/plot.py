@@ -33,6 +33,11 @@ def plot_lines(path: str, series: Mapping[str, Sequence[tuple[float, float]]], t
         pts = [(x, y) for x, y in points if y is not None and not math.isnan(y)]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    _label_axis(ax, title, xlabel, ylabel, log_x)
+    _save(plt, fig, path)
+
+
+def _label_axis(ax, title: str, xlabel: str, ylabel: str, log_x: bool) -> None:
     if log_x:
         ax.set_xscale("log", base=2)
     ax.set_title(title)
@@ -40,6 +45,9 @@ def plot_lines(path: str, series: Mapping[str, Sequence[tuple[float, float]]], t
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.legend()
+
+
+def _save(plt, fig, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -87,13 +95,5 @@ def plot_engine_rows(path: str, rows: Sequence[Mapping]) -> None:
             right.plot([p[0] for p in prefill], [p[1] for p in prefill], marker="o", label=label)
     for ax, title, xlabel, ylabel in ((left, "decode throughput", "concurrent sequences", "output tok/s"),
                                       (right, "prefill", "prompt tokens", "prefill tok/s")):
-        ax.set_xscale("log", base=2)
-        ax.set_title(title)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    logger.info("wrote %s", path)
+        _label_axis(ax, title, xlabel, ylabel, log_x=True)
+    _save(plt, fig, path)

@@ -16,12 +16,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
-from radiance.server.errors import OpenAIError, invalid, sse_error
+from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import ChatCompletionRequest, new_id, now, usage
 from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
-                                            merged_outputs, resolve_max_tokens, sampling_params, sse)
+                                            guarded_sse, merged_outputs, resolve_max_tokens, sampling_params, sse)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, START_TAG
 
@@ -212,7 +212,7 @@ def _response(request_id: str, model: str, choices: list[ChoiceStream], deltas: 
             "choices": body_choices, "usage": usage(prompt_len, completion_tokens, cached)}
 
 
-async def _stream(state: ServerState, request_id: str, model: str, outputs: AsyncIterator,
+def _stream(state: ServerState, request_id: str, model: str, outputs: AsyncIterator,
                   choices: list[ChoiceStream], prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
     created = now()
 
@@ -223,7 +223,7 @@ async def _stream(state: ServerState, request_id: str, model: str, outputs: Asyn
             body["usage"] = None
         return body
 
-    try:
+    async def events() -> AsyncIterator[str]:
         for choice in choices:
             yield sse(chunk(choice.index, {"role": "assistant", "content": ""}))
         async for index, out in outputs:
@@ -237,11 +237,5 @@ async def _stream(state: ServerState, request_id: str, model: str, outputs: Asyn
             completion_tokens = sum(len(c.output.token_ids) for c in choices if c.output is not None)
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": usage(prompt_len, completion_tokens)})
-    except OpenAIError as exc:
-        yield sse_error(exc)
-    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band, no traceback to the client
-        logger.exception("chat stream %s failed", request_id)
-        yield sse_error(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
-    finally:
-        await outputs.aclose()
-    yield "data: [DONE]\n\n"
+
+    return guarded_sse(events(), outputs, f"chat stream {request_id}")

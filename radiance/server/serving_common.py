@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 
 from radiance.engine.sampling_params import SamplingParams
-from radiance.server.errors import OpenAIError, invalid
+from radiance.server.errors import OpenAIError, invalid, sse_error
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -192,6 +192,23 @@ def completion_logprobs(tokenizer: Any, entries: list, offset: int) -> dict:
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+async def guarded_sse(events: AsyncIterator[str], outputs: AsyncIterator, what: str) -> AsyncIterator[str]:
+    """A stream's events, then `data: [DONE]`. The headers are already out, so a failure mid-way is
+    reported in-band as an error event (no traceback to the client); the engine outputs are closed
+    whatever happens, which aborts their requests when the client went away."""
+    try:
+        async for event in events:
+            yield event
+    except OpenAIError as exc:
+        yield sse_error(exc)
+    except Exception as exc:  # noqa: BLE001 - reported in-band and logged
+        logger.exception("%s failed", what)
+        yield sse_error(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
 
 
 def sse(data: dict | str) -> str:

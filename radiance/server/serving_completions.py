@@ -11,12 +11,12 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radiance.server.errors import OpenAIError, invalid, sse_error
+from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import CompletionRequest, new_id, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             completion_logprobs, merged_outputs, resolve_max_tokens,
-                                            sampling_params, sse)
+                                            guarded_sse, sampling_params, sse)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                          "choices": body_choices, "usage": usage(prompt_tokens, completion_tokens)})
 
 
-async def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[CompletionChoice],
+def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[CompletionChoice],
                   prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
     created = now()
 
@@ -128,7 +128,7 @@ async def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: 
             body["usage"] = None
         return body
 
-    try:
+    async def events() -> AsyncIterator[str]:
         async for index, out in outputs:
             text, logprobs = choices[index].step(out)
             if text or logprobs or out.finished:
@@ -137,11 +137,5 @@ async def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: 
             completion_tokens = sum(len(c.output.token_ids) for c in choices if c.output is not None)
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-    except OpenAIError as exc:
-        yield sse_error(exc)
-    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band, no traceback to the client
-        logger.exception("completion stream %s failed", request_id)
-        yield sse_error(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
-    finally:
-        await outputs.aclose()
-    yield "data: [DONE]\n\n"
+
+    return guarded_sse(events(), outputs, f"completion stream {request_id}")
