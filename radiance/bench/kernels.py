@@ -31,10 +31,11 @@ M_LIST = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 CHECK_M = (1, 2, 3, 5, 8, 16, 17, 33, 64, 65, 128, 257, 1024, 4096)
 CHECK_SHAPES = ((48, 96), (4104, 4096), (1024, 14336), (256, 288))
 PREFILL_CANDIDATES = (  # --precision-probe: big-M tilings, each checked at K=14336 and timed
-    GemmConfig(256, 128, 128, True, num_warps=8, num_stages=3, split_k=1),
-    GemmConfig(256, 128, 128, False, num_warps=8, num_stages=3, split_k=1),
     GemmConfig(128, 128, 128, True, num_warps=8, num_stages=3, split_k=1),
-    GemmConfig(128, 256, 128, False, num_warps=8, num_stages=3, split_k=1),
+    GemmConfig(128, 128, 128, False, num_warps=8, num_stages=3, split_k=1),
+    GemmConfig(128, 128, 256, True, num_warps=8, num_stages=2, split_k=1),  # fp32 promotion every 256 of K
+    GemmConfig(128, 128, 128, True, num_warps=8, num_stages=3, split_k=1, precise_acc=False),
+    GemmConfig(128, 256, 128, False, num_warps=8, num_stages=3, split_k=1, precise_acc=False),
 )
 LLAMA_8B_LINEARS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate_up, down
 
@@ -179,18 +180,18 @@ def bench_table(shapes, m_list, device, decode_band: int, with_reference: bool =
 
 def sweep_candidates(band: str) -> list[GemmConfig]:
     if band == "decode":
-        return [GemmConfig(16, bn, bk, True, num_warps=4, num_stages=st, split_k=0)
-                for bn in (64, 128) for bk in (128, 256, 512) for st in (3, 5) if not (bn == 128 and bk == 512)]
+        return [GemmConfig(16, bn, bk, True, num_warps=4 if bn < 256 else 8, num_stages=st, split_k=0)
+                for bn in (64, 128, 256) for bk in (128, 256) for st in (3, 5) if bn * bk * st <= 256 * 128 * 5]
     cands = []
-    for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
-                                      (128, 256, 64, 8, 4), (256, 128, 128, 8, 3), (64, 256, 128, 4, 3),
-                                      (128, 128, 256, 8, 2)):
+    for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 64, 128, 4, 3)):
         cands.append(GemmConfig(bm, bn, bk, False, num_warps=warps, num_stages=stages, split_k=1))
-    for bm, bn, bk, warps, stages in ((128, 128, 128, 4, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4)):
+    # swap-AB: the expanded weights feed the MMA from registers (no shared-memory round trip)
+    for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 3),
+                                      (64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (128, 128, 256, 8, 2)):
         cands.append(GemmConfig(bm, bn, bk, True, num_warps=warps, num_stages=stages, split_k=1))
-    # what fp32 promotion of the fp8 partial sums costs
-    cands.append(GemmConfig(128, 256, 128, False, num_warps=8, num_stages=3, split_k=1, precise_acc=False))
-    cands.append(GemmConfig(256, 128, 128, True, num_warps=8, num_stages=3, split_k=1, precise_acc=False))
+    # split-K for M in the low hundreds, where a 128-tile grid does not fill 132 SMs
+    cands += [GemmConfig(128, 128, 128, True, num_warps=8, num_stages=3, split_k=0),
+              GemmConfig(64, 128, 128, True, num_warps=4, num_stages=3, split_k=0)]
     return cands
 
 
@@ -203,7 +204,7 @@ def run_sweep(shapes, m_list, device, decode_band: int) -> list[str]:
             band = "decode" if m <= decode_band else "prefill"
             best = None
             for cfg in sweep_candidates(band):
-                if cfg.swap_ab:
+                if cfg.swap_ab and band == "decode":
                     cfg = GemmConfig(**{**cfg.as_dict(), "block_m": max(16, min(256, 1 << (m - 1).bit_length()))})
                 try:
                     t = time_shape(ops, m, device, decode_band, cfg, variants=("gemm",))["gemm"]

@@ -6,7 +6,10 @@ torch reference, which computes the same bytes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 from radiance import env
 from radiance.kernels import reference
@@ -48,17 +51,71 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x_q, x_scale
 
 
-def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused RMSNorm + per-token fp8 quantization: quantize_activations(weight * rms_norm(x))."""
+class Fp8Activations(NamedTuple):
+    """Per-token e4m3 activations ready for a W4A8 linear, made by a fused norm or SiLU-mul kernel:
+    x_q [M, K], x_scale fp32 [M, 1]; the linear's output takes `dtype` and the leading shape `lead`."""
+
+    x_q: torch.Tensor
+    x_scale: torch.Tensor
+    dtype: torch.dtype
+    lead: tuple[int, ...]
+
+
+def _fp8_outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((m, 1), dtype=torch.float32, device=device))
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                quantize: bool = False):
+    """One kernel for a decoder layer's pre-norm: (y, s) with s = x + residual (x when residual is
+    None) and y = weight * rms_norm(s), rounded as the model's RMSNorm does; y is Fp8Activations when
+    `quantize`. Triton on CUDA (and under the interpreter); the torch reference elsewhere."""
     x2 = _as_rows(x)
     m, k = x2.shape
     if weight.shape != (k,):
-        raise ValueError(f"rmsnorm_quant: weight shape {tuple(weight.shape)} does not match hidden size {k}")
+        raise ValueError(f"add_rmsnorm: weight shape {tuple(weight.shape)} does not match hidden size {k}")
+    r2 = _as_rows(residual) if residual is not None else None
     if not triton_serves(x2) or k > MAX_ROW or m == 0:
-        return reference.rmsnorm_quant_reference(x2, weight, eps)
-    x_q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
-    x_scale = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+        s = x2 + r2 if r2 is not None else x2
+        y = reference.rms_normalize_reference(s, weight, eps)
+        out = Fp8Activations(*reference.quantize_activations_reference(y), x.dtype, tuple(x.shape[:-1])) \
+            if quantize else y.reshape(x.shape)
+        return out, s.reshape(x.shape)
+    s = torch.empty_like(x2) if r2 is not None else x2
+    y = x2.new_empty((0,)) if quantize else torch.empty_like(x2)
+    x_q, x_scale = _fp8_outputs(m, k, x2.device) if quantize else (y, y)
     block, warps = _row_launch(k)
-    _act.rmsnorm_quantize_rows_kernel[(m,)](x2, weight.contiguous(), x_q, x_scale, k, x2.stride(0), float(eps),
-                                            BLOCK=block, ROUND_IN_FP32=not x2.is_cuda, num_warps=warps)
-    return x_q, x_scale
+    _act.add_rmsnorm_rows_kernel[(m,)](
+        x2, r2 if r2 is not None else x2, weight.contiguous(), y, s, x_q, x_scale, k, x2.stride(0),
+        r2.stride(0) if r2 is not None else 0, float(eps), HAS_RESIDUAL=r2 is not None, QUANT=quantize,
+        BLOCK=block, ROUND_IN_FP32=not x2.is_cuda, num_warps=warps)
+    out = Fp8Activations(x_q, x_scale, x.dtype, tuple(x.shape[:-1])) if quantize else y.reshape(x.shape)
+    return out, s.reshape(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
+    """silu(gate) * up for gate_up = [gate | up] along the last dim, rounded as torch does in the
+    input dtype; Fp8Activations when `quantize`. One Triton kernel on CUDA; torch elsewhere."""
+    g2 = _as_rows(gate_up)
+    m, two_i = g2.shape
+    inter = two_i // 2
+    lead = tuple(gate_up.shape[:-1])
+    if not triton_serves(g2) or inter > MAX_ROW or m == 0:
+        gate, up = g2.split(inter, dim=-1)
+        y = F.silu(gate) * up
+        if quantize:
+            return Fp8Activations(*reference.quantize_activations_reference(y), gate_up.dtype, lead)
+        return y.reshape(*lead, inter)
+    y = g2.new_empty((0,)) if quantize else g2.new_empty((m, inter))
+    x_q, x_scale = _fp8_outputs(m, inter, g2.device) if quantize else (y, y)
+    block, warps = _row_launch(inter)
+    _act.silu_mul_rows_kernel[(m,)](g2, y, x_q, x_scale, inter, g2.stride(0), QUANT=quantize, BLOCK=block,
+                                    ROUND_IN_FP32=not g2.is_cuda, num_warps=warps)
+    return Fp8Activations(x_q, x_scale, gate_up.dtype, lead) if quantize else y.reshape(*lead, inter)
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused RMSNorm + per-token fp8 quantization: quantize_activations(weight * rms_norm(x))."""
+    act, _ = add_rmsnorm(x, None, weight, eps, quantize=True)
+    return act.x_q, act.x_scale

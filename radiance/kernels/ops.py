@@ -14,8 +14,9 @@ from radiance.kernels.prepare import PreparedMxfp4
 from radiance.kernels.w4a8 import w4a8_gemm
 
 
-def _prepared(w_q, w_shift, w_scale) -> PreparedMxfp4:
-    return PreparedMxfp4(w_q, w_shift, w_ref=w_scale.new_empty(0, dtype=torch.int32), w_scale=w_scale, underflow_blocks=0)
+def _prepared(w_q, w_shift, w_scale, in_features: int) -> PreparedMxfp4:
+    return PreparedMxfp4(w_q, w_shift, w_ref=w_scale.new_empty(0, dtype=torch.int32), w_scale=w_scale,
+                         in_features=in_features, underflow_blocks=0)
 
 
 @torch.library.custom_op("radiance::w4a8_linear", mutates_args=())
@@ -23,7 +24,7 @@ def w4a8_linear(x: torch.Tensor, w_q: torch.Tensor, w_shift: torch.Tensor, w_sca
                 bias: torch.Tensor | None, decode_band: int) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) -> [M, N] in x.dtype: per-token fp8 quantization + W4A8 GEMM."""
     x_q, x_scale = quantize_activations(x)
-    return w4a8_gemm(x_q, x_scale, _prepared(w_q, w_shift, w_scale), bias, x.dtype, decode_band=decode_band)
+    return w4a8_gemm(x_q, x_scale, _prepared(w_q, w_shift, w_scale, x.shape[1]), bias, x.dtype, decode_band=decode_band)
 
 
 @w4a8_linear.register_fake
@@ -36,7 +37,7 @@ def w4a8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
                           w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                           decode_band: int) -> torch.Tensor:
     """Pre-quantized activations (from rmsnorm_quant / quantize_activations) -> [M, N] in out_dtype."""
-    return w4a8_gemm(x_q, x_scale, _prepared(w_q, w_shift, w_scale), bias, out_dtype, decode_band=decode_band)
+    return w4a8_gemm(x_q, x_scale, _prepared(w_q, w_shift, w_scale, x_q.shape[1]), bias, out_dtype, decode_band=decode_band)
 
 
 @w4a8_linear_quantized.register_fake

@@ -1,7 +1,8 @@
 """Tile configurations of the W4A8 GEMM, read from a table in the repo (never re-autotuned at start).
 
 `tuning/<table>.json` lists, per band ("decode", "prefill"), entries tried in order; the first whose
-`shape` ("NxK" or "*") and optional `m_max` match the call wins. `radiance bench kernels --sweep`
+`shape` ("NxK" or "*") and optional `m_max` match the call wins. Its optional `expand_min_m` is the
+token count from which the launcher expands the weight to fp8 and calls cuBLAS's fp8 GEMM instead. `radiance bench kernels --sweep`
 measures candidates on the GPU and prints the entries to paste in.
 """
 
@@ -30,8 +31,8 @@ class GemmConfig:
     precise_acc: bool = True  # promote fp8 MMA partial sums to fp32 once per K tile
 
     def __post_init__(self):
-        if self.block_k % 32 or self.block_k < 32:
-            raise ValueError(f"block_k must be a multiple of 32, got {self.block_k}")
+        if self.block_k % 128:  # the kernel words come in 128-k groups (prepare.py)
+            raise ValueError(f"block_k must be a multiple of 128, got {self.block_k}")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v & (v - 1):
@@ -64,6 +65,13 @@ def load_table(name: str) -> dict:
 
 def _next_pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
+
+
+def expand_min_m(device: torch.device) -> int | None:
+    """Token count from which the table says to expand weights to fp8 and use cuBLAS (None: never)."""
+    name = _table_name(device)
+    value = load_table(name).get("expand_min_m") if name else None
+    return int(value) if value is not None else None
 
 
 def select_config(m: int, n: int, k: int, decode_band: int, device: torch.device) -> GemmConfig:

@@ -8,11 +8,8 @@ import torch
 
 from radiance.kernels._triton import convert as _convert
 from radiance.kernels._triton import gemm as _gemm
-from radiance.kernels.prepare import PreparedMxfp4
-from radiance.kernels.tuning import GemmConfig, select_config
-
-REDUCE_BLOCK = 1024
-
+from radiance.kernels.prepare import WORD_K, PreparedMxfp4, padded_k
+from radiance.kernels.tuning import GemmConfig, expand_min_m, select_config
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
@@ -25,16 +22,32 @@ def sm_count(device: torch.device) -> int:
 
 
 def choose_split_k(m: int, n: int, k: int, cfg: GemmConfig, num_sms: int) -> tuple[int, int]:
-    """(splits, k_tiles_per_split): enough CTAs for ~2 waves, no empty split."""
+    """(splits, k_tiles_per_split): enough CTAs to keep HBM busy, no empty split."""
     k_tiles = -(-k // cfg.block_k)
     if cfg.split_k == 1:
         return 1, k_tiles
     tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
-    waves = 2 if m <= 64 else 1  # big-M splits pay for their fp32 partials: one wave is enough
+    # decode streams weights: about two CTAs per SM measured best (four: more partial traffic and a
+    # longer tail); bigger M pays more for its fp32 partials, so one wave
+    waves = 2 if m <= 64 else 1
     want = cfg.split_k if cfg.split_k > 1 else -(-waves * num_sms // tiles)
     splits = max(1, min(want, k_tiles, 64))
     per = -(-k_tiles // splits)
     return -(-k_tiles // per), per
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per output tile, shared by all split-K launches on a device:
+    launches on one stream never overlap, and each leaves its counters at zero again. Grown (outside
+    CUDA-graph capture: the warm-up calls reach every size first) and never shrunk."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def _use_asm(t: torch.Tensor) -> bool:
@@ -44,36 +57,73 @@ def _use_asm(t: torch.Tensor) -> bool:
 def w4a8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: PreparedMxfp4, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype = torch.bfloat16, *, decode_band: int = 64, config: GemmConfig | None = None,
               use_asm: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out [M, N] = (x_q * x_scale) @ W^T (+ bias), W the prepared MXFP4 weight; fp32 accumulation."""
+    """out [M, N] = (x_q * x_scale) @ W^T (+ bias), W the prepared MXFP4 weight; fp32 accumulation.
+
+    From the tuning table's `expand_min_m` tokens on (and no forced `config`), the weight is expanded
+    to e4m3 in a scratch buffer and multiplied by cuBLAS's fp8 GEMM: at that M the expansion costs a
+    few percent of the GEMM, and cuBLAS keeps full fp32 accumulation at fp8 speed, which the fused
+    kernel's per-tile promotion does not (bench/RESULTS.md)."""
+    m, n = x_q.shape[0], weight.shape[0]
+    if config is None and _expand_serves(x_q, m, n, weight.shape[1], out_dtype, out):
+        return _expand_then_fp8_mm(x_q, x_scale, weight, bias, out_dtype)
     return _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, out)[0]
+
+
+def _expand_serves(x_q: torch.Tensor, m: int, n: int, k: int, out_dtype, out) -> bool:
+    min_m = expand_min_m(x_q.device)
+    return (min_m is not None and m >= min_m and out is None and n % 16 == 0 and k % 16 == 0
+            and x_q.stride(1) == 1 and out_dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+_EXPAND_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def _expand_scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """One e4m3 buffer per device for the expanded weight of the large-M path, grown to the largest
+    linear and kept: calls on one stream run one after another, and a fresh 100+ MB allocation per
+    call can push the caching allocator (next to a KV cache that fills the GPU) into free-and-retry."""
+    buf = _EXPAND_SCRATCH.get(device)
+    if buf is None or buf.numel() < numel:
+        _EXPAND_SCRATCH.pop(device, None)
+        buf = torch.empty(numel, dtype=torch.float8_e4m3fn, device=device)
+        _EXPAND_SCRATCH[device] = buf
+    return buf
+
+
+def _expand_then_fp8_mm(x_q, x_scale, weight: PreparedMxfp4, bias, out_dtype) -> torch.Tensor:
+    n, k = weight.shape
+    # [N, K] e4m3 with the block shifts folded in; the row scale is w_scale
+    w8 = expand_weight_fp8(weight, out=_expand_scratch(x_q.device, n * k)[: n * k].view(n, k))
+    return torch._scaled_mm(x_q, w8.t(), scale_a=x_scale.float(), scale_b=weight.w_scale[None, :],
+                            bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype)
 
 
 def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, out):
     """w4a8_gemm's body; also returns the compiled GEMM kernel (its PTX is checked for wgmma)."""
     m, k = x_q.shape
     n, wk = weight.shape
-    if wk != k:
-        raise ValueError(f"w4a8_gemm: activations have K={k} but the weight has K={wk}")
+    if wk != k or weight.w_q.shape[1] * WORD_K != padded_k(k):
+        raise ValueError(f"w4a8_gemm: activations have K={k} but the weight has K={wk} "
+                         f"({weight.w_q.shape[1]} kernel words per row)")
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out, None
     cfg = config or select_config(m, n, k, decode_band, x_q.device)
     splits, per_split = choose_split_k(m, n, k, cfg, sm_count(x_q.device))
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x_q.device) if splits > 1 else out
+    locks = _tile_counters(x_q.device, tiles) if splits > 1 else out
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight.w_scale
-    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), splits)
+    grid = (tiles, splits)
     compiled = _gemm.w4a8_gemm_kernel[grid](
-        x_q, x_scale, weight.w_q, weight.w_shift, weight.w_scale, bias_arg, out, part,
+        x_q, x_scale, weight.w_q, weight.w_shift, weight.w_scale, bias_arg, out, part, locks,
         m, n, k, x_q.stride(0), out.stride(0), per_split,
         HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT_K=splits, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
         PRECISE_ACC=cfg.precise_acc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        _gemm.splitk_reduce_kernel[(-(-m * n // REDUCE_BLOCK),)](
-            part, bias_arg, out, m, n, out.stride(0), SPLITS=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, num_warps=4)
     return out, compiled
 
 
@@ -83,12 +133,14 @@ def gemm_ptx(x_q, x_scale, weight: PreparedMxfp4, decode_band: int = 64, config:
     return compiled.asm.get("ptx", "") if compiled is not None else ""
 
 
-def expand_weight_fp8(weight: PreparedMxfp4, use_asm: bool | None = None) -> torch.Tensor:
-    """The e4m3 weight [N, K] the GEMM multiplies with (before the per-row 2^ref): tests and baselines."""
+def expand_weight_fp8(weight: PreparedMxfp4, use_asm: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The e4m3 weight [N, K] the GEMM multiplies with (before the per-row 2^ref): the large-M path,
+    tests and baselines."""
     n, k = weight.shape
-    out = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=weight.w_q.device)
-    bn, bk = 32, 128
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=weight.w_q.device)
+    bn, bk = 64, 256
     grid = (-(-n // bn), -(-k // bk))
-    _convert.expand_weight_kernel[grid](weight.w_q, weight.w_shift, out, n, k, BN=bn, BK=bk,
+    _convert.expand_weight_kernel[grid](weight.w_q, weight.w_shift, out, n, k, BN=bn, BK=bk, num_warps=4,
                                         USE_ASM=_use_asm(weight.w_q) if use_asm is None else use_asm)
     return out

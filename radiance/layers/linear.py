@@ -19,7 +19,7 @@ from radiance.config import KernelConfig
 from radiance.formats import dequantize_mxfp4, to_mxfp4
 from radiance.kernels import ops  # noqa: F401 - registers torch.ops.radiance.*
 from radiance.kernels import reference
-from radiance.kernels.activation import quantize_activations
+from radiance.kernels.activation import Fp8Activations, quantize_activations
 from radiance.kernels.numerics import NumericsMonitor
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
 
@@ -43,6 +43,11 @@ def choose_path(device: torch.device, config: KernelConfig) -> tuple[str, str]:
     if cap not in FP8_GPUS:
         return PATH_REFERENCE, f"sm_{cap[0]}{cap[1]}: no fp8 tensor-core kernel for this GPU"
     return PATH_W4A8, f"sm_{cap[0]}{cap[1]}: W4A8 Triton kernel"
+
+
+def takes_fp8(linear: nn.Module) -> bool:
+    """Whether `linear` runs the W4A8 kernel, so the op before it should hand it Fp8Activations."""
+    return getattr(linear, "path", None) == PATH_W4A8
 
 
 class Mxfp4Linear(nn.Module):
@@ -83,7 +88,12 @@ class Mxfp4Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, path={self.path}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        if isinstance(x, Fp8Activations):  # quantized by the fused norm / SiLU-mul kernel before us
+            out = self.forward_quantized(x.x_q, x.x_scale, x.dtype)
+            if self.monitor is not None and self.monitor.due():
+                self.monitor.check(x.x_q, x.x_scale, self.dequantized_weight(), self.bias, out)
+            return out.reshape(*x.lead, self.out_features)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.path == PATH_W4A8:
@@ -112,7 +122,7 @@ class Mxfp4Linear(nn.Module):
         """The exact fp32 weight this layer multiplies with."""
         if self.path == PATH_W4A8:
             from radiance.kernels.prepare import PreparedMxfp4
-            return dequantize_prepared(PreparedMxfp4(self.w_q, self.w_shift, self.w_ref, self.w_scale, 0))
+            return dequantize_prepared(PreparedMxfp4(self.w_q, self.w_shift, self.w_ref, self.w_scale, self.in_features, 0))
         return self.w_dense.float()
 
 

@@ -1,9 +1,16 @@
-"""RMSNorm as the HF Llama/Qwen models compute it (fp32 statistics, weight applied in the input dtype)."""
+"""RMSNorm as the HF Llama/Qwen models compute it (fp32 statistics, weight applied in the input dtype).
+
+On CUDA the residual add, the norm and (for a W4A8 linear next) the fp8 quantization run as one
+Triton kernel (`kernels.activation.add_rmsnorm`); on the CPU the torch code below.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from radiance.kernels.activation import MAX_ROW, Fp8Activations, add_rmsnorm
+from radiance.kernels.reference import quantize_activations_reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,10 +26,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pre-norm
-        residual stream of a decoder layer in one call."""
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        x = x + residual
-        return rms_norm(x, self.weight, self.eps), x
+        residual stream of a decoder layer in one call. `fp8`: the norm comes out as Fp8Activations
+        for a W4A8 linear."""
+        if x.is_cuda and x.shape[-1] <= MAX_ROW:
+            y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8)
+            return y if residual is None else (y, summed)
+        if residual is not None:
+            x = x + residual
+        y = rms_norm(x, self.weight, self.eps)
+        if fp8:
+            y = Fp8Activations(*quantize_activations_reference(y.reshape(-1, y.shape[-1])), y.dtype, tuple(y.shape[:-1]))
+        return y if residual is None else (y, x)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 from torch import nn
 
 from radiance.errors import ConfigError
@@ -54,6 +55,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        half = q.shape[-1] // 2
+        if q.is_cuda and q.dim() == 3 and positions.dim() == 1 and half & (half - 1) == 0:
+            # one Triton launch instead of ~20 small torch ops
+            return _rotate_triton(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(-2)
         sin = self.sin[positions].unsqueeze(-2)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -63,3 +68,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+def _rotate_triton(positions, q, k, cos, sin):
+    """RotaryEmbedding.forward in one Triton kernel: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous views ok)."""
+    from radiance.kernels._triton.rotary import rotary_kernel
+
+    t, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
+    q_out = torch.empty((t, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, k_heads, head_dim), dtype=k.dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    rotary_kernel[(t,)](q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                        q_heads, k_heads, HALF=head_dim // 2, BLOCK_QH=triton.next_power_of_2(q_heads),
+                        BLOCK_KH=triton.next_power_of_2(k_heads), num_warps=4)
+    return q_out, k_out

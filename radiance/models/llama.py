@@ -8,11 +8,12 @@ naming (`self_attn.qkv_proj`, `mlp.gate_up_proj`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from radiance.kernels.activation import silu_mul
 from radiance.layers.attention import Attention, AttentionMetadata
 from radiance.layers.embedding import LMHead, VocabEmbedding
+from radiance.layers.linear import takes_fp8
 from radiance.layers.norm import RMSNorm
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.models.arch_config import ArchConfig
@@ -52,7 +53,7 @@ class LlamaAttention(nn.Module):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        lead = x.shape[:-1]
+        lead = qkv.shape[:-1]
         q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
         k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
@@ -71,8 +72,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = UnloadedLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # one kernel on CUDA (fp8 out when down_proj is W4A8); F.silu(gate) * up on the CPU
+        return self.down_proj(silu_mul(self.gate_up_proj(x), quantize=takes_fp8(self.down_proj)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -84,13 +85,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, positions, x, residual, meta):
+        # the norms hand W4A8 linears fp8 activations straight from their fused kernel
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm(x, fp8=takes_fp8(self.self_attn.qkv_proj))
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, fp8=takes_fp8(self.self_attn.qkv_proj))
         x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, fp8=takes_fp8(self.mlp.gate_up_proj))
         return self.mlp(x), residual
 
 

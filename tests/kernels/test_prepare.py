@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from radiance.formats import dequantize_mxfp4, pack_e2m1, quantize_mxfp4, unpack_e2m1
-from radiance.kernels.prepare import SHIFT_MAX, SHIFT_MIN, dequantize_prepared, prepare_mxfp4, unprepare_mxfp4
+from radiance.kernels.prepare import (SHIFT_MAX, SHIFT_MIN, dequantize_prepared, pack_kernel_words, prepare_mxfp4,
+                                      unpack_kernel_words, unprepare_mxfp4)
 from tests.kernels.conftest import random_mxfp4
 
 
@@ -15,9 +16,9 @@ def test_prepare_is_exact_and_reversible():
     assert torch.equal(p2, packed)
     live = (unpack_e2m1(packed).reshape(40, -1, 32) & 7).amax(-1) > 0
     assert torch.equal(s2[live], scale[live])
-    assert int(pw.w_shift.min()) >= SHIFT_MIN and int(pw.w_shift.max()) <= SHIFT_MAX
+    assert int(pw.block_shifts().min()) >= SHIFT_MIN and int(pw.block_shifts().max()) <= SHIFT_MAX
     # the row reference puts the largest live block at the top of the window
-    assert torch.equal(pw.w_shift.amax(dim=1).to(torch.int32), torch.full((40,), SHIFT_MAX, dtype=torch.int32))
+    assert torch.equal(pw.block_shifts().amax(dim=1).to(torch.int32), torch.full((40,), SHIFT_MAX, dtype=torch.int32))
     assert torch.equal(pw.w_scale, torch.exp2(pw.w_ref.float()))
 
 
@@ -59,3 +60,24 @@ def test_prepare_rejects_bad_input(bad):
     else:
         with pytest.raises(ValueError, match="disagree"):
             prepare_mxfp4(packed, scale[:, :1])
+
+
+@pytest.mark.parametrize("k", [32 * 10, 256])
+def test_kernel_words_layout_bit_by_bit(k):
+    """In a 128-k group, word 4q+b holds block b's k = 4q+i as element i and k = 16+4q+i as element 4+i;
+    element j's magnitude at bits 4j..4j+2, its sign at 8j+7 (j < 4) or 8(j-4)+3 (j >= 4). Rows are
+    zero-padded to a multiple of 128."""
+    codes = torch.randint(0, 16, (64, k), dtype=torch.uint8)
+    words = pack_kernel_words(codes)
+    assert words.dtype == torch.int32 and words.shape == (64, -(-k // 128) * 16)
+    assert torch.equal(unpack_kernel_words(words, k), codes)
+    for kk in range(0, k, 7):  # slow, one code at a time, independent of the packer's reshapes
+        one = torch.zeros(1, k, dtype=torch.uint8)
+        one[0, kk] = 0xF  # -6: all three magnitude bits and the sign
+        group, block, h, q, i = kk // 128, (kk % 128) // 32, (kk % 32) // 16, (kk % 16) // 4, kk % 4
+        j = 4 * h + i
+        packed = pack_kernel_words(one)[0]
+        assert int((packed != 0).sum()) == 1
+        bits = int(packed[group * 16 + 4 * q + block]) & 0xFFFFFFFF
+        sign = 8 * j + 7 if j < 4 else 8 * (j - 4) + 3
+        assert bits == (7 << (4 * j)) | (1 << sign), (kk, hex(bits))

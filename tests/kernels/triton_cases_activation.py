@@ -4,8 +4,9 @@ set before Triton is imported)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from radiance.kernels.activation import quantize_activations, rmsnorm_quant
+from radiance.kernels.activation import Fp8Activations, add_rmsnorm, quantize_activations, rmsnorm_quant, silu_mul
 from radiance.kernels.reference import quantize_activations_reference, rms_normalize_reference, rmsnorm_quant_reference
 
 
@@ -64,3 +65,67 @@ def test_rmsnorm_quant_matches_unfused(device, dtype):
 def test_rmsnorm_quant_rejects_wrong_weight(device):
     with pytest.raises(ValueError, match="hidden size"):
         rmsnorm_quant(torch.randn(2, 64, device=device), torch.ones(32, device=device), 1e-6)
+
+
+def _bf16_on_cpu(device, dtype):
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("the Triton interpreter rounds fp32 -> bf16 by truncation; checked on the GPU")
+
+
+def _close_up_to_rare_last_bit(out, ref):
+    """fp32: within a few ulp (the kernel's rsqrt / exp vs torch's); 16-bit: equal except for rare
+    one-ulp rounding flips."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if ref.dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=4e-6, atol=1e-30)
+        return
+    ulp = torch.finfo(ref.dtype).eps * ref.float().abs()
+    diff = (out.float() - ref.float()).abs()
+    assert torch.all(diff <= ulp), float((diff / ulp.clamp(min=1e-30)).max())
+    assert (out != ref).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm_matches_the_model_norm(device, dtype, with_residual):
+    _bf16_on_cpu(device, dtype)
+    k = 576
+    x = (torch.randn(2, 5, k, device=device) * 3).to(dtype)  # leading dims are kept
+    res = (torch.randn(2, 5, k, device=device) * 3).to(dtype) if with_residual else None
+    weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+    y, s = add_rmsnorm(x, res, weight, 1e-5)
+    s_ref = x + res if with_residual else x
+    assert torch.equal(s, s_ref)
+    _close_up_to_rare_last_bit(y, rms_normalize_reference(s_ref, weight, 1e-5))
+    # quantized for a W4A8 linear: what quantizing the norm's output gives
+    act, s2 = add_rmsnorm(x, res, weight, 1e-5, quantize=True)
+    assert isinstance(act, Fp8Activations) and act.lead == (2, 5) and act.dtype == dtype
+    assert torch.equal(s2, s_ref) and act.x_q.shape == (10, k)
+    r_q, r_s = rmsnorm_quant_reference(s_ref.reshape(10, k), weight, 1e-5)
+    assert torch.allclose(act.x_scale, r_s, rtol=1e-5, atol=0)
+    assert (act.x_q.view(torch.uint8) != r_q.view(torch.uint8)).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(device, dtype):
+    _bf16_on_cpu(device, dtype)
+    inter = 352
+    gate_up = (torch.randn(7, 2 * inter, device=device) * 4).to(dtype)
+    gate, up = gate_up.split(inter, dim=-1)
+    ref = F.silu(gate) * up
+    _close_up_to_rare_last_bit(silu_mul(gate_up), ref)
+    act = silu_mul(gate_up, quantize=True)
+    r_q, r_s = quantize_activations_reference(ref)
+    assert act.lead == (7,) and torch.allclose(act.x_scale, r_s, rtol=1e-5, atol=0)
+    assert (act.x_q.view(torch.uint8) != r_q.view(torch.uint8)).float().mean() < 0.01
+
+
+def test_fused_norm_keeps_a_nan_token_to_itself(device):
+    x = torch.randn(4, 128, device=device)
+    res = torch.randn(4, 128, device=device)
+    clean, _ = add_rmsnorm(x, res, torch.ones(128, device=device), 1e-6, quantize=True)
+    x[1, 5] = float("nan")
+    act, _ = add_rmsnorm(x, res, torch.ones(128, device=device), 1e-6, quantize=True)
+    others = [0, 2, 3]
+    assert torch.equal(act.x_q[others].view(torch.uint8), clean.x_q[others].view(torch.uint8))
+    assert not torch.isfinite(act.x_scale[1]).all()

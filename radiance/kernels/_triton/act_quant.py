@@ -51,17 +51,46 @@ def quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: tl.const
 
 
 @triton.jit
-def rmsnorm_quantize_rows_kernel(x_ptr, w_ptr, xq_ptr, scale_ptr, K, stride_xm, eps, BLOCK: tl.constexpr,
-                                 ROUND_IN_FP32: tl.constexpr):
-    """quantize(weight * rms_norm(x)) with the model's rounding: normalize in fp32, round to x's
-    dtype, multiply by the weight in x's dtype, then quantize."""
+def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_rm,
+                            eps, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                            ROUND_IN_FP32: tl.constexpr):
+    """The pre-norm step of a decoder layer in one pass, with the model's rounding:
+    s = x + residual (rounded to x's dtype, written to res_out), y = weight * rms_norm(s) (normalized in
+    fp32, rounded to x's dtype, multiplied by the weight in x's dtype); then y is written (out) or
+    quantized per token to e4m3 (xq, scale) for a W4A8 linear."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x_raw = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_rm + offs, mask=mask, other=0.0)
+        x_raw = (x_raw.to(tl.float32) + r.to(tl.float32)).to(x_raw.dtype)
+        tl.store(res_out_ptr + row * K + offs, x_raw, mask=mask)
     x = x_raw.to(tl.float32)
     mean_sq = tl.sum(x * x, axis=0) / K
     normed = (x * tl.math.rsqrt(mean_sq + eps)).to(x_raw.dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(x_raw.dtype).to(tl.float32)
-    y = (w * normed).to(x_raw.dtype).to(tl.float32)
-    _quantize_row(y, mask, xq_ptr + row * K + offs, scale_ptr + row, ROUND_IN_FP32)
+    y = (w * normed).to(x_raw.dtype)
+    if QUANT:
+        _quantize_row(y.to(tl.float32), mask, xq_ptr + row * K + offs, scale_ptr + row, ROUND_IN_FP32)
+    else:
+        tl.store(out_ptr + row * K + offs, y, mask=mask)
+
+
+@triton.jit
+def silu_mul_rows_kernel(gu_ptr, out_ptr, xq_ptr, scale_ptr, I, stride_m, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                         ROUND_IN_FP32: tl.constexpr):
+    """y = silu(gate) * up for gate_up = [gate | up] (each I wide), rounded like torch in the input
+    dtype (silu computed in fp32, then rounded; the product rounded); written, or quantized per token."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < I
+    g_raw = tl.load(gu_ptr + row * stride_m + offs, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_m + I + offs, mask=mask, other=0.0).to(tl.float32)
+    g = g_raw.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(g_raw.dtype).to(tl.float32)
+    y = (act * u).to(g_raw.dtype)
+    if QUANT:
+        _quantize_row(y.to(tl.float32), mask, xq_ptr + row * I + offs, scale_ptr + row, ROUND_IN_FP32)
+    else:
+        tl.store(out_ptr + row * I + offs, y, mask=mask)

@@ -1,98 +1,108 @@
 """e2m1 -> e4m3 expansion of MXFP4 tiles, with the block shift folded into the exponent.
 
-Input: packed bytes [BN, NB, 16] (NB 32-blocks of 16 bytes, low nibble = even k) and int32 shifts
-[BN, NB]. Output: e4m3 [BN, NB * 32] in natural k order.
+Input: kernel words int32 [BN, NB, 4] (prepare.pack_kernel_words: word q of a block holds k 4q..4q+3
+and 16+4q..16+4q+3) and int32 shifts [BN, NB]. Output: e4m3 [BN, NB * 32] in natural k order. The two
+output registers of a word are what one thread holds of a wgmma register A operand, so when the
+weights are the A operand (swap-AB decode) Triton feeds the MMA straight from these registers, with
+no shared-memory round trip (tools/sass_loop_stats.py shows no STS/LDSM in that loop).
 
-On the GPU the expansion is byte-permute table lookups in inline asm (`prmt.b32`, DESIGN.md
-section 4): four 3-bit magnitudes select four e4m3 bytes at once. The asm works on each input byte
-independently (its low nibble gives the even-k output, its high nibble the odd-k output), so it is
-correct whichever four elements Triton packs into one register; this is what makes it safe when
-the expanded tile feeds the MMA straight from registers. The block shift arrives as one byte per
-element, (s + 5) * 8, added to a table biased down by 5 exponent steps: every sum stays in 0x08..0x7C,
-so the four byte lanes never carry into each other; a second table lookup zeroes code 0.
-Under the Triton interpreter inline asm cannot run, so USE_ASM=False computes the same bytes with
-integer arithmetic (a GPU test checks both give identical bytes).
+Per 32-block, two table words hold the e4m3 bytes of the 8 magnitudes already scaled by 2^shift
+(code 0 stays 0x00): t0 = 0x3C383000 + s * 0x08080800, t1 = 0x4C484440 + s * 0x08080808; every byte
+stays in 0x08..0x7C for s in [-5, 6], so the multiply-add never carries between bytes. On the GPU
+one word becomes two output words in inline asm (DESIGN.md section 4): `prmt.b32` picks four
+magnitude bytes by the four 3-bit selectors of each half word, and the sign bits, stored where the
+output's sign bits go, are masked in. About 10 instructions per 8 weights, all on 32-bit registers,
+so Triton never packs or unpacks single bytes around the asm. Under the Triton interpreter inline
+asm cannot run; USE_ASM=False computes the same words with integer arithmetic (a GPU test checks
+that both give identical bytes).
 """
 
 import triton
 import triton.language as tl
 
-# $0: e4m3 of the low nibbles, $1: of the high nibbles; $2: 4 packed input bytes; $3: 4 biased shifts.
+# $0: e4m3 of k 4q..4q+3, $1: of k 16+4q..16+4q+3; $2: the word; $3, $4: the block's tables t0, t1.
 # Outputs are written last: an output may share a register with an input (no early clobber).
-_PRMT_ASM = tl.constexpr("""
+_WORD_ASM = tl.constexpr("""
 {
-.reg .b32 sel, tmp, mag, nz, sgn, lo, t0, t1, z0, z1, pick;
-mov.b32 t0, 0x14100800;
-mov.b32 t1, 0x24201C18;
-mov.b32 z0, 0xFFFFFF00;
-mov.b32 z1, 0xFFFFFFFF;
-mov.b32 pick, 0x00000020;
-and.b32 sel, $2, 0x07070707;
-shr.u32 tmp, sel, 4;
-or.b32 sel, sel, tmp;
-prmt.b32 sel, sel, sel, pick;
-prmt.b32 mag, t0, t1, sel;
-prmt.b32 nz, z0, z1, sel;
-add.u32 mag, mag, $3;
-and.b32 mag, mag, nz;
-shl.b32 sgn, $2, 4;
-and.b32 sgn, sgn, 0x80808080;
-or.b32 lo, mag, sgn;
-shr.u32 sel, $2, 4;
-and.b32 sel, sel, 0x07070707;
-shr.u32 tmp, sel, 4;
-or.b32 sel, sel, tmp;
-prmt.b32 sel, sel, sel, pick;
-prmt.b32 mag, t0, t1, sel;
-prmt.b32 nz, z0, z1, sel;
-add.u32 mag, mag, $3;
-and.b32 mag, mag, nz;
-and.b32 sgn, $2, 0x80808080;
-or.b32 $1, mag, sgn;
+.reg .b32 sel, lo, hi, sg;
+and.b32 sel, $2, 0x7777;
+prmt.b32 lo, $3, $4, sel;
+shr.u32 sel, $2, 16;
+and.b32 sel, sel, 0x7777;
+prmt.b32 hi, $3, $4, sel;
+and.b32 sg, $2, 0x80808080;
+or.b32 lo, lo, sg;
+shl.b32 sg, $2, 4;
+and.b32 sg, sg, 0x80808080;
+or.b32 $1, hi, sg;
 mov.b32 $0, lo;
 }
 """)
 
 
-@triton.jit
-def _e4m3_bytes_arith(codes, shift):
-    """codes int32 0..15, shift int32 (broadcastable) -> e4m3 bytes as int32."""
-    mag = codes & 7
-    byte = tl.where(mag == 1, 0x30, mag * 4 + 0x30) + shift * 8
-    byte = tl.where(mag == 0, 0, byte)
-    return byte | ((codes & 8) << 4)
+SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: the sign bit of each byte
 
 
 @triton.jit
-def expand_e2m1_tile(w3, shift, USE_ASM: tl.constexpr):
-    """bytes [BN, NB, 16] uint8, shift [BN, NB] int32 -> e4m3 [BN, NB*32] in k order."""
-    BN: tl.constexpr = w3.shape[0]
-    NB: tl.constexpr = w3.shape[1]
+def _prmt_arith(sel, t0, t1):
+    """What `prmt.b32 d, t0, t1, sel` gives for selectors 0..7 in the low four nibbles of sel."""
+    out = tl.zeros_like(sel)
+    for i in tl.static_range(4):
+        m = (sel >> (4 * i)) & 7
+        table = tl.where(m < 4, t0, t1)
+        out |= ((table >> (8 * (m & 3))) & 0xFF) << (8 * i)
+    return out
+
+
+@triton.jit
+def _byte(word, j: tl.constexpr):
+    return ((word >> (8 * j)) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def expand_e2m1_words(words, shift, USE_ASM: tl.constexpr):
+    """kernel words int32 [BN, NB, 4], shift int32 [BN, NB] -> e4m3 [BN, NB*32] in k order."""
+    BN: tl.constexpr = words.shape[0]
+    NB: tl.constexpr = words.shape[1]
+    t0 = tl.broadcast_to((0x3C383000 + shift * 0x08080800)[:, :, None], words.shape)
+    t1 = tl.broadcast_to((0x4C484440 + shift * 0x08080808)[:, :, None], words.shape)
     if USE_ASM:
-        biased = ((shift + 5) * 8).to(tl.uint8)[:, :, None]
-        even, odd = tl.inline_asm_elementwise(_PRMT_ASM, "=r,=r,r,r", [w3, biased],
-                                              dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(_WORD_ASM, "=r,=r,r,r,r", [words, t0, t1],
+                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     else:
-        b = w3.to(tl.int32)
-        s = shift[:, :, None]
-        even = _e4m3_bytes_arith(b & 0xF, s).to(tl.uint8)
-        odd = _e4m3_bytes_arith(b >> 4, s).to(tl.uint8)
-    w = tl.reshape(tl.join(even, odd), (BN, NB * 32))
-    return w.to(tl.float8e4nv, bitcast=True)
+        lo = _prmt_arith(words, t0, t1) | (words & SIGN_BITS)
+        hi = _prmt_arith(words >> 16, t0, t1) | ((words << 4) & SIGN_BITS)
+    # byte j = 4h + 2u + v of the word's 8 outputs (h: lo/hi): join adds the least significant axis last
+    b0 = tl.join(_byte(lo, 0), _byte(hi, 0))
+    b1 = tl.join(_byte(lo, 1), _byte(hi, 1))
+    b2 = tl.join(_byte(lo, 2), _byte(hi, 2))
+    b3 = tl.join(_byte(lo, 3), _byte(hi, 3))
+    w = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [BN, NB, 4 (q), 2 (h), 2 (u), 2 (v)]
+    w = tl.permute(w, (0, 1, 3, 2, 4, 5))  # k = 16h + 4q + 2u + v
+    return tl.reshape(w, (BN, NB * 32)).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
 def expand_weight_kernel(w_ptr, shift_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr,
                          USE_ASM: tl.constexpr):
-    """Write the e4m3 weight [N, K] the GEMM kernels see (tests, and the pre-expanded baseline)."""
+    """Write the e4m3 weight [N, K] the GEMM kernels see: the large-M path (cuBLAS fp8 on the
+    result), tests, and the pre-expanded baseline. One [BN, BK] tile per program, BK % 128 == 0."""
+    G: tl.constexpr = BK // 128
     NB: tl.constexpr = BK // 32
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     rows = offs_n < N
-    live = rows[:, None] & (blk[None, :] < K // 32)
-    w_ptrs = w_ptr + offs_n[:, None, None] * (K // 2) + blk[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    w3 = tl.load(w_ptrs, mask=live[:, :, None], other=0)
-    shift = tl.load(shift_ptr + offs_n[:, None] * (K // 32) + blk[None, :], mask=live, other=0).to(tl.int32)
-    w = expand_e2m1_tile(w3, shift, USE_ASM)
-    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
-    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w, mask=rows[:, None] & (offs_k[None, :] < K))
+    groups = tl.cdiv(K, 128)
+    word = tl.arange(0, BK // 8)
+    word_live = (pid_k * BK + word * 8) < groups * 128
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * (groups * 16) + pid_k * (BK // 8) + word[None, :]
+    words = tl.load(w_ptrs, mask=rows[:, None] & word_live[None, :], other=0)
+    words = tl.reshape(tl.permute(tl.reshape(words, (BN, G, 4, 4)), (0, 1, 3, 2)), (BN, NB, 4))  # [BN, block, q]
+    g = pid_k * G + tl.arange(0, G)
+    s_ptrs = shift_ptr + g[None, :, None].to(tl.int64) * N * 4 + offs_n[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]
+    shift = tl.load(s_ptrs, mask=rows[:, None, None] & (g < groups)[None, :, None], other=0)
+    w = expand_e2m1_words(words, tl.reshape(shift, (BN, NB)).to(tl.int32), USE_ASM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w,
+             mask=rows[:, None] & (offs_k[None, :] < K))

@@ -5,7 +5,8 @@ One kernel serves both bands:
     the expanded weight tile as the K-major B operand;
   - decode: SWAP_AB=True, acc[BN, BM] = w @ x^T so the weight rows fill the 64-wide MMA M dimension
     and a handful of tokens the N dimension; K is split over the grid's second axis (SPLIT_K), each
-    split writes fp32 partials and `splitk_reduce_kernel` sums them (deterministic, no atomics).
+    split writes fp32 partials, and the last split of a tile to finish (an atomic counter per tile)
+    sums them in split order: deterministic, and one launch per linear.
 fp8 tl.dot lowers to wgmma on sm_90 with num_warps % 4 == 0. Hopper's fp8 MMA accumulates with
 reduced precision (~14 bits); PRECISE_ACC sums each K tile from zero in the MMA and adds it to the fp32
 accumulator, which keeps the result within bf16 rounding of the exact fp32 reference (Triton's
@@ -15,11 +16,11 @@ max_num_imprecise_acc did not take effect for the register-A swap-AB tiling on T
 import triton
 import triton.language as tl
 
-from radiance.kernels._triton.convert import expand_e2m1_tile
+from radiance.kernels._triton.convert import expand_e2m1_words
 
 
 @triton.jit
-def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr,
+def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                      M, N, K, stride_xm, stride_om, k_tiles_per_split,
                      HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -36,17 +37,23 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
 
-    # rows past M / N wrap around (their results are never stored), so loads need no row masks
-    offs_m = (pid_m * BM + tl.arange(0, BM)) % M
+    # weight rows past N wrap around (their results are never stored), so weight loads need no row mask;
+    # token rows past M are masked instead: at decode M is often far below the tile (1 of 16 rows)
+    x_rows = pid_m * BM + tl.arange(0, BM)
+    x_live = x_rows < M
+    offs_m = x_rows % M
     offs_n = (pid_n * BN + tl.arange(0, BN)) % N
     offs_k = tl.arange(0, BK)
-    offs_b = tl.arange(0, NB)
-    half_k = K // 2
-    nblk = K // 32
+    G: tl.constexpr = BK // 128  # 128-k word groups per K tile (prepare.py: 16 words, q-major)
+    offs_g = tl.arange(0, G)
+    groups = tl.cdiv(K, 128)
+    words_per_row = groups * 16
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = (w_ptr + offs_n.to(tl.int64)[:, None, None] * half_k + offs_b[None, :, None] * 16
-              + tl.arange(0, 16)[None, None, :])
-    s_ptrs = shift_ptr + offs_n.to(tl.int64)[:, None] * nblk + offs_b[None, :]
+    # a 2-D tile [BN, BK/8] so that Triton spreads each row over 4 threads (16 B each): one thread per
+    # row would write its 64 B into shared memory with 4-way bank conflicts
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + tl.arange(0, BK // 8)[None, :]
+    s_ptrs = (shift_ptr + offs_g[None, :, None].to(tl.int64) * N * 4 + offs_n[:, None, None] * 4
+              + tl.arange(0, 4)[None, None, :])  # shifts are [K/128, N, 4]: [BN, G, block]
 
     kt_begin = pid_k * k_tiles_per_split
     kt_end = tl.minimum(kt_begin + k_tiles_per_split, tl.cdiv(K, BK))
@@ -56,16 +63,18 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(kt_begin, kt_end):
         if EVEN_K:
-            x = tl.load(x_ptrs + kt * BK)
-            w3 = tl.load(w_ptrs + kt * (BK // 2))
-            s = tl.load(s_ptrs + kt * NB)
+            x = tl.load(x_ptrs + kt * BK, mask=x_live[:, None], other=0.0)
+            words = tl.load(w_ptrs + kt * (BK // 8), eviction_policy="evict_first")  # read once: keep L2 for the rest
+            s = tl.load(s_ptrs + kt * G * N * 4)
         else:
             k_live = (kt * BK + offs_k) < K
-            b_live = (kt * NB + offs_b) < nblk
-            x = tl.load(x_ptrs + kt * BK, mask=k_live[None, :], other=0.0)
-            w3 = tl.load(w_ptrs + kt * (BK // 2), mask=b_live[None, :, None], other=0)
-            s = tl.load(s_ptrs + kt * NB, mask=b_live[None, :], other=0)
-        w = expand_e2m1_tile(w3, s.to(tl.int32), USE_ASM)
+            x = tl.load(x_ptrs + kt * BK, mask=x_live[:, None] & k_live[None, :], other=0.0)
+            word_live = (kt * BK + tl.arange(0, BK // 8) * 8) < groups * 128  # its 128-k group exists
+            words = tl.load(w_ptrs + kt * (BK // 8), mask=word_live[None, :], other=0, eviction_policy="evict_first")
+            group_live = (kt * G + offs_g) < groups
+            s = tl.load(s_ptrs + kt * G * N * 4, mask=group_live[None, :, None], other=0)
+        words = tl.reshape(tl.permute(tl.reshape(words, (BN, G, 4, 4)), (0, 1, 3, 2)), (BN, NB, 4))  # [BN, block, q]
+        w = expand_e2m1_words(words, tl.reshape(s, (BN, NB)).to(tl.int32), USE_ASM)
         if PRECISE_ACC:  # the MMA sums one K tile from zero; the fp32 add promotes it
             if SWAP_AB:
                 acc += tl.dot(w, tl.trans(x))
@@ -86,25 +95,23 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
     ws = tl.load(ws_ptr + rn, mask=n_live, other=0.0)
     acc = acc * xs[:, None] * ws[None, :]
     live = m_live[:, None] & n_live[None, :]
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if SPLIT_K > 1:
-        part = part_ptr + pid_k.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(part, acc, mask=live)
+        part = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(part + pid_k.to(tl.int64) * M * N, acc, mask=live)
+        # the split that arrives last sums all partials, in split order (deterministic), and re-arms
+        # the tile's counter for the next launch; no second kernel
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(SPLIT_K):  # .cg: read L2, where the other CTAs' partials are
+                total += tl.load(part + k * M * N, mask=live, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=n_live, other=0.0).to(tl.float32)[None, :]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=live)
+            tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_live, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
-
-
-@triton.jit
-def splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=live, other=0.0)
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=live)
