@@ -1,8 +1,9 @@
 """The W4A8 linear as one opaque torch op (`torch.ops.radiance.w4a8_linear`).
 
-torch.compile and CUDA-graph capture see a single node with a fake (meta) implementation; the M-band
-routing and launch choices happen inside, on concrete shapes, so no Python branch depends on a
-traced value.
+torch.compile sees a single node with a fake (meta) implementation; the M-band routing and launch
+choices happen inside, on concrete shapes, so no Python branch depends on a traced value. Eager code
+(and CUDA-graph capture) calls the `_impl` functions directly: the custom-op dispatcher costs more host
+time per call than the kernels' launches.
 """
 
 from __future__ import annotations
@@ -19,12 +20,25 @@ def _prepared(w_q, w_shift, w_scale, in_features: int) -> PreparedMxfp4:
                          in_features=in_features, underflow_blocks=0)
 
 
-@torch.library.custom_op("radiance::w4a8_linear", mutates_args=())
-def w4a8_linear(x: torch.Tensor, w_q: torch.Tensor, w_shift: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None, decode_band: int) -> torch.Tensor:
+def w4a8_linear_impl(x: torch.Tensor, w_q: torch.Tensor, w_shift: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None, decode_band: int) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) -> [M, N] in x.dtype: per-token fp8 quantization + W4A8 GEMM."""
     x_q, x_scale = quantize_activations(x)
     return w4a8_gemm(x_q, x_scale, _prepared(w_q, w_shift, w_scale, x.shape[1]), bias, x.dtype, decode_band=decode_band)
+
+
+def w4a8_linear_quantized_impl(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_shift: torch.Tensor,
+                               w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                               decode_band: int) -> torch.Tensor:
+    """Pre-quantized activations (from the fused norm / SiLU-mul kernels) -> [M, N] in out_dtype."""
+    return w4a8_gemm(x_q, x_scale, _prepared(w_q, w_shift, w_scale, x_q.shape[1]), bias, out_dtype,
+                     decode_band=decode_band)
+
+
+@torch.library.custom_op("radiance::w4a8_linear", mutates_args=())
+def w4a8_linear(x: torch.Tensor, w_q: torch.Tensor, w_shift: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, decode_band: int) -> torch.Tensor:
+    return w4a8_linear_impl(x, w_q, w_shift, w_scale, bias, decode_band)
 
 
 @w4a8_linear.register_fake
@@ -36,8 +50,7 @@ def _w4a8_linear_fake(x, w_q, w_shift, w_scale, bias, decode_band):
 def w4a8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_shift: torch.Tensor,
                           w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                           decode_band: int) -> torch.Tensor:
-    """Pre-quantized activations (from rmsnorm_quant / quantize_activations) -> [M, N] in out_dtype."""
-    return w4a8_gemm(x_q, x_scale, _prepared(w_q, w_shift, w_scale, x_q.shape[1]), bias, out_dtype, decode_band=decode_band)
+    return w4a8_linear_quantized_impl(x_q, x_scale, w_q, w_shift, w_scale, bias, out_dtype, decode_band)
 
 
 @w4a8_linear_quantized.register_fake

@@ -64,3 +64,28 @@ def test_numerics_monitor_reports_bad_outputs(caplog):
         assert monitor.failures == 0
         monitor.check(x_q, x_s, w, None, good * 1.01)
     assert monitor.failures == 1 and "layer0" in caplog.text
+
+
+def test_norm_hands_fp8_activations_to_the_layer_unchanged():
+    """The model's fused path (RMSNorm emitting Fp8Activations, the layer consuming them) computes what
+    norm -> layer does; on the CPU both sides are the torch reference, so they agree exactly."""
+    from radiance.kernels.activation import Fp8Activations, silu_mul
+    from radiance.layers.linear import takes_fp8
+    from radiance.layers.norm import RMSNorm
+
+    packed, scale = random_mxfp4(24, 64, "cpu")
+    layer = Mxfp4Linear(packed, scale, torch.randn(24))
+    assert not takes_fp8(layer) and not takes_fp8(DenseLinear(torch.randn(24, 64)))  # CPU: reference path
+    norm = RMSNorm(64)
+    norm.weight.data = torch.rand(64) + 0.5
+    x, res = torch.randn(3, 4, 64), torch.randn(3, 4, 64)
+    act, summed = norm(x, res, fp8=True)
+    plain, summed2 = norm(x, res)
+    assert isinstance(act, Fp8Activations) and act.lead == (3, 4) and act.x_q.shape == (12, 64)
+    assert torch.equal(summed, summed2)
+    assert torch.equal(layer(act), layer(plain))
+    gate_up = torch.randn(5, 2 * 64)
+    act2 = silu_mul(gate_up, quantize=True)
+    plain2 = silu_mul(gate_up)
+    assert torch.equal(plain2, torch.nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:])
+    assert torch.equal(layer(act2), layer(plain2))

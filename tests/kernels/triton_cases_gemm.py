@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from radiance.formats import dequantize_mxfp4
-from radiance.kernels import ops  # noqa: F401 - registers torch.ops.radiance.*
+from radiance.kernels import ops  # also registers torch.ops.radiance.*
 from radiance.kernels.activation import quantize_activations
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
 from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_matmul_reference
@@ -100,3 +100,7 @@ def test_custom_op_matches_reference_and_traces(device):
     x_q, x_s = quantize_activations(x)
     out_q = torch.ops.radiance.w4a8_linear_quantized(x_q, x_s, pw.w_q, pw.w_shift, pw.w_scale, None, torch.float32, 64)
     assert torch.equal(out_q, out)
+    # eager layers call the implementations directly (no dispatcher): the same function
+    assert torch.equal(ops.w4a8_linear_impl(*args), out)
+    assert torch.equal(ops.w4a8_linear_quantized_impl(x_q, x_s, pw.w_q, pw.w_shift, pw.w_scale, None, torch.float32, 64),
+                       out)
