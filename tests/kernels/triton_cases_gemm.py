@@ -104,3 +104,26 @@ def test_custom_op_matches_reference_and_traces(device):
     assert torch.equal(ops.w4a8_linear_impl(*args), out)
     assert torch.equal(ops.w4a8_linear_quantized_impl(x_q, x_s, pw.w_q, pw.w_shift, pw.w_scale, None, torch.float32, 64),
                        out)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_large_m_expand_path_matches_reference(device, monkeypatch, bias):
+    """From the table's expand_min_m on, w4a8_gemm expands the weight to e4m3 (the Triton expansion
+    kernel) and calls the fp8 scaled matmul; routed here by lowering the threshold."""
+    from radiance.kernels import w4a8
+
+    monkeypatch.setattr(w4a8, "expand_min_m", lambda dev: 8)
+    m, n, k = 20, 48, 288  # K not a multiple of 128: the padded word groups
+    packed, scale = random_mxfp4(n, k, device, spread=9)
+    pw = prepare_mxfp4(packed, scale)
+    x = torch.randn(m, k, device=device) * 2
+    b = torch.randn(n, device=device) if bias else None
+    x_q, x_scale = quantize_activations(x)
+    out = w4a8_gemm(x_q, x_scale, pw, b, torch.float32)
+    ref = w4a8_matmul_reference(*quantize_activations_reference(x), dequantize_prepared(pw), b, torch.float32)
+    assert relative_error(out, ref) <= GATE
+    calls = []
+    monkeypatch.setattr(w4a8, "_expand_then_fp8_mm", lambda *a: calls.append(a) or out)
+    w4a8_gemm(x_q[:7], x_scale[:7], pw, b, torch.float32)  # below the threshold: the fused kernel
+    w4a8_gemm(x_q, x_scale, pw, b, torch.float32)
+    assert len(calls) == 1
