@@ -37,7 +37,8 @@ def _load_kernels():
     mods = {}
     for name in ("convert", "gemm"):
         full = f"radiance.kernels._triton.{name}"
-        spec = importlib.util.spec_from_file_location(full, os.path.join(ROOT, "radiance/kernels/_triton", f"{name}.py"))
+        path = os.path.join(ROOT, "radiance/kernels/_triton", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(full, path)
         mods[name] = importlib.util.module_from_spec(spec)
         sys.modules[full] = mods[name]
         spec.loader.exec_module(mods[name])
@@ -45,8 +46,8 @@ def _load_kernels():
 
 
 GEMM_SIG = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*i32", shift_ptr="*i8", ws_ptr="*fp32", bias_ptr="*fp32",
-                out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32", stride_om="i32",
-                k_tiles_per_split="i32")
+                out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
+                stride_om="i32", k_tiles_per_split="i32")
 # what Triton's launcher specializes at run time for our usual shapes: 16-aligned pointers and dims
 DIVISIBLE = [a for a, t in GEMM_SIG.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_om"]
 

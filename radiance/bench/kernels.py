@@ -124,7 +124,7 @@ class ShapeOperands:
 
 def time_shape(ops: ShapeOperands, m: int, device, decode_band: int, config: GemmConfig | None = None,
                variants=("ours", "gemm", "bf16", "fp8", "ref")) -> dict:
-    n, k = ops.n, ops.k
+    k = ops.k
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     x_q, x_scale = quantize_activations(x)
     res = {}

@@ -153,4 +153,5 @@ def dequantize_prepared(prepared: PreparedMxfp4) -> torch.Tensor:
 def unprepare_mxfp4(prepared: PreparedMxfp4) -> tuple[torch.Tensor, torch.Tensor]:
     """PreparedMxfp4 -> (packed, scale_e8m0) in the standard MXFP4 layout (lossless without underflow)."""
     e = prepared.block_shifts().to(torch.int32) + prepared.w_ref[:, None]
-    return pack_e2m1(unpack_kernel_words(prepared.w_q, prepared.shape[1])), (e.clamp(-127, 127) + E8M0_BIAS).to(torch.uint8)
+    codes = unpack_kernel_words(prepared.w_q, prepared.shape[1])
+    return pack_e2m1(codes), (e.clamp(-127, 127) + E8M0_BIAS).to(torch.uint8)

@@ -2,7 +2,8 @@
 
 `tuning/<table>.json` lists, per band ("decode", "prefill"), entries tried in order; the first whose
 `shape` ("NxK" or "*") and optional `m_max` match the call wins. Its optional `expand_min_m` is the
-token count from which the launcher expands the weight to fp8 and calls cuBLAS's fp8 GEMM instead. `radiance bench kernels --sweep`
+token count from which the launcher expands the weight to fp8 and calls cuBLAS's fp8 GEMM instead.
+`radiance bench kernels --sweep`
 measures candidates on the GPU and prints the entries to paste in.
 """
 

@@ -11,6 +11,7 @@ from radiance.kernels._triton import gemm as _gemm
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, padded_k
 from radiance.kernels.tuning import GemmConfig, expand_min_m, select_config
 
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -133,7 +134,8 @@ def gemm_ptx(x_q, x_scale, weight: PreparedMxfp4, decode_band: int = 64, config:
     return compiled.asm.get("ptx", "") if compiled is not None else ""
 
 
-def expand_weight_fp8(weight: PreparedMxfp4, use_asm: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def expand_weight_fp8(weight: PreparedMxfp4, use_asm: bool | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The e4m3 weight [N, K] the GEMM multiplies with (before the per-row 2^ref): the large-M path,
     tests and baselines."""
     n, k = weight.shape

@@ -135,7 +135,8 @@ class Mxfp4Linear(nn.Module):
         """The exact fp32 weight this layer multiplies with."""
         if self.path == PATH_W4A8:
             from radiance.kernels.prepare import PreparedMxfp4
-            return dequantize_prepared(PreparedMxfp4(self.w_q, self.w_shift, self.w_ref, self.w_scale, self.in_features, 0))
+            return dequantize_prepared(PreparedMxfp4(self.w_q, self.w_shift, self.w_ref, self.w_scale,
+                                                     self.in_features, 0))
         return self.w_dense.float()
 
 

@@ -37,5 +37,6 @@ class RMSNorm(nn.Module):
             x = x + residual
         y = rms_norm(x, self.weight, self.eps)
         if fp8:
-            y = Fp8Activations(*quantize_activations_reference(y.reshape(-1, y.shape[-1])), y.dtype, tuple(y.shape[:-1]))
+            x_q, x_scale = quantize_activations_reference(y.reshape(-1, y.shape[-1]))
+            y = Fp8Activations(x_q, x_scale, y.dtype, tuple(y.shape[:-1]))
         return y if residual is None else (y, x)

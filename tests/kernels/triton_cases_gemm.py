@@ -102,8 +102,8 @@ def test_custom_op_matches_reference_and_traces(device):
     assert torch.equal(out_q, out)
     # eager layers call the implementations directly (no dispatcher): the same function
     assert torch.equal(ops.w4a8_linear_impl(*args), out)
-    assert torch.equal(ops.w4a8_linear_quantized_impl(x_q, x_s, pw.w_q, pw.w_shift, pw.w_scale, None, torch.float32, 64),
-                       out)
+    out_q2 = ops.w4a8_linear_quantized_impl(x_q, x_s, pw.w_q, pw.w_shift, pw.w_scale, None, torch.float32, 64)
+    assert torch.equal(out_q2, out)
 
 
 @pytest.mark.parametrize("bias", [False, True])

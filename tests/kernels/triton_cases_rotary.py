@@ -9,8 +9,9 @@ from radiance.layers.rotary import RotaryEmbedding, _rotate, _rotate_triton
 
 @pytest.mark.parametrize("head_dim,q_heads,k_heads", [(64, 9, 3), (128, 32, 8)])
 def test_rotary_kernel_matches_torch(device, head_dim, q_heads, k_heads):
-    rope = RotaryEmbedding(head_dim, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, llama3)
     rope = rope.to(device)
     t = 11
     positions = torch.randint(0, 4096, (t,), device=device)

@@ -100,7 +100,8 @@ def expand_weight_kernel(w_ptr, shift_ptr, out_ptr, N, K, BN: tl.constexpr, BK: 
     words = tl.load(w_ptrs, mask=rows[:, None] & word_live[None, :], other=0)
     words = tl.reshape(tl.permute(tl.reshape(words, (BN, G, 4, 4)), (0, 1, 3, 2)), (BN, NB, 4))  # [BN, block, q]
     g = pid_k * G + tl.arange(0, G)
-    s_ptrs = shift_ptr + g[None, :, None].to(tl.int64) * N * 4 + offs_n[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]
+    s_ptrs = (shift_ptr + g[None, :, None].to(tl.int64) * N * 4 + offs_n[:, None, None] * 4
+              + tl.arange(0, 4)[None, None, :])
     shift = tl.load(s_ptrs, mask=rows[:, None, None] & (g < groups)[None, :, None], other=0)
     w = expand_e2m1_words(words, tl.reshape(shift, (BN, NB)).to(tl.int32), USE_ASM)
     offs_k = pid_k * BK + tl.arange(0, BK)
