@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call that re-checks and re-measures everything GPU-side, writing logs under $OUT and
+# printing the tables last. Run from the repo root on the device (after ../shared/tools/device-wheels.sh
+# filled .whl/ here; carry ".whl"):  bash tools/device_session.sh [quick]
+# "quick" skips the full kernel table and the 32B engine run (about 4 minutes instead of about 9).
+set -u
+OUT=${OUT:-/tmp/radiance-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+step() {  # step SECONDS NAME COMMAND...: run with a time limit, keep the log, print its tail
+    local limit=$1 name=$2; shift 2
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name (exit $?)"; tail -n 4 "$OUT/$name.log"
+}
+step 200 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine
+step 90 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_activation.py tests/kernels/triton_cases_gemm.py \
+    tests/kernels/triton_cases_rotary.py
+step 150 engine-8b python3 -m radiance.bench.engine_bench synthetic:llama-3.1-8b --quantization none mxfp4 \
+    --contexts 128 8192 --prefills 1024 8192 --concurrency 1 64 --no-hf --json "$OUT/engine-8b.json"
+if [ "${1:-}" != quick ]; then
+    step 160 kernel-table python3 -m radiance.bench.kernels --m 1 4 16 64 256 1024 4096 8192 --no-reference \
+        --out "$OUT/kernel-table.txt"
+    step 190 engine-32b python3 -m radiance.bench.engine_bench synthetic:qwen3-32b --quantization none mxfp4 \
+        --contexts 128 --prefills 8192 --concurrency 64 --no-hf --json "$OUT/engine-32b.json"
+fi
+grep -h -A3 "^variant" "$OUT"/engine-*.log 2>/dev/null
+grep -h "^| [0-9]" "$OUT/kernel-table.log" 2>/dev/null
