@@ -37,18 +37,25 @@ def choose_split_k(m: int, n: int, k: int, cfg: GemmConfig, num_sms: int) -> tup
     return -(-k_tiles // per), per
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_BUFFERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _device_buffer(name: str, device: torch.device, numel: int, dtype: torch.dtype, zeroed: bool) -> torch.Tensor:
+    """A per-device buffer that grows to the largest request and is kept. Launches on one stream run
+    one after another, so every call may reuse it; the first calls (warm-up, before any CUDA-graph
+    capture) reach the sizes that matter, so it never grows inside a capture."""
+    buf = _BUFFERS.get((name, device))
+    if buf is None or buf.numel() < numel:
+        _BUFFERS.pop((name, device), None)  # free the old one before allocating the larger
+        buf = (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=device)
+        _BUFFERS[(name, device)] = buf
+    return buf
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per output tile, shared by all split-K launches on a device:
-    launches on one stream never overlap, and each leaves its counters at zero again. Grown (outside
-    CUDA-graph capture: the warm-up calls reach every size first) and never shrunk."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
+    """Zeroed int32 arrival counters, one per output tile, for the split-K launches: each launch leaves
+    its counters at zero again."""
+    return _device_buffer("tile-counters", device, max(tiles, 16384), torch.int32, zeroed=True)
 
 
 def _use_asm(t: torch.Tensor) -> bool:
@@ -76,19 +83,10 @@ def _expand_serves(x_q: torch.Tensor, m: int, n: int, k: int, out_dtype, out) ->
             and x_q.stride(1) == 1 and out_dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-_EXPAND_SCRATCH: dict[torch.device, torch.Tensor] = {}
-
-
 def _expand_scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """One e4m3 buffer per device for the expanded weight of the large-M path, grown to the largest
-    linear and kept: calls on one stream run one after another, and a fresh 100+ MB allocation per
+    """The e4m3 buffer for the expanded weight of the large-M path: a fresh 100+ MB allocation per
     call can push the caching allocator (next to a KV cache that fills the GPU) into free-and-retry."""
-    buf = _EXPAND_SCRATCH.get(device)
-    if buf is None or buf.numel() < numel:
-        _EXPAND_SCRATCH.pop(device, None)
-        buf = torch.empty(numel, dtype=torch.float8_e4m3fn, device=device)
-        _EXPAND_SCRATCH[device] = buf
-    return buf
+    return _device_buffer("expand-scratch", device, numel, torch.float8_e4m3fn, zeroed=False)
 
 
 def _expand_then_fp8_mm(x_q, x_scale, weight: PreparedMxfp4, bias, out_dtype) -> torch.Tensor:
