@@ -45,13 +45,13 @@ def _load_kernels():
     return mods
 
 
-GEMM_SIG = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*i32", shift_ptr="*i8", ws_ptr="*fp32", bias_ptr="*fp32",
+GEMM_SIG = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*i32", shift_ptr="*i32", ws_ptr="*fp32", bias_ptr="*fp32",
                 out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
-                stride_om="i32", k_tiles_per_split="i32")
+                stride_om="i32", k_tiles_per_split="i32", splits="i32")
 # what Triton's launcher specializes at run time for our usual shapes: 16-aligned pointers and dims
 DIVISIBLE = [a for a, t in GEMM_SIG.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_om"]
 
-CONFIGS = (  # (label, BM, BN, BK, SWAP_AB, SPLIT_K, warps, stages, precise)
+CONFIGS = (  # (label, BM, BN, BK, SWAP_AB, splits, warps, stages, precise)
     ("decode", 16, 128, 128, True, 8, 4, 3, True),
     ("decode", 16, 128, 256, True, 8, 4, 3, True),
     ("decode", 64, 64, 128, True, 8, 4, 3, True),
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     gemm = _load_kernels()["gemm"]
     for label, bm, bn, bk, swap, split, warps, stages, precise in CONFIGS:
-        consts = dict(HAS_BIAS=False, SWAP_AB=swap, SPLIT_K=split, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=True,
+        consts = dict(HAS_BIAS=False, SWAP_AB=swap, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=True,
                       USE_ASM=True, PRECISE_ACC=precise)
         name = f"{label}_{bm}x{bn}x{bk}_w{warps}s{stages}{'_precise' if precise else ''}"
         kernel, sass = compile_sass(gemm.w4a8_gemm_kernel, consts, warps, stages, name, args.out)

@@ -14,8 +14,11 @@ import torch.nn.functional as F
 from radiance import env
 from radiance.kernels import reference
 from radiance.kernels._triton import act_quant as _act
+from radiance.kernels.buffers import device_buffer
+from radiance.kernels.w4a8 import sm_count
 
 MAX_ROW = 65536  # one row lives in registers
+CHUNK = 1024  # elements per program when a row is spread over several (silu_mul at decode)
 
 
 def triton_serves(t: torch.Tensor) -> bool:
@@ -24,8 +27,19 @@ def triton_serves(t: torch.Tensor) -> bool:
 
 
 def _row_launch(k: int) -> tuple[int, int]:
+    # 16 warps from 4096 elements on: at decode a row is one program, and fewer warps leave the SM's
+    # schedulers idle on the reduction and division latencies
     block = max(triton_next_pow2(k), 16)
-    return block, max(1, min(16, block // 1024))
+    return block, max(1, min(16, block // 256))
+
+
+def _spread_rows(t: torch.Tensor, m: int, k: int) -> bool:
+    """Whether a row of k elements is better spread over several programs: on CUDA, when the rows
+    alone would leave most SMs idle and the whole grid fits on the GPU at once (its spin barrier
+    needs every program of a row resident)."""
+    if not t.is_cuda or k <= 2 * CHUNK:
+        return False
+    return m * -(-k // CHUNK) <= sm_count(t.device)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -107,6 +121,13 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
         if quantize:
             return Fp8Activations(*reference.quantize_activations_reference(y), gate_up.dtype, lead)
         return y.reshape(*lead, inter)
+    if quantize and _spread_rows(g2, m, inter):
+        x_q, x_scale = _fp8_outputs(m, inter, g2.device)
+        amax = device_buffer("row-amax", g2.device, max(m, 1024), torch.int32, zeroed=True)
+        count = device_buffer("row-count", g2.device, max(m, 1024), torch.int32, zeroed=True)
+        _act.silu_mul_quant_chunks_kernel[(-(-inter // CHUNK), m)](g2, x_q, x_scale, amax, count, inter, g2.stride(0),
+                                                                    BLOCK=CHUNK, num_warps=4)
+        return Fp8Activations(x_q, x_scale, gate_up.dtype, lead)
     y = g2.new_empty((0,)) if quantize else g2.new_empty((m, inter))
     x_q, x_scale = _fp8_outputs(m, inter, g2.device) if quantize else (y, y)
     block, warps = _row_launch(inter)

@@ -8,6 +8,7 @@ import torch
 
 from radiance.kernels._triton import convert as _convert
 from radiance.kernels._triton import gemm as _gemm
+from radiance.kernels.buffers import device_buffer
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, padded_k
 from radiance.kernels.tuning import GemmConfig, expand_min_m, select_config
 
@@ -37,25 +38,10 @@ def choose_split_k(m: int, n: int, k: int, cfg: GemmConfig, num_sms: int) -> tup
     return -(-k_tiles // per), per
 
 
-_BUFFERS: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def _device_buffer(name: str, device: torch.device, numel: int, dtype: torch.dtype, zeroed: bool) -> torch.Tensor:
-    """A per-device buffer that grows to the largest request and is kept. Launches on one stream run
-    one after another, so every call may reuse it; the first calls (warm-up, before any CUDA-graph
-    capture) reach the sizes that matter, so it never grows inside a capture."""
-    buf = _BUFFERS.get((name, device))
-    if buf is None or buf.numel() < numel:
-        _BUFFERS.pop((name, device), None)  # free the old one before allocating the larger
-        buf = (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=device)
-        _BUFFERS[(name, device)] = buf
-    return buf
-
-
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 arrival counters, one per output tile, for the split-K launches: each launch leaves
     its counters at zero again."""
-    return _device_buffer("tile-counters", device, max(tiles, 16384), torch.int32, zeroed=True)
+    return device_buffer("tile-counters", device, max(tiles, 16384), torch.int32, zeroed=True)
 
 
 def _use_asm(t: torch.Tensor) -> bool:
@@ -86,7 +72,7 @@ def _expand_serves(x_q: torch.Tensor, m: int, n: int, k: int, out_dtype, out) ->
 def _expand_scratch(device: torch.device, numel: int) -> torch.Tensor:
     """The e4m3 buffer for the expanded weight of the large-M path: a fresh 100+ MB allocation per
     call can push the caching allocator (next to a KV cache that fills the GPU) into free-and-retry."""
-    return _device_buffer("expand-scratch", device, numel, torch.float8_e4m3fn, zeroed=False)
+    return device_buffer("expand-scratch", device, numel, torch.float8_e4m3fn, zeroed=False)
 
 
 def _expand_then_fp8_mm(x_q, x_scale, weight: PreparedMxfp4, bias, out_dtype) -> torch.Tensor:
@@ -117,9 +103,9 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
     bias_arg = bias if has_bias else weight.w_scale
     grid = (tiles, splits)
     compiled = _gemm.w4a8_gemm_kernel[grid](
-        x_q, x_scale, weight.w_q, weight.w_shift, weight.w_scale, bias_arg, out, part, locks,
-        m, n, k, x_q.stride(0), out.stride(0), per_split,
-        HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT_K=splits, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        x_q, x_scale, weight.w_q, weight.w_shift.view(torch.int32), weight.w_scale, bias_arg, out, part, locks,
+        m, n, k, x_q.stride(0), out.stride(0), per_split, splits,
+        HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT=splits > 1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
         PRECISE_ACC=cfg.precise_acc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -74,3 +74,47 @@ def test_layer_under_cuda_graph_and_compile():
         assert torch.equal(static_out, layer(fresh))
         compiled = torch.compile(layer, fullgraph=True)
         assert torch.equal(compiled(x), eager)
+
+
+def _silu_mul_one_program_per_row(gate_up):
+    """The row kernel, forced (silu_mul spreads small-M rows over several programs on CUDA)."""
+    from radiance.kernels._triton.act_quant import silu_mul_rows_kernel
+    from radiance.kernels.activation import _row_launch
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    x_q = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device="cuda")
+    x_s = torch.empty(m, 1, dtype=torch.float32, device="cuda")
+    block, warps = _row_launch(inter)
+    silu_mul_rows_kernel[(m,)](gate_up, x_q, x_q, x_s, inter, gate_up.stride(0), QUANT=True, BLOCK=block,
+                               ROUND_IN_FP32=False, num_warps=warps)
+    return x_q, x_s
+
+
+@pytest.mark.parametrize("m,inter", [(1, 14336), (3, 3000), (6, 18944)])
+def test_silu_mul_spread_over_programs_matches_row_kernel(m, inter):
+    from radiance.kernels.activation import _spread_rows, silu_mul
+    gate_up = (torch.randn(m, 2 * inter, device="cuda") * 4).to(torch.bfloat16)
+    assert _spread_rows(gate_up, m, inter)
+    r_q, r_s = _silu_mul_one_program_per_row(gate_up)
+    for _ in range(3):  # the barrier's counters must be re-armed after every launch
+        act = silu_mul(gate_up, quantize=True)
+        assert torch.equal(act.x_scale, r_s)
+        assert torch.equal(act.x_q.view(torch.uint8), r_q.view(torch.uint8))
+    if m > 1:  # a NaN in one token changes only that token
+        bad = gate_up.clone()
+        bad[1, 7] = float("nan")
+        act = silu_mul(bad, quantize=True)
+        others = [i for i in range(m) if i != 1]
+        assert torch.isnan(act.x_scale[1]).all()
+        assert torch.equal(act.x_q[others].view(torch.uint8), r_q[others].view(torch.uint8))
+    static = gate_up.clone()
+    silu_mul(static, quantize=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = silu_mul(static, quantize=True)
+    for _ in range(2):
+        fresh = (torch.randn_like(gate_up, dtype=torch.float32) * 4).to(torch.bfloat16)
+        static.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        f_q, f_s = _silu_mul_one_program_per_row(fresh)
+        assert torch.equal(captured.x_q.view(torch.uint8), f_q.view(torch.uint8)) and torch.equal(captured.x_scale, f_s)

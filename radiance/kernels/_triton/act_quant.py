@@ -2,6 +2,11 @@
 
 One program per token row; the whole row sits in registers (K <= 65536), so x is read once.
 Math is fp32 with IEEE division (div_rn) so the bytes match the torch reference exactly.
+
+At decode a row is all there is, and one SM needs ~60 instructions per element of SiLU-mul + quantize
+(4-6 us for a 14336-wide row). `silu_mul_quant_chunks_kernel` spreads a row over several programs
+that agree on the row's amax through a spin barrier (CUDA only: the interpreter runs programs one by
+one, so a barrier would never open).
 """
 
 import triton
@@ -78,6 +83,51 @@ def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr,
 
 
 @triton.jit
+def _silu_mul(gu_ptr, row, offs, mask, stride_m, I):
+    """silu(gate) * up with torch's rounding in the input dtype, returned as fp32."""
+    g_raw = tl.load(gu_ptr + row * stride_m + offs, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_m + I + offs, mask=mask, other=0.0).to(tl.float32)
+    g = g_raw.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(g_raw.dtype).to(tl.float32)
+    return (act * u).to(g_raw.dtype)
+
+
+@triton.jit
+def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, amax_ptr, count_ptr, I, stride_m,
+                                 BLOCK: tl.constexpr):
+    """silu_mul_rows_kernel with QUANT, one row over cdiv(I, BLOCK) programs (grid [chunks, M]), all
+    resident at once (the launcher keeps the grid small). Each program publishes its chunk's amax
+    (as int32 bits: non-negative floats order like their bits, and a NaN, 0x7FC00000, beats every
+    amax, so a row holding one gets a NaN scale as in _quantize_row), waits until every chunk of the
+    row has, then quantizes its own chunk. amax and count are zero on entry and left zero: the last
+    program to leave resets them."""
+    chunk = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    chunks = tl.num_programs(0)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    y = _silu_mul(gu_ptr, row, offs, mask, stride_m, I).to(tl.float32)
+    local = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    has_nan = tl.sum((y != y).to(tl.int32), axis=0) > 0
+    bits = tl.where(has_nan, 0x7FC00000, local.to(tl.int32, bitcast=True))
+    tl.atomic_max(amax_ptr + row, bits, sem="relaxed", scope="gpu")
+    arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") + 1
+    while arrived < chunks:
+        arrived = tl.atomic_add(count_ptr + row, 0, sem="acquire", scope="gpu")
+    row_bits = tl.atomic_max(amax_ptr + row, 0, sem="relaxed", scope="gpu")
+    scale = tl.maximum(tl.math.div_rn(row_bits.to(tl.float32, bitcast=True), FP8_MAX), MIN_SCALE)
+    scale = tl.where(row_bits == 0x7FC00000, float("nan"), scale)
+    q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(xq_ptr + row * I + offs, q.to(tl.float8e4nv), mask=mask)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+    left = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if left == 2 * chunks - 1:  # everyone has read the amax: re-arm for the next launch
+        tl.atomic_xchg(amax_ptr + row, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def silu_mul_rows_kernel(gu_ptr, out_ptr, xq_ptr, scale_ptr, I, stride_m, QUANT: tl.constexpr, BLOCK: tl.constexpr,
                          ROUND_IN_FP32: tl.constexpr):
     """y = silu(gate) * up for gate_up = [gate | up] (each I wide), rounded like torch in the input
@@ -85,11 +135,7 @@ def silu_mul_rows_kernel(gu_ptr, out_ptr, xq_ptr, scale_ptr, I, stride_m, QUANT:
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < I
-    g_raw = tl.load(gu_ptr + row * stride_m + offs, mask=mask, other=0.0)
-    u = tl.load(gu_ptr + row * stride_m + I + offs, mask=mask, other=0.0).to(tl.float32)
-    g = g_raw.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(g_raw.dtype).to(tl.float32)
-    y = (act * u).to(g_raw.dtype)
+    y = _silu_mul(gu_ptr, row, offs, mask, stride_m, I)
     if QUANT:
         _quantize_row(y.to(tl.float32), mask, xq_ptr + row * I + offs, scale_ptr + row, ROUND_IN_FP32)
     else:

@@ -4,7 +4,8 @@ One kernel serves both bands:
   - prefill: SWAP_AB=False, acc[BM, BN] = x @ w^T with x as the wgmma A operand (BM % 64 == 0) and
     the expanded weight tile as the K-major B operand;
   - decode: SWAP_AB=True, acc[BN, BM] = w @ x^T so the weight rows fill the 64-wide MMA M dimension
-    and a handful of tokens the N dimension; K is split over the grid's second axis (SPLIT_K), each
+    and a handful of tokens the N dimension; K is split over the grid's second axis (`splits`, a run-time count so that
+    one compiled kernel serves every split), each
     split writes fp32 partials, and the last split of a tile to finish (an atomic counter per tile)
     sums them in split order: deterministic, and one launch per linear.
 fp8 tl.dot lowers to wgmma on sm_90 with num_warps % 4 == 0. Hopper's fp8 MMA accumulates with
@@ -20,9 +21,22 @@ from radiance.kernels._triton.convert import expand_e2m1_words
 
 
 @triton.jit
+def _unpack_shifts(s):
+    """int32 [BN, G] holding 4 int8 block shifts each -> int32 [BN, 4G] in block order. Built with
+    joins, which Triton's layout pass carries through to the MMA operand (a broadcast + reshape sent
+    the expanded tile through shared memory)."""
+    b0 = (s << 24) >> 24  # arithmetic shifts sign-extend each byte
+    b1 = (s << 16) >> 24
+    b2 = (s << 8) >> 24
+    b3 = s >> 24
+    both = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [BN, G, 2, 2]: [.., i, j] = byte 2i + j
+    return tl.reshape(both, (s.shape[0], s.shape[1] * 4))
+
+
+@triton.jit
 def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-                     M, N, K, stride_xm, stride_om, k_tiles_per_split,
-                     HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
+                     M, N, K, stride_xm, stride_om, k_tiles_per_split, splits,
+                     HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr):
     NB: tl.constexpr = BK // 32
@@ -52,8 +66,9 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
     # a 2-D tile [BN, BK/8] so that Triton spreads each row over 4 threads (16 B each): one thread per
     # row would write its 64 B into shared memory with 4-way bank conflicts
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + tl.arange(0, BK // 8)[None, :]
-    s_ptrs = (shift_ptr + offs_g[None, :, None].to(tl.int64) * N * 4 + offs_n[:, None, None] * 4
-              + tl.arange(0, 4)[None, None, :])  # shifts are [K/128, N, 4]: [BN, G, block]
+    # shifts are int8 [K/128, N, 4], read as one int32 per (row, 128-k group): a load of at least 4 B
+    # per thread is what Triton's pipeliner turns into cp.async (an int8 load stalled every iteration)
+    s_ptrs = shift_ptr + offs_g[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, G]
 
     kt_begin = pid_k * k_tiles_per_split
     kt_end = tl.minimum(kt_begin + k_tiles_per_split, tl.cdiv(K, BK))
@@ -65,16 +80,16 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
         if EVEN_K:
             x = tl.load(x_ptrs + kt * BK, mask=x_live[:, None], other=0.0)
             words = tl.load(w_ptrs + kt * (BK // 8), eviction_policy="evict_first")  # read once: keep L2 for the rest
-            s = tl.load(s_ptrs + kt * G * N * 4)
+            s = tl.load(s_ptrs + kt * G * N)
         else:
             k_live = (kt * BK + offs_k) < K
             x = tl.load(x_ptrs + kt * BK, mask=x_live[:, None] & k_live[None, :], other=0.0)
             word_live = (kt * BK + tl.arange(0, BK // 8) * 8) < groups * 128  # its 128-k group exists
             words = tl.load(w_ptrs + kt * (BK // 8), mask=word_live[None, :], other=0, eviction_policy="evict_first")
             group_live = (kt * G + offs_g) < groups
-            s = tl.load(s_ptrs + kt * G * N * 4, mask=group_live[None, :, None], other=0)
+            s = tl.load(s_ptrs + kt * G * N, mask=group_live[None, :], other=0)
         words = tl.reshape(tl.permute(tl.reshape(words, (BN, G, 4, 4)), (0, 1, 3, 2)), (BN, NB, 4))  # [BN, block, q]
-        w = expand_e2m1_words(words, tl.reshape(s, (BN, NB)).to(tl.int32), USE_ASM)
+        w = expand_e2m1_words(words, _unpack_shifts(s), USE_ASM)
         if PRECISE_ACC:  # the MMA sums one K tile from zero; the fp32 add promotes it
             if SWAP_AB:
                 acc += tl.dot(w, tl.trans(x))
@@ -96,16 +111,16 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
     acc = acc * xs[:, None] * ws[None, :]
     live = m_live[:, None] & n_live[None, :]
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    if SPLIT_K > 1:
+    if SPLIT:
         part = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(part + pid_k.to(tl.int64) * M * N, acc, mask=live)
         # the split that arrives last sums all partials, in split order (deterministic), and re-arms
         # the tile's counter for the next launch; no second kernel
         tl.debug_barrier()  # every thread's partial is written before the release below
         arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if arrived == splits - 1:
             total = tl.zeros((BM, BN), dtype=tl.float32)
-            for k in range(SPLIT_K):  # .cg: read L2, where the other CTAs' partials are
+            for k in range(splits):  # .cg: read L2, where the other CTAs' partials are
                 total += tl.load(part + k * M * N, mask=live, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rn, mask=n_live, other=0.0).to(tl.float32)[None, :]
