@@ -102,6 +102,9 @@ class RunnerConfig:
 
     enforce_eager: bool = False  # True disables CUDA graphs
     cuda_graph_max_batch: int = 64  # largest decode batch bucket captured
+    # queue each decode step before reading the previous one's tokens, so the host's bookkeeping runs
+    # while the device computes; None: on when decode steps replay CUDA graphs
+    overlap_decode: bool | None = None
 
     def __post_init__(self):
         _check(self.cuda_graph_max_batch > 0, "cuda_graph_max_batch must be positive")

@@ -45,21 +45,24 @@ def _engine(model: str, quantization: str, max_model_len: int, device: str, over
 
 
 def _decode_ms(engine, context: int, steps: int, gen) -> float:
-    """Median wall ms of a batch-1 decode step with `context` tokens in the cache."""
+    """Wall ms per batch-1 decode step with `context` tokens in the cache: `steps` steps run back to
+    back as a server runs them (no synchronization between steps, so a step queued ahead overlaps the
+    host's work on the previous one), after the prefill and two warm-up steps."""
     from radiance.engine.sampling_params import SamplingParams
 
     vocab = engine.model.config.vocab_size
     engine.add_request("decode", _random_ids(context, vocab, gen),
-                       SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
-    times = []
+                       SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    for _ in range(3):  # prefill, then two decode steps
+        engine.step()
+    _sync()
+    t0 = time.perf_counter()
+    done = 0
     while engine.has_unfinished_requests():
-        _sync()
-        t0 = time.perf_counter()
-        outs = engine.step()
-        _sync()
-        if outs and len(outs[0].token_ids) > 2:  # past the prefill and the first decode (warm-up)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        engine.step()
+        done += 1
+    _sync()
+    return (time.perf_counter() - t0) / done * 1e3
 
 
 def _prefill_tok_s(engine, length: int, gen, repeats: int = 3) -> float:
@@ -83,6 +86,13 @@ def _aggregate_tok_s(engine, concurrency: int, prompt_len: int, output_len: int,
     from radiance.engine.sampling_params import SamplingParams
 
     vocab = engine.model.config.vocab_size
+    # warm-up with the same batch shapes (Triton compiles kernels for shapes it has not seen, which
+    # inside the timed run would cost seconds against a run of about one)
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(f"warm{i}", _random_ids(prompt_len, vocab, gen), warm)
+    while engine.has_unfinished_requests():
+        engine.step()
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for i in range(concurrency):
         engine.add_request(f"agg{i}", _random_ids(prompt_len, vocab, gen), params)
@@ -104,6 +114,7 @@ def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, fl
     vocab = engine.model.config.vocab_size
     engine.add_request("prof", _random_ids(context, vocab, gen),
                        SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True))
+    overlap, engine.overlap_decode = engine.overlap_decode, False  # no step of the window queued outside it
     engine.step()
     engine.step()  # prefill, first decode
     walls = []
@@ -116,6 +127,7 @@ def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, fl
             walls.append(time.perf_counter() - t0)
     while engine.has_unfinished_requests():
         engine.step()
+    engine.overlap_decode = overlap
     # device-side records only (kernels, memcpy/memset), graph-launched ones included
     kernel_us = sum(e.time_range.elapsed_us() for e in prof.events()
                     if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)

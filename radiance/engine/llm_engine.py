@@ -14,7 +14,7 @@ from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
 from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from radiance.engine.sampling_params import SamplingParams
-from radiance.engine.scheduler import Scheduler
+from radiance.engine.scheduler import ScheduledSequence, Scheduler
 from radiance.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,10 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
                                           self.config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        overlap = self.config.runner.overlap_decode
+        self.overlap_decode = bool(self.runner.graphs) if overlap is None else overlap
+        self._ahead = None  # (queued decode step, each sequence's position in it): see _launch_ahead
+        self.overlapped_steps = 0  # steps served by a step queued ahead
         self.sequences: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._aborted: deque[RequestOutput] = deque()
@@ -101,12 +105,20 @@ class LLMEngine:
         outputs = list(self._aborted)
         self._aborted.clear()
         scheduled = self.scheduler.schedule()
+        ahead, self._ahead = self._ahead, None
         if not scheduled:
             return outputs
-        sampled, result = self.runner.execute(scheduled)
+        handle = self._match_ahead(ahead, scheduled)
+        if handle is None:
+            handle = self.runner.launch(scheduled)
+        else:
+            self.overlapped_steps += 1
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.commit(s.seq)
+        if self.overlap_decode:
+            self._ahead = self._launch_ahead(handle, scheduled)
+        sampled, result = self.runner.finish(handle)
         for i, s in enumerate(sampled):
             seq = s.seq
             logprob = None
@@ -120,6 +132,53 @@ class LLMEngine:
                 self.sequences.pop(seq.request_id, None)
                 self.detokenizers.pop(seq.request_id, None)
         return outputs
+
+    # ---------------------------------------------------------------- overlapped decode
+    # While the host reads step n's tokens and does its bookkeeping, step n+1 (same sequences, each
+    # advanced by its step-n token, taken from the device) is already queued. The next schedule()
+    # uses it when it asks for those sequences' decodes, or a subset of them (some finished); anything
+    # else (a new admission, a preemption) discards it. A discarded step only wrote K/V at each
+    # sequence's next slot, which the step that replaces it rewrites, or which belonged to a sequence
+    # that is gone; its partial block is never in the prefix cache.
+
+    def _launch_ahead(self, handle, scheduled):
+        """Queue the decode step after `handle` when it is likely to be the next step, else None."""
+        if not handle.sampled or len(handle.sampled) != len(scheduled) or any(s.num_new_tokens != 1 for s in scheduled):
+            return None  # only decode steps, where every sequence sampled
+        if self.scheduler.waiting and len(self.scheduler.running) < self.config.scheduler.max_num_seqs:
+            return None  # the next schedule admits a waiting request
+        keep = []
+        for i, s in enumerate(handle.sampled):
+            seq, p = s.seq, s.seq.params
+            if seq.generator is not None or p.logprobs is not None:
+                return None  # a seeded draw or logprobs must not be spent on a step that may be dropped
+            out_after = seq.num_output_tokens + 1
+            if (p.max_tokens is not None and out_after >= p.max_tokens) or seq.num_tokens + 1 >= self.max_model_len:
+                continue  # finishes with this step's token
+            if not self.block_manager.can_allocate(seq, 1):
+                return None  # the scheduler will preempt
+            self.block_manager.allocate(seq, 1)
+            keep.append(i)
+        if not keep:
+            return None
+        prev = handle.select(keep)
+        step = self.runner.launch([ScheduledSequence(s.seq, 1) for s in prev.sampled], next_tokens=prev.token_ids)
+        return step, [s.seq.num_computed_tokens for s in prev.sampled]
+
+    @staticmethod
+    def _match_ahead(ahead, scheduled):
+        """The queued step restricted to `scheduled` when it computes exactly these decodes, else None."""
+        if ahead is None:
+            return None
+        handle, positions = ahead
+        row = {id(s.seq): (i, pos) for i, (s, pos) in enumerate(zip(handle.sampled, positions))}
+        keep = []
+        for s in scheduled:
+            hit = row.get(id(s.seq))
+            if s.num_new_tokens != 1 or hit is None or hit[1] != s.seq.num_computed_tokens:
+                return None
+            keep.append(hit[0])
+        return handle.select(keep)
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         seq.append_token(token_id, logprob)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,11 +17,41 @@ from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, num_kv_blocks
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.layers.attention import AttentionMetadata
-from radiance.layers.sampler import SamplerOutput, SamplingRow, sample
+from radiance.layers.sampler import SamplerOutput, SamplingRow, read_samples, sample_on_device, small_tensor_to
 
 logger = logging.getLogger(__name__)
 
 _TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
+
+
+@dataclass
+class StepHandle:
+    """A step queued on the device: the sequences that sample, their sampling rows, fp32 logits and
+    the sampled ids (device), and the ids' copy into pinned host memory with the event that marks it
+    done. Reading that copy waits for this step only, not for steps queued after it."""
+
+    sampled: list[ScheduledSequence]
+    rows: list[SamplingRow]
+    logits: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+    host_ids: torch.Tensor | None = None  # pinned (CUDA) or the ids themselves (CPU)
+    ready: torch.cuda.Event | None = None
+    host_rows: list[int] | None = None  # which rows of host_ids are this handle's (after select)
+
+    def select(self, keep: list[int]) -> "StepHandle":
+        """The same step restricted to the sampled rows at positions `keep` (in that order)."""
+        if keep == list(range(len(self.sampled))):
+            return self
+        idx = small_tensor_to(keep, self.token_ids.device)
+        rows = [self.host_rows[i] for i in keep] if self.host_rows is not None else keep
+        return StepHandle([self.sampled[i] for i in keep], [self.rows[i] for i in keep], self.logits[idx],
+                          self.token_ids[idx], self.host_ids, self.ready, rows)
+
+    def read_ids(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        ids = self.host_ids[:len(self.sampled) if self.host_rows is None else None].tolist()
+        return ids if self.host_rows is None else [ids[i] for i in self.host_rows]
 
 
 def decode_num_splits(batch: int, num_kv_heads: int) -> int:
@@ -52,6 +83,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # pinned landing buffers of the sampled ids, used in turn (like the graph inputs' staging sets)
+        max_rows = config.scheduler.max_num_seqs
+        pin = device.type == "cuda"
+        self.h_ids = [torch.zeros(max_rows, dtype=torch.long, pin_memory=pin) for _ in range(3)]
+        self._readback = 0
         if device.type == "cuda" and not config.runner.enforce_eager:
             self._capture_decode_graphs()
             if config.kernel.numerics_check:  # graph replays run no Python, so no check can run inside them
@@ -60,13 +96,15 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- inputs
 
-    def _prepare(self, scheduled: list[ScheduledSequence]):
+    def _prepare(self, scheduled: list[ScheduledSequence], tokens_on_device: bool = False):
+        """Host-side inputs of a step; with tokens_on_device the tokens are not known here (empty list)."""
         bs = self.block_size
         tokens, positions, slots, q_lens, kv_lens = [], [], [], [], []
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
-            tokens.extend(seq.token_ids[start:start + n])
+            if not tokens_on_device:
+                tokens.extend(seq.token_ids[start:start + n])
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
             positions.append(pos)
@@ -87,7 +125,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[list, SamplerOutput | None]:
         """Runs one step. Returns (the scheduled sequences that sampled a token, their sampler output)."""
-        tokens, positions, slots, q_lens, kv_lens, tables = self._prepare(scheduled)
+        return self.finish(self.launch(scheduled))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSequence], next_tokens: torch.Tensor | None = None) -> StepHandle:
+        """Queues one step on the device, sampling included, without waiting for it (`finish` waits).
+
+        `next_tokens` (device, one per sequence) makes it the decode step that follows a launched one
+        whose tokens the host has not read yet: each sequence advances by that token at position
+        seq.num_computed_tokens (whose slot the caller has allocated)."""
+        tokens, positions, slots, q_lens, kv_lens, tables = self._prepare(scheduled, next_tokens is not None)
+        if next_tokens is not None:
+            tokens = next_tokens
         is_decode = all(n == 1 for n in q_lens)
         batch = len(scheduled)
         if is_decode and self.graphs and batch <= max(self.graphs):
@@ -102,10 +151,11 @@ class ModelRunner:
                 cu_seqlens_q=self._to_device(cu, torch.int32),
                 q_lens=q_lens, kv_lens=kv_lens, is_decode=is_decode,
                 decode_splits=decode_num_splits(batch, self.model.config.num_kv_heads))
-            hidden = self.model(self._to_device(tokens, torch.long), self._to_device(positions, torch.long), meta)
-        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+            token_tensor = tokens if next_tokens is not None else self._to_device(tokens, torch.long)
+            hidden = self.model(token_tensor, self._to_device(positions, torch.long), meta)
+        sampling = list(range(batch)) if next_tokens is not None else [i for i, s in enumerate(scheduled) if s.samples]
         if not sampling:
-            return [], None
+            return StepHandle([], [])
         if is_decode and len(sampling) == batch:
             logits = self.model.compute_logits(hidden)  # one row per sequence already
         else:
@@ -115,7 +165,23 @@ class ModelRunner:
         seqs = [scheduled[i].seq for i in sampling]
         params = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs)
                   for seq in seqs for p in (seq.params,)]
-        return [scheduled[i] for i in sampling], sample(logits, params)
+        logits = logits.float()
+        token_ids = sample_on_device(logits, params)
+        host_ids, ready = token_ids, None
+        if token_ids.is_cuda:  # start the copy home now, ahead of anything queued after this step
+            self._readback = (self._readback + 1) % len(self.h_ids)
+            host_ids = self.h_ids[self._readback][:len(sampling)]
+            host_ids.copy_(token_ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return StepHandle([scheduled[i] for i in sampling], params, logits, token_ids, host_ids, ready)
+
+    def finish(self, handle: StepHandle) -> tuple[list, SamplerOutput | None]:
+        """Waits for a launched step (not for steps queued after it) and reads its sampled tokens (and
+        logprobs)."""
+        if not handle.sampled:
+            return [], None
+        return handle.sampled, read_samples(handle.logits, handle.read_ids(), handle.rows)
 
     # ---------------------------------------------------------------- CUDA graphs
 
@@ -127,8 +193,10 @@ class ModelRunner:
         # host copies with one transfer each per step (no per-field copies while the GPU waits)
         self.g_meta = torch.zeros(4, max_batch, dtype=torch.long, device=dev)
         self.g_tables = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.h_meta = torch.zeros(4, max_batch, dtype=torch.long).pin_memory()
-        self.h_tables = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        self.h_meta = [torch.zeros(4, max_batch, dtype=torch.long).pin_memory() for _ in range(3)]
+        self.h_tables = [torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32).pin_memory()
+                         for _ in range(3)]
+        self._staging = 0
         self.g_tokens, self.g_positions, self.g_slots, self.g_context = self.g_meta.unbind(0)
         self.g_slots.fill_(-1)
         self.g_context.fill_(1)
@@ -153,16 +221,25 @@ class ModelRunner:
         logger.info("captured CUDA graphs for decode batches %s", self.buckets)
 
     def _replay(self, tokens, positions, slots, kv_lens, tables) -> torch.Tensor:
-        batch = len(tokens)
+        """tokens: host ints, or a device tensor (a step queued behind the one that samples them)."""
+        batch = len(positions)
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
-        meta = self.h_meta.numpy()
+        # three pinned staging sets, used in turn: the engine queues up to two steps ahead of the one
+        # it last waited for, and a set must not be rewritten while its copy still waits in the stream
+        self._staging = (self._staging + 1) % len(self.h_meta)
+        h_meta, h_tables = self.h_meta[self._staging], self.h_tables[self._staging]
+        meta = h_meta.numpy()
         meta[:, batch:bucket] = ((0,), (0,), (-1,), (0,))  # padding rows: write nowhere, attend to nothing
-        meta[0, :batch] = tokens
+        on_device = isinstance(tokens, torch.Tensor)
+        if not on_device:
+            meta[0, :batch] = tokens
         meta[1, :batch] = positions
         meta[2, :batch] = slots
         meta[3, :batch] = kv_lens
-        self.h_tables.numpy()[:batch, :tables.shape[1]] = tables
-        self.g_meta[:, :bucket].copy_(self.h_meta[:, :bucket], non_blocking=True)
-        self.g_tables[:batch].copy_(self.h_tables[:batch], non_blocking=True)
+        h_tables.numpy()[:batch, :tables.shape[1]] = tables
+        self.g_meta[:, :bucket].copy_(h_meta[:, :bucket], non_blocking=True)
+        self.g_tables[:batch].copy_(h_tables[:batch], non_blocking=True)
+        if on_device:
+            self.g_tokens[:batch].copy_(tokens)
         self.graphs[bucket].replay()
         return self.g_hidden[bucket][:batch]

@@ -30,13 +30,21 @@ class SamplerOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
+def small_tensor_to(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the GPU: a plain torch.tensor(...,
+    device=cuda) copies from pageable memory and synchronizes the stream, which would stall the next
+    decode step that the engine queues behind this one."""
+    t = torch.tensor(values)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Mask (to -inf) what top-k / top-p / min-p exclude; logits already temperature-scaled."""
     device = logits.device
     vocab = logits.shape[-1]
-    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=device)
-    top_p = torch.tensor([r.top_p for r in rows], device=device)
-    min_p = torch.tensor([r.min_p for r in rows], device=device)
+    top_k = small_tensor_to([r.top_k if r.top_k > 0 else vocab for r in rows], device)
+    top_p = small_tensor_to([r.top_p for r in rows], device)
+    min_p = small_tensor_to([r.min_p for r in rows], device)
     if any(r.min_p > 0 for r in rows):
         probs = logits.softmax(-1)
         keep = probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
@@ -57,24 +65,37 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     """logits [B, V] float32 -> one token per row (and logprobs where asked)."""
     logits = logits.float()
+    return read_samples(logits, sample_on_device(logits, rows).tolist(), rows)
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The sampled token ids [B] (int64), left on logits' device: nothing waits for the GPU here."""
+    logits = logits.float()
     greedy_ids = logits.argmax(-1)
     token_ids = greedy_ids
     random_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = small_tensor_to(random_rows, logits.device)
         sub_rows = [rows[i] for i in random_rows]
-        temps = torch.tensor([r.temperature for r in sub_rows], device=logits.device).unsqueeze(1)
+        temps = small_tensor_to([r.temperature for r in sub_rows], logits.device).unsqueeze(1)
         probs = _filter(logits[idx] / temps, sub_rows).softmax(-1)
         noise = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(sub_rows) if r.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        if len(unseeded) == len(sub_rows):
+            noise.exponential_()
+        elif unseeded:
+            noise[small_tensor_to(unseeded, probs.device)] = torch.empty(len(unseeded), probs.shape[1],
+                                                                    device=probs.device).exponential_()
         for j, r in enumerate(sub_rows):
             if r.generator is not None:
                 noise[j].exponential_(generator=r.generator)
         token_ids = greedy_ids.clone()
         token_ids[idx] = (probs / noise).argmax(-1)
-    ids = token_ids.tolist()
+    return token_ids
+
+
+def read_samples(logits: torch.Tensor, ids: list[int], rows: list[SamplingRow]) -> SamplerOutput:
+    """The sampler output for ids already read back, with the logprobs asked for."""
 
     logprobs: list = [None] * len(rows)
     wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]

@@ -41,7 +41,12 @@ def test_outputs_have_the_requested_length(reference):
     dict(max_num_seqs=16, max_num_batched_tokens=16),                        # chunked prefill, mixed steps
     dict(max_num_seqs=16, enable_chunked_prefill=False, max_num_batched_tokens=64),
     dict(max_num_seqs=16, num_gpu_blocks_override=12, max_num_batched_tokens=32),  # preemption
-], ids=["batched", "prefix-cache", "chunked", "unchunked", "preemption"])
+    # decode steps queued before the previous step's tokens are read (on by default with CUDA graphs)
+    dict(max_num_seqs=16, overlap_decode=True),
+    dict(max_num_seqs=16, max_num_batched_tokens=16, overlap_decode=True),
+    dict(max_num_seqs=16, num_gpu_blocks_override=12, max_num_batched_tokens=32, overlap_decode=True),
+], ids=["batched", "prefix-cache", "chunked", "unchunked", "preemption", "overlap", "overlap-chunked",
+        "overlap-preemption"])
 def test_greedy_identical_under_scheduling(tiny_llm, reference, options):
     prompts, expected = reference
     llm = tiny_llm(**options)
@@ -49,6 +54,7 @@ def test_greedy_identical_under_scheduling(tiny_llm, reference, options):
         llm.generate(prompts[-1], GREEDY)  # warm the cache with the shared prefix
     outs = llm.generate(prompts, GREEDY)
     assert _ids(outs) == expected
+    assert (llm.engine.overlapped_steps > 0) == bool(options.get("overlap_decode"))
     stats = llm.engine.stats()
     if "num_gpu_blocks_override" in options:
         assert stats.num_preemptions > 0
@@ -140,3 +146,32 @@ def test_cli_bad_option_is_one_line_and_exit_code_2(capsys):
     assert main(["generate", "hi", "--max-num-seqs", "0", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "max_num_seqs must be positive" in err and "Traceback" not in err
+
+
+def test_overlapped_decode_survives_stops_aborts_and_sampling(tiny_llm, reference):
+    """Sequences that stop on a token (unknown ahead), finish by length at different steps, get
+    aborted, or sample (unseeded, seeded): the same outputs with and without steps queued ahead."""
+    prompts, expected = reference
+
+    def run(overlap: bool):
+        engine = tiny_llm(max_num_seqs=8, overlap_decode=overlap).engine
+        for i, p in enumerate(prompts[:6]):
+            stop = (expected[i][3 + i % 4],) if i % 2 else ()
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, stop_token_ids=stop))
+        engine.add_request("seeded", prompts[6], SamplingParams(max_tokens=9, temperature=1.0, seed=7, ignore_eos=True))
+        engine.add_request("doomed", prompts[7], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            if steps == 5:
+                engine.abort_request("doomed")
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.token_ids, out.finish_reason)
+        return done, engine.overlapped_steps
+
+    plain, none_ahead = run(False)
+    overlapped, ahead = run(True)
+    assert none_ahead == 0 and ahead > 0
+    assert overlapped == plain
+    assert plain["doomed"][1] == "abort" and {plain[f"r{i}"][1] for i in range(6)} == {"stop", "length"}

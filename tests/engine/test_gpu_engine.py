@@ -16,10 +16,17 @@ def test_cuda_graphs_do_not_change_greedy_outputs(tiny_llm):
     common = dict(device="cuda", num_gpu_blocks_override=256, max_num_seqs=8, cuda_graph_max_batch=8)
     eager = tiny_llm(enforce_eager=True, **common)
     graphs = tiny_llm(enforce_eager=False, **common)
+    in_order = tiny_llm(enforce_eager=False, overlap_decode=False, **common)
     assert not eager.engine.runner.graphs and graphs.engine.runner.graphs
+    assert graphs.engine.overlap_decode and not eager.engine.overlap_decode  # the default follows graphs
     out_eager = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     out_graph = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
     assert out_eager == out_graph
+    assert graphs.engine.overlapped_steps > 0
+    # different lengths: the queued-ahead step is cut to the sequences still running
+    mixed = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
+    assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, mixed)]
+            == [o.outputs[0].token_ids for o in in_order.generate(prompts, mixed)])
     alone = [graphs.generate(p, params)[0].outputs[0].token_ids for p in prompts[:3]]
     assert alone == out_graph[:3]
 
