@@ -15,7 +15,7 @@ from radiance import env
 from radiance.kernels import reference
 from radiance.kernels._triton import act_quant as _act
 from radiance.kernels.buffers import device_buffer
-from radiance.kernels.w4a8 import sm_count
+from radiance.kernels.device_info import sm_count, supports_pdl
 
 MAX_ROW = 65536  # one row lives in registers
 CHUNK = 1024  # elements per program when a row is spread over several (silu_mul at decode)
@@ -60,8 +60,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x_q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
     x_scale = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
     block, warps = _row_launch(k)
-    _act.quantize_rows_kernel[(m,)](x2, x_q, x_scale, k, x2.stride(0), BLOCK=block,
-                                     ROUND_IN_FP32=not x2.is_cuda, num_warps=warps)
+    if block > 4096 and 4 * block > 5 * k:  # padding to a power of two would waste over 20%
+        _act.quantize_rows_chunked_kernel[(m,)](x2, x_q, x_scale, k, x2.stride(0), BLOCK=4096,
+                                                INTERPRETER=not x2.is_cuda, RELEASE=supports_pdl(x2.device),
+                                                num_warps=16)
+    else:
+        _act.quantize_rows_kernel[(m,)](x2, x_q, x_scale, k, x2.stride(0), BLOCK=block,
+                                         INTERPRETER=not x2.is_cuda, RELEASE=supports_pdl(x2.device), num_warps=warps)
     return x_q, x_scale
 
 
@@ -103,7 +108,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     _act.add_rmsnorm_rows_kernel[(m,)](
         x2, r2 if r2 is not None else x2, weight.contiguous(), y, s, x_q, x_scale, k, x2.stride(0),
         r2.stride(0) if r2 is not None else 0, float(eps), HAS_RESIDUAL=r2 is not None, QUANT=quantize,
-        BLOCK=block, ROUND_IN_FP32=not x2.is_cuda, num_warps=warps)
+        BLOCK=block, INTERPRETER=not x2.is_cuda, RELEASE=quantize and supports_pdl(x2.device), num_warps=warps)
     out = Fp8Activations(x_q, x_scale, x.dtype, tuple(x.shape[:-1])) if quantize else y.reshape(x.shape)
     return out, s.reshape(x.shape)
 
@@ -126,13 +131,15 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
         amax = device_buffer("row-amax", g2.device, max(m, 1024), torch.int32, zeroed=True)
         count = device_buffer("row-count", g2.device, max(m, 1024), torch.int32, zeroed=True)
         _act.silu_mul_quant_chunks_kernel[(-(-inter // CHUNK), m)](g2, x_q, x_scale, amax, count, inter, g2.stride(0),
-                                                                    BLOCK=CHUNK, num_warps=4)
+                                                                    BLOCK=CHUNK, RELEASE=supports_pdl(g2.device),
+                                                                    num_warps=4)
         return Fp8Activations(x_q, x_scale, gate_up.dtype, lead)
     y = g2.new_empty((0,)) if quantize else g2.new_empty((m, inter))
     x_q, x_scale = _fp8_outputs(m, inter, g2.device) if quantize else (y, y)
     block, warps = _row_launch(inter)
     _act.silu_mul_rows_kernel[(m,)](g2, y, x_q, x_scale, inter, g2.stride(0), QUANT=quantize, BLOCK=block,
-                                    ROUND_IN_FP32=not g2.is_cuda, num_warps=warps)
+                                    INTERPRETER=not g2.is_cuda, RELEASE=quantize and supports_pdl(g2.device),
+                                    num_warps=warps)
     return Fp8Activations(x_q, x_scale, gate_up.dtype, lead) if quantize else y.reshape(*lead, inter)
 
 

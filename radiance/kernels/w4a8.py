@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from radiance.kernels._triton import convert as _convert
 from radiance.kernels._triton import gemm as _gemm
 from radiance.kernels.buffers import device_buffer
+from radiance.kernels.device_info import sm_count, supports_pdl
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, padded_k
 from radiance.kernels.tuning import GemmConfig, expand_min_m, select_config
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    # the interpreter has no SMs; 4 keeps split-K exercised in CPU tests
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 4
 
 
 def choose_split_k(m: int, n: int, k: int, cfg: GemmConfig, num_sms: int) -> tuple[int, int]:
@@ -42,6 +31,15 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 arrival counters, one per output tile, for the split-K launches: each launch leaves
     its counters at zero again."""
     return device_buffer("tile-counters", device, max(tiles, 16384), torch.int32, zeroed=True)
+
+
+# K tiles per weight row that a GEMM launched as a programmatic dependent (PDL, sm_90+) prefetches into
+# L2 while the kernel before it (the norm or SiLU that quantizes its activations) still runs; 0 = plain launch
+PDL_PREFETCH_TILES = 2
+
+
+def _pdl_prefetch(t: torch.Tensor) -> int:
+    return PDL_PREFETCH_TILES if supports_pdl(t.device) else 0
 
 
 def _use_asm(t: torch.Tensor) -> bool:
@@ -102,12 +100,13 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight.w_scale
     grid = (tiles, splits)
+    prefetch = _pdl_prefetch(x_q)
     compiled = _gemm.w4a8_gemm_kernel[grid](
         x_q, x_scale, weight.w_q, weight.w_shift.view(torch.int32), weight.w_scale, bias_arg, out, part, locks,
         m, n, k, x_q.stride(0), out.stride(0), per_split, splits,
         HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT=splits > 1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
-        PRECISE_ACC=cfg.precise_acc,
+        PRECISE_ACC=cfg.precise_acc, PDL_PREFETCH=prefetch, launch_pdl=prefetch > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, compiled
 

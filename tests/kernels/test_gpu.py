@@ -85,7 +85,7 @@ def _silu_mul_one_program_per_row(gate_up):
     x_s = torch.empty(m, 1, dtype=torch.float32, device="cuda")
     block, warps = _row_launch(inter)
     silu_mul_rows_kernel[(m,)](gate_up, x_q, x_q, x_s, inter, gate_up.stride(0), QUANT=True, BLOCK=block,
-                               ROUND_IN_FP32=False, num_warps=warps)
+                               INTERPRETER=False, num_warps=warps)
     return x_q, x_s
 
 
@@ -118,3 +118,45 @@ def test_silu_mul_spread_over_programs_matches_row_kernel(m, inter):
         torch.cuda.synchronize()
         f_q, f_s = _silu_mul_one_program_per_row(fresh)
         assert torch.equal(captured.x_q.view(torch.uint8), f_q.view(torch.uint8)) and torch.equal(captured.x_scale, f_s)
+
+
+def test_fma_division_is_correctly_rounded():
+    """divide_by_scale (reciprocal + one FMA correction) against IEEE division, bit for bit: 16M
+    quotients over random mantissas, the full range of per-token scales, and |x| <= 448 * scale."""
+    import triton
+    import triton.language as tl
+
+    from radiance.kernels._triton.act_quant import divide_by_scale
+
+    @triton.jit
+    def divide_kernel(x_ptr, s_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        scale = tl.load(s_ptr + row)
+        for start in range(0, N, BLOCK):
+            x = tl.load(x_ptr + row * N + start + offs)
+            tl.store(out_ptr + row * N + start + offs, divide_by_scale(x, scale, False))
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, n = 4096, 4096
+    amax = torch.exp2(torch.empty(rows, device="cuda").uniform_(-30, 30, generator=gen))
+    scale = torch.clamp(amax / 448.0, min=1.0 / (448.0 * 512.0))
+    frac = torch.empty(rows, n, device="cuda").uniform_(-1, 1, generator=gen)
+    x = (frac * amax[:, None]).float()
+    x[:, :64] = amax[:, None] * torch.linspace(-1, 1, 64, device="cuda")  # the row's extremes too
+    out = torch.empty_like(x)
+    divide_kernel[(rows,)](x, scale, out, N=n, BLOCK=1024)
+    expected = x / scale[:, None]
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+
+
+def test_large_activation_quantization_matches_reference_bytes():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for dtype, k in ((torch.bfloat16, 14336), (torch.float32, 5120), (torch.bfloat16, 17408)):
+        x = (torch.randn(512, k, device="cuda", generator=gen)
+             * torch.logspace(-4, 4, 512, device="cuda")[:, None]).to(dtype)
+        x_q, x_s = quantize_activations(x)
+        from radiance.kernels.reference import quantize_activations_reference
+        r_q, r_s = quantize_activations_reference(x)
+        assert torch.equal(x_s, r_s)
+        assert torch.equal(x_q.view(torch.uint8), r_q.view(torch.uint8))

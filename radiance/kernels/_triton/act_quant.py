@@ -1,7 +1,8 @@
 """Per-token dynamic e4m3 activation quantization, alone and fused into RMSNorm.
 
 One program per token row; the whole row sits in registers (K <= 65536), so x is read once.
-Math is fp32 with IEEE division (div_rn) so the bytes match the torch reference exactly.
+Math is fp32 with correctly rounded division (divide_by_scale) so the bytes match the torch
+reference exactly.
 
 At decode a row is all there is, and one SM needs ~60 instructions per element of SiLU-mul + quantize
 (4-6 us for a 14336-wide row). `silu_mul_quant_chunks_kernel` spreads a row over several programs
@@ -32,14 +33,40 @@ def round_to_e4m3_grid(v):
 
 
 @triton.jit
-def _quantize_row(x, mask, xq_ptrs, scale_ptr, ROUND_IN_FP32: tl.constexpr):
+def divide_by_scale(x, scale, INTERPRETER: tl.constexpr):
+    """x / scale correctly rounded (IEEE), with scale one fp32 scalar per row.
+
+    On the GPU: q0 = x * RN(1/scale), then one FMA correction, q0 + RN(x - q0 * scale) * RN(1/scale),
+    which is the correctly rounded quotient whenever q0 is within an ulp of it and nothing over- or
+    underflows (Markstein); here |x / scale| <= 448 * (1 + 2^-23), and fp32-denormal x quantize to
+    zero either way. Three instructions instead of div.rn's ~10 with a slow-path call per element.
+    A row whose scale is inf (it holds an inf) takes q0: finite / inf = 0, inf / inf = NaN, as IEEE.
+    The interpreter's fma is not fused, so there the division is plain div_rn."""
+    if INTERPRETER:
+        return tl.math.div_rn(x, scale)
+    inv = tl.math.div_rn(1.0, scale)
+    q0 = x * inv
+    q1 = tl.fma(tl.fma(-q0, scale, x), inv, q0)
+    return tl.where(scale == float("inf"), q0, q1)
+
+
+@triton.jit
+def _release_dependents(RELEASE: tl.constexpr):
+    """Let the kernel queued after this one (a GEMM launched as a programmatic dependent) start now:
+    it prefetches its weights while this kernel runs, then waits for this kernel's writes. sm_90+."""
+    if RELEASE:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _quantize_row(x, mask, xq_ptrs, scale_ptr, INTERPRETER: tl.constexpr):
     amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
     scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
     # max() may drop NaNs: a token holding one gets a NaN scale, so its outputs show it
     has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
     scale = tl.where(has_nan, float("nan"), scale)
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    if ROUND_IN_FP32:
+    q = tl.clamp(divide_by_scale(x, scale, INTERPRETER), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    if INTERPRETER:
         q = round_to_e4m3_grid(q)
     tl.store(xq_ptrs, q.to(tl.float8e4nv), mask=mask)
     tl.store(scale_ptr, scale)
@@ -47,22 +74,51 @@ def _quantize_row(x, mask, xq_ptrs, scale_ptr, ROUND_IN_FP32: tl.constexpr):
 
 @triton.jit
 def quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: tl.constexpr,
-                         ROUND_IN_FP32: tl.constexpr):
+                         INTERPRETER: tl.constexpr, RELEASE: tl.constexpr = False):
+    _release_dependents(RELEASE)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    _quantize_row(x, mask, xq_ptr + row * K + offs, scale_ptr + row, ROUND_IN_FP32)
+    _quantize_row(x, mask, xq_ptr + row * K + offs, scale_ptr + row, INTERPRETER)
+
+
+@triton.jit
+def quantize_rows_chunked_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: tl.constexpr,
+                                 INTERPRETER: tl.constexpr, RELEASE: tl.constexpr = False):
+    """quantize_rows_kernel for rows far from a power of two (17408 would pad to 32768): two passes
+    over BLOCK-wide chunks, the amax first, then the division; the second read hits the cache."""
+    _release_dependents(RELEASE)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], tl.float32)
+    nans = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, K, BLOCK):
+        mask = start + offs < K
+        x = tl.load(x_ptr + row * stride_xm + start + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.where(mask, tl.abs(x), 0.0))
+        nans += (x != x).to(tl.int32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+    scale = tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
+    for start in range(0, K, BLOCK):
+        mask = start + offs < K
+        x = tl.load(x_ptr + row * stride_xm + start + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(divide_by_scale(x, scale, INTERPRETER), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        if INTERPRETER:
+            q = round_to_e4m3_grid(q)
+        tl.store(xq_ptr + row * K + start + offs, q.to(tl.float8e4nv), mask=mask)
+    tl.store(scale_ptr + row, scale)
 
 
 @triton.jit
 def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_rm,
                             eps, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                            ROUND_IN_FP32: tl.constexpr):
+                            INTERPRETER: tl.constexpr, RELEASE: tl.constexpr = False):
     """The pre-norm step of a decoder layer in one pass, with the model's rounding:
     s = x + residual (rounded to x's dtype, written to res_out), y = weight * rms_norm(s) (normalized in
     fp32, rounded to x's dtype, multiplied by the weight in x's dtype); then y is written (out) or
     quantized per token to e4m3 (xq, scale) for a W4A8 linear."""
+    _release_dependents(RELEASE)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
@@ -77,7 +133,7 @@ def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr,
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(x_raw.dtype).to(tl.float32)
     y = (w * normed).to(x_raw.dtype)
     if QUANT:
-        _quantize_row(y.to(tl.float32), mask, xq_ptr + row * K + offs, scale_ptr + row, ROUND_IN_FP32)
+        _quantize_row(y.to(tl.float32), mask, xq_ptr + row * K + offs, scale_ptr + row, INTERPRETER)
     else:
         tl.store(out_ptr + row * K + offs, y, mask=mask)
 
@@ -94,13 +150,14 @@ def _silu_mul(gu_ptr, row, offs, mask, stride_m, I):
 
 @triton.jit
 def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, amax_ptr, count_ptr, I, stride_m,
-                                 BLOCK: tl.constexpr):
+                                 BLOCK: tl.constexpr, RELEASE: tl.constexpr = False):
     """silu_mul_rows_kernel with QUANT, one row over cdiv(I, BLOCK) programs (grid [chunks, M]), all
     resident at once (the launcher keeps the grid small). Each program publishes its chunk's amax
     (as int32 bits: non-negative floats order like their bits, and a NaN, 0x7FC00000, beats every
     amax, so a row holding one gets a NaN scale as in _quantize_row), waits until every chunk of the
     row has, then quantizes its own chunk. amax and count are zero on entry and left zero: the last
     program to leave resets them."""
+    _release_dependents(RELEASE)  # every program is resident before a dependent can start
     chunk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     chunks = tl.num_programs(0)
@@ -117,7 +174,7 @@ def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, amax_ptr, count_ptr,
     row_bits = tl.atomic_max(amax_ptr + row, 0, sem="relaxed", scope="gpu")
     scale = tl.maximum(tl.math.div_rn(row_bits.to(tl.float32, bitcast=True), FP8_MAX), MIN_SCALE)
     scale = tl.where(row_bits == 0x7FC00000, float("nan"), scale)
-    q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.clamp(divide_by_scale(y, scale, False), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(xq_ptr + row * I + offs, q.to(tl.float8e4nv), mask=mask)
     if chunk == 0:
         tl.store(scale_ptr + row, scale)
@@ -129,14 +186,15 @@ def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, amax_ptr, count_ptr,
 
 @triton.jit
 def silu_mul_rows_kernel(gu_ptr, out_ptr, xq_ptr, scale_ptr, I, stride_m, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                         ROUND_IN_FP32: tl.constexpr):
+                         INTERPRETER: tl.constexpr, RELEASE: tl.constexpr = False):
     """y = silu(gate) * up for gate_up = [gate | up] (each I wide), rounded like torch in the input
     dtype (silu computed in fp32, then rounded; the product rounded); written, or quantized per token."""
+    _release_dependents(RELEASE)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < I
     y = _silu_mul(gu_ptr, row, offs, mask, stride_m, I)
     if QUANT:
-        _quantize_row(y.to(tl.float32), mask, xq_ptr + row * I + offs, scale_ptr + row, ROUND_IN_FP32)
+        _quantize_row(y.to(tl.float32), mask, xq_ptr + row * I + offs, scale_ptr + row, INTERPRETER)
     else:
         tl.store(out_ptr + row * I + offs, y, mask=mask)

@@ -38,7 +38,8 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
                      M, N, K, stride_xm, stride_om, k_tiles_per_split, splits,
                      HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr):
+                     EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
+                     PDL_PREFETCH: tl.constexpr = 0):
     NB: tl.constexpr = BK // 32
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -72,6 +73,16 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
 
     kt_begin = pid_k * k_tiles_per_split
     kt_end = tl.minimum(kt_begin + k_tiles_per_split, tl.cdiv(K, BK))
+    if PDL_PREFETCH > 0:
+        # launched as a programmatic dependent (launch_pdl): the CTA may start while the kernel that
+        # writes x still runs. The weights do not depend on it, so pull the first PDL_PREFETCH K tiles
+        # of each row into L2 now (one bulk prefetch per row), then wait for the producer's writes.
+        n_bytes = tl.minimum(kt_end - kt_begin, PDL_PREFETCH) * (BK // 2)
+        rows = w_ptr + offs_n.to(tl.int64) * words_per_row + kt_begin * (BK // 8)
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                  [rows, tl.full([BN], 0, tl.int32) + n_bytes], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+        tl.extra.cuda.gdc_wait()
     if SWAP_AB:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:

@@ -1,0 +1,26 @@
+"""What the launchers need to know about the device a tensor lives on."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _props(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def sm_count(device: torch.device) -> int:
+    # the interpreter has no SMs; 4 keeps split-K exercised in CPU tests
+    return _props(_index(device)).multi_processor_count if device.type == "cuda" else 4
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): sm_90 and later."""
+    return device.type == "cuda" and _props(_index(device)).major >= 9
