@@ -42,23 +42,37 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None):
-        """q [..., Hq, D], k/v [..., Hkv, D] -> [..., Hq * D]."""
-        if meta is None or self.k_cache is None:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None,
+                rotary: tuple | None = None):
+        """q [..., Hq, D], k/v [..., Hkv, D] -> [..., Hq * D]. rotary = (RotaryEmbedding, positions)
+        rotates q and k first; on the Triton path that launch also writes k and v to the cache."""
+        cached = meta is not None and self.k_cache is not None
+        if rotary is not None:
+            rope, positions = rotary
+            if cached and _use_triton(q) and rope.fuses_kv_store(positions, q):
+                q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                return self._paged_triton(q, meta)
+            q, k = rope(positions, q, k)
+        if not cached:
             return self._causal_no_cache(q, k, v)
         if _use_triton(q):
             from radiance.layers import attention_triton as at
             at.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            if meta.is_decode:
-                out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                                meta.context_lens, self.scale, meta.decode_splits)
-            else:
-                out = at.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                                 meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale)
+            return self._paged_triton(q, meta)
+        store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
+                                    meta.kv_lens, self.scale)
+        return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
+
+    def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over the paged cache, which already holds this step's K/V."""
+        from radiance.layers import attention_triton as at
+        if meta.is_decode:
+            out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                            meta.context_lens, self.scale, meta.decode_splits)
         else:
-            store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
-                                        meta.kv_lens, self.scale)
+            out = at.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                             meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
     def _causal_no_cache(self, q, k, v):

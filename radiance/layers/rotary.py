@@ -54,9 +54,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def fuses_kv_store(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
+        """Whether `rotate_and_store` serves these inputs (the Triton path: CUDA, [T, H, D], D/2 a power of 2)."""
         half = q.shape[-1] // 2
-        if q.is_cuda and q.dim() == 3 and positions.dim() == 1 and half & (half - 1) == 0:
+        return q.is_cuda and q.dim() == 3 and positions.dim() == 1 and half & (half - 1) == 0
+
+    def rotate_and_store(self, positions, q, k, v, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        """Rotated q; the rotated k and v written to the paged cache at slot_mapping (-1: skipped),
+        in one launch (what forward + store_kv_cache do in two)."""
+        return _rotate_triton(positions, q, k, self.cos, self.sin, store=(v, k_cache, v_cache, slot_mapping))
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.fuses_kv_store(positions, q):
             # one Triton launch instead of ~20 small torch ops
             return _rotate_triton(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(-2)
@@ -70,19 +79,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.to(x.dtype)
 
 
-def _rotate_triton(positions, q, k, cos, sin):
-    """RotaryEmbedding.forward in one Triton kernel: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous views ok)."""
+def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None):
+    """RotaryEmbedding.forward in one Triton kernel: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous views ok).
+    With store = (v, k_cache, v_cache, slot_mapping) the rotated k and v go to their cache slots and
+    only q is returned."""
     from radiance.kernels._triton.rotary import rotary_kernel
 
     t, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
     q_out = torch.empty((t, q_heads, head_dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, k_heads, head_dim), dtype=k.dtype, device=k.device)
+    if store is None:
+        k_out = torch.empty((t, k_heads, head_dim), dtype=k.dtype, device=k.device)
+        v = v_out = slots = k_out  # unused
+        slot_stride = 0
+    else:
+        v, k_out, v_out, slots = store
+        slot_stride = k_out.stride(1)
     if t == 0:
-        return q_out, k_out
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        q, k = q.contiguous(), k.contiguous()
+        return q_out if store is not None else (q_out, k_out)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     rotary_kernel[(t,)](q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                        q_heads, k_heads, HALF=head_dim // 2, BLOCK_QH=triton.next_power_of_2(q_heads),
-                        BLOCK_KH=triton.next_power_of_2(k_heads), num_warps=4)
-    return q_out, k_out
+                        q_heads, k_heads, v, v_out, slots, v.stride(0), v.stride(1), slot_stride,
+                        HALF=head_dim // 2, BLOCK_QH=triton.next_power_of_2(q_heads),
+                        BLOCK_KH=triton.next_power_of_2(k_heads), STORE_KV=store is not None, num_warps=4)
+    return q_out if store is not None else (q_out, k_out)

@@ -59,8 +59,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        # rotary inside attention: on CUDA one launch rotates q and k and writes k, v to the KV cache
+        return self.o_proj(self.attn(q, k, v, meta, rotary=(self.rotary[0], positions)))
 
 
 class LlamaMLP(nn.Module):

@@ -24,3 +24,26 @@ def test_rotary_kernel_matches_torch(device, head_dim, q_heads, k_heads):
     assert torch.allclose(q_out, _rotate(q, cos, sin), rtol=1e-5, atol=1e-5)
     assert torch.allclose(k_out, _rotate(k, cos, sin), rtol=1e-5, atol=1e-5)
     assert q_out.shape == q.shape and k_out.is_contiguous()
+
+
+@pytest.mark.parametrize("head_dim,q_heads,k_heads", [(64, 9, 3), (128, 32, 8)])
+def test_rotate_and_store_writes_the_cache(device, head_dim, q_heads, k_heads):
+    """The fused launch: q rotated as before; rotated k and v at their cache slots, nothing written
+    for a padding token (slot -1); the same cache as rotation followed by store_kv_cache_torch."""
+    from radiance.layers.attention import store_kv_cache_torch
+
+    rope = RotaryEmbedding(head_dim, 1024, 10000.0).to(device)
+    t, blocks, block_size = 6, 4, 4
+    positions = torch.randint(0, 1024, (t,), device=device)
+    qkv = torch.randn(t, (q_heads + 2 * k_heads) * head_dim, device=device)
+    q, k, v = (part.reshape(t, -1, head_dim) for part in
+               qkv.split((q_heads * head_dim, k_heads * head_dim, k_heads * head_dim), dim=-1))
+    slots = torch.tensor([5, 0, -1, 14, 9, 3], device=device)
+    k_cache = torch.full((blocks, block_size, k_heads, head_dim), 7.0, device=device)
+    v_cache = torch.full_like(k_cache, 7.0)
+    q_rot = rope.rotate_and_store(positions, q, k, v, k_cache, v_cache, slots)
+    ref_q, ref_k = _rotate_triton(positions, q, k, rope.cos, rope.sin)
+    ref_kc, ref_vc = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
+    store_kv_cache_torch(ref_k, v, ref_kc, ref_vc, slots)
+    assert torch.equal(q_rot, ref_q)
+    assert torch.equal(k_cache, ref_kc) and torch.equal(v_cache, ref_vc)
