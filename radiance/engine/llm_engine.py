@@ -143,7 +143,8 @@ class LLMEngine:
 
     def _launch_ahead(self, handle, scheduled):
         """Queue the decode step after `handle` when it is likely to be the next step, else None."""
-        if not handle.sampled or len(handle.sampled) != len(scheduled) or any(s.num_new_tokens != 1 for s in scheduled):
+        decode_only = all(s.num_new_tokens == 1 for s in scheduled)
+        if not handle.sampled or len(handle.sampled) != len(scheduled) or not decode_only:
             return None  # only decode steps, where every sequence sampled
         if self.scheduler.waiting and len(self.scheduler.running) < self.config.scheduler.max_num_seqs:
             return None  # the next schedule admits a waiting request

@@ -48,10 +48,13 @@ class StepHandle:
                           self.token_ids[idx], self.host_ids, self.ready, rows)
 
     def read_ids(self) -> list[int]:
+        """The sampled ids on the host, waiting for this step's copy only."""
         if self.ready is not None:
             self.ready.synchronize()
-        ids = self.host_ids[:len(self.sampled) if self.host_rows is None else None].tolist()
-        return ids if self.host_rows is None else [ids[i] for i in self.host_rows]
+        if self.host_rows is None:
+            return self.host_ids[:len(self.sampled)].tolist()
+        ids = self.host_ids.tolist()
+        return [ids[i] for i in self.host_rows]
 
 
 def decode_num_splits(batch: int, num_kv_heads: int) -> int:
@@ -135,8 +138,7 @@ class ModelRunner:
         whose tokens the host has not read yet: each sequence advances by that token at position
         seq.num_computed_tokens (whose slot the caller has allocated)."""
         tokens, positions, slots, q_lens, kv_lens, tables = self._prepare(scheduled, next_tokens is not None)
-        if next_tokens is not None:
-            tokens = next_tokens
+        tokens = next_tokens if next_tokens is not None else tokens
         is_decode = all(n == 1 for n in q_lens)
         batch = len(scheduled)
         if is_decode and self.graphs and batch <= max(self.graphs):
@@ -151,7 +153,7 @@ class ModelRunner:
                 cu_seqlens_q=self._to_device(cu, torch.int32),
                 q_lens=q_lens, kv_lens=kv_lens, is_decode=is_decode,
                 decode_splits=decode_num_splits(batch, self.model.config.num_kv_heads))
-            token_tensor = tokens if next_tokens is not None else self._to_device(tokens, torch.long)
+            token_tensor = tokens if isinstance(tokens, torch.Tensor) else self._to_device(tokens, torch.long)
             hidden = self.model(token_tensor, self._to_device(positions, torch.long), meta)
         sampling = list(range(batch)) if next_tokens is not None else [i for i, s in enumerate(scheduled) if s.samples]
         if not sampling:

@@ -84,8 +84,8 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         if len(unseeded) == len(sub_rows):
             noise.exponential_()
         elif unseeded:
-            noise[small_tensor_to(unseeded, probs.device)] = torch.empty(len(unseeded), probs.shape[1],
-                                                                    device=probs.device).exponential_()
+            fresh = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+            noise[small_tensor_to(unseeded, probs.device)] = fresh
         for j, r in enumerate(sub_rows):
             if r.generator is not None:
                 noise[j].exponential_(generator=r.generator)
@@ -96,7 +96,6 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 def read_samples(logits: torch.Tensor, ids: list[int], rows: list[SamplingRow]) -> SamplerOutput:
     """The sampler output for ids already read back, with the logprobs asked for."""
-
     logprobs: list = [None] * len(rows)
     wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
     if wanted:

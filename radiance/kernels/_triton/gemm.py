@@ -4,10 +4,12 @@ One kernel serves both bands:
   - prefill: SWAP_AB=False, acc[BM, BN] = x @ w^T with x as the wgmma A operand (BM % 64 == 0) and
     the expanded weight tile as the K-major B operand;
   - decode: SWAP_AB=True, acc[BN, BM] = w @ x^T so the weight rows fill the 64-wide MMA M dimension
-    and a handful of tokens the N dimension; K is split over the grid's second axis (`splits`, a run-time count so that
-    one compiled kernel serves every split), each
-    split writes fp32 partials, and the last split of a tile to finish (an atomic counter per tile)
-    sums them in split order: deterministic, and one launch per linear.
+    and a handful of tokens the N dimension; K is split over the grid's second axis (`splits`, a
+    run-time count: one compile serves every split), each split writes fp32 partials, and the last
+    split of a tile to finish (an atomic counter per tile) sums them in split order: deterministic,
+    and one launch per linear.
+With PDL_PREFETCH the kernel is launched as a programmatic dependent (sm_90): it prefetches its first
+weight tiles into L2 while the kernel that quantizes x still runs, then waits for it (gdc_wait).
 fp8 tl.dot lowers to wgmma on sm_90 with num_warps % 4 == 0. Hopper's fp8 MMA accumulates with
 reduced precision (~14 bits); PRECISE_ACC sums each K tile from zero in the MMA and adds it to the fp32
 accumulator, which keeps the result within bf16 rounding of the exact fp32 reference (Triton's
