@@ -105,8 +105,22 @@ def _aggregate_tok_s(engine, concurrency: int, prompt_len: int, output_len: int,
     return produced / (time.perf_counter() - t0)
 
 
-def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, float]:
-    """(median step wall ms, mean per-step sum of CUDA kernel times) over profiled batch-1 decode steps."""
+def kernel_breakdown(records, steps: int, top: int = 12) -> list[dict]:
+    """Per-kernel totals of profiled steps, largest first: records are (kernel name, device us) pairs;
+    returns [{"kernel", "us_per_step", "calls_per_step"}] for the `top` largest."""
+    totals: dict[str, list] = {}
+    for name, us in records:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"kernel": name[:80], "us_per_step": us / steps, "calls_per_step": calls / steps}
+            for name, (us, calls) in ranked]
+
+
+def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, float, list[dict]]:
+    """(median step wall ms, mean per-step sum of CUDA kernel times, the largest kernels per step) over
+    profiled batch-1 decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from radiance.engine.sampling_params import SamplingParams
@@ -129,9 +143,10 @@ def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, fl
         engine.step()
     engine.overlap_decode = overlap
     # device-side records only (kernels, memcpy/memset), graph-launched ones included
-    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events()
-                    if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    return statistics.median(walls) * 1e3, kernel_us / steps / 1e3
+    records = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    kernel_us = sum(us for _, us in records)
+    return statistics.median(walls) * 1e3, kernel_us / steps / 1e3, kernel_breakdown(records, steps)
 
 
 def bench_variant(model: str, quantization: str, contexts, prefills, concurrencies, max_model_len: int,
@@ -147,7 +162,7 @@ def bench_variant(model: str, quantization: str, contexts, prefills, concurrenci
     for n in concurrencies:
         row[f"agg_tok_s@{n}"] = _aggregate_tok_s(engine, n, 128, 128, gen)
     if device == "cuda":
-        row["profiled_step_ms"], row["kernel_sum_ms"] = _kernel_sum_ms(engine, contexts[0], gen)
+        row["profiled_step_ms"], row["kernel_sum_ms"], row["kernels"] = _kernel_sum_ms(engine, contexts[0], gen)
         # unprofiled step time over the kernels' device time (the profiler itself slows the host side)
         base = row[f"decode_ms@{contexts[0]}"]
         row["overhead_ratio"] = base / row["kernel_sum_ms"] if row["kernel_sum_ms"] else float("nan")
@@ -230,7 +245,7 @@ def _guarded(label: str, fn, *args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("variant", "load", "error")))
+    keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("variant", "load", "error", "kernels")))
     return format_table(["variant"] + keys, [[r["variant"]] + [r.get(k) for k in keys] for r in rows],
                         digits=[0] + [2] * len(keys))
 
@@ -265,6 +280,10 @@ def _run_args(args) -> int:
         for line in r.get("load", []):
             print(f"[{r['variant']}] {line}")
     print(table(rows))
+    for r in rows:
+        for k in r.get("kernels", []):
+            print(f"[{r['variant']}] decode step @{args.contexts[0]}: {k['us_per_step']:8.1f} us "
+                  f"{k['calls_per_step']:5.0f} calls  {k['kernel']}")
     for r in rows:
         if "error" in r:
             print(f"[{r['variant']}] FAILED: {r['error']}")

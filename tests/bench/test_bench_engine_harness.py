@@ -27,3 +27,11 @@ def test_engine_bench_cli_takes_model_and_quantization(monkeypatch):
     args = parser.parse_args(["engine", "synthetic:qwen3-32b", "--quantization", "none", "nvfp4"])
     assert args.func(args) == 0
     assert seen == {"model": "synthetic:qwen3-32b", "variants": ("none", "nvfp4")}
+
+
+def test_kernel_breakdown_ranks_kernels_per_step():
+    records = [("gemm", 10.0), ("norm", 2.0), ("gemm", 12.0), ("rope", 1.0), ("norm", 2.5), ("gemm", 11.0)]
+    ranked = engine_bench.kernel_breakdown(records, steps=2, top=2)
+    assert [r["kernel"] for r in ranked] == ["gemm", "norm"]
+    assert ranked[0]["us_per_step"] == 16.5 and ranked[0]["calls_per_step"] == 1.5
+    assert ranked[1]["us_per_step"] == 2.25 and ranked[1]["calls_per_step"] == 1.0
