@@ -180,10 +180,13 @@ def bench_table(shapes, m_list, device, decode_band: int, with_reference: bool =
 
 def sweep_candidates(band: str) -> list[GemmConfig]:
     if band == "decode":
-        cands = [GemmConfig(16, bn, bk, True, num_warps=4 if bn < 256 else 8, num_stages=st, split_k=0)
-                 for bn in (64, 128, 256) for bk in (128, 256) for st in (3, 5) if bn * bk * st <= 256 * 128 * 5]
-        return cands + [GemmConfig(16, bn, 128, True, num_warps=4, num_stages=3, split_k=sk)
-                        for bn in (64, 128) for sk in (2, 4, 8, 16)]
+        # third session: block_n 64 / block_k 256 / 4 warps / 3-4 stages won nearly everywhere, 8 warps
+        # never; the split count mattered most (1, 2, 5 or 9 by shape), so splits are swept around it
+        cands = [GemmConfig(16, bn, bk, True, num_warps=4, num_stages=st, split_k=0)
+                 for bn in (64, 128) for bk in (128, 256) for st in (3, 4)]
+        cands.append(GemmConfig(16, 256, 128, True, num_warps=8, num_stages=3, split_k=0))
+        return cands + [GemmConfig(16, bn, 256, True, num_warps=4, num_stages=4, split_k=sk)
+                        for bn in (64, 128) for sk in (1, 2, 3, 5, 8)]
     cands = []
     for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 64, 128, 4, 3)):
         cands.append(GemmConfig(bm, bn, bk, False, num_warps=warps, num_stages=stages, split_k=1))
