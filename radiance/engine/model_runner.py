@@ -126,11 +126,6 @@ class ModelRunner:
     # ---------------------------------------------------------------- execution
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[list, SamplerOutput | None]:
-        """Runs one step. Returns (the scheduled sequences that sampled a token, their sampler output)."""
-        return self.finish(self.launch(scheduled))
-
-    @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSequence], next_tokens: torch.Tensor | None = None) -> StepHandle:
         """Queues one step on the device, sampling included, without waiting for it (`finish` waits).
 
