@@ -2,6 +2,8 @@
 
 Decode-only steps on CUDA replay a CUDA graph captured for the smallest batch bucket that fits (padding
 rows write nowhere: slot -1, context 0); prefill and mixed steps, and everything on the CPU, run eagerly.
+`launch` queues a step (sampling included; the sampled ids start their copy home behind an event) and
+`finish` waits for that step alone, so the engine can queue the next decode step in between.
 """
 
 from __future__ import annotations
