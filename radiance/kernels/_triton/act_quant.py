@@ -1,6 +1,7 @@
 """Per-token dynamic e4m3 activation quantization, alone and fused into RMSNorm.
 
-One program per token row; the whole row sits in registers (K <= 65536), so x is read once.
+One program per token row; the whole row sits in registers (K <= 65536), so x is read once (rows far
+from a power of two take two passes over chunks instead of padding).
 Math is fp32 with correctly rounded division (divide_by_scale) so the bytes match the torch
 reference exactly.
 
@@ -59,16 +60,27 @@ def _release_dependents(RELEASE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_row(x, mask, xq_ptrs, scale_ptr, INTERPRETER: tl.constexpr):
-    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+def _row_scale(amax, has_nan):
+    """A token's scale from its amax: max(amax / 448, 1 / (448 * 512)); NaN when the token holds a
+    NaN (max() may drop NaNs, so the caller counts them), so that its outputs show it."""
     scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
-    # max() may drop NaNs: a token holding one gets a NaN scale, so its outputs show it
-    has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
-    scale = tl.where(has_nan, float("nan"), scale)
+    return tl.where(has_nan, float("nan"), scale)
+
+
+@triton.jit
+def _to_e4m3(x, scale, INTERPRETER: tl.constexpr):
+    """x / scale, clamped to +-448 (NaN kept), as e4m3."""
     q = tl.clamp(divide_by_scale(x, scale, INTERPRETER), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if INTERPRETER:
         q = round_to_e4m3_grid(q)
-    tl.store(xq_ptrs, q.to(tl.float8e4nv), mask=mask)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_row(x, mask, xq_ptrs, scale_ptr, INTERPRETER: tl.constexpr):
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+    scale = _row_scale(amax, tl.sum((x != x).to(tl.int32), axis=0) > 0)
+    tl.store(xq_ptrs, _to_e4m3(x, scale, INTERPRETER), mask=mask)
     tl.store(scale_ptr, scale)
 
 
@@ -98,15 +110,11 @@ def quantize_rows_chunked_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: 
         x = tl.load(x_ptr + row * stride_xm + start + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.where(mask, tl.abs(x), 0.0))
         nans += (x != x).to(tl.int32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
-    scale = tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
+    scale = _row_scale(tl.max(amax, axis=0), tl.sum(nans, axis=0) > 0)
     for start in range(0, K, BLOCK):
         mask = start + offs < K
         x = tl.load(x_ptr + row * stride_xm + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(divide_by_scale(x, scale, INTERPRETER), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        if INTERPRETER:
-            q = round_to_e4m3_grid(q)
-        tl.store(xq_ptr + row * K + start + offs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(xq_ptr + row * K + start + offs, _to_e4m3(x, scale, INTERPRETER), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
@@ -140,7 +148,7 @@ def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr,
 
 @triton.jit
 def _silu_mul(gu_ptr, row, offs, mask, stride_m, I):
-    """silu(gate) * up with torch's rounding in the input dtype, returned as fp32."""
+    """silu(gate) * up with torch's rounding, in the input dtype."""
     g_raw = tl.load(gu_ptr + row * stride_m + offs, mask=mask, other=0.0)
     u = tl.load(gu_ptr + row * stride_m + I + offs, mask=mask, other=0.0).to(tl.float32)
     g = g_raw.to(tl.float32)
@@ -172,10 +180,8 @@ def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, amax_ptr, count_ptr,
     while arrived < chunks:
         arrived = tl.atomic_add(count_ptr + row, 0, sem="acquire", scope="gpu")
     row_bits = tl.atomic_max(amax_ptr + row, 0, sem="relaxed", scope="gpu")
-    scale = tl.maximum(tl.math.div_rn(row_bits.to(tl.float32, bitcast=True), FP8_MAX), MIN_SCALE)
-    scale = tl.where(row_bits == 0x7FC00000, float("nan"), scale)
-    q = tl.clamp(divide_by_scale(y, scale, False), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(xq_ptr + row * I + offs, q.to(tl.float8e4nv), mask=mask)
+    scale = _row_scale(row_bits.to(tl.float32, bitcast=True), row_bits == 0x7FC00000)
+    tl.store(xq_ptr + row * I + offs, _to_e4m3(y, scale, False), mask=mask)
     if chunk == 0:
         tl.store(scale_ptr + row, scale)
     left = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
