@@ -204,8 +204,18 @@ def sweep_candidates(band: str) -> list[GemmConfig]:
     return cands
 
 
+def _sweep_error(ops: ShapeOperands, m: int, device, decode_band: int, cfg: GemmConfig) -> float:
+    """A candidate's relative error against the exact reference on the shape's first weight copy."""
+    x = torch.randn(m, ops.k, device=device, dtype=torch.bfloat16) * 3
+    x_q, x_scale = quantize_activations(x)
+    out = w4a8_gemm(x_q, x_scale, ops.mx[0], decode_band=decode_band, config=cfg)
+    ref = reference.w4a8_matmul_reference(x_q, x_scale, dequantize_prepared(ops.mx[0]), None, torch.bfloat16)
+    return reference.relative_error(out, ref)
+
+
 def run_sweep(shapes, m_list, device, decode_band: int) -> list[str]:
-    """Time every candidate config; print the best per (shape, M) as tuning-table entries."""
+    """Time every candidate config that passes the 2e-3 numerics gate; print the best per (shape, M)
+    as tuning-table entries."""
     lines = []
     for n, k in shapes:
         ops = ShapeOperands(n, k, device, with_reference=False)
@@ -216,11 +226,16 @@ def run_sweep(shapes, m_list, device, decode_band: int) -> list[str]:
                 if cfg.swap_ab and band == "decode":
                     cfg = GemmConfig(**{**cfg.as_dict(), "block_m": max(16, min(256, 1 << (m - 1).bit_length()))})
                 try:
+                    err = _sweep_error(ops, m, device, decode_band, cfg)
+                    if not err <= 2e-3:  # a faster config that breaks the numerics gate is no candidate
+                        lines.append(f"sweep {n}x{k} M={m} {cfg.as_dict()}: rel error {err:.2e} > 2e-3, skipped")
+                        continue
                     t = time_shape(ops, m, device, decode_band, cfg, variants=("gemm",))["gemm"]
                 except Exception as exc:  # noqa: BLE001 - a config may not compile (shared memory)
                     lines.append(f"sweep {n}x{k} M={m} {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
                     continue
-                lines.append(f"sweep {n}x{k} M={m} {cfg.as_dict()}: {t:.1f} us  {2 * m * n * k / t / 1e6:.0f} TFLOP/s")
+                lines.append(f"sweep {n}x{k} M={m} {cfg.as_dict()}: {t:.1f} us  {2 * m * n * k / t / 1e6:.0f} TFLOP/s"
+                             f"  rel {err:.1e}")
                 if best is None or t < best[0]:
                     best = (t, cfg)
             if best:
