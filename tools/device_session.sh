@@ -3,6 +3,8 @@
 # printing the tables last. Run from the repo root on the device (after ../shared/tools/device-wheels.sh
 # filled .whl/ here; carry ".whl"):  bash tools/device_session.sh [quick]
 # "quick" skips the full kernel table and the 32B engine run (about 4 minutes instead of about 9).
+# "sweep" only runs the tile sweep over the 8B shapes (every candidate gated on numerics first) and
+# prints tuning-table entries for tuning/sm90.json.
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -13,6 +15,12 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, keep the log, p
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name (exit $?)"; tail -n 4 "$OUT/$name.log"
 }
+if [ "${1:-}" = sweep ]; then
+    step 560 sweep python3 -m radiance.bench.kernels --sweep --no-table --m 1 16 64 256 \
+        --shapes 6144x4096 4096x4096 28672x4096 4096x14336 --out "$OUT/sweep.txt"
+    grep -h "^best" "$OUT/sweep.log"
+    exit 0
+fi
 step 200 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine
 step 90 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_activation.py tests/kernels/triton_cases_gemm.py \
     tests/kernels/triton_cases_rotary.py
