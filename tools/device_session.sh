@@ -22,8 +22,7 @@ if [ "${1:-}" = sweep ]; then
     exit 0
 fi
 step 200 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine
-step 90 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_activation.py tests/kernels/triton_cases_gemm.py \
-    tests/kernels/triton_cases_rotary.py
+step 90 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_*.py
 step 150 engine-8b python3 -m radiance.bench.engine_bench synthetic:llama-3.1-8b --quantization none mxfp4 \
     --contexts 128 8192 --prefills 1024 8192 --concurrency 1 64 --no-hf --json "$OUT/engine-8b.json"
 if [ "${1:-}" != quick ]; then

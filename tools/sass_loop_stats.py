@@ -52,9 +52,9 @@ GEMM_SIG = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*i32", shift_ptr="*i32"
 DIVISIBLE = [a for a, t in GEMM_SIG.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_om"]
 
 CONFIGS = (  # (label, BM, BN, BK, SWAP_AB, splits, warps, stages, precise)
-    ("decode", 16, 128, 128, True, 8, 4, 3, True),
-    ("decode", 16, 128, 256, True, 8, 4, 3, True),
-    ("decode", 64, 64, 128, True, 8, 4, 3, True),
+    ("decode", 16, 64, 256, True, 5, 4, 4, True),
+    ("decode", 16, 64, 256, True, 5, 4, 4, False),
+    ("decode", 64, 64, 256, True, 2, 4, 4, True),
     ("prefill-swap", 128, 128, 128, True, 1, 8, 3, True),
     ("prefill-swap", 256, 128, 128, True, 1, 8, 3, True),
     ("prefill-swap", 256, 128, 128, True, 1, 4, 3, True),
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     gemm = _load_kernels()["gemm"]
     for label, bm, bn, bk, swap, split, warps, stages, precise in CONFIGS:
         consts = dict(HAS_BIAS=False, SWAP_AB=swap, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=True,
-                      USE_ASM=True, PRECISE_ACC=precise)
+                      USE_ASM=True, PRECISE_ACC=precise, PDL_PREFETCH=0)
         name = f"{label}_{bm}x{bn}x{bk}_w{warps}s{stages}{'_precise' if precise else ''}"
         kernel, sass = compile_sass(gemm.w4a8_gemm_kernel, consts, warps, stages, name, args.out)
         body = longest_loop(sass)

@@ -28,7 +28,7 @@ _TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
 
 @dataclass
 class StepHandle:
-    """A step queued on the device: the sequences that sample, their sampling rows, fp32 logits and
+    """A step queued on the device: the sequences that sample, their sampling rows, the logits and
     the sampled ids (device), and the ids' copy into pinned host memory with the event that marks it
     done. Reading that copy waits for this step only, not for steps queued after it."""
 
@@ -164,8 +164,7 @@ class ModelRunner:
         seqs = [scheduled[i].seq for i in sampling]
         params = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs)
                   for seq in seqs for p in (seq.params,)]
-        logits = logits.float()
-        token_ids = sample_on_device(logits, params)
+        token_ids = sample_on_device(logits, params)  # the logits stay in the model's dtype
         host_ids, ready = token_ids, None
         if token_ids.is_cuda:  # start the copy home now, ahead of anything queued after this step
             self._readback = (self._readback + 1) % len(self.h_ids)

@@ -42,6 +42,15 @@ def _spread_rows(t: torch.Tensor, m: int, k: int) -> bool:
     return m * -(-k // CHUNK) <= sm_count(t.device)
 
 
+def row_barrier_buffers(device: torch.device, rows: int, parties: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax slots int32 [rows * parties], arrival counts int64 [rows]) for kernels whose programs
+    agree on a row's scale (act_quant.shared_row_scale). The counts only grow, by `parties` per
+    launch, so each party count keeps its own zero-initialised array."""
+    rows = max(rows, 1024)
+    return (device_buffer(f"row-amax-slots-{parties}", device, rows * parties, torch.int32, zeroed=True),
+            device_buffer(f"row-arrivals-{parties}", device, rows, torch.int64, zeroed=True))
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
@@ -128,11 +137,11 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
         return y.reshape(*lead, inter)
     if quantize and _spread_rows(g2, m, inter):
         x_q, x_scale = _fp8_outputs(m, inter, g2.device)
-        amax = device_buffer("row-amax", g2.device, max(m, 1024), torch.int32, zeroed=True)
-        count = device_buffer("row-count", g2.device, max(m, 1024), torch.int32, zeroed=True)
-        _act.silu_mul_quant_chunks_kernel[(-(-inter // CHUNK), m)](g2, x_q, x_scale, amax, count, inter, g2.stride(0),
-                                                                    BLOCK=CHUNK, RELEASE=supports_pdl(g2.device),
-                                                                    num_warps=4)
+        chunks = -(-inter // CHUNK)
+        slots, count = row_barrier_buffers(g2.device, m, chunks)
+        _act.silu_mul_quant_chunks_kernel[(chunks, m)](g2, x_q, x_scale, slots, count, inter, g2.stride(0),
+                                                       BLOCK=CHUNK, C_PAD=triton_next_pow2(chunks),
+                                                       RELEASE=supports_pdl(g2.device), num_warps=4)
         return Fp8Activations(x_q, x_scale, gate_up.dtype, lead)
     y = g2.new_empty((0,)) if quantize else g2.new_empty((m, inter))
     x_q, x_scale = _fp8_outputs(m, inter, g2.device) if quantize else (y, y)

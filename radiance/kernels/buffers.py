@@ -11,7 +11,7 @@ _BUFFERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 def device_buffer(name: str, device: torch.device, numel: int, dtype: torch.dtype, zeroed: bool) -> torch.Tensor:
     """A buffer of at least `numel` elements, kept per (name, device) and grown to the largest request.
     Launches on one stream run one after another, so every call may reuse it. `zeroed` buffers start
-    at zero; kernels that use them as counters must leave them at zero."""
+    at zero; a kernel that keeps counters in one must leave them as its next launch expects."""
     buf = _BUFFERS.get((name, device))
     if buf is None or buf.numel() < numel:
         _BUFFERS.pop((name, device), None)  # free the old one before allocating the larger

@@ -77,8 +77,13 @@ def _expand_then_fp8_mm(x_q, x_scale, weight: PreparedMxfp4, bias, out_dtype) ->
     n, k = weight.shape
     # [N, K] e4m3 with the block shifts folded in; the row scale is w_scale
     w8 = expand_weight_fp8(weight, out=_expand_scratch(x_q.device, n * k)[: n * k].view(n, k))
-    return torch._scaled_mm(x_q, w8.t(), scale_a=x_scale.float(), scale_b=weight.w_scale[None, :],
-                            bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype)
+    # cuBLASLt takes no bias with an fp32 output: add it afterwards there
+    fused_bias = bias is not None and out_dtype != torch.float32
+    out = torch._scaled_mm(x_q, w8.t(), scale_a=x_scale.float(), scale_b=weight.w_scale[None, :],
+                           bias=bias.to(out_dtype) if fused_bias else None, out_dtype=out_dtype)
+    if bias is not None and not fused_bias:
+        out += bias.to(out_dtype)
+    return out
 
 
 def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, out):

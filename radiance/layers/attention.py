@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radiance.kernels.activation import Fp8Activations
+
 
 @dataclass
 class AttentionMetadata:
@@ -43,33 +45,37 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None,
-                rotary: tuple | None = None):
+                rotary: tuple | None = None, quantize: bool = False):
         """q [..., Hq, D], k/v [..., Hkv, D] -> [..., Hq * D]. rotary = (RotaryEmbedding, positions)
-        rotates q and k first; on the Triton path that launch also writes k and v to the cache."""
+        rotates q and k first; on the Triton path that launch also writes k and v to the cache.
+        `quantize` (the next linear runs W4A8) lets the decode path return Fp8Activations, quantized
+        in its merge launch; every other path returns the tensor and leaves quantization to the linear."""
         cached = meta is not None and self.k_cache is not None
         if rotary is not None:
             rope, positions = rotary
             if cached and _use_triton(q) and rope.fuses_kv_store(positions, q):
                 q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-                return self._paged_triton(q, meta)
+                return self._paged_triton(q, meta, quantize)
             q, k = rope(positions, q, k)
         if not cached:
             return self._causal_no_cache(q, k, v)
         if _use_triton(q):
             from radiance.layers import attention_triton as at
             at.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            return self._paged_triton(q, meta)
+            return self._paged_triton(q, meta, quantize)
         store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
                                     meta.kv_lens, self.scale)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
-    def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata, quantize: bool = False):
         """Attention of q over the paged cache, which already holds this step's K/V."""
         from radiance.layers import attention_triton as at
         if meta.is_decode:
             out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                            meta.context_lens, self.scale, meta.decode_splits)
+                                            meta.context_lens, self.scale, meta.decode_splits, quantize)
+            if isinstance(out, tuple):
+                return Fp8Activations(*out, q.dtype, tuple(q.shape[:-2]))
         else:
             out = at.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                              meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale)

@@ -6,7 +6,8 @@
   prefill). One program per (q tile, sequence, q head).
 - `paged_decode_attention`: one new token per sequence, split-KV ("flash decoding"): one program per
   (sequence, kv head, split) computes all q heads of its GQA group in one tile, so each K/V element is
-  read once; a second kernel merges the splits by their log-sum-exp. The split count is a launch
+  read once; a second kernel merges the splits by their log-sum-exp (and, for a W4A8 o_proj, quantizes
+  the merged rows to fp8 in the same launch). The split count is a launch
   constant, each split's range is derived from context_lens on the device: CUDA-graph safe.
 The torch references are `radiance.layers.attention.paged_attention_torch` / `store_kv_cache_torch`.
 """
@@ -17,7 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from radiance.kernels._triton.act_quant import _release_dependents, _to_e4m3, shared_row_scale
+from radiance.kernels.activation import row_barrier_buffers
+from radiance.kernels.device_info import sm_count, supports_pdl
+
 _LOG2E = 1.4426950408889634
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -170,10 +176,9 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
 
 
 @triton.jit
-def _decode_merge_kernel(ACC, LSE, O, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+def _merge_head(ACC, LSE, b, h, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    """One (sequence, q head)'s output [D_PAD] in fp32: its splits weighted by their log-sum-exp."""
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
     mask_s = offs_s < SPLITS
@@ -185,13 +190,55 @@ def _decode_merge_kernel(ACC, LSE, O, stride_ab, stride_ah, stride_as, stride_lb
     acc = tl.load(ACC + b * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     total = tl.sum(w, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+    return tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+
+
+@triton.jit
+def _decode_merge_kernel(ACC, LSE, O, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    out = _merge_head(ACC, LSE, b, h, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+                      HEAD_DIM, D_PAD, SPLITS, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _decode_merge_quant_kernel(ACC, LSE, XQ, XS, SLOTS, COUNT, stride_ab, stride_ah, stride_as, stride_lb,
+                               stride_lh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
+                               S_PAD: tl.constexpr, H_PAD: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                               RELEASE: tl.constexpr):
+    """_decode_merge_kernel and the per-token fp8 quantization of its output row (all heads) in one
+    launch, for the W4A8 o_proj: the heads of a sequence agree on the row's amax through a spin
+    barrier (every program resident: the launcher keeps batch * heads within the SM count). The
+    merged values are rounded to the model's dtype first, so the bytes equal merge-then-quantize."""
+    _release_dependents(RELEASE)
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    heads = tl.num_programs(0)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    y = _merge_head(ACC, LSE, b, h, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+                    HEAD_DIM, D_PAD, SPLITS, S_PAD).to(OUT_DTYPE).to(tl.float32)
+    local = tl.max(tl.where(mask_d, tl.abs(y), 0.0), axis=0)
+    has_nan = tl.sum((y != y).to(tl.int32), axis=0) > 0
+    scale = shared_row_scale(SLOTS, COUNT, b, h, local, has_nan, heads, H_PAD)
+    tl.store(XQ + b * heads * HEAD_DIM + h * HEAD_DIM + offs_d, _to_e4m3(y, scale, False), mask=mask_d)
+    if h == 0:
+        tl.store(XS + b, scale)
+
+
+def _merge_quant_serves(q: torch.Tensor) -> bool:
+    """The fused merge + quantize needs every program of a row resident at once (CUDA only: the
+    interpreter runs programs one by one, so its barrier would never open)."""
+    return q.is_cuda and q.shape[0] * q.shape[1] <= sm_count(q.device)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
-    """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]."""
+                           context_lens: torch.Tensor, scale: float, num_splits: int, quantize: bool = False):
+    """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]; with `quantize`, where the fused
+    merge can run, (x_q e4m3 [B, Hq * D], x_scale fp32 [B, 1]) for a W4A8 linear instead."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -205,9 +252,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, D_PAD=d_pad,
         PAGE=k_cache.shape[1], SPLITS=num_splits, BLOCK_N=64 if dim <= 128 else 32, PRECISION=_precision(q),
         num_warps=4, num_stages=2)
+    s_pad = max(2, triton.next_power_of_2(num_splits))
+    if quantize and _merge_quant_serves(q):
+        x_q = torch.empty(batch, heads * dim, dtype=torch.float8_e4m3fn, device=q.device)
+        x_scale = torch.empty(batch, 1, dtype=torch.float32, device=q.device)
+        slots, count = row_barrier_buffers(q.device, batch, heads)
+        _decode_merge_quant_kernel[(heads, batch)](
+            acc, lse, x_q, x_scale, slots, count, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
+            lse.stride(1), HEAD_DIM=dim, D_PAD=d_pad, SPLITS=num_splits, S_PAD=s_pad,
+            H_PAD=max(2, triton.next_power_of_2(heads)), OUT_DTYPE=_TL_DTYPES[q.dtype],
+            RELEASE=supports_pdl(q.device), num_warps=1)
+        return x_q, x_scale
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, heads)](
         acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=dim, D_PAD=d_pad, SPLITS=num_splits,
-        S_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=1)
+        out.stride(0), out.stride(1), HEAD_DIM=dim, D_PAD=d_pad, SPLITS=num_splits, S_PAD=s_pad, num_warps=1)
     return out

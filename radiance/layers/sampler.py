@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radiance.kernels.argmax import argmax_rows
+
 
 @dataclass
 class SamplingRow:
@@ -69,16 +71,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
 
 
 def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The sampled token ids [B] (int64), left on logits' device: nothing waits for the GPU here."""
-    logits = logits.float()
-    greedy_ids = logits.argmax(-1)
+    """The sampled token ids [B] (int64), left on logits' device: nothing waits for the GPU here.
+    logits may be in the model's dtype: only the rows that sample at random are converted to fp32."""
+    greedy_ids = argmax_rows(logits)
     token_ids = greedy_ids
     random_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
     if random_rows:
         idx = small_tensor_to(random_rows, logits.device)
         sub_rows = [rows[i] for i in random_rows]
         temps = small_tensor_to([r.temperature for r in sub_rows], logits.device).unsqueeze(1)
-        probs = _filter(logits[idx] / temps, sub_rows).softmax(-1)
+        probs = _filter(logits[idx].float() / temps, sub_rows).softmax(-1)
         noise = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(sub_rows) if r.generator is None]
         if len(unseeded) == len(sub_rows):
@@ -99,7 +101,7 @@ def read_samples(logits: torch.Tensor, ids: list[int], rows: list[SamplingRow]) 
     logprobs: list = [None] * len(rows)
     wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
     if wanted:
-        lp = logits[wanted].log_softmax(-1)
+        lp = logits[wanted].float().log_softmax(-1)
         k = max(rows[i].num_logprobs for i in wanted)
         top_vals, top_ids = lp.topk(max(k, 1), dim=-1) if k > 0 else (None, None)
         chosen = lp.gather(1, torch.tensor([[ids[i]] for i in wanted], device=lp.device)).squeeze(1).tolist()

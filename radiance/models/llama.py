@@ -60,7 +60,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # rotary inside attention: on CUDA one launch rotates q and k and writes k, v to the KV cache
-        return self.o_proj(self.attn(q, k, v, meta, rotary=(self.rotary[0], positions)))
+        return self.o_proj(self.attn(q, k, v, meta, rotary=(self.rotary[0], positions),
+                                     quantize=takes_fp8(self.o_proj)))
 
 
 class LlamaMLP(nn.Module):

@@ -100,3 +100,56 @@ def test_triton_kernels_on_gpu(head_dim, heads, kv_heads):
     assert errors["store"] == 0.0
     assert errors["prefill"] < 1e-2 and errors["decode"] < 1e-2, errors
     assert errors["padding_nan"] == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,splits", [(1, 32, 8, 128, 32), (3, 32, 8, 128, 8),
+                                                                  (2, 14, 2, 64, 1)])
+def test_decode_merge_quantize_matches_merge_then_quantize(batch, heads, kv_heads, head_dim, splits):
+    """The fused merge + fp8 quantization (o_proj's input at decode) writes the bytes of merging to
+    bf16 and then quantizing; a NaN in one sequence changes only that sequence; the barrier's
+    counters are re-armed for every launch, CUDA-graph replays included."""
+    from radiance.kernels.activation import quantize_activations
+    from radiance.layers import attention_triton as at
+
+    gen = torch.Generator().manual_seed(1)
+    page, ctx = 16, 300
+    blocks = batch * -(-ctx // page)
+    k_cache = torch.randn(blocks, page, kv_heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    v_cache = (torch.randn(blocks, page, kv_heads, head_dim, generator=gen) * 3).to("cuda", torch.bfloat16)
+    tables = torch.randperm(blocks, generator=gen).view(batch, -1).to("cuda", torch.int32)
+    lens = torch.tensor([ctx - 7 * i for i in range(batch)], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+
+    def unfused(q):
+        out = at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, splits)
+        return quantize_activations(out.reshape(batch, heads * head_dim))
+
+    def fused(q):
+        return at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, splits, quantize=True)
+
+    def same(a, b):
+        return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+
+    assert at._merge_quant_serves(q)
+    ref = unfused(q)
+    for _ in range(3):
+        assert same(fused(q), ref)
+    if batch > 1:
+        bad = q.clone()
+        bad[1, 3, 5] = float("nan")
+        x_q, x_scale = fused(bad)
+        assert torch.isnan(x_scale[1]).all()
+        others = [i for i in range(batch) if i != 1]
+        assert torch.equal(x_q[others].view(torch.uint8), ref[0][others].view(torch.uint8))
+    static = q.clone()
+    fused(static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused(static)
+    for seed in range(2):
+        fresh = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
+        static.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same(captured, unfused(fresh))

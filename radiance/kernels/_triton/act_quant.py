@@ -157,14 +157,32 @@ def _silu_mul(gu_ptr, row, offs, mask, stride_m, I):
 
 
 @triton.jit
-def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, amax_ptr, count_ptr, I, stride_m,
-                                 BLOCK: tl.constexpr, RELEASE: tl.constexpr = False):
+def shared_row_scale(slots_ptr, count_ptr, row, part, local_amax, has_nan, parties, P_PAD: tl.constexpr):
+    """The scale of a row spread over `parties` resident programs (part = this program's index).
+    Each writes its part's amax to its slot (as int32 bits: non-negative floats order like their
+    bits, and a NaN, 0x7FC00000, beats every amax, so a row holding one gets a NaN scale as in
+    _quantize_row), counts itself in, waits until the count reaches the next multiple of `parties`,
+    and takes the max of the row's slots. The int64 count only grows (one launch adds `parties`),
+    so nothing is reset: one counter array per party count (activation.row_barrier_buffers)."""
+    bits = tl.where(has_nan, 0x7FC00000, local_amax.to(tl.int32, bitcast=True))
+    tl.store(slots_ptr + row * parties + part, bits)
+    before = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")  # releases the slot store
+    target = (before // parties + 1) * parties
+    seen = before + 1
+    while seen < target:
+        seen = tl.atomic_add(count_ptr + row, 0, sem="acquire", scope="gpu")
+    offs = tl.arange(0, P_PAD)
+    slots = tl.load(slots_ptr + row * parties + offs, mask=offs < parties, other=0, cache_modifier=".cg")
+    row_bits = tl.max(slots, axis=0)
+    return _row_scale(row_bits.to(tl.float32, bitcast=True), row_bits == 0x7FC00000)
+
+
+@triton.jit
+def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, slots_ptr, count_ptr, I, stride_m,
+                                 BLOCK: tl.constexpr, C_PAD: tl.constexpr, RELEASE: tl.constexpr = False):
     """silu_mul_rows_kernel with QUANT, one row over cdiv(I, BLOCK) programs (grid [chunks, M]), all
-    resident at once (the launcher keeps the grid small). Each program publishes its chunk's amax
-    (as int32 bits: non-negative floats order like their bits, and a NaN, 0x7FC00000, beats every
-    amax, so a row holding one gets a NaN scale as in _quantize_row), waits until every chunk of the
-    row has, then quantizes its own chunk. amax and count are zero on entry and left zero: the last
-    program to leave resets them."""
+    resident at once (the launcher keeps the grid small). The programs of a row agree on its scale
+    through shared_row_scale, then each quantizes its own chunk."""
     _release_dependents(RELEASE)  # every program is resident before a dependent can start
     chunk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -174,20 +192,10 @@ def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, amax_ptr, count_ptr,
     y = _silu_mul(gu_ptr, row, offs, mask, stride_m, I).to(tl.float32)
     local = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
     has_nan = tl.sum((y != y).to(tl.int32), axis=0) > 0
-    bits = tl.where(has_nan, 0x7FC00000, local.to(tl.int32, bitcast=True))
-    tl.atomic_max(amax_ptr + row, bits, sem="relaxed", scope="gpu")
-    arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") + 1
-    while arrived < chunks:
-        arrived = tl.atomic_add(count_ptr + row, 0, sem="acquire", scope="gpu")
-    row_bits = tl.atomic_max(amax_ptr + row, 0, sem="relaxed", scope="gpu")
-    scale = _row_scale(row_bits.to(tl.float32, bitcast=True), row_bits == 0x7FC00000)
+    scale = shared_row_scale(slots_ptr, count_ptr, row, chunk, local, has_nan, chunks, C_PAD)
     tl.store(xq_ptr + row * I + offs, _to_e4m3(y, scale, False), mask=mask)
     if chunk == 0:
         tl.store(scale_ptr + row, scale)
-    left = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if left == 2 * chunks - 1:  # everyone has read the amax: re-arm for the next launch
-        tl.atomic_xchg(amax_ptr + row, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
