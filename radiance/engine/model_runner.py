@@ -156,11 +156,11 @@ class ModelRunner:
         if not sampling:
             return StepHandle([], [])
         if is_decode and len(sampling) == batch:
-            logits = self.model.compute_logits(hidden)  # one row per sequence already
+            logits = self.model.compute_logits(hidden, fp32=False)  # one row per sequence already
         else:
             last_rows = np.cumsum(q_lens) - 1
             rows = torch.as_tensor(last_rows[sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
+            logits = self.model.compute_logits(hidden[rows], fp32=False)
         seqs = [scheduled[i].seq for i in sampling]
         params = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs)
                   for seq in seqs for p in (seq.params,)]

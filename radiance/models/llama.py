@@ -116,7 +116,7 @@ class LlamaBody(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], meta) -> hidden [T, H] over the paged cache;
-    compute_logits(hidden) -> fp32 logits; forward_logits(input_ids [B, T]) -> [B, T, V] without a cache."""
+    compute_logits(hidden, fp32=True) -> fp32 logits (model dtype with fp32=False); forward_logits(input_ids [B, T]) -> [B, T, V] without a cache."""
 
     arch_overrides: dict = {}
 
@@ -130,8 +130,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None):
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        return self.lm_head(hidden, fp32)
 
     @torch.inference_mode()
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
