@@ -69,13 +69,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x_q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
     x_scale = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
     block, warps = _row_launch(k)
+    pdl = supports_pdl(x2.device)
     if block > 4096 and 4 * block > 5 * k:  # padding to a power of two would waste over 20%
         _act.quantize_rows_chunked_kernel[(m,)](x2, x_q, x_scale, k, x2.stride(0), BLOCK=4096,
-                                                INTERPRETER=not x2.is_cuda, RELEASE=supports_pdl(x2.device),
+                                                INTERPRETER=not x2.is_cuda, PDL=pdl, launch_pdl=pdl,
                                                 num_warps=16)
     else:
         _act.quantize_rows_kernel[(m,)](x2, x_q, x_scale, k, x2.stride(0), BLOCK=block,
-                                         INTERPRETER=not x2.is_cuda, RELEASE=supports_pdl(x2.device), num_warps=warps)
+                                         INTERPRETER=not x2.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return x_q, x_scale
 
 
@@ -114,10 +115,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     y = x2.new_empty((0,)) if quantize else torch.empty_like(x2)
     x_q, x_scale = _fp8_outputs(m, k, x2.device) if quantize else (y, y)
     block, warps = _row_launch(k)
+    pdl = supports_pdl(x2.device)
     _act.add_rmsnorm_rows_kernel[(m,)](
         x2, r2 if r2 is not None else x2, weight.contiguous(), y, s, x_q, x_scale, k, x2.stride(0),
         r2.stride(0) if r2 is not None else 0, float(eps), HAS_RESIDUAL=r2 is not None, QUANT=quantize,
-        BLOCK=block, INTERPRETER=not x2.is_cuda, RELEASE=quantize and supports_pdl(x2.device), num_warps=warps)
+        BLOCK=block, INTERPRETER=not x2.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=warps)
     out = Fp8Activations(x_q, x_scale, x.dtype, tuple(x.shape[:-1])) if quantize else y.reshape(x.shape)
     return out, s.reshape(x.shape)
 
@@ -129,6 +131,7 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
     m, two_i = g2.shape
     inter = two_i // 2
     lead = tuple(gate_up.shape[:-1])
+    pdl = supports_pdl(g2.device)
     if not triton_serves(g2) or inter > MAX_ROW or m == 0:
         gate, up = g2.split(inter, dim=-1)
         y = F.silu(gate) * up
@@ -141,13 +144,13 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
         slots, count = row_barrier_buffers(g2.device, m, chunks)
         _act.silu_mul_quant_chunks_kernel[(chunks, m)](g2, x_q, x_scale, slots, count, inter, g2.stride(0),
                                                        BLOCK=CHUNK, C_PAD=triton_next_pow2(chunks),
-                                                       RELEASE=supports_pdl(g2.device), num_warps=4)
+                                                       PDL=pdl, launch_pdl=pdl, num_warps=4)
         return Fp8Activations(x_q, x_scale, gate_up.dtype, lead)
     y = g2.new_empty((0,)) if quantize else g2.new_empty((m, inter))
     x_q, x_scale = _fp8_outputs(m, inter, g2.device) if quantize else (y, y)
     block, warps = _row_launch(inter)
     _act.silu_mul_rows_kernel[(m,)](g2, y, x_q, x_scale, inter, g2.stride(0), QUANT=quantize, BLOCK=block,
-                                    INTERPRETER=not g2.is_cuda, RELEASE=quantize and supports_pdl(g2.device),
+                                    INTERPRETER=not g2.is_cuda, PDL=pdl, launch_pdl=pdl,
                                     num_warps=warps)
     return Fp8Activations(x_q, x_scale, gate_up.dtype, lead) if quantize else y.reshape(*lead, inter)
 

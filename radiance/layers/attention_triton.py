@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radiance.kernels._triton.act_quant import _release_dependents, _to_e4m3, shared_row_scale
+from radiance.kernels._triton.act_quant import _to_e4m3, pdl_handoff, shared_row_scale
 from radiance.kernels.activation import row_barrier_buffers
 from radiance.kernels.device_info import sm_count, supports_pdl
 
@@ -133,7 +133,8 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
                          stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                          PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_handoff(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -195,7 +196,9 @@ def _merge_head(ACC, LSE, b, h, stride_ab, stride_ah, stride_as, stride_lb, stri
 
 @triton.jit
 def _decode_merge_kernel(ACC, LSE, O, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_handoff(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     out = _merge_head(ACC, LSE, b, h, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
@@ -208,12 +211,12 @@ def _decode_merge_kernel(ACC, LSE, O, stride_ab, stride_ah, stride_as, stride_lb
 def _decode_merge_quant_kernel(ACC, LSE, XQ, XS, SLOTS, COUNT, stride_ab, stride_ah, stride_as, stride_lb,
                                stride_lh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
                                S_PAD: tl.constexpr, H_PAD: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                               RELEASE: tl.constexpr):
+                               PDL: tl.constexpr):
     """_decode_merge_kernel and the per-token fp8 quantization of its output row (all heads) in one
     launch, for the W4A8 o_proj: the heads of a sequence agree on the row's amax through a spin
     barrier (every program resident: the launcher keeps batch * heads within the SM count). The
     merged values are rounded to the model's dtype first, so the bytes equal merge-then-quantize."""
-    _release_dependents(RELEASE)
+    pdl_handoff(PDL)
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     heads = tl.num_programs(0)
@@ -243,6 +246,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     d_pad = triton.next_power_of_2(dim)
+    pdl = supports_pdl(q.device)  # each launch waits for the one before it (pdl_handoff)
     acc = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
@@ -251,7 +255,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, D_PAD=d_pad,
         PAGE=k_cache.shape[1], SPLITS=num_splits, BLOCK_N=64 if dim <= 128 else 32, PRECISION=_precision(q),
-        num_warps=4, num_stages=2)
+        PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=2)
     s_pad = max(2, triton.next_power_of_2(num_splits))
     if quantize and _merge_quant_serves(q):
         x_q = torch.empty(batch, heads * dim, dtype=torch.float8_e4m3fn, device=q.device)
@@ -261,10 +265,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             acc, lse, x_q, x_scale, slots, count, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
             lse.stride(1), HEAD_DIM=dim, D_PAD=d_pad, SPLITS=num_splits, S_PAD=s_pad,
             H_PAD=max(2, triton.next_power_of_2(heads)), OUT_DTYPE=_TL_DTYPES[q.dtype],
-            RELEASE=supports_pdl(q.device), num_warps=1)
+            PDL=pdl, launch_pdl=pdl, num_warps=1)
         return x_q, x_scale
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, heads)](
         acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=dim, D_PAD=d_pad, SPLITS=num_splits, S_PAD=s_pad, num_warps=1)
+        out.stride(0), out.stride(1), HEAD_DIM=dim, D_PAD=d_pad, SPLITS=num_splits, S_PAD=s_pad,
+        PDL=pdl, launch_pdl=pdl, num_warps=1)
     return out

@@ -10,6 +10,7 @@ import triton
 from torch import nn
 
 from radiance.errors import ConfigError
+from radiance.kernels.device_info import supports_pdl
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -99,8 +100,10 @@ def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None):
         return q_out if store is not None else (q_out, k_out)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    pdl = supports_pdl(q.device)
     rotary_kernel[(t,)](q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                         q_heads, k_heads, v, v_out, slots, v.stride(0), v.stride(1), slot_stride,
                         HALF=head_dim // 2, BLOCK_QH=triton.next_power_of_2(q_heads),
-                        BLOCK_KH=triton.next_power_of_2(k_heads), STORE_KV=store is not None, num_warps=4)
+                        BLOCK_KH=triton.next_power_of_2(k_heads), STORE_KV=store is not None, PDL=pdl,
+                        launch_pdl=pdl, num_warps=4)
     return q_out if store is not None else (q_out, k_out)

@@ -52,10 +52,13 @@ def divide_by_scale(x, scale, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _release_dependents(RELEASE: tl.constexpr):
-    """Let the kernel queued after this one (a GEMM launched as a programmatic dependent) start now:
-    it prefetches its weights while this kernel runs, then waits for this kernel's writes. sm_90+."""
-    if RELEASE:
+def pdl_handoff(PDL: tl.constexpr):
+    """First statement of a kernel launched as a programmatic dependent (launch_pdl, sm_90+): wait
+    until the kernel before it has finished and its writes are visible (it may have been launched
+    while that kernel ran, which hides the launch), then let the kernel after this one launch in
+    turn (a GEMM prefetches its weights meanwhile). Nothing may be read or written before the wait."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -86,8 +89,8 @@ def _quantize_row(x, mask, xq_ptrs, scale_ptr, INTERPRETER: tl.constexpr):
 
 @triton.jit
 def quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: tl.constexpr,
-                         INTERPRETER: tl.constexpr, RELEASE: tl.constexpr = False):
-    _release_dependents(RELEASE)
+                         INTERPRETER: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_handoff(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
@@ -97,10 +100,10 @@ def quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: tl.const
 
 @triton.jit
 def quantize_rows_chunked_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: tl.constexpr,
-                                 INTERPRETER: tl.constexpr, RELEASE: tl.constexpr = False):
+                                 INTERPRETER: tl.constexpr, PDL: tl.constexpr = False):
     """quantize_rows_kernel for rows far from a power of two (17408 would pad to 32768): two passes
     over BLOCK-wide chunks, the amax first, then the division; the second read hits the cache."""
-    _release_dependents(RELEASE)
+    pdl_handoff(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], tl.float32)
@@ -121,12 +124,12 @@ def quantize_rows_chunked_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: 
 @triton.jit
 def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_rm,
                             eps, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                            INTERPRETER: tl.constexpr, RELEASE: tl.constexpr = False):
+                            INTERPRETER: tl.constexpr, PDL: tl.constexpr = False):
     """The pre-norm step of a decoder layer in one pass, with the model's rounding:
     s = x + residual (rounded to x's dtype, written to res_out), y = weight * rms_norm(s) (normalized in
     fp32, rounded to x's dtype, multiplied by the weight in x's dtype); then y is written (out) or
     quantized per token to e4m3 (xq, scale) for a W4A8 linear."""
-    _release_dependents(RELEASE)
+    pdl_handoff(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
@@ -179,11 +182,11 @@ def shared_row_scale(slots_ptr, count_ptr, row, part, local_amax, has_nan, parti
 
 @triton.jit
 def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, slots_ptr, count_ptr, I, stride_m,
-                                 BLOCK: tl.constexpr, C_PAD: tl.constexpr, RELEASE: tl.constexpr = False):
+                                 BLOCK: tl.constexpr, C_PAD: tl.constexpr, PDL: tl.constexpr = False):
     """silu_mul_rows_kernel with QUANT, one row over cdiv(I, BLOCK) programs (grid [chunks, M]), all
     resident at once (the launcher keeps the grid small). The programs of a row agree on its scale
     through shared_row_scale, then each quantizes its own chunk."""
-    _release_dependents(RELEASE)  # every program is resident before a dependent can start
+    pdl_handoff(PDL)  # every program is resident before a dependent can start
     chunk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     chunks = tl.num_programs(0)
@@ -200,10 +203,10 @@ def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, slots_ptr, count_ptr
 
 @triton.jit
 def silu_mul_rows_kernel(gu_ptr, out_ptr, xq_ptr, scale_ptr, I, stride_m, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                         INTERPRETER: tl.constexpr, RELEASE: tl.constexpr = False):
+                         INTERPRETER: tl.constexpr, PDL: tl.constexpr = False):
     """y = silu(gate) * up for gate_up = [gate | up] (each I wide), rounded like torch in the input
     dtype (silu computed in fp32, then rounded; the product rounded); written, or quantized per token."""
-    _release_dependents(RELEASE)
+    pdl_handoff(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < I

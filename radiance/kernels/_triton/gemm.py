@@ -9,7 +9,8 @@ One kernel serves both bands:
     split of a tile to finish (an atomic counter per tile) sums them in split order: deterministic,
     and one launch per linear.
 With PDL_PREFETCH the kernel is launched as a programmatic dependent (sm_90): it prefetches its first
-weight tiles into L2 while the kernel that quantizes x still runs, then waits for it (gdc_wait).
+weight tiles into L2 while the kernel that quantizes x still runs, then waits for it (gdc_wait), then
+lets the kernel after it launch (that kernel waits for this one's completion before it reads).
 fp8 tl.dot lowers to wgmma on sm_90 with num_warps % 4 == 0. Hopper's fp8 MMA accumulates with
 reduced precision (~14 bits); PRECISE_ACC sums each K tile from zero in the MMA and adds it to the fp32
 accumulator, which keeps the result within bf16 rounding of the exact fp32 reference (Triton's
@@ -85,6 +86,7 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
                                   [rows, tl.full([BN], 0, tl.int32) + n_bytes], dtype=tl.int32, is_pure=False,
                                   pack=1)
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel (norm, rotary, SiLU) may launch and wait
     if SWAP_AB:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:

@@ -8,6 +8,8 @@ Same math as layers/rotary.py: fp32 rotation with fp32 cos/sin tables, rounded t
 import triton
 import triton.language as tl
 
+from radiance.kernels._triton.act_quant import pdl_handoff
+
 
 @triton.jit
 def _rotate_heads(src_row, dst_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -27,9 +29,11 @@ def _rotate_heads(src_row, dst_row, stride_h, heads, cos, sin, HALF: tl.constexp
 @triton.jit
 def rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
                   stride_kh, q_heads, k_heads, v_ptr, v_out_ptr, slot_ptr, stride_vt, stride_vh, stride_cs,
-                  HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, STORE_KV: tl.constexpr):
+                  HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, STORE_KV: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """k_out / v_out: [T, Hkv, D] outputs, or (STORE_KV) the k / v caches [blocks, block_size, Hkv, D]
     with slot stride stride_cs, written at slot_ptr[t] (-1: a padding token, nothing written)."""
+    pdl_handoff(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
