@@ -2,7 +2,8 @@
 # One device call that re-checks and re-measures everything GPU-side, writing logs under $OUT and
 # printing the tables last. Run from the repo root on the device (after ../shared/tools/device-wheels.sh
 # filled .whl/ here; carry ".whl"):  bash tools/device_session.sh [quick]
-# "quick" skips the full kernel table and the 32B engine run (about 4 minutes instead of about 9).
+# "quick" skips the full kernel table, the 32B engine run and the batch-64 step timeline (about 4
+# minutes instead of about 10).
 # "sweep" only runs the tile sweep over the 8B shapes (every candidate gated on numerics first) and
 # prints tuning-table entries for tuning/sm90.json.
 set -u
@@ -30,6 +31,7 @@ if [ "${1:-}" != quick ]; then
         --out "$OUT/kernel-table.txt"
     step 190 engine-32b python3 -m radiance.bench.engine_bench synthetic:qwen3-32b --quantization none mxfp4 \
         --contexts 128 --prefills 8192 --concurrency 64 --no-hf --json "$OUT/engine-32b.json"
+    step 100 timeline-64 python3 tools/decode_timeline.py --quantization mxfp4 --batch 64
 fi
 grep -h -A3 "^variant" "$OUT"/engine-*.log 2>/dev/null
 grep -h "^| [0-9]" "$OUT/kernel-table.log" 2>/dev/null
