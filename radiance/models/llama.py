@@ -116,7 +116,8 @@ class LlamaBody(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], meta) -> hidden [T, H] over the paged cache;
-    compute_logits(hidden, fp32=True) -> fp32 logits (model dtype with fp32=False); forward_logits(input_ids [B, T]) -> [B, T, V] without a cache."""
+    compute_logits(hidden, fp32=True) -> fp32 logits (the model's dtype with fp32=False);
+    forward_logits(input_ids [B, T]) -> [B, T, V] without a cache."""
 
     arch_overrides: dict = {}
 
