@@ -66,8 +66,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x2.shape
     if not triton_serves(x2) or k > MAX_ROW or m == 0:
         return reference.quantize_activations_reference(x2)
-    x_q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
-    x_scale = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+    x_q, x_scale = fp8_outputs(m, k, x2.device)
     block, warps = _row_launch(k)
     pdl = supports_pdl(x2.device)
     if block > 4096 and 4 * block > 5 * k:  # padding to a power of two would waste over 20%
@@ -90,7 +89,8 @@ class Fp8Activations(NamedTuple):
     lead: tuple[int, ...]
 
 
-def _fp8_outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (x_q e4m3 [m, k], x_scale fp32 [m, 1]) for a kernel that quantizes m tokens."""
     return (torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device),
             torch.empty((m, 1), dtype=torch.float32, device=device))
 
@@ -113,7 +113,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         return out, s.reshape(x.shape)
     s = torch.empty_like(x2) if r2 is not None else x2
     y = x2.new_empty((0,)) if quantize else torch.empty_like(x2)
-    x_q, x_scale = _fp8_outputs(m, k, x2.device) if quantize else (y, y)
+    x_q, x_scale = fp8_outputs(m, k, x2.device) if quantize else (y, y)
     block, warps = _row_launch(k)
     pdl = supports_pdl(x2.device)
     _act.add_rmsnorm_rows_kernel[(m,)](
@@ -139,7 +139,7 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
             return Fp8Activations(*reference.quantize_activations_reference(y), gate_up.dtype, lead)
         return y.reshape(*lead, inter)
     if quantize and _spread_rows(g2, m, inter):
-        x_q, x_scale = _fp8_outputs(m, inter, g2.device)
+        x_q, x_scale = fp8_outputs(m, inter, g2.device)
         chunks = -(-inter // CHUNK)
         slots, count = row_barrier_buffers(g2.device, m, chunks)
         _act.silu_mul_quant_chunks_kernel[(chunks, m)](g2, x_q, x_scale, slots, count, inter, g2.stride(0),
@@ -147,7 +147,7 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
                                                        PDL=pdl, launch_pdl=pdl, num_warps=4)
         return Fp8Activations(x_q, x_scale, gate_up.dtype, lead)
     y = g2.new_empty((0,)) if quantize else g2.new_empty((m, inter))
-    x_q, x_scale = _fp8_outputs(m, inter, g2.device) if quantize else (y, y)
+    x_q, x_scale = fp8_outputs(m, inter, g2.device) if quantize else (y, y)
     block, warps = _row_launch(inter)
     _act.silu_mul_rows_kernel[(m,)](g2, y, x_q, x_scale, inter, g2.stride(0), QUANT=quantize, BLOCK=block,
                                     INTERPRETER=not g2.is_cuda, PDL=pdl, launch_pdl=pdl,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from radiance.kernels._triton.act_quant import _to_e4m3, pdl_handoff, shared_row_scale
-from radiance.kernels.activation import row_barrier_buffers
+from radiance.kernels.activation import fp8_outputs, row_barrier_buffers
 from radiance.kernels.device_info import sm_count, supports_pdl
 
 _LOG2E = 1.4426950408889634
@@ -258,8 +258,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=2)
     s_pad = max(2, triton.next_power_of_2(num_splits))
     if quantize and _merge_quant_serves(q):
-        x_q = torch.empty(batch, heads * dim, dtype=torch.float8_e4m3fn, device=q.device)
-        x_scale = torch.empty(batch, 1, dtype=torch.float32, device=q.device)
+        x_q, x_scale = fp8_outputs(batch, heads * dim, q.device)
         slots, count = row_barrier_buffers(q.device, batch, heads)
         _decode_merge_quant_kernel[(heads, batch)](
             acc, lse, x_q, x_scale, slots, count, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
