@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One device call that re-checks and re-measures everything GPU-side, writing logs under $OUT and
-# printing the tables last. Run from the repo root on the device (after ../shared/tools/device-wheels.sh
-# filled .whl/ here; carry ".whl"):  bash tools/device_session.sh [quick]
-# "quick" skips the full kernel table, the 32B engine run and the batch-64 step timeline (about 4
-# minutes instead of about 10).
-# "sweep" only runs the tile sweep over the 8B shapes (every candidate gated on numerics first) and
-# prints tuning-table entries for tuning/sm90.json.
+# Device calls that re-check and re-measure everything GPU-side, writing logs under $OUT and printing the
+# tables last. Run from the repo root on the device (after ../shared/tools/device-wheels.sh filled .whl/
+# here; carry ".whl"):  bash tools/device_session.sh MODE   (each mode fits one 10-minute call)
+#   quick    GPU tests, the Triton kernel cases, the 8B engine in bf16 and MXFP4 (about 5 minutes)
+#   kernels  the full kernel table (ours, cuBLAS bf16, cuBLAS fp8) and the per-CTA GEMM trace (about 5)
+#   models   the 32B engine in bf16 and MXFP4, and the batch-64 step timeline of the 8B (about 5)
+#   sweep    the tile sweep over the 8B shapes (every candidate gated on numerics first); prints
+#            tuning-table entries for tuning/sm90.json (up to 10)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -16,22 +17,33 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, keep the log, p
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name (exit $?)"; tail -n 4 "$OUT/$name.log"
 }
-if [ "${1:-}" = sweep ]; then
+case "${1:-quick}" in
+quick)
+    step 200 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine
+    step 90 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_*.py
+    step 200 engine-8b python3 -m radiance.bench.engine_bench synthetic:llama-3.1-8b --quantization none mxfp4 \
+        --contexts 128 8192 --prefills 1024 8192 --concurrency 1 64 128 --no-hf --json "$OUT/engine-8b.json"
+    ;;
+kernels)
+    step 240 kernel-table python3 -m radiance.bench.kernels --m 1 4 16 64 128 256 1024 4096 8192 --no-reference \
+        --out "$OUT/kernel-table.txt"
+    step 120 cta-trace python3 tools/gemm_cta_trace.py --m 1 64
+    ;;
+models)
+    step 200 engine-32b python3 -m radiance.bench.engine_bench synthetic:qwen3-32b --quantization none mxfp4 \
+        --contexts 128 --prefills 8192 --concurrency 64 --no-hf --json "$OUT/engine-32b.json"
+    step 100 timeline-64 python3 tools/decode_timeline.py --quantization mxfp4 --batch 64
+    ;;
+sweep)
     step 560 sweep python3 -m radiance.bench.kernels --sweep --no-table --m 1 16 64 256 \
         --shapes 6144x4096 4096x4096 28672x4096 4096x14336 --out "$OUT/sweep.txt"
     grep -h "^best" "$OUT/sweep.log"
-    exit 0
-fi
-step 200 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine
-step 90 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_*.py
-step 150 engine-8b python3 -m radiance.bench.engine_bench synthetic:llama-3.1-8b --quantization none mxfp4 \
-    --contexts 128 8192 --prefills 1024 8192 --concurrency 1 64 --no-hf --json "$OUT/engine-8b.json"
-if [ "${1:-}" != quick ]; then
-    step 160 kernel-table python3 -m radiance.bench.kernels --m 1 4 16 64 256 1024 4096 8192 --no-reference \
-        --out "$OUT/kernel-table.txt"
-    step 190 engine-32b python3 -m radiance.bench.engine_bench synthetic:qwen3-32b --quantization none mxfp4 \
-        --contexts 128 --prefills 8192 --concurrency 64 --no-hf --json "$OUT/engine-32b.json"
-    step 100 timeline-64 python3 tools/decode_timeline.py --quantization mxfp4 --batch 64
-fi
+    ;;
+*)
+    echo "usage: bash tools/device_session.sh [quick|kernels|models|sweep]" >&2
+    exit 2
+    ;;
+esac
 grep -h -A3 "^variant" "$OUT"/engine-*.log 2>/dev/null
 grep -h "^| [0-9]" "$OUT/kernel-table.log" 2>/dev/null
+grep -h "^==\|SMs holding" "$OUT/cta-trace.log" 2>/dev/null

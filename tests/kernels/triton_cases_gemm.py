@@ -20,6 +20,8 @@ ISSUE_M = (1, 2, 3, 5, 8, 16, 17, 33, 64, 65, 128, 257, 1024, 4096)
 SWAP = GemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=True, split_k=0)
 PLAIN = GemmConfig(block_m=64, block_n=32, block_k=128, swap_ab=False, split_k=1)
 SPLIT3 = GemmConfig(block_m=16, block_n=32, block_k=128, swap_ab=True, split_k=3)
+# the tiling class of the M <= 256 prefill entries (tuning/sm90.json): wide token tile, block_k 256
+WIDE_M = GemmConfig(block_m=128, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=3, split_k=2)
 
 
 def _check(device, m, n, k, config, bias: bool, spread: int = 5, out_dtype=torch.float32, gate=GATE):
@@ -53,6 +55,11 @@ def test_default_dispatch_every_m_band(device, m):
 @pytest.mark.parametrize("m", (1, 5, 17, 70))
 def test_tilings_with_ragged_n_and_k(device, config, m):
     _check(device, m, 40, 544, config, bias=True)  # N not a tile multiple, K not a multiple of BK (5 K tiles)
+
+
+@pytest.mark.parametrize("m", (100, 257))
+def test_wide_token_tile_over_several_m_tiles(device, m):
+    _check(device, m, 80, 768, WIDE_M, bias=m % 2 == 1)  # ragged M and N tiles, 3 K tiles over 2 splits
 
 
 def test_wide_exponent_spread_and_underflow(device):

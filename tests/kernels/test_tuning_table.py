@@ -1,0 +1,47 @@
+"""The shipped tuning tables: every entry is a valid GemmConfig, and select_config can reach it (an
+earlier, broader entry must not shadow it), so a measured tiling is the one that serves its shapes."""
+
+import json
+from unittest import mock
+
+import pytest
+import torch
+
+from radiance.kernels import tuning
+from radiance.kernels.tuning import GemmConfig
+
+TABLES = sorted(tuning.TUNING_DIR.glob("*.json"))
+
+
+def _entries():
+    for path in TABLES:
+        table = json.loads(path.read_text())
+        for band in ("decode", "prefill"):
+            for i, entry in enumerate(table.get(band, [])):
+                yield pytest.param(path.stem, band, i, entry, id=f"{path.stem}-{band}-{i}")
+
+
+def test_tables_exist():
+    assert TABLES, f"no tuning tables under {tuning.TUNING_DIR}"
+
+
+@pytest.mark.parametrize("name,band,index,entry", list(_entries()))
+def test_entry_is_reachable_and_valid(name, band, index, entry):
+    cfg = GemmConfig(**entry["config"])  # raises on an invalid tiling
+    table = json.loads((tuning.TUNING_DIR / f"{name}.json").read_text())
+    shape = entry.get("shape", "*")
+    n, k = (4104, 4224) if shape == "*" else map(int, shape.split("x"))
+    # the largest M of this entry's band that earlier entries do not claim
+    if entry.get("m_max") is not None:
+        m = entry["m_max"]
+    else:
+        m = 64 if band == "decode" else table.get("expand_min_m", 4096) - 1
+    if band == "prefill":
+        m = max(m, 65)
+    with mock.patch.object(tuning, "_table_name", lambda device: name):
+        chosen = tuning.select_config(m, n, k, 64, torch.device("cpu"))
+    expected = cfg.as_dict()
+    got = chosen.as_dict()
+    expected.pop("block_m"), got.pop("block_m")  # fitted to M by select_config
+    assert got == expected, f"{band} entry {index} ({shape}, m_max {entry.get('m_max')}) is shadowed: {chosen}"
+    assert chosen.block_m <= max(cfg.block_m, 256)
