@@ -1,7 +1,8 @@
 """Offline engine speed on the GPU: a random-weight model with a real config (no download).
 
 Measures, per variant (bf16, MXFP4): batch-1 decode ms/step at two context depths, prefill tok/s at two
-prompt lengths, aggregate output tok/s at several concurrencies, and the batch-1 decode step time
+prompt lengths (and, for the shortest, the share of the step the GPU spends in kernels: below ~0.8 the
+prefill is host-bound), aggregate output tok/s at several concurrencies, and the batch-1 decode step time
 against the sum of its kernels' device times (engine overhead); then HF transformers `generate` in bf16
 on the same config as the peer. Everything is measured in one process, side by side.
 `python -m radiance.bench.engine_bench --model synthetic:llama-3.1-8b` (or `radiance bench engine`).
@@ -118,6 +119,30 @@ def kernel_breakdown(records, steps: int, top: int = 12) -> list[dict]:
             for name, (us, calls) in ranked]
 
 
+def _device_records(prof) -> list[tuple[str, float]]:
+    """(name, us) of the device-side records of a torch profile: kernels, memcpy/memset, graph-launched
+    ones included."""
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+
+def _prefill_gpu_busy(engine, length: int, wall_s: float, gen) -> float:
+    """Sum of the kernel times of one `length`-token prefill step over its unprofiled wall time `wall_s`
+    (the profiler slows the host, so its own wall time would overstate the gaps). Well below 1: the step
+    is host-bound, the GPU waits for launches (bench/RESULTS.md, fifth session: MXFP4 at 1k, 0.55)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from radiance.engine.sampling_params import SamplingParams
+
+    engine.add_request("prefill-profiled", _random_ids(length, engine.model.config.vocab_size, gen),
+                       SamplingParams(max_tokens=1, temperature=0.0))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+        _sync()
+    return sum(us for _, us in _device_records(prof)) / 1e6 / wall_s
+
+
 def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, float, list[dict]]:
     """(median step wall ms, mean per-step sum of CUDA kernel times, the largest kernels per step) over
     profiled batch-1 decode steps."""
@@ -142,9 +167,7 @@ def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, fl
     while engine.has_unfinished_requests():
         engine.step()
     engine.overlap_decode = overlap
-    # device-side records only (kernels, memcpy/memset), graph-launched ones included
-    records = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    records = _device_records(prof)
     kernel_us = sum(us for _, us in records)
     return statistics.median(walls) * 1e3, kernel_us / steps / 1e3, kernel_breakdown(records, steps)
 
@@ -159,6 +182,9 @@ def bench_variant(model: str, quantization: str, contexts, prefills, concurrenci
         row[f"decode_ms@{c}"] = _decode_ms(engine, c, 32, gen)
     for p in prefills:
         row[f"prefill_tok_s@{p}"] = _prefill_tok_s(engine, p, gen)
+    if device == "cuda":  # is the shortest prefill host-bound?
+        p = min(prefills)
+        row[f"prefill_gpu_busy@{p}"] = _prefill_gpu_busy(engine, p, p / row[f"prefill_tok_s@{p}"], gen)
     for n in concurrencies:
         row[f"agg_tok_s@{n}"] = _aggregate_tok_s(engine, n, 128, 128, gen)
     if device == "cuda":
