@@ -24,3 +24,12 @@ def sm_count(device: torch.device) -> int:
 def supports_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol): sm_90 and later."""
     return device.type == "cuda" and _props(_index(device)).major >= 9
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA device (cached: launchers ask on every call), None
+    elsewhere."""
+    if device.type != "cuda":
+        return None
+    props = _props(_index(device))
+    return props.major, props.minor

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from radiance.kernels.device_info import capability
+
 TUNING_DIR = Path(__file__).parent / "tuning"
 
 
@@ -49,10 +51,7 @@ DEFAULT_PREFILL = GemmConfig(block_m=128, block_n=128, block_k=128, swap_ab=Fals
 
 
 def _table_name(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return "sm90" if (major, minor) == (9, 0) else None
+    return "sm90" if capability(device) == (9, 0) else None
 
 
 @functools.lru_cache(maxsize=None)
