@@ -3,6 +3,11 @@ ends, on which SM, with how many K tiles. Shows what a single time hides: the ra
 hold one CTA more than others and finish last, the split-K epilogue (bench/RESULTS.md, fifth session).
 
     python3 tools/gemm_cta_trace.py [--shapes 4096x14336 28672x4096] [--m 1 64]      # on the GPU
+    python3 tools/gemm_cta_trace.py --engine synthetic:llama-3.1-8b                  # inside decode steps
+
+With --engine the GEMMs are traced where they really run: in the engine's batch-1 decode CUDA graph,
+each a programmatic dependent of a small kernel. It prints the step's GEMMs per shape and the gaps
+between them.
 
 The traced kernel is the production one (_triton/gemm.py) with timestamps patched into a copy; the
 launch goes through w4a8_gemm, so the tuning table, split count and PDL are the served ones.
@@ -81,6 +86,74 @@ class _WithTrace:
         return lambda *args, **kwargs: self.kernel[grid](*args, trace_ptr=self.buffer, **kwargs)
 
 
+class _PerCallTrace:
+    """Like _WithTrace, but every launch gets its own zeroed slots, kept alive here: the launches baked
+    into a CUDA graph keep theirs, so after replays each holds the timeline of its last replay."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.calls = []  # (m, n, k, captured into a graph, slots)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            import torch
+
+            slots = torch.zeros(grid[0] * grid[1] * FIELDS, dtype=torch.int64, device=args[0].device)
+            m, n, k = args[9:12]  # after the nine tensors of w4a8_gemm_kernel
+            self.calls.append((m, n, k, torch.cuda.is_current_stream_capturing(), slots))
+            return self.kernel[grid](*args, trace_ptr=slots, **kwargs)
+
+        return launch
+
+
+def step_summary(calls) -> list[str]:
+    """calls: [(n, k, trace [CTAs, FIELDS])] of one step in launch order -> per-shape lines and the
+    gaps between GEMMs (a gap: the previous GEMM's last CTA end to this one's first CTA start)."""
+    import numpy as np
+
+    t0 = min(int(t[:, 0].min()) for _, _, t in calls)
+    spans = [((t[:, 0].min() - t0) / 1e3, (t[:, 2].max() - t0) / 1e3) for _, _, t in calls]
+    gaps = [spans[i][0] - spans[i - 1][1] for i in range(1, len(spans))]
+    lines = [f"== {len(calls)} GEMMs: first start to last end {spans[-1][1] - spans[0][0]:.1f} us; "
+             f"in GEMMs {sum(e - b for b, e in spans):.1f} us; between them {sum(max(g, 0.0) for g in gaps):.1f} us"]
+    for shape in dict.fromkeys((n, k) for n, k, _ in calls):
+        idx = [i for i, (n, k, _) in enumerate(calls) if (n, k) == shape]
+        makespan = np.array([spans[i][1] - spans[i][0] for i in idx])
+        before = np.array([gaps[i - 1] for i in idx if i > 0])
+        counts = [np.bincount(calls[i][2][:, 3].astype(int)) for i in idx]
+        tails = np.array([(t[:, 2].max() - np.median(t[:, 2])) / 1e3 for t in (calls[i][2] for i in idx)])
+        lines.append(f"   {shape[0]}x{shape[1]}: {len(idx)} calls, {len(calls[idx[0]][2])} CTAs, makespan p50 "
+                     f"{np.median(makespan):.2f} us, last CTA after the median one by p50 {np.median(tails):.2f} us, "
+                     f"CTAs per SM up to {max(int(c.max()) for c in counts)}"
+                     + (f", gap before p50 {np.median(before):.2f} us" if len(before) else ""))
+    return lines
+
+
+def trace_engine(model: str, context: int = 128, steps: int = 16) -> list[str]:
+    """Batch-1 decode with every W4A8 GEMM traced inside the engine's CUDA graph."""
+    import torch
+
+    from radiance.bench.engine_bench import _engine, _random_ids
+    from radiance.engine.sampling_params import SamplingParams
+    from radiance.kernels import w4a8
+
+    tracer = _PerCallTrace(load_traced_kernel())
+    with mock.patch.object(w4a8, "_gemm", types.SimpleNamespace(w4a8_gemm_kernel=tracer)):
+        engine = _engine(model, "mxfp4", context + steps + 64, "cuda", None, max_num_seqs=1,
+                         cuda_graph_max_batch=1)
+        gen = torch.Generator().manual_seed(0)
+        engine.add_request("traced", _random_ids(context, engine.model.config.vocab_size, gen),
+                           SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+    step = [(n, k, slots.view(-1, FIELDS).cpu().numpy()) for m, n, k, captured, slots in tracer.calls
+            if captured and m == 1]
+    if not step:
+        raise RuntimeError("no W4A8 GEMM was captured into the batch-1 decode graph (is the model MXFP4 on sm_90?)")
+    return [f"engine {model}, batch-1 decode at context {context}, the graph's last replay:"] + step_summary(step)
+
+
 def summarize(trace, label: str) -> list[str]:
     import numpy as np
 
@@ -116,7 +189,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["4096x14336", "28672x4096", "6144x4096", "4096x4096"])
     p.add_argument("--m", nargs="+", type=int, default=[1, 64])
+    p.add_argument("--engine", metavar="MODEL", help="trace the GEMMs inside the engine's batch-1 decode steps "
+                                                    "instead (e.g. synthetic:llama-3.1-8b)")
     args = p.parse_args(argv)
+    if args.engine:
+        print("\n".join(trace_engine(args.engine)), flush=True)
+        return 0
     device = torch.device("cuda")
     kernel = load_traced_kernel()
     buffer = torch.zeros(MAX_CTAS * FIELDS, dtype=torch.int64, device=device)

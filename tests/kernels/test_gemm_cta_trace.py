@@ -31,3 +31,22 @@ def test_traced_kernel_compiles_for_sm90_with_timestamps():
     ptx = compiled.asm["ptx"]
     assert ptx.count("%globaltimer") == 3 and "%smid" in ptx
     assert "wgmma.mma_async" in ptx  # still the production K loop
+
+
+def test_step_summary_spans_and_gaps():
+    import numpy as np
+
+    def trace(starts, ends, sms):
+        t = np.zeros((len(starts), gemm_cta_trace.FIELDS), dtype=np.int64)
+        t[:, 0], t[:, 1], t[:, 2], t[:, 3] = starts, ends, ends, sms
+        return t
+
+    calls = [(64, 128, trace([1000, 1100], [5000, 6000], [0, 0])),  # two CTAs on SM 0
+             (32, 128, trace([8000, 8000], [9000, 10000], [0, 1])),
+             (64, 128, trace([12000], [13000], [3]))]
+    lines = gemm_cta_trace.step_summary(calls)
+    # spans from the first start: (0, 5), (7, 9), (11, 12) us; gaps 2 and 2
+    assert "3 GEMMs: first start to last end 12.0 us; in GEMMs 8.0 us; between them 4.0 us" in lines[0]
+    assert any(line.strip().startswith("64x128: 2 calls") and "CTAs per SM up to 2" in line
+               and "gap before p50 2.00" in line for line in lines)
+    assert any(line.strip().startswith("32x128: 1 calls") and "makespan p50 2.00" in line for line in lines)
