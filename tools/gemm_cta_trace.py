@@ -129,8 +129,10 @@ def step_summary(calls) -> list[str]:
     return lines
 
 
-def trace_engine(model: str, context: int = 128, steps: int = 16) -> list[str]:
-    """Batch-1 decode with every W4A8 GEMM traced inside the engine's CUDA graph."""
+def trace_engine(model: str, context: int = 128, steps: int = 16, device: str = "cuda",
+                 overrides: dict | None = None) -> list[str]:
+    """Batch-1 decode with every W4A8 GEMM traced inside the engine's CUDA graph (`device`, `overrides`:
+    a CPU dry run of the harness with a tiny config, which captures nothing and says so)."""
     import torch
 
     from radiance.bench.engine_bench import _engine, _random_ids
@@ -139,14 +141,15 @@ def trace_engine(model: str, context: int = 128, steps: int = 16) -> list[str]:
 
     tracer = _PerCallTrace(load_traced_kernel())
     with mock.patch.object(w4a8, "_gemm", types.SimpleNamespace(w4a8_gemm_kernel=tracer)):
-        engine = _engine(model, "mxfp4", context + steps + 64, "cuda", None, max_num_seqs=1,
+        engine = _engine(model, "mxfp4", context + steps + 64, device, overrides, max_num_seqs=1,
                          cuda_graph_max_batch=1)
         gen = torch.Generator().manual_seed(0)
         engine.add_request("traced", _random_ids(context, engine.model.config.vocab_size, gen),
                            SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
     step = [(n, k, slots.view(-1, FIELDS).cpu().numpy()) for m, n, k, captured, slots in tracer.calls
             if captured and m == 1]
     if not step:

@@ -50,3 +50,12 @@ def test_step_summary_spans_and_gaps():
     assert any(line.strip().startswith("64x128: 2 calls") and "CTAs per SM up to 2" in line
                and "gap before p50 2.00" in line for line in lines)
     assert any(line.strip().startswith("32x128: 1 calls") and "makespan p50 2.00" in line for line in lines)
+
+
+def test_engine_mode_dry_run_on_cpu_says_nothing_was_captured():
+    from tests.bench.test_bench_synthetic import TINY
+
+    # the CPU runs the reference path and no graphs: the harness runs through and reports that plainly
+    with pytest.raises(RuntimeError, match="no W4A8 GEMM was captured"):
+        gemm_cta_trace.trace_engine("synthetic:llama-3.1-8b", context=8, steps=3, device="cpu",
+                                    overrides={**TINY, "vocab_size": 512})
