@@ -20,6 +20,7 @@ from radiance.formats import dequantize_mxfp4, to_mxfp4
 from radiance.kernels import ops  # noqa: F401 - registers torch.ops.radiance.*
 from radiance.kernels import reference
 from radiance.kernels.activation import Fp8Activations, quantize_activations
+from radiance.kernels.device_info import capability
 from radiance.kernels.numerics import NumericsMonitor
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
 
@@ -39,7 +40,7 @@ def choose_path(device: torch.device, config: KernelConfig) -> tuple[str, str]:
         return PATH_REFERENCE, "use_triton=False"
     if device.type != "cuda":
         return PATH_REFERENCE, f"{device.type}: exact reference path"
-    cap = torch.cuda.get_device_capability(device)
+    cap = capability(device)
     if cap not in FP8_GPUS:
         return PATH_REFERENCE, f"sm_{cap[0]}{cap[1]}: no fp8 tensor-core kernel for this GPU"
     return PATH_W4A8, f"sm_{cap[0]}{cap[1]}: W4A8 Triton kernel"
