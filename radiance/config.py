@@ -104,12 +104,19 @@ class RunnerConfig:
     # largest decode batch captured (capped by max_num_seqs; buckets 1, 2, 4, 8, then every 16): a larger
     # batch runs eagerly, host-bound on kernel launches (MXFP4 at 128 sequences: 0.76x bf16 before)
     cuda_graph_max_batch: int = 256
+    # token-count buckets of single-sequence prefill steps replayed from CUDA graphs (padded to the
+    # bucket; steps above the largest, or with several sequences, run eagerly). Eager, a short MXFP4
+    # prefill is host-bound on ~10 launches per layer (bench/RESULTS.md, fifth session). Experimental:
+    # off until measured on a GPU
+    prefill_graph_tokens: tuple[int, ...] = ()
     # queue each decode step before reading the previous one's tokens, so the host's bookkeeping runs
     # while the device computes; None: on when decode steps replay CUDA graphs
     overlap_decode: bool | None = None
 
     def __post_init__(self):
         _check(self.cuda_graph_max_batch > 0, "cuda_graph_max_batch must be positive")
+        _check(all(isinstance(t, int) and t > 0 for t in self.prefill_graph_tokens),
+               "prefill_graph_tokens must be positive token counts")
 
 
 @dataclass(frozen=True)

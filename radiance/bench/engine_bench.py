@@ -173,10 +173,10 @@ def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, fl
 
 
 def bench_variant(model: str, quantization: str, contexts, prefills, concurrencies, max_model_len: int,
-                  device: str = "cuda", overrides: dict | None = None) -> dict:
+                  device: str = "cuda", overrides: dict | None = None, engine_options: dict | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     engine = _engine(model, quantization, max_model_len, device, overrides, max_num_batched_tokens=max(prefills),
-                     max_num_seqs=max(concurrencies), gpu_memory_utilization=0.85)
+                     max_num_seqs=max(concurrencies), gpu_memory_utilization=0.85, **(engine_options or {}))
     row = {"variant": quantization, "load": engine.load_summary}
     for c in contexts:
         row[f"decode_ms@{c}"] = _decode_ms(engine, c, 32, gen)
@@ -245,13 +245,14 @@ def bench_hf(model: str, contexts, prefills, concurrencies) -> dict:
 
 def run(model: str = "synthetic:llama-3.1-8b", variants=("none", "mxfp4"), contexts=(128, 8192),
         prefills=(1024, 8192), concurrencies=(16, 64), with_hf: bool = True, device: str = "cuda",
-        overrides: dict | None = None) -> list[dict]:
-    """`device="cpu"` with a small `overrides` config is a dry run of the harness (no timings that matter)."""
+        overrides: dict | None = None, engine_options: dict | None = None) -> list[dict]:
+    """`device="cpu"` with a small `overrides` config is a dry run of the harness (no timings that matter);
+    `engine_options` go to every variant's EngineConfig (e.g. prefill_graph_tokens)."""
     max_model_len = max(max(contexts), max(prefills)) + 256
     rows = []
     for v in variants:
         rows.append(_guarded(v, bench_variant, model, v, contexts, prefills, concurrencies, max_model_len, device,
-                             overrides))
+                             overrides, engine_options))
         print(table(rows), flush=True)
     if with_hf:
         rows.append(_guarded("hf-transformers-bf16", bench_hf, model, contexts, prefills, concurrencies))
@@ -294,14 +295,18 @@ def _add_args(p) -> None:
     p.add_argument("--prefills", nargs="+", type=int, default=[1024, 8192, 32768], help="prompt lengths of the prefill measurement")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 128],
                    help="concurrent sequences of the aggregate-throughput measurement")
+    p.add_argument("--prefill-graphs", nargs="+", type=int, default=None, metavar="TOKENS",
+                   help="replay single-sequence prefills of up to these token counts from CUDA graphs "
+                        "(RunnerConfig.prefill_graph_tokens; experimental)")
     p.add_argument("--no-hf", dest="with_hf", action="store_false", help="skip the HF transformers peer")
     p.add_argument("--json", help="also write the rows to this file")
 
 
 def _run_args(args) -> int:
     model = args.model_arg or args.model or "synthetic:llama-3.1-8b"
+    options = {"prefill_graph_tokens": tuple(args.prefill_graphs)} if args.prefill_graphs else None
     rows = run(model, tuple(args.variants), tuple(args.contexts), tuple(args.prefills),
-               tuple(args.concurrency), args.with_hf)
+               tuple(args.concurrency), args.with_hf, engine_options=options)
     for r in rows:
         for line in r.get("load", []):
             print(f"[{r['variant']}] {line}")

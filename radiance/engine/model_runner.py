@@ -93,8 +93,10 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.h_ids = [torch.zeros(max_rows, dtype=torch.long, pin_memory=pin) for _ in range(3)]
         self._readback = 0
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not config.runner.enforce_eager:
             self._capture_decode_graphs()
+            self._capture_prefill_graphs()
             if config.kernel.numerics_check:  # graph replays run no Python, so no check can run inside them
                 logger.warning("numerics check covers eager steps only (prefill, mixed steps, decode batches above "
                                "%d); add --enforce-eager to check decode steps too", max(self.graphs))
@@ -140,6 +142,9 @@ class ModelRunner:
         batch = len(scheduled)
         if is_decode and self.graphs and batch <= max(self.graphs):
             hidden = self._replay(tokens, positions, slots, kv_lens, tables)
+        elif (batch == 1 and not is_decode and next_tokens is None and self.prefill_graphs
+              and q_lens[0] <= self.prefill_sizes[-1]):
+            hidden = self._replay_prefill(tokens, positions, slots, kv_lens[0], tables)
         else:
             cu = np.zeros(batch + 1, dtype=np.int32)
             cu[1:] = np.cumsum(q_lens)
@@ -217,6 +222,63 @@ class ModelRunner:
             self.graphs[batch] = graph
         torch.cuda.synchronize(dev)
         logger.info("captured CUDA graphs for decode batches %s", self.buckets)
+
+    def _capture_prefill_graphs(self) -> None:
+        """One graph per `RunnerConfig.prefill_graph_tokens` bucket, for steps that prefill (a chunk of)
+        one sequence: padding rows write no KV (slot -1) and lie outside cu_seqlens, so attention never
+        computes them; the caller keeps the first q_len rows of the output."""
+        limit = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens)
+        self.prefill_sizes = sorted({t for t in self.config.runner.prefill_graph_tokens if t <= limit})
+        if not self.prefill_sizes:
+            return
+        dev, top = self.device, self.prefill_sizes[-1]
+        # [tokens, positions, slots] of the largest bucket; int32 [cu_seqlens_q (0, q_len), context_len];
+        # the sequence's block table. Pinned staging sets are used in turn, as for the decode graphs.
+        self.p_meta = torch.zeros(3, top, dtype=torch.long, device=dev)
+        self.p_lens = torch.zeros(3, dtype=torch.int32, device=dev)
+        self.p_table = torch.zeros(1, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.hp_meta = [torch.zeros(3, top, dtype=torch.long).pin_memory() for _ in range(3)]
+        self.hp_lens = [torch.zeros(3, dtype=torch.int32).pin_memory() for _ in range(3)]
+        self.hp_table = [torch.zeros(1, self.max_blocks_per_seq, dtype=torch.int32).pin_memory() for _ in range(3)]
+        self._p_staging = 0
+        tokens, positions, slots = self.p_meta.unbind(0)
+        slots.fill_(-1)
+        self.p_hidden: dict[int, torch.Tensor] = {}
+        pool = None
+        for size in reversed(self.prefill_sizes):
+            self.p_lens.copy_(torch.tensor([0, size, size], dtype=torch.int32))
+            meta = AttentionMetadata(slot_mapping=slots[:size], block_tables=self.p_table,
+                                     context_lens=self.p_lens[2:], cu_seqlens_q=self.p_lens[:2], q_lens=[size],
+                                     kv_lens=[size], is_decode=False)
+            args = (tokens[:size], positions[:size], meta)
+            with torch.inference_mode():
+                self.model(*args)  # warm-up outside the capture: compiles, expand scratch at full size
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    self.p_hidden[size] = self.model(*args)
+            pool = graph.pool()
+            self.prefill_graphs[size] = graph
+        torch.cuda.synchronize(dev)
+        logger.info("captured CUDA graphs for single-sequence prefills of up to %s tokens", self.prefill_sizes)
+
+    def _replay_prefill(self, tokens, positions, slots, kv_len: int, tables) -> torch.Tensor:
+        q_len = len(positions)
+        size = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, q_len)]
+        self._p_staging = (self._p_staging + 1) % len(self.hp_meta)
+        h_meta = self.hp_meta[self._p_staging]
+        h_lens, h_table = self.hp_lens[self._p_staging], self.hp_table[self._p_staging]
+        meta = h_meta.numpy()
+        meta[:, :q_len] = (tokens, positions, slots)
+        meta[:, q_len:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere
+        h_lens.numpy()[:] = (0, q_len, kv_len)
+        width = tables.shape[1]
+        h_table.numpy()[0, :width] = tables[0]  # entries past the sequence's blocks are never read
+        self.p_meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
+        self.p_lens.copy_(h_lens, non_blocking=True)
+        self.p_table[:, :width].copy_(h_table[:, :width], non_blocking=True)
+        self.prefill_graphs[size].replay()
+        return self.p_hidden[size][:q_len]
 
     def _replay(self, tokens, positions, slots, kv_lens, tables) -> torch.Tensor:
         """tokens: host ints, or a device tensor (a step queued behind the one that samples them)."""

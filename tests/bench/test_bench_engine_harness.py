@@ -21,12 +21,16 @@ def test_engine_bench_cli_takes_model_and_quantization(monkeypatch):
     import argparse
 
     seen = {}
-    monkeypatch.setattr(engine_bench, "run", lambda model, variants, *a: seen.update(model=model, variants=variants) or [])
+    monkeypatch.setattr(engine_bench, "run", lambda model, variants, *a, **kw: seen.update(
+        model=model, variants=variants, options=kw.get("engine_options")) or [])
     parser = argparse.ArgumentParser()
     engine_bench.add_engine_parser(parser.add_subparsers())
     args = parser.parse_args(["engine", "synthetic:qwen3-32b", "--quantization", "none", "nvfp4"])
     assert args.func(args) == 0
-    assert seen == {"model": "synthetic:qwen3-32b", "variants": ("none", "nvfp4")}
+    assert seen == {"model": "synthetic:qwen3-32b", "variants": ("none", "nvfp4"), "options": None}
+    args = parser.parse_args(["engine", "--prefill-graphs", "512", "1024"])
+    assert args.func(args) == 0
+    assert seen["options"] == {"prefill_graph_tokens": (512, 1024)}
 
 
 def test_kernel_breakdown_ranks_kernels_per_step():

@@ -39,3 +39,27 @@ def test_gpu_matches_cpu_in_fp32(tiny_llm):
     gpu = tiny_llm(device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=8, cuda_graph_max_batch=8)
     torch.backends.cuda.matmul.allow_tf32 = False
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == cpu
+
+
+@pytest.mark.parametrize("quantization", ["none", "mxfp4"])
+def test_prefill_graphs_do_not_change_greedy_outputs(tiny_llm, quantization):
+    """Single-sequence prefills replayed from padded CUDA graphs give the eager tokens: lengths below,
+    at and between the buckets, a prefix-cache hit (context longer than the new tokens) and a prompt
+    longer than the largest bucket (eager). Several prompts at once are not one sequence: eager too."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", num_gpu_blocks_override=256, max_num_seqs=4, cuda_graph_max_batch=4,
+                  quantization=quantization)
+    eager = tiny_llm(enforce_eager=True, **common)
+    graphs = tiny_llm(enforce_eager=False, prefill_graph_tokens=(16, 32, 64), **common)
+    runner = graphs.engine.runner
+    assert sorted(runner.prefill_graphs) == [16, 32, 64] and not eager.engine.runner.prefill_graphs
+    prompts = [[(3 * i + 5 * j) % 256 for j in range(n)] for i, n in enumerate((5, 16, 17, 40, 64, 90))]
+    for prompt in prompts:  # one at a time: each prefill is a single-sequence step
+        assert (graphs.generate(prompt, params)[0].outputs[0].token_ids
+                == eager.generate(prompt, params)[0].outputs[0].token_ids), len(prompt)
+    # the same 40-token prompt again, extended: its first blocks come from the prefix cache
+    longer = prompts[3] + [11, 12, 13, 14, 15, 16, 17]
+    assert (graphs.generate(longer, params)[0].outputs[0].token_ids
+            == eager.generate(longer, params)[0].outputs[0].token_ids)
+    together = [o.outputs[0].token_ids for o in graphs.generate(prompts[:3], params)]
+    assert together == [o.outputs[0].token_ids for o in eager.generate(prompts[:3], params)]
