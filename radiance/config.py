@@ -105,10 +105,11 @@ class RunnerConfig:
     # batch runs eagerly, host-bound on kernel launches (MXFP4 at 128 sequences: 0.76x bf16 before)
     cuda_graph_max_batch: int = 256
     # token-count buckets of single-sequence prefill steps replayed from CUDA graphs (padded to the
-    # bucket; steps above the largest, or with several sequences, run eagerly). Eager, a short MXFP4
-    # prefill is host-bound on ~10 launches per layer (bench/RESULTS.md, fifth session). Experimental:
-    # off until measured on a GPU
-    prefill_graph_tokens: tuple[int, ...] = ()
+    # bucket; steps above the largest, or with several sequences, run eagerly). Eager, a short prefill
+    # is host-bound on ~10 launches per layer: on the H200 the 8B's 512-token prefill went from 18k to
+    # 36k tok/s (MXFP4) and 17k to 44k (bf16) with graphs (bench/RESULTS.md, sixth session); from 2k
+    # tokens on the GPU is busy either way. () turns it off
+    prefill_graph_tokens: tuple[int, ...] = (128, 256, 512, 1024)
     # queue each decode step before reading the previous one's tokens, so the host's bookkeeping runs
     # while the device computes; None: on when decode steps replay CUDA graphs
     overlap_decode: bool | None = None

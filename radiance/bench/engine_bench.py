@@ -119,6 +119,23 @@ def kernel_breakdown(records, steps: int, top: int = 12) -> list[dict]:
             for name, (us, calls) in ranked]
 
 
+def busy_us(intervals) -> float:
+    """Length of the union of (start, end) intervals: the time the GPU ran at least one kernel. A sum of
+    kernel times overstates it once kernels overlap (PDL launches a kernel early, and its wait for the
+    one before counts as its own time)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _device_intervals(prof) -> list[tuple[float, float]]:
+    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+
 def _device_records(prof) -> list[tuple[str, float]]:
     """(name, us) of the device-side records of a torch profile: kernels, memcpy/memset, graph-launched
     ones included."""
@@ -127,9 +144,10 @@ def _device_records(prof) -> list[tuple[str, float]]:
 
 
 def _prefill_gpu_busy(engine, length: int, wall_s: float, gen) -> float:
-    """Sum of the kernel times of one `length`-token prefill step over its unprofiled wall time `wall_s`
-    (the profiler slows the host, so its own wall time would overstate the gaps). Well below 1: the step
-    is host-bound, the GPU waits for launches (bench/RESULTS.md, fifth session: MXFP4 at 1k, 0.55)."""
+    """The time the GPU runs kernels during one `length`-token prefill (the union of their intervals)
+    over its unprofiled wall time `wall_s` (the profiler slows the host, so its own wall time would
+    overstate the gaps). Well below 1: the step is host-bound, the GPU waits for launches
+    (bench/RESULTS.md, fifth session: MXFP4 at 1k, 0.55 as a kernel-time sum)."""
     from torch.profiler import ProfilerActivity, profile
 
     from radiance.engine.sampling_params import SamplingParams
@@ -140,12 +158,12 @@ def _prefill_gpu_busy(engine, length: int, wall_s: float, gen) -> float:
         while engine.has_unfinished_requests():
             engine.step()
         _sync()
-    return sum(us for _, us in _device_records(prof)) / 1e6 / wall_s
+    return busy_us(_device_intervals(prof)) / 1e6 / wall_s
 
 
-def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, float, list[dict]]:
-    """(median step wall ms, mean per-step sum of CUDA kernel times, the largest kernels per step) over
-    profiled batch-1 decode steps."""
+def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, float, float, list[dict]]:
+    """(median step wall ms, mean per-step sum of CUDA kernel times, mean per-step time the GPU runs any
+    kernel (busy_us), the largest kernels per step) over profiled batch-1 decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from radiance.engine.sampling_params import SamplingParams
@@ -169,7 +187,8 @@ def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, fl
     engine.overlap_decode = overlap
     records = _device_records(prof)
     kernel_us = sum(us for _, us in records)
-    return statistics.median(walls) * 1e3, kernel_us / steps / 1e3, kernel_breakdown(records, steps)
+    return (statistics.median(walls) * 1e3, kernel_us / steps / 1e3, busy_us(_device_intervals(prof)) / steps / 1e3,
+            kernel_breakdown(records, steps))
 
 
 def bench_variant(model: str, quantization: str, contexts, prefills, concurrencies, max_model_len: int,
@@ -188,10 +207,11 @@ def bench_variant(model: str, quantization: str, contexts, prefills, concurrenci
     for n in concurrencies:
         row[f"agg_tok_s@{n}"] = _aggregate_tok_s(engine, n, 128, 128, gen)
     if device == "cuda":
-        row["profiled_step_ms"], row["kernel_sum_ms"], row["kernels"] = _kernel_sum_ms(engine, contexts[0], gen)
-        # unprofiled step time over the kernels' device time (the profiler itself slows the host side)
+        (row["profiled_step_ms"], row["kernel_sum_ms"], row["gpu_busy_ms"],
+         row["kernels"]) = _kernel_sum_ms(engine, contexts[0], gen)
+        # unprofiled step time over the time the GPU runs kernels (the profiler itself slows the host side)
         base = row[f"decode_ms@{contexts[0]}"]
-        row["overhead_ratio"] = base / row["kernel_sum_ms"] if row["kernel_sum_ms"] else float("nan")
+        row["overhead_ratio"] = base / row["gpu_busy_ms"] if row["gpu_busy_ms"] else float("nan")
     del engine
     gc.collect()
     if device == "cuda":
@@ -296,15 +316,18 @@ def _add_args(p) -> None:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 128],
                    help="concurrent sequences of the aggregate-throughput measurement")
     p.add_argument("--prefill-graphs", nargs="+", type=int, default=None, metavar="TOKENS",
-                   help="replay single-sequence prefills of up to these token counts from CUDA graphs "
-                        "(RunnerConfig.prefill_graph_tokens; experimental)")
+                   help="token buckets of the single-sequence prefills replayed from CUDA graphs "
+                        "(RunnerConfig.prefill_graph_tokens; default 128 256 512 1024); 0 turns them off, "
+                        "for an A/B")
     p.add_argument("--no-hf", dest="with_hf", action="store_false", help="skip the HF transformers peer")
     p.add_argument("--json", help="also write the rows to this file")
 
 
 def _run_args(args) -> int:
     model = args.model_arg or args.model or "synthetic:llama-3.1-8b"
-    options = {"prefill_graph_tokens": tuple(args.prefill_graphs)} if args.prefill_graphs else None
+    options = None
+    if args.prefill_graphs is not None:
+        options = {"prefill_graph_tokens": tuple(t for t in args.prefill_graphs if t > 0)}
     rows = run(model, tuple(args.variants), tuple(args.contexts), tuple(args.prefills),
                tuple(args.concurrency), args.with_hf, engine_options=options)
     for r in rows:

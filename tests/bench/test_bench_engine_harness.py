@@ -31,6 +31,15 @@ def test_engine_bench_cli_takes_model_and_quantization(monkeypatch):
     args = parser.parse_args(["engine", "--prefill-graphs", "512", "1024"])
     assert args.func(args) == 0
     assert seen["options"] == {"prefill_graph_tokens": (512, 1024)}
+    args = parser.parse_args(["engine", "--prefill-graphs", "0"])
+    assert args.func(args) == 0
+    assert seen["options"] == {"prefill_graph_tokens": ()}
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    # nested, overlapping (PDL), touching and disjoint intervals, out of order
+    assert engine_bench.busy_us([(5, 9), (0, 4), (1, 2), (3, 6), (9, 10), (20, 21)]) == 11
+    assert engine_bench.busy_us([]) == 0
 
 
 def test_kernel_breakdown_ranks_kernels_per_step():
