@@ -30,6 +30,13 @@ class AttentionMetadata:
     decode_splits: int = 1       # KV partitions per sequence of the decode kernel (fixed per graph bucket)
 
 
+# decode batches from which the split kernel rotates q and stores K/V itself. On the H200 (8B, MXFP4,
+# context 128) the fused launch saved 66 us per step at batch 64 but cost 21 us at batch 1, where
+# each split program's longer start (positions, tables, rotation, barrier) is on the critical path
+# (bench/RESULTS.md, sixth session); 16 lies between the two measured points
+FUSED_ROTARY_MIN_BATCH = 16
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
@@ -47,13 +54,18 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None,
                 rotary: tuple | None = None, quantize: bool = False):
         """q [..., Hq, D], k/v [..., Hkv, D] -> [..., Hq * D]. rotary = (RotaryEmbedding, positions)
-        rotates q and k first; on the Triton path that launch also writes k and v to the cache.
+        rotates q and k first; on the Triton path that launch also writes k and v to the cache (at
+        decode the attention kernel itself rotates and writes them).
         `quantize` (the next linear runs W4A8) lets the decode path return Fp8Activations, quantized
         in its merge launch; every other path returns the tensor and leaves quantization to the linear."""
         cached = meta is not None and self.k_cache is not None
         if rotary is not None:
             rope, positions = rotary
             if cached and _use_triton(q) and rope.fuses_kv_store(positions, q):
+                if meta.is_decode and q.shape[0] >= FUSED_ROTARY_MIN_BATCH:
+                    # the decode kernel rotates and stores itself: one launch fewer
+                    fused = (rope.cos, rope.sin, positions, k, v, meta.slot_mapping)
+                    return self._paged_triton(q, meta, quantize, rotary=fused)
                 q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
                 return self._paged_triton(q, meta, quantize)
             q, k = rope(positions, q, k)
@@ -68,12 +80,14 @@ class Attention(nn.Module):
                                     meta.kv_lens, self.scale)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
-    def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata, quantize: bool = False):
-        """Attention of q over the paged cache, which already holds this step's K/V."""
+    def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata, quantize: bool = False,
+                      rotary: tuple | None = None):
+        """Attention of q over the paged cache, which already holds this step's K/V; at decode, with
+        `rotary` (see paged_decode_attention), q is unrotated and the kernel rotates and stores K/V."""
         from radiance.layers import attention_triton as at
         if meta.is_decode:
             out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                            meta.context_lens, self.scale, meta.decode_splits, quantize)
+                                            meta.context_lens, self.scale, meta.decode_splits, quantize, rotary)
             if isinstance(out, tuple):
                 return Fp8Activations(*out, q.dtype, tuple(q.shape[:-2]))
         else:

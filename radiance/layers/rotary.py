@@ -56,7 +56,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def fuses_kv_store(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
-        """Whether `rotate_and_store` serves these inputs (the Triton path: CUDA, [T, H, D], D/2 a power of 2)."""
+        """Whether `rotate_and_store` serves these inputs (the Triton path: CUDA, [T, H, D], D/2 a power of 2);
+        then at decode paged_decode_attention(rotary=...) rotates and stores in its own launch instead."""
         half = q.shape[-1] // 2
         return q.is_cuda and q.dim() == 3 and positions.dim() == 1 and half & (half - 1) == 0
 

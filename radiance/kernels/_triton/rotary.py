@@ -3,6 +3,8 @@ STORE_KV the rotated k and the v of the token go straight to their paged-cache s
 output (the attention kernels read K/V from the cache only), saving the separate KV-store launch.
 
 Same math as layers/rotary.py: fp32 rotation with fp32 cos/sin tables, rounded to the input dtype.
+The decode attention kernel (layers/attention_triton.py) reuses the helpers to rotate and store in
+its own launch at decode.
 """
 
 import triton
@@ -12,8 +14,10 @@ from radiance.kernels._triton.act_quant import pdl_handoff
 
 
 @triton.jit
-def _rotate_heads(src_row, dst_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotates `heads` heads at src_row (head stride stride_h) into dst_row (heads contiguous)."""
+def _rotated_halves(src_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The halves (x1 cos - x2 sin, x2 cos + x1 sin), each [BLOCK_H, HALF] in the input dtype, of the
+    `heads` heads at src_row (head stride stride_h; rows past `heads` are zeros). The one copy of the
+    math, so every kernel that rotates (here, the fused decode attention) rounds to the same bits."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     live = h < heads
@@ -21,9 +25,39 @@ def _rotate_heads(src_row, dst_row, stride_h, heads, cos, sin, HALF: tl.constexp
     x1_raw = tl.load(src, mask=live, other=0.0)
     x1 = x1_raw.to(tl.float32)
     x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(x1_raw.dtype), (x2 * cos + x1 * sin).to(x1_raw.dtype)
+
+
+@triton.jit
+def _rotate_heads(src_row, dst_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotates `heads` heads at src_row (head stride stride_h) into dst_row (heads contiguous)."""
+    r1, r2 = _rotated_halves(src_row, stride_h, heads, cos, sin, HALF, BLOCK_H)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    live = h < heads
     dst = dst_row + h * 2 * HALF + d
-    tl.store(dst, (x1 * cos - x2 * sin).to(x1_raw.dtype), mask=live)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(x1_raw.dtype), mask=live)
+    tl.store(dst, r1, mask=live)
+    tl.store(dst + HALF, r2, mask=live)
+
+
+@triton.jit
+def rotated_heads(src_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The rotated heads as one register tile [BLOCK_H, 2 * HALF] (the halves side by side)."""
+    r1, r2 = _rotated_halves(src_row, stride_h, heads, cos, sin, HALF, BLOCK_H)
+    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_H, 2 * HALF))
+
+
+@triton.jit
+def store_rotated_kv(k_row, v_row, kc_row, vc_row, stride_kh, stride_vh, heads, cos, sin, HALF: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """A token's `heads` k heads rotated and its v heads as they are, into one cache slot (kc_row /
+    vc_row: its first head; heads contiguous)."""
+    _rotate_heads(k_row, kc_row, stride_kh, heads, cos, sin, HALF, BLOCK_H)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, 2 * HALF)[None, :]
+    live = h < heads
+    v = tl.load(v_row + h * stride_vh + d, mask=live)
+    tl.store(vc_row + h * 2 * HALF + d, v, mask=live)
 
 
 @triton.jit
@@ -45,12 +79,8 @@ def rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             row = slot.to(tl.int64) * stride_cs
-            _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + row, stride_kh, k_heads, cos, sin, HALF, BLOCK_KH)
-            h = tl.arange(0, BLOCK_KH)[:, None]
-            dd = tl.arange(0, 2 * HALF)[None, :]
-            live = h < k_heads
-            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dd, mask=live)
-            tl.store(v_out_ptr + row + h * 2 * HALF + dd, v, mask=live)
+            store_rotated_kv(k_ptr + t * stride_kt, v_ptr + t * stride_vt, k_out_ptr + row, v_out_ptr + row,
+                             stride_kh, stride_vh, k_heads, cos, sin, HALF, BLOCK_KH)
     else:
         _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * k_heads * 2 * HALF, stride_kh, k_heads, cos, sin, HALF,
                       BLOCK_KH)
