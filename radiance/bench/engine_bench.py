@@ -147,7 +147,9 @@ def _prefill_gpu_busy(engine, length: int, wall_s: float, gen) -> float:
     """The time the GPU runs kernels during one `length`-token prefill (the union of their intervals)
     over its unprofiled wall time `wall_s` (the profiler slows the host, so its own wall time would
     overstate the gaps). Well below 1: the step is host-bound, the GPU waits for launches
-    (bench/RESULTS.md, fifth session: MXFP4 at 1k, 0.55 as a kernel-time sum)."""
+    (bench/RESULTS.md, fifth session: MXFP4 at 1k, 0.55 as a kernel-time sum). A prefill replayed
+    from a CUDA graph can read above 1 (the profiled replay runs slower than the timed ones: 1.09 for
+    the 8B's 512-token MXFP4 prefill); near or above ~0.9, the step is GPU-bound."""
     from torch.profiler import ProfilerActivity, profile
 
     from radiance.engine.sampling_params import SamplingParams
