@@ -98,8 +98,9 @@ class ModelRunner:
             self._capture_decode_graphs()
             self._capture_prefill_graphs()
             if config.kernel.numerics_check:  # graph replays run no Python, so no check can run inside them
-                logger.warning("numerics check covers eager steps only (prefill, mixed steps, decode batches above "
-                               "%d); add --enforce-eager to check decode steps too", max(self.graphs))
+                logger.warning("numerics check covers eager steps only (prefills of several sequences or above %d "
+                               "tokens, mixed steps, decode batches above %d); add --enforce-eager to check every step",
+                               max(self.prefill_sizes, default=0), max(self.graphs))
 
     # ---------------------------------------------------------------- inputs
 
@@ -211,17 +212,22 @@ class ModelRunner:
                 slot_mapping=self.g_slots[:batch], block_tables=self.g_tables[:batch],
                 context_lens=self.g_context[:batch], cu_seqlens_q=None, q_lens=[1] * batch,
                 kv_lens=[1] * batch, is_decode=True, decode_splits=decode_num_splits(batch, kv_heads))
-            args = (self.g_tokens[:batch], self.g_positions[:batch], meta)
-            with torch.inference_mode():
-                self.model(*args)  # warm-up: Triton compiles, allocator settles, outside the capture
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.g_hidden[batch] = self.model(*args)
-            pool = graph.pool()
-            self.graphs[batch] = graph
+            self.graphs[batch], self.g_hidden[batch] = self._capture(pool, self.g_tokens[:batch],
+                                                                     self.g_positions[:batch], meta)
+            pool = self.graphs[batch].pool()
         torch.cuda.synchronize(dev)
         logger.info("captured CUDA graphs for decode batches %s", self.buckets)
+
+    def _capture(self, pool, *args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, its output) of one forward over static `args`, in memory `pool` (shared by the
+        buckets: captured largest first, each reuses what the larger one freed)."""
+        with torch.inference_mode():
+            self.model(*args)  # warm-up outside the capture: Triton compiles, scratch buffers at full size
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                out = self.model(*args)
+        return graph, out
 
     def _capture_prefill_graphs(self) -> None:
         """One graph per `RunnerConfig.prefill_graph_tokens` bucket, for steps that prefill (a chunk of)
@@ -250,15 +256,8 @@ class ModelRunner:
             meta = AttentionMetadata(slot_mapping=slots[:size], block_tables=self.p_table,
                                      context_lens=self.p_lens[2:], cu_seqlens_q=self.p_lens[:2], q_lens=[size],
                                      kv_lens=[size], is_decode=False)
-            args = (tokens[:size], positions[:size], meta)
-            with torch.inference_mode():
-                self.model(*args)  # warm-up outside the capture: compiles, expand scratch at full size
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.p_hidden[size] = self.model(*args)
-            pool = graph.pool()
-            self.prefill_graphs[size] = graph
+            self.prefill_graphs[size], self.p_hidden[size] = self._capture(pool, tokens[:size], positions[:size], meta)
+            pool = self.prefill_graphs[size].pool()
         torch.cuda.synchronize(dev)
         logger.info("captured CUDA graphs for single-sequence prefills of up to %s tokens", self.prefill_sizes)
 

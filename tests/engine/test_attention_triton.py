@@ -3,6 +3,7 @@ Triton interpreter (small shapes, in a subprocess since TRITON_INTERPRET is read
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -196,6 +197,17 @@ def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: 
     return errors
 
 
+def _in_interpreter(script: str) -> dict:
+    """Runs `script` under TRITON_INTERPRET=1 in a subprocess (Triton reads it at import) and returns
+    the JSON object its last line prints."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 _SCRIPT = """
 import json, torch
 from tests.engine.test_attention_triton import check_kernels
@@ -204,12 +216,7 @@ print(json.dumps(check_kernels("cpu", torch.float32, head_dim=48, heads=6, kv_he
 
 
 def test_triton_kernels_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = _in_interpreter(_SCRIPT)
     assert errors["store"] == 0.0
     assert errors["prefill"] < 1e-4 and errors["decode"] < 1e-4
     assert errors["padding_nan"] == 0.0
@@ -227,13 +234,7 @@ print(json.dumps({"fp32": fp32, "fp16": fp16}))  # (the interpreter's bf16 dots 
 def test_fused_rotary_decode_in_the_interpreter():
     """Rotary + KV store inside the decode split kernel: the cache bytes and the output equal the
     unfused launches' (rotate_and_store, then decode), the output close to the torch reference."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", _FUSED_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = _in_interpreter(_FUSED_SCRIPT)
     for dtype, errors in results.items():
         assert errors["cache_differs"] == 0.0 and errors["out_differs"] == 0.0, (dtype, errors)
         tol = 1e-5 if dtype == "fp32" else 1e-3
@@ -256,13 +257,7 @@ def test_merge_quantize_rows_in_the_interpreter():
     1/3/5, splits 1/3, 6 heads (one pass and chunked), a padded head dim; a NaN in one sequence's
     partials gives that row a NaN scale and leaves every other row's bytes alone; and
     paged_decode_attention(quantize=True), which runs it on the CPU, matches its unquantized output."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", _MERGE_QUANT_SCRIPT], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = _in_interpreter(_MERGE_QUANT_SCRIPT)
     for dtype, errors in results.items():
         assert errors["cases"] > 0, (dtype, errors)
         assert all(v == 0 for k, v in errors.items() if k != "cases"), (dtype, errors)
