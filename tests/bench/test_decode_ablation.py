@@ -1,0 +1,44 @@
+"""tools/decode_ablation.py: its stubs must keep the signatures of the launchers they replace (or the
+GPU run breaks in the next session), and the harness must run end to end (a CPU dry run)."""
+
+import inspect
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+import radiance.layers.norm as norm_module
+import radiance.models.llama as llama_module
+from radiance.layers.attention import Attention
+from tests.bench.test_bench_synthetic import TINY
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import decode_ablation  # noqa: E402
+
+
+@pytest.mark.parametrize("stub,real", [(decode_ablation._no_norm, norm_module.add_rmsnorm),
+                                       (decode_ablation._no_silu, llama_module.silu_mul),
+                                       (decode_ablation._no_attention, Attention.forward)])
+def test_stubs_take_the_launchers_arguments(stub, real):
+    assert list(inspect.signature(stub).parameters) == list(inspect.signature(real).parameters)
+
+
+def test_removed_swaps_and_restores():
+    real = (norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward)
+    with decode_ablation.removed({"norm", "attn"}):
+        assert norm_module.add_rmsnorm is decode_ablation._no_norm
+        assert Attention.forward is decode_ablation._no_attention
+        assert llama_module.silu_mul is real[1]
+    assert (norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward) == real
+    with pytest.raises(ValueError, match="removable"):
+        with decode_ablation.removed({"rope"}):
+            pass
+
+
+def test_dry_run_on_the_cpu():
+    rows = decode_ablation.run("synthetic:llama-3.1-8b", "mxfp4", batches=(1, 2), variants=("base", "silu+attn"),
+                               device="cpu", overrides={**TINY, "vocab_size": 512}, steps=2)
+    assert [name for name, _ in rows] == ["base", "silu+attn"]
+    assert all(math.isfinite(t) and t > 0 for _, times in rows for t in times)
+    assert Attention.forward is not decode_ablation._no_attention  # restored after the run

@@ -1,0 +1,128 @@
+"""What each small kernel of a decode step costs: the step time with kernels replaced by stubs that
+launch nothing (outputs garbage, timing valid), the ceiling of any fusion that would remove them.
+Measured in one engine, CUDA graphs re-captured per variant (bench/RESULTS.md, sixth session part 3).
+
+    python3 tools/decode_ablation.py [--model synthetic:llama-3.1-8b] [--quantization mxfp4] \
+        [--batches 1 64] [--variants base norm silu attn norm+silu+attn base]
+
+Variants: `base` (nothing removed), or `+`-joined names of what to remove:
+  norm   the residual add + RMSNorm (+ fp8 quantize) launches (two per layer)
+  silu   the SiLU-mul (+ fp8 quantize) launch
+  attn   the whole attention (rotary, KV store, split, merge + quantize)
+Repeat `base` last to see the run-to-run drift. On the CPU (`--device cpu`) it is a dry run of the
+harness: eager steps, no graphs, timings meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+
+import radiance.layers.norm as norm_module
+import radiance.models.llama as llama_module
+from radiance.bench.engine_bench import _engine, _random_ids, _sync
+from radiance.engine.sampling_params import SamplingParams
+from radiance.kernels.activation import Fp8Activations, fp8_outputs
+from radiance.layers.attention import Attention
+
+REMOVABLE = ("norm", "silu", "attn")
+
+
+def _no_norm(x, residual, weight, eps, quantize=False):
+    k = x.shape[-1]
+    y = Fp8Activations(*fp8_outputs(x.numel() // k, k, x.device), x.dtype, tuple(x.shape[:-1])) if quantize else x
+    return y, x
+
+
+def _no_silu(gate_up, quantize=False):
+    inter = gate_up.shape[-1] // 2
+    if not quantize:
+        return gate_up[..., :inter]
+    return Fp8Activations(*fp8_outputs(gate_up.numel() // gate_up.shape[-1], inter, gate_up.device), gate_up.dtype,
+                          tuple(gate_up.shape[:-1]))
+
+
+def _no_attention(self, q, k, v, meta, rotary=None, quantize=False):
+    rows, width = q.shape[0], self.num_heads * self.head_dim
+    if quantize:
+        return Fp8Activations(*fp8_outputs(rows, width, q.device), q.dtype, (rows,))
+    return q.reshape(rows, width)
+
+
+@contextlib.contextmanager
+def removed(names: set[str]):
+    """Stubs in place of the named kernels' launchers while inside."""
+    unknown = names - set(REMOVABLE)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; removable: {', '.join(REMOVABLE)}")
+    saved = (norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward)
+    try:
+        if "norm" in names:
+            norm_module.add_rmsnorm = _no_norm
+        if "silu" in names:
+            llama_module.silu_mul = _no_silu
+        if "attn" in names:
+            Attention.forward = _no_attention
+        yield
+    finally:
+        norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward = saved
+
+
+def step_ms(engine, batch: int, gen, context: int = 128, steps: int = 24) -> float:
+    """Wall ms per decode step of `batch` sequences at about `context` tokens, after their prefill and
+    a few warm-up steps."""
+    vocab = engine.model.config.vocab_size
+    for i in range(batch):
+        engine.add_request(f"ablation{i}", _random_ids(context, vocab, gen),
+                           SamplingParams(max_tokens=steps + 6, temperature=0.0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    _sync()
+    t0, done = time.perf_counter(), 0
+    while engine.has_unfinished_requests() and done < steps:
+        engine.step()
+        done += 1
+    _sync()
+    elapsed = (time.perf_counter() - t0) / max(done, 1) * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed
+
+
+def run(model: str, quantization: str, batches, variants, device: str = "cuda", overrides: dict | None = None,
+        steps: int = 24) -> list[tuple[str, list[float]]]:
+    engine = _engine(model, quantization, 4096, device, overrides, max_num_batched_tokens=8192,
+                     max_num_seqs=max(8, *batches), gpu_memory_utilization=0.6, prefill_graph_tokens=())
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for variant in variants:
+        names = set() if variant == "base" else set(variant.split("+"))
+        with removed(names):
+            if engine.runner.graphs:
+                engine.runner._capture_decode_graphs()  # the graphs bake in whatever launches now
+            rows.append((variant, [step_ms(engine, b, gen, steps=steps) for b in batches]))
+        print(f"{variant}: " + ", ".join(f"batch {b} {ms:.3f} ms" for b, ms in zip(batches, rows[-1][1])), flush=True)
+    if engine.runner.graphs:
+        engine.runner._capture_decode_graphs()  # leave the engine as it was
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="synthetic:llama-3.1-8b")
+    p.add_argument("--quantization", default="mxfp4")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    p.add_argument("--variants", nargs="+", default=["base", "norm", "silu", "attn", "norm+silu+attn", "base"])
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    rows = run(args.model, args.quantization, args.batches, args.variants, args.device)
+    print("removed | " + " | ".join(f"batch {b} ms" for b in args.batches))
+    for variant, times in rows:
+        print(f"{variant} | " + " | ".join(f"{t:.3f}" for t in times))
+
+
+if __name__ == "__main__":
+    main()
