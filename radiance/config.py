@@ -108,16 +108,16 @@ class RunnerConfig:
     # bucket; steps above the largest, or with several sequences, run eagerly). Eager, a short prefill
     # is host-bound on ~10 launches per layer: on the H200 the 8B's 512-token prefill went from 18k to
     # 36k tok/s (MXFP4) and 17k to 44k (bf16) with graphs (bench/RESULTS.md, sixth session); from 2k
-    # tokens on the GPU is busy either way. () turns it off
-    prefill_graph_tokens: tuple[int, ...] = (128, 256, 512, 1024)
+    # tokens on the GPU is busy either way
+    prefill_graph_tokens: tuple[int, ...] = (128, 256, 512, 1024)  # prefill graph buckets (tokens); 0: none
     # queue each decode step before reading the previous one's tokens, so the host's bookkeeping runs
     # while the device computes; None: on when decode steps replay CUDA graphs
     overlap_decode: bool | None = None
 
     def __post_init__(self):
         _check(self.cuda_graph_max_batch > 0, "cuda_graph_max_batch must be positive")
-        _check(all(isinstance(t, int) and t > 0 for t in self.prefill_graph_tokens),
-               "prefill_graph_tokens must be positive token counts")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.prefill_graph_tokens),
+               "prefill_graph_tokens must be token counts (0 alone: no prefill graphs)")
 
 
 @dataclass(frozen=True)

@@ -329,7 +329,7 @@ def _run_args(args) -> int:
     model = args.model_arg or args.model or "synthetic:llama-3.1-8b"
     options = None
     if args.prefill_graphs is not None:
-        options = {"prefill_graph_tokens": tuple(t for t in args.prefill_graphs if t > 0)}
+        options = {"prefill_graph_tokens": tuple(args.prefill_graphs)}
     rows = run(model, tuple(args.variants), tuple(args.contexts), tuple(args.prefills),
                tuple(args.concurrency), args.with_hf, engine_options=options)
     for r in rows:

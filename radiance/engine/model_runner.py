@@ -234,7 +234,7 @@ class ModelRunner:
         one sequence: padding rows write no KV (slot -1) and lie outside cu_seqlens, so attention never
         computes them; the caller keeps the first q_len rows of the output."""
         limit = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens)
-        self.prefill_sizes = sorted({t for t in self.config.runner.prefill_graph_tokens if t <= limit})
+        self.prefill_sizes = sorted({t for t in self.config.runner.prefill_graph_tokens if 0 < t <= limit})
         if not self.prefill_sizes:
             return
         dev, top = self.device, self.prefill_sizes[-1]

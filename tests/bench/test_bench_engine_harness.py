@@ -33,7 +33,7 @@ def test_engine_bench_cli_takes_model_and_quantization(monkeypatch):
     assert seen["options"] == {"prefill_graph_tokens": (512, 1024)}
     args = parser.parse_args(["engine", "--prefill-graphs", "0"])
     assert args.func(args) == 0
-    assert seen["options"] == {"prefill_graph_tokens": ()}
+    assert seen["options"] == {"prefill_graph_tokens": (0,)}
 
 
 def test_busy_time_is_the_union_of_kernel_intervals():

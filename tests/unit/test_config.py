@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from radiance.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig, add_engine_args,
-                             engine_config_from_args)
+from radiance.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, RunnerConfig, SchedulerConfig,
+                             add_engine_args, engine_config_from_args)
 
 
 def test_configs_are_frozen():
@@ -23,6 +23,7 @@ def test_configs_are_frozen():
     (lambda: CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
     (lambda: KernelConfig(decode_band=512), "decode_band"),
+    (lambda: RunnerConfig(prefill_graph_tokens=(256, -1)), "prefill_graph_tokens"),
 ])
 def test_invalid_values_name_the_field(build, match):
     with pytest.raises(ValueError, match=match):
@@ -46,6 +47,8 @@ def test_every_engine_field_is_a_cli_flag():
     assert cfg.scheduler.max_num_seqs == 5 and cfg.runner.enforce_eager is True
     assert cfg.cache.enable_prefix_caching is False and cfg.model.ignore == ("lm_head", "mlp")
     assert cfg.cache.gpu_memory_utilization == 0.5 and cfg.model.model == "some/dir"
+    off = engine_config_from_args(parser.parse_args(["--prefill-graph-tokens", "0"]))
+    assert off.runner.prefill_graph_tokens == (0,)  # 0: no prefill graphs (the runner keeps sizes > 0)
     flags = {a.dest for a in parser._actions}
     for sub in dataclasses.fields(EngineConfig):
         for f in dataclasses.fields(sub.default_factory):
