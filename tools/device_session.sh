@@ -4,8 +4,8 @@
 # here; carry ".whl"):  bash tools/device_session.sh MODE   (each mode fits one 10-minute call)
 #   quick    GPU tests, the Triton kernel cases, the 8B engine in bf16 and MXFP4 (about 5 minutes)
 #   kernels  the full kernel table (ours, cuBLAS bf16, cuBLAS fp8) and the per-CTA GEMM trace (about 5)
-#   models   the 32B engine in bf16 and MXFP4, the batch-64 step timeline of the 8B and its GEMMs traced
-#            inside batch-1 decode steps (about 6)
+#   models   the 32B engine in bf16 and MXFP4, the batch-64 step timeline of the 8B, its GEMMs traced
+#            inside batch-1 decode steps, and its decode steps with small kernels stubbed out (about 6)
 #   sweep    the tile sweep over the 8B shapes (every candidate gated on numerics first); prints
 #            tuning-table entries for tuning/sm90.json (up to 10)
 set -u
@@ -35,6 +35,7 @@ models)
         --contexts 128 --prefills 8192 --concurrency 64 --no-hf --json "$OUT/engine-32b.json"
     step 100 timeline-64 python3 tools/decode_timeline.py --quantization mxfp4 --batch 64
     step 120 engine-trace python3 tools/gemm_cta_trace.py --engine synthetic:llama-3.1-8b
+    step 150 ablation python3 tools/decode_ablation.py
     ;;
 sweep)
     step 560 sweep python3 -m radiance.bench.kernels --sweep --no-table --m 1 16 64 256 \
@@ -50,3 +51,4 @@ grep -h -A3 "^variant" "$OUT"/engine-*.log 2>/dev/null
 grep -h "^| [0-9]" "$OUT/kernel-table.log" 2>/dev/null
 grep -h "^==\|SMs holding" "$OUT/cta-trace.log" 2>/dev/null
 cat "$OUT/engine-trace.log" 2>/dev/null | grep -v "^INFO" | tail -n 8
+grep -h -A8 "^removed |" "$OUT/ablation.log" 2>/dev/null
