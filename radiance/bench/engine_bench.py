@@ -131,16 +131,18 @@ def busy_us(intervals) -> float:
     return total
 
 
+def _device_events(prof) -> list:
+    """The device-side records of a torch profile: kernels, memcpy/memset, graph-launched ones included."""
+    return [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+
 def _device_intervals(prof) -> list[tuple[float, float]]:
-    return [(e.time_range.start, e.time_range.end) for e in prof.events()
-            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    return [(e.time_range.start, e.time_range.end) for e in _device_events(prof)]
 
 
 def _device_records(prof) -> list[tuple[str, float]]:
-    """(name, us) of the device-side records of a torch profile: kernels, memcpy/memset, graph-launched
-    ones included."""
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    """(name, us) of each device-side record."""
+    return [(e.name, e.time_range.elapsed_us()) for e in _device_events(prof)]
 
 
 def _prefill_gpu_busy(engine, length: int, wall_s: float, gen) -> float:

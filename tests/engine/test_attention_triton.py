@@ -79,6 +79,11 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def _same_fp8(a: tuple, b: tuple) -> bool:
+    """Two (x_q, x_scale) pairs hold the same bytes."""
+    return _same_bytes(a[0], b[0]) and _same_bytes(a[1], b[1])
+
+
 def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                        splits: tuple[int, ...], big: bool = False, page: int = 16, seed: int = 0) -> dict:
     """paged_decode_attention(rotary=...) (rotary and KV store inside the split kernel) against
@@ -149,9 +154,6 @@ def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: 
     from radiance.kernels.activation import quantize_activations
     from radiance.layers import attention_triton as at
 
-    def same(a, b):
-        return _same_bytes(a[0], b[0]) and _same_bytes(a[1], b[1])
-
     gen = torch.Generator().manual_seed(seed)
     errors = {"differs": 0, "nan_differs": 0, "nan_leaks": 0, "nan_missing": 0, "paged_differs": 0, "cases": 0}
     for batch in batches:
@@ -169,7 +171,7 @@ def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: 
             ref = quantize_activations(at._merge(acc, lse, dtype).reshape(batch, -1))
             for tile, group in variants:
                 got = at._merge_quant_rows(acc, lse, dtype, tile=tile or at._ROW_TILE, split_group=group)
-                errors["differs"] += int(not same(got, ref))
+                errors["differs"] += int(not _same_fp8(got, ref))
                 errors["cases"] += 1
             if batch > 1:
                 bad = acc.clone()
@@ -178,7 +180,7 @@ def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: 
                 others = [i for i in range(batch) if i != 1]
                 for tile, group in variants:
                     x_q, x_scale = at._merge_quant_rows(bad, lse, dtype, tile=tile or at._ROW_TILE, split_group=group)
-                    errors["nan_differs"] += int(not same((x_q, x_scale), bad_ref))
+                    errors["nan_differs"] += int(not _same_fp8((x_q, x_scale), bad_ref))
                     errors["nan_missing"] += int(not torch.isnan(x_scale[1]).all().item())
                     errors["nan_leaks"] += int(not (_same_bytes(x_q[others], ref[0][others])
                                                     and _same_bytes(x_scale[others], ref[1][others])))
@@ -193,7 +195,7 @@ def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: 
     for n in splits:
         out = at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, n)
         got = at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, n, quantize=True)
-        errors["paged_differs"] += int(not same(got, quantize_activations(out.reshape(len(contexts), -1))))
+        errors["paged_differs"] += int(not _same_fp8(got, quantize_activations(out.reshape(len(contexts), -1))))
     return errors
 
 
@@ -363,13 +365,10 @@ def test_decode_merge_quantize_matches_merge_then_quantize(batch, heads, kv_head
     def fused(q):
         return at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, splits, quantize=True)
 
-    def same(a, b):
-        return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
-
     assert at._merge_quant_serves(q) == barrier
     ref = unfused(q)
     for _ in range(3):
-        assert same(fused(q), ref)
+        assert _same_fp8(fused(q), ref)
     if batch > 1:
         bad = q.clone()
         bad[1, 3, 5] = float("nan")
@@ -387,7 +386,7 @@ def test_decode_merge_quantize_matches_merge_then_quantize(batch, heads, kv_head
         static.copy_(fresh)
         graph.replay()
         torch.cuda.synchronize()
-        assert same(captured, unfused(fresh))
+        assert _same_fp8(captured, unfused(fresh))
 
 
 @pytest.mark.gpu
