@@ -89,6 +89,8 @@ class KernelConfig:
     activations: str = "fp8"  # fp8 = W4A8; bf16 = W4A16 (dequantized weights, 16-bit activations)
     numerics_check: bool = False  # compare served outputs against the fp32 reference while running
     numerics_check_every: int = 100  # check one call in this many per layer when enabled
+    # SiLU-mul of a W4A8 MLP in the gate_up GEMM's epilogue (one launch fewer per layer); False: its own launch
+    fuse_glu: bool = True
 
     def __post_init__(self):
         _check(1 <= self.decode_band <= 256, "decode_band must be in [1, 256]")

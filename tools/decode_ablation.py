@@ -7,7 +7,8 @@ Measured in one engine, CUDA graphs re-captured per variant (bench/RESULTS.md, s
 
 Variants: `base` (nothing removed), or `+`-joined names of what to remove:
   norm   the residual add + RMSNorm (+ fp8 quantize) launches (two per layer)
-  silu   the SiLU-mul (+ fp8 quantize) launch
+  silu   the SiLU-mul (+ fp8 quantize) launch; with the SiLU in the gate_up GEMM's epilogue
+         (KernelConfig.fuse_glu), the quantize launch after that GEMM
   attn   the whole attention (rotary, KV store, split, merge + quantize)
 Repeat `base` last to see the run-to-run drift. On the CPU (`--device cpu`) it is a dry run of the
 harness: eager steps, no graphs, timings meaningless.
@@ -21,6 +22,7 @@ import time
 
 import torch
 
+import radiance.kernels.w4a8 as w4a8_module
 import radiance.layers.norm as norm_module
 import radiance.models.llama as llama_module
 from radiance.bench.engine_bench import _engine, _random_ids, _sync
@@ -45,6 +47,10 @@ def _no_silu(gate_up, quantize=False):
                           tuple(gate_up.shape[:-1]))
 
 
+def _no_parts_quantize(y, amax_parts):
+    return fp8_outputs(y.shape[0], y.shape[1], y.device)
+
+
 def _no_attention(self, q, k, v, meta, rotary=None, quantize=False):
     rows, width = q.shape[0], self.num_heads * self.head_dim
     if quantize:
@@ -58,17 +64,19 @@ def removed(names: set[str]):
     unknown = names - set(REMOVABLE)
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}; removable: {', '.join(REMOVABLE)}")
-    saved = (norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward)
+    saved = (norm_module.add_rmsnorm, llama_module.silu_mul, w4a8_module.quantize_rows_from_parts, Attention.forward)
     try:
         if "norm" in names:
             norm_module.add_rmsnorm = _no_norm
         if "silu" in names:
             llama_module.silu_mul = _no_silu
+            w4a8_module.quantize_rows_from_parts = _no_parts_quantize
         if "attn" in names:
             Attention.forward = _no_attention
         yield
     finally:
-        norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward = saved
+        (norm_module.add_rmsnorm, llama_module.silu_mul, w4a8_module.quantize_rows_from_parts,
+         Attention.forward) = saved
 
 
 def step_ms(engine, batch: int, gen, context: int = 128, steps: int = 24) -> float:

@@ -31,7 +31,7 @@ FIELDS = 8  # t_start, t_loop, t_end (globaltimer ns), smid, K tiles, c_start, c
 _NOW = 'tl.inline_asm_elementwise("mov.u64 $0, %{};", "=l", [], dtype=tl.int64, is_pure=False, pack=1)'
 # (anchor, text inserted before it); each anchor must occur exactly once in gemm.py
 _PATCHES = (
-    ("PDL_PREFETCH: tl.constexpr = 0):", None),  # replaced below: the signature gains trace_ptr
+    ("GLU: tl.constexpr = False):", None),  # replaced below: the signature gains trace_ptr
     ("    if SWAP_AB:\n        acc = tl.zeros(",
      f"    t_start = {_NOW.format('globaltimer')}\n    c_start = {_NOW.format('clock64')}\n"),
     ("    rm = pid_m * BM + tl.arange(0, BM)\n",
@@ -99,7 +99,8 @@ class _PerCallTrace:
             import torch
 
             slots = torch.zeros(grid[0] * grid[1] * FIELDS, dtype=torch.int64, device=args[0].device)
-            m, n, k = args[9:12]  # after the nine tensors of w4a8_gemm_kernel
+            first = self.kernel.arg_names.index("M")  # M, N, K follow the kernel's tensors
+            m, n, k = args[first:first + 3]
             self.calls.append((m, n, k, torch.cuda.is_current_stream_capturing(), slots))
             return self.kernel[grid](*args, trace_ptr=slots, **kwargs)
 

@@ -35,7 +35,7 @@ def _load_kernels():
         mod.__path__ = [os.path.join(ROOT, *name.split("."))]
         sys.modules.setdefault(name, mod)
     mods = {}
-    for name in ("convert", "gemm"):
+    for name in ("act_quant", "convert", "gemm"):
         full = f"radiance.kernels._triton.{name}"
         path = os.path.join(ROOT, "radiance/kernels/_triton", f"{name}.py")
         spec = importlib.util.spec_from_file_location(full, path)
@@ -46,13 +46,15 @@ def _load_kernels():
 
 
 GEMM_SIG = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*i32", shift_ptr="*i32", ws_ptr="*fp32", bias_ptr="*fp32",
-                out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
+                out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32", amax_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
                 stride_om="i32", k_tiles_per_split="i32", splits="i32")
 # what Triton's launcher specializes at run time for our usual shapes: 16-aligned pointers and dims
 DIVISIBLE = [a for a, t in GEMM_SIG.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_om"]
 
-CONFIGS = (  # (label, BM, BN, BK, SWAP_AB, splits, warps, stages, precise)
+CONFIGS = (  # (label, BM, BN, BK, SWAP_AB, splits, warps, stages, precise); "glu": SiLU-mul epilogue
     ("decode", 16, 64, 256, True, 5, 4, 4, True),
+    ("decode-glu", 16, 64, 256, True, 1, 4, 4, True),
+    ("decode-glu", 64, 128, 256, True, 1, 4, 3, True),
     ("decode", 16, 64, 256, True, 5, 4, 4, False),
     ("decode", 64, 64, 256, True, 2, 4, 4, True),
     ("prefill-swap", 128, 128, 128, True, 1, 8, 3, True),
@@ -109,6 +111,11 @@ def longest_loop(sass: str) -> list[str]:
     return best
 
 
+def _registers(sass: str) -> int:
+    """Highest register index the SASS names, plus one (the per-thread register count, near enough)."""
+    return 1 + max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=-1)
+
+
 def opcode_mix(body: list[str]) -> collections.Counter:
     mix = collections.Counter()
     for ins in body:
@@ -125,15 +132,15 @@ def main(argv=None) -> int:
     gemm = _load_kernels()["gemm"]
     for label, bm, bn, bk, swap, split, warps, stages, precise in CONFIGS:
         consts = dict(HAS_BIAS=False, SWAP_AB=swap, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=True,
-                      USE_ASM=True, PRECISE_ACC=precise, PDL_PREFETCH=0)
+                      USE_ASM=True, PRECISE_ACC=precise, PDL_PREFETCH=0, GLU=label.endswith("glu"))
         name = f"{label}_{bm}x{bn}x{bk}_w{warps}s{stages}{'_precise' if precise else ''}"
         kernel, sass = compile_sass(gemm.w4a8_gemm_kernel, consts, warps, stages, name, args.out)
         body = longest_loop(sass)
         per_weight = len(body) * 32 * warps / (bn * bk)
         mix = ", ".join(f"{op} {n}" for op, n in opcode_mix(body).most_common(12))
         spills = sum(1 for line in sass.splitlines() if re.search(r"\b(LDL|STL)\b", line))
-        print(f"{name:44s} smem {kernel.metadata.shared:6d} B  loop {len(body):4d}  {per_weight:.2f} instr/weight  "
-              f"local-memory instrs {spills}")
+        print(f"{name:44s} smem {kernel.metadata.shared:6d} B  regs {_registers(sass):3d}  loop {len(body):4d}  "
+              f"{per_weight:.2f} instr/weight  local-memory instrs {spills}")
         print(f"    {mix}")
     return 0
 

@@ -2,8 +2,9 @@
 
 `tuning/<table>.json` lists, per band ("decode", "prefill"), entries tried in order; the first whose
 `shape` ("NxK" or "*") and optional `m_max` match the call wins. Its optional `expand_min_m` is the
-token count from which the launcher expands the weight to fp8 and calls cuBLAS's fp8 GEMM instead.
-`radiance bench kernels --sweep`
+token count from which the launcher expands the weight to fp8 and calls cuBLAS's fp8 GEMM instead;
+its optional `unfused_glu_shapes` lists merged gate_up shapes ("NxK") whose SiLU-mul stays a launch of
+its own (w4a8.w4a8_glu), where the fused epilogue measured slower. `radiance bench kernels --sweep`
 measures candidates on the GPU and prints the entries to paste in.
 """
 
@@ -72,6 +73,13 @@ def expand_min_m(device: torch.device) -> int | None:
     name = _table_name(device)
     value = load_table(name).get("expand_min_m") if name else None
     return int(value) if value is not None else None
+
+
+def glu_epilogue_serves(n: int, k: int, device: torch.device) -> bool:
+    """Whether w4a8_glu runs the SiLU-mul in the gate_up GEMM's epilogue for this N x K weight."""
+    name = _table_name(device)
+    skip = load_table(name).get("unfused_glu_shapes", []) if name else []
+    return f"{n}x{k}" not in skip
 
 
 def select_config(m: int, n: int, k: int, decode_band: int, device: torch.device) -> GemmConfig:

@@ -6,10 +6,11 @@ import torch
 
 from radiance.kernels._triton import convert as _convert
 from radiance.kernels._triton import gemm as _gemm
+from radiance.kernels.activation import quantize_rows_from_parts, silu_mul
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import sm_count, supports_pdl
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, padded_k
-from radiance.kernels.tuning import GemmConfig, expand_min_m, select_config
+from radiance.kernels.tuning import GemmConfig, expand_min_m, glu_epilogue_serves, select_config
 
 
 def choose_split_k(m: int, n: int, k: int, cfg: GemmConfig, num_sms: int) -> tuple[int, int]:
@@ -86,21 +87,48 @@ def _expand_then_fp8_mm(x_q, x_scale, weight: PreparedMxfp4, bias, out_dtype) ->
     return out
 
 
-def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, out):
-    """w4a8_gemm's body; also returns the compiled GEMM kernel (its PTX is checked for wgmma)."""
+def w4a8_glu(x_q: torch.Tensor, x_scale: torch.Tensor, weight: PreparedMxfp4, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.bfloat16, *, decode_band: int = 64, config: GemmConfig | None = None,
+             use_asm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activations(silu_mul(w4a8_gemm(...))) for a merged [gate | up] weight (N = 2I rows):
+    (x_q e4m3 [M, I], x_scale fp32 [M, 1]), the same bytes. The GEMM's epilogue computes
+    silu(gate) * up and each tile's row amax, so one quantize launch follows and no SiLU launch (nor
+    the [M, 2I] gate_up tensor); on the expand path (M >= expand_min_m), and for the tuning table's
+    `unfused_glu_shapes`, it is the GEMM, then silu_mul."""
+    m, n = x_q.shape[0], weight.shape[0]
+    if n % 2:
+        raise ValueError(f"w4a8_glu: a [gate | up] weight has an even row count, not {n}")
+    if config is None and not glu_epilogue_serves(n, weight.shape[1], x_q.device):
+        act = silu_mul(w4a8_gemm(x_q, x_scale, weight, bias, out_dtype, decode_band=decode_band, use_asm=use_asm),
+                       quantize=True)
+        return act.x_q, act.x_scale
+    if config is None and _expand_serves(x_q, m, n, weight.shape[1], out_dtype, None):
+        act = silu_mul(_expand_then_fp8_mm(x_q, x_scale, weight, bias, out_dtype), quantize=True)
+        return act.x_q, act.x_scale
+    y, _, amax = _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, None, glu=True)
+    return quantize_rows_from_parts(y, amax)
+
+
+def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, out, glu: bool = False):
+    """w4a8_gemm's body (with `glu`, w4a8_glu's GEMM): (output, the compiled GEMM kernel, with `glu`
+    the row amax parts [M, column tiles] int32 else None). The PTX of the kernel is checked for wgmma."""
     m, k = x_q.shape
     n, wk = weight.shape
     if wk != k or weight.w_q.shape[1] * WORD_K != padded_k(k):
         raise ValueError(f"w4a8_gemm: activations have K={k} but the weight has K={wk} "
                          f"({weight.w_q.shape[1]} kernel words per row)")
+    out_n = n // 2 if glu else n
     if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
-    if m == 0:
-        return out, None
+        out = torch.empty((m, out_n), dtype=out_dtype, device=x_q.device)
     cfg = config or select_config(m, n, k, decode_band, x_q.device)
+    tiles_n = -(-out_n // (cfg.block_n // 2)) if glu else -(-n // cfg.block_n)
+    amax = torch.empty((m, tiles_n), dtype=torch.int32, device=x_q.device) if glu else None
+    if m == 0:
+        return out, None, amax
     splits, per_split = choose_split_k(m, n, k, cfg, sm_count(x_q.device))
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x_q.device) if splits > 1 else out
+    tiles = -(-m // cfg.block_m) * tiles_n
+    part = (torch.empty((splits, m, tiles_n * cfg.block_n), dtype=torch.float32, device=x_q.device)
+            if splits > 1 else out)
     locks = _tile_counters(x_q.device, tiles) if splits > 1 else out
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight.w_scale
@@ -108,12 +136,12 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
     prefetch = _pdl_prefetch(x_q)
     compiled = _gemm.w4a8_gemm_kernel[grid](
         x_q, x_scale, weight.w_q, weight.w_shift.view(torch.int32), weight.w_scale, bias_arg, out, part, locks,
-        m, n, k, x_q.stride(0), out.stride(0), per_split, splits,
+        amax if glu else out, m, n, k, x_q.stride(0), out.stride(0), per_split, splits,
         HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT=splits > 1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
-        PRECISE_ACC=cfg.precise_acc, PDL_PREFETCH=prefetch, launch_pdl=prefetch > 0,
+        PRECISE_ACC=cfg.precise_acc, PDL_PREFETCH=prefetch, GLU=glu, launch_pdl=prefetch > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out, compiled
+    return out, compiled, amax
 
 
 def gemm_ptx(x_q, x_scale, weight: PreparedMxfp4, decode_band: int = 64, config: GemmConfig | None = None) -> str:

@@ -60,6 +60,12 @@ def _w4a8_linear_quantized(*args):
     return ops.w4a8_linear_quantized_impl(*args)
 
 
+def _w4a8_glu_quantized(*args):
+    if torch.compiler.is_compiling():
+        return torch.ops.radiance.w4a8_glu_quantized(*args)
+    return ops.w4a8_glu_quantized_impl(*args)
+
+
 def takes_fp8(linear: nn.Module) -> bool:
     """Whether `linear` runs the W4A8 kernel, so the op before it should hand it Fp8Activations."""
     return getattr(linear, "path", None) == PATH_W4A8
@@ -131,6 +137,22 @@ class Mxfp4Linear(nn.Module):
         if self.path == PATH_W4A16:  # 16-bit activations were asked for: use the dequantized fp8 values
             return self.forward((x_q.float() * x_scale).to(out_dtype))
         return reference.w4a8_matmul_reference(x_q, x_scale, self.w_dense, self.bias, out_dtype)
+
+    def fuses_glu(self) -> bool:
+        """Whether forward_glu runs as one fused GEMM: the W4A8 kernel, KernelConfig.fuse_glu, and no
+        numerics monitor (it checks this layer's own output, which the fused epilogue never writes)."""
+        return self.path == PATH_W4A8 and self.kernel_config.fuse_glu and self.monitor is None
+
+    def forward_glu(self, x: torch.Tensor | Fp8Activations) -> Fp8Activations:
+        """For a merged [gate | up] layer (fuses_glu): silu(gate) * up of this layer's output, quantized per
+        token for a W4A8 down projection, with the bytes of silu_mul(self(x), quantize=True); the SiLU
+        happens in the GEMM's epilogue (w4a8.w4a8_glu)."""
+        if not isinstance(x, Fp8Activations):
+            lead = tuple(x.shape[:-1])
+            x = Fp8Activations(*quantize_activations(x.reshape(-1, self.in_features)), x.dtype, lead)
+        x_q, x_scale = _w4a8_glu_quantized(x.x_q, x.x_scale, self.w_q, self.w_shift, self.w_scale, self.bias,
+                                           x.dtype, self.kernel_config.decode_band)
+        return Fp8Activations(x_q, x_scale, x.dtype, x.lead)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The exact fp32 weight this layer multiplies with."""

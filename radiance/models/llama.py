@@ -73,6 +73,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = UnloadedLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
+        if takes_fp8(self.down_proj) and takes_fp8(self.gate_up_proj) and self.gate_up_proj.fuses_glu():
+            # both W4A8: the SiLU-mul runs in the gate_up GEMM's epilogue, then one quantize launch
+            return self.down_proj(self.gate_up_proj.forward_glu(x))
         # one kernel on CUDA (fp8 out when down_proj is W4A8); F.silu(gate) * up on the CPU
         return self.down_proj(silu_mul(self.gate_up_proj(x), quantize=takes_fp8(self.down_proj)))
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import radiance.kernels.w4a8 as w4a8_module
 import radiance.layers.norm as norm_module
 import radiance.models.llama as llama_module
 from radiance.layers.attention import Attention
@@ -19,6 +20,7 @@ import decode_ablation  # noqa: E402
 
 @pytest.mark.parametrize("stub,real", [(decode_ablation._no_norm, norm_module.add_rmsnorm),
                                        (decode_ablation._no_silu, llama_module.silu_mul),
+                                       (decode_ablation._no_parts_quantize, w4a8_module.quantize_rows_from_parts),
                                        (decode_ablation._no_attention, Attention.forward)])
 def test_stubs_take_the_launchers_arguments(stub, real):
     assert list(inspect.signature(stub).parameters) == list(inspect.signature(real).parameters)
@@ -30,6 +32,9 @@ def test_removed_swaps_and_restores():
         assert norm_module.add_rmsnorm is decode_ablation._no_norm
         assert Attention.forward is decode_ablation._no_attention
         assert llama_module.silu_mul is real[1]
+    with decode_ablation.removed({"silu"}):  # the SiLU launch, or the quantize launch of the fused GLU
+        assert llama_module.silu_mul is decode_ablation._no_silu
+        assert w4a8_module.quantize_rows_from_parts is decode_ablation._no_parts_quantize
     assert (norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward) == real
     with pytest.raises(ValueError, match="removable"):
         with decode_ablation.removed({"rope"}):

@@ -160,3 +160,18 @@ def test_large_activation_quantization_matches_reference_bytes():
         r_q, r_s = quantize_activations_reference(x)
         assert torch.equal(x_s, r_s)
         assert torch.equal(x_q.view(torch.uint8), r_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", (1, 7, 16, 33, 64, 65, 300))
+def test_glu_epilogue_at_the_8b_mlp_shape(m):
+    """w4a8_glu on the 8B's gate_up (I = 14336, K = 4096) with the tuning table's tilings: the bytes of
+    the GEMM, silu_mul and quantize as separate launches (bf16 output rounding included)."""
+    from radiance.kernels.activation import silu_mul
+    from radiance.kernels.w4a8 import w4a8_glu
+
+    pw = prepare_mxfp4(*random_mxfp4(2 * 14336, 4096, "cuda"))
+    x_q, x_scale = quantize_activations(torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) * 3)
+    unfused = silu_mul(w4a8_gemm(x_q, x_scale, pw), quantize=True)
+    fused_q, fused_s = w4a8_glu(x_q, x_scale, pw)
+    assert torch.equal(fused_s, unfused.x_scale)
+    assert torch.equal(fused_q.view(torch.uint8), unfused.x_q.view(torch.uint8))

@@ -45,3 +45,17 @@ def test_entry_is_reachable_and_valid(name, band, index, entry):
     expected.pop("block_m"), got.pop("block_m")  # fitted to M by select_config
     assert got == expected, f"{band} entry {index} ({shape}, m_max {entry.get('m_max')}) is shadowed: {chosen}"
     assert chosen.block_m <= max(cfg.block_m, 256)
+
+
+@pytest.mark.parametrize("path", TABLES, ids=[p.stem for p in TABLES])
+def test_unfused_glu_shapes_are_gate_up_shapes_and_are_honoured(path):
+    skip = json.loads(path.read_text()).get("unfused_glu_shapes", [])
+    for shape in skip:
+        n, k = map(int, shape.split("x"))  # "NxK"
+        assert n % 2 == 0 and n > 0 and k % 32 == 0, shape
+    with mock.patch.object(tuning, "_table_name", lambda device: path.stem):
+        for shape in skip:
+            n, k = map(int, shape.split("x"))
+            assert not tuning.glu_epilogue_serves(n, k, torch.device("cpu"))
+        assert tuning.glu_epilogue_serves(28672, 4096, torch.device("cpu")) == ("28672x4096" not in skip)
+    assert tuning.glu_epilogue_serves(51200, 5120, torch.device("cpu"))  # no table here: always fused

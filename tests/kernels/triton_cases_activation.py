@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radiance.kernels.activation import Fp8Activations, add_rmsnorm, quantize_activations, rmsnorm_quant, silu_mul
+from radiance.kernels.activation import (Fp8Activations, add_rmsnorm, quantize_activations, quantize_rows_from_parts,
+                                         rmsnorm_quant, silu_mul)
 from radiance.kernels.reference import quantize_activations_reference, rms_normalize_reference, rmsnorm_quant_reference
 
 
@@ -130,3 +131,22 @@ def test_fused_norm_keeps_a_nan_token_to_itself(device):
     others = [0, 2, 3]
     assert torch.equal(act.x_q[others].view(torch.uint8), clean.x_q[others].view(torch.uint8))
     assert not torch.isfinite(act.x_scale[1]).all()
+
+
+@pytest.mark.parametrize("k", [200, 2500])  # one chunk; three, the last ragged
+def test_quantize_from_amax_parts_matches_quantize_activations(device, k):
+    """quantize_rows_from_parts takes each row's amax from int32 |y| maxima of column slices (as the
+    GLU GEMM leaves them) and must give quantize_activations' bytes, a NaN row kept to itself."""
+    y = (torch.randn(6, k, device=device) * torch.logspace(-2, 2, 6, device=device)[:, None]).to(torch.bfloat16)
+    y[3] = 0
+    y[4, 11] = float("nan")
+    y[5, -1] = float("inf")
+    slices = 7
+    width = -(-k // slices)
+    parts = torch.stack([y[:, i:i + width].float().abs().view(torch.int32).amax(dim=1)
+                         for i in range(0, k, width)], dim=1).contiguous()
+    x_q, x_scale = quantize_rows_from_parts(y, parts)
+    r_q, r_scale = quantize_activations(y)
+    assert torch.equal(x_scale[:4], r_scale[:4]) and torch.isnan(x_scale[4]).all() and torch.isinf(x_scale[5]).all()
+    assert torch.equal(x_q[:4].view(torch.uint8), r_q[:4].view(torch.uint8))
+    assert not torch.isfinite(x_q[4].float() * x_scale[4]).all()

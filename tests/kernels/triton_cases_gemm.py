@@ -6,11 +6,11 @@ import torch
 
 from radiance.formats import dequantize_mxfp4
 from radiance.kernels import ops  # also registers torch.ops.radiance.*
-from radiance.kernels.activation import quantize_activations
+from radiance.kernels.activation import quantize_activations, silu_mul
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
 from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_matmul_reference
 from radiance.kernels.tuning import GemmConfig
-from radiance.kernels.w4a8 import expand_weight_fp8, w4a8_gemm
+from radiance.kernels.w4a8 import expand_weight_fp8, w4a8_gemm, w4a8_glu
 from tests.kernels.conftest import random_mxfp4
 
 # The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest even), so exactness is
@@ -134,3 +134,108 @@ def test_large_m_expand_path_matches_reference(device, monkeypatch, bias):
     w4a8_gemm(x_q[:7], x_scale[:7], pw, b, torch.float32)  # below the threshold: the fused kernel
     w4a8_gemm(x_q, x_scale, pw, b, torch.float32)
     assert len(calls) == 1
+
+
+def _glu_pair(device, m, inter, k, bias, config, out_dtype):
+    """(silu_mul(w4a8_gemm(...), quantize=True), w4a8_glu(...)) on one random [gate | up] weight."""
+    packed, scale = random_mxfp4(2 * inter, k, device)
+    pw = prepare_mxfp4(packed, scale)
+    x = torch.randn(m, k, device=device) * 2
+    b = torch.randn(2 * inter, device=device) if bias else None
+    x_q, x_scale = quantize_activations(x)
+    unfused = silu_mul(w4a8_gemm(x_q, x_scale, pw, b, out_dtype, config=config), quantize=True)
+    return unfused, w4a8_glu(x_q, x_scale, pw, b, out_dtype, config=config)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", [SWAP, PLAIN, SPLIT3, None], ids=["swap", "plain", "split3", "table"])
+@pytest.mark.parametrize("m", (1, 5, 17, 64, 70))
+def test_glu_epilogue_gives_the_unfused_bytes(device, config, m, out_dtype):
+    """The gate_up GEMM with silu(gate) * up in its epilogue, then the quantize launch from the tiles'
+    amax parts: the bytes of the GEMM, silu_mul and quantize as three steps. I = 40 leaves the last
+    column tile half empty; K = 544 is no multiple of the K tile."""
+    unfused, (x_q, x_scale) = _glu_pair(device, m, 40, 544, m % 2 == 1, config, out_dtype)
+    assert x_q.shape == (m, 40) and x_scale.shape == (m, 1)
+    assert torch.equal(x_scale, unfused.x_scale)
+    assert torch.equal(x_q.view(torch.uint8), unfused.x_q.view(torch.uint8))
+
+
+def test_glu_nan_token_stays_in_its_row(device):
+    packed, scale = random_mxfp4(96, 128, device)
+    pw = prepare_mxfp4(packed, scale)
+    x = torch.randn(5, 128, device=device)
+    clean_q, clean_s = w4a8_glu(*quantize_activations(x), pw, None, torch.float32, config=SPLIT3)
+    x[2, 3] = float("nan")
+    x_q, x_s = w4a8_glu(*quantize_activations(x), pw, None, torch.float32, config=SPLIT3)
+    keep = [0, 1, 3, 4]
+    assert torch.equal(x_q[keep].view(torch.uint8), clean_q[keep].view(torch.uint8))
+    assert torch.equal(x_s[keep], clean_s[keep]) and torch.isnan(x_s[2]).all()
+
+
+def test_glu_expand_path_and_custom_op(device, monkeypatch):
+    """From expand_min_m on, w4a8_glu is the expanded GEMM then silu_mul; the custom op traces and
+    matches the eager implementation."""
+    from radiance.kernels import w4a8
+
+    packed, scale = random_mxfp4(64, 256, device)
+    pw = prepare_mxfp4(packed, scale)
+    x_q, x_scale = quantize_activations(torch.randn(12, 256, device=device))
+    fused = w4a8_glu(x_q, x_scale, pw, None, torch.float32)
+    monkeypatch.setattr(w4a8, "expand_min_m", lambda dev: 8)
+    expanded = w4a8_glu(x_q, x_scale, pw, None, torch.float32)
+    unfused = silu_mul(w4a8_gemm(x_q, x_scale, pw, None, torch.float32), quantize=True)
+    assert torch.equal(expanded[1], unfused.x_scale)
+    assert torch.equal(expanded[0].view(torch.uint8), unfused.x_q.view(torch.uint8))
+    monkeypatch.undo()
+    args = (x_q, x_scale, pw.w_q, pw.w_shift, pw.w_scale, None, torch.float32, 64)
+    op_q, op_s = torch.ops.radiance.w4a8_glu_quantized(*args)
+    assert torch.equal(op_q.view(torch.uint8), fused[0].view(torch.uint8)) and torch.equal(op_s, fused[1])
+    # (test_schema compares fp8 tensors with an op the CPU lacks for them)
+    torch.library.opcheck(torch.ops.radiance.w4a8_glu_quantized.default, args, test_utils=("test_faketensor",))
+    compiled = torch.compile(lambda *a: torch.ops.radiance.w4a8_glu_quantized(*a)[1] * 2, backend="aot_eager",
+                             fullgraph=True)
+    assert torch.equal(compiled(*args), fused[1] * 2)
+    with pytest.raises(ValueError, match="even row count"):
+        w4a8_glu(x_q, x_scale, prepare_mxfp4(*random_mxfp4(63, 256, device)))
+
+
+@pytest.mark.parametrize("m", (3, 70))
+def test_mlp_takes_the_fused_route_with_the_unfused_result(device, monkeypatch, m):
+    """LlamaMLP with W4A8 gate_up and down: with KernelConfig.fuse_glu the SiLU runs in the gate_up
+    GEMM's epilogue (no silu_mul call), without it as its own launch; the outputs are identical."""
+    from types import SimpleNamespace
+
+    from radiance.config import KernelConfig
+    from radiance.layers import linear as linear_module
+    from radiance.layers.linear import Mxfp4Linear
+    from radiance.models import llama
+
+    monkeypatch.setattr(linear_module, "choose_path", lambda dev, cfg: (linear_module.PATH_W4A8, "test"))
+    silu_calls = []
+    monkeypatch.setattr(llama, "silu_mul", lambda *a, **kw: silu_calls.append(1) or silu_mul(*a, **kw))
+    gate_up, down = random_mxfp4(192, 64, device), random_mxfp4(64, 96, device)
+    x = torch.randn(m, 64, device=device)
+    outputs = {}
+    for fuse in (True, False):
+        mlp = llama.LlamaMLP(SimpleNamespace(hidden_size=64, intermediate_size=96))
+        mlp.gate_up_proj = Mxfp4Linear(*gate_up, kernel_config=KernelConfig(fuse_glu=fuse))
+        mlp.down_proj = Mxfp4Linear(*down)
+        outputs[fuse] = mlp(x)
+        assert len(silu_calls) == (0 if fuse else 1)
+    assert torch.equal(outputs[True], outputs[False])
+
+
+def test_glu_shapes_the_table_keeps_unfused(device, monkeypatch):
+    """A gate_up shape listed in the tuning table's unfused_glu_shapes runs the GEMM, then silu_mul,
+    with the same bytes as the fused epilogue."""
+    from radiance.kernels import w4a8
+
+    pw = prepare_mxfp4(*random_mxfp4(96, 256, device))
+    x_q, x_scale = quantize_activations(torch.randn(3, 256, device=device))
+    fused = w4a8_glu(x_q, x_scale, pw, None, torch.float32)
+    launches = []
+    monkeypatch.setattr(w4a8, "glu_epilogue_serves", lambda n, k, dev: launches.append((n, k)) or False)
+    monkeypatch.setattr(w4a8, "quantize_rows_from_parts", lambda *a: pytest.fail("the fused quantize ran"))
+    unfused = w4a8_glu(x_q, x_scale, pw, None, torch.float32)
+    assert launches == [(96, 256)]
+    assert torch.equal(unfused[1], fused[1]) and torch.equal(unfused[0].view(torch.uint8), fused[0].view(torch.uint8))

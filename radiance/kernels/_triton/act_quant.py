@@ -150,13 +150,19 @@ def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr,
 
 
 @triton.jit
+def silu_mul_values(g, u, dtype: tl.constexpr):
+    """silu(g) * u with torch's rounding in `dtype` (g, u: fp32 holding dtype values): silu in fp32,
+    rounded, times u, rounded. The one definition the SiLU kernels and the GLU GEMM epilogue share."""
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * u).to(dtype)
+
+
+@triton.jit
 def _silu_mul(gu_ptr, row, offs, mask, stride_m, I):
     """silu(gate) * up with torch's rounding, in the input dtype."""
     g_raw = tl.load(gu_ptr + row * stride_m + offs, mask=mask, other=0.0)
     u = tl.load(gu_ptr + row * stride_m + I + offs, mask=mask, other=0.0).to(tl.float32)
-    g = g_raw.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(g_raw.dtype).to(tl.float32)
-    return (act * u).to(g_raw.dtype)
+    return silu_mul_values(g_raw.to(tl.float32), u, g_raw.dtype)
 
 
 @triton.jit
@@ -215,3 +221,24 @@ def silu_mul_rows_kernel(gu_ptr, out_ptr, xq_ptr, scale_ptr, I, stride_m, QUANT:
         _quantize_row(y.to(tl.float32), mask, xq_ptr + row * I + offs, scale_ptr + row, INTERPRETER)
     else:
         tl.store(out_ptr + row * I + offs, y, mask=mask)
+
+
+@triton.jit
+def quantize_rows_from_parts_kernel(y_ptr, parts_ptr, xq_ptr, scale_ptr, K, n_parts, stride_ym,
+                                    BLOCK: tl.constexpr, P_PAD: tl.constexpr, INTERPRETER: tl.constexpr,
+                                    PDL: tl.constexpr = False):
+    """quantize_rows_kernel for rows whose amax the kernel before already found in parts: int32 bits
+    [M, n_parts] (|y| maxima of column tiles, written by the GLU GEMM). Grid [cdiv(K, BLOCK), M]: every
+    program takes its row's scale from the parts (no barrier, no second pass) and quantizes one chunk."""
+    pdl_handoff(PDL)
+    chunk = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    offs_p = tl.arange(0, P_PAD)
+    bits = tl.max(tl.load(parts_ptr + row * n_parts + offs_p, mask=offs_p < n_parts, other=0), axis=0)
+    scale = _row_scale(bits.to(tl.float32, bitcast=True), bits > 0x7F800000)  # above inf's bits: a NaN
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    y = tl.load(y_ptr + row * stride_ym + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(xq_ptr + row * K + offs, _to_e4m3(y, scale, INTERPRETER), mask=mask)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)

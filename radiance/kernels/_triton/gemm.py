@@ -15,11 +15,19 @@ fp8 tl.dot lowers to wgmma on sm_90 with num_warps % 4 == 0. Hopper's fp8 MMA ac
 reduced precision (~14 bits); PRECISE_ACC sums each K tile from zero in the MMA and adds it to the fp32
 accumulator, which keeps the result within bf16 rounding of the exact fp32 reference (Triton's
 max_num_imprecise_acc did not take effect for the register-A swap-AB tiling on Triton 3.6).
+
+With GLU the weight is a merged [gate | up] linear (N = 2I rows) and the kernel writes
+y = silu(gate) * up [M, I] instead: output tile j multiplies gate rows j*BN/2.. and the up rows I
+apart from them, interleaved by 8 so that both halves of an output meet in one thread's accumulator.
+The epilogue rounds each half to the output dtype, then applies silu_mul_values: the bytes of the GEMM
+then silu_mul. Each tile also stores its rows' amax (int32 bits) to amax_ptr [M, tiles], from which
+act_quant.quantize_rows_from_parts_kernel takes each token's scale: no SiLU launch in between.
 """
 
 import triton
 import triton.language as tl
 
+from radiance.kernels._triton.act_quant import silu_mul_values
 from radiance.kernels._triton.convert import expand_e2m1_words
 
 
@@ -37,17 +45,66 @@ def _unpack_shifts(s):
 
 
 @triton.jit
-def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+def _tile_columns(pid_n, N, BN: tl.constexpr, GLU: tl.constexpr):
+    """(output columns [BN or BN/2], weight rows [BN], output width) of column tile pid_n. Rows past
+    the weight wrap around (their results are never stored), so weight loads need no row mask."""
+    if GLU:
+        # accumulator rows r and r + 8 of each 16 sit in one thread of the wgmma layout (swap-AB), so
+        # they carry the gate and the up row of one output column: the epilogue pairs them in registers
+        HALF: tl.constexpr = BN // 2
+        out_n = N // 2
+        r = tl.arange(0, BN)
+        cols = pid_n * HALF + tl.arange(0, HALF)
+        col_of_row = pid_n * HALF + (r >> 4) * 8 + (r & 7)
+        rows = col_of_row % out_n + ((r >> 3) & 1) * out_n
+    else:
+        out_n = N
+        cols = pid_n * BN + tl.arange(0, BN)
+        rows = cols % N
+    return cols, rows, out_n
+
+
+@triton.jit
+def _store_glu(out_ptr, amax_ptr, v, rm, m_live, cols, out_n, stride_om, num_pid_n, pid_n,
+               BM: tl.constexpr, BN: tl.constexpr):
+    """y = silu(gate) * up of a [BM, BN] tile whose columns alternate 8 gate and 8 up (fp32 with scales
+    and bias; _tile_columns), stored [BM, BN/2]; and each row's amax of |y| as int32 bits (non-negative
+    floats order like their bits; NaN bits exceed inf's, so a NaN survives the max) to amax_ptr[row, pid_n]."""
+    v = v.to(out_ptr.dtype.element_ty).to(tl.float32)  # the GEMM's rounding of gate and up
+    gate, up = tl.split(tl.permute(tl.reshape(v, (BM, BN // 16, 2, 8)), (0, 1, 3, 2)))  # see _tile_columns
+    y = tl.reshape(silu_mul_values(gate, up, out_ptr.dtype.element_ty), (BM, BN // 2))
+    live = m_live[:, None] & (cols < out_n)[None, :]
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + cols[None, :], y, mask=live)
+    bits = tl.where(live, tl.abs(y.to(tl.float32)).to(tl.int32, bitcast=True), 0)
+    tl.store(amax_ptr + rm.to(tl.int64) * num_pid_n + pid_n, tl.max(bits, axis=1), mask=m_live)
+
+
+@triton.jit
+def _epilogue(out_ptr, amax_ptr, bias_ptr, v, rm, m_live, cols, w_rows, out_n, stride_om, num_pid_n, pid_n,
+              HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The tile's fp32 sum v [BM, BN] (scaled) plus the bias of its weight rows, stored in the output dtype
+    (or, with GLU, as silu(gate) * up with its row amax)."""
+    if HAS_BIAS:
+        v += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
+    if GLU:
+        _store_glu(out_ptr, amax_ptr, v, rm, m_live, cols, out_n, stride_om, num_pid_n, pid_n, BM, BN)
+    else:
+        out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(out, v.to(out_ptr.dtype.element_ty), mask=m_live[:, None] & (cols < out_n)[None, :])
+
+
+@triton.jit
+def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, amax_ptr,
                      M, N, K, stride_xm, stride_om, k_tiles_per_split, splits,
                      HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
-                     PDL_PREFETCH: tl.constexpr = 0):
+                     PDL_PREFETCH: tl.constexpr = 0, GLU: tl.constexpr = False):
     NB: tl.constexpr = BK // 32
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
+    num_pid_n = tl.cdiv(N // 2, BN // 2) if GLU else tl.cdiv(N, BN)
     # grouped order: GROUP_M row tiles walk the N tiles together, so weight tiles are reused from L2
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
@@ -55,12 +112,11 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
 
-    # weight rows past N wrap around (their results are never stored), so weight loads need no row mask;
-    # token rows past M are masked instead: at decode M is often far below the tile (1 of 16 rows)
+    # token rows past M are masked: at decode M is often far below the tile (1 of 16 rows)
     x_rows = pid_m * BM + tl.arange(0, BM)
     x_live = x_rows < M
     offs_m = x_rows % M
-    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    cols, offs_n, out_n = _tile_columns(pid_n, N, BN, GLU)
     offs_k = tl.arange(0, BK)
     G: tl.constexpr = BK // 128  # 128-k word groups per K tile (prepare.py: 16 words, q-major)
     offs_g = tl.arange(0, G)
@@ -118,17 +174,15 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
         acc = tl.trans(acc)
 
     rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
     m_live = rm < M
-    n_live = rn < N
     xs = tl.load(xs_ptr + rm, mask=m_live, other=0.0)
-    ws = tl.load(ws_ptr + rn, mask=n_live, other=0.0)
+    ws = tl.load(ws_ptr + offs_n)
     acc = acc * xs[:, None] * ws[None, :]
-    live = m_live[:, None] & n_live[None, :]
-    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if SPLIT:
-        part = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(part + pid_k.to(tl.int64) * M * N, acc, mask=live)
+        # partials [splits, M, num_pid_n * BN]: a tile's BN accumulator columns, whatever they hold
+        width = num_pid_n * BN
+        part = part_ptr + rm.to(tl.int64)[:, None] * width + (pid_n * BN + tl.arange(0, BN))[None, :]
+        tl.store(part + pid_k.to(tl.int64) * M * width, acc, mask=m_live[:, None])
         # the split that arrives last sums all partials, in split order (deterministic), and re-arms
         # the tile's counter for the next launch; no second kernel
         tl.debug_barrier()  # every thread's partial is written before the release below
@@ -136,12 +190,10 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
         if arrived == splits - 1:
             total = tl.zeros((BM, BN), dtype=tl.float32)
             for k in range(splits):  # .cg: read L2, where the other CTAs' partials are
-                total += tl.load(part + k * M * N, mask=live, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=n_live, other=0.0).to(tl.float32)[None, :]
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=live)
+                total += tl.load(part + k * M * width, mask=m_live[:, None], other=0.0, cache_modifier=".cg")
+            _epilogue(out_ptr, amax_ptr, bias_ptr, total, rm, m_live, cols, offs_n, out_n, stride_om,
+                      num_pid_n, pid_n, HAS_BIAS, GLU, BM, BN)
             tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_live, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
+        _epilogue(out_ptr, amax_ptr, bias_ptr, acc, rm, m_live, cols, offs_n, out_n, stride_om,
+                  num_pid_n, pid_n, HAS_BIAS, GLU, BM, BN)
