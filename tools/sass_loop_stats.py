@@ -111,9 +111,11 @@ def longest_loop(sass: str) -> list[str]:
     return best
 
 
-def _registers(sass: str) -> int:
-    """Highest register index the SASS names, plus one (the per-thread register count, near enough)."""
-    return 1 + max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=-1)
+def registers(cubin: str) -> int:
+    """Registers per thread of the compiled kernel (cuobjdump -res-usage, shipped with Triton)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def opcode_mix(body: list[str]) -> collections.Counter:
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
         per_weight = len(body) * 32 * warps / (bn * bk)
         mix = ", ".join(f"{op} {n}" for op, n in opcode_mix(body).most_common(12))
         spills = sum(1 for line in sass.splitlines() if re.search(r"\b(LDL|STL)\b", line))
-        print(f"{name:44s} smem {kernel.metadata.shared:6d} B  regs {_registers(sass):3d}  loop {len(body):4d}  "
+        print(f"{name:44s} smem {kernel.metadata.shared:6d} B  regs {registers(os.path.join(args.out, name + '.cubin')):3d}  loop {len(body):4d}  "
               f"{per_weight:.2f} instr/weight  local-memory instrs {spills}")
         print(f"    {mix}")
     return 0
