@@ -46,8 +46,8 @@ def _load_kernels():
 
 
 GEMM_SIG = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*i32", shift_ptr="*i32", ws_ptr="*fp32", bias_ptr="*fp32",
-                out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32", amax_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
-                stride_om="i32", k_tiles_per_split="i32", splits="i32")
+                out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32", amax_ptr="*i32", M="i32", N="i32", K="i32",
+                stride_xm="i32", stride_om="i32", k_tiles_per_split="i32", splits="i32")
 # what Triton's launcher specializes at run time for our usual shapes: 16-aligned pointers and dims
 DIVISIBLE = [a for a, t in GEMM_SIG.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_om"]
 
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
         per_weight = len(body) * 32 * warps / (bn * bk)
         mix = ", ".join(f"{op} {n}" for op, n in opcode_mix(body).most_common(12))
         spills = sum(1 for line in sass.splitlines() if re.search(r"\b(LDL|STL)\b", line))
-        print(f"{name:44s} smem {kernel.metadata.shared:6d} B  regs {registers(os.path.join(args.out, name + '.cubin')):3d}  loop {len(body):4d}  "
+        regs = registers(os.path.join(args.out, name + ".cubin"))
+        print(f"{name:44s} smem {kernel.metadata.shared:6d} B  regs {regs:3d}  loop {len(body):4d}  "
               f"{per_weight:.2f} instr/weight  local-memory instrs {spills}")
         print(f"    {mix}")
     return 0

@@ -98,12 +98,11 @@ def w4a8_glu(x_q: torch.Tensor, x_scale: torch.Tensor, weight: PreparedMxfp4, bi
     m, n = x_q.shape[0], weight.shape[0]
     if n % 2:
         raise ValueError(f"w4a8_glu: a [gate | up] weight has an even row count, not {n}")
-    if config is None and not glu_epilogue_serves(n, weight.shape[1], x_q.device):
+    k = weight.shape[1]
+    if config is None and (not glu_epilogue_serves(n, k, x_q.device) or _expand_serves(x_q, m, n, k, out_dtype, None)):
+        # w4a8_gemm takes the expand path itself where it serves
         act = silu_mul(w4a8_gemm(x_q, x_scale, weight, bias, out_dtype, decode_band=decode_band, use_asm=use_asm),
                        quantize=True)
-        return act.x_q, act.x_scale
-    if config is None and _expand_serves(x_q, m, n, weight.shape[1], out_dtype, None):
-        act = silu_mul(_expand_then_fp8_mm(x_q, x_scale, weight, bias, out_dtype), quantize=True)
         return act.x_q, act.x_scale
     y, _, amax = _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, None, glu=True)
     return quantize_rows_from_parts(y, amax)
