@@ -46,24 +46,13 @@ def choose_path(device: torch.device, config: KernelConfig) -> tuple[str, str]:
     return PATH_W4A8, f"sm_{cap[0]}{cap[1]}: W4A8 Triton kernel"
 
 
-def _w4a8_linear(*args):
-    # torch.compile must see one opaque op; eager calls skip the custom-op dispatcher, which was measured
-    # at ~180 us of host time per call on the H200 machine (45 ms of a 1k-token 8B prefill)
+def _kernel_op(name: str, *args):
+    """Call the W4A8 op `name` (ops.py): torch.compile must see the one opaque op; eager calls skip the
+    custom-op dispatcher, which was measured at ~180 us of host time per call on the H200 machine (45 ms
+    of a 1k-token 8B prefill), and run its implementation directly."""
     if torch.compiler.is_compiling():
-        return torch.ops.radiance.w4a8_linear(*args)
-    return ops.w4a8_linear_impl(*args)
-
-
-def _w4a8_linear_quantized(*args):
-    if torch.compiler.is_compiling():
-        return torch.ops.radiance.w4a8_linear_quantized(*args)
-    return ops.w4a8_linear_quantized_impl(*args)
-
-
-def _w4a8_glu_quantized(*args):
-    if torch.compiler.is_compiling():
-        return torch.ops.radiance.w4a8_glu_quantized(*args)
-    return ops.w4a8_glu_quantized_impl(*args)
+        return getattr(torch.ops.radiance, name)(*args)
+    return getattr(ops, f"{name}_impl")(*args)
 
 
 def takes_fp8(linear: nn.Module) -> bool:
@@ -118,7 +107,8 @@ class Mxfp4Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.path == PATH_W4A8:
-            out = _w4a8_linear(x2, self.w_q, self.w_shift, self.w_scale, self.bias, self.kernel_config.decode_band)
+            out = _kernel_op("w4a8_linear", x2, self.w_q, self.w_shift, self.w_scale, self.bias,
+                             self.kernel_config.decode_band)
             if self.monitor is not None and self.monitor.due():
                 self.monitor.check(*quantize_activations(x2), self.dequantized_weight(), self.bias, out)
         elif self.path == PATH_W4A16:
@@ -132,8 +122,8 @@ class Mxfp4Linear(nn.Module):
     def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Activations already quantized (rmsnorm_quant / quantize_activations): x_q e4m3 [M, K], x_scale [M, 1]."""
         if self.path == PATH_W4A8:
-            return _w4a8_linear_quantized(x_q, x_scale, self.w_q, self.w_shift, self.w_scale, self.bias, out_dtype,
-                                          self.kernel_config.decode_band)
+            return _kernel_op("w4a8_linear_quantized", x_q, x_scale, self.w_q, self.w_shift, self.w_scale, self.bias,
+                              out_dtype, self.kernel_config.decode_band)
         if self.path == PATH_W4A16:  # 16-bit activations were asked for: use the dequantized fp8 values
             return self.forward((x_q.float() * x_scale).to(out_dtype))
         return reference.w4a8_matmul_reference(x_q, x_scale, self.w_dense, self.bias, out_dtype)
@@ -150,8 +140,8 @@ class Mxfp4Linear(nn.Module):
         if not isinstance(x, Fp8Activations):
             lead = tuple(x.shape[:-1])
             x = Fp8Activations(*quantize_activations(x.reshape(-1, self.in_features)), x.dtype, lead)
-        x_q, x_scale = _w4a8_glu_quantized(x.x_q, x.x_scale, self.w_q, self.w_shift, self.w_scale, self.bias,
-                                           x.dtype, self.kernel_config.decode_band)
+        x_q, x_scale = _kernel_op("w4a8_glu_quantized", x.x_q, x.x_scale, self.w_q, self.w_shift, self.w_scale,
+                                  self.bias, x.dtype, self.kernel_config.decode_band)
         return Fp8Activations(x_q, x_scale, x.dtype, x.lead)
 
     def dequantized_weight(self) -> torch.Tensor:
