@@ -8,6 +8,8 @@
 #            inside batch-1 decode steps, and its decode steps with small kernels stubbed out (about 6)
 #   sweep    the tile sweep over the 8B shapes (every candidate gated on numerics first); prints
 #            tuning-table entries for tuning/sm90.json (up to 10)
+#   splits   the decode GEMMs' split counts tuned inside the batch-1 decode step, 8B then 32B; prints
+#            tuning-table entries (about 3)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -42,8 +44,13 @@ sweep)
         --shapes 6144x4096 4096x4096 28672x4096 4096x14336 --out "$OUT/sweep.txt"
     grep -h "^best" "$OUT/sweep.log"
     ;;
+splits)
+    step 240 splits-8b python3 tools/decode_split_sweep.py --model synthetic:llama-3.1-8b
+    step 300 splits-32b python3 tools/decode_split_sweep.py --model synthetic:qwen3-32b
+    grep -h '^{"shape"' "$OUT"/splits-*.log
+    ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|kernels|models|sweep]" >&2
+    echo "usage: bash tools/device_session.sh [quick|kernels|models|sweep|splits]" >&2
     exit 2
     ;;
 esac

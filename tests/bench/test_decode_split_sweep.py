@@ -1,0 +1,46 @@
+"""tools/decode_split_sweep.py: the tuning-table patch it measures must serve exactly the shape and M band
+it names and leave the real table alone, and the harness must run end to end (a CPU dry run)."""
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import radiance.kernels.tuning as tuning
+from tests.bench.test_bench_synthetic import TINY
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import decode_split_sweep as sweep  # noqa: E402
+
+
+def test_with_split_serves_only_its_shape_and_band():
+    table = tuning.load_table("sm90")
+    before = copy.deepcopy(table)
+    patched = sweep.with_split(table, "51200x5120", 5, m_max=1)
+    assert table == before  # a copy: the cached table is untouched
+    new = sweep.serving_entry(patched, "51200x5120", 1)
+    old = sweep.serving_entry(table, "51200x5120", 1)
+    assert new["config"]["split_k"] == 5
+    assert {k: v for k, v in new["config"].items() if k != "split_k"} == \
+        {k: v for k, v in old["config"].items() if k != "split_k"}
+    assert sweep.serving_entry(patched, "51200x5120", 2) == sweep.serving_entry(table, "51200x5120", 2)
+    assert sweep.serving_entry(patched, "4096x4096", 1) == sweep.serving_entry(table, "4096x4096", 1)
+
+
+def test_table_in_use_swaps_and_restores():
+    real = tuning.load_table
+    with sweep.table_in_use({"decode": []}):
+        assert tuning.load_table("sm90") == {"decode": []}
+    assert tuning.load_table is real
+
+
+def test_dry_run_on_the_cpu():
+    lines = []
+    result = sweep.run("synthetic:llama-3.1-8b", splits=(1, 2), device="cpu", overrides={**TINY, "vocab_size": 512},
+                       steps=2, log=lines.append)
+    hidden, inter = TINY["hidden_size"], TINY["intermediate_size"]
+    assert f"{2 * inter}x{hidden}" in result["tried"] and f"{hidden}x{inter}" in result["tried"]
+    assert all(math.isfinite(ms) and ms > 0 for tried in result["tried"].values() for _, ms in tried)
+    assert [v for v, _ in result["final"]] == ["table", "winners"] * 2
+    assert len(result["entries"]) == len(result["chosen"])
+    assert len(lines) == 2 + len(result["tried"])

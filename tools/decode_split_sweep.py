@@ -1,0 +1,138 @@
+"""Split counts of the decode GEMMs, tuned where they run: inside the engine's batch-1 decode step (CUDA
+graph re-captured per variant). One shape's entry changes at a time against the tuning table, then the
+winners run together. A GEMM timed alone, back to back, tunes differently: the 32B's gate_up took 2 splits
+here (-120 us per step) where the isolated sweep had seen under 3% (bench/RESULTS.md, eighth session).
+
+    python3 tools/decode_split_sweep.py [--model synthetic:qwen3-32b] [--splits 1 2 3 4 5 6 8] [--m-max 1]
+
+Prints tuning-table entries for radiance/kernels/tuning/sm90.json (a winner must beat every repeat of the
+table by more than --margin ms). On the CPU (`--device cpu`) it is a dry run of the harness: reference
+kernels, no table, timings meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import time
+
+import torch
+
+import radiance.kernels.tuning as tuning
+from radiance.bench.engine_bench import _engine, _random_ids, _sync
+from radiance.engine.sampling_params import SamplingParams
+from radiance.layers.linear import Mxfp4Linear
+
+
+def serving_entry(table: dict, shape: str, m: int) -> dict:
+    """The decode entry of `table` that serves an N x K `shape` at M = m (the first that matches)."""
+    for entry in table.get("decode", []):
+        if entry.get("shape", "*") in ("*", shape) and (entry.get("m_max") is None or m <= entry["m_max"]):
+            return entry
+    return {"config": tuning.DEFAULT_DECODE.as_dict()}
+
+
+def with_split(table: dict, shape: str, split: int, m_max: int) -> dict:
+    """A copy of `table` whose decode band serves `shape` up to m_max tokens with `split` K splits, the rest of
+    the tiling as now (a new first entry)."""
+    entry = {"shape": shape, "m_max": m_max, "config": {**serving_entry(table, shape, m_max)["config"], "split_k": split}}
+    patched = copy.deepcopy(table)
+    patched["decode"] = [entry] + patched.get("decode", [])
+    return patched
+
+
+@contextlib.contextmanager
+def table_in_use(table: dict):
+    """tuning.load_table returns `table` while inside (select_config reads it at every launch)."""
+    saved = tuning.load_table
+    tuning.load_table = lambda name: table
+    try:
+        yield
+    finally:
+        tuning.load_table = saved
+
+
+def decode_shapes(model: torch.nn.Module) -> list[str]:
+    """The N x K of the model's MXFP4 linears, one per distinct shape."""
+    return sorted({f"{m.out_features}x{m.in_features}" for m in model.modules() if isinstance(m, Mxfp4Linear)})
+
+
+def step_ms(engine, gen, context: int = 128, steps: int = 24, repeats: int = 2) -> float:
+    """Best of `repeats` wall ms per batch-1 decode step at about `context` tokens."""
+    vocab = engine.model.config.vocab_size
+    best = float("inf")
+    for _ in range(repeats):
+        engine.add_request("sweep", _random_ids(context, vocab, gen),
+                           SamplingParams(max_tokens=steps + 6, temperature=0.0, ignore_eos=True))
+        for _ in range(6):
+            engine.step()
+        _sync()
+        t0, done = time.perf_counter(), 0
+        while engine.has_unfinished_requests() and done < steps:
+            engine.step()
+            done += 1
+        _sync()
+        best = min(best, (time.perf_counter() - t0) / max(done, 1) * 1e3)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return best
+
+
+def run(model: str, quantization: str = "mxfp4", splits=(1, 2, 3, 4, 5, 6, 8), m_max: int = 1, margin: float = 0.004,
+        device: str = "cuda", overrides: dict | None = None, steps: int = 24, log=print) -> dict:
+    """{"table": [ms of every table repeat], "tried": {shape: [(split, ms)]}, "chosen": {shape: split},
+    "final": [(variant, ms)], "entries": tuning-table entries of the winners}."""
+    engine = _engine(model, quantization, 2048, device, overrides, max_num_batched_tokens=4096, max_num_seqs=1,
+                     gpu_memory_utilization=0.85, prefill_graph_tokens=())
+    gen = torch.Generator().manual_seed(0)
+    base = copy.deepcopy(tuning.load_table("sm90"))
+
+    def timed(table: dict) -> float:
+        with table_in_use(table):
+            if engine.runner.graphs:
+                engine.runner._capture_decode_graphs()  # the graph bakes in the split counts of its launches
+            return step_ms(engine, gen, steps=steps)
+
+    timed(base)  # warm-up: the first measurement of a fresh engine ran ~35 us faster than later table repeats
+    result = {"table": [timed(base)], "tried": {}, "chosen": {}}
+    log(f"{model}: table {result['table'][0]:.3f} ms per step")
+    for shape in decode_shapes(engine.model):
+        now = serving_entry(base, shape, m_max)["config"].get("split_k")
+        tried = [(s, timed(with_split(base, shape, s, m_max))) for s in splits if s != now]
+        result["table"].append(timed(base))
+        result["tried"][shape] = tried
+        log(f"  {shape} (table split {now}): " + "  ".join(f"{s}: {ms:.3f}" for s, ms in tried)
+            + f"  | table again {result['table'][-1]:.3f}")
+        if tried:
+            split, ms = min(tried, key=lambda t: t[1])
+            if ms < min(result["table"]) - margin:
+                result["chosen"][shape] = split
+    combined = base
+    for shape, split in result["chosen"].items():
+        combined = with_split(combined, shape, split, m_max)
+    result["final"] = [(v, timed(base if v == "table" else combined)) for v in ("table", "winners") * 2]
+    log("  " + "  ".join(f"{v} {ms:.3f}" for v, ms in result["final"]))
+    result["entries"] = combined["decode"][:len(result["chosen"])]
+    if engine.runner.graphs:
+        engine.runner._capture_decode_graphs()  # leave the engine as the table has it
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="synthetic:llama-3.1-8b")
+    p.add_argument("--quantization", default="mxfp4")
+    p.add_argument("--splits", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 8])
+    p.add_argument("--m-max", type=int, default=1, help="token count the new entries serve up to (batch-1 decode: 1)")
+    p.add_argument("--margin", type=float, default=0.004, help="ms a winner must beat every table repeat by")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    result = run(args.model, args.quantization, args.splits, args.m_max, args.margin, args.device)
+    for entry in result["entries"]:
+        print(json.dumps(entry))
+
+
+if __name__ == "__main__":
+    main()
