@@ -1,9 +1,10 @@
-"""Split counts of the decode GEMMs, tuned where they run: inside the engine's batch-1 decode step (CUDA
-graph re-captured per variant). One shape's entry changes at a time against the tuning table, then the
-winners run together. A GEMM timed alone, back to back, tunes differently: the 32B's gate_up took 2 splits
-here (-120 us per step) where the isolated sweep had seen under 3% (bench/RESULTS.md, eighth session).
+"""Split counts of the decode GEMMs, tuned where they run: inside the engine's decode step (batch 1 by
+default; CUDA graphs re-captured per variant). One shape's entry changes at a time against the tuning
+table, then the winners run together. A GEMM timed alone, back to back, tunes differently: the 32B's
+gate_up took 2 splits here (-120 us per step) where the isolated sweep had seen under 3%
+(bench/RESULTS.md, eighth session).
 
-    python3 tools/decode_split_sweep.py [--model synthetic:qwen3-32b] [--splits 1 2 3 4 5 6 8] [--m-max 1]
+    python3 tools/decode_split_sweep.py [--model synthetic:qwen3-32b] [--splits 1 2 3 4 5 6 8] [--batch 1]
 
 Prints tuning-table entries for radiance/kernels/tuning/sm90.json (a winner must beat every repeat of the
 table by more than --margin ms). On the CPU (`--device cpu`) it is a dry run of the harness: reference
@@ -22,24 +23,35 @@ import torch
 
 import radiance.kernels.tuning as tuning
 from radiance.bench.engine_bench import _engine, _random_ids, _sync
+from radiance.config import KernelConfig
 from radiance.engine.sampling_params import SamplingParams
 from radiance.layers.linear import Mxfp4Linear
 
+DECODE_BAND = KernelConfig().decode_band  # the engine's default: up to this M the tuning table's decode entries serve
+
+
+def serving_index(table: dict, shape: str, m: int) -> int | None:
+    """Index of the decode entry of `table` that serves an N x K `shape` at M = m (the first that matches)."""
+    for i, entry in enumerate(table.get("decode", [])):
+        if entry.get("shape", "*") in ("*", shape) and (entry.get("m_max") is None or m <= entry["m_max"]):
+            return i
+    return None
+
 
 def serving_entry(table: dict, shape: str, m: int) -> dict:
-    """The decode entry of `table` that serves an N x K `shape` at M = m (the first that matches)."""
-    for entry in table.get("decode", []):
-        if entry.get("shape", "*") in ("*", shape) and (entry.get("m_max") is None or m <= entry["m_max"]):
-            return entry
-    return {"config": tuning.DEFAULT_DECODE.as_dict()}
+    """The decode entry of `table` that serves `shape` at M = m (tuning.DEFAULT_DECODE's when none does)."""
+    i = serving_index(table, shape, m)
+    return table["decode"][i] if i is not None else {"config": tuning.DEFAULT_DECODE.as_dict()}
 
 
-def with_split(table: dict, shape: str, split: int, m_max: int) -> dict:
-    """A copy of `table` whose decode band serves `shape` up to m_max tokens with `split` K splits, the rest of
-    the tiling as now (a new first entry)."""
-    entry = {"shape": shape, "m_max": m_max, "config": {**serving_entry(table, shape, m_max)["config"], "split_k": split}}
+def with_split(table: dict, shape: str, split: int, m: int) -> dict:
+    """A copy of `table` that serves `shape` at M = m with `split` K splits, the rest of the tiling as now: a
+    new entry (m_max m) right before the one serving it now, so smaller M bands keep their entries."""
     patched = copy.deepcopy(table)
-    patched["decode"] = [entry] + patched.get("decode", [])
+    decode = patched.setdefault("decode", [])
+    i = serving_index(table, shape, m)
+    entry = {"shape": shape, "m_max": m, "config": {**serving_entry(table, shape, m)["config"], "split_k": split}}
+    decode.insert(len(decode) if i is None else i, entry)
     return patched
 
 
@@ -59,13 +71,14 @@ def decode_shapes(model: torch.nn.Module) -> list[str]:
     return sorted({f"{m.out_features}x{m.in_features}" for m in model.modules() if isinstance(m, Mxfp4Linear)})
 
 
-def step_ms(engine, gen, context: int = 128, steps: int = 24, repeats: int = 2) -> float:
-    """Best of `repeats` wall ms per batch-1 decode step at about `context` tokens."""
+def step_ms(engine, gen, batch: int = 1, context: int = 128, steps: int = 24, repeats: int = 2) -> float:
+    """Best of `repeats` wall ms per decode step of `batch` sequences at about `context` tokens."""
     vocab = engine.model.config.vocab_size
     best = float("inf")
     for _ in range(repeats):
-        engine.add_request("sweep", _random_ids(context, vocab, gen),
-                           SamplingParams(max_tokens=steps + 6, temperature=0.0, ignore_eos=True))
+        for i in range(batch):
+            engine.add_request(f"sweep{i}", _random_ids(context, vocab, gen),
+                               SamplingParams(max_tokens=steps + 6, temperature=0.0, ignore_eos=True))
         for _ in range(6):
             engine.step()
         _sync()
@@ -80,12 +93,15 @@ def step_ms(engine, gen, context: int = 128, steps: int = 24, repeats: int = 2) 
     return best
 
 
-def run(model: str, quantization: str = "mxfp4", splits=(1, 2, 3, 4, 5, 6, 8), m_max: int = 1, margin: float = 0.004,
+def run(model: str, quantization: str = "mxfp4", splits=(1, 2, 3, 4, 5, 6, 8), batch: int = 1, margin: float = 0.004,
         device: str = "cuda", overrides: dict | None = None, steps: int = 24, log=print) -> dict:
-    """{"table": [ms of every table repeat], "tried": {shape: [(split, ms)]}, "chosen": {shape: split},
-    "final": [(variant, ms)], "entries": tuning-table entries of the winners}."""
-    engine = _engine(model, quantization, 2048, device, overrides, max_num_batched_tokens=4096, max_num_seqs=1,
-                     gpu_memory_utilization=0.85, prefill_graph_tokens=())
+    """Decode steps of `batch` sequences (the GEMMs' M): {"table": [ms of every table repeat], "tried": {shape:
+    [(split, ms)]}, "chosen": {shape: split}, "final": [(variant, ms)], "entries": [(entry, the index in the
+    table's decode list to insert it at)] for the winners}."""
+    if batch > DECODE_BAND:
+        raise ValueError(f"batch {batch} is past the decode band ({DECODE_BAND} tokens): its GEMMs run prefill tilings")
+    engine = _engine(model, quantization, 2048, device, overrides, max_num_batched_tokens=4096,
+                     max_num_seqs=batch, gpu_memory_utilization=0.85, prefill_graph_tokens=())
     gen = torch.Generator().manual_seed(0)
     base = copy.deepcopy(tuning.load_table("sm90"))
 
@@ -93,14 +109,14 @@ def run(model: str, quantization: str = "mxfp4", splits=(1, 2, 3, 4, 5, 6, 8), m
         with table_in_use(table):
             if engine.runner.graphs:
                 engine.runner._capture_decode_graphs()  # the graph bakes in the split counts of its launches
-            return step_ms(engine, gen, steps=steps)
+            return step_ms(engine, gen, batch, steps=steps)
 
     timed(base)  # warm-up: the first measurement of a fresh engine ran ~35 us faster than later table repeats
     result = {"table": [timed(base)], "tried": {}, "chosen": {}}
     log(f"{model}: table {result['table'][0]:.3f} ms per step")
     for shape in decode_shapes(engine.model):
-        now = serving_entry(base, shape, m_max)["config"].get("split_k")
-        tried = [(s, timed(with_split(base, shape, s, m_max))) for s in splits if s != now]
+        now = serving_entry(base, shape, batch)["config"].get("split_k")
+        tried = [(s, timed(with_split(base, shape, s, batch))) for s in splits if s != now]
         result["table"].append(timed(base))
         result["tried"][shape] = tried
         log(f"  {shape} (table split {now}): " + "  ".join(f"{s}: {ms:.3f}" for s, ms in tried)
@@ -110,11 +126,14 @@ def run(model: str, quantization: str = "mxfp4", splits=(1, 2, 3, 4, 5, 6, 8), m
             if ms < min(result["table"]) - margin:
                 result["chosen"][shape] = split
     combined = base
+    result["entries"] = []
     for shape, split in result["chosen"].items():
-        combined = with_split(combined, shape, split, m_max)
+        index = serving_index(base, shape, batch)
+        entry = with_split(base, shape, split, batch)["decode"][-1 if index is None else index]
+        result["entries"].append((entry, index))
+        combined = with_split(combined, shape, split, batch)
     result["final"] = [(v, timed(base if v == "table" else combined)) for v in ("table", "winners") * 2]
     log("  " + "  ".join(f"{v} {ms:.3f}" for v, ms in result["final"]))
-    result["entries"] = combined["decode"][:len(result["chosen"])]
     if engine.runner.graphs:
         engine.runner._capture_decode_graphs()  # leave the engine as the table has it
     return result
@@ -125,13 +144,13 @@ def main() -> None:
     p.add_argument("--model", default="synthetic:llama-3.1-8b")
     p.add_argument("--quantization", default="mxfp4")
     p.add_argument("--splits", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 8])
-    p.add_argument("--m-max", type=int, default=1, help="token count the new entries serve up to (batch-1 decode: 1)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per decode step (the GEMMs' M)")
     p.add_argument("--margin", type=float, default=0.004, help="ms a winner must beat every table repeat by")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
-    result = run(args.model, args.quantization, args.splits, args.m_max, args.margin, args.device)
-    for entry in result["entries"]:
-        print(json.dumps(entry))
+    result = run(args.model, args.quantization, args.splits, args.batch, args.margin, args.device)
+    for entry, index in result["entries"]:
+        print(f"{json.dumps(entry)}  # insert before decode entry {index} of tuning/sm90.json")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 import radiance.kernels.tuning as tuning
 from tests.bench.test_bench_synthetic import TINY
 
@@ -16,7 +18,7 @@ import decode_split_sweep as sweep  # noqa: E402
 def test_with_split_serves_only_its_shape_and_band():
     table = tuning.load_table("sm90")
     before = copy.deepcopy(table)
-    patched = sweep.with_split(table, "51200x5120", 5, m_max=1)
+    patched = sweep.with_split(table, "51200x5120", 5, m=1)
     assert table == before  # a copy: the cached table is untouched
     new = sweep.serving_entry(patched, "51200x5120", 1)
     old = sweep.serving_entry(table, "51200x5120", 1)
@@ -25,6 +27,16 @@ def test_with_split_serves_only_its_shape_and_band():
         {k: v for k, v in old["config"].items() if k != "split_k"}
     assert sweep.serving_entry(patched, "51200x5120", 2) == sweep.serving_entry(table, "51200x5120", 2)
     assert sweep.serving_entry(patched, "4096x4096", 1) == sweep.serving_entry(table, "4096x4096", 1)
+
+
+def test_with_split_at_batch_64_keeps_the_smaller_bands():
+    """At M = 64 the new entry goes right before the one serving now: the M <= 32 entry still serves M 16."""
+    table = tuning.load_table("sm90")
+    patched = sweep.with_split(table, "28672x4096", 2, m=64)
+    assert sweep.serving_entry(patched, "28672x4096", 64)["config"]["split_k"] == 2
+    assert sweep.serving_entry(patched, "28672x4096", 48)["config"]["split_k"] == 2
+    assert sweep.serving_entry(patched, "28672x4096", 16) == sweep.serving_entry(table, "28672x4096", 16)
+    assert sweep.serving_entry(patched, "28672x4096", 16)["m_max"] == 32
 
 
 def test_table_in_use_swaps_and_restores():
@@ -36,11 +48,13 @@ def test_table_in_use_swaps_and_restores():
 
 def test_dry_run_on_the_cpu():
     lines = []
-    result = sweep.run("synthetic:llama-3.1-8b", splits=(1, 2), device="cpu", overrides={**TINY, "vocab_size": 512},
-                       steps=2, log=lines.append)
+    result = sweep.run("synthetic:llama-3.1-8b", splits=(1, 2), batch=2, device="cpu",
+                       overrides={**TINY, "vocab_size": 512}, steps=2, log=lines.append)
     hidden, inter = TINY["hidden_size"], TINY["intermediate_size"]
     assert f"{2 * inter}x{hidden}" in result["tried"] and f"{hidden}x{inter}" in result["tried"]
     assert all(math.isfinite(ms) and ms > 0 for tried in result["tried"].values() for _, ms in tried)
     assert [v for v, _ in result["final"]] == ["table", "winners"] * 2
     assert len(result["entries"]) == len(result["chosen"])
     assert len(lines) == 2 + len(result["tried"])
+    with pytest.raises(ValueError, match="decode band"):
+        sweep.run("synthetic:llama-3.1-8b", batch=65, device="cpu")
