@@ -17,14 +17,13 @@ import argparse
 import contextlib
 import copy
 import json
-import time
 
 import torch
 
+import decode_ablation  # tools/, next to this script
 import radiance.kernels.tuning as tuning
-from radiance.bench.engine_bench import _engine, _random_ids, _sync
+from radiance.bench.engine_bench import _engine
 from radiance.config import KernelConfig
-from radiance.engine.sampling_params import SamplingParams
 from radiance.layers.linear import Mxfp4Linear
 
 DECODE_BAND = KernelConfig().decode_band  # the engine's default: up to this M the tuning table's decode entries serve
@@ -71,26 +70,9 @@ def decode_shapes(model: torch.nn.Module) -> list[str]:
     return sorted({f"{m.out_features}x{m.in_features}" for m in model.modules() if isinstance(m, Mxfp4Linear)})
 
 
-def step_ms(engine, gen, batch: int = 1, context: int = 128, steps: int = 24, repeats: int = 2) -> float:
-    """Best of `repeats` wall ms per decode step of `batch` sequences at about `context` tokens."""
-    vocab = engine.model.config.vocab_size
-    best = float("inf")
-    for _ in range(repeats):
-        for i in range(batch):
-            engine.add_request(f"sweep{i}", _random_ids(context, vocab, gen),
-                               SamplingParams(max_tokens=steps + 6, temperature=0.0, ignore_eos=True))
-        for _ in range(6):
-            engine.step()
-        _sync()
-        t0, done = time.perf_counter(), 0
-        while engine.has_unfinished_requests() and done < steps:
-            engine.step()
-            done += 1
-        _sync()
-        best = min(best, (time.perf_counter() - t0) / max(done, 1) * 1e3)
-        while engine.has_unfinished_requests():
-            engine.step()
-    return best
+def step_ms(engine, gen, batch: int = 1, steps: int = 24, repeats: int = 2) -> float:
+    """Best of `repeats` wall ms per decode step of `batch` sequences at context 128 (decode_ablation's)."""
+    return min(decode_ablation.step_ms(engine, batch, gen, steps=steps) for _ in range(repeats))
 
 
 def run(model: str, quantization: str = "mxfp4", splits=(1, 2, 3, 4, 5, 6, 8), batch: int = 1, margin: float = 0.004,
