@@ -32,11 +32,8 @@ DECODE_BAND = KernelConfig().decode_band  # the engine's default: up to this M t
 
 
 def serving_index(table: dict, shape: str, m: int) -> int | None:
-    """Index of the decode entry of `table` that serves an N x K `shape` at M = m (the first that matches)."""
-    for i, entry in enumerate(table.get("decode", [])):
-        if entry.get("shape", "*") in ("*", shape) and (entry.get("m_max") is None or m <= entry["m_max"]):
-            return i
-    return None
+    """Index of the decode entry of `table` that serves an N x K `shape` at M = m (as select_config picks it)."""
+    return tuning.serving_entry_index(table.get("decode", []), shape, m)
 
 
 def serving_entry(table: dict, shape: str, m: int) -> dict:

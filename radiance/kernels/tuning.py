@@ -82,20 +82,23 @@ def glu_epilogue_serves(n: int, k: int, device: torch.device) -> bool:
     return f"{n}x{k}" not in skip
 
 
+def serving_entry_index(entries: list[dict], shape: str, m: int) -> int | None:
+    """Index of the first of a band's `entries` that serves an "NxK" `shape` at M = m (None: no entry does)."""
+    for i, entry in enumerate(entries):
+        if entry.get("shape", "*") in ("*", shape) and (entry.get("m_max") is None or m <= entry["m_max"]):
+            return i
+    return None
+
+
 def select_config(m: int, n: int, k: int, decode_band: int, device: torch.device) -> GemmConfig:
     """The table's config for this call (decode band: M <= decode_band), with block_m fitted to M."""
     band = "decode" if m <= decode_band else "prefill"
     name = _table_name(device)
     entries = load_table(name).get(band, []) if name else []
-    chosen = None
-    for entry in entries:
-        if entry.get("shape", "*") not in ("*", f"{n}x{k}"):
-            continue
-        if entry.get("m_max") is not None and m > entry["m_max"]:
-            continue
-        chosen = GemmConfig(**entry["config"])
-        break
-    if chosen is None:
+    index = serving_entry_index(entries, f"{n}x{k}", m)
+    if index is not None:
+        chosen = GemmConfig(**entries[index]["config"])
+    else:
         chosen = DEFAULT_DECODE if band == "decode" else DEFAULT_PREFILL
     if chosen.swap_ab:  # tokens are the MMA N dimension: fit the tile to M (16..256)
         fitted = min(256, max(16, _next_pow2(m)))
