@@ -76,7 +76,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block, warps = _row_launch(k, m)
     pdl = supports_pdl(x2.device)
     if block > 4096 and 4 * block > 5 * k:  # padding to a power of two would waste over 20%
-        chunk, warps = (2048, 4 if k <= 8192 else 8) if m >= MANY_ROWS else (4096, 16)
+        chunk, warps = (2048, warps) if m >= MANY_ROWS else (4096, 16)  # many rows: _row_launch's warps
         _act.quantize_rows_chunked_kernel[(m,)](x2, x_q, x_scale, k, x2.stride(0), BLOCK=chunk,
                                                 INTERPRETER=not x2.is_cuda, PDL=pdl, launch_pdl=pdl,
                                                 num_warps=warps)
