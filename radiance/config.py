@@ -36,7 +36,7 @@ class ModelConfig:
     model: str | None = None  # path to an HF directory / GGUF file; None = embedded SmolLM2
     quantization: str = "auto"  # auto: as the checkpoint says (NVFP4/FP8 requantized to MXFP4); mxfp4: also quantize 16-bit linears; nvfp4: quantize 16-bit linears to NVFP4, then serve per --rule; none: dequantize everything to 16 bit
     rule: str = "mse"  # block-exponent rule for any conversion to MXFP4 (mse, noclip, ocp; none = serve NVFP4 dequantized)
-    dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on CPU
+    dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA and on CPUs with bf16 matmuls (AVX-512/AMX), else float32
     device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped by KV)
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
@@ -89,8 +89,9 @@ class KernelConfig:
     activations: str = "fp8"  # fp8 = W4A8; bf16 = W4A16 (dequantized weights, 16-bit activations)
     numerics_check: bool = False  # compare served outputs against the fp32 reference while running
     numerics_check_every: int = 100  # check one call in this many per layer when enabled
-    # SiLU-mul of a W4A8 MLP in the gate_up GEMM's epilogue (one launch fewer per layer); False: its own launch
-    fuse_glu: bool = True
+    fuse_glu: bool = True  # SiLU-mul of a W4A8 MLP in the gate_up GEMM's epilogue (one launch fewer per layer); False: its own launch
+    # on the CPU, float32 with cpu_int4 False is the exact path: decode 2.8x slower on the embedded model
+    cpu_int4: bool = True  # 4-bit GGUF linears (Q4_0/Q4_1) on a CPU run torch's int4 kernel from their codes (bf16 activations); False: dequantized to the model dtype
 
     def __post_init__(self):
         _check(1 <= self.decode_band <= 256, "decode_band must be in [1, 256]")

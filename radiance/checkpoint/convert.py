@@ -73,6 +73,8 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
         if not is_weight(obj):
             yield name, obj
             continue
+        if obj.format == "int4":  # GGUF's 4-bit codes have no compressed-tensors form: start from their values
+            obj = DenseWeight(dequantize(obj), obj.partition_sizes)
         keep_dense = selects(ignore, name) or (name == "lm_head" and not quantize_lm_head)
         goal = "dense" if keep_dense else target
         if goal == "dense" and obj.format == "dense":

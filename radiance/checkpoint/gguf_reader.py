@@ -1,6 +1,8 @@
 """GGUF files (the embedded SmolLM2 among them) read into the same in-memory form as HF checkpoints.
 
-The `gguf` package dequantizes every tensor (Q4_1, Q8_0, ...) to float32. llama.cpp's converter
+Q4_0 / Q4_1 linears are read as `Int4Weight` (their codes, scales and offsets, no rounding), so a CPU can
+serve them from 4-bit codes; the `gguf` package dequantizes every other tensor (Q8_0, ...) to float32.
+llama.cpp's converter
 permutes the q/k rows of Llama models into its rotary layout; they are permuted back to the HF layout
 here, so one model implementation serves both. The config is synthesized from the GGUF metadata as an
 HF config.json dict; the tokenizer comes from transformers' GGUF support, the chat template from the
@@ -22,7 +24,7 @@ from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.names import canonical_linear, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError
-from radiance.formats import DenseWeight, concat_partitions
+from radiance.formats import INT4_GROUP, DenseWeight, Int4Weight, concat_partitions, dequantize, pack_e2m1
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,29 @@ def hf_name(gguf_name: str) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
     return None
+
+
+_INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # bytes per 32-weight block: fp16 scale [, fp16 min], 16 code bytes
+
+
+def int4_from_blocks(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Int4Weight:
+    """Raw Q4_0 / Q4_1 blocks of a [rows, cols] tensor -> Int4Weight with the same values.
+
+    A block stores code j in the low nibble of byte j and code j + 16 in its high nibble.
+    Q4_0: w = scale * (code - 8); Q4_1: w = scale * code + min.
+    """
+    block_bytes = _INT4_TYPES[type_name]
+    groups = cols // INT4_GROUP
+    raw = torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True).reshape(rows, groups, block_bytes))
+
+    def fp16_field(at: int) -> torch.Tensor:
+        return raw[..., at:at + 2].contiguous().view(torch.float16).reshape(rows, groups).float()
+
+    scale = fp16_field(0)
+    offset = fp16_field(2) if type_name == "Q4_1" else -8.0 * scale
+    code_bytes = raw[..., block_bytes - 16:]
+    codes = torch.cat([code_bytes & 0x0F, code_bytes >> 4], dim=-1).reshape(rows, cols)
+    return Int4Weight(pack_e2m1(codes), scale, offset)
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -162,6 +187,26 @@ class GgufCheckpoint(Checkpoint):
                                  tuple(rows) if is_linear else (), sum(int(t.n_bytes) for t in ts), "/".join(kinds)))
         return out
 
+    def _rows_unpermuted(self, gguf_name: str, w: torch.Tensor) -> torch.Tensor:
+        if self.arch in _PERMUTED_ARCHS and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+            return unpermute_rows(w, self.config["num_attention_heads"])
+        if self.arch in _PERMUTED_ARCHS and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            return unpermute_rows(w, self.config["num_key_value_heads"])
+        return w
+
+    def _linear(self, gguf_name: str):
+        """One linear's weight: Int4Weight for Q4_0 / Q4_1, otherwise DenseWeight of the float32 values."""
+        t = self.tensors[gguf_name]
+        if t.tensor_type.name not in _INT4_TYPES or len(t.shape) != 2:
+            return DenseWeight(self._dequantize(gguf_name))
+        cols, rows = (int(d) for d in t.shape)  # GGUF lists the fastest dimension first
+        try:
+            weight = int4_from_blocks(t.data, t.tensor_type.name, rows, cols)
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"malformed {t.tensor_type.name} tensor of shape {rows}x{cols}: {exc}",
+                                  file=self.path, tensor=gguf_name) from None
+        return Int4Weight(*(self._rows_unpermuted(gguf_name, x) for x in (weight.packed, weight.scale, weight.offset)))
+
     def _dequantize(self, gguf_name: str) -> torch.Tensor:
         import gguf
 
@@ -171,24 +216,20 @@ class GgufCheckpoint(Checkpoint):
         except Exception as exc:
             raise CheckpointError(f"cannot dequantize GGUF tensor of type {t.tensor_type.name}: {exc}",
                                   file=self.path, tensor=gguf_name) from None
-        w = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
-        if self.arch in _PERMUTED_ARCHS and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_rows(w, self.config["num_attention_heads"])
-        elif self.arch in _PERMUTED_ARCHS and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_rows(w, self.config["num_key_value_heads"])
-        return w
+        return self._rows_unpermuted(gguf_name, torch.from_numpy(np.array(values, dtype=np.float32, copy=True)))
 
     def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, object]]:
         plan = self._plan()
         for canonical, parts in tqdm(plan.items(), desc=f"reading {os.path.basename(self.path)}", unit="tensor",
                                      disable=not progress, leave=False):
-            tensors = [self._dequantize(parts[i]) for i in sorted(parts)]
             if canonical.endswith((".weight", ".bias")):
+                tensors = [self._dequantize(parts[i]) for i in sorted(parts)]
                 yield canonical, torch.cat(tensors) if len(tensors) > 1 else tensors[0]
-            elif len(tensors) == 1:
-                yield canonical, DenseWeight(tensors[0])
-            else:
-                yield canonical, concat_partitions([DenseWeight(t) for t in tensors])
+                continue
+            weights = [self._linear(parts[i]) for i in sorted(parts)]
+            if len({w.format for w in weights}) > 1:  # a merged linear of mixed GGUF types: serve it in float32
+                weights = [DenseWeight(dequantize(w)) for w in weights]
+            yield canonical, weights[0] if len(weights) == 1 else concat_partitions(weights)
 
     # ------------------------------------------------------------------ tokenizer
 

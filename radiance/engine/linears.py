@@ -1,23 +1,30 @@
 """Builds the module that serves one checkpoint linear, as the `quantization` option decides.
 
-auto:  MXFP4 as is; NVFP4 / FP8 requantized to MXFP4 (ModelConfig.rule); 16-bit stays 16-bit.
+auto:  MXFP4 as is; NVFP4 / FP8 requantized to MXFP4 (ModelConfig.rule); 16-bit stays 16-bit; 4-bit GGUF
+       (Int4Weight) on a CPU runs from its codes (KernelConfig.cpu_int4), elsewhere dequantized to 16 bit.
 mxfp4: 16-bit linears are quantized to MXFP4 too (except those matching ModelConfig.ignore).
 nvfp4: 16-bit linears are quantized to NVFP4, then requantized to MXFP4 with the rule, or with rule
        "none" served as the dequantized NVFP4 values in 16 bit (W4A16 emulation of an NVFP4 model).
 none:  everything dequantized to 16 bit.
-Quantized linears become `radiance.layers.linear.Mxfp4Linear`, 16-bit ones `DenseLinear`.
+Quantized linears become `radiance.layers.linear.Mxfp4Linear`, 16-bit ones `DenseLinear`, 4-bit GGUF ones
+on a CPU `radiance.layers.int4_linear.Int4Linear`. Apart from that one path, an Int4Weight is treated as the
+16-bit weight of its values.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 from torch import nn
 
 from radiance.config import KernelConfig, ModelConfig
-from radiance.formats import Nvfp4Weight, dequantize, quantize_nvfp4
+from radiance.formats import DenseWeight, Nvfp4Weight, dequantize, quantize_nvfp4
+from radiance.layers.int4_linear import Int4Linear, int4_cpu_unsupported
 from radiance.layers.linear import DenseLinear, Mxfp4Linear
+
+log = logging.getLogger(__name__)
 
 
 def dense_linear(tensor: torch.Tensor, dtype: torch.dtype, kernel_config: KernelConfig, name: str = "") -> nn.Module:
@@ -31,9 +38,17 @@ def mxfp4_linear(weight, rule: str, dtype: torch.dtype, kernel_config: KernelCon
 
 def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: KernelConfig,
                  dtype: torch.dtype) -> tuple[nn.Module, str, float]:
-    """(module, how it is served: "dense" | "mxfp4" | "nvfp4-dequant" , requant relRMS or 0)."""
+    """(module, how it is served: "dense" | "mxfp4" | "nvfp4-dequant" | "int4", requant relRMS or 0)."""
     quant = model_config.quantization
     keep_16bit = any(re.search(p, name) for p in model_config.ignore)
+    if weight.format == "int4":
+        if quant == "auto" and not keep_16bit and kernel_config.cpu_int4:
+            why_not = int4_cpu_unsupported(weight, weight.packed.device)
+            if why_not is None:
+                return Int4Linear(weight, name=name), "int4", 0.0
+            if weight.packed.device.type == "cpu":
+                log.warning("%s: served dequantized, not on the int4 CPU kernel: %s", name, why_not)
+        weight = DenseWeight(dequantize(weight), weight.partition_sizes)
     if quant == "none":
         tensor = dequantize(weight) if weight.format != "dense" else weight.tensor
         return dense_linear(tensor, dtype, kernel_config, name), "dense", 0.0

@@ -1,4 +1,4 @@
-"""Weight containers: one linear's weight in one of the four formats, with its partitions.
+"""Weight containers: one linear's weight in one of the five formats, with its partitions.
 
 Every reader produces these and every consumer (kernels, writers, inspect) takes them, so the
 formats meet in one place. `partition_sizes` records the rows of each original projection inside
@@ -13,6 +13,7 @@ import torch
 
 from radiance.formats._checks import check_partitions
 from radiance.formats.fp8 import dequantize_fp8_per_channel
+from radiance.formats.int4 import INT4_GROUP, dequantize_int4
 from radiance.formats.mxfp4 import MX_BLOCK, dequantize_mxfp4
 from radiance.formats.nvfp4 import NV_BLOCK, dequantize_nvfp4
 from radiance.formats.requant import dense_to_mxfp4, nvfp4_to_mxfp4, requant_rows_to_mxfp4
@@ -112,7 +113,38 @@ class Fp8Weight:
         return {"w8": self.w8, "scale": self.scale}
 
 
-Weight = DenseWeight | Mxfp4Weight | Nvfp4Weight | Fp8Weight
+@dataclass
+class Int4Weight:
+    """Affine 4-bit codes, one scale and one offset per 32 weights along K: w = code * scale + offset.
+
+    GGUF's Q4_0 (offset = -8 * scale) and Q4_1 read into this form without rounding.
+    """
+
+    packed: torch.Tensor  # uint8 [N, K/2], low nibble = even k
+    scale: torch.Tensor  # fp32 [N, K/32]
+    offset: torch.Tensor  # fp32 [N, K/32]
+    partition_sizes: tuple[int, ...] = field(default=None)  # type: ignore[assignment]
+    format = "int4"
+
+    def __post_init__(self):
+        n, half_k = self.packed.shape
+        if self.packed.dtype != torch.uint8:
+            raise ValueError(f"int4 weight needs uint8 packed codes, got {self.packed.dtype}")
+        groups = (n, half_k * 2 // INT4_GROUP)
+        if tuple(self.scale.shape) != groups or tuple(self.offset.shape) != groups:
+            raise ValueError(f"int4 scale {tuple(self.scale.shape)} / offset {tuple(self.offset.shape)} do not match "
+                             f"packed {tuple(self.packed.shape)}")
+        self.partition_sizes = _sizes(self.partition_sizes, n)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scale": self.scale, "offset": self.offset}
+
+
+Weight = DenseWeight | Mxfp4Weight | Nvfp4Weight | Fp8Weight | Int4Weight
 
 
 def nbytes(weight: Weight) -> int:
@@ -155,6 +187,8 @@ def dequantize(weight: Weight) -> torch.Tensor:
         return dequantize_nvfp4(weight.packed, weight.scale, weight.global_scale, weight.partition_sizes)
     if isinstance(weight, Fp8Weight):
         return dequantize_fp8_per_channel(weight.w8, weight.scale)
+    if isinstance(weight, Int4Weight):
+        return dequantize_int4(weight.packed, weight.scale, weight.offset)
     raise ValueError(f"not a weight: {type(weight).__name__}")
 
 
@@ -175,6 +209,8 @@ def to_mxfp4(weight: Weight, rule: str = "mse", chunk_rows: int | None = None) -
         p, s, err = requant_rows_to_mxfp4(rows, n, k, weight.w8.device, rule, chunk_rows)
     elif isinstance(weight, DenseWeight):
         p, s, err = dense_to_mxfp4(weight.tensor, rule, chunk_rows)
+    elif isinstance(weight, Int4Weight):
+        p, s, err = dense_to_mxfp4(dequantize(weight), rule, chunk_rows)
     else:
         raise ValueError(f"not a weight: {type(weight).__name__}")
     return Mxfp4Weight(p, s, sizes), err

@@ -106,13 +106,10 @@ class Attention(nn.Module):
 
 
 def _sdpa(q, k, v, scale: float, causal: bool = False, mask: torch.Tensor | None = None):
-    """q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D] -> [B, Tq, Hq, D], GQA by repeating kv heads."""
-    group = q.shape[-2] // k.shape[-2]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=-2)
-        v = v.repeat_interleave(group, dim=-2)
+    """q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D] -> [B, Tq, Hq, D], GQA inside SDPA (no repeated kv heads)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, is_causal=causal and mask is None, scale=scale)
+                                         attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+                                         enable_gqa=q.shape[-2] != k.shape[-2])
     return out.transpose(1, 2)
 
 

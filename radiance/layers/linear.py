@@ -173,10 +173,15 @@ class DenseLinear(nn.Module):
 
 def linear_summary(model: nn.Module) -> str:
     """One startup line: "N/N linears on the W4A8 kernel", or who runs elsewhere and why."""
+    from radiance.layers.int4_linear import Int4Linear
+
     quantized = [m for m in model.modules() if isinstance(m, Mxfp4Linear)]
     dense = sum(isinstance(m, DenseLinear) for m in model.modules())
+    int4 = sum(isinstance(m, Int4Linear) for m in model.modules())
     on_kernel = sum(m.path == PATH_W4A8 for m in quantized)
     line = f"{on_kernel}/{len(quantized)} linears on the W4A8 kernel"
+    if int4:
+        line += f"; {int4} 4-bit GGUF linear{'s' if int4 != 1 else ''} on the int4 CPU kernel"
     others = Counter((m.path, m.path_reason) for m in quantized if m.path != PATH_W4A8)
     if others:
         line += "; " + "; ".join(f"{n} on {path} ({why})" for (path, why), n in sorted(others.items()))

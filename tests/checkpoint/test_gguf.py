@@ -10,7 +10,7 @@ import torch
 from radiance.checkpoint import convert_checkpoint, open_checkpoint
 from radiance.checkpoint.gguf_reader import unpermute_rows
 from radiance.config import ConvertConfig
-from radiance.formats import DenseWeight, Mxfp4Weight
+from radiance.formats import DenseWeight, Int4Weight, Mxfp4Weight, dequantize
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +39,13 @@ def test_qk_rows_match_transformers_gguf_loader(smol):
     weights = dict(smol.iter_weights(progress=False))
     for layer in (0, 29):
         qkv = weights[f"model.layers.{layer}.self_attn.qkv_proj"]
-        assert isinstance(qkv, DenseWeight) and qkv.partition_sizes == (576, 192, 192)
+        assert isinstance(qkv, Int4Weight) and qkv.partition_sizes == (576, 192, 192)  # Q4_1 codes, unrounded
         ref = []
         for part in ("attn_q", "attn_k", "attn_v"):
             t = by_name[f"blk.{layer}.{part}.weight"]
             raw = gguf.quants.dequantize(t.data, t.tensor_type)
             ref.append(torch.from_numpy(np.array(processor.process(raw, t.name).weights)))
-        assert torch.equal(qkv.tensor, torch.cat(ref))
+        assert torch.equal(dequantize(qkv), torch.cat(ref))
     # the permutation really moves rows (so the check above can fail)
     t = by_name["blk.0.attn_q.weight"]
     raw = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
@@ -79,5 +79,5 @@ def test_convert_embedded_keeps_tokenizer_and_template(smol, tmp_path):
     assert isinstance(got["model.layers.1.mlp.down_proj"], Mxfp4Weight)
     kept = got["model.layers.2.mlp.down_proj"]
     assert isinstance(kept, DenseWeight) and kept.tensor.dtype == torch.bfloat16
-    src = dict(smol.iter_weights(progress=False))["model.layers.2.mlp.down_proj"].tensor
+    src = dequantize(dict(smol.iter_weights(progress=False))["model.layers.2.mlp.down_proj"])
     assert torch.equal(kept.tensor, src.to(torch.bfloat16))

@@ -61,6 +61,7 @@ def tiny_llm(tiny_model_dir):
 
     def make(**options):
         options.setdefault("device", "cpu")
+        options.setdefault("dtype", "float32")  # exact: results must not depend on batching or chunking
         return LLM(path, **options)
 
     return make
@@ -68,7 +69,8 @@ def tiny_llm(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The embedded SmolLM2-135M-Instruct on the CPU (fp32), loaded once."""
+    """The embedded SmolLM2-135M-Instruct on the CPU as served by default (its Q4_1 linears on the int4
+    kernel, bfloat16 where the CPU has it), loaded once."""
     from radiance import LLM
 
     return LLM(device="cpu", max_num_seqs=8)

@@ -1,0 +1,22 @@
+"""Affine 4-bit weights (GGUF Q4_0 / Q4_1): a code 0..15 per weight, a scale and an offset per 32 along K.
+
+w = code * scale + offset, in fp32. With the scales and offsets GGUF stores (fp16, widened to fp32) this
+is bit for bit what the `gguf` package's dequantization computes: code * scale is exact, so the only
+rounding is the one addition both do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radiance.formats.e2m1 import unpack_e2m1
+
+INT4_GROUP = 32  # weights per scale / offset along K
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] codes (low nibble = even k), fp32 [N, K/32] scale and offset -> fp32 [N, K]."""
+    codes = unpack_e2m1(packed).float()
+    n, k = codes.shape
+    groups = codes.view(n, k // INT4_GROUP, INT4_GROUP)
+    return (groups * scale.float().unsqueeze(-1) + offset.float().unsqueeze(-1)).view(n, k)

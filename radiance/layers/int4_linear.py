@@ -1,0 +1,56 @@
+"""Int4Linear: 4-bit GGUF linears (Q4_0 / Q4_1) served on a CPU straight from their codes.
+
+Decode on a CPU reads every weight once per token, so weight bytes are the time: 4.5 bits per weight
+here against 32 for the float32 dequantized weight. The kernel is PyTorch's own int4 CPU GEMM
+(`aten._weight_int4pack_mm_for_cpu`, the one torchao's int4 weight-only path uses). It computes
+w = (code - 8) * scale + zero per 32 weights along K from bfloat16 activations, scales and zeros, sums
+in fp32 and rounds the result to bfloat16; the layer returns it in the model's dtype. Its cost grows
+with M like a GEMV's (no reuse across rows), which is the decode case it is for.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radiance.formats import INT4_GROUP, Int4Weight, unpack_e2m1
+
+PATH_INT4_CPU = "int4-cpu"
+_N_MULTIPLE = 16  # the kernel packs output rows in groups of 16
+
+
+def int4_cpu_unsupported(weight: Int4Weight, device: torch.device) -> str | None:
+    """Why the int4 CPU kernel cannot serve `weight` on `device`, or None when it can."""
+    if device.type != "cpu":
+        return f"{device.type}: the int4 kernel is a CPU kernel"
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return f"torch {torch.__version__} has no int4 CPU kernel"
+    if weight.shape[0] % _N_MULTIPLE:
+        return f"{weight.shape[0]} output rows are not a multiple of {_N_MULTIPLE}"
+    return None
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T for an Int4Weight, on the CPU (see the module docstring for the numerics)."""
+
+    path = PATH_INT4_CPU
+    path_reason = "4-bit GGUF codes on the CPU int4 kernel (bfloat16 activations)"
+
+    def __init__(self, weight: Int4Weight, name: str = ""):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.name = name
+        codes = unpack_e2m1(weight.packed).to(torch.int32)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), persistent=False)
+        zero = weight.offset.float() + 8.0 * weight.scale.float()  # the kernel subtracts 8 from every code
+        scale_zero = torch.stack([weight.scale.float().t(), zero.t()], dim=-1)  # [K/32, N, 2]
+        self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous(), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, path={self.path}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scale_zero)
+        return out.to(x.dtype).reshape(*lead, self.out_features)
