@@ -172,22 +172,22 @@ class DenseLinear(nn.Module):
 
 
 def linear_summary(model: nn.Module) -> str:
-    """One startup line: "N/N linears on the W4A8 kernel", or who runs elsewhere and why."""
+    """One startup line: "N/N linears on the W4A8 kernel", or who runs elsewhere and why (a model without
+    MXFP4 linears: only what serves its linears)."""
     from radiance.layers.int4_linear import Int4Linear
 
     quantized = [m for m in model.modules() if isinstance(m, Mxfp4Linear)]
     dense = sum(isinstance(m, DenseLinear) for m in model.modules())
     int4 = sum(isinstance(m, Int4Linear) for m in model.modules())
     on_kernel = sum(m.path == PATH_W4A8 for m in quantized)
-    line = f"{on_kernel}/{len(quantized)} linears on the W4A8 kernel"
-    if int4:
-        line += f"; {int4} 4-bit GGUF linear{'s' if int4 != 1 else ''} on the int4 CPU kernel"
+    parts = [f"{on_kernel}/{len(quantized)} linears on the W4A8 kernel"] if quantized or not (int4 or dense) else []
     others = Counter((m.path, m.path_reason) for m in quantized if m.path != PATH_W4A8)
-    if others:
-        line += "; " + "; ".join(f"{n} on {path} ({why})" for (path, why), n in sorted(others.items()))
+    parts += [f"{n} on {path} ({why})" for (path, why), n in sorted(others.items())]
     underflow = sum(m.underflow_blocks for m in quantized)
     if underflow:
-        line += f"; {underflow} weight blocks re-rounded below the fp8 exponent window"
+        parts.append(f"{underflow} weight blocks re-rounded below the fp8 exponent window")
+    if int4:
+        parts.append(f"{int4} 4-bit GGUF linear{'s' if int4 != 1 else ''} on the int4 CPU kernel")
     if dense:
-        line += f"; {dense} dense 16-bit linear{'s' if dense != 1 else ''}"
-    return line
+        parts.append(f"{dense} dense 16-bit linear{'s' if dense != 1 else ''}")
+    return "; ".join(parts)

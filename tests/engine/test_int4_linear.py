@@ -97,4 +97,6 @@ def test_a_shape_the_kernel_refuses_is_served_dense_with_a_warning(caplog):
 
 def test_summary_counts_int4_linears():
     model = torch.nn.ModuleDict({"a": Int4Linear(random_int4(16, 32)), "b": Int4Linear(random_int4(32, 32))})
-    assert "2 4-bit GGUF linears on the int4 CPU kernel" in linear_summary(model)
+    assert linear_summary(model) == "2 4-bit GGUF linears on the int4 CPU kernel"
+    model["c"] = DenseLinear(torch.zeros(8, 32))
+    assert linear_summary(model) == "2 4-bit GGUF linears on the int4 CPU kernel; 1 dense 16-bit linear"
