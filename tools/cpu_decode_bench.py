@@ -20,20 +20,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens timed (after 8 untimed)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--context", type=int, default=0,
+                        help="prompt length in tokens (decode then runs at this depth); 0: the prompt 'Hi'")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     llm = LLM.from_engine_config(engine_config_from_args(args, device=getattr(args, "device", None) or "cpu",
                                                          max_num_seqs=1))
 
+    prompt = [[100 + i % 1000 for i in range(args.context)]] if args.context else ["Hi"]
+
     def run(tokens: int) -> float:
         started = time.perf_counter()
-        llm.generate(["Hi"], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        llm.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
         return time.perf_counter() - started
 
     run(8)
     best = min((run(8 + args.tokens) - run(8)) / args.tokens for _ in range(args.repeats))
     print("\n".join(llm.engine.load_summary))
-    print(f"decode {best * 1e3:.2f} ms/token = {1 / best:.1f} tok/s (best of {args.repeats}, {args.tokens} tokens)")
+    print(f"decode {best * 1e3:.2f} ms/token = {1 / best:.1f} tok/s (best of {args.repeats}, {args.tokens} tokens"
+          f"{f' after {args.context} prompt tokens' if args.context else ''})")
     return 0
 
 

@@ -117,10 +117,12 @@ def _sdpa(q, k, v, scale: float, causal: bool = False, mask: torch.Tensor | None
 # and advanced indexing on such a view costs time proportional to the whole tensor (measured: 8 ms vs
 # 0.007 ms per call for a 537 MB cache on the CPU, torch 2.13).
 def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.reshape(-1, *k.shape[-2:])[valid])
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.reshape(-1, *v.shape[-2:])[valid])
+    k_rows, v_rows, slots = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]), slot_mapping
+    if slots.numel() and int(slots.min()) < 0:  # rows to skip (-1): select the others
+        valid = slots >= 0
+        k_rows, v_rows, slots = k_rows[valid], v_rows[valid], slots[valid]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_rows)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_rows)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -138,7 +140,9 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, sc
         k_i = gather_kv(k_cache, block_tables[i], kv_len).unsqueeze(0)
         v_i = gather_kv(v_cache, block_tables[i], kv_len).unsqueeze(0)
         if q_len == 1:
-            o = _sdpa(q_i, k_i, v_i, scale)
+            # in float32: PyTorch's CPU SDPA decodes one 16-bit query 1.7x (101 keys) to 4.4x (1000 keys)
+            # slower than the same call on float32 copies (bench/RESULTS.md, tenth session)
+            o = _sdpa(q_i.float(), k_i.float(), v_i.float(), scale).to(q.dtype)
         elif q_len == kv_len:
             o = _sdpa(q_i, k_i, v_i, scale, causal=True)
         else:  # new tokens sit at the end of the context: row j sees keys up to kv_len - q_len + j

@@ -4,6 +4,7 @@ scaling variants of the supported models: none/default, linear, and Llama 3's fr
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -54,6 +55,22 @@ class RotaryEmbedding(nn.Module):
         # [P, D/2] each; kept fp32 so low-precision models rotate with exact angles
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._step: tuple | None = None  # (positions, cos, sin) while `step` is active
+
+    @contextmanager
+    def step(self, positions: torch.Tensor):
+        """Within one forward of the model, every layer rotates at the same positions: on the CPU their
+        cos / sin rows are gathered once (4 ops per layer fewer)."""
+        self._step = None if positions.is_cuda else (positions, *self._cos_sin(positions))  # CUDA: Triton rotates
+        try:
+            yield
+        finally:
+            self._step = None
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._step is not None and self._step[0] is positions:
+            return self._step[1], self._step[2]
+        return self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
 
     def fuses_kv_store(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
         """Whether `rotate_and_store` serves these inputs (the Triton path: CUDA, [T, H, D], D/2 a power of 2);
@@ -70,8 +87,10 @@ class RotaryEmbedding(nn.Module):
         if self.fuses_kv_store(positions, q):
             # one Triton launch instead of ~20 small torch ops
             return _rotate_triton(positions, q, k, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(-2)
-        sin = self.sin[positions].unsqueeze(-2)
+        cos, sin = self._cos_sin(positions)
+        if q.shape[:-2] == k.shape[:-2] and q.dtype == k.dtype:  # one chain of ops for both
+            rotated = _rotate(torch.cat((q, k), dim=-2), cos, sin)
+            return rotated.split((q.shape[-2], k.shape[-2]), dim=-2)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -111,8 +111,9 @@ class LlamaBody(nn.Module):
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+        with self.rotary.step(positions):
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
 

@@ -1,0 +1,63 @@
+"""The torch attention path (CPU): KV stores that skip padded rows, float32 decode attention for 16-bit
+models, rotary cos/sin shared by the layers of one forward."""
+
+from __future__ import annotations
+
+import torch
+
+from radiance.layers.attention import paged_attention_torch, store_kv_cache_torch
+from radiance.layers.rotary import RotaryEmbedding
+
+
+def dense_attention(q, k, v, scale):
+    """One query per head against all keys, GQA by repetition, float64."""
+    group = q.shape[-2] // k.shape[-2]
+    k, v = k.double().repeat_interleave(group, -2), v.double().repeat_interleave(group, -2)
+    p = torch.einsum("hd,thd->ht", q.double(), k).mul(scale).softmax(-1)
+    return torch.einsum("ht,thd->hd", p, v)
+
+
+def test_store_skips_minus_one_slots_and_writes_the_rest():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros_like(k_cache)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    store_kv_cache_torch(k, v, k_cache, v_cache, torch.tensor([5, -1, 9]))
+    flat_k, flat_v = k_cache.view(-1, 2, 8), v_cache.view(-1, 2, 8)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[9], k[2]) and torch.equal(flat_v[9], v[2])
+    assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 2  # the -1 row went nowhere
+    store_kv_cache_torch(k, v, k_cache, v_cache, torch.tensor([0, 1, 2]))  # all valid: the direct path
+    assert torch.equal(flat_k[:3], k) and torch.equal(flat_v[:3], v)
+
+
+def test_bf16_decode_attention_matches_float64():
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block, length = 6, 2, 16, 4, 11
+    k_cache = torch.randn(8, block, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.tensor([[5, 2, 7]], dtype=torch.int32)
+    q = torch.randn(1, heads, dim, dtype=torch.bfloat16)
+    out = paged_attention_torch(q, k_cache, v_cache, table, [1], [length], dim ** -0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, heads, dim)
+    k = k_cache[table[0].long()].reshape(-1, kv_heads, dim)[:length]
+    v = v_cache[table[0].long()].reshape(-1, kv_heads, dim)[:length]
+    expected = dense_attention(q[0], k, v, dim ** -0.5)
+    # float32 math, one rounding to bf16 at the end
+    assert torch.allclose(out[0].double(), expected, rtol=2 ** -8, atol=1e-3)
+
+
+def test_rotary_step_shares_cos_sin_only_for_its_positions():
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    positions, other = torch.tensor([3, 9, 40]), torch.tensor([1, 2, 3])
+    plain = rope(positions, q, k)
+    with rope.step(positions):
+        shared = rope(positions, q, k)
+        different = rope(other, q, k)
+    assert all(torch.equal(a, b) for a, b in zip(plain, shared))
+    assert all(torch.equal(a, b) for a, b in zip(rope(other, q, k), different))
+    assert not torch.equal(plain[0], different[0])
+    assert rope._step is None  # nothing outlives the forward
+    # q and k rotated together give what rotating each alone gives
+    from radiance.layers.rotary import _rotate
+    cos, sin = rope.cos[positions].unsqueeze(-2), rope.sin[positions].unsqueeze(-2)
+    assert torch.equal(plain[0], _rotate(q, cos, sin)) and torch.equal(plain[1], _rotate(k, cos, sin))
