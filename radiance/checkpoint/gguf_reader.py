@@ -182,7 +182,8 @@ class GgufCheckpoint(Checkpoint):
             is_linear = not canonical.endswith((".weight", ".bias"))
             shape = (sum(rows), int(ts[0].shape[0])) if len(ts[0].shape) > 1 else (sum(rows),)
             kinds = sorted({t.tensor_type.name for t in ts})
-            out.append(EntryInfo(canonical, is_linear, "dense" if is_linear else "float32", shape,
+            fmt = ("int4" if len(kinds) == 1 and kinds[0] in _INT4_TYPES else "dense") if is_linear else "float32"
+            out.append(EntryInfo(canonical, is_linear, fmt, shape,
                                  tuple(rows) if is_linear else (), sum(int(t.n_bytes) for t in ts), "/".join(kinds)))
         return out
 

@@ -52,6 +52,14 @@ def test_qk_rows_match_transformers_gguf_loader(smol):
     assert not torch.equal(unpermute_rows(raw, 9), raw)
 
 
+def test_describe_names_the_format_iter_weights_yields(smol):
+    formats = {e.name: e.format for e in smol.describe()}
+    weights = dict(smol.iter_weights(progress=False))
+    linears = [name for name, w in weights.items() if not isinstance(w, torch.Tensor)]
+    assert len(linears) == 120 and all(formats[n] == weights[n].format == "int4" for n in linears)
+    assert formats["model.embed_tokens.weight"] == "float32"  # Q8_0, dequantized
+
+
 def test_tokenizer_and_chat_template(smol):
     tok = smol.tokenizer()
     assert "<|im_start|>" in smol.chat_template
