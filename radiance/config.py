@@ -91,7 +91,7 @@ class KernelConfig:
     numerics_check_every: int = 100  # check one call in this many per layer when enabled
     fuse_glu: bool = True  # SiLU-mul of a W4A8 MLP in the gate_up GEMM's epilogue (one launch fewer per layer); False: its own launch
     # on the CPU, float32 with cpu_int4 False is the exact path: decode 2.8x slower on the embedded model
-    cpu_int4: bool = True  # 4-bit GGUF linears (Q4_0/Q4_1) on a CPU run torch's int4 kernel from their codes (bf16 activations); False: dequantized to the model dtype
+    cpu_int4: bool = True  # 4-bit GGUF linears (Q4_0/Q4_1/Q4_K) on a CPU run torch's int4 kernel from their codes (bf16 activations); False: dequantized to the model dtype
 
     def __post_init__(self):
         _check(1 <= self.decode_band <= 256, "decode_band must be in [1, 256]")

@@ -1,7 +1,7 @@
 """GGUF files (the embedded SmolLM2 among them) read into the same in-memory form as HF checkpoints.
 
-Q4_0 / Q4_1 linears are read as `Int4Weight` (their codes, scales and offsets, no rounding), so a CPU can
-serve them from 4-bit codes; the `gguf` package dequantizes every other tensor (Q8_0, ...) to float32.
+Q4_0 / Q4_1 / Q4_K linears are read as `Int4Weight` (their codes, scales and offsets, no rounding), so a
+CPU can serve them from 4-bit codes; the `gguf` package dequantizes every other tensor (Q8_0, ...) to float32.
 llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are permuted back
 to the HF layout here, so one model implementation serves both. The config is synthesized from the GGUF metadata as an
 HF config.json dict; the tokenizer comes from transformers' GGUF support, the chat template from the
@@ -68,27 +68,40 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-_INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # bytes per 32-weight block: fp16 scale [, fp16 min], 16 code bytes
+# GGUF types whose values are exactly code * scale + offset per 32 weights: (bytes per block, weights per
+# block, codes per nibble run: code byte j holds code j of a run in its low nibble and of the next run in
+# its high nibble)
+_INT4_TYPES = {"Q4_0": (18, 32, 16), "Q4_1": (20, 32, 16), "Q4_K": (144, 256, 32)}
 
 
 def int4_from_blocks(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Int4Weight:
-    """Raw Q4_0 / Q4_1 blocks of a [rows, cols] tensor -> Int4Weight with the same values.
+    """Raw Q4_0 / Q4_1 / Q4_K blocks of a [rows, cols] tensor -> Int4Weight with the same values.
 
-    A block stores code j in the low nibble of byte j and code j + 16 in its high nibble.
-    Q4_0: w = scale * (code - 8); Q4_1: w = scale * code + min.
+    Q4_0 / Q4_1 (32 weights: fp16 scale [, fp16 min], 16 code bytes): w = scale * (code - 8), or
+    scale * code + min. Q4_K (256 weights: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 code
+    bytes): group g of 32 has scale d * sc[g] and offset -dmin * m[g], products exact in fp32 as in the
+    gguf package.
     """
-    block_bytes = _INT4_TYPES[type_name]
-    groups = cols // INT4_GROUP
-    raw = torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True).reshape(rows, groups, block_bytes))
+    block_bytes, block_weights, run = _INT4_TYPES[type_name]
+    per_row = cols // block_weights
+    raw = torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True).reshape(rows, per_row, block_bytes))
 
     def fp16_field(at: int) -> torch.Tensor:
-        return raw[..., at:at + 2].contiguous().view(torch.float16).reshape(rows, groups).float()
+        return raw[..., at:at + 2].contiguous().view(torch.float16).reshape(rows, per_row).float()
 
-    scale = fp16_field(0)
-    offset = fp16_field(2) if type_name == "Q4_1" else -8.0 * scale
-    code_bytes = raw[..., block_bytes - 16:]
-    codes = torch.cat([code_bytes & 0x0F, code_bytes >> 4], dim=-1).reshape(rows, cols)
-    return Int4Weight(pack_e2m1(codes), scale, offset)
+    if type_name == "Q4_K":
+        import gguf
+
+        sc, m = (torch.from_numpy(a.astype(np.float32)).reshape(rows, per_row, 8)
+                 for a in gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12).numpy()))
+        scale = (fp16_field(0).unsqueeze(-1) * sc).reshape(rows, -1)
+        offset = -(fp16_field(2).unsqueeze(-1) * m).reshape(rows, -1)
+    else:
+        scale = fp16_field(0)
+        offset = fp16_field(2) if type_name == "Q4_1" else -8.0 * scale
+    code_bytes = raw[..., block_bytes - block_weights // 2:].reshape(rows, per_row, -1, run)
+    codes = torch.stack([code_bytes & 0x0F, code_bytes >> 4], dim=-2)  # low-nibble run, then high-nibble run
+    return Int4Weight(pack_e2m1(codes.reshape(rows, cols)), scale, offset)
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -195,7 +208,7 @@ class GgufCheckpoint(Checkpoint):
         return w
 
     def _linear(self, gguf_name: str):
-        """One linear's weight: Int4Weight for Q4_0 / Q4_1, otherwise DenseWeight of the float32 values."""
+        """One linear's weight: Int4Weight for Q4_0 / Q4_1 / Q4_K, otherwise DenseWeight of the float32 values."""
         t = self.tensors[gguf_name]
         if t.tensor_type.name not in _INT4_TYPES or len(t.shape) != 2:
             return DenseWeight(self._dequantize(gguf_name))

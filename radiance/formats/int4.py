@@ -1,8 +1,8 @@
-"""Affine 4-bit weights (GGUF Q4_0 / Q4_1): a code 0..15 per weight, a scale and an offset per 32 along K.
+"""Affine 4-bit weights (GGUF Q4_0 / Q4_1 / Q4_K): a code 0..15 per weight, a scale and an offset per 32 along K.
 
-w = code * scale + offset, in fp32. With the scales and offsets GGUF stores (fp16, widened to fp32) this
-is bit for bit what the `gguf` package's dequantization computes: code * scale is exact, so the only
-rounding is the one addition both do.
+w = code * scale + offset, in fp32. With the scales and offsets GGUF stores (fp16 values, or Q4_K's fp16 x
+6-bit products, exact in fp32) this is bit for bit what the `gguf` package's dequantization computes:
+code * scale is exact, so the only rounding is the one addition both do.
 """
 
 from __future__ import annotations

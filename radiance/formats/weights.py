@@ -117,7 +117,7 @@ class Fp8Weight:
 class Int4Weight:
     """Affine 4-bit codes, one scale and one offset per 32 weights along K: w = code * scale + offset.
 
-    GGUF's Q4_0 (offset = -8 * scale) and Q4_1 read into this form without rounding.
+    GGUF's Q4_0 (offset = -8 * scale), Q4_1 and Q4_K read into this form without rounding.
     """
 
     packed: torch.Tensor  # uint8 [N, K/2], low nibble = even k

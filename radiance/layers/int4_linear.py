@@ -1,4 +1,4 @@
-"""Int4Linear: 4-bit GGUF linears (Q4_0 / Q4_1) served on a CPU straight from their codes.
+"""Int4Linear: 4-bit GGUF linears (Q4_0 / Q4_1 / Q4_K) served on a CPU straight from their codes.
 
 Decode on a CPU reads every weight once per token, so weight bytes are the time: 4.5 bits per weight
 here against 32 for the float32 dequantized weight. The kernel is PyTorch's own int4 CPU GEMM

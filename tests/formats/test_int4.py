@@ -31,6 +31,21 @@ def test_blocks_dequantize_bit_for_bit_like_gguf(type_name, rows, cols):
     assert nbytes(weight) == rows * cols // 2 + 2 * 4 * rows * cols // 32
 
 
+@pytest.mark.parametrize("rows, cols", [(16, 256), (3, 768)])
+def test_q4_k_blocks_dequantize_bit_for_bit_like_gguf(rows, cols):
+    """Q4_K (llama.cpp's usual 4-bit type): random super-blocks, every 6-bit scale and min pattern."""
+    rng = np.random.default_rng(rows + cols)
+    n = rows * cols // 256
+    blocks = rng.integers(0, 256, (n, 144), dtype=np.uint8)
+    for at in (0, 2):  # d and dmin: finite fp16
+        blocks[:, at:at + 2] = rng.uniform(1e-4, 2e-2, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    blocks = blocks.reshape(rows, -1)
+    expected = torch.from_numpy(np.array(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)))
+    weight = int4_from_blocks(blocks, "Q4_K", rows, cols)
+    assert torch.equal(dequantize(weight), expected.reshape(rows, cols))
+    assert (weight.offset <= 0).all() and (weight.scale >= 0).all()
+
+
 def test_malformed_weights_are_refused():
     packed = torch.zeros(4, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="uint8"):
