@@ -1,11 +1,11 @@
 """GGUF files (the embedded SmolLM2 among them) read into the same in-memory form as HF checkpoints.
 
 Q4_0 / Q4_1 / Q4_K linears are read as `Int4Weight` (their codes, scales and offsets, no rounding), so a
-CPU can serve them from 4-bit codes; the `gguf` package dequantizes every other tensor (Q8_0, ...) to float32.
-llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are permuted back
-to the HF layout here, so one model implementation serves both. The config is synthesized from the GGUF metadata as an
-HF config.json dict; the tokenizer comes from transformers' GGUF support, the chat template from the
-metadata.
+CPU can serve them from 4-bit codes; the `gguf` package dequantizes every other tensor (Q8_0, ...) to
+float32. llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are
+permuted back to the HF layout here, so one model implementation serves both. The config is synthesized
+from the GGUF metadata as an HF config.json dict; the tokenizer comes from transformers' GGUF support, the
+chat template from the metadata.
 """
 
 from __future__ import annotations

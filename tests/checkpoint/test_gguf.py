@@ -60,6 +60,20 @@ def test_describe_names_the_format_iter_weights_yields(smol):
     assert formats["model.embed_tokens.weight"] == "float32"  # Q8_0, dequantized
 
 
+def test_a_truncated_4bit_tensor_names_file_and_tensor(smol):
+    from radiance.errors import CheckpointError
+
+    name = "blk.3.ffn_down.weight"
+    good = smol.tensors[name]
+    smol.tensors[name] = good._replace(data=good.data[:, :100])
+    try:
+        with pytest.raises(CheckpointError, match="malformed Q4_1") as err:
+            smol._linear(name)
+        assert name in str(err.value) and smol.path in str(err.value)
+    finally:
+        smol.tensors[name] = good
+
+
 def test_tokenizer_and_chat_template(smol):
     tok = smol.tokenizer()
     assert "<|im_start|>" in smol.chat_template
