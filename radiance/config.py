@@ -40,6 +40,7 @@ class ModelConfig:
     device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped by KV)
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
+    quantize_lm_head: bool = False  # with quantization mxfp4/nvfp4, quantize a 16-bit lm_head too (a tied one gets a quantized copy; the embedding stays 16-bit)
     seed: int = 0  # seed of the torch RNG (random weights, sampling without a per-request seed)
 
     def __post_init__(self):
@@ -48,6 +49,8 @@ class ModelConfig:
         _check(self.rule != "none" or self.quantization == "nvfp4", "rule 'none' only applies to quantization 'nvfp4'")
         _check(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        _check(not self.quantize_lm_head or self.quantization in ("mxfp4", "nvfp4"),
+               "quantize_lm_head needs quantization mxfp4 or nvfp4 (it quantizes a 16-bit head at load)")
 
 
 @dataclass(frozen=True)

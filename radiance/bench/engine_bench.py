@@ -198,8 +198,12 @@ def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, fl
 def bench_variant(model: str, quantization: str, contexts, prefills, concurrencies, max_model_len: int,
                   device: str = "cuda", overrides: dict | None = None, engine_options: dict | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
-    engine = _engine(model, quantization, max_model_len, device, overrides, max_num_batched_tokens=max(prefills),
-                     max_num_seqs=max(concurrencies), gpu_memory_utilization=0.85, **(engine_options or {}))
+    options = dict(engine_options or {})
+    quant, plus_head = quantization.removesuffix("+head"), quantization.endswith("+head")
+    if plus_head:  # e.g. "mxfp4+head": the lm_head quantized too
+        options["quantize_lm_head"] = True
+    engine = _engine(model, quant, max_model_len, device, overrides, max_num_batched_tokens=max(prefills),
+                     max_num_seqs=max(concurrencies), gpu_memory_utilization=0.85, **options)
     row = {"variant": quantization, "load": engine.load_summary}
     for c in contexts:
         row[f"decode_ms@{c}"] = _decode_ms(engine, c, 32, gen)
@@ -313,7 +317,8 @@ def _add_args(p) -> None:
                    help="synthetic:llama-3.1-8b (default), synthetic:qwen3-8b or synthetic:qwen3-32b")
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the positional's older spelling
     p.add_argument("--quantization", "--variants", dest="variants", nargs="+", default=["none", "mxfp4"],
-                   help="quantization options to compare side by side (none = bf16; mxfp4; nvfp4)")
+                   help="quantization options to compare side by side (none = bf16; mxfp4; nvfp4; a '+head' "
+                        "suffix, e.g. mxfp4+head, quantizes the lm_head too)")
     p.add_argument("--contexts", nargs="+", type=int, default=[128, 8192, 32768],
                    help="context depths of the batch-1 decode measurement")
     p.add_argument("--prefills", nargs="+", type=int, default=[1024, 8192, 32768], help="prompt lengths of the prefill measurement")

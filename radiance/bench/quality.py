@@ -37,6 +37,7 @@ class Variant:
     quantization: str = "none"  # none | mxfp4 | nvfp4
     rule: str = "mse"  # mse | noclip | ocp; "none" with nvfp4 = serve NVFP4 dequantized (W4A16)
     activations: str = "fp8"  # fp8 = W4A8, bf16 = W4A16 (16-bit activations)
+    quantize_lm_head: bool = False  # the lm_head quantized too (spec suffix "+head")
 
     def __post_init__(self):
         if self.quantization not in ("none", "mxfp4", "nvfp4"):
@@ -47,17 +48,24 @@ class Variant:
             raise ConfigError("rule 'none' only applies to quantization 'nvfp4' (NVFP4 served as W4A16)")
         if self.activations not in ("fp8", "bf16"):
             raise ConfigError(f"activations must be fp8 or bf16, got {self.activations!r}")
+        if self.quantize_lm_head and self.quantization == "none":
+            raise ConfigError("+head quantizes the lm_head: it needs quantization mxfp4 or nvfp4")
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
-        """'mxfp4', 'mxfp4/ocp', 'nvfp4/mse/bf16', 'nvfp4/none' -> Variant."""
-        parts = spec.split("/")
+        """'mxfp4', 'mxfp4/ocp', 'nvfp4/mse/bf16', 'nvfp4/none', 'mxfp4/mse/fp8+head' -> Variant."""
+        body, head = spec.removesuffix("+head"), spec.endswith("+head")
+        parts = body.split("/")
         if not 1 <= len(parts) <= 3:
-            raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]]")
-        return cls(*parts)
+            raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]][+head]")
+        return cls(*parts, quantize_lm_head=head)
 
     @property
     def label(self) -> str:
+        return self._weights_label + (" +4-bit head" if self.quantize_lm_head else "")
+
+    @property
+    def _weights_label(self) -> str:
         if self.quantization == "none":
             return "16-bit"
         if self.quantization == "nvfp4" and self.rule == "none":

@@ -20,6 +20,7 @@ from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
 from radiance.engine.linears import build_linear
 from radiance.errors import CheckpointError
+from radiance.formats import DenseWeight
 from radiance.models.llama import UnloadedLinear
 from radiance.models.registry import build_model
 
@@ -110,15 +111,19 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
             if target == "lm_head.weight" and model.config.tie_word_embeddings:
                 logger.debug("ignoring lm_head.weight of a model with tied embeddings")
                 continue
-            param = params.get(target)
-            if param is None:
-                raise CheckpointError("tensor not used by the model", file=getattr(checkpoint, "path", None), tensor=name)
-            if tuple(param.shape) != tuple(item.shape):
-                raise CheckpointError(f"shape {tuple(item.shape)} does not match the model's {tuple(param.shape)}",
-                                      file=getattr(checkpoint, "path", None), tensor=name)
-            param.data.copy_(item)
-            loaded.add(target)
-            continue
+            if target == "lm_head.weight" and model_config.quantize_lm_head:
+                name, item = "lm_head", DenseWeight(item)  # served like any other linear below
+            else:
+                param = params.get(target)
+                if param is None:
+                    raise CheckpointError("tensor not used by the model", file=getattr(checkpoint, "path", None),
+                                          tensor=name)
+                if tuple(param.shape) != tuple(item.shape):
+                    raise CheckpointError(f"shape {tuple(item.shape)} does not match the model's {tuple(param.shape)}",
+                                          file=getattr(checkpoint, "path", None), tensor=name)
+                param.data.copy_(item)
+                loaded.add(target)
+                continue
         module, how, err = _install_linear(model, name, item, model_config, kernel_config, dtype, device, checkpoint)
         if name == "lm_head":  # a quantized head replaces the 16-bit weight slot
             loaded.add("lm_head.weight")
@@ -128,6 +133,15 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
             report.add(name, item.format, err)
         else:
             report.keep(name, item.format if how != "nvfp4-dequant" else "nvfp4 (dequantized)")
+    if model_config.quantize_lm_head and model.lm_head.tied_to is not None and model.lm_head.linear is None:
+        # the head gets its own quantized copy; token lookups keep the 16-bit embedding
+        tied = DenseWeight(model.lm_head.tied_to.weight.detach())
+        _, how, err = _install_linear(model, "lm_head", tied, model_config, kernel_config, dtype, device, checkpoint)
+        served[how] += 1
+        if how == "mxfp4":
+            report.add("lm_head", "dense", err)
+        else:
+            report.keep("lm_head", "nvfp4 (dequantized)")
     missing = [n for n in params if n not in loaded]
     missing += [n for n, m in model.named_modules() if isinstance(m, UnloadedLinear)]
     if missing:

@@ -138,3 +138,33 @@ def test_ignore_keeps_matching_linears_16bit(tiny_model_dir):
     config = ModelConfig(device="cpu", dtype="float32", quantization="mxfp4", ignore=(r"\.mlp\.",))
     loaded = load_model(config, checkpoint=open_checkpoint(path), progress=False)
     assert "4 dense" in loaded.summary[1] and "4 mxfp4" in loaded.summary[1]
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])  # untied head, tied head
+def test_quantize_lm_head(tiny_model_dir, arch):
+    """quantize_lm_head: the head is served as MXFP4 (its weight exactly the 16-bit head rounded by the rule),
+    a tied embedding keeps its 16-bit values for the lookups, and the logits move by a 4-bit error only."""
+    from radiance.formats import DenseWeight, dequantize, to_mxfp4
+    from radiance.layers.linear import Mxfp4Linear
+
+    path, hf = tiny_model_dir(arch)
+    plain = load_model(ModelConfig(device="cpu", dtype="float32", quantization="mxfp4"),
+                       checkpoint=open_checkpoint(path), progress=False)
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32", quantization="mxfp4", quantize_lm_head=True),
+                        checkpoint=open_checkpoint(path), progress=False)
+    assert "9 mxfp4" in loaded.summary[1] and "8 mxfp4" in plain.summary[1]
+    head = loaded.model.lm_head.linear
+    assert isinstance(head, Mxfp4Linear)
+    expected = dequantize(to_mxfp4(DenseWeight(hf.lm_head.weight.detach().float()))[0])
+    torch.testing.assert_close(head.dequantized_weight().float(), expected, rtol=0, atol=0)
+    embed = loaded.model.model.embed_tokens.weight
+    torch.testing.assert_close(embed, hf.model.embed_tokens.weight.float(), rtol=0, atol=0)
+    ids = torch.randint(0, 256, (1, 32))
+    with torch.no_grad():
+        ours, before = loaded.model.forward_logits(ids), plain.model.forward_logits(ids)
+    assert 1e-3 < _rel(ours, before) < 0.2
+
+
+def test_quantize_lm_head_needs_quantization():
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization mxfp4 or nvfp4"):
+        ModelConfig(quantization="auto", quantize_lm_head=True)
