@@ -36,7 +36,7 @@ class ModelConfig:
     model: str | None = None  # path to an HF directory / GGUF file; None = embedded SmolLM2
     quantization: str = "auto"  # auto: as the checkpoint says (NVFP4/FP8 requantized to MXFP4); mxfp4: also quantize 16-bit linears; nvfp4: quantize 16-bit linears to NVFP4, then serve per --rule; none: dequantize everything to 16 bit
     rule: str = "mse"  # block-exponent rule for any conversion to MXFP4 (mse, noclip, ocp; none = serve NVFP4 dequantized)
-    dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA and on CPUs with bf16 matmuls (AVX-512/AMX), else float32
+    dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA and on x86 CPUs with AVX2 / AVX-512, else float32
     device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped by KV)
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load

@@ -135,7 +135,8 @@ def _add_eval_mode(sub, mode: str) -> None:
     p.add_argument("--first-chunk", type=int, default=0, help="skip this many chunks (evaluate a later slice)")
     p.add_argument("--device", help="cuda, cpu, cuda:1 (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="16-bit path dtype (default: bfloat16 on CUDA, float32 on CPU)")
+                   help="16-bit path dtype (default: the engine's: bfloat16 on CUDA and on x86 CPUs with "
+                        "AVX2 / AVX-512, else float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_eval_command, eval_mode=mode)
 

@@ -37,22 +37,27 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """The dtype asked for, else bfloat16 where the hardware computes it natively (CUDA; a CPU whose
-    oneDNN has bf16 kernels, i.e. AVX-512 or AMX) and float32 elsewhere. On a CPU decode is bound by
-    weight bytes, so bfloat16 is ~2x the tokens per second of float32 (bench/RESULTS.md)."""
+    """The dtype asked for, else bfloat16 on CUDA and on CPUs where it beats float32 (`cpu_prefers_bf16`),
+    float32 elsewhere."""
     if dtype is not None:
         return _DTYPES[dtype]
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16()):
+    if device.type == "cuda" or (device.type == "cpu" and cpu_prefers_bf16()):
         return torch.bfloat16
     return torch.float32
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU runs bfloat16 matmuls natively (the test PyTorch's own inductor uses)."""
+def cpu_prefers_bf16() -> bool:
+    """Whether bfloat16 runs faster than float32 on this CPU: where oneDNN has native bf16 matmuls
+    (AVX512-BF16, AMX), and on any x86 CPU with AVX2 or AVX-512, where decode is bound by the bytes it
+    reads and widening bf16 to fp32 is one shift. Measured on the embedded model (bench/RESULTS.md): an
+    AVX2-only EPYC decodes 44 ms per token in bf16 against 56 in fp32, an AVX-512-BF16 one 20 against 25.
+    Elsewhere (other ISAs, unknown speed) float32."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return True
     except (AttributeError, RuntimeError):
-        return False
+        pass
+    return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
 
 
 @dataclass

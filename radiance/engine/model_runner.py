@@ -155,7 +155,8 @@ class ModelRunner:
                 context_lens=self._to_device(kv_lens, torch.int32),
                 cu_seqlens_q=self._to_device(cu, torch.int32),
                 q_lens=q_lens, kv_lens=kv_lens, is_decode=is_decode,
-                decode_splits=decode_num_splits(batch, self.model.config.num_kv_heads))
+                decode_splits=decode_num_splits(batch, self.model.config.num_kv_heads),
+                slots_valid=bool(slots.size == 0 or slots.min() >= 0))
             token_tensor = tokens if isinstance(tokens, torch.Tensor) else self._to_device(tokens, torch.long)
             hidden = self.model(token_tensor, self._to_device(positions, torch.long), meta)
         sampling = list(range(batch)) if next_tokens is not None else [i for i, s in enumerate(scheduled) if s.samples]

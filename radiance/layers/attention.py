@@ -28,6 +28,7 @@ class AttentionMetadata:
     kv_lens: list[int]
     is_decode: bool              # every sequence has exactly one new token
     decode_splits: int = 1       # KV partitions per sequence of the decode kernel (fixed per graph bucket)
+    slots_valid: bool = False    # no -1 in slot_mapping (known on the host): the torch store skips its check
 
 
 # decode batches from which the split kernel rotates q and stores K/V itself. On the H200 (8B, MXFP4,
@@ -75,7 +76,7 @@ class Attention(nn.Module):
             from radiance.layers import attention_triton as at
             at.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             return self._paged_triton(q, meta, quantize)
-        store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_valid)
         out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
                                     meta.kv_lens, self.scale)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
@@ -113,12 +114,18 @@ def _sdpa(q, k, v, scale: float, causal: bool = False, mask: torch.Tensor | None
     return out.transpose(1, 2)
 
 
+def _decode_sdpa(q, k, v, scale: float):
+    """SDPA of one query row, in float32: PyTorch's CPU SDPA decodes one 16-bit query 1.7x (101 keys) to
+    4.4x (1000 keys) slower than the same call on float32 copies (bench/RESULTS.md, tenth session)."""
+    return _sdpa(q.float(), k.float(), v.float(), scale).to(q.dtype)
+
+
 # index_select / index_copy_ rather than advanced indexing: the caches are views into one large tensor,
 # and advanced indexing on such a view costs time proportional to the whole tensor (measured: 8 ms vs
 # 0.007 ms per call for a 537 MB cache on the CPU, torch 2.13).
-def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
+def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, slots_valid: bool = False):
     k_rows, v_rows, slots = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]), slot_mapping
-    if slots.numel() and int(slots.min()) < 0:  # rows to skip (-1): select the others
+    if not slots_valid and slots.numel() and int(slots.min()) < 0:  # rows to skip (-1): select the others
         valid = slots >= 0
         k_rows, v_rows, slots = k_rows[valid], v_rows[valid], slots[valid]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_rows)
@@ -127,12 +134,15 @@ def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     block_size = cache.shape[1]
-    blocks = block_table[: (length + block_size - 1) // block_size].long()
+    blocks = block_table[: (length + block_size - 1) // block_size]  # int32 indices: no conversion op
     return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:length]
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale):
     """Reference paged attention: q [T, Hq, D] flattened over sequences -> [T, Hq, D]."""
+    if len(q_lens) == 1 and q_lens[0] == 1:  # one sequence's decode step (the CPU's usual case): no copy-out
+        k_1, v_1 = gather_kv(k_cache, block_tables[0], kv_lens[0]), gather_kv(v_cache, block_tables[0], kv_lens[0])
+        return _decode_sdpa(q.unsqueeze(0), k_1.unsqueeze(0), v_1.unsqueeze(0), scale)[0]
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
@@ -140,9 +150,7 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, sc
         k_i = gather_kv(k_cache, block_tables[i], kv_len).unsqueeze(0)
         v_i = gather_kv(v_cache, block_tables[i], kv_len).unsqueeze(0)
         if q_len == 1:
-            # in float32: PyTorch's CPU SDPA decodes one 16-bit query 1.7x (101 keys) to 4.4x (1000 keys)
-            # slower than the same call on float32 copies (bench/RESULTS.md, tenth session)
-            o = _sdpa(q_i.float(), k_i.float(), v_i.float(), scale).to(q.dtype)
+            o = _decode_sdpa(q_i, k_i, v_i, scale)
         elif q_len == kv_len:
             o = _sdpa(q_i, k_i, v_i, scale, causal=True)
         else:  # new tokens sit at the end of the context: row j sees keys up to kv_len - q_len + j

@@ -60,8 +60,14 @@ class RotaryEmbedding(nn.Module):
     @contextmanager
     def step(self, positions: torch.Tensor):
         """Within one forward of the model, every layer rotates at the same positions: on the CPU their
-        cos / sin rows are gathered once (4 ops per layer fewer)."""
-        self._step = None if positions.is_cuda else (positions, *self._cos_sin(positions))  # CUDA: Triton rotates
+        cos / sin rows are gathered once (4 ops per layer fewer), and for a few tokens (decode) also
+        turned into one rotation matrix per token, so a layer rotates q and k with one matmul."""
+        if positions.is_cuda:  # CUDA: Triton rotates
+            self._step = None
+        else:
+            cos, sin = self._cos_sin(positions)
+            small = positions.dim() == 1 and positions.numel() <= _MATRIX_MAX_TOKENS
+            self._step = (positions, cos, sin, _rotation_matrices(cos[:, 0], sin[:, 0]) if small else None)
         try:
             yield
         finally:
@@ -89,9 +95,25 @@ class RotaryEmbedding(nn.Module):
             return _rotate_triton(positions, q, k, self.cos, self.sin)
         cos, sin = self._cos_sin(positions)
         if q.shape[:-2] == k.shape[:-2] and q.dtype == k.dtype:  # one chain of ops for both
-            rotated = _rotate(torch.cat((q, k), dim=-2), cos, sin)
+            both = torch.cat((q, k), dim=-2)
+            matrices = self._step[3] if self._step is not None and self._step[0] is positions else None
+            if matrices is not None:  # [T, H, D] @ [T, D, D]
+                rotated = torch.bmm(both.float(), matrices).to(q.dtype)
+            else:
+                rotated = _rotate(both, cos, sin)
             return rotated.split((q.shape[-2], k.shape[-2]), dim=-2)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+# up to this many tokens a forward rotates with per-token [D, D] matrices (16 KB each): decode steps
+_MATRIX_MAX_TOKENS = 16
+
+
+def _rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[T, D/2] cos, sin -> [T, D, D] M with x @ M = rotate-half rotation of the row x (exact entries: every
+    output sums the same two products as `_rotate`, plus zeros)."""
+    c, s = torch.diag_embed(cos), torch.diag_embed(sin)
+    return torch.cat((torch.cat((c, s), dim=-1), torch.cat((-s, c), dim=-1)), dim=-2)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ models, rotary cos/sin shared by the layers of one forward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from radiance.layers.attention import paged_attention_torch, store_kv_cache_torch
@@ -27,6 +28,8 @@ def test_store_skips_minus_one_slots_and_writes_the_rest():
     assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 2  # the -1 row went nowhere
     store_kv_cache_torch(k, v, k_cache, v_cache, torch.tensor([0, 1, 2]))  # all valid: the direct path
     assert torch.equal(flat_k[:3], k) and torch.equal(flat_v[:3], v)
+    store_kv_cache_torch(v, k, k_cache, v_cache, torch.tensor([12, 13, 14]), slots_valid=True)  # no check
+    assert torch.equal(flat_k[12:15], v) and torch.equal(flat_v[12:15], k)
 
 
 def test_bf16_decode_attention_matches_float64():
@@ -51,9 +54,9 @@ def test_rotary_step_shares_cos_sin_only_for_its_positions():
     positions, other = torch.tensor([3, 9, 40]), torch.tensor([1, 2, 3])
     plain = rope(positions, q, k)
     with rope.step(positions):
-        shared = rope(positions, q, k)
+        shared = rope(positions, q, k)  # a few tokens: per-token rotation matrices, the same two products
         different = rope(other, q, k)
-    assert all(torch.equal(a, b) for a, b in zip(plain, shared))
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(plain, shared))
     assert all(torch.equal(a, b) for a, b in zip(rope(other, q, k), different))
     assert not torch.equal(plain[0], different[0])
     assert rope._step is None  # nothing outlives the forward
@@ -61,3 +64,36 @@ def test_rotary_step_shares_cos_sin_only_for_its_positions():
     from radiance.layers.rotary import _rotate
     cos, sin = rope.cos[positions].unsqueeze(-2), rope.sin[positions].unsqueeze(-2)
     assert torch.equal(plain[0], _rotate(q, cos, sin)) and torch.equal(plain[1], _rotate(k, cos, sin))
+
+
+def test_single_decode_fast_path_matches_the_batched_loop():
+    """One sequence decoding (the CPU's usual step) returns what the same row gets in a batch of two."""
+    torch.manual_seed(1)
+    k_cache = torch.randn(8, 4, 2, 16, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.tensor([[5, 2, 7], [1, 3, 0]], dtype=torch.int32)
+    q = torch.randn(2, 6, 16, dtype=torch.bfloat16)
+    both = paged_attention_torch(q, k_cache, v_cache, tables, [1, 1], [11, 6], 0.25)
+    alone = paged_attention_torch(q[:1], k_cache, v_cache, tables[:1], [1], [11], 0.25)
+    assert torch.equal(alone, both[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17])
+def test_rotation_matrices_match_the_elementwise_rotation(dtype, tokens):
+    """Inside a forward (`step`), up to 16 tokens rotate with one matmul of per-token matrices; more tokens
+    keep the elementwise chain. Both rotate alike: fp32 to a few ulps, bf16 to its rounding."""
+    torch.manual_seed(tokens)
+    rope = RotaryEmbedding(64, 4096, 500000.0)
+    positions = torch.randint(0, 4096, (tokens,))
+    q, k = torch.randn(tokens, 9, 64, dtype=dtype), torch.randn(tokens, 3, 64, dtype=dtype)
+    outside = rope(positions, q, k)
+    with rope.step(positions):
+        assert (rope._step[3] is not None) == (tokens <= 16)
+        inside = rope(positions, q, k)
+    for a, b in zip(outside, inside):
+        assert a.dtype == b.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+        else:  # one bf16 rounding of values that may differ in the last fp32 bit: at most one bf16 ulp apart
+            assert ((a.float() - b.float()).abs() <= a.float().abs() * 2 ** -7 + 1e-6).all()

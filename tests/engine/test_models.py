@@ -168,3 +168,17 @@ def test_quantize_lm_head(tiny_model_dir, arch):
 def test_quantize_lm_head_needs_quantization():
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization mxfp4 or nvfp4"):
         ModelConfig(quantization="auto", quantize_lm_head=True)
+
+
+@pytest.mark.parametrize("native,capability,expected", [
+    (True, "DEFAULT", torch.bfloat16), (False, "AVX2", torch.bfloat16), (False, "AVX512", torch.bfloat16),
+    (False, "DEFAULT", torch.float32), (False, "SVE256", torch.float32)])
+def test_default_cpu_dtype(monkeypatch, native, capability, expected):
+    """bfloat16 where the CPU has native bf16 matmuls or x86 AVX2 / AVX-512 (faster there, measured),
+    float32 elsewhere; an explicit dtype always wins."""
+    from radiance.engine.loader import resolve_dtype
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert resolve_dtype(None, torch.device("cpu")) == expected
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
