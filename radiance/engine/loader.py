@@ -110,6 +110,14 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     loaded: set[str] = set()
     served = Counter()
     report = RequantReport(target_format="mxfp4", rule=model_config.rule)
+
+    def record(name: str, source_format: str, how: str, err: float) -> None:
+        served[how] += 1
+        if how == "mxfp4" and source_format != "mxfp4":
+            report.add(name, source_format, err)
+        else:
+            report.keep(name, source_format if how != "nvfp4-dequant" else "nvfp4 (dequantized)")
+
     for name, item in checkpoint.iter_weights(progress=progress):
         if isinstance(item, torch.Tensor):
             target = _tensor_target(name, model)
@@ -133,20 +141,12 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
         if name == "lm_head":  # a quantized head replaces the 16-bit weight slot
             loaded.add("lm_head.weight")
             model.lm_head.weight = None
-        served[how] += 1
-        if how == "mxfp4" and item.format != "mxfp4":
-            report.add(name, item.format, err)
-        else:
-            report.keep(name, item.format if how != "nvfp4-dequant" else "nvfp4 (dequantized)")
+        record(name, item.format, how, err)
     if model_config.quantize_lm_head and model.lm_head.tied_to is not None and model.lm_head.linear is None:
         # the head gets its own quantized copy; token lookups keep the 16-bit embedding
         tied = DenseWeight(model.lm_head.tied_to.weight.detach())
         _, how, err = _install_linear(model, "lm_head", tied, model_config, kernel_config, dtype, device, checkpoint)
-        served[how] += 1
-        if how == "mxfp4":
-            report.add("lm_head", "dense", err)
-        else:
-            report.keep("lm_head", "nvfp4 (dequantized)")
+        record("lm_head", "dense", how, err)
     missing = [n for n in params if n not in loaded]
     missing += [n for n, m in model.named_modules() if isinstance(m, UnloadedLinear)]
     if missing:
