@@ -156,8 +156,19 @@ def test_glu_epilogue_gives_the_unfused_bytes(device, config, m, out_dtype):
     column tile half empty; K = 544 is no multiple of the K tile."""
     unfused, (x_q, x_scale) = _glu_pair(device, m, 40, 544, m % 2 == 1, config, out_dtype)
     assert x_q.shape == (m, 40) and x_scale.shape == (m, 1)
-    assert torch.equal(x_scale, unfused.x_scale)
-    assert torch.equal(x_q.view(torch.uint8), unfused.x_q.view(torch.uint8))
+    if device.type == "cuda":
+        assert torch.equal(x_scale, unfused.x_scale)
+        assert torch.equal(x_q.view(torch.uint8), unfused.x_q.view(torch.uint8))
+    else:
+        # the interpreter's tl.dot is numpy's matmul, whose summation order depends on where a row sits in
+        # the tile: the GLU tile (gate and up rows interleaved) and the plain one then differ in a few
+        # accumulators by 1-4 fp32 ulps (seen: 3 of 2800, which moved one row's amax and scale by an ulp).
+        # The wgmma accumulation has no such dependence, so on CUDA the bytes are equal (above).
+        torch.testing.assert_close(x_scale, unfused.x_scale, rtol=1e-6, atol=0)
+        codes_differ = x_q.view(torch.uint8) != unfused.x_q.view(torch.uint8)
+        assert codes_differ.float().mean() <= 0.01
+        torch.testing.assert_close((x_q.float() * x_scale), (unfused.x_q.float() * unfused.x_scale),
+                                   rtol=2 ** -3, atol=0)  # one e4m3 step at most
 
 
 def test_glu_nan_token_stays_in_its_row(device):
