@@ -22,6 +22,8 @@ RULES = ("mse", "noclip", "ocp")
 # "none" only with quantization="nvfp4": serve the NVFP4 weights dequantized (W4A16), no requant
 MODEL_RULES = RULES + ("none",)
 DTYPES = ("float32", "bfloat16", "float16")
+# a quantized lm_head: one MXFP4 term (4.25 bits per weight) or two (the head, then its residual: 8.5 bits)
+LM_HEAD_FORMATS = ("mxfp4", "mxfp4x2")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -41,6 +43,7 @@ class ModelConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped by KV)
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
     quantize_lm_head: bool = False  # with quantization mxfp4/nvfp4, quantize a 16-bit lm_head too (a tied one gets a quantized copy; the embedding stays 16-bit)
+    lm_head_format: str = "mxfp4"  # with quantize_lm_head: mxfp4 (4.25 bits per weight) or mxfp4x2 (two MXFP4 terms, the head and its residual: 8.5 bits, ~1/8 of the error, one GEMM)
     seed: int = 0  # seed of the torch RNG (random weights, sampling without a per-request seed)
 
     def __post_init__(self):
@@ -51,6 +54,12 @@ class ModelConfig:
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
         _check(not self.quantize_lm_head or self.quantization in ("mxfp4", "nvfp4"),
                "quantize_lm_head needs quantization mxfp4 or nvfp4 (it quantizes a 16-bit head at load)")
+        _check(self.lm_head_format in LM_HEAD_FORMATS,
+               f"lm_head_format must be one of {LM_HEAD_FORMATS}, got {self.lm_head_format!r}")
+        _check(self.lm_head_format == "mxfp4" or self.quantize_lm_head,
+               f"lm_head_format {self.lm_head_format!r} applies to a quantized lm_head: add quantize_lm_head")
+        _check(self.lm_head_format == "mxfp4" or self.rule != "none",
+               "lm_head_format 'mxfp4x2' quantizes to MXFP4: it needs a rule other than 'none'")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from radiance.bench.quality import split_head_suffix
 from radiance.bench.report import format_table
 from radiance.bench.synthetic import SyntheticCheckpoint
 
@@ -199,9 +200,9 @@ def bench_variant(model: str, quantization: str, contexts, prefills, concurrenci
                   device: str = "cuda", overrides: dict | None = None, engine_options: dict | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     options = dict(engine_options or {})
-    quant, plus_head = quantization.removesuffix("+head"), quantization.endswith("+head")
-    if plus_head:  # e.g. "mxfp4+head": the lm_head quantized too
-        options["quantize_lm_head"] = True
+    quant, head = split_head_suffix(quantization)
+    if head is not None:  # e.g. "mxfp4+head": the lm_head quantized too
+        options.update(quantize_lm_head=True, lm_head_format=head)
     engine = _engine(model, quant, max_model_len, device, overrides, max_num_batched_tokens=max(prefills),
                      max_num_seqs=max(concurrencies), gpu_memory_utilization=0.85, **options)
     row = {"variant": quantization, "load": engine.load_summary}
@@ -318,7 +319,7 @@ def _add_args(p) -> None:
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the positional's older spelling
     p.add_argument("--quantization", "--variants", dest="variants", nargs="+", default=["none", "mxfp4"],
                    help="quantization options to compare side by side (none = bf16; mxfp4; nvfp4; a '+head' "
-                        "suffix, e.g. mxfp4+head, quantizes the lm_head too)")
+                        "suffix, e.g. mxfp4+head, quantizes the lm_head too, '+head2' as two MXFP4 terms)")
     p.add_argument("--contexts", nargs="+", type=int, default=[128, 8192, 32768],
                    help="context depths of the batch-1 decode measurement")
     p.add_argument("--prefills", nargs="+", type=int, default=[1024, 8192, 32768], help="prompt lengths of the prefill measurement")

@@ -31,7 +31,8 @@ def load_eval_model(model: str | None, variant: Variant, device: str | None, dty
     if is_synthetic(model):
         raise ConfigError("synthetic models have no tokenizer; evaluate a real checkpoint (or omit MODEL)")
     model_config = ModelConfig(model=model, quantization=variant.quantization, rule=variant.rule,
-                               quantize_lm_head=variant.quantize_lm_head, device=device, dtype=dtype)
+                               quantize_lm_head=variant.lm_head is not None,
+                               lm_head_format=variant.lm_head or "mxfp4", device=device, dtype=dtype)
     loaded = load_model(model_config, KernelConfig(activations=variant.activations), progress=False)
     logger.info("eval %s: %s", variant.label, " | ".join(loaded.summary[1:]))
     return loaded.model, loaded.tokenizer

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from radiance.bench import metrics
-from radiance.config import MODEL_RULES
+from radiance.config import LM_HEAD_FORMATS, MODEL_RULES
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,18 @@ class LogitsModel(Protocol):
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # [B, T] -> [B, T, V]
 
 
+# variant suffixes that quantize the lm_head, and the ModelConfig.lm_head_format each one means
+HEAD_SUFFIXES = {"+head": "mxfp4", "+head2": "mxfp4x2"}
+
+
+def split_head_suffix(spec: str) -> tuple[str, str | None]:
+    """'mxfp4+head2' -> ('mxfp4', 'mxfp4x2'); no suffix -> (spec, None)."""
+    for suffix, fmt in HEAD_SUFFIXES.items():
+        if spec.endswith(suffix):
+            return spec.removesuffix(suffix), fmt
+    return spec, None
+
+
 @dataclass(frozen=True)
 class Variant:
     """One way to serve the model: the knobs that change numerics."""
@@ -37,7 +49,8 @@ class Variant:
     quantization: str = "none"  # none | mxfp4 | nvfp4
     rule: str = "mse"  # mse | noclip | ocp; "none" with nvfp4 = serve NVFP4 dequantized (W4A16)
     activations: str = "fp8"  # fp8 = W4A8, bf16 = W4A16 (16-bit activations)
-    quantize_lm_head: bool = False  # the lm_head quantized too (spec suffix "+head")
+    lm_head: str | None = None  # the lm_head quantized too, in this LM_HEAD_FORMATS format (spec suffix "+head"
+    # = mxfp4, "+head2" = mxfp4x2: HEAD_SUFFIXES); None = 16-bit
 
     def __post_init__(self):
         if self.quantization not in ("none", "mxfp4", "nvfp4"):
@@ -48,21 +61,25 @@ class Variant:
             raise ConfigError("rule 'none' only applies to quantization 'nvfp4' (NVFP4 served as W4A16)")
         if self.activations not in ("fp8", "bf16"):
             raise ConfigError(f"activations must be fp8 or bf16, got {self.activations!r}")
-        if self.quantize_lm_head and self.quantization == "none":
+        if self.lm_head is not None and self.lm_head not in LM_HEAD_FORMATS:
+            raise ConfigError(f"lm_head must be one of {LM_HEAD_FORMATS} or None, got {self.lm_head!r}")
+        if self.lm_head is not None and self.quantization == "none":
             raise ConfigError("+head quantizes the lm_head: it needs quantization mxfp4 or nvfp4")
+        if self.lm_head == "mxfp4x2" and self.rule == "none":
+            raise ConfigError("+head2 quantizes the lm_head to MXFP4: it needs a rule other than none")
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
         """'mxfp4', 'mxfp4/ocp', 'nvfp4/mse/bf16', 'nvfp4/none', 'mxfp4/mse/fp8+head' -> Variant."""
-        body, head = spec.removesuffix("+head"), spec.endswith("+head")
+        body, head = split_head_suffix(spec)
         parts = body.split("/")
         if not 1 <= len(parts) <= 3:
-            raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]][+head]")
-        return cls(*parts, quantize_lm_head=head)
+            raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]][+head|+head2]")
+        return cls(*parts, lm_head=head)
 
     @property
     def label(self) -> str:
-        return self._weights_label + (" +4-bit head" if self.quantize_lm_head else "")
+        return self._weights_label + {None: "", "mxfp4": " +4-bit head", "mxfp4x2": " +2x4-bit head"}[self.lm_head]
 
     @property
     def _weights_label(self) -> str:

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from radiance.config import KernelConfig, ModelConfig
-from radiance.formats import DenseWeight, Nvfp4Weight, dequantize, quantize_nvfp4
+from radiance.formats import DenseWeight, Nvfp4Weight, dense_to_mxfp4_pair, dequantize, quantize_nvfp4
 from radiance.layers.int4_linear import Int4Linear, int4_cpu_unsupported
-from radiance.layers.linear import DenseLinear, Mxfp4Linear
+from radiance.layers.linear import DenseLinear, Mxfp4Linear, Mxfp4PairLinear
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +61,15 @@ def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: Ke
         return dense_linear(dequantize(weight), dtype, kernel_config, name), "nvfp4-dequant", 0.0
     module, err = mxfp4_linear(weight, model_config.rule, dtype, kernel_config, name)
     return module, "mxfp4", float(err)
+
+
+def build_lm_head(weight, model_config: ModelConfig, kernel_config: KernelConfig,
+                  dtype: torch.dtype) -> tuple[nn.Module, str, float]:
+    """The lm_head when it is quantized (ModelConfig.quantize_lm_head, or stored quantized), as build_linear
+    returns it. lm_head_format "mxfp4": like any linear; "mxfp4x2": two MXFP4 terms of its values
+    (Mxfp4PairLinear), except for a head stored as MXFP4, which one term already holds exactly."""
+    if model_config.lm_head_format != "mxfp4x2" or weight.format == "mxfp4":
+        return build_linear("lm_head", weight, model_config, kernel_config, dtype)
+    tensor = weight.tensor if weight.format == "dense" else dequantize(weight)
+    packed, scale, err = dense_to_mxfp4_pair(tensor, model_config.rule)
+    return Mxfp4PairLinear(packed, scale, None, kernel_config, "lm_head"), "mxfp4x2", err

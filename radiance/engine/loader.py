@@ -8,6 +8,7 @@ and `.eos_token_ids`. `radiance.checkpoint.open_checkpoint` returns one; benchma
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -18,7 +19,7 @@ import torch
 from radiance.config import EngineConfig, KernelConfig, ModelConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
-from radiance.engine.linears import build_linear
+from radiance.engine.linears import build_linear, build_lm_head
 from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight
 from radiance.models.llama import UnloadedLinear
@@ -113,8 +114,8 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
 
     def record(name: str, source_format: str, how: str, err: float) -> None:
         served[how] += 1
-        if how == "mxfp4" and source_format != "mxfp4":
-            report.add(name, source_format, err)
+        if how in ("mxfp4", "mxfp4x2") and source_format != "mxfp4":
+            report.add(name, source_format, err, target_format=how)
         else:
             report.keep(name, source_format if how != "nvfp4-dequant" else "nvfp4 (dequantized)")
 
@@ -198,7 +199,8 @@ def _install_linear(model, name, weight, model_config, kernel_config, dtype, dev
         raise CheckpointError(f"linear shape {tuple(weight.shape)} does not match the model's {expected}",
                               file=getattr(checkpoint, "path", None), tensor=name)
     from radiance.formats import weight_to
-    module, how, err = build_linear(name, weight_to(weight, device), model_config, kernel_config, dtype)
+    build = build_lm_head if name == "lm_head" else functools.partial(build_linear, name)
+    module, how, err = build(weight_to(weight, device), model_config, kernel_config, dtype)
     setattr(parent, leaf, module.to(device))
     return module, how, err
 

@@ -77,3 +77,21 @@ def dense_to_mxfp4(w: torch.Tensor, rule: str = "mse", chunk_rows: int | None = 
         raise ValueError(f"dense_to_mxfp4 needs a 2-D floating-point weight, got {w.dtype} {tuple(w.shape)}")
     check_finite(w, "w")
     return requant_rows_to_mxfp4(lambda a, b: w[a:b], w.shape[0], w.shape[1], w.device, rule, chunk_rows)
+
+
+def dense_to_mxfp4_pair(w: torch.Tensor, rule: str = "mse", chunk_rows: int | None = None):
+    """16/32-bit [N, K] -> two MXFP4 terms side by side along K: Q1 = Q(W), Q2 = Q(W - Q1), so that
+    [x | x] @ [Q1 | Q2]^T = x @ (Q1 + Q2)^T. 8.5 bits per weight, about 1/8 of one term's error (relRMS
+    1.3-1.4% against 11-12% on Gaussian and SmolLM2 weights; fp8 per row: 2.6%). Row-chunked.
+
+    Returns (packed uint8 [N, K], scale_e8m0 uint8 [N, K/16], rel_rms of Q1 + Q2 against W).
+    """
+    p1, s1, rel1 = dense_to_mxfp4(w, rule, chunk_rows)
+    n, k = w.shape
+
+    def residual(a: int, b: int) -> torch.Tensor:
+        return w[a:b].float() - dequantize_mxfp4(p1[a:b], s1[a:b])
+
+    p2, s2, rel2 = requant_rows_to_mxfp4(residual, n, k, w.device, rule, chunk_rows)
+    # ||W - Q1 - Q2|| / ||W|| = (||R - Q(R)|| / ||R||) * (||R|| / ||W||) with R = W - Q1
+    return torch.cat((p1, p2), dim=1), torch.cat((s1, s2), dim=1), rel1 * rel2

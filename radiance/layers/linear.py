@@ -1,4 +1,5 @@
-"""Linear layers: Mxfp4Linear (4-bit weights on the W4A8 kernel) and DenseLinear (16-bit weights).
+"""Linear layers: Mxfp4Linear (4-bit weights on the W4A8 kernel), Mxfp4PairLinear (two 4-bit terms, for an
+lm_head) and DenseLinear (16-bit weights).
 
 Each layer decides once, at construction, which path serves it and records why (`.path`,
 `.path_reason`); `linear_summary(model)` turns that into the startup line. Nothing falls back
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radiance.config import KernelConfig
-from radiance.formats import dequantize_mxfp4, to_mxfp4
+from radiance.formats import MX_BLOCK, dequantize_mxfp4, to_mxfp4
 from radiance.kernels import ops  # noqa: F401 - registers torch.ops.radiance.*
 from radiance.kernels import reference
 from radiance.kernels.activation import Fp8Activations, quantize_activations
@@ -151,6 +152,35 @@ class Mxfp4Linear(nn.Module):
             return dequantize_prepared(PreparedMxfp4(self.w_q, self.w_shift, self.w_ref, self.w_scale,
                                                      self.in_features, 0))
         return self.w_dense.float()
+
+
+class Mxfp4PairLinear(nn.Module):
+    """y = x @ (Q1 + Q2)^T for a 16-bit weight held as two MXFP4 terms side by side along K
+    (formats.dense_to_mxfp4_pair): one Mxfp4Linear over 2K, fed [x | x]. Both halves of [x | x] share
+    x's per-token amax, so on the W4A8 kernel this is x_q @ (Q1 + Q2)^T in one GEMM reading 8.5 bits per
+    weight (the lm_head option ModelConfig.lm_head_format = "mxfp4x2")."""
+
+    def __init__(self, packed: torch.Tensor, scale_e8m0: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel_config: KernelConfig = KernelConfig(), name: str = ""):
+        super().__init__()
+        self.terms = Mxfp4Linear(packed, scale_e8m0, bias, kernel_config, name)
+        if self.terms.in_features % (2 * MX_BLOCK):  # each term a whole number of MX blocks
+            raise ValueError(f"{name or 'linear'}: two MXFP4 terms side by side need K a multiple of "
+                             f"{2 * MX_BLOCK}, got {self.terms.in_features}")
+        self.out_features, self.in_features = self.terms.out_features, self.terms.in_features // 2
+        self.name = name
+        self.path, self.path_reason = self.terms.path, self.terms.path_reason + ", two MXFP4 terms"
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, terms=2"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.terms(torch.cat((x, x), dim=-1))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The exact fp32 weight Q1 + Q2 this layer multiplies with."""
+        w = self.terms.dequantized_weight()
+        return w[:, :self.in_features] + w[:, self.in_features:]
 
 
 class DenseLinear(nn.Module):

@@ -85,9 +85,12 @@ def test_variant_parsing_and_labels():
     assert Variant.parse("mxfp4").label == "mxfp4 mse W4A8"
     assert Variant.parse("nvfp4/noclip").label == "nvfp4->mxfp4 noclip W4A8"
     assert Variant("nvfp4", "none").label == "nvfp4 as W4A16"
-    assert Variant.parse("mxfp4/mse/fp8+head") == Variant("mxfp4", "mse", "fp8", quantize_lm_head=True)
+    assert Variant.parse("mxfp4/mse/fp8+head") == Variant("mxfp4", "mse", "fp8", lm_head="mxfp4")
     assert Variant.parse("mxfp4+head").label == "mxfp4 mse W4A8 +4-bit head"
-    for bad in ("int4", "mxfp4/none", "mxfp4/mse/fp4", "a/b/c/d", "none+head", "mxfp4+head/mse"):
+    assert Variant.parse("nvfp4/ocp+head2") == Variant("nvfp4", "ocp", lm_head="mxfp4x2")
+    assert Variant.parse("mxfp4+head2").label == "mxfp4 mse W4A8 +2x4-bit head"
+    for bad in ("int4", "mxfp4/none", "mxfp4/mse/fp4", "a/b/c/d", "none+head", "mxfp4+head/mse",
+                "nvfp4/none+head2", "none+head2"):
         with pytest.raises(ConfigError):
             Variant.parse(bad)
 

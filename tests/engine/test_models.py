@@ -165,9 +165,60 @@ def test_quantize_lm_head(tiny_model_dir, arch):
     assert 1e-3 < _rel(ours, before) < 0.2
 
 
+def test_two_term_lm_head(tiny_model_dir):
+    """lm_head_format mxfp4x2: the head is Q1 + Q2 (the rule's rounding of the head, then of its residual),
+    reported as mxfp4x2, and its logits lie much closer to the 16-bit head's than the one-term head's do."""
+    from radiance.formats import dense_to_mxfp4_pair, dequantize_mxfp4
+    from radiance.layers.linear import Mxfp4PairLinear
+
+    path, hf = tiny_model_dir("llama3")
+    configs = {head: ModelConfig(device="cpu", dtype="float32", quantization="mxfp4", quantize_lm_head=head is not None,
+                                 lm_head_format=head or "mxfp4") for head in (None, "mxfp4", "mxfp4x2")}
+    loaded = {head: load_model(c, checkpoint=open_checkpoint(path), progress=False) for head, c in configs.items()}
+    pair = loaded["mxfp4x2"]
+    assert "8 mxfp4, 1 mxfp4x2" in pair.summary[1]
+    head = pair.model.lm_head.linear
+    assert isinstance(head, Mxfp4PairLinear)
+    packed, scale, _ = dense_to_mxfp4_pair(hf.lm_head.weight.detach().float())
+    both = dequantize_mxfp4(packed, scale)
+    torch.testing.assert_close(head.dequantized_weight(), both[:, :64] + both[:, 64:], rtol=0, atol=0)
+    ids = torch.randint(0, 256, (1, 32))
+    with torch.no_grad():
+        logits = {h: lm.model.forward_logits(ids) for h, lm in loaded.items()}
+    assert 0 < _rel(logits["mxfp4x2"], logits[None]) < _rel(logits["mxfp4"], logits[None]) / 4
+
+
+def test_build_lm_head_routes_by_format():
+    """build_lm_head: mxfp4x2 makes two terms of a 16-bit or NVFP4 head; a head stored as MXFP4 stays one term
+    (it is exact already), and the default format is build_linear's MXFP4."""
+    from radiance.config import KernelConfig
+    from radiance.engine.linears import build_lm_head
+    from radiance.formats import DenseWeight, Mxfp4Weight, Nvfp4Weight, quantize_mxfp4, quantize_nvfp4
+    from radiance.layers.linear import Mxfp4Linear, Mxfp4PairLinear
+
+    w = torch.randn(48, 64)
+    pair = ModelConfig(quantization="mxfp4", quantize_lm_head=True, lm_head_format="mxfp4x2")
+    one = ModelConfig(quantization="mxfp4", quantize_lm_head=True)
+    for weight in (DenseWeight(w), Nvfp4Weight(*quantize_nvfp4(w))):
+        module, how, err = build_lm_head(weight, pair, KernelConfig(), torch.float32)
+        assert isinstance(module, Mxfp4PairLinear) and how == "mxfp4x2" and 0 < err < 0.05
+    stored = Mxfp4Weight(*quantize_mxfp4(w))
+    for config in (pair, one):
+        module, how, err = build_lm_head(stored, config, KernelConfig(), torch.float32)
+        assert isinstance(module, Mxfp4Linear) and how == "mxfp4" and err == 0
+    module, how, err = build_lm_head(DenseWeight(w), one, KernelConfig(), torch.float32)
+    assert isinstance(module, Mxfp4Linear) and how == "mxfp4" and 0.05 < err < 0.2
+
+
 def test_quantize_lm_head_needs_quantization():
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization mxfp4 or nvfp4"):
         ModelConfig(quantization="auto", quantize_lm_head=True)
+    with pytest.raises(ValueError, match="applies to a quantized lm_head"):
+        ModelConfig(quantization="mxfp4", lm_head_format="mxfp4x2")
+    with pytest.raises(ValueError, match="lm_head_format must be one of"):
+        ModelConfig(quantization="mxfp4", quantize_lm_head=True, lm_head_format="fp8")
+    with pytest.raises(ValueError, match="needs a rule other than 'none'"):
+        ModelConfig(quantization="nvfp4", rule="none", quantize_lm_head=True, lm_head_format="mxfp4x2")
 
 
 @pytest.mark.parametrize("native,capability,expected", [

@@ -9,9 +9,9 @@ import torch
 from radiance.config import KernelConfig
 from radiance.kernels.activation import quantize_activations
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
-from radiance.kernels.reference import relative_error, w4a8_reference
+from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_reference
 from radiance.kernels.w4a8 import expand_weight_fp8, gemm_ptx, w4a8_gemm
-from radiance.layers.linear import Mxfp4Linear, linear_summary
+from radiance.layers.linear import Mxfp4Linear, Mxfp4PairLinear, linear_summary
 from tests.kernels.conftest import random_mxfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -175,3 +175,16 @@ def test_glu_epilogue_at_the_8b_mlp_shape(m):
     fused_q, fused_s = w4a8_glu(x_q, x_scale, pw)
     assert torch.equal(fused_s, unfused.x_scale)
     assert torch.equal(fused_q.view(torch.uint8), unfused.x_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", (1, 16, 64, 300))
+def test_pair_layer_on_the_kernel(m):
+    """Mxfp4PairLinear (the two-term lm_head) on the W4A8 kernel: [x | x] against the exact reference of
+    Q1 + Q2, at a head-like shape (N not a multiple of the tile)."""
+    packed, scale = random_mxfp4(4104, 2 * 1024, "cuda")
+    layer = Mxfp4PairLinear(packed, scale)
+    assert layer.path == "w4a8-triton"
+    x = (torch.randn(m, 1024, device="cuda") * 2).to(torch.bfloat16)
+    x_q, x_s = quantize_activations_reference(x.float())
+    expected = (x_q.float() * x_s) @ layer.dequantized_weight().t()
+    assert relative_error(layer(x).float(), expected) < 8e-3  # bf16 output rounding

@@ -7,7 +7,7 @@ from radiance.config import KernelConfig
 from radiance.formats import DenseWeight, Nvfp4Weight, dequantize, dequantize_mxfp4, quantize_mxfp4, quantize_nvfp4
 from radiance.kernels.numerics import NumericsMonitor
 from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_reference
-from radiance.layers.linear import DenseLinear, Mxfp4Linear, choose_path, linear_summary
+from radiance.layers.linear import DenseLinear, Mxfp4Linear, Mxfp4PairLinear, choose_path, linear_summary
 from tests.kernels.conftest import random_mxfp4
 
 
@@ -24,6 +24,24 @@ def test_cpu_layer_is_the_exact_reference():
     x_q, x_s = quantize_activations_reference(x.reshape(-1, 96))
     assert torch.equal(layer.forward_quantized(x_q, x_s, torch.bfloat16), out.reshape(-1, 40))
     assert torch.equal(layer.dequantized_weight(), dequantize_mxfp4(packed, scale))
+
+
+def test_pair_layer_multiplies_by_the_sum_of_its_terms():
+    """Mxfp4PairLinear over [Q1 | Q2]: the layer of Q1 + Q2 with x's fp8 quantization (one scale per token for
+    both halves of [x | x]), on the reference path here and on the W4A8 kernel in test_gpu.py."""
+    packed, scale = random_mxfp4(40, 2 * 96, "cpu")
+    layer = Mxfp4PairLinear(packed, scale)
+    assert (layer.in_features, layer.out_features, layer.path) == (96, 40, "reference")
+    w = dequantize_mxfp4(packed, scale)
+    assert torch.equal(layer.dequantized_weight(), w[:, :96] + w[:, 96:])
+    x = torch.randn(2, 5, 96)
+    x_q, x_s = quantize_activations_reference(x.reshape(-1, 96))
+    expected = (x_q.float() * x_s) @ layer.dequantized_weight().t()
+    out = layer(x)
+    assert out.shape == (2, 5, 40)
+    torch.testing.assert_close(out.reshape(-1, 40), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        Mxfp4PairLinear(*random_mxfp4(8, 96, "cpu"))
 
 
 def test_from_weight_converts_any_format():
