@@ -8,8 +8,9 @@ from tests.bench.test_bench_synthetic import TINY
 
 
 def test_engine_bench_rows_have_every_measurement():
-    rows = engine_bench.run("synthetic:llama-3.1-8b", variants=("none", "mxfp4", "mxfp4+head", "mxfp4+head2"), contexts=(16, 40),
-                            prefills=(24,), concurrencies=(1, 3), with_hf=False, device="cpu", overrides={**TINY, "vocab_size": 512})
+    rows = engine_bench.run("synthetic:llama-3.1-8b", variants=("none", "mxfp4", "mxfp4+head", "mxfp4+head2"),
+                            contexts=(16, 40), prefills=(24,), concurrencies=(1, 3), with_hf=False, device="cpu",
+                            overrides={**TINY, "vocab_size": 512})
     assert [r["variant"] for r in rows] == ["none", "mxfp4", "mxfp4+head", "mxfp4+head2"]
     for row in rows:
         assert "error" not in row, row.get("error")
