@@ -185,6 +185,7 @@ def _model_name(requested: str | None, path: str | None) -> str:
 def _install_linear(model, name, weight, model_config, kernel_config, dtype, device, checkpoint):
     if name == "lm_head":
         parent, leaf, expected = model.lm_head, "linear", (model.config.vocab_size, model.config.hidden_size)
+        build = build_lm_head
     else:
         parent_name, leaf = name.rsplit(".", 1)
         try:
@@ -195,11 +196,11 @@ def _install_linear(model, name, weight, model_config, kernel_config, dtype, dev
         if not isinstance(slot, UnloadedLinear):
             raise CheckpointError("linear not used by the model", file=getattr(checkpoint, "path", None), tensor=name)
         expected = (slot.out_features, slot.in_features)
+        build = functools.partial(build_linear, name)
     if tuple(weight.shape) != expected:
         raise CheckpointError(f"linear shape {tuple(weight.shape)} does not match the model's {expected}",
                               file=getattr(checkpoint, "path", None), tensor=name)
     from radiance.formats import weight_to
-    build = build_lm_head if name == "lm_head" else functools.partial(build_linear, name)
     module, how, err = build(weight_to(weight, device), model_config, kernel_config, dtype)
     setattr(parent, leaf, module.to(device))
     return module, how, err
