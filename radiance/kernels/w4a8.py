@@ -35,12 +35,10 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 # K tiles per weight row that a GEMM launched as a programmatic dependent (PDL, sm_90+) prefetches into
-# L2 while the kernel before it (the norm or SiLU that quantizes its activations) still runs; 0 = plain launch
-PDL_PREFETCH_TILES = 2
-
-
-def _pdl_prefetch(t: torch.Tensor) -> int:
-    return PDL_PREFETCH_TILES if supports_pdl(t.device) else 0
+# L2 while the kernel before it (the norm or SiLU that quantizes its activations) still runs (0: none).
+# In the 8B's batch-1 decode step on the H200: 0 / 1 / 2 / 4 / 8 tiles 2.317 / 2.240 / 2.279 / 2.389 /
+# 2.508 ms (deeper prefetches hold the CTA before its wait; bench/RESULTS.md, thirteenth session)
+PDL_PREFETCH_TILES = 1
 
 
 def _use_asm(t: torch.Tensor) -> bool:
@@ -132,13 +130,14 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight.w_scale
     grid = (tiles, splits)
-    prefetch = _pdl_prefetch(x_q)
+    dependent = supports_pdl(x_q.device)
     compiled = _gemm.w4a8_gemm_kernel[grid](
         x_q, x_scale, weight.w_q, weight.w_shift.view(torch.int32), weight.w_scale, bias_arg, out, part, locks,
         amax if glu else out, m, n, k, x_q.stride(0), out.stride(0), per_split, splits,
         HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT=splits > 1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
-        PRECISE_ACC=cfg.precise_acc, PDL_PREFETCH=prefetch, GLU=glu, launch_pdl=prefetch > 0,
+        PRECISE_ACC=cfg.precise_acc, DEPENDENT=dependent, PDL_PREFETCH=PDL_PREFETCH_TILES if dependent else 0,
+        GLU=glu, launch_pdl=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, compiled, amax
 

@@ -69,12 +69,15 @@ def _launches() -> list[tuple[Path, str, ast.Call]]:
 
 
 def test_every_pdl_launch_names_a_waiting_kernel():
-    """launch_pdl only on kernels that wait, and launched with the same switch on (PDL / PDL_PREFETCH)."""
+    """launch_pdl only on kernels that wait, and launched with the same switch on (PDL; the GEMM's
+    DEPENDENT): a launch_pdl without the kernel's wait would let it read its input before it is written."""
     kernels = _jit_functions()
     launches = _launches()
     assert len(launches) >= 8
     for path, name, call in launches:
         where = f"{path.relative_to(ROOT)}: {name}"
         assert name in kernels, f"{where}: launch_pdl on an unknown kernel"
-        switches = {k.arg for k in call.keywords} & {"PDL", "PDL_PREFETCH"}
-        assert switches and switches <= set(kernels[name].arg_names), f"{where}: launch_pdl without its PDL switch"
+        keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
+        switches = set(keywords) & {"PDL", "DEPENDENT"}
+        assert len(switches) == 1 and switches <= set(kernels[name].arg_names), f"{where}: launch_pdl without its PDL switch"
+        assert keywords["launch_pdl"] == keywords[switches.pop()], f"{where}: launch_pdl and the kernel's switch differ"

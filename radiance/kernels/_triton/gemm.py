@@ -8,9 +8,10 @@ One kernel serves both bands:
     run-time count: one compile serves every split), each split writes fp32 partials, and the last
     split of a tile to finish (an atomic counter per tile) sums them in split order: deterministic,
     and one launch per linear.
-With PDL_PREFETCH the kernel is launched as a programmatic dependent (sm_90): it prefetches its first
-weight tiles into L2 while the kernel that quantizes x still runs, then waits for it (gdc_wait), then
-lets the kernel after it launch (that kernel waits for this one's completion before it reads).
+With DEPENDENT the kernel is launched as a programmatic dependent (sm_90): it prefetches its first
+PDL_PREFETCH weight tiles into L2 while the kernel that quantizes x still runs, then waits for it
+(gdc_wait), then lets the kernel after it launch (that kernel waits for this one's completion before it
+reads).
 fp8 tl.dot lowers to wgmma on sm_90 with num_warps % 4 == 0. Hopper's fp8 MMA accumulates with
 reduced precision (~14 bits); PRECISE_ACC sums each K tile from zero in the MMA and adds it to the fp32
 accumulator, which keeps the result within bf16 rounding of the exact fp32 reference (Triton's
@@ -99,7 +100,7 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
                      HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
-                     PDL_PREFETCH: tl.constexpr = 0, GLU: tl.constexpr = False):
+                     DEPENDENT: tl.constexpr = False, PDL_PREFETCH: tl.constexpr = 0, GLU: tl.constexpr = False):
     NB: tl.constexpr = BK // 32
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -132,15 +133,16 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
 
     kt_begin = pid_k * k_tiles_per_split
     kt_end = tl.minimum(kt_begin + k_tiles_per_split, tl.cdiv(K, BK))
-    if PDL_PREFETCH > 0:
+    if DEPENDENT:
         # launched as a programmatic dependent (launch_pdl): the CTA may start while the kernel that
         # writes x still runs. The weights do not depend on it, so pull the first PDL_PREFETCH K tiles
         # of each row into L2 now (one bulk prefetch per row), then wait for the producer's writes.
-        n_bytes = tl.minimum(kt_end - kt_begin, PDL_PREFETCH) * (BK // 2)
-        rows = w_ptr + offs_n.to(tl.int64) * words_per_row + kt_begin * (BK // 8)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [rows, tl.full([BN], 0, tl.int32) + n_bytes], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+        if PDL_PREFETCH > 0:
+            n_bytes = tl.minimum(kt_end - kt_begin, PDL_PREFETCH) * (BK // 2)
+            rows = w_ptr + offs_n.to(tl.int64) * words_per_row + kt_begin * (BK // 8)
+            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                      [rows, tl.full([BN], 0, tl.int32) + n_bytes], dtype=tl.int32, is_pure=False,
+                                      pack=1)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel (norm, rotary, SiLU) may launch and wait
     if SWAP_AB:
