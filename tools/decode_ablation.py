@@ -10,6 +10,8 @@ Variants: `base` (nothing removed), or `+`-joined names of what to remove:
   silu   the SiLU-mul (+ fp8 quantize) launch; with the SiLU in the gate_up GEMM's epilogue
          (KernelConfig.fuse_glu), the quantize launch after that GEMM
   attn   the whole attention (rotary, KV store, split, merge + quantize)
+  rotary the rotary + KV store launch before the attention kernels (batches below FUSED_ROTARY_MIN_BATCH,
+         where the split kernel does not rotate itself)
 Repeat `base` last to see the run-to-run drift. On the CPU (`--device cpu`) it is a dry run of the
 harness: eager steps, no graphs, timings meaningless.
 """
@@ -29,8 +31,9 @@ from radiance.bench.engine_bench import _engine, _random_ids, _sync
 from radiance.engine.sampling_params import SamplingParams
 from radiance.kernels.activation import Fp8Activations, fp8_outputs
 from radiance.layers.attention import Attention
+from radiance.layers.rotary import RotaryEmbedding
 
-REMOVABLE = ("norm", "silu", "attn")
+REMOVABLE = ("norm", "silu", "attn", "rotary")
 
 
 def _no_norm(x, residual, weight, eps, quantize=False):
@@ -58,13 +61,18 @@ def _no_attention(self, q, k, v, meta, rotary=None, quantize=False):
     return q.reshape(rows, width)
 
 
+def _no_rotary(self, positions, q, k, v, k_cache, v_cache, slot_mapping):
+    return q
+
+
 @contextlib.contextmanager
 def removed(names: set[str]):
     """Stubs in place of the named kernels' launchers while inside."""
     unknown = names - set(REMOVABLE)
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}; removable: {', '.join(REMOVABLE)}")
-    saved = (norm_module.add_rmsnorm, llama_module.silu_mul, w4a8_module.quantize_rows_from_parts, Attention.forward)
+    saved = (norm_module.add_rmsnorm, llama_module.silu_mul, w4a8_module.quantize_rows_from_parts, Attention.forward,
+             RotaryEmbedding.rotate_and_store)
     try:
         if "norm" in names:
             norm_module.add_rmsnorm = _no_norm
@@ -73,10 +81,12 @@ def removed(names: set[str]):
             w4a8_module.quantize_rows_from_parts = _no_parts_quantize
         if "attn" in names:
             Attention.forward = _no_attention
+        if "rotary" in names:
+            RotaryEmbedding.rotate_and_store = _no_rotary
         yield
     finally:
         (norm_module.add_rmsnorm, llama_module.silu_mul, w4a8_module.quantize_rows_from_parts,
-         Attention.forward) = saved
+         Attention.forward, RotaryEmbedding.rotate_and_store) = saved
 
 
 def step_ms(engine, batch: int, gen, context: int = 128, steps: int = 24) -> float:

@@ -12,6 +12,7 @@ import radiance.kernels.w4a8 as w4a8_module
 import radiance.layers.norm as norm_module
 import radiance.models.llama as llama_module
 from radiance.layers.attention import Attention
+from radiance.layers.rotary import RotaryEmbedding
 from tests.bench.test_bench_synthetic import TINY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -21,7 +22,8 @@ import decode_ablation  # noqa: E402
 @pytest.mark.parametrize("stub,real", [(decode_ablation._no_norm, norm_module.add_rmsnorm),
                                        (decode_ablation._no_silu, llama_module.silu_mul),
                                        (decode_ablation._no_parts_quantize, w4a8_module.quantize_rows_from_parts),
-                                       (decode_ablation._no_attention, Attention.forward)])
+                                       (decode_ablation._no_attention, Attention.forward),
+                                       (decode_ablation._no_rotary, RotaryEmbedding.rotate_and_store)])
 def test_stubs_take_the_launchers_arguments(stub, real):
     assert list(inspect.signature(stub).parameters) == list(inspect.signature(real).parameters)
 
@@ -35,6 +37,9 @@ def test_removed_swaps_and_restores():
     with decode_ablation.removed({"silu"}):  # the SiLU launch, or the quantize launch of the fused GLU
         assert llama_module.silu_mul is decode_ablation._no_silu
         assert w4a8_module.quantize_rows_from_parts is decode_ablation._no_parts_quantize
+    with decode_ablation.removed({"rotary"}):
+        assert RotaryEmbedding.rotate_and_store is decode_ablation._no_rotary
+    assert RotaryEmbedding.rotate_and_store is not decode_ablation._no_rotary
     assert (norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward) == real
     with pytest.raises(ValueError, match="removable"):
         with decode_ablation.removed({"rope"}):

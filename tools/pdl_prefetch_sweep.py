@@ -1,0 +1,60 @@
+"""How many K tiles of weights a W4A8 GEMM launched as a programmatic dependent prefetches into L2 before
+its wait (`w4a8.PDL_PREFETCH_TILES`), measured inside the engine's decode step: one engine, CUDA graphs
+re-captured per depth, the depths alternated `--repeats` times (bench/RESULTS.md, thirteenth session).
+
+    python3 tools/pdl_prefetch_sweep.py [--model synthetic:llama-3.1-8b] [--tiles 2 0 1] [--batches 1 64]
+
+On the CPU (`--device cpu`) it is a dry run of the harness: no PDL, timings meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import decode_ablation  # tools/, next to this script
+import radiance.kernels.w4a8 as w4a8_module
+from radiance.bench.engine_bench import _engine
+
+
+def run(model: str, quantization: str = "mxfp4", tiles=(2, 0, 1), batches=(1, 64), repeats: int = 3,
+        device: str = "cuda", overrides: dict | None = None, steps: int = 32, log=print) -> list[tuple[int, list[float]]]:
+    """[(tiles, [best-of-2 ms per decode step for each batch])] in run order."""
+    if any(t < 0 for t in tiles):
+        raise ValueError(f"prefetch depths are K tile counts >= 0, got {list(tiles)}")
+    engine = _engine(model, quantization, 4096, device, overrides, max_num_batched_tokens=8192,
+                     max_num_seqs=max(8, *batches), gpu_memory_utilization=0.6, prefill_graph_tokens=())
+    gen = torch.Generator().manual_seed(0)
+    saved = w4a8_module.PDL_PREFETCH_TILES
+    rows = []
+    try:
+        for _ in range(repeats):
+            for t in tiles:
+                w4a8_module.PDL_PREFETCH_TILES = t
+                if engine.runner.graphs:
+                    engine.runner._capture_decode_graphs()  # the graphs bake in the launches' constexprs
+                rows.append((t, [min(decode_ablation.step_ms(engine, b, gen, steps=steps) for _ in range(2))
+                                 for b in batches]))
+                log(f"prefetch {t:2d} tiles: " + "  ".join(f"batch {b} {ms:.4f} ms" for b, ms in zip(batches, rows[-1][1])))
+    finally:
+        w4a8_module.PDL_PREFETCH_TILES = saved
+        if engine.runner.graphs:
+            engine.runner._capture_decode_graphs()  # leave the engine as it was
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="synthetic:llama-3.1-8b")
+    p.add_argument("--quantization", default="mxfp4")
+    p.add_argument("--tiles", nargs="+", type=int, default=[2, 0, 1], help="prefetch depths, run in this order")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    p.add_argument("--repeats", type=int, default=3, help="alternations of the whole --tiles list")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    run(args.model, args.quantization, args.tiles, args.batches, args.repeats, args.device)
+
+
+if __name__ == "__main__":
+    main()
