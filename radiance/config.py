@@ -68,7 +68,7 @@ class CacheConfig:
 
     block_size: int = 16  # tokens per KV cache block
     gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the process may use
-    cpu_kv_cache_bytes: int = 512 << 20  # KV budget when running on the CPU
+    cpu_kv_cache_bytes: int = 512 << 20  # KV budget when running on the CPU (a float32 cache there)
     num_gpu_blocks_override: int | None = None  # force a block count (tests, preemption drills)
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
 

@@ -3,6 +3,10 @@
 A full block is identified by the hash of (hash of the previous block, its token ids), so equal prefixes
 map to equal hash chains. Freed blocks keep their contents and hash until they are handed out again (LRU
 order), so a later request with the same prefix reuses them without recomputing.
+
+With `prefer_in_order` (the CPU engine), a growing sequence takes the block right after its last one
+when that block is free, ahead of LRU order: its blocks then run in order, and the CPU attention reads
+the cache in place instead of gathering the context every step (AttentionMetadata.kv_first_blocks).
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 prefer_in_order: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefer_in_order = prefer_in_order
         self.ref_counts = [0] * num_blocks
         self.hash_of_block: list[int | None] = [None] * num_blocks
         self.tokens_of_block: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against hash collisions
@@ -88,10 +94,16 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(need):
-            seq.block_table.append(self._take_fresh_block())
+            following = seq.block_table[-1] + 1 if self.prefer_in_order and seq.block_table else None
+            seq.block_table.append(self._take_fresh_block(following))
 
-    def _take_fresh_block(self) -> int:
-        block, _ = self.free_blocks.popitem(last=False)  # least recently freed first
+    def _take_fresh_block(self, wanted: int | None = None) -> int:
+        """`wanted` when it is free, else the least recently freed block."""
+        if wanted is not None and wanted in self.free_blocks:
+            del self.free_blocks[wanted]
+            block = wanted
+        else:
+            block, _ = self.free_blocks.popitem(last=False)
         h = self.hash_of_block[block]
         if h is not None:
             if self.block_of_hash.get(h) == block:

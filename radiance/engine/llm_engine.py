@@ -34,7 +34,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.config, self.device, self.dtype)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
-                                          self.config.cache.enable_prefix_caching)
+                                          self.config.cache.enable_prefix_caching,
+                                          prefer_in_order=self.device.type == "cpu")
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         overlap = self.config.runner.overlap_decode
         self.overlap_decode = bool(self.runner.graphs) if overlap is None else overlap

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from radiance.config import EngineConfig
-from radiance.engine.kv_cache import allocate_kv_cache, num_kv_blocks
+from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.sampler import SamplerOutput, SamplingRow, read_samples, sample_on_device, small_tensor_to
@@ -80,13 +80,14 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.cache.block_size
         arch = model.config
-        self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, dtype)
+        kv_dtype = kv_cache_dtype(device, dtype)
+        self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype)
         wanted = config.model.max_model_len or arch.max_position_embeddings
         self.max_model_len = min(wanted, arch.max_position_embeddings, self.num_blocks * self.block_size)
         if config.model.max_model_len and self.max_model_len < config.model.max_model_len:
             logger.warning("max_model_len lowered to %d (model limit / KV cache capacity)", self.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, dtype)
+        self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, kv_dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # pinned landing buffers of the sampled ids, used in turn (like the graph inputs' staging sets)
         max_rows = config.scheduler.max_num_seqs
@@ -125,6 +126,18 @@ class ModelRunner:
             tables[i, :len(s.seq.block_table)] = s.seq.block_table
         return tokens, np.concatenate(positions), np.concatenate(slots), q_lens, kv_lens, tables
 
+    def _first_blocks_in_order(self, tables: np.ndarray, kv_lens: list[int]) -> list[int] | None:
+        """AttentionMetadata.kv_first_blocks for the torch attention (CPU): per sequence the first block of
+        its context when the blocks run in order (b, b + 1, ...), else -1; None on CUDA (paged kernels)."""
+        if self.device.type != "cpu":
+            return None
+        first = []
+        for row, kv_len in zip(tables, kv_lens):
+            blocks = row[:-(-kv_len // self.block_size)]
+            in_order = len(blocks) > 0 and bool(np.all(blocks - blocks[0] == np.arange(len(blocks))))
+            first.append(int(blocks[0]) if in_order else -1)
+        return first
+
     def _to_device(self, array, dtype) -> torch.Tensor:
         return torch.as_tensor(array, dtype=dtype).to(self.device, non_blocking=True)
 
@@ -156,7 +169,8 @@ class ModelRunner:
                 cu_seqlens_q=self._to_device(cu, torch.int32),
                 q_lens=q_lens, kv_lens=kv_lens, is_decode=is_decode,
                 decode_splits=decode_num_splits(batch, self.model.config.num_kv_heads),
-                slots_valid=bool(slots.size == 0 or slots.min() >= 0))
+                slots_valid=bool(slots.size == 0 or slots.min() >= 0),
+                kv_first_blocks=self._first_blocks_in_order(tables, kv_lens))
             token_tensor = tokens if isinstance(tokens, torch.Tensor) else self._to_device(tokens, torch.long)
             hidden = self.model(token_tensor, self._to_device(positions, torch.long), meta)
         sampling = list(range(batch)) if next_tokens is not None else [i for i, s in enumerate(scheduled) if s.samples]

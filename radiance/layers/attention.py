@@ -29,6 +29,9 @@ class AttentionMetadata:
     is_decode: bool              # every sequence has exactly one new token
     decode_splits: int = 1       # KV partitions per sequence of the decode kernel (fixed per graph bucket)
     slots_valid: bool = False    # no -1 in slot_mapping (known on the host): the torch store skips its check
+    # per sequence, the first cache block of its context when its blocks run in order (b, b + 1, ...),
+    # else -1: the torch path then reads the cache in place instead of gathering it (None: always gather)
+    kv_first_blocks: list[int] | None = None
 
 
 # decode batches from which the split kernel rotates q and stores K/V itself. On the H200 (8B, MXFP4,
@@ -78,7 +81,7 @@ class Attention(nn.Module):
             return self._paged_triton(q, meta, quantize)
         store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_valid)
         out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
-                                    meta.kv_lens, self.scale)
+                                    meta.kv_lens, self.scale, meta.kv_first_blocks)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
     def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata, quantize: bool = False,
@@ -125,6 +128,8 @@ def _decode_sdpa(q, k, v, scale: float):
 # 0.007 ms per call for a 537 MB cache on the CPU, torch 2.13).
 def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, slots_valid: bool = False):
     k_rows, v_rows, slots = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]), slot_mapping
+    if k_rows.dtype != k_cache.dtype:  # a float32 cache on the CPU (kv_cache.kv_cache_dtype): widened exactly
+        k_rows, v_rows = k_rows.to(k_cache.dtype), v_rows.to(v_cache.dtype)
     if not slots_valid and slots.numel() and int(slots.min()) < 0:  # rows to skip (-1): select the others
         valid = slots >= 0
         k_rows, v_rows, slots = k_rows[valid], v_rows[valid], slots[valid]
@@ -138,17 +143,31 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:length]
 
 
-def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale):
-    """Reference paged attention: q [T, Hq, D] flattened over sequences -> [T, Hq, D]."""
+def cached_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = -1) -> torch.Tensor:
+    """One sequence's first `length` cached rows [length, Hkv, D]: a view of the cache when its blocks run
+    in order from `first_block` (AttentionMetadata.kv_first_blocks), else gathered block by block."""
+    if first_block >= 0:
+        start = first_block * cache.shape[1]
+        return cache.view(-1, *cache.shape[2:])[start:start + length]
+    return gather_kv(cache, block_table, length)
+
+
+def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, first_blocks=None):
+    """Reference paged attention: q [T, Hq, D] flattened over sequences -> [T, Hq, D]. The cache may be
+    wider than q (float32 on the CPU): decode attends in float32 anyway, prefill in q's dtype."""
+    firsts = first_blocks or [-1] * len(q_lens)
     if len(q_lens) == 1 and q_lens[0] == 1:  # one sequence's decode step (the CPU's usual case): no copy-out
-        k_1, v_1 = gather_kv(k_cache, block_tables[0], kv_lens[0]), gather_kv(v_cache, block_tables[0], kv_lens[0])
+        k_1 = cached_kv(k_cache, block_tables[0], kv_lens[0], firsts[0])
+        v_1 = cached_kv(v_cache, block_tables[0], kv_lens[0], firsts[0])
         return _decode_sdpa(q.unsqueeze(0), k_1.unsqueeze(0), v_1.unsqueeze(0), scale)[0]
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         q_i = q[start:start + q_len].unsqueeze(0)
-        k_i = gather_kv(k_cache, block_tables[i], kv_len).unsqueeze(0)
-        v_i = gather_kv(v_cache, block_tables[i], kv_len).unsqueeze(0)
+        k_i = cached_kv(k_cache, block_tables[i], kv_len, firsts[i]).unsqueeze(0)
+        v_i = cached_kv(v_cache, block_tables[i], kv_len, firsts[i]).unsqueeze(0)
+        if q_len > 1 and k_i.dtype != q.dtype:  # the 16-bit values the cache holds, exactly
+            k_i, v_i = k_i.to(q.dtype), v_i.to(q.dtype)
         if q_len == 1:
             o = _decode_sdpa(q_i, k_i, v_i, scale)
         elif q_len == kv_len:

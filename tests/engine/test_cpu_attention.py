@@ -1,12 +1,15 @@
 """The torch attention path (CPU): KV stores that skip padded rows, float32 decode attention for 16-bit
-models, rotary cos/sin shared by the layers of one forward."""
+models, the float32 cache read in place, rotary cos/sin shared by the layers of one forward."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from radiance.layers.attention import paged_attention_torch, store_kv_cache_torch
+from radiance.engine.kv_cache import kv_cache_dtype
+from radiance.engine.model_runner import ModelRunner
+from radiance.layers.attention import cached_kv, paged_attention_torch, store_kv_cache_torch
 from radiance.layers.rotary import RotaryEmbedding
 
 
@@ -97,3 +100,52 @@ def test_rotation_matrices_match_the_elementwise_rotation(dtype, tokens):
             torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
         else:  # one bf16 rounding of values that may differ in the last fp32 bit: at most one bf16 ulp apart
             assert ((a.float() - b.float()).abs() <= a.float().abs() * 2 ** -7 + 1e-6).all()
+
+
+def _caches(dtype, blocks=10, block=4, kv_heads=2, dim=16):
+    torch.manual_seed(1)
+    k = torch.randn(blocks, block, kv_heads, dim).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    return k.to(dtype), v.to(dtype)
+
+
+def test_the_cpu_cache_is_float32_and_stores_16_bit_values_exactly():
+    assert kv_cache_dtype(torch.device("cpu"), torch.bfloat16) == torch.float32
+    k_cache, v_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    k, v = torch.randn(3, 2, 8).to(torch.bfloat16), torch.randn(3, 2, 8).to(torch.bfloat16)
+    store_kv_cache_torch(k, v, k_cache, v_cache, torch.tensor([1, 6, 11]), slots_valid=True)
+    assert torch.equal(k_cache.view(-1, 2, 8)[[1, 6, 11]], k.float())
+    assert torch.equal(v_cache.view(-1, 2, 8)[[1, 6, 11]], v.float())
+
+
+def test_in_place_read_is_the_gathered_context():
+    k_cache, _ = _caches(torch.float32)
+    table = torch.tensor([3, 4, 5, 6], dtype=torch.int32)
+    view = cached_kv(k_cache, table, 14, first_block=3)
+    assert torch.equal(view, cached_kv(k_cache, table, 14)) and view.data_ptr() == k_cache[3].data_ptr()
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", [([1], [14]), ([1, 1], [14, 7]), ([5], [14]), ([14], [14])],
+                         ids=["decode", "decode-batch", "chunked-prefill", "prefill"])
+def test_float32_cache_in_place_gives_the_16_bit_cache_bytes(q_lens, kv_lens):
+    """Every path of paged_attention_torch on the float32 cache (read in place where the blocks run in
+    order) returns exactly what it returns on a bf16 cache holding the same values."""
+    k16, v16 = _caches(torch.bfloat16)
+    k32, v32 = k16.float(), v16.float()
+    tables = torch.tensor([[3, 4, 5, 6], [8, 1, 0, 0]], dtype=torch.int32)[:len(q_lens)]
+    firsts = [3, -1][:len(q_lens)]  # the second sequence's blocks are out of order: gathered
+    q = torch.randn(sum(q_lens), 4, 16).to(torch.bfloat16)
+    want = paged_attention_torch(q, k16, v16, tables, q_lens, kv_lens, 0.25)
+    got = paged_attention_torch(q, k32, v32, tables, q_lens, kv_lens, 0.25, firsts)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_runner_finds_the_sequences_whose_blocks_run_in_order():
+    from types import SimpleNamespace
+
+    runner = SimpleNamespace(device=torch.device("cpu"), block_size=4)
+    tables = np.array([[7, 8, 9, 0], [2, 5, 6, 0], [4, 0, 0, 0], [3, 4, 9, 9]], dtype=np.int32)
+    # 9 tokens: blocks 7-9; 9 tokens over 2, 5, 6: out of order; 1 token; 8 tokens: blocks 3-4 (the rest unused)
+    assert ModelRunner._first_blocks_in_order(runner, tables, [9, 9, 1, 8]) == [7, -1, 4, 3]
+    assert ModelRunner._first_blocks_in_order(SimpleNamespace(device=torch.device("cuda"), block_size=4),
+                                              tables, [9, 9, 1, 8]) is None

@@ -51,6 +51,27 @@ def test_block_manager_without_prefix_caching():
     assert not bm.can_allocate(_seq(list(range(17)), "c"), 17)
 
 
+def test_block_manager_extends_a_sequence_in_order_when_asked():
+    """prefer_in_order (the CPU engine): a growing sequence takes the block after its last one while it
+    is free, else the least recently freed; a fresh sequence starts at the LRU block as before."""
+    def run(prefer: bool):
+        bm = BlockManager(num_blocks=8, block_size=4, prefer_in_order=prefer)
+        a, b, c = _seq(list(range(12))), _seq([5] * 4, "b"), _seq([6] * 4, "c")
+        for s in (a, b, c):
+            bm.allocate(s, 4)  # blocks 0, 1, 2
+        bm.free(b)  # block 1 goes to the back of the LRU order: 3, 4, ..., 7, 1
+        a.num_computed_tokens = 4
+        bm.allocate(a, 4)
+        c.num_computed_tokens = 4
+        bm.allocate(c, 4)  # block 3 is free in both orders
+        d = _seq([7] * 4, "d")
+        bm.allocate(d, 4)
+        return a.block_table, c.block_table, d.block_table
+
+    assert run(prefer=True) == ([0, 1], [2, 3], [4])
+    assert run(prefer=False) == ([0, 3], [2, 4], [5])
+
+
 def test_sampler_filters():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
