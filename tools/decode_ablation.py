@@ -110,21 +110,30 @@ def step_ms(engine, batch: int, gen, context: int = 128, steps: int = 24) -> flo
     return elapsed
 
 
+def ab_engine(model: str, quantization: str, batches, device: str, overrides: dict | None = None):
+    """The engine an in-engine A/B runs in: decode graphs for every batch, no prefill graphs."""
+    return _engine(model, quantization, 4096, device, overrides, max_num_batched_tokens=8192,
+                   max_num_seqs=max(8, *batches), gpu_memory_utilization=0.6, prefill_graph_tokens=())
+
+
+def recapture(engine) -> None:
+    """Re-capture the decode graphs: they bake in whatever launches (and constexprs) are in force now."""
+    if engine.runner.graphs:
+        engine.runner._capture_decode_graphs()
+
+
 def run(model: str, quantization: str, batches, variants, device: str = "cuda", overrides: dict | None = None,
         steps: int = 24) -> list[tuple[str, list[float]]]:
-    engine = _engine(model, quantization, 4096, device, overrides, max_num_batched_tokens=8192,
-                     max_num_seqs=max(8, *batches), gpu_memory_utilization=0.6, prefill_graph_tokens=())
+    engine = ab_engine(model, quantization, batches, device, overrides)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for variant in variants:
         names = set() if variant == "base" else set(variant.split("+"))
         with removed(names):
-            if engine.runner.graphs:
-                engine.runner._capture_decode_graphs()  # the graphs bake in whatever launches now
+            recapture(engine)
             rows.append((variant, [step_ms(engine, b, gen, steps=steps) for b in batches]))
         print(f"{variant}: " + ", ".join(f"batch {b} {ms:.3f} ms" for b, ms in zip(batches, rows[-1][1])), flush=True)
-    if engine.runner.graphs:
-        engine.runner._capture_decode_graphs()  # leave the engine as it was
+    recapture(engine)  # leave the engine as it was
     return rows
 
 

@@ -15,7 +15,6 @@ import torch
 
 import decode_ablation  # tools/, next to this script
 import radiance.kernels.w4a8 as w4a8_module
-from radiance.bench.engine_bench import _engine
 
 
 def run(model: str, quantization: str = "mxfp4", tiles=(2, 0, 1), batches=(1, 64), repeats: int = 3,
@@ -23,8 +22,7 @@ def run(model: str, quantization: str = "mxfp4", tiles=(2, 0, 1), batches=(1, 64
     """[(tiles, [best-of-2 ms per decode step for each batch])] in run order."""
     if any(t < 0 for t in tiles):
         raise ValueError(f"prefetch depths are K tile counts >= 0, got {list(tiles)}")
-    engine = _engine(model, quantization, 4096, device, overrides, max_num_batched_tokens=8192,
-                     max_num_seqs=max(8, *batches), gpu_memory_utilization=0.6, prefill_graph_tokens=())
+    engine = decode_ablation.ab_engine(model, quantization, batches, device, overrides)
     gen = torch.Generator().manual_seed(0)
     saved = w4a8_module.PDL_PREFETCH_TILES
     rows = []
@@ -32,15 +30,13 @@ def run(model: str, quantization: str = "mxfp4", tiles=(2, 0, 1), batches=(1, 64
         for _ in range(repeats):
             for t in tiles:
                 w4a8_module.PDL_PREFETCH_TILES = t
-                if engine.runner.graphs:
-                    engine.runner._capture_decode_graphs()  # the graphs bake in the launches' constexprs
+                decode_ablation.recapture(engine)
                 rows.append((t, [min(decode_ablation.step_ms(engine, b, gen, steps=steps) for _ in range(2))
                                  for b in batches]))
                 log(f"prefetch {t:2d} tiles: " + "  ".join(f"batch {b} {ms:.4f} ms" for b, ms in zip(batches, rows[-1][1])))
     finally:
         w4a8_module.PDL_PREFETCH_TILES = saved
-        if engine.runner.graphs:
-            engine.runner._capture_decode_graphs()  # leave the engine as it was
+        decode_ablation.recapture(engine)  # leave the engine as it was
     return rows
 
 
