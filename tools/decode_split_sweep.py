@@ -1,10 +1,11 @@
-"""Split counts of the decode GEMMs, tuned where they run: inside the engine's decode step (batch 1 by
-default; CUDA graphs re-captured per variant). One shape's entry changes at a time against the tuning
-table, then the winners run together. A GEMM timed alone, back to back, tunes differently: the 32B's
+"""Split counts (or another tiling field) of the decode GEMMs, tuned where they run: inside the engine's
+decode step (batch 1 by default; CUDA graphs re-captured per variant). One shape's entry changes at a time
+against the tuning table, then the winners run together. A GEMM timed alone, back to back, tunes differently: the 32B's
 gate_up took 2 splits here (-120 us per step) where the isolated sweep had seen under 3%
 (bench/RESULTS.md, eighth session).
 
     python3 tools/decode_split_sweep.py [--model synthetic:qwen3-32b] [--splits 1 2 3 4 5 6 8] [--batch 1]
+    python3 tools/decode_split_sweep.py --field num_stages --values 3 4 5   # any GemmConfig field
 
 Prints tuning-table entries for radiance/kernels/tuning/sm90.json: a winner must beat the median of the
 table's repeats by more than --margin ms, and the closing table / winners alternation says whether the
@@ -42,15 +43,23 @@ def serving_entry(table: dict, shape: str, m: int) -> dict:
     return table["decode"][i] if i is not None else {"config": tuning.DEFAULT_DECODE.as_dict()}
 
 
-def with_split(table: dict, shape: str, split: int, m: int) -> dict:
-    """A copy of `table` that serves `shape` at M = m with `split` K splits, the rest of the tiling as now: a
-    new entry (m_max m) right before the one serving it now, so smaller M bands keep their entries."""
+def with_field(table: dict, shape: str, field: str, value, m: int) -> dict:
+    """A copy of `table` that serves `shape` at M = m with GemmConfig `field` = `value`, the rest of the tiling
+    as now: a new entry (m_max m) right before the one serving it now, so smaller M bands keep their entries."""
+    if field not in tuning.GemmConfig.__dataclass_fields__:
+        raise ValueError(f"{field!r} is not a GemmConfig field")
     patched = copy.deepcopy(table)
     decode = patched.setdefault("decode", [])
     i = serving_index(table, shape, m)
-    entry = {"shape": shape, "m_max": m, "config": {**serving_entry(table, shape, m)["config"], "split_k": split}}
+    entry = {"shape": shape, "m_max": m, "config": {**serving_entry(table, shape, m)["config"], field: value}}
+    tuning.GemmConfig(**entry["config"])  # a tiling the kernel accepts (block_k % 128 ...)
     decode.insert(len(decode) if i is None else i, entry)
     return patched
+
+
+def with_split(table: dict, shape: str, split: int, m: int) -> dict:
+    """with_field for the split count."""
+    return with_field(table, shape, "split_k", split, m)
 
 
 @contextlib.contextmanager
@@ -74,11 +83,12 @@ def step_ms(engine, gen, batch: int = 1, steps: int = 24, repeats: int = 2) -> f
     return min(decode_ablation.step_ms(engine, batch, gen, steps=steps) for _ in range(repeats))
 
 
-def run(model: str, quantization: str = "mxfp4", splits=(1, 2, 3, 4, 5, 6, 8), batch: int = 1, margin: float = 0.004,
-        device: str = "cuda", overrides: dict | None = None, steps: int = 24, log=print) -> dict:
-    """Decode steps of `batch` sequences (the GEMMs' M): {"table": [ms of every table repeat], "tried": {shape:
-    [(split, ms)]}, "chosen": {shape: split}, "final": [(variant, ms)], "entries": [(entry, the index in the
-    table's decode list to insert it at)] for the winners}."""
+def run(model: str, quantization: str = "mxfp4", values=(1, 2, 3, 4, 5, 6, 8), batch: int = 1, margin: float = 0.004,
+        device: str = "cuda", overrides: dict | None = None, steps: int = 24, log=print, field: str = "split_k") -> dict:
+    """Decode steps of `batch` sequences (the GEMMs' M) with each shape's `field` set to each of `values`:
+    {"table": [ms of every table repeat], "tried": {shape: [(value, ms)]}, "chosen": {shape: value},
+    "final": [(variant, ms)], "entries": [(entry, the index in the table's decode list to insert it at)] for
+    the winners}."""
     if batch > DECODE_BAND:
         raise ValueError(f"batch {batch} is past the decode band ({DECODE_BAND} tokens): its GEMMs run prefill tilings")
     engine = _engine(model, quantization, 2048, device, overrides, max_num_batched_tokens=4096,
@@ -89,32 +99,32 @@ def run(model: str, quantization: str = "mxfp4", splits=(1, 2, 3, 4, 5, 6, 8), b
     def timed(table: dict) -> float:
         with table_in_use(table):
             if engine.runner.graphs:
-                engine.runner._capture_decode_graphs()  # the graph bakes in the split counts of its launches
+                engine.runner._capture_decode_graphs()  # the graph bakes in the tilings of its launches
             return step_ms(engine, gen, batch, steps=steps)
 
     timed(base)  # warm-up (compiles, allocator pools)
     result = {"table": [timed(base)], "tried": {}, "chosen": {}}
     log(f"{model}: table {result['table'][0]:.3f} ms per step")
     for shape in decode_shapes(engine.model):
-        now = serving_entry(base, shape, batch)["config"].get("split_k")
-        tried = [(s, timed(with_split(base, shape, s, batch))) for s in splits if s != now]
+        now = serving_entry(base, shape, batch)["config"].get(field)
+        tried = [(s, timed(with_field(base, shape, field, s, batch))) for s in values if s != now]
         result["table"].append(timed(base))
         result["tried"][shape] = tried
-        log(f"  {shape} (table split {now}): " + "  ".join(f"{s}: {ms:.3f}" for s, ms in tried)
+        log(f"  {shape} (table {field} {now}): " + "  ".join(f"{s}: {ms:.3f}" for s, ms in tried)
             + f"  | table again {result['table'][-1]:.3f}")
         if tried:
-            split, ms = min(tried, key=lambda t: t[1])
+            value, ms = min(tried, key=lambda t: t[1])
             # against the median of the table's repeats: the first ones of a session ran 35-40 us faster
             # than the later ones (8B), so the minimum would reject everything
             if ms < statistics.median(result["table"]) - margin:
-                result["chosen"][shape] = split
+                result["chosen"][shape] = value
     combined = base
     result["entries"] = []
-    for shape, split in result["chosen"].items():
+    for shape, value in result["chosen"].items():
         index = serving_index(base, shape, batch)
-        entry = with_split(base, shape, split, batch)["decode"][-1 if index is None else index]
+        entry = with_field(base, shape, field, value, batch)["decode"][-1 if index is None else index]
         result["entries"].append((entry, index))
-        combined = with_split(combined, shape, split, batch)
+        combined = with_field(combined, shape, field, value, batch)
     result["final"] = [(v, timed(base if v == "table" else combined)) for v in ("table", "winners") * 2]
     log("  " + "  ".join(f"{v} {ms:.3f}" for v, ms in result["final"]))
     if engine.runner.graphs:
@@ -126,12 +136,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="synthetic:llama-3.1-8b")
     p.add_argument("--quantization", default="mxfp4")
-    p.add_argument("--splits", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 8])
+    p.add_argument("--splits", "--values", dest="values", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 8],
+                   help="the values of --field to try (split counts by default)")
+    p.add_argument("--field", default="split_k", help="the GemmConfig field swept: split_k, num_stages, block_k ...")
     p.add_argument("--batch", type=int, default=1, help="sequences per decode step (the GEMMs' M)")
     p.add_argument("--margin", type=float, default=0.004, help="ms a winner must beat the table's median repeat by")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
-    result = run(args.model, args.quantization, args.splits, args.batch, args.margin, args.device)
+    result = run(args.model, args.quantization, args.values, args.batch, args.margin, args.device, field=args.field)
     for entry, index in result["entries"]:
         print(f"{json.dumps(entry)}  # insert before decode entry {index} of tuning/sm90.json")
 

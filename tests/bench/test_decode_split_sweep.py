@@ -39,6 +39,19 @@ def test_with_split_at_batch_64_keeps_the_smaller_bands():
     assert sweep.serving_entry(patched, "28672x4096", 16)["m_max"] == 32
 
 
+def test_with_field_patches_any_tiling_field_and_checks_it():
+    table = tuning.load_table("sm90")
+    patched = sweep.with_field(table, "28672x4096", "num_stages", 5, m=1)
+    new, old = sweep.serving_entry(patched, "28672x4096", 1), sweep.serving_entry(table, "28672x4096", 1)
+    assert new["config"]["num_stages"] == 5
+    assert {k: v for k, v in new["config"].items() if k != "num_stages"} == \
+        {k: v for k, v in old["config"].items() if k != "num_stages"}
+    with pytest.raises(ValueError, match="not a GemmConfig field"):
+        sweep.with_field(table, "28672x4096", "stages", 5, m=1)
+    with pytest.raises(ValueError, match="block_k"):
+        sweep.with_field(table, "28672x4096", "block_k", 200, m=1)
+
+
 def test_table_in_use_swaps_and_restores():
     real = tuning.load_table
     with sweep.table_in_use({"decode": []}):
@@ -48,7 +61,7 @@ def test_table_in_use_swaps_and_restores():
 
 def test_dry_run_on_the_cpu():
     lines = []
-    result = sweep.run("synthetic:llama-3.1-8b", splits=(1, 2), batch=2, device="cpu",
+    result = sweep.run("synthetic:llama-3.1-8b", values=(1, 2), batch=2, device="cpu",
                        overrides={**TINY, "vocab_size": 512}, steps=2, log=lines.append)
     hidden, inter = TINY["hidden_size"], TINY["intermediate_size"]
     assert f"{2 * inter}x{hidden}" in result["tried"] and f"{hidden}x{inter}" in result["tried"]
