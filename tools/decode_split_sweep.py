@@ -1,8 +1,9 @@
 """Split counts (or another tiling field) of the decode GEMMs, tuned where they run: inside the engine's
 decode step (batch 1 by default; CUDA graphs re-captured per variant). One shape's entry changes at a time
-against the tuning table, then the winners run together. A GEMM timed alone, back to back, tunes differently: the 32B's
-gate_up took 2 splits here (-120 us per step) where the isolated sweep had seen under 3%
-(bench/RESULTS.md, eighth session).
+against the tuning table, then the winners run together. A GEMM timed alone, back to back, tunes
+differently: the 32B's gate_up took 2 splits here (-120 us per step) where the isolated sweep had seen
+under 3% (bench/RESULTS.md, eighth session); 5 stages made 28672x4096 10% faster alone and slower here
+(fourteenth session).
 
     python3 tools/decode_split_sweep.py [--model synthetic:qwen3-32b] [--splits 1 2 3 4 5 6 8] [--batch 1]
     python3 tools/decode_split_sweep.py --field num_stages --values 3 4 5   # any GemmConfig field
