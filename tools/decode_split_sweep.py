@@ -85,7 +85,8 @@ def step_ms(engine, gen, batch: int = 1, steps: int = 24, repeats: int = 2) -> f
 
 
 def run(model: str, quantization: str = "mxfp4", values=(1, 2, 3, 4, 5, 6, 8), batch: int = 1, margin: float = 0.004,
-        device: str = "cuda", overrides: dict | None = None, steps: int = 24, log=print, field: str = "split_k") -> dict:
+        device: str = "cuda", overrides: dict | None = None, steps: int = 24, log=print,
+        field: str = "split_k") -> dict:
     """Decode steps of `batch` sequences (the GEMMs' M) with each shape's `field` set to each of `values`:
     {"table": [ms of every table repeat], "tried": {shape: [(value, ms)]}, "chosen": {shape: value},
     "final": [(variant, ms)], "entries": [(entry, the index in the table's decode list to insert it at)] for
