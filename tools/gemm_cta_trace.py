@@ -31,7 +31,7 @@ FIELDS = 8  # t_start, t_loop, t_end (globaltimer ns), smid, K tiles, c_start, c
 _NOW = 'tl.inline_asm_elementwise("mov.u64 $0, %{};", "=l", [], dtype=tl.int64, is_pure=False, pack=1)'
 # (anchor, text inserted before it); each anchor must occur exactly once in gemm.py
 _PATCHES = (
-    ("GLU: tl.constexpr = False):", None),  # replaced below: the signature gains trace_ptr
+    ("DEFER_SUM: tl.constexpr = False):", None),  # replaced below: the signature gains trace_ptr
     ("    if SWAP_AB:\n        acc = tl.zeros(",
      f"    t_start = {_NOW.format('globaltimer')}\n    c_start = {_NOW.format('clock64')}\n"),
     ("    rm = pid_m * BM + tl.arange(0, BM)\n",

@@ -96,17 +96,41 @@ class Fp8Activations(NamedTuple):
     lead: tuple[int, ...]
 
 
+class PartialSums(NamedTuple):
+    """A W4A8 GEMM's output [M, N] left as its fp32 split-K partials, parts [S, M, W >= N], for the kernel
+    that reads it next to sum (add_rmsnorm): output = parts[0] + parts[1] + ... (columns :N), added in
+    that order in fp32 and rounded to `dtype`, the bytes of the GEMM's own last-arrival sum. `lead`: the
+    output's leading shape (w4a8.w4a8_gemm_partials)."""
+
+    parts: torch.Tensor
+    width: int
+    dtype: torch.dtype
+    lead: tuple[int, ...]
+
+    def total(self) -> torch.Tensor:
+        """The output itself, [*lead, N] in dtype."""
+        total = torch.zeros_like(self.parts[0, :, :self.width])
+        for part in self.parts:
+            total += part[:, :self.width]
+        return total.to(self.dtype).reshape(*self.lead, self.width)
+
+
 def fp8_outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty (x_q e4m3 [m, k], x_scale fp32 [m, 1]) for a kernel that quantizes m tokens."""
     return (torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device),
             torch.empty((m, 1), dtype=torch.float32, device=device))
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                 quantize: bool = False):
     """One kernel for a decoder layer's pre-norm: (y, s) with s = x + residual (x when residual is
     None) and y = weight * rms_norm(s), rounded as the model's RMSNorm does; y is Fp8Activations when
-    `quantize`. Triton on CUDA (and under the interpreter); the torch reference elsewhere."""
+    `quantize`. x may be a GEMM's PartialSums, summed as the kernel reads them. Triton on CUDA (and
+    under the interpreter); the torch reference elsewhere."""
+    if isinstance(x, PartialSums):
+        if residual is not None and triton_serves(x.parts) and x.width <= MAX_ROW and x.parts.shape[1] > 0:
+            return _add_rmsnorm_partials(x, residual, weight, eps, quantize)
+        x = x.total()
     x2 = _as_rows(x)
     m, k = x2.shape
     if weight.shape != (k,):
@@ -129,6 +153,29 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         BLOCK=block, INTERPRETER=not x2.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=warps)
     out = Fp8Activations(x_q, x_scale, x.dtype, tuple(x.shape[:-1])) if quantize else y.reshape(x.shape)
     return out, s.reshape(x.shape)
+
+
+def _add_rmsnorm_partials(x: PartialSums, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool):
+    """add_rmsnorm's kernel reading x as split-K partials (PARTS): the same bytes as on x.total()."""
+    parts, k = x.parts, x.width
+    m = parts.shape[1]
+    if weight.shape != (k,):
+        raise ValueError(f"add_rmsnorm: weight shape {tuple(weight.shape)} does not match hidden size {k}")
+    if parts.stride(2) != 1:
+        raise ValueError("add_rmsnorm: partials need contiguous rows")
+    r2 = _as_rows(residual)
+    s = torch.empty((m, k), dtype=x.dtype, device=parts.device)
+    y = s.new_empty((0,)) if quantize else torch.empty_like(s)
+    x_q, x_scale = fp8_outputs(m, k, parts.device) if quantize else (y, y)
+    block, warps = _row_launch(k)
+    pdl = supports_pdl(parts.device)
+    _act.add_rmsnorm_rows_kernel[(m,)](
+        parts, r2, weight.contiguous(), y, s, x_q, x_scale, k, parts.stride(1), r2.stride(0), float(eps),
+        parts.stride(0), HAS_RESIDUAL=True, QUANT=quantize, PARTS=parts.shape[0], BLOCK=block,
+        INTERPRETER=not parts.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=warps)
+    shape = (*x.lead, k)
+    out = Fp8Activations(x_q, x_scale, x.dtype, x.lead) if quantize else y.reshape(shape)
+    return out, s.reshape(shape)
 
 
 def silu_mul(gate_up: torch.Tensor, quantize: bool = False):

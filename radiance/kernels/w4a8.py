@@ -6,7 +6,7 @@ import torch
 
 from radiance.kernels._triton import convert as _convert
 from radiance.kernels._triton import gemm as _gemm
-from radiance.kernels.activation import quantize_rows_from_parts, silu_mul
+from radiance.kernels.activation import PartialSums, quantize_rows_from_parts, silu_mul
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import sm_count, supports_pdl
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, padded_k
@@ -60,6 +60,33 @@ def w4a8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: PreparedMxfp4, b
     return _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, out)[0]
 
 
+def w4a8_gemm_partials(x_q: torch.Tensor, x_scale: torch.Tensor, weight: PreparedMxfp4,
+                       out_dtype: torch.dtype = torch.bfloat16, *, decode_band: int = 64,
+                       config: GemmConfig | None = None, use_asm: bool | None = None) -> PartialSums:
+    """w4a8_gemm without bias, its output left as fp32 split-K partials for the kernel that reads it next
+    to sum (PartialSums; add_rmsnorm): the GEMM's CTAs end after storing their partial, with no fence,
+    atomic and reload of a last-arrival sum on the way (deferring_pays says where that wins). A launch
+    with one split writes its fp32 sums as the one partial."""
+    m, n = x_q.shape[0], weight.shape[0]
+    parts = _launch(x_q, x_scale, weight, None, out_dtype, decode_band, config, use_asm, None, defer_sum=True)[0]
+    return PartialSums(parts, n, out_dtype, (m,))
+
+
+# The residual-add norm that sums deferred partials runs one program per token, so at M = 1 one SM reads
+# every split's fp32 row. In the decode step on the H200 (bench/RESULTS.md, fifteenth session): the 8B's
+# o_proj and down_proj (4 partials of 16 KiB per row) gain 39 us per step at batch 1, the 32B's (4 and 6
+# of 20 KiB) lose 116 us; at batch 8 both gain (73 / 50 us), at batch 64 too.
+DEFER_MAX_ROW_BYTES_AT_M1 = 64 * 1024
+
+
+def deferring_pays(m: int, n: int, k: int, decode_band: int, device: torch.device) -> bool:
+    """Whether w4a8_gemm_partials beats w4a8_gemm for an output a residual-add norm reads next."""
+    if m == 0 or m > decode_band:
+        return False
+    splits, _ = choose_split_k(m, n, k, select_config(m, n, k, decode_band, device), sm_count(device))
+    return m > 1 or splits * n * 4 <= DEFER_MAX_ROW_BYTES_AT_M1
+
+
 def _expand_serves(x_q: torch.Tensor, m: int, n: int, k: int, out_dtype, out) -> bool:
     min_m = expand_min_m(x_q.device)
     return (min_m is not None and m >= min_m and out is None and n % 16 == 0 and k % 16 == 0
@@ -106,26 +133,35 @@ def w4a8_glu(x_q: torch.Tensor, x_scale: torch.Tensor, weight: PreparedMxfp4, bi
     return quantize_rows_from_parts(y, amax)
 
 
-def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, out, glu: bool = False):
-    """w4a8_gemm's body (with `glu`, w4a8_glu's GEMM): (output, the compiled GEMM kernel, with `glu`
-    the row amax parts [M, column tiles] int32 else None). The PTX of the kernel is checked for wgmma."""
+def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, out, glu: bool = False,
+            defer_sum: bool = False):
+    """w4a8_gemm's body (with `glu`, w4a8_glu's GEMM; with `defer_sum`, w4a8_gemm_partials's, whose output
+    is the partials [splits, M, width] fp32): (output, the compiled GEMM kernel, with `glu` the row amax
+    parts [M, column tiles] int32 else None). The PTX of the kernel is checked for wgmma."""
     m, k = x_q.shape
     n, wk = weight.shape
     if wk != k or weight.w_q.shape[1] * WORD_K != padded_k(k):
         raise ValueError(f"w4a8_gemm: activations have K={k} but the weight has K={wk} "
                          f"({weight.w_q.shape[1]} kernel words per row)")
+    if defer_sum and (glu or bias is not None or out is not None):
+        raise ValueError("w4a8_gemm_partials: no GLU epilogue, bias or output buffer with deferred sums")
     out_n = n // 2 if glu else n
-    if out is None:
-        out = torch.empty((m, out_n), dtype=out_dtype, device=x_q.device)
     cfg = config or select_config(m, n, k, decode_band, x_q.device)
+    splits, per_split = choose_split_k(m, n, k, cfg, sm_count(x_q.device)) if m else (1, 0)
     tiles_n = -(-out_n // (cfg.block_n // 2)) if glu else -(-n // cfg.block_n)
+    part = (torch.empty((splits, m, tiles_n * cfg.block_n), dtype=torch.float32, device=x_q.device)
+            if splits > 1 else None)  # split-K partials
+    if defer_sum:  # the partials are the output; one split writes its fp32 sums as the one partial
+        out = part[0] if part is not None else torch.empty((m, n), dtype=torch.float32, device=x_q.device)
+        result = part if part is not None else out[None]
+    else:
+        out = out if out is not None else torch.empty((m, out_n), dtype=out_dtype, device=x_q.device)
+        result = out
+    part = part if part is not None else out  # the kernel's part_ptr, unused without a split
     amax = torch.empty((m, tiles_n), dtype=torch.int32, device=x_q.device) if glu else None
     if m == 0:
-        return out, None, amax
-    splits, per_split = choose_split_k(m, n, k, cfg, sm_count(x_q.device))
+        return result, None, amax
     tiles = -(-m // cfg.block_m) * tiles_n
-    part = (torch.empty((splits, m, tiles_n * cfg.block_n), dtype=torch.float32, device=x_q.device)
-            if splits > 1 else out)
     locks = _tile_counters(x_q.device, tiles) if splits > 1 else out
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight.w_scale
@@ -137,9 +173,9 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
         HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT=splits > 1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
         PRECISE_ACC=cfg.precise_acc, DEPENDENT=dependent, PDL_PREFETCH=PDL_PREFETCH_TILES if dependent else 0,
-        GLU=glu, launch_pdl=dependent,
+        GLU=glu, DEFER_SUM=defer_sum, launch_pdl=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out, compiled, amax
+    return result, compiled, amax
 
 
 def gemm_ptx(x_q, x_scale, weight: PreparedMxfp4, decode_band: int = 64, config: GemmConfig | None = None) -> str:

@@ -20,10 +20,11 @@ from radiance.config import KernelConfig
 from radiance.formats import MX_BLOCK, dequantize_mxfp4, to_mxfp4
 from radiance.kernels import ops  # noqa: F401 - registers torch.ops.radiance.*
 from radiance.kernels import reference
-from radiance.kernels.activation import Fp8Activations, quantize_activations
+from radiance.kernels.activation import Fp8Activations, PartialSums, quantize_activations
 from radiance.kernels.device_info import capability
 from radiance.kernels.numerics import NumericsMonitor
-from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
+from radiance.kernels.prepare import PreparedMxfp4, dequantize_prepared, prepare_mxfp4
+from radiance.kernels.w4a8 import deferring_pays, w4a8_gemm_partials
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,24 @@ class Mxfp4Linear(nn.Module):
             return self.forward((x_q.float() * x_scale).to(out_dtype))
         return reference.w4a8_matmul_reference(x_q, x_scale, self.w_dense, self.bias, out_dtype)
 
+    def forward_for_norm(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor | PartialSums:
+        """forward(x) for an output that a residual-add norm reads next (add_rmsnorm sums PartialSums as it
+        reads them): on the W4A8 kernel, with KernelConfig.defer_split_sum, where w4a8.deferring_pays, the
+        GEMM's split-K partials, so the GEMM skips its own last-arrival sum (w4a8.w4a8_gemm_partials)."""
+        if not self._defers_sum(x):
+            return self.forward(x)
+        return w4a8_gemm_partials(x.x_q, x.x_scale, self._prepared(), x.dtype,
+                                  decode_band=self.kernel_config.decode_band)._replace(lead=x.lead)
+
+    def _defers_sum(self, x) -> bool:
+        return (self.path == PATH_W4A8 and self.kernel_config.defer_split_sum and isinstance(x, Fp8Activations)
+                and self.bias is None and self.monitor is None and not torch.compiler.is_compiling()
+                and deferring_pays(x.x_q.shape[0], self.out_features, self.in_features,
+                                   self.kernel_config.decode_band, x.x_q.device))
+
+    def _prepared(self) -> PreparedMxfp4:
+        return PreparedMxfp4(self.w_q, self.w_shift, self.w_ref, self.w_scale, self.in_features, 0)
+
     def fuses_glu(self) -> bool:
         """Whether forward_glu runs as one fused GEMM: the W4A8 kernel, KernelConfig.fuse_glu, and no
         numerics monitor (it checks this layer's own output, which the fused epilogue never writes)."""
@@ -148,9 +167,7 @@ class Mxfp4Linear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         """The exact fp32 weight this layer multiplies with."""
         if self.path == PATH_W4A8:
-            from radiance.kernels.prepare import PreparedMxfp4
-            return dequantize_prepared(PreparedMxfp4(self.w_q, self.w_shift, self.w_ref, self.w_scale,
-                                                     self.in_features, 0))
+            return dequantize_prepared(self._prepared())
         return self.w_dense.float()
 
 

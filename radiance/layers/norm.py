@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radiance.kernels.activation import MAX_ROW, Fp8Activations, add_rmsnorm
+from radiance.kernels.activation import MAX_ROW, Fp8Activations, PartialSums, add_rmsnorm
 from radiance.kernels.reference import quantize_activations_reference
 
 
@@ -26,10 +26,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
+    def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None, fp8: bool = False):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pre-norm
         residual stream of a decoder layer in one call. `fp8`: the norm comes out as Fp8Activations
-        for a W4A8 linear."""
+        for a W4A8 linear. x may be a GEMM's PartialSums (summed in the fused kernel)."""
+        if isinstance(x, PartialSums):
+            if residual is not None:  # add_rmsnorm sums them (or, off the GPU, takes their total)
+                y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8)
+                return y, summed
+            x = x.total()
         if x.is_cuda and x.shape[-1] <= MAX_ROW:
             y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8)
             return y if residual is None else (y, summed)

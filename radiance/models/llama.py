@@ -32,6 +32,13 @@ class UnloadedLinear(nn.Module):
         raise RuntimeError("linear weight was never loaded")
 
 
+def for_norm(linear: nn.Module, x):
+    """linear(x) for an output that a residual-add RMSNorm reads next: the split-K partials of a W4A8
+    GEMM where the layer can leave them for the norm to sum (Mxfp4Linear.forward_for_norm)."""
+    forward = getattr(linear, "forward_for_norm", None)
+    return forward(x) if forward is not None else linear(x)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
         super().__init__()
@@ -60,8 +67,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # rotary inside attention: on CUDA one launch rotates q and k and writes k, v to the KV cache
-        return self.o_proj(self.attn(q, k, v, meta, rotary=(self.rotary[0], positions),
-                                     quantize=takes_fp8(self.o_proj)))
+        return for_norm(self.o_proj, self.attn(q, k, v, meta, rotary=(self.rotary[0], positions),
+                                               quantize=takes_fp8(self.o_proj)))
 
 
 class LlamaMLP(nn.Module):
@@ -75,9 +82,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x):
         if takes_fp8(self.down_proj) and takes_fp8(self.gate_up_proj) and self.gate_up_proj.fuses_glu():
             # both W4A8: the SiLU-mul runs in the gate_up GEMM's epilogue, then one quantize launch
-            return self.down_proj(self.gate_up_proj.forward_glu(x))
+            return for_norm(self.down_proj, self.gate_up_proj.forward_glu(x))
         # one kernel on CUDA (fp8 out when down_proj is W4A8); F.silu(gate) * up on the CPU
-        return self.down_proj(silu_mul(self.gate_up_proj(x), quantize=takes_fp8(self.down_proj)))
+        return for_norm(self.down_proj, silu_mul(self.gate_up_proj(x), quantize=takes_fp8(self.down_proj)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,7 +96,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, positions, x, residual, meta):
-        # the norms hand W4A8 linears fp8 activations straight from their fused kernel
+        # the norms hand W4A8 linears fp8 activations straight from their fused kernel, and sum the
+        # split-K partials the o_proj and down_proj GEMMs leave them at decode sizes (for_norm)
         if residual is None:
             residual = x
             x = self.input_layernorm(x, fp8=takes_fp8(self.self_attn.qkv_proj))

@@ -107,3 +107,29 @@ def test_norm_hands_fp8_activations_to_the_layer_unchanged():
     plain2 = silu_mul(gate_up)
     assert torch.equal(plain2, torch.nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:])
     assert torch.equal(layer(act2), layer(plain2))
+
+
+@pytest.mark.parametrize("m, n, splits, pays", [
+    (1, 4096, 4, True),  # 4 x 16 KiB per row: the 8B's o_proj / down_proj at batch 1
+    (1, 5120, 4, False),  # 4 x 20 KiB: the 32B's o_proj, slower deferred at batch 1
+    (1, 5120, 1, True),
+    (8, 5120, 6, True),  # from two rows on the norm's programs spread over SMs
+    (65, 4096, 4, False),  # past the decode band
+    (0, 4096, 4, False),
+])
+def test_deferring_pays_where_one_program_reads_little(monkeypatch, m, n, splits, pays):
+    """w4a8.deferring_pays: at M = 1 one norm program reads every partial row, so only small ones defer."""
+    from radiance.kernels import w4a8
+    from radiance.kernels.tuning import GemmConfig
+
+    monkeypatch.setattr(w4a8, "sm_count", lambda device: 132)
+    monkeypatch.setattr(w4a8, "select_config", lambda *a: GemmConfig(block_m=16, block_n=64, block_k=256,
+                                                                       swap_ab=True, split_k=splits))
+    assert w4a8.deferring_pays(m, n, 32768, 64, torch.device("cpu")) == pays
+
+
+def test_cpu_layer_never_defers_its_sum():
+    """forward_for_norm off the W4A8 kernel is forward: a tensor, never PartialSums."""
+    layer = Mxfp4Linear(*random_mxfp4(40, 96, "cpu"))
+    x = torch.randn(3, 96)
+    assert torch.equal(layer.forward_for_norm(x), layer(x))

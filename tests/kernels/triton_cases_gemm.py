@@ -6,11 +6,11 @@ import torch
 
 from radiance.formats import dequantize_mxfp4
 from radiance.kernels import ops  # also registers torch.ops.radiance.*
-from radiance.kernels.activation import quantize_activations, silu_mul
+from radiance.kernels.activation import Fp8Activations, PartialSums, add_rmsnorm, quantize_activations, silu_mul
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
 from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_matmul_reference
 from radiance.kernels.tuning import GemmConfig
-from radiance.kernels.w4a8 import expand_weight_fp8, w4a8_gemm, w4a8_glu
+from radiance.kernels.w4a8 import expand_weight_fp8, w4a8_gemm, w4a8_gemm_partials, w4a8_glu
 from tests.kernels.conftest import random_mxfp4
 
 # The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest even), so exactness is
@@ -214,6 +214,74 @@ def test_glu_expand_path_and_custom_op(device, monkeypatch):
         w4a8_glu(x_q, x_scale, prepare_mxfp4(*random_mxfp4(63, 256, device)))
 
 
+def _summed(out):
+    return out.total() if isinstance(out, PartialSums) else out
+
+
+@pytest.mark.parametrize("config, splits", [(SPLIT3, 3), (PLAIN, 1), (SWAP, None)], ids=["split3", "one", "auto"])
+@pytest.mark.parametrize("m", (1, 5, 17))
+def test_gemm_partials_sum_to_the_gemm_output(device, m, config, splits):
+    """w4a8_gemm_partials leaves fp32 split-K partials whose sum in split order, rounded, is the bytes of
+    w4a8_gemm (its last-arrival sum); one split leaves the fp32 output as the one partial."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # see GATE's note on bf16
+    pw = prepare_mxfp4(*random_mxfp4(200, 768, device))  # N ragged against every tile
+    x_q, x_scale = quantize_activations(torch.randn(m, 768, device=device))
+    want = w4a8_gemm(x_q, x_scale, pw, None, dtype, config=config)
+    got = w4a8_gemm_partials(x_q, x_scale, pw, dtype, config=config)
+    assert got.parts.dtype == torch.float32 and got.parts.shape[1] == m and got.parts.shape[2] >= 200
+    if splits is not None:
+        assert got.parts.shape[0] == splits
+    assert got.width == 200 and got.dtype == dtype and got.lead == (m,)
+    assert torch.equal(got.total(), want)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_add_rmsnorm_sums_partials_as_the_gemm_does(device, quantize):
+    """add_rmsnorm over PartialSums (the kernel sums them as it reads) gives the bytes of add_rmsnorm over
+    their total; leading dims come from the partials."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    k, m = 576, 6
+    parts = torch.randn(4, m, 640, device=device) * 3  # rows wider than k, as a GEMM's tiles leave them
+    partial = PartialSums(parts, k, dtype, (2, 3))
+    residual = (torch.randn(2, 3, k, device=device) * 3).to(dtype)
+    weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+    y, s = add_rmsnorm(partial, residual, weight, 1e-5, quantize=quantize)
+    y_want, s_want = add_rmsnorm(partial.total(), residual, weight, 1e-5, quantize=quantize)
+    assert s.shape == (2, 3, k) and torch.equal(s, s_want)
+    if quantize:
+        assert isinstance(y, Fp8Activations) and y.lead == (2, 3) and y.dtype == dtype
+        assert torch.equal(y.x_scale, y_want.x_scale)
+        assert torch.equal(y.x_q.view(torch.uint8), y_want.x_q.view(torch.uint8))
+    else:
+        assert torch.equal(y, y_want)
+
+
+@pytest.mark.parametrize("m", (3, 70))
+def test_norm_after_a_deferring_linear_matches_the_summing_gemm(device, monkeypatch, m):
+    """A W4A8 linear feeding a residual-add RMSNorm (llama.for_norm): at decode sizes it leaves PartialSums
+    (KernelConfig.defer_split_sum) and the norm's outputs are the bytes of the GEMM summing itself."""
+    from radiance.config import KernelConfig
+    from radiance.layers import linear as linear_module
+    from radiance.layers.linear import Mxfp4Linear
+    from radiance.layers.norm import RMSNorm
+    from radiance.models import llama
+
+    monkeypatch.setattr(linear_module, "choose_path", lambda dev, cfg: (linear_module.PATH_W4A8, "test"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    weight = random_mxfp4(64, 512, device)
+    act = Fp8Activations(*quantize_activations(torch.randn(m, 512, device=device)), dtype, (m,))
+    residual = torch.randn(m, 64, device=device).to(dtype)
+    norm = RMSNorm(64).to(device=device, dtype=dtype)
+    outs = {}
+    for defer in (True, False):
+        layer = Mxfp4Linear(*weight, kernel_config=KernelConfig(defer_split_sum=defer))
+        x = llama.for_norm(layer, act)
+        assert isinstance(x, PartialSums) == (defer and m <= 64)
+        y, s = norm(x, residual, fp8=True)
+        outs[defer] = (y.x_q.view(torch.uint8), y.x_scale, s)
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+
+
 @pytest.mark.parametrize("m", (3, 70))
 def test_mlp_takes_the_fused_route_with_the_unfused_result(device, monkeypatch, m):
     """LlamaMLP with W4A8 gate_up and down: with KernelConfig.fuse_glu the SiLU runs in the gate_up
@@ -235,7 +303,10 @@ def test_mlp_takes_the_fused_route_with_the_unfused_result(device, monkeypatch, 
         mlp = llama.LlamaMLP(SimpleNamespace(hidden_size=64, intermediate_size=96))
         mlp.gate_up_proj = Mxfp4Linear(*gate_up, kernel_config=KernelConfig(fuse_glu=fuse))
         mlp.down_proj = Mxfp4Linear(*down)
-        outputs[fuse] = mlp(x)
+        out = mlp(x)
+        # at decode sizes down_proj leaves its partials for the norm after it (KernelConfig.defer_split_sum)
+        assert isinstance(out, PartialSums) == (m <= 64)
+        outputs[fuse] = _summed(out)
         assert len(silu_calls) == (0 if fuse else 1)
     if device.type == "cuda":
         assert torch.equal(outputs[True], outputs[False])

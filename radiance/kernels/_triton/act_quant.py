@@ -123,17 +123,27 @@ def quantize_rows_chunked_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: 
 
 @triton.jit
 def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_rm,
-                            eps, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                            INTERPRETER: tl.constexpr, PDL: tl.constexpr = False):
+                            eps, stride_part=0, HAS_RESIDUAL: tl.constexpr = True, QUANT: tl.constexpr = False,
+                            PARTS: tl.constexpr = 0, BLOCK: tl.constexpr = 1024, INTERPRETER: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
     """The pre-norm step of a decoder layer in one pass, with the model's rounding:
     s = x + residual (rounded to x's dtype, written to res_out), y = weight * rms_norm(s) (normalized in
     fp32, rounded to x's dtype, multiplied by the weight in x's dtype); then y is written (out) or
-    quantized per token to e4m3 (xq, scale) for a W4A8 linear."""
+    quantized per token to e4m3 (xq, scale) for a W4A8 linear. With PARTS > 0, x is a W4A8 GEMM's fp32
+    split-K partials [PARTS, M, stride_xm] (activation.PartialSums), summed here in split order and
+    rounded to res_out's dtype as the GEMM would have; unrolled, so that all their loads are in flight
+    at once (a loop over them waited an L2 round trip per partial: the 32B's decode step +145 us)."""
     pdl_handoff(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
-    x_raw = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
+    if PARTS > 0:
+        total = tl.zeros([BLOCK], tl.float32)
+        for k in tl.static_range(PARTS):
+            total += tl.load(x_ptr + k * stride_part + row * stride_xm + offs, mask=mask, other=0.0)
+        x_raw = total.to(res_out_ptr.dtype.element_ty)
+    else:
+        x_raw = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_rm + offs, mask=mask, other=0.0)
         x_raw = (x_raw.to(tl.float32) + r.to(tl.float32)).to(x_raw.dtype)

@@ -7,7 +7,7 @@ One kernel serves both bands:
     and a handful of tokens the N dimension; K is split over the grid's second axis (`splits`, a
     run-time count: one compile serves every split), each split writes fp32 partials, and the last
     split of a tile to finish (an atomic counter per tile) sums them in split order: deterministic,
-    and one launch per linear.
+    and one launch per linear; or, with DEFER_SUM, the kernel that reads the output sums them.
 With DEPENDENT the kernel is launched as a programmatic dependent (sm_90): it prefetches its first
 PDL_PREFETCH weight tiles into L2 while the kernel that quantizes x still runs, then waits for it
 (gdc_wait), then lets the kernel after it launch (that kernel waits for this one's completion before it
@@ -100,7 +100,8 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
                      HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
-                     DEPENDENT: tl.constexpr = False, PDL_PREFETCH: tl.constexpr = 0, GLU: tl.constexpr = False):
+                     DEPENDENT: tl.constexpr = False, PDL_PREFETCH: tl.constexpr = 0, GLU: tl.constexpr = False,
+                     DEFER_SUM: tl.constexpr = False):
     NB: tl.constexpr = BK // 32
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -185,17 +186,20 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
         width = num_pid_n * BN
         part = part_ptr + rm.to(tl.int64)[:, None] * width + (pid_n * BN + tl.arange(0, BN))[None, :]
         tl.store(part + pid_k.to(tl.int64) * M * width, acc, mask=m_live[:, None])
-        # the split that arrives last sums all partials, in split order (deterministic), and re-arms
-        # the tile's counter for the next launch; no second kernel
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-            for k in range(splits):  # .cg: read L2, where the other CTAs' partials are
-                total += tl.load(part + k * M * width, mask=m_live[:, None], other=0.0, cache_modifier=".cg")
-            _epilogue(out_ptr, amax_ptr, bias_ptr, total, rm, m_live, cols, offs_n, out_n, stride_om,
-                      num_pid_n, pid_n, HAS_BIAS, GLU, BM, BN)
-            tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
+        if not DEFER_SUM:
+            # the split that arrives last sums all partials, in split order (deterministic), and re-arms
+            # the tile's counter for the next launch; no second kernel. With DEFER_SUM the consumer of the
+            # output sums them as it reads (activation.PartialSums): the CTA ends here, without the
+            # fence, atomic and reload of the last arrival (~1 us per GEMM at decode)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                total = tl.zeros((BM, BN), dtype=tl.float32)
+                for k in range(splits):  # .cg: read L2, where the other CTAs' partials are
+                    total += tl.load(part + k * M * width, mask=m_live[:, None], other=0.0, cache_modifier=".cg")
+                _epilogue(out_ptr, amax_ptr, bias_ptr, total, rm, m_live, cols, offs_n, out_n, stride_om,
+                          num_pid_n, pid_n, HAS_BIAS, GLU, BM, BN)
+                tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
     else:
         _epilogue(out_ptr, amax_ptr, bias_ptr, acc, rm, m_live, cols, offs_n, out_n, stride_om,
                   num_pid_n, pid_n, HAS_BIAS, GLU, BM, BN)
