@@ -103,7 +103,7 @@ class KernelConfig:
     numerics_check_every: int = 100  # check one call in this many per layer when enabled
     fuse_glu: bool = True  # SiLU-mul of a W4A8 MLP in the gate_up GEMM's epilogue (one launch fewer per layer); False: its own launch
     # at decode sizes the o_proj / down_proj GEMMs leave their split-K partials for the residual-add norm
-    # after them to sum, where that pays (w4a8.deferring_pays; 8B -39 us per step at batch 1, -73 at 8 on
+    # after them to sum, where that pays (w4a8.deferring_pays; 8B -58 us per step at batch 1, -77 at 8 on
     # the H200); False: each GEMM sums its own
     defer_split_sum: bool = True
     # on the CPU, float32 with cpu_int4 False is the exact path: decode 2.8x slower on the embedded model

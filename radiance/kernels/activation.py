@@ -20,6 +20,7 @@ from radiance.kernels.device_info import sm_count, supports_pdl
 MAX_ROW = 65536  # one row lives in registers
 CHUNK = 1024  # elements per program when a row is spread over several (silu_mul at decode)
 MANY_ROWS = 1024  # rows from which quantize_activations launches small programs (prefill sizes, measured)
+FEW_ROWS = 8  # up to this many rows the norm summing split-K partials runs 32 warps per row
 
 
 def triton_serves(t: torch.Tensor) -> bool:
@@ -168,6 +169,8 @@ def _add_rmsnorm_partials(x: PartialSums, residual: torch.Tensor, weight: torch.
     y = s.new_empty((0,)) if quantize else torch.empty_like(s)
     x_q, x_scale = fp8_outputs(m, k, parts.device) if quantize else (y, y)
     block, warps = _row_launch(k)
+    if m <= FEW_ROWS:
+        warps = 32  # one SM reads all of a row's partials: the most loads in flight (8B decode step -17 us)
     pdl = supports_pdl(parts.device)
     _act.add_rmsnorm_rows_kernel[(m,)](
         parts, r2, weight.contiguous(), y, s, x_q, x_scale, k, parts.stride(1), r2.stride(0), float(eps),
