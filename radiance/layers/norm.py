@@ -30,12 +30,9 @@ class RMSNorm(nn.Module):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pre-norm
         residual stream of a decoder layer in one call. `fp8`: the norm comes out as Fp8Activations
         for a W4A8 linear. x may be a GEMM's PartialSums (summed in the fused kernel)."""
-        if isinstance(x, PartialSums):
-            if residual is not None:  # add_rmsnorm sums them (or, off the GPU, takes their total)
-                y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8)
-                return y, summed
-            x = x.total()
-        if x.is_cuda and x.shape[-1] <= MAX_ROW:
+        if isinstance(x, PartialSums) and not (x.parts.is_cuda and residual is not None):
+            x = x.total()  # off the GPU (or with nothing to add) the path of a plain tensor
+        if isinstance(x, PartialSums) or (x.is_cuda and x.shape[-1] <= MAX_ROW):
             y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8)
             return y if residual is None else (y, summed)
         if residual is not None:
