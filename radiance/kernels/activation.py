@@ -126,58 +126,44 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
                 quantize: bool = False):
     """One kernel for a decoder layer's pre-norm: (y, s) with s = x + residual (x when residual is
     None) and y = weight * rms_norm(s), rounded as the model's RMSNorm does; y is Fp8Activations when
-    `quantize`. x may be a GEMM's PartialSums, summed as the kernel reads them. Triton on CUDA (and
-    under the interpreter); the torch reference elsewhere."""
+    `quantize`. x may be a GEMM's PartialSums, summed as the kernel reads them (the bytes of their
+    total). Triton on CUDA (and under the interpreter); the torch reference elsewhere."""
+    parts = None
     if isinstance(x, PartialSums):
-        if residual is not None and triton_serves(x.parts) and x.width <= MAX_ROW and x.parts.shape[1] > 0:
-            return _add_rmsnorm_partials(x, residual, weight, eps, quantize)
-        x = x.total()
-    x2 = _as_rows(x)
-    m, k = x2.shape
+        if residual is None or not triton_serves(x.parts) or x.width > MAX_ROW or x.parts.shape[1] == 0:
+            x = x.total()
+        elif x.parts.stride(2) != 1:
+            raise ValueError("add_rmsnorm: partials need contiguous rows")
+        else:
+            parts = x
+    if parts is not None:  # the kernel reads [S, M, W] fp32 rows
+        x2, (m, k), dtype, lead = parts.parts, (parts.parts.shape[1], parts.width), parts.dtype, parts.lead
+    else:
+        x2 = _as_rows(x)
+        (m, k), dtype, lead = x2.shape, x.dtype, tuple(x.shape[:-1])
     if weight.shape != (k,):
         raise ValueError(f"add_rmsnorm: weight shape {tuple(weight.shape)} does not match hidden size {k}")
     r2 = _as_rows(residual) if residual is not None else None
-    if not triton_serves(x2) or k > MAX_ROW or m == 0:
+    if parts is None and (not triton_serves(x2) or k > MAX_ROW or m == 0):
         s = x2 + r2 if r2 is not None else x2
         y = reference.rms_normalize_reference(s, weight, eps)
-        out = Fp8Activations(*reference.quantize_activations_reference(y), x.dtype, tuple(x.shape[:-1])) \
+        out = Fp8Activations(*reference.quantize_activations_reference(y), x.dtype, lead) \
             if quantize else y.reshape(x.shape)
         return out, s.reshape(x.shape)
-    s = torch.empty_like(x2) if r2 is not None else x2
-    y = x2.new_empty((0,)) if quantize else torch.empty_like(x2)
+    s = torch.empty((m, k), dtype=dtype, device=x2.device) if r2 is not None else x2
+    y = s.new_empty((0,)) if quantize else torch.empty((m, k), dtype=dtype, device=x2.device)
     x_q, x_scale = fp8_outputs(m, k, x2.device) if quantize else (y, y)
     block, warps = _row_launch(k)
+    if parts is not None and m <= FEW_ROWS:
+        warps = 32  # one SM reads all of a row's partials: the most loads in flight (8B decode step -17 us)
     pdl = supports_pdl(x2.device)
     _act.add_rmsnorm_rows_kernel[(m,)](
-        x2, r2 if r2 is not None else x2, weight.contiguous(), y, s, x_q, x_scale, k, x2.stride(0),
-        r2.stride(0) if r2 is not None else 0, float(eps), HAS_RESIDUAL=r2 is not None, QUANT=quantize,
-        BLOCK=block, INTERPRETER=not x2.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=warps)
-    out = Fp8Activations(x_q, x_scale, x.dtype, tuple(x.shape[:-1])) if quantize else y.reshape(x.shape)
-    return out, s.reshape(x.shape)
-
-
-def _add_rmsnorm_partials(x: PartialSums, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool):
-    """add_rmsnorm's kernel reading x as split-K partials (PARTS): the same bytes as on x.total()."""
-    parts, k = x.parts, x.width
-    m = parts.shape[1]
-    if weight.shape != (k,):
-        raise ValueError(f"add_rmsnorm: weight shape {tuple(weight.shape)} does not match hidden size {k}")
-    if parts.stride(2) != 1:
-        raise ValueError("add_rmsnorm: partials need contiguous rows")
-    r2 = _as_rows(residual)
-    s = torch.empty((m, k), dtype=x.dtype, device=parts.device)
-    y = s.new_empty((0,)) if quantize else torch.empty_like(s)
-    x_q, x_scale = fp8_outputs(m, k, parts.device) if quantize else (y, y)
-    block, warps = _row_launch(k)
-    if m <= FEW_ROWS:
-        warps = 32  # one SM reads all of a row's partials: the most loads in flight (8B decode step -17 us)
-    pdl = supports_pdl(parts.device)
-    _act.add_rmsnorm_rows_kernel[(m,)](
-        parts, r2, weight.contiguous(), y, s, x_q, x_scale, k, parts.stride(1), r2.stride(0), float(eps),
-        parts.stride(0), HAS_RESIDUAL=True, QUANT=quantize, PARTS=parts.shape[0], BLOCK=block,
-        INTERPRETER=not parts.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=warps)
-    shape = (*x.lead, k)
-    out = Fp8Activations(x_q, x_scale, x.dtype, x.lead) if quantize else y.reshape(shape)
+        x2, r2 if r2 is not None else x2, weight.contiguous(), y, s, x_q, x_scale, k, x2.stride(-2),
+        r2.stride(0) if r2 is not None else 0, float(eps), x2.stride(0) if parts is not None else 0,
+        HAS_RESIDUAL=r2 is not None, QUANT=quantize, PARTS=x2.shape[0] if parts is not None else 0, BLOCK=block,
+        INTERPRETER=not x2.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=warps)
+    shape = (*lead, k)
+    out = Fp8Activations(x_q, x_scale, dtype, lead) if quantize else y.reshape(shape)
     return out, s.reshape(shape)
 
 
