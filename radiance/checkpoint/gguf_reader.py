@@ -5,7 +5,8 @@ CPU can serve them from 4-bit codes; the `gguf` package dequantizes every other 
 float32. llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are
 permuted back to the HF layout here, so one model implementation serves both. The config is synthesized
 from the GGUF metadata as an HF config.json dict; the tokenizer comes from transformers' GGUF support, the
-chat template from the metadata.
+chat template from the metadata. The file itself is read by gguf_file (gguf-py's reader takes seconds on a
+large vocabulary).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
+from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.names import canonical_linear, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError
@@ -112,40 +114,28 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 class GgufCheckpoint(Checkpoint):
     def __init__(self, path: str):
-        import gguf
-
         path = os.path.abspath(path)
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as exc:  # gguf raises ValueError/struct.error/... for bad files
-            raise CheckpointError(f"unreadable GGUF file: {exc}", file=path) from None
+        self.file = GgufFile(path)
         self.arch = str(self._field("general.architecture", "llama"))
         if self.arch not in _ARCHITECTURES:
             raise CheckpointError(f"unsupported GGUF architecture {self.arch!r}; radiance reads "
                                   f"{', '.join(_ARCHITECTURES)}", file=path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in self.file.tensors}
         super().__init__(path=path, kind="gguf", config=self._synthesize_config(), quant=QuantSpec(source=path))
         self._tokenizer = None
 
     # ------------------------------------------------------------------ metadata
 
     def _field(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except AttributeError:  # older gguf: decode the last part by hand
-            value = field.parts[field.data[0]]
-            return bytes(value).decode() if value.dtype == np.uint8 else value.tolist()[0]
+        return self.file.metadata.get(key, default)
 
     def _synthesize_config(self) -> dict:
         a = self.arch
         hidden = int(self._field(f"{a}.embedding_length"))
         heads = int(self._field(f"{a}.attention.head_count"))
         arch_name, model_type = _ARCHITECTURES[a]
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = self._field(f"{a}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+        tokens = self._field("tokenizer.ggml.tokens")
+        vocab = self._field(f"{a}.vocab_size") or (len(tokens) if tokens is not None else None)
         eos = self._field("tokenizer.ggml.eos_token_id")
         rope_theta = float(self._field(f"{a}.rope.freq_base", 10000.0))
         return {
@@ -248,10 +238,13 @@ class GgufCheckpoint(Checkpoint):
 
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            # the generic fast class, not AutoTokenizer: that one first builds a model config from the file
+            # through gguf-py (~8 s for the embedded model) only to pick the class; transformers 5 picks this
+            # one for GGUF files anyway
+            from transformers import PreTrainedTokenizerFast
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(self.path),
-                                                                gguf_file=os.path.basename(self.path))
+                self._tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(self.path),
+                                                                          gguf_file=os.path.basename(self.path))
             except Exception as exc:
                 raise CheckpointError(f"cannot build the tokenizer from GGUF metadata: {exc}", file=self.path) from None
             if self._tokenizer.chat_template is None and self.chat_template:

@@ -35,7 +35,7 @@ def test_qk_rows_match_transformers_gguf_loader(smol):
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
-    by_name = {t.name: t for t in smol.reader.tensors}
+    by_name = smol.tensors
     weights = dict(smol.iter_weights(progress=False))
     for layer in (0, 29):
         qkv = weights[f"model.layers.{layer}.self_attn.qkv_proj"]
