@@ -8,6 +8,7 @@ import logging
 import math
 from pathlib import Path
 
+from radiance.bench.options import add_engine_parser, add_kernels_parser
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -26,13 +27,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------ bench
 
 
-def _add_kernels(sub) -> None:
-    from radiance.bench.kernels import add_kernels_parser  # the parser lives next to the benchmark
-    add_kernels_parser(sub)
-
-
 def _add_engine(sub) -> None:
-    from radiance.bench.engine_bench import add_engine_parser
     add_engine_parser(sub)
     engine = sub.choices["engine"]
     engine.add_argument("--plot", metavar="FILE.png",
@@ -175,7 +170,7 @@ def run_eval_command(args) -> int:
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: kernels, engine, serve")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
-    _add_kernels(bench_sub)
+    add_kernels_parser(bench_sub)
     _add_engine(bench_sub)
     _add_serve(bench_sub)
 

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from radiance.bench.options import add_engine_options
 from radiance.bench.quality import split_head_suffix
 from radiance.bench.report import format_table
 from radiance.bench.synthetic import SyntheticCheckpoint
@@ -306,34 +307,7 @@ def table(rows: list[dict]) -> str:
                         digits=[0] + [2] * len(keys))
 
 
-def add_engine_parser(sub) -> None:
-    p = sub.add_parser("engine", help="offline engine speed on the GPU: decode ms/step, prefill tok/s, "
-                                      "aggregate tok/s (MODEL: synthetic:llama-3.1-8b, ...)")
-    _add_args(p)
-    p.set_defaults(func=_run_args)
-
-
-def _add_args(p) -> None:
-    p.add_argument("model_arg", nargs="?", metavar="MODEL",
-                   help="synthetic:llama-3.1-8b (default), synthetic:qwen3-8b or synthetic:qwen3-32b")
-    p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the positional's older spelling
-    p.add_argument("--quantization", "--variants", dest="variants", nargs="+", default=["none", "mxfp4"],
-                   help="quantization options to compare side by side (none = bf16; mxfp4; nvfp4; a '+head' "
-                        "suffix, e.g. mxfp4+head, quantizes the lm_head too, '+head2' as two MXFP4 terms)")
-    p.add_argument("--contexts", nargs="+", type=int, default=[128, 8192, 32768],
-                   help="context depths of the batch-1 decode measurement")
-    p.add_argument("--prefills", nargs="+", type=int, default=[1024, 8192, 32768], help="prompt lengths of the prefill measurement")
-    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 128],
-                   help="concurrent sequences of the aggregate-throughput measurement")
-    p.add_argument("--prefill-graphs", nargs="+", type=int, default=None, metavar="TOKENS",
-                   help="token buckets of the single-sequence prefills replayed from CUDA graphs "
-                        "(RunnerConfig.prefill_graph_tokens; default 128 256 512 1024); 0 turns them off, "
-                        "for an A/B")
-    p.add_argument("--no-hf", dest="with_hf", action="store_false", help="skip the HF transformers peer")
-    p.add_argument("--json", help="also write the rows to this file")
-
-
-def _run_args(args) -> int:
+def run_args(args) -> int:
     model = args.model_arg or args.model or "synthetic:llama-3.1-8b"
     options = None
     if args.prefill_graphs is not None:
@@ -359,6 +333,6 @@ def _run_args(args) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    _add_args(parser)
+    add_engine_options(parser)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    raise SystemExit(_run_args(parser.parse_args()))
+    raise SystemExit(run_args(parser.parse_args()))

@@ -17,6 +17,7 @@ import traceback
 
 import torch
 
+from radiance.bench.options import KERNEL_M, KERNEL_SHAPES, add_kernels_options
 from radiance.kernels import reference
 from radiance.kernels.activation import quantize_activations
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
@@ -26,8 +27,7 @@ from radiance.kernels.w4a8 import expand_weight_fp8, gemm_ptx, w4a8_gemm
 
 log = logging.getLogger(__name__)
 
-SHAPES = ((4096, 4096), (6144, 4096), (4096, 14336), (14336, 4096), (5120, 17408), (17408, 5120), (28672, 4096))
-M_LIST = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+SHAPES, M_LIST = KERNEL_SHAPES, KERNEL_M
 CHECK_M = (1, 2, 3, 5, 8, 16, 17, 33, 64, 65, 128, 257, 1024, 4096)
 CHECK_SHAPES = ((48, 96), (4104, 4096), (1024, 14336), (256, 288))
 PREFILL_CANDIDATES = (  # --precision-probe: big-M tilings, each checked at K=14336 and timed
@@ -337,36 +337,6 @@ def run_activation_error(layers=(0, 14, 29), prompt: str | None = None) -> list[
 # ---------------------------------------------------------------- CLI
 
 
-def _shape(text: str) -> tuple[int, int]:
-    n, k = text.lower().split("x")
-    return int(n), int(k)
-
-
-def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--shapes", type=_shape, nargs="+", default=list(SHAPES), help="N x K list (default: the issue's 7)")
-    p.add_argument("--m", type=int, nargs="+", default=list(M_LIST), help="token counts M")
-    p.add_argument("--check", action="store_true", help="kernel vs exact reference, prmt vs arithmetic, PTX wgmma")
-    p.add_argument("--sweep", action="store_true", help="time tile candidates and print tuning-table entries")
-    p.add_argument("--requant", action="store_true", help="time NVFP4 -> MXFP4 for an 8B Llama set of linears")
-    p.add_argument("--activation-error", action="store_true",
-                   help="W4A8 / W4A16 / W4A4 error on real SmolLM2 activations (CPU is enough)")
-    p.add_argument("--precision-probe", action="store_true", help="accuracy and speed of the big-M tilings")
-    p.add_argument("--no-table", action="store_true", help="skip the speed table")
-    p.add_argument("--no-reference", action="store_true", help="skip the reference-path column")
-    p.add_argument("--decode-band", type=int, default=64)
-    p.add_argument("--config", type=lambda t: GemmConfig(**json.loads(t)), default=None,
-                   help="force one GemmConfig (JSON) for --check and the table instead of the tuning table")
-    p.add_argument("--out", help="also write all lines to this file")
-    return p
-
-
-def add_kernels_parser(bench_subparsers) -> argparse.ArgumentParser:
-    p = bench_subparsers.add_parser("kernels", help="W4A8 GEMM vs cuBLAS bf16/fp8 and the reference (GPU)")
-    configure_parser(p)
-    p.set_defaults(func=run_kernels_bench)
-    return p
-
-
 def run_kernels_bench(args: argparse.Namespace) -> int:
     if args.activation_error and args.no_table and not (args.check or args.sweep or args.requant):
         print("\n".join(run_activation_error()))
@@ -405,7 +375,7 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    parser = configure_parser(argparse.ArgumentParser(prog="python -m radiance.bench.kernels", description=__doc__))
+    parser = add_kernels_options(argparse.ArgumentParser(prog="python -m radiance.bench.kernels", description=__doc__))
     return run_kernels_bench(parser.parse_args(argv))
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import glob
 import os
 
-from radiance.checkpoint.base import Checkpoint, EntryInfo, is_weight
-from radiance.checkpoint.report import RequantReport
 from radiance.errors import CheckpointError
 
 __all__ = ["Checkpoint", "EntryInfo", "RequantReport", "open_checkpoint", "is_weight", "embedded_model_path",
@@ -19,6 +17,16 @@ __all__ = ["Checkpoint", "EntryInfo", "RequantReport", "open_checkpoint", "is_we
 
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def __getattr__(name):  # lazy: `radiance --help` imports this package's CLI module, and base imports torch
+    if name in ("Checkpoint", "EntryInfo", "is_weight"):
+        from radiance.checkpoint import base
+        return getattr(base, name)
+    if name == "RequantReport":
+        from radiance.checkpoint.report import RequantReport
+        return RequantReport
+    raise AttributeError(f"module 'radiance.checkpoint' has no attribute {name!r}")
 
 
 def model_name(path: str | None) -> str:

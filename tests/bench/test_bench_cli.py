@@ -47,3 +47,28 @@ def test_eval_refuses_synthetic_models(capsys, tmp_path):
     rc = main(["eval", "ppl", "synthetic:llama-3.1-8b", "--text", str(text), "--device", "cpu"])
     assert rc == 2
     assert "synthetic models have no tokenizer" in capsys.readouterr().err
+
+
+def test_help_builds_every_parser_without_importing_torch():
+    """`radiance --help` (and every subcommand's) stays instant: the parsers live apart from the benchmarks."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from radiance.cli import build_parser; p = build_parser(); "
+            "a = p.parse_args(['bench', 'kernels', '--shapes', '64x128', '--m', '1']); "
+            "b = p.parse_args(['bench', 'engine', 'synthetic:qwen3-32b', '--quantization', 'none']); "
+            "assert a.shapes == [(64, 128)] and b.variants == ['none'], (a, b); "
+            "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_bench_kernels_runs_its_benchmark_when_called(monkeypatch):
+    """The subcommand's func imports radiance.bench.kernels only when it runs, and runs its entry point."""
+    from radiance.bench import kernels
+
+    seen = []
+    monkeypatch.setattr(kernels, "run_kernels_bench", lambda args: seen.append(args.m) or 0)
+    args = build_parser().parse_args(["bench", "kernels", "--m", "1", "16"])
+    assert args.func(args) == 0 and seen == [[1, 16]]

@@ -4,6 +4,7 @@ import math
 import re
 
 from radiance.bench import engine_bench
+from radiance.bench.options import add_engine_parser
 from tests.bench.test_bench_synthetic import TINY
 
 
@@ -29,7 +30,7 @@ def test_engine_bench_cli_takes_model_and_quantization(monkeypatch):
     monkeypatch.setattr(engine_bench, "run", lambda model, variants, *a, **kw: seen.update(
         model=model, variants=variants, options=kw.get("engine_options")) or [])
     parser = argparse.ArgumentParser()
-    engine_bench.add_engine_parser(parser.add_subparsers())
+    add_engine_parser(parser.add_subparsers())
     args = parser.parse_args(["engine", "synthetic:qwen3-32b", "--quantization", "none", "nvfp4"])
     assert args.func(args) == 0
     assert seen == {"model": "synthetic:qwen3-32b", "variants": ("none", "nvfp4"), "options": None}
