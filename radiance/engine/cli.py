@@ -18,6 +18,13 @@ def register(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (reproducible runs)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divides the positive logits (multiplies the negative ones) of tokens already in "
+                             "the prompt or output; 1 = off (default), 1.1-1.3 curbs loops of small models")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="subtracted from a token's logit per time it is in the output, in [-2, 2]")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="subtracted once from the logit of every token in the output, in [-2, 2]")
     parser.add_argument("--chat", dest="chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt in the model's chat template (default: on when it has one)")
     parser.add_argument("--system", default=None, help="an optional system message (chat mode)")
@@ -32,7 +39,8 @@ def run(args) -> int:
     config = engine_config_from_args(args)
     llm = LLM.from_engine_config(config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed)
+                            top_k=args.top_k, seed=args.sampling_seed, repetition_penalty=args.repetition_penalty,
+                            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
     if args.chat and (llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None)):
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

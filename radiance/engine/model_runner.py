@@ -19,11 +19,21 @@ from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.layers.attention import AttentionMetadata
-from radiance.layers.sampler import SamplerOutput, SamplingRow, read_samples, sample_on_device, small_tensor_to
+from radiance.layers.sampler import (LogitAdjustment, SamplerOutput, SamplingRow, read_samples, sample_on_device,
+                                    small_tensor_to)
 
 logger = logging.getLogger(__name__)
 
 _TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
+
+
+def logit_adjustment(seq) -> LogitAdjustment:
+    """A sequence's logit bias and penalties with the tokens the host has of it (Sequence)."""
+    p = seq.params
+    return LogitAdjustment(p.logit_bias, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                           seq.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+                           seq.output_token_ids if p.frequency_penalty or p.presence_penalty
+                           or p.repetition_penalty != 1.0 else [])
 
 
 @dataclass
@@ -183,9 +193,12 @@ class ModelRunner:
             rows = torch.as_tensor(last_rows[sampling], device=self.device)
             logits = self.model.compute_logits(hidden[rows], fp32=False)
         seqs = [scheduled[i].seq for i in sampling]
-        params = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs)
+        params = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs,
+                              logit_adjustment(seq) if p.adjusts_logits else None)
                   for seq in seqs for p in (seq.params,)]
-        token_ids = sample_on_device(logits, params)  # the logits stay in the model's dtype
+        # the logits stay in the model's dtype (fp32 copies where a row has a bias or penalties); with
+        # next_tokens each row's newest token is still on the device
+        token_ids = sample_on_device(logits, params, pending=next_tokens)
         host_ids, ready = token_ids, None
         if token_ids.is_cuda:  # start the copy home now, ahead of anything queued after this step
             self._readback = (self._readback + 1) % len(self.h_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -19,6 +20,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     skip_special_tokens: bool = True
+    # applied to the logits before greedy choice or sampling, in this order (as vLLM does); logprobs
+    # stay those of the model's own distribution
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()  # token id -> added; -100 bans
+    repetition_penalty: float = 1.0  # tokens in prompt or output: logit / p if positive, else * p
+    frequency_penalty: float = 0.0   # minus p x the token's count in the output
+    presence_penalty: float = 0.0    # minus p once the token is in the output
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -26,6 +33,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
 
         def check(cond, msg):
             if not cond:
@@ -38,7 +47,20 @@ class SamplingParams:
         check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or non-negative, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}")
+        check(self.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}")
+        for token, bias in self.logit_bias:
+            check(token >= 0, f"logit_bias token ids must be non-negative, got {token}")
+            check(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before the choice (bias or penalties)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(
+            self.presence_penalty)

@@ -103,19 +103,21 @@ class _SamplingFields(_Model):
     max_tokens: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's extension; 1 = off
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty / frequency_penalty are not supported (must be 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for token, bias in (self.logit_bias or {}).items():
+            if not token.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
         return self

@@ -42,6 +42,8 @@ def check_limits(state: ServerState, req: Any) -> None:
     if wanted is not None and wanted > state.config.max_logprobs:
         name = "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs"
         raise invalid(f"{name} must be at most {state.config.max_logprobs}, got {wanted}", param=name)
+    if req.logit_bias:
+        check_token_ids(state, [int(t) for t in req.logit_bias], "logit_bias")
 
 
 def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
@@ -80,6 +82,9 @@ def sampling_params(req: Any, max_tokens: int, choice: int) -> SamplingParams:
         min_p=0.0 if req.min_p is None else req.min_p,
         seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos, logprobs=req.num_logprobs(), skip_special_tokens=req.skip_special_tokens,
+        logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
     )
 
 

@@ -87,6 +87,17 @@ def test_n_choices_get_consecutive_seeds(client, server):
     assert all(p.temperature == 0.7 and p.n == 1 for _, _, p in server[1].requests[-3:])
 
 
+def test_penalties_and_logit_bias_reach_the_engine(client, server):
+    chat(client, "abc", presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={"7": -100, "12": 2.5},
+         extra_body={"repetition_penalty": 1.2})
+    p = server[1].requests[-1][2]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert p.logit_bias == ((7, -100.0), (12, 2.5))
+    client.completions.create(model="fake", prompt="abc", max_tokens=2)
+    p = server[1].requests[-1][2]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, ())
+
+
 def test_max_tokens_and_stop(client):
     r = chat(client, "abcdefgh", max_tokens=3)
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("abc", "length")
