@@ -19,21 +19,24 @@ from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.layers.attention import AttentionMetadata
-from radiance.layers.sampler import (LogitAdjustment, SamplerOutput, SamplingRow, read_samples, sample_on_device,
-                                    small_tensor_to)
+from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
+                                    sample_on_device, small_tensor_to)
 
 logger = logging.getLogger(__name__)
 
 _TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
 
 
-def logit_adjustment(seq) -> LogitAdjustment:
-    """A sequence's logit bias and penalties with the tokens the host has of it (Sequence)."""
+def logit_adjustment(seq, vocab: int, device: torch.device) -> LogitAdjustment:
+    """A sequence's logit bias and penalties, its output counts brought up to the tokens the host has."""
     p = seq.params
+    penalized = p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+    if penalized and seq.output_counts is None:
+        seq.output_counts = OutputCounts(vocab, device, seq.prompt_token_ids if p.repetition_penalty != 1.0 else None)
+    if penalized:
+        seq.output_counts.catch_up(seq.token_ids[seq.num_prompt_tokens + seq.output_counts.counted:])
     return LogitAdjustment(p.logit_bias, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-                           seq.prompt_token_ids if p.repetition_penalty != 1.0 else [],
-                           seq.output_token_ids if p.frequency_penalty or p.presence_penalty
-                           or p.repetition_penalty != 1.0 else [])
+                           seq.output_counts if penalized else None)
 
 
 @dataclass
@@ -194,7 +197,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows], fp32=False)
         seqs = [scheduled[i].seq for i in sampling]
         params = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs,
-                              logit_adjustment(seq) if p.adjusts_logits else None)
+                              logit_adjustment(seq, logits.shape[-1], logits.device) if p.adjusts_logits else None)
                   for seq in seqs for p in (seq.params,)]
         # the logits stay in the model's dtype (fp32 copies where a row has a bias or penalties); with
         # next_tokens each row's newest token is still on the device

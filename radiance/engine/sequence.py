@@ -35,6 +35,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""
         self.admitted = False
+        self.output_counts = None  # the sampler's device-side token counts, when penalties need them
 
     @property
     def num_tokens(self) -> int:
