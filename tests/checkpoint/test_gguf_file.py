@@ -118,3 +118,45 @@ def test_the_tokenizer_is_the_one_autotokenizer_builds():
     assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     assert ours.all_special_ids == ref.all_special_ids and len(ours) == len(ref)
+
+
+def test_a_qwen2_gguf_tokenizes_as_autotokenizer_does(tmp_path):
+    """For a qwen2 file AutoTokenizer picks Qwen2Tokenizer, the checkpoint the generic class: same tokens."""
+    from transformers import AutoTokenizer
+
+    from radiance.checkpoint import open_checkpoint
+
+    meta = GgufFile(embedded_model_path()).metadata
+    path = str(tmp_path / "qwen2.gguf")
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_block_count(1)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(meta["tokenizer.chat_template"])
+    writer.add_tensor("token_embd.weight", np.zeros((len(meta["tokenizer.ggml.tokens"]), 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = open_checkpoint(path).tokenizer()
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="qwen2.gguf")
+    for text in ("Hello world, the capital of France is Paris.", "  two  spaces\n\nnew lines\t tab 12345 678",
+                 "émoji 🤖 ünïcödé 中文", "<|im_start|>user\nhi<|im_end|>", "I'm sure we'll"):
+        assert ours.encode(text) == ref.encode(text)
+        assert ours.decode(ours.encode(text)) == ref.decode(ref.encode(text))
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
