@@ -84,15 +84,20 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
         return logits
     device, vocab = logits.device, logits.shape[-1]
     adj = [rows[i].adjust for i in picked]
-    idx = small_tensor_to(picked, device)
-    sub = logits[idx].float()
     bias = [(j, t, b) for j, a in enumerate(adj) for t, b in a.bias]
-    if bias:
-        rows_b, toks_b, vals_b = (small_tensor_to(list(col), device) for col in zip(*bias))
-        sub.index_put_((rows_b, toks_b), vals_b.float(), accumulate=True)
     penalized = [j for j, a in enumerate(adj) if a.output is not None]
+    # what the host knows goes over in one transfer per dtype (each pinned copy costs tens of us); device
+    # index tensors throughout, as a host list used as an index is copied synchronously
+    ints = small_tensor_to(picked + [j for j, _, _ in bias] + [t for _, t, _ in bias] + penalized, device)
+    idx, rows_b, toks_b, pen = ints.split((len(picked), len(bias), len(bias), len(penalized)))
+    floats = small_tensor_to([b for _, _, b in bias] + [adj[j].repetition for j in penalized]
+                             + [adj[j].frequency for j in penalized] + [adj[j].presence for j in penalized], device)
+    vals_b, rep, freq, pres = (part.float().unsqueeze(1) for part in floats.split(
+        (len(bias), len(penalized), len(penalized), len(penalized))))
+    sub = logits[idx].float()
+    if bias:
+        sub.index_put_((rows_b, toks_b), vals_b.squeeze(1), accumulate=True)
     if penalized:
-        pen = small_tensor_to(penalized, device)  # a host list as an index would copy synchronously
         counts = torch.stack([adj[j].output.counts for j in penalized])
         if pending is not None:
             counts.scatter_add_(1, pending[idx[pen]].long().unsqueeze(1), torch.ones(len(penalized), 1, device=device))
@@ -101,11 +106,8 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
             none = torch.zeros(vocab, dtype=torch.bool, device=device)
             seen = torch.stack([adj[j].output.prompt_seen if adj[j].output.prompt_seen is not None else none
                                 for j in penalized]) | (counts > 0)
-            rep = small_tensor_to([adj[j].repetition for j in penalized], device).float().unsqueeze(1)
             part = torch.where(seen, torch.where(part > 0, part / rep, part * rep), part)
-        scales = small_tensor_to([[adj[j].frequency for j in penalized], [adj[j].presence for j in penalized]], device)
-        part = part - scales[0].float().unsqueeze(1) * counts - scales[1].float().unsqueeze(1) * (counts > 0)
-        sub[pen] = part
+        sub[pen] = part - freq * counts - pres * (counts > 0)
     out = logits.float()
     if out.data_ptr() == logits.data_ptr():
         out = out.clone()  # the caller keeps the model's logits for logprobs
