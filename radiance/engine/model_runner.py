@@ -30,13 +30,13 @@ _TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
 def logit_adjustment(seq, vocab: int, device: torch.device) -> LogitAdjustment:
     """A sequence's logit bias and penalties, its output counts brought up to the tokens the host has."""
     p = seq.params
-    penalized = p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
-    if penalized and seq.output_counts is None:
-        seq.output_counts = OutputCounts(vocab, device, seq.prompt_token_ids if p.repetition_penalty != 1.0 else None)
-    if penalized:
+    if p.penalizes:
+        if seq.output_counts is None:
+            seq.output_counts = OutputCounts(vocab, device,
+                                             seq.prompt_token_ids if p.repetition_penalty != 1.0 else None)
         seq.output_counts.catch_up(seq.token_ids[seq.num_prompt_tokens + seq.output_counts.counted:])
     return LogitAdjustment(p.logit_bias, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-                           seq.output_counts if penalized else None)
+                           seq.output_counts if p.penalizes else None)
 
 
 @dataclass

@@ -60,7 +60,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a penalty looks at the tokens already there."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether the logits change before the choice (bias or penalties)."""
-        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(
-            self.presence_penalty)
+        return bool(self.logit_bias) or self.penalizes
