@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-from radiance.bench.options import KERNEL_M, KERNEL_SHAPES, add_kernels_options
+from radiance.bench.options import add_kernels_options
 from radiance.kernels import reference
 from radiance.kernels.activation import quantize_activations
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
@@ -27,7 +27,6 @@ from radiance.kernels.w4a8 import expand_weight_fp8, gemm_ptx, w4a8_gemm
 
 log = logging.getLogger(__name__)
 
-SHAPES, M_LIST = KERNEL_SHAPES, KERNEL_M
 CHECK_M = (1, 2, 3, 5, 8, 16, 17, 33, 64, 65, 128, 257, 1024, 4096)
 CHECK_SHAPES = ((48, 96), (4104, 4096), (1024, 14336), (256, 288))
 PREFILL_CANDIDATES = (  # --precision-probe: big-M tilings, each checked at K=14336 and timed

@@ -25,7 +25,7 @@ from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.names import canonical_linear, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError
-from radiance.formats import INT4_GROUP, DenseWeight, Int4Weight, concat_partitions, dequantize, pack_e2m1
+from radiance.formats import DenseWeight, Int4Weight, concat_partitions, dequantize, pack_e2m1
 
 logger = logging.getLogger(__name__)
 
