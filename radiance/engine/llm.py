@@ -28,6 +28,7 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs
 
 
 class LLM:
@@ -99,6 +100,8 @@ class LLM:
                     i, j = request_slots[out.request_id]
                     results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason, out.logprobs)
                     results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
+                    if out.prompt_logprobs is not None:
+                        results[i].prompt_logprobs = out.prompt_logprobs
                     bar.update(1)
         bar.close()
 

@@ -17,6 +17,7 @@ import torch
 
 from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
+from radiance.engine.outputs import TokenLogprob
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
@@ -25,6 +26,7 @@ from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutpu
 logger = logging.getLogger(__name__)
 
 _TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
+PROMPT_SCORE_ROWS = 512  # prompt positions per logits slice when scoring prompts (x vocab x 4 bytes)
 
 
 def logit_adjustment(seq, vocab: int, device: torch.device) -> LogitAdjustment:
@@ -186,6 +188,8 @@ class ModelRunner:
                 kv_first_blocks=self._first_blocks_in_order(tables, kv_lens))
             token_tensor = tokens if isinstance(tokens, torch.Tensor) else self._to_device(tokens, torch.long)
             hidden = self.model(token_tensor, self._to_device(positions, torch.long), meta)
+        if next_tokens is None and any(s.seq.prompt_logprobs is not None for s in scheduled):
+            self._score_prompts(scheduled, q_lens, hidden)
         sampling = list(range(batch)) if next_tokens is not None else [i for i, s in enumerate(scheduled) if s.samples]
         if not sampling:
             return StepHandle([], [])
@@ -210,6 +214,31 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
         return StepHandle([scheduled[i] for i in sampling], params, logits, token_ids, host_ids, ready)
+
+    def _score_prompts(self, scheduled: list[ScheduledSequence], q_lens: list[int], hidden: torch.Tensor) -> None:
+        """SamplingParams.prompt_logprobs: the row of prompt position p scores prompt token p + 1. Appends
+        each sequence's new positions to seq.prompt_logprobs (a recompute after preemption skips those it
+        has); logits in slices of PROMPT_SCORE_ROWS rows, read back at once (these requests wait anyway)."""
+        first_row = 0
+        for s, n in zip(scheduled, q_lens):
+            seq, start = s.seq, s.seq.num_computed_tokens
+            want = seq.params.prompt_logprobs
+            if want is not None:
+                lo = max(start, len(seq.prompt_logprobs) - 1)
+                end = min(start + n, seq.num_prompt_tokens - 1)
+                for a in range(lo, end, PROMPT_SCORE_ROWS):
+                    b = min(a + PROMPT_SCORE_ROWS, end)
+                    rows = hidden[first_row + a - start:first_row + b - start]
+                    logprobs = self.model.compute_logits(rows, fp32=True).log_softmax(-1)
+                    targets = seq.token_ids[a + 1:b + 1]
+                    chosen = logprobs.gather(1, torch.as_tensor(targets, device=logprobs.device)[:, None])[:, 0]
+                    top = logprobs.topk(want, dim=-1) if want else None
+                    chosen = chosen.tolist()
+                    top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+                    for j, token in enumerate(targets):
+                        alternatives = list(zip(top_ids[j], top_vals[j])) if want else []
+                        seq.prompt_logprobs.append(TokenLogprob(token, chosen[j], alternatives))
+            first_row += n
 
     def finish(self, handle: StepHandle) -> tuple[list, SamplerOutput | None]:
         """Waits for a launched step (not for steps queued after it) and reads its sampled tokens (and

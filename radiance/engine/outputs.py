@@ -22,6 +22,7 @@ class RequestOutput:
     finish_reason: str | None    # None | "stop" | "length" | "abort"
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
 
 
 @dataclass

@@ -19,6 +19,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (no prefix cache reuse)
     skip_special_tokens: bool = True
     # applied to the logits before greedy choice or sampling, in this order (as vLLM does); logprobs
     # stay those of the model's own distribution
@@ -47,6 +48,8 @@ class SamplingParams:
         check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or non-negative, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}")
+        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         check(self.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)

@@ -95,7 +95,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and seq.params.prompt_logprobs is None:  # those score every prompt token
                 cached = bm.match_prefix(seq)
                 if not seq.admitted:
                     seq.num_cached_tokens = cached

@@ -32,6 +32,8 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.generator = generator
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # SamplingParams.prompt_logprobs: one entry per prompt position scored so far (the first token has none)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self.finish_reason: str | None = None
         self.text = ""
         self.admitted = False

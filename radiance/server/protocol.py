@@ -176,8 +176,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (must equal n)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
         return self
 
     def output_limit(self) -> int | None:

@@ -82,6 +82,7 @@ def sampling_params(req: Any, max_tokens: int, choice: int) -> SamplingParams:
         min_p=0.0 if req.min_p is None else req.min_p,
         seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos, logprobs=req.num_logprobs(), skip_special_tokens=req.skip_special_tokens,
+        prompt_logprobs=req.num_logprobs() if getattr(req, "echo", False) else None,
         logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
@@ -187,12 +188,14 @@ def chat_logprobs(tokenizer: Any, entries: list) -> dict:
 
 
 def completion_logprobs(tokenizer: Any, entries: list, offset: int) -> dict:
+    """The legacy completions `logprobs` object; an entry with logprob None (an echoed prompt's first
+    token, which nothing scores) gets null logprobs, as OpenAI's API gives it."""
     texts = token_texts(tokenizer, entries)
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
         text = texts[entry.token_id]
         tokens.append(text)
-        token_logprobs.append(safe_logprob(entry.logprob))
+        token_logprobs.append(None if entry.logprob is None else safe_logprob(entry.logprob))
         top.append({texts[tid]: safe_logprob(lp) for tid, lp in entry.top} if entry.top else None)
         offsets.append(offset)
         offset += len(text)

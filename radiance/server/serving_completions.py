@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from radiance.engine.outputs import TokenLogprob
 from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import CompletionRequest, new_id, now, usage
@@ -63,14 +64,18 @@ class CompletionChoice:
         self.timer.tokens(len(out.token_ids))
         text = out.text[self.sent_chars:]
         offset = len(self.prefix) + self.sent_chars
+        parts = []
         if not self.echoed:  # the prompt goes out once, with the first output (which may be empty)
             text = self.prefix + text
             self.echoed = True
+            if self.prefix and out.prompt_logprobs is not None:  # echo with logprobs: the prompt's come first
+                prompt = [TokenLogprob(out.prompt_token_ids[0], None)] + out.prompt_logprobs[1:]
+                parts.append(completion_logprobs(self.tokenizer, prompt, 0))
         self.sent_chars = len(out.text)
-        logprobs = None
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
-            logprobs = completion_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:], offset)
+            parts.append(completion_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:], offset))
             self.sent_logprobs = len(out.logprobs)
+        logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]} if parts else None
         if out.finished:
             self.timer.finished(out.finish_reason)
         return text, logprobs

@@ -76,6 +76,10 @@ class FakeEngine:
         reply = prompt.rsplit("SAY:", 1)[-1].split("<|end|>")[0] if "SAY:" in prompt else "ok"
         data = reply.encode("utf-8")
         token_ids, logprobs = [], [] if params.logprobs is not None else None
+        prompt_logprobs = None  # scored as -1.0 each, alternatives: the token itself
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [TokenLogprob(t, -1.0, [(t, -1.0)][:params.prompt_logprobs])
+                                        for t in prompt_token_ids[1:]]
         try:
             for i, byte in enumerate(data):
                 if request_id not in self.active:
@@ -92,7 +96,7 @@ class FakeEngine:
                 if stop is not None:
                     text = text[:text.index(stop)]
                     yield RequestOutput(request_id, list(prompt_token_ids), text, list(token_ids), logprobs,
-                                        "stop", True)
+                                        "stop", True, prompt_logprobs=prompt_logprobs)
                     return
                 cut = len(token_ids) >= params.max_tokens
                 done = cut or i == len(data) - 1
@@ -100,7 +104,8 @@ class FakeEngine:
                 if not done:  # hold back a possible start of a stop string, as a real engine does
                     text = text[:min([partial_tag_start(text, s) for s in params.stop] or [len(text)])]
                 yield RequestOutput(request_id, list(prompt_token_ids), text, list(token_ids),
-                                    None if logprobs is None else list(logprobs), reason, done)
+                                    None if logprobs is None else list(logprobs), reason, done,
+                                    prompt_logprobs=prompt_logprobs)
                 if done:
                     return
         finally:

@@ -98,6 +98,20 @@ def test_penalties_and_logit_bias_reach_the_engine(client, server):
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, ())
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server):
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs=1, max_tokens=1."""
+    prompt = server[1].tokenizer.encode("SAY:xy")
+    r = client.completions.create(model="fake", prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert server[1].requests[-1][2].prompt_logprobs == 1
+    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(prompt)] == [-1.0] * (len(prompt) - 1) and lp.token_logprobs[-1] == -0.5
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens).startswith(r.choices[0].text[:len(lp.tokens[0])])
+    assert all(max(top.values()) == tok for tok, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    r = client.completions.create(model="fake", prompt=prompt, logprobs=1, max_tokens=1)  # no echo: no prompt
+    assert len(r.choices[0].logprobs.tokens) == 1 and server[1].requests[-1][2].prompt_logprobs is None
+
+
 def test_max_tokens_and_stop(client):
     r = chat(client, "abcdefgh", max_tokens=3)
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("abc", "length")

@@ -83,6 +83,27 @@ def test_completions_stop_logprobs_echo(client):
     assert streamed == choice.text
 
 
+def test_echo_logprobs_score_the_prompt(client, server):
+    """The request lm-evaluation-harness sends for loglikelihoods: the prompt's scores agree with what
+    decoding gives the same token at the same position."""
+    def tokenize(text):
+        return httpx.post(server[0] + "/tokenize", json={"prompt": text},
+                          headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+
+    first = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=1, temperature=0,
+                                      logprobs=1)
+    ids = tokenize("The capital of France is")
+    paris = first.choices[0].logprobs
+    tokenized = tokenize("The capital of France is" + paris.tokens[0])
+    assert tokenized[:len(ids)] == ids and len(tokenized) == len(ids) + 1
+    r = client.completions.create(model="smol", prompt=tokenized, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(tokenized) + 1 and lp.token_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.tokens[len(ids)] == paris.tokens[0]
+    assert lp.token_logprobs[len(ids)] == pytest.approx(paris.token_logprobs[0], abs=0.05)
+
+
 def test_n_and_seed_reproducible(client):
     kw = dict(model="smol", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6,
               temperature=1.0, n=2, seed=1234)
