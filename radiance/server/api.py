@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radiance import __version__
 
-from radiance.server.errors import OpenAIError, error_response, install_error_handlers
+from radiance.server.errors import OpenAIError, error_response, install_error_handlers, invalid
 from radiance.server.metrics import CONTENT_TYPE
 from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, model_card)
@@ -138,6 +138,18 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
         else:
             tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """The special tokens and chat template, as vLLM serves them: lm-evaluation-harness's remote
+        tokenizer reads this, then /tokenize and /detokenize, instead of downloading the tokenizer."""
+        state.require_engine()
+        tok = state.tokenizer
+        if tok is None:
+            raise invalid("this model has no tokenizer")
+        special = {name: getattr(tok, name, None) for name in ("eos_token", "bos_token", "pad_token", "unk_token")}
+        return {"tokenizer_class": type(tok).__name__, **special, "chat_template": state.chat_template,
+                "model_max_length": state.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

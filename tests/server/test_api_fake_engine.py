@@ -239,6 +239,8 @@ def test_metrics_and_tokenize(server, client):
     r = http(server, "POST", "/tokenize", {"prompt": "hi", "add_special_tokens": False}).json()
     assert r["tokens"] == [104, 105] and r["count"] == 2 and r["max_model_len"] == 512
     assert http(server, "POST", "/detokenize", {"tokens": [104, 105]}).json() == {"prompt": "hi"}
+    info = http(server, "GET", "/tokenizer_info").json()  # what lm-eval's remote tokenizer reads first
+    assert (info["eos_token"], info["bos_token"], info["model_max_length"]) == ("</s>", "<s>", 512)
 
 
 def _wait(predicate, timeout=5.0):

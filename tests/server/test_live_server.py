@@ -102,6 +102,8 @@ def test_echo_logprobs_score_the_prompt(client, server):
     assert all(v <= 0 for v in lp.token_logprobs[1:])
     assert lp.tokens[len(ids)] == paris.tokens[0]
     assert lp.token_logprobs[len(ids)] == pytest.approx(paris.token_logprobs[0], abs=0.05)
+    info = httpx.get(server[0] + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert info["eos_token"] == "<|im_end|>" and "<|im_start|>" in info["chat_template"]
 
 
 def test_n_and_seed_reproducible(client):
