@@ -14,7 +14,8 @@ def test_echo_is_sent_once_when_the_first_output_is_empty():
     state = SimpleNamespace(tokenizer=None, metrics=SimpleNamespace(observe=lambda *a: None))
     choice = CompletionChoice(state, 0, "PROMPT", echo=True)
     choice.timer = _Metrics()
-    outputs = [SimpleNamespace(text=t, token_ids=[1] * (i + 1), logprobs=None, finished=i == 2, finish_reason="length")
+    outputs = [SimpleNamespace(text=t, token_ids=[1] * (i + 1), logprobs=None, prompt_logprobs=None, finished=i == 2,
+                               finish_reason="length")
                for i, t in enumerate(["", "ab", "abcd"])]
     sent = "".join(choice.step(out)[0] for out in outputs)
     assert sent == "PROMPTabcd"
