@@ -21,7 +21,7 @@ from radiance.engine.outputs import TokenLogprob
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
-                                    sample_on_device, small_tensor_to)
+                                    sample_on_device, small_tensor_to, token_logprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -228,16 +228,10 @@ class ModelRunner:
                 end = min(start + n, seq.num_prompt_tokens - 1)
                 for a in range(lo, end, PROMPT_SCORE_ROWS):
                     b = min(a + PROMPT_SCORE_ROWS, end)
-                    rows = hidden[first_row + a - start:first_row + b - start]
-                    logprobs = self.model.compute_logits(rows, fp32=True).log_softmax(-1)
+                    logits = self.model.compute_logits(hidden[first_row + a - start:first_row + b - start])
                     targets = seq.token_ids[a + 1:b + 1]
-                    chosen = logprobs.gather(1, torch.as_tensor(targets, device=logprobs.device)[:, None])[:, 0]
-                    top = logprobs.topk(want, dim=-1) if want else None
-                    chosen = chosen.tolist()
-                    top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
-                    for j, token in enumerate(targets):
-                        alternatives = list(zip(top_ids[j], top_vals[j])) if want else []
-                        seq.prompt_logprobs.append(TokenLogprob(token, chosen[j], alternatives))
+                    for token, (chosen, top) in zip(targets, token_logprobs(logits, targets, want)):
+                        seq.prompt_logprobs.append(TokenLogprob(token, chosen, top))
             first_row += n
 
     def finish(self, handle: StepHandle) -> tuple[list, SamplerOutput | None]:

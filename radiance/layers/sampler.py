@@ -173,17 +173,23 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], pending: tor
     return token_ids
 
 
+def token_logprobs(logits: torch.Tensor, ids: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of logits [R, V]: (log-probability of ids[row], its k most likely (token, logprob)), from
+    the fp32 log-softmax."""
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(1, torch.tensor(ids, device=lp.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [(c, []) for c in chosen]
+    top_vals, top_ids = lp.topk(k, dim=-1)
+    return [(c, list(zip(t, v))) for c, t, v in zip(chosen, top_ids.tolist(), top_vals.tolist())]
+
+
 def read_samples(logits: torch.Tensor, ids: list[int], rows: list[SamplingRow]) -> SamplerOutput:
     """The sampler output for ids already read back, with the logprobs asked for."""
     logprobs: list = [None] * len(rows)
     wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
     if wanted:
-        lp = logits[wanted].float().log_softmax(-1)
         k = max(rows[i].num_logprobs for i in wanted)
-        top_vals, top_ids = lp.topk(max(k, 1), dim=-1) if k > 0 else (None, None)
-        chosen = lp.gather(1, torch.tensor([[ids[i]] for i in wanted], device=lp.device)).squeeze(1).tolist()
-        for j, i in enumerate(wanted):
-            n = rows[i].num_logprobs
-            top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
-            logprobs[i] = (chosen[j], top)
+        for i, (chosen, top) in zip(wanted, token_logprobs(logits[wanted], [ids[i] for i in wanted], k)):
+            logprobs[i] = (chosen, top[:rows[i].num_logprobs])
     return SamplerOutput(ids, logprobs)
