@@ -56,6 +56,10 @@ class AsyncLLMEngine:
     def stats(self):
         return self.engine.stats()
 
+    def check_structured_output(self, spec) -> None:
+        """ValueError when the constraint cannot be served (compiled here, cached for the engine thread)."""
+        self.engine.grammar_backend().compile(spec)
+
     # ---------------------------------------------------------------- requests
 
     def _ensure_loop(self) -> None:

@@ -25,6 +25,15 @@ def register(subparsers) -> None:
                         help="subtracted from a token's logit per time it is in the output, in [-2, 2]")
     parser.add_argument("--presence-penalty", type=float, default=0.0,
                         help="subtracted once from the logit of every token in the output, in [-2, 2]")
+    constrain = parser.add_argument_group(
+        "structured output", "hold the output to one constraint (tokens that would break it are never sampled)")
+    one = constrain.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="SCHEMA", default=None,
+                     help="a JSON schema, as JSON text or the path of a .json file")
+    one.add_argument("--json", dest="json_object", action="store_true", help="any JSON object")
+    one.add_argument("--regex", default=None, help="a regular expression the whole output matches")
+    one.add_argument("--choice", nargs="+", default=None, help="the output is exactly one of these strings")
+    one.add_argument("--grammar", metavar="FILE", default=None, help="an EBNF (GBNF) grammar file with a root rule")
     parser.add_argument("--chat", dest="chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt in the model's chat template (default: on when it has one)")
     parser.add_argument("--system", default=None, help="an optional system message (chat mode)")
@@ -40,7 +49,8 @@ def run(args) -> int:
     llm = LLM.from_engine_config(config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, repetition_penalty=args.repetition_penalty,
-                            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+                            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                            structured_output=structured_output_from_args(args))
     if args.chat and (llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None)):
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -49,6 +59,30 @@ def run(args) -> int:
         prompt = args.prompt
     _stream(llm, prompt, params)
     return 0
+
+
+def structured_output_from_args(args):
+    """The StructuredOutput the constraint options ask for, or None."""
+    from radiance.engine.structured_output import StructuredOutput
+
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            text = _read(text, "--json-schema")
+        return StructuredOutput(json=text)
+    if args.grammar is not None:
+        return StructuredOutput(grammar=_read(args.grammar, "--grammar"))
+    if args.json_object or args.regex is not None or args.choice is not None:
+        return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice)
+    return None
+
+
+def _read(path: str, option: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{option}: cannot read {path}: {exc.strerror}") from None
 
 
 def _stream(llm, prompt, params) -> None:

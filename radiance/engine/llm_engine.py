@@ -16,6 +16,7 @@ from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from radiance.engine.sampling_params import SamplingParams
 from radiance.engine.scheduler import ScheduledSequence, Scheduler
 from radiance.engine.sequence import Sequence, SequenceStatus
+from radiance.engine.structured_output import GrammarBackend, StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class LLMEngine:
         self.overlap_decode = bool(self.runner.graphs) if overlap is None else overlap
         self._ahead = None  # (queued decode step, each sequence's position in it): see _launch_ahead
         self.overlapped_steps = 0  # steps served by a step queued ahead
+        self._grammar_backend: GrammarBackend | None = None  # built on the first structured-output request
         self.sequences: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._aborted: deque[RequestOutput] = deque()
@@ -72,6 +74,18 @@ class LLMEngine:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {vocab})")
+        if params.structured_output is not None:
+            self.grammar_backend().compile(params.structured_output)  # cached: add_request reuses it
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output compiler for this model's tokenizer and vocabulary (built once)."""
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise StructuredOutputError("structured output needs the model's tokenizer, and this checkpoint "
+                                            "has none")
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.model.config.vocab_size,
+                                                   sorted(self.eos_token_ids))
+        return self._grammar_backend
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
@@ -83,6 +97,8 @@ class LLMEngine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, generator)
+        if params.structured_output is not None:
+            seq.grammar = self.grammar_backend().matcher(params.structured_output)
         self._arrivals += 1
         self.sequences[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
@@ -117,6 +133,9 @@ class LLMEngine:
             handle = self.runner.launch(scheduled)
         else:
             self.overlapped_steps += 1
+        if handle.sampled and handle.token_ids is None:
+            # structured output: the masks needed the tokens the host read since the forward was queued
+            self.runner.sample(handle)
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.commit(s.seq)
@@ -193,8 +212,16 @@ class LLMEngine:
         if not (token_id in self.eos_token_ids and p.skip_special_tokens):
             hit_stop_string = self.detokenizers[seq.request_id].add_token(token_id)
         detokenizer = self.detokenizers[seq.request_id]
+        grammar_done = False
+        if seq.grammar is not None:
+            accepted = seq.grammar.accept(token_id)
+            if not accepted:  # only when the mask allowed nothing: end rather than go on unconstrained
+                logger.warning("request %s: token %d breaks its structured output; finishing it", seq.request_id,
+                               token_id)
+            grammar_done = not accepted or seq.grammar.finished
         reason = None
-        if (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids or hit_stop_string:
+        if ((not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids or hit_stop_string
+                or grammar_done):
             reason = "stop"
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             reason = "length"

@@ -3,7 +3,9 @@
 Decode-only steps on CUDA replay a CUDA graph captured for the smallest batch bucket that fits (padding
 rows write nowhere: slot -1, context 0); prefill and mixed steps, and everything on the CPU, run eagerly.
 `launch` queues a step (sampling included; the sampled ids start their copy home behind an event) and
-`finish` waits for that step alone, so the engine can queue the next decode step in between.
+`finish` waits for that step alone, so the engine can queue the next decode step in between. Steps with
+structured output sample separately (`sample`), once the host has the tokens their masks depend on, so
+their forward can still be queued ahead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.scheduler import ScheduledSequence
+from radiance.engine.structured_output import allowed_token_words
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
                                     sample_on_device, small_tensor_to, token_logprobs)
@@ -44,8 +47,8 @@ def logit_adjustment(seq, vocab: int, device: torch.device) -> LogitAdjustment:
 @dataclass
 class StepHandle:
     """A step queued on the device: the sequences that sample, their sampling rows, the logits and
-    the sampled ids (device), and the ids' copy into pinned host memory with the event that marks it
-    done. Reading that copy waits for this step only, not for steps queued after it."""
+    the sampled ids (device; None until sampled), and the ids' copy into pinned host memory with the
+    event that marks it done. Reading that copy waits for this step only, not for steps queued after it."""
 
     sampled: list[ScheduledSequence]
     rows: list[SamplingRow]
@@ -59,7 +62,9 @@ class StepHandle:
         """The same step restricted to the sampled rows at positions `keep` (in that order)."""
         if keep == list(range(len(self.sampled))):
             return self
-        idx = small_tensor_to(keep, self.token_ids.device)
+        idx = small_tensor_to(keep, self.logits.device)
+        if self.token_ids is None:  # not sampled yet (ModelRunner.sample)
+            return StepHandle([self.sampled[i] for i in keep], [], self.logits[idx])
         rows = [self.host_rows[i] for i in keep] if self.host_rows is not None else keep
         return StepHandle([self.sampled[i] for i in keep], [self.rows[i] for i in keep], self.logits[idx],
                           self.token_ids[idx], self.host_ids, self.ready, rows)
@@ -160,7 +165,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSequence], next_tokens: torch.Tensor | None = None) -> StepHandle:
-        """Queues one step on the device, sampling included, without waiting for it (`finish` waits).
+        """Queues one step on the device, sampling included, without waiting for it (`finish` waits). A step
+        with a structured-output sequence comes back unsampled (token_ids None): the caller runs `sample`
+        once the host has accepted every earlier token into the sequences' grammars.
 
         `next_tokens` (device, one per sequence) makes it the decode step that follows a launched one
         whose tokens the host has not read yet: each sequence advances by that token at position
@@ -199,21 +206,38 @@ class ModelRunner:
             last_rows = np.cumsum(q_lens) - 1
             rows = torch.as_tensor(last_rows[sampling], device=self.device)
             logits = self.model.compute_logits(hidden[rows], fp32=False)
-        seqs = [scheduled[i].seq for i in sampling]
-        params = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs,
-                              logit_adjustment(seq, logits.shape[-1], logits.device) if p.adjusts_logits else None)
-                  for seq in seqs for p in (seq.params,)]
-        # the logits stay in the model's dtype (fp32 copies where a row has a bias or penalties); with
-        # next_tokens each row's newest token is still on the device
-        token_ids = sample_on_device(logits, params, pending=next_tokens)
+        handle = StepHandle([scheduled[i] for i in sampling], [], logits)
+        if any(s.seq.grammar is not None for s in handle.sampled):
+            return handle  # the engine samples it once the host has every token before it (the masks need them)
+        return self.sample(handle, pending=next_tokens)
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle, pending: torch.Tensor | None = None) -> StepHandle:
+        """Queues the sampling of a launched step's logits and the copy home of its ids (behind an event).
+        `pending` (device, one per row): each sequence's newest token where the host does not have it yet."""
+        seqs = [s.seq for s in handle.sampled]
+        logits = handle.logits
+        rows = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs,
+                            logit_adjustment(seq, logits.shape[-1], logits.device) if p.adjusts_logits else None)
+                for seq in seqs for p in (seq.params,)]
+        constrained = [(row, seq.grammar) for row, seq in zip(rows, seqs) if seq.grammar is not None]
+        if constrained:  # every constrained sequence's mask in one transfer
+            words = allowed_token_words([grammar for _, grammar in constrained])
+            if logits.is_cuda:
+                words = words.pin_memory().to(logits.device, non_blocking=True)
+            for (row, _), allowed in zip(constrained, words):
+                row.adjust.allowed = allowed
+        # the logits stay in the model's dtype (fp32 copies where a row has a bias, penalties or a mask)
+        token_ids = sample_on_device(logits, rows, pending=pending)
         host_ids, ready = token_ids, None
         if token_ids.is_cuda:  # start the copy home now, ahead of anything queued after this step
             self._readback = (self._readback + 1) % len(self.h_ids)
-            host_ids = self.h_ids[self._readback][:len(sampling)]
+            host_ids = self.h_ids[self._readback][:len(rows)]
             host_ids.copy_(token_ids, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return StepHandle([scheduled[i] for i in sampling], params, logits, token_ids, host_ids, ready)
+        handle.rows, handle.token_ids, handle.host_ids, handle.ready = rows, token_ids, host_ids, ready
+        return handle
 
     def _score_prompts(self, scheduled: list[ScheduledSequence], q_lens: list[int], hidden: torch.Tensor) -> None:
         """SamplingParams.prompt_logprobs: the row of prompt position p scores prompt token p + 1. Appends

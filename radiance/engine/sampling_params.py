@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from radiance.engine.structured_output import StructuredOutput
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +29,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens in prompt or output: logit / p if positive, else * p
     frequency_penalty: float = 0.0   # minus p x the token's count in the output
     presence_penalty: float = 0.0    # minus p once the token is in the output
+    # the output must match this JSON schema / regex / choice / grammar (tokens that would break it are masked)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -69,5 +73,5 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits change before the choice (bias or penalties)."""
-        return bool(self.logit_bias) or self.penalizes
+        """Whether the logits change before the choice (bias, penalties or a structured output)."""
+        return bool(self.logit_bias) or self.penalizes or self.structured_output is not None

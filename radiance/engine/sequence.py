@@ -38,6 +38,7 @@ class Sequence:
         self.text = ""
         self.admitted = False
         self.output_counts = None  # the sampler's device-side token counts, when penalties need them
+        self.grammar = None  # structured_output.GrammarState, when params.structured_output is set
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """Token sampling for a batch of rows, each with its own settings.
 
-First a row's logit bias and repetition / frequency / presence penalties change its logits (fp32).
+First a row's structured-output mask, logit bias and repetition / frequency / presence penalties
+change its logits (fp32).
 Greedy rows take the argmax. The others are scaled by temperature, filtered by top-k, top-p and min-p,
 and sampled by the exponential race (argmax of p / E, E ~ Exp(1)), which needs no cumulative sum and
 lets a seeded row draw its noise from its own generator: the same seed gives the same tokens however
@@ -40,13 +41,15 @@ class OutputCounts:
 @dataclass
 class LogitAdjustment:
     """A row's logit bias and penalties; `output` holds the output tokens the host knows (one still on the
-    device comes as adjust_logits' `pending`), and the prompt's for a repetition penalty."""
+    device comes as adjust_logits' `pending`), and the prompt's for a repetition penalty. `allowed`: the
+    tokens a structured output allows next, as int32 words on the logits' device (unpack_token_words)."""
 
     bias: tuple[tuple[int, float], ...] = ()
     repetition: float = 1.0
     frequency: float = 0.0
     presence: float = 0.0
     output: OutputCounts | None = None
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -75,10 +78,19 @@ def small_tensor_to(values: list, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+def unpack_token_words(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 words [R, W] -> bool [R, vocab]: token 32 i + j is set when bit j of word i is (xgrammar's
+    token bitmask)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
+
+
 def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] with each row's bias, then repetition, frequency and presence penalties applied (vLLM's
-    order and formulas), fp32; unchanged (same tensor) when no row asks. `pending` [B]: each row's newest
-    output token where it is still on the device (an overlapped decode step), counted as output."""
+    """logits [B, V] with each row's structured-output mask (-inf where a token is not allowed), bias, then
+    repetition, frequency and presence penalties applied (vLLM's order and formulas), fp32; unchanged (same
+    tensor) when no row asks. `pending` [B]: each row's newest output token where it is still on the
+    device (an overlapped decode step), counted as output."""
     picked = [i for i, r in enumerate(rows) if r.adjust is not None]
     if not picked:
         return logits
@@ -95,6 +107,14 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
     vals_b, rep, freq, pres = (part.float().unsqueeze(1) for part in floats.split(
         (len(bias), len(penalized), len(penalized), len(penalized))))
     sub = logits[idx].float()
+    masked = [j for j, a in enumerate(adj) if a.allowed is not None]
+    if masked:
+        keep = unpack_token_words(torch.stack([adj[j].allowed for j in masked]), vocab)
+        if len(masked) == len(adj):
+            sub.masked_fill_(~keep, float("-inf"))
+        else:
+            rows_m = small_tensor_to(masked, device)
+            sub[rows_m] = sub[rows_m].masked_fill(~keep, float("-inf"))
     if bias:
         sub.index_put_((rows_b, toks_b), vals_b.squeeze(1), accumulate=True)
     if penalized:

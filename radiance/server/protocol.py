@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from radiance.engine.structured_output import StructuredOutput
+
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
 
@@ -82,8 +84,41 @@ class ChatMessage(_Model):
         return self.content
 
 
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON object
+    strict: bool | None = None
+
+
 class ResponseFormat(_Model):
-    type: Literal["text"] = "text"  # json_object / json_schema need constrained decoding (not built)
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is needed with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        self.spec()
+        return self
+
+    def spec(self) -> StructuredOutput:
+        return StructuredOutput(json=self.json_, json_object=bool(self.json_object), regex=self.regex,
+                                choice=self.choice, grammar=self.grammar)
 
 
 class _SamplingFields(_Model):
@@ -108,6 +143,14 @@ class _SamplingFields(_Model):
     repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's extension; 1 = off
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
+    # the output held to a constraint: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
+    # older guided_* fields (at most one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -120,7 +163,34 @@ class _SamplingFields(_Model):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
+        self.structured_output()  # one constraint at most, and a well-formed one
         return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's output constraint, from whichever field gives it."""
+        return next(iter(self._constraints().values()), None)
+
+    def constraint_field(self) -> str | None:
+        """The request field that gives the output constraint."""
+        return next(iter(self._constraints()), None)
+
+    def _constraints(self) -> dict[str, StructuredOutput]:
+        given = {}
+        f = self.response_format
+        if f is not None and f.type == "json_object":
+            given["response_format"] = StructuredOutput(json_object=True)
+        elif f is not None and f.type == "json_schema":
+            schema = f.json_schema.schema_
+            given["response_format"] = StructuredOutput(json=schema) if schema else StructuredOutput(json_object=True)
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs.spec()
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given[name] = StructuredOutput(**{key: getattr(self, name)})
+        if len(given) > 1:
+            raise ValueError(f"give one output constraint, not {' and '.join(given)}")
+        return given
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -136,7 +206,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -44,6 +44,12 @@ def check_limits(state: ServerState, req: Any) -> None:
         raise invalid(f"{name} must be at most {state.config.max_logprobs}, got {wanted}", param=name)
     if req.logit_bias:
         check_token_ids(state, [int(t) for t in req.logit_bias], "logit_bias")
+    spec = req.structured_output()
+    if spec is not None:
+        try:
+            state.engine.check_structured_output(spec)  # compiles it (cached for the engine's own use)
+        except ValueError as exc:
+            raise invalid(str(exc), param=req.constraint_field()) from None
 
 
 def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
@@ -86,6 +92,7 @@ def sampling_params(req: Any, max_tokens: int, choice: int) -> SamplingParams:
         logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+        structured_output=req.structured_output(),
     )
 
 

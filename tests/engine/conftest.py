@@ -10,13 +10,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 64}
 
 
-def tiny_hf_model(arch: str, seed: int = 0):
+def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+                  num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512)
     if arch == "llama3":
         config = LlamaConfig(**common, rope_scaling=dict(LLAMA3_ROPE), rope_theta=5000.0)
     elif arch == "qwen2":
@@ -74,3 +74,44 @@ def smollm2():
     from radiance import LLM
 
     return LLM(device="cpu", max_num_seqs=8)
+
+
+TINY_TOKENIZER_VOCAB = 320  # the model's vocabulary: the tokenizer's ~300 tokens and a few unused rows
+
+
+def tiny_byte_bpe_tokenizer():
+    """A byte-level BPE tokenizer (256 bytes, `<eos>`, merges of a few English sentences), as small models
+    ship them: enough for tests that need text, not just token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["The quick brown fox jumps over the lazy dog.", '{"name": "Ann", "age": 31, "city": "Paris"}',
+            "Paris is the capital of France, and Rome is the capital of Italy."] * 20
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tiny_text_llm(tmp_path_factory):
+    """LLM factory over a tiny random Llama 3 with a real (byte-level BPE) tokenizer saved beside it."""
+    from radiance import LLM
+
+    path = tmp_path_factory.mktemp("llama3-text")
+    tokenizer = tiny_byte_bpe_tokenizer()
+    model = tiny_hf_model("llama3", seed=1, vocab_size=TINY_TOKENIZER_VOCAB)
+    for config in (model.config, model.generation_config):  # Llama's defaults (1, 2) are byte tokens here
+        config.bos_token_id, config.eos_token_id = None, tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+    def make(**options):
+        options.setdefault("device", "cpu")
+        options.setdefault("dtype", "float32")
+        return LLM(str(path), **options)
+
+    return make

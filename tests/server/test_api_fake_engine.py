@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from radiance.config import ServerConfig
+from radiance.engine.structured_output import StructuredOutput
 from radiance.server.api import build_app
 from radiance.server.state import ServerState
 from tests.server.fake_engine import FakeEngine, serve_in_thread
@@ -96,6 +97,28 @@ def test_penalties_and_logit_bias_reach_the_engine(client, server):
     client.completions.create(model="fake", prompt="abc", max_tokens=2)
     p = server[1].requests[-1][2]
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, ())
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("fields, want", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}),
+     StructuredOutput(json=SCHEMA)),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "any"}}), StructuredOutput(json_object=True)),
+    (dict(response_format={"type": "json_object"}), StructuredOutput(json_object=True)),
+    (dict(response_format={"type": "text"}), None),
+    (dict(structured_outputs={"regex": "[0-9]+"}), StructuredOutput(regex="[0-9]+")),
+    (dict(structured_outputs={"choice": ["yes", "no"]}), StructuredOutput(choice=("yes", "no"))),
+    (dict(guided_json=SCHEMA), StructuredOutput(json=SCHEMA)),
+    (dict(guided_grammar='root ::= "a"'), StructuredOutput(grammar='root ::= "a"')),
+    (dict(guided_choice=["x", "y"]), StructuredOutput(choice=("x", "y"))),
+])
+def test_output_constraints_reach_the_engine(client, server, fields, want):
+    chat(client, "abc", extra_body=fields)
+    assert server[1].requests[-1][2].structured_output == want
+    client.completions.create(model="fake", prompt="abc", max_tokens=2, extra_body=fields)
+    assert server[1].requests[-1][2].structured_output == want
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server):

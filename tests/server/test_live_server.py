@@ -117,6 +117,21 @@ def test_n_and_seed_reproducible(client):
     assert first.usage.completion_tokens > 0 and all(texts)
 
 
+def test_response_format_and_structured_outputs(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,19}$"},
+                                               "country": {"type": "string", "pattern": "^[A-Z][a-z]{1,19}$"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Name a city in Italy."}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    place = json.loads(r.choices[0].message.content)
+    assert list(place) == ["city", "country"] and all(isinstance(v, str) for v in place.values())
+    stream = client.completions.create(model="smol", prompt="The best season is", max_tokens=8, temperature=0,
+                                       stream=True, extra_body={"structured_outputs": {"choice": [" summer", " winter"]}})
+    assert "".join(chunk.choices[0].text for chunk in stream) in (" summer", " winter")
+
+
 def test_models_and_api_key(client, server):
     assert [m.id for m in client.models.list().data] == ["smol", "smol-alias"]
     bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)

@@ -1,0 +1,216 @@
+"""Structured output: the sampler's token mask against xgrammar's own, and the embedded SmolLM2 held to JSON
+schemas, regular expressions, choices and grammars (which it does not follow when unconstrained)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from radiance import LLM, SamplingParams
+from radiance.engine.structured_output import StructuredOutput, StructuredOutputError
+from radiance.layers.sampler import LogitAdjustment, SamplingRow, adjust_logits, sample, unpack_token_words
+
+# a pattern rather than maxLength: xgrammar 0.2.9 lets a string with maxLength hold raw control characters
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "likes_tea": {"type": "boolean"}},
+          "required": ["name", "age", "likes_tea"], "additionalProperties": False}
+ASK_PERSON = [{"role": "user", "content": "Describe Ann, a 31-year-old teacher who loves tea."}]
+
+
+def check_person(text: str) -> None:
+    value = json.loads(text)
+    assert list(value) == ["name", "age", "likes_tea"]  # required keys, in the schema's order
+    assert re.fullmatch("[A-Z][a-z]{1,15}", value["name"])
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 150 and isinstance(value["likes_tea"], bool)
+    return True
+
+
+@pytest.mark.parametrize("vocab", [32, 1000, 49152])
+def test_unpacked_mask_matches_xgrammars_own(vocab):
+    torch.manual_seed(vocab)
+    words = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    logits = torch.randn(3, vocab)
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, words, vocab_size=vocab)
+    keep = unpack_token_words(words, vocab)
+    assert torch.equal(logits.masked_fill(~keep, float("-inf")), want)
+    assert 0 < keep.sum() < keep.numel()
+
+
+def test_only_constrained_rows_are_masked_and_bias_still_applies():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.5], [3.0, 1.0, 2.0, 0.5], [3.0, 1.0, 2.0, 0.5]])
+    allow_1_3 = torch.tensor([0b1010], dtype=torch.int32)
+    rows = [SamplingRow(0.0, num_logprobs=0, adjust=LogitAdjustment(allowed=allow_1_3)),
+            SamplingRow(0.0),
+            SamplingRow(0.0, adjust=LogitAdjustment(bias=((3, 5.0),), allowed=allow_1_3))]
+    out = adjust_logits(logits, rows)
+    inf = float("-inf")
+    assert out.tolist() == [[inf, 1.0, inf, 0.5], [3.0, 1.0, 2.0, 0.5], [inf, 1.0, inf, 5.5]]
+    result = sample(logits, rows)
+    assert result.token_ids == [1, 0, 3]
+    assert result.logprobs[0][0] == pytest.approx(logits[0].log_softmax(-1)[1].item())  # the model's logprob
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(json="{}", regex="a"), dict(choice=()), dict(choice=("a", ""))])
+def test_exactly_one_well_formed_constraint(kwargs):
+    with pytest.raises(StructuredOutputError):
+        StructuredOutput(**kwargs)
+
+
+def test_a_schema_dict_keeps_its_key_order():
+    spec = StructuredOutput(json=PERSON)
+    assert list(json.loads(spec.json)["properties"]) == ["name", "age", "likes_tea"] and spec.kind == "json"
+
+
+CASES = {
+    "json": (StructuredOutput(json=PERSON), check_person),
+    "json_object": (StructuredOutput(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+    "regex": (StructuredOutput(regex=r"[A-Z][a-z]+, age [0-9]{2}"),
+              lambda t: re.fullmatch(r"[A-Z][a-z]+, age [0-9]{2}", t)),
+    "choice": (StructuredOutput(choice=("teacher", "doctor", "pilot")), lambda t: t in ("teacher", "doctor", "pilot")),
+    "grammar": (StructuredOutput(grammar='root ::= "Name: " [A-Za-z]{1,12} "; age: " [1-9] [0-9]?'),
+                lambda t: re.fullmatch(r"Name: [A-Za-z]{1,12}; age: [1-9][0-9]?", t)),
+}
+
+
+@pytest.mark.slow
+def test_constraints_hold_greedy_and_sampled(smollm2):
+    free = smollm2.chat(ASK_PERSON, SamplingParams(max_tokens=24, temperature=0.0))[0].outputs[0].text
+    for name, (spec, valid) in CASES.items():
+        assert not valid_quietly(valid, free), name  # not vacuous: unconstrained, the model writes prose
+        for params in (SamplingParams(max_tokens=48, temperature=0.0, structured_output=spec),
+                       SamplingParams(max_tokens=48, temperature=1.0, seed=7, structured_output=spec)):
+            out = smollm2.chat(ASK_PERSON, params)[0].outputs[0]
+            assert out.finish_reason == "stop", (name, out.text)
+            assert valid(out.text), (name, out.text)
+
+
+def valid_quietly(valid, text) -> bool:
+    try:
+        return bool(valid(text))
+    except (ValueError, AssertionError):
+        return False
+
+
+@pytest.mark.slow
+def test_constrained_and_free_rows_share_a_batch(smollm2):
+    prompt = smollm2.apply_chat_template(ASK_PERSON)
+    free = SamplingParams(max_tokens=12, temperature=0.0)
+    alone = smollm2.generate(prompt, free)[0].outputs[0].token_ids
+    outs = smollm2.generate([prompt] * 3, [SamplingParams(max_tokens=48, temperature=0.0,
+                                                          structured_output=CASES["json"][0]), free,
+                                           SamplingParams(max_tokens=48, temperature=0.0,
+                                                          structured_output=CASES["choice"][0])])
+    check_person(outs[0].outputs[0].text)
+    assert outs[1].outputs[0].token_ids == alone
+    assert outs[2].outputs[0].text in ("teacher", "doctor", "pilot")
+
+
+@pytest.mark.slow
+def test_ignore_eos_still_ends_where_the_constraint_does(smollm2):
+    spec = CASES["choice"][0]
+    out = smollm2.chat(ASK_PERSON, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                  structured_output=spec))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in spec.choice
+
+
+def test_bad_constraints_are_refused_up_front(smollm2):
+    engine = smollm2.engine
+    for spec, message in [(StructuredOutput(json="{not json"), "invalid json constraint: .*JSON"),
+                          (StructuredOutput(regex="[a-"), "invalid regex constraint: .*Unclosed"),
+                          (StructuredOutput(grammar="root ::= missing"), "invalid grammar constraint: .*missing")]:
+        with pytest.raises(StructuredOutputError, match=message):
+            engine.add_request("bad", [1, 2, 3], SamplingParams(structured_output=spec))
+    assert "bad" not in engine.sequences
+
+
+def test_a_model_without_tokenizer_refuses_structured_output(tiny_llm):
+    llm = tiny_llm()
+    with pytest.raises(StructuredOutputError, match="needs the model's tokenizer"):
+        llm.engine.add_request("r", [1, 2, 3], SamplingParams(structured_output=StructuredOutput(regex="a+")))
+
+
+TINY_CASES = [StructuredOutput(json=PERSON), StructuredOutput(regex=r"[a-z]{3,6}( [a-z]{2,5}){2}\."),
+              StructuredOutput(choice=("Paris", "Rome", "brown fox"))]
+
+
+def tiny_valid(spec: StructuredOutput, text: str) -> bool:
+    if spec.json is not None:
+        return valid_quietly(check_person, text)
+    if spec.regex is not None:
+        return re.fullmatch(spec.regex, text) is not None
+    return text in spec.choice
+
+
+def test_tiny_random_model_held_to_constraints(tiny_text_llm):
+    """A random model with a byte-level BPE tokenizer: its free text is noise, its constrained text valid."""
+    llm = tiny_text_llm()
+    prompt = llm.tokenizer("Paris is", add_special_tokens=False).input_ids
+    free = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0))[0].outputs[0].text
+    params = [SamplingParams(max_tokens=80, temperature=t, seed=3, structured_output=spec)
+              for spec in TINY_CASES for t in (0.0, 1.0)]
+    outs = llm.generate([prompt] * len(params), params)
+    for p, out in zip(params, outs):
+        spec = p.structured_output
+        assert not tiny_valid(spec, free)
+        assert out.outputs[0].finish_reason == "stop" and tiny_valid(spec, out.outputs[0].text), (spec, out.outputs[0])
+
+
+@pytest.mark.gpu
+def test_gpu_constrained_tokens_equal_the_cpus(tiny_text_llm):
+    """fp32 on both sides: the GPU (graphs, overlapped decode for the free row) picks the CPU's tokens under
+    the same masks, and the mask unpacks the same on the device."""
+    words = torch.randint(-2**31, 2**31 - 1, (4, 10), dtype=torch.int32)
+    assert torch.equal(unpack_token_words(words.cuda(), 300).cpu(), unpack_token_words(words, 300))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu = tiny_text_llm()
+    gpu = tiny_text_llm(device="cuda", num_gpu_blocks_override=128, max_num_seqs=8, cuda_graph_max_batch=8)
+    assert gpu.engine.overlap_decode
+    prompt = cpu.tokenizer("Paris is", add_special_tokens=False).input_ids
+    params = [SamplingParams(max_tokens=80, temperature=0.0, structured_output=spec) for spec in TINY_CASES]
+    params.append(SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    want = [o.outputs[0].token_ids for o in cpu.generate([prompt] * len(params), params)]
+    got = [o.outputs[0].token_ids for o in gpu.generate([prompt] * len(params), params)]
+    assert got == want
+    for spec, out in zip(TINY_CASES, gpu.generate([prompt] * 3, params[:3])):
+        assert tiny_valid(spec, out.outputs[0].text)
+    gpu.generate(prompt, params[-1])
+    assert gpu.engine.overlapped_steps > 0
+
+
+@pytest.mark.parametrize("options", [dict(overlap_decode=True), dict(max_num_batched_tokens=16, overlap_decode=True),
+                                     dict(num_gpu_blocks_override=6, max_num_batched_tokens=32, overlap_decode=True)],
+                         ids=["overlap", "chunked", "preemption"])
+def test_queued_ahead_steps_sample_constrained_rows_as_in_order_steps_do(tiny_text_llm, options):
+    """With the overlapped decode the forward is queued before the host has the last token and the sampling
+    waits for the mask: same tokens as one step at a time, penalties counting each token once."""
+    prompts = [[40 + i for i in range(n)] for n in (5, 23, 9, 14)]
+    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_output=TINY_CASES[0]),
+              SamplingParams(max_tokens=60, temperature=0.0, structured_output=TINY_CASES[1],
+                             repetition_penalty=1.5, frequency_penalty=0.5),
+              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=1.0)]
+    want = [o.outputs[0].token_ids for o in tiny_text_llm(max_num_seqs=4).generate(prompts, params)]
+    llm = tiny_text_llm(max_num_seqs=4, **options)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.overlapped_steps > 0
+    if "num_gpu_blocks_override" in options:
+        assert llm.engine.stats().num_preemptions > 0
+
+
+def test_cli_generate_holds_to_a_schema_file_and_names_bad_options(tmp_path, capsys):
+    from radiance.cli import main
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    assert main(["generate", "Describe Ann.", "--json-schema", str(schema), "--max-tokens", "40", "--device", "cpu"]) == 0
+    check_person(capsys.readouterr().out.strip())
+    assert main(["generate", "x", "--regex", "[a-", "--device", "cpu"]) == 2
+    assert "invalid regex constraint" in capsys.readouterr().err
+    assert main(["generate", "x", "--grammar", str(tmp_path / "missing.ebnf"), "--device", "cpu"]) == 2
+    assert "--grammar: cannot read" in capsys.readouterr().err
