@@ -15,10 +15,11 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from radiance.engine.structured_output import StructuredOutput, hermes_tool_call_grammar
 from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
 from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
-from radiance.server.protocol import ChatCompletionRequest, new_id, now, usage
+from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, new_id, now, usage
 from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
                                             guarded_sse, merged_outputs, resolve_max_tokens, sampling_params, sse)
@@ -133,8 +134,9 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
 
 
 def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> str:
-    """tool_choice "required" / named without constrained decoding: the prompt ends with the opening
-    of a tool call (and the function name when one is named), so the model can only continue a call."""
+    """tool_choice "required" / named: the prompt ends with the opening of a tool call (and the function
+    name when one is named), so the model can only continue a call (with Hermes markup, held to the tools'
+    schemas too: forced_tool_call_constraint)."""
     if req.tool_choice in (None, "auto", "none"):
         return ""
     if state.tool_parser_name is None:
@@ -148,6 +150,24 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     return f'{START_TAG}\n{{"name": {json.dumps(name)}, "arguments": '
 
 
+def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest) -> StructuredOutput | None:
+    """With Hermes markup, the rest of a forced tool call held to the tools' parameter schemas (so it parses
+    and its arguments validate); None for other markups, which only get the prefix."""
+    if req.structured_output() is not None:
+        raise invalid("tool_choice required/named already constrains the output; drop "
+                      f"{req.constraint_field()} or use tool_choice auto", param="tool_choice")
+    if state.tool_parser_name != "hermes":
+        return None
+    named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+    try:
+        spec = StructuredOutput(grammar=hermes_tool_call_grammar([t.model_dump(exclude_none=True) for t in req.tools],
+                                                                 named))
+        state.engine.check_structured_output(spec)
+    except ValueError as exc:
+        raise invalid(str(exc), param="tools") from None
+    return spec
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     engine = state.require_engine()
     model = state.check_model(req.model)
@@ -159,11 +179,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         if prompt_opens_thinking(prompt):
             prompt += "\n</think>\n\n"
         prompt += forced_prefix
+    constraint = forced_tool_call_constraint(state, req) if forced_prefix else req.structured_output()
     prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     request_id = new_id("chatcmpl")
-    jobs = [EngineJob(f"{request_id}-{i}", prompt_ids, sampling_params(req, max_tokens, i)) for i in range(req.n)]
+    jobs = [EngineJob(f"{request_id}-{i}", prompt_ids, sampling_params(req, max_tokens, i, constraint))
+            for i in range(req.n)]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
     opens_thinking = prompt_opens_thinking(prompt)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix) for i in range(req.n)]

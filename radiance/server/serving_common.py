@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 
 from radiance.engine.sampling_params import SamplingParams
+from radiance.engine.structured_output import StructuredOutput
 from radiance.server.errors import OpenAIError, invalid, sse_error
 from radiance.server.state import ServerState
 
@@ -78,7 +79,9 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | Non
     return requested
 
 
-def sampling_params(req: Any, max_tokens: int, choice: int) -> SamplingParams:
+def sampling_params(req: Any, max_tokens: int, choice: int, constraint: StructuredOutput | None) -> SamplingParams:
+    """The engine's parameters for choice `choice` of a request, its output held to `constraint` (the
+    request's own structured output, or a forced tool call's)."""
     seed = None if req.seed is None else req.seed + choice
     return SamplingParams(
         n=1, max_tokens=max_tokens,
@@ -92,7 +95,7 @@ def sampling_params(req: Any, max_tokens: int, choice: int) -> SamplingParams:
         logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
-        structured_output=req.structured_output(),
+        structured_output=constraint,
     )
 
 

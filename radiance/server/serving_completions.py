@@ -92,7 +92,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         max_tokens = resolve_max_tokens(state, len(ids), req.output_limit(), "max_tokens")
         for i in range(req.n):
             index = p * req.n + i
-            jobs.append(EngineJob(f"{request_id}-{index}", ids, sampling_params(req, max_tokens, i)))
+            jobs.append(EngineJob(f"{request_id}-{index}", ids, sampling_params(req, max_tokens, i, req.structured_output())))
             choices.append(CompletionChoice(state, index, text, req.echo))
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     outputs = merged_outputs(engine, jobs)

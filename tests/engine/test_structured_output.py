@@ -214,3 +214,45 @@ def test_cli_generate_holds_to_a_schema_file_and_names_bad_options(tmp_path, cap
     assert "invalid regex constraint" in capsys.readouterr().err
     assert main(["generate", "x", "--grammar", str(tmp_path / "missing.ebnf"), "--device", "cpu"]) == 2
     assert "--grammar: cannot read" in capsys.readouterr().err
+
+
+def test_choices_are_matched_literally():
+    from radiance.engine.structured_output import GrammarBackend
+    from tests.engine.conftest import tiny_byte_bpe_tokenizer
+
+    backend = GrammarBackend(tiny_byte_bpe_tokenizer(), 320, [0])
+    spec = StructuredOutput(choice=('say "hi"', "a\\b|c", "(x)*"))
+    for text, ok in [('say "hi"', True), ("a\\b|c", True), ("(x)*", True), ("say hi", False), ("a\\b", False),
+                     ("xx", False), ("(x)", False)]:
+        state = backend.matcher(spec)
+        assert (state.matcher.accept_string(text) and state.matcher.is_completed()) == ok, text
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
+                                              "unit": {"enum": ["celsius", "fahrenheit"]}},
+             "required": ["city", "unit"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("named", [None, "get_weather", "get_time"])
+def test_forced_hermes_tool_calls_parse_and_follow_the_schema(smollm2, named):
+    """The server's forced tool call: the prompt ends with the call's opening, the grammar holds the rest."""
+    from radiance.engine.structured_output import hermes_tool_call_grammar
+    from radiance.server.tool_parsers import HermesToolParser, parse_tool_calls
+
+    prefix = "<tool_call>\n" + (f'{{"name": "{named}", "arguments": ' if named else "")
+    prompt = smollm2.apply_chat_template([{"role": "user", "content": "What is the weather in Rome?"}]) + prefix
+    spec = StructuredOutput(grammar=hermes_tool_call_grammar(TOOLS, named))
+    out = smollm2.generate(prompt, SamplingParams(max_tokens=60, temperature=0.0, structured_output=spec))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text.endswith("</tool_call>"), out.text
+    [call] = parse_tool_calls(HermesToolParser(TOOLS), prefix + out.text).tool_calls
+    args = json.loads(call.arguments)
+    assert call.name == (named or call.name) and call.name in ("get_weather", "get_time")
+    if call.name == "get_weather":
+        assert set(args) == {"city", "unit"} and re.fullmatch("[A-Z][a-z]{1,15}", args["city"])
+        assert args["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert set(args) == {"zone"} and isinstance(args["zone"], str)

@@ -338,6 +338,16 @@ def test_named_tool_choice_prefills_the_call(client, server, stream):
     assert content == "" and reason == "tool_calls"
     prompt = server[1].tokenizer.decode(server[1].requests[-1][1])
     assert prompt.endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    grammar = server[1].requests[-1][2].structured_output.grammar  # the rest held to the tool's schema
+    assert '"\\"city\\""' in grammar and "</tool_call>" in grammar
+
+
+def test_forced_tool_call_with_an_unusable_parameters_schema_is_a_400(server):
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}
+    r = http(server, "POST", "/v1/chat/completions", body)
+    check_error_shape(r, 400, "tools")
+    assert "bogus" in r.json()["error"]["message"]
 
 
 def test_streaming_n_choices_each_complete(client):
