@@ -11,7 +11,6 @@ the token before it, which the next mask depends on.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -75,10 +74,10 @@ class GrammarBackend:
             raise StructuredOutputError(f"structured output cannot use this model's tokenizer: {exc}") from exc
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
-        # fills a batch's masks on a few threads: inside a JSON string a 128k-vocabulary mask takes ~0.14 ms
-        # per row (H200 host, 32 rows: 4.5 ms alone, 2.2 on the default thread count, which made cheap regex
-        # masks slower: 0.6 -> 1.6 ms; 4 threads were the fastest for those in isolation, bench/RESULTS.md)
-        self.batch = xgr.BatchGrammarMatcher(max_threads=min(4, os.cpu_count() or 1))
+        # fills a batch's masks on xgrammar's default thread count: inside JSON strings a 128k-vocabulary mask
+        # takes ~0.14 ms per row (H200 host, 32 rows: 4.5 ms one by one, 2.2 ms so); cheap regex masks
+        # lose to threads (0.6 -> 1.6 ms), but less than JSON gains (bench/RESULTS.md, eighteenth session)
+        self.batch = xgr.BatchGrammarMatcher()
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled constraint (cached by its text); StructuredOutputError when it does not compile."""
