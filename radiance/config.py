@@ -140,12 +140,29 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Prompt-lookup (n-gram) speculative decoding of a lone sequence: the tokens that followed the latest
+    earlier occurrence of its last few tokens are proposed and checked in one forward (exact: a draft is
+    kept only where the model samples that very token). Pays on repetitive output (code edits, quoting,
+    extraction); with no match it costs only the overlapped decode, which it turns off."""
+
+    ngram_draft_tokens: int = 0  # tokens proposed per step (0: off); rows with logprobs, a seed, penalties, logit bias or structured output are not speculated
+    ngram_max: int = 4  # longest suffix n-gram looked up in the sequence's own tokens
+    ngram_min: int = 2  # shortest suffix n-gram that may match
+
+    def __post_init__(self):
+        _check(0 <= self.ngram_draft_tokens <= 32, "ngram_draft_tokens must be in [0, 32]")
+        _check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_flat(cls, **kwargs) -> "EngineConfig":

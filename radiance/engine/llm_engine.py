@@ -12,6 +12,7 @@ from radiance.engine.block_manager import BlockManager
 from radiance.engine.detokenizer import IncrementalDetokenizer
 from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
+from radiance.engine.ngram import propose_ngram_drafts
 from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from radiance.engine.sampling_params import SamplingParams
 from radiance.engine.scheduler import ScheduledSequence, Scheduler
@@ -43,6 +44,8 @@ class LLMEngine:
         self._ahead = None  # (queued decode step, each sequence's position in it): see _launch_ahead
         self.overlapped_steps = 0  # steps served by a step queued ahead
         self._grammar_backend: GrammarBackend | None = None  # built on the first structured-output request
+        self.draft_tokens = 0  # n-gram drafts proposed (SpeculativeConfig)
+        self.accepted_draft_tokens = 0  # ... and kept
         self.sequences: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._aborted: deque[RequestOutput] = deque()
@@ -124,6 +127,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = list(self._aborted)
         self._aborted.clear()
+        self._propose_drafts()
         scheduled = self.scheduler.schedule()
         ahead, self._ahead = self._ahead, None
         if not scheduled:
@@ -138,23 +142,72 @@ class LLMEngine:
             self.runner.sample(handle)
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.commit(s.seq)
+            if not s.seq.num_draft_tokens:  # a speculative step commits once its drafts are checked
+                self.block_manager.commit(s.seq)
         if self.overlap_decode:
             self._ahead = self._launch_ahead(handle, scheduled)
         sampled, result = self.runner.finish(handle)
-        for i, s in enumerate(sampled):
+        row = 0
+        for s in sampled:
             seq = s.seq
-            logprob = None
-            if result.logprobs[i] is not None:
-                chosen, top = result.logprobs[i]
-                logprob = TokenLogprob(result.token_ids[i], chosen, top)
-            self._append(seq, result.token_ids[i], logprob)
+            if seq.num_draft_tokens:
+                self._verify_drafts(seq, result.token_ids[row:row + 1 + seq.num_draft_tokens])
+                row += 1 + seq.num_draft_tokens
+                seq.num_draft_tokens = 0
+            else:
+                logprob = None
+                if result.logprobs[row] is not None:
+                    chosen, top = result.logprobs[row]
+                    logprob = TokenLogprob(result.token_ids[row], chosen, top)
+                self._append(seq, result.token_ids[row], logprob)
+                row += 1
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self.scheduler.remove(seq)
                 self.sequences.pop(seq.request_id, None)
                 self.detokenizers.pop(seq.request_id, None)
         return outputs
+
+    # ---------------------------------------------------------------- speculative decoding
+    # A lone decoding sequence may get n-gram drafts appended to its tokens; the scheduler then computes
+    # them with its last token in one step, each position samples as a plain decode would, and the drafts
+    # are kept up to the first one that differs from what was sampled before it (then that sample follows).
+
+    def _propose_drafts(self) -> None:
+        spec = self.config.speculative
+        if not spec.ngram_draft_tokens or len(self.scheduler.running) != 1 or self.scheduler.waiting:
+            return
+        seq = self.scheduler.running[0]
+        p = seq.params
+        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.generator is not None or p.logprobs is not None
+                or p.adjusts_logits):
+            return  # not decoding, or a row whose tokens or outputs depend on one draw per step
+        room = min(spec.ngram_draft_tokens, self.max_model_len - seq.num_tokens - 1,
+                   self.config.scheduler.max_num_batched_tokens - 1)  # one step computes them all
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+        drafts = propose_ngram_drafts(seq.token_ids, room, spec.ngram_max, spec.ngram_min)
+        if drafts and self.block_manager.can_allocate(seq, 1 + len(drafts)):
+            seq.token_ids.extend(drafts)
+            seq.num_draft_tokens = len(drafts)
+            self.draft_tokens += len(drafts)
+
+    def _verify_drafts(self, seq: Sequence, sampled: list[int]) -> None:
+        """Keeps the drafts that match what was sampled at the position before each, then the first sample
+        that differs (or the one after the last draft); K/V past the kept tokens is rewritten later."""
+        drafts = seq.token_ids[-seq.num_draft_tokens:]
+        del seq.token_ids[-seq.num_draft_tokens:]
+        kept = 0
+        while kept < len(drafts) and sampled[kept] == drafts[kept]:
+            kept += 1
+        self.accepted_draft_tokens += kept
+        seq.num_computed_tokens -= len(drafts) - kept
+        for token in sampled[:kept + 1]:
+            self._append(seq, token, None)
+            if seq.is_finished:
+                break
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        self.block_manager.commit(seq)
 
     # ---------------------------------------------------------------- overlapped decode
     # While the host reads step n's tokens and does its bookkeeping, step n+1 (same sequences, each
@@ -169,6 +222,8 @@ class LLMEngine:
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
         if not handle.sampled or len(handle.sampled) != len(scheduled) or not decode_only:
             return None  # only decode steps, where every sequence sampled
+        if self.config.speculative.ngram_draft_tokens and len(scheduled) == 1:
+            return None  # the next step may speculate, which needs this step's token to look up drafts
         if self.scheduler.waiting and len(self.scheduler.running) < self.config.scheduler.max_num_seqs:
             return None  # the next schedule admits a waiting request
         keep = []

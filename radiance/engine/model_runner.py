@@ -74,7 +74,7 @@ class StepHandle:
         if self.ready is not None:
             self.ready.synchronize()
         if self.host_rows is None:
-            return self.host_ids[:len(self.sampled)].tolist()
+            return self.host_ids[:len(self.rows)].tolist()
         ids = self.host_ids.tolist()
         return [ids[i] for i in self.host_rows]
 
@@ -110,7 +110,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, kv_dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # pinned landing buffers of the sampled ids, used in turn (like the graph inputs' staging sets)
-        max_rows = config.scheduler.max_num_seqs
+        max_rows = max(config.scheduler.max_num_seqs, 1 + config.speculative.ngram_draft_tokens)  # sampled rows
         pin = device.type == "cuda"
         self.h_ids = [torch.zeros(max_rows, dtype=torch.long, pin_memory=pin) for _ in range(3)]
         self._readback = 0
@@ -202,10 +202,10 @@ class ModelRunner:
             return StepHandle([], [])
         if is_decode and len(sampling) == batch:
             logits = self.model.compute_logits(hidden, fp32=False)  # one row per sequence already
-        else:
+        else:  # each sampling sequence's last row, and the rows of its draft tokens before it
             last_rows = np.cumsum(q_lens) - 1
-            rows = torch.as_tensor(last_rows[sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[rows], fp32=False)
+            rows = [r for i in sampling for r in range(last_rows[i] - scheduled[i].seq.num_draft_tokens, last_rows[i] + 1)]
+            logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=self.device)], fp32=False)
         handle = StepHandle([scheduled[i] for i in sampling], [], logits)
         if any(s.seq.grammar is not None for s in handle.sampled):
             return handle  # the engine samples it once the host has every token before it (the masks need them)
@@ -215,7 +215,7 @@ class ModelRunner:
     def sample(self, handle: StepHandle, pending: torch.Tensor | None = None) -> StepHandle:
         """Queues the sampling of a launched step's logits and the copy home of its ids (behind an event).
         `pending` (device, one per row): each sequence's newest token where the host does not have it yet."""
-        seqs = [s.seq for s in handle.sampled]
+        seqs = [s.seq for s in handle.sampled for _ in range(1 + s.seq.num_draft_tokens)]  # one per logits row
         logits = handle.logits
         rows = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs,
                             logit_adjustment(seq, logits.shape[-1], logits.device) if p.adjusts_logits else None)
@@ -312,7 +312,11 @@ class ModelRunner:
         one sequence: padding rows write no KV (slot -1) and lie outside cu_seqlens, so attention never
         computes them; the caller keeps the first q_len rows of the output."""
         limit = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens)
-        self.prefill_sizes = sorted({t for t in self.config.runner.prefill_graph_tokens if 0 < t <= limit})
+        sizes = set(self.config.runner.prefill_graph_tokens)
+        drafts = self.config.speculative.ngram_draft_tokens
+        if drafts:  # a speculative step checks 1 + drafts tokens of one sequence: a small bucket of its own
+            sizes.add(1 << drafts.bit_length())
+        self.prefill_sizes = sorted({t for t in sizes if 0 < t <= limit})
         if not self.prefill_sizes:
             return
         dev, top = self.device, self.prefill_sizes[-1]

@@ -39,6 +39,7 @@ class Sequence:
         self.admitted = False
         self.output_counts = None  # the sampler's device-side token counts, when penalties need them
         self.grammar = None  # structured_output.GrammarState, when params.structured_output is set
+        self.num_draft_tokens = 0  # speculative tokens at the end of token_ids, until their step is verified
 
     @property
     def num_tokens(self) -> int:
