@@ -12,7 +12,7 @@ from radiance.engine.block_manager import BlockManager
 from radiance.engine.detokenizer import IncrementalDetokenizer
 from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
-from radiance.engine.ngram import propose_ngram_drafts
+from radiance.engine.ngram import may_find_drafts, propose_ngram_drafts
 from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from radiance.engine.sampling_params import SamplingParams
 from radiance.engine.scheduler import ScheduledSequence, Scheduler
@@ -173,15 +173,21 @@ class LLMEngine:
     # them with its last token in one step, each position samples as a plain decode would, and the drafts
     # are kept up to the first one that differs from what was sampled before it (then that sample follows).
 
+    def _speculates(self, seq: Sequence) -> bool:
+        """Whether a lone decoding sequence may get drafts (not rows whose outputs depend on one draw or
+        one set of counts per step)."""
+        p = seq.params
+        return (bool(self.config.speculative.ngram_draft_tokens) and seq.generator is None and p.logprobs is None
+                and not p.adjusts_logits)
+
     def _propose_drafts(self) -> None:
         spec = self.config.speculative
-        if not spec.ngram_draft_tokens or len(self.scheduler.running) != 1 or self.scheduler.waiting:
+        if len(self.scheduler.running) != 1 or self.scheduler.waiting:
             return
         seq = self.scheduler.running[0]
+        if seq.num_computed_tokens != seq.num_tokens - 1 or not self._speculates(seq):
+            return
         p = seq.params
-        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.generator is not None or p.logprobs is not None
-                or p.adjusts_logits):
-            return  # not decoding, or a row whose tokens or outputs depend on one draw per step
         room = min(spec.ngram_draft_tokens, self.max_model_len - seq.num_tokens - 1,
                    self.config.scheduler.max_num_batched_tokens - 1)  # one step computes them all
         if p.max_tokens is not None:
@@ -222,7 +228,8 @@ class LLMEngine:
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
         if not handle.sampled or len(handle.sampled) != len(scheduled) or not decode_only:
             return None  # only decode steps, where every sequence sampled
-        if self.config.speculative.ngram_draft_tokens and len(scheduled) == 1:
+        if (len(scheduled) == 1 and self._speculates(scheduled[0].seq)
+                and may_find_drafts(scheduled[0].seq.token_ids, self.config.speculative.ngram_min)):
             return None  # the next step may speculate, which needs this step's token to look up drafts
         if self.scheduler.waiting and len(self.scheduler.running) < self.config.scheduler.max_num_seqs:
             return None  # the next schedule admits a waiting request
@@ -297,4 +304,5 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage(), num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            draft_tokens_total=self.draft_tokens, accepted_draft_tokens_total=self.accepted_draft_tokens)

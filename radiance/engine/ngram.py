@@ -21,3 +21,15 @@ def propose_ngram_drafts(token_ids: list[int], max_drafts: int, n_max: int, n_mi
             start = int(hits[-1]) + n
             return ids[start:start + max_drafts].tolist()
     return []
+
+
+def may_find_drafts(token_ids: list[int], n_min: int) -> bool:
+    """Whether the lookup after one more (unknown) token can match: its suffix holds the last n_min - 1
+    known tokens, so they must occur earlier. Lets a step that cannot speculate next keep the overlap."""
+    n = n_min - 1
+    if n == 0:
+        return len(token_ids) > 0
+    if len(token_ids) <= n:
+        return False
+    ids = np.asarray(token_ids, dtype=np.int64)
+    return bool((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1).any())

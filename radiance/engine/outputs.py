@@ -33,3 +33,5 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    draft_tokens_total: int = 0  # speculative (n-gram) tokens proposed
+    accepted_draft_tokens_total: int = 0  # ... and kept

@@ -49,6 +49,10 @@ class _EngineCollector:
         yield counter("num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", stats.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        yield counter("spec_decode_num_draft_tokens", "Speculative (n-gram) draft tokens proposed.",
+                      stats.draft_tokens_total)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative draft tokens kept.",
+                      stats.accepted_draft_tokens_total)
 
 
 class ServerMetrics:

@@ -6,7 +6,7 @@ import pytest
 
 from radiance import SamplingParams
 from radiance.config import SpeculativeConfig
-from radiance.engine.ngram import propose_ngram_drafts
+from radiance.engine.ngram import may_find_drafts, propose_ngram_drafts
 
 
 @pytest.mark.parametrize("ids, want", [
@@ -20,6 +20,15 @@ def test_drafts_continue_the_latest_earlier_occurrence(ids, want):
     assert propose_ngram_drafts(ids, 4, n_max=3, n_min=2) == want
 
 
+@pytest.mark.parametrize("ids, n_min, want", [([1, 2, 3, 2], 2, True), ([1, 2, 3, 4], 2, False),
+                                              ([1, 2, 3, 1, 2], 3, True), ([1, 2, 3, 2, 1], 3, False),
+                                              ([4], 1, True)])
+def test_whether_the_next_lookup_can_match(ids, n_min, want):
+    assert may_find_drafts(ids, n_min) == want
+    for new in (1, 2, 3, 4, 5):  # agrees with the lookup itself, whatever token comes next
+        assert not propose_ngram_drafts(ids + [new], 4, n_max=n_min, n_min=n_min) or want
+
+
 def test_speculative_config_is_checked():
     with pytest.raises(ValueError):
         SpeculativeConfig(ngram_min=3, ngram_max=2)
@@ -30,8 +39,9 @@ def test_speculative_config_is_checked():
 LOOPY = [[9, 8, 7, 6, 9, 8, 7, 6, 9, 8], list(range(30, 60)) * 2, [5, 5, 5, 5, 5, 5]]
 
 
-@pytest.mark.parametrize("options", [dict(), dict(max_num_batched_tokens=16), dict(enable_prefix_caching=False)],
-                         ids=["plain", "small-budget", "no-prefix-cache"])
+@pytest.mark.parametrize("options", [dict(), dict(max_num_batched_tokens=16), dict(enable_prefix_caching=False),
+                                     dict(overlap_decode=True)],
+                         ids=["plain", "small-budget", "no-prefix-cache", "overlap"])
 def test_greedy_tokens_equal_plain_decoding_and_drafts_are_kept(tiny_llm, options):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = tiny_llm(**options)
@@ -42,6 +52,8 @@ def test_greedy_tokens_equal_plain_decoding_and_drafts_are_kept(tiny_llm, option
         assert got == want
     e = spec.engine
     assert e.accepted_draft_tokens > 0 and e.draft_tokens > e.accepted_draft_tokens  # kept some, refused some
+    if options.get("overlap_decode"):  # kept while the next lookup cannot match (no repeat yet)
+        assert e.overlapped_steps > 0
 
 
 def test_prefix_cache_holds_only_checked_tokens(tiny_llm):
@@ -99,3 +111,21 @@ def test_gpu_speculative_steps_match_cpu_greedy_in_fp32(tiny_llm):
     for prompt in LOOPY:
         assert gpu.generate(prompt, params)[0].outputs[0].token_ids == cpu.generate(prompt, params)[0].outputs[0].token_ids
     assert gpu.engine.accepted_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_embedded_model_copying_text_keeps_most_drafts():
+    """The real case: asked to repeat a text, the model's output is in its prompt, so most drafts hold
+    (CPU, bf16: the same tokens as plain decoding here; in general bf16 rounding may differ between a
+    one-token and a several-token step, as with any batching)."""
+    from radiance import LLM
+
+    text = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+            "How vexingly quick daft zebras jump. Sphinx of black quartz, judge my vow.")
+    llm = LLM(device="cpu", ngram_draft_tokens=4)
+    prompt = llm.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{text}"}])
+    out = llm.generate(prompt, SamplingParams(max_tokens=64, temperature=0.0))[0].outputs[0]
+    stats = llm.engine.stats()
+    assert "quick brown fox" in out.text and "judge my vow" in out.text
+    assert stats.accepted_draft_tokens_total >= len(out.token_ids) // 2  # most tokens came as kept drafts
+    assert stats.draft_tokens_total < 2 * stats.accepted_draft_tokens_total

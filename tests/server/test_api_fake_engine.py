@@ -256,6 +256,7 @@ def test_metrics_and_tokenize(server, client):
     text = http(server, "GET", "/metrics").text
     for name in ("radiance_num_requests_running", "radiance_num_requests_waiting", "radiance_kv_cache_usage_perc",
                  "radiance_prompt_tokens_total", "radiance_generation_tokens_total", "radiance_num_preemptions_total",
+                 "radiance_spec_decode_num_draft_tokens_total",
                  "radiance_time_to_first_token_seconds_bucket", "radiance_time_per_output_token_seconds_count",
                  "radiance_e2e_request_latency_seconds_count"):
         assert name in text, name
