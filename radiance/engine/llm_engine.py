@@ -182,7 +182,7 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         spec = self.config.speculative
-        if len(self.scheduler.running) != 1 or self.scheduler.waiting:
+        if not spec.ngram_draft_tokens or len(self.scheduler.running) != 1 or self.scheduler.waiting:
             return
         seq = self.scheduler.running[0]
         if seq.num_computed_tokens != seq.num_tokens - 1 or not self._speculates(seq):
