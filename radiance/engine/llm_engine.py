@@ -21,6 +21,8 @@ from radiance.engine.structured_output import GrammarBackend, StructuredOutputEr
 
 logger = logging.getLogger(__name__)
 
+MAX_DRAFT_BACKOFF = 16  # plain decode steps at most between draft lookups of a sequence whose drafts miss
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, checkpoint=None, progress: bool = True):
@@ -187,16 +189,28 @@ class LLMEngine:
         seq = self.scheduler.running[0]
         if seq.num_computed_tokens != seq.num_tokens - 1 or not self._speculates(seq):
             return
+        if seq.draft_backoff:
+            seq.draft_backoff -= 1
+            return
         p = seq.params
         room = min(spec.ngram_draft_tokens, self.max_model_len - seq.num_tokens - 1,
                    self.config.scheduler.max_num_batched_tokens - 1)  # one step computes them all
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
         drafts = propose_ngram_drafts(seq.token_ids, room, spec.ngram_max, spec.ngram_min)
+        if not drafts and room > 0:
+            self._draft_missed(seq)  # this step gave up the overlap for nothing
         if drafts and self.block_manager.can_allocate(seq, 1 + len(drafts)):
             seq.token_ids.extend(drafts)
             seq.num_draft_tokens = len(drafts)
             self.draft_tokens += len(drafts)
+
+    @staticmethod
+    def _draft_missed(seq: Sequence) -> None:
+        """A lookup found nothing or its drafts were all refused: text that does not repeat itself is looked
+        up less often (1, 2, 4 .. MAX_DRAFT_BACKOFF plain, overlapped steps after each miss in a row)."""
+        seq.draft_misses += 1
+        seq.draft_backoff = min(1 << (seq.draft_misses - 1), MAX_DRAFT_BACKOFF)
 
     def _verify_drafts(self, seq: Sequence, sampled: list[int]) -> None:
         """Keeps the drafts that match what was sampled at the position before each, then the first sample
@@ -207,6 +221,10 @@ class LLMEngine:
         while kept < len(drafts) and sampled[kept] == drafts[kept]:
             kept += 1
         self.accepted_draft_tokens += kept
+        if kept:
+            seq.draft_misses = 0
+        else:
+            self._draft_missed(seq)
         seq.num_computed_tokens -= len(drafts) - kept
         for token in sampled[:kept + 1]:
             self._append(seq, token, None)
@@ -228,8 +246,9 @@ class LLMEngine:
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
         if not handle.sampled or len(handle.sampled) != len(scheduled) or not decode_only:
             return None  # only decode steps, where every sequence sampled
-        if (len(scheduled) == 1 and self._speculates(scheduled[0].seq)
-                and may_find_drafts(scheduled[0].seq.token_ids, self.config.speculative.ngram_min)):
+        lone = scheduled[0].seq
+        if (len(scheduled) == 1 and self._speculates(lone) and not lone.draft_backoff
+                and may_find_drafts(lone.token_ids, self.config.speculative.ngram_min)):
             return None  # the next step may speculate, which needs this step's token to look up drafts
         if self.scheduler.waiting and len(self.scheduler.running) < self.config.scheduler.max_num_seqs:
             return None  # the next schedule admits a waiting request

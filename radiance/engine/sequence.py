@@ -40,6 +40,8 @@ class Sequence:
         self.output_counts = None  # the sampler's device-side token counts, when penalties need them
         self.grammar = None  # structured_output.GrammarState, when params.structured_output is set
         self.num_draft_tokens = 0  # speculative tokens at the end of token_ids, until their step is verified
+        self.draft_misses = 0  # speculative steps in a row that kept no draft
+        self.draft_backoff = 0  # steps to decode before the next draft lookup (after misses)
 
     @property
     def num_tokens(self) -> int:

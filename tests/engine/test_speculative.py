@@ -129,3 +129,26 @@ def test_embedded_model_copying_text_keeps_most_drafts():
     assert "quick brown fox" in out.text and "judge my vow" in out.text
     assert stats.accepted_draft_tokens_total >= len(out.token_ids) // 2  # most tokens came as kept drafts
     assert stats.draft_tokens_total < 2 * stats.accepted_draft_tokens_total
+
+
+def test_misses_back_off_the_lookups():
+    from types import SimpleNamespace
+
+    from radiance.engine.llm_engine import MAX_DRAFT_BACKOFF, LLMEngine
+
+    seq = SimpleNamespace(draft_misses=0, draft_backoff=0)
+    waits = []
+    for _ in range(7):
+        LLMEngine._draft_missed(seq)
+        waits.append(seq.draft_backoff)
+    assert waits == [1, 2, 4, 8, 16, 16, 16] and MAX_DRAFT_BACKOFF == 16
+
+
+def test_text_that_never_repeats_keeps_the_overlap(tiny_llm):
+    """Lookups that find nothing back off, so most steps stay overlapped; the tokens stay plain decoding's."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec = tiny_llm(ngram_draft_tokens=4, ngram_min=1, overlap_decode=True)  # n_min 1: a lookup every step
+    plain = tiny_llm(overlap_decode=True)
+    prompt = list(range(100, 140))
+    assert spec.generate(prompt, params)[0].outputs[0].token_ids == plain.generate(prompt, params)[0].outputs[0].token_ids
+    assert spec.engine.overlapped_steps >= plain.engine.overlapped_steps // 2
