@@ -144,7 +144,7 @@ class SpeculativeConfig:
     """Prompt-lookup (n-gram) speculative decoding of a lone sequence: the tokens that followed the latest
     earlier occurrence of its last few tokens are proposed and checked in one forward (exact: a draft is
     kept only where the model samples that very token). Pays on repetitive output (code edits, quoting,
-    extraction); with no match it costs only the overlapped decode, which it turns off."""
+    extraction); lookups that miss back off, so other text keeps the overlapped decode."""
 
     ngram_draft_tokens: int = 0  # tokens proposed per step (0: off); rows with logprobs, a seed, penalties, logit bias or structured output are not speculated
     ngram_max: int = 4  # longest suffix n-gram looked up in the sequence's own tokens
