@@ -197,6 +197,7 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # auto: "think" when the chat template uses <think>
     max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)
+    responses_store: int = 1000  # /v1/responses kept in memory for previous_response_id and GET; 0 = none
     uvicorn_log_level: str = "warning"  # log level of uvicorn's own access and error logs
 
     def __post_init__(self):
@@ -205,6 +206,7 @@ class ServerConfig:
         _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         _check(0 <= self.max_logprobs <= 20, "max_logprobs must be in [0, 20]")
         _check(self.max_n >= 1, "max_n must be positive")
+        _check(self.responses_store >= 0, "responses_store must be >= 0")
         _check(all(name for name in self.served_model_name), "served_model_name entries must be non-empty")
         _check(self.api_key is None or self.api_key != "", "api_key must be non-empty when given")
 

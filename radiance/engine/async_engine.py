@@ -25,6 +25,9 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, checkpoint=None, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config, checkpoint=checkpoint)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radiance-engine")
+        # constraints compile off the event loop and off the stepping thread (a large JSON schema takes 10s of ms)
+        self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radiance-grammar")
+        self.engine.warm_grammar_backend()
         self._lock = threading.Lock()
         self._pending: list[tuple] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -56,9 +59,11 @@ class AsyncLLMEngine:
     def stats(self):
         return self.engine.stats()
 
-    def check_structured_output(self, spec) -> None:
-        """ValueError when the constraint cannot be served (compiled here, cached for the engine thread)."""
-        self.engine.grammar_backend().compile(spec)
+    async def check_structured_output(self, spec) -> None:
+        """ValueError when the constraint cannot be served (compiled on a worker thread, cached for the
+        engine's own use)."""
+        await asyncio.get_running_loop().run_in_executor(
+            self._compiler, lambda: self.engine.grammar_backend().compile(spec))
 
     # ---------------------------------------------------------------- requests
 

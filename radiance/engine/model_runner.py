@@ -21,7 +21,7 @@ from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.scheduler import ScheduledSequence
-from radiance.engine.structured_output import allowed_token_words
+from radiance.engine.structured_output import fill_allowed_token_words
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
                                     sample_on_device, small_tensor_to, token_logprobs)
@@ -114,6 +114,8 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.h_ids = [torch.zeros(max_rows, dtype=torch.long, pin_memory=pin) for _ in range(3)]
         self._readback = 0
+        self.h_masks: list[torch.Tensor] = []  # pinned structured-output masks, allocated on first use (_mask_words)
+        self._mask_turn = 0
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not config.runner.enforce_eager:
             self._capture_decode_graphs()
@@ -222,9 +224,10 @@ class ModelRunner:
                 for seq in seqs for p in (seq.params,)]
         constrained = [(row, seq.grammar) for row, seq in zip(rows, seqs) if seq.grammar is not None]
         if constrained:  # every constrained sequence's mask in one transfer
-            words = allowed_token_words([grammar for _, grammar in constrained])
+            words = self._mask_words(len(constrained), logits.shape[-1])
+            fill_allowed_token_words([grammar for _, grammar in constrained], words)
             if logits.is_cuda:
-                words = words.pin_memory().to(logits.device, non_blocking=True)
+                words = words.to(logits.device, non_blocking=True)
             for (row, _), allowed in zip(constrained, words):
                 row.adjust.allowed = allowed
         # the logits stay in the model's dtype (fp32 copies where a row has a bias, penalties or a mask)
@@ -238,6 +241,18 @@ class ModelRunner:
             ready.record()
         handle.rows, handle.token_ids, handle.host_ids, handle.ready = rows, token_ids, host_ids, ready
         return handle
+
+    def _mask_words(self, rows: int, vocab: int) -> torch.Tensor:
+        """Host int32 words for `rows` structured-output masks. On CUDA two pinned buffers serve in turn: one is
+        reused two samplings later, after the host has waited on the sampling between (so on its copy)."""
+        width = (vocab + 31) // 32
+        if self.device.type != "cuda":
+            return torch.empty(rows, width, dtype=torch.int32)
+        if not self.h_masks or self.h_masks[0].shape[0] < rows:
+            self.h_masks = [torch.empty(len(self.h_ids[0]), width, dtype=torch.int32, pin_memory=True)
+                            for _ in range(2)]
+        self._mask_turn ^= 1
+        return self.h_masks[self._mask_turn][:rows]
 
     def _score_prompts(self, scheduled: list[ScheduledSequence], q_lens: list[int], hidden: torch.Tensor) -> None:
         """SamplingParams.prompt_logprobs: the row of prompt position p scores prompt token p + 1. Appends

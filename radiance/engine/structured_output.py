@@ -116,18 +116,13 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
-def allowed_token_words(states: list[GrammarState]):
-    """The allowed next tokens of each state as int32 words [len(states), ceil(V / 32)] (host memory);
-    sampler.unpack_token_words reads them."""
-    import torch
-
-    backend = states[0].backend
-    words = torch.empty(len(states), (backend.vocab_size + 31) // 32, dtype=torch.int32)
+def fill_allowed_token_words(states: list[GrammarState], words) -> None:
+    """Writes the allowed next tokens of each state into int32 words `words[:len(states)]` (host memory,
+    [rows, ceil(V / 32)]); sampler.apply_token_masks reads them."""
     if len(states) == 1:
         states[0].matcher.fill_next_token_bitmask(words, 0)
     else:
-        backend.batch.batch_fill_next_token_bitmask([state.matcher for state in states], words)
-    return words
+        states[0].backend.batch.batch_fill_next_token_bitmask([state.matcher for state in states], words)
 
 
 def hermes_tool_call_grammar(tools: list[dict], name: str | None = None) -> str:

@@ -42,7 +42,8 @@ class OutputCounts:
 class LogitAdjustment:
     """A row's logit bias and penalties; `output` holds the output tokens the host knows (one still on the
     device comes as adjust_logits' `pending`), and the prompt's for a repetition penalty. `allowed`: the
-    tokens a structured output allows next, as int32 words on the logits' device (unpack_token_words)."""
+    tokens a structured output allows next, as int32 words on the logits' device (xgrammar's bitmask:
+    token 32 i + j is allowed when bit j of word i is set)."""
 
     bias: tuple[tuple[int, float], ...] = ()
     repetition: float = 1.0
@@ -78,12 +79,16 @@ def small_tensor_to(values: list, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def unpack_token_words(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 words [R, W] -> bool [R, vocab]: token 32 i + j is set when bit j of word i is (xgrammar's
-    token bitmask)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
+def apply_token_masks(logits: torch.Tensor, adj: list[LogitAdjustment]) -> None:
+    """Sets to -inf, in place, the tokens each row's structured output does not allow (fp32 logits [R, V],
+    row r for adj[r]; rows without a mask unchanged), with xgrammar's kernel (Triton on CUDA, C++ on CPU)."""
+    import xgrammar  # loaded only once a structured request has come
+
+    words = [a.allowed for a in adj if a.allowed is not None]
+    if len(words) < len(adj):  # a row of all-ones words masks nothing
+        free = torch.full_like(words[0], -1)
+        words = [a.allowed if a.allowed is not None else free for a in adj]
+    xgrammar.apply_token_bitmask_inplace(logits, torch.stack(words), vocab_size=logits.shape[-1])
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,6 +103,10 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
     adj = [rows[i].adjust for i in picked]
     bias = [(j, t, b) for j, a in enumerate(adj) for t, b in a.bias]
     penalized = [j for j, a in enumerate(adj) if a.output is not None]
+    if len(picked) == len(rows) and not bias and not penalized:  # structured output only: no row indexing
+        out = _fp32_copy(logits)
+        apply_token_masks(out, adj)
+        return out
     # what the host knows goes over in one transfer per dtype (each pinned copy costs tens of us); device
     # index tensors throughout, as a host list used as an index is copied synchronously
     ints = small_tensor_to(picked + [j for j, _, _ in bias] + [t for _, t, _ in bias] + penalized, device)
@@ -107,14 +116,8 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
     vals_b, rep, freq, pres = (part.float().unsqueeze(1) for part in floats.split(
         (len(bias), len(penalized), len(penalized), len(penalized))))
     sub = logits[idx].float()
-    masked = [j for j, a in enumerate(adj) if a.allowed is not None]
-    if masked:
-        keep = unpack_token_words(torch.stack([adj[j].allowed for j in masked]), vocab)
-        if len(masked) == len(adj):
-            sub.masked_fill_(~keep, float("-inf"))
-        else:
-            rows_m = small_tensor_to(masked, device)
-            sub[rows_m] = sub[rows_m].masked_fill(~keep, float("-inf"))
+    if any(a.allowed is not None for a in adj):
+        apply_token_masks(sub, adj)
     if bias:
         sub.index_put_((rows_b, toks_b), vals_b.squeeze(1), accumulate=True)
     if penalized:
@@ -128,11 +131,14 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
                                 for j in penalized]) | (counts > 0)
             part = torch.where(seen, torch.where(part > 0, part / rep, part * rep), part)
         sub[pen] = part - freq * counts - pres * (counts > 0)
-    out = logits.float()
-    if out.data_ptr() == logits.data_ptr():
-        out = out.clone()  # the caller keeps the model's logits for logprobs
+    out = _fp32_copy(logits)
     out[idx] = sub
     return out
+
+
+def _fp32_copy(logits: torch.Tensor) -> torch.Tensor:
+    out = logits.float()
+    return out.clone() if out.data_ptr() == logits.data_ptr() else out  # the caller keeps the model's logits
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

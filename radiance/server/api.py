@@ -21,9 +21,11 @@ from radiance.server.errors import OpenAIError, error_response, install_error_ha
 from radiance.server.metrics import CONTENT_TYPE
 from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, model_card)
+from radiance.server.protocol_responses import ResponsesRequest
 from radiance.server.serving_chat import create_chat_completion, render_prompt
 from radiance.server.serving_common import check_token_ids
 from radiance.server.serving_completions import create_completion
+from radiance.server.serving_responses import create_response, stored_response
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,20 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(state, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(state, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return stored_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        stored_response(state, response_id)  # 404 when unknown
+        state.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

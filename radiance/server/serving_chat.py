@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -150,7 +151,7 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     return f'{START_TAG}\n{{"name": {json.dumps(name)}, "arguments": '
 
 
-def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest) -> StructuredOutput | None:
+async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest) -> StructuredOutput | None:
     """With Hermes markup, the rest of a forced tool call held to the tools' parameter schemas (so it parses
     and its arguments validate); None for other markups, which only get the prefix."""
     if req.structured_output() is not None:
@@ -162,16 +163,25 @@ def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest) 
     try:
         spec = StructuredOutput(grammar=hermes_tool_call_grammar([t.model_dump(exclude_none=True) for t in req.tools],
                                                                  named))
-        state.engine.check_structured_output(spec)
+        await state.engine.check_structured_output(spec)
     except ValueError as exc:
         raise invalid(str(exc), param="tools") from None
     return spec
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
-    engine = state.require_engine()
-    model = state.check_model(req.model)
-    check_limits(state, req)
+@dataclass
+class PreparedChat:
+    """A chat request made ready for the engine: its prompt, one engine job and one parser per choice."""
+
+    prompt_ids: list[int]
+    jobs: list[EngineJob]
+    choices: list[ChoiceStream]
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str) -> PreparedChat:
+    """Limits, template, forced tool-call prefix and constraint, tokens, sampling: everything a chat request
+    (or a Responses request turned into one) does before it reaches the engine."""
+    await check_limits(state, req)
     use_tools = bool(req.tools) and req.tool_choice != "none"
     prompt = render_prompt(state, req, use_tools)
     forced_prefix = forced_tool_call_prefix(state, req) if use_tools else ""
@@ -179,20 +189,28 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         if prompt_opens_thinking(prompt):
             prompt += "\n</think>\n\n"
         prompt += forced_prefix
-    constraint = forced_tool_call_constraint(state, req) if forced_prefix else req.structured_output()
+    constraint = await forced_tool_call_constraint(state, req) if forced_prefix else req.structured_output()
     prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    request_id = new_id("chatcmpl")
     jobs = [EngineJob(f"{request_id}-{i}", prompt_ids, sampling_params(req, max_tokens, i, constraint))
             for i in range(req.n)]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
     opens_thinking = prompt_opens_thinking(prompt)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix) for i in range(req.n)]
-    outputs = merged_outputs(engine, jobs)
+    return PreparedChat(prompt_ids, jobs, choices)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    engine = state.require_engine()
+    model = state.check_model(req.model)
+    request_id = new_id("chatcmpl")
+    chat = await prepare_chat(state, req, request_id)
+    choices = chat.choices
+    outputs = merged_outputs(engine, chat.jobs)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        stream = _stream(state, request_id, model, outputs, choices, len(prompt_ids), include_usage)
+        stream = _stream(state, request_id, model, outputs, choices, len(chat.prompt_ids), include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")
     deltas: list[dict] = [{} for _ in choices]
     logprobs: list[list | None] = [None for _ in choices]
@@ -204,7 +222,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             logprobs[index] = (logprobs[index] or []) + lp["content"]
 
     await collect_until_disconnect(request, outputs, on_output)
-    return JSONResponse(_response(request_id, model, choices, deltas, logprobs, len(prompt_ids)))
+    return JSONResponse(_response(request_id, model, choices, deltas, logprobs, len(chat.prompt_ids)))
 
 
 def _merge_delta(total: dict, delta: dict) -> None:

@@ -36,7 +36,7 @@ class EngineJob:
     params: SamplingParams
 
 
-def check_limits(state: ServerState, req: Any) -> None:
+async def check_limits(state: ServerState, req: Any) -> None:
     if req.n > state.config.max_n:
         raise invalid(f"n must be at most {state.config.max_n}, got {req.n}", param="n")
     wanted = req.num_logprobs()
@@ -48,7 +48,7 @@ def check_limits(state: ServerState, req: Any) -> None:
     spec = req.structured_output()
     if spec is not None:
         try:
-            state.engine.check_structured_output(spec)  # compiles it (cached for the engine's own use)
+            await state.engine.check_structured_output(spec)  # compiles it (cached for the engine's own use)
         except ValueError as exc:
             raise invalid(str(exc), param=req.constraint_field()) from None
 
@@ -212,21 +212,23 @@ def completion_logprobs(tokenizer: Any, entries: list, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-async def guarded_sse(events: AsyncIterator[str], outputs: AsyncIterator, what: str) -> AsyncIterator[str]:
-    """A stream's events, then `data: [DONE]`. The headers are already out, so a failure mid-way is
-    reported in-band as an error event (no traceback to the client); the engine outputs are closed
-    whatever happens, which aborts their requests when the client went away."""
+async def guarded_sse(events: AsyncIterator[str], outputs: AsyncIterator, what: str,
+                      error_event: Callable[[OpenAIError], str] = sse_error, done: bool = True) -> AsyncIterator[str]:
+    """A stream's events, then `data: [DONE]` (when `done`; the Responses API sends none). The headers are
+    already out, so a failure mid-way is reported in-band as `error_event` (no traceback to the client);
+    the engine outputs are closed whatever happens, which aborts their requests when the client went away."""
     try:
         async for event in events:
             yield event
     except OpenAIError as exc:
-        yield sse_error(exc)
+        yield error_event(exc)
     except Exception as exc:  # noqa: BLE001 - reported in-band and logged
         logger.exception("%s failed", what)
-        yield sse_error(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
+        yield error_event(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
     finally:
         await outputs.aclose()
-    yield "data: [DONE]\n\n"
+    if done:
+        yield "data: [DONE]\n\n"
 
 
 def sse(data: dict | str) -> str:

@@ -84,7 +84,7 @@ class CompletionChoice:
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
     engine = state.require_engine()
     model = state.check_model(req.model)
-    check_limits(state, req)
+    await check_limits(state, req)
     prompts = _prompts(state, req)
     request_id = new_id("cmpl")
     jobs, choices = [], []

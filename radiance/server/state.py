@@ -19,6 +19,7 @@ from radiance.server.chat_template import load_template, template_features
 from radiance.checkpoint import model_name
 from radiance.server.errors import OpenAIError
 from radiance.server.metrics import ServerMetrics
+from radiance.server.response_store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ServerState:
         self.tool_parser_name: str | None = None
         self.reasoning_parser_name: str | None = None
         self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0])
+        self.responses = ResponseStore(config.responses_store)  # /v1/responses answers, for follow-ups
 
     # ------------------------------------------------------------ loading
 

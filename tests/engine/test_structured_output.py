@@ -8,11 +8,10 @@ import re
 
 import pytest
 import torch
-import xgrammar as xgr
 
 from radiance import LLM, SamplingParams
 from radiance.engine.structured_output import StructuredOutput, StructuredOutputError
-from radiance.layers.sampler import LogitAdjustment, SamplingRow, adjust_logits, sample, unpack_token_words
+from radiance.layers.sampler import LogitAdjustment, SamplingRow, adjust_logits, apply_token_masks, sample
 
 # a pattern rather than maxLength: xgrammar 0.2.9 lets a string with maxLength hold raw control characters
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
@@ -30,16 +29,31 @@ def check_person(text: str) -> None:
     return True
 
 
-@pytest.mark.parametrize("vocab", [32, 1000, 49152])
-def test_unpacked_mask_matches_xgrammars_own(vocab):
+def reference_masked(logits: torch.Tensor, words: list[torch.Tensor | None]) -> torch.Tensor:
+    """-inf where bit t % 32 of word t // 32 is clear, bit by bit (rows without words unchanged)."""
+    out = logits.clone()
+    for r, w in enumerate(words):
+        if w is not None:
+            for t in range(logits.shape[1]):
+                if not (int(w[t // 32]) >> (t % 32)) & 1:
+                    out[r, t] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("vocab", [32, 1000, 4099])
+def test_token_masks_match_the_bits(vocab):
     torch.manual_seed(vocab)
-    words = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    width = (vocab + 31) // 32
+    words = [torch.randint(-2**31, 2**31 - 1, (width,), dtype=torch.int32), None,
+             torch.randint(-2**31, 2**31 - 1, (width,), dtype=torch.int32)]
     logits = torch.randn(3, vocab)
-    want = logits.clone()
-    xgr.apply_token_bitmask_inplace(want, words, vocab_size=vocab)
-    keep = unpack_token_words(words, vocab)
-    assert torch.equal(logits.masked_fill(~keep, float("-inf")), want)
-    assert 0 < keep.sum() < keep.numel()
+    for adj in ([LogitAdjustment(allowed=w) for w in words],  # a row without a mask among masked rows
+                [LogitAdjustment(allowed=words[0])]):  # masks only
+        got = logits[:len(adj)].clone()
+        apply_token_masks(got, adj)
+        want = reference_masked(logits[:len(adj)], [a.allowed for a in adj])
+        assert torch.equal(got, want)
+        assert 0 < torch.isinf(got[0]).sum() < vocab
 
 
 def test_only_constrained_rows_are_masked_and_bias_still_applies():
@@ -54,6 +68,10 @@ def test_only_constrained_rows_are_masked_and_bias_still_applies():
     result = sample(logits, rows)
     assert result.token_ids == [1, 0, 3]
     assert result.logprobs[0][0] == pytest.approx(logits[0].log_softmax(-1)[1].item())  # the model's logprob
+    only_masks = [SamplingRow(0.0, adjust=LogitAdjustment(allowed=allow_1_3)) for _ in range(2)]
+    before = logits.clone()
+    assert adjust_logits(logits[:2], only_masks).tolist() == [[inf, 1.0, inf, 0.5]] * 2
+    assert torch.equal(logits, before)  # the model's logits stay for logprobs
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(json="{}", regex="a"), dict(choice=()), dict(choice=("a", ""))])
@@ -135,6 +153,17 @@ def test_a_model_without_tokenizer_refuses_structured_output(tiny_llm):
         llm.engine.add_request("r", [1, 2, 3], SamplingParams(structured_output=StructuredOutput(regex="a+")))
 
 
+def test_the_backend_warms_on_a_background_thread(tiny_text_llm, tiny_llm):
+    engine = tiny_text_llm().engine
+    assert engine._grammar_backend is None  # the offline engine builds it on first use
+    thread = engine.warm_grammar_backend()
+    thread.join(timeout=60)
+    backend = engine._grammar_backend
+    assert backend is not None and backend.compiler.get_cache_size_bytes() > 0  # the JSON-object grammar too
+    assert engine.grammar_backend() is backend  # built once
+    assert tiny_llm().engine.warm_grammar_backend() is None  # nothing to warm without a tokenizer
+
+
 TINY_CASES = [StructuredOutput(json=PERSON), StructuredOutput(regex=r"[a-z]{3,6}( [a-z]{2,5}){2}\."),
               StructuredOutput(choice=("Paris", "Rome", "brown fox"))]
 
@@ -166,7 +195,10 @@ def test_gpu_constrained_tokens_equal_the_cpus(tiny_text_llm):
     """fp32 on both sides: the GPU (graphs, overlapped decode for the free row) picks the CPU's tokens under
     the same masks, and the mask unpacks the same on the device."""
     words = torch.randint(-2**31, 2**31 - 1, (4, 10), dtype=torch.int32)
-    assert torch.equal(unpack_token_words(words.cuda(), 300).cpu(), unpack_token_words(words, 300))
+    logits = torch.randn(4, 300)
+    on_gpu = logits.cuda()
+    apply_token_masks(on_gpu, [LogitAdjustment(allowed=w) for w in words.cuda()])
+    assert torch.equal(on_gpu.cpu(), reference_masked(logits, list(words)))
     torch.backends.cuda.matmul.allow_tf32 = False
     cpu = tiny_text_llm()
     gpu = tiny_text_llm(device="cuda", num_gpu_blocks_override=128, max_num_seqs=8, cuda_graph_max_batch=8)

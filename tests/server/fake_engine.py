@@ -64,7 +64,7 @@ class FakeEngine:
                            num_preemptions=0, prompt_tokens_total=self.prompt_tokens,
                            generation_tokens_total=self.generated)
 
-    def check_structured_output(self, spec):
+    async def check_structured_output(self, spec):
         if spec.regex is not None and "((" in spec.regex:  # scripted: the real engine's compile error
             raise ValueError("invalid regex constraint: unbalanced parentheses")
 

@@ -1,0 +1,227 @@
+"""The request of OpenAI's Responses API (`POST /v1/responses`) and its translation into a chat request.
+
+A Responses request is a chat request in other words: `instructions` is the system message, `input` a
+string or a list of items (messages, function calls and their outputs, reasoning), `text.format` the
+response_format, `max_output_tokens` the output budget, function tools are flat. `to_chat` builds the
+ChatCompletionRequest that the chat route would serve, so both APIs share one pipeline. Only what a
+text-only model can serve is accepted: images, files and built-in tools (web search, ...) are 400s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from radiance.server.protocol import ChatCompletionRequest, _Model
+
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class TextFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("text.format of type json_schema needs a schema")
+        return self
+
+
+class TextConfig(_Model):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # accepted, not used
+
+
+class FunctionTool(_Model):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(_Model):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(_Model):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None  # accepted and echoed; the chat template decides about thinking
+    truncation: Literal["auto", "disabled"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # as on chat (e.g. enable_thinking for Qwen3)
+    background: bool = False
+    # sampling fields the chat route takes beyond OpenAI's (vLLM accepts them on /v1/responses too)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+
+    @field_validator("background")
+    @classmethod
+    def _foreground(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("background responses are not supported")
+        return value
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("input is empty")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, tools):
+        for i, tool in enumerate(tools or ()):
+            if tool.get("type") != "function":
+                raise ValueError(f"only function tools are supported, tools[{i}] has type {tool.get('type')!r}")
+            try:
+                FunctionTool.model_validate(tool)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                raise ValueError(f"tools[{i}].{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        return tools
+
+    def tool_choice_error(self) -> str | None:
+        """Why tool_choice does not fit the tools (None when it does)."""
+        if isinstance(self.tool_choice, FunctionToolChoice):
+            names = [t.name for t in self.function_tools()]
+            if self.tool_choice.name not in names:
+                return (f"tool_choice names function {self.tool_choice.name!r}, which is not among the tools "
+                        f"({', '.join(names) or 'none given'})")
+        elif self.tool_choice == "required" and not self.tools:
+            return "tool_choice required needs tools"
+        return None
+
+    def function_tools(self) -> list[FunctionTool]:
+        return [FunctionTool.model_validate(t) for t in self.tools or ()]
+
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+
+    def to_chat(self, history: list[dict]) -> ChatCompletionRequest:
+        """The chat request that serves this one: instructions, then `history` (the conversation of
+        previous_response_id), then the input. ValueError (a 400 on `input`) for items it cannot serve."""
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else [])
+        messages += history + input_messages(self.input)
+        body: dict[str, Any] = {
+            "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "seed": self.seed, "stop": self.stop, "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "user": self.user, "parallel_tool_calls": self.parallel_tool_calls,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "logprobs": self.wants_logprobs(), "top_logprobs": self.top_logprobs if self.wants_logprobs() else None,
+        }
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                             for t in self.function_tools()]
+        if isinstance(self.tool_choice, FunctionToolChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}}
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+
+def _text(content: Any, where: str) -> str:
+    """The text of a message's content: a string, or parts of type input_text / output_text / refusal."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}.get(kind)
+        if key is None:
+            if kind in ("input_image", "input_file", "input_audio"):
+                raise ValueError(f"{where}.content[{j}] is {kind}; this server serves text-only models")
+            raise ValueError(f"{where}.content[{j}] has unsupported type {kind!r}")
+        if not isinstance(part.get(key), str):
+            raise ValueError(f"{where}.content[{j}] needs a string {key}")
+        texts.append(part[key])
+    return "".join(texts)
+
+
+def _field(item: dict, name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"{where} ({item.get('type')}) needs a string {name}")
+    return value
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
+    """Chat messages for a Responses `input`: messages keep their role (system / developer / user /
+    assistant); function calls join the assistant message before them (or start one); function-call
+    outputs become tool messages; a reasoning item goes with the assistant message after it."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict] = []
+    reasoning: str | None = None
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in INPUT_ROLES:
+                raise ValueError(f"{where}.role must be one of {', '.join(INPUT_ROLES)}, got {role!r}")
+            message = {"role": role, "content": _text(item.get("content"), where)}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind == "function_call":
+            call = {"id": _field(item, "call_id", where), "type": "function",
+                    "function": {"name": _field(item, "name", where), "arguments": _field(item, "arguments", where)}}
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                if reasoning is not None:
+                    last["reasoning_content"], reasoning = reasoning, None
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
+                             "content": output if isinstance(output, str) else _text(output, where)})
+        elif kind == "reasoning":
+            parts = (item.get("content") or []) + (item.get("summary") or [])
+            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
+        elif kind == "item_reference":
+            raise ValueError(f"{where}: item_reference is not supported; send the item itself or use "
+                             "previous_response_id")
+        else:
+            raise ValueError(f"{where} has unsupported type {kind!r}")
+    return messages

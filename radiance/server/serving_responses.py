@@ -1,0 +1,260 @@
+"""`/v1/responses` (OpenAI's Responses API) on the chat pipeline: the request becomes a chat request
+(protocol_responses), the chat parsers' deltas become output items (reasoning, message, function_call)
+in the order they start, streamed as typed events (`response.created` ... `response.completed`).
+
+Streaming and non-streaming build the same items with the same `OutputItems`, so both agree. Stored
+responses (in memory, `ServerConfig.responses_store`) serve previous_response_id and GET / DELETE.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from radiance.server.errors import OpenAIError, invalid
+from radiance.server.protocol_responses import ResponsesRequest, input_messages
+from radiance.server.response_store import StoredResponse
+from radiance.server.serving_chat import ChoiceStream, prepare_chat
+from radiance.server.serving_common import collect_until_disconnect, guarded_sse, merged_outputs
+from radiance.server.state import ServerState
+
+def item_id(prefix: str) -> str:
+    """OpenAI's id style for responses and their items: resp_..., msg_..., fc_..., rs_..."""
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+_TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+
+
+class OutputItems:
+    """Chat deltas -> Responses output items, each opened when its first piece comes and closed when
+    another kind starts (or at the end), with the streaming events that say so."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self._open: dict | None = None  # the text item (message or reasoning) still growing
+        self._logprobs: list[dict] = []  # token logprobs not yet sent with a text delta
+
+    def feed(self, delta: dict, logprobs: dict | None) -> list[dict]:
+        events: list[dict] = []
+        if logprobs is not None:
+            self._logprobs += logprobs["content"]
+        if delta.get("reasoning_content"):
+            events += self._text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            events += self._text("message", delta["content"])
+        for call in delta.get("tool_calls", ()):
+            events += self._close("completed") + self._call(call)
+        return events
+
+    def finish(self, complete: bool) -> list[dict]:
+        """Closes what is open; a truncated answer leaves its last item incomplete."""
+        return self._close("completed" if complete else "incomplete")
+
+    def text(self, kind: str) -> str:
+        return "".join(item["content"][0]["text"] for item in self.items if item["type"] == kind)
+
+    def _index(self, item: dict) -> int:
+        return self.items.index(item)
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close("completed") + self._start(kind)
+        item = self._open
+        part = item["content"][0]
+        part["text"] += text
+        event = {"type": f"{_TEXT_EVENTS[kind]}.delta", "item_id": item["id"], "output_index": self._index(item),
+                 "content_index": 0, "delta": text}
+        if kind == "message":
+            event["logprobs"], self._logprobs = self._logprobs, []
+            part.setdefault("logprobs", []).extend(event["logprobs"])
+        return events + [event]
+
+    def _start(self, kind: str) -> list[dict]:
+        if kind == "message":
+            item = {"id": item_id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": []}
+        else:
+            item = {"id": item_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        self.items.append(item)
+        events = [{"type": "response.output_item.added", "output_index": self._index(item), "item": copy.deepcopy(item)},
+                  {"type": "response.content_part.added", "item_id": item["id"], "output_index": self._index(item),
+                   "content_index": 0, "part": copy.deepcopy(part)}]
+        item["content"].append(part)
+        self._open = item
+        return events
+
+    def _close(self, status: str) -> list[dict]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        part = item["content"][0]
+        where = {"item_id": item["id"], "output_index": self._index(item), "content_index": 0}
+        done = {"type": f"{_TEXT_EVENTS[item['type']]}.done", **where, "text": part["text"]}
+        if item["type"] == "message":
+            part.setdefault("logprobs", []).extend(self._logprobs)
+            self._logprobs = []
+            done["logprobs"] = part["logprobs"]
+        item["status"] = status
+        return [done, {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)},
+                {"type": "response.output_item.done", "output_index": self._index(item), "item": copy.deepcopy(item)}]
+
+    def _call(self, call: dict) -> list[dict]:
+        fn = call["function"]
+        item = {"id": item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call["id"],
+                "name": fn["name"], "arguments": ""}
+        self.items.append(item)
+        index = self._index(item)
+        events = [{"type": "response.output_item.added", "output_index": index, "item": copy.deepcopy(item)},
+                  {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
+                   "delta": fn["arguments"]}]
+        item["arguments"], item["status"] = fn["arguments"], "completed"
+        return events + [{"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
+                          "name": fn["name"], "arguments": fn["arguments"]},
+                         {"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)}]
+
+
+def _answer_message(items: OutputItems) -> dict:
+    """The model's turn as the chat message a follow-up (previous_response_id) renders."""
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in items.items if i["type"] == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": items.text("message") or (None if calls else "")}
+    if items.text("reasoning"):
+        message["reasoning_content"] = items.text("reasoning")
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+class ResponseRun:
+    """One /v1/responses request from its parsed body to its response object (and its stored copy)."""
+
+    def __init__(self, state: ServerState, req: ResponsesRequest, model: str):
+        self.state, self.req, self.model = state, req, model
+        self.id = item_id("resp")
+        self.created_at = int(time.time())
+        self.items = OutputItems()
+        self.choice: ChoiceStream | None = None
+        self.prompt_len = 0
+        self.history: list[dict] = []
+
+    async def prepare(self):
+        """The engine job, or a 400 naming the field at fault."""
+        req = self.req
+        if req.tool_choice_error():
+            raise invalid(req.tool_choice_error(), param="tool_choice")
+        if req.previous_response_id is not None:
+            previous = self.state.responses.get(req.previous_response_id)
+            if previous is None:
+                raise invalid(f"no stored response has id {req.previous_response_id!r} (this server keeps the last "
+                              f"{self.state.responses.capacity} in memory)", param="previous_response_id")
+            self.history = previous.conversation
+        try:
+            chat = req.to_chat(self.history)
+        except ValidationError as exc:
+            raise invalid(f"input: {exc.errors()[0]['msg']}", param="input") from None
+        except ValueError as exc:
+            raise invalid(str(exc), param="input") from None
+        prepared = await prepare_chat(self.state, chat, self.id)
+        self.choice = prepared.choices[0]
+        self.prompt_len = len(prepared.prompt_ids)
+        return prepared
+
+    def step(self, out: Any) -> list[dict]:
+        delta, logprobs = self.choice.step(out)
+        events = self.items.feed(delta, logprobs)
+        if out.finished:
+            events += self.items.finish(complete=out.finish_reason != "length")
+        return events
+
+    def body(self, status: str) -> dict:
+        req, out = self.req, self.choice.output if self.choice else None
+        finished = status != "in_progress"
+        truncated = finished and out is not None and out.finish_reason == "length"
+        output_tokens = len(out.token_ids) if out is not None else 0
+        reasoning = self.items.text("reasoning")
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": "incomplete" if truncated else status, "background": False, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
+            "output": copy.deepcopy(self.items.items) if finished else [],
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
+            "reasoning": req.reasoning or {"effort": None, "summary": None}, "store": self._stores(),
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": fmt or {"type": "text"}},
+            "tool_choice": (req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump")
+                            else req.tool_choice or "auto"),
+            "tools": [t.model_dump(exclude_none=True) for t in req.function_tools()],
+            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
+            "user": req.user, "metadata": req.metadata or {},
+            "usage": None if not finished else {
+                "input_tokens": self.prompt_len,
+                "input_tokens_details": {"cached_tokens": out.num_cached_tokens if out is not None else 0},
+                "output_tokens": output_tokens,
+                "output_tokens_details": {"reasoning_tokens": min(output_tokens, len(self.state.tokenizer.encode(
+                    reasoning, add_special_tokens=False))) if reasoning else 0},
+                "total_tokens": self.prompt_len + output_tokens},
+        }
+
+    def _stores(self) -> bool:
+        return self.req.store and self.state.responses.capacity > 0
+
+    def store(self, body: dict) -> None:
+        if self._stores():  # instructions do not carry over to a follow-up (OpenAI's rule)
+            conversation = self.history + input_messages(self.req.input) + [_answer_message(self.items)]
+            self.state.responses.put(self.id, StoredResponse(body, conversation))
+
+
+async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
+    engine = state.require_engine()
+    model = state.check_model(req.model)
+    run = ResponseRun(state, req, model)
+    prepared = await run.prepare()
+    outputs = merged_outputs(engine, prepared.jobs)
+    if req.stream:
+        return StreamingResponse(_stream(run, outputs), media_type="text/event-stream")
+    await collect_until_disconnect(request, outputs, lambda _index, out: run.step(out))
+    body = run.body("completed")
+    run.store(body)
+    return JSONResponse(body)
+
+
+def _stream(run: ResponseRun, outputs: AsyncIterator) -> AsyncIterator[str]:
+    counter = iter(range(1 << 62))
+
+    def event(body: dict) -> str:
+        body = {**body, "sequence_number": next(counter)}
+        return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def error_event(exc: OpenAIError) -> str:
+        return event({"type": "error", "code": exc.code, "message": exc.message, "param": exc.param})
+
+    async def events() -> AsyncIterator[str]:
+        yield event({"type": "response.created", "response": run.body("in_progress")})
+        yield event({"type": "response.in_progress", "response": run.body("in_progress")})
+        async for _index, out in outputs:
+            for body in run.step(out):
+                yield event(body)
+        final = run.body("completed")
+        run.store(final)
+        yield event({"type": f"response.{final['status']}", "response": final})
+
+    return guarded_sse(events(), outputs, f"responses stream {run.id}", error_event=error_event, done=False)
+
+
+def stored_response(state: ServerState, response_id: str) -> dict:
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise OpenAIError(404, f"no stored response has id {response_id!r}", param="response_id", code="not_found")
+    return stored.body
