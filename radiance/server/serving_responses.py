@@ -30,6 +30,8 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
+# chat request fields -> the Responses fields they came from (for error messages)
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 _TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
 
 
@@ -164,7 +166,13 @@ class ResponseRun:
             raise invalid(f"input: {exc.errors()[0]['msg']}", param="input") from None
         except ValueError as exc:
             raise invalid(str(exc), param="input") from None
-        prepared = await prepare_chat(self.state, chat, self.id)
+        try:
+            prepared = await prepare_chat(self.state, chat, self.id)
+        except OpenAIError as exc:  # named as this API names the field
+            for chat_name, name in _FIELD_NAMES.items():
+                exc.message = exc.message.replace(chat_name, name)
+            exc.param = _FIELD_NAMES.get(exc.param, exc.param)
+            raise
         self.choice = prepared.choices[0]
         self.prompt_len = len(prepared.prompt_ids)
         return prepared

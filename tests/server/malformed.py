@@ -94,6 +94,33 @@ MALFORMED = [
     ("stream a string", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "stream": "yes"}, 400, "stream"),
     ("detokenize out of vocabulary", "POST", "/detokenize", {"tokens": [10_000_000]}, 400, "tokens"),
     ("tokenize neither prompt nor messages", "POST", "/tokenize", {}, 400, None),
+    # /v1/responses
+    ("responses without input", "POST", "/v1/responses", {"model": "MODEL"}, 400, "input"),
+    ("responses empty input", "POST", "/v1/responses", {"model": "MODEL", "input": []}, 400, "input"),
+    ("responses unknown model", "POST", "/v1/responses", {"model": "no-such-model", "input": "x"}, 404, "model"),
+    ("responses image input", "POST", "/v1/responses", {"model": "MODEL", "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]}, 400, "input"),
+    ("responses bad input role", "POST", "/v1/responses", {"model": "MODEL", "input": [{"role": "wizard", "content": "x"}]},
+     400, "input"),
+    ("responses function_call without call_id", "POST", "/v1/responses", {"model": "MODEL", "input": [
+        {"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input"),
+    ("responses built-in tool", "POST", "/v1/responses", {"model": "MODEL", "input": "x", "tools": [{"type": "web_search"}]},
+     400, "tools"),
+    ("responses tool without a name", "POST", "/v1/responses", {"model": "MODEL", "input": "x",
+                                                                "tools": [{"type": "function"}]}, 400, "tools"),
+    ("responses tool_choice naming no tool", "POST", "/v1/responses", {"model": "MODEL", "input": "x",
+     "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, 400, "tool_choice"),
+    ("responses unknown previous_response_id", "POST", "/v1/responses",
+     {"model": "MODEL", "input": "x", "previous_response_id": "resp_nope"}, 400, "previous_response_id"),
+    ("responses background", "POST", "/v1/responses", {"model": "MODEL", "input": "x", "background": True},
+     400, "background"),
+    ("responses json_schema without schema", "POST", "/v1/responses",
+     {"model": "MODEL", "input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
+    ("responses max_output_tokens zero", "POST", "/v1/responses", {"model": "MODEL", "input": "x", "max_output_tokens": 0},
+     400, "max_output_tokens"),
+    ("responses max_output_tokens too large", "POST", "/v1/responses",
+     {"model": "MODEL", "input": "x", "max_output_tokens": "BIG"}, 400, "max_output_tokens"),
+    ("responses unknown stored id", "GET", "/v1/responses/resp_nope", None, 404, None),
 ]
 
 

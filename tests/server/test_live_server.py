@@ -23,7 +23,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def server():
     args = ["serve", "--served-model-name", "smol", "smol-alias", "--api-key", KEY,
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8"]
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+            "--tool-call-parser", "hermes"]  # SmolLM2's template has no tool markup; forced calls use Hermes'
     with running_server(args) as (url, proc, log, health_codes):
         yield url, log, health_codes
 
@@ -130,6 +131,33 @@ def test_response_format_and_structured_outputs(client):
     stream = client.completions.create(model="smol", prompt="The best season is", max_tokens=8, temperature=0,
                                        stream=True, extra_body={"structured_outputs": {"choice": [" summer", " winter"]}})
     assert "".join(chunk.choices[0].text for chunk in stream) in (" summer", " winter")
+
+
+def test_responses_api(client):
+    """OpenAI's Responses API: the same answer as chat, streamed or not; a follow-up by previous_response_id;
+    text.format held to a schema; a forced function call parsed into a function_call item."""
+    r = client.responses.create(model="smol", input="What is the capital of France?", max_output_tokens=10,
+                                temperature=0)
+    chat = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=10, temperature=0)
+    assert "Paris" in r.output_text and r.output_text == chat.choices[0].message.content
+    events = list(client.responses.create(model="smol", input="What is the capital of France?", max_output_tokens=10,
+                                          temperature=0, stream=True))
+    assert events[-1].response.output_text == r.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    follow = client.responses.create(model="smol", input="And of Italy?", previous_response_id=r.id,
+                                     max_output_tokens=10, temperature=0)
+    assert "Rome" in follow.output_text
+    schema = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,19}$"}},
+              "required": ["city"], "additionalProperties": False}
+    placed = client.responses.create(model="smol", input="Name a city in Italy.", max_output_tokens=30, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
+    assert list(json.loads(placed.output_text)) == ["city"]
+    tools = [{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    called = client.responses.create(model="smol", input="What is the weather in Paris?", tools=tools,
+                                     tool_choice="required", max_output_tokens=40, temperature=0)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments)["city"], str)
 
 
 def test_models_and_api_key(client, server):
