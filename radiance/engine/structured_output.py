@@ -125,26 +125,63 @@ def fill_allowed_token_words(states: list[GrammarState], words) -> None:
         states[0].backend.batch.batch_fill_next_token_bitmask([state.matcher for state in states], words)
 
 
-def hermes_tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
+HERMES_CALL_START = "<tool_call>"
+
+
+def _parameters(fn: dict) -> dict:
+    return fn.get("parameters") or {"type": "object"}
+
+
+def _grammar_of(build, what: str):
+    try:
+        return build()
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise StructuredOutputError(f"{what} are not a usable JSON schema: {_reason(exc)}") from exc
+
+
+def _hermes_triggered_calls(tools: list[dict], strict_only: bool, stop_after_first: bool):
+    """Free text in which every `<tool_call>` the model opens is a whole Hermes call to one of `tools`, its
+    arguments held to the function's parameters (any JSON object for a non-strict function when
+    `strict_only`): xgrammar's structural tag with `triggered_tags`."""
+    import xgrammar as xgr
+
+    tags = []
+    for fn in (t["function"] for t in tools):
+        schema = _parameters(fn) if fn.get("strict") or not strict_only else {"type": "object"}
+        tags.append({"begin": f'{HERMES_CALL_START}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
+                     "content": {"type": "json_schema", "json_schema": schema}, "end": "}\n</tool_call>"})
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [HERMES_CALL_START],
+                                                "tags": tags, "at_least_one": False,
+                                                "stop_after_first": stop_after_first}}
+    return _grammar_of(lambda: xgr.Grammar.from_structural_tag(json.dumps(tag)), "the tools' parameters")
+
+
+def hermes_tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool = False) -> str:
     """EBNF for what a model writes after the forced opening of a Hermes tool call (serving_chat), so the
     call parses and its arguments follow the function's parameter schema: for a named function (the
     prompt ends with `{"name": NAME, "arguments": `) its arguments and the call's end; otherwise (the
-    prompt ends with `<tool_call>` and a newline) one whole call to any of `tools` (OpenAI function dicts)."""
+    prompt ends with `<tool_call>` and a newline) one whole call to any of `tools` (OpenAI function dicts),
+    then, when `parallel`, text with any number of further calls held the same way."""
     import xgrammar as xgr
-
-    def parameters(fn: dict) -> dict:
-        return fn.get("parameters") or {"type": "object"}
 
     fns = [t["function"] for t in tools]
     if name is not None:
-        body = parameters(next(fn for fn in fns if fn["name"] == name))
+        body = _parameters(next(fn for fn in fns if fn["name"] == name))
         end = "}\n</tool_call>"
     else:
-        body = {"anyOf": [{"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": parameters(fn)},
+        body = {"anyOf": [{"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": _parameters(fn)},
                            "required": ["name", "arguments"], "additionalProperties": False} for fn in fns]}
         end = "\n</tool_call>"
-    try:
-        call = xgr.Grammar.from_json_schema(json.dumps(body), any_whitespace=False)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise StructuredOutputError(f"a tool's parameters are not a usable JSON schema: {_reason(exc)}") from exc
-    return str(xgr.Grammar.concat(call, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(end)}")))
+    call = _grammar_of(lambda: xgr.Grammar.from_json_schema(json.dumps(body), any_whitespace=False),
+                       "a tool's parameters")
+    parts = [call, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(end)}")]
+    if name is None and parallel:
+        parts.append(_hermes_triggered_calls(tools, strict_only=False, stop_after_first=False))
+    return str(xgr.Grammar.concat(*parts))
+
+
+def hermes_strict_tools_grammar(tools: list[dict], parallel: bool) -> str:
+    """tool_choice auto with `strict` functions (OpenAI: arguments guaranteed to follow the schema): the
+    model writes freely, but a call it opens is whole and names one of the tools, a strict function's
+    arguments follow its schema, and without `parallel` the answer ends after the first call."""
+    return str(_hermes_triggered_calls(tools, strict_only=True, stop_after_first=not parallel))

@@ -140,8 +140,9 @@ class ResponsesRequest(_Model):
             "chat_template_kwargs": self.chat_template_kwargs,
             "logprobs": self.wants_logprobs(), "top_logprobs": self.top_logprobs if self.wants_logprobs() else None,
         }
-        if self.tools:
-            body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+        if self.tools:  # a Responses function is strict unless it says otherwise (OpenAI's default here)
+            body["tools"] = [{"type": "function", "function": {**t.model_dump(exclude_none=True, exclude={"type"}),
+                                                               "strict": t.strict is not False}}
                              for t in self.function_tools()]
         if isinstance(self.tool_choice, FunctionToolChoice):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}

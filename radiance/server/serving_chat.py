@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radiance.engine.structured_output import StructuredOutput, hermes_tool_call_grammar
+from radiance.engine.structured_output import StructuredOutput, hermes_strict_tools_grammar, hermes_tool_call_grammar
 from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
 from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
@@ -160,9 +160,24 @@ async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionReq
     if state.tool_parser_name != "hermes":
         return None
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    return await _tools_constraint(state, lambda: hermes_tool_call_grammar(tools, named, req.parallel_tool_calls))
+
+
+async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest) -> StructuredOutput | None:
+    """tool_choice auto with `strict` functions and Hermes markup: calls the model opens are held to the tools
+    (and a strict function's arguments to its schema); None otherwise, or when response_format already
+    constrains the answer (one constraint per request)."""
+    if (state.tool_parser_name != "hermes" or req.structured_output() is not None
+            or not any(t.function.strict for t in req.tools)):
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    return await _tools_constraint(state, lambda: hermes_strict_tools_grammar(tools, req.parallel_tool_calls))
+
+
+async def _tools_constraint(state: ServerState, grammar) -> StructuredOutput:
     try:
-        spec = StructuredOutput(grammar=hermes_tool_call_grammar([t.model_dump(exclude_none=True) for t in req.tools],
-                                                                 named))
+        spec = StructuredOutput(grammar=grammar())
         await state.engine.check_structured_output(spec)
     except ValueError as exc:
         raise invalid(str(exc), param="tools") from None
@@ -189,7 +204,12 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
         if prompt_opens_thinking(prompt):
             prompt += "\n</think>\n\n"
         prompt += forced_prefix
-    constraint = await forced_tool_call_constraint(state, req) if forced_prefix else req.structured_output()
+    if forced_prefix:
+        constraint = await forced_tool_call_constraint(state, req)
+    elif use_tools:
+        constraint = await strict_tools_constraint(state, req) or req.structured_output()
+    else:
+        constraint = req.structured_output()
     prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")

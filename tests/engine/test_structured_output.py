@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from radiance import LLM, SamplingParams
-from radiance.engine.structured_output import StructuredOutput, StructuredOutputError
+from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError
 from radiance.layers.sampler import LogitAdjustment, SamplingRow, adjust_logits, apply_token_masks, sample
+from tests.engine.conftest import tiny_byte_bpe_tokenizer
 
 # a pattern rather than maxLength: xgrammar 0.2.9 lets a string with maxLength hold raw control characters
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
@@ -249,9 +250,6 @@ def test_cli_generate_holds_to_a_schema_file_and_names_bad_options(tmp_path, cap
 
 
 def test_choices_are_matched_literally():
-    from radiance.engine.structured_output import GrammarBackend
-    from tests.engine.conftest import tiny_byte_bpe_tokenizer
-
     backend = GrammarBackend(tiny_byte_bpe_tokenizer(), 320, [0])
     spec = StructuredOutput(choice=('say "hi"', "a\\b|c", "(x)*"))
     for text, ok in [('say "hi"', True), ("a\\b|c", True), ("(x)*", True), ("say hi", False), ("a\\b", False),
@@ -288,3 +286,47 @@ def test_forced_hermes_tool_calls_parse_and_follow_the_schema(smollm2, named):
         assert args["unit"] in ("celsius", "fahrenheit")
     else:
         assert set(args) == {"zone"} and isinstance(args["zone"], str)
+
+
+@pytest.fixture(scope="module")
+def byte_backend():
+    return GrammarBackend(tiny_byte_bpe_tokenizer(), 320, [0])
+
+
+def hermes_matches(backend, grammar: str, text: str) -> bool:
+    state = backend.matcher(StructuredOutput(grammar=grammar))
+    return state.matcher.accept_string(text) and state.matcher.is_completed()
+
+
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}'
+TIME = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+
+
+def test_forced_required_call_then_parallel_calls(byte_backend):
+    from radiance.engine.structured_output import hermes_tool_call_grammar
+
+    after = WEATHER + "\n</tool_call>"  # the prompt ends with "<tool_call>\n"
+    more = f"\n<tool_call>\n{TIME}\n</tool_call>"
+    parallel, single = hermes_tool_call_grammar(TOOLS, parallel=True), hermes_tool_call_grammar(TOOLS)
+    assert hermes_matches(byte_backend, parallel, after) and hermes_matches(byte_backend, parallel, after + more)
+    assert hermes_matches(byte_backend, parallel, after + " Done." + more)  # text between calls is free
+    assert not hermes_matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
+    assert not hermes_matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_time", "arguments": {"city": 1}}')
+    assert hermes_matches(byte_backend, single, after) and not hermes_matches(byte_backend, single, after + more)
+
+
+def test_strict_tools_hold_calls_the_model_opens(byte_backend):
+    from radiance.engine.structured_output import hermes_strict_tools_grammar
+
+    grammar = hermes_strict_tools_grammar(STRICT_TOOLS, parallel=True)
+    assert hermes_matches(byte_backend, grammar, "No call needed, it is sunny.")
+    assert hermes_matches(byte_backend, grammar, f"Checking. <tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>")
+    bad_args = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "rome", "unit": "celsius"}}\n</tool_call>'
+    assert not hermes_matches(byte_backend, grammar, bad_args)  # the strict function's pattern holds
+    loose = '<tool_call>\n{"name": "get_time", "arguments": {"anything": [1, 2]}}\n</tool_call>'
+    assert hermes_matches(byte_backend, grammar, loose)  # a non-strict function takes any JSON object
+    assert not hermes_matches(byte_backend, grammar, '<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
+    one = hermes_strict_tools_grammar(STRICT_TOOLS, parallel=False)
+    assert hermes_matches(byte_backend, one, f"<tool_call>\n{TIME}\n</tool_call>")
+    assert not hermes_matches(byte_backend, one, f"<tool_call>\n{TIME}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>")

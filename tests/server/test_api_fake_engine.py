@@ -369,3 +369,18 @@ def test_engine_that_stopped_answers_503():
         check_error_shape(httpx.post(url + "/v1/completions", json={"prompt": "SAY:x"}), 503, None)
         assert httpx.get(url + "/health").status_code == 503
         assert "CUDA error" not in httpx.post(url + "/v1/completions", json={"prompt": "SAY:x"}).text
+
+
+def test_strict_tools_constrain_auto_calls(client, server):
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    chat(client, "x", tools=TOOLS)
+    assert server[1].requests[-1][2].structured_output is None  # not strict: the model writes freely
+    chat(client, "x", tools=strict)
+    held = server[1].requests[-1][2].structured_output
+    assert held is not None and "get_weather" in held.grammar
+    chat(client, "x", tools=strict, parallel_tool_calls=False)
+    assert server[1].requests[-1][2].structured_output.grammar != held.grammar  # one call at most
+    chat(client, "x", tools=strict, response_format={"type": "json_object"})
+    assert server[1].requests[-1][2].structured_output.json_object  # one constraint: the response format
+    chat(client, "x", tools=strict, tool_choice="none")
+    assert server[1].requests[-1][2].structured_output is None

@@ -181,3 +181,10 @@ def test_an_engine_failure_mid_stream_is_an_error_event(server):
     last = json.loads(lines[-1][len("data: "):])
     assert last["type"] == "error" and "internal server error" in last["message"]
     assert "[DONE]" not in lines[-1]
+
+
+def test_function_tools_are_strict_unless_they_say_not(client, server):
+    create(client, input="SAY:x", tools=TOOLS)
+    assert "get_weather" in server[1].requests[-1][2].structured_output.grammar  # OpenAI's default: strict
+    create(client, input="SAY:x", tools=[{**TOOLS[0], "strict": False}])
+    assert server[1].requests[-1][2].structured_output is None
