@@ -62,6 +62,9 @@ class ModelConfig:
                "lm_head_format 'mxfp4x2' quantizes to MXFP4: it needs a rule other than 'none'")
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache sizing."""
@@ -71,9 +74,12 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 512 << 20  # KV budget when running on the CPU (a float32 cache there)
     num_gpu_blocks_override: int | None = None  # force a block count (tests, preemption drills)
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype; float32 on CPU) | fp8 (e4m3, scale 1: half a 16-bit cache's bytes)
 
     def __post_init__(self):
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes must be positive")
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override must be positive")

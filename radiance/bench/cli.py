@@ -120,10 +120,11 @@ def _add_eval_mode(sub, mode: str) -> None:
     p.add_argument("--rule", choices=("mse", "noclip", "ocp", "none"), default="mse",
                    help="block-exponent rule of the conversion to MXFP4; none (with nvfp4): NVFP4 as W4A16")
     p.add_argument("--activations", choices=("fp8", "bf16"), default="fp8", help="fp8 = W4A8, bf16 = W4A16")
-    p.add_argument("--variants", nargs="+", metavar="QUANT[/RULE[/ACT]][+head|+head2]",
+    p.add_argument("--variants", nargs="+", metavar="QUANT[/RULE[/ACT]][+head|+head2][+fp8kv]",
                    help="several configurations in one pass over the text (one reference pass for kl), "
                         "e.g. mxfp4/mse/fp8 mxfp4/mse/bf16 nvfp4/none mxfp4/mse/fp8+head (+head: the lm_head "
-                        "quantized too; +head2: as two MXFP4 terms); replaces --quantization/--rule/--activations")
+                        "quantized too; +head2: as two MXFP4 terms; +fp8kv: K/V as an fp8 KV cache stores "
+                        "them, e.g. none+fp8kv); replaces --quantization/--rule/--activations")
     p.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext2-test.txt")
     p.add_argument("--chunks", type=int, default=64)
     p.add_argument("--chunk-len", type=int, default=512)

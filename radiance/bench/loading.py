@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from radiance.bench.quality import Variant
 from radiance.bench.synthetic import SyntheticCheckpoint, is_synthetic
 from radiance.config import KernelConfig, ModelConfig
@@ -34,5 +36,8 @@ def load_eval_model(model: str | None, variant: Variant, device: str | None, dty
                                quantize_lm_head=variant.lm_head is not None,
                                lm_head_format=variant.lm_head or "mxfp4", device=device, dtype=dtype)
     loaded = load_model(model_config, KernelConfig(activations=variant.activations), progress=False)
+    if variant.kv_cache == "fp8":  # eval runs without a cache: attention reads K/V rounded as one would store them
+        for attn in loaded.model.attention_layers():
+            attn.kv_storage_dtype = torch.float8_e4m3fn
     logger.info("eval %s: %s", variant.label, " | ".join(loaded.summary[1:]))
     return loaded.model, loaded.tokenizer

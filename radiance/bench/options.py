@@ -61,7 +61,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the positional's older spelling
     p.add_argument("--quantization", "--variants", dest="variants", nargs="+", default=["none", "mxfp4"],
                    help="quantization options to compare side by side (none = bf16; mxfp4; nvfp4; a '+head' "
-                        "suffix, e.g. mxfp4+head, quantizes the lm_head too, '+head2' as two MXFP4 terms)")
+                        "suffix, e.g. mxfp4+head, quantizes the lm_head too, '+head2' as two MXFP4 terms; a "
+                        "last '+fp8kv' serves with an fp8 KV cache, e.g. mxfp4+head2+fp8kv)")
     p.add_argument("--contexts", nargs="+", type=int, default=[128, 8192, 32768],
                    help="context depths of the batch-1 decode measurement")
     p.add_argument("--prefills", nargs="+", type=int, default=[1024, 8192, 32768],

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from radiance.bench import metrics
-from radiance.config import LM_HEAD_FORMATS, MODEL_RULES
+from radiance.config import KV_CACHE_DTYPES, LM_HEAD_FORMATS, MODEL_RULES
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class LogitsModel(Protocol):
 
 # variant suffixes that quantize the lm_head, and the ModelConfig.lm_head_format each one means
 HEAD_SUFFIXES = {"+head": "mxfp4", "+head2": "mxfp4x2"}
+KV_SUFFIX = "+fp8kv"  # K/V rounded as an fp8 KV cache stores them (CacheConfig.kv_cache_dtype fp8)
 
 
 def split_head_suffix(spec: str) -> tuple[str, str | None]:
@@ -51,6 +52,7 @@ class Variant:
     activations: str = "fp8"  # fp8 = W4A8, bf16 = W4A16 (16-bit activations)
     lm_head: str | None = None  # the lm_head quantized too, in this LM_HEAD_FORMATS format (spec suffix "+head"
     # = mxfp4, "+head2" = mxfp4x2: HEAD_SUFFIXES); None = 16-bit
+    kv_cache: str = "auto"  # "fp8" (spec suffix "+fp8kv"): attention reads K/V as an fp8 cache holds them
 
     def __post_init__(self):
         if self.quantization not in ("none", "mxfp4", "nvfp4"):
@@ -67,19 +69,29 @@ class Variant:
             raise ConfigError("+head quantizes the lm_head: it needs quantization mxfp4 or nvfp4")
         if self.lm_head == "mxfp4x2" and self.rule == "none":
             raise ConfigError("+head2 quantizes the lm_head to MXFP4: it needs a rule other than none")
+        if self.kv_cache not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache must be one of {KV_CACHE_DTYPES}, got {self.kv_cache!r}")
+
+    @property
+    def changes_numerics(self) -> bool:
+        """Whether it differs from the 16-bit model served with a 16-bit cache (the KL reference)."""
+        return self.quantization != "none" or self.kv_cache != "auto"
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
-        """'mxfp4', 'mxfp4/ocp', 'nvfp4/mse/bf16', 'nvfp4/none', 'mxfp4/mse/fp8+head' -> Variant."""
-        body, head = split_head_suffix(spec)
+        """'mxfp4', 'mxfp4/ocp', 'nvfp4/mse/bf16', 'nvfp4/none', 'mxfp4/mse/fp8+head', 'none+fp8kv',
+        'mxfp4/mse/fp8+head2+fp8kv' -> Variant."""
+        kv = "fp8" if spec.endswith(KV_SUFFIX) else "auto"
+        body, head = split_head_suffix(spec.removesuffix(KV_SUFFIX))
         parts = body.split("/")
         if not 1 <= len(parts) <= 3:
-            raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]][+head|+head2]")
-        return cls(*parts, lm_head=head)
+            raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]][+head|+head2][{KV_SUFFIX}]")
+        return cls(*parts, lm_head=head, kv_cache=kv)
 
     @property
     def label(self) -> str:
-        return self._weights_label + {None: "", "mxfp4": " +4-bit head", "mxfp4x2": " +2x4-bit head"}[self.lm_head]
+        return (self._weights_label + {None: "", "mxfp4": " +4-bit head", "mxfp4x2": " +2x4-bit head"}[self.lm_head]
+                + (" +fp8 KV" if self.kv_cache == "fp8" else ""))
 
     @property
     def _weights_label(self) -> str:
@@ -213,8 +225,9 @@ def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
     if req.mode == "kl":
         reference, tokenizer = loader(req.model, Variant("none"), req.device, req.dtype)
     for variant in req.variants:
-        if req.mode == "kl" and variant.quantization == "none":
-            raise ConfigError("KL of the 16-bit model against itself is 0 by construction; pick a quantization")
+        if req.mode == "kl" and not variant.changes_numerics:
+            raise ConfigError("KL of the 16-bit model against itself is 0 by construction; pick a quantization "
+                              f"(or {KV_SUFFIX})")
         models[variant.label], tok = loader(req.model, variant, req.device, req.dtype)
         tokenizer = tokenizer or tok
     ids = tokenize_text(tokenizer, req.text, (req.first_chunk + req.chunks) * req.chunk_len)

@@ -12,11 +12,15 @@ from radiance.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def kv_cache_dtype(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: the model's on CUDA; float32 on the CPU, where the decode attention runs SDPA
-    in float32 (it is several times faster there than in 16 bits) and can then read the cache in place
-    instead of converting the whole context every step. The values stored are the model's, widened
-    exactly; the price is twice the bytes per token of `cpu_kv_cache_bytes` for a 16-bit model."""
+def kv_cache_dtype(device: torch.device, model_dtype: torch.dtype, wanted: str = "auto") -> torch.dtype:
+    """The KV cache's dtype. `fp8`: e4m3, values stored rounded to nearest and saturated at +-448, read
+    back widened (every path: Triton kernels and the torch reference). `auto`: the model's on CUDA; float32
+    on the CPU, where the decode attention runs SDPA in float32 (it is several times faster there than in
+    16 bits) and can then read the cache in place instead of converting the whole context every step. The
+    values stored are the model's, widened exactly; the price is twice the bytes per token of
+    `cpu_kv_cache_bytes` for a 16-bit model."""
+    if wanted == "fp8":
+        return torch.float8_e4m3fn
     return model_dtype if device.type == "cuda" else torch.float32
 
 

@@ -59,7 +59,8 @@ class LLMEngine:
         kv_tokens = self.runner.num_blocks * self.config.cache.block_size
         graphs = sorted(self.runner.graphs) if self.runner.graphs else "off"
         self.load_summary = loaded.summary + [
-            f"KV cache: {self.runner.num_blocks} blocks x {self.config.cache.block_size} = {kv_tokens} tokens; "
+            f"KV cache: {self.runner.num_blocks} blocks x {self.config.cache.block_size} = {kv_tokens} tokens "
+            f"({str(self.runner.kv_cache.dtype).removeprefix('torch.')}); "
             f"max_model_len {self.max_model_len}; prefix caching "
             f"{'on' if self.config.cache.enable_prefix_caching else 'off'}; CUDA graphs {graphs}",
         ]

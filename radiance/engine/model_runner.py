@@ -100,7 +100,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.cache.block_size
         arch = model.config
-        kv_dtype = kv_cache_dtype(device, dtype)
+        kv_dtype = kv_cache_dtype(device, dtype, config.cache.kv_cache_dtype)
         self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype)
         wanted = config.model.max_model_len or arch.max_position_embeddings
         self.max_model_len = min(wanted, arch.max_position_embeddings, self.num_blocks * self.block_size)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radiance.formats.fp8 import FP8_E4M3_MAX
 from radiance.kernels.activation import Fp8Activations
 
 
@@ -54,6 +55,8 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
+        # without a cache (evaluation), K/V are rounded to this dtype first, as a cache of it would store them
+        self.kv_storage_dtype: torch.dtype | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None,
                 rotary: tuple | None = None, quantize: bool = False):
@@ -100,6 +103,9 @@ class Attention(nn.Module):
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
     def _causal_no_cache(self, q, k, v):
+        if self.kv_storage_dtype is not None:
+            k = to_cache_dtype(k, self.kv_storage_dtype).to(k.dtype)
+            v = to_cache_dtype(v, self.kv_storage_dtype).to(v.dtype)
         squeeze = q.dim() == 3  # [T, H, D] -> one sequence
         if squeeze:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -128,13 +134,23 @@ def _decode_sdpa(q, k, v, scale: float):
 # 0.007 ms per call for a 537 MB cache on the CPU, torch 2.13).
 def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, slots_valid: bool = False):
     k_rows, v_rows, slots = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]), slot_mapping
-    if k_rows.dtype != k_cache.dtype:  # a float32 cache on the CPU (kv_cache.kv_cache_dtype): widened exactly
-        k_rows, v_rows = k_rows.to(k_cache.dtype), v_rows.to(v_cache.dtype)
+    if k_rows.dtype != k_cache.dtype:  # a float32 cache on the CPU (widened exactly) or fp8 (kv_cache_dtype)
+        k_rows, v_rows = to_cache_dtype(k_rows, k_cache.dtype), to_cache_dtype(v_rows, v_cache.dtype)
     if not slots_valid and slots.numel() and int(slots.min()) < 0:  # rows to skip (-1): select the others
         valid = slots >= 0
         k_rows, v_rows, slots = k_rows[valid], v_rows[valid], slots[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_rows)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_rows)
+    for cache, rows in ((k_cache, k_rows), (v_cache, v_rows)):
+        if cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K/V rows as the cache stores them: an fp8 cache saturates at +-448 (as the Triton stores do), rounding
+    to nearest even; a wider one holds the values exactly."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

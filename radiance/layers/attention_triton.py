@@ -1,6 +1,8 @@
 """Triton attention over the paged KV cache (CUDA; also runs under TRITON_INTERPRET=1 on the CPU).
 
 - `store_kv_cache`: writes each new token's K/V at its cache slot (slot -1 = padding, skipped).
+- The cache is the model's dtype or fp8 e4m3 (CacheConfig.kv_cache_dtype): stores round and saturate
+  (`to_cache`), the attention kernels widen what they load to q's dtype.
 - `paged_prefill_attention`: variable-length causal attention; sequence b's q rows are the last q_len of
   its context_lens[b] tokens, all read back from the paged cache (covers prefix-cache hits and chunked
   prefill). One program per (q tile, sequence, q head).
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from radiance.kernels._triton.act_quant import _row_scale, _to_e4m3, pdl_handoff, shared_row_scale
-from radiance.kernels._triton.rotary import rotated_heads, store_rotated_kv
+from radiance.kernels._triton.rotary import rotated_heads, store_rotated_kv, to_cache
 from radiance.kernels.activation import fp8_outputs, quantize_activations, row_barrier_buffers
 from radiance.kernels.device_info import sm_count, supports_pdl
 
@@ -47,8 +49,8 @@ def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
         mask = offs < ROW
         k = tl.load(K + t * stride_kt + offs, mask=mask)
         v = tl.load(V + t * stride_vt + offs, mask=mask)
-        tl.store(KC + slot * stride_cs + offs, k, mask=mask)
-        tl.store(VC + slot * stride_cs + offs, v, mask=mask)
+        tl.store(KC + slot * stride_cs + offs, to_cache(k, KC), mask=mask)
+        tl.store(VC + slot * stride_cs + offs, to_cache(v, VC), mask=mask)
 
 
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -99,7 +101,7 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale,
             page = tl.load(tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
             row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # fp8 cache: widened
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             allowed = (q_pos[:, None] >= offs_n[None, :]) & mask_n[None, :]
             s = tl.where(allowed, s, float("-inf"))
@@ -107,7 +109,7 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale,
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
@@ -183,14 +185,16 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
         page = tl.load(tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
         row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0, eviction_policy="evict_first")
+        k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
+                    eviction_policy="evict_first").to(q.dtype)  # an fp8 cache is widened here
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0, eviction_policy="evict_first")
+        v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
+                    eviction_policy="evict_first").to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     empty = l_i == 0.0  # a split past the context (or a padding row of a graph bucket)

@@ -9,10 +9,11 @@ from tests.bench.test_bench_synthetic import TINY
 
 
 def test_engine_bench_rows_have_every_measurement():
-    rows = engine_bench.run("synthetic:llama-3.1-8b", variants=("none", "mxfp4", "mxfp4+head", "mxfp4+head2"),
+    variants = ("none", "mxfp4", "mxfp4+head", "mxfp4+head2", "mxfp4+head2+fp8kv")
+    rows = engine_bench.run("synthetic:llama-3.1-8b", variants=variants,
                             contexts=(16, 40), prefills=(24,), concurrencies=(1, 3), with_hf=False, device="cpu",
                             overrides={**TINY, "vocab_size": 512})
-    assert [r["variant"] for r in rows] == ["none", "mxfp4", "mxfp4+head", "mxfp4+head2"]
+    assert [r["variant"] for r in rows] == list(variants)
     for row in rows:
         assert "error" not in row, row.get("error")
         for key in ("decode_ms@16", "decode_ms@40", "prefill_tok_s@24", "agg_tok_s@1", "agg_tok_s@3"):
@@ -21,6 +22,7 @@ def test_engine_bench_rows_have_every_measurement():
     counts = [int(re.search(r"(\d+) mxfp4", r["load"][1]).group(1)) for r in rows[1:]]
     assert counts[1] == counts[0] + 1  # "+head": the lm_head too
     assert counts[2] == counts[0] and "1 mxfp4x2" in rows[3]["load"][1]  # "+head2": as two MXFP4 terms
+    assert "float8_e4m3fn" in rows[4]["load"][-1] and "float8" not in rows[3]["load"][-1]  # "+fp8kv": the cache
 
 
 def test_engine_bench_cli_takes_model_and_quantization(monkeypatch):

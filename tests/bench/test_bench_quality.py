@@ -89,8 +89,11 @@ def test_variant_parsing_and_labels():
     assert Variant.parse("mxfp4+head").label == "mxfp4 mse W4A8 +4-bit head"
     assert Variant.parse("nvfp4/ocp+head2") == Variant("nvfp4", "ocp", lm_head="mxfp4x2")
     assert Variant.parse("mxfp4+head2").label == "mxfp4 mse W4A8 +2x4-bit head"
+    assert Variant.parse("none+fp8kv") == Variant("none", kv_cache="fp8") and Variant("none", kv_cache="fp8").changes_numerics
+    assert Variant.parse("mxfp4/mse/fp8+head2+fp8kv").label == "mxfp4 mse W4A8 +2x4-bit head +fp8 KV"
+    assert not Variant("none").changes_numerics
     for bad in ("int4", "mxfp4/none", "mxfp4/mse/fp4", "a/b/c/d", "none+head", "mxfp4+head/mse",
-                "nvfp4/none+head2", "none+head2"):
+                "nvfp4/none+head2", "none+head2", "mxfp4+fp8kv+head", "none+kv"):
         with pytest.raises(ConfigError):
             Variant.parse(bad)
 

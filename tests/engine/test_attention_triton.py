@@ -13,10 +13,14 @@ import torch
 
 
 def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: int = 8, kv_heads: int = 2,
-                  page: int = 16, seed: int = 0, big: bool = False) -> dict[str, float]:
-    """Random paged caches with shuffled block tables; returns the worst relative error per kernel."""
+                  page: int = 16, seed: int = 0, big: bool = False, kv_dtype: torch.dtype | None = None) -> dict[str, float]:
+    """Random paged caches with shuffled block tables; returns the worst relative error per kernel. The
+    cache in `kv_dtype` (default: the model's dtype; fp8: rows of K/V up to 600, past e4m3's 448).
+    "store_ulps": the largest difference between the Triton and torch stores of normal fp8 values in units
+    of their last place, "store_subnormal" the largest among subnormals (0 = the same bytes); attention is checked against the torch reference over the cache the
+    Triton store wrote."""
     from radiance.layers import attention_triton as at
-    from radiance.layers.attention import paged_attention_torch, store_kv_cache_torch
+    from radiance.layers.attention import paged_attention_torch, store_kv_cache_torch, to_cache_dtype
 
     gen = torch.Generator().manual_seed(seed)
     # (new tokens, cached tokens before them) per sequence: fresh prefill, chunk after context, decode
@@ -25,8 +29,9 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
         shapes += [(700, 300), (1, 5000), (129, 0)]
     num_blocks = sum(-(-(q + c) // page) for q, c in shapes) + 4
     cache_shape = (num_blocks, page, kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
-    v_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    kv_dtype = kv_dtype or dtype
+    k_cache = to_cache_dtype(torch.randn(cache_shape, generator=gen), kv_dtype).to(device)
+    v_cache = to_cache_dtype(torch.randn(cache_shape, generator=gen), kv_dtype).to(device)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, slots, q_lens, kv_lens = [], [], [], []
     for q_len, before in shapes:
@@ -42,6 +47,8 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
     q = torch.randn(total, heads, head_dim, generator=gen).to(device, dtype)
     k = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
     v = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
+    if kv_dtype == torch.float8_e4m3fn:  # a few values past e4m3's range: both stores saturate
+        k[0, 0, :4] = torch.tensor([600.0, -600.0, 447.0, 1e-3], dtype=dtype)
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
     context_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -54,8 +61,16 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
     at.store_kv_cache(torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), k_cache, v_cache, torch.cat([slot_mapping, pad]))
     errors = {"store": max((k_cache.float() - ref_k.float()).abs().max().item(),
                            (v_cache.float() - ref_v.float()).abs().max().item())}
+    if kv_dtype == torch.float8_e4m3fn:  # one place of a normal e4m3 value: 2^(exponent - 3)
+        errors["store_ulps"] = errors["store_subnormal"] = 0.0
+        for a, b in ((k_cache.float(), ref_k.float()), (v_cache.float(), ref_v.float())):
+            normal = b.abs() >= 2**-6
+            place = torch.exp2(torch.floor(torch.log2(b.abs().clamp(min=2**-6))) - 3)
+            errors["store_ulps"] = max(errors["store_ulps"], ((a - b).abs() / place)[normal].max().item())
+            errors["store_subnormal"] = max(errors["store_subnormal"], (a - b).abs()[~normal].max().item())
+        errors["saturated"] = float(k_cache[slots[0] // page, slots[0] % page, 0, :2].float().abs().tolist() == [448.0] * 2)
 
-    ref = paged_attention_torch(q.float(), ref_k.float(), ref_v.float(), block_tables, q_lens, kv_lens, scale)
+    ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), block_tables, q_lens, kv_lens, scale)
     out = at.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale)
     errors["prefill"] = ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -85,14 +100,15 @@ def _same_fp8(a: tuple, b: tuple) -> bool:
 
 
 def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                       splits: tuple[int, ...], big: bool = False, page: int = 16, seed: int = 0) -> dict:
+                       splits: tuple[int, ...], big: bool = False, page: int = 16, seed: int = 0,
+                       kv_dtype: torch.dtype | None = None) -> dict:
     """paged_decode_attention(rotary=...) (rotary and KV store inside the split kernel) against
     RotaryEmbedding.rotate_and_store + paged_decode_attention (the unfused launches) and against the
     torch reference (_rotate + store_kv_cache_torch + paged_attention_torch). Shuffled multi-page
     tables; contexts of 1 token, on a BLOCK_N boundary and just past it; a padding row (slot -1)
     whose context covers another sequence's blocks; q, k, v strided views of one qkv row."""
     from radiance.layers import attention_triton as at
-    from radiance.layers.attention import paged_attention_torch, store_kv_cache_torch
+    from radiance.layers.attention import paged_attention_torch, store_kv_cache_torch, to_cache_dtype
     from radiance.layers.rotary import RotaryEmbedding, _rotate
 
     gen = torch.Generator().manual_seed(seed)
@@ -114,8 +130,8 @@ def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
     q, k, v = (x.view(batch, -1, head_dim) for x in
                qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))
     cache = (blocks, page, kv_heads, head_dim)
-    k0 = torch.randn(cache, generator=gen).to(device, dtype)
-    v0 = torch.randn(cache, generator=gen).to(device, dtype)
+    k0 = to_cache_dtype(torch.randn(cache, generator=gen), kv_dtype or dtype).to(device)
+    v0 = to_cache_dtype(torch.randn(cache, generator=gen), kv_dtype or dtype).to(device)
     scale = head_dim ** -0.5
     real = slice(0, batch - 1)
 
@@ -213,15 +229,21 @@ def _in_interpreter(script: str) -> dict:
 _SCRIPT = """
 import json, torch
 from tests.engine.test_attention_triton import check_kernels
-print(json.dumps(check_kernels("cpu", torch.float32, head_dim=48, heads=6, kv_heads=2)))
+fp32 = check_kernels("cpu", torch.float32, head_dim=48, heads=6, kv_heads=2)
+fp8_kv = check_kernels("cpu", torch.float32, head_dim=48, heads=6, kv_heads=2, kv_dtype=torch.float8_e4m3fn, seed=1)
+print(json.dumps({"fp32": fp32, "fp8_kv": fp8_kv}))
 """
 
 
 def test_triton_kernels_in_the_interpreter():
-    errors = _in_interpreter(_SCRIPT)
+    results = _in_interpreter(_SCRIPT)
+    errors = results["fp32"]
     assert errors["store"] == 0.0
     assert errors["prefill"] < 1e-4 and errors["decode"] < 1e-4
     assert errors["padding_nan"] == 0.0
+    fp8 = results["fp8_kv"]  # the interpreter rounds ties away from zero (one place) and flushes subnormals
+    assert fp8["store_ulps"] <= 1.0 and fp8["store_subnormal"] < 2**-6 and fp8["saturated"] == 1.0, fp8
+    assert fp8["prefill"] < 1e-4 and fp8["decode"] < 1e-4 and fp8["padding_nan"] == 0.0, fp8
 
 
 _FUSED_SCRIPT = """
@@ -229,7 +251,9 @@ import json, torch
 from tests.engine.test_attention_triton import check_fused_decode
 fp32 = check_fused_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=32, splits=(1, 3, 8))
 fp16 = check_fused_decode("cpu", torch.float16, heads=8, kv_heads=2, head_dim=64, splits=(2,), seed=1)
-print(json.dumps({"fp32": fp32, "fp16": fp16}))  # (the interpreter's bf16 dots are not usable)
+fp8_kv = check_fused_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=32, splits=(1, 3), seed=2,
+                            kv_dtype=torch.float8_e4m3fn)
+print(json.dumps({"fp32": fp32, "fp16": fp16, "fp8_kv": fp8_kv}))  # (the interpreter's bf16 dots are not usable)
 """
 
 
@@ -240,6 +264,9 @@ def test_fused_rotary_decode_in_the_interpreter():
     for dtype, errors in results.items():
         assert errors["cache_differs"] == 0.0 and errors["out_differs"] == 0.0, (dtype, errors)
         tol = 1e-5 if dtype == "fp32" else 1e-3
+        if dtype == "fp8_kv":  # the same bytes as the torch store, so the same attention output
+            assert errors["cache_vs_torch"] == 0.0 and errors["out_vs_torch"] < 1e-5, errors
+            continue
         assert errors["cache_vs_torch"] < tol and errors["out_vs_torch"] < tol, (dtype, errors)
 
 
@@ -266,9 +293,11 @@ def test_merge_quantize_rows_in_the_interpreter():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 2, 64)])
-def test_fused_rotary_decode_on_gpu(heads, kv_heads, head_dim):
-    errors = check_fused_decode("cuda", torch.bfloat16, heads, kv_heads, head_dim, splits=(1, 4, 16), big=True)
+def test_fused_rotary_decode_on_gpu(heads, kv_heads, head_dim, kv_dtype):
+    errors = check_fused_decode("cuda", torch.bfloat16, heads, kv_heads, head_dim, splits=(1, 4, 16), big=True,
+                                kv_dtype=kv_dtype)
     # the cache bytes are rotate_and_store's; the output may differ from the unfused kernel's in the
     # last bits of a few elements (on the H200 it did at all three split counts, both within 8e-4 of
     # the torch reference), so it is held to the bf16 rounding of the unfused output
@@ -327,12 +356,15 @@ def test_attention_forward_fuses_rotary_into_decode(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 32, 8), (128, 16, 2)])
-def test_triton_kernels_on_gpu(head_dim, heads, kv_heads):
-    errors = check_kernels("cuda", torch.bfloat16, head_dim, heads, kv_heads, big=True)
-    assert errors["store"] == 0.0
+def test_triton_kernels_on_gpu(head_dim, heads, kv_heads, kv_dtype):
+    errors = check_kernels("cuda", torch.bfloat16, head_dim, heads, kv_heads, big=True, kv_dtype=kv_dtype)
+    assert errors["store"] == 0.0  # the Triton store writes the torch store's bytes, fp8 included
     assert errors["prefill"] < 1e-2 and errors["decode"] < 1e-2, errors
     assert errors["padding_nan"] == 0.0
+    if kv_dtype is not None:
+        assert errors["saturated"] == 1.0
 
 
 @pytest.mark.gpu

@@ -175,3 +175,44 @@ def test_overlapped_decode_survives_stops_aborts_and_sampling(tiny_llm, referenc
     assert none_ahead == 0 and ahead > 0
     assert overlapped == plain
     assert plain["doomed"][1] == "abort" and {plain[f"r{i}"][1] for i in range(6)} == {"stop", "length"}
+
+
+def test_fp8_kv_cache(tiny_llm):
+    """kv_cache_dtype fp8 on the CPU: e4m3 blocks (a quarter of the float32 cache's bytes, so four times the
+    blocks), scores that move off the exact cache's by fp8 rounding only, and the same tokens under chunked
+    prefill and prefix-cache hits (every path reads K/V back from the cache)."""
+    import torch
+
+    exact, fp8 = tiny_llm(max_num_seqs=4), tiny_llm(max_num_seqs=4, kv_cache_dtype="fp8")
+    assert fp8.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert fp8.engine.runner.num_blocks == 4 * exact.engine.runner.num_blocks
+    prompts = [list(range(30, 70)), [5, 9, 9, 200, 17, 3, 3, 3, 41, 250, 7, 100, 64, 2, 88, 91, 12, 12, 0, 77]]
+    scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    diffs = [abs(a.logprob - b.logprob) for o8, o32 in zip(fp8.generate(prompts, scored), exact.generate(prompts, scored))
+             for a, b in zip(o8.prompt_logprobs[1:], o32.prompt_logprobs[1:])]
+    # a random tiny model reads e4m3 K/V (6% relative steps) with logprobs off by 0.06 on average here
+    assert 0 < max(diffs) < 0.6 and sum(diffs) / len(diffs) < 0.15, (max(diffs), sum(diffs) / len(diffs))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]
+    for options in (dict(max_num_batched_tokens=16), dict(enable_prefix_caching=True)):
+        llm = tiny_llm(max_num_seqs=4, kv_cache_dtype="fp8", **options)
+        llm.generate(prompts[0], SamplingParams(max_tokens=1))  # a cached prefix for the second run
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, options
+
+
+def test_eval_variant_with_fp8_kv_matches_the_served_cache(tiny_llm):
+    """`radiance eval`'s +fp8kv scores without a cache by rounding K/V as the fp8 cache stores them: its
+    prompt scores equal the engine's with kv_cache_dtype fp8 (which reads them back from the cache)."""
+    import torch
+
+    llm = tiny_llm(kv_cache_dtype="fp8")
+    prompt = list(range(30, 70))
+    served = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    model = llm.engine.runner.model
+    plain = model.forward_logits(torch.tensor([prompt]))[0].float().log_softmax(-1)
+    for attn in model.attention_layers():
+        attn.kv_storage_dtype = torch.float8_e4m3fn
+    rounded = model.forward_logits(torch.tensor([prompt]))[0].float().log_softmax(-1)
+    want = [rounded[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
+    assert [e.logprob for e in served[1:]] == pytest.approx(want, abs=1e-4)
+    assert max(abs(a - plain[p - 1, prompt[p]].item()) for p, a in enumerate(want, start=1)) > 1e-3

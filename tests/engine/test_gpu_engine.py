@@ -63,3 +63,19 @@ def test_prefill_graphs_do_not_change_greedy_outputs(tiny_llm, quantization):
             == eager.generate(longer, params)[0].outputs[0].token_ids)
     together = [o.outputs[0].token_ids for o in graphs.generate(prompts[:3], params)]
     assert together == [o.outputs[0].token_ids for o in eager.generate(prompts[:3], params)]
+
+
+def test_fp8_kv_cache_gpu_matches_cpu(tiny_llm):
+    """An fp8 KV cache on the GPU (Triton stores and reads, graphs, fused decode rotary) holds the bytes the
+    CPU's torch path stores, so in fp32 the greedy tokens agree; and it holds twice a 16-bit cache's tokens."""
+    prompts = [[(5 * i + 3 * j) % 256 for j in range(20 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in tiny_llm(device="cpu", kv_cache_dtype="fp8").generate(prompts, params)]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = tiny_llm(device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=8, cuda_graph_max_batch=8,
+                   kv_cache_dtype="fp8")
+    assert gpu.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == cpu
+    sized = {kv: tiny_llm(device="cuda", dtype="bfloat16", kv_cache_dtype=kv, gpu_memory_utilization=0.3,
+                          enforce_eager=True).engine.runner.num_blocks for kv in ("auto", "fp8")}
+    assert 1.9 < sized["fp8"] / sized["auto"] < 2.1, sized

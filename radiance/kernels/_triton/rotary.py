@@ -10,7 +10,19 @@ its own launch at decode.
 import triton
 import triton.language as tl
 
-from radiance.kernels._triton.act_quant import pdl_handoff
+from radiance.kernels._triton.act_quant import pdl_handoff, round_to_e4m3_grid
+
+
+@triton.jit
+def to_cache(x, ptr):
+    """x as the tensor at `ptr` stores it: an fp8 e4m3 KV cache saturates at +-448 and rounds to nearest
+    even (as attention.to_cache_dtype does on the torch side; pre-rounded on the e4m3 grid, which the
+    interpreter's cast needs and costs the GPU a few instructions per stored element); any other dtype
+    is a plain conversion."""
+    if ptr.dtype.element_ty == tl.float8e4nv:
+        return round_to_e4m3_grid(tl.clamp(x.to(tl.float32), -448.0, 448.0)).to(tl.float8e4nv)
+    else:
+        return x.to(ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -36,8 +48,8 @@ def _rotate_heads(src_row, dst_row, stride_h, heads, cos, sin, HALF: tl.constexp
     d = tl.arange(0, HALF)[None, :]
     live = h < heads
     dst = dst_row + h * 2 * HALF + d
-    tl.store(dst, r1, mask=live)
-    tl.store(dst + HALF, r2, mask=live)
+    tl.store(dst, to_cache(r1, dst_row), mask=live)
+    tl.store(dst + HALF, to_cache(r2, dst_row), mask=live)
 
 
 @triton.jit
@@ -57,7 +69,7 @@ def store_rotated_kv(k_row, v_row, kc_row, vc_row, stride_kh, stride_vh, heads, 
     d = tl.arange(0, 2 * HALF)[None, :]
     live = h < heads
     v = tl.load(v_row + h * stride_vh + d, mask=live)
-    tl.store(vc_row + h * 2 * HALF + d, v, mask=live)
+    tl.store(vc_row + h * 2 * HALF + d, to_cache(v, vc_row), mask=live)
 
 
 @triton.jit
