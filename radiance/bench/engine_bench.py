@@ -50,13 +50,16 @@ def _engine(model: str, quantization: str, max_model_len: int, device: str, over
 def _decode_ms(engine, context: int, steps: int, gen) -> float:
     """Wall ms per batch-1 decode step with `context` tokens in the cache: `steps` steps run back to
     back as a server runs them (no synchronization between steps, so a step queued ahead overlaps the
-    host's work on the previous one), after the prefill and two warm-up steps."""
+    host's work on the previous one), after the prefill (one step per max_num_batched_tokens chunk) and
+    two warm-up steps."""
     from radiance.engine.sampling_params import SamplingParams
 
     vocab = engine.model.config.vocab_size
     engine.add_request("decode", _random_ids(context, vocab, gen),
-                       SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
-    for _ in range(3):  # prefill, then two decode steps
+                       SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True))
+    while not any(out.token_ids for out in engine.step()):  # the prefill's chunks, up to its first token
+        pass
+    for _ in range(2):
         engine.step()
     _sync()
     t0 = time.perf_counter()
@@ -65,6 +68,8 @@ def _decode_ms(engine, context: int, steps: int, gen) -> float:
         engine.step()
         done += 1
     _sync()
+    if done != steps:  # the timed steps must all be decode steps (no prefill chunk among them)
+        raise RuntimeError(f"decode timing ran {done} steps, expected {steps}")
     return (time.perf_counter() - t0) / done * 1e3
 
 
