@@ -2,7 +2,8 @@
 
 - `store_kv_cache`: writes each new token's K/V at its cache slot (slot -1 = padding, skipped).
 - The cache is the model's dtype or fp8 e4m3 (CacheConfig.kv_cache_dtype): stores round and saturate
-  (`to_cache`), the attention kernels widen what they load to q's dtype.
+  (`to_cache`), the attention kernels widen what they load to the dots' dtype (`_dots_in_fp16`: fp16 over an
+  fp8 cache for 16-bit models).
 - `paged_prefill_attention`: variable-length causal attention; sequence b's q rows are the last q_len of
   its context_lens[b] tokens, all read back from the paged cache (covers prefix-cache hits and chunked
   prefill). One program per (q tile, sequence, q head).
@@ -32,6 +33,13 @@ from radiance.kernels.device_info import sm_count, supports_pdl
 
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _dots_in_fp16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Over an fp8 cache, a 16-bit model's attention dots run in fp16: e4m3 widens to fp16 in one instruction
+    per pair but to bf16 only through fp32, and fp16 holds every e4m3 value and q's range; fp32 models
+    keep fp32 dots (the exact reference path)."""
+    return k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -74,7 +82,8 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale,
                     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_tb,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                    DOTS_FP16: tl.constexpr = False):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -90,6 +99,8 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale,
         mask_m = offs_m < q_len
         q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        if DOTS_FP16:
+            q = q.to(tl.float16)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -101,7 +112,7 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale,
             page = tl.load(tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
             row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # fp8 cache: widened
+            k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # fp8: widened
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             allowed = (q_pos[:, None] >= offs_n[None, :]) & mask_n[None, :]
             s = tl.where(allowed, s, float("-inf"))
@@ -131,7 +142,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=dim, D_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32, PRECISION=_precision(q), num_warps=4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32, PRECISION=_precision(q),
+        DOTS_FP16=_dots_in_fp16(q, k_cache), num_warps=4, num_stages=2)
     return out
 
 
@@ -142,7 +154,8 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
                          COS, SIN, POS, KN, VN, SLOTS, stride_knb, stride_knh, stride_vnb, stride_vnh,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                          PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr = False):
+                         PRECISION: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr = False,
+                         DOTS_FP16: tl.constexpr = False):
     """With ROTARY, Q is unrotated and the new token's unrotated k and its v (KN, VN [B, Hkv, D]) are
     not in the cache yet: this launch does what rotary_kernel with STORE_KV would have done first."""
     pdl_handoff(PDL)
@@ -176,6 +189,8 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
     else:
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if DOTS_FP16:
+        q = q.to(tl.float16)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -439,7 +454,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         cos, sin, positions, k_new, v_new, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, D_PAD=d_pad,
         PAGE=k_cache.shape[1], SPLITS=num_splits, BLOCK_N=64 if dim <= 128 else 32, PRECISION=_precision(q),
-        ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=2)
+        ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl, DOTS_FP16=_dots_in_fp16(q, k_cache), num_warps=4,
+        num_stages=2)
     if not quantize:
         return _merge(acc, lse, q.dtype, pdl)
     if _merge_quant_serves(q):
