@@ -158,21 +158,22 @@ class ResponsesRequest(_Model):
 
 
 def _text(content: Any, where: str) -> str:
-    """The text of a message's content: a string, or parts of type input_text / output_text / refusal."""
+    """The text of a message's content (`where` names it): a string, or parts of type input_text /
+    output_text / refusal."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"{where}.content must be a string or a list of content parts")
+        raise ValueError(f"{where} must be a string or a list of content parts")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         key = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}.get(kind)
         if key is None:
             if kind in ("input_image", "input_file", "input_audio"):
-                raise ValueError(f"{where}.content[{j}] is {kind}; this server serves text-only models")
-            raise ValueError(f"{where}.content[{j}] has unsupported type {kind!r}")
+                raise ValueError(f"{where}[{j}] is {kind}; this server serves text-only models")
+            raise ValueError(f"{where}[{j}] has unsupported type {kind!r}")
         if not isinstance(part.get(key), str):
-            raise ValueError(f"{where}.content[{j}] needs a string {key}")
+            raise ValueError(f"{where}[{j}] needs a string {key}")
         texts.append(part[key])
     return "".join(texts)
 
@@ -199,7 +200,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             role = item.get("role")
             if role not in INPUT_ROLES:
                 raise ValueError(f"{where}.role must be one of {', '.join(INPUT_ROLES)}, got {role!r}")
-            message = {"role": role, "content": _text(item.get("content"), where)}
+            message = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -216,7 +217,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
-                             "content": output if isinstance(output, str) else _text(output, where)})
+                             "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
         elif kind == "reasoning":
             parts = (item.get("content") or []) + (item.get("summary") or [])
             reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None

@@ -162,8 +162,10 @@ class ResponseRun:
             self.history = previous.conversation
         try:
             chat = req.to_chat(self.history)
-        except ValidationError as exc:
-            raise invalid(f"input: {exc.errors()[0]['msg']}", param="input") from None
+        except ValidationError as exc:  # a message the chat request refuses (e.g. a user turn without content)
+            err = exc.errors()[0]
+            where = ".".join(str(part) for part in err["loc"])
+            raise invalid(f"input: {err['msg']} (as the chat request's {where})", param="input") from None
         except ValueError as exc:
             raise invalid(str(exc), param="input") from None
         try:
