@@ -120,3 +120,26 @@ def test_logprobs_rows():
 def test_sampling_params_validation(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_block_table_mirror_follows_appends_and_new_lists():
+    """The runner's numpy block tables: extended as a table grows, rebuilt when the sequence gets a new list
+    (its blocks were freed: preemption), equal to the list every time."""
+    from radiance.engine.model_runner import BlockTableMirror
+
+    class Seq:
+        block_table: list
+
+    mirror, seq = BlockTableMirror(), Seq()
+    seq.block_table = [7, 3]
+    first = mirror.row(seq)
+    assert first.tolist() == [7, 3] and mirror.row(seq) is first  # unchanged: no copy
+    seq.block_table.append(9)
+    assert mirror.row(seq).tolist() == [7, 3, 9]
+    seq.block_table = [5, 6, 8]  # freed and reallocated: same length, new list
+    assert mirror.row(seq).tolist() == [5, 6, 8]
+    seq.block_table = []
+    assert mirror.row(seq).tolist() == []
+    other = Seq()
+    other.block_table = [1]
+    assert mirror.row(other).tolist() == [1] and mirror.row(seq).tolist() == []  # one row per sequence
