@@ -20,7 +20,7 @@ import time
 import torch
 
 from radiance.bench.options import add_engine_options
-from radiance.bench.quality import KV_SUFFIX, split_head_suffix
+from radiance.bench.quality import split_suffixes
 from radiance.bench.report import format_table
 from radiance.bench.synthetic import SyntheticCheckpoint
 
@@ -206,11 +206,9 @@ def bench_variant(model: str, quantization: str, contexts, prefills, concurrenci
                   device: str = "cuda", overrides: dict | None = None, engine_options: dict | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     options = dict(engine_options or {})
-    spec = quantization
-    if spec.endswith(KV_SUFFIX):  # e.g. "mxfp4+fp8kv": an fp8 KV cache
-        options["kv_cache_dtype"] = "fp8"
-        spec = spec.removesuffix(KV_SUFFIX)
-    quant, head = split_head_suffix(spec)
+    quant, head, kv = split_suffixes(quantization)
+    if kv != "auto":  # e.g. "mxfp4+fp8kv": an fp8 KV cache
+        options["kv_cache_dtype"] = kv
     if head is not None:  # e.g. "mxfp4+head": the lm_head quantized too
         options.update(quantize_lm_head=True, lm_head_format=head)
     engine = _engine(model, quant, max_model_len, device, overrides, max_num_batched_tokens=max(prefills),

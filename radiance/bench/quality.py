@@ -35,12 +35,15 @@ HEAD_SUFFIXES = {"+head": "mxfp4", "+head2": "mxfp4x2"}
 KV_SUFFIX = "+fp8kv"  # K/V rounded as an fp8 KV cache stores them (CacheConfig.kv_cache_dtype fp8)
 
 
-def split_head_suffix(spec: str) -> tuple[str, str | None]:
-    """'mxfp4+head2' -> ('mxfp4', 'mxfp4x2'); no suffix -> (spec, None)."""
+def split_suffixes(spec: str) -> tuple[str, str | None, str]:
+    """'mxfp4+head2+fp8kv' -> ('mxfp4', 'mxfp4x2', 'fp8'): the quantization, the lm_head format (None: 16-bit)
+    and the KV cache dtype ('auto' without the suffix)."""
+    kv = "fp8" if spec.endswith(KV_SUFFIX) else "auto"
+    spec = spec.removesuffix(KV_SUFFIX)
     for suffix, fmt in HEAD_SUFFIXES.items():
         if spec.endswith(suffix):
-            return spec.removesuffix(suffix), fmt
-    return spec, None
+            return spec.removesuffix(suffix), fmt, kv
+    return spec, None, kv
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,7 @@ class Variant:
     def parse(cls, spec: str) -> "Variant":
         """'mxfp4', 'mxfp4/ocp', 'nvfp4/mse/bf16', 'nvfp4/none', 'mxfp4/mse/fp8+head', 'none+fp8kv',
         'mxfp4/mse/fp8+head2+fp8kv' -> Variant."""
-        kv = "fp8" if spec.endswith(KV_SUFFIX) else "auto"
-        body, head = split_head_suffix(spec.removesuffix(KV_SUFFIX))
+        body, head, kv = split_suffixes(spec)
         parts = body.split("/")
         if not 1 <= len(parts) <= 3:
             raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]][+head|+head2][{KV_SUFFIX}]")

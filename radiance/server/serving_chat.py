@@ -151,7 +151,8 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     return f'{START_TAG}\n{{"name": {json.dumps(name)}, "arguments": '
 
 
-async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest) -> StructuredOutput | None:
+async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest,
+                                      tools: list[dict]) -> StructuredOutput | None:
     """With Hermes markup, the rest of a forced tool call held to the tools' parameter schemas (so it parses
     and its arguments validate); None for other markups, which only get the prefix."""
     if req.structured_output() is not None:
@@ -160,18 +161,17 @@ async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionReq
     if state.tool_parser_name != "hermes":
         return None
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
     return await _tools_constraint(state, lambda: hermes_tool_call_grammar(tools, named, req.parallel_tool_calls))
 
 
-async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest) -> StructuredOutput | None:
+async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest,
+                                  tools: list[dict]) -> StructuredOutput | None:
     """tool_choice auto with `strict` functions and Hermes markup: calls the model opens are held to the tools
     (and a strict function's arguments to its schema); None otherwise, or when response_format already
     constrains the answer (one constraint per request)."""
     if (state.tool_parser_name != "hermes" or req.structured_output() is not None
             or not any(t.function.strict for t in req.tools)):
         return None
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
     return await _tools_constraint(state, lambda: hermes_strict_tools_grammar(tools, req.parallel_tool_calls))
 
 
@@ -198,6 +198,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     (or a Responses request turned into one) does before it reaches the engine."""
     await check_limits(state, req)
     use_tools = bool(req.tools) and req.tool_choice != "none"
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
     prompt = render_prompt(state, req, use_tools)
     forced_prefix = forced_tool_call_prefix(state, req) if use_tools else ""
     if forced_prefix:
@@ -205,9 +206,9 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
             prompt += "\n</think>\n\n"
         prompt += forced_prefix
     if forced_prefix:
-        constraint = await forced_tool_call_constraint(state, req)
+        constraint = await forced_tool_call_constraint(state, req, tools)
     elif use_tools:
-        constraint = await strict_tools_constraint(state, req) or req.structured_output()
+        constraint = await strict_tools_constraint(state, req, tools) or req.structured_output()
     else:
         constraint = req.structured_output()
     prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
@@ -215,7 +216,6 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     jobs = [EngineJob(f"{request_id}-{i}", prompt_ids, sampling_params(req, max_tokens, i, constraint))
             for i in range(req.n)]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
     opens_thinking = prompt_opens_thinking(prompt)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix) for i in range(req.n)]
     return PreparedChat(prompt_ids, jobs, choices)
