@@ -22,6 +22,8 @@ The torch references are `radiance.layers.attention.paged_attention_torch` / `st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,32 @@ def _dots_in_fp16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     per pair but to bf16 only through fp32, and fp16 holds every e4m3 value and q's range; fp32 models
     keep fp32 dots (the exact reference path)."""
     return k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+
+
+@dataclass(frozen=True)
+class DecodeTiling:
+    """Launch shape of the split-KV decode kernel: cache rows per loop step, warps, pipeline depth; and,
+    with long_block_n, a second loop of long_block_n rows per step that a split takes at run time when
+    its share of the context is at least long_from tokens (graph-safe: the branch reads context_lens)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    long_block_n: int = 0
+    long_from: int = 0
+
+
+def decode_tiling(head_dim: int, programs: int, sms: int) -> DecodeTiling:
+    """The decode kernel's tiling for `programs` (sequences x kv heads x splits) on `sms` SMs. While the
+    programs fit two per SM (batch 1, where the splits carry the parallelism) a split over 512 tokens or
+    more steps 128 rows at a time: the 8B's decode step at 32k context -2.6% (bf16 cache) / -5% (fp8),
+    where 128 rows at every context cost 1-1.5% at short ones. Larger grids keep 64 rows, whose smaller
+    tiles fit more programs per SM (bench/RESULTS.md, twentieth session)."""
+    if head_dim > 128:
+        return DecodeTiling(block_n=32)
+    if programs <= 2 * sms:
+        return DecodeTiling(block_n=64, long_block_n=128, long_from=512)
+    return DecodeTiling(block_n=64)
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -148,6 +176,32 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 @triton.jit
+def _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
+                 stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of q's heads over cache rows [start, end) of sequence b, BLOCK_N rows a step."""
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
+        row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
+                    eviction_policy="evict_first").to(q.dtype)  # an fp8 cache is widened here
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
+                    eviction_policy="evict_first").to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
                          stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb,
                          stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
@@ -155,7 +209,8 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                          PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                          PRECISION: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr = False,
-                         DOTS_FP16: tl.constexpr = False):
+                         DOTS_FP16: tl.constexpr = False, LONG_BLOCK_N: tl.constexpr = 0,
+                         LONG_FROM: tl.constexpr = 0):
     """With ROTARY, Q is unrotated and the new token's unrotated k and its v (KN, VN [B, Hkv, D]) are
     not in the cache yet: this launch does what rotary_kernel with STORE_KV would have done first."""
     pdl_handoff(PDL)
@@ -163,7 +218,11 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(context_lens + b)
-    per_split = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    share = tl.cdiv(kv_len, SPLITS)
+    step = BLOCK_N
+    if LONG_BLOCK_N > 0 and share >= LONG_FROM:
+        step = LONG_BLOCK_N
+    per_split = tl.cdiv(share, step) * step
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
     offs_g = tl.arange(0, G_PAD)
@@ -194,24 +253,14 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
-        row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
-                    eviction_policy="evict_first").to(q.dtype)  # an fp8 cache is widened here
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
-                    eviction_policy="evict_first").to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    if LONG_BLOCK_N > 0 and share >= LONG_FROM:
+        m_i, l_i, acc = _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
+                                     stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d, PAGE,
+                                     LONG_BLOCK_N, PRECISION)
+    else:
+        m_i, l_i, acc = _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
+                                     stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d, PAGE,
+                                     BLOCK_N, PRECISION)
     empty = l_i == 0.0  # a split past the context (or a padding row of a graph bucket)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -424,7 +473,7 @@ def _merge_quant_rows(acc: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, num_splits: int, quantize: bool = False,
-                           rotary: tuple | None = None):
+                           rotary: tuple | None = None, tiling: DecodeTiling | None = None):
     """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]; with `quantize`, (x_q e4m3 [B, Hq * D],
     x_scale fp32 [B, 1]) for a W4A8 linear instead, the bytes of quantize_activations of that output,
     from the merge launch (the barrier kernel while _merge_quant_serves, else the per-row kernel up
@@ -437,6 +486,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
+    tiling = tiling or decode_tiling(dim, batch * kv_heads * num_splits, sm_count(q.device))
     d_pad = triton.next_power_of_2(dim)
     pdl = supports_pdl(q.device)  # each launch waits for the one before it (pdl_handoff)
     acc = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
@@ -453,9 +503,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         cos, sin, positions, k_new, v_new, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, D_PAD=d_pad,
-        PAGE=k_cache.shape[1], SPLITS=num_splits, BLOCK_N=64 if dim <= 128 else 32, PRECISION=_precision(q),
-        ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl, DOTS_FP16=_dots_in_fp16(q, k_cache), num_warps=4,
-        num_stages=2)
+        PAGE=k_cache.shape[1], SPLITS=num_splits, BLOCK_N=tiling.block_n, PRECISION=_precision(q),
+        ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl, DOTS_FP16=_dots_in_fp16(q, k_cache),
+        LONG_BLOCK_N=tiling.long_block_n, LONG_FROM=tiling.long_from,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     if not quantize:
         return _merge(acc, lse, q.dtype, pdl)
     if _merge_quant_serves(q):

@@ -78,9 +78,13 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
     rows = cu[:-1][decode_rows].long()
     ref_d = ref[rows]
     worst = 0.0
-    for splits in (1, 3, 8):
+    # the default tiling at each split count, and each tiling decode_tiling picks at one split count
+    # (the second switches to 64-row steps where a split's share reaches 16 tokens: both loops run)
+    tilings = [at.DecodeTiling(64, 4, 3), at.DecodeTiling(32, 4, 2, long_block_n=64, long_from=16),
+               at.DecodeTiling(128, 4, 2)]
+    for splits, tiling in [(1, None), (3, None), (8, None)] + [(3, t) for t in tilings]:
         out_d = at.paged_decode_attention(q[rows], k_cache, v_cache, block_tables[decode_rows],
-                                          context_lens[decode_rows], scale, splits)
+                                          context_lens[decode_rows], scale, splits, tiling=tiling)
         worst = max(worst, ((out_d.float() - ref_d).norm() / ref_d.norm()).item())
     errors["decode"] = worst
     # a graph bucket's padding row: context 0 gives zeros, not NaN
@@ -101,7 +105,7 @@ def _same_fp8(a: tuple, b: tuple) -> bool:
 
 def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                        splits: tuple[int, ...], big: bool = False, page: int = 16, seed: int = 0,
-                       kv_dtype: torch.dtype | None = None) -> dict:
+                       kv_dtype: torch.dtype | None = None, tiling=None) -> dict:
     """paged_decode_attention(rotary=...) (rotary and KV store inside the split kernel) against
     RotaryEmbedding.rotate_and_store + paged_decode_attention (the unfused launches) and against the
     torch reference (_rotate + store_kv_cache_torch + paged_attention_torch). Shuffled multi-page
@@ -145,10 +149,10 @@ def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
     errors = {"cache_vs_torch": ((unf_k.float() - ref_k.float()).norm() / ref_k.float().norm()).item(),
               "cache_differs": 0.0, "out_differs": 0.0, "out_vs_unfused": 0.0, "out_vs_torch": 0.0}
     for n in splits:
-        unfused = at.paged_decode_attention(q_rot, unf_k, unf_v, block_tables, context_lens, scale, n)
+        unfused = at.paged_decode_attention(q_rot, unf_k, unf_v, block_tables, context_lens, scale, n, tiling=tiling)
         k_cache, v_cache = k0.clone(), v0.clone()
         out = at.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, n,
-                                        rotary=(rope.cos, rope.sin, positions, k, v, slot_mapping))
+                                        rotary=(rope.cos, rope.sin, positions, k, v, slot_mapping), tiling=tiling)
         errors["cache_differs"] += float(not (_same_bytes(k_cache, unf_k) and _same_bytes(v_cache, unf_v)))
         errors["out_differs"] += float(not _same_bytes(out[real], unfused[real]))
         diff = ((out[real].float() - unfused[real].float()).norm() / unfused[real].float().norm()).item()
@@ -235,6 +239,15 @@ print(json.dumps({"fp32": fp32, "fp8_kv": fp8_kv}))
 """
 
 
+def test_decode_tiling_follows_the_grid():
+    """Splits of 512 tokens or more step 128 cache rows at a time while the programs fit two per SM
+    (batch 1 at long context); 64 rows otherwise, 32 for heads above 128."""
+    from radiance.layers.attention_triton import DecodeTiling, decode_tiling
+    assert decode_tiling(128, programs=8 * 32, sms=132) == DecodeTiling(64, 4, 2, long_block_n=128, long_from=512)
+    assert decode_tiling(128, programs=2 * 8 * 17, sms=132) == DecodeTiling(64, 4, 2)
+    assert decode_tiling(256, programs=8, sms=132) == DecodeTiling(32, 4, 2)
+
+
 def test_triton_kernels_in_the_interpreter():
     results = _in_interpreter(_SCRIPT)
     errors = results["fp32"]
@@ -253,7 +266,11 @@ fp32 = check_fused_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=32
 fp16 = check_fused_decode("cpu", torch.float16, heads=8, kv_heads=2, head_dim=64, splits=(2,), seed=1)
 fp8_kv = check_fused_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=32, splits=(1, 3), seed=2,
                             kv_dtype=torch.float8_e4m3fn)
-print(json.dumps({"fp32": fp32, "fp16": fp16, "fp8_kv": fp8_kv}))  # (the interpreter's bf16 dots are not usable)
+from radiance.layers.attention_triton import DecodeTiling
+long_steps = check_fused_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=32, splits=(1, 3), seed=3,
+                                tiling=DecodeTiling(32, 4, 2, long_block_n=64, long_from=40))
+print(json.dumps({"fp32": fp32, "fp16": fp16, "fp8_kv": fp8_kv, "long_steps": long_steps}))
+# (the interpreter's bf16 dots are not usable)
 """
 
 
@@ -263,7 +280,7 @@ def test_fused_rotary_decode_in_the_interpreter():
     results = _in_interpreter(_FUSED_SCRIPT)
     for dtype, errors in results.items():
         assert errors["cache_differs"] == 0.0 and errors["out_differs"] == 0.0, (dtype, errors)
-        tol = 1e-5 if dtype == "fp32" else 1e-3
+        tol = 1e-5 if dtype in ("fp32", "long_steps") else 1e-3
         if dtype == "fp8_kv":  # the same bytes as the torch store, so the same attention output
             assert errors["cache_vs_torch"] == 0.0 and errors["out_vs_torch"] < 1e-5, errors
             continue
