@@ -7,7 +7,6 @@ agree on content, reasoning and tool calls.
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -16,7 +15,8 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radiance.engine.structured_output import StructuredOutput, hermes_strict_tools_grammar, hermes_tool_call_grammar
+from radiance.engine.structured_output import StructuredOutput
+from radiance.engine.tool_grammars import MARKUPS, REQUIRED_CALL_PREFIX, strict_tools_grammar, tool_call_grammar
 from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
 from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
@@ -25,7 +25,7 @@ from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
                                             guarded_sse, merged_outputs, resolve_max_tokens, sampling_params, sse)
 from radiance.server.state import ServerState
-from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, START_TAG
+from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -136,43 +136,40 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
 
 def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> str:
     """tool_choice "required" / named: the prompt ends with the opening of a tool call (and the function
-    name when one is named), so the model can only continue a call (with Hermes markup, held to the tools'
-    schemas too: forced_tool_call_constraint)."""
+    name when one is named), so the model can only continue a call, held to the tools' schemas too
+    (forced_tool_call_constraint)."""
     if req.tool_choice in (None, "auto", "none"):
         return ""
     if state.tool_parser_name is None:
         raise invalid("tool_choice required/named needs a tool-call parser; this model's chat template has no "
                       "tool markup (start the server with --tool-call-parser)", param="tool_choice")
     if req.tool_choice == "required":
-        return START_TAG + "\n"
-    name = req.tool_choice.function.name
-    if state.tool_parser_name == "qwen3_coder":
-        return f"{START_TAG}\n<function={name}>\n"
-    return f'{START_TAG}\n{{"name": {json.dumps(name)}, "arguments": '
+        return REQUIRED_CALL_PREFIX
+    return MARKUPS[state.tool_parser_name].opening(req.tool_choice.function.name)
 
 
 async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest,
-                                      tools: list[dict]) -> StructuredOutput | None:
-    """With Hermes markup, the rest of a forced tool call held to the tools' parameter schemas (so it parses
-    and its arguments validate); None for other markups, which only get the prefix."""
+                                      tools: list[dict]) -> StructuredOutput:
+    """The rest of a forced tool call held to the tools' parameter schemas (so it parses and its arguments
+    validate), then, with parallel calls after a "required" one, further calls held the same way."""
     if req.structured_output() is not None:
         raise invalid("tool_choice required/named already constrains the output; drop "
                       f"{req.constraint_field()} or use tool_choice auto", param="tool_choice")
-    if state.tool_parser_name != "hermes":
-        return None
+    markup = MARKUPS[state.tool_parser_name]
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-    return await _tools_constraint(state, lambda: hermes_tool_call_grammar(tools, named, req.parallel_tool_calls))
+    return await _tools_constraint(state, lambda: tool_call_grammar(tools, markup, named, req.parallel_tool_calls))
 
 
 async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest,
                                   tools: list[dict]) -> StructuredOutput | None:
-    """tool_choice auto with `strict` functions and Hermes markup: calls the model opens are held to the tools
-    (and a strict function's arguments to its schema); None otherwise, or when response_format already
-    constrains the answer (one constraint per request)."""
-    if (state.tool_parser_name != "hermes" or req.structured_output() is not None
+    """tool_choice auto with `strict` functions: calls the model opens are held to the tools (and a strict
+    function's arguments to its schema); None without strict functions or a tool-call parser, or when
+    response_format already constrains the answer (one constraint per request)."""
+    if (state.tool_parser_name is None or req.structured_output() is not None
             or not any(t.function.strict for t in req.tools)):
         return None
-    return await _tools_constraint(state, lambda: hermes_strict_tools_grammar(tools, req.parallel_tool_calls))
+    markup = MARKUPS[state.tool_parser_name]
+    return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls))
 
 
 async def _tools_constraint(state: ServerState, grammar) -> StructuredOutput:

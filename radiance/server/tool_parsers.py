@@ -17,9 +17,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from radiance.engine.tool_grammars import CALL_START as START_TAG
 from radiance.server.streaming_text import LeadingSpaceEater, partial_tag_start
 
-START_TAG = "<tool_call>"
 END_TAG = "</tool_call>"
 
 

@@ -270,12 +270,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 @pytest.mark.parametrize("named", [None, "get_weather", "get_time"])
 def test_forced_hermes_tool_calls_parse_and_follow_the_schema(smollm2, named):
     """The server's forced tool call: the prompt ends with the call's opening, the grammar holds the rest."""
-    from radiance.engine.structured_output import hermes_tool_call_grammar
+    from radiance.engine.tool_grammars import HERMES, tool_call_grammar
     from radiance.server.tool_parsers import HermesToolParser, parse_tool_calls
 
     prefix = "<tool_call>\n" + (f'{{"name": "{named}", "arguments": ' if named else "")
     prompt = smollm2.apply_chat_template([{"role": "user", "content": "What is the weather in Rome?"}]) + prefix
-    spec = StructuredOutput(grammar=hermes_tool_call_grammar(TOOLS, named))
+    spec = StructuredOutput(grammar=tool_call_grammar(TOOLS, HERMES, named))
     out = smollm2.generate(prompt, SamplingParams(max_tokens=60, temperature=0.0, structured_output=spec))[0].outputs[0]
     assert out.finish_reason == "stop" and out.text.endswith("</tool_call>"), out.text
     [call] = parse_tool_calls(HermesToolParser(TOOLS), prefix + out.text).tool_calls
@@ -293,7 +293,7 @@ def byte_backend():
     return GrammarBackend(tiny_byte_bpe_tokenizer(), 320, [0])
 
 
-def hermes_matches(backend, grammar: str, text: str) -> bool:
+def matches(backend, grammar: str, text: str) -> bool:
     state = backend.matcher(StructuredOutput(grammar=grammar))
     return state.matcher.accept_string(text) and state.matcher.is_completed()
 
@@ -301,32 +301,73 @@ def hermes_matches(backend, grammar: str, text: str) -> bool:
 STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}'
 TIME = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+# the same calls in Qwen3-coder markup, as its chat template writes them (after "<tool_call>\n")
+XML_WEATHER = ("<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=unit>\ncelsius\n"
+               "</parameter>\n</function>")
+XML_TIME = "<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>"
 
 
 def test_forced_required_call_then_parallel_calls(byte_backend):
-    from radiance.engine.structured_output import hermes_tool_call_grammar
+    from radiance.engine.tool_grammars import HERMES, tool_call_grammar
 
     after = WEATHER + "\n</tool_call>"  # the prompt ends with "<tool_call>\n"
     more = f"\n<tool_call>\n{TIME}\n</tool_call>"
-    parallel, single = hermes_tool_call_grammar(TOOLS, parallel=True), hermes_tool_call_grammar(TOOLS)
-    assert hermes_matches(byte_backend, parallel, after) and hermes_matches(byte_backend, parallel, after + more)
-    assert hermes_matches(byte_backend, parallel, after + " Done." + more)  # text between calls is free
-    assert not hermes_matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
-    assert not hermes_matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_time", "arguments": {"city": 1}}')
-    assert hermes_matches(byte_backend, single, after) and not hermes_matches(byte_backend, single, after + more)
+    parallel, single = tool_call_grammar(TOOLS, HERMES, parallel=True), tool_call_grammar(TOOLS, HERMES)
+    assert matches(byte_backend, parallel, after) and matches(byte_backend, parallel, after + more)
+    assert matches(byte_backend, parallel, after + " Done." + more)  # text between calls is free
+    assert not matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
+    assert not matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_time", "arguments": {"city": 1}}')
+    assert matches(byte_backend, single, after) and not matches(byte_backend, single, after + more)
+    assert not matches(byte_backend, single, WEATHER.replace(": ", ":" + " " * 3) + "\n</tool_call>")  # bounded spaces
 
 
 def test_strict_tools_hold_calls_the_model_opens(byte_backend):
-    from radiance.engine.structured_output import hermes_strict_tools_grammar
+    from radiance.engine.tool_grammars import HERMES, strict_tools_grammar
 
-    grammar = hermes_strict_tools_grammar(STRICT_TOOLS, parallel=True)
-    assert hermes_matches(byte_backend, grammar, "No call needed, it is sunny.")
-    assert hermes_matches(byte_backend, grammar, f"Checking. <tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>")
+    grammar = strict_tools_grammar(STRICT_TOOLS, HERMES, parallel=True)
+    assert matches(byte_backend, grammar, "No call needed, it is sunny.")
+    assert matches(byte_backend, grammar, f"Checking. <tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>")
     bad_args = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "rome", "unit": "celsius"}}\n</tool_call>'
-    assert not hermes_matches(byte_backend, grammar, bad_args)  # the strict function's pattern holds
+    assert not matches(byte_backend, grammar, bad_args)  # the strict function's pattern holds
     loose = '<tool_call>\n{"name": "get_time", "arguments": {"anything": [1, 2]}}\n</tool_call>'
-    assert hermes_matches(byte_backend, grammar, loose)  # a non-strict function takes any JSON object
-    assert not hermes_matches(byte_backend, grammar, '<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
-    one = hermes_strict_tools_grammar(STRICT_TOOLS, parallel=False)
-    assert hermes_matches(byte_backend, one, f"<tool_call>\n{TIME}\n</tool_call>")
-    assert not hermes_matches(byte_backend, one, f"<tool_call>\n{TIME}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>")
+    assert matches(byte_backend, grammar, loose)  # a non-strict function takes any JSON object
+    assert not matches(byte_backend, grammar, '<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
+    one = strict_tools_grammar(STRICT_TOOLS, HERMES, parallel=False)
+    assert matches(byte_backend, one, f"<tool_call>\n{TIME}\n</tool_call>")
+    assert not matches(byte_backend, one, f"<tool_call>\n{TIME}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>")
+
+
+def test_qwen3_coder_calls_are_held_to_the_tools(byte_backend):
+    """Qwen3-coder markup (XML parameters): a forced named call's parameters follow the schema (pattern,
+    enum, required), a forced "required" call names one of the tools, parallel calls after it are held too,
+    and with strict functions the calls the model opens in free text."""
+    from radiance.engine.tool_grammars import QWEN3_CODER, strict_tools_grammar, tool_call_grammar
+
+    named = tool_call_grammar(TOOLS, QWEN3_CODER, "get_weather")  # after "<tool_call>\n<function=get_weather>\n"
+    params = XML_WEATHER.removeprefix("<function=get_weather>\n").removesuffix("</function>")
+    assert matches(byte_backend, named, params + "</function>\n</tool_call>")
+    assert not matches(byte_backend, named, params.replace("Rome", "rome") + "</function>\n</tool_call>")
+    assert not matches(byte_backend, named, params.replace("celsius", "kelvin") + "</function>\n</tool_call>")
+    assert not matches(byte_backend, named, "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
+
+    required = tool_call_grammar(TOOLS, QWEN3_CODER, parallel=True)  # after "<tool_call>\n"
+    after = XML_TIME + "\n</tool_call>"
+    assert matches(byte_backend, required, after)
+    assert matches(byte_backend, required, after + f"\n<tool_call>\n{XML_WEATHER}\n</tool_call>")
+    assert not matches(byte_backend, required, "<function=get_date>\n</function>\n</tool_call>")
+    assert not matches(byte_backend, required, after + "\n<tool_call>\n<function=get_date>\n</function>\n</tool_call>")
+    assert not matches(byte_backend, tool_call_grammar(TOOLS, QWEN3_CODER), after + f"\n<tool_call>\n{XML_TIME}\n</tool_call>")
+
+    strict = strict_tools_grammar(STRICT_TOOLS, QWEN3_CODER, parallel=False)
+    assert matches(byte_backend, strict, "It is sunny.")
+    assert matches(byte_backend, strict, f"Let me check.\n<tool_call>\n{XML_WEATHER}\n</tool_call>")
+    assert not matches(byte_backend, strict, f"<tool_call>\n{XML_WEATHER.replace('Rome', 'rome')}\n</tool_call>")
+
+
+def test_qwen3_coder_forced_call_parses_back():
+    """What the grammar accepts, the Qwen3-coder parser reads back as the call (values typed by the schema)."""
+    from radiance.server.tool_parsers import Qwen3CoderToolParser, parse_tool_calls
+
+    text = f"<tool_call>\n{XML_WEATHER}\n</tool_call>"
+    [call] = parse_tool_calls(Qwen3CoderToolParser(TOOLS), text).tool_calls
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Rome", "unit": "celsius"}

@@ -343,6 +343,37 @@ def test_named_tool_choice_prefills_the_call(client, server, stream):
     assert '"\\"city\\""' in grammar and "</tool_call>" in grammar
 
 
+def test_qwen3_coder_forced_and_strict_calls_are_held_to_the_tools():
+    """With Qwen3-coder markup a named call's prompt ends with its XML opening, the rest is held to the
+    tool's schema (the grammar accepts the model's parameters and the call's end), and the call parses;
+    strict functions under tool_choice auto get a grammar too."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    engine = FakeEngine()
+    state = ServerState(ServerConfig(served_model_name=("fake",), tool_call_parser="qwen3_coder"),
+                        engine_factory=lambda: engine)
+    state.attach(engine)
+    rest = "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
+    with serve_in_thread(build_app(state)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = chat(client, rest, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        [call] = r.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+        prompt = engine.tokenizer.decode(engine.requests[-1][1])
+        assert prompt.endswith("<tool_call>\n<function=get_weather>\n")
+        grammar = xgr.Grammar.from_ebnf(engine.requests[-1][2].structured_output.grammar)
+        assert _is_grammar_accept_string(grammar, rest)
+        assert not _is_grammar_accept_string(grammar, rest.replace("city", "town"))
+
+        strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+        r = chat(client, "It is sunny.", tools=strict)
+        assert r.choices[0].message.content == "It is sunny."
+        grammar = xgr.Grammar.from_ebnf(engine.requests[-1][2].structured_output.grammar)
+        assert _is_grammar_accept_string(grammar, "It is sunny.")
+        assert not _is_grammar_accept_string(grammar, "<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+
+
 def test_forced_tool_call_with_an_unusable_parameters_schema_is_a_400(server):
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}

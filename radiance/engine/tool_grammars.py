@@ -1,0 +1,115 @@
+"""Grammars that hold a model's tool calls to the request's tools (xgrammar structural tags).
+
+A chat template writes a call in one of two markups (`ToolCallMarkup`): Hermes, the call as JSON
+(`<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`), or Qwen3-coder, the arguments as XML
+parameters (`<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>`).
+For both, xgrammar turns a function's JSON schema into the grammar of its arguments (style "qwen_xml" for
+the parameters, whose values follow the schema's types, patterns and enums), so one set of builders serves
+both markups:
+  - `tool_call_grammar`: the rest of a forced call (tool_choice "required" or named; the prompt already
+    ends with the call's opening), then, with parallel calls, free text in which further calls are held;
+  - `strict_tools_grammar`: tool_choice "auto" with `strict` functions: free text in which every call the
+    model opens is whole and names one of the tools.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from radiance.engine.structured_output import StructuredOutputError, _reason
+
+CALL_START = "<tool_call>"
+MAX_WHITESPACE = 2  # consecutive whitespace characters between a call's JSON / XML parts
+
+
+@dataclass(frozen=True)
+class ToolCallMarkup:
+    """How a chat template writes one call: its text up to the arguments (`opening`, with the name), the
+    arguments' style (None: a JSON object) and the text after them."""
+
+    name: str
+    opening_format: str  # str.format with `name` (JSON-quoted when quote_name)
+    closing: str
+    quote_name: bool
+    arguments_style: str | None
+
+    def opening(self, function_name: str) -> str:
+        name = json.dumps(function_name) if self.quote_name else function_name
+        return self.opening_format.format(name=name)
+
+    def arguments(self, schema: dict) -> dict:
+        """The structural-tag content of a call's arguments under `schema` (whitespace between the parts
+        bounded, so a model cannot loop on it; string values keep theirs)."""
+        content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+        if self.arguments_style:
+            content["style"] = self.arguments_style
+        return content
+
+
+HERMES = ToolCallMarkup("hermes", CALL_START + '\n{{"name": {name}, "arguments": ', "}\n</tool_call>",
+                        quote_name=True, arguments_style=None)
+QWEN3_CODER = ToolCallMarkup("qwen3_coder", CALL_START + "\n<function={name}>\n", "</function>\n</tool_call>",
+                             quote_name=False, arguments_style="qwen_xml")
+MARKUPS = {m.name: m for m in (HERMES, QWEN3_CODER)}
+REQUIRED_CALL_PREFIX = CALL_START + "\n"  # what a "required" call's prompt ends with, in both markups
+
+
+def _parameters(fn: dict) -> dict:
+    return fn.get("parameters") or {"type": "object"}
+
+
+def _compile(tag_format: dict, what: str):
+    import xgrammar as xgr
+
+    try:
+        return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": tag_format}))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise StructuredOutputError(f"{what} are not a usable JSON schema: {_reason(exc)}") from exc
+
+
+def _call_tag(markup: ToolCallMarkup, fn: dict, schema: dict, skip: str = "") -> dict:
+    """One whole call to `fn`, its opening without the `skip` the prompt already holds."""
+    opening = markup.opening(fn["name"])
+    return {"type": "tag", "begin": opening[len(skip):], "content": markup.arguments(schema), "end": markup.closing}
+
+
+def _triggered_calls(tools: list[dict], markup: ToolCallMarkup, strict_only: bool, stop_after_first: bool):
+    """Free text in which every call the model opens is a whole call to one of `tools`, its arguments held
+    to the function's parameters (any object for a non-strict function when `strict_only`)."""
+    tags = []
+    for fn in (t["function"] for t in tools):
+        schema = _parameters(fn) if fn.get("strict") or not strict_only else {"type": "object"}
+        tags.append(_call_tag(markup, fn, schema))
+    return _compile({"type": "triggered_tags", "triggers": [CALL_START], "tags": tags, "at_least_one": False,
+                     "stop_after_first": stop_after_first}, "the tools' parameters")
+
+
+def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | None = None,
+                      parallel: bool = False) -> str:
+    """The grammar of what a model writes after the forced opening of a call (serving_chat): for a named
+    function (the prompt ends with markup.opening(name)) its arguments and the call's end; otherwise (the
+    prompt ends with REQUIRED_CALL_PREFIX) one whole call to any of `tools` (OpenAI function dicts), then,
+    when `parallel`, text with any number of further calls held the same way."""
+    import xgrammar as xgr
+
+    fns = [t["function"] for t in tools]
+    if name is not None:
+        fn = next(fn for fn in fns if fn["name"] == name)
+        call = {"type": "sequence", "elements": [markup.arguments(_parameters(fn)),
+                                                 {"type": "const_string", "value": markup.closing}]}
+    else:
+        call = {"type": "or", "elements": [_call_tag(markup, fn, _parameters(fn), skip=REQUIRED_CALL_PREFIX)
+                                           for fn in fns]}
+    grammar = _compile(call, "a tool's parameters")
+    if name is None and parallel:
+        grammar = xgr.Grammar.concat(grammar, _triggered_calls(tools, markup, strict_only=False,
+                                                               stop_after_first=False))
+    return str(grammar)
+
+
+def strict_tools_grammar(tools: list[dict], markup: ToolCallMarkup, parallel: bool) -> str:
+    """tool_choice auto with `strict` functions (OpenAI: arguments guaranteed to follow the schema): the
+    model writes freely, but a call it opens is whole and names one of the tools, a strict function's
+    arguments follow its schema, and without `parallel` the answer ends after the first call."""
+    return str(_triggered_calls(tools, markup, strict_only=True, stop_after_first=not parallel))
