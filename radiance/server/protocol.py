@@ -209,6 +209,18 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning effort: "none" / "minimal" turn a thinking template's thinking off (enable_thinking,
+    # as Qwen3's templates read it); every value also reaches the template as `reasoning_effort`
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, with what reasoning_effort implies where the request did not say it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            if self.reasoning_effort in ("none", "minimal"):
+                kwargs.setdefault("enable_thinking", False)
+        return kwargs
 
     @model_validator(mode="after")
     def _check_chat(self):

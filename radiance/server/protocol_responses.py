@@ -46,6 +46,11 @@ class FunctionTool(_Model):
     strict: bool | None = None
 
 
+class ReasoningConfig(_Model):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # chat's reasoning_effort
+    summary: str | None = None  # accepted and echoed: thinking comes back whole, as a reasoning item
+
+
 class FunctionToolChoice(_Model):
     type: Literal["function"]
     name: str
@@ -69,7 +74,7 @@ class ResponsesRequest(_Model):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
-    reasoning: dict[str, Any] | None = None  # accepted and echoed; the chat template decides about thinking
+    reasoning: ReasoningConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as on chat (e.g. enable_thinking for Qwen3)
     background: bool = False
@@ -138,6 +143,7 @@ class ResponsesRequest(_Model):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "user": self.user, "parallel_tool_calls": self.parallel_tool_calls,
             "chat_template_kwargs": self.chat_template_kwargs,
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None,
             "logprobs": self.wants_logprobs(), "top_logprobs": self.top_logprobs if self.wants_logprobs() else None,
         }
         if self.tools:  # a Responses function is strict unless it says otherwise (OpenAI's default here)

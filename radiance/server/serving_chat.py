@@ -114,7 +114,7 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
         raise invalid("this model has no chat template; pass one with --chat-template or use /v1/completions",
                       param="messages")
     tok = state.tokenizer
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs = req.template_kwargs()
     kwargs.setdefault("bos_token", getattr(tok, "bos_token", None) or "")
     kwargs.setdefault("eos_token", getattr(tok, "eos_token", None) or "")
     messages = _messages(req)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from radiance.server.errors import OpenAIError, invalid
-from radiance.server.protocol_responses import ResponsesRequest, input_messages
+from radiance.server.protocol_responses import ReasoningConfig, ResponsesRequest, input_messages
 from radiance.server.response_store import StoredResponse
 from radiance.server.serving_chat import ChoiceStream, prepare_chat
 from radiance.server.serving_common import collect_until_disconnect, guarded_sse, merged_outputs
@@ -200,7 +200,7 @@ class ResponseRun:
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
             "output": copy.deepcopy(self.items.items) if finished else [],
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
-            "reasoning": req.reasoning or {"effort": None, "summary": None}, "store": self._stores(),
+            "reasoning": (req.reasoning or ReasoningConfig()).model_dump(), "store": self._stores(),
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": fmt or {"type": "text"}},
             "tool_choice": (req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump")

@@ -188,3 +188,34 @@ def test_function_tools_are_strict_unless_they_say_not(client, server):
     assert "get_weather" in server[1].requests[-1][2].structured_output.grammar  # OpenAI's default: strict
     create(client, input="SAY:x", tools=[{**TOOLS[0], "strict": False}])
     assert server[1].requests[-1][2].structured_output is None
+
+
+def test_reasoning_effort_reaches_the_template():
+    """reasoning_effort (chat) and reasoning.effort (Responses): "none" / "minimal" turn thinking off where
+    the request's chat_template_kwargs do not say otherwise; every value reaches the template; a value
+    outside OpenAI's list is a 400 naming the field."""
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}<|assistant|>"
+                "[{{ reasoning_effort }}]{% if enable_thinking is not defined or enable_thinking %}<think>{% endif %}")
+    engine = FakeEngine(chat_template=template)
+    state = ServerState(ServerConfig(served_model_name=("fake",)), engine_factory=lambda: engine)
+    state.attach(engine)
+    with serve_in_thread(build_app(state)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        server = (url, engine)
+        messages = [{"role": "user", "content": "SAY:hi"}]
+        for effort, kwargs, ending in [(None, None, "[]<think>"), ("high", None, "[high]<think>"),
+                                       ("none", None, "[none]"), ("minimal", None, "[minimal]"),
+                                       ("minimal", {"enable_thinking": True}, "[minimal]<think>")]:
+            body = {"chat_template_kwargs": kwargs} if kwargs else {}
+            extra = {"reasoning_effort": effort} if effort else {}
+            client.chat.completions.create(model="fake", messages=messages, extra_body=body, **extra)
+            assert last_prompt(server).endswith(ending), (effort, kwargs, last_prompt(server))
+        r = client.responses.create(model="fake", input="SAY:hi", reasoning={"effort": "none"})
+        assert last_prompt(server).endswith("[none]") and r.reasoning.effort == "none"
+        client.responses.create(model="fake", input="SAY:hi")
+        assert last_prompt(server).endswith("[]<think>")
+        for path, body, param in [("/v1/chat/completions", {"messages": messages, "reasoning_effort": "max"},
+                                   "reasoning_effort"),
+                                  ("/v1/responses", {"input": "hi", "reasoning": {"effort": "max"}}, "reasoning")]:
+            r = httpx.post(url + path, json={"model": "fake", **body})
+            assert r.status_code == 400 and param in (r.json()["error"]["param"] or ""), r.text
