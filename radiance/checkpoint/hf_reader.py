@@ -20,8 +20,8 @@ from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.hf_config import (chat_template, eos_token_ids, expected_shapes, load_config,
                                            quantization_config)
 from radiance.checkpoint.layout import FLOAT_DTYPES, check_linear, detect_format, read_linear, required_tensors
-from radiance.checkpoint.names import (QUANT_SUFFIXES, canonical_linear, is_linear_module, leaf, partition_modules,
-                                       sort_key, split_tensor_name)
+from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
+                                       leaf, partition_modules, sort_key, split_tensor_name)
 from radiance.checkpoint.quant_config import parse_quantization_config
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.errors import CheckpointError
@@ -67,8 +67,12 @@ class HfCheckpoint(Checkpoint):
     def _plan(self):
         parts: dict[str, dict[int, str]] = {}
         plain, biases = [], {}
+        attention_scales = []
         for name in self.index.meta:
             module, leafname = split_tensor_name(name)
+            if leafname in ATTENTION_SCALE_SUFFIXES:
+                attention_scales.append(name)
+                continue
             if is_linear_module(module) or leafname in QUANT_SUFFIXES:
                 canonical, index = canonical_linear(module)
                 if leafname == "bias":
@@ -105,7 +109,25 @@ class HfCheckpoint(Checkpoint):
                              f"{said} but they are stored as {stored}; reading them as stored ({fix})")
         self._check_plain(plain)
         self._check_complete(linears, plain)
+        if attention_scales:
+            self.quant._warn(self._attention_scales_note(attention_scales))
         return sorted(linears, key=lambda e: sort_key(e.canonical)), sorted(plain, key=sort_key), biases
+
+    def _attention_scales_note(self, names: list[str]) -> str:
+        """What a checkpoint's calibrated KV-cache / attention scales become: nothing, said once (the fp8
+        cache stores e4m3 of the values themselves, saturating at +-448)."""
+        largest: dict[str, float] = {}
+        for name in names:
+            leafname = split_tensor_name(name)[1]
+            value = self.index.get(name).float()
+            if value.numel() == 0 or not torch.isfinite(value).all():
+                raise CheckpointError("an attention scale must be finite", file=self.index.meta[name].file,
+                                      tensor=name)
+            largest[leafname] = max(largest.get(leafname, 0.0), value.abs().max().item())
+        seen = ", ".join(f"{k} up to {v:.4g}" for k, v in sorted(largest.items()))
+        return (f"{len(names)} calibrated attention scale tensor(s) ({seen}) are not applied: the fp8 KV cache "
+                "(--kv-cache-dtype fp8) stores e4m3 of the values themselves, saturating at +-448, and the "
+                "default cache keeps the model's dtype")
 
     def _check_plain(self, plain: list[str]) -> None:
         hidden, vocab = self.config.get("hidden_size"), self.config.get("vocab_size")

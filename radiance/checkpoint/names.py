@@ -26,6 +26,9 @@ LINEAR_LEAVES = tuple(PARTITION_OF) + SINGLE_LINEARS + tuple(MERGES)
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_scale",
                   "input_global_scale", "weight_zero_point", "input_zero_point", "weight_shape")
 TENSOR_SUFFIXES = ("weight", "bias") + QUANT_SUFFIXES
+# calibrated attention scales (compressed-tensors' kv_cache_scheme on self_attn, ModelOpt's on k_proj / v_proj):
+# one scalar per layer for an fp8 KV cache (and fp8 attention), which radiance's cache does not apply
+ATTENTION_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale")
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

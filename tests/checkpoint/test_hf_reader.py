@@ -188,3 +188,30 @@ def test_design_example_mtp_fc_weight_in_ignore(tmp_path):
     got = ckpt.state_dict()
     assert torch.equal(got["mtp.fc.weight"], sd["mtp.fc.weight"])
     assert isinstance(got["mtp.proj"], Nvfp4Weight)  # an unknown Linear still follows the "Linear" target
+
+
+def test_calibrated_attention_scales_load_with_a_note(tmp_path):
+    """FP8-KV checkpoints carry one k_scale / v_scale per layer (compressed-tensors on self_attn, ModelOpt on
+    k_proj / v_proj): the checkpoint opens and the model loads, the scales are named in one warning (they
+    are not applied), and a non-finite scale names its tensor."""
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+    from radiance.errors import CheckpointError
+
+    sd = dense_state_dict()
+    layers = TINY["num_hidden_layers"]
+    sd.update({f"model.layers.{i}.self_attn.k_scale": torch.tensor(0.02 * (i + 1)) for i in range(layers)})
+    sd.update({f"model.layers.{i}.self_attn.v_proj.v_scale": torch.tensor([0.5]) for i in range(layers)})
+    path = write_dir(str(tmp_path / "kv"), sd, TINY)
+    ckpt = open_checkpoint(path)
+    [note] = ckpt.warnings
+    assert f"{2 * layers} calibrated attention scale" in note and f"k_scale up to {0.02 * layers:.4g}" in note
+    assert "v_scale up to 0.5" in note
+    assert not any(n.endswith("_scale") for n in ckpt.names())
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False)
+    assert loaded.model.config.num_layers == layers
+
+    sd["model.layers.0.self_attn.k_scale"] = torch.tensor(float("nan"))
+    path = write_dir(str(tmp_path / "nan"), sd, TINY)
+    with pytest.raises(CheckpointError, match="model.layers.0.self_attn.k_scale"):
+        open_checkpoint(path)
