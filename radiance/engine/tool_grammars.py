@@ -1,11 +1,11 @@
 """Grammars that hold a model's tool calls to the request's tools (xgrammar structural tags).
 
-A chat template writes a call in one of two markups (`ToolCallMarkup`): Hermes, the call as JSON
-(`<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`), or Qwen3-coder, the arguments as XML
-parameters (`<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>`).
-For both, xgrammar turns a function's JSON schema into the grammar of its arguments (style "qwen_xml" for
-the parameters, whose values follow the schema's types, patterns and enums), so one set of builders serves
-both markups:
+A chat template writes a call in one of three markups (`ToolCallMarkup`): Hermes, the call as JSON
+(`<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`); Qwen3-coder, the arguments as XML
+parameters (`<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>`);
+Llama 3.x, a bare JSON object (`{"name": NAME, "parameters": {...}}`). xgrammar turns a function's JSON
+schema into the grammar of its arguments (style "qwen_xml" for the parameters, whose values follow the
+schema's types, patterns and enums), so one set of builders serves every markup:
   - `tool_call_grammar`: the rest of a forced call (tool_choice "required" or named; the prompt already
     ends with the call's opening), then, with parallel calls, free text in which further calls are held;
   - `strict_tools_grammar`: tool_choice "auto" with `strict` functions: free text in which every call the
@@ -33,6 +33,9 @@ class ToolCallMarkup:
     closing: str
     quote_name: bool
     arguments_style: str | None
+    trigger: str = CALL_START  # the text that opens a call wherever it may appear
+    required_prefix: str = CALL_START + "\n"  # what a "required" call's prompt ends with
+    strict_in_text: bool = True  # calls may open anywhere in the text (strict_tools_grammar serves it)
 
     def opening(self, function_name: str) -> str:
         name = json.dumps(function_name) if self.quote_name else function_name
@@ -51,8 +54,13 @@ HERMES = ToolCallMarkup("hermes", CALL_START + '\n{{"name": {name}, "arguments":
                         quote_name=True, arguments_style=None)
 QWEN3_CODER = ToolCallMarkup("qwen3_coder", CALL_START + "\n<function={name}>\n", "</function>\n</tool_call>",
                              quote_name=False, arguments_style="qwen_xml")
-MARKUPS = {m.name: m for m in (HERMES, QWEN3_CODER)}
-REQUIRED_CALL_PREFIX = CALL_START + "\n"  # what a "required" call's prompt ends with, in both markups
+# Llama 3.x: the answer is a call only when it starts as one (its parser reads calls there alone), so
+# strict functions under tool_choice auto are not held (strict_in_text); calls after a forced one follow
+# it, e.g. separated by "; "
+LLAMA3_JSON = ToolCallMarkup("llama3_json", '{{"name": {name}, "parameters": ', "}", quote_name=True,
+                             arguments_style=None, trigger='{"name": ', required_prefix='{"name": ',
+                             strict_in_text=False)
+MARKUPS = {m.name: m for m in (HERMES, QWEN3_CODER, LLAMA3_JSON)}
 
 
 def _parameters(fn: dict) -> dict:
@@ -81,7 +89,7 @@ def _triggered_calls(tools: list[dict], markup: ToolCallMarkup, strict_only: boo
     for fn in (t["function"] for t in tools):
         schema = _parameters(fn) if fn.get("strict") or not strict_only else {"type": "object"}
         tags.append(_call_tag(markup, fn, schema))
-    return _compile({"type": "triggered_tags", "triggers": [CALL_START], "tags": tags, "at_least_one": False,
+    return _compile({"type": "triggered_tags", "triggers": [markup.trigger], "tags": tags, "at_least_one": False,
                      "stop_after_first": stop_after_first}, "the tools' parameters")
 
 
@@ -89,7 +97,7 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
                       parallel: bool = False) -> str:
     """The grammar of what a model writes after the forced opening of a call (serving_chat): for a named
     function (the prompt ends with markup.opening(name)) its arguments and the call's end; otherwise (the
-    prompt ends with REQUIRED_CALL_PREFIX) one whole call to any of `tools` (OpenAI function dicts), then,
+    prompt ends with markup.required_prefix) one whole call to any of `tools` (OpenAI function dicts), then,
     when `parallel`, text with any number of further calls held the same way."""
     import xgrammar as xgr
 
@@ -99,7 +107,7 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
         call = {"type": "sequence", "elements": [markup.arguments(_parameters(fn)),
                                                  {"type": "const_string", "value": markup.closing}]}
     else:
-        call = {"type": "or", "elements": [_call_tag(markup, fn, _parameters(fn), skip=REQUIRED_CALL_PREFIX)
+        call = {"type": "or", "elements": [_call_tag(markup, fn, _parameters(fn), skip=markup.required_prefix)
                                            for fn in fns]}
     grammar = _compile(call, "a tool's parameters")
     if name is None and parallel:

@@ -102,6 +102,8 @@ def template_features(template: str | None) -> dict:
     return {
         "qwen3_coder": "<tool_call>" in text and "<function=" in text,
         "hermes": "<tool_call>" in text,
+        # Llama 3.x: calls written as {"name": ..., "parameters": ...} (and <|python_tag|> for built-in tools)
+        "llama3_json": "<|python_tag|>" in text or ("<|start_header_id|>" in text and '"parameters"' in text),
         "think": "<think>" in text,
     }
 

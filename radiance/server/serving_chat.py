@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radiance.engine.structured_output import StructuredOutput
-from radiance.engine.tool_grammars import MARKUPS, REQUIRED_CALL_PREFIX, strict_tools_grammar, tool_call_grammar
+from radiance.engine.tool_grammars import MARKUPS, strict_tools_grammar, tool_call_grammar
 from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
 from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
@@ -143,9 +143,10 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     if state.tool_parser_name is None:
         raise invalid("tool_choice required/named needs a tool-call parser; this model's chat template has no "
                       "tool markup (start the server with --tool-call-parser)", param="tool_choice")
+    markup = MARKUPS[state.tool_parser_name]
     if req.tool_choice == "required":
-        return REQUIRED_CALL_PREFIX
-    return MARKUPS[state.tool_parser_name].opening(req.tool_choice.function.name)
+        return markup.required_prefix
+    return markup.opening(req.tool_choice.function.name)
 
 
 async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest,
@@ -163,12 +164,13 @@ async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionReq
 async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest,
                                   tools: list[dict]) -> StructuredOutput | None:
     """tool_choice auto with `strict` functions: calls the model opens are held to the tools (and a strict
-    function's arguments to its schema); None without strict functions or a tool-call parser, or when
-    response_format already constrains the answer (one constraint per request)."""
-    if (state.tool_parser_name is None or req.structured_output() is not None
+    function's arguments to its schema); None without strict functions or a tool-call parser, for a markup
+    whose calls only open an answer (Llama 3.x), or when response_format already constrains the answer
+    (one constraint per request)."""
+    markup = MARKUPS.get(state.tool_parser_name)
+    if (markup is None or not markup.strict_in_text or req.structured_output() is not None
             or not any(t.function.strict for t in req.tools)):
         return None
-    markup = MARKUPS[state.tool_parser_name]
     return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls))
 
 

@@ -72,8 +72,8 @@ class ServerState:
         if not self.config.served_model_name:
             self.served_names = (default_model_name(self.model_path, engine),)
         features = template_features(self.chat_template)
-        self.tool_parser_name = self._pick(self.config.tool_call_parser, "qwen3_coder" if features["qwen3_coder"]
-                                           else "hermes" if features["hermes"] else None)
+        markup = next((name for name in ("qwen3_coder", "hermes", "llama3_json") if features[name]), None)
+        self.tool_parser_name = self._pick(self.config.tool_call_parser, markup)
         self.reasoning_parser_name = self._pick(self.config.reasoning_parser, "think" if features["think"] else None)
         self.engine = engine  # last: `ready` flips only once everything above is set
 

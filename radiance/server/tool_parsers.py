@@ -1,7 +1,8 @@
-"""Tool-call parsers: turn model text with `<tool_call>...</tool_call>` markup into OpenAI tool calls.
+"""Tool-call parsers: turn model text with tool-call markup into OpenAI tool calls.
 
-Two markups: Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and Qwen3-coder
-(`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`).
+Three markups: Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), Qwen3-coder
+(`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`) and Llama 3.x (an answer
+that is `{"name": ..., "parameters": {...}}`, Llama3JsonToolParser).
 
 One incremental scanner serves both streaming and non-streaming requests (non-streaming feeds the
 whole text at once), so both give the same result by construction. Text outside calls streams out
@@ -144,6 +145,81 @@ class HermesToolParser(ToolParser):
         return ParsedToolCall(fn_name, text)
 
 
+class Llama3JsonToolParser(HermesToolParser):
+    """Llama 3.x JSON calls: an answer that starts with a JSON object (after an optional `<|python_tag|>`) is
+    one or more calls `{"name": ..., "parameters": {...}}`, separated by ';' or whitespace; any other answer
+    is text (calls are read only where the answer starts, as the template teaches). A call is emitted as
+    soon as its object closes; a JSON object without a name, and text after the calls, stay content."""
+
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._mode: str | None = None  # None until the answer's first characters decide: "text" | "calls"
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, delta: str) -> ParseDelta:
+        out = ParseDelta()
+        if self._mode == "text":
+            out.content = delta
+            return out
+        self._buffer += delta
+        if self._mode is None:
+            head = self._buffer.lstrip()
+            if head.startswith(self.PYTHON_TAG):
+                head = head[len(self.PYTHON_TAG):].lstrip()
+            if not head or self.PYTHON_TAG.startswith(head):
+                return out  # only whitespace or a partial tag so far
+            self._mode = "calls" if head.startswith("{") else "text"
+            if self._mode == "text":
+                out.content, self._buffer = self._buffer, ""
+                return out
+            self._buffer = head
+        self._take_calls(out, final=False)
+        return out
+
+    def _take_calls(self, out: ParseDelta, final: bool) -> None:
+        while True:
+            rest = self._buffer.lstrip().lstrip(";").lstrip()
+            if rest.startswith(self.PYTHON_TAG):
+                rest = rest[len(self.PYTHON_TAG):]
+                self._buffer = rest
+                continue
+            self._buffer = rest
+            if not rest:
+                return
+            if not rest.startswith("{"):  # text after the calls
+                if final or not self.PYTHON_TAG.startswith(rest):
+                    out.content += rest
+                    self._buffer = ""
+                return
+            try:
+                obj, end = self._decoder.raw_decode(rest)
+            except json.JSONDecodeError:
+                if final:  # cut off (or broken): recover the name and arguments so far, else keep it as text
+                    before = len(out.tool_calls)
+                    self._call(out, rest, complete=False)
+                    if len(out.tool_calls) == before:
+                        out.content += rest
+                    self._buffer = ""
+                return
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                self._call(out, rest[:end], complete=True)
+            else:
+                out.content += rest[:end]
+            self._buffer = rest[end:]
+
+    def finish(self, truncated: bool = False) -> ParseDelta:
+        out = ParseDelta()
+        if self._mode == "calls":
+            self._take_calls(out, final=True)
+        elif self._buffer and not truncated:
+            out.content = self._buffer
+        self._buffer, self._mode = "", None
+        return out
+
+
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
     _FUNCTION = re.compile(r"<function=([^>\n]+)>")
@@ -202,6 +278,7 @@ def _convert(value: str, schema: dict | None):
 PARSERS: dict[str, type[ToolParser]] = {
     HermesToolParser.name: HermesToolParser,
     Qwen3CoderToolParser.name: Qwen3CoderToolParser,
+    Llama3JsonToolParser.name: Llama3JsonToolParser,
 }
 
 

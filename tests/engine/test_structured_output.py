@@ -364,6 +364,23 @@ def test_qwen3_coder_calls_are_held_to_the_tools(byte_backend):
     assert not matches(byte_backend, strict, f"<tool_call>\n{XML_WEATHER.replace('Rome', 'rome')}\n</tool_call>")
 
 
+def test_llama3_json_calls_are_held_to_the_tools(byte_backend):
+    """Llama 3.x JSON calls: a forced named call's parameters follow the schema, a forced "required" call
+    names one of the tools, and further calls after it (e.g. "; " between them) are held too."""
+    from radiance.engine.tool_grammars import LLAMA3_JSON, tool_call_grammar
+
+    named = tool_call_grammar(TOOLS, LLAMA3_JSON, "get_weather")  # after '{"name": "get_weather", "parameters": '
+    assert matches(byte_backend, named, '{"city": "Rome", "unit": "celsius"}}')
+    assert not matches(byte_backend, named, '{"city": "rome", "unit": "celsius"}}')
+    required = tool_call_grammar(TOOLS, LLAMA3_JSON, parallel=True)  # after '{"name": '
+    after = '"get_time", "parameters": {"zone": "CET"}}'
+    assert matches(byte_backend, required, after)
+    assert matches(byte_backend, required, after + '; {"name": "get_weather", "parameters": {"city": "Rome", '
+                                                   '"unit": "celsius"}}')
+    assert not matches(byte_backend, required, '"get_date", "parameters": {}}')
+    assert not matches(byte_backend, required, after + '; {"name": "get_time", "parameters": {"zone": 1}}')
+
+
 def test_qwen3_coder_forced_call_parses_back():
     """What the grammar accepts, the Qwen3-coder parser reads back as the call (values typed by the schema)."""
     from radiance.server.tool_parsers import Qwen3CoderToolParser, parse_tool_calls

@@ -374,6 +374,61 @@ def test_qwen3_coder_forced_and_strict_calls_are_held_to_the_tools():
         assert not _is_grammar_accept_string(grammar, "<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
 
 
+# the shape of Llama 3.1's template: tools as JSON in the user turn, a call written as the whole answer
+# (turns end with the fake engine's <|end|> where Llama has <|eot_id|>)
+LLAMA_LIKE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{% if m.tool_calls %}{% set c = m.tool_calls[0].function %}"
+    '{{ \'{"name": "\' + c.name + \'", "parameters": \' }}{{ c.arguments | tojson }}}'
+    "{% else %}{% if tools and m.role == 'user' %}{% for t in tools %}{{ t | tojson }}{% endfor %}\n\n"
+    "{% endif %}{{ m.content }}{% endif %}<|end|>{% endfor %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}")
+
+
+def test_llama3_json_tool_calls():
+    """A Llama 3.x template picks the llama3_json parser: an answer that is a JSON call becomes a tool call,
+    text stays text, a named call's prompt ends with its JSON opening and the rest is held to the schema,
+    and an assistant turn with a call renders back as the template writes it."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    engine = FakeEngine(chat_template=LLAMA_LIKE)
+    state = ServerState(ServerConfig(served_model_name=("fake",)), engine_factory=lambda: engine)
+    state.attach(engine)
+    assert state.tool_parser_name == "llama3_json"
+    with serve_in_thread(build_app(state)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for stream in (False, True):
+            r = chat(client, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', tools=TOOLS, stream=stream)
+            if stream:
+                chunks = list(r)
+                calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+                reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason][0]
+            else:
+                calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+            assert reason == "tool_calls"
+        r = chat(client, "It is sunny in Oslo.", tools=TOOLS)
+        assert r.choices[0].message.content == "It is sunny in Oslo." and not r.choices[0].message.tool_calls
+
+        rest = '{"city": "Rome"}}'
+        r = chat(client, rest, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        [call] = r.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+        assert engine.tokenizer.decode(engine.requests[-1][1]).endswith('{"name": "get_weather", "parameters": ')
+        grammar = xgr.Grammar.from_ebnf(engine.requests[-1][2].structured_output.grammar)
+        assert _is_grammar_accept_string(grammar, rest) and not _is_grammar_accept_string(grammar, '{"city": 1}}')
+        chat(client, '"get_weather", "parameters": {}}', tools=TOOLS, tool_choice="required")
+        assert engine.tokenizer.decode(engine.requests[-1][1]).endswith('<|end_header_id|>\n\n{"name": ')
+
+        history = [{"role": "user", "content": "weather?"},
+                   {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "SAY:sunny"}]
+        client.chat.completions.create(model="fake", messages=history)
+        prompt = engine.tokenizer.decode(engine.requests[-1][1])
+        assert '{"name": "get_weather", "parameters": {"city": "Oslo"}}' in prompt
+
+
 def test_forced_tool_call_with_an_unusable_parameters_schema_is_a_400(server):
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}

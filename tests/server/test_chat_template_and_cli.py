@@ -72,9 +72,11 @@ def test_template_helpers_and_errors():
 
 
 def test_template_features_pick_parsers(tmp_path):
-    assert template_features(QWEN_LIKE) == {"qwen3_coder": False, "hermes": True, "think": True}
+    assert template_features(QWEN_LIKE) == {"qwen3_coder": False, "hermes": True, "llama3_json": False, "think": True}
     assert template_features("<tool_call><function=x>")["qwen3_coder"]
-    assert template_features(None) == {"qwen3_coder": False, "hermes": False, "think": False}
+    assert template_features(None) == {"qwen3_coder": False, "hermes": False, "llama3_json": False, "think": False}
+    llama = '<|start_header_id|>assistant<|end_header_id|>{"name": "f", "parameters": {}}'
+    assert template_features(llama)["llama3_json"] and template_features("<|python_tag|>")["llama3_json"]
     path = tmp_path / "t.jinja"
     path.write_text(CHATML)
     assert load_template(str(path)) == CHATML
@@ -131,6 +133,7 @@ def test_serve_with_a_missing_model_exits_2_with_one_line(tmp_path):
 @pytest.mark.parametrize("tool_flag,reasoning_flag,template,want", [
     ("auto", "auto", "<tool_call><function=f> <think>", ("qwen3_coder", "think")),
     ("auto", "auto", "<tool_call>{}</tool_call>", ("hermes", None)),
+    ("auto", "auto", '<|start_header_id|>{"name": "f", "parameters": {}}', ("llama3_json", None)),
     ("auto", "auto", CHATML, (None, None)),
     ("hermes", "none", "<tool_call><function=f> <think>", ("hermes", None)),
     ("none", "think", CHATML, (None, "think")),

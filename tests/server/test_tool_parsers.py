@@ -6,8 +6,8 @@ import random
 import pytest
 
 from radiance.server.reasoning_parser import ThinkReasoningParser, split_reasoning
-from radiance.server.tool_parsers import (HermesToolParser, ParseDelta, Qwen3CoderToolParser,
-                                          parse_tool_calls)
+from radiance.server.tool_parsers import (HermesToolParser, Llama3JsonToolParser, ParseDelta,
+                                          Qwen3CoderToolParser, parse_tool_calls)
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -104,6 +104,40 @@ def test_qwen3_coder_same_result_at_every_chunk_boundary(text, truncated, conten
     check(whole, content, calls)
     for chunks in chunkings(text):
         assert as_tuple(stream_tools(Qwen3CoderToolParser, chunks, truncated)) == as_tuple(whole), chunks
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'
+LLAMA3_CASES = [
+    (LLAMA_CALL, False, "", [("get_weather", {"city": "Oslo", "days": 2})]),
+    ("<|python_tag|>" + LLAMA_CALL, False, "", [("get_weather", {"city": "Oslo", "days": 2})]),
+    ("\n " + LLAMA_CALL + "; " + LLAMA_CALL.replace("Oslo", "Rome"), False, "",
+     [("get_weather", {"city": "Oslo", "days": 2}), ("get_weather", {"city": "Rome", "days": 2})]),
+    # text first: no call (Llama writes calls as the whole answer), braces and all
+    ('It is sunny. {"name": "get_weather"}', False, 'It is sunny. {"name": "get_weather"}', []),
+    # a JSON answer that is no call stays content, as does text after the calls
+    ('{"city": "Oslo"}', False, '{"city": "Oslo"}', []),
+    (LLAMA_CALL + " Done.", False, "Done.", [("get_weather", {"city": "Oslo", "days": 2})]),
+    # cut off by max_tokens: the name and the arguments so far
+    ('{"name": "get_weather", "parameters": {"city": "Os', True, "", [("get_weather", '{"city": "Os')]),
+    ("", False, "", []),
+]
+
+
+@pytest.mark.parametrize("text,truncated,content,calls", LLAMA3_CASES)
+def test_llama3_json_same_result_at_every_chunk_boundary(text, truncated, content, calls):
+    whole = parse_tool_calls(Llama3JsonToolParser([WEATHER_TOOL]), text, truncated)
+    check(whole, content, calls)
+    for chunks in chunkings(text) if text else [[""]]:
+        assert as_tuple(stream_tools(Llama3JsonToolParser, chunks, truncated)) == as_tuple(whole), chunks
+
+
+def test_llama3_json_emits_a_call_as_soon_as_it_closes():
+    parser = Llama3JsonToolParser([WEATHER_TOOL])
+    assert parser.feed(LLAMA_CALL[:-1]).tool_calls == []
+    [call] = parser.feed("}; ").tool_calls
+    assert call.name == "get_weather" and parser.feed('{"name": "get_').tool_calls == []
+    rest = parser.finish()  # no whole name: nothing to call, the text is kept
+    assert rest.tool_calls == [] and rest.content == '{"name": "get_'
 
 
 REASONING_CASES = [
