@@ -33,6 +33,8 @@ class Checkpoint(ABC):
     config: dict
     quant: QuantSpec
     warnings: list[str] = field(default_factory=list)
+    # calibrated fp8 KV-cache scales, "model.layers.{i}.self_attn.k_scale" / "...v_scale" -> value
+    attention_scales: dict[str, float] = field(default_factory=dict)
 
     def names(self) -> list[str]:
         return [e.name for e in self.describe()]

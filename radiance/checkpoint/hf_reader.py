@@ -110,24 +110,30 @@ class HfCheckpoint(Checkpoint):
         self._check_plain(plain)
         self._check_complete(linears, plain)
         if attention_scales:
-            self.quant._warn(self._attention_scales_note(attention_scales))
+            self._read_attention_scales(attention_scales)
         return sorted(linears, key=lambda e: sort_key(e.canonical)), sorted(plain, key=sort_key), biases
 
-    def _attention_scales_note(self, names: list[str]) -> str:
-        """What a checkpoint's calibrated KV-cache / attention scales become: nothing, said once (the fp8
-        cache stores e4m3 of the values themselves, saturating at +-448)."""
-        largest: dict[str, float] = {}
+    def _read_attention_scales(self, names: list[str]) -> None:
+        """Calibrated attention scales: k_scale / v_scale (compressed-tensors on self_attn, ModelOpt on k_proj /
+        v_proj; an old single kv_scale serves both) become `attention_scales`, which an fp8 KV cache stores
+        against; q_scale / prob_scale (fp8 attention math) are not used, said once. A scale with several
+        values (per head) keeps its largest: nothing saturates, small values lose some precision."""
+        unused = []
         for name in names:
-            leafname = split_tensor_name(name)[1]
+            module, leafname = split_tensor_name(name)
             value = self.index.get(name).float()
-            if value.numel() == 0 or not torch.isfinite(value).all():
-                raise CheckpointError("an attention scale must be finite", file=self.index.meta[name].file,
+            if value.numel() == 0 or not torch.isfinite(value).all() or not bool((value > 0).all()):
+                raise CheckpointError("an attention scale must be positive and finite", file=self.index.meta[name].file,
                                       tensor=name)
-            largest[leafname] = max(largest.get(leafname, 0.0), value.abs().max().item())
-        seen = ", ".join(f"{k} up to {v:.4g}" for k, v in sorted(largest.items()))
-        return (f"{len(names)} calibrated attention scale tensor(s) ({seen}) are not applied: the fp8 KV cache "
-                "(--kv-cache-dtype fp8) stores e4m3 of the values themselves, saturating at +-448, and the "
-                "default cache keeps the model's dtype")
+            if leafname not in ("k_scale", "v_scale", "kv_scale"):
+                unused.append(name)
+                continue
+            attn = module.rsplit(".", 1)[0] if leaf(module) in ("k_proj", "v_proj") else module
+            for kind in (("k", "v") if leafname == "kv_scale" else (leafname[0],)):
+                self.attention_scales[f"{attn}.{kind}_scale"] = value.max().item()
+        if unused:
+            self.quant._warn(f"{len(unused)} attention scale tensor(s) for fp8 attention math (e.g. {unused[0]}) are "
+                             "not used: attention runs in 16 bits")
 
     def _check_plain(self, plain: list[str]) -> None:
         hidden, vocab = self.config.get("hidden_size"), self.config.get("vocab_size")

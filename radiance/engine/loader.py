@@ -148,6 +148,7 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
         tied = DenseWeight(model.lm_head.tied_to.weight.detach())
         _, how, err = _install_linear(model, "lm_head", tied, model_config, kernel_config, dtype, device, checkpoint)
         record("lm_head", "dense", how, err)
+    kv_scales_note = _install_kv_scales(model, getattr(checkpoint, "attention_scales", None) or {}, checkpoint)
     missing = [n for n in params if n not in loaded]
     missing += [n for n, m in model.named_modules() if isinstance(m, UnloadedLinear)]
     if missing:
@@ -167,6 +168,8 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     ]
     if report.entries:
         summary.append("requant: " + report.summary())
+    if kv_scales_note:
+        summary.append(kv_scales_note)
     summary += _kernel_summary(model)
     for line in summary:
         logger.info(line)
@@ -175,6 +178,28 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
         eos.append(tokenizer.eos_token_id)
     return LoadedModel(model, tokenizer, getattr(checkpoint, "chat_template", None), eos, str(name),
                        device, dtype, summary)
+
+
+def _install_kv_scales(model, scales: dict[str, float], checkpoint) -> str | None:
+    """The checkpoint's calibrated fp8 KV-cache scales onto each layer's Attention (KvScales); a summary line."""
+    from radiance.layers.attention import Attention, KvScales
+
+    layers: dict[str, dict[str, float]] = {}
+    for name, value in scales.items():
+        module, _, kind = name.rpartition(".")
+        layers.setdefault(module, {})[kind] = value
+    for module, found in layers.items():
+        try:
+            attn = next(m for m in model.get_submodule(module).modules() if isinstance(m, Attention))
+        except (AttributeError, StopIteration):
+            raise CheckpointError("attention scale of no attention layer of the model",
+                                  file=getattr(checkpoint, "path", None),
+                                  tensor=f"{module}.{next(iter(found))}") from None
+        attn.fp8_kv_scales = KvScales(found.get("k_scale", 1.0), found.get("v_scale", 1.0))
+    if not layers:
+        return None
+    return (f"fp8 KV-cache scales: {len(layers)} of {model.config.num_layers} layers from the checkpoint "
+            "(applied with --kv-cache-dtype fp8)")
 
 
 def _model_name(requested: str | None, path: str | None) -> str:

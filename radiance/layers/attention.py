@@ -35,6 +35,32 @@ class AttentionMetadata:
     kv_first_blocks: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class KvScales:
+    """Calibrated scales of an fp8 KV cache (a checkpoint's per-layer k_scale / v_scale): the cache stores
+    K / k and V / v, saturating at +-448, and attention reads them back times k and v (folded into the
+    softmax scale and the output). 1.0 for a cache of the model's dtype, or when the checkpoint has none."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+    @property
+    def inv_k(self) -> float:
+        return _fp32_inverse(self.k)
+
+    @property
+    def inv_v(self) -> float:
+        return _fp32_inverse(self.v)
+
+
+def _fp32_inverse(scale: float) -> float:
+    # the float32 the Triton stores multiply by, so both stores round the same products
+    return torch.tensor(1.0 / scale, dtype=torch.float32).item()
+
+
+UNIT_SCALES = KvScales()
+
+
 # decode batches from which the split kernel rotates q and stores K/V itself. On the H200 (8B, MXFP4,
 # context 128) the fused launch saved 66 us per step at batch 64 but cost 21 us at batch 1, where
 # each split program's longer start (positions, tables, rotation, barrier) is on the critical path
@@ -57,6 +83,11 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         # without a cache (evaluation), K/V are rounded to this dtype first, as a cache of it would store them
         self.kv_storage_dtype: torch.dtype | None = None
+        self.fp8_kv_scales = UNIT_SCALES  # what an fp8 cache of this layer stores against (the checkpoint's)
+
+    def kv_scales(self, cache_dtype: torch.dtype | None) -> KvScales:
+        """The scales a cache of `cache_dtype` stores K/V against: the calibrated ones for fp8."""
+        return self.fp8_kv_scales if cache_dtype == torch.float8_e4m3fn else UNIT_SCALES
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None,
                 rotary: tuple | None = None, quantize: bool = False):
@@ -69,22 +100,24 @@ class Attention(nn.Module):
         if rotary is not None:
             rope, positions = rotary
             if cached and _use_triton(q) and rope.fuses_kv_store(positions, q):
+                scales = self.kv_scales(self.k_cache.dtype)
                 if meta.is_decode and q.shape[0] >= FUSED_ROTARY_MIN_BATCH:
                     # the decode kernel rotates and stores itself: one launch fewer
                     fused = (rope.cos, rope.sin, positions, k, v, meta.slot_mapping)
                     return self._paged_triton(q, meta, quantize, rotary=fused)
-                q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, scales)
                 return self._paged_triton(q, meta, quantize)
             q, k = rope(positions, q, k)
         if not cached:
             return self._causal_no_cache(q, k, v)
+        scales = self.kv_scales(self.k_cache.dtype)
         if _use_triton(q):
             from radiance.layers import attention_triton as at
-            at.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            at.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, scales)
             return self._paged_triton(q, meta, quantize)
-        store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_valid)
+        store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_valid, scales)
         out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
-                                    meta.kv_lens, self.scale, meta.kv_first_blocks)
+                                    meta.kv_lens, self.scale, meta.kv_first_blocks, scales)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
     def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata, quantize: bool = False,
@@ -92,27 +125,37 @@ class Attention(nn.Module):
         """Attention of q over the paged cache, which already holds this step's K/V; at decode, with
         `rotary` (see paged_decode_attention), q is unrotated and the kernel rotates and stores K/V."""
         from radiance.layers import attention_triton as at
+        scales = self.kv_scales(self.k_cache.dtype)
         if meta.is_decode:
             out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                            meta.context_lens, self.scale, meta.decode_splits, quantize, rotary)
+                                            meta.context_lens, self.scale, meta.decode_splits, quantize, rotary,
+                                            kv_scales=scales)
             if isinstance(out, tuple):
                 return Fp8Activations(*out, q.dtype, tuple(q.shape[:-2]))
         else:
             out = at.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                             meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale)
+                                             meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale,
+                                             scales)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
     def _causal_no_cache(self, q, k, v):
-        if self.kv_storage_dtype is not None:
-            k = to_cache_dtype(k, self.kv_storage_dtype).to(k.dtype)
-            v = to_cache_dtype(v, self.kv_storage_dtype).to(v.dtype)
+        scales = UNIT_SCALES
+        if self.kv_storage_dtype is not None:  # K/V as a cache of that dtype holds them, scales folded as there
+            scales = self.kv_scales(self.kv_storage_dtype)
+            k = to_cache_dtype(k, self.kv_storage_dtype, scales.k).to(k.dtype)
+            v = to_cache_dtype(v, self.kv_storage_dtype, scales.v).to(v.dtype)
         squeeze = q.dim() == 3  # [T, H, D] -> one sequence
         if squeeze:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        out = _sdpa(q, k, v, self.scale, causal=True)
+        out = _scaled_output(_sdpa(q, k, v, self.scale * scales.k, causal=True), scales)
         if squeeze:
             out = out.squeeze(0)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
+
+
+def _scaled_output(out: torch.Tensor, scales: KvScales) -> torch.Tensor:
+    """Attention over V / v as stored, times v (a convex combination of the rows commutes with it)."""
+    return out if scales.v == 1.0 else (out.float() * scales.v).to(out.dtype)
 
 
 def _sdpa(q, k, v, scale: float, causal: bool = False, mask: torch.Tensor | None = None):
@@ -132,10 +175,12 @@ def _decode_sdpa(q, k, v, scale: float):
 # index_select / index_copy_ rather than advanced indexing: the caches are views into one large tensor,
 # and advanced indexing on such a view costs time proportional to the whole tensor (measured: 8 ms vs
 # 0.007 ms per call for a 537 MB cache on the CPU, torch 2.13).
-def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, slots_valid: bool = False):
+def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, slots_valid: bool = False,
+                         scales: KvScales = UNIT_SCALES):
     k_rows, v_rows, slots = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]), slot_mapping
     if k_rows.dtype != k_cache.dtype:  # a float32 cache on the CPU (widened exactly) or fp8 (kv_cache_dtype)
-        k_rows, v_rows = to_cache_dtype(k_rows, k_cache.dtype), to_cache_dtype(v_rows, v_cache.dtype)
+        k_rows = to_cache_dtype(k_rows, k_cache.dtype, scales.k)
+        v_rows = to_cache_dtype(v_rows, v_cache.dtype, scales.v)
     if not slots_valid and slots.numel() and int(slots.min()) < 0:  # rows to skip (-1): select the others
         valid = slots >= 0
         k_rows, v_rows, slots = k_rows[valid], v_rows[valid], slots[valid]
@@ -145,11 +190,12 @@ def store_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, slots_valid: bool
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """K/V rows as the cache stores them: an fp8 cache saturates at +-448 (as the Triton stores do), rounding
-    to nearest even; a wider one holds the values exactly."""
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """K/V rows as the cache stores them: an fp8 cache holds x / scale (times the float32 inverse, as the
+    Triton stores do), saturating at +-448 and rounding to nearest even; a wider one holds x exactly."""
     if dtype == torch.float8_e4m3fn:
-        return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+        x = x.float() if scale == 1.0 else x.float() * _fp32_inverse(scale)
+        return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
     return x.to(dtype)
 
 
@@ -168,9 +214,15 @@ def cached_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, first
     return gather_kv(cache, block_table, length)
 
 
-def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, first_blocks=None):
+def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, first_blocks=None,
+                          scales: KvScales = UNIT_SCALES):
     """Reference paged attention: q [T, Hq, D] flattened over sequences -> [T, Hq, D]. The cache may be
-    wider than q (float32 on the CPU): decode attends in float32 anyway, prefill in q's dtype."""
+    wider than q (float32 on the CPU): decode attends in float32 anyway, prefill in q's dtype. An fp8
+    cache holds K / scales.k and V / scales.v (KvScales)."""
+    if scales != UNIT_SCALES:
+        out = paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale * scales.k,
+                                    first_blocks)
+        return _scaled_output(out, scales)
     firsts = first_blocks or [-1] * len(q_lens)
     if len(q_lens) == 1 and q_lens[0] == 1:  # one sequence's decode step (the CPU's usual case): no copy-out
         k_1 = cached_kv(k_cache, block_tables[0], kv_lens[0], firsts[0])

@@ -32,6 +32,7 @@ from radiance.kernels._triton.act_quant import _row_scale, _to_e4m3, pdl_handoff
 from radiance.kernels._triton.rotary import rotated_heads, store_rotated_kv, to_cache
 from radiance.kernels.activation import fp8_outputs, quantize_activations, row_barrier_buffers
 from radiance.kernels.device_info import sm_count, supports_pdl
+from radiance.layers.attention import UNIT_SCALES, KvScales
 
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -76,7 +77,7 @@ def _precision(q: torch.Tensor) -> str:
 
 
 @triton.jit
-def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
+def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs, k_inv, v_inv,
                      ROW: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slots + t)
@@ -85,13 +86,14 @@ def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
         mask = offs < ROW
         k = tl.load(K + t * stride_kt + offs, mask=mask)
         v = tl.load(V + t * stride_vt + offs, mask=mask)
-        tl.store(KC + slot * stride_cs + offs, to_cache(k, KC), mask=mask)
-        tl.store(VC + slot * stride_cs + offs, to_cache(v, VC), mask=mask)
+        tl.store(KC + slot * stride_cs + offs, to_cache(k, KC, k_inv), mask=mask)
+        tl.store(VC + slot * stride_cs + offs, to_cache(v, VC, v_inv), mask=mask)
 
 
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """k/v [T, Hkv, D] -> k_cache/v_cache [blocks, block_size, Hkv, D] at slot_mapping [T]."""
+                   slot_mapping: torch.Tensor, scales: KvScales = UNIT_SCALES) -> None:
+    """k/v [T, Hkv, D] -> k_cache/v_cache [blocks, block_size, Hkv, D] at slot_mapping [T] (an fp8 cache
+    against `scales`)."""
     tokens = k.shape[0]
     if tokens == 0:
         return
@@ -103,11 +105,11 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         v = v.contiguous()
     row = k.shape[1]
     _store_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1),
-                                ROW=row, BLOCK=triton.next_power_of_2(row))
+                                scales.inv_k, scales.inv_v, ROW=row, BLOCK=triton.next_power_of_2(row))
 
 
 @triton.jit
-def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale,
+def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
                     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_tb,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -151,22 +153,23 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale,
             v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        out = acc / l_i[:, None]
+        out = acc / l_i[:, None] * v_scale
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
-                            scale: float) -> torch.Tensor:
-    """q [T, Hq, D] (sequences back to back) -> [T, Hq, D]."""
+                            scale: float, kv_scales: KvScales = UNIT_SCALES) -> torch.Tensor:
+    """q [T, Hq, D] (sequences back to back) -> [T, Hq, D] (an fp8 cache read back times `kv_scales`)."""
     tokens, heads, dim = q.shape
     group = heads // k_cache.shape[2]
     out = torch.empty_like(q)
     block_m = 64 if max_q_len > 32 else 16
     grid = (triton.cdiv(max_q_len, block_m), block_tables.shape[0], heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale * _LOG2E,
+        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale * kv_scales.k * _LOG2E,
+        kv_scales.v,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=dim, D_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1],
@@ -202,7 +205,7 @@ def _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
 
 
 @triton.jit
-def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
+def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_scale, k_inv, v_inv,
                          stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb,
                          stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
                          COS, SIN, POS, KN, VN, SLOTS, stride_knb, stride_knh, stride_vnb, stride_vnh,
@@ -242,7 +245,7 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
         if (slot >= 0) & (start <= kv_len - 1) & (kv_len - 1 < end):
             store_rotated_kv(KN + b * stride_knb + kvh * stride_knh, VN + b * stride_vnb + kvh * stride_vnh,
                              KC + slot * stride_cs + kvh * stride_ch, VC + slot * stride_cs + kvh * stride_ch,
-                             stride_knh, stride_vnh, 1, cos, sin, HALF, 1)
+                             stride_knh, stride_vnh, 1, cos, sin, HALF, 1, k_inv, v_inv)
         tl.debug_barrier()
         q = rotated_heads(Q + b * stride_qb + kvh * GROUP * stride_qh, stride_qh, GROUP, cos, sin, HALF, G_PAD)
     else:
@@ -262,7 +265,7 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale,
                                      stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d, PAGE,
                                      BLOCK_N, PRECISION)
     empty = l_i == 0.0  # a split past the context (or a padding row of a graph bucket)
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale  # (merging the splits commutes with v_scale)
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     tl.store(ACC + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], out,
              mask=mask_g[:, None] & mask_d[None, :])
@@ -473,7 +476,8 @@ def _merge_quant_rows(acc: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, num_splits: int, quantize: bool = False,
-                           rotary: tuple | None = None, tiling: DecodeTiling | None = None):
+                           rotary: tuple | None = None, tiling: DecodeTiling | None = None,
+                           kv_scales: KvScales = UNIT_SCALES):
     """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]; with `quantize`, (x_q e4m3 [B, Hq * D],
     x_scale fp32 [B, 1]) for a W4A8 linear instead, the bytes of quantize_activations of that output,
     from the merge launch (the barrier kernel while _merge_quant_serves, else the per-row kernel up
@@ -482,7 +486,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rotary = (cos, sin, positions, k, v, slot_mapping) (RotaryEmbedding's fp32 tables [P, D/2], the
     new tokens' positions [B], unrotated k and v [B, Hkv, D], their cache slots [B], -1 = padding):
     q is unrotated and the cache lacks the new tokens; the split kernel rotates q, and stores the
-    rotated k and the v, as RotaryEmbedding.rotate_and_store would (one launch fewer)."""
+    rotated k and the v, as RotaryEmbedding.rotate_and_store would (one launch fewer).
+    An fp8 cache holds K and V against `kv_scales` (stored divided, read back times them)."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -498,7 +503,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         assert dim == d_pad and cos.dtype == torch.float32, "rotary decode: D a power of 2, fp32 tables"
         q, k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_new, v_new))
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, acc, lse, block_tables, context_lens, scale * _LOG2E,
+        q, k_cache, v_cache, acc, lse, block_tables, context_lens, scale * kv_scales.k * _LOG2E, kv_scales.v,
+        kv_scales.inv_k, kv_scales.inv_v,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         cos, sin, positions, k_new, v_new, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),

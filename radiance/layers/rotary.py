@@ -84,10 +84,12 @@ class RotaryEmbedding(nn.Module):
         half = q.shape[-1] // 2
         return q.is_cuda and q.dim() == 3 and positions.dim() == 1 and half & (half - 1) == 0
 
-    def rotate_and_store(self, positions, q, k, v, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    def rotate_and_store(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None) -> torch.Tensor:
         """Rotated q; the rotated k and v written to the paged cache at slot_mapping (-1: skipped),
-        in one launch (what forward + store_kv_cache do in two)."""
-        return _rotate_triton(positions, q, k, self.cos, self.sin, store=(v, k_cache, v_cache, slot_mapping))
+        in one launch (what forward + store_kv_cache do in two); an fp8 cache holds them against `scales`
+        (attention.KvScales; None: unscaled)."""
+        inv = (1.0, 1.0) if scales is None else (scales.inv_k, scales.inv_v)
+        return _rotate_triton(positions, q, k, self.cos, self.sin, store=(v, k_cache, v_cache, slot_mapping, *inv))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.fuses_kv_store(positions, q):
@@ -124,8 +126,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None):
     """RotaryEmbedding.forward in one Triton kernel: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous views ok).
-    With store = (v, k_cache, v_cache, slot_mapping) the rotated k and v go to their cache slots and
-    only q is returned."""
+    With store = (v, k_cache, v_cache, slot_mapping, k_inv, v_inv) the rotated k and v go to their cache
+    slots (an fp8 cache times k_inv / v_inv) and only q is returned."""
     from radiance.kernels._triton.rotary import rotary_kernel
 
     t, q_heads, head_dim = q.shape
@@ -134,9 +136,9 @@ def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None):
     if store is None:
         k_out = torch.empty((t, k_heads, head_dim), dtype=k.dtype, device=k.device)
         v = v_out = slots = k_out  # unused
-        slot_stride = 0
+        slot_stride, k_inv, v_inv = 0, 1.0, 1.0
     else:
-        v, k_out, v_out, slots = store
+        v, k_out, v_out, slots, k_inv, v_inv = store
         slot_stride = k_out.stride(1)
     if t == 0:
         return q_out if store is not None else (q_out, k_out)
@@ -144,7 +146,7 @@ def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     pdl = supports_pdl(q.device)
     rotary_kernel[(t,)](q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                        q_heads, k_heads, v, v_out, slots, v.stride(0), v.stride(1), slot_stride,
+                        q_heads, k_heads, v, v_out, slots, v.stride(0), v.stride(1), slot_stride, k_inv, v_inv,
                         HALF=head_dim // 2, BLOCK_QH=triton.next_power_of_2(q_heads),
                         BLOCK_KH=triton.next_power_of_2(k_heads), STORE_KV=store is not None, PDL=pdl,
                         launch_pdl=pdl, num_warps=4)

@@ -190,28 +190,35 @@ def test_design_example_mtp_fc_weight_in_ignore(tmp_path):
     assert isinstance(got["mtp.proj"], Nvfp4Weight)  # an unknown Linear still follows the "Linear" target
 
 
-def test_calibrated_attention_scales_load_with_a_note(tmp_path):
+def test_calibrated_kv_scales_reach_the_attention_layers(tmp_path):
     """FP8-KV checkpoints carry one k_scale / v_scale per layer (compressed-tensors on self_attn, ModelOpt on
-    k_proj / v_proj): the checkpoint opens and the model loads, the scales are named in one warning (they
-    are not applied), and a non-finite scale names its tensor."""
+    k_proj / v_proj): the model loads with each layer's KvScales set (what an fp8 cache stores against) and
+    a summary line; fp8-attention scales (q_scale) are named in one warning; a non-finite or non-positive
+    scale names its tensor."""
     from radiance.config import ModelConfig
     from radiance.engine.loader import load_model
     from radiance.errors import CheckpointError
+    from radiance.layers.attention import KvScales
 
     sd = dense_state_dict()
     layers = TINY["num_hidden_layers"]
     sd.update({f"model.layers.{i}.self_attn.k_scale": torch.tensor(0.02 * (i + 1)) for i in range(layers)})
-    sd.update({f"model.layers.{i}.self_attn.v_proj.v_scale": torch.tensor([0.5]) for i in range(layers)})
+    sd.update({f"model.layers.{i}.self_attn.v_proj.v_scale": torch.tensor([0.5, 0.25]) for i in range(layers)})
+    sd["model.layers.0.self_attn.q_scale"] = torch.tensor(0.1)
     path = write_dir(str(tmp_path / "kv"), sd, TINY)
     ckpt = open_checkpoint(path)
     [note] = ckpt.warnings
-    assert f"{2 * layers} calibrated attention scale" in note and f"k_scale up to {0.02 * layers:.4g}" in note
-    assert "v_scale up to 0.5" in note
+    assert "1 attention scale tensor" in note and "model.layers.0.self_attn.q_scale" in note
+    assert ckpt.attention_scales["model.layers.1.self_attn.k_scale"] == pytest.approx(0.04)
+    assert ckpt.attention_scales["model.layers.0.self_attn.v_scale"] == 0.5  # per head: the largest
     assert not any(n.endswith("_scale") for n in ckpt.names())
     loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False)
-    assert loaded.model.config.num_layers == layers
+    got = [attn.fp8_kv_scales for attn in loaded.model.attention_layers()]
+    assert got == [KvScales(pytest.approx(0.02 * (i + 1)), 0.5) for i in range(layers)]
+    assert any(line.startswith(f"fp8 KV-cache scales: {layers} of {layers} layers") for line in loaded.summary)
 
-    sd["model.layers.0.self_attn.k_scale"] = torch.tensor(float("nan"))
-    path = write_dir(str(tmp_path / "nan"), sd, TINY)
-    with pytest.raises(CheckpointError, match="model.layers.0.self_attn.k_scale"):
-        open_checkpoint(path)
+    for bad in (float("nan"), 0.0):
+        sd["model.layers.0.self_attn.k_scale"] = torch.tensor(bad)
+        path = write_dir(str(tmp_path / f"bad{bad}"), sd, TINY)
+        with pytest.raises(CheckpointError, match="model.layers.0.self_attn.k_scale"):
+            open_checkpoint(path)

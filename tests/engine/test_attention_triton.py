@@ -13,15 +13,18 @@ import torch
 
 
 def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: int = 8, kv_heads: int = 2,
-                  page: int = 16, seed: int = 0, big: bool = False, kv_dtype: torch.dtype | None = None) -> dict[str, float]:
+                  page: int = 16, seed: int = 0, big: bool = False, kv_dtype: torch.dtype | None = None,
+                  scales=None) -> dict[str, float]:
     """Random paged caches with shuffled block tables; returns the worst relative error per kernel. The
-    cache in `kv_dtype` (default: the model's dtype; fp8: rows of K/V up to 600, past e4m3's 448).
+    cache in `kv_dtype` (default: the model's dtype; fp8: rows of K/V up to 600 x scales.k, past e4m3's 448,
+    stored against `scales`, an attention.KvScales).
     "store_ulps": the largest difference between the Triton and torch stores of normal fp8 values in units
     of their last place, "store_subnormal" the largest among subnormals (0 = the same bytes); attention is checked against the torch reference over the cache the
     Triton store wrote."""
     from radiance.layers import attention_triton as at
-    from radiance.layers.attention import paged_attention_torch, store_kv_cache_torch, to_cache_dtype
+    from radiance.layers.attention import UNIT_SCALES, paged_attention_torch, store_kv_cache_torch, to_cache_dtype
 
+    scales = scales or UNIT_SCALES
     gen = torch.Generator().manual_seed(seed)
     # (new tokens, cached tokens before them) per sequence: fresh prefill, chunk after context, decode
     shapes = [(37, 0), (5, 20), (1, 70), (16, 16), (1, 1)]
@@ -48,17 +51,18 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
     k = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
     v = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
     if kv_dtype == torch.float8_e4m3fn:  # a few values past e4m3's range: both stores saturate
-        k[0, 0, :4] = torch.tensor([600.0, -600.0, 447.0, 1e-3], dtype=dtype)
+        k[0, 0, :4] = (torch.tensor([600.0, -600.0, 447.0, 1e-3]) * scales.k).to(dtype)
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
     context_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
 
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    store_kv_cache_torch(k, v, ref_k, ref_v, slot_mapping)
+    store_kv_cache_torch(k, v, ref_k, ref_v, slot_mapping, scales=scales)
     # padding rows (slot -1) must write nothing
     pad = torch.full((2,), -1, dtype=torch.int64, device=device)
-    at.store_kv_cache(torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), k_cache, v_cache, torch.cat([slot_mapping, pad]))
+    at.store_kv_cache(torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), k_cache, v_cache, torch.cat([slot_mapping, pad]),
+                      scales)
     errors = {"store": max((k_cache.float() - ref_k.float()).abs().max().item(),
                            (v_cache.float() - ref_v.float()).abs().max().item())}
     if kv_dtype == torch.float8_e4m3fn:  # one place of a normal e4m3 value: 2^(exponent - 3)
@@ -70,8 +74,9 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
             errors["store_subnormal"] = max(errors["store_subnormal"], (a - b).abs()[~normal].max().item())
         errors["saturated"] = float(k_cache[slots[0] // page, slots[0] % page, 0, :2].float().abs().tolist() == [448.0] * 2)
 
-    ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), block_tables, q_lens, kv_lens, scale)
-    out = at.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale)
+    ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), block_tables, q_lens, kv_lens, scale,
+                                scales=scales)
+    out = at.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale, scales)
     errors["prefill"] = ((out.float() - ref).norm() / ref.norm()).item()
 
     decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
@@ -84,7 +89,7 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
                at.DecodeTiling(128, 4, 2)]
     for splits, tiling in [(1, None), (3, None), (8, None)] + [(3, t) for t in tilings]:
         out_d = at.paged_decode_attention(q[rows], k_cache, v_cache, block_tables[decode_rows],
-                                          context_lens[decode_rows], scale, splits, tiling=tiling)
+                                          context_lens[decode_rows], scale, splits, tiling=tiling, kv_scales=scales)
         worst = max(worst, ((out_d.float() - ref_d).norm() / ref_d.norm()).item())
     errors["decode"] = worst
     # a graph bucket's padding row: context 0 gives zeros, not NaN
@@ -105,15 +110,17 @@ def _same_fp8(a: tuple, b: tuple) -> bool:
 
 def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                        splits: tuple[int, ...], big: bool = False, page: int = 16, seed: int = 0,
-                       kv_dtype: torch.dtype | None = None, tiling=None) -> dict:
+                       kv_dtype: torch.dtype | None = None, tiling=None, scales=None) -> dict:
     """paged_decode_attention(rotary=...) (rotary and KV store inside the split kernel) against
     RotaryEmbedding.rotate_and_store + paged_decode_attention (the unfused launches) and against the
     torch reference (_rotate + store_kv_cache_torch + paged_attention_torch). Shuffled multi-page
     tables; contexts of 1 token, on a BLOCK_N boundary and just past it; a padding row (slot -1)
     whose context covers another sequence's blocks; q, k, v strided views of one qkv row."""
     from radiance.layers import attention_triton as at
-    from radiance.layers.attention import paged_attention_torch, store_kv_cache_torch, to_cache_dtype
+    from radiance.layers.attention import UNIT_SCALES, paged_attention_torch, store_kv_cache_torch, to_cache_dtype
     from radiance.layers.rotary import RotaryEmbedding, _rotate
+
+    scales = scales or UNIT_SCALES
 
     gen = torch.Generator().manual_seed(seed)
     contexts = [1, 64, 65, 200, 130] + ([5000, 1000, 129] if big else [])  # new token included
@@ -141,18 +148,20 @@ def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
 
     ref_k, ref_v = k0.clone(), v0.clone()  # the torch reference
     cos, sin = rope.cos[positions].unsqueeze(-2), rope.sin[positions].unsqueeze(-2)
-    store_kv_cache_torch(_rotate(k, cos, sin), v, ref_k, ref_v, slot_mapping)
+    store_kv_cache_torch(_rotate(k, cos, sin), v, ref_k, ref_v, slot_mapping, scales=scales)
     ref = paged_attention_torch(_rotate(q, cos, sin).float()[real], ref_k.float(), ref_v.float(), block_tables,
-                                [1] * (batch - 1), contexts[:-1], scale)
+                                [1] * (batch - 1), contexts[:-1], scale, scales=scales)
     unf_k, unf_v = k0.clone(), v0.clone()  # the unfused launches
-    q_rot = rope.rotate_and_store(positions, q, k, v, unf_k, unf_v, slot_mapping)
+    q_rot = rope.rotate_and_store(positions, q, k, v, unf_k, unf_v, slot_mapping, scales)
     errors = {"cache_vs_torch": ((unf_k.float() - ref_k.float()).norm() / ref_k.float().norm()).item(),
               "cache_differs": 0.0, "out_differs": 0.0, "out_vs_unfused": 0.0, "out_vs_torch": 0.0}
     for n in splits:
-        unfused = at.paged_decode_attention(q_rot, unf_k, unf_v, block_tables, context_lens, scale, n, tiling=tiling)
+        unfused = at.paged_decode_attention(q_rot, unf_k, unf_v, block_tables, context_lens, scale, n, tiling=tiling,
+                                            kv_scales=scales)
         k_cache, v_cache = k0.clone(), v0.clone()
         out = at.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, n,
-                                        rotary=(rope.cos, rope.sin, positions, k, v, slot_mapping), tiling=tiling)
+                                        rotary=(rope.cos, rope.sin, positions, k, v, slot_mapping), tiling=tiling,
+                                        kv_scales=scales)
         errors["cache_differs"] += float(not (_same_bytes(k_cache, unf_k) and _same_bytes(v_cache, unf_v)))
         errors["out_differs"] += float(not _same_bytes(out[real], unfused[real]))
         diff = ((out[real].float() - unfused[real].float()).norm() / unfused[real].float().norm()).item()
@@ -235,7 +244,10 @@ import json, torch
 from tests.engine.test_attention_triton import check_kernels
 fp32 = check_kernels("cpu", torch.float32, head_dim=48, heads=6, kv_heads=2)
 fp8_kv = check_kernels("cpu", torch.float32, head_dim=48, heads=6, kv_heads=2, kv_dtype=torch.float8_e4m3fn, seed=1)
-print(json.dumps({"fp32": fp32, "fp8_kv": fp8_kv}))
+from radiance.layers.attention import KvScales
+scaled = check_kernels("cpu", torch.float32, head_dim=48, heads=6, kv_heads=2, kv_dtype=torch.float8_e4m3fn, seed=2,
+                       scales=KvScales(k=2.5, v=0.3))
+print(json.dumps({"fp32": fp32, "fp8_kv": fp8_kv, "fp8_kv_scaled": scaled}))
 """
 
 
@@ -254,9 +266,10 @@ def test_triton_kernels_in_the_interpreter():
     assert errors["store"] == 0.0
     assert errors["prefill"] < 1e-4 and errors["decode"] < 1e-4
     assert errors["padding_nan"] == 0.0
-    fp8 = results["fp8_kv"]  # the interpreter rounds ties away from zero (one place) and flushes subnormals
-    assert fp8["store_ulps"] <= 1.0 and fp8["store_subnormal"] < 2**-6 and fp8["saturated"] == 1.0, fp8
-    assert fp8["prefill"] < 1e-4 and fp8["decode"] < 1e-4 and fp8["padding_nan"] == 0.0, fp8
+    for fp8 in (results["fp8_kv"], results["fp8_kv_scaled"]):  # calibrated scales: K / 2.5, V / 0.3 stored
+        # the interpreter rounds ties away from zero (one place) and flushes subnormals
+        assert fp8["store_ulps"] <= 1.0 and fp8["store_subnormal"] < 2**-6 and fp8["saturated"] == 1.0, fp8
+        assert fp8["prefill"] < 1e-4 and fp8["decode"] < 1e-4 and fp8["padding_nan"] == 0.0, fp8
 
 
 _FUSED_SCRIPT = """
@@ -269,7 +282,11 @@ fp8_kv = check_fused_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=
 from radiance.layers.attention_triton import DecodeTiling
 long_steps = check_fused_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=32, splits=(1, 3), seed=3,
                                 tiling=DecodeTiling(32, 4, 2, long_block_n=64, long_from=40))
-print(json.dumps({"fp32": fp32, "fp16": fp16, "fp8_kv": fp8_kv, "long_steps": long_steps}))
+from radiance.layers.attention import KvScales
+fp8_kv_scaled = check_fused_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=32, splits=(1, 3), seed=4,
+                                   kv_dtype=torch.float8_e4m3fn, scales=KvScales(k=0.07, v=3.0))
+print(json.dumps({"fp32": fp32, "fp16": fp16, "fp8_kv": fp8_kv, "long_steps": long_steps,
+                  "fp8_kv_scaled": fp8_kv_scaled}))
 # (the interpreter's bf16 dots are not usable)
 """
 
@@ -281,7 +298,7 @@ def test_fused_rotary_decode_in_the_interpreter():
     for dtype, errors in results.items():
         assert errors["cache_differs"] == 0.0 and errors["out_differs"] == 0.0, (dtype, errors)
         tol = 1e-5 if dtype in ("fp32", "long_steps") else 1e-3
-        if dtype == "fp8_kv":  # the same bytes as the torch store, so the same attention output
+        if dtype.startswith("fp8_kv"):  # the same bytes as the torch store, so the same attention output
             assert errors["cache_vs_torch"] == 0.0 and errors["out_vs_torch"] < 1e-5, errors
             continue
         assert errors["cache_vs_torch"] < tol and errors["out_vs_torch"] < tol, (dtype, errors)
@@ -309,12 +326,17 @@ def test_merge_quantize_rows_in_the_interpreter():
         assert all(v == 0 for k, v in errors.items() if k != "cases"), (dtype, errors)
 
 
+# (kv dtype, calibrated scales of an fp8 cache)
+GPU_CACHES = [(None, None), (torch.float8_e4m3fn, None), (torch.float8_e4m3fn, (2.5, 0.3))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype,scales", GPU_CACHES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 2, 64)])
-def test_fused_rotary_decode_on_gpu(heads, kv_heads, head_dim, kv_dtype):
+def test_fused_rotary_decode_on_gpu(heads, kv_heads, head_dim, kv_dtype, scales):
+    from radiance.layers.attention import KvScales
     errors = check_fused_decode("cuda", torch.bfloat16, heads, kv_heads, head_dim, splits=(1, 4, 16), big=True,
-                                kv_dtype=kv_dtype)
+                                kv_dtype=kv_dtype, scales=KvScales(*scales) if scales else None)
     # the cache bytes are rotate_and_store's; the output may differ from the unfused kernel's in the
     # last bits of a few elements (on the H200 it did at all three split counts, both within 8e-4 of
     # the torch reference), so it is held to the bf16 rounding of the unfused output
@@ -373,10 +395,12 @@ def test_attention_forward_fuses_rotary_into_decode(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype,scales", GPU_CACHES)
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 32, 8), (128, 16, 2)])
-def test_triton_kernels_on_gpu(head_dim, heads, kv_heads, kv_dtype):
-    errors = check_kernels("cuda", torch.bfloat16, head_dim, heads, kv_heads, big=True, kv_dtype=kv_dtype)
+def test_triton_kernels_on_gpu(head_dim, heads, kv_heads, kv_dtype, scales):
+    from radiance.layers.attention import KvScales
+    errors = check_kernels("cuda", torch.bfloat16, head_dim, heads, kv_heads, big=True, kv_dtype=kv_dtype,
+                           scales=KvScales(*scales) if scales else None)
     assert errors["store"] == 0.0  # the Triton store writes the torch store's bytes, fp8 included
     assert errors["prefill"] < 1e-2 and errors["decode"] < 1e-2, errors
     assert errors["padding_nan"] == 0.0

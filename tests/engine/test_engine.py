@@ -200,6 +200,36 @@ def test_fp8_kv_cache(tiny_llm):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, options
 
 
+def test_fp8_kv_cache_with_calibrated_scales(tiny_llm):
+    """Calibrated KV scales (a checkpoint's k_scale / v_scale): the fp8 cache stores K / k and V / v and
+    attention reads them back times k and v. Scales of 0.5 keep e4m3 rounding (a power of two, nothing near
+    saturation) so scores match the unscaled cache's but for e4m3 subnormals, and the no-cache eval path with the same scales
+    matches the served one; a k of 2^-8 saturates K (|K| past 1.75) and moves the scores."""
+    import torch
+
+    from radiance.layers.attention import KvScales
+
+    prompt = list(range(30, 70))
+    scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def served(scales):
+        llm = tiny_llm(kv_cache_dtype="fp8")
+        for attn in llm.engine.runner.model.attention_layers():
+            attn.fp8_kv_scales = scales
+        return llm, [e.logprob for e in llm.generate(prompt, scored)[0].prompt_logprobs[1:]]
+
+    _, unscaled = served(KvScales())
+    llm, halves = served(KvScales(0.5, 0.5))
+    assert halves == pytest.approx(unscaled, abs=2e-2)  # (values below 2^-6 round differently)
+    model = llm.engine.runner.model
+    for attn in model.attention_layers():
+        attn.kv_storage_dtype = torch.float8_e4m3fn
+    rounded = model.forward_logits(torch.tensor([prompt]))[0].float().log_softmax(-1)
+    assert halves == pytest.approx([rounded[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=1e-4)
+    _, saturated = served(KvScales(2.0 ** -8, 1.0))
+    assert max(abs(a - b) for a, b in zip(saturated, unscaled)) > 0.05
+
+
 def test_eval_variant_with_fp8_kv_matches_the_served_cache(tiny_llm):
     """`radiance eval`'s +fp8kv scores without a cache by rounding K/V as the fp8 cache stores them: its
     prompt scores equal the engine's with kv_cache_dtype fp8 (which reads them back from the cache)."""

@@ -14,13 +14,14 @@ from radiance.kernels._triton.act_quant import pdl_handoff, round_to_e4m3_grid
 
 
 @triton.jit
-def to_cache(x, ptr):
-    """x as the tensor at `ptr` stores it: an fp8 e4m3 KV cache saturates at +-448 and rounds to nearest
-    even (as attention.to_cache_dtype does on the torch side; pre-rounded on the e4m3 grid, which the
-    interpreter's cast needs and costs the GPU a few instructions per stored element); any other dtype
-    is a plain conversion."""
+def to_cache(x, ptr, inv_scale):
+    """x as the tensor at `ptr` stores it: an fp8 e4m3 KV cache holds x * inv_scale (the inverse of the
+    layer's calibrated scale, attention.KvScales), saturating at +-448 and rounding to nearest even (as
+    attention.to_cache_dtype does on the torch side; pre-rounded on the e4m3 grid, which the interpreter's
+    cast needs and costs the GPU a few instructions per stored element); any other dtype is a plain
+    conversion (inv_scale unused)."""
     if ptr.dtype.element_ty == tl.float8e4nv:
-        return round_to_e4m3_grid(tl.clamp(x.to(tl.float32), -448.0, 448.0)).to(tl.float8e4nv)
+        return round_to_e4m3_grid(tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)).to(tl.float8e4nv)
     else:
         return x.to(ptr.dtype.element_ty)
 
@@ -41,15 +42,17 @@ def _rotated_halves(src_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOC
 
 
 @triton.jit
-def _rotate_heads(src_row, dst_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotates `heads` heads at src_row (head stride stride_h) into dst_row (heads contiguous)."""
+def _rotate_heads(src_row, dst_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                  inv_scale=1.0):
+    """Rotates `heads` heads at src_row (head stride stride_h) into dst_row (heads contiguous; a cache row:
+    see to_cache)."""
     r1, r2 = _rotated_halves(src_row, stride_h, heads, cos, sin, HALF, BLOCK_H)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     live = h < heads
     dst = dst_row + h * 2 * HALF + d
-    tl.store(dst, to_cache(r1, dst_row), mask=live)
-    tl.store(dst + HALF, to_cache(r2, dst_row), mask=live)
+    tl.store(dst, to_cache(r1, dst_row, inv_scale), mask=live)
+    tl.store(dst + HALF, to_cache(r2, dst_row, inv_scale), mask=live)
 
 
 @triton.jit
@@ -61,24 +64,25 @@ def rotated_heads(src_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_
 
 @triton.jit
 def store_rotated_kv(k_row, v_row, kc_row, vc_row, stride_kh, stride_vh, heads, cos, sin, HALF: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+                     BLOCK_H: tl.constexpr, k_inv, v_inv):
     """A token's `heads` k heads rotated and its v heads as they are, into one cache slot (kc_row /
-    vc_row: its first head; heads contiguous)."""
-    _rotate_heads(k_row, kc_row, stride_kh, heads, cos, sin, HALF, BLOCK_H)
+    vc_row: its first head; heads contiguous; k_inv / v_inv: see to_cache)."""
+    _rotate_heads(k_row, kc_row, stride_kh, heads, cos, sin, HALF, BLOCK_H, k_inv)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, 2 * HALF)[None, :]
     live = h < heads
     v = tl.load(v_row + h * stride_vh + d, mask=live)
-    tl.store(vc_row + h * 2 * HALF + d, to_cache(v, vc_row), mask=live)
+    tl.store(vc_row + h * 2 * HALF + d, to_cache(v, vc_row, v_inv), mask=live)
 
 
 @triton.jit
 def rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
                   stride_kh, q_heads, k_heads, v_ptr, v_out_ptr, slot_ptr, stride_vt, stride_vh, stride_cs,
-                  HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, STORE_KV: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  k_inv, v_inv, HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+                  STORE_KV: tl.constexpr, PDL: tl.constexpr = False):
     """k_out / v_out: [T, Hkv, D] outputs, or (STORE_KV) the k / v caches [blocks, block_size, Hkv, D]
-    with slot stride stride_cs, written at slot_ptr[t] (-1: a padding token, nothing written)."""
+    with slot stride stride_cs, written at slot_ptr[t] (-1: a padding token, nothing written), an fp8
+    cache times k_inv / v_inv (to_cache)."""
     pdl_handoff(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -92,7 +96,7 @@ def rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
         if slot >= 0:
             row = slot.to(tl.int64) * stride_cs
             store_rotated_kv(k_ptr + t * stride_kt, v_ptr + t * stride_vt, k_out_ptr + row, v_out_ptr + row,
-                             stride_kh, stride_vh, k_heads, cos, sin, HALF, BLOCK_KH)
+                             stride_kh, stride_vh, k_heads, cos, sin, HALF, BLOCK_KH, k_inv, v_inv)
     else:
         _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * k_heads * 2 * HALF, stride_kh, k_heads, cos, sin, HALF,
                       BLOCK_KH)
