@@ -72,6 +72,11 @@ def inspect_lines(ckpt: Checkpoint, with_tokenizer: bool = False) -> list[str]:
         note = f"  stored {source}" if source else ""
         lines.append(f"  {name:<46}{len(group):>6}  {fmt:<10}{_shape(shape):<16}"
                      f"{_mib(sum(e.nbytes for e in group)):>11}{note}")
+    if ckpt.attention_scales:  # calibrated fp8 KV-cache scales (applied with --kv-cache-dtype fp8)
+        for kind in ("k_scale", "v_scale"):
+            values = [v for n, v in ckpt.attention_scales.items() if n.endswith(kind)]
+            if values:
+                lines.append(f"  fp8 KV-cache {kind:<8} {len(values):>4} layers, {min(values):.4g} .. {max(values):.4g}")
     total = sum(e.nbytes for e in entries)
     lines += ["", f"total      {len(entries)} entries, {_mib(total)}"]
     lines += ["", f"warnings   {len(ckpt.warnings) or 'none'}"] + [f"  - {w}" for w in ckpt.warnings]

@@ -212,6 +212,9 @@ def test_calibrated_kv_scales_reach_the_attention_layers(tmp_path):
     assert ckpt.attention_scales["model.layers.1.self_attn.k_scale"] == pytest.approx(0.04)
     assert ckpt.attention_scales["model.layers.0.self_attn.v_scale"] == 0.5  # per head: the largest
     assert not any(n.endswith("_scale") for n in ckpt.names())
+    from radiance.checkpoint.inspect import inspect_lines
+    shown = "\n".join(inspect_lines(ckpt))
+    assert f"fp8 KV-cache k_scale {layers:>5} layers, 0.02 .. {0.02 * layers:.4g}" in shown, shown
     loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False)
     got = [attn.fp8_kv_scales for attn in loaded.model.attention_layers()]
     assert got == [KvScales(pytest.approx(0.02 * (i + 1)), 0.5) for i in range(layers)]
