@@ -9,7 +9,8 @@ Without metadata (`meta=None`) attention is plain causal over the given [B, T] b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,19 +44,17 @@ class KvScales:
 
     k: float = 1.0
     v: float = 1.0
+    inv_k: float = field(init=False, repr=False, compare=False)  # what the stores multiply by
+    inv_v: float = field(init=False, repr=False, compare=False)
 
-    @property
-    def inv_k(self) -> float:
-        return _fp32_inverse(self.k)
-
-    @property
-    def inv_v(self) -> float:
-        return _fp32_inverse(self.v)
+    def __post_init__(self):
+        object.__setattr__(self, "inv_k", _fp32_inverse(self.k))
+        object.__setattr__(self, "inv_v", _fp32_inverse(self.v))
 
 
 def _fp32_inverse(scale: float) -> float:
-    # the float32 the Triton stores multiply by, so both stores round the same products
-    return torch.tensor(1.0 / scale, dtype=torch.float32).item()
+    # the float32 the Triton stores multiply by, so the torch and Triton stores round the same products
+    return struct.unpack("f", struct.pack("f", 1.0 / scale))[0]
 
 
 UNIT_SCALES = KvScales()
@@ -100,12 +99,12 @@ class Attention(nn.Module):
         if rotary is not None:
             rope, positions = rotary
             if cached and _use_triton(q) and rope.fuses_kv_store(positions, q):
-                scales = self.kv_scales(self.k_cache.dtype)
                 if meta.is_decode and q.shape[0] >= FUSED_ROTARY_MIN_BATCH:
                     # the decode kernel rotates and stores itself: one launch fewer
                     fused = (rope.cos, rope.sin, positions, k, v, meta.slot_mapping)
                     return self._paged_triton(q, meta, quantize, rotary=fused)
-                q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, scales)
+                q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                          self.kv_scales(self.k_cache.dtype))
                 return self._paged_triton(q, meta, quantize)
             q, k = rope(positions, q, k)
         if not cached:
