@@ -123,8 +123,8 @@ class HfCheckpoint(Checkpoint):
             module, leafname = split_tensor_name(name)
             value = self.index.get(name).float()
             if value.numel() == 0 or not torch.isfinite(value).all() or not bool((value > 0).all()):
-                raise CheckpointError("an attention scale must be positive and finite", file=self.index.meta[name].file,
-                                      tensor=name)
+                raise CheckpointError("an attention scale must be positive and finite",
+                                      file=self.index.meta[name].file, tensor=name)
             if leafname not in ("k_scale", "v_scale", "kv_scale"):
                 unused.append(name)
                 continue

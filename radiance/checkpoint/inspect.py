@@ -76,7 +76,8 @@ def inspect_lines(ckpt: Checkpoint, with_tokenizer: bool = False) -> list[str]:
         for kind in ("k_scale", "v_scale"):
             values = [v for n, v in ckpt.attention_scales.items() if n.endswith(kind)]
             if values:
-                lines.append(f"  fp8 KV-cache {kind:<8} {len(values):>4} layers, {min(values):.4g} .. {max(values):.4g}")
+                lines.append(f"  fp8 KV-cache {kind:<8} {len(values):>4} layers, "
+                             f"{min(values):.4g} .. {max(values):.4g}")
     total = sum(e.nbytes for e in entries)
     lines += ["", f"total      {len(entries)} entries, {_mib(total)}"]
     lines += ["", f"warnings   {len(ckpt.warnings) or 'none'}"] + [f"  - {w}" for w in ckpt.warnings]

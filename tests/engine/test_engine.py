@@ -203,8 +203,9 @@ def test_fp8_kv_cache(tiny_llm):
 def test_fp8_kv_cache_with_calibrated_scales(tiny_llm):
     """Calibrated KV scales (a checkpoint's k_scale / v_scale): the fp8 cache stores K / k and V / v and
     attention reads them back times k and v. Scales of 0.5 keep e4m3 rounding (a power of two, nothing near
-    saturation) so scores match the unscaled cache's but for e4m3 subnormals, and the no-cache eval path with the same scales
-    matches the served one; a k of 2^-8 saturates K (|K| past 1.75) and moves the scores."""
+    saturation) so scores match the unscaled cache's but for e4m3 subnormals, and the no-cache eval path
+    with the same scales matches the served one; a k of 2^-8 saturates K (|K| past 1.75) and moves the
+    scores."""
     import torch
 
     from radiance.layers.attention import KvScales
