@@ -63,7 +63,7 @@ def _no_attention(self, q, k, v, meta, rotary=None, quantize=False):
     return q.reshape(rows, width)
 
 
-def _no_rotary(self, positions, q, k, v, k_cache, v_cache, slot_mapping):
+def _no_rotary(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None):
     return q
 
 
