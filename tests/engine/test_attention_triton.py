@@ -173,7 +173,7 @@ def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
 
 def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: int, batches=(1, 3, 5),
                          splits=(1, 3), variants=((None, None), (128, None), (32, 2)), seed: int = 0) -> dict:
-    """The per-row merge + quantize (_merge_quant_rows: what W4A8 decode runs past the barrier
+    """The per-row merge + quantize (attention_merge.merge_quant_rows: what W4A8 decode runs past the barrier
     kernel's batches, and under the interpreter) against merge then quantize (_merge ->
     quantize_activations), on random split partials: rows scaled 1e-2 .. 1e2 apart, empty splits
     (lse -inf), a padding row (every split empty); each (tile, split group) in `variants` (None: the
@@ -181,7 +181,7 @@ def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: 
     small split group the loop over groups of splits and its tail). Then a NaN planted in one
     sequence's partials; then paged_decode_attention(quantize=True) end to end. Counts mismatches."""
     from radiance.kernels.activation import quantize_activations
-    from radiance.layers import attention_triton as at
+    from radiance.layers import attention_merge as am, attention_triton as at
 
     gen = torch.Generator().manual_seed(seed)
     errors = {"differs": 0, "nan_differs": 0, "nan_leaks": 0, "nan_missing": 0, "paged_differs": 0, "cases": 0}
@@ -197,18 +197,18 @@ def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: 
                 lse[-1] = float("-inf")
                 acc[-1] = 0.0
             acc, lse = acc.to(device), lse.to(device)
-            ref = quantize_activations(at._merge(acc, lse, dtype).reshape(batch, -1))
+            ref = quantize_activations(am.merge_splits(acc, lse, dtype).reshape(batch, -1))
             for tile, group in variants:
-                got = at._merge_quant_rows(acc, lse, dtype, tile=tile or at._ROW_TILE, split_group=group)
+                got = am.merge_quant_rows(acc, lse, dtype, tile=tile or am.ROW_TILE, split_group=group)
                 errors["differs"] += int(not _same_fp8(got, ref))
                 errors["cases"] += 1
             if batch > 1:
                 bad = acc.clone()
                 bad[1, heads - 1, n - 1, 3] = float("nan")
-                bad_ref = quantize_activations(at._merge(bad, lse, dtype).reshape(batch, -1))
+                bad_ref = quantize_activations(am.merge_splits(bad, lse, dtype).reshape(batch, -1))
                 others = [i for i in range(batch) if i != 1]
                 for tile, group in variants:
-                    x_q, x_scale = at._merge_quant_rows(bad, lse, dtype, tile=tile or at._ROW_TILE, split_group=group)
+                    x_q, x_scale = am.merge_quant_rows(bad, lse, dtype, tile=tile or am.ROW_TILE, split_group=group)
                     errors["nan_differs"] += int(not _same_fp8((x_q, x_scale), bad_ref))
                     errors["nan_missing"] += int(not torch.isnan(x_scale[1]).all().item())
                     errors["nan_leaks"] += int(not (_same_bytes(x_q[others], ref[0][others])
@@ -420,7 +420,7 @@ def test_decode_merge_quantize_matches_merge_then_quantize(batch, heads, kv_head
     changes only that sequence; the barrier's counters are re-armed for every launch, and both
     kernels replay in a CUDA graph."""
     from radiance.kernels.activation import quantize_activations
-    from radiance.layers import attention_triton as at
+    from radiance.layers import attention_merge as am, attention_triton as at
 
     gen = torch.Generator().manual_seed(1)
     page, ctx = 16, 300
@@ -438,7 +438,7 @@ def test_decode_merge_quantize_matches_merge_then_quantize(batch, heads, kv_head
     def fused(q):
         return at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, splits, quantize=True)
 
-    assert at._merge_quant_serves(q) == barrier
+    assert am.merge_quant_serves(q) == barrier
     ref = unfused(q)
     for _ in range(3):
         assert _same_fp8(fused(q), ref)
