@@ -189,10 +189,10 @@ class Llama3JsonToolParser(HermesToolParser):
             self._buffer = rest
             if not rest:
                 return
-            if not rest.startswith("{"):  # text after the calls
+            if not rest.startswith("{"):  # text after the calls: the rest of the answer passes as it comes
                 if final or not self.PYTHON_TAG.startswith(rest):
                     out.content += rest
-                    self._buffer = ""
+                    self._buffer, self._mode = "", "text"
                 return
             try:
                 obj, end = self._decoder.raw_decode(rest)

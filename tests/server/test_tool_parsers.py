@@ -116,7 +116,7 @@ LLAMA3_CASES = [
     ('It is sunny. {"name": "get_weather"}', False, 'It is sunny. {"name": "get_weather"}', []),
     # a JSON answer that is no call stays content, as does text after the calls
     ('{"city": "Oslo"}', False, '{"city": "Oslo"}', []),
-    (LLAMA_CALL + " Done.", False, "Done.", [("get_weather", {"city": "Oslo", "days": 2})]),
+    (LLAMA_CALL + " Done. It is sunny.", False, "Done. It is sunny.", [("get_weather", {"city": "Oslo", "days": 2})]),
     # cut off by max_tokens: the name and the arguments so far
     ('{"name": "get_weather", "parameters": {"city": "Os', True, "", [("get_weather", '{"city": "Os')]),
     ("", False, "", []),
