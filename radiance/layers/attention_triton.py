@@ -10,8 +10,8 @@
 - `paged_decode_attention`: one new token per sequence, split-KV ("flash decoding"): one program per
   (sequence, kv head, split) computes all q heads of its GQA group in one tile, so each K/V element is
   read once; a second kernel (`attention_merge`) merges the splits by their log-sum-exp (and, for a W4A8
-  o_proj, quantizes the merged rows to fp8 in the same launch: one program per (sequence, head) agreeing on the row's
-  scale through a spin barrier while batch * heads fits on the GPU, else one program per sequence;
+  o_proj, quantizes the merged rows to fp8 in the same launch: one program per (sequence, head) agreeing
+  on the row's scale through a spin barrier while batch * heads fits on the GPU, else one program per sequence;
   at batch 64 of the 8B that saved ~0.2 ms per step against a merge then a quantize launch).
   The split count is a launch constant, each split's range is derived from context_lens on the
   device: CUDA-graph safe.
@@ -62,8 +62,8 @@ class DecodeTiling:
 def decode_tiling(head_dim: int, programs: int, sms: int) -> DecodeTiling:
     """The decode kernel's tiling for `programs` (sequences x kv heads x splits) on `sms` SMs. While the
     programs fit two per SM (batch 1, where the splits carry the parallelism) a split over 512 tokens or
-    more steps 128 rows at a time: the 8B's decode step at 32k context -2.6% (bf16 cache) / -5% (fp8),
-    where 128 rows at every context cost 1-1.5% at short ones. Larger grids keep 64 rows, whose smaller
+    more steps 128 rows at a time: the 8B's decode step at 32k context -3.9% (bf16 cache) / -5% (fp8),
+    +0.5% at short context (128 rows at every context cost 1-1.5% there). Larger grids keep 64 rows, whose smaller
     tiles fit more programs per SM (bench/RESULTS.md, twentieth session)."""
     if head_dim > 128:
         return DecodeTiling(block_n=32)
