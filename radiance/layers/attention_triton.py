@@ -3,7 +3,8 @@
 - `store_kv_cache`: writes each new token's K/V at its cache slot (slot -1 = padding, skipped).
 - The cache is the model's dtype or fp8 e4m3 (CacheConfig.kv_cache_dtype): stores round and saturate
   (`to_cache`), the attention kernels widen what they load to the dots' dtype (`_dots_in_fp16`: fp16 over an
-  fp8 cache for 16-bit models).
+  fp8 cache for 16-bit models); the decode kernel loads an fp8 V tile as 32-bit words and widens them in
+  registers (`_v_in_words`).
 - `paged_prefill_attention`: variable-length causal attention; sequence b's q rows are the last q_len of
   its context_lens[b] tokens, all read back from the paged cache (covers prefix-cache hits and chunked
   prefill). One program per (q tile, sequence, q head).
@@ -46,27 +47,87 @@ def _dots_in_fp16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
 
 
+def _v_in_words(q: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the decode kernel reads an fp8 V tile as int32 words of 4 bytes and widens them in
+    registers (`_load_widened`). Loaded as bytes and widened, V (the second dot's operand, whose rows
+    run along the dot's K) streamed at 1.6-2.2 TB/s on the H200 against 2.0-2.8 as words: the decode
+    kernel -10% at batch 1, -20 to -35% at batch 8-64; the prefill kernel was 5-9% slower with words,
+    so it keeps bytes (bench/RESULTS.md, twenty-first session). Words need 4-byte aligned rows."""
+    return (_dots_in_fp16(q, v_cache) and v_cache.shape[-1] % 4 == 0 and v_cache.data_ptr() % 4 == 0
+            and all(stride % 4 == 0 for stride in v_cache.stride()[:-1]))
+
+
+# $0: fp16 pair of bytes 0, 1 of the word $2; $1: of bytes 2, 3
+_WIDEN_E4M3_ASM = tl.constexpr("""
+{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}
+""")
+
+
+@triton.jit
+def _fp16_half(pair, SHIFT: tl.constexpr):
+    return ((pair >> SHIFT) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _e4m3_byte_fp16(words, J: tl.constexpr):
+    return ((words >> (8 * J)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _load_widened(C, row, offs_d, kv_mask, mask_n, dtype, HEAD_DIM: tl.constexpr, WORDS: tl.constexpr,
+                  ASM: tl.constexpr, EVICT: tl.constexpr):
+    """Cache rows [BLOCK_N, D_PAD] at element offsets `row`, widened to `dtype`. With WORDS (an fp8
+    cache, _v_in_words) as int32 words [BLOCK_N, D_PAD / 4], each widened to four fp16 in registers
+    (inline asm on the GPU, the same values by bit arithmetic under the interpreter)."""
+    if WORDS:
+        offs_w = tl.arange(0, offs_d.shape[0] // 4)
+        words = tl.load(C.to(tl.pointer_type(tl.int32), bitcast=True) + (row // 4)[:, None] + offs_w[None, :],
+                        mask=mask_n[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0, eviction_policy=EVICT)
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(_WIDEN_E4M3_ASM, "=r,=r,r", [words], dtype=(tl.int32, tl.int32),
+                                               is_pure=True, pack=1)
+            e0, e1, e2, e3 = _fp16_half(lo, 0), _fp16_half(lo, 16), _fp16_half(hi, 0), _fp16_half(hi, 16)
+        else:
+            e0, e1 = _e4m3_byte_fp16(words, 0), _e4m3_byte_fp16(words, 1)
+            e2, e3 = _e4m3_byte_fp16(words, 2), _e4m3_byte_fp16(words, 3)
+        # join appends the new axis last: [.., i, j] = byte 2i + j
+        return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (row.shape[0], offs_d.shape[0]))
+    else:
+        return tl.load(C + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0, eviction_policy=EVICT).to(dtype)
+
+
 @dataclass(frozen=True)
 class DecodeTiling:
     """Launch shape of the split-KV decode kernel: cache rows per loop step, warps, pipeline depth; and,
-    with long_block_n, a second loop of long_block_n rows per step that a split takes at run time when
-    its share of the context is at least long_from tokens (graph-safe: the branch reads context_lens)."""
+    with long_block_n, a second loop of long_block_n rows per step (long_stages deep; 0: num_stages)
+    that a split takes at run time when its share of the context is at least long_from tokens
+    (graph-safe: the branch reads context_lens)."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     long_block_n: int = 0
     long_from: int = 0
+    long_stages: int = 0
 
 
-def decode_tiling(head_dim: int, programs: int, sms: int) -> DecodeTiling:
+def decode_tiling(head_dim: int, programs: int, sms: int, fp8_cache: bool = False) -> DecodeTiling:
     """The decode kernel's tiling for `programs` (sequences x kv heads x splits) on `sms` SMs. While the
     programs fit two per SM (batch 1, where the splits carry the parallelism) a split over 512 tokens or
     more steps 128 rows at a time: the 8B's decode step at 32k context -3.9% (bf16 cache) / -5% (fp8),
     +0.5% at short context (128 rows at every context cost 1-1.5% there). Larger grids keep 64 rows, whose smaller
-    tiles fit more programs per SM (bench/RESULTS.md, twentieth session)."""
+    tiles fit more programs per SM (bench/RESULTS.md, twentieth session).
+    An fp8 cache read as words (_v_in_words) moves half the bytes per row: 128-row steps, three deep,
+    pay from 256 tokens per split and up to three programs per SM (twenty-first session)."""
     if head_dim > 128:
         return DecodeTiling(block_n=32)
+    if fp8_cache and programs <= 3 * sms:
+        return DecodeTiling(block_n=64, long_block_n=128, long_from=256, long_stages=3)
     if programs <= 2 * sms:
         return DecodeTiling(block_n=64, long_block_n=128, long_from=512)
     return DecodeTiling(block_n=64)
@@ -182,9 +243,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 @triton.jit
 def _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
                  stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of q's heads over cache rows [start, end) of sequence b, BLOCK_N rows a step."""
-    for n0 in range(start, end, BLOCK_N):
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, V_WORDS: tl.constexpr, ASM: tl.constexpr):
+    """Online softmax of q's heads over cache rows [start, end) of sequence b, BLOCK_N rows a step,
+    loads pipelined STAGES deep."""
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
@@ -198,8 +261,7 @@ def _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
-                    eviction_policy="evict_first").to(q.dtype)
+        v = _load_widened(VC, row, offs_d, kv_mask, mask_n, q.dtype, HEAD_DIM, V_WORDS, ASM, "evict_first")
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
@@ -214,7 +276,8 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
                          PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                          PRECISION: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr = False,
                          DOTS_FP16: tl.constexpr = False, LONG_BLOCK_N: tl.constexpr = 0,
-                         LONG_FROM: tl.constexpr = 0):
+                         LONG_FROM: tl.constexpr = 0, STAGES: tl.constexpr = 2, LONG_STAGES: tl.constexpr = 2,
+                         V_WORDS: tl.constexpr = False, ASM: tl.constexpr = False):
     """With ROTARY, Q is unrotated and the new token's unrotated k and its v (KN, VN [B, Hkv, D]) are
     not in the cache yet: this launch does what rotary_kernel with STORE_KV would have done first."""
     pdl_handoff(PDL)
@@ -260,11 +323,11 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
     if LONG_BLOCK_N > 0 and share >= LONG_FROM:
         m_i, l_i, acc = _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
                                      stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d, PAGE,
-                                     LONG_BLOCK_N, PRECISION)
+                                     LONG_BLOCK_N, LONG_STAGES, PRECISION, HEAD_DIM, V_WORDS, ASM)
     else:
         m_i, l_i, acc = _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
                                      stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d, PAGE,
-                                     BLOCK_N, PRECISION)
+                                     BLOCK_N, STAGES, PRECISION, HEAD_DIM, V_WORDS, ASM)
     empty = l_i == 0.0  # a split past the context (or a padding row of a graph bucket)
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale  # (merging the splits commutes with v_scale)
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -290,7 +353,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    tiling = tiling or decode_tiling(dim, batch * kv_heads * num_splits, sm_count(q.device))
+    tiling = tiling or decode_tiling(dim, batch * kv_heads * num_splits, sm_count(q.device),
+                                     fp8_cache=_v_in_words(q, v_cache))
     d_pad = triton.next_power_of_2(dim)
     pdl = supports_pdl(q.device)  # each launch waits for the one before it (pdl_handoff)
     acc = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
@@ -310,7 +374,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, D_PAD=d_pad,
         PAGE=k_cache.shape[1], SPLITS=num_splits, BLOCK_N=tiling.block_n, PRECISION=_precision(q),
         ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl, DOTS_FP16=_dots_in_fp16(q, k_cache),
-        LONG_BLOCK_N=tiling.long_block_n, LONG_FROM=tiling.long_from,
+        LONG_BLOCK_N=tiling.long_block_n, LONG_FROM=tiling.long_from, STAGES=tiling.num_stages,
+        LONG_STAGES=tiling.long_stages or tiling.num_stages, V_WORDS=_v_in_words(q, v_cache), ASM=q.is_cuda,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     if not quantize:
         return merge_splits(acc, lse, q.dtype, pdl)
