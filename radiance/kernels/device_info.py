@@ -33,3 +33,17 @@ def capability(device: torch.device) -> tuple[int, int] | None:
         return None
     props = _props(_index(device))
     return props.major, props.minor
+
+
+# Hopper's 227 KiB of shared memory per block; Ada and consumer Ampere opt in to 99 KiB, A100 to 163
+LARGE_SHARED_MEMORY = 200 * 1024
+
+
+def large_shared_memory(device: torch.device) -> bool:
+    """Whether a block may use Hopper-sized shared memory (the 128-row attention tiles' pipelines need
+    more than Ada's 99 KiB). True under the interpreter, which has no limit, so tests run those tiles."""
+    if device.type != "cuda":
+        return True
+    props = _props(_index(device))
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    return optin >= LARGE_SHARED_MEMORY if optin is not None else props.major >= 9

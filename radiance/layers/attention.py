@@ -134,7 +134,7 @@ class Attention(nn.Module):
         else:
             out = at.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                              meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale,
-                                             scales)
+                                             scales, max_kv_len=max(meta.kv_lens))
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
     def _causal_no_cache(self, q, k, v):

@@ -32,7 +32,7 @@ import triton.language as tl
 from radiance.kernels._triton.act_quant import pdl_handoff
 from radiance.kernels._triton.rotary import rotated_heads, store_rotated_kv, to_cache
 from radiance.kernels.activation import quantize_activations
-from radiance.kernels.device_info import sm_count, supports_pdl
+from radiance.kernels.device_info import large_shared_memory, sm_count, supports_pdl
 from radiance.layers.attention import UNIT_SCALES, KvScales
 from radiance.layers.attention_merge import (ROWS_MAX_SPLITS, merge_quant_barrier, merge_quant_rows,
                                              merge_quant_serves, merge_splits)
@@ -116,16 +116,20 @@ class DecodeTiling:
     long_stages: int = 0
 
 
-def decode_tiling(head_dim: int, programs: int, sms: int, fp8_cache: bool = False) -> DecodeTiling:
+def decode_tiling(head_dim: int, programs: int, sms: int, fp8_cache: bool = False,
+                  large_smem: bool = True) -> DecodeTiling:
     """The decode kernel's tiling for `programs` (sequences x kv heads x splits) on `sms` SMs. While the
     programs fit two per SM (batch 1, where the splits carry the parallelism) a split over 512 tokens or
     more steps 128 rows at a time: the 8B's decode step at 32k context -3.9% (bf16 cache) / -5% (fp8),
     +0.5% at short context (128 rows at every context cost 1-1.5% there). Larger grids keep 64 rows, whose smaller
     tiles fit more programs per SM (bench/RESULTS.md, twentieth session).
     An fp8 cache read as words (_v_in_words) moves half the bytes per row: 128-row steps, three deep,
-    pay from 256 tokens per split and up to three programs per SM (twenty-first session)."""
+    pay from 256 tokens per split and up to three programs per SM (twenty-first session).
+    128-row steps need Hopper's shared memory (`large_smem`); elsewhere (Ada: 99 KiB) 64 rows."""
     if head_dim > 128:
         return DecodeTiling(block_n=32)
+    if not large_smem:
+        return DecodeTiling(block_n=64)
     if fp8_cache and programs <= 3 * sms:
         return DecodeTiling(block_n=64, long_block_n=128, long_from=256, long_stages=3)
     if programs <= 2 * sms:
@@ -136,6 +140,35 @@ def decode_tiling(head_dim: int, programs: int, sms: int, fp8_cache: bool = Fals
 def _precision(q: torch.Tensor) -> str:
     # fp32 models get exact fp32 dots (the reference-quality path), not tf32
     return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class PrefillTiling:
+    """Launch shape of the prefill kernel: q rows per program, cache rows per loop step, warps, pipeline depth."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def prefill_tiling(head_dim: int, max_q_len: int, max_kv_len: int, fp8_dots: bool,
+                   large_smem: bool = True) -> PrefillTiling:
+    """The prefill kernel's tiling. Measured on the H200 (8B layout; bench/RESULTS.md, twenty-first
+    session): over an fp8 cache (fp16 dots) 128-row steps three deep are 7-12% faster at every context
+    tried (up to 32k) and even at 2k fresh; over a 16-bit cache 128 q rows x 128 cache rows with 8 warps,
+    three deep, are 3-5% faster once contexts reach 4k tokens, and ~10% slower below (2k fresh).
+    The larger tiles need Hopper's shared memory."""
+    block_n = 64 if head_dim <= 128 else 32
+    if max_q_len <= 32:
+        return PrefillTiling(block_m=16, block_n=block_n)
+    if head_dim > 128 or not large_smem:
+        return PrefillTiling(block_n=block_n)
+    if fp8_dots:
+        return PrefillTiling(block_n=128, num_stages=3)
+    if max_kv_len >= 4096:
+        return PrefillTiling(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    return PrefillTiling()
 
 
 @triton.jit
@@ -222,21 +255,24 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
-                            scale: float, kv_scales: KvScales = UNIT_SCALES) -> torch.Tensor:
-    """q [T, Hq, D] (sequences back to back) -> [T, Hq, D] (an fp8 cache read back times `kv_scales`)."""
+                            scale: float, kv_scales: KvScales = UNIT_SCALES, max_kv_len: int | None = None,
+                            tiling: PrefillTiling | None = None) -> torch.Tensor:
+    """q [T, Hq, D] (sequences back to back) -> [T, Hq, D] (an fp8 cache read back times `kv_scales`).
+    max_kv_len: the longest context (host side; None = the kernel's default tiling for short ones)."""
     tokens, heads, dim = q.shape
     group = heads // k_cache.shape[2]
     out = torch.empty_like(q)
-    block_m = 64 if max_q_len > 32 else 16
-    grid = (triton.cdiv(max_q_len, block_m), block_tables.shape[0], heads)
+    dots_fp16 = _dots_in_fp16(q, k_cache)
+    tiling = tiling or prefill_tiling(dim, max_q_len, max_kv_len or 0, dots_fp16, large_shared_memory(q.device))
+    grid = (triton.cdiv(max_q_len, tiling.block_m), block_tables.shape[0], heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale * kv_scales.k * _LOG2E,
         kv_scales.v,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=dim, D_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32, PRECISION=_precision(q),
-        DOTS_FP16=_dots_in_fp16(q, k_cache), num_warps=4, num_stages=2)
+        BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, PRECISION=_precision(q),
+        DOTS_FP16=dots_fp16, num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return out
 
 
@@ -354,7 +390,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     tiling = tiling or decode_tiling(dim, batch * kv_heads * num_splits, sm_count(q.device),
-                                     fp8_cache=_v_in_words(q, v_cache))
+                                     fp8_cache=_v_in_words(q, v_cache), large_smem=large_shared_memory(q.device))
     d_pad = triton.next_power_of_2(dim)
     pdl = supports_pdl(q.device)  # each launch waits for the one before it (pdl_handoff)
     acc = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)

@@ -76,8 +76,12 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
 
     ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), block_tables, q_lens, kv_lens, scale,
                                 scales=scales)
-    out = at.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale, scales)
-    errors["prefill"] = ((out.float() - ref).norm() / ref.norm()).item()
+    errors["prefill"] = 0.0
+    # the default tiling, and the one a context past 4k tokens picks (128 x 128 tiles for 16-bit dots)
+    for max_kv_len in (None, 1 << 20):
+        out = at.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale, scales,
+                                         max_kv_len=max_kv_len)
+        errors["prefill"] = max(errors["prefill"], ((out.float() - ref).norm() / ref.norm()).item())
 
     decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
     rows = cu[:-1][decode_rows].long()
@@ -266,6 +270,21 @@ def test_decode_tiling_follows_the_grid():
     assert decode_tiling(128, programs=16 * 8 * 3, sms=132, fp8_cache=True) == fp8_long
     assert decode_tiling(128, programs=64 * 8, sms=132, fp8_cache=True) == DecodeTiling(64, 4, 2)
     assert decode_tiling(256, programs=8, sms=132, fp8_cache=True) == DecodeTiling(32, 4, 2)
+    for fp8 in (False, True):  # Ada's 99 KiB of shared memory: 64-row steps only
+        assert decode_tiling(128, programs=8 * 32, sms=128, fp8_cache=fp8, large_smem=False) == DecodeTiling(64, 4, 2)
+
+
+def test_prefill_tiling_follows_the_context():
+    """128-row cache steps three deep over an fp8 cache; 128 x 128 tiles, 8 warps, over a 16-bit cache from 4k
+    tokens of context; the 64 x 64 default below that, without Hopper's shared memory, or for heads above 128;
+    16 q rows for a few tokens."""
+    from radiance.layers.attention_triton import PrefillTiling, prefill_tiling
+    assert prefill_tiling(128, max_q_len=2048, max_kv_len=2048, fp8_dots=False) == PrefillTiling(64, 64, 4, 2)
+    assert prefill_tiling(128, max_q_len=512, max_kv_len=4096, fp8_dots=False) == PrefillTiling(128, 128, 8, 3)
+    assert prefill_tiling(128, max_q_len=512, max_kv_len=100, fp8_dots=True) == PrefillTiling(64, 128, 4, 3)
+    assert prefill_tiling(128, max_q_len=512, max_kv_len=1 << 15, fp8_dots=True, large_smem=False) == PrefillTiling()
+    assert prefill_tiling(256, max_q_len=512, max_kv_len=1 << 15, fp8_dots=False) == PrefillTiling(64, 32, 4, 2)
+    assert prefill_tiling(64, max_q_len=8, max_kv_len=1 << 15, fp8_dots=True) == PrefillTiling(16, 64, 4, 2)
 
 
 def test_triton_kernels_in_the_interpreter():
