@@ -9,7 +9,8 @@ schema's types, patterns and enums), so one set of builders serves every markup:
   - `tool_call_grammar`: the rest of a forced call (tool_choice "required" or named; the prompt already
     ends with the call's opening), then, with parallel calls, free text in which further calls are held;
   - `strict_tools_grammar`: tool_choice "auto" with `strict` functions: free text in which every call the
-    model opens is whole and names one of the tools.
+    model opens is whole and names one of the tools (for Llama 3.x, whose calls are the whole answer: an
+    answer that opens with a held call, or text that does not open with "{").
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class ToolCallMarkup:
     arguments_style: str | None
     trigger: str = CALL_START  # the text that opens a call wherever it may appear
     required_prefix: str = CALL_START + "\n"  # what a "required" call's prompt ends with
-    strict_in_text: bool = True  # calls may open anywhere in the text (strict_tools_grammar serves it)
+    calls_open_answer: bool = False  # calls are read only where the answer starts (else anywhere in the text)
 
     def opening(self, function_name: str) -> str:
         name = json.dumps(function_name) if self.quote_name else function_name
@@ -54,12 +55,13 @@ HERMES = ToolCallMarkup("hermes", CALL_START + '\n{{"name": {name}, "arguments":
                         quote_name=True, arguments_style=None)
 QWEN3_CODER = ToolCallMarkup("qwen3_coder", CALL_START + "\n<function={name}>\n", "</function>\n</tool_call>",
                              quote_name=False, arguments_style="qwen_xml")
-# Llama 3.x: the answer is a call only when it starts as one (its parser reads calls there alone), so
-# strict functions under tool_choice auto are not held (strict_in_text); calls after a forced one follow
-# it, e.g. separated by "; "
+# Llama 3.x: the answer is a call only when it starts as one (its parser reads calls there alone); calls
+# after the first follow it, e.g. separated by "; "
 LLAMA3_JSON = ToolCallMarkup("llama3_json", '{{"name": {name}, "parameters": ', "}", quote_name=True,
                              arguments_style=None, trigger='{"name": ', required_prefix='{"name": ',
-                             strict_in_text=False)
+                             calls_open_answer=True)
+# an answer the Llama 3.x parser reads as text: empty, or its first non-space character is not "{"
+_TEXT_NOT_A_CALL = {"type": "regex", "pattern": r"\s*([^\s{][\s\S]*)?"}
 MARKUPS = {m.name: m for m in (HERMES, QWEN3_CODER, LLAMA3_JSON)}
 
 
@@ -82,15 +84,20 @@ def _call_tag(markup: ToolCallMarkup, fn: dict, schema: dict, skip: str = "") ->
     return {"type": "tag", "begin": opening[len(skip):], "content": markup.arguments(schema), "end": markup.closing}
 
 
-def _triggered_calls(tools: list[dict], markup: ToolCallMarkup, strict_only: bool, stop_after_first: bool):
-    """Free text in which every call the model opens is a whole call to one of `tools`, its arguments held
-    to the function's parameters (any object for a non-strict function when `strict_only`)."""
+def _call_tags(tools: list[dict], markup: ToolCallMarkup, strict_only: bool) -> list[dict]:
+    """A whole call to each of `tools`, its arguments held to the function's parameters (any object for a
+    non-strict function when `strict_only`)."""
     tags = []
     for fn in (t["function"] for t in tools):
         schema = _parameters(fn) if fn.get("strict") or not strict_only else {"type": "object"}
         tags.append(_call_tag(markup, fn, schema))
-    return _compile({"type": "triggered_tags", "triggers": [markup.trigger], "tags": tags, "at_least_one": False,
-                     "stop_after_first": stop_after_first}, "the tools' parameters")
+    return tags
+
+
+def _triggered_calls(tools: list[dict], markup: ToolCallMarkup, strict_only: bool, stop_after_first: bool) -> dict:
+    """Free text in which every call the model opens is a whole call to one of `tools` (_call_tags)."""
+    return {"type": "triggered_tags", "triggers": [markup.trigger], "tags": _call_tags(tools, markup, strict_only),
+            "at_least_one": False, "stop_after_first": stop_after_first}
 
 
 def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | None = None,
@@ -111,13 +118,23 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
                                            for fn in fns]}
     grammar = _compile(call, "a tool's parameters")
     if name is None and parallel:
-        grammar = xgr.Grammar.concat(grammar, _triggered_calls(tools, markup, strict_only=False,
-                                                               stop_after_first=False))
+        more = _compile(_triggered_calls(tools, markup, strict_only=False, stop_after_first=False),
+                        "the tools' parameters")
+        grammar = xgr.Grammar.concat(grammar, more)
     return str(grammar)
 
 
 def strict_tools_grammar(tools: list[dict], markup: ToolCallMarkup, parallel: bool) -> str:
     """tool_choice auto with `strict` functions (OpenAI: arguments guaranteed to follow the schema): the
     model writes freely, but a call it opens is whole and names one of the tools, a strict function's
-    arguments follow its schema, and without `parallel` the answer ends after the first call."""
-    return str(_triggered_calls(tools, markup, strict_only=True, stop_after_first=not parallel))
+    arguments follow its schema, and without `parallel` the answer ends after the first call. Where calls
+    only open the answer (Llama 3.x), the answer is either such a call (then, with `parallel`, text in which
+    further calls are held) or text that does not open with "{"."""
+    if not markup.calls_open_answer:
+        return str(_compile(_triggered_calls(tools, markup, strict_only=True, stop_after_first=not parallel),
+                            "the tools' parameters"))
+    first = {"type": "or", "elements": _call_tags(tools, markup, strict_only=True)}
+    if parallel:
+        first = {"type": "sequence", "elements": [first, _triggered_calls(tools, markup, strict_only=True,
+                                                                            stop_after_first=False)]}
+    return str(_compile({"type": "or", "elements": [first, _TEXT_NOT_A_CALL]}, "the tools' parameters"))

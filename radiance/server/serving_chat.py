@@ -164,12 +164,10 @@ async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionReq
 async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest,
                                   tools: list[dict]) -> StructuredOutput | None:
     """tool_choice auto with `strict` functions: calls the model opens are held to the tools (and a strict
-    function's arguments to its schema); None without strict functions or a tool-call parser, for a markup
-    whose calls only open an answer (Llama 3.x), or when response_format already constrains the answer
-    (one constraint per request)."""
+    function's arguments to its schema); None without strict functions or a tool-call parser, or when
+    response_format already constrains the answer (one constraint per request)."""
     markup = MARKUPS.get(state.tool_parser_name)
-    if (markup is None or not markup.strict_in_text or req.structured_output() is not None
-            or not any(t.function.strict for t in req.tools)):
+    if markup is None or req.structured_output() is not None or not any(t.function.strict for t in req.tools):
         return None
     return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls))
 

@@ -381,6 +381,26 @@ def test_llama3_json_calls_are_held_to_the_tools(byte_backend):
     assert not matches(byte_backend, required, after + '; {"name": "get_time", "parameters": {"zone": 1}}')
 
 
+def test_llama3_json_strict_auto_holds_a_call_that_opens_the_answer(byte_backend):
+    """Llama 3.x calls are the whole answer: with strict functions under tool_choice auto, an answer that opens
+    with "{" is a whole call to one of the tools (a strict function's arguments held to its schema); other
+    answers are free text; without parallel calls the answer ends with the first call."""
+    from radiance.engine.tool_grammars import LLAMA3_JSON, strict_tools_grammar
+
+    weather = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}'
+    time = '{"name": "get_time", "parameters": {"zone": "CET"}}'
+    parallel = strict_tools_grammar(STRICT_TOOLS, LLAMA3_JSON, parallel=True)
+    for text in ("It is sunny.", "", '  Like {"name": "x"} in prose', weather, time, weather + "; " + time,
+                 '{"name": "get_time", "parameters": {"anything": [1]}}'):  # get_time is not strict
+        assert matches(byte_backend, parallel, text), text
+    for text in (weather.replace("Rome", "rome"), '{"name": "get_date", "parameters": {}}', '{"city": "Rome"}',
+                 " " + weather, weather + "; " + time.replace("get_time", "get_date")):
+        assert not matches(byte_backend, parallel, text), text
+    single = strict_tools_grammar(STRICT_TOOLS, LLAMA3_JSON, parallel=False)
+    assert matches(byte_backend, single, weather) and matches(byte_backend, single, "It is sunny.")
+    assert not matches(byte_backend, single, weather + "; " + time)
+
+
 def test_qwen3_coder_forced_call_parses_back():
     """What the grammar accepts, the Qwen3-coder parser reads back as the call (values typed by the schema)."""
     from radiance.server.tool_parsers import Qwen3CoderToolParser, parse_tool_calls

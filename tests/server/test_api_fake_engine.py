@@ -420,6 +420,14 @@ def test_llama3_json_tool_calls():
         chat(client, '"get_weather", "parameters": {}}', tools=TOOLS, tool_choice="required")
         assert engine.tokenizer.decode(engine.requests[-1][1]).endswith('<|end_header_id|>\n\n{"name": ')
 
+        strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+        r = chat(client, "It is sunny.", tools=strict)  # auto + strict: a call opening the answer is held
+        assert r.choices[0].message.content == "It is sunny."
+        grammar = xgr.Grammar.from_ebnf(engine.requests[-1][2].structured_output.grammar)
+        assert _is_grammar_accept_string(grammar, "It is sunny.")
+        assert _is_grammar_accept_string(grammar, '{"name": "get_weather", "parameters": {"city": "Rome"}}')
+        assert not _is_grammar_accept_string(grammar, '{"name": "get_time", "parameters": {}}')
+
         history = [{"role": "user", "content": "weather?"},
                    {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
                        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
