@@ -61,8 +61,11 @@ def load_template(value: str | None) -> str | None:
 
 
 def _template_message(message: dict) -> dict:
-    """Tool-call arguments arrive as JSON strings; templates want mappings."""
+    """Tool-call arguments arrive as JSON strings; templates want mappings. A null content (an assistant
+    turn that only calls tools, as OpenAI clients send it back) becomes "": many templates concatenate it."""
     out = dict(message)
+    if out.get("content") is None:
+        out["content"] = ""
     calls = out.get("tool_calls")
     if calls:
         fixed = []

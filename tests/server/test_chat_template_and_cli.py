@@ -55,6 +55,10 @@ def test_tools_and_tool_call_arguments_reach_the_template_as_data():
     assert '{"type": "function", "function": {"name": "get_weather"' in text
     assert '"arguments": {"city": "Zürich"}' in text  # a mapping printed by tojson, non-ASCII kept
     assert "<tool_response>sunny</tool_response>" in text
+    # SmolLM2's template concatenates content: the null content of a calls-only turn (what OpenAI clients
+    # send back) renders as ""
+    concat = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    assert "<|im_start|>assistant\n<|im_end|>" in render_chat(concat, messages)
     closed = render_chat(QWEN_LIKE, messages[:1], enable_thinking=False)
     assert not prompt_opens_thinking(closed)
     assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
