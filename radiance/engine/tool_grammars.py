@@ -7,7 +7,8 @@ Llama 3.x, a bare JSON object (`{"name": NAME, "parameters": {...}}`). xgrammar 
 schema into the grammar of its arguments (style "qwen_xml" for the parameters, whose values follow the
 schema's types, patterns and enums), so one set of builders serves every markup:
   - `tool_call_grammar`: the rest of a forced call (tool_choice "required" or named; the prompt already
-    ends with the call's opening), then, with parallel calls, free text in which further calls are held;
+    ends with the call's opening), then, for "required" with parallel calls, further whole calls after the
+    markup's separator, and nothing else (the answer is its calls);
   - `strict_tools_grammar`: tool_choice "auto" with `strict` functions: free text in which every call the
     model opens is whole and names one of the tools (for Llama 3.x, whose calls are the whole answer: an
     answer that opens with a held call, or text that does not open with "{").
@@ -37,6 +38,7 @@ class ToolCallMarkup:
     trigger: str = CALL_START  # the text that opens a call wherever it may appear
     required_prefix: str = CALL_START + "\n"  # what a "required" call's prompt ends with
     calls_open_answer: bool = False  # calls are read only where the answer starts (else anywhere in the text)
+    separator: str = "\n"  # between parallel calls, as the chat template writes them
 
     def opening(self, function_name: str) -> str:
         name = json.dumps(function_name) if self.quote_name else function_name
@@ -59,7 +61,7 @@ QWEN3_CODER = ToolCallMarkup("qwen3_coder", CALL_START + "\n<function={name}>\n"
 # after the first follow it, e.g. separated by "; "
 LLAMA3_JSON = ToolCallMarkup("llama3_json", '{{"name": {name}, "parameters": ', "}", quote_name=True,
                              arguments_style=None, trigger='{"name": ', required_prefix='{"name": ',
-                             calls_open_answer=True)
+                             calls_open_answer=True, separator="; ")
 # an answer the Llama 3.x parser reads as text: empty, or its first non-space character is not "{"
 _TEXT_NOT_A_CALL = {"type": "regex", "pattern": r"\s*([^\s{][\s\S]*)?"}
 MARKUPS = {m.name: m for m in (HERMES, QWEN3_CODER, LLAMA3_JSON)}
@@ -105,9 +107,8 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
     """The grammar of what a model writes after the forced opening of a call (serving_chat): for a named
     function (the prompt ends with markup.opening(name)) its arguments and the call's end; otherwise (the
     prompt ends with markup.required_prefix) one whole call to any of `tools` (OpenAI function dicts), then,
-    when `parallel`, text with any number of further calls held the same way."""
-    import xgrammar as xgr
-
+    when `parallel`, any number of further whole calls, each after markup.separator. Nothing may follow the
+    calls: "required" makes the answer its calls, so the model ends there (or opens another)."""
     fns = [t["function"] for t in tools]
     if name is not None:
         fn = next(fn for fn in fns if fn["name"] == name)
@@ -116,12 +117,11 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
     else:
         call = {"type": "or", "elements": [_call_tag(markup, fn, _parameters(fn), skip=markup.required_prefix)
                                            for fn in fns]}
-    grammar = _compile(call, "a tool's parameters")
-    if name is None and parallel:
-        more = _compile(_triggered_calls(tools, markup, strict_only=False, stop_after_first=False),
-                        "the tools' parameters")
-        grammar = xgr.Grammar.concat(grammar, more)
-    return str(grammar)
+        if parallel:
+            another = {"type": "sequence", "elements": [{"type": "const_string", "value": markup.separator},
+                                                        {"type": "or", "elements": _call_tags(tools, markup, False)}]}
+            call = {"type": "sequence", "elements": [call, {"type": "star", "content": another}]}
+    return str(_compile(call, "a tool's parameters"))
 
 
 def strict_tools_grammar(tools: list[dict], markup: ToolCallMarkup, parallel: bool) -> str:

@@ -314,7 +314,9 @@ def test_forced_required_call_then_parallel_calls(byte_backend):
     more = f"\n<tool_call>\n{TIME}\n</tool_call>"
     parallel, single = tool_call_grammar(TOOLS, HERMES, parallel=True), tool_call_grammar(TOOLS, HERMES)
     assert matches(byte_backend, parallel, after) and matches(byte_backend, parallel, after + more)
-    assert matches(byte_backend, parallel, after + " Done." + more)  # text between calls is free
+    # "required": the answer is its calls, nothing after or between them (the model ends or opens another)
+    assert not matches(byte_backend, parallel, after + " Done." + more)
+    assert not matches(byte_backend, parallel, after + " Done.")
     assert not matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
     assert not matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_time", "arguments": {"city": 1}}')
     assert matches(byte_backend, single, after) and not matches(byte_backend, single, after + more)
