@@ -46,6 +46,7 @@ class ChoiceStream:
         self.sent_chars = 0
         self.sent_logprobs = 0
         self.num_tool_calls = 0
+        self.cut_call_ids: set[str] = set()  # calls max_tokens cut off before their arguments were whole
         self.output: Any = None
 
     def _route(self, text: str, delta: dict) -> None:
@@ -59,10 +60,13 @@ class ChoiceStream:
         if parsed.content:
             delta["content"] = delta.get("content", "") + parsed.content
         for call in parsed.tool_calls:
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
             delta.setdefault("tool_calls", []).append({
-                "index": self.num_tool_calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "index": self.num_tool_calls, "id": call_id, "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments}})
             self.num_tool_calls += 1
+            if not call.complete:
+                self.cut_call_ids.add(call_id)
 
     def step(self, out: Any) -> tuple[dict, dict | None]:
         """(delta, logprobs or None) for the text this output adds; flushes the parsers when finished."""

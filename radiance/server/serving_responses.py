@@ -44,7 +44,8 @@ class OutputItems:
         self._open: dict | None = None  # the text item (message or reasoning) still growing
         self._logprobs: list[dict] = []  # token logprobs not yet sent with a text delta
 
-    def feed(self, delta: dict, logprobs: dict | None) -> list[dict]:
+    def feed(self, delta: dict, logprobs: dict | None, cut_call_ids: set[str] = frozenset()) -> list[dict]:
+        """Items for a chat delta; a call whose id is in cut_call_ids ends "incomplete" (cut by max tokens)."""
         events: list[dict] = []
         if logprobs is not None:
             self._logprobs += logprobs["content"]
@@ -53,7 +54,8 @@ class OutputItems:
         if delta.get("content"):
             events += self._text("message", delta["content"])
         for call in delta.get("tool_calls", ()):
-            events += self._close("completed") + self._call(call)
+            status = "incomplete" if call["id"] in cut_call_ids else "completed"
+            events += self._close("completed") + self._call(call, status)
         return events
 
     def finish(self, complete: bool) -> list[dict]:
@@ -110,7 +112,7 @@ class OutputItems:
         return [done, {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)},
                 {"type": "response.output_item.done", "output_index": self._index(item), "item": copy.deepcopy(item)}]
 
-    def _call(self, call: dict) -> list[dict]:
+    def _call(self, call: dict, status: str) -> list[dict]:
         fn = call["function"]
         item = {"id": item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call["id"],
                 "name": fn["name"], "arguments": ""}
@@ -119,7 +121,7 @@ class OutputItems:
         events = [{"type": "response.output_item.added", "output_index": index, "item": copy.deepcopy(item)},
                   {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
                    "delta": fn["arguments"]}]
-        item["arguments"], item["status"] = fn["arguments"], "completed"
+        item["arguments"], item["status"] = fn["arguments"], status
         return events + [{"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
                           "name": fn["name"], "arguments": fn["arguments"]},
                          {"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)}]
@@ -181,7 +183,7 @@ class ResponseRun:
 
     def step(self, out: Any) -> list[dict]:
         delta, logprobs = self.choice.step(out)
-        events = self.items.feed(delta, logprobs)
+        events = self.items.feed(delta, logprobs, self.choice.cut_call_ids)
         if out.finished:
             events += self.items.finish(complete=out.finish_reason != "length")
         return events

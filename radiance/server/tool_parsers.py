@@ -27,7 +27,8 @@ END_TAG = "</tool_call>"
 @dataclass
 class ParsedToolCall:
     name: str
-    arguments: str  # JSON text (may be incomplete JSON for a Hermes call cut off by max_tokens)
+    arguments: str  # JSON text (may be incomplete JSON, or "", for a JSON call cut off by max_tokens)
+    complete: bool = True  # False: cut off by max_tokens before its arguments were whole
 
 
 @dataclass
@@ -102,8 +103,8 @@ class ToolParser:
     def finish(self, truncated: bool = False) -> ParseDelta:
         """End of generation. `truncated`: cut off by max_tokens (a dangling partial tag is markup)."""
         out = ParseDelta()
-        if self._in_call:
-            self._call(out, self._buffer, complete=False)
+        if self._in_call:  # cut off inside a call; a partial end tag is markup, not arguments
+            self._call(out, self._buffer[:partial_tag_start(self._buffer, END_TAG)].rstrip(), complete=False)
         elif self._buffer and not truncated:
             self._content(out, self._buffer)
         elif self._buffer:  # a start tag cut off by max_tokens: markup, like the space before it
@@ -130,19 +131,20 @@ class HermesToolParser(ToolParser):
             args = obj.get("arguments", obj.get("parameters", {}))
             text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
             return ParsedToolCall(obj["name"], text)
-        # broken or cut-off JSON: recover the name and the arguments text generated so far
+        # broken or cut-off JSON: recover the name and the arguments text generated so far ("" when a cut
+        # came before them: nothing is made up)
         name = self._NAME.search(body)
         if not name:
             return None
         args = self._ARGS.search(body)
-        text = body[args.end():].rstrip() if args else "{}"
+        text = body[args.end():].rstrip() if args else ("{}" if complete else "")
         if complete and text.endswith("}"):
             text = text[:-1].rstrip()  # the closing brace of the outer object
         try:  # the name as JSON would read it (escapes); raw when the model wrote an invalid escape
             fn_name = json.loads(f'"{name.group(1)}"')
         except json.JSONDecodeError:
             fn_name = name.group(1)
-        return ParsedToolCall(fn_name, text)
+        return ParsedToolCall(fn_name, text, complete)
 
 
 class Llama3JsonToolParser(HermesToolParser):
@@ -242,7 +244,7 @@ class Qwen3CoderToolParser(ToolParser):
             key = param.group(1).strip()
             args[key] = _convert(_strip_newline(body[param.end():stop]), schema.get(key))
             pos = end.end() if end and end.group(0) == "</parameter>" else stop
-        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
+        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False), complete)
 
 
 def _strip_newline(value: str) -> str:

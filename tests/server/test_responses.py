@@ -101,6 +101,15 @@ def test_function_call_then_its_output(client, server, stream):
         "<|assistant|>" + CALL + "<|end|><|tool|>sunny<|end|><|assistant|>")
 
 
+def test_a_call_cut_by_max_output_tokens_is_incomplete(client):
+    cut = CALL.index('"Paris"') + 3  # inside the arguments
+    r = create(client, input="SAY:" + CALL, tools=TOOLS, max_output_tokens=cut)
+    assert r.status == "incomplete" and [i.type for i in r.output] == ["function_call"]
+    assert r.output[0].status == "incomplete" and r.output[0].arguments.endswith('"Pa')
+    whole = create(client, input="SAY:" + CALL, tools=TOOLS, max_output_tokens=len(CALL) - 2)  # end tag cut
+    assert whole.output[0].status == "completed" and json.loads(whole.output[0].arguments) == {"city": "Paris"}
+
+
 def test_forced_named_call(client, server):
     r = create(client, input='SAY:{"city": "Rome"}}</tool_call>', tools=TOOLS,
                tool_choice={"type": "function", "name": "get_weather"})

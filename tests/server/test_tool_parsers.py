@@ -49,6 +49,11 @@ HERMES_CASES = [
      [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome"})]),
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', True, "",
      [("get_weather", '{"city": "Pa')]),  # cut off by max_tokens: name and the arguments so far
+    # cut before the arguments: the name and no arguments (nothing made up)
+    ('<tool_call>\n{"name": "get_weather", "argu', True, "", [("get_weather", "")]),
+    # cut inside the end tag: the call is whole, its arguments JSON
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool', True, "",
+     [("get_weather", {"city": "Paris"})]),
     ('Sure.<tool_call>{"na', True, "Sure.", []),  # too little to name a function: no call, no markup
     ("Thinking about it <tool_", True, "Thinking about it", []),  # partial start tag at a cut: dropped
     ("a < b and x<tool_ is text", False, "a < b and x<tool_ is text", []),
@@ -189,3 +194,17 @@ def test_hermes_invalid_escape_in_a_cut_off_call_keeps_the_raw_name():
     whole = stream_tools(HermesToolParser, [text], truncated=True)
     assert [c.name for c in whole.tool_calls] == ["get\\qweather"]
     assert "<tool_call>" not in whole.content
+
+
+def test_calls_say_whether_max_tokens_cut_their_arguments():
+    """A call cut off by max_tokens before its arguments were whole is marked incomplete (the Responses API's
+    function_call item then says so); a call whose end tag alone was cut is complete."""
+    cut = parse_tool_calls(HermesToolParser([WEATHER_TOOL]), '<tool_call>{"name": "get_weather", "arguments": {"ci',
+                           truncated=True)
+    assert [c.complete for c in cut.tool_calls] == [False]
+    whole = parse_tool_calls(HermesToolParser([WEATHER_TOOL]),
+                             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_c', truncated=True)
+    assert [c.complete for c in whole.tool_calls] == [True]
+    llama = parse_tool_calls(Llama3JsonToolParser([WEATHER_TOOL]), '{"name": "get_weather", "parameters": {"ci',
+                             truncated=True)
+    assert [(c.arguments, c.complete) for c in llama.tool_calls] == [('{"ci', False)]
