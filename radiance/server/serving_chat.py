@@ -23,7 +23,8 @@ from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, new_id, now, usage
 from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
-                                            guarded_sse, merged_outputs, resolve_max_tokens, sampling_params, sse)
+                                            encode_prompt, guarded_sse, merged_outputs, resolve_max_tokens,
+                                            sampling_params, sse)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -212,7 +213,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
         constraint = await strict_tools_constraint(state, req, tools) or req.structured_output()
     else:
         constraint = req.structured_output()
-    prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
+    prompt_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     jobs = [EngineJob(f"{request_id}-{i}", prompt_ids, sampling_params(req, max_tokens, i, constraint))

@@ -16,7 +16,7 @@ from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import CompletionRequest, new_id, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
-                                            completion_logprobs, merged_outputs, resolve_max_tokens,
+                                            completion_logprobs, encode_prompt, merged_outputs, resolve_max_tokens,
                                             guarded_sse, sampling_params, sse)
 from radiance.server.state import ServerState
 
@@ -38,7 +38,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
                 raise invalid("prompt must not be empty", param=param)
             if state.tokenizer is None:
                 raise invalid("this model has no tokenizer: send the prompt as token ids", param=param)
-            prompts.append((item, state.tokenizer.encode(item)))
+            prompts.append((item, encode_prompt(state, item, param)))
         else:
             if not item:
                 raise invalid("prompt must not be empty", param=param)

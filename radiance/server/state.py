@@ -46,6 +46,7 @@ class ServerState:
         self.created = int(time.time())
         self.served_names: tuple[str, ...] = config.served_model_name or (default_model_name(model_path),)
         self.tokenizer: Any = None
+        self.max_token_chars: int | None = None  # the longest token's text, for serving_common.encode_prompt
         self.max_model_len: int = 0
         self.chat_template: str | None = None
         self.tool_parser_name: str | None = None
@@ -67,6 +68,7 @@ class ServerState:
 
     def attach(self, engine: Any) -> None:
         self.tokenizer = engine_attr(engine, "tokenizer")
+        self.max_token_chars = longest_token_chars(self.tokenizer)
         self.max_model_len = int(engine_attr(engine, "max_model_len"))
         self.chat_template = load_template(self.config.chat_template) or engine_attr(engine, "chat_template")
         if not self.config.served_model_name:
@@ -131,3 +133,16 @@ class ServerState:
         if model is not None:
             return model.config.vocab_size
         return len(self.tokenizer)
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """Characters in the vocabulary's longest token string (byte-level BPE: one per byte; SentencePiece: about
+    one per character), so a text of n characters has at least n / this many tokens; None when the tokenizer
+    shows no vocabulary."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    try:
+        return max((len(token) for token in get_vocab()), default=None)
+    except Exception:  # a tokenizer without a usable vocabulary: no bound, tokenize as usual
+        return None

@@ -478,3 +478,33 @@ def test_strict_tools_constrain_auto_calls(client, server):
     assert server[1].requests[-1][2].structured_output.json_object  # one constraint: the response format
     chat(client, "x", tools=strict, tool_choice="none")
     assert server[1].requests[-1][2].structured_output is None
+
+
+def test_a_prompt_too_long_by_its_length_alone_is_refused_before_tokenizing():
+    """A text longer than max_model_len tokens of the vocabulary's longest token is a 400
+    (context_length_exceeded) without running the tokenizer (a 10 MB message took 13 s to tokenize and
+    stalled the server); a text within the bound is tokenized as usual."""
+    from types import SimpleNamespace
+
+    from radiance.server.errors import OpenAIError
+    from radiance.server.serving_common import encode_prompt
+    from radiance.server.state import longest_token_chars
+
+    class VocabTokenizer:
+        calls = 0
+
+        def get_vocab(self):
+            return {"a": 0, "abcd": 1, "<|end|>": 2}
+
+        def encode(self, text, add_special_tokens=True):
+            VocabTokenizer.calls += 1
+            return [0] * len(text)
+
+    tok = VocabTokenizer()
+    assert longest_token_chars(tok) == 7 and longest_token_chars(object()) is None
+    state = SimpleNamespace(tokenizer=tok, max_model_len=10, max_token_chars=longest_token_chars(tok))
+    assert len(encode_prompt(state, "a" * 70, "prompt")) == 70  # within the bound: tokenized (and left to the
+    with pytest.raises(OpenAIError) as err:                       # context check after it)
+        encode_prompt(state, "a" * 71, "messages")
+    assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
+    assert VocabTokenizer.calls == 1
