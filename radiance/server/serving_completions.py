@@ -57,13 +57,13 @@ class CompletionChoice:
         self.sent_chars = 0
         self.echoed = False
         self.sent_logprobs = 0
+        self.logprob_chars = 0  # characters of the tokens whose logprobs went out: their text_offset
         self.output: Any = None
 
     def step(self, out: Any) -> tuple[str, dict | None]:
         self.output = out
         self.timer.tokens(len(out.token_ids))
         text = out.text[self.sent_chars:]
-        offset = len(self.prefix) + self.sent_chars
         parts = []
         if not self.echoed:  # the prompt goes out once, with the first output (which may be empty)
             text = self.prefix + text
@@ -73,8 +73,21 @@ class CompletionChoice:
                 parts.append(completion_logprobs(self.tokenizer, prompt, 0))
         self.sent_chars = len(out.text)
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
-            parts.append(completion_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:], offset))
-            self.sent_logprobs = len(out.logprobs)
+            part = completion_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:],
+                                       len(self.prefix) + self.logprob_chars)
+            # a token's logprob goes out with its text: text held back (it may start a stop string) holds
+            # back its tokens' entries too, until the text goes out or the output ends
+            ready = len(part["tokens"])
+            if not out.finished:
+                ready, covered = 0, self.logprob_chars
+                for token in part["tokens"]:
+                    if covered + len(token) > self.sent_chars:
+                        break
+                    ready, covered = ready + 1, covered + len(token)
+            if ready:
+                parts.append({key: values[:ready] for key, values in part.items()})
+                self.sent_logprobs += ready
+                self.logprob_chars += sum(len(token) for token in part["tokens"][:ready])
         logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]} if parts else None
         if out.finished:
             self.timer.finished(out.finish_reason)

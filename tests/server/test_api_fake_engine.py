@@ -508,3 +508,22 @@ def test_a_prompt_too_long_by_its_length_alone_is_refused_before_tokenizing():
         encode_prompt(state, "a" * 71, "messages")
     assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
     assert VocabTokenizer.calls == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_follow_their_tokens_when_stop_strings_hold_text_back(client, stream):
+    """text_offset counts the tokens' own text (not the text sent so far, which a possible stop string holds
+    back), and while streaming a token's logprob goes out in the chunk that carries its text."""
+    args = dict(model="fake", prompt="SAY:1, 2, 3, 4", max_tokens=20, logprobs=0, stop=[", 4"])
+    if not stream:
+        r = client.completions.create(**args)
+        assert r.choices[0].text == "1, 2, 3"
+        lp = r.choices[0].logprobs
+        assert "".join(lp.tokens).startswith("1, 2, 3") and lp.text_offset == list(range(len(lp.tokens)))
+        return
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True)]
+    assert "".join(c.text for c in chunks) == "1, 2, 3"
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == list(range(len(offsets)))
+    for c in chunks[:-1]:  # the last chunk also carries the stop string's tokens, whose text never goes out
+        assert "".join(c.logprobs.tokens if c.logprobs else []) == c.text, c
