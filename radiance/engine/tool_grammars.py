@@ -120,7 +120,9 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
         if parallel:
             another = {"type": "sequence", "elements": [{"type": "const_string", "value": markup.separator},
                                                         {"type": "or", "elements": _call_tags(tools, markup, False)}]}
-            call = {"type": "sequence", "elements": [call, {"type": "star", "content": another}]}
+            # a model may end its last call with a newline before it stops: that is no call to force
+            call = {"type": "sequence", "elements": [call, {"type": "star", "content": another},
+                                                     {"type": "regex", "pattern": r"\s{0,2}"}]}
     return str(_compile(call, "a tool's parameters"))
 
 

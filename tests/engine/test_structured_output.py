@@ -317,6 +317,8 @@ def test_forced_required_call_then_parallel_calls(byte_backend):
     # "required": the answer is its calls, nothing after or between them (the model ends or opens another)
     assert not matches(byte_backend, parallel, after + " Done." + more)
     assert not matches(byte_backend, parallel, after + " Done.")
+    assert matches(byte_backend, parallel, after + "\n")  # a newline before the end is no call to force
+    assert not matches(byte_backend, parallel, after + "\n\n\n")
     assert not matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
     assert not matches(byte_backend, parallel, after + '\n<tool_call>\n{"name": "get_time", "arguments": {"city": 1}}')
     assert matches(byte_backend, single, after) and not matches(byte_backend, single, after + more)
