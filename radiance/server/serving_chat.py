@@ -24,7 +24,7 @@ from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, new
 from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
                                             encode_prompt, guarded_sse, merged_outputs, resolve_max_tokens,
-                                            sampling_params, sse)
+                                            sampling_params, sse, tokens_sent)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -46,6 +46,7 @@ class ChoiceStream:
         self.timer = RequestTimer(state.metrics)
         self.sent_chars = 0
         self.sent_logprobs = 0
+        self.logprob_chars = 0  # characters of the tokens whose logprobs went out
         self.num_tool_calls = 0
         self.cut_call_ids: set[str] = set()  # calls max_tokens cut off before their arguments were whole
         self.output: Any = None
@@ -96,8 +97,13 @@ class ChoiceStream:
             self.timer.finished(out.finish_reason)
         logprobs = None
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
-            logprobs = chat_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:])
-            self.sent_logprobs = len(out.logprobs)
+            entries = chat_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:])["content"]
+            tokens = [e["token"] for e in entries]
+            ready = len(entries) if out.finished else tokens_sent(tokens, self.logprob_chars, self.sent_chars)
+            if ready:
+                logprobs = {"content": entries[:ready]}
+                self.sent_logprobs += ready
+                self.logprob_chars += sum(len(token) for token in tokens[:ready])
         return delta, logprobs
 
     def finish_reason(self) -> str | None:

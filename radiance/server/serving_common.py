@@ -196,6 +196,19 @@ def safe_logprob(value: float) -> float:
     return value if math.isfinite(value) else _MIN_LOGPROB
 
 
+def tokens_sent(tokens: list[str], before: int, sent: int) -> int:
+    """How many of `tokens` (the texts of tokens whose logprobs wait, starting `before` characters into the
+    output) lie within the first `sent` characters that went out: a token's logprob goes out with its text,
+    and text held back (it may start a stop string) holds back its tokens' logprobs."""
+    count = 0
+    for token in tokens:
+        before += len(token)
+        if before > sent:
+            break
+        count += 1
+    return count
+
+
 def chat_logprobs(tokenizer: Any, entries: list) -> dict:
     texts = token_texts(tokenizer, entries)
     content = []

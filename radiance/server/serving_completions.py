@@ -17,7 +17,7 @@ from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import CompletionRequest, new_id, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             completion_logprobs, encode_prompt, merged_outputs, resolve_max_tokens,
-                                            guarded_sse, sampling_params, sse)
+                                            guarded_sse, sampling_params, sse, tokens_sent)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -75,15 +75,8 @@ class CompletionChoice:
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
             part = completion_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:],
                                        len(self.prefix) + self.logprob_chars)
-            # a token's logprob goes out with its text: text held back (it may start a stop string) holds
-            # back its tokens' entries too, until the text goes out or the output ends
-            ready = len(part["tokens"])
-            if not out.finished:
-                ready, covered = 0, self.logprob_chars
-                for token in part["tokens"]:
-                    if covered + len(token) > self.sent_chars:
-                        break
-                    ready, covered = ready + 1, covered + len(token)
+            ready = len(part["tokens"]) if out.finished else tokens_sent(part["tokens"], self.logprob_chars,
+                                                                           self.sent_chars)
             if ready:
                 parts.append({key: values[:ready] for key, values in part.items()})
                 self.sent_logprobs += ready

@@ -527,3 +527,16 @@ def test_completion_logprobs_follow_their_tokens_when_stop_strings_hold_text_bac
     assert offsets == list(range(len(offsets)))
     for c in chunks[:-1]:  # the last chunk also carries the stop string's tokens, whose text never goes out
         assert "".join(c.logprobs.tokens if c.logprobs else []) == c.text, c
+
+
+def test_chat_stream_logprobs_go_out_with_their_text(client):
+    """Chat streaming: a token's logprob goes out in the chunk that carries its text, also while a possible
+    stop string holds text back."""
+    stream = chat(client, "1, 2, 3, 4", stream=True, logprobs=True, stop=[", 4"])
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "1, 2, 3"
+    with_logprobs = [i for i, c in enumerate(chunks) if c.logprobs and c.logprobs.content]
+    for i, c in enumerate(chunks):  # the last chunk with logprobs also carries the stop string's tokens
+        if i != with_logprobs[-1]:
+            assert "".join(e.token for e in (c.logprobs.content if c.logprobs else [])) == (c.delta.content or ""), c
+    assert "".join(e.token for i in with_logprobs for e in chunks[i].logprobs.content) == "1, 2, 3, 4"
