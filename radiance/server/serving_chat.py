@@ -24,7 +24,7 @@ from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, new
 from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
                                             encode_prompt, guarded_sse, merged_outputs, resolve_max_tokens,
-                                            sampling_params, sse, tokens_sent)
+                                            sampling_params, sse, token_chars, tokens_sent)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -103,7 +103,7 @@ class ChoiceStream:
             if ready:
                 logprobs = {"content": entries[:ready]}
                 self.sent_logprobs += ready
-                self.logprob_chars += sum(len(token) for token in tokens[:ready])
+                self.logprob_chars += sum(token_chars(token) for token in tokens[:ready])
         return delta, logprobs
 
     def finish_reason(self) -> str | None:

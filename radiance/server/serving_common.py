@@ -196,13 +196,20 @@ def safe_logprob(value: float) -> float:
     return value if math.isfinite(value) else _MIN_LOGPROB
 
 
+def token_chars(token: str) -> int:
+    """Characters a token's own text adds to the output. A token holding part of a multi-byte character
+    decodes alone to U+FFFD, and counts 0: its character is counted nowhere, so a count never runs ahead of
+    the output (it may lag it by those characters)."""
+    return len(token) - token.count("\ufffd")
+
+
 def tokens_sent(tokens: list[str], before: int, sent: int) -> int:
     """How many of `tokens` (the texts of tokens whose logprobs wait, starting `before` characters into the
-    output) lie within the first `sent` characters that went out: a token's logprob goes out with its text,
-    and text held back (it may start a stop string) holds back its tokens' logprobs."""
+    output, token_chars) lie within the first `sent` characters that went out: a token's logprob goes out
+    with its text, and text held back (it may start a stop string) holds back its tokens' logprobs."""
     count = 0
     for token in tokens:
-        before += len(token)
+        before += token_chars(token)
         if before > sent:
             break
         count += 1
@@ -233,7 +240,7 @@ def completion_logprobs(tokenizer: Any, entries: list, offset: int) -> dict:
         token_logprobs.append(None if entry.logprob is None else safe_logprob(entry.logprob))
         top.append({texts[tid]: safe_logprob(lp) for tid, lp in entry.top} if entry.top else None)
         offsets.append(offset)
-        offset += len(text)
+        offset += token_chars(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 

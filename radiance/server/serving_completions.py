@@ -17,7 +17,7 @@ from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import CompletionRequest, new_id, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             completion_logprobs, encode_prompt, merged_outputs, resolve_max_tokens,
-                                            guarded_sse, sampling_params, sse, tokens_sent)
+                                            guarded_sse, sampling_params, sse, token_chars, tokens_sent)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class CompletionChoice:
             if ready:
                 parts.append({key: values[:ready] for key, values in part.items()})
                 self.sent_logprobs += ready
-                self.logprob_chars += sum(len(token) for token in part["tokens"][:ready])
+                self.logprob_chars += sum(token_chars(token) for token in part["tokens"][:ready])
         logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]} if parts else None
         if out.finished:
             self.timer.finished(out.finish_reason)

@@ -540,3 +540,13 @@ def test_chat_stream_logprobs_go_out_with_their_text(client):
         if i != with_logprobs[-1]:
             assert "".join(e.token for e in (c.logprobs.content if c.logprobs else [])) == (c.delta.content or ""), c
     assert "".join(e.token for i in with_logprobs for e in chunks[i].logprobs.content) == "1, 2, 3, 4"
+
+
+def test_tokens_sent_counts_the_text_that_went_out():
+    from radiance.server.serving_common import token_chars, tokens_sent
+
+    assert tokens_sent(["1", ",", " 2", ","], before=0, sent=3) == 2  # " 2" ends at 4 > 3: held
+    assert tokens_sent([" 2", ","], before=2, sent=5) == 2
+    # two tokens of one emoji decode alone to U+FFFD each and count nothing, so they never hold back the rest
+    assert token_chars("\ufffd") == 0 and token_chars(" \ufffd") == 1
+    assert tokens_sent(["a", "\ufffd", "\ufffd", "b"], before=0, sent=len("a\N{GRINNING FACE}b")) == 4
