@@ -389,8 +389,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
+    v_words = _v_in_words(q, v_cache)
     tiling = tiling or decode_tiling(dim, batch * kv_heads * num_splits, sm_count(q.device),
-                                     fp8_cache=_v_in_words(q, v_cache), large_smem=large_shared_memory(q.device))
+                                     fp8_cache=v_words, large_smem=large_shared_memory(q.device))
     d_pad = triton.next_power_of_2(dim)
     pdl = supports_pdl(q.device)  # each launch waits for the one before it (pdl_handoff)
     acc = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
@@ -411,7 +412,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PAGE=k_cache.shape[1], SPLITS=num_splits, BLOCK_N=tiling.block_n, PRECISION=_precision(q),
         ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl, DOTS_FP16=_dots_in_fp16(q, k_cache),
         LONG_BLOCK_N=tiling.long_block_n, LONG_FROM=tiling.long_from, STAGES=tiling.num_stages,
-        LONG_STAGES=tiling.long_stages or tiling.num_stages, V_WORDS=_v_in_words(q, v_cache), ASM=q.is_cuda,
+        LONG_STAGES=tiling.long_stages or tiling.num_stages, V_WORDS=v_words, ASM=q.is_cuda,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     if not quantize:
         return merge_splits(acc, lse, q.dtype, pdl)
