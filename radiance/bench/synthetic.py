@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from radiance.errors import ConfigError
+from radiance.models.arch_config import MoeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,18 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
         "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
+        "initializer_range": 0.02,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "attention_bias": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151645,
+        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "num_experts": 128, "num_experts_per_tok": 8,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
         "initializer_range": 0.02,
     },
@@ -115,14 +128,24 @@ class SyntheticCheckpoint:
                    (pre + "self_attn.qkv_proj", (d["q"] + 2 * d["kv"], d["hidden"]), (d["q"], d["kv"], d["kv"]))]
         if self.config.get("attention_bias") or self.config.get("model_type") == "qwen2":
             entries.append((pre + "self_attn.qkv_proj.bias", (d["q"] + 2 * d["kv"],), None))
-        if self.config.get("model_type") == "qwen3":
+        if self.config.get("model_type") in ("qwen3", "qwen3_moe"):
             entries += [(pre + "self_attn.q_norm.weight", (d["head_dim"],), None),
                         (pre + "self_attn.k_norm.weight", (d["head_dim"],), None)]
         entries += [(pre + "self_attn.o_proj", (d["hidden"], d["q"]), (d["hidden"],)),
-                    (pre + "post_attention_layernorm.weight", (d["hidden"],), None),
-                    (pre + "mlp.gate_up_proj", (2 * d["inter"], d["hidden"]), (d["inter"], d["inter"])),
-                    (pre + "mlp.down_proj", (d["hidden"], d["inter"]), (d["hidden"],))]
+                    (pre + "post_attention_layernorm.weight", (d["hidden"],), None)]
+        moe = MoeConfig.from_hf(self.config, "synthetic", self.config["num_hidden_layers"])
+        if moe is not None and i in moe.layers:
+            entries.append((pre + "mlp.gate.weight", (moe.num_experts, d["hidden"]), None))
+            for e in range(moe.num_experts):
+                entries += self._mlp_entries(f"{pre}mlp.experts.{e}.", d["hidden"], moe.intermediate_size)
+        else:
+            entries += self._mlp_entries(pre + "mlp.", d["hidden"], d["inter"])
         return entries
+
+    @staticmethod
+    def _mlp_entries(pre: str, hidden: int, inter: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        return [(pre + "gate_up_proj", (2 * inter, hidden), (inter, inter)),
+                (pre + "down_proj", (hidden, inter), (hidden,))]
 
     def _entries(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...] | None]]:
         c, d = self.config, self._dims()

@@ -59,11 +59,16 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
     if not (hidden and heads and hd and inter):
         return {}
     q, kv = heads * hd, kv_heads * hd
-    return {
+    shapes = {
         "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
         "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
         "lm_head": (config.get("vocab_size") or 0, hidden),
     }
+    expert = config.get("moe_intermediate_size")
+    if expert:  # a sparse MLP's experts, keyed "experts.<leaf>" (hf_reader.HfCheckpoint._expected)
+        shapes.update({"experts.gate_proj": (expert, hidden), "experts.up_proj": (expert, hidden),
+                       "experts.down_proj": (hidden, expert)})
+    return shapes
 
 
 def eos_token_ids(model_dir: str, config: dict) -> list[int]:

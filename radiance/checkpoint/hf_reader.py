@@ -25,11 +25,13 @@ from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES,
 from radiance.checkpoint.quant_config import parse_quantization_config
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.errors import CheckpointError
+from radiance.models.arch_config import MoeConfig
 from radiance.formats import DenseWeight, concat_partitions, dequantize
 
 logger = logging.getLogger(__name__)
 
 _DECODER_PROJ = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj$")
+_EXPERT_PROJ = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj$")
 
 
 @dataclass
@@ -62,6 +64,8 @@ class HfCheckpoint(Checkpoint):
     def _expected(self, module: str) -> tuple[int, int] | None:
         if _DECODER_PROJ.match(module) or module == "lm_head":
             return self._shapes.get(leaf(module))
+        if _EXPERT_PROJ.match(module):
+            return self._shapes.get(f"experts.{leaf(module)}")
         return None
 
     def _plan(self):
@@ -160,10 +164,17 @@ class HfCheckpoint(Checkpoint):
         needed = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.tie_word_embeddings:
             needed.append("lm_head")
+        moe = MoeConfig.from_hf(self.config, "model", layers) if self.config.get("moe_intermediate_size") else None
         for i in range(layers):
             p = f"model.layers.{i}"
-            needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.mlp.gate_up_proj",
-                       f"{p}.mlp.down_proj", f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+            needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.input_layernorm.weight",
+                       f"{p}.post_attention_layernorm.weight"]
+            if moe is not None and i in moe.layers:
+                needed.append(f"{p}.mlp.gate.weight")
+                for e in range(moe.num_experts):
+                    needed += [f"{p}.mlp.experts.{e}.gate_up_proj", f"{p}.mlp.experts.{e}.down_proj"]
+            else:
+                needed += [f"{p}.mlp.gate_up_proj", f"{p}.mlp.down_proj"]
         for name in needed:
             if name == "lm_head" and ("lm_head.weight" in have or "lm_head" in have):
                 continue

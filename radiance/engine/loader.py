@@ -22,7 +22,7 @@ from radiance.checkpoint.report import RequantReport
 from radiance.engine.linears import build_linear, build_lm_head
 from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight
-from radiance.models.llama import UnloadedLinear
+from radiance.layers.linear import UnloadedLinear
 from radiance.models.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -154,6 +154,9 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} weight(s) the model needs, e.g. {missing[:3]}",
                               file=getattr(checkpoint, "path", None))
+    for module in model.modules():  # e.g. a sparse MLP stacks its experts for the grouped kernel
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
     try:
         tokenizer = checkpoint.tokenizer()
     except CheckpointError as exc:  # a weights-only directory still serves token-id prompts

@@ -107,6 +107,15 @@ def decode_num_splits(batch: int, num_kv_heads: int) -> int:
     return max(1, min(32, -(-_TARGET_DECODE_CTAS // (batch * num_kv_heads))))
 
 
+def _uncapturable_module(model) -> str | None:
+    """The name of a module whose forward a CUDA graph cannot capture (it says so with `capturable()`)."""
+    for name, module in model.named_modules():
+        capturable = getattr(module, "capturable", None)
+        if capturable is not None and not capturable():
+            return name
+    return None
+
+
 def graph_buckets(max_batch: int) -> list[int]:
     buckets = [b for b in (1, 2, 4, 8) if b <= max_batch]
     buckets += list(range(16, max_batch + 1, 16))
@@ -141,7 +150,11 @@ class ModelRunner:
         self.h_masks: list[torch.Tensor] = []  # pinned structured-output masks, allocated on first use (_mask_words)
         self._mask_turn = 0
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if device.type == "cuda" and not config.runner.enforce_eager:
+        uncapturable = _uncapturable_module(model)
+        if device.type == "cuda" and not config.runner.enforce_eager and uncapturable:
+            logger.warning("CUDA graphs off: %s syncs with the host in its forward (e.g. experts not on the "
+                           "W4A8 kernel; --quantization mxfp4 puts them there)", uncapturable)
+        if device.type == "cuda" and not config.runner.enforce_eager and not uncapturable:
             self._capture_decode_graphs()
             self._capture_prefill_graphs()
             if config.kernel.numerics_check:  # graph replays run no Python, so no check can run inside them

@@ -201,14 +201,14 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
 def quantize_rows_from_parts(y: torch.Tensor, amax_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_activations(y) for y [M, K] whose row amax the kernel that wrote it left in amax_parts
     (int32 bits [M, P] of |y| maxima over column tiles: w4a8_glu's GEMM): one fully parallel launch,
-    [cdiv(K, CHUNK), M] programs, none waiting for another. Triton only (CUDA or the interpreter)."""
+    M * cdiv(K, CHUNK) programs, none waiting for another. Triton only (CUDA or the interpreter)."""
     m, k = y.shape
     x_q, x_scale = fp8_outputs(m, k, y.device)
     if m == 0:
         return x_q, x_scale
     pdl = supports_pdl(y.device)
     parts = amax_parts.shape[1]
-    _act.quantize_rows_from_parts_kernel[(-(-k // CHUNK), m)](
+    _act.quantize_rows_from_parts_kernel[(m * -(-k // CHUNK),)](
         y, amax_parts, x_q, x_scale, k, parts, y.stride(0), BLOCK=CHUNK, P_PAD=max(2, triton_next_pow2(parts)),
         INTERPRETER=not y.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return x_q, x_scale

@@ -62,6 +62,19 @@ def takes_fp8(linear: nn.Module) -> bool:
     return getattr(linear, "path", None) == PATH_W4A8
 
 
+class UnloadedLinear(nn.Module):
+    """Stands where a linear will be; calling it means the checkpoint never provided the weight."""
+
+    def __init__(self, in_features: int, out_features: int, partitions: tuple[int, ...] | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.partitions = partitions or (out_features,)
+
+    def forward(self, x):
+        raise RuntimeError("linear weight was never loaded")
+
+
 class Mxfp4Linear(nn.Module):
     """y = x @ W^T (+ bias) with W an MXFP4 weight (packed uint8 [N, K/2], e8m0 scales [N, K/32])."""
 

@@ -24,6 +24,10 @@ class ArchConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False   # Qwen2
     qk_norm: bool = False    # Qwen3
+    moe: "MoeConfig | None" = None  # mixture-of-experts MLPs (Qwen3-MoE)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and index in self.moe.layers
 
     @property
     def q_size(self) -> int:
@@ -63,5 +67,34 @@ class ArchConfig:
             rope_scaling=scaling,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            moe=MoeConfig.from_hf(config, architecture, need("num_hidden_layers")),
             **overrides,
         )
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Sparse MLP layers: a router picks `top_k` of `num_experts` SwiGLU experts per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool    # renormalize the top-k router probabilities to sum to 1
+    layers: frozenset[int]  # decoder layers whose MLP is sparse; the others are dense
+
+    @classmethod
+    def from_hf(cls, config: dict, architecture: str, num_layers: int) -> "MoeConfig | None":
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        if not experts:
+            return None
+        for key in ("num_experts_per_tok", "moe_intermediate_size"):
+            if not config.get(key):
+                raise ConfigError(f"config.json of a {architecture} model with {experts} experts lacks {key!r}")
+        top_k = int(config["num_experts_per_tok"])
+        if not 1 <= top_k <= experts:
+            raise ConfigError(f"num_experts_per_tok={top_k} must lie in 1..num_experts={experts}")
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense = set(config.get("mlp_only_layers") or ())
+        layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(int(experts), top_k, int(config["moe_intermediate_size"]),
+                   bool(config.get("norm_topk_prob", False)), layers)

@@ -13,23 +13,11 @@ from torch import nn
 from radiance.kernels.activation import silu_mul
 from radiance.layers.attention import Attention, AttentionMetadata
 from radiance.layers.embedding import LMHead, VocabEmbedding
-from radiance.layers.linear import takes_fp8
+from radiance.layers.linear import UnloadedLinear, takes_fp8
+from radiance.layers.moe import SparseMoeBlock
 from radiance.layers.norm import RMSNorm
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.models.arch_config import ArchConfig
-
-
-class UnloadedLinear(nn.Module):
-    """Stands where a linear will be; calling it means the checkpoint never provided the weight."""
-
-    def __init__(self, in_features: int, out_features: int, partitions: tuple[int, ...] | None = None):
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.partitions = partitions or (out_features,)
-
-    def forward(self, x):
-        raise RuntimeError("linear weight was never loaded")
 
 
 def for_norm(linear: nn.Module, x):
@@ -88,12 +76,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe) if cfg.is_moe_layer(index) else LlamaMLP(cfg)
 
     def forward(self, positions, x, residual, meta):
         # the norms hand W4A8 linears fp8 activations straight from their fused kernel, and sum the
@@ -104,7 +92,9 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual, fp8=takes_fp8(self.self_attn.qkv_proj))
         x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual, fp8=takes_fp8(self.mlp.gate_up_proj))
+        # a sparse MLP's router reads the 16-bit norm output, so only a dense MLP takes it in fp8
+        mlp_fp8 = isinstance(self.mlp, LlamaMLP) and takes_fp8(self.mlp.gate_up_proj)
+        x, residual = self.post_attention_layernorm(x, residual, fp8=mlp_fp8)
         return self.mlp(x), residual
 
 
@@ -113,7 +103,7 @@ class LlamaBody(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -132,6 +122,7 @@ class LlamaForCausalLM(nn.Module):
     forward_logits(input_ids [B, T]) -> [B, T, V] without a cache."""
 
     arch_overrides: dict = {}
+    supports_moe = False  # whether config.json's experts are served (else a clear error at load)
 
     def __init__(self, cfg: ArchConfig):
         super().__init__()

@@ -7,11 +7,13 @@ from radiance.models.arch_config import ArchConfig
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
 from radiance.models.qwen3 import Qwen3ForCausalLM
+from radiance.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -22,7 +24,11 @@ def resolve_architecture(hf_config: dict) -> tuple[type[LlamaForCausalLM], ArchC
     for name in names:
         if name in MODEL_CLASSES:
             cls = MODEL_CLASSES[name]
-            return cls, ArchConfig.from_hf(hf_config, name, **cls.arch_overrides)
+            cfg = ArchConfig.from_hf(hf_config, name, **cls.arch_overrides)
+            if cfg.moe is not None and not cls.supports_moe:
+                raise ConfigError(f"config.json gives {name} {cfg.moe.num_experts} experts; radiance serves "
+                                  f"mixture-of-experts MLPs for {', '.join(n for n, c in MODEL_CLASSES.items() if c.supports_moe)}")
+            return cls, cfg
     raise ConfigError(f"unsupported model architecture {names or '(none given)'}; "
                       f"supported: {', '.join(MODEL_CLASSES)}")
 

@@ -19,6 +19,10 @@ TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num
     ("qwen3-32b", dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000, rms_norm_eps=1e-6,
                        max_position_embeddings=40960, tie_word_embeddings=False)),
+    ("qwen3-30b-a3b", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                           num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
+                           num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                           mlp_only_layers=[], decoder_sparse_step=1, tie_word_embeddings=False)),
 ])
 def test_public_configs(name, expected):
     # values copied by hand from the models' published config.json files
@@ -34,6 +38,19 @@ def test_llama_rope_scaling_and_parameter_count():
     assert SyntheticCheckpoint("synthetic:llama-3.1-8b", device="cpu").num_parameters() == 8_030_261_248
     # Qwen3-32B: 32.8B by its model card
     assert 32.7e9 < SyntheticCheckpoint("synthetic:qwen3-32b", device="cpu").num_parameters() < 32.9e9
+    # Qwen3-30B-A3B: 30.5B in all by its model card
+    assert 30.4e9 < SyntheticCheckpoint("synthetic:qwen3-30b-a3b", device="cpu").num_parameters() < 30.6e9
+
+
+def test_moe_layers_have_router_and_experts():
+    tiny = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
+    ckpt = SyntheticCheckpoint("synthetic:qwen3-30b-a3b", device="cpu", dtype=torch.float32, overrides=tiny)
+    weights = dict(ckpt.iter_weights(progress=False))
+    assert weights["model.layers.0.mlp.gate.weight"].shape == (4, 64)
+    assert weights["model.layers.0.mlp.experts.3.gate_up_proj"].partition_sizes == (32, 32)
+    assert weights["model.layers.0.mlp.experts.3.down_proj"].shape == (64, 32)
+    assert not any(n.startswith("model.layers.0.mlp.gate_up") for n in weights)
+    assert weights["model.layers.1.mlp.gate_up_proj"].partition_sizes == (96, 96)  # the dense layer
 
 
 def test_unknown_name_and_format():

@@ -238,11 +238,13 @@ def quantize_rows_from_parts_kernel(y_ptr, parts_ptr, xq_ptr, scale_ptr, K, n_pa
                                     BLOCK: tl.constexpr, P_PAD: tl.constexpr, INTERPRETER: tl.constexpr,
                                     PDL: tl.constexpr = False):
     """quantize_rows_kernel for rows whose amax the kernel before already found in parts: int32 bits
-    [M, n_parts] (|y| maxima of column tiles, written by the GLU GEMM). Grid [cdiv(K, BLOCK), M]: every
-    program takes its row's scale from the parts (no barrier, no second pass) and quantizes one chunk."""
+    [M, n_parts] (|y| maxima of column tiles, written by the GLU GEMM). Grid [M * cdiv(K, BLOCK)] (one axis:
+    a grouped MoE GEMM's rows can pass the 65535 programs of a second grid axis): every program takes its
+    row's scale from the parts (no barrier, no second pass) and quantizes one chunk."""
     pdl_handoff(PDL)
-    chunk = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
+    chunks = tl.cdiv(K, BLOCK)
+    chunk = tl.program_id(0) % chunks
+    row = (tl.program_id(0) // chunks).to(tl.int64)
     offs_p = tl.arange(0, P_PAD)
     bits = tl.max(tl.load(parts_ptr + row * n_parts + offs_p, mask=offs_p < n_parts, other=0), axis=0)
     scale = _row_scale(bits.to(tl.float32, bitcast=True), bits > 0x7F800000)  # above inf's bits: a NaN

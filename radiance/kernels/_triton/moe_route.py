@@ -1,0 +1,81 @@
+"""Routing of a mixture-of-experts layer in one launch, for decode-sized token counts.
+
+One program does what ~30 small torch launches did (softmax, top-k, renormalization, the count, sort and
+padding of moe.route_to_experts): at a decode step those launches cost more than both expert GEMMs.
+  1. per token: softmax of the router logits in fp32, the top_k by repeated argmax (ties: the lower
+     expert), optionally renormalized; weights and expert ids stored per pair p = token * TOP_K + choice;
+  2. per expert: its pair count, its group's first slot (groups padded to BM slots, in expert order),
+     and the expert of every BM-slot tile (-1 past the used ones); every slot first holds the padding;
+  3. the pairs, block by block in pair order, into their expert's next free slots (a stable layout:
+     within a group the pairs keep their order). Global scratch `next_slot` [E_PAD] carries each
+     group's next free slot between blocks; CTA barriers order the phases (one program: a barrier makes
+     its global writes visible to all its threads).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, next_slot_ptr,
+                     T, E, stride_l, num_slots, num_tiles,
+                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, BM: tl.constexpr,
+                     E_PAD: tl.constexpr, TB: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    e_live = experts < E
+    num_pairs = T * TOP_K
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for t0 in range(0, T, TB):
+        toks = t0 + tl.arange(0, TB)
+        t_live = toks < T
+        logits = tl.load(logits_ptr + toks[:, None].to(tl.int64) * stride_l + experts[None, :],
+                         mask=t_live[:, None] & e_live[None, :], other=float("-inf")).to(tl.float32)
+        logits = tl.where(t_live[:, None], logits, tl.where(e_live[None, :], 0.0, float("-inf")))  # no NaN rows
+        probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        probs = probs / tl.sum(probs, axis=1)[:, None]
+        for j in tl.static_range(TOP_K):
+            top = tl.max(probs, axis=1)
+            top_id = tl.argmax(probs, axis=1, tie_break_left=True)
+            picked = experts[None, :] == top_id[:, None]
+            tl.store(weights_ptr + toks * TOP_K + j, top, mask=t_live)
+            tl.store(ids_ptr + toks * TOP_K + j, top_id, mask=t_live)
+            counts += tl.sum((picked & t_live[:, None]).to(tl.int32), axis=0)
+            probs = tl.where(picked, -1.0, probs)
+    tl.debug_barrier()
+    if NORM:  # the top_k weights of a token sum to 1
+        choices = tl.arange(0, K_PAD)
+        for t0 in range(0, T, TB):
+            toks = t0 + tl.arange(0, TB)
+            live = (toks < T)[:, None] & (choices < TOP_K)[None, :]
+            ptrs = weights_ptr + toks[:, None] * TOP_K + choices[None, :]
+            w = tl.load(ptrs, mask=live, other=0.0)
+            tl.store(ptrs, w / tl.maximum(tl.sum(w, axis=1), 1e-30)[:, None], mask=live)  # dead rows: 0, not NaN
+
+    tiles = (counts + BM - 1) // BM
+    tile_end = tl.cumsum(tiles, axis=0)  # one past each expert's last tile
+    tl.store(next_slot_ptr + experts, (tile_end - tiles) * BM)  # each group's first slot
+    tl.store(group_end_ptr + experts, tile_end * BM, mask=e_live)
+    for s0 in range(0, num_slots, SB):
+        slots = s0 + tl.arange(0, SB)
+        tl.store(pairs_ptr + slots, tl.zeros([SB], dtype=tl.int32) + num_pairs, mask=slots < num_slots)
+    for i0 in range(0, num_tiles, SB):
+        tile = i0 + tl.arange(0, SB)
+        # a tile belongs to the first expert whose tiles end after it (an empty expert ends where it starts)
+        owner = tl.sum(((tile_end[None, :] <= tile[:, None]) & e_live[None, :]).to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + tile, tl.where(owner < E, owner, -1), mask=tile < num_tiles)
+    tl.debug_barrier()
+
+    lanes = tl.arange(0, PB)
+    for p0 in range(0, num_pairs, PB):
+        pair = p0 + lanes
+        p_live = pair < num_pairs
+        expert = tl.load(ids_ptr + pair, mask=p_live, other=0)
+        earlier = (expert[:, None] == expert[None, :]) & (lanes[None, :] < lanes[:, None]) & p_live[None, :]
+        rank = tl.sum(earlier.to(tl.int32), axis=1)  # same-expert pairs before it in this block
+        slot = tl.load(next_slot_ptr + expert, mask=p_live, other=0) + rank
+        tl.store(pairs_ptr + slot, pair, mask=p_live)
+        added = tl.sum(((expert[:, None] == experts[None, :]) & p_live[:, None]).to(tl.int32), axis=0)
+        moved = tl.load(next_slot_ptr + experts) + added
+        tl.debug_barrier()  # every lane has read next_slot before it moves on
+        tl.store(next_slot_ptr + experts, moved)
+        tl.debug_barrier()

@@ -1,0 +1,301 @@
+"""Mixture-of-experts W4A8: stacked expert weights, the routing of (token, choice) pairs to experts, the
+grouped GEMM's launcher (_triton/moe_gemm.py) and its exact reference.
+
+A pair p = token * top_k + choice. route_to_experts groups the pairs by expert into slots, each group
+padded to a multiple of block_m, so that one block_m-slot tile of the grouped GEMM serves one expert.
+Its shapes follow from (tokens, top_k, experts, block_m) alone and it never syncs with the host, so a
+CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from radiance.kernels._triton import moe_gemm as _moe
+from radiance.kernels._triton import moe_route as _route
+from radiance.kernels.buffers import device_buffer
+from radiance.kernels.activation import quantize_rows_from_parts, triton_serves
+from radiance.kernels.prepare import WORD_K, PreparedMxfp4, dequantize_prepared, padded_k
+from radiance.kernels.reference import quantize_activations_reference, w4a8_matmul_reference
+
+ROW_SOURCES = ("token", "pair")
+
+
+class PreparedExperts(NamedTuple):
+    """E experts' PreparedMxfp4 (one shape) stacked along a new leading dim."""
+
+    w_q: torch.Tensor  # int32 [E, N, padded_k(K)/8]
+    w_shift: torch.Tensor  # int8 [E, padded_k(K)/128, N, 4]
+    w_ref: torch.Tensor  # int32 [E, N]
+    w_scale: torch.Tensor  # fp32 [E, N]
+    in_features: int  # K
+    underflow_blocks: int  # over all experts
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K)"""
+        return self.w_q.shape[0], self.w_q.shape[1], self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w_q, self.w_shift, self.w_ref, self.w_scale))
+
+
+def stack_experts(prepared: list[PreparedMxfp4]) -> PreparedExperts:
+    """One PreparedExperts from E prepared weights of one shape (copies them)."""
+    if not prepared:
+        raise ValueError("stack_experts: no experts")
+    shapes = {p.shape for p in prepared}
+    if len(shapes) != 1:
+        raise ValueError(f"stack_experts: experts of different shapes {sorted(shapes)}")
+    return PreparedExperts(
+        w_q=torch.stack([p.w_q for p in prepared]),
+        w_shift=torch.stack([p.w_shift for p in prepared]),
+        w_ref=torch.stack([p.w_ref for p in prepared]),
+        w_scale=torch.stack([p.w_scale for p in prepared]),
+        in_features=prepared[0].in_features,
+        underflow_blocks=sum(p.underflow_blocks for p in prepared),
+    )
+
+
+def expert_weight(experts: PreparedExperts, e: int) -> PreparedMxfp4:
+    """A view of expert e. Its underflow_blocks is the stack's count: a bound (0 means none for it either)."""
+    return PreparedMxfp4(experts.w_q[e], experts.w_shift[e], experts.w_ref[e], experts.w_scale[e],
+                         experts.in_features, experts.underflow_blocks)
+
+
+class ExpertRouting(NamedTuple):
+    """Pairs grouped by expert (route_to_experts)."""
+
+    sorted_pairs: torch.Tensor  # int32 [max_slots]: slot -> pair; padding slots hold num_pairs
+    tile_expert: torch.Tensor  # int32 [max_slots / block_m]: expert of each tile, -1 past the used ones
+    num_pairs: int  # T * top_k
+    top_k: int
+    block_m: int
+    group_ends: torch.Tensor  # int32 [E]: one past each expert's last slot (with block_m 1: torch._grouped_mm's offs)
+
+
+def max_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Slots for any routing of num_pairs pairs: each expert that gets a pair (at most min(E, pairs) of them)
+    pads its group by at most block_m - 1; rounded up to whole tiles."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def route_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertRouting:
+    """Group the pairs of topk_ids (int [T, top_k], ids in [0, num_experts)) by expert, on its device.
+    Torch ops of fixed shapes, no host sync: CUDA-graph capturable. Within an expert's group the pairs keep
+    their order (a stable sort), and its group starts at a multiple of block_m."""
+    tokens, top_k = topk_ids.shape
+    num_pairs = tokens * top_k
+    device = topk_ids.device
+    slots = max_slots(num_pairs, num_experts, block_m)
+    expert_of_pair = topk_ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)  # one past each expert's last tile
+    group_start = (tile_end - tiles) * block_m  # first slot of each expert's group
+    pair_start = torch.cumsum(counts, 0) - counts  # first position of each expert in the sorted pairs
+    order = torch.argsort(expert_of_pair, stable=True)  # pairs by expert
+    sorted_expert = expert_of_pair[order]
+    rank = torch.arange(num_pairs, device=device) - pair_start[sorted_expert]  # position within the group
+    sorted_pairs = torch.full((slots,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, group_start[sorted_expert] + rank, order.to(torch.int32))
+    # tile i belongs to the first expert whose groups end after it (empty experts end where they start)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(slots // block_m, device=device), right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    group_ends = (tile_end * block_m).to(torch.int32)
+    return ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
+
+
+# Tokens up to which route_tokens runs its one-program Triton kernel (decode and small prefills); above,
+# torch's parallel sort wins over one program walking every pair.
+ROUTE_KERNEL_MAX_TOKENS = 256
+
+
+def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, ExpertRouting]:
+    """(weights fp32 [T, top_k], expert ids int32 [T, top_k], ExpertRouting) from router logits [T, E]:
+    softmax in fp32, the top_k experts per token (renormalized to sum to 1 with `renormalize`), the pairs
+    grouped by expert as route_to_experts does. One Triton launch up to ROUTE_KERNEL_MAX_TOKENS tokens
+    where Triton serves (no host sync: CUDA-graph capturable), torch ops otherwise."""
+    tokens, num_experts = router_logits.shape
+    if not (triton_serves(router_logits) and 0 < tokens <= ROUTE_KERNEL_MAX_TOKENS):
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids.to(torch.int32), route_to_experts(ids, num_experts, block_m)
+    device = router_logits.device
+    num_pairs = tokens * top_k
+    slots = max_slots(num_pairs, num_experts, block_m)
+    e_pad = max(16, next_pow2(num_experts))
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(slots, dtype=torch.int32, device=device)
+    tile_expert = torch.empty(slots // block_m, dtype=torch.int32, device=device)
+    group_ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+    next_slot = device_buffer("moe-route-next-slot", device, e_pad, torch.int32, zeroed=False)
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    _route.moe_route_kernel[(1,)](
+        logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
+        tokens, num_experts, logits.stride(0), slots, slots // block_m,
+        TOP_K=top_k, K_PAD=next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
+        TB=max(1, 4096 // e_pad), PB=64, SB=64, num_warps=4)
+    return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+# Average pairs per expert from which the 64-slot tiles serve; below it the 16-slot ones, which pad each
+# expert's group less. Qwen3-30B-A3B's experts (128, top_k 8) on the H200, gate_up + down per call
+# (CUDA-graph replays of 16 random routings): 16-slot 247 / 810 / 1554 us at T = 512 / 2048 / 4096 tokens
+# (32 / 128 / 256 pairs per expert), 64-slot (swap-AB) 352 / 617 / 937 us.
+PREFILL_PAIRS_PER_EXPERT = 64
+
+
+def moe_block_m(num_pairs: int, num_experts: int) -> int:
+    """The routing tile for this many pairs: 16 at decode sizes, 64 when the experts get many pairs each."""
+    return 64 if num_pairs >= PREFILL_PAIRS_PER_EXPERT * num_experts else 16
+
+
+@dataclass(frozen=True)
+class MoeGemmConfig:
+    """A tiling of the grouped GEMM. block_m is the routing's tile (slots per tile)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    swap_ab: bool  # weight rows as the MMA's M and slots as its N (block_m 16..256), or slots as M (% 64)
+    num_warps: int = 4
+    num_stages: int = 3
+    precise_acc: bool = True  # promote fp8 MMA partial sums to fp32 once per K tile (gemm.py)
+
+    def __post_init__(self):
+        if self.block_k % 128:  # the kernel words come in 128-k groups (prepare.py)
+            raise ValueError(f"block_k must be a multiple of 128, got {self.block_k}")
+        if self.block_n % 16 or (not self.swap_ab and self.block_m % 64):
+            raise ValueError(f"no wgmma tiling for {self}")
+
+
+# Default tilings by routing block_m (not autotuned at start). Measured on the H200 at Qwen3-30B-A3B's
+# shapes: for 16 slots, block_k 256 with 4 stages beat block_k 128 (4 or 6 stages), 256 with 3 and 512 with
+# 2 at T = 1, 8, 64 tokens (T = 1: gate_up + quantize 13.6 us, down 7.0 us); for 64 slots the swap-AB tile
+# beat the plain one (weights in the MMA's B operand through shared memory) at T = 512, 2048, 4096 by
+# 2-17%. The plain tiling stays supported (tests run both).
+MOE_CONFIGS = {
+    16: MoeGemmConfig(block_m=16, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=4),
+    64: MoeGemmConfig(block_m=64, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=3),
+}
+
+
+def _use_asm(t: torch.Tensor) -> bool:
+    return t.is_cuda  # inline asm cannot run under the interpreter (CPU tensors)
+
+
+def _rows_div(source: str, top_k: int) -> int:
+    """Pairs per activation row: top_k for one row per token, 1 for one row per pair."""
+    if source not in ROW_SOURCES:
+        raise ValueError(f"rows_per_pair_source must be one of {ROW_SOURCES}, not {source!r}")
+    return top_k if source == "token" else 1
+
+
+def _check_operands(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, rows_div: int, glu: bool):
+    _, n, k = experts.shape
+    if x_q.shape[1] != k or experts.w_q.shape[2] * WORD_K != padded_k(k):
+        raise ValueError(f"w4a8_moe_gemm: activations have K={x_q.shape[1]}, the experts K={k}")
+    if x_q.shape[0] * rows_div != routing.num_pairs:
+        raise ValueError(f"w4a8_moe_gemm: {x_q.shape[0]} activation rows for {routing.num_pairs} pairs "
+                         f"({rows_div} pairs per row)")
+    if x_q.stride(1) != 1 or x_scale.numel() != x_q.shape[0]:
+        raise ValueError("w4a8_moe_gemm: x_q needs contiguous rows and x_scale one scale per row")
+    if glu and n % 2:
+        raise ValueError(f"w4a8_moe_gemm: a [gate | up] weight has an even row count, not {n}")
+    if not triton_serves(x_q):
+        raise ValueError("w4a8_moe_gemm: no Triton on this device (CUDA or the interpreter); "
+                         "w4a8_moe_reference serves the CPU")
+
+
+def w4a8_moe_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, experts: PreparedExperts, routing: ExpertRouting, *,
+                  rows_per_pair_source: str, glu: bool = False, out_dtype: torch.dtype = torch.bfloat16,
+                  config: MoeGemmConfig | None = None, use_asm: bool | None = None, out: torch.Tensor | None = None):
+    """Every pair's row of x times its expert's weight: x_q e4m3 [R, K], x_scale fp32 [R, 1], R = T with
+    rows_per_pair_source "token" (row of pair p: p // top_k), R = T * top_k with "pair" (row p).
+
+    glu=False: out [T * top_k, N] in out_dtype, row p = (x_row(p) * scale) @ W_expert(p)^T.
+    glu=True (a merged [gate | up] expert weight): (y_q e4m3 [T * top_k, N/2], y_scale fp32 [T * top_k, 1]),
+    quantize_activations(silu_mul(...)) of that, the bytes of w4a8_glu on each expert's rows.
+    `out` (optional) is the [T * top_k, N] output, or with glu the [T * top_k, N/2] silu_mul rows before
+    quantization. No bias. Launched without programmatic dependent launch: tests/kernels/test_pdl_protocol.py
+    checks only the kernel modules it lists, and this one is not among them yet."""
+    y, amax, _ = _launch(x_q, x_scale, experts, routing, rows_per_pair_source, glu, out_dtype, config, use_asm, out)
+    return quantize_rows_from_parts(y, amax) if glu else y
+
+
+def _launch(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, source: str, glu: bool, out_dtype,
+            config: MoeGemmConfig | None, use_asm: bool | None, out: torch.Tensor | None):
+    """w4a8_moe_gemm's GEMM: (output, amax parts [pairs, column tiles] with glu else None, compiled kernel
+    or None when nothing ran)."""
+    rows_div = _rows_div(source, routing.top_k)
+    _check_operands(x_q, x_scale, experts, routing, rows_div, glu)
+    cfg = config or MOE_CONFIGS[routing.block_m]
+    if cfg.block_m != routing.block_m:
+        raise ValueError(f"w4a8_moe_gemm: tiling block_m {cfg.block_m} on a routing of block_m {routing.block_m}")
+    _, n, k = experts.shape
+    pairs = routing.num_pairs
+    out_n = n // 2 if glu else n
+    tiles_n = -(-out_n // (cfg.block_n // 2)) if glu else -(-n // cfg.block_n)
+    if out is None:
+        out = torch.empty((pairs, out_n), dtype=out_dtype, device=x_q.device)
+    elif out.shape != (pairs, out_n) or out.stride(1) != 1:
+        raise ValueError(f"w4a8_moe_gemm: out must be [{pairs}, {out_n}] with contiguous rows")
+    amax = torch.empty((pairs, tiles_n), dtype=torch.int32, device=x_q.device) if glu else None
+    grid = (routing.tile_expert.numel() * tiles_n,)
+    if pairs == 0 or grid[0] == 0:
+        return out, amax, None
+    compiled = _moe.w4a8_moe_gemm_kernel[grid](
+        x_q, x_scale.reshape(-1), experts.w_q, experts.w_shift.view(torch.int32), experts.w_scale, out,
+        amax if glu else out, routing.sorted_pairs, routing.tile_expert, pairs, rows_div, n, k,
+        x_q.stride(0), out.stride(0),
+        SWAP_AB=cfg.swap_ab, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, EVEN_K=(k % cfg.block_k == 0),
+        USE_ASM=_use_asm(x_q) if use_asm is None else use_asm, PRECISE_ACC=cfg.precise_acc, GLU=glu,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out, amax, compiled
+
+
+def moe_gemm_ptx(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, rows_per_pair_source: str,
+                 config: MoeGemmConfig | None = None) -> str:
+    """PTX of the grouped GEMM kernel that serves this call (CUDA only; empty when nothing ran)."""
+    compiled = _launch(x_q, x_scale, experts, routing, rows_per_pair_source, False, torch.bfloat16, config,
+                       None, None)[2]
+    return compiled.asm.get("ptx", "") if compiled is not None else ""
+
+
+@torch.no_grad()
+def w4a8_moe_reference(x_q: torch.Tensor, x_scale: torch.Tensor, experts: PreparedExperts, topk_ids: torch.Tensor,
+                       *, rows_per_pair_source: str, glu: bool = False,
+                       out_dtype: torch.dtype = torch.bfloat16):
+    """What w4a8_moe_gemm computes, exactly (fp32 math, fp64 on CUDA; reference.w4a8_matmul_reference per
+    expert on its dequantized weight), with glu silu(gate) * up rounded as torch does in out_dtype, then
+    quantize_activations_reference. Syncs with the host (tests and the CPU path)."""
+    tokens, top_k = topk_ids.shape
+    rows_div = _rows_div(rows_per_pair_source, top_k)
+    expert_of_pair = topk_ids.reshape(-1).to(torch.int64)
+    n = experts.shape[1]
+    out = torch.empty((tokens * top_k, n), dtype=out_dtype, device=x_q.device)
+    for e in torch.unique(expert_of_pair).tolist():
+        pairs = torch.nonzero(expert_of_pair == e).flatten()
+        rows = pairs // rows_div
+        w = dequantize_prepared(expert_weight(experts, e))
+        out[pairs] = w4a8_matmul_reference(x_q[rows], x_scale[rows], w, None, out_dtype)
+    if not glu:
+        return out
+    gate, up = out.split(n // 2, dim=-1)
+    return quantize_activations_reference(F.silu(gate) * up)

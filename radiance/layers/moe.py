@@ -1,0 +1,144 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE): a router picks `top_k` of E SwiGLU experts per token.
+
+Each expert is a pair of ordinary linears (`experts.<e>.gate_up_proj`, `experts.<e>.down_proj`) that the
+loader installs like any other, so every checkpoint format reaches MXFP4 the usual way. When all of them
+run the W4A8 kernel, `finish_loading` stacks their prepared weights and forward runs two grouped GEMMs
+over expert-sorted token tiles (radiance.kernels.moe); 16-bit experts on a GPU with torch's grouped GEMM
+(sm_90: `torch._grouped_mm`, CUTLASS) are stacked the same way and run on it. Neither syncs with the host,
+so CUDA graphs can capture them. Otherwise (CPU, the reference path) forward loops over the picked experts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from radiance.kernels import moe as grouped_kernels
+from radiance.kernels.activation import quantize_activations, silu_mul
+from radiance.layers.linear import DenseLinear, UnloadedLinear, takes_fp8
+from radiance.models.arch_config import MoeConfig
+
+log = logging.getLogger(__name__)
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: a merged [gate | up] linear and a down linear."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = UnloadedLinear(hidden_size, 2 * intermediate_size, (intermediate_size, intermediate_size))
+        self.down_proj = UnloadedLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """forward(x [..., H]) -> sum over the top_k experts of router weight * expert(x), in x's dtype."""
+
+    def __init__(self, hidden_size: int, moe: MoeConfig):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_experts = moe.num_experts
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router, kept in 16 bits
+        self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.grouped = None  # (gate_up, down) PreparedExperts once finish_loading stacked them
+        self.grouped_16bit = None  # (gate_up [E, 2I, H], down [E, H, I]) 16-bit weights, likewise
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [T, top_k], expert ids int64 [T, top_k]): softmax over the router logits in fp32,
+        the top_k of it, renormalized to sum to 1 where the model asks for it."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.hidden_size)
+        if self.grouped is not None:
+            out = self._grouped_forward(x2)
+        elif self.grouped_16bit is not None and x2.dtype == self.grouped_16bit[0].dtype:
+            out = self._grouped_16bit_forward(x2)
+        else:
+            out = self._looped_forward(x2, *self.route(x2))
+        return out.reshape(*lead, self.hidden_size)
+
+    def _looped_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each picked expert on its own tokens (one host sync for the expert list): CPU and fallbacks."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():
+            token, choice = torch.where(ids == e)
+            h = self.experts[e](x[token])
+            out.index_add_(0, token, h.float() * weights[token, choice, None])
+        return out.to(x.dtype)
+
+    def _combine(self, h: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """sum over the choices of weight * expert output; h holds one row per (token, choice) pair."""
+        return (h.view(weights.shape[0], self.top_k, -1).float() * weights[..., None]).sum(dim=1).to(dtype)
+
+    def _grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """W4A8 experts: routing in one launch at decode sizes, both expert GEMMs as grouped launches."""
+        gate_up, down = self.grouped
+        block_m = grouped_kernels.moe_block_m(x.shape[0] * self.top_k, self.num_experts)
+        weights, _, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, block_m)
+        x_q, x_scale = quantize_activations(x)
+        y_q, y_scale = grouped_kernels.w4a8_moe_gemm(x_q, x_scale, gate_up, routing, rows_per_pair_source="token",
+                                                     glu=True, out_dtype=x.dtype)
+        h = grouped_kernels.w4a8_moe_gemm(y_q, y_scale, down, routing, rows_per_pair_source="pair", out_dtype=x.dtype)
+        return self._combine(h, weights, x.dtype)
+
+    def _grouped_16bit_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """16-bit experts: the pairs sorted by expert (a routing without padding), two grouped GEMMs
+        (torch._grouped_mm), then back in pair order."""
+        gate_up, down = self.grouped_16bit
+        weights, _, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
+        order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair
+        rows = x[order // self.top_k]
+        y = silu_mul(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=routing.group_ends))
+        h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends)
+        h = torch.empty_like(h_sorted).index_copy_(0, order, h_sorted)
+        return self._combine(h, weights, x.dtype)
+
+    def capturable(self) -> bool:
+        """Whether forward runs without host syncs (a grouped path): CUDA graphs can capture it."""
+        return self.grouped is not None or self.grouped_16bit is not None
+
+    def finish_loading(self) -> None:
+        """After the loader installed every expert linear: stack the experts' prepared MXFP4 weights for the
+        grouped kernel when all of them run the W4A8 kernel (no bias, no numerics monitor). The experts keep
+        views into the stacked tensors, so the weights are held once."""
+        pairs = [(e.gate_up_proj, e.down_proj) for e in self.experts]
+        linears = [lin for pair in pairs for lin in pair]
+        if all(isinstance(lin, DenseLinear) and lin.bias is None for lin in linears):
+            self._stack_16bit(pairs)
+            return
+        if not all(takes_fp8(lin) and lin.bias is None and lin.monitor is None for lin in linears):
+            return
+        stacked = tuple(grouped_kernels.stack_experts([pair[i]._prepared() for pair in pairs]) for i in (0, 1))
+        for i, experts in enumerate(stacked):
+            for e, pair in enumerate(pairs):
+                for buffer in ("w_q", "w_shift", "w_ref", "w_scale"):
+                    setattr(pair[i], buffer, getattr(experts, buffer)[e])
+        self.grouped = stacked
+
+    def _stack_16bit(self, pairs) -> None:
+        """16-bit experts on a GPU where torch has a grouped GEMM for them: stacked, the experts keep views."""
+        weight = pairs[0][0].weight
+        if not (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and grouped_mm_serves(weight.device)):
+            return
+        stacked = tuple(torch.stack([pair[i].weight for pair in pairs]) for i in (0, 1))
+        for i, experts in enumerate(stacked):
+            for e, pair in enumerate(pairs):
+                pair[i].weight = experts[e]
+        self.grouped_16bit = stacked
+
+
+def grouped_mm_serves(device: torch.device) -> bool:
+    """Whether torch's grouped GEMM runs on this GPU (CUTLASS kernels for sm_90 and up)."""
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)

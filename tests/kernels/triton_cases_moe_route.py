@@ -1,0 +1,74 @@
+"""The one-launch routing kernel (moe.route_tokens) against the torch ops it replaces. Run on CUDA, or on the
+CPU through the Triton interpreter by test_triton_interpreter.py."""
+
+import pytest
+import torch
+
+from radiance.kernels import moe
+from tests.kernels.test_moe_routing import check_routing
+
+
+def _on_cpu(routing: moe.ExpertRouting) -> moe.ExpertRouting:
+    return routing._replace(sorted_pairs=routing.sorted_pairs.cpu(), tile_expert=routing.tile_expert.cpu(),
+                            group_ends=routing.group_ends.cpu())
+
+
+def _torch_routing(logits: torch.Tensor, top_k: int, renormalize: bool):
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (17, 60, 4), (64, 128, 8),
+                                                      (200, 32, 4), (5, 4, 4)])
+@pytest.mark.parametrize("block_m", [1, 16, 64])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_tokens_kernel_matches_torch(device, tokens, num_experts, top_k, block_m, renormalize):
+    logits = torch.randn(tokens, num_experts, device=device) * 3  # fp32: no ties
+    weights, ids, routing = moe.route_tokens(logits, top_k, renormalize, block_m)
+    want_weights, want_ids = _torch_routing(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+    assert torch.equal(ids.long(), want_ids)
+    routing = _on_cpu(routing)
+    check_routing(routing, ids.long().cpu(), num_experts, block_m)
+    used = routing.tile_expert >= 0
+    assert routing.group_ends.tolist() == [int((used & (routing.tile_expert <= e)).sum()) * block_m
+                                           for e in range(num_experts)]
+
+
+def test_route_tokens_kernel_bf16_logits_with_ties(device):
+    """bf16 logits, as a model's router gives them, tie often: the kernel takes the lower expert of a tie, so
+    compare what ties cannot change: the weights in order, and each picked expert's own probability."""
+    logits = (torch.randn(40, 128, device=device) * 3).to(torch.bfloat16)
+    logits[0, 5] = logits[0, 9] = 30.0  # an exact tie at the top
+    weights, ids, routing = moe.route_tokens(logits, 8, False, 16)
+    want_weights, _ = _torch_routing(logits, 8, False)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    torch.testing.assert_close(weights, probs.gather(1, ids.long()), rtol=1e-5, atol=1e-7)
+    assert ids[0, :2].tolist() == [5, 9]
+    assert all(len(set(row)) == 8 for row in ids.tolist())
+    check_routing(_on_cpu(routing), ids.long().cpu(), 128, 16)
+
+
+def test_route_tokens_kernel_fp32_logits_and_strided(device):
+    """fp32 logits as a column slice of a wider tensor (row stride != E)."""
+    wide = torch.randn(9, 40, device=device)
+    logits = wide[:, 4:36]
+    weights, ids, routing = moe.route_tokens(logits, 3, False, 16)
+    want_weights, want_ids = _torch_routing(logits, 3, False)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+    assert torch.equal(ids.long(), want_ids)
+    check_routing(_on_cpu(routing), ids.long().cpu(), 32, 16)
+
+
+def test_route_tokens_falls_back_to_torch_above_the_kernel_band(device):
+    logits = torch.randn(moe.ROUTE_KERNEL_MAX_TOKENS + 1, 16, device=device)
+    weights, ids, routing = moe.route_tokens(logits, 2, True, 16)
+    want_weights, want_ids = _torch_routing(logits, 2, True)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights)
+    check_routing(_on_cpu(routing), want_ids.cpu(), 16, 16)
