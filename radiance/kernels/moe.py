@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from radiance.kernels._triton import moe_combine as _combine
 from radiance.kernels._triton import moe_gemm as _moe
 from radiance.kernels._triton import moe_route as _route
 from radiance.kernels.buffers import device_buffer
@@ -146,8 +147,24 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
         tokens, num_experts, logits.stride(0), slots, slots // block_m,
         TOP_K=top_k, K_PAD=next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
-        TB=max(1, 4096 // e_pad), PB=64, SB=64, num_warps=4)
+        # tiles no larger than the work (one compile per power of two of the token count)
+        TB=max(2, min(4096 // e_pad, next_pow2(tokens))), PB=max(16, min(64, next_pow2(num_pairs))), SB=64,
+        num_warps=4)
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
+
+
+def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] = sum over the choices of weights [T, top_k] * h [T * top_k, H] (rows in pair order), summed
+    in fp32 in choice order: one Triton launch where Triton serves, torch elsewhere (the same math)."""
+    tokens, top_k = weights.shape
+    width = h.shape[1]
+    if not triton_serves(h) or tokens == 0:
+        return (h.view(tokens, top_k, width).float() * weights[..., None]).sum(dim=1).to(out_dtype)
+    out = torch.empty((tokens, width), dtype=out_dtype, device=h.device)
+    block = min(1024, next_pow2(width))
+    _combine.moe_combine_kernel[(tokens, -(-width // block))](h, weights.contiguous(), out, width, h.stride(0),
+                                                             out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out
 
 
 def next_pow2(n: int) -> int:

@@ -67,6 +67,10 @@ UNIT_SCALES = KvScales()
 FUSED_ROTARY_MIN_BATCH = 16
 
 
+def _head_norms(q: torch.Tensor, k: torch.Tensor, qk_norm: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return (qk_norm[0](q), qk_norm[1](k)) if qk_norm is not None else (q, k)
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
@@ -89,10 +93,12 @@ class Attention(nn.Module):
         return self.fp8_kv_scales if cache_dtype == torch.float8_e4m3fn else UNIT_SCALES
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None,
-                rotary: tuple | None = None, quantize: bool = False):
+                rotary: tuple | None = None, quantize: bool = False, qk_norm: tuple | None = None):
         """q [..., Hq, D], k/v [..., Hkv, D] -> [..., Hq * D]. rotary = (RotaryEmbedding, positions)
         rotates q and k first; on the Triton path that launch also writes k and v to the cache (at
         decode the attention kernel itself rotates and writes them).
+        qk_norm = (q_norm, k_norm) RMSNorm modules normalize each head of q and k before the rotation
+        (Qwen3): inside the rotary launch where it writes the cache, as separate launches elsewhere.
         `quantize` (the next linear runs W4A8) lets the decode path return Fp8Activations, quantized
         in its merge launch; every other path returns the tensor and leaves quantization to the linear."""
         cached = meta is not None and self.k_cache is not None
@@ -101,12 +107,15 @@ class Attention(nn.Module):
             if cached and _use_triton(q) and rope.fuses_kv_store(positions, q):
                 if meta.is_decode and q.shape[0] >= FUSED_ROTARY_MIN_BATCH:
                     # the decode kernel rotates and stores itself: one launch fewer
+                    q, k = _head_norms(q, k, qk_norm)
                     fused = (rope.cos, rope.sin, positions, k, v, meta.slot_mapping)
                     return self._paged_triton(q, meta, quantize, rotary=fused)
                 q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                          self.kv_scales(self.k_cache.dtype))
+                                          self.kv_scales(self.k_cache.dtype), qk_norm=qk_norm)
                 return self._paged_triton(q, meta, quantize)
-            q, k = rope(positions, q, k)
+            q, k = rope(positions, *_head_norms(q, k, qk_norm))
+        else:
+            q, k = _head_norms(q, k, qk_norm)
         if not cached:
             return self._causal_no_cache(q, k, v)
         scales = self.kv_scales(self.k_cache.dtype)

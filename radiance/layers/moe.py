@@ -78,10 +78,6 @@ class SparseMoeBlock(nn.Module):
             out.index_add_(0, token, h.float() * weights[token, choice, None])
         return out.to(x.dtype)
 
-    def _combine(self, h: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """sum over the choices of weight * expert output; h holds one row per (token, choice) pair."""
-        return (h.view(weights.shape[0], self.top_k, -1).float() * weights[..., None]).sum(dim=1).to(dtype)
-
     def _grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
         """W4A8 experts: routing in one launch at decode sizes, both expert GEMMs as grouped launches."""
         gate_up, down = self.grouped
@@ -91,7 +87,7 @@ class SparseMoeBlock(nn.Module):
         y_q, y_scale = grouped_kernels.w4a8_moe_gemm(x_q, x_scale, gate_up, routing, rows_per_pair_source="token",
                                                      glu=True, out_dtype=x.dtype)
         h = grouped_kernels.w4a8_moe_gemm(y_q, y_scale, down, routing, rows_per_pair_source="pair", out_dtype=x.dtype)
-        return self._combine(h, weights, x.dtype)
+        return grouped_kernels.combine_experts(h, weights, x.dtype)
 
     def _grouped_16bit_forward(self, x: torch.Tensor) -> torch.Tensor:
         """16-bit experts: the pairs sorted by expert (a routing without padding), two grouped GEMMs
@@ -103,7 +99,7 @@ class SparseMoeBlock(nn.Module):
         y = silu_mul(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=routing.group_ends))
         h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends)
         h = torch.empty_like(h_sorted).index_copy_(0, order, h_sorted)
-        return self._combine(h, weights, x.dtype)
+        return grouped_kernels.combine_experts(h, weights, x.dtype)
 
     def capturable(self) -> bool:
         """Whether forward runs without host syncs (a grouped path): CUDA graphs can capture it."""

@@ -84,12 +84,15 @@ class RotaryEmbedding(nn.Module):
         half = q.shape[-1] // 2
         return q.is_cuda and q.dim() == 3 and positions.dim() == 1 and half & (half - 1) == 0
 
-    def rotate_and_store(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None) -> torch.Tensor:
+    def rotate_and_store(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None,
+                         qk_norm=None) -> torch.Tensor:
         """Rotated q; the rotated k and v written to the paged cache at slot_mapping (-1: skipped),
         in one launch (what forward + store_kv_cache do in two); an fp8 cache holds them against `scales`
-        (attention.KvScales; None: unscaled)."""
+        (attention.KvScales; None: unscaled). qk_norm = (q_norm, k_norm) RMSNorm modules: q and k heads
+        normalized first, in the same launch."""
         inv = (1.0, 1.0) if scales is None else (scales.inv_k, scales.inv_v)
-        return _rotate_triton(positions, q, k, self.cos, self.sin, store=(v, k_cache, v_cache, slot_mapping, *inv))
+        return _rotate_triton(positions, q, k, self.cos, self.sin, store=(v, k_cache, v_cache, slot_mapping, *inv),
+                              qk_norm=qk_norm)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.fuses_kv_store(positions, q):
@@ -124,10 +127,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.to(x.dtype)
 
 
-def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None):
+def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None, qk_norm: tuple | None = None):
     """RotaryEmbedding.forward in one Triton kernel: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous views ok).
     With store = (v, k_cache, v_cache, slot_mapping, k_inv, v_inv) the rotated k and v go to their cache
-    slots (an fp8 cache times k_inv / v_inv) and only q is returned."""
+    slots (an fp8 cache times k_inv / v_inv) and only q is returned. With qk_norm = (q_norm, k_norm) (RMSNorm
+    modules of one eps) each head of q and k is normalized before its rotation."""
     from radiance.kernels._triton.rotary import rotary_kernel
 
     t, q_heads, head_dim = q.shape
@@ -145,9 +149,10 @@ def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None):
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     pdl = supports_pdl(q.device)
+    q_norm_w, k_norm_w, eps = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps) if qk_norm else (cos, cos, 0.0)
     rotary_kernel[(t,)](q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                         q_heads, k_heads, v, v_out, slots, v.stride(0), v.stride(1), slot_stride, k_inv, v_inv,
-                        HALF=head_dim // 2, BLOCK_QH=triton.next_power_of_2(q_heads),
-                        BLOCK_KH=triton.next_power_of_2(k_heads), STORE_KV=store is not None, PDL=pdl,
-                        launch_pdl=pdl, num_warps=4)
+                        q_norm_w, k_norm_w, eps, HALF=head_dim // 2, BLOCK_QH=triton.next_power_of_2(q_heads),
+                        BLOCK_KH=triton.next_power_of_2(k_heads), STORE_KV=store is not None,
+                        NORM=qk_norm is not None, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return q_out if store is not None else (q_out, k_out)

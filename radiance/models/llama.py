@@ -52,11 +52,11 @@ class LlamaAttention(nn.Module):
         q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
         k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # rotary inside attention: on CUDA one launch rotates q and k and writes k, v to the KV cache
+        # rotary inside attention: on CUDA one launch normalizes (Qwen3) and rotates q and k and writes k, v
+        # to the KV cache
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
         return for_norm(self.o_proj, self.attn(q, k, v, meta, rotary=(self.rotary[0], positions),
-                                               quantize=takes_fp8(self.o_proj)))
+                                               quantize=takes_fp8(self.o_proj), qk_norm=qk_norm))
 
 
 class LlamaMLP(nn.Module):

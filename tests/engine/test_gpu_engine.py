@@ -80,3 +80,16 @@ def test_fp8_kv_cache_gpu_matches_cpu(tiny_llm):
 
     model = gpu.engine.runner.model
     assert 2 * block_bytes(model, 16, torch.float8_e4m3fn) == block_bytes(model, 16, torch.bfloat16)
+
+
+def test_qwen3_head_norms_fused_in_rotary_match_cpu(tiny_model_dir):
+    """Qwen3's q_norm / k_norm run inside the rotary launch on the GPU: greedy tokens in fp32 as on the CPU."""
+    from radiance import LLM
+
+    path, _ = tiny_model_dir("qwen3")
+    prompts = [[(5 * i + 3 * j) % 256 for j in range(20 + 9 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32").generate(prompts, params)]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = LLM(path, device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4, cuda_graph_max_batch=4)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == cpu

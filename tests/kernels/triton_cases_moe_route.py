@@ -72,3 +72,15 @@ def test_route_tokens_falls_back_to_torch_above_the_kernel_band(device):
     assert torch.equal(ids.long(), want_ids)
     torch.testing.assert_close(weights, want_weights)
     check_routing(_on_cpu(routing), want_ids.cpu(), 16, 16)
+
+
+@pytest.mark.parametrize("tokens,top_k,width", [(1, 8, 2048), (5, 2, 48), (33, 4, 1500)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_combine_experts_matches_torch(device, tokens, top_k, width, out_dtype):
+    h = torch.randn(tokens * top_k, width, device=device).to(out_dtype)
+    weights = torch.rand(tokens, top_k, device=device)
+    out = moe.combine_experts(h, weights, out_dtype)
+    want = (h.view(tokens, top_k, width).float() * weights[..., None]).sum(dim=1)
+    assert out.dtype == out_dtype and out.shape == (tokens, width)
+    torch.testing.assert_close(out.float(), want.to(out_dtype).float(), rtol=1e-5 if out_dtype == torch.float32
+                               else 2 ** -7, atol=1e-5)

@@ -47,3 +47,35 @@ def test_rotate_and_store_writes_the_cache(device, head_dim, q_heads, k_heads):
     store_kv_cache_torch(ref_k, v, ref_kc, ref_vc, slots)
     assert torch.equal(q_rot, ref_q)
     assert torch.equal(k_cache, ref_kc) and torch.equal(v_cache, ref_vc)
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_fused_head_norm_matches_norm_then_rotate(device, store):
+    """Qwen3's q_norm / k_norm inside the rotary launch: what the RMSNorm modules followed by the rotation
+    give (bf16 on CUDA; fp32 under the interpreter), for the plain launch and the one writing the cache."""
+    from radiance.layers.norm import RMSNorm
+
+    head_dim, q_heads, k_heads, t = 128, 12, 4, 5
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rope = RotaryEmbedding(head_dim, 1024, 1000000.0).to(device)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(device), RMSNorm(head_dim, 1e-6).to(device)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.3 * torch.randn(head_dim)), k_norm.weight.copy_(1 + 0.3 * torch.randn(head_dim))
+    positions = torch.randint(0, 1024, (t,), device=device)
+    q = (torch.randn(t, q_heads, head_dim, device=device) * 4).to(dtype)
+    k = (torch.randn(t, k_heads, head_dim, device=device) * 4).to(dtype)
+    v = torch.randn(t, k_heads, head_dim, device=device).to(dtype)
+    want_q, want_k = _rotate_triton(positions, q_norm(q), k_norm(k), rope.cos, rope.sin)
+    tol = dict(rtol=2 ** -7, atol=2 ** -7) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    if store:
+        k_cache = torch.zeros(2, 4, k_heads, head_dim, device=device, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.arange(t, device=device)
+        got_q = rope.rotate_and_store(positions, q, k, v, k_cache, v_cache, slots, qk_norm=(q_norm, k_norm))
+        got_k = k_cache.reshape(-1, k_heads, head_dim)[:t]
+        assert torch.equal(v_cache.reshape(-1, k_heads, head_dim)[:t], v)
+    else:
+        got_q, got_k = _rotate_triton(positions, q, k, rope.cos, rope.sin, qk_norm=(q_norm, k_norm))
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    assert not torch.allclose(got_q.float(), _rotate_triton(positions, q, k, rope.cos, rope.sin)[0].float(), atol=0.1)

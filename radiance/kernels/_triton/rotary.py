@@ -27,10 +27,26 @@ def to_cache(x, ptr, inv_scale):
 
 
 @triton.jit
-def _rotated_halves(src_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _head_rms_norm(x1, x2, w_ptr, eps, dtype: tl.constexpr, HALF: tl.constexpr):
+    """Qwen3's q_norm / k_norm of each head (rows of the halves x1, x2: fp32 holding dtype values) with
+    RMSNorm's rounding (act_quant.add_rmsnorm_rows_kernel): normalized in fp32, rounded to dtype, times
+    the weight in dtype."""
+    inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    w1 = tl.load(w_ptr + d).to(dtype).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d).to(dtype).to(tl.float32)
+    y1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
+def _rotated_halves(src_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                    norm_w_ptr=None, eps=0.0, NORM: tl.constexpr = False):
     """The halves (x1 cos - x2 sin, x2 cos + x1 sin), each [BLOCK_H, HALF] in the input dtype, of the
-    `heads` heads at src_row (head stride stride_h; rows past `heads` are zeros). The one copy of the
-    math, so every kernel that rotates (here, the fused decode attention) rounds to the same bits."""
+    `heads` heads at src_row (head stride stride_h; rows past `heads` are zeros); with NORM each head
+    RMS-normalized first (_head_rms_norm, weight norm_w_ptr). The one copy of the math, so every kernel
+    that rotates (here, the fused decode attention) rounds to the same bits."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     live = h < heads
@@ -38,15 +54,17 @@ def _rotated_halves(src_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOC
     x1_raw = tl.load(src, mask=live, other=0.0)
     x1 = x1_raw.to(tl.float32)
     x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _head_rms_norm(x1, x2, norm_w_ptr, eps, x1_raw.dtype, HALF)
     return (x1 * cos - x2 * sin).to(x1_raw.dtype), (x2 * cos + x1 * sin).to(x1_raw.dtype)
 
 
 @triton.jit
 def _rotate_heads(src_row, dst_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  inv_scale=1.0):
+                  inv_scale=1.0, norm_w_ptr=None, eps=0.0, NORM: tl.constexpr = False):
     """Rotates `heads` heads at src_row (head stride stride_h) into dst_row (heads contiguous; a cache row:
-    see to_cache)."""
-    r1, r2 = _rotated_halves(src_row, stride_h, heads, cos, sin, HALF, BLOCK_H)
+    see to_cache); with NORM RMS-normalized per head first."""
+    r1, r2 = _rotated_halves(src_row, stride_h, heads, cos, sin, HALF, BLOCK_H, norm_w_ptr, eps, NORM)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     live = h < heads
@@ -64,10 +82,10 @@ def rotated_heads(src_row, stride_h, heads, cos, sin, HALF: tl.constexpr, BLOCK_
 
 @triton.jit
 def store_rotated_kv(k_row, v_row, kc_row, vc_row, stride_kh, stride_vh, heads, cos, sin, HALF: tl.constexpr,
-                     BLOCK_H: tl.constexpr, k_inv, v_inv):
-    """A token's `heads` k heads rotated and its v heads as they are, into one cache slot (kc_row /
-    vc_row: its first head; heads contiguous; k_inv / v_inv: see to_cache)."""
-    _rotate_heads(k_row, kc_row, stride_kh, heads, cos, sin, HALF, BLOCK_H, k_inv)
+                     BLOCK_H: tl.constexpr, k_inv, v_inv, k_norm_ptr=None, eps=0.0, NORM: tl.constexpr = False):
+    """A token's `heads` k heads rotated (NORM: RMS-normalized first) and its v heads as they are, into one
+    cache slot (kc_row / vc_row: its first head; heads contiguous; k_inv / v_inv: see to_cache)."""
+    _rotate_heads(k_row, kc_row, stride_kh, heads, cos, sin, HALF, BLOCK_H, k_inv, k_norm_ptr, eps, NORM)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, 2 * HALF)[None, :]
     live = h < heads
@@ -78,11 +96,13 @@ def store_rotated_kv(k_row, v_row, kc_row, vc_row, stride_kh, stride_vh, heads, 
 @triton.jit
 def rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
                   stride_kh, q_heads, k_heads, v_ptr, v_out_ptr, slot_ptr, stride_vt, stride_vh, stride_cs,
-                  k_inv, v_inv, HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-                  STORE_KV: tl.constexpr, PDL: tl.constexpr = False):
+                  k_inv, v_inv, q_norm_ptr, k_norm_ptr, eps, HALF: tl.constexpr, BLOCK_QH: tl.constexpr,
+                  BLOCK_KH: tl.constexpr, STORE_KV: tl.constexpr, NORM: tl.constexpr = False,
+                  PDL: tl.constexpr = False):
     """k_out / v_out: [T, Hkv, D] outputs, or (STORE_KV) the k / v caches [blocks, block_size, Hkv, D]
     with slot stride stride_cs, written at slot_ptr[t] (-1: a padding token, nothing written), an fp8
-    cache times k_inv / v_inv (to_cache)."""
+    cache times k_inv / v_inv (to_cache). NORM: q and k heads RMS-normalized first (Qwen3's q_norm /
+    k_norm weights, eps): two launches fewer per layer."""
     pdl_handoff(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -90,13 +110,14 @@ def rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     cos = tl.load(cos_ptr + pos * HALF + d)
     sin = tl.load(sin_ptr + pos * HALF + d)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * q_heads * 2 * HALF, stride_qh, q_heads, cos, sin, HALF,
-                  BLOCK_QH)
+                  BLOCK_QH, 1.0, q_norm_ptr, eps, NORM)
     if STORE_KV:
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             row = slot.to(tl.int64) * stride_cs
             store_rotated_kv(k_ptr + t * stride_kt, v_ptr + t * stride_vt, k_out_ptr + row, v_out_ptr + row,
-                             stride_kh, stride_vh, k_heads, cos, sin, HALF, BLOCK_KH, k_inv, v_inv)
+                             stride_kh, stride_vh, k_heads, cos, sin, HALF, BLOCK_KH, k_inv, v_inv, k_norm_ptr, eps,
+                             NORM)
     else:
         _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * k_heads * 2 * HALF, stride_kh, k_heads, cos, sin, HALF,
-                      BLOCK_KH)
+                      BLOCK_KH, 1.0, k_norm_ptr, eps, NORM)
