@@ -127,6 +127,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.to(x.dtype)
 
 
+# q heads per rotary program: a decode step's one token spreads its heads (and their norms) over several SMs
+ROTARY_Q_HEADS_PER_PROGRAM = 8
+
+
 def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None, qk_norm: tuple | None = None):
     """RotaryEmbedding.forward in one Triton kernel: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous views ok).
     With store = (v, k_cache, v_cache, slot_mapping, k_inv, v_inv) the rotated k and v go to their cache
@@ -150,9 +154,11 @@ def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None, qk_nor
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     pdl = supports_pdl(q.device)
     q_norm_w, k_norm_w, eps = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps) if qk_norm else (cos, cos, 0.0)
-    rotary_kernel[(t,)](q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+    block_qh = min(triton.next_power_of_2(q_heads), ROTARY_Q_HEADS_PER_PROGRAM)
+    grid = (t, -(-q_heads // block_qh) + 1)
+    rotary_kernel[grid](q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                         q_heads, k_heads, v, v_out, slots, v.stride(0), v.stride(1), slot_stride, k_inv, v_inv,
-                        q_norm_w, k_norm_w, eps, HALF=head_dim // 2, BLOCK_QH=triton.next_power_of_2(q_heads),
+                        q_norm_w, k_norm_w, eps, HALF=head_dim // 2, BLOCK_QH=block_qh,
                         BLOCK_KH=triton.next_power_of_2(k_heads), STORE_KV=store is not None,
                         NORM=qk_norm is not None, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return q_out if store is not None else (q_out, k_out)

@@ -417,7 +417,7 @@ def test_attention_forward_fuses_rotary_into_decode(monkeypatch):
     assert err < 1e-2, err
     monkeypatch.setattr(attention, "FUSED_ROTARY_MIN_BATCH", 4)
     calls = []
-    monkeypatch.setattr(RotaryEmbedding, "rotate_and_store", lambda self, pos, q, *a: calls.append(1) or q)
+    monkeypatch.setattr(RotaryEmbedding, "rotate_and_store", lambda self, pos, q, *a, **kw: calls.append(1) or q)
     attn(q, k, v, meta, rotary=(rope, positions))
     assert calls == [1]
 

@@ -99,19 +99,24 @@ def rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
                   k_inv, v_inv, q_norm_ptr, k_norm_ptr, eps, HALF: tl.constexpr, BLOCK_QH: tl.constexpr,
                   BLOCK_KH: tl.constexpr, STORE_KV: tl.constexpr, NORM: tl.constexpr = False,
                   PDL: tl.constexpr = False):
-    """k_out / v_out: [T, Hkv, D] outputs, or (STORE_KV) the k / v caches [blocks, block_size, Hkv, D]
+    """Grid [T, cdiv(q_heads, BLOCK_QH) + 1]. k_out / v_out: [T, Hkv, D] outputs, or (STORE_KV) the k / v caches [blocks, block_size, Hkv, D]
     with slot stride stride_cs, written at slot_ptr[t] (-1: a padding token, nothing written), an fp8
     cache times k_inv / v_inv (to_cache). NORM: q and k heads RMS-normalized first (Qwen3's q_norm /
     k_norm weights, eps): two launches fewer per layer."""
     pdl_handoff(PDL)
     t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)  # BLOCK_QH q heads per program, then one program for k (and v): at decode the
+    q_parts = tl.cdiv(q_heads, BLOCK_QH)  # few tokens' heads are spread over several SMs, not one
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_ptr + pos * HALF + d)
     sin = tl.load(sin_ptr + pos * HALF + d)
-    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * q_heads * 2 * HALF, stride_qh, q_heads, cos, sin, HALF,
-                  BLOCK_QH, 1.0, q_norm_ptr, eps, NORM)
-    if STORE_KV:
+    if part < q_parts:
+        first = part * BLOCK_QH
+        _rotate_heads(q_ptr + t * stride_qt + first * stride_qh, q_out_ptr + (t * q_heads + first) * 2 * HALF,
+                      stride_qh, tl.minimum(q_heads - first, BLOCK_QH), cos, sin, HALF, BLOCK_QH, 1.0, q_norm_ptr,
+                      eps, NORM)
+    elif STORE_KV:
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             row = slot.to(tl.int64) * stride_cs
