@@ -36,6 +36,16 @@ def load_config(model_dir: str) -> dict:
     return config
 
 
+def modelopt_quant_file(model_dir: str) -> tuple[dict | None, str]:
+    """(quantization_config, its file) from `hf_quant_config.json`, where NVIDIA ModelOpt exports put it
+    ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": ...}}); (None, "") without one."""
+    path = os.path.join(model_dir, "hf_quant_config.json")
+    if not os.path.exists(path):
+        return None, ""
+    data = load_json(path, "hf_quant_config.json")
+    return {"quant_method": "modelopt", **(data.get("quantization") or {})}, path
+
+
 def quantization_config(config: dict) -> dict | None:
     """The checkpoint's quantization_config (older compressed-tensors exports call it compression_config)."""
     qc = config.get("quantization_config") or config.get("compression_config")

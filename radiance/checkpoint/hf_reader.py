@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.hf_config import (chat_template, eos_token_ids, expected_shapes, load_config,
-                                           quantization_config)
+                                           modelopt_quant_file, quantization_config)
 from radiance.checkpoint.layout import FLOAT_DTYPES, check_linear, detect_format, read_linear, required_tensors
 from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
                                        leaf, partition_modules, sort_key, split_tensor_name)
@@ -46,7 +46,10 @@ class HfCheckpoint(Checkpoint):
         path = os.path.abspath(path)
         config = load_config(path)
         self.config_file = os.path.join(path, "config.json")
-        quant = parse_quantization_config(quantization_config(config), self.config_file)
+        qc, qc_file = quantization_config(config), self.config_file
+        if qc is None:
+            qc, qc_file = modelopt_quant_file(path)
+        quant = parse_quantization_config(qc, qc_file)
         super().__init__(path=path, kind="hf", config=config, quant=quant, warnings=quant.warnings)
         self.index = SafetensorsIndex(path)
         self._module_tensors: dict[str, list[str]] = {}

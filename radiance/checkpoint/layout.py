@@ -3,6 +3,8 @@
 compressed-tensors: nvfp4 `weight_packed` u8 [N,K/2] + `weight_scale` e4m3 [N,K/16] + `weight_global_scale`
 f32 [1]; mxfp4 `weight_packed` + `weight_scale` u8 e8m0 [N,K/32]; fp8 `weight` e4m3 [N,K] + `weight_scale`
 f32 [N,1]. Quark OCP MX fp4 keeps the packed codes under `weight` (u8) with a u8 e8m0 `weight_scale`.
+ModelOpt nvfp4 keeps them under `weight` (u8) with an e4m3 `weight_scale` and `weight_scale_2`, the
+reciprocal of compressed-tensors' global scale (W = e2m1 * weight_scale * weight_scale_2).
 Reading validates dtype and shape of every tensor and raises CheckpointError naming the tensor.
 """
 
@@ -39,12 +41,16 @@ def detect_format(module: str, src: TensorSource) -> str | None:
         return None
     if weight.dtype == torch.float8_e4m3fn:
         return "fp8"
-    if weight.dtype == torch.uint8 and f"{module}.weight_scale" in meta:
-        return "mxfp4"  # Quark OCP MX layout
+    scale = meta.get(f"{module}.weight_scale")
+    if weight.dtype == torch.uint8 and scale is not None:
+        # ModelOpt NVFP4 (e4m3 block scales) or Quark's OCP MX layout (e8m0)
+        return "nvfp4" if scale.dtype == torch.float8_e4m3fn else "mxfp4"
     return "dense"
 
 
 def required_tensors(module: str, fmt: str, layout: str = "compressed-tensors") -> list[str]:
+    if fmt == "nvfp4" and layout == "modelopt":
+        return [f"{module}.{t}" for t in ("weight", "weight_scale", "weight_scale_2")]
     if fmt == "nvfp4":
         return [f"{module}.{t}" for t in ("weight_packed", "weight_scale", "weight_global_scale")]
     if fmt == "mxfp4":
@@ -88,8 +94,8 @@ def _slots(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] |
         n, k = _dims(src, f"{module}.weight", expected, 1)
         return {"w": _Slot(f"{module}.weight", FLOAT_DTYPES, (n, k), "a 16-bit linear weight")}
     if fmt in ("mxfp4", "nvfp4"):
-        main = f"{module}.weight_packed" if (fmt == "nvfp4" or f"{module}.weight_packed" in src.meta) \
-            else f"{module}.weight"  # Quark keeps the packed codes under `weight`
+        # Quark and ModelOpt keep the packed codes under `weight`
+        main = f"{module}.weight_packed" if f"{module}.weight_packed" in src.meta else f"{module}.weight"
         n, k = _dims(src, main, expected, 2)
         group = MX_BLOCK if fmt == "mxfp4" else NV_BLOCK
         if k % group:
@@ -102,8 +108,12 @@ def _slots(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] |
         else:
             slots["scale"] = _Slot(f"{module}.weight_scale", (torch.float8_e4m3fn,), (n, k // group),
                                    "nvfp4 e4m3 block scales")
-            slots["global"] = _Slot(f"{module}.weight_global_scale", FLOAT_DTYPES, None,
-                                    "the nvfp4 global scale", (1,))
+            if f"{module}.weight_global_scale" in src.meta or f"{module}.weight_scale_2" not in src.meta:
+                slots["global"] = _Slot(f"{module}.weight_global_scale", FLOAT_DTYPES, None,
+                                        "the nvfp4 global scale", (1,))
+            else:  # ModelOpt: its reciprocal
+                slots["global_inverse"] = _Slot(f"{module}.weight_scale_2", FLOAT_DTYPES, None,
+                                                "the nvfp4 second-level scale (ModelOpt)", (1,))
         return slots
     if fmt == "fp8":
         n, k = _dims(src, f"{module}.weight", expected, 1)
@@ -146,11 +156,12 @@ def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, i
         if fmt == "mxfp4":
             return Mxfp4Weight(t["packed"], t["scale"].view(torch.uint8))
         if fmt == "nvfp4":
-            gs = t["global"].float().reshape(1)
-            if not bool(torch.isfinite(gs).all()) or float(gs) <= 0:
-                raise CheckpointError(f"nvfp4 global scale must be finite and positive, got {float(gs)}",
-                                      file=_file_of(src, slots["global"].name), tensor=slots["global"].name)
-            return Nvfp4Weight(t["packed"], t["scale"], gs)
+            role = "global" if "global" in t else "global_inverse"
+            value = t[role].float().reshape(1)
+            if not bool(torch.isfinite(value).all()) or float(value) <= 0:
+                raise CheckpointError(f"{slots[role].what} must be finite and positive, got {float(value)}",
+                                      file=_file_of(src, slots[role].name), tensor=slots[role].name)
+            return Nvfp4Weight(t["packed"], t["scale"], value if role == "global" else 1.0 / value)
         n = t["w8"].shape[0]
         scale = t["scale"].float().reshape(-1, 1)
         return Fp8Weight(t["w8"], scale.expand(n, 1).contiguous() if scale.numel() == 1 else scale)

@@ -5,7 +5,10 @@ Two producers are understood:
   ("Linear", exact module names or "re:" regexes), an `ignore` list, a storage `format`
   (nvfp4-pack-quantized, mxfp4-pack-quantized, float-quantized, naive-quantized, dense, mixed-precision);
 - AMD Quark (`quant_method: quark`): `global_quant_config`, `layer_quant_config` (glob patterns),
-  `layer_type_quant_config` and an `exclude` list; OCP MX fp4 stores `weight` + e8m0 `weight_scale`.
+  `layer_type_quant_config` and an `exclude` list; OCP MX fp4 stores `weight` + e8m0 `weight_scale`;
+- NVIDIA ModelOpt (`quant_method: modelopt` in config.json, or `hf_quant_config.json`): one `quant_algo`
+  for every linear (NVFP4: `weight` packed + e4m3 `weight_scale` + fp32 `weight_scale_2`; FP8) and an
+  `exclude_modules` list of globs.
 
 Exclusion lists must name MODULES. An entry naming a tensor (`mtp.fc.weight`) silently matches nothing
 in other loaders and the load dies later on a shape mismatch; here it is detected, a warning says how to
@@ -24,7 +27,7 @@ from radiance.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("none", "compressed-tensors", "quark")
+METHODS = ("none", "compressed-tensors", "quark", "modelopt")
 # storage format strings of compressed-tensors that hold each of our formats
 _CT_STORAGE = {
     "nvfp4": ("nvfp4-pack-quantized",),
@@ -41,7 +44,7 @@ class QuantScheme:
     """How the linears a scheme targets are stored."""
 
     format: str  # "mxfp4" | "nvfp4" | "fp8" | "dense"
-    layout: str  # "compressed-tensors" | "quark": decides the tensor names
+    layout: str  # "compressed-tensors" | "quark" | "modelopt": decides the tensor names
     targets: tuple[str, ...] = ()
     group: str = ""
 
@@ -154,11 +157,14 @@ def parse_quantization_config(qc: dict | None, source: str = "config.json") -> Q
         spec = _parse_compressed_tensors(qc, source)
     elif method == "quark":
         spec = _parse_quark(qc, source)
+    elif method == "modelopt":
+        spec = _parse_modelopt(qc, source)
     else:
         raise CheckpointError(
             f"unsupported quantization_config.quant_method {qc.get('quant_method')!r}; "
             f"radiance reads {', '.join(METHODS[1:])} checkpoints (or unquantized ones)", file=source)
-    _resolve_ignore(spec, qc.get("ignore" if method == "compressed-tensors" else "exclude") or [])
+    exclusions = {"compressed-tensors": "ignore", "quark": "exclude", "modelopt": "exclude_modules"}[method]
+    _resolve_ignore(spec, qc.get(exclusions) or [])
     return spec
 
 
@@ -251,3 +257,20 @@ def _parse_quark(qc: dict, source: str) -> QuantSpec:
                      if global_cfg else None)
     return QuantSpec(method="quark", storage="quark", schemes=schemes, type_schemes=types,
                      global_scheme=global_scheme, source=source)
+
+
+# ModelOpt quant_algo -> (our format, the group size it must declare, None: any)
+_MODELOPT_ALGOS = {"NVFP4": ("nvfp4", 16), "FP8": ("fp8", None)}
+
+
+def _parse_modelopt(qc: dict, source: str) -> QuantSpec:
+    algo = str(qc.get("quant_algo") or "").upper()
+    if algo not in _MODELOPT_ALGOS:
+        raise CheckpointError(f"unsupported ModelOpt quant_algo {qc.get('quant_algo')!r}; radiance reads "
+                              f"{' and '.join(_MODELOPT_ALGOS)} (one algorithm for every linear)", file=source)
+    fmt, group = _MODELOPT_ALGOS[algo]
+    if group is not None and qc.get("group_size", group) != group:
+        raise CheckpointError(f"ModelOpt {algo} with group_size {qc.get('group_size')} (expected {group})",
+                              file=source)
+    scheme = QuantScheme(fmt, "modelopt", ("Linear",), algo)
+    return QuantSpec(method="modelopt", storage=algo, schemes=(scheme,), source=source)

@@ -226,3 +226,55 @@ def test_calibrated_kv_scales_reach_the_attention_layers(tmp_path):
         path = write_dir(str(tmp_path / f"bad{bad}"), sd, TINY)
         with pytest.raises(CheckpointError, match="model.layers.0.self_attn.k_scale"):
             open_checkpoint(path)
+
+
+def _modelopt_nvfp4_tensors(sd: dict, modules: list[str]) -> dict:
+    """ModelOpt's NVFP4 layout of `modules`: codes under `weight`, e4m3 `weight_scale`, `weight_scale_2` (the
+    reciprocal of compressed-tensors' global scale) and an unused activation `input_scale`."""
+    out = ct_nvfp4_tensors(sd, modules)
+    for m in modules:
+        out[f"{m}.weight"] = out.pop(f"{m}.weight_packed")
+        out[f"{m}.weight_scale_2"] = (1.0 / out.pop(f"{m}.weight_global_scale")).reshape(())
+        out[f"{m}.input_scale"] = torch.tensor(0.05)
+    return out
+
+
+@pytest.mark.parametrize("config_file", ["config.json", "hf_quant_config.json"])
+def test_modelopt_nvfp4_reads_as_compressed_tensors_does(tmp_path, config_file):
+    """The same NVFP4 values in ModelOpt's layout (its quantization config in config.json, or in the
+    hf_quant_config.json of older exports) read as the compressed-tensors checkpoint's weights."""
+    sd = dense_state_dict()
+    modules = [m for m in linear_modules() if not m.endswith("o_proj")]  # o_proj excluded, 16-bit
+    ct = dict(open_checkpoint(write_dir(str(tmp_path / "ct"), ct_nvfp4_tensors(sd, modules), TINY,
+                                        dict(CT_NVFP4_CONFIG, ignore=["lm_head", "re:.*o_proj"])))
+              .iter_weights(progress=False))
+    quant = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*.o_proj"]}
+    if config_file == "config.json":
+        path = write_dir(str(tmp_path / "mo"), _modelopt_nvfp4_tensors(sd, modules), TINY,
+                         {"quant_method": "modelopt", **quant})
+    else:
+        path = write_dir(str(tmp_path / "mo"), _modelopt_nvfp4_tensors(sd, modules), TINY)
+        with open(os.path.join(path, "hf_quant_config.json"), "w") as handle:
+            json.dump({"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quant}, handle)
+    ckpt = open_checkpoint(path)
+    assert ckpt.quant.method == "modelopt" and not ckpt.warnings
+    got = dict(ckpt.iter_weights(progress=False))
+    assert got.keys() == ct.keys()
+    qkv = got["model.layers.1.self_attn.qkv_proj"]
+    assert isinstance(qkv, Nvfp4Weight) and qkv.partition_sizes == (64, 32, 32)
+    for name, weight in got.items():  # the same codes and block scales; 1 / weight_scale_2 within an fp32 ulp
+        if isinstance(weight, Nvfp4Weight):
+            assert torch.equal(weight.packed, ct[name].packed) and torch.equal(weight.scale, ct[name].scale), name
+            torch.testing.assert_close(dequantize(weight), dequantize(ct[name]), rtol=3e-7, atol=0)
+    assert isinstance(got["model.layers.0.self_attn.o_proj"], DenseWeight)
+
+
+def test_modelopt_bad_second_scale_is_named(tmp_path):
+    from radiance.errors import CheckpointError
+
+    sd = _modelopt_nvfp4_tensors(dense_state_dict(), linear_modules())
+    sd["model.layers.1.mlp.up_proj.weight_scale_2"] = torch.tensor(0.0)
+    path = write_dir(str(tmp_path), sd, TINY, {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                              "exclude_modules": ["lm_head"]})
+    with pytest.raises(CheckpointError, match=r"up_proj\.weight_scale_2"):
+        dict(open_checkpoint(path).iter_weights(progress=False))

@@ -101,8 +101,22 @@ def test_quark_mxfp4_with_glob_exclude():
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}, "storage format"),
     ({"quant_method": "quark", "global_quant_config": {"weight": {"dtype": "int4", "qscheme": "per_group"}}},
      "unsupported Quark weight scheme"),
+    ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "unsupported ModelOpt quant_algo 'W4A8_AWQ'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "group_size 32"),
 ])
 def test_unsupported_configs_name_the_problem(qc, needle):
     with pytest.raises(CheckpointError, match="config.json") as info:
         parse_quantization_config(qc, source="config.json")
     assert needle in str(info.value)
+
+
+def test_modelopt_nvfp4_with_glob_excludes():
+    qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": "FP8",
+          "exclude_modules": ["lm_head", "model.layers.*.mlp.gate", "model.layers.0.self_attn*"]}
+    spec = parse_quantization_config(qc)
+    assert spec.scheme_for("model.layers.1.self_attn.q_proj").format == "nvfp4"
+    assert spec.scheme_for("model.layers.1.self_attn.q_proj").layout == "modelopt"
+    assert spec.scheme_for("model.layers.3.mlp.experts.7.down_proj").format == "nvfp4"
+    for excluded in ("lm_head", "model.layers.2.mlp.gate", "model.layers.0.self_attn.o_proj"):
+        assert spec.scheme_for(excluded, linear=True).format == "dense", excluded
+    assert parse_quantization_config({"quant_method": "modelopt", "quant_algo": "FP8"}).formats() == ["fp8"]
