@@ -56,14 +56,14 @@ def _no_parts_quantize(y, amax_parts):
     return fp8_outputs(y.shape[0], y.shape[1], y.device)
 
 
-def _no_attention(self, q, k, v, meta, rotary=None, quantize=False):
+def _no_attention(self, q, k, v, meta, rotary=None, quantize=False, qk_norm=None):
     rows, width = q.shape[0], self.num_heads * self.head_dim
     if quantize:
         return Fp8Activations(*fp8_outputs(rows, width, q.device), q.dtype, (rows,))
     return q.reshape(rows, width)
 
 
-def _no_rotary(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None):
+def _no_rotary(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None, qk_norm=None):
     return q
 
 
