@@ -19,7 +19,7 @@ from radiance.kernels._triton import moe_combine as _combine
 from radiance.kernels._triton import moe_gemm as _moe
 from radiance.kernels._triton import moe_route as _route
 from radiance.kernels.buffers import device_buffer
-from radiance.kernels.activation import quantize_rows_from_parts, triton_serves
+from radiance.kernels.activation import quantize_rows_from_parts, triton_next_pow2, triton_serves
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, dequantize_prepared, padded_k
 from radiance.kernels.reference import quantize_activations_reference, w4a8_matmul_reference
 
@@ -135,7 +135,7 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     device = router_logits.device
     num_pairs = tokens * top_k
     slots = max_slots(num_pairs, num_experts, block_m)
-    e_pad = max(16, next_pow2(num_experts))
+    e_pad = max(16, triton_next_pow2(num_experts))
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(slots, dtype=torch.int32, device=device)
@@ -146,10 +146,10 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     _route.moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
         tokens, num_experts, logits.stride(0), slots, slots // block_m,
-        TOP_K=top_k, K_PAD=next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
+        TOP_K=top_k, K_PAD=triton_next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
         # tiles no larger than the work (one compile per power of two of the token count)
-        TB=max(2, min(4096 // e_pad, next_pow2(tokens))), PB=max(16, min(64, next_pow2(num_pairs))), SB=64,
-        num_warps=4)
+        TB=max(2, min(4096 // e_pad, triton_next_pow2(tokens))),
+        PB=max(16, min(64, triton_next_pow2(num_pairs))), SB=64, num_warps=4)
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
 
 
@@ -161,14 +161,10 @@ def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dty
     if not triton_serves(h) or tokens == 0:
         return (h.view(tokens, top_k, width).float() * weights[..., None]).sum(dim=1).to(out_dtype)
     out = torch.empty((tokens, width), dtype=out_dtype, device=h.device)
-    block = min(1024, next_pow2(width))
+    block = min(1024, triton_next_pow2(width))
     _combine.moe_combine_kernel[(tokens, -(-width // block))](h, weights.contiguous(), out, width, h.stride(0),
                                                              out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
     return out
-
-
-def next_pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 # Average pairs per expert from which the 64-slot tiles serve; below it the 16-slot ones, which pad each

@@ -10,8 +10,6 @@ so CUDA graphs can capture them. Otherwise (CPU, the reference path) forward loo
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -19,8 +17,6 @@ from radiance.kernels import moe as grouped_kernels
 from radiance.kernels.activation import quantize_activations, silu_mul
 from radiance.layers.linear import DenseLinear, UnloadedLinear, takes_fp8
 from radiance.models.arch_config import MoeConfig
-
-log = logging.getLogger(__name__)
 
 
 class Expert(nn.Module):
@@ -126,7 +122,8 @@ class SparseMoeBlock(nn.Module):
     def _stack_16bit(self, pairs) -> None:
         """16-bit experts on a GPU where torch has a grouped GEMM for them: stacked, the experts keep views."""
         weight = pairs[0][0].weight
-        if not (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and grouped_mm_serves(weight.device)):
+        if not (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+                and grouped_mm_serves(weight.device)):
             return
         stacked = tuple(torch.stack([pair[i].weight for pair in pairs]) for i in (0, 1))
         for i, experts in enumerate(stacked):

@@ -99,8 +99,8 @@ def rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
                   k_inv, v_inv, q_norm_ptr, k_norm_ptr, eps, HALF: tl.constexpr, BLOCK_QH: tl.constexpr,
                   BLOCK_KH: tl.constexpr, STORE_KV: tl.constexpr, NORM: tl.constexpr = False,
                   PDL: tl.constexpr = False):
-    """Grid [T, cdiv(q_heads, BLOCK_QH) + 1]. k_out / v_out: [T, Hkv, D] outputs, or (STORE_KV) the k / v caches [blocks, block_size, Hkv, D]
-    with slot stride stride_cs, written at slot_ptr[t] (-1: a padding token, nothing written), an fp8
+    """Grid [T, cdiv(q_heads, BLOCK_QH) + 1]. k_out / v_out: [T, Hkv, D] outputs, or (STORE_KV) the k / v
+    caches [blocks, block_size, Hkv, D] with slot stride stride_cs, written at slot_ptr[t] (-1: a padding token, nothing written), an fp8
     cache times k_inv / v_inv (to_cache). NORM: q and k heads RMS-normalized first (Qwen3's q_norm /
     k_norm weights, eps): two launches fewer per layer."""
     pdl_handoff(PDL)
