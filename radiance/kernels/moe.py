@@ -115,8 +115,13 @@ def route_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 
 # Tokens up to which route_tokens runs its one-program Triton kernel (decode and small prefills); above,
-# torch's parallel sort wins over one program walking every pair.
-ROUTE_KERNEL_MAX_TOKENS = 256
+# torch's parallel sort wins over one program walking every pair. Qwen3-30B-A3B's router (128 experts, top 8)
+# on the H200, us per call: kernel 4.7 / 11.3 / 40.6 / 75.4 / 146 at 1 / 8 / 64 / 128 / 256 tokens, torch ops
+# 61 / 66 / 94 at 1 / 8 / 64 (bench/RESULTS.md, twenty-second session)
+ROUTE_KERNEL_MAX_TOKENS = 128
+# Up to this many tokens the routing kernel runs one warp (its barriers and reductions then stay in the warp:
+# 4.7 against 6.4 us with 4 warps at one token); from 4 tokens on 4 warps are as fast or faster
+ROUTE_ONE_WARP_MAX_TOKENS = 2
 
 
 def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -149,7 +154,8 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         TOP_K=top_k, K_PAD=triton_next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
         # tiles no larger than the work (one compile per power of two of the token count)
         TB=max(2, min(4096 // e_pad, triton_next_pow2(tokens))),
-        PB=max(16, min(64, triton_next_pow2(num_pairs))), SB=64, num_warps=4)
+        PB=max(16, min(64, triton_next_pow2(num_pairs))), SB=64,
+        num_warps=1 if tokens <= ROUTE_ONE_WARP_MAX_TOKENS else 4)
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
 
 
