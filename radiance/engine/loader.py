@@ -236,4 +236,5 @@ def _install_linear(model, name, weight, model_config, kernel_config, dtype, dev
 
 def _kernel_summary(model) -> list[str]:
     from radiance.layers.linear import linear_summary
-    return [linear_summary(model)]
+    from radiance.layers.moe import moe_summary
+    return [linear_summary(model)] + [line for line in (moe_summary(model),) if line]

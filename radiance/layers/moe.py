@@ -10,6 +10,8 @@ so CUDA graphs can capture them. Otherwise (CPU, the reference path) forward loo
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
@@ -97,6 +99,12 @@ class SparseMoeBlock(nn.Module):
         h = torch.empty_like(h_sorted).index_copy_(0, order, h_sorted)
         return grouped_kernels.combine_experts(h, weights, x.dtype)
 
+    def path(self) -> str:
+        """How forward runs the experts, for the startup summary."""
+        if self.grouped is not None:
+            return "grouped W4A8 kernel"
+        return "torch grouped GEMM (16-bit)" if self.grouped_16bit is not None else "a loop over the picked experts"
+
     def capturable(self) -> bool:
         """Whether forward runs without host syncs (a grouped path): CUDA graphs can capture it."""
         return self.grouped is not None or self.grouped_16bit is not None
@@ -135,3 +143,12 @@ class SparseMoeBlock(nn.Module):
 def grouped_mm_serves(device: torch.device) -> bool:
     """Whether torch's grouped GEMM runs on this GPU (CUTLASS kernels for sm_90 and up)."""
     return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def moe_summary(model: nn.Module) -> str | None:
+    """One startup line: how many sparse layers run their experts on which path (None without any)."""
+    paths = Counter(m.path() for m in model.modules() if isinstance(m, SparseMoeBlock))
+    if not paths:
+        return None
+    return "mixture of experts: " + ", ".join(f"{n} layer{'s' if n != 1 else ''} on {path}"
+                                              for path, n in sorted(paths.items()))

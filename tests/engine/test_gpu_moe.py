@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radiance import LLM, SamplingParams
-from radiance.layers.moe import SparseMoeBlock
+from radiance.layers.moe import SparseMoeBlock, moe_summary
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,6 +25,7 @@ def test_grouped_experts_match_the_loop(tiny_model_dir):
     llm = LLM(path, device="cuda", quantization="mxfp4", enforce_eager=True, num_gpu_blocks_override=64)
     blocks = _blocks(llm)
     assert blocks and all(b.grouped is not None for b in blocks)
+    assert moe_summary(llm.engine.model) == "mixture of experts: 1 layer on grouped W4A8 kernel"
     model = llm.engine.model
     for tokens in (1, 3, 40, 300):  # decode-sized and prefill-sized token counts (both tilings)
         ids = torch.randint(0, 256, (1, tokens), device="cuda")

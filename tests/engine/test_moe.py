@@ -96,6 +96,7 @@ def test_experts_quantized_at_load(tiny_model_dir, quantization):
     path, hf = tiny_model_dir("qwen3moe")
     loaded = _load(path, quantization=quantization)
     assert "22 mxfp4" in loaded.summary[1]
+    assert "mixture of experts: 1 layer on a loop over the picked experts" in loaded.summary  # the CPU's path
     block = loaded.model.model.layers[0].mlp
     assert isinstance(block, SparseMoeBlock) and block.gate.weight.dtype == torch.float32
     ids = torch.randint(0, 256, (1, 48))
