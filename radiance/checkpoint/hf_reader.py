@@ -25,8 +25,8 @@ from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES,
 from radiance.checkpoint.quant_config import parse_quantization_config
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.errors import CheckpointError
-from radiance.models.arch_config import MoeConfig
 from radiance.formats import DenseWeight, concat_partitions, dequantize
+from radiance.models.arch_config import MoeConfig
 
 logger = logging.getLogger(__name__)
 
