@@ -174,8 +174,12 @@ class HfCheckpoint(Checkpoint):
                        f"{p}.post_attention_layernorm.weight"]
             if moe is not None and i in moe.layers:
                 needed.append(f"{p}.mlp.gate.weight")
-                for e in range(moe.num_experts):
-                    needed += [f"{p}.mlp.experts.{e}.gate_up_proj", f"{p}.mlp.experts.{e}.down_proj"]
+                experts = [f"{p}.mlp.experts.{e}" for e in range(moe.num_experts)]
+                if moe.shared_expert_size:
+                    experts.append(f"{p}.mlp.shared_expert")
+                    needed.append(f"{p}.mlp.shared_expert_gate.weight")
+                for expert in experts:
+                    needed += [f"{expert}.gate_up_proj", f"{expert}.down_proj"]
             else:
                 needed += [f"{p}.mlp.gate_up_proj", f"{p}.mlp.down_proj"]
         for name in needed:

@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE): a router picks `top_k` of E SwiGLU experts per token.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE): a router picks `top_k` of E SwiGLU experts per
+token; Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate.
 
 Each expert is a pair of ordinary linears (`experts.<e>.gate_up_proj`, `experts.<e>.down_proj`) that the
 loader installs like any other, so every checkpoint format reaches MXFP4 the usual way. When all of them
@@ -44,6 +45,10 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = moe.norm_topk_prob
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router, kept in 16 bits
         self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_size:
+            self.shared_expert = Expert(hidden_size, moe.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.grouped = None  # (gate_up, down) PreparedExperts once finish_loading stacked them
         self.grouped_16bit = None  # (gate_up [E, 2I, H], down [E, H, I]) 16-bit weights, likewise
 
@@ -65,6 +70,8 @@ class SparseMoeBlock(nn.Module):
             out = self._grouped_16bit_forward(x2)
         else:
             out = self._looped_forward(x2, *self.route(x2))
+        if self.shared_expert is not None:  # in x's dtype, as the model computes it
+            out = out + torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
         return out.reshape(*lead, self.hidden_size)
 
     def _looped_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

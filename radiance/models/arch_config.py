@@ -81,6 +81,7 @@ class MoeConfig:
     intermediate_size: int  # of one expert
     norm_topk_prob: bool    # renormalize the top-k router probabilities to sum to 1
     layers: frozenset[int]  # decoder layers whose MLP is sparse; the others are dense
+    shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert of this size, scaled by a sigmoid gate
 
     @classmethod
     def from_hf(cls, config: dict, architecture: str, num_layers: int) -> "MoeConfig | None":
@@ -97,4 +98,5 @@ class MoeConfig:
         dense = set(config.get("mlp_only_layers") or ())
         layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
         return cls(int(experts), top_k, int(config["moe_intermediate_size"]),
-                   bool(config.get("norm_topk_prob", False)), layers)
+                   bool(config.get("norm_topk_prob", False)), layers,
+                   int(config.get("shared_expert_intermediate_size") or 0))

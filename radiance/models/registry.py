@@ -6,12 +6,14 @@ from radiance.errors import ConfigError
 from radiance.models.arch_config import ArchConfig
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
+from radiance.models.qwen2_moe import Qwen2MoeForCausalLM
 from radiance.models.qwen3 import Qwen3ForCausalLM
 from radiance.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }

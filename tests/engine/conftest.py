@@ -13,7 +13,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512)
@@ -26,6 +27,9 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     elif arch == "qwen3moe":  # layer 0 sparse (8 experts, top 2, renormalized), layer 1 dense
         config = Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=2,
                                 moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])
+    elif arch == "qwen2moe":  # layer 1 sparse (8 experts, top 2, not renormalized, a gated shared expert)
+        config = Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, mlp_only_layers=[0])
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

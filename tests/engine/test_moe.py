@@ -209,3 +209,26 @@ def test_sparse_layers_follow_step_and_dense_list():
     config = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "decoder_sparse_step": 2,
               "mlp_only_layers": [3]}
     assert MoeConfig.from_hf(config, "Qwen3MoeForCausalLM", 6).layers == frozenset({1, 5})
+
+
+def test_shared_expert_is_applied(tiny_model_dir):
+    """Qwen2-MoE's gated shared expert: with its gate closed the logits move, so test_models' match against
+    transformers depends on it."""
+    path, _ = tiny_model_dir("qwen2moe")
+    model = _load(path).model
+    block = model.model.layers[1].mlp
+    assert isinstance(block, SparseMoeBlock) and block.shared_expert is not None
+    ids = torch.randint(0, 256, (1, 30))
+    with torch.no_grad():
+        full = model.forward_logits(ids)
+        block.shared_expert_gate.weight.fill_(0.0)  # sigmoid(0) = 0.5 for every token
+        half = model.forward_logits(ids)
+    assert _rel(half, full) > 1e-2
+
+
+def test_missing_shared_expert_gate_is_named(tiny_model_dir, tmp_path):
+    path, _ = tiny_model_dir("qwen2moe")
+    broken = _copy_checkpoint(path, tmp_path / "broken",
+                              lambda t: t.pop("model.layers.1.mlp.shared_expert_gate.weight"))
+    with pytest.raises(CheckpointError, match=r"shared_expert_gate"):
+        open_checkpoint(broken)
