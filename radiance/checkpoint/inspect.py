@@ -30,6 +30,9 @@ def _model_line(config: dict) -> str:
             parts.append(f"{label} {config[key]}")
     if config.get("num_attention_heads"):
         parts.append(f"heads {config['num_attention_heads']}/{config.get('num_key_value_heads') or config['num_attention_heads']} kv")
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        parts.append(f"experts {experts} (top {config.get('num_experts_per_tok')}) of {config.get('moe_intermediate_size')}")
     if config.get("tie_word_embeddings"):
         parts.append("tied embeddings")
     if config.get("max_position_embeddings"):
@@ -59,11 +62,12 @@ def inspect_lines(ckpt: Checkpoint, with_tokenizer: bool = False) -> list[str]:
         else:
             key = (_LAYER.sub(".layers.*.", e.name), e.format, e.shape, e.source_format)
             others.setdefault(key, []).append(e)
+    width = max([14] + [len(kind) + 1 for kind, *_ in linears])  # experts.gate_up_proj: 21
     lines += ["", "linears (per layer class)",
-              f"  {'class':<14}{'count':>6}  {'format':<8}{'shape [N, K] (partitions)':<32}{'bytes':>11}"]
+              f"  {'class':<{width}}{'count':>6}  {'format':<8}{'shape [N, K] (partitions)':<32}{'bytes':>11}"]
     for (kind, fmt, shape, parts, source), group in linears.items():
         note = f"  stored {source}" if source else ""
-        lines.append(f"  {kind:<14}{len(group):>6}  {fmt:<8}{_shape(shape, parts):<32}"
+        lines.append(f"  {kind:<{width}}{len(group):>6}  {fmt:<8}{_shape(shape, parts):<32}"
                      f"{_mib(sum(e.nbytes for e in group)):>11}{note}")
     if not linears:
         lines.append("  (none)")

@@ -65,9 +65,14 @@ def partition_modules(canonical: str) -> tuple[str, ...]:
     return (canonical,)
 
 
+_EXPERT_RE = re.compile(r"\.(experts)\.\d+\.|\.(shared_expert)\.")
+
+
 def layer_kind(module: str) -> str:
-    """Class of a linear for reports: 'qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj', 'lm_head'."""
-    return leaf(module)
+    """Class of a linear for reports: 'qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj', 'lm_head'; a sparse
+    MLP's 'experts.gate_up_proj', 'shared_expert.down_proj', ..."""
+    match = _EXPERT_RE.search(module)
+    return f"{match.group(1) or match.group(2)}.{leaf(module)}" if match else leaf(module)
 
 
 def layer_index(name: str) -> int | None:

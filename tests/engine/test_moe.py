@@ -232,3 +232,16 @@ def test_missing_shared_expert_gate_is_named(tiny_model_dir, tmp_path):
                               lambda t: t.pop("model.layers.1.mlp.shared_expert_gate.weight"))
     with pytest.raises(CheckpointError, match=r"shared_expert_gate"):
         open_checkpoint(broken)
+
+
+def test_inspect_lists_experts_as_their_own_class(tiny_model_dir):
+    from radiance.checkpoint.inspect import inspect_lines
+    from radiance.checkpoint.names import layer_kind
+
+    path, _ = tiny_model_dir("qwen3moe")
+    lines = inspect_lines(open_checkpoint(path))
+    assert any("experts 8 (top 2) of 32" in line for line in lines)
+    rows = {line.split()[0]: int(line.split()[1]) for line in lines if line.strip().split()[:1]
+            and line.split()[0].endswith("_proj")}
+    assert rows["experts.gate_up_proj"] == 8 and rows["experts.down_proj"] == 8 and rows["gate_up_proj"] == 1
+    assert layer_kind("model.layers.1.mlp.shared_expert.down_proj") == "shared_expert.down_proj"
