@@ -278,3 +278,26 @@ def test_modelopt_bad_second_scale_is_named(tmp_path):
                                               "exclude_modules": ["lm_head"]})
     with pytest.raises(CheckpointError, match=r"up_proj\.weight_scale_2"):
         dict(open_checkpoint(path).iter_weights(progress=False))
+
+
+def test_modelopt_fp8_scalar_scales(tmp_path):
+    """ModelOpt FP8: e4m3 `weight` with 0-d `weight_scale` and `input_scale` (the activation scale, unused) on every
+    linear but the excluded ones."""
+    from radiance.formats import Fp8Weight
+
+    sd = dense_state_dict()
+    scales = {}
+    for m in linear_modules():
+        w = sd.pop(f"{m}.weight").float()
+        scales[m] = w.abs().max() / 448.0
+        sd[f"{m}.weight"] = (w / scales[m]).to(torch.float8_e4m3fn)
+        sd[f"{m}.weight_scale"] = scales[m].reshape(())
+        sd[f"{m}.input_scale"] = torch.tensor(0.02)
+    ckpt = open_checkpoint(write_dir(str(tmp_path), sd, TINY, {"quant_method": "modelopt", "quant_algo": "FP8",
+                                                              "exclude_modules": ["lm_head"]}))
+    assert ckpt.warnings == []
+    got = ckpt.state_dict()
+    gate_up = got["model.layers.0.mlp.gate_up_proj"]
+    assert isinstance(gate_up, Fp8Weight) and gate_up.scale.shape == (192, 1)
+    m = "model.layers.1.self_attn.o_proj"
+    assert torch.equal(dequantize(got[m]), sd[f"{m}.weight"].float() * scales[m])
