@@ -124,6 +124,16 @@ ROUTE_KERNEL_MAX_TOKENS = 128
 ROUTE_ONE_WARP_MAX_TOKENS = 2
 
 
+def top_k_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, top_k], expert ids int64 [T, top_k]) in torch ops: softmax of the router logits in fp32,
+    its top_k, renormalized to sum to 1 with `renormalize` (what route_tokens' kernel computes)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
 def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                  block_m: int) -> tuple[torch.Tensor, torch.Tensor, ExpertRouting]:
     """(weights fp32 [T, top_k], expert ids int32 [T, top_k], ExpertRouting) from router logits [T, E]:
@@ -132,10 +142,7 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     where Triton serves (no host sync: CUDA-graph capturable), torch ops otherwise."""
     tokens, num_experts = router_logits.shape
     if not (triton_serves(router_logits) and 0 < tokens <= ROUTE_KERNEL_MAX_TOKENS):
-        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, top_k, dim=-1)
-        if renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = top_k_experts(router_logits, top_k, renormalize)
         return weights, ids.to(torch.int32), route_to_experts(ids, num_experts, block_m)
     device = router_logits.device
     num_pairs = tokens * top_k

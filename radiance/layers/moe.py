@@ -55,11 +55,7 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [T, top_k], expert ids int64 [T, top_k]): softmax over the router logits in fp32,
         the top_k of it, renormalized to sum to 1 where the model asks for it."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        return grouped_kernels.top_k_experts(self.gate(x), self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
