@@ -56,7 +56,7 @@ def _no_parts_quantize(y, amax_parts):
     return fp8_outputs(y.shape[0], y.shape[1], y.device)
 
 
-def _no_attention(self, q, k, v, meta, rotary=None, quantize=False, qk_norm=None):
+def _no_attention(self, q, k, v, meta, rotary=None, quantize=False, qk_norm=None, sinks=None):
     rows, width = q.shape[0], self.num_heads * self.head_dim
     if quantize:
         return Fp8Activations(*fp8_outputs(rows, width, q.device), q.dtype, (rows,))

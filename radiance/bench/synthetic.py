@@ -70,6 +70,19 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
         "initializer_range": 0.02,
     },
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "attention_bias": True, "hidden_act": "silu", "eos_token_id": 200002, "pad_token_id": 199999,
+        "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "swiglu_limit": 7.0,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 201088,
+        "initializer_range": 0.02,
+    },
 }
 
 WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4")
@@ -133,11 +146,21 @@ class SyntheticCheckpoint:
                         (pre + "self_attn.k_norm.weight", (d["head_dim"],), None)]
         entries += [(pre + "self_attn.o_proj", (d["hidden"], d["q"]), (d["hidden"],)),
                     (pre + "post_attention_layernorm.weight", (d["hidden"],), None)]
+        gpt_oss = self.config.get("model_type") == "gpt_oss"
+        if gpt_oss:
+            entries += [(pre + "self_attn.o_proj.bias", (d["hidden"],), None),
+                        (pre + "self_attn.sinks", (self.config["num_attention_heads"],), None)]
         moe = MoeConfig.from_hf(self.config, "synthetic", self.config["num_hidden_layers"])
         if moe is not None and i in moe.layers:
-            entries.append((pre + "mlp.gate.weight", (moe.num_experts, d["hidden"]), None))
+            router = pre + ("mlp.router" if gpt_oss else "mlp.gate")
+            entries.append((router + ".weight", (moe.num_experts, d["hidden"]), None))
+            if moe.router_bias:
+                entries.append((router + ".bias", (moe.num_experts,), None))
             for e in range(moe.num_experts):
-                entries += self._mlp_entries(f"{pre}mlp.experts.{e}.", d["hidden"], moe.intermediate_size)
+                expert = self._mlp_entries(f"{pre}mlp.experts.{e}.", d["hidden"], moe.intermediate_size)
+                if moe.expert_bias:
+                    expert += [(name + ".bias", shape[:1], None) for name, shape, _ in expert]
+                entries += expert
         else:
             entries += self._mlp_entries(pre + "mlp.", d["hidden"], d["inter"])
         return entries

@@ -24,6 +24,7 @@ from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES,
                                        leaf, partition_modules, sort_key, split_tensor_name)
 from radiance.checkpoint.quant_config import parse_quantization_config
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
+from radiance.checkpoint.stacked_experts import find_stacked_experts, read_stacked_experts
 from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight, concat_partitions, dequantize
 from radiance.models.arch_config import MoeConfig
@@ -56,6 +57,7 @@ class HfCheckpoint(Checkpoint):
         for name in self.index.meta:
             self._module_tensors.setdefault(split_tensor_name(name)[0], []).append(name)
         self._shapes = expected_shapes(config)
+        self._stacked = find_stacked_experts(self.index, config)  # gpt-oss: all experts in one tensor
         self._linears, self._plain, self._biases = self._plan()
         # a tied lm_head is still a Linear module of the model, so naming it in ignore is right
         virtual = ["lm_head"] if self.tie_word_embeddings else []
@@ -75,7 +77,10 @@ class HfCheckpoint(Checkpoint):
         parts: dict[str, dict[int, str]] = {}
         plain, biases = [], {}
         attention_scales = []
+        stacked = {name for group in self._stacked.values() for name in group.tensor_names()}
         for name in self.index.meta:
+            if name in stacked:
+                continue
             module, leafname = split_tensor_name(name)
             if leafname in ATTENTION_SCALE_SUFFIXES:
                 attention_scales.append(name)
@@ -164,16 +169,19 @@ class HfCheckpoint(Checkpoint):
         if not layers or not self._shapes or not any(n.startswith("model.layers.") for n in self.index.meta):
             return
         have = {e.canonical for e in linears} | set(plain)
+        have |= {name for group in self._stacked.values() for name in group.linear_names()}
         needed = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.tie_word_embeddings:
             needed.append("lm_head")
-        moe = MoeConfig.from_hf(self.config, "model", layers) if self.config.get("moe_intermediate_size") else None
+        sparse = self.config.get("num_experts") or self.config.get("num_local_experts")
+        moe = MoeConfig.from_hf(self.config, "model", layers) if sparse else None
+        router = "router" if self.config.get("model_type") == "gpt_oss" else "gate"
         for i in range(layers):
             p = f"model.layers.{i}"
             needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.input_layernorm.weight",
                        f"{p}.post_attention_layernorm.weight"]
             if moe is not None and i in moe.layers:
-                needed.append(f"{p}.mlp.gate.weight")
+                needed.append(f"{p}.mlp.{router}.weight")
                 experts = [f"{p}.mlp.experts.{e}" for e in range(moe.num_experts)]
                 if moe.shared_expert_size:
                     experts.append(f"{p}.mlp.shared_expert")
@@ -209,7 +217,26 @@ class HfCheckpoint(Checkpoint):
             metas = [self.index.meta[parts[i]] for i in sorted(parts)]
             out.append(EntryInfo(name, False, str(metas[0].dtype).replace("torch.", ""),
                                  (sum(m.shape[0] for m in metas),), (), sum(m.nbytes for m in metas)))
+        for group in self._stacked.values():
+            out += self._describe_stacked(group)
         return sorted(out, key=lambda e: sort_key(e.name))
+
+    def _describe_stacked(self, group) -> list[EntryInfo]:
+        """One entry per expert linear and bias of a stacked group (bytes split evenly over the experts)."""
+        out = []
+        for proj in ("gate_up_proj", "down_proj"):
+            metas = [self.index.meta[n] for n in group.tensor_names() if f".{proj}" in n and not n.endswith("_bias")]
+            bias = self.index.meta[f"{group.prefix}.{proj}_bias"]
+            rows = bias.shape[1]
+            k = metas[0].shape[2] * metas[0].shape[3] * 2 if group.format == "mxfp4" else metas[0].shape[1]
+            parts = (rows // 2, rows // 2) if proj == "gate_up_proj" else (rows,)
+            for e in range(group.num_experts):
+                name = f"{group.prefix}.{e}.{proj}"
+                out.append(EntryInfo(name, True, group.format, (rows, k), parts,
+                                     sum(m.nbytes for m in metas) // group.num_experts))
+                out.append(EntryInfo(f"{name}.bias", False, str(bias.dtype).replace("torch.", ""), (rows,), (),
+                                     bias.nbytes // group.num_experts))
+        return out
 
     def _stored_shape(self, module: str, fmt: str) -> tuple[int, int]:
         main = self.index.meta.get(f"{module}.weight_packed") or self.index.meta[f"{module}.weight"]
@@ -218,11 +245,13 @@ class HfCheckpoint(Checkpoint):
 
     def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, object]]:
         items = [("linear", e) for e in self._linears] + [("plain", n) for n in self._plain] \
-            + [("bias", n) for n in self._biases]
+            + [("bias", n) for n in self._biases] + [("stacked", p) for p in self._stacked]
         items.sort(key=lambda item: sort_key(item[1].canonical if item[0] == "linear" else item[1]))
         for what, item in tqdm(items, desc=f"reading {os.path.basename(self.path)}", unit="tensor",
                                disable=not progress, leave=False):
-            if what == "plain":
+            if what == "stacked":
+                yield from read_stacked_experts(self._stacked[item], self.index)
+            elif what == "plain":
                 yield item, self.index.get(item)
             elif what == "bias":
                 parts = self._biases[item]

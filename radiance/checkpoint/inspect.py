@@ -32,7 +32,11 @@ def _model_line(config: dict) -> str:
         parts.append(f"heads {config['num_attention_heads']}/{config.get('num_key_value_heads') or config['num_attention_heads']} kv")
     experts = config.get("num_experts") or config.get("num_local_experts")
     if experts:
-        parts.append(f"experts {experts} (top {config.get('num_experts_per_tok')}) of {config.get('moe_intermediate_size')}")
+        size = config.get("moe_intermediate_size") or config.get("intermediate_size")  # gpt-oss: the latter
+        parts.append(f"experts {experts} (top {config.get('num_experts_per_tok')}) of {size}")
+    if config.get("sliding_window") and config.get("layer_types"):
+        sliding = sum(t == "sliding_attention" for t in config["layer_types"])
+        parts.append(f"sliding window {config['sliding_window']} on {sliding} layers")
     if config.get("tie_word_embeddings"):
         parts.append("tied embeddings")
     if config.get("max_position_embeddings"):

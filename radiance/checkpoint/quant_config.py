@@ -8,7 +8,9 @@ Two producers are understood:
   `layer_type_quant_config` and an `exclude` list; OCP MX fp4 stores `weight` + e8m0 `weight_scale`;
 - NVIDIA ModelOpt (`quant_method: modelopt` in config.json, or `hf_quant_config.json`): one `quant_algo`
   for every linear (NVFP4: `weight` packed + e4m3 `weight_scale` + fp32 `weight_scale_2`; FP8) and an
-  `exclude_modules` list of globs.
+  `exclude_modules` list of globs;
+- OpenAI's MXFP4 (`quant_method: mxfp4`, gpt-oss): only the stacked experts are MXFP4 (`*_blocks` /
+  `*_scales`, read by stacked_experts.py), every linear is 16-bit; `modules_to_not_convert` lists them.
 
 Exclusion lists must name MODULES. An entry naming a tensor (`mtp.fc.weight`) silently matches nothing
 in other loaders and the load dies later on a shape mismatch; here it is detected, a warning says how to
@@ -27,7 +29,7 @@ from radiance.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("none", "compressed-tensors", "quark", "modelopt")
+METHODS = ("none", "compressed-tensors", "quark", "modelopt", "mxfp4")
 # storage format strings of compressed-tensors that hold each of our formats
 _CT_STORAGE = {
     "nvfp4": ("nvfp4-pack-quantized",),
@@ -159,11 +161,14 @@ def parse_quantization_config(qc: dict | None, source: str = "config.json") -> Q
         spec = _parse_quark(qc, source)
     elif method == "modelopt":
         spec = _parse_modelopt(qc, source)
+    elif method == "mxfp4":  # the experts' format is in their tensor names; no linear is quantized
+        spec = QuantSpec(method="mxfp4", storage="mxfp4 (experts)", source=source)
     else:
         raise CheckpointError(
             f"unsupported quantization_config.quant_method {qc.get('quant_method')!r}; "
             f"radiance reads {', '.join(METHODS[1:])} checkpoints (or unquantized ones)", file=source)
-    exclusions = {"compressed-tensors": "ignore", "quark": "exclude", "modelopt": "exclude_modules"}[method]
+    exclusions = {"compressed-tensors": "ignore", "quark": "exclude", "modelopt": "exclude_modules",
+                  "mxfp4": "modules_to_not_convert"}[method]
     _resolve_ignore(spec, qc.get(exclusions) or [])
     return spec
 

@@ -84,10 +84,22 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
         torch.set_default_dtype(old)
 
 
+# canonical tensor name endings -> the parameter that holds them in our module tree
+_TENSOR_TARGETS = (
+    ("self_attn.qkv_proj.bias", "self_attn.qkv_bias"),
+    ("self_attn.o_proj.bias", "self_attn.o_bias"),  # gpt-oss
+    ("gate_up_proj.bias", "gate_up_bias"),  # gpt-oss experts
+    ("down_proj.bias", "down_bias"),
+    ("mlp.router.weight", "mlp.gate.weight"),  # gpt-oss's router is Qwen's gate
+    ("mlp.router.bias", "mlp.gate.bias"),
+)
+
+
 def _tensor_target(name: str, model) -> str:
     """Canonical tensor name -> parameter name in our module tree."""
-    if name.endswith("self_attn.qkv_proj.bias"):
-        return name.replace("qkv_proj.bias", "qkv_bias")
+    for ending, target in _TENSOR_TARGETS:
+        if name.endswith(ending):
+            return name[: -len(ending)] + target
     return name
 
 

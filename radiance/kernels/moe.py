@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from radiance.kernels._triton import moe_combine as _combine
 from radiance.kernels._triton import moe_gemm as _moe
 from radiance.kernels._triton import moe_route as _route
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.activation import quantize_rows_from_parts, triton_next_pow2, triton_serves
+from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, dequantize_prepared, padded_k
 from radiance.kernels.reference import quantize_activations_reference, w4a8_matmul_reference
 
@@ -233,8 +233,9 @@ def _rows_div(source: str, top_k: int) -> int:
     return top_k if source == "token" else 1
 
 
-def _check_operands(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, rows_div: int, glu: bool):
-    _, n, k = experts.shape
+def _check_operands(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, rows_div: int, glu: bool,
+                    bias: torch.Tensor | None):
+    num_experts, n, k = experts.shape
     if x_q.shape[1] != k or experts.w_q.shape[2] * WORD_K != padded_k(k):
         raise ValueError(f"w4a8_moe_gemm: activations have K={x_q.shape[1]}, the experts K={k}")
     if x_q.shape[0] * rows_div != routing.num_pairs:
@@ -244,6 +245,8 @@ def _check_operands(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouti
         raise ValueError("w4a8_moe_gemm: x_q needs contiguous rows and x_scale one scale per row")
     if glu and n % 2:
         raise ValueError(f"w4a8_moe_gemm: a [gate | up] weight has an even row count, not {n}")
+    if bias is not None and bias.shape != (num_experts, n):
+        raise ValueError(f"w4a8_moe_gemm: bias must be [{num_experts}, {n}] (experts, rows), not {list(bias.shape)}")
     if not triton_serves(x_q):
         raise ValueError("w4a8_moe_gemm: no Triton on this device (CUDA or the interpreter); "
                          "w4a8_moe_reference serves the CPU")
@@ -251,26 +254,39 @@ def _check_operands(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouti
 
 def w4a8_moe_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, experts: PreparedExperts, routing: ExpertRouting, *,
                   rows_per_pair_source: str, glu: bool = False, out_dtype: torch.dtype = torch.bfloat16,
-                  config: MoeGemmConfig | None = None, use_asm: bool | None = None, out: torch.Tensor | None = None):
+                  config: MoeGemmConfig | None = None, use_asm: bool | None = None, out: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, activation: GluActivation = SILU):
     """Every pair's row of x times its expert's weight: x_q e4m3 [R, K], x_scale fp32 [R, 1], R = T with
     rows_per_pair_source "token" (row of pair p: p // top_k), R = T * top_k with "pair" (row p).
 
-    glu=False: out [T * top_k, N] in out_dtype, row p = (x_row(p) * scale) @ W_expert(p)^T.
-    glu=True (a merged [gate | up] expert weight): (y_q e4m3 [T * top_k, N/2], y_scale fp32 [T * top_k, 1]),
-    quantize_activations(silu_mul(...)) of that, the bytes of w4a8_glu on each expert's rows.
-    `out` (optional) is the [T * top_k, N] output, or with glu the [T * top_k, N/2] silu_mul rows before
-    quantization. No bias. Launched without programmatic dependent launch: tests/kernels/test_pdl_protocol.py
+    glu=False: out [T * top_k, N] in out_dtype, row p = (x_row(p) * scale) @ W_expert(p)^T + bias[expert(p)].
+    glu=True (a merged [gate | up] expert weight and bias): (y_q e4m3 [T * top_k, N/2], y_scale fp32
+    [T * top_k, 1]), quantize_activations(glu_reference(that, activation)), where each expert's rows with silu
+    and no bias are the bytes of w4a8_glu. bias (optional, [E, N], any float dtype) is added in fp32 to the
+    scaled sum before its one rounding to out_dtype; `activation` serves only glu.
+    `out` (optional) is the [T * top_k, N] output, or with glu the [T * top_k, N/2] activation rows before
+    quantization. Launched without programmatic dependent launch: tests/kernels/test_pdl_protocol.py
     checks only the kernel modules it lists, and this one is not among them yet."""
-    y, amax, _ = _launch(x_q, x_scale, experts, routing, rows_per_pair_source, glu, out_dtype, config, use_asm, out)
+    y, amax, _ = _launch(x_q, x_scale, experts, routing, rows_per_pair_source, glu, out_dtype, config, use_asm, out,
+                         bias, activation)
     return quantize_rows_from_parts(y, amax) if glu else y
 
 
+def _activation_constexprs(activation: GluActivation, glu: bool) -> dict:
+    """The kernel's ACT, ALPHA, LIMIT where the GLU epilogue uses them; silu keeps the defaults, so one
+    compile serves it whatever alpha and limit say."""
+    if not glu or activation.kind == "silu":
+        return {}
+    return dict(ACT=activation.kernel_code, ALPHA=activation.alpha, LIMIT=activation.limit)
+
+
 def _launch(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, source: str, glu: bool, out_dtype,
-            config: MoeGemmConfig | None, use_asm: bool | None, out: torch.Tensor | None):
+            config: MoeGemmConfig | None, use_asm: bool | None, out: torch.Tensor | None,
+            bias: torch.Tensor | None = None, activation: GluActivation = SILU):
     """w4a8_moe_gemm's GEMM: (output, amax parts [pairs, column tiles] with glu else None, compiled kernel
     or None when nothing ran)."""
     rows_div = _rows_div(source, routing.top_k)
-    _check_operands(x_q, x_scale, experts, routing, rows_div, glu)
+    _check_operands(x_q, x_scale, experts, routing, rows_div, glu, bias)
     cfg = config or MOE_CONFIGS[routing.block_m]
     if cfg.block_m != routing.block_m:
         raise ValueError(f"w4a8_moe_gemm: tiling block_m {cfg.block_m} on a routing of block_m {routing.block_m}")
@@ -287,11 +303,12 @@ def _launch(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, sour
     if pairs == 0 or grid[0] == 0:
         return out, amax, None
     compiled = _moe.w4a8_moe_gemm_kernel[grid](
-        x_q, x_scale.reshape(-1), experts.w_q, experts.w_shift.view(torch.int32), experts.w_scale, out,
-        amax if glu else out, routing.sorted_pairs, routing.tile_expert, pairs, rows_div, n, k,
-        x_q.stride(0), out.stride(0),
+        x_q, x_scale.reshape(-1), experts.w_q, experts.w_shift.view(torch.int32), experts.w_scale,
+        bias.contiguous() if bias is not None else experts.w_scale, out, amax if glu else out,
+        routing.sorted_pairs, routing.tile_expert, pairs, rows_div, n, k, x_q.stride(0), out.stride(0),
         SWAP_AB=cfg.swap_ab, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, EVEN_K=(k % cfg.block_k == 0),
-        USE_ASM=_use_asm(x_q) if use_asm is None else use_asm, PRECISE_ACC=cfg.precise_acc, GLU=glu,
+        USE_ASM=_use_asm(x_q) if use_asm is None else use_asm, PRECISE_ACC=cfg.precise_acc,
+        HAS_BIAS=bias is not None, GLU=glu, **_activation_constexprs(activation, glu),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, amax, compiled
 
@@ -307,10 +324,12 @@ def moe_gemm_ptx(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting,
 @torch.no_grad()
 def w4a8_moe_reference(x_q: torch.Tensor, x_scale: torch.Tensor, experts: PreparedExperts, topk_ids: torch.Tensor,
                        *, rows_per_pair_source: str, glu: bool = False,
-                       out_dtype: torch.dtype = torch.bfloat16):
+                       out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+                       activation: GluActivation = SILU):
     """What w4a8_moe_gemm computes, exactly (fp32 math, fp64 on CUDA; reference.w4a8_matmul_reference per
-    expert on its dequantized weight), with glu silu(gate) * up rounded as torch does in out_dtype, then
-    quantize_activations_reference. Syncs with the host (tests and the CPU path)."""
+    expert on its dequantized weight, its bias row added before the rounding to out_dtype), with glu
+    glu_reference(gate_up, activation) rounded as torch does in out_dtype, then quantize_activations_reference.
+    Syncs with the host (tests and the CPU path)."""
     tokens, top_k = topk_ids.shape
     rows_div = _rows_div(rows_per_pair_source, top_k)
     expert_of_pair = topk_ids.reshape(-1).to(torch.int64)
@@ -320,8 +339,6 @@ def w4a8_moe_reference(x_q: torch.Tensor, x_scale: torch.Tensor, experts: Prepar
         pairs = torch.nonzero(expert_of_pair == e).flatten()
         rows = pairs // rows_div
         w = dequantize_prepared(expert_weight(experts, e))
-        out[pairs] = w4a8_matmul_reference(x_q[rows], x_scale[rows], w, None, out_dtype)
-    if not glu:
-        return out
-    gate, up = out.split(n // 2, dim=-1)
-    return quantize_activations_reference(F.silu(gate) * up)
+        out[pairs] = w4a8_matmul_reference(x_q[rows], x_scale[rows], w, bias[e] if bias is not None else None,
+                                           out_dtype)
+    return quantize_activations_reference(glu_reference(out, activation)) if glu else out

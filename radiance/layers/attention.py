@@ -5,6 +5,11 @@ cu_seqlens_q[i]:cu_seqlens_q[i+1] (its new tokens) and attends to context_lens[i
 last q_len of which are the new ones (written to the cache first, at `slot_mapping`). On CUDA the Triton
 kernels of `attention_triton` run; on the CPU (and as the reference) torch SDPA over gathered blocks.
 Without metadata (`meta=None`) attention is plain causal over the given [B, T] batch, no cache.
+
+Two options of gpt-oss, on every path: `sinks` (a learned logit per q head that joins each query's
+softmax denominator and contributes no value; unscaled, as HF's eager attention appends it) and a
+layer's `sliding_window` W (the query at position p sees the keys at p - W < j <= p; the cache keeps
+every token, the kernels skip what lies outside the window).
 """
 
 from __future__ import annotations
@@ -76,12 +81,16 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
+        self.sliding_window = sliding_window  # None: full causal attention
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
         # without a cache (evaluation), K/V are rounded to this dtype first, as a cache of it would store them
@@ -93,14 +102,16 @@ class Attention(nn.Module):
         return self.fp8_kv_scales if cache_dtype == torch.float8_e4m3fn else UNIT_SCALES
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None,
-                rotary: tuple | None = None, quantize: bool = False, qk_norm: tuple | None = None):
+                rotary: tuple | None = None, quantize: bool = False, qk_norm: tuple | None = None,
+                sinks: torch.Tensor | None = None):
         """q [..., Hq, D], k/v [..., Hkv, D] -> [..., Hq * D]. rotary = (RotaryEmbedding, positions)
         rotates q and k first; on the Triton path that launch also writes k and v to the cache (at
         decode the attention kernel itself rotates and writes them).
         qk_norm = (q_norm, k_norm) RMSNorm modules normalize each head of q and k before the rotation
         (Qwen3): inside the rotary launch where it writes the cache, as separate launches elsewhere.
         `quantize` (the next linear runs W4A8) lets the decode path return Fp8Activations, quantized
-        in its merge launch; every other path returns the tensor and leaves quantization to the linear."""
+        in its merge launch; every other path returns the tensor and leaves quantization to the linear.
+        sinks: fp32 [num_heads] logits that join each row's softmax denominator (gpt-oss), or None."""
         cached = meta is not None and self.k_cache is not None
         if rotary is not None:
             rope, positions = rotary
@@ -109,27 +120,28 @@ class Attention(nn.Module):
                     # the decode kernel rotates and stores itself: one launch fewer
                     q, k = _head_norms(q, k, qk_norm)
                     fused = (rope.cos, rope.sin, positions, k, v, meta.slot_mapping)
-                    return self._paged_triton(q, meta, quantize, rotary=fused)
+                    return self._paged_triton(q, meta, quantize, rotary=fused, sinks=sinks)
                 q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
                                           self.kv_scales(self.k_cache.dtype), qk_norm=qk_norm)
-                return self._paged_triton(q, meta, quantize)
+                return self._paged_triton(q, meta, quantize, sinks=sinks)
             q, k = rope(positions, *_head_norms(q, k, qk_norm))
         else:
             q, k = _head_norms(q, k, qk_norm)
         if not cached:
-            return self._causal_no_cache(q, k, v)
+            return self._causal_no_cache(q, k, v, sinks)
         scales = self.kv_scales(self.k_cache.dtype)
         if _use_triton(q):
             from radiance.layers import attention_triton as at
             at.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, scales)
-            return self._paged_triton(q, meta, quantize)
+            return self._paged_triton(q, meta, quantize, sinks=sinks)
         store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_valid, scales)
         out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
-                                    meta.kv_lens, self.scale, meta.kv_first_blocks, scales)
+                                    meta.kv_lens, self.scale, meta.kv_first_blocks, scales, sinks,
+                                    self.sliding_window)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
     def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata, quantize: bool = False,
-                      rotary: tuple | None = None):
+                      rotary: tuple | None = None, sinks: torch.Tensor | None = None):
         """Attention of q over the paged cache, which already holds this step's K/V; at decode, with
         `rotary` (see paged_decode_attention), q is unrotated and the kernel rotates and stores K/V."""
         from radiance.layers import attention_triton as at
@@ -137,16 +149,17 @@ class Attention(nn.Module):
         if meta.is_decode:
             out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                             meta.context_lens, self.scale, meta.decode_splits, quantize, rotary,
-                                            kv_scales=scales)
+                                            kv_scales=scales, sinks=sinks, sliding_window=self.sliding_window)
             if isinstance(out, tuple):
                 return Fp8Activations(*out, q.dtype, tuple(q.shape[:-2]))
         else:
             out = at.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                              meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale,
-                                             scales, max_kv_len=max(meta.kv_lens))
+                                             scales, max_kv_len=max(meta.kv_lens), sinks=sinks,
+                                             sliding_window=self.sliding_window)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
-    def _causal_no_cache(self, q, k, v):
+    def _causal_no_cache(self, q, k, v, sinks: torch.Tensor | None = None):
         scales = UNIT_SCALES
         if self.kv_storage_dtype is not None:  # K/V as a cache of that dtype holds them, scales folded as there
             scales = self.kv_scales(self.kv_storage_dtype)
@@ -155,7 +168,11 @@ class Attention(nn.Module):
         squeeze = q.dim() == 3  # [T, H, D] -> one sequence
         if squeeze:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        out = _scaled_output(_sdpa(q, k, v, self.scale * scales.k, causal=True), scales)
+        if sinks is None and self.sliding_window is None:
+            out = _sdpa(q, k, v, self.scale * scales.k, causal=True)
+        else:
+            out = _windowed_attention(q, k, v, 0, self.scale * scales.k, sinks, self.sliding_window)
+        out = _scaled_output(out, scales)
         if squeeze:
             out = out.squeeze(0)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
@@ -172,6 +189,46 @@ def _sdpa(q, k, v, scale: float, causal: bool = False, mask: torch.Tensor | None
                                          attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                                          enable_gqa=q.shape[-2] != k.shape[-2])
     return out.transpose(1, 2)
+
+
+def _window_start(kv_len: int, q_len: int, window: int | None) -> int:
+    """The first context position any of the last q_len queries of a kv_len context sees."""
+    return 0 if window is None else max(0, kv_len - q_len + 1 - window)
+
+
+def _windowed_attention(q, k, v, first: int, scale: float, sinks: torch.Tensor | None, window: int | None):
+    """Causal attention of q [B, Tq, Hq, D], the context's last Tq tokens, over its rows from position
+    `first` on (k/v [B, kv_len - first, Hkv, D]), within `window` (None: unlimited), each head's sink
+    logit in the denominator (None: no sinks). In float32, the sinks' precision."""
+    kv_len = first + k.shape[1]
+    queries = torch.arange(kv_len - q.shape[1], kv_len, device=q.device)[:, None]
+    keys = torch.arange(first, kv_len, device=q.device)[None, :]
+    allowed = keys <= queries
+    if window is not None:
+        allowed &= keys > queries - window
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    if sinks is not None:
+        # an infinite sink as a finite one as far out (no weight, or all of it): the real keys' 0 x sink
+        # in the extra dimension must stay 0, not NaN
+        sinks = sinks.float().clamp(-1e30, 1e30)
+        q32, k32, v32, allowed = _with_sink_key(q32, k32, v32, allowed, sinks / scale)
+    return _sdpa(q32, k32, v32, scale, mask=allowed).to(q.dtype)
+
+
+def _with_sink_key(q, k, v, allowed, sink_dots):
+    """q, k, v and the mask with the sinks as a key every query sees, ahead of the others, whose value is 0:
+    one more dimension holds each q head's sink / scale in q, 1 in that key and 0 in the real keys, so its
+    logit is the (unscaled) sink and theirs do not change. Memory stays O(tokens x heads), unlike a float
+    mask that would carry the per-head sink over every (query, key) pair."""
+    batch, q_len, heads, _ = q.shape
+    q = torch.cat([q, sink_dots.view(1, 1, heads, 1).expand(batch, q_len, heads, 1)], -1)
+    k = torch.cat([k, k.new_zeros(*k.shape[:-1], 1)], -1)
+    sink_key = k.new_zeros(batch, 1, *k.shape[2:])
+    sink_key[..., -1] = 1.0
+    k = torch.cat([sink_key, k], 1)
+    v = torch.cat([v.new_zeros(batch, 1, *v.shape[2:]), v], 1)
+    allowed = torch.cat([allowed.new_ones(allowed.shape[0], 1), allowed], 1)
+    return q, k, v, allowed
 
 
 def _decode_sdpa(q, k, v, scale: float):
@@ -207,31 +264,38 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> t
     return x.to(dtype)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
     block_size = cache.shape[1]
-    blocks = block_table[: (length + block_size - 1) // block_size]  # int32 indices: no conversion op
-    return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:length]
+    skipped = start // block_size  # blocks wholly before `start` are not read
+    blocks = block_table[skipped: (length + block_size - 1) // block_size]  # int32 indices: no conversion op
+    offset = skipped * block_size
+    return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[start - offset:length - offset]
 
 
-def cached_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = -1) -> torch.Tensor:
-    """One sequence's first `length` cached rows [length, Hkv, D]: a view of the cache when its blocks run
-    in order from `first_block` (AttentionMetadata.kv_first_blocks), else gathered block by block."""
+def cached_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = -1,
+              start: int = 0) -> torch.Tensor:
+    """One sequence's cached rows [start, length) [length - start, Hkv, D]: a view of the cache when its
+    blocks run in order from `first_block` (AttentionMetadata.kv_first_blocks), else gathered block by block."""
     if first_block >= 0:
-        start = first_block * cache.shape[1]
-        return cache.view(-1, *cache.shape[2:])[start:start + length]
-    return gather_kv(cache, block_table, length)
+        base = first_block * cache.shape[1]
+        return cache.view(-1, *cache.shape[2:])[base + start:base + length]
+    return gather_kv(cache, block_table, length, start)
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, first_blocks=None,
-                          scales: KvScales = UNIT_SCALES):
+                          scales: KvScales = UNIT_SCALES, sinks: torch.Tensor | None = None,
+                          sliding_window: int | None = None):
     """Reference paged attention: q [T, Hq, D] flattened over sequences -> [T, Hq, D]. The cache may be
-    wider than q (float32 on the CPU): decode attends in float32 anyway, prefill in q's dtype. An fp8
-    cache holds K / scales.k and V / scales.v (KvScales)."""
+    wider than q (float32 on the CPU): decode attends in float32 anyway, prefill in q's dtype (float32
+    with sinks or a window). An fp8 cache holds K / scales.k and V / scales.v (KvScales)."""
     if scales != UNIT_SCALES:
         out = paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale * scales.k,
-                                    first_blocks)
+                                    first_blocks, sinks=sinks, sliding_window=sliding_window)
         return _scaled_output(out, scales)
     firsts = first_blocks or [-1] * len(q_lens)
+    if sinks is not None or sliding_window is not None:
+        return _paged_windowed_attention(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, firsts,
+                                         sinks, sliding_window)
     if len(q_lens) == 1 and q_lens[0] == 1:  # one sequence's decode step (the CPU's usual case): no copy-out
         k_1 = cached_kv(k_cache, block_tables[0], kv_lens[0], firsts[0])
         v_1 = cached_kv(v_cache, block_tables[0], kv_lens[0], firsts[0])
@@ -253,5 +317,20 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, sc
             mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= rows
             o = _sdpa(q_i, k_i, v_i, scale, mask=mask)
         out[start:start + q_len] = o.squeeze(0)
+        start += q_len
+    return out
+
+
+def _paged_windowed_attention(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, firsts, sinks, window):
+    """paged_attention_torch with sinks and/or a sliding window: each sequence reads only the cached rows
+    from its first query's window on."""
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        first = _window_start(kv_len, q_len, window)
+        k_i = cached_kv(k_cache, block_tables[i], kv_len, firsts[i], first).unsqueeze(0)
+        v_i = cached_kv(v_cache, block_tables[i], kv_len, firsts[i], first).unsqueeze(0)
+        q_i = q[start:start + q_len].unsqueeze(0)
+        out[start:start + q_len] = _windowed_attention(q_i, k_i, v_i, first, scale, sinks, window).squeeze(0)
         start += q_len
     return out

@@ -18,6 +18,10 @@
   device: CUDA-graph safe.
   With `rotary` the split kernel also does the rotary embedding and the new token's KV store (what
   RotaryEmbedding.rotate_and_store does at prefill), so a decode layer's attention is two launches.
+- gpt-oss's options (constexpr switches, off by default): attention sinks, a per-head logit in each
+  row's denominator, fold into the prefill kernel's final normalization and into the decode merge; a
+  sliding window masks the prefill tiles and skips those wholly below it, and narrows the decode splits
+  to the new token's window.
 The torch references are `radiance.layers.attention.paged_attention_torch` / `store_kv_cache_torch`.
 """
 
@@ -34,10 +38,10 @@ from radiance.kernels._triton.rotary import rotated_heads, store_rotated_kv, to_
 from radiance.kernels.activation import quantize_activations
 from radiance.kernels.device_info import large_shared_memory, sm_count, supports_pdl
 from radiance.layers.attention import UNIT_SCALES, KvScales
-from radiance.layers.attention_merge import (ROWS_MAX_SPLITS, merge_quant_barrier, merge_quant_rows,
-                                             merge_quant_serves, merge_splits)
+from radiance.layers.attention_merge import (LOG2E, ROWS_MAX_SPLITS, merge_quant_barrier, merge_quant_rows,
+                                             merge_quant_serves, merge_splits, sinks_argument)
 
-_LOG2E = 1.4426950408889634
+_LOG2E = LOG2E.value
 
 
 def _dots_in_fp16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -171,6 +175,15 @@ def prefill_tiling(head_dim: int, max_q_len: int, max_kv_len: int, fp8_dots: boo
     return PrefillTiling()
 
 
+def _window(sliding_window: int | None) -> int:
+    """The kernels' WINDOW constant: the window in tokens, 0 for full causal attention."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
+    return sliding_window
+
+
 @triton.jit
 def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs, k_inv, v_inv,
                      ROW: tl.constexpr, BLOCK: tl.constexpr):
@@ -204,11 +217,13 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 @triton.jit
-def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
+def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale, SINKS,
                     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_tb,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    DOTS_FP16: tl.constexpr = False):
+                    DOTS_FP16: tl.constexpr = False, HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0):
+    """WINDOW > 0: a sliding window of that many tokens (0: full causal). HAS_SINKS: the per-head logit
+    SINKS[h] joins each row's denominator."""
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -231,7 +246,10 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         q_pos = before + offs_m
         end = tl.minimum(kv_len, before + (m_block + 1) * BLOCK_M)
-        for start in range(0, end, BLOCK_N):
+        lo = 0
+        if WINDOW > 0:  # skip the tiles below the window of the tile's first query
+            lo = tl.maximum(before + m_block * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < kv_len
             page = tl.load(tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
@@ -240,14 +258,23 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
             k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # fp8: widened
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             allowed = (q_pos[:, None] >= offs_n[None, :]) & mask_n[None, :]
+            if WINDOW > 0:
+                allowed &= q_pos[:, None] - offs_n[None, :] < WINDOW
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            m_ref = m_new
+            if WINDOW > 0:  # a row whose window starts past this tile has no key yet (m -inf): adds nothing
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(VC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
+        if WINDOW > 0:  # a padding row past q_len may have seen no key (0 / 0; never stored)
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        if HAS_SINKS:  # the sink's share of the denominator, in the scores' base-2 units (no value)
+            l_i += tl.exp2(tl.load(SINKS + h) * LOG2E - m_i)
         out = acc / l_i[:, None] * v_scale
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -256,9 +283,11 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
                             scale: float, kv_scales: KvScales = UNIT_SCALES, max_kv_len: int | None = None,
-                            tiling: PrefillTiling | None = None) -> torch.Tensor:
+                            tiling: PrefillTiling | None = None, sinks: torch.Tensor | None = None,
+                            sliding_window: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] (sequences back to back) -> [T, Hq, D] (an fp8 cache read back times `kv_scales`).
-    max_kv_len: the longest context (host side; None = the kernel's default tiling for short ones)."""
+    max_kv_len: the longest context (host side; None = the kernel's default tiling for short ones).
+    sinks: fp32 [Hq] logits in each row's denominator; sliding_window: tokens each query sees (None: all)."""
     tokens, heads, dim = q.shape
     group = heads // k_cache.shape[2]
     out = torch.empty_like(q)
@@ -267,12 +296,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (triton.cdiv(max_q_len, tiling.block_m), block_tables.shape[0], heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale * kv_scales.k * _LOG2E,
-        kv_scales.v,
+        kv_scales.v, sinks_argument(sinks, heads, q),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=dim, D_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1],
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, PRECISION=_precision(q),
-        DOTS_FP16=dots_fp16, num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+        DOTS_FP16=dots_fp16, HAS_SINKS=sinks is not None, WINDOW=_window(sliding_window),
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return out
 
 
@@ -313,20 +343,24 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
                          PRECISION: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr = False,
                          DOTS_FP16: tl.constexpr = False, LONG_BLOCK_N: tl.constexpr = 0,
                          LONG_FROM: tl.constexpr = 0, STAGES: tl.constexpr = 2, LONG_STAGES: tl.constexpr = 2,
-                         V_WORDS: tl.constexpr = False, ASM: tl.constexpr = False):
+                         V_WORDS: tl.constexpr = False, ASM: tl.constexpr = False, WINDOW: tl.constexpr = 0):
     """With ROTARY, Q is unrotated and the new token's unrotated k and its v (KN, VN [B, Hkv, D]) are
-    not in the cache yet: this launch does what rotary_kernel with STORE_KV would have done first."""
+    not in the cache yet: this launch does what rotary_kernel with STORE_KV would have done first.
+    WINDOW > 0: the splits share only the window's last WINDOW tokens (the new one's keys), 0: all."""
     pdl_handoff(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(context_lens + b)
-    share = tl.cdiv(kv_len, SPLITS)
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(kv_len - WINDOW, 0)
+    share = tl.cdiv(kv_len - first, SPLITS)
     step = BLOCK_N
     if LONG_BLOCK_N > 0 and share >= LONG_FROM:
         step = LONG_BLOCK_N
     per_split = tl.cdiv(share, step) * step
-    start = split * per_split
+    start = first + split * per_split
     end = tl.minimum(start + per_split, kv_len)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -375,7 +409,8 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, num_splits: int, quantize: bool = False,
                            rotary: tuple | None = None, tiling: DecodeTiling | None = None,
-                           kv_scales: KvScales = UNIT_SCALES):
+                           kv_scales: KvScales = UNIT_SCALES, sinks: torch.Tensor | None = None,
+                           sliding_window: int | None = None):
     """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]; with `quantize`, (x_q e4m3 [B, Hq * D],
     x_scale fp32 [B, 1]) for a W4A8 linear instead, the bytes of quantize_activations of that output,
     from the merge launch (attention_merge: the barrier kernel while merge_quant_serves, else the per-row
@@ -385,7 +420,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     new tokens' positions [B], unrotated k and v [B, Hkv, D], their cache slots [B], -1 = padding):
     q is unrotated and the cache lacks the new tokens; the split kernel rotates q, and stores the
     rotated k and the v, as RotaryEmbedding.rotate_and_store would (one launch fewer).
-    An fp8 cache holds K and V against `kv_scales` (stored divided, read back times them)."""
+    An fp8 cache holds K and V against `kv_scales` (stored divided, read back times them).
+    sliding_window: the splits read only the new token's window (None: the whole context); sinks: fp32
+    [Hq] logits, added to each row's denominator by the merge."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -413,11 +450,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl, DOTS_FP16=_dots_in_fp16(q, k_cache),
         LONG_BLOCK_N=tiling.long_block_n, LONG_FROM=tiling.long_from, STAGES=tiling.num_stages,
         LONG_STAGES=tiling.long_stages or tiling.num_stages, V_WORDS=v_words, ASM=q.is_cuda,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+        WINDOW=_window(sliding_window), num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     if not quantize:
-        return merge_splits(acc, lse, q.dtype, pdl)
+        return merge_splits(acc, lse, q.dtype, pdl, sinks=sinks)
     if merge_quant_serves(q):
-        return merge_quant_barrier(acc, lse, q.dtype, pdl)
+        return merge_quant_barrier(acc, lse, q.dtype, pdl, sinks=sinks)
     if num_splits <= ROWS_MAX_SPLITS:
-        return merge_quant_rows(acc, lse, q.dtype, pdl)
-    return quantize_activations(merge_splits(acc, lse, q.dtype, pdl).reshape(batch, heads * dim))
+        return merge_quant_rows(acc, lse, q.dtype, pdl, sinks=sinks)
+    return quantize_activations(merge_splits(acc, lse, q.dtype, pdl, sinks=sinks).reshape(batch, heads * dim))

@@ -1,5 +1,6 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE): a router picks `top_k` of E SwiGLU experts per
-token; Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, gpt-oss): a router picks `top_k` of E GLU experts
+per token; Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate; gpt-oss biases
+the router and both expert linears and clamps its SwiGLU (MoeConfig.activation).
 
 Each expert is a pair of ordinary linears (`experts.<e>.gate_up_proj`, `experts.<e>.down_proj`) that the
 loader installs like any other, so every checkpoint format reaches MXFP4 the usual way. When all of them
@@ -18,20 +19,33 @@ from torch import nn
 
 from radiance.kernels import moe as grouped_kernels
 from radiance.kernels.activation import quantize_activations, silu_mul
+from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.layers.linear import DenseLinear, UnloadedLinear, takes_fp8
 from radiance.models.arch_config import MoeConfig
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert: a merged [gate | up] linear and a down linear."""
+    """One GLU expert: a merged [gate | up] linear and a down linear, each with an optional bias (gpt-oss)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: GluActivation = SILU):
         super().__init__()
+        self.activation = activation
         self.gate_up_proj = UnloadedLinear(hidden_size, 2 * intermediate_size, (intermediate_size, intermediate_size))
         self.down_proj = UnloadedLinear(intermediate_size, hidden_size)
+        self.gate_up_bias = self.down_bias = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.zeros(2 * intermediate_size), requires_grad=False)
+            self.down_bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_bias is None and self.activation == SILU:
+            return self.down_proj(silu_mul(gate_up))
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias
+        out = self.down_proj(glu_reference(gate_up, self.activation))
+        return out + self.down_bias if self.down_bias is not None else out
 
 
 class SparseMoeBlock(nn.Module):
@@ -43,14 +57,17 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = moe.num_experts
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router, kept in 16 bits
-        self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.activation = moe.activation
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)  # the router, kept in 16 bits
+        self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size, moe.expert_bias, moe.activation)
+                                     for _ in range(moe.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = Expert(hidden_size, moe.shared_expert_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.grouped = None  # (gate_up, down) PreparedExperts once finish_loading stacked them
         self.grouped_16bit = None  # (gate_up [E, 2I, H], down [E, H, I]) 16-bit weights, likewise
+        self.stacked_bias = (None, None)  # (gate_up [E, 2I], down [E, H]) expert biases, stacked likewise
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [T, top_k], expert ids int64 [T, top_k]): softmax over the router logits in fp32,
@@ -85,9 +102,12 @@ class SparseMoeBlock(nn.Module):
         block_m = grouped_kernels.moe_block_m(x.shape[0] * self.top_k, self.num_experts)
         weights, _, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, block_m)
         x_q, x_scale = quantize_activations(x)
+        gate_up_bias, down_bias = self.stacked_bias
         y_q, y_scale = grouped_kernels.w4a8_moe_gemm(x_q, x_scale, gate_up, routing, rows_per_pair_source="token",
-                                                     glu=True, out_dtype=x.dtype)
-        h = grouped_kernels.w4a8_moe_gemm(y_q, y_scale, down, routing, rows_per_pair_source="pair", out_dtype=x.dtype)
+                                                     glu=True, out_dtype=x.dtype, bias=gate_up_bias,
+                                                     activation=self.activation)
+        h = grouped_kernels.w4a8_moe_gemm(y_q, y_scale, down, routing, rows_per_pair_source="pair", out_dtype=x.dtype,
+                                          bias=down_bias)
         return grouped_kernels.combine_experts(h, weights, x.dtype)
 
     def _grouped_16bit_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,8 +117,17 @@ class SparseMoeBlock(nn.Module):
         weights, _, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair
         rows = x[order // self.top_k]
-        y = silu_mul(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=routing.group_ends))
-        h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends)
+        gate_up_out = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=routing.group_ends)
+        gate_up_bias, down_bias = self.stacked_bias
+        if gate_up_bias is None:
+            y = silu_mul(gate_up_out) if self.activation == SILU else glu_reference(gate_up_out, self.activation)
+            h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends)
+        else:
+            # the expert of each sorted row, from the groups' ends (no host sync)
+            slots = torch.arange(len(order), device=x.device, dtype=routing.group_ends.dtype)
+            expert = torch.searchsorted(routing.group_ends, slots, right=True)
+            y = glu_reference(gate_up_out + gate_up_bias[expert], self.activation)
+            h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends) + down_bias[expert]
         h = torch.empty_like(h_sorted).index_copy_(0, order, h_sorted)
         return grouped_kernels.combine_experts(h, weights, x.dtype)
 
@@ -116,6 +145,7 @@ class SparseMoeBlock(nn.Module):
         """After the loader installed every expert linear: stack the experts' prepared MXFP4 weights for the
         grouped kernel when all of them run the W4A8 kernel (no bias, no numerics monitor). The experts keep
         views into the stacked tensors, so the weights are held once."""
+        self._stack_biases()
         pairs = [(e.gate_up_proj, e.down_proj) for e in self.experts]
         linears = [lin for pair in pairs for lin in pair]
         if all(isinstance(lin, DenseLinear) and lin.bias is None for lin in linears):
@@ -129,6 +159,18 @@ class SparseMoeBlock(nn.Module):
                 for buffer in ("w_q", "w_shift", "w_ref", "w_scale"):
                     setattr(pair[i], buffer, getattr(experts, buffer)[e])
         self.grouped = stacked
+
+    def _stack_biases(self) -> None:
+        """Expert biases as [E, N] tensors for the grouped paths; the experts keep views of them."""
+        if self.experts[0].gate_up_bias is None:
+            return
+        stacked = []
+        for attr in ("gate_up_bias", "down_bias"):
+            biases = torch.stack([getattr(e, attr).detach() for e in self.experts])
+            for e, expert in enumerate(self.experts):
+                setattr(expert, attr, nn.Parameter(biases[e], requires_grad=False))
+            stacked.append(biases)
+        self.stacked_bias = tuple(stacked)
 
     def _stack_16bit(self, pairs) -> None:
         """16-bit experts on a GPU where torch has a grouped GEMM for them: stacked, the experts keep views."""

@@ -1,5 +1,6 @@
 """Rotary position embedding (the "rotate half" / NeoX layout HF Llama and Qwen use), with the rope
-scaling variants of the supported models: none/default, linear, and Llama 3's frequency-band scaling."""
+scaling variants of the supported models: none/default, linear, Llama 3's frequency-band scaling and
+YaRN (gpt-oss)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,41 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    # YaRN: dimensions that turn fewer than beta_slow times over the original context are interpolated
+    # (slowed by `factor`), those that turn more than beta_fast times kept, a linear ramp in between
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+
+    def dim_turning(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (so q.k by its square); 1 for the other kinds."""
+    if (scaling or {}).get("rope_type", (scaling or {}).get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -39,8 +75,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif kind == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if not scaling.get(key):
+                raise ConfigError(f"yarn rope scaling needs {key!r}")
+        inv_freq = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     else:
-        raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
     return inv_freq
 
 
@@ -52,9 +93,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
+        factor = rope_attention_factor(scaling)
         # [P, D/2] each; kept fp32 so low-precision models rotate with exact angles
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
         self._step: tuple | None = None  # (positions, cos, sin) while `step` is active
 
     @contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radiance.errors import ConfigError
+from radiance.kernels.glu import SILU, GluActivation
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,17 @@ class ArchConfig:
     qkv_bias: bool = False   # Qwen2
     qk_norm: bool = False    # Qwen3
     moe: "MoeConfig | None" = None  # mixture-of-experts MLPs (Qwen3-MoE)
+    o_bias: bool = False     # gpt-oss: o_proj has a bias too
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit joins each softmax denominator
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to (itself included)
+    sliding_layers: frozenset[int] = frozenset()  # the layers that use it (config.json `layer_types`)
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.layers
+
+    def window_of(self, index: int) -> int | None:
+        """The sliding window of decoder layer `index`, None for full attention."""
+        return self.sliding_window if index in self.sliding_layers else None
 
     @property
     def q_size(self) -> int:
@@ -46,7 +55,7 @@ class ArchConfig:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        if config.get("hidden_act", "silu") != "silu":
+        if config.get("hidden_act", "silu") != "silu" and config.get("model_type") != "gpt_oss":
             raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
         rope = dict(config.get("rope_parameters") or {})  # transformers >= 5 folds theta into it
         theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
@@ -68,8 +77,27 @@ class ArchConfig:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             moe=MoeConfig.from_hf(config, architecture, need("num_hidden_layers")),
+            **_sliding_window(config, need("num_hidden_layers")),
             **overrides,
         )
+
+
+def _sliding_window(config: dict, num_layers: int) -> dict:
+    """sliding_window and the layers that use it: those `layer_types` calls "sliding_attention" (gpt-oss),
+    or every layer when config.json sets a window without types (and does not switch it off)."""
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False:
+        return {}
+    types = config.get("layer_types")
+    if types is None:
+        return {"sliding_window": int(window), "sliding_layers": frozenset(range(num_layers))}
+    if len(types) != num_layers:
+        raise ConfigError(f"config.json lists {len(types)} layer_types for {num_layers} layers")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ConfigError(f"unsupported layer_types {sorted(unknown)} (supported: sliding_attention, full_attention)")
+    return {"sliding_window": int(window),
+            "sliding_layers": frozenset(i for i, t in enumerate(types) if t == "sliding_attention")}
 
 
 @dataclass(frozen=True)
@@ -82,21 +110,42 @@ class MoeConfig:
     norm_topk_prob: bool    # renormalize the top-k router probabilities to sum to 1
     layers: frozenset[int]  # decoder layers whose MLP is sparse; the others are dense
     shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert of this size, scaled by a sigmoid gate
+    router_bias: bool = False  # gpt-oss: the router linear has a bias
+    expert_bias: bool = False  # gpt-oss: both expert linears have biases
+    activation: GluActivation = SILU  # the experts' GLU (gpt-oss: clamped SwiGLU)
 
     @classmethod
     def from_hf(cls, config: dict, architecture: str, num_layers: int) -> "MoeConfig | None":
         experts = config.get("num_experts") or config.get("num_local_experts") or 0
         if not experts:
             return None
+        if config.get("model_type") == "gpt_oss":
+            return cls._gpt_oss(config, int(experts), num_layers)
         for key in ("num_experts_per_tok", "moe_intermediate_size"):
             if not config.get(key):
                 raise ConfigError(f"config.json of a {architecture} model with {experts} experts lacks {key!r}")
-        top_k = int(config["num_experts_per_tok"])
-        if not 1 <= top_k <= experts:
-            raise ConfigError(f"num_experts_per_tok={top_k} must lie in 1..num_experts={experts}")
+        top_k = _top_k(config, experts)
         step = int(config.get("decoder_sparse_step") or 1)
         dense = set(config.get("mlp_only_layers") or ())
         layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
         return cls(int(experts), top_k, int(config["moe_intermediate_size"]),
                    bool(config.get("norm_topk_prob", False)), layers,
                    int(config.get("shared_expert_intermediate_size") or 0))
+
+    @classmethod
+    def _gpt_oss(cls, config: dict, experts: int, num_layers: int) -> "MoeConfig":
+        """gpt-oss: every MLP is sparse; softmax over the top-k router logits (= the full softmax's top k,
+        renormalized); biased experts of `intermediate_size` with the clamped SwiGLU."""
+        if not config.get("intermediate_size"):
+            raise ConfigError("config.json of a gpt-oss model lacks 'intermediate_size'")
+        act = GluActivation("swiglu_oai", alpha=float(config.get("swiglu_alpha", 1.702)),
+                            limit=float(config.get("swiglu_limit", 7.0)))
+        return cls(experts, _top_k(config, experts), int(config["intermediate_size"]), True,
+                   frozenset(range(num_layers)), router_bias=True, expert_bias=True, activation=act)
+
+
+def _top_k(config: dict, experts: int) -> int:
+    top_k = int(config.get("num_experts_per_tok") or 0)
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} must lie in 1..num_experts={experts}")
+    return top_k

@@ -28,7 +28,7 @@ def for_norm(linear: nn.Module, x):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int = 0):
         super().__init__()
         self.cfg = cfg
         self.rotary = [rotary]  # a list: shared by every layer, not registered as a submodule each time
@@ -38,9 +38,13 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = None
         if cfg.qkv_bias:
             self.qkv_bias = nn.Parameter(torch.zeros(cfg.q_size + 2 * cfg.kv_size), requires_grad=False)
+        self.o_bias = nn.Parameter(torch.zeros(cfg.hidden_size), requires_grad=False) if cfg.o_bias else None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        # gpt-oss: one learned logit per head joins every softmax denominator (fp32, as its kernels read it)
+        self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32), requires_grad=False)
+                      if cfg.attention_sinks else None)
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sliding_window=cfg.window_of(index))
 
     def forward(self, positions, x, meta):
         cfg = self.cfg
@@ -55,8 +59,11 @@ class LlamaAttention(nn.Module):
         # rotary inside attention: on CUDA one launch normalizes (Qwen3) and rotates q and k and writes k, v
         # to the KV cache
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
-        return for_norm(self.o_proj, self.attn(q, k, v, meta, rotary=(self.rotary[0], positions),
-                                               quantize=takes_fp8(self.o_proj), qk_norm=qk_norm))
+        attended = self.attn(q, k, v, meta, rotary=(self.rotary[0], positions), quantize=takes_fp8(self.o_proj),
+                             qk_norm=qk_norm, sinks=self.sinks)
+        if self.o_bias is not None:  # a bias after the GEMM: its split-K sums cannot be left to the norm
+            return self.o_proj(attended) + self.o_bias
+        return for_norm(self.o_proj, attended)
 
 
 class LlamaMLP(nn.Module):
@@ -79,7 +86,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe) if cfg.is_moe_layer(index) else LlamaMLP(cfg)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from radiance.errors import ConfigError
 from radiance.models.arch_config import ArchConfig
+from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
 from radiance.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -11,6 +12,7 @@ from radiance.models.qwen3 import Qwen3ForCausalLM
 from radiance.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -108,6 +108,7 @@ def template_features(template: str | None) -> dict:
         # Llama 3.x: calls written as {"name": ..., "parameters": ...} (and <|python_tag|> for built-in tools)
         "llama3_json": "<|python_tag|>" in text or ("<|start_header_id|>" in text and '"parameters"' in text),
         "think": "<think>" in text,
+        "harmony": "<|channel|>" in text,  # gpt-oss: messages in channels (analysis, commentary, final)
     }
 
 

@@ -1,13 +1,20 @@
-"""Split `<think>...</think>` reasoning from the answer, incrementally (same result for any chunking).
+"""Split reasoning from the answer, incrementally (same result for any chunking).
 
-The output may open its own `<think>` block (after optional whitespace) or, when the chat template
-already opened one in the prompt (Qwen3 style), start inside it. Without a `</think>` everything
-after the opening is reasoning (a generation cut off while thinking has no answer yet).
+`think`: the output may open its own `<think>` block (after optional whitespace) or, when the chat
+template already opened one in the prompt (Qwen3 style), start inside it. Without a `</think>`
+everything after the opening is reasoning (a generation cut off while thinking has no answer yet).
+
+`harmony` (gpt-oss): the output is a series of messages, `<|start|>assistant<|channel|>NAME<|message|>
+BODY<|end|>` (the first without `<|start|>assistant`, which ends the prompt); `analysis` bodies are
+reasoning, every other channel's bodies content. Its markers are special tokens, so a request it
+serves must keep special tokens in the text (`needs_special_tokens`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Protocol
 
 from radiance.server.streaming_text import LeadingSpaceEater, partial_tag_start
 
@@ -21,8 +28,18 @@ class ReasoningDelta:
     content: str = ""
 
 
+class ReasoningParser(Protocol):
+    name: str
+    needs_special_tokens: bool  # its markup is special tokens, which the detokenizer drops by default
+
+    def feed(self, delta: str) -> ReasoningDelta: ...
+
+    def finish(self) -> ReasoningDelta: ...
+
+
 class ThinkReasoningParser:
     name = "think"
+    needs_special_tokens = False
 
     def __init__(self, starts_inside: bool = False):
         self._state = "reasoning" if starts_inside else "start"
@@ -68,10 +85,120 @@ class ThinkReasoningParser:
         return out
 
 
-PARSERS = {ThinkReasoningParser.name: ThinkReasoningParser}
+START, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>"
+# <|return|>, <|call|> and <|endoftext|> are gpt-oss's EOS tokens: the last message ends with one
+MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")
+HARMONY_MARKERS = (START, MESSAGE, CHANNEL, CONSTRAIN, *MESSAGE_ENDS)
+_MARKER = re.compile("|".join(re.escape(marker) for marker in HARMONY_MARKERS))
+_CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+# Text outside messages that may still be the start of a header: the prompt ends with `<|start|>assistant`,
+# so the model may go on with ` to=functions.f` before the header's first marker. Every prefix of such a
+# text matches too, so the guess fails the same way however the text is chunked.
+_HEADER_START = re.compile(r"\s*(t|to|to=\S*\s*)?")
+MESSAGE_SEPARATOR = "\n\n"  # between two messages that land in the same field (e.g. a preamble and the answer)
 
 
-def split_reasoning(parser: ThinkReasoningParser, text: str) -> ReasoningDelta:
+class HarmonyReasoningParser:
+    """Message bodies go to their channel's field; headers and markers are dropped. Text outside any
+    message (a model that ignores the format) is content; a message cut off is flushed to its field.
+    Tool calls (`to=functions.f` in the header) are not parsed: their arguments pass through as content."""
+
+    name = "harmony"
+    needs_special_tokens = True
+
+    def __init__(self, starts_inside: bool = False):  # a <think> left open in the prompt means nothing here
+        self._buffer = ""  # text not parsed yet: at most the start of a marker
+        self._mode = "outside"  # outside a message, in its header, or in its body
+        self._header_guess: str | None = ""  # outside text held as a possible header; None once it cannot be
+        self._header = ""
+        self._field = "content"  # where the current body goes
+        self._body_started = False
+        self._filled = {"reasoning": False, "content": False}
+
+    def feed(self, delta: str) -> ReasoningDelta:
+        out = ReasoningDelta()
+        self._buffer += delta
+        while (marker := _MARKER.search(self._buffer)) is not None:
+            self._text(self._buffer[:marker.start()], out)
+            self._marker(marker.group(), out)
+            self._buffer = self._buffer[marker.end():]
+        keep = min(partial_tag_start(self._buffer, marker) for marker in HARMONY_MARKERS)
+        self._text(self._buffer[:keep], out)
+        self._buffer = self._buffer[keep:]
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        out = ReasoningDelta()
+        self._text(self._buffer, out)  # the start of a marker that never came is text
+        self._buffer = ""
+        self._leave_message(out)  # held outside text is content; an unfinished header is dropped
+        return out
+
+    def _text(self, text: str, out: ReasoningDelta) -> None:
+        if self._mode == "header":
+            self._header += text
+        elif self._mode == "body":
+            self._body_text(text, out)
+        else:
+            self._outside_text(text, out)
+
+    def _marker(self, marker: str, out: ReasoningDelta) -> None:
+        if marker in MESSAGE_ENDS:
+            self._leave_message(out)
+        elif marker == START:
+            self._leave_message(out)
+            self._open_header("")
+        elif self._mode == "outside":  # a header the model began without <|start|> (always the first one)
+            self._open_header(self._header_guess or "")
+            self._header_marker(marker)
+        elif self._mode == "header":
+            self._header_marker(marker)
+        elif marker == CHANNEL:  # a new header right after a body, with no <|end|><|start|> between
+            self._open_header("")
+            self._header_marker(marker)
+        # <|message|> and <|constrain|> inside a body mean nothing: dropped
+
+    def _open_header(self, text: str) -> None:
+        self._mode, self._header = "header", text
+
+    def _header_marker(self, marker: str) -> None:
+        if marker != MESSAGE:
+            self._header += marker  # kept so the channel name can be found after <|channel|>
+            return
+        channel = _CHANNEL_NAME.search(self._header)
+        self._field = "reasoning" if channel and channel.group(1) == "analysis" else "content"
+        self._mode, self._body_started = "body", False
+
+    def _leave_message(self, out: ReasoningDelta) -> None:
+        if self._mode == "outside" and self._header_guess:  # it never became a header
+            self._emit("content", self._header_guess, out)
+        self._mode, self._header_guess = "outside", ""
+
+    def _outside_text(self, text: str, out: ReasoningDelta) -> None:
+        if self._header_guess is not None:
+            self._header_guess += text
+            if _HEADER_START.fullmatch(self._header_guess):
+                return
+            text, self._header_guess = self._header_guess, None
+        self._emit("content", text, out)
+
+    def _body_text(self, text: str, out: ReasoningDelta) -> None:
+        if text and not self._body_started:
+            self._body_started = True
+            if self._filled[self._field]:
+                text = MESSAGE_SEPARATOR + text
+        self._emit(self._field, text, out)
+
+    def _emit(self, field: str, text: str, out: ReasoningDelta) -> None:
+        if text:
+            self._filled[field] = True
+            setattr(out, field, getattr(out, field) + text)
+
+
+PARSERS = {parser.name: parser for parser in (ThinkReasoningParser, HarmonyReasoningParser)}
+
+
+def split_reasoning(parser: ReasoningParser, text: str) -> ReasoningDelta:
     """Non-streaming: the whole text through the same incremental parser."""
     first = parser.feed(text)
     last = parser.finish()

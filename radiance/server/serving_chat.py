@@ -51,6 +51,12 @@ class ChoiceStream:
         self.cut_call_ids: set[str] = set()  # calls max_tokens cut off before their arguments were whole
         self.output: Any = None
 
+    @property
+    def needs_special_tokens(self) -> bool:
+        """Its reasoning parser reads markers that are special tokens (harmony), which the text must keep;
+        the parser takes them out again."""
+        return self.reasoning is not None and self.reasoning.needs_special_tokens
+
     def _route(self, text: str, delta: dict) -> None:
         if self.tools is None:
             delta["content"] = delta.get("content", "") + text
@@ -222,10 +228,11 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     prompt_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    jobs = [EngineJob(f"{request_id}-{i}", prompt_ids, sampling_params(req, max_tokens, i, constraint))
-            for i in range(req.n)]
     opens_thinking = prompt_opens_thinking(prompt)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix) for i in range(req.n)]
+    jobs = [EngineJob(f"{request_id}-{i}", prompt_ids,
+                      sampling_params(req, max_tokens, i, constraint, keep_special_tokens=choice.needs_special_tokens))
+            for i, choice in enumerate(choices)]
     return PreparedChat(prompt_ids, jobs, choices)
 
 

@@ -91,9 +91,11 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | Non
     return requested
 
 
-def sampling_params(req: Any, max_tokens: int, choice: int, constraint: StructuredOutput | None) -> SamplingParams:
+def sampling_params(req: Any, max_tokens: int, choice: int, constraint: StructuredOutput | None,
+                    keep_special_tokens: bool = False) -> SamplingParams:
     """The engine's parameters for choice `choice` of a request, its output held to `constraint` (the
-    request's own structured output, or a forced tool call's)."""
+    request's own structured output, or a forced tool call's); `keep_special_tokens` overrides the
+    request's skip_special_tokens for a parser that reads special-token markup."""
     seed = None if req.seed is None else req.seed + choice
     return SamplingParams(
         n=1, max_tokens=max_tokens,
@@ -102,7 +104,8 @@ def sampling_params(req: Any, max_tokens: int, choice: int, constraint: Structur
         top_k=-1 if req.top_k in (None, 0) else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
         seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos, logprobs=req.num_logprobs(), skip_special_tokens=req.skip_special_tokens,
+        ignore_eos=req.ignore_eos, logprobs=req.num_logprobs(),
+        skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
         prompt_logprobs=req.num_logprobs() if getattr(req, "echo", False) else None,
         logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,

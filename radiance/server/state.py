@@ -76,7 +76,9 @@ class ServerState:
         features = template_features(self.chat_template)
         markup = next((name for name in ("qwen3_coder", "hermes", "llama3_json") if features[name]), None)
         self.tool_parser_name = self._pick(self.config.tool_call_parser, markup)
-        self.reasoning_parser_name = self._pick(self.config.reasoning_parser, "think" if features["think"] else None)
+        # harmony first: <|channel|> is gpt-oss's own markup, while <think> could appear in any template's text
+        reasoning = next((name for name in ("harmony", "think") if features[name]), None)
+        self.reasoning_parser_name = self._pick(self.config.reasoning_parser, reasoning)
         self.engine = engine  # last: `ready` flips only once everything above is set
 
     @staticmethod

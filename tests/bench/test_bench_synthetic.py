@@ -23,6 +23,10 @@ TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num
                            num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
                            num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                            mlp_only_layers=[], decoder_sparse_step=1, tie_word_embeddings=False)),
+    ("gpt-oss-20b", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=64, vocab_size=201088, num_local_experts=32,
+                         num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0, rope_theta=150000,
+                         tie_word_embeddings=False)),
 ])
 def test_public_configs(name, expected):
     # values copied by hand from the models' published config.json files
@@ -40,6 +44,21 @@ def test_llama_rope_scaling_and_parameter_count():
     assert 32.7e9 < SyntheticCheckpoint("synthetic:qwen3-32b", device="cpu").num_parameters() < 32.9e9
     # Qwen3-30B-A3B: 30.5B in all by its model card
     assert 30.4e9 < SyntheticCheckpoint("synthetic:qwen3-30b-a3b", device="cpu").num_parameters() < 30.6e9
+    # gpt-oss-20b: 21B (20.91B) by its model card
+    assert 20.85e9 < SyntheticCheckpoint("synthetic:gpt-oss-20b", device="cpu").num_parameters() < 20.95e9
+
+
+def test_gpt_oss_layers_carry_biases_sinks_and_a_biased_router():
+    tiny = dict(TINY, num_local_experts=4, layer_types=["sliding_attention", "full_attention"])
+    ckpt = SyntheticCheckpoint("synthetic:gpt-oss-20b", device="cpu", dtype=torch.float32, overrides=tiny)
+    weights = dict(ckpt.iter_weights(progress=False))
+    assert weights["model.layers.1.mlp.router.bias"].shape == (4,)
+    assert weights["model.layers.1.self_attn.sinks"].shape == (4,)
+    assert weights["model.layers.0.self_attn.o_proj.bias"].shape == (64,)
+    assert weights["model.layers.0.self_attn.qkv_proj.bias"].shape == (64 + 2 * 32,)
+    assert weights["model.layers.0.mlp.experts.3.gate_up_proj"].shape == (192, 64)
+    assert weights["model.layers.0.mlp.experts.3.gate_up_proj.bias"].shape == (192,)
+    assert weights["model.layers.0.mlp.experts.3.down_proj.bias"].shape == (64,)
 
 
 def test_moe_layers_have_router_and_experts():

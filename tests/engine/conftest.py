@@ -8,13 +8,16 @@ import torch
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+# gpt-oss's published rope (YaRN, no truncation) on a shorter original context, so 300 tokens pass it
+YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+             "original_max_position_embeddings": 64, "rope_theta": 150000.0}
 
 
 def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
-    from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (AutoModelForCausalLM, GptOssConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512)
@@ -30,6 +33,11 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     elif arch == "qwen2moe":  # layer 1 sparse (8 experts, top 2, not renormalized, a gated shared expert)
         config = Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                 shared_expert_intermediate_size=48, mlp_only_layers=[0])
+    elif arch == "gptoss":  # a 32-token window on layer 0, full attention on layer 1; 8 experts, top 2
+        config = GptOssConfig(**common, head_dim=32, num_local_experts=8, num_experts_per_tok=2,
+                              sliding_window=32, layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters=dict(YARN_ROPE), swiglu_limit=1.0)  # a limit the clamps reach
+        config._attn_implementation = "eager"  # the implementation that applies the sinks
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -38,6 +46,8 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # large enough to take a visible share of the softmax
+                p.copy_(2.0 + torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
     return model

@@ -114,12 +114,14 @@ def _same_fp8(a: tuple, b: tuple) -> bool:
 
 def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                        splits: tuple[int, ...], big: bool = False, page: int = 16, seed: int = 0,
-                       kv_dtype: torch.dtype | None = None, tiling=None, scales=None) -> dict:
+                       kv_dtype: torch.dtype | None = None, tiling=None, scales=None, sinks=None,
+                       window: int | None = None) -> dict:
     """paged_decode_attention(rotary=...) (rotary and KV store inside the split kernel) against
     RotaryEmbedding.rotate_and_store + paged_decode_attention (the unfused launches) and against the
     torch reference (_rotate + store_kv_cache_torch + paged_attention_torch). Shuffled multi-page
     tables; contexts of 1 token, on a BLOCK_N boundary and just past it; a padding row (slot -1)
-    whose context covers another sequence's blocks; q, k, v strided views of one qkv row."""
+    whose context covers another sequence's blocks; q, k, v strided views of one qkv row. `sinks` and
+    `window` (gpt-oss) go to every path."""
     from radiance.layers import attention_triton as at
     from radiance.layers.attention import UNIT_SCALES, paged_attention_torch, store_kv_cache_torch, to_cache_dtype
     from radiance.layers.rotary import RotaryEmbedding, _rotate
@@ -154,18 +156,19 @@ def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
     cos, sin = rope.cos[positions].unsqueeze(-2), rope.sin[positions].unsqueeze(-2)
     store_kv_cache_torch(_rotate(k, cos, sin), v, ref_k, ref_v, slot_mapping, scales=scales)
     ref = paged_attention_torch(_rotate(q, cos, sin).float()[real], ref_k.float(), ref_v.float(), block_tables,
-                                [1] * (batch - 1), contexts[:-1], scale, scales=scales)
+                                [1] * (batch - 1), contexts[:-1], scale, scales=scales, sinks=sinks,
+                                sliding_window=window)
     unf_k, unf_v = k0.clone(), v0.clone()  # the unfused launches
     q_rot = rope.rotate_and_store(positions, q, k, v, unf_k, unf_v, slot_mapping, scales)
     errors = {"cache_vs_torch": ((unf_k.float() - ref_k.float()).norm() / ref_k.float().norm()).item(),
               "cache_differs": 0.0, "out_differs": 0.0, "out_vs_unfused": 0.0, "out_vs_torch": 0.0}
     for n in splits:
         unfused = at.paged_decode_attention(q_rot, unf_k, unf_v, block_tables, context_lens, scale, n, tiling=tiling,
-                                            kv_scales=scales)
+                                            kv_scales=scales, sinks=sinks, sliding_window=window)
         k_cache, v_cache = k0.clone(), v0.clone()
         out = at.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, n,
                                         rotary=(rope.cos, rope.sin, positions, k, v, slot_mapping), tiling=tiling,
-                                        kv_scales=scales)
+                                        kv_scales=scales, sinks=sinks, sliding_window=window)
         errors["cache_differs"] += float(not (_same_bytes(k_cache, unf_k) and _same_bytes(v_cache, unf_v)))
         errors["out_differs"] += float(not _same_bytes(out[real], unfused[real]))
         diff = ((out[real].float() - unfused[real].float()).norm() / unfused[real].float().norm()).item()
@@ -176,19 +179,22 @@ def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
 
 
 def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: int, batches=(1, 3, 5),
-                         splits=(1, 3), variants=((None, None), (128, None), (32, 2)), seed: int = 0) -> dict:
+                         splits=(1, 3), variants=((None, None), (128, None), (32, 2)), seed: int = 0,
+                         sinks: bool = False, window: int | None = None) -> dict:
     """The per-row merge + quantize (attention_merge.merge_quant_rows: what W4A8 decode runs past the barrier
     kernel's batches, and under the interpreter) against merge then quantize (_merge ->
     quantize_activations), on random split partials: rows scaled 1e-2 .. 1e2 apart, empty splits
     (lse -inf), a padding row (every split empty); each (tile, split group) in `variants` (None: the
     launcher's; small tiles force the two-pass chunked path, 6 heads in chunks of 4 + 2 or of 1; a
     small split group the loop over groups of splits and its tail). Then a NaN planted in one
-    sequence's partials; then paged_decode_attention(quantize=True) end to end. Counts mismatches."""
+    sequence's partials; then paged_decode_attention(quantize=True) end to end. Counts mismatches.
+    With `sinks` every merge gets random sink logits (gpt-oss), and the end-to-end decode `window`."""
     from radiance.kernels.activation import quantize_activations
     from radiance.layers import attention_merge as am, attention_triton as at
 
     gen = torch.Generator().manual_seed(seed)
     errors = {"differs": 0, "nan_differs": 0, "nan_leaks": 0, "nan_missing": 0, "paged_differs": 0, "cases": 0}
+    sink_logits = (torch.randn(heads, generator=gen) * 2).to(device) if sinks else None
     for batch in batches:
         for n in splits:
             rows = 10.0 ** torch.linspace(-2, 2, batch)
@@ -201,18 +207,20 @@ def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: 
                 lse[-1] = float("-inf")
                 acc[-1] = 0.0
             acc, lse = acc.to(device), lse.to(device)
-            ref = quantize_activations(am.merge_splits(acc, lse, dtype).reshape(batch, -1))
+            ref = quantize_activations(am.merge_splits(acc, lse, dtype, sinks=sink_logits).reshape(batch, -1))
             for tile, group in variants:
-                got = am.merge_quant_rows(acc, lse, dtype, tile=tile or am.ROW_TILE, split_group=group)
+                got = am.merge_quant_rows(acc, lse, dtype, tile=tile or am.ROW_TILE, split_group=group,
+                                          sinks=sink_logits)
                 errors["differs"] += int(not _same_fp8(got, ref))
                 errors["cases"] += 1
             if batch > 1:
                 bad = acc.clone()
                 bad[1, heads - 1, n - 1, 3] = float("nan")
-                bad_ref = quantize_activations(am.merge_splits(bad, lse, dtype).reshape(batch, -1))
+                bad_ref = quantize_activations(am.merge_splits(bad, lse, dtype, sinks=sink_logits).reshape(batch, -1))
                 others = [i for i in range(batch) if i != 1]
                 for tile, group in variants:
-                    x_q, x_scale = am.merge_quant_rows(bad, lse, dtype, tile=tile or am.ROW_TILE, split_group=group)
+                    x_q, x_scale = am.merge_quant_rows(bad, lse, dtype, tile=tile or am.ROW_TILE, split_group=group,
+                                                       sinks=sink_logits)
                     errors["nan_differs"] += int(not _same_fp8((x_q, x_scale), bad_ref))
                     errors["nan_missing"] += int(not torch.isnan(x_scale[1]).all().item())
                     errors["nan_leaks"] += int(not (_same_bytes(x_q[others], ref[0][others])
@@ -226,8 +234,10 @@ def check_merge_quantize(device: str, dtype: torch.dtype, heads: int, head_dim: 
     q = torch.randn(len(contexts), heads, head_dim, generator=gen).to(device, dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=device)
     for n in splits:
-        out = at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, n)
-        got = at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, n, quantize=True)
+        options = {"sinks": sink_logits, "sliding_window": window}
+        out = at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, n, **options)
+        got = at.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, n, quantize=True,
+                                        **options)
         errors["paged_differs"] += int(not _same_fp8(got, quantize_activations(out.reshape(len(contexts), -1))))
     return errors
 

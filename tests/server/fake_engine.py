@@ -1,14 +1,16 @@
 """A scripted stand-in for AsyncLLMEngine (ARCHITECTURE.md contract) and a byte tokenizer, so the
 server's routes, parsers, errors and disconnect handling can be tested fast and deterministically.
 
-The reply is the text after the last `SAY:` in the prompt (up to `<|end|>`), one byte per token.
-`FAIL` in the reply makes generation raise after a few tokens; `SLOW` makes each token take 50 ms.
+The reply is the text after the last `SAY:` in the prompt (up to `<|end|>`), or `FakeEngine.reply` when
+set, one byte per token (a special token, when the tokenizer has any, is one token). `FAIL` in the reply
+makes generation raise after a few tokens; `SLOW` makes each token take 50 ms.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -29,26 +31,47 @@ TEMPLATE = (
 
 
 class ByteTokenizer:
+    """`special_tokens` get ids 258, 259, ...: one token each in encode, dropped by decode unless
+    skip_special_tokens is False (as a real tokenizer's added special tokens are)."""
+
     bos_token, eos_token = "<s>", "</s>"
     bos_token_id, eos_token_id = BOS, EOS
 
+    def __init__(self, special_tokens: tuple[str, ...] = ()):
+        self.special_tokens = special_tokens
+        self._special_split = (re.compile("(" + "|".join(map(re.escape, special_tokens)) + ")")
+                               if special_tokens else None)
+
     def __len__(self):
-        return 258
+        return 258 + len(self.special_tokens)
 
     def encode(self, text, add_special_tokens=True):
-        return ([BOS] if add_special_tokens else []) + list(text.encode("utf-8"))
+        ids = [BOS] if add_special_tokens else []
+        for piece in self._special_split.split(text) if self._special_split else [text]:
+            if piece in self.special_tokens:
+                ids.append(258 + self.special_tokens.index(piece))
+            else:
+                ids += piece.encode("utf-8")
+        return ids
 
     def decode(self, ids, skip_special_tokens=True):
-        data = bytes(i for i in ids if i < 256)
-        return data.decode("utf-8", errors="replace")
+        pieces, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+            elif i >= 258 and not skip_special_tokens:
+                pieces += [run.decode("utf-8", errors="replace"), self.special_tokens[i - 258]]
+                run = bytearray()
+        return "".join(pieces) + run.decode("utf-8", errors="replace")
 
     def batch_decode(self, batch, skip_special_tokens=True):
         return [self.decode(ids, skip_special_tokens) for ids in batch]
 
 
 class FakeEngine:
-    def __init__(self, max_model_len=512, chat_template=TEMPLATE):
-        self.tokenizer = ByteTokenizer()
+    def __init__(self, max_model_len=512, chat_template=TEMPLATE, special_tokens: tuple[str, ...] = ()):
+        self.tokenizer = ByteTokenizer(special_tokens)
+        self.reply: str | None = None  # when set, every request's reply (one with markup the prompt cannot carry)
         self.max_model_len = max_model_len
         self.chat_template = chat_template
         self.model_name = "fake-model"
@@ -77,25 +100,26 @@ class FakeEngine:
         self.active.add(request_id)
         self.prompt_tokens += len(prompt_token_ids)
         prompt = self.tokenizer.decode(prompt_token_ids)
-        reply = prompt.rsplit("SAY:", 1)[-1].split("<|end|>")[0] if "SAY:" in prompt else "ok"
-        data = reply.encode("utf-8")
+        said = prompt.rsplit("SAY:", 1)[-1].split("<|end|>")[0] if "SAY:" in prompt else "ok"
+        reply = said if self.reply is None else self.reply
+        reply_ids = self.tokenizer.encode(reply, add_special_tokens=False)
         token_ids, logprobs = [], [] if params.logprobs is not None else None
         prompt_logprobs = None  # scored as -1.0 each, alternatives: the token itself
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [TokenLogprob(t, -1.0, [(t, -1.0)][:params.prompt_logprobs])
                                         for t in prompt_token_ids[1:]]
         try:
-            for i, byte in enumerate(data):
+            for i, token in enumerate(reply_ids):
                 if request_id not in self.active:
                     return
                 if "FAIL" in reply and i == 3:
                     raise RuntimeError("scripted engine failure")
                 await asyncio.sleep(0.05 if "SLOW" in reply else 0)
-                token_ids.append(byte)
+                token_ids.append(token)
                 self.generated += 1
                 if logprobs is not None:
-                    logprobs.append(TokenLogprob(byte, -0.5, [(byte, -0.5), (32, -1.5)][:params.logprobs]))
-                text = self.tokenizer.decode(token_ids)
+                    logprobs.append(TokenLogprob(token, -0.5, [(token, -0.5), (32, -1.5)][:params.logprobs]))
+                text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
                 stop = next((s for s in params.stop if s in text), None)
                 if stop is not None:
                     text = text[:text.index(stop)]
@@ -103,7 +127,7 @@ class FakeEngine:
                                         "stop", True, prompt_logprobs=prompt_logprobs)
                     return
                 cut = len(token_ids) >= params.max_tokens
-                done = cut or i == len(data) - 1
+                done = cut or i == len(reply_ids) - 1
                 reason = ("length" if cut else "stop") if done else None
                 if not done:  # hold back a possible start of a stop string, as a real engine does
                     text = text[:min([partial_tag_start(text, s) for s in params.stop] or [len(text)])]

@@ -168,6 +168,23 @@ def silu_mul_values(g, u, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rounded(v, dtype: tl.constexpr):
+    """v rounded to dtype, back in fp32: the result of one torch op in dtype."""
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def swiglu_oai_values(g, u, dtype: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """gpt-oss's clamped SwiGLU, (clamp(u, -LIMIT, LIMIT) + 1) * (gc * sigmoid(gc * ALPHA)) with
+    gc = min(g, LIMIT), rounded in `dtype` after each op as HF's torch code is (g, u: fp32 holding dtype
+    values; glu.glu_reference). The clamps keep NaN, as torch.clamp does."""
+    g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.clamp(u, -LIMIT, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    sig = _rounded(1.0 / (1.0 + tl.exp(-_rounded(g * ALPHA, dtype))), dtype)
+    return (_rounded(u + 1.0, dtype) * _rounded(g * sig, dtype)).to(dtype)
+
+
+@triton.jit
 def _silu_mul(gu_ptr, row, offs, mask, stride_m, I):
     """silu(gate) * up with torch's rounding, in the input dtype."""
     g_raw = tl.load(gu_ptr + row * stride_m + offs, mask=mask, other=0.0)

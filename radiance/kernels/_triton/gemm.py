@@ -23,12 +23,14 @@ apart from them, interleaved by 8 so that both halves of an output meet in one t
 The epilogue rounds each half to the output dtype, then applies silu_mul_values: the bytes of the GEMM
 then silu_mul. Each tile also stores its rows' amax (int32 bits) to amax_ptr [M, tiles], from which
 act_quant.quantize_rows_from_parts_kernel takes each token's scale: no SiLU launch in between.
+The grouped MoE GEMM (moe_gemm.py) may pick gpt-oss's clamped SwiGLU instead (_epilogue's ACT); this
+kernel keeps the default, silu.
 """
 
 import triton
 import triton.language as tl
 
-from radiance.kernels._triton.act_quant import silu_mul_values
+from radiance.kernels._triton.act_quant import silu_mul_values, swiglu_oai_values
 from radiance.kernels._triton.convert import expand_e2m1_words
 
 
@@ -66,14 +68,24 @@ def _tile_columns(pid_n, N, BN: tl.constexpr, GLU: tl.constexpr):
 
 
 @triton.jit
+def _glu_values(gate, up, dtype: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """act(gate, up) in dtype for ACT 0 silu, 1 swiglu_oai (glu.GLU_KINDS; ALPHA and LIMIT: swiglu_oai's)."""
+    if ACT == 0:
+        y = silu_mul_values(gate, up, dtype)
+    else:
+        y = swiglu_oai_values(gate, up, dtype, ALPHA, LIMIT)
+    return y
+
+
+@triton.jit
 def _store_glu(out_ptr, amax_ptr, v, rm, m_live, cols, out_n, stride_om, num_pid_n, pid_n,
-               BM: tl.constexpr, BN: tl.constexpr):
-    """y = silu(gate) * up of a [BM, BN] tile whose columns alternate 8 gate and 8 up (fp32 with scales
-    and bias; _tile_columns), stored [BM, BN/2]; and each row's amax of |y| as int32 bits (non-negative
+               BM: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """y = act(gate, up) (_glu_values) of a [BM, BN] tile whose columns alternate 8 gate and 8 up (fp32 with
+    scales and bias; _tile_columns), stored [BM, BN/2]; and each row's amax of |y| as int32 bits (non-negative
     floats order like their bits; NaN bits exceed inf's, so a NaN survives the max) to amax_ptr[row, pid_n]."""
     v = v.to(out_ptr.dtype.element_ty).to(tl.float32)  # the GEMM's rounding of gate and up
     gate, up = tl.split(tl.permute(tl.reshape(v, (BM, BN // 16, 2, 8)), (0, 1, 3, 2)))  # see _tile_columns
-    y = tl.reshape(silu_mul_values(gate, up, out_ptr.dtype.element_ty), (BM, BN // 2))
+    y = tl.reshape(_glu_values(gate, up, out_ptr.dtype.element_ty, ACT, ALPHA, LIMIT), (BM, BN // 2))
     live = m_live[:, None] & (cols < out_n)[None, :]
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + cols[None, :], y, mask=live)
     bits = tl.where(live, tl.abs(y.to(tl.float32)).to(tl.int32, bitcast=True), 0)
@@ -82,13 +94,15 @@ def _store_glu(out_ptr, amax_ptr, v, rm, m_live, cols, out_n, stride_om, num_pid
 
 @triton.jit
 def _epilogue(out_ptr, amax_ptr, bias_ptr, v, rm, m_live, cols, w_rows, out_n, stride_om, num_pid_n, pid_n,
-              HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+              HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              ACT: tl.constexpr = 0, ALPHA: tl.constexpr = None, LIMIT: tl.constexpr = None):
     """The tile's fp32 sum v [BM, BN] (scaled) plus the bias of its weight rows, stored in the output dtype
-    (or, with GLU, as silu(gate) * up with its row amax)."""
+    (or, with GLU, as act(gate, up) with its row amax: ACT 0 silu, 1 swiglu_oai with ALPHA and LIMIT)."""
     if HAS_BIAS:
         v += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
     if GLU:
-        _store_glu(out_ptr, amax_ptr, v, rm, m_live, cols, out_n, stride_om, num_pid_n, pid_n, BM, BN)
+        _store_glu(out_ptr, amax_ptr, v, rm, m_live, cols, out_n, stride_om, num_pid_n, pid_n, BM, BN,
+                   ACT, ALPHA, LIMIT)
     else:
         out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(out, v.to(out_ptr.dtype.element_ty), mask=m_live[:, None] & (cols < out_n)[None, :])

@@ -11,7 +11,8 @@ expanded weights feed the MMA from registers) for 16- and 64-slot tiles, plain (
 
 The activation row of pair p is p // rows_div: rows_div = top_k when x holds one row per token (the
 gate_up input), 1 when it holds one row per pair (the down input). Results are stored at row p of the
-output, through gemm._epilogue: plain, or with GLU silu(gate) * up and each row's amax parts.
+output, through gemm._epilogue: plus the expert's bias with HAS_BIAS, plain, or with GLU act(gate, up) (ACT:
+silu or gpt-oss's swiglu_oai) and each row's amax parts.
 """
 
 import triton
@@ -50,14 +51,15 @@ def _weight_tile(w_ptrs, s_ptrs, kt, N, groups, BN: tl.constexpr, BK: tl.constex
 
 
 @triton.jit(do_not_specialize=["num_pairs", "rows_div"])  # one compile for every token count
-def w4a8_moe_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, out_ptr, amax_ptr, pairs_ptr, tile_expert_ptr,
-                         num_pairs, rows_div, N, K, stride_xm, stride_om,
+def w4a8_moe_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, amax_ptr, pairs_ptr,
+                         tile_expert_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
                          SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
-                         GLU: tl.constexpr = False):
+                         HAS_BIAS: tl.constexpr = False, GLU: tl.constexpr = False, ACT: tl.constexpr = 0,
+                         ALPHA: tl.constexpr = None, LIMIT: tl.constexpr = None):
     """w: int32 kernel words [E, N, K'/8], shift: int32 [E, K'/128, N] (4 int8 block shifts each),
-    ws: fp32 [E, N]; x e4m3 [R, K] with scales xs [R]; out [num_pairs, N] (GLU: [num_pairs, N/2] and
-    amax int32 [num_pairs, column tiles])."""
+    ws: fp32 [E, N], bias [E, N] (HAS_BIAS); x e4m3 [R, K] with scales xs [R]; out [num_pairs, N] (GLU:
+    [num_pairs, N/2] and amax int32 [num_pairs, column tiles]). ACT, ALPHA, LIMIT: gemm._epilogue's."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N // 2, BN // 2) if GLU else tl.cdiv(N, BN)
     t = pid // num_pid_n
@@ -103,5 +105,5 @@ def w4a8_moe_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, out_ptr, amax_
     xs = tl.load(xs_ptr + x_row)
     ws = tl.load(ws_ptr + e * N + offs_n)
     acc = acc * xs[:, None] * ws[None, :]  # the dense kernel's order: the same bytes per row
-    _epilogue(out_ptr, amax_ptr, ws_ptr, acc, pair, live, cols, offs_n, out_n, stride_om, num_pid_n, pid_n,
-              False, GLU, BM, BN)
+    _epilogue(out_ptr, amax_ptr, bias_ptr + e * N, acc, pair, live, cols, offs_n, out_n, stride_om, num_pid_n,
+              pid_n, HAS_BIAS, GLU, BM, BN, ACT, ALPHA, LIMIT)
