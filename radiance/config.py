@@ -186,7 +186,7 @@ class EngineConfig:
 
 
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "none")
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "harmony", "none")
 REASONING_PARSERS = ("auto", "think", "harmony", "none")
 
 
@@ -199,7 +199,7 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases; default from the model
     api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY`
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's
-    tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, none; auto: from the template's markup
+    tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, harmony, none; auto: from the template's markup
     reasoning_parser: str = "auto"  # think, harmony, none; auto: from the template (<|channel|>: harmony, <think>: think)
     max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)

@@ -6,14 +6,16 @@ everything after the opening is reasoning (a generation cut off while thinking h
 
 `harmony` (gpt-oss): the output is a series of messages, `<|start|>assistant<|channel|>NAME<|message|>
 BODY<|end|>` (the first without `<|start|>assistant`, which ends the prompt); `analysis` bodies are
-reasoning, every other channel's bodies content. Its markers are special tokens, so a request it
-serves must keep special tokens in the text (`needs_special_tokens`).
+reasoning, every other channel's bodies content, except a message addressed to a developer function
+(`to=functions.NAME` in its header, ending `<|call|>`): that one comes out whole as a FunctionMessage, for
+the harmony tool-call parser to make a call of. Its markers are special tokens, so a request it serves must
+keep special tokens in the text (`needs_special_tokens`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from radiance.server.streaming_text import LeadingSpaceEater, partial_tag_start
@@ -23,9 +25,19 @@ CLOSE_TAG = "</think>"
 
 
 @dataclass
+class FunctionMessage:
+    """A harmony message to `functions.NAME`: the model calls NAME with the message's body."""
+
+    name: str
+    arguments: str
+    complete: bool = True  # False: the output ended inside the body (no <|call|>)
+
+
+@dataclass
 class ReasoningDelta:
     reasoning: str = ""
     content: str = ""
+    function_messages: list[FunctionMessage] = field(default_factory=list)  # harmony only
 
 
 class ReasoningParser(Protocol):
@@ -91,6 +103,8 @@ MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")
 HARMONY_MARKERS = (START, MESSAGE, CHANNEL, CONSTRAIN, *MESSAGE_ENDS)
 _MARKER = re.compile("|".join(re.escape(marker) for marker in HARMONY_MARKERS))
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+# the recipient, before or after the channel: `to=functions.get_weather<|channel|>...`, `... to=functions.f <|constrain|>`
+_FUNCTION_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
 # Text outside messages that may still be the start of a header: the prompt ends with `<|start|>assistant`,
 # so the model may go on with ` to=functions.f` before the header's first marker. Every prefix of such a
 # text matches too, so the guess fails the same way however the text is chunked.
@@ -101,7 +115,7 @@ MESSAGE_SEPARATOR = "\n\n"  # between two messages that land in the same field (
 class HarmonyReasoningParser:
     """Message bodies go to their channel's field; headers and markers are dropped. Text outside any
     message (a model that ignores the format) is content; a message cut off is flushed to its field.
-    Tool calls (`to=functions.f` in the header) are not parsed: their arguments pass through as content."""
+    A message to a function is held until it ends, then handed on whole (ReasoningDelta.function_messages)."""
 
     name = "harmony"
     needs_special_tokens = True
@@ -111,7 +125,8 @@ class HarmonyReasoningParser:
         self._mode = "outside"  # outside a message, in its header, or in its body
         self._header_guess: str | None = ""  # outside text held as a possible header; None once it cannot be
         self._header = ""
-        self._field = "content"  # where the current body goes
+        self._field = "content"  # where the current body goes (unless it is a function's arguments)
+        self._function: FunctionMessage | None = None  # the function message being read
         self._body_started = False
         self._filled = {"reasoning": False, "content": False}
 
@@ -131,7 +146,7 @@ class HarmonyReasoningParser:
         out = ReasoningDelta()
         self._text(self._buffer, out)  # the start of a marker that never came is text
         self._buffer = ""
-        self._leave_message(out)  # held outside text is content; an unfinished header is dropped
+        self._leave_message(out, complete=False)  # held outside text is content; an unfinished header is dropped
         return out
 
     def _text(self, text: str, out: ReasoningDelta) -> None:
@@ -154,6 +169,7 @@ class HarmonyReasoningParser:
         elif self._mode == "header":
             self._header_marker(marker)
         elif marker == CHANNEL:  # a new header right after a body, with no <|end|><|start|> between
+            self._leave_message(out)
             self._open_header("")
             self._header_marker(marker)
         # <|message|> and <|constrain|> inside a body mean nothing: dropped
@@ -166,12 +182,20 @@ class HarmonyReasoningParser:
             self._header += marker  # kept so the channel name can be found after <|channel|>
             return
         channel = _CHANNEL_NAME.search(self._header)
+        function = _FUNCTION_RECIPIENT.search(self._header)
+        self._function = FunctionMessage(function.group(1), "") if function else None
         self._field = "reasoning" if channel and channel.group(1) == "analysis" else "content"
         self._mode, self._body_started = "body", False
 
-    def _leave_message(self, out: ReasoningDelta) -> None:
+    def _leave_message(self, out: ReasoningDelta, complete: bool = True) -> None:
+        """`complete`: the message ended with a marker, not with the output."""
         if self._mode == "outside" and self._header_guess:  # it never became a header
             self._emit("content", self._header_guess, out)
+        if self._mode == "body" and self._function is not None:
+            self._function.arguments = self._function.arguments.strip()
+            self._function.complete = complete
+            out.function_messages.append(self._function)
+            self._function = None
         self._mode, self._header_guess = "outside", ""
 
     def _outside_text(self, text: str, out: ReasoningDelta) -> None:
@@ -183,6 +207,9 @@ class HarmonyReasoningParser:
         self._emit("content", text, out)
 
     def _body_text(self, text: str, out: ReasoningDelta) -> None:
+        if self._function is not None:
+            self._function.arguments += text
+            return
         if text and not self._body_started:
             self._body_started = True
             if self._filled[self._field]:
@@ -202,4 +229,5 @@ def split_reasoning(parser: ReasoningParser, text: str) -> ReasoningDelta:
     """Non-streaming: the whole text through the same incremental parser."""
     first = parser.feed(text)
     last = parser.finish()
-    return ReasoningDelta(first.reasoning + last.reasoning, first.content + last.content)
+    return ReasoningDelta(first.reasoning + last.reasoning, first.content + last.content,
+                          first.function_messages + last.function_messages)

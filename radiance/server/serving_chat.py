@@ -2,11 +2,13 @@
 
 Streaming and non-streaming share one per-choice pipeline (reasoning parser, then tool-call parser),
 fed with each new piece of text; the non-streaming answer is the sum of the pieces, so both modes
-agree on content, reasoning and tool calls.
+agree on content, reasoning and tool calls. With gpt-oss's harmony format the reasoning parser also hands
+over the messages addressed to functions, which the harmony tool-call parser makes calls of.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -16,12 +18,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radiance.engine.structured_output import StructuredOutput
-from radiance.engine.tool_grammars import MARKUPS, strict_tools_grammar, tool_call_grammar
+from radiance.engine.tool_grammars import MARKUPS, ToolCallMarkup, strict_tools_grammar, tool_call_grammar
 from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
 from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, new_id, now, usage
-from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS
+from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS, FunctionMessage
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
                                             encode_prompt, guarded_sse, merged_outputs, resolve_max_tokens,
                                             sampling_params, sse, token_chars, tokens_sent)
@@ -58,11 +60,20 @@ class ChoiceStream:
         return self.reasoning is not None and self.reasoning.needs_special_tokens
 
     def _route(self, text: str, delta: dict) -> None:
+        if not text:
+            return
         if self.tools is None:
             delta["content"] = delta.get("content", "") + text
             return
         parsed = self.tools.feed(text)
         self._take(parsed, delta)
+
+    def _route_function_message(self, message: FunctionMessage, delta: dict) -> None:
+        """A harmony call: the tool parser's to make a call of; without tools in the request its body is text."""
+        if self.tools is None:
+            self._route(message.arguments, delta)
+        else:
+            self._take(self.tools.function_message(message), delta)
 
     def _take(self, parsed, delta: dict) -> None:
         if parsed.content:
@@ -83,20 +94,21 @@ class ChoiceStream:
         new_text = out.text[self.sent_chars:]
         self.sent_chars = len(out.text)
         delta: dict = {}
-        pieces = [new_text]
-        if self.reasoning is not None:
+        if self.reasoning is None:
+            self._route(new_text, delta)
+        else:
             r = self.reasoning.feed(new_text)
             if out.finished:
                 tail = self.reasoning.finish()
                 r.reasoning += tail.reasoning
                 r.content += tail.content
+                r.function_messages += tail.function_messages
             if r.reasoning:
                 delta["reasoning_content"] = r.reasoning
                 delta["reasoning"] = r.reasoning
-            pieces = [r.content]
-        for piece in pieces:
-            if piece:
-                self._route(piece, delta)
+            self._route(r.content, delta)
+            for message in r.function_messages:
+                self._route_function_message(message, delta)
         if out.finished:
             if self.tools is not None:
                 self._take(self.tools.finish(truncated=out.finish_reason == "length"), delta)
@@ -160,7 +172,7 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     if state.tool_parser_name is None:
         raise invalid("tool_choice required/named needs a tool-call parser; this model's chat template has no "
                       "tool markup (start the server with --tool-call-parser)", param="tool_choice")
-    markup = MARKUPS[state.tool_parser_name]
+    markup = constrained_markup(state, "tool_choice required/named", param="tool_choice")
     if req.tool_choice == "required":
         return markup.required_prefix
     return markup.opening(req.tool_choice.function.name)
@@ -183,10 +195,33 @@ async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest
     """tool_choice auto with `strict` functions: calls the model opens are held to the tools (and a strict
     function's arguments to its schema); None without strict functions or a tool-call parser, or when
     response_format already constrains the answer (one constraint per request)."""
+    if (state.tool_parser_name is None or req.structured_output() is not None
+            or not any(t.function.strict for t in req.tools)):
+        return None
     markup = MARKUPS.get(state.tool_parser_name)
-    if markup is None or req.structured_output() is not None or not any(t.function.strict for t in req.tools):
+    if markup is None:
+        # harmony has no call grammar yet; /v1/responses marks every function strict unless told otherwise, so a
+        # 400 here would refuse most tool requests: the calls are parsed as usual, not held to the schema
+        _warn_unconstrained_strict(state.tool_parser_name)
         return None
     return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls))
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unconstrained_strict(parser: str) -> None:
+    logger.warning("strict functions with the %s tool-call format are served without holding the arguments to "
+                   "their schemas (no call grammar for it yet)", parser)
+
+
+def constrained_markup(state: ServerState, feature: str, param: str) -> ToolCallMarkup:
+    """The markup constrained tool calls are built in; a 400 for a tool-call format that has no grammar yet
+    (harmony: a call's header and end are special tokens, which tool_grammars does not write)."""
+    markup = MARKUPS.get(state.tool_parser_name)
+    if markup is None:
+        raise invalid(f"{feature} cannot be served with the {state.tool_parser_name} tool-call format: "
+                      "constrained tool calls are not implemented for it; use tool_choice auto with functions "
+                      "that are not strict (strict: false)", param=param)
+    return markup
 
 
 async def _tools_constraint(state: ServerState, grammar) -> StructuredOutput:

@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from radiance.config import ServerConfig
-from radiance.errors import RadianceError
+from radiance.errors import ConfigError, RadianceError
 from radiance.server.chat_template import load_template, template_features
 from radiance.checkpoint import model_name
 from radiance.server.errors import OpenAIError
@@ -74,12 +74,24 @@ class ServerState:
         if not self.config.served_model_name:
             self.served_names = (default_model_name(self.model_path, engine),)
         features = template_features(self.chat_template)
-        markup = next((name for name in ("qwen3_coder", "hermes", "llama3_json") if features[name]), None)
-        self.tool_parser_name = self._pick(self.config.tool_call_parser, markup)
         # harmony first: <|channel|> is gpt-oss's own markup, while <think> could appear in any template's text
         reasoning = next((name for name in ("harmony", "think") if features[name]), None)
         self.reasoning_parser_name = self._pick(self.config.reasoning_parser, reasoning)
+        markup = next((name for name in ("harmony", "qwen3_coder", "hermes", "llama3_json") if features[name]), None)
+        self.tool_parser_name = self._pick(self.config.tool_call_parser, markup)
+        self._check_harmony_calls()
         self.engine = engine  # last: `ready` flips only once everything above is set
+
+    def _check_harmony_calls(self) -> None:
+        """Harmony calls reach the tool parser through the harmony reasoning parser, which reads the headers
+        that name a message's recipient: without it there are none to parse."""
+        if self.tool_parser_name != "harmony" or self.reasoning_parser_name == "harmony":
+            return
+        if self.config.tool_call_parser == "auto":
+            self.tool_parser_name = None
+            return
+        raise ConfigError("--tool-call-parser harmony needs the harmony reasoning parser (--reasoning-parser "
+                          f"harmony or auto with a harmony template), not {self.reasoning_parser_name or 'none'}")
 
     @staticmethod
     def _pick(flag: str, auto: str | None) -> str | None:

@@ -1,8 +1,9 @@
 """Tool-call parsers: turn model text with tool-call markup into OpenAI tool calls.
 
-Three markups: Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), Qwen3-coder
+Three markups in the text: Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), Qwen3-coder
 (`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`) and Llama 3.x (an answer
-that is `{"name": ..., "parameters": {...}}`, Llama3JsonToolParser).
+that is `{"name": ..., "parameters": {...}}`, Llama3JsonToolParser). gpt-oss's harmony format calls a function
+with a message of its own, which the harmony reasoning parser hands over whole (HarmonyToolParser).
 
 One incremental scanner serves both streaming and non-streaming requests (non-streaming feeds the
 whole text at once), so both give the same result by construction. Text outside calls streams out
@@ -19,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 from radiance.engine.tool_grammars import CALL_START as START_TAG
+from radiance.server.reasoning_parser import FunctionMessage
 from radiance.server.streaming_text import LeadingSpaceEater, partial_tag_start
 
 END_TAG = "</tool_call>"
@@ -99,6 +101,11 @@ class ToolParser:
             self._buffer = self._buffer[keep:]
             break
         return out
+
+    def function_message(self, message: FunctionMessage) -> ParseDelta:
+        """A harmony message to a function (the reasoning parser's): a markup that writes calls in the text
+        reads none there, so its body is content."""
+        return ParseDelta(content=message.arguments)
 
     def finish(self, truncated: bool = False) -> ParseDelta:
         """End of generation. `truncated`: cut off by max_tokens (a dangling partial tag is markup)."""
@@ -247,6 +254,24 @@ class Qwen3CoderToolParser(ToolParser):
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False), complete)
 
 
+class HarmonyToolParser(ToolParser):
+    """gpt-oss: every message to `functions.NAME` is a call to NAME, its body the arguments (JSON, as the
+    header's `<|constrain|>json` says). The harmony reasoning parser reads the markup, so content arrives
+    clean and passes as it is; a call arrives whole when its message ends (with <|call|>)."""
+
+    name = "harmony"
+
+    def feed(self, delta: str) -> ParseDelta:
+        return ParseDelta(content=delta)
+
+    def function_message(self, message: FunctionMessage) -> ParseDelta:
+        self.num_calls += 1
+        return ParseDelta(tool_calls=[ParsedToolCall(message.name, message.arguments, message.complete)])
+
+    def finish(self, truncated: bool = False) -> ParseDelta:
+        return ParseDelta()
+
+
 def _strip_newline(value: str) -> str:
     if value.startswith("\n"):
         value = value[1:]
@@ -281,6 +306,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     HermesToolParser.name: HermesToolParser,
     Qwen3CoderToolParser.name: Qwen3CoderToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
+    HarmonyToolParser.name: HarmonyToolParser,
 }
 
 

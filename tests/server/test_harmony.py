@@ -35,12 +35,12 @@ CASES = [  # output text, reasoning, content
     pytest.param("<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|>"
                  "<|start|>assistant<|channel|>final<|message|>Done.<|return|>", "One.\n\nTwo.", "Done.",
                  id="two-analysis-messages"),
-    # tool calls are not parsed yet: their arguments pass through as content, their headers do not
+    # a message to a function is neither reasoning nor content: it is handed on whole (test_harmony_tools)
     pytest.param("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
                  'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
-                 "Need the weather.", '{"city":"Paris"}', id="tool-call-recipient-after-channel"),
+                 "Need the weather.", "", id="tool-call-recipient-after-channel"),
     pytest.param(' to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Paris"}<|call|>',
-                 "", '{"city":"Paris"}', id="tool-call-recipient-before-channel"),
+                 "", "", id="tool-call-recipient-before-channel"),
     pytest.param("A model that ignores the format.", "", "A model that ignores the format.", id="no-markup"),
     pytest.param("to be, or not to be", "", "to be, or not to be", id="no-markup-like-a-recipient"),
     pytest.param("Stray text first.<|channel|>final<|message|>Then the answer.<|return|>", "",
