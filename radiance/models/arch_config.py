@@ -55,7 +55,7 @@ class ArchConfig:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        if config.get("hidden_act", "silu") != "silu" and config.get("model_type") != "gpt_oss":
+        if config.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
         rope = dict(config.get("rope_parameters") or {})  # transformers >= 5 folds theta into it
         theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
@@ -83,14 +83,16 @@ class ArchConfig:
 
 
 def _sliding_window(config: dict, num_layers: int) -> dict:
-    """sliding_window and the layers that use it: those `layer_types` calls "sliding_attention" (gpt-oss),
-    or every layer when config.json sets a window without types (and does not switch it off)."""
+    """sliding_window and the layers that use it: those `layer_types` calls "sliding_attention" (gpt-oss).
+    Qwen2/Qwen3 configs carry a `sliding_window` that `use_sliding_window: false` switches off; a window
+    switched on without `layer_types` (which layers?) is refused rather than guessed."""
     window = config.get("sliding_window")
-    if not window or config.get("use_sliding_window") is False:
-        return {}
     types = config.get("layer_types")
+    if not window or (types is None and not config.get("use_sliding_window")):
+        return {}
     if types is None:
-        return {"sliding_window": int(window), "sliding_layers": frozenset(range(num_layers))}
+        raise ConfigError("config.json turns a sliding window on (use_sliding_window) without layer_types; "
+                          "radiance needs layer_types to know which layers use it")
     if len(types) != num_layers:
         raise ConfigError(f"config.json lists {len(types)} layer_types for {num_layers} layers")
     unknown = set(types) - {"sliding_attention", "full_attention"}

@@ -144,3 +144,44 @@ def test_inspect_lists_each_expert(gpt_oss_mxfp4):
     assert gate_up.is_linear and gate_up.format == "mxfp4" and gate_up.shape == (256, 64)
     assert gate_up.partition_sizes == (128, 128)
     assert names["model.layers.1.mlp.experts.0.down_proj.bias"].shape == (64,)
+
+
+BASE = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("extra, window, layers", [
+    ({"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2}, 8, {0, 2}),
+    ({"sliding_window": 8, "use_sliding_window": False}, None, set()),  # Qwen2 / Qwen3 configs: off
+    ({"sliding_window": None, "layer_types": ["full_attention"] * 4}, None, set()),
+    ({}, None, set()),
+])
+def test_sliding_window_layers_come_from_layer_types(extra, window, layers):
+    from radiance.models.registry import resolve_architecture
+
+    cfg = resolve_architecture(dict(BASE, **extra))[1]
+    assert cfg.sliding_window == window and set(cfg.sliding_layers) == layers
+    assert [cfg.window_of(i) for i in range(4)] == [window if i in layers else None for i in range(4)]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"sliding_window": 8, "use_sliding_window": True}, "layer_types"),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention"] * 3}, "3 layer_types for 4 layers"),
+    ({"sliding_window": 8, "layer_types": ["chunked_attention"] * 4}, "chunked_attention"),
+])
+def test_unclear_sliding_windows_are_config_errors(extra, message):
+    from radiance.errors import ConfigError
+    from radiance.models.registry import resolve_architecture
+
+    with pytest.raises(ConfigError, match=message):
+        resolve_architecture(dict(BASE, **extra))
+
+
+def test_gpt_oss_moe_config():
+    from radiance.models.registry import resolve_architecture
+
+    moe = resolve_architecture(dict(BASE, swiglu_limit=5.0))[1].moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob) == (4, 2, 32, True)
+    assert moe.layers == frozenset(range(4)) and moe.router_bias and moe.expert_bias
+    assert (moe.activation.kind, moe.activation.alpha, moe.activation.limit) == ("swiglu_oai", 1.702, 5.0)
