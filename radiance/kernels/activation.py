@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from radiance import env
 from radiance.kernels import reference
 from radiance.kernels._triton import act_quant as _act
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import sm_count, supports_pdl
+from radiance.kernels.glu import SILU, GluActivation, glu_reference
 
 MAX_ROW = 65536  # one row lives in registers
 CHUNK = 1024  # elements per program when a row is spread over several (silu_mul at decode)
@@ -170,14 +170,29 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
 def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
     """silu(gate) * up for gate_up = [gate | up] along the last dim, rounded as torch does in the
     input dtype; Fp8Activations when `quantize`. One Triton kernel on CUDA; torch elsewhere."""
+    return glu_mul(gate_up, SILU, quantize)
+
+
+def glu_mul(gate_up: torch.Tensor, activation: GluActivation, quantize: bool = False, *,
+            bias: torch.Tensor | None = None, row_expert: torch.Tensor | None = None):
+    """silu_mul for any GLU activation: glu.glu_reference(gate_up, activation), the same roundings, in one
+    Triton kernel on CUDA (the activation's kernel_constexprs); torch elsewhere. `bias` [E, 2I] with
+    `row_expert` (int [M]): row r's gate and up get bias[row_expert[r]] added first, in gate_up's dtype (the
+    expert biases of expert-sorted rows, without a [M, 2I] bias tensor)."""
     g2 = _as_rows(gate_up)
     m, two_i = g2.shape
     inter = two_i // 2
     lead = tuple(gate_up.shape[:-1])
     pdl = supports_pdl(g2.device)
+    if (bias is None) != (row_expert is None):
+        raise ValueError("glu_mul: bias and row_expert go together")
+    act = activation.kernel_constexprs()
+    if bias is not None:
+        act.update(bias_ptr=bias.contiguous(), expert_ptr=row_expert.contiguous(), HAS_BIAS=True)
     if not triton_serves(g2) or inter > MAX_ROW or m == 0:
-        gate, up = g2.split(inter, dim=-1)
-        y = F.silu(gate) * up
+        if bias is not None:
+            g2 = g2 + bias.to(g2.dtype)[row_expert.long()]
+        y = glu_reference(g2, activation)
         if quantize:
             return Fp8Activations(*reference.quantize_activations_reference(y), gate_up.dtype, lead)
         return y.reshape(*lead, inter)
@@ -185,16 +200,19 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
         x_q, x_scale = fp8_outputs(m, inter, g2.device)
         chunks = -(-inter // CHUNK)
         slots, count = row_barrier_buffers(g2.device, m, chunks)
-        _act.silu_mul_quant_chunks_kernel[(chunks, m)](g2, x_q, x_scale, slots, count, inter, g2.stride(0),
-                                                       BLOCK=CHUNK, C_PAD=triton_next_pow2(chunks),
-                                                       PDL=pdl, launch_pdl=pdl, num_warps=4)
+        operands = dict(bias_ptr=g2, expert_ptr=g2)  # placeholders unless act carries a bias
+        operands.update(act)
+        _act.silu_mul_quant_chunks_kernel[(chunks, m)](g2, x_q, x_scale, slots, count, I=inter,
+                                                       stride_m=g2.stride(0), BLOCK=CHUNK,
+                                                       C_PAD=triton_next_pow2(chunks), PDL=pdl, launch_pdl=pdl,
+                                                       num_warps=4, **operands)
         return Fp8Activations(x_q, x_scale, gate_up.dtype, lead)
     y = g2.new_empty((0,)) if quantize else g2.new_empty((m, inter))
     x_q, x_scale = fp8_outputs(m, inter, g2.device) if quantize else (y, y)
     block, warps = _row_launch(inter)
     _act.silu_mul_rows_kernel[(m,)](g2, y, x_q, x_scale, inter, g2.stride(0), QUANT=quantize, BLOCK=block,
                                     INTERPRETER=not g2.is_cuda, PDL=pdl, launch_pdl=pdl,
-                                    num_warps=warps)
+                                    num_warps=warps, **act)
     return Fp8Activations(x_q, x_scale, gate_up.dtype, lead) if quantize else y.reshape(*lead, inter)
 
 

@@ -38,6 +38,13 @@ class GluActivation:
         """The GLU epilogue's ACT constexpr."""
         return GLU_KINDS.index(self.kind)
 
+    def kernel_constexprs(self) -> dict:
+        """The GLU kernels' ACT, ALPHA, LIMIT; silu keeps their defaults, so one compile serves it whatever
+        alpha and limit say."""
+        if self.kind == "silu":
+            return {}
+        return dict(ACT=self.kernel_code, ALPHA=self.alpha, LIMIT=self.limit)
+
 
 SILU = GluActivation()
 

@@ -22,6 +22,8 @@ from radiance.kernels.activation import quantize_rows_from_parts, triton_next_po
 from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, dequantize_prepared, padded_k
 from radiance.kernels.reference import quantize_activations_reference, w4a8_matmul_reference
+from radiance.kernels.tuning import moe_expand_listed
+from radiance.kernels.w4a8 import expand_scratch, launch_expand
 
 ROW_SOURCES = ("token", "pair")
 
@@ -166,18 +168,39 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
 
 
-def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, *,
+                    rows: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                    ids: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] = sum over the choices of weights [T, top_k] * h [T * top_k, H] (rows in pair order), summed
-    in fp32 in choice order: one Triton launch where Triton serves, torch elsewhere (the same math)."""
+    in fp32 in choice order: one Triton launch where Triton serves, torch elsewhere (the same math).
+    `rows` (int [T * top_k], optional): pair p's output is h's row rows[p] (expert-sorted outputs read in
+    place, no un-sorting copy). `bias` [E, H] with `ids` (int [T, top_k]): each pair's expert bias is added
+    to its output in h's dtype first (a biased down projection)."""
     tokens, top_k = weights.shape
     width = h.shape[1]
+    if (bias is None) != (ids is None):
+        raise ValueError("combine_experts: bias and ids go together")
     if not triton_serves(h) or tokens == 0:
+        h = h[rows.long()] if rows is not None else h
+        if bias is not None:
+            h = h + bias.to(h.dtype)[ids.reshape(-1).long()]
         return (h.view(tokens, top_k, width).float() * weights[..., None]).sum(dim=1).to(out_dtype)
     out = torch.empty((tokens, width), dtype=out_dtype, device=h.device)
     block = min(1024, triton_next_pow2(width))
-    _combine.moe_combine_kernel[(tokens, -(-width // block))](h, weights.contiguous(), out, width, h.stride(0),
-                                                             out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
+    placeholder = weights  # any pointer for the operands a constexpr switches off
+    _combine.moe_combine_kernel[(tokens, -(-width // block))](
+        h, weights.contiguous(), out, rows if rows is not None else placeholder,
+        bias.contiguous() if bias is not None else placeholder, ids.contiguous() if ids is not None else placeholder,
+        width, h.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, HAS_ROWS=rows is not None,
+        HAS_BIAS=bias is not None, num_warps=4)
     return out
+
+
+def pair_rows(sorted_pairs: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """int32 [num_pairs]: the slot of each pair in a routing of block_m 1 (sorted_pairs inverted), so that
+    combine_experts reads expert-sorted outputs in place. No host sync."""
+    slots = torch.arange(num_pairs, device=sorted_pairs.device, dtype=torch.int32)
+    return torch.empty_like(slots).scatter_(0, sorted_pairs[:num_pairs].long(), slots)
 
 
 # Average pairs per expert from which the 64-slot tiles serve; below it the 16-slot ones, which pad each
@@ -185,10 +208,16 @@ def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dty
 # (CUDA-graph replays of 16 random routings): 16-slot 247 / 810 / 1554 us at T = 512 / 2048 / 4096 tokens
 # (32 / 128 / 256 pairs per expert), 64-slot (swap-AB) 352 / 617 / 937 us.
 PREFILL_PAIRS_PER_EXPERT = 64
+# ... and from which the 128-slot tiles serve: each expanded weight tile then feeds twice the MMA work.
+# gpt-oss-20b's experts (32, top 4) at 256 / 1024 pairs per expert: 64-slot 1544 / 5210 us, 128-slot 1359 /
+# 3609; Qwen3-30B-A3B's at 128 / 512: 619 / 1602 against 800 / 1574 (twenty-fourth session).
+LARGE_PAIRS_PER_EXPERT = 256
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
-    """The routing tile for this many pairs: 16 at decode sizes, 64 when the experts get many pairs each."""
+    """The routing tile for this many pairs: 16 at decode sizes, 64 or 128 when the experts get many pairs."""
+    if num_pairs >= LARGE_PAIRS_PER_EXPERT * num_experts:
+        return 128
     return 64 if num_pairs >= PREFILL_PAIRS_PER_EXPERT * num_experts else 16
 
 
@@ -219,7 +248,76 @@ class MoeGemmConfig:
 MOE_CONFIGS = {
     16: MoeGemmConfig(block_m=16, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=4),
     64: MoeGemmConfig(block_m=64, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=3),
+    # swap-AB 128 x 64 x 256 beat plain 128 x 64 / 128 x 128 tiles (4 or 8 warps), 256 x 64 and swap-AB 128 x
+    # 128 x 128 at 256 and 1024 pairs per expert (gpt-oss-20b) and 512 (Qwen3-30B-A3B), by 3-30%
+    128: MoeGemmConfig(block_m=128, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=3),
 }
+
+
+# Average pairs per expert from which experts of a shape the tuning table lists (`moe_expand_shapes`) run
+# as fp8 weights on torch's grouped GEMM: every expert expanded to e4m3 in one launch, then
+# torch._scaled_grouped_mm (CUTLASS, sm_90). gpt-oss-20b's MoE block on the H200 (CUDA-graph replays), us at
+# 256 / 512 / 1024 pairs per expert: expanded 1243 / 1785 / 2791, grouped W4A8 kernel 1430 / 2406 / 3801,
+# bf16 experts 1120 / 1874 / 3195. In the engine a 2048-token prefill (256 per expert) was no faster expanded
+# (best 47.9 against 48.7 ms) and less steady (50-92 ms): the expansion of every expert is then ~15% of it.
+# Qwen3-30B-A3B's smaller experts stay on the kernel (twenty-fourth session).
+EXPAND_PAIRS_PER_EXPERT = 512
+
+
+def expand_serves(x: torch.Tensor, num_pairs: int, experts: PreparedExperts) -> bool:
+    """Whether w4a8_moe_mm_expanded serves these experts for this many pairs of activations like x: a Hopper
+    GPU (the fp8 grouped GEMM torch ships for sm_90), a listed shape and enough pairs per expert."""
+    num_experts, n, k = experts.shape
+    return (x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and num_pairs >= EXPAND_PAIRS_PER_EXPERT * num_experts and moe_expand_listed(n, k, x.device))
+
+
+def expand_experts_fp8(experts: PreparedExperts, out: torch.Tensor | None = None,
+                       use_asm: bool | None = None) -> torch.Tensor:
+    """Every expert's e4m3 weight [E, N, K] with its block shifts folded in (its row scale is w_scale), as the
+    GEMM kernels see it: one launch."""
+    num_experts, n, k = experts.shape
+    if out is None:
+        out = torch.empty((num_experts, n, k), dtype=torch.float8_e4m3fn, device=experts.w_q.device)
+    launch_expand(experts.w_q, experts.w_shift, out, n, k, num_experts, use_asm)
+    return out
+
+
+def expert_of_rows(group_ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 [rows]: the expert whose group holds each row of an expert-sorted tensor (no host sync)."""
+    slots = torch.arange(rows, device=group_ends.device, dtype=group_ends.dtype)
+    return torch.searchsorted(group_ends, slots, right=True).clamp_(max=group_ends.numel() - 1)
+
+
+def w4a8_moe_mm_expanded(x_q: torch.Tensor, x_scale: torch.Tensor, experts: PreparedExperts,
+                         group_ends: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+                         use_asm: bool | None = None) -> torch.Tensor:
+    """[R, N] = rows of x_q e4m3 [R, K] (scales x_scale fp32 [R, 1]) sorted by expert, times their expert's
+    weight. Rows group_ends[e-1] .. group_ends[e] - 1 are expert e's (torch._grouped_mm's offs; a routing of
+    block_m 1). The experts are expanded to e4m3 in the shared scratch and multiplied by
+    torch._scaled_grouped_mm (fp32 accumulation, rowwise scales x_scale and the weights' 2^ref), its bf16
+    result cast to out_dtype. No host sync. On the CPU (tests) the grouped GEMM is its fp32 torch equivalent.
+    Expert biases are the consumers' (glu_mul, combine_experts), which add them as they read."""
+    num_experts, n, k = experts.shape
+    rows = x_q.shape[0]
+    if x_q.shape[1] != k or group_ends.shape != (num_experts,):
+        raise ValueError(f"w4a8_moe_mm_expanded: activations [{rows}, {x_q.shape[1]}] and {group_ends.numel()} "
+                         f"group ends for {num_experts} experts of K={k}")
+    if k % 16 or n % 16:
+        raise ValueError(f"w4a8_moe_mm_expanded: fp8 GEMMs need N and K multiples of 16, not {n} x {k}")
+    numel = num_experts * n * k
+    scratch = expand_scratch(x_q.device, numel) if x_q.is_cuda else None
+    w8 = expand_experts_fp8(experts, scratch[:numel].view(num_experts, n, k) if scratch is not None else None,
+                            use_asm)
+    scale_a = x_scale.reshape(-1).float()
+    if x_q.is_cuda:
+        out = torch._scaled_grouped_mm(x_q, w8.transpose(1, 2), scale_a, experts.w_scale, offs=group_ends,
+                                       out_dtype=torch.bfloat16)
+    else:
+        b = w8.float() * experts.w_scale[:, :, None]
+        out = torch._grouped_mm(x_q.float() * scale_a[:, None], b.transpose(1, 2), offs=group_ends)
+    return out.to(out_dtype)
 
 
 def _use_asm(t: torch.Tensor) -> bool:
@@ -272,14 +370,6 @@ def w4a8_moe_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, experts: PreparedExp
     return quantize_rows_from_parts(y, amax) if glu else y
 
 
-def _activation_constexprs(activation: GluActivation, glu: bool) -> dict:
-    """The kernel's ACT, ALPHA, LIMIT where the GLU epilogue uses them; silu keeps the defaults, so one
-    compile serves it whatever alpha and limit say."""
-    if not glu or activation.kind == "silu":
-        return {}
-    return dict(ACT=activation.kernel_code, ALPHA=activation.alpha, LIMIT=activation.limit)
-
-
 def _launch(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, source: str, glu: bool, out_dtype,
             config: MoeGemmConfig | None, use_asm: bool | None, out: torch.Tensor | None,
             bias: torch.Tensor | None = None, activation: GluActivation = SILU):
@@ -308,7 +398,7 @@ def _launch(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, sour
         routing.sorted_pairs, routing.tile_expert, pairs, rows_div, n, k, x_q.stride(0), out.stride(0),
         SWAP_AB=cfg.swap_ab, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, EVEN_K=(k % cfg.block_k == 0),
         USE_ASM=_use_asm(x_q) if use_asm is None else use_asm, PRECISE_ACC=cfg.precise_acc,
-        HAS_BIAS=bias is not None, GLU=glu, **_activation_constexprs(activation, glu),
+        HAS_BIAS=bias is not None, GLU=glu, **(activation.kernel_constexprs() if glu else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, amax, compiled
 

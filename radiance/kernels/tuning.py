@@ -4,7 +4,9 @@
 `shape` ("NxK" or "*") and optional `m_max` match the call wins. Its optional `expand_min_m` is the
 token count from which the launcher expands the weight to fp8 and calls cuBLAS's fp8 GEMM instead;
 its optional `unfused_glu_shapes` lists merged gate_up shapes ("NxK") whose SiLU-mul stays a launch of
-its own (w4a8.w4a8_glu), where the fused epilogue measured slower. `radiance bench kernels --sweep`
+its own (w4a8.w4a8_glu), where the fused epilogue measured slower; its optional `moe_expand_shapes` lists
+the merged gate_up shapes of grouped experts that run expanded to fp8 on torch's grouped GEMM at prefill
+sizes (moe.expand_serves), where that measured faster than the grouped W4A8 kernel. `radiance bench kernels --sweep`
 measures candidates on the GPU and prints the entries to paste in.
 """
 
@@ -80,6 +82,12 @@ def glu_epilogue_serves(n: int, k: int, device: torch.device) -> bool:
     name = _table_name(device)
     skip = load_table(name).get("unfused_glu_shapes", []) if name else []
     return f"{n}x{k}" not in skip
+
+
+def moe_expand_listed(n: int, k: int, device: torch.device) -> bool:
+    """Whether grouped experts whose merged gate_up weight is N x K are listed to run expanded to fp8."""
+    name = _table_name(device)
+    return f"{n}x{k}" in (load_table(name).get("moe_expand_shapes", []) if name else [])
 
 
 def serving_entry_index(entries: list[dict], shape: str, m: int) -> int | None:

@@ -93,16 +93,17 @@ def _expand_serves(x_q: torch.Tensor, m: int, n: int, k: int, out_dtype, out) ->
             and x_q.stride(1) == 1 and out_dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-def _expand_scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """The e4m3 buffer for the expanded weight of the large-M path: a fresh 100+ MB allocation per
-    call can push the caching allocator (next to a KV cache that fills the GPU) into free-and-retry."""
+def expand_scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """The e4m3 buffer for the expanded weights of the large-M paths (dense and grouped): a fresh 100+ MB
+    allocation per call can push the caching allocator (next to a KV cache that fills the GPU) into
+    free-and-retry."""
     return device_buffer("expand-scratch", device, numel, torch.float8_e4m3fn, zeroed=False)
 
 
 def _expand_then_fp8_mm(x_q, x_scale, weight: PreparedMxfp4, bias, out_dtype) -> torch.Tensor:
     n, k = weight.shape
     # [N, K] e4m3 with the block shifts folded in; the row scale is w_scale
-    w8 = expand_weight_fp8(weight, out=_expand_scratch(x_q.device, n * k)[: n * k].view(n, k))
+    w8 = expand_weight_fp8(weight, out=expand_scratch(x_q.device, n * k)[: n * k].view(n, k))
     # cuBLASLt takes no bias with an fp32 output: add it afterwards there
     fused_bias = bias is not None and out_dtype != torch.float32
     out = torch._scaled_mm(x_q, w8.t(), scale_a=x_scale.float(), scale_b=weight.w_scale[None, :],
@@ -191,8 +192,15 @@ def expand_weight_fp8(weight: PreparedMxfp4, use_asm: bool | None = None,
     n, k = weight.shape
     if out is None:
         out = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=weight.w_q.device)
-    bn, bk = 64, 256
-    grid = (-(-n // bn), -(-k // bk))
-    _convert.expand_weight_kernel[grid](weight.w_q, weight.w_shift, out, n, k, BN=bn, BK=bk, num_warps=4,
-                                        USE_ASM=_use_asm(weight.w_q) if use_asm is None else use_asm)
+    launch_expand(weight.w_q, weight.w_shift, out, n, k, 1, use_asm)
     return out
+
+
+def launch_expand(w_q: torch.Tensor, w_shift: torch.Tensor, out: torch.Tensor, n: int, k: int, experts: int,
+                  use_asm: bool | None) -> None:
+    """Expand `experts` stacked weights of N x K (w_q, w_shift as prepare.py lays them out, stacked along a
+    leading dim when experts > 1) into the contiguous e4m3 `out` [experts, N, K]."""
+    bn, bk = 64, 256
+    grid = (-(-n // bn), -(-k // bk), experts)
+    _convert.expand_weight_kernel[grid](w_q, w_shift, out, n, k, BN=bn, BK=bk, num_warps=4,
+                                        USE_ASM=_use_asm(w_q) if use_asm is None else use_asm)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from radiance.kernels import moe as grouped_kernels
-from radiance.kernels.activation import quantize_activations, silu_mul
+from radiance.kernels.activation import glu_mul, quantize_activations, silu_mul
 from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.layers.linear import DenseLinear, UnloadedLinear, takes_fp8
 from radiance.models.arch_config import MoeConfig
@@ -98,6 +98,8 @@ class SparseMoeBlock(nn.Module):
 
     def _grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
         """W4A8 experts: routing in one launch at decode sizes, both expert GEMMs as grouped launches."""
+        if grouped_kernels.expand_serves(x, x.shape[0] * self.top_k, self.grouped[0]):
+            return self._grouped_expanded_forward(x)
         gate_up, down = self.grouped
         block_m = grouped_kernels.moe_block_m(x.shape[0] * self.top_k, self.num_experts)
         weights, _, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, block_m)
@@ -110,26 +112,48 @@ class SparseMoeBlock(nn.Module):
                                           bias=down_bias)
         return grouped_kernels.combine_experts(h, weights, x.dtype)
 
+    def _grouped_expanded_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """W4A8 experts with many tokens each (prefill): the pairs sorted by expert, both GEMMs on the experts
+        expanded to fp8 (torch's fp8 grouped GEMM); the expert biases and the way back to pair order are
+        left to the GLU and combine launches, which read the sorted rows in place."""
+        gate_up, down = self.grouped
+        weights, ids, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
+        order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair
+        x_q, x_scale = quantize_activations(x)
+        rows = order // self.top_k
+        # fp8 rows gathered as bytes (index_select has no e4m3 kernel)
+        rows_q = x_q.view(torch.uint8)[rows].view(x_q.dtype)
+        gate_up_out = grouped_kernels.w4a8_moe_mm_expanded(rows_q, x_scale[rows], gate_up, routing.group_ends,
+                                                           out_dtype=x.dtype)
+        act = glu_mul(gate_up_out, self.activation, quantize=True, **self._gate_up_bias(routing, len(order)))
+        h_sorted = grouped_kernels.w4a8_moe_mm_expanded(act.x_q, act.x_scale, down, routing.group_ends,
+                                                        out_dtype=x.dtype)
+        return self._combine_sorted(h_sorted, weights, ids, routing, x.dtype)
+
     def _grouped_16bit_forward(self, x: torch.Tensor) -> torch.Tensor:
         """16-bit experts: the pairs sorted by expert (a routing without padding), two grouped GEMMs
-        (torch._grouped_mm), then back in pair order."""
+        (torch._grouped_mm); biases and pair order as in _grouped_expanded_forward."""
         gate_up, down = self.grouped_16bit
-        weights, _, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
+        weights, ids, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair
         rows = x[order // self.top_k]
         gate_up_out = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=routing.group_ends)
-        gate_up_bias, down_bias = self.stacked_bias
-        if gate_up_bias is None:
-            y = silu_mul(gate_up_out) if self.activation == SILU else glu_reference(gate_up_out, self.activation)
-            h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends)
-        else:
-            # the expert of each sorted row, from the groups' ends (no host sync)
-            slots = torch.arange(len(order), device=x.device, dtype=routing.group_ends.dtype)
-            expert = torch.searchsorted(routing.group_ends, slots, right=True)
-            y = glu_reference(gate_up_out + gate_up_bias[expert], self.activation)
-            h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends) + down_bias[expert]
-        h = torch.empty_like(h_sorted).index_copy_(0, order, h_sorted)
-        return grouped_kernels.combine_experts(h, weights, x.dtype)
+        y = glu_mul(gate_up_out, self.activation, **self._gate_up_bias(routing, len(order)))
+        h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends)
+        return self._combine_sorted(h_sorted, weights, ids, routing, x.dtype)
+
+    def _gate_up_bias(self, routing, rows: int) -> dict:
+        """glu_mul's bias operands for expert-sorted rows (none without expert biases)."""
+        if self.stacked_bias[0] is None:
+            return {}
+        return dict(bias=self.stacked_bias[0], row_expert=grouped_kernels.expert_of_rows(routing.group_ends, rows))
+
+    def _combine_sorted(self, h_sorted, weights, ids, routing, dtype) -> torch.Tensor:
+        """The router-weighted sum of expert-sorted outputs, each pair's down bias added (combine_experts)."""
+        down_bias = self.stacked_bias[1]
+        return grouped_kernels.combine_experts(
+            h_sorted, weights, dtype, rows=grouped_kernels.pair_rows(routing.sorted_pairs, routing.num_pairs),
+            bias=down_bias, ids=ids if down_bias is not None else None)
 
     def path(self) -> str:
         """How forward runs the experts, for the startup summary."""

@@ -3,7 +3,8 @@
 Templates run in jinja2's immutable sandbox with the helpers Hugging Face templates expect:
 `raise_exception`, a `tojson` filter that keeps non-ASCII text, and `strftime_now`. Messages go in
 as plain dicts; a tool call's JSON `arguments` string is handed to the template as a dict, since most
-templates print it with `tojson`.
+templates print it with `tojson`. gpt-oss's (harmony) template gets the messages and tools in the shape it
+reads (_harmony_messages).
 """
 
 from __future__ import annotations
@@ -83,13 +84,64 @@ def _template_message(message: dict) -> dict:
     return out
 
 
+def _harmony_tools(tools: list[dict]) -> list[dict]:
+    """gpt-oss's template writes `"// " + tool.description`: a function without one gets "" (an empty line)."""
+    return [{**tool, "function": {**tool["function"], "description": tool["function"].get("description") or ""}}
+            if "function" in tool else tool for tool in tools]
+
+
+def _harmony_messages(messages: list[dict]) -> list[dict]:
+    """Messages as gpt-oss's template reads them: reasoning sent back (`reasoning_content`, vLLM's field, or
+    `reasoning`) as `thinking`, and one tool call per assistant message, as the template renders only
+    `tool_calls[0]` (harmony has one call per message). A reply goes right after its call, since the
+    template names each reply after the latest call; replies that name no call of the turn keep their place."""
+    out: list[dict] = []
+    i = 0
+    while i < len(messages):
+        message = dict(messages[i])
+        i += 1
+        if message.get("role") != "assistant":
+            out.append(message)
+            continue
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        calls = message.get("tool_calls") or []
+        if reasoning and calls and message["content"] and isinstance(message["content"], str):
+            # the template refuses content and thinking on a call message and renders the content (a
+            # preamble) as analysis: both become the analysis, in the order the model wrote them
+            message["content"], reasoning = "", reasoning + "\n\n" + message["content"]
+        if reasoning:
+            message["thinking"] = reasoning
+        if len(calls) < 2:
+            out.append(message)
+            continue
+        replies = []
+        while i < len(messages) and messages[i]["role"] == "tool":
+            replies.append(messages[i])
+            i += 1
+        placed: set[int] = set()
+        for n, call in enumerate(calls):
+            out.append({**message, "tool_calls": [call]} if n == 0 else
+                       {"role": "assistant", "content": "", "tool_calls": [call]})
+            for k, reply in enumerate(replies):
+                if k not in placed and call.get("id") is not None and reply.get("tool_call_id") == call["id"]:
+                    out.append(reply)
+                    placed.add(k)
+        out += [reply for k, reply in enumerate(replies) if k not in placed]
+    return out
+
+
 def render_chat(template: str, messages: list[dict], tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, **kw: Any) -> str:
     """The prompt text for `messages`. `kw` reaches the template as variables (bos_token, eos_token,
     enable_thinking, ...)."""
     compiled = _compile(template)
+    messages = [_template_message(m) for m in messages]
+    # Only harmony (gpt-oss) templates get these: other templates print the tools as JSON (an invented
+    # description would change the prompt), loop over all calls of a message, and read reasoning_content
+    if template_features(template)["harmony"]:
+        messages, tools = _harmony_messages(messages), tools and _harmony_tools(tools)
     try:
-        return compiled.render(messages=[_template_message(m) for m in messages], tools=tools or None,
+        return compiled.render(messages=messages, tools=tools or None,
                                add_generation_prompt=add_generation_prompt, **kw)
     except TemplateError:
         raise

@@ -70,7 +70,8 @@ class ChatMessage(_Model):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-    reasoning_content: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's reasoning sent back (vLLM's field; ours too)
+    reasoning: str | None = None  # the same, as other servers name it (we send both)
 
     @model_validator(mode="after")
     def _content_needed(self):

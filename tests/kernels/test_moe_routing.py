@@ -76,6 +76,7 @@ def test_block_m_choice():
     assert moe_block_m(1 * 8, 128) == 16 and moe_block_m(512 * 8, 128) == 16
     assert moe_block_m(64 * 128 - 1, 128) == 16 and moe_block_m(64 * 128, 128) == 64
     assert moe_block_m(0, 4) == 16
+    assert moe_block_m(256 * 32 - 1, 32) == 64 and moe_block_m(256 * 32, 32) == 128  # gpt-oss at 2048 tokens
 
 
 def test_stack_and_view_round_trip():

@@ -59,3 +59,17 @@ def test_unfused_glu_shapes_are_gate_up_shapes_and_are_honoured(path):
             assert not tuning.glu_epilogue_serves(n, k, torch.device("cpu"))
         assert tuning.glu_epilogue_serves(28672, 4096, torch.device("cpu")) == ("28672x4096" not in skip)
     assert tuning.glu_epilogue_serves(51200, 5120, torch.device("cpu"))  # no table here: always fused
+
+
+@pytest.mark.parametrize("path", TABLES, ids=[p.stem for p in TABLES])
+def test_moe_expand_shapes_are_gate_up_shapes_and_are_honoured(path):
+    listed = json.loads(path.read_text()).get("moe_expand_shapes", [])
+    for shape in listed:
+        n, k = map(int, shape.split("x"))  # "NxK" of the merged [gate | up] weight
+        assert n % 32 == 0 and n > 0 and k % 16 == 0, shape  # fp8 GEMM operands: multiples of 16
+    with mock.patch.object(tuning, "_table_name", lambda device: path.stem):
+        for shape in listed:
+            n, k = map(int, shape.split("x"))
+            assert tuning.moe_expand_listed(n, k, torch.device("cpu"))
+        assert tuning.moe_expand_listed(1536, 2048, torch.device("cpu")) == ("1536x2048" in listed)
+    assert not tuning.moe_expand_listed(5760, 2880, torch.device("cpu"))  # no table here: never

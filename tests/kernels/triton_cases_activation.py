@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radiance.kernels.activation import (Fp8Activations, add_rmsnorm, quantize_activations, quantize_rows_from_parts,
-                                         rmsnorm_quant, silu_mul)
+from radiance.kernels.activation import (Fp8Activations, add_rmsnorm, glu_mul, quantize_activations,
+                                         quantize_rows_from_parts, rmsnorm_quant, silu_mul)
+from radiance.kernels.glu import GluActivation, glu_reference
 from radiance.kernels.reference import quantize_activations_reference, rms_normalize_reference, rmsnorm_quant_reference
 
 
@@ -126,6 +127,47 @@ def test_silu_mul_matches_torch(device, dtype):
     r_q, r_s = quantize_activations_reference(ref)
     assert act.lead == (7,) and torch.allclose(act.x_scale, r_s, rtol=1e-5, atol=0)
     assert (act.x_q.view(torch.uint8) != r_q.view(torch.uint8)).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [7, 1])  # on CUDA one row of 2880 is spread over programs (the chunked kernel)
+def test_glu_mul_swiglu_oai_matches_torch(device, dtype, rows):
+    """gpt-oss's clamped SwiGLU in the GLU launch: glu_reference's values (clamps biting: std 6 against the
+    limit 7), and its quantized rows; a kernel that ignored ACT (silu) is far off."""
+    _bf16_on_cpu(device, dtype)
+    act = GluActivation("swiglu_oai")
+    inter = 2880
+    gate_up = (torch.randn(rows, 2 * inter, device=device) * 6).to(dtype)
+    ref = glu_reference(gate_up, act)
+    got = glu_mul(gate_up, act)
+    _close_up_to_rare_last_bit(got, ref)
+    assert not torch.allclose(got.float(), silu_mul(gate_up).float(), rtol=0.1)
+    q = glu_mul(gate_up, act, quantize=True)
+    r_q, r_s = quantize_activations_reference(ref)
+    assert q.lead == (rows,) and torch.allclose(q.x_scale, r_s, rtol=1e-5, atol=0)
+    assert (q.x_q.view(torch.uint8) != r_q.view(torch.uint8)).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("kind", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("rows", [6, 1])  # on CUDA one row of 2880 is spread over programs (the chunked kernel)
+def test_glu_mul_adds_each_rows_expert_bias(device, kind, rows):
+    """Expert-sorted rows: row r's gate and up get bias[row_expert[r]] before the activation, as adding the
+    gathered [M, 2I] bias in torch would; a kernel that ignored the bias, or took another row's, is far off."""
+    act = GluActivation(kind)
+    inter, experts = 2880, 4
+    gate_up = torch.randn(rows, 2 * inter, device=device) * 3
+    bias = torch.randn(experts, 2 * inter, device=device) * 3
+    row_expert = torch.randint(0, experts, (rows,), device=device)
+    ref = glu_reference(gate_up + bias[row_expert], act)
+    got = glu_mul(gate_up, act, bias=bias, row_expert=row_expert)
+    _close_up_to_rare_last_bit(got, ref)
+    assert not torch.allclose(got, glu_reference(gate_up, act), rtol=0.1)
+    q = glu_mul(gate_up, act, quantize=True, bias=bias, row_expert=row_expert.to(torch.int32))
+    r_q, r_s = quantize_activations_reference(ref)
+    assert torch.allclose(q.x_scale, r_s, rtol=1e-5, atol=0)
+    assert (q.x_q.view(torch.uint8) != r_q.view(torch.uint8)).float().mean() < 0.01
+    with pytest.raises(ValueError, match="together"):
+        glu_mul(gate_up, act, bias=bias)
 
 
 def test_fused_norm_keeps_a_nan_token_to_itself(device):

@@ -21,8 +21,8 @@ GATE = 2e-3
 # run where a case passes None
 SWAP16 = MoeGemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=True, num_stages=3)
 PLAIN64 = MoeGemmConfig(block_m=64, block_n=64, block_k=128, swap_ab=False, num_stages=3)
-TILINGS = {"swap16": SWAP16, "plain64": PLAIN64, "default16": None, "default64": None}
-BLOCK_M = {"swap16": 16, "plain64": 64, "default16": 16, "default64": 64}
+TILINGS = {"swap16": SWAP16, "plain64": PLAIN64, "default16": None, "default64": None, "default128": None}
+BLOCK_M = {"swap16": 16, "plain64": 64, "default16": 16, "default64": 64, "default128": 128}
 
 
 def random_experts(device, num_experts: int, n: int, k: int):
@@ -115,6 +115,7 @@ PLAIN_CASES = [
     (70, 1, 8, 112, 96, "swap16", "token", "same"),
     (64, 4, 8, 48, 128, "default64", "token", "random"),
     (65, 1, 4, 48, 96, "plain64", "token", "same"),
+    (150, 2, 4, 112, 416, "default128", "pair", "random"),  # the 128-slot tiles, a group past one tile
 ]
 
 
@@ -131,6 +132,7 @@ GLU_CASES = [
     (17, 4, 8, 24, 416, "plain64", "random"),
     (70, 2, 4, 56, 160, "default64", "same"),
     (64, 2, 8, 24, 256, "default16", "random"),
+    (130, 2, 4, 56, 160, "default128", "skip"),
 ]
 
 

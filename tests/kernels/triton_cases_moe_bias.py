@@ -63,6 +63,7 @@ GLU_CASES = [
     (9, 4, 8, 56, 416, "swap16", "swiglu_oai"),
     (70, 2, 4, 24, 160, "plain64", "swiglu_oai"),
     (64, 2, 8, 24, 256, "default64", "swiglu_oai"),
+    (140, 2, 4, 24, 416, "default128", "swiglu_oai"),
 ]
 
 

@@ -185,11 +185,20 @@ def swiglu_oai_values(g, u, dtype: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.
 
 
 @triton.jit
-def _silu_mul(gu_ptr, row, offs, mask, stride_m, I):
-    """silu(gate) * up with torch's rounding, in the input dtype."""
+def _silu_mul(gu_ptr, row, offs, mask, stride_m, I, bias_ptr, expert_ptr, HAS_BIAS: tl.constexpr,
+              ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """act(gate, up) with torch's rounding, in the input dtype: silu(gate) * up (ACT 0) or gpt-oss's clamped
+    SwiGLU (ACT 1; glu.GLU_KINDS). HAS_BIAS: the row's expert bias (bias [E, 2I], the row's expert at
+    expert_ptr[row]) is added to gate and up first, rounded as torch's add would be."""
     g_raw = tl.load(gu_ptr + row * stride_m + offs, mask=mask, other=0.0)
-    u = tl.load(gu_ptr + row * stride_m + I + offs, mask=mask, other=0.0).to(tl.float32)
-    return silu_mul_values(g_raw.to(tl.float32), u, g_raw.dtype)
+    u_raw = tl.load(gu_ptr + row * stride_m + I + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        b_row = bias_ptr + tl.load(expert_ptr + row).to(tl.int64) * (2 * I)
+        g_raw = (g_raw.to(tl.float32) + tl.load(b_row + offs, mask=mask, other=0.0)).to(g_raw.dtype)
+        u_raw = (u_raw.to(tl.float32) + tl.load(b_row + I + offs, mask=mask, other=0.0)).to(u_raw.dtype)
+    if ACT == 0:
+        return silu_mul_values(g_raw.to(tl.float32), u_raw.to(tl.float32), g_raw.dtype)
+    return swiglu_oai_values(g_raw.to(tl.float32), u_raw.to(tl.float32), g_raw.dtype, ALPHA, LIMIT)
 
 
 @triton.jit
@@ -214,8 +223,10 @@ def shared_row_scale(slots_ptr, count_ptr, row, part, local_amax, has_nan, parti
 
 
 @triton.jit
-def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, slots_ptr, count_ptr, I, stride_m,
-                                 BLOCK: tl.constexpr, C_PAD: tl.constexpr, PDL: tl.constexpr = False):
+def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, slots_ptr, count_ptr, bias_ptr, expert_ptr, I, stride_m,
+                                 BLOCK: tl.constexpr, C_PAD: tl.constexpr, PDL: tl.constexpr = False,
+                                 HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 1.702,
+                                 LIMIT: tl.constexpr = 7.0):
     """silu_mul_rows_kernel with QUANT, one row over cdiv(I, BLOCK) programs (grid [chunks, M]), all
     resident at once (the launcher keeps the grid small). The programs of a row agree on its scale
     through shared_row_scale, then each quantizes its own chunk."""
@@ -225,7 +236,8 @@ def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, slots_ptr, count_ptr
     chunks = tl.num_programs(0)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
-    y = _silu_mul(gu_ptr, row, offs, mask, stride_m, I).to(tl.float32)
+    y = _silu_mul(gu_ptr, row, offs, mask, stride_m, I, bias_ptr, expert_ptr, HAS_BIAS, ACT, ALPHA,
+                  LIMIT).to(tl.float32)
     local = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
     has_nan = tl.sum((y != y).to(tl.int32), axis=0) > 0
     scale = shared_row_scale(slots_ptr, count_ptr, row, chunk, local, has_nan, chunks, C_PAD)
@@ -236,14 +248,17 @@ def silu_mul_quant_chunks_kernel(gu_ptr, xq_ptr, scale_ptr, slots_ptr, count_ptr
 
 @triton.jit
 def silu_mul_rows_kernel(gu_ptr, out_ptr, xq_ptr, scale_ptr, I, stride_m, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                         INTERPRETER: tl.constexpr, PDL: tl.constexpr = False):
+                         INTERPRETER: tl.constexpr, PDL: tl.constexpr = False, bias_ptr=None, expert_ptr=None,
+                         HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 1.702,
+                         LIMIT: tl.constexpr = 7.0):
     """y = silu(gate) * up for gate_up = [gate | up] (each I wide), rounded like torch in the input
-    dtype (silu computed in fp32, then rounded; the product rounded); written, or quantized per token."""
+    dtype (silu computed in fp32, then rounded; the product rounded); written, or quantized per token.
+    ACT 1: gpt-oss's clamped SwiGLU instead (ALPHA, LIMIT), with torch's roundings too; HAS_BIAS: _silu_mul's."""
     pdl_handoff(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < I
-    y = _silu_mul(gu_ptr, row, offs, mask, stride_m, I)
+    y = _silu_mul(gu_ptr, row, offs, mask, stride_m, I, bias_ptr, expert_ptr, HAS_BIAS, ACT, ALPHA, LIMIT)
     if QUANT:
         _quantize_row(y.to(tl.float32), mask, xq_ptr + row * I + offs, scale_ptr + row, INTERPRETER)
     else:

@@ -86,14 +86,19 @@ def expand_e2m1_words(words, shift, USE_ASM: tl.constexpr):
 def expand_weight_kernel(w_ptr, shift_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr,
                          USE_ASM: tl.constexpr):
     """Write the e4m3 weight [N, K] the GEMM kernels see: the large-M path (cuBLAS fp8 on the
-    result), tests, and the pre-expanded baseline. One [BN, BK] tile per program, BK % 128 == 0."""
+    result), tests, and the pre-expanded baseline. One [BN, BK] tile per program, BK % 128 == 0.
+    The grid's third axis walks stacked experts ([E, N, ...] inputs, [E, N, K] output)."""
     G: tl.constexpr = BK // 128
     NB: tl.constexpr = BK // 32
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    expert = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rows = offs_n < N
     groups = tl.cdiv(K, 128)
+    w_ptr += expert * N * (groups * 16)
+    shift_ptr += expert * groups * N * 4
+    out_ptr += expert * N * K
     word = tl.arange(0, BK // 8)
     word_live = (pid_k * BK + word * 8) < groups * 128
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * (groups * 16) + pid_k * (BK // 8) + word[None, :]
