@@ -158,6 +158,10 @@ class SparseMoeBlock(nn.Module):
     def path(self) -> str:
         """How forward runs the experts, for the startup summary."""
         if self.grouped is not None:
+            _, n, k = self.grouped[0].shape
+            if grouped_kernels.moe_expand_listed(n, k, self.grouped[0].w_q.device):
+                return (f"grouped W4A8 kernel (fp8 grouped GEMM from {grouped_kernels.EXPAND_PAIRS_PER_EXPERT} "
+                        "pairs per expert)")
             return "grouped W4A8 kernel"
         return "torch grouped GEMM (16-bit)" if self.grouped_16bit is not None else "a loop over the picked experts"
 

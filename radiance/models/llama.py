@@ -13,7 +13,7 @@ from torch import nn
 from radiance.kernels.activation import silu_mul
 from radiance.layers.attention import Attention, AttentionMetadata
 from radiance.layers.embedding import LMHead, VocabEmbedding
-from radiance.layers.linear import UnloadedLinear, takes_fp8
+from radiance.layers.linear import DenseLinear, Mxfp4Linear, UnloadedLinear, takes_fp8
 from radiance.layers.moe import SparseMoeBlock
 from radiance.layers.norm import RMSNorm
 from radiance.layers.rotary import RotaryEmbedding
@@ -45,6 +45,16 @@ class LlamaAttention(nn.Module):
         self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32), requires_grad=False)
                       if cfg.attention_sinks else None)
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sliding_window=cfg.window_of(index))
+
+    def finish_loading(self) -> None:
+        """Hand the q/k/v and o biases (Qwen2, gpt-oss) to their linears where those add a bias themselves:
+        the GEMM's epilogue adds it in fp32 before its one rounding, as F.linear does, and the separate add
+        launch goes away. Other linears keep the add in forward."""
+        for linear_name, bias_name in (("qkv_proj", "qkv_bias"), ("o_proj", "o_bias")):
+            linear, bias = getattr(self, linear_name), getattr(self, bias_name)
+            if bias is not None and isinstance(linear, (Mxfp4Linear, DenseLinear)) and linear.bias is None:
+                linear.bias = bias.detach()
+                setattr(self, bias_name, None)
 
     def forward(self, positions, x, meta):
         cfg = self.cfg

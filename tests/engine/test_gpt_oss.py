@@ -185,3 +185,22 @@ def test_gpt_oss_moe_config():
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob) == (4, 2, 32, True)
     assert moe.layers == frozenset(range(4)) and moe.router_bias and moe.expert_bias
     assert (moe.activation.kind, moe.activation.alpha, moe.activation.limit) == ("swiglu_oai", 1.702, 5.0)
+
+
+@pytest.mark.parametrize("quantization", ["none", "mxfp4"])
+def test_attention_biases_are_added_by_their_linears(tiny_model_dir, ids, quantization):
+    """After loading, the q/k/v and o biases live in their linears (the GEMM's epilogue adds them: one launch
+    less each), and they still matter."""
+    path, _ = tiny_model_dir("gptoss")
+    model = _load(path, quantization=quantization)
+    attn = model.model.layers[1].self_attn
+    linear_type = DenseLinear if quantization == "none" else Mxfp4Linear
+    assert isinstance(attn.qkv_proj, linear_type) and isinstance(attn.o_proj, linear_type)
+    assert attn.qkv_bias is None and attn.o_bias is None
+    assert attn.qkv_proj.bias.shape == (attn.qkv_proj.out_features,)
+    assert attn.o_proj.bias.shape == (attn.o_proj.out_features,) and attn.o_proj.bias.abs().sum() > 0
+    ref = model.forward_logits(ids[:, :40])
+    for linear in (attn.qkv_proj, attn.o_proj):
+        saved, linear.bias = linear.bias, None
+        assert _rel(model.forward_logits(ids[:, :40]), ref) > 1e-3
+        linear.bias = saved

@@ -20,6 +20,16 @@ def _blocks(llm: LLM) -> list[SparseMoeBlock]:
     return [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
 
 
+def _assert_graphs_give_the_eager_tokens(path, common: dict, eager: LLM, max_tokens: int):
+    """A second engine with CUDA graphs generates the eager engine's greedy tokens for prompts of 3-66 tokens."""
+    prompts = [[(7 * i + j) % 256 for j in range(3 + 21 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    graphs = LLM(path, enforce_eager=False, **common)
+    assert graphs.engine.runner.graphs
+    assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])
+
+
 def test_grouped_experts_match_the_loop(tiny_model_dir):
     path, _ = tiny_model_dir("qwen3moe")
     llm = LLM(path, device="cuda", quantization="mxfp4", enforce_eager=True, num_gpu_blocks_override=64)
@@ -104,12 +114,7 @@ def test_gpt_oss_grouped_experts_match_the_loop(tiny_model_dir):
             # a bf16 step apart, an element of y may round to the next fp8 step (6%) in the down GEMM's input:
             # 1.2e-2 seen at one token on the H200 (the kernels alone match their reference: triton_cases_moe_bias)
             assert _rel(grouped, looped) <= 3e-2, tokens
-    prompts = [[(7 * i + j) % 256 for j in range(3 + 21 * i)] for i in range(4)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    graphs = LLM(path, enforce_eager=False, **common)
-    assert graphs.engine.runner.graphs
-    assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
-            == [o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    _assert_graphs_give_the_eager_tokens(path, common, llm, max_tokens=16)
 
 
 @pytest.mark.parametrize("model", ["qwen3moe", "gptoss"])
@@ -137,9 +142,4 @@ def test_expanded_experts_match_the_grouped_kernel(tiny_model_dir, monkeypatch, 
             # the expanded path rounds gate_up to bf16 before its activation (the kernel's epilogue works on
             # fp32 sums), so an element of y may land on the next fp8 step of the down GEMM's input
             assert _rel(expanded, kernel) <= 3e-2, (model, tokens)
-    prompts = [[(7 * i + j) % 256 for j in range(3 + 21 * i)] for i in range(4)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    graphs = LLM(path, enforce_eager=False, **common)
-    assert graphs.engine.runner.graphs
-    assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
-            == [o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    _assert_graphs_give_the_eager_tokens(path, common, llm, max_tokens=12)
