@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radiance.engine.structured_output import StructuredOutput
-from radiance.engine.tool_grammars import MARKUPS, ToolCallMarkup, strict_tools_grammar, tool_call_grammar
+from radiance.engine.tool_grammars import MARKUPS, strict_tools_grammar, tool_call_grammar
 from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
 from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
@@ -40,11 +40,13 @@ class ChoiceStream:
                  forced_prefix: str = ""):
         self.index = index
         self.tokenizer = state.tokenizer
+        # a forced harmony call's header is the harmony reasoning parser's to read (it hands calls on)
+        harmony_forced = bool(forced_prefix) and state.reasoning_parser_name == "harmony"
         self.reasoning = (REASONING_PARSERS[state.reasoning_parser_name](opens_thinking)
-                          if state.reasoning_parser_name and not forced_prefix else None)
+                          if state.reasoning_parser_name and (not forced_prefix or harmony_forced) else None)
         self.tools = TOOL_PARSERS[state.tool_parser_name](tools) if tools and state.tool_parser_name else None
         if forced_prefix:  # the call markup we put at the end of the prompt is part of what we parse
-            self.tools.feed(forced_prefix)
+            (self.reasoning if harmony_forced else self.tools).feed(forced_prefix)
         self.timer = RequestTimer(state.metrics)
         self.sent_chars = 0
         self.sent_logprobs = 0
@@ -172,7 +174,9 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     if state.tool_parser_name is None:
         raise invalid("tool_choice required/named needs a tool-call parser; this model's chat template has no "
                       "tool markup (start the server with --tool-call-parser)", param="tool_choice")
-    markup = constrained_markup(state, "tool_choice required/named", param="tool_choice")
+    if state.tool_parser_name == "harmony":
+        return HARMONY_CALL_OPENING.format(name=harmony_forced_function(req))
+    markup = MARKUPS[state.tool_parser_name]
     if req.tool_choice == "required":
         return markup.required_prefix
     return markup.opening(req.tool_choice.function.name)
@@ -185,9 +189,33 @@ async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionReq
     if req.structured_output() is not None:
         raise invalid("tool_choice required/named already constrains the output; drop "
                       f"{req.constraint_field()} or use tool_choice auto", param="tool_choice")
+    if state.tool_parser_name == "harmony":  # the header is in the prompt: only the arguments are left
+        name = harmony_forced_function(req)
+        parameters = next(t["function"].get("parameters") for t in tools if t["function"]["name"] == name)
+        return await _checked_constraint(state, lambda: StructuredOutput(json=parameters) if parameters
+                                         else StructuredOutput(json_object=True))
     markup = MARKUPS[state.tool_parser_name]
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     return await _tools_constraint(state, lambda: tool_call_grammar(tools, markup, named, req.parallel_tool_calls))
+
+
+# A forced harmony call: the prompt ends with its header (the template's generation prompt ends with
+# <|start|>assistant), the model writes the JSON arguments and ends the message with <|call|>
+HARMONY_CALL_OPENING = "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+
+
+def harmony_forced_function(req: ChatCompletionRequest) -> str:
+    """The function a forced harmony call names: the named one, or with "required" the only function. A
+    call's header is special tokens, which no grammar here writes, so the name is fixed in the prompt."""
+    if isinstance(req.tool_choice, NamedToolChoice):
+        return req.tool_choice.function.name
+    names = [t.function.name for t in req.tools]
+    if len(names) != 1:
+        raise invalid(f"tool_choice required with {len(names)} functions cannot be forced in the harmony format "
+                      "(the function's name sits in the call's header of special tokens, outside any grammar); "
+                      'name one function ({"type": "function", "function": {"name": ...}}) or use tool_choice '
+                      "auto", param="tool_choice")
+    return names[0]
 
 
 async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest,
@@ -213,20 +241,14 @@ def _warn_unconstrained_strict(parser: str) -> None:
                    "their schemas (no call grammar for it yet)", parser)
 
 
-def constrained_markup(state: ServerState, feature: str, param: str) -> ToolCallMarkup:
-    """The markup constrained tool calls are built in; a 400 for a tool-call format that has no grammar yet
-    (harmony: a call's header and end are special tokens, which tool_grammars does not write)."""
-    markup = MARKUPS.get(state.tool_parser_name)
-    if markup is None:
-        raise invalid(f"{feature} cannot be served with the {state.tool_parser_name} tool-call format: "
-                      "constrained tool calls are not implemented for it; use tool_choice auto with functions "
-                      "that are not strict (strict: false)", param=param)
-    return markup
-
-
 async def _tools_constraint(state: ServerState, grammar) -> StructuredOutput:
+    return await _checked_constraint(state, lambda: StructuredOutput(grammar=grammar()))
+
+
+async def _checked_constraint(state: ServerState, make_spec) -> StructuredOutput:
+    """make_spec()'s constraint once the engine has compiled it; a 400 naming the tools if it cannot."""
     try:
-        spec = StructuredOutput(grammar=grammar())
+        spec = make_spec()
         await state.engine.check_structured_output(spec)
     except ValueError as exc:
         raise invalid(str(exc), param="tools") from None

@@ -182,3 +182,21 @@ def test_responses_follow_up_sends_back_the_reasoning(server):
     prompt = engine.tokenizer.decode(engine.requests[-1][1], skip_special_tokens=False)
     assert prompt.endswith(analysis("Two cities.") + sent_call("get_weather", "Paris") + reply("get_weather", "sunny")
                            + sent_call("get_weather", "Rome") + reply("get_weather", "rainy") + "<|start|>assistant")
+
+
+def test_a_forced_call_follows_the_real_templates_generation_prompt(server):
+    """tool_choice naming a function: the real template's prompt, then the call's header as gpt-oss writes it;
+    the model's arguments and <|call|> make the tool call."""
+    url, engine = server
+    engine.reply = '{"city": "Paris"}<|call|>'
+    r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "model": "gpt-oss", "tools": [WEATHER, TIME], "messages": [ASK],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] \
+        == [("get_time", {"city": "Paris"})]
+    prompt = engine.tokenizer.decode(engine.requests[-1][1], skip_special_tokens=False)
+    assert prompt.endswith("<|start|>user<|message|>Weather and time in Paris?<|end|><|start|>assistant"
+                           "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>")

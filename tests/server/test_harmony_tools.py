@@ -1,7 +1,8 @@
 """gpt-oss tool calls in the harmony format: a message to `functions.NAME` becomes an OpenAI tool call. The
 harmony reasoning parser hands such messages to the harmony tool-call parser (fed whole and in every chunking,
 as ChoiceStream does), the parser is picked from the template, and chat / Responses requests through the
-scripted engine give tool_calls; constrained calls are a clear 400; a history with calls renders."""
+scripted engine give tool_calls; forced calls (tool_choice required / named) end the prompt with the
+call's header; a history with calls renders."""
 
 import json
 
@@ -197,19 +198,68 @@ def test_responses_give_reasoning_then_a_function_call(server):
     assert (r.output[1].name, json.loads(r.output[1].arguments)) == ("get_weather", {"city": "Paris"})
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+OPENING = "<|start|>assistant<|channel|>commentary to=functions.{} <|constrain|>json<|message|>"
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {}}}  # takes nothing
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required-one-function", "named"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_call_ends_the_prompt_with_its_header(server, tool_choice, stream):
+    """tool_choice required (one function) / named: the prompt ends with the call's header, the model writes
+    only the arguments, held to the function's parameter schema, and the answer is that call."""
+    _, client, engine = server
+    engine.reply = '{"city": "Paris"}<|call|>'
+    response = ask(client, tools=TOOLS, tool_choice=tool_choice, stream=stream)
+    if stream:
+        chunks = list(response)
+        calls = [(c.function.name, c.function.arguments) for chunk in chunks for c in chunk.choices[0].delta.tool_calls
+                 or []]
+        assert [name for name, _ in calls if name] == ["get_weather"]
+        assert json.loads("".join(arguments or "" for _, arguments in calls)) == {"city": "Paris"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    else:
+        choice = response.choices[0]
+        assert calls_of(choice.message.tool_calls) == [("get_weather", {"city": "Paris"})]
+        assert (choice.message.content or "", choice.finish_reason) == ("", "tool_calls")
+    _, prompt_ids, params = engine.requests[-1]
+    assert engine.tokenizer.decode(prompt_ids, skip_special_tokens=False).endswith(OPENING.format("get_weather"))
+    assert json.loads(params.structured_output.json) == TOOLS[0]["function"]["parameters"]
+
+
+def test_forced_call_through_responses(server):
+    _, client, engine = server
+    engine.reply = '{"city": "Rome"}<|call|>'
+    r = client.responses.create(model="gpt-oss", input="X?", tools=[{**TOOLS[0]["function"], "type": "function"}],
+                                tool_choice={"type": "function", "name": "get_weather"})
+    assert [item.type for item in r.output] == ["function_call"]
+    assert (r.output[0].name, json.loads(r.output[0].arguments)) == ("get_weather", {"city": "Rome"})
+    prompt = engine.tokenizer.decode(engine.requests[-1][1], skip_special_tokens=False)
+    assert prompt.endswith(OPENING.format("get_weather"))
+
+
+def test_forced_call_of_a_function_without_parameters_is_any_json_object(server):
+    _, client, engine = server
+    engine.reply = "{}<|call|>"
+    choice = ask(client, tools=TOOLS + [NOW], tool_choice={"type": "function", "function": {"name": "now"}}).choices[0]
+    assert calls_of(choice.message.tool_calls) == [("now", {})]
+    assert engine.requests[-1][2].structured_output.json_object
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"tools": TOOLS + [NOW], "tool_choice": "required"},
+     "tool_choice required with 2 functions cannot be forced in the harmony format"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "already constrains"),
 ])
-def test_constrained_calls_are_a_400_naming_the_limitation(server, body, param):
+def test_calls_that_cannot_be_forced_are_a_400(server, body, needle):
     url, _, engine = server
     before = len(engine.requests)
     r = httpx.post(url + "/v1/chat/completions", timeout=30,
                    json={"model": "gpt-oss", "messages": [{"role": "user", "content": "X?"}], **body})
     assert r.status_code == 400
     error = r.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] == param
-    assert "harmony" in error["message"] and "not implemented" in error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "tool_choice"
+    assert needle in error["message"]
     assert len(engine.requests) == before  # refused before it reached the engine
 
 
