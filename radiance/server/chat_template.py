@@ -91,9 +91,9 @@ def _harmony_tools(tools: list[dict]) -> list[dict]:
 
 
 def _harmony_messages(messages: list[dict]) -> list[dict]:
-    """Messages as gpt-oss's template reads them: reasoning sent back (`reasoning_content`, vLLM's field, or
-    `reasoning`) as `thinking`, and one tool call per assistant message, as the template renders only
-    `tool_calls[0]` (harmony has one call per message). A reply goes right after its call, since the
+    """Messages as gpt-oss's template reads them: reasoning sent back (`reasoning_content`, vLLM's field,
+    `reasoning`, or `thinking` itself) as `thinking`, and one tool call per assistant message, as the template
+    renders only `tool_calls[0]` (harmony has one call per message). A reply goes right after its call, since the
     template names each reply after the latest call; replies that name no call of the turn keep their place."""
     out: list[dict] = []
     i = 0
@@ -103,7 +103,7 @@ def _harmony_messages(messages: list[dict]) -> list[dict]:
         if message.get("role") != "assistant":
             out.append(message)
             continue
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        reasoning = message.get("reasoning_content") or message.get("reasoning") or message.get("thinking")
         calls = message.get("tool_calls") or []
         if reasoning and calls and message["content"] and isinstance(message["content"], str):
             # the template refuses content and thinking on a call message and renders the content (a

@@ -72,6 +72,7 @@ class ChatMessage(_Model):
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # an earlier turn's reasoning sent back (vLLM's field; ours too)
     reasoning: str | None = None  # the same, as other servers name it (we send both)
+    thinking: str | None = None  # the same, as gpt-oss's chat template reads it (harmony clients send it so)
 
     @model_validator(mode="after")
     def _content_needed(self):

@@ -92,7 +92,7 @@ def test_replies_that_name_no_call_keep_their_place():
                            + reply("get_time", "sunny") + reply("get_time", "noon") + "<|start|>assistant")
 
 
-@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "thinking"])
 def test_reasoning_of_the_calling_turn_is_its_analysis(field):
     """The calls since the last final answer keep their analysis (the template's rule); it goes once, before
     the first call."""
@@ -150,7 +150,7 @@ def server():
         yield url, engine
 
 
-@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "thinking"])
 def test_chat_history_with_two_calls_and_reasoning_reaches_the_engine(server, field):
     url, engine = server
     engine.reply = "<|channel|>final<|message|>Sunny, and it is noon.<|return|>"
