@@ -268,9 +268,9 @@ def expand_serves(x: torch.Tensor, num_pairs: int, experts: PreparedExperts) -> 
     """Whether w4a8_moe_mm_expanded serves these experts for this many pairs of activations like x: a Hopper
     GPU (the fp8 grouped GEMM torch ships for sm_90), a listed shape and enough pairs per expert."""
     num_experts, n, k = experts.shape
-    return (x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) == (9, 0)
-            and num_pairs >= EXPAND_PAIRS_PER_EXPERT * num_experts and moe_expand_listed(n, k, x.device))
+    return (num_pairs >= EXPAND_PAIRS_PER_EXPERT * num_experts  # first: decode steps stop here
+            and x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) == (9, 0) and moe_expand_listed(n, k, x.device))
 
 
 def expand_experts_fp8(experts: PreparedExperts, out: torch.Tensor | None = None,
