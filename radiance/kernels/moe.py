@@ -259,8 +259,8 @@ MOE_CONFIGS = {
 # torch._scaled_grouped_mm (CUTLASS, sm_90). gpt-oss-20b's MoE block on the H200 (CUDA-graph replays), us at
 # 256 / 512 / 1024 pairs per expert: expanded 1243 / 1785 / 2791, grouped W4A8 kernel 1430 / 2406 / 3801,
 # bf16 experts 1120 / 1874 / 3195. In the engine a 2048-token prefill (256 per expert) was no faster expanded
-# (best 47.9 against 48.7 ms) and less steady (50-92 ms): the expansion of every expert is then ~15% of it.
-# Qwen3-30B-A3B's smaller experts stay on the kernel (twenty-fourth session).
+# (best 47.9 against 48.7 ms: the expansion of every expert is then ~15% of it); 4096 / 8192 tokens 64.8 / 119.6
+# against 78.1 / 147.1 ms. Qwen3-30B-A3B's smaller experts stay on the kernel (twenty-fourth session).
 EXPAND_PAIRS_PER_EXPERT = 512
 
 
