@@ -7,7 +7,7 @@ Llama 3.x, a bare JSON object (`{"name": NAME, "parameters": {...}}`). xgrammar 
 schema into the grammar of its arguments (style "qwen_xml" for the parameters, whose values follow the
 schema's types, patterns and enums), so one set of builders serves every markup:
   - `tool_call_grammar`: the rest of a forced call (tool_choice "required" or named; the prompt already
-    ends with the call's opening), then, for "required" with parallel calls, further whole calls after the
+    ends with the call's opening; gpt-oss's harmony calls too, `HARMONY`), then, for "required" with parallel calls, further whole calls after the
     markup's separator, and nothing else (the answer is its calls);
   - `strict_tools_grammar`: tool_choice "auto" with `strict` functions: free text in which every call the
     model opens is whole and names one of the tools (for Llama 3.x, whose calls are the whole answer: an
@@ -65,6 +65,15 @@ LLAMA3_JSON = ToolCallMarkup("llama3_json", '{{"name": {name}, "parameters": ', 
 # an answer the Llama 3.x parser reads as text: empty, or its first non-space character is not "{"
 _TEXT_NOT_A_CALL = {"type": "regex", "pattern": r"\s*([^\s{][\s\S]*)?"}
 MARKUPS = {m.name: m for m in (HERMES, QWEN3_CODER, LLAMA3_JSON)}
+# gpt-oss (harmony): a call is a commentary message to functions.NAME; its end, <|call|>, is one of the model's stop
+# tokens, so a call's grammar ends with its arguments (and generation with the call: no parallel calls). Only
+# forced calls use it: under "auto" gpt-oss may also write the recipient before the channel
+# (`to=functions.NAME<|channel|>commentary json<|message|>`), which one opening cannot hold, so strict functions
+# there stay unconstrained. Its header's markers are special tokens that the grammar names by their text.
+HARMONY = ToolCallMarkup("harmony", "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", "",
+                         quote_name=False, arguments_style=None, trigger="<|channel|>commentary to=functions.",
+                         required_prefix="<|channel|>commentary to=functions.")
+FORCED_CALL_MARKUPS = {**MARKUPS, HARMONY.name: HARMONY}
 
 
 def _parameters(fn: dict) -> dict:

@@ -18,7 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radiance.engine.structured_output import StructuredOutput
-from radiance.engine.tool_grammars import MARKUPS, strict_tools_grammar, tool_call_grammar
+from radiance.engine.tool_grammars import (FORCED_CALL_MARKUPS, HARMONY, MARKUPS, strict_tools_grammar,
+                                          tool_call_grammar)
 from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
 from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
@@ -174,9 +175,7 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     if state.tool_parser_name is None:
         raise invalid("tool_choice required/named needs a tool-call parser; this model's chat template has no "
                       "tool markup (start the server with --tool-call-parser)", param="tool_choice")
-    if state.tool_parser_name == "harmony":
-        return HARMONY_CALL_OPENING.format(name=harmony_forced_function(req))
-    markup = MARKUPS[state.tool_parser_name]
+    markup = FORCED_CALL_MARKUPS[state.tool_parser_name]
     if req.tool_choice == "required":
         return markup.required_prefix
     return markup.opening(req.tool_choice.function.name)
@@ -189,33 +188,10 @@ async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionReq
     if req.structured_output() is not None:
         raise invalid("tool_choice required/named already constrains the output; drop "
                       f"{req.constraint_field()} or use tool_choice auto", param="tool_choice")
-    if state.tool_parser_name == "harmony":  # the header is in the prompt: only the arguments are left
-        name = harmony_forced_function(req)
-        parameters = next(t["function"].get("parameters") for t in tools if t["function"]["name"] == name)
-        return await _checked_constraint(state, lambda: StructuredOutput(json=parameters) if parameters
-                                         else StructuredOutput(json_object=True))
-    markup = MARKUPS[state.tool_parser_name]
+    markup = FORCED_CALL_MARKUPS[state.tool_parser_name]
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-    return await _tools_constraint(state, lambda: tool_call_grammar(tools, markup, named, req.parallel_tool_calls))
-
-
-# A forced harmony call: the prompt ends with its header (the template's generation prompt ends with
-# <|start|>assistant), the model writes the JSON arguments and ends the message with <|call|>
-HARMONY_CALL_OPENING = "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
-
-
-def harmony_forced_function(req: ChatCompletionRequest) -> str:
-    """The function a forced harmony call names: the named one, or with "required" the only function. A
-    call's header is special tokens, which no grammar here writes, so the name is fixed in the prompt."""
-    if isinstance(req.tool_choice, NamedToolChoice):
-        return req.tool_choice.function.name
-    names = [t.function.name for t in req.tools]
-    if len(names) != 1:
-        raise invalid(f"tool_choice required with {len(names)} functions cannot be forced in the harmony format "
-                      "(the function's name sits in the call's header of special tokens, outside any grammar); "
-                      'name one function ({"type": "function", "function": {"name": ...}}) or use tool_choice '
-                      "auto", param="tool_choice")
-    return names[0]
+    parallel = req.parallel_tool_calls and markup is not HARMONY  # harmony: <|call|> ends the generation
+    return await _tools_constraint(state, lambda: tool_call_grammar(tools, markup, named, parallel))
 
 
 async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest,
@@ -228,8 +204,9 @@ async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest
         return None
     markup = MARKUPS.get(state.tool_parser_name)
     if markup is None:
-        # harmony has no call grammar yet; /v1/responses marks every function strict unless told otherwise, so a
-        # 400 here would refuse most tool requests: the calls are parsed as usual, not held to the schema
+        # harmony's call grammar holds forced calls only (tool_grammars.HARMONY); /v1/responses marks every
+        # function strict unless told otherwise, so a 400 here would refuse most tool requests: the calls are
+        # parsed as usual, not held to the schema
         _warn_unconstrained_strict(state.tool_parser_name)
         return None
     return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls))
@@ -238,17 +215,12 @@ async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest
 @functools.lru_cache(maxsize=None)
 def _warn_unconstrained_strict(parser: str) -> None:
     logger.warning("strict functions with the %s tool-call format are served without holding the arguments to "
-                   "their schemas (no call grammar for it yet)", parser)
+                   "their schemas (its call grammar serves forced calls only)", parser)
 
 
 async def _tools_constraint(state: ServerState, grammar) -> StructuredOutput:
-    return await _checked_constraint(state, lambda: StructuredOutput(grammar=grammar()))
-
-
-async def _checked_constraint(state: ServerState, make_spec) -> StructuredOutput:
-    """make_spec()'s constraint once the engine has compiled it; a 400 naming the tools if it cannot."""
     try:
-        spec = make_spec()
+        spec = StructuredOutput(grammar=grammar())
         await state.engine.check_structured_output(spec)
     except ValueError as exc:
         raise invalid(str(exc), param="tools") from None

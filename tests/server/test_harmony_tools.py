@@ -2,13 +2,14 @@
 harmony reasoning parser hands such messages to the harmony tool-call parser (fed whole and in every chunking,
 as ChoiceStream does), the parser is picked from the template, and chat / Responses requests through the
 scripted engine give tool_calls; forced calls (tool_choice required / named) end the prompt with the
-call's header; a history with calls renders."""
+call's header and hold the rest to the tools; a history with calls renders."""
 
 import json
 
 import httpx
 import openai
 import pytest
+from xgrammar.testing import _is_grammar_accept_string
 
 from radiance.config import ServerConfig
 from radiance.errors import ConfigError
@@ -199,18 +200,22 @@ def test_responses_give_reasoning_then_a_function_call(server):
 
 
 OPENING = "<|start|>assistant<|channel|>commentary to=functions.{} <|constrain|>json<|message|>"
+PROMPT_REQUIRED = "<|start|>assistant<|channel|>commentary to=functions."
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 NOW = {"type": "function", "function": {"name": "now", "parameters": {}}}  # takes nothing
 
 
-@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required-one-function", "named"])
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_call_ends_the_prompt_with_its_header(server, tool_choice, stream):
-    """tool_choice required (one function) / named: the prompt ends with the call's header, the model writes
-    only the arguments, held to the function's parameter schema, and the answer is that call."""
+    """tool_choice required / named: the prompt ends with the call's header (up to the function's name with
+    "required", which the model then writes), the arguments are held to the function's parameter schema, and
+    the answer is that call."""
     _, client, engine = server
-    engine.reply = '{"city": "Paris"}<|call|>'
-    response = ask(client, tools=TOOLS, tool_choice=tool_choice, stream=stream)
+    header = "" if tool_choice == "required" else OPENING.format("get_weather").removeprefix(PROMPT_REQUIRED)
+    engine.reply = ("get_weather <|constrain|>json<|message|>" if tool_choice == "required" else "") \
+        + '{"city": "Paris"}<|call|>'
+    response = ask(client, tools=TOOLS + [NOW], tool_choice=tool_choice, stream=stream)
     if stream:
         chunks = list(response)
         calls = [(c.function.name, c.function.arguments) for chunk in chunks for c in chunk.choices[0].delta.tool_calls
@@ -223,8 +228,14 @@ def test_forced_call_ends_the_prompt_with_its_header(server, tool_choice, stream
         assert calls_of(choice.message.tool_calls) == [("get_weather", {"city": "Paris"})]
         assert (choice.message.content or "", choice.finish_reason) == ("", "tool_calls")
     _, prompt_ids, params = engine.requests[-1]
-    assert engine.tokenizer.decode(prompt_ids, skip_special_tokens=False).endswith(OPENING.format("get_weather"))
-    assert json.loads(params.structured_output.json) == TOOLS[0]["function"]["parameters"]
+    assert engine.tokenizer.decode(prompt_ids, skip_special_tokens=False).endswith(PROMPT_REQUIRED + header)
+    grammar = params.structured_output.grammar
+    rest = engine.reply.removesuffix("<|call|>")
+    assert _is_grammar_accept_string(grammar, rest)
+    assert not _is_grammar_accept_string(grammar, rest.replace("city", "town"))  # held to the schema
+    if tool_choice == "required":  # any of the tools, and only them
+        assert _is_grammar_accept_string(grammar, "now <|constrain|>json<|message|>{}")
+        assert not _is_grammar_accept_string(grammar, "get_time <|constrain|>json<|message|>{}")
 
 
 def test_forced_call_through_responses(server):
@@ -238,28 +249,15 @@ def test_forced_call_through_responses(server):
     assert prompt.endswith(OPENING.format("get_weather"))
 
 
-def test_forced_call_of_a_function_without_parameters_is_any_json_object(server):
-    _, client, engine = server
-    engine.reply = "{}<|call|>"
-    choice = ask(client, tools=TOOLS + [NOW], tool_choice={"type": "function", "function": {"name": "now"}}).choices[0]
-    assert calls_of(choice.message.tool_calls) == [("now", {})]
-    assert engine.requests[-1][2].structured_output.json_object
-
-
-@pytest.mark.parametrize("body,needle", [
-    ({"tools": TOOLS + [NOW], "tool_choice": "required"},
-     "tool_choice required with 2 functions cannot be forced in the harmony format"),
-    ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "already constrains"),
-])
-def test_calls_that_cannot_be_forced_are_a_400(server, body, needle):
+def test_a_forced_call_with_a_response_format_is_a_400(server):
     url, _, engine = server
     before = len(engine.requests)
-    r = httpx.post(url + "/v1/chat/completions", timeout=30,
-                   json={"model": "gpt-oss", "messages": [{"role": "user", "content": "X?"}], **body})
+    r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "model": "gpt-oss", "messages": [{"role": "user", "content": "X?"}], "tools": TOOLS, "tool_choice": NAMED,
+        "response_format": {"type": "json_object"}})
     assert r.status_code == 400
     error = r.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] == "tool_choice"
-    assert needle in error["message"]
+    assert error["param"] == "tool_choice" and "already constrains" in error["message"]
     assert len(engine.requests) == before  # refused before it reached the engine
 
 
