@@ -121,6 +121,10 @@ class KernelConfig:
         _check(self.numerics_check_every > 0, "numerics_check_every must be positive")
 
 
+DENSE_PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024)
+MOE_PREFILL_GRAPH_TOKENS = DENSE_PREFILL_GRAPH_TOKENS + (1536, 2048, 3072, 4096)
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """Model runner execution."""
@@ -132,17 +136,27 @@ class RunnerConfig:
     # token-count buckets of single-sequence prefill steps replayed from CUDA graphs (padded to the
     # bucket; steps above the largest, or with several sequences, run eagerly). Eager, a short prefill
     # is host-bound on ~10 launches per layer: on the H200 the 8B's 512-token prefill went from 18k to
-    # 36k tok/s (MXFP4) and 17k to 44k (bf16) with graphs (bench/RESULTS.md, sixth session); from 2k
-    # tokens on the GPU is busy either way
-    prefill_graph_tokens: tuple[int, ...] = (128, 256, 512, 1024)  # prefill graph buckets (tokens); 0: none
+    # 36k tok/s (MXFP4) and 17k to 44k (bf16) with graphs (bench/RESULTS.md, sixth session). None: the
+    # model's default, DENSE_PREFILL_GRAPH_TOKENS (from 2k tokens a dense model keeps the GPU busy either
+    # way), or MOE_PREFILL_GRAPH_TOKENS with sparse MoE layers, whose ~20 more launches per layer (router,
+    # routing, combine) keep the eager prefill host-bound up to ~4k tokens (Qwen3-30B-A3B MXFP4: 2048
+    # tokens 82-120 ms eager, 44 ms replayed; bench/RESULTS.md, twenty-fifth session)
+    prefill_graph_tokens: tuple[int, ...] | None = None  # prefill graph buckets (tokens); 0: none
     # queue each decode step before reading the previous one's tokens, so the host's bookkeeping runs
     # while the device computes; None: on when decode steps replay CUDA graphs
     overlap_decode: bool | None = None
 
     def __post_init__(self):
         _check(self.cuda_graph_max_batch > 0, "cuda_graph_max_batch must be positive")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.prefill_graph_tokens),
+        _check(self.prefill_graph_tokens is None
+               or all(isinstance(t, int) and t >= 0 for t in self.prefill_graph_tokens),
                "prefill_graph_tokens must be token counts (0 alone: no prefill graphs)")
+
+    def prefill_graph_buckets(self, sparse_moe: bool) -> tuple[int, ...]:
+        """The prefill graph buckets for a model (with or without sparse MoE layers)."""
+        if self.prefill_graph_tokens is not None:
+            return self.prefill_graph_tokens
+        return MOE_PREFILL_GRAPH_TOKENS if sparse_moe else DENSE_PREFILL_GRAPH_TOKENS
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="concurrent sequences of the aggregate-throughput measurement")
     p.add_argument("--prefill-graphs", nargs="+", type=int, default=None, metavar="TOKENS",
                    help="token buckets of the single-sequence prefills replayed from CUDA graphs "
-                        "(RunnerConfig.prefill_graph_tokens; default 128 256 512 1024); 0 turns them off, "
+                        "(RunnerConfig.prefill_graph_tokens; default 128 256 512 1024, and 1536 2048 3072 4096 for "
+                        "MoE models); 0 turns them off, "
                         "for an A/B")
     p.add_argument("--no-hf", dest="with_hf", action="store_false", help="skip the HF transformers peer")
     p.add_argument("--json", help="also write the rows to this file")

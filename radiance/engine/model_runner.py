@@ -369,7 +369,7 @@ class ModelRunner:
         one sequence: padding rows write no KV (slot -1) and lie outside cu_seqlens, so attention never
         computes them; the caller keeps the first q_len rows of the output."""
         limit = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens)
-        sizes = set(self.config.runner.prefill_graph_tokens)
+        sizes = set(self.config.runner.prefill_graph_buckets(getattr(self.model.config, "moe", None) is not None))
         drafts = self.config.speculative.ngram_draft_tokens
         if drafts:  # a speculative step checks 1 + drafts tokens of one sequence: a small bucket of its own
             sizes.add(1 << drafts.bit_length())

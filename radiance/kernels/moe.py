@@ -18,6 +18,7 @@ from radiance.kernels._triton import moe_combine as _combine
 from radiance.kernels._triton import moe_gemm as _moe
 from radiance.kernels._triton import moe_route as _route
 from radiance.kernels.buffers import device_buffer
+from radiance.kernels.device_info import sm_count
 from radiance.kernels.activation import quantize_rows_from_parts, triton_next_pow2, triton_serves
 from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, dequantize_prepared, padded_k
@@ -209,8 +210,12 @@ def pair_rows(sorted_pairs: torch.Tensor, num_pairs: int) -> torch.Tensor:
 # (32 / 128 / 256 pairs per expert), 64-slot (swap-AB) 352 / 617 / 937 us.
 PREFILL_PAIRS_PER_EXPERT = 64
 # ... and from which the 128-slot tiles serve: each expanded weight tile then feeds twice the MMA work.
-# gpt-oss-20b's experts (32, top 4) at 256 / 1024 pairs per expert: 64-slot 1544 / 5210 us, 128-slot 1359 /
-# 3609; Qwen3-30B-A3B's at 128 / 512: 619 / 1602 against 800 / 1574 (twenty-fourth session).
+# gpt-oss-20b's experts (32, top 4) at 256 / 1024 pairs per expert: 64-slot swap-AB 1544 / 5210 us, 128-slot
+# 1359 / 3609 (twenty-fourth session). Against the persistent 64-slot tile of MOE_CONFIGS[64], with uniform
+# routing the 128-slot one lost at 256-512 pairs per expert (Qwen3-30B-A3B 0.77x / 0.94x), but in the engine,
+# whose synthetic router sends up to 5.5x the mean to one expert, it was as fast at 4096 tokens (32.7 against
+# 33.2 ms of grouped GEMMs per prefill) and faster at 8192 (55.9 against 63.6 ms): the threshold stays
+# (twenty-fifth session).
 LARGE_PAIRS_PER_EXPERT = 256
 
 
@@ -232,8 +237,13 @@ class MoeGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     precise_acc: bool = True  # promote fp8 MMA partial sums to fp32 once per K tile (gemm.py)
+    # persistent: programs_per_sm programs per SM walk the tiles, pipelining across tile boundaries (moe_gemm.py)
+    persistent: bool = False
+    programs_per_sm: int = 1
 
     def __post_init__(self):
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be at least 1, got {self.programs_per_sm}")
         if self.block_k % 128:  # the kernel words come in 128-k groups (prepare.py)
             raise ValueError(f"block_k must be a multiple of 128, got {self.block_k}")
         if self.block_n % 16 or (not self.swap_ab and self.block_m % 64):
@@ -242,12 +252,17 @@ class MoeGemmConfig:
 
 # Default tilings by routing block_m (not autotuned at start). Measured on the H200 at Qwen3-30B-A3B's
 # shapes: for 16 slots, block_k 256 with 4 stages beat block_k 128 (4 or 6 stages), 256 with 3 and 512 with
-# 2 at T = 1, 8, 64 tokens (T = 1: gate_up + quantize 13.6 us, down 7.0 us); for 64 slots the swap-AB tile
-# beat the plain one (weights in the MMA's B operand through shared memory) at T = 512, 2048, 4096 by
-# 2-17%. The plain tiling stays supported (tests run both).
+# 2 at T = 1, 8, 64 tokens (T = 1: gate_up + quantize 13.6 us, down 7.0 us). For 64 slots the plain tile (slots
+# as the MMA's M, 128 weight rows) with two persistent programs per SM beat 26 other tilings (swap-AB 64 / 128
+# slots, plain 64 / 128 / 256 slots by 64 / 128 / 256 rows, block_k 128 / 256, 2-4 stages, 4 / 8 warps, one
+# program per tile or 1-3 persistent per SM) on Qwen3-30B-A3B (64-512 pairs per expert: 1.07-1.30x the
+# previous swap-AB 64 / 128-slot tiles with uniform routing), gpt-oss-20b (128 / 256: 1.22x / 1.02x) and
+# Qwen3-235B-A22B's shapes (64 / 256: 1.21x / 1.07x) (bench/RESULTS.md, twenty-fifth session). Two of its CTAs
+# fit one SM (~66 KB of shared memory each), so one's MMAs run under the other's tile change.
 MOE_CONFIGS = {
     16: MoeGemmConfig(block_m=16, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=4),
-    64: MoeGemmConfig(block_m=64, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=3),
+    64: MoeGemmConfig(block_m=64, block_n=128, block_k=128, swap_ab=False, num_warps=4, num_stages=3,
+                      persistent=True, programs_per_sm=2),
     # swap-AB 128 x 64 x 256 beat plain 128 x 64 / 128 x 128 tiles (4 or 8 warps), 256 x 64 and swap-AB 128 x
     # 128 x 128 at 256 and 1024 pairs per expert (gpt-oss-20b) and 512 (Qwen3-30B-A3B), by 3-30%
     128: MoeGemmConfig(block_m=128, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=3),
@@ -389,17 +404,19 @@ def _launch(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, sour
     elif out.shape != (pairs, out_n) or out.stride(1) != 1:
         raise ValueError(f"w4a8_moe_gemm: out must be [{pairs}, {out_n}] with contiguous rows")
     amax = torch.empty((pairs, tiles_n), dtype=torch.int32, device=x_q.device) if glu else None
-    grid = (routing.tile_expert.numel() * tiles_n,)
-    if pairs == 0 or grid[0] == 0:
+    work = routing.tile_expert.numel() * tiles_n  # an upper bound: the used tiles are known on the device only
+    programs = min(work, sm_count(x_q.device) * cfg.programs_per_sm) if cfg.persistent else work
+    if pairs == 0 or work == 0:
         return out, amax, None
-    compiled = _moe.w4a8_moe_gemm_kernel[grid](
+    compiled = _moe.w4a8_moe_gemm_kernel[(programs,)](
         x_q, x_scale.reshape(-1), experts.w_q, experts.w_shift.view(torch.int32), experts.w_scale,
         bias.contiguous() if bias is not None else experts.w_scale, out, amax if glu else out,
-        routing.sorted_pairs, routing.tile_expert, pairs, rows_div, n, k, x_q.stride(0), out.stride(0),
+        routing.sorted_pairs, routing.tile_expert, routing.group_ends, experts.shape[0], pairs, rows_div, n, k,
+        x_q.stride(0), out.stride(0), programs,
         SWAP_AB=cfg.swap_ab, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, EVEN_K=(k % cfg.block_k == 0),
         USE_ASM=_use_asm(x_q) if use_asm is None else use_asm, PRECISE_ACC=cfg.precise_acc,
         HAS_BIAS=bias is not None, GLU=glu, **(activation.kernel_constexprs() if glu else {}),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PERSISTENT=cfg.persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, amax, compiled
 
 

@@ -17,7 +17,9 @@ from tests.kernels.triton_cases_moe import random_topk_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PLAIN64 = MoeGemmConfig(block_m=64, block_n=64, block_k=128, swap_ab=False, num_warps=4, num_stages=3)
-CONFIGS = {"swap16": MOE_CONFIGS[16], "plain64": PLAIN64, "swap64": MOE_CONFIGS[64], "swap128": MOE_CONFIGS[128]}
+SWAP64 = MoeGemmConfig(block_m=64, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=3)
+CONFIGS = {"swap16": MOE_CONFIGS[16], "plain64": PLAIN64, "persistent64": MOE_CONFIGS[64], "swap64": SWAP64,
+           "swap128": MOE_CONFIGS[128]}
 EXPERTS = 16  # Qwen3-30B-A3B has 128 of these shapes; 16 keep the test's preparation short
 
 

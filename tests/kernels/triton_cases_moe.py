@@ -21,8 +21,14 @@ GATE = 2e-3
 # run where a case passes None
 SWAP16 = MoeGemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=True, num_stages=3)
 PLAIN64 = MoeGemmConfig(block_m=64, block_n=64, block_k=128, swap_ab=False, num_stages=3)
-TILINGS = {"swap16": SWAP16, "plain64": PLAIN64, "default16": None, "default64": None, "default128": None}
-BLOCK_M = {"swap16": 16, "plain64": 64, "default16": 16, "default64": 64, "default128": 128}
+# persistent: a few programs walk every tile (4 "SMs" under the interpreter), the pipeline crossing tiles
+PERSIST16 = MoeGemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=True, num_stages=3, persistent=True)
+PERSIST64 = MoeGemmConfig(block_m=64, block_n=64, block_k=128, swap_ab=False, num_stages=3, persistent=True,
+                          programs_per_sm=2)
+TILINGS = {"swap16": SWAP16, "plain64": PLAIN64, "persist16": PERSIST16, "persist64": PERSIST64,
+           "default16": None, "default64": None, "default128": None}
+BLOCK_M = {"swap16": 16, "plain64": 64, "persist16": 16, "persist64": 64, "default16": 16, "default64": 64,
+           "default128": 128}
 
 
 def random_experts(device, num_experts: int, n: int, k: int):
@@ -82,7 +88,9 @@ def assert_close_quantized_rows(device, got, want):
     on_gpu = device.type == "cuda"
     torch.testing.assert_close(got_s, want_s, rtol=GATE if on_gpu else 1e-5, atol=0)
     got_v, want_v = got_q.float() * got_s, want_q.float() * want_s
-    assert relative_error(got_v, want_v) <= 1e-2
+    # one code a step away moves a few-row tensor's norm by up to ~1.5% (an element near 64 by 8): on the GPU,
+    # where such steps happen, the per-element bound below is the check that matters
+    assert relative_error(got_v, want_v) <= (2e-2 if on_gpu else 1e-2)
     one_step = 2 ** -3 * want_v.abs() + 2 ** -9 * want_s  # relative for normal codes, absolute for subnormals
     row_error = 5 * GATE * 448 * want_s if on_gpu else 0  # 1% of the row's amax
     assert ((got_v - want_v).abs() <= (one_step + row_error) * 1.01).all()  # (False for NaN)
@@ -116,6 +124,8 @@ PLAIN_CASES = [
     (64, 4, 8, 48, 128, "default64", "token", "random"),
     (65, 1, 4, 48, 96, "plain64", "token", "same"),
     (150, 2, 4, 112, 416, "default128", "pair", "random"),  # the 128-slot tiles, a group past one tile
+    (40, 2, 8, 112, 416, "persist16", "token", "skip"),  # ~9 tiles x 2 column tiles over 4 programs
+    (130, 2, 4, 48, 160, "persist64", "pair", "same"),
 ]
 
 
@@ -133,6 +143,8 @@ GLU_CASES = [
     (70, 2, 4, 56, 160, "default64", "same"),
     (64, 2, 8, 24, 256, "default16", "random"),
     (130, 2, 4, 56, 160, "default128", "skip"),
+    (33, 2, 8, 56, 416, "persist16", "random"),
+    (90, 2, 4, 24, 160, "persist64", "skip"),
 ]
 
 

@@ -55,3 +55,13 @@ def test_every_engine_field_is_a_cli_flag():
             assert f.name in flags, f.name
     # untouched fields keep the dataclass defaults
     assert cfg.kernel == KernelConfig()
+
+
+def test_prefill_graph_buckets_default_by_model_kind():
+    auto = RunnerConfig()
+    assert auto.prefill_graph_buckets(sparse_moe=False) == (128, 256, 512, 1024)
+    # MoE models: their eager prefill stays host-bound to ~4k tokens
+    assert auto.prefill_graph_buckets(sparse_moe=True) == (128, 256, 512, 1024, 1536, 2048, 3072, 4096)
+    chosen = RunnerConfig(prefill_graph_tokens=(64, 512))
+    assert chosen.prefill_graph_buckets(sparse_moe=True) == chosen.prefill_graph_buckets(sparse_moe=False) == (64, 512)
+    assert RunnerConfig(prefill_graph_tokens=(0,)).prefill_graph_buckets(sparse_moe=True) == (0,)

@@ -3,11 +3,13 @@
 The structure of gemm.w4a8_gemm_kernel without split-K (an expert's share of the tokens is small, and
 many experts fill the grid on their own). The routing (moe.route_to_experts) lays the pairs out in
 slots grouped by expert, each group padded to a multiple of BM, so a BM-slot tile holds one expert's
-pairs: program pid -> (tile t, column tile pid_n), with the column tiles of one slot tile next to one
-another (they read the same activation rows). A tile past the used ones (tile_expert -1) ends at once.
+pairs: work item w -> (slot tile t, column tile pid_n), with the column tiles of one slot tile next to one
+another (they read the same activation rows). One program per work item (a tile past the used ones,
+tile_expert -1, ends at once), or PERSISTENT: a fixed grid walks the used ones (w4a8_moe_gemm_kernel).
 
 Both tilings of the dense kernel: SWAP_AB (the weight rows fill the MMA's 64-wide M, the slots its N; the
-expanded weights feed the MMA from registers) for 16- and 64-slot tiles, plain (slots as M, BM % 64 == 0).
+expanded weights feed the MMA from registers) for 16- and 128-slot tiles, plain (slots as M, BM % 64 == 0;
+the weights through shared memory) for the persistent 64-slot one (moe.MOE_CONFIGS).
 
 The activation row of pair p is p // rows_div: rows_div = top_k when x holds one row per token (the
 gate_up input), 1 when it holds one row per pair (the down input). Results are stored at row p of the
@@ -50,23 +52,14 @@ def _weight_tile(w_ptrs, s_ptrs, kt, N, groups, BN: tl.constexpr, BK: tl.constex
     return expand_e2m1_words(words, _unpack_shifts(s), USE_ASM)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "rows_div"])  # one compile for every token count
-def w4a8_moe_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, amax_ptr, pairs_ptr,
-                         tile_expert_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
-                         SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
-                         HAS_BIAS: tl.constexpr = False, GLU: tl.constexpr = False, ACT: tl.constexpr = 0,
-                         ALPHA: tl.constexpr = None, LIMIT: tl.constexpr = None):
-    """w: int32 kernel words [E, N, K'/8], shift: int32 [E, K'/128, N] (4 int8 block shifts each),
-    ws: fp32 [E, N], bias [E, N] (HAS_BIAS); x e4m3 [R, K] with scales xs [R]; out [num_pairs, N] (GLU:
-    [num_pairs, N/2] and amax int32 [num_pairs, column tiles]). ACT, ALPHA, LIMIT: gemm._epilogue's."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N // 2, BN // 2) if GLU else tl.cdiv(N, BN)
-    t = pid // num_pid_n
-    pid_n = pid % num_pid_n
+@triton.jit
+def _moe_tile(t, pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, amax_ptr, pairs_ptr,
+              tile_expert_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
+              SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+              USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+              ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """Slot tile t times column tile pid_n of its expert's weight, stored through gemm._epilogue."""
     expert = tl.load(tile_expert_ptr + t)
-    if expert < 0:
-        return
     pair, x_row, live = _tile_pairs(pairs_ptr, t, num_pairs, rows_div, BM)
     cols, offs_n, out_n = _tile_columns(pid_n, N, BN, GLU)
     offs_k = tl.arange(0, BK)
@@ -107,3 +100,34 @@ def w4a8_moe_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_
     acc = acc * xs[:, None] * ws[None, :]  # the dense kernel's order: the same bytes per row
     _epilogue(out_ptr, amax_ptr, bias_ptr + e * N, acc, pair, live, cols, offs_n, out_n, stride_om, num_pid_n,
               pid_n, HAS_BIAS, GLU, BM, BN, ACT, ALPHA, LIMIT)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "rows_div", "num_programs"])  # one compile for every token count
+def w4a8_moe_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, amax_ptr, pairs_ptr,
+                         tile_expert_ptr, group_ends_ptr, num_experts, num_pairs, rows_div, N, K, stride_xm,
+                         stride_om, num_programs,
+                         SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
+                         HAS_BIAS: tl.constexpr = False, GLU: tl.constexpr = False, ACT: tl.constexpr = 0,
+                         ALPHA: tl.constexpr = None, LIMIT: tl.constexpr = None, PERSISTENT: tl.constexpr = False):
+    """w: int32 kernel words [E, N, K'/8], shift: int32 [E, K'/128, N] (4 int8 block shifts each),
+    ws: fp32 [E, N], bias [E, N] (HAS_BIAS); x e4m3 [R, K] with scales xs [R]; out [num_pairs, N] (GLU:
+    [num_pairs, N/2] and amax int32 [num_pairs, column tiles]). ACT, ALPHA, LIMIT: gemm._epilogue's.
+    PERSISTENT: num_programs programs walk the (slot tile, column tile) pairs of the used slots (the last
+    expert's group end) with a stride of num_programs, in one flattened loop so that the software pipeline
+    runs on across tile boundaries (a tile of a short K, e.g. a down projection's 768, is otherwise mostly
+    pipeline fill). Otherwise one program per pair, those past the used tiles (tile_expert -1) ending at once."""
+    num_pid_n = tl.cdiv(N // 2, BN // 2) if GLU else tl.cdiv(N, BN)
+    if PERSISTENT:
+        work = tl.load(group_ends_ptr + num_experts - 1) // BM * num_pid_n
+        for w in tl.range(tl.program_id(0), work, num_programs, flatten=True):
+            _moe_tile(w // num_pid_n, w % num_pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr,
+                      out_ptr, amax_ptr, pairs_ptr, tile_expert_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
+                      SWAP_AB, BM, BN, BK, EVEN_K, USE_ASM, PRECISE_ACC, HAS_BIAS, GLU, ACT, ALPHA, LIMIT)
+    else:
+        pid = tl.program_id(0)
+        t = pid // num_pid_n
+        if tl.load(tile_expert_ptr + t) >= 0:
+            _moe_tile(t, pid % num_pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
+                      amax_ptr, pairs_ptr, tile_expert_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
+                      SWAP_AB, BM, BN, BK, EVEN_K, USE_ASM, PRECISE_ACC, HAS_BIAS, GLU, ACT, ALPHA, LIMIT)
