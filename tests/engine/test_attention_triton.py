@@ -27,7 +27,8 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
     scales = scales or UNIT_SCALES
     gen = torch.Generator().manual_seed(seed)
     # (new tokens, cached tokens before them) per sequence: fresh prefill, chunk after context, decode
-    shapes = [(37, 0), (5, 20), (1, 70), (16, 16), (1, 1)]
+    # (70, 130): the prefill kernel's unmasked tiles below the q tile's first query, then its diagonal ones
+    shapes = [(37, 0), (5, 20), (1, 70), (16, 16), (1, 1), (70, 130)]
     if big:
         shapes += [(700, 300), (1, 5000), (129, 0)]
     num_blocks = sum(-(-(q + c) // page) for q, c in shapes) + 4
