@@ -6,7 +6,7 @@ token count from which the launcher expands the weight to fp8 and calls cuBLAS's
 its optional `unfused_glu_shapes` lists merged gate_up shapes ("NxK") whose SiLU-mul stays a launch of
 its own (w4a8.w4a8_glu), where the fused epilogue measured slower; its optional `moe_expand_shapes` lists
 the merged gate_up shapes of grouped experts that run expanded to fp8 on torch's grouped GEMM at prefill
-sizes (moe.expand_serves), where that measured faster than the grouped W4A8 kernel. `radiance bench kernels --sweep`
+sizes (moe_expanded.expand_serves), where that measured faster than the grouped W4A8 kernel. `radiance bench kernels --sweep`
 measures candidates on the GPU and prints the entries to paste in.
 """
 

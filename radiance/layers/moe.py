@@ -5,7 +5,7 @@ the router and both expert linears and clamps its SwiGLU (MoeConfig.activation).
 Each expert is a pair of ordinary linears (`experts.<e>.gate_up_proj`, `experts.<e>.down_proj`) that the
 loader installs like any other, so every checkpoint format reaches MXFP4 the usual way. When all of them
 run the W4A8 kernel, `finish_loading` stacks their prepared weights and forward runs two grouped GEMMs
-over expert-sorted token tiles (radiance.kernels.moe); 16-bit experts on a GPU with torch's grouped GEMM
+over expert-sorted token tiles (radiance.kernels.moe, moe_routing, moe_expanded); 16-bit experts on a GPU with torch's grouped GEMM
 (sm_90: `torch._grouped_mm`, CUTLASS) are stacked the same way and run on it. Neither syncs with the host,
 so CUDA graphs can capture them. Otherwise (CPU, the reference path) forward loops over the picked experts.
 """
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from radiance.kernels import moe as grouped_kernels
+from radiance.kernels import moe_expanded, moe_routing
 from radiance.kernels.activation import glu_mul, quantize_activations, silu_mul
 from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.layers.linear import DenseLinear, UnloadedLinear, takes_fp8
@@ -72,7 +73,7 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [T, top_k], expert ids int64 [T, top_k]): softmax over the router logits in fp32,
         the top_k of it, renormalized to sum to 1 where the model asks for it."""
-        return grouped_kernels.top_k_experts(self.gate(x), self.top_k, self.norm_topk_prob)
+        return moe_routing.top_k_experts(self.gate(x), self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -98,11 +99,11 @@ class SparseMoeBlock(nn.Module):
 
     def _grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
         """W4A8 experts: routing in one launch at decode sizes, both expert GEMMs as grouped launches."""
-        if grouped_kernels.expand_serves(x, x.shape[0] * self.top_k, self.grouped[0]):
+        if moe_expanded.expand_serves(x, x.shape[0] * self.top_k, self.grouped[0]):
             return self._grouped_expanded_forward(x)
         gate_up, down = self.grouped
         block_m = grouped_kernels.moe_block_m(x.shape[0] * self.top_k, self.num_experts)
-        weights, _, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, block_m)
+        weights, _, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, block_m)
         x_q, x_scale = quantize_activations(x)
         gate_up_bias, down_bias = self.stacked_bias
         y_q, y_scale = grouped_kernels.w4a8_moe_gemm(x_q, x_scale, gate_up, routing, rows_per_pair_source="token",
@@ -110,23 +111,23 @@ class SparseMoeBlock(nn.Module):
                                                      activation=self.activation)
         h = grouped_kernels.w4a8_moe_gemm(y_q, y_scale, down, routing, rows_per_pair_source="pair", out_dtype=x.dtype,
                                           bias=down_bias)
-        return grouped_kernels.combine_experts(h, weights, x.dtype)
+        return moe_routing.combine_experts(h, weights, x.dtype)
 
     def _grouped_expanded_forward(self, x: torch.Tensor) -> torch.Tensor:
         """W4A8 experts with many tokens each (prefill): the pairs sorted by expert, both GEMMs on the experts
         expanded to fp8 (torch's fp8 grouped GEMM); the expert biases and the way back to pair order are
         left to the GLU and combine launches, which read the sorted rows in place."""
         gate_up, down = self.grouped
-        weights, ids, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
+        weights, ids, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair
         x_q, x_scale = quantize_activations(x)
         rows = order // self.top_k
         # fp8 rows gathered as bytes (index_select has no e4m3 kernel)
         rows_q = x_q.view(torch.uint8)[rows].view(x_q.dtype)
-        gate_up_out = grouped_kernels.w4a8_moe_mm_expanded(rows_q, x_scale[rows], gate_up, routing.group_ends,
+        gate_up_out = moe_expanded.w4a8_moe_mm_expanded(rows_q, x_scale[rows], gate_up, routing.group_ends,
                                                            out_dtype=x.dtype)
         act = glu_mul(gate_up_out, self.activation, quantize=True, **self._gate_up_bias(routing, len(order)))
-        h_sorted = grouped_kernels.w4a8_moe_mm_expanded(act.x_q, act.x_scale, down, routing.group_ends,
+        h_sorted = moe_expanded.w4a8_moe_mm_expanded(act.x_q, act.x_scale, down, routing.group_ends,
                                                         out_dtype=x.dtype)
         return self._combine_sorted(h_sorted, weights, ids, routing, x.dtype)
 
@@ -134,7 +135,7 @@ class SparseMoeBlock(nn.Module):
         """16-bit experts: the pairs sorted by expert (a routing without padding), two grouped GEMMs
         (torch._grouped_mm); biases and pair order as in _grouped_expanded_forward."""
         gate_up, down = self.grouped_16bit
-        weights, ids, routing = grouped_kernels.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
+        weights, ids, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair
         rows = x[order // self.top_k]
         gate_up_out = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=routing.group_ends)
@@ -146,21 +147,21 @@ class SparseMoeBlock(nn.Module):
         """glu_mul's bias operands for expert-sorted rows (none without expert biases)."""
         if self.stacked_bias[0] is None:
             return {}
-        return dict(bias=self.stacked_bias[0], row_expert=grouped_kernels.expert_of_rows(routing.group_ends, rows))
+        return dict(bias=self.stacked_bias[0], row_expert=moe_routing.expert_of_rows(routing.group_ends, rows))
 
     def _combine_sorted(self, h_sorted, weights, ids, routing, dtype) -> torch.Tensor:
         """The router-weighted sum of expert-sorted outputs, each pair's down bias added (combine_experts)."""
         down_bias = self.stacked_bias[1]
-        return grouped_kernels.combine_experts(
-            h_sorted, weights, dtype, rows=grouped_kernels.pair_rows(routing.sorted_pairs, routing.num_pairs),
+        return moe_routing.combine_experts(
+            h_sorted, weights, dtype, rows=moe_routing.pair_rows(routing.sorted_pairs, routing.num_pairs),
             bias=down_bias, ids=ids if down_bias is not None else None)
 
     def path(self) -> str:
         """How forward runs the experts, for the startup summary."""
         if self.grouped is not None:
             _, n, k = self.grouped[0].shape
-            if grouped_kernels.moe_expand_listed(n, k, self.grouped[0].w_q.device):
-                return (f"grouped W4A8 kernel (fp8 grouped GEMM from {grouped_kernels.EXPAND_PAIRS_PER_EXPERT} "
+            if moe_expanded.moe_expand_listed(n, k, self.grouped[0].w_q.device):
+                return (f"grouped W4A8 kernel (fp8 grouped GEMM from {moe_expanded.EXPAND_PAIRS_PER_EXPERT} "
                         "pairs per expert)")
             return "grouped W4A8 kernel"
         return "torch grouped GEMM (16-bit)" if self.grouped_16bit is not None else "a loop over the picked experts"

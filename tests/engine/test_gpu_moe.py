@@ -119,10 +119,10 @@ def test_gpt_oss_grouped_experts_match_the_loop(tiny_model_dir):
 
 @pytest.mark.parametrize("model", ["qwen3moe", "gptoss"])
 def test_expanded_experts_match_the_grouped_kernel(tiny_model_dir, monkeypatch, model):
-    """The prefill path (experts expanded to fp8, torch's fp8 grouped GEMM; moe.EXPAND_PAIRS_PER_EXPERT set to
+    """The prefill path (experts expanded to fp8, torch's fp8 grouped GEMM; moe_expanded.EXPAND_PAIRS_PER_EXPERT set to
     0 and the shape listed, so that every size takes it) against the grouped W4A8 kernel on the same bytes,
     Qwen3's SiLU and gpt-oss's biases and clamped SwiGLU; then CUDA graphs over it give the eager tokens."""
-    from radiance.kernels import moe as grouped_kernels
+    from radiance.kernels import moe_expanded
     path, _ = tiny_model_dir(model)
     common = dict(device="cuda", quantization="mxfp4", num_gpu_blocks_override=256, max_num_seqs=4,
                   cuda_graph_max_batch=4)
@@ -133,11 +133,11 @@ def test_expanded_experts_match_the_grouped_kernel(tiny_model_dir, monkeypatch, 
     for tokens in (1, 7, 300):
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         for block in blocks:
-            monkeypatch.setattr(grouped_kernels, "EXPAND_PAIRS_PER_EXPERT", 10**9)
+            monkeypatch.setattr(moe_expanded, "EXPAND_PAIRS_PER_EXPERT", 10**9)
             kernel = block(x)
-            monkeypatch.setattr(grouped_kernels, "EXPAND_PAIRS_PER_EXPERT", 0)
-            monkeypatch.setattr(grouped_kernels, "moe_expand_listed", lambda n, k, device: True)
-            assert grouped_kernels.expand_serves(x, tokens * block.top_k, block.grouped[0])
+            monkeypatch.setattr(moe_expanded, "EXPAND_PAIRS_PER_EXPERT", 0)
+            monkeypatch.setattr(moe_expanded, "moe_expand_listed", lambda n, k, device: True)
+            assert moe_expanded.expand_serves(x, tokens * block.top_k, block.grouped[0])
             expanded = block(x)
             # the expanded path rounds gate_up to bf16 before its activation (the kernel's epilogue works on
             # fp32 sums), so an element of y may land on the next fp8 step of the down GEMM's input

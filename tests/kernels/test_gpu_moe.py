@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from radiance.kernels.activation import quantize_activations
-from radiance.kernels.moe import (MOE_CONFIGS, MoeGemmConfig, expert_weight, moe_gemm_ptx, route_to_experts,
-                                  stack_experts, w4a8_moe_gemm, w4a8_moe_reference)
+from radiance.kernels.moe import (MOE_CONFIGS, MoeGemmConfig, expert_weight, moe_gemm_ptx, stack_experts,
+                                  w4a8_moe_gemm, w4a8_moe_reference)
+from radiance.kernels.moe_routing import route_to_experts
 from radiance.kernels.prepare import prepare_mxfp4
 from radiance.kernels.reference import relative_error
 from radiance.kernels.tuning import GemmConfig

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from radiance.kernels.activation import quantize_activations
-from radiance.kernels.moe import (ExpertRouting, expert_weight, max_slots, moe_block_m, route_to_experts,
-                                  stack_experts, w4a8_moe_reference)
+from radiance.kernels.moe import expert_weight, moe_block_m, stack_experts, w4a8_moe_reference
+from radiance.kernels.moe_routing import ExpertRouting, max_slots, route_to_experts
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
 from radiance.kernels.reference import quantize_activations_reference
 from tests.kernels.conftest import random_mxfp4

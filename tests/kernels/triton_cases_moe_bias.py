@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from radiance.kernels.glu import SILU, GluActivation, glu_reference
-from radiance.kernels.moe import route_to_experts, w4a8_moe_gemm, w4a8_moe_reference
+from radiance.kernels.moe import w4a8_moe_gemm, w4a8_moe_reference
+from radiance.kernels.moe_routing import route_to_experts
 from radiance.kernels.reference import quantize_activations_reference, relative_error
 from tests.kernels.triton_cases_moe import GATE, TILINGS, assert_close_quantized_rows, moe_inputs, routed
 

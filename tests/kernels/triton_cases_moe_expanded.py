@@ -7,8 +7,9 @@ fp32 torch equivalent there)."""
 import pytest
 import torch
 
-from radiance.kernels.moe import (combine_experts, expand_experts_fp8, expert_of_rows, expert_weight, pair_rows,
-                                  route_to_experts, w4a8_moe_mm_expanded, w4a8_moe_reference)
+from radiance.kernels.moe import expert_weight, w4a8_moe_reference
+from radiance.kernels.moe_expanded import expand_experts_fp8, w4a8_moe_mm_expanded
+from radiance.kernels.moe_routing import combine_experts, expert_of_rows, pair_rows, route_to_experts
 from radiance.kernels.reference import relative_error
 from radiance.kernels.w4a8 import expand_weight_fp8
 from tests.kernels.triton_cases_moe import GATE, moe_inputs, random_experts

@@ -1,10 +1,10 @@
-"""The one-launch routing kernel (moe.route_tokens) against the torch ops it replaces. Run on CUDA, or on the
+"""The one-launch routing kernel (moe_routing.route_tokens) against the torch ops it replaces. Run on CUDA, or on the
 CPU through the Triton interpreter by test_triton_interpreter.py."""
 
 import pytest
 import torch
 
-from radiance.kernels import moe
+from radiance.kernels import moe_routing as moe
 from tests.kernels.test_moe_routing import check_routing
 
 

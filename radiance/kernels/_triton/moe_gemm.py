@@ -1,7 +1,7 @@
 """The grouped (mixture-of-experts) W4A8 GEMM: every (token, expert choice) pair times its expert's weight.
 
 The structure of gemm.w4a8_gemm_kernel without split-K (an expert's share of the tokens is small, and
-many experts fill the grid on their own). The routing (moe.route_to_experts) lays the pairs out in
+many experts fill the grid on their own). The routing (moe_routing.route_to_experts) lays the pairs out in
 slots grouped by expert, each group padded to a multiple of BM, so a BM-slot tile holds one expert's
 pairs: work item w -> (slot tile t, column tile pid_n), with the column tiles of one slot tile next to one
 another (they read the same activation rows). One program per work item (a tile past the used ones,

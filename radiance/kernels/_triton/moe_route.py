@@ -1,7 +1,7 @@
 """Routing of a mixture-of-experts layer in one launch, for decode-sized token counts.
 
 One program does what ~30 small torch launches did (softmax, top-k, renormalization, the count, sort and
-padding of moe.route_to_experts): at a decode step those launches cost more than both expert GEMMs.
+padding of moe_routing.route_to_experts): at a decode step those launches cost more than both expert GEMMs.
   1. per token: softmax of the router logits in fp32, the top_k by repeated argmax (ties: the lower
      expert), optionally renormalized; weights and expert ids stored per pair p = token * TOP_K + choice;
   2. per expert: its pair count, its group's first slot (groups padded to BM slots, in expert order),

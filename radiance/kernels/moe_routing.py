@@ -1,0 +1,156 @@
+"""Routing of mixture-of-experts pairs, and the way back: a pair p = token * top_k + choice.
+
+route_to_experts / route_tokens group the pairs by expert into slots, each group padded to a multiple of
+block_m, so that one block_m-slot tile of the grouped GEMM (moe.py) serves one expert. Their shapes follow from
+(tokens, top_k, experts, block_m) alone and they never sync with the host, so a CUDA graph can capture them.
+combine_experts sums each token's expert outputs, weighted by the router.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from radiance.kernels._triton import moe_combine as _combine
+from radiance.kernels._triton import moe_route as _route
+from radiance.kernels.activation import triton_next_pow2, triton_serves
+from radiance.kernels.buffers import device_buffer
+
+
+class ExpertRouting(NamedTuple):
+    """Pairs grouped by expert (route_to_experts)."""
+
+    sorted_pairs: torch.Tensor  # int32 [max_slots]: slot -> pair; padding slots hold num_pairs
+    tile_expert: torch.Tensor  # int32 [max_slots / block_m]: expert of each tile, -1 past the used ones
+    num_pairs: int  # T * top_k
+    top_k: int
+    block_m: int
+    group_ends: torch.Tensor  # int32 [E]: one past each expert's last slot (with block_m 1: torch._grouped_mm's offs)
+
+
+def max_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Slots for any routing of num_pairs pairs: each expert that gets a pair (at most min(E, pairs) of them)
+    pads its group by at most block_m - 1; rounded up to whole tiles."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def route_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertRouting:
+    """Group the pairs of topk_ids (int [T, top_k], ids in [0, num_experts)) by expert, on its device.
+    Torch ops of fixed shapes, no host sync: CUDA-graph capturable. Within an expert's group the pairs keep
+    their order (a stable sort), and its group starts at a multiple of block_m."""
+    tokens, top_k = topk_ids.shape
+    num_pairs = tokens * top_k
+    device = topk_ids.device
+    slots = max_slots(num_pairs, num_experts, block_m)
+    expert_of_pair = topk_ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)  # one past each expert's last tile
+    group_start = (tile_end - tiles) * block_m  # first slot of each expert's group
+    pair_start = torch.cumsum(counts, 0) - counts  # first position of each expert in the sorted pairs
+    order = torch.argsort(expert_of_pair, stable=True)  # pairs by expert
+    sorted_expert = expert_of_pair[order]
+    rank = torch.arange(num_pairs, device=device) - pair_start[sorted_expert]  # position within the group
+    sorted_pairs = torch.full((slots,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, group_start[sorted_expert] + rank, order.to(torch.int32))
+    # tile i belongs to the first expert whose groups end after it (empty experts end where they start)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(slots // block_m, device=device), right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    group_ends = (tile_end * block_m).to(torch.int32)
+    return ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
+
+
+# Tokens up to which route_tokens runs its one-program Triton kernel (decode and small prefills); above,
+# torch's parallel sort wins over one program walking every pair. Qwen3-30B-A3B's router (128 experts, top 8)
+# on the H200, us per call: kernel 4.7 / 11.3 / 40.6 / 75.4 / 146 at 1 / 8 / 64 / 128 / 256 tokens, torch ops
+# 61 / 66 / 94 at 1 / 8 / 64 (bench/RESULTS.md, twenty-second session)
+ROUTE_KERNEL_MAX_TOKENS = 128
+# Up to this many tokens the routing kernel runs one warp (its barriers and reductions then stay in the warp:
+# 4.7 against 6.4 us with 4 warps at one token); from 4 tokens on 4 warps are as fast or faster
+ROUTE_ONE_WARP_MAX_TOKENS = 2
+
+
+def top_k_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, top_k], expert ids int64 [T, top_k]) in torch ops: softmax of the router logits in fp32,
+    its top_k, renormalized to sum to 1 with `renormalize` (what route_tokens' kernel computes)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, ExpertRouting]:
+    """(weights fp32 [T, top_k], expert ids int32 [T, top_k], ExpertRouting) from router logits [T, E]:
+    softmax in fp32, the top_k experts per token (renormalized to sum to 1 with `renormalize`), the pairs
+    grouped by expert as route_to_experts does. One Triton launch up to ROUTE_KERNEL_MAX_TOKENS tokens
+    where Triton serves (no host sync: CUDA-graph capturable), torch ops otherwise."""
+    tokens, num_experts = router_logits.shape
+    if not (triton_serves(router_logits) and 0 < tokens <= ROUTE_KERNEL_MAX_TOKENS):
+        weights, ids = top_k_experts(router_logits, top_k, renormalize)
+        return weights, ids.to(torch.int32), route_to_experts(ids, num_experts, block_m)
+    device = router_logits.device
+    num_pairs = tokens * top_k
+    slots = max_slots(num_pairs, num_experts, block_m)
+    e_pad = max(16, triton_next_pow2(num_experts))
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(slots, dtype=torch.int32, device=device)
+    tile_expert = torch.empty(slots // block_m, dtype=torch.int32, device=device)
+    group_ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+    next_slot = device_buffer("moe-route-next-slot", device, e_pad, torch.int32, zeroed=False)
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    _route.moe_route_kernel[(1,)](
+        logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
+        tokens, num_experts, logits.stride(0), slots, slots // block_m,
+        TOP_K=top_k, K_PAD=triton_next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
+        # tiles no larger than the work (one compile per power of two of the token count)
+        TB=max(2, min(4096 // e_pad, triton_next_pow2(tokens))),
+        PB=max(16, min(64, triton_next_pow2(num_pairs))), SB=64,
+        num_warps=1 if tokens <= ROUTE_ONE_WARP_MAX_TOKENS else 4)
+    return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
+
+
+def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, *,
+                    rows: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                    ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H] = sum over the choices of weights [T, top_k] * h [T * top_k, H] (rows in pair order), summed
+    in fp32 in choice order: one Triton launch where Triton serves, torch elsewhere (the same math).
+    `rows` (int [T * top_k], optional): pair p's output is h's row rows[p] (expert-sorted outputs read in
+    place, no un-sorting copy). `bias` [E, H] with `ids` (int [T, top_k]): each pair's expert bias is added
+    to its output in h's dtype first (a biased down projection)."""
+    tokens, top_k = weights.shape
+    width = h.shape[1]
+    if (bias is None) != (ids is None):
+        raise ValueError("combine_experts: bias and ids go together")
+    if not triton_serves(h) or tokens == 0:
+        h = h[rows.long()] if rows is not None else h
+        if bias is not None:
+            h = h + bias.to(h.dtype)[ids.reshape(-1).long()]
+        return (h.view(tokens, top_k, width).float() * weights[..., None]).sum(dim=1).to(out_dtype)
+    out = torch.empty((tokens, width), dtype=out_dtype, device=h.device)
+    block = min(1024, triton_next_pow2(width))
+    placeholder = weights  # any pointer for the operands a constexpr switches off
+    _combine.moe_combine_kernel[(tokens, -(-width // block))](
+        h, weights.contiguous(), out, rows if rows is not None else placeholder,
+        bias.contiguous() if bias is not None else placeholder, ids.contiguous() if ids is not None else placeholder,
+        width, h.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, HAS_ROWS=rows is not None,
+        HAS_BIAS=bias is not None, num_warps=4)
+    return out
+
+
+def pair_rows(sorted_pairs: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """int32 [num_pairs]: the slot of each pair in a routing of block_m 1 (sorted_pairs inverted), so that
+    combine_experts reads expert-sorted outputs in place. No host sync."""
+    slots = torch.arange(num_pairs, device=sorted_pairs.device, dtype=torch.int32)
+    return torch.empty_like(slots).scatter_(0, sorted_pairs[:num_pairs].long(), slots)
+
+
+def expert_of_rows(group_ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 [rows]: the expert whose group holds each row of an expert-sorted tensor (no host sync)."""
+    slots = torch.arange(rows, device=group_ends.device, dtype=group_ends.dtype)
+    return torch.searchsorted(group_ends, slots, right=True).clamp_(max=group_ends.numel() - 1)
