@@ -53,13 +53,13 @@ def _weight_tile(w_ptrs, s_ptrs, kt, N, groups, BN: tl.constexpr, BK: tl.constex
 
 
 @triton.jit
-def _moe_tile(t, pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, amax_ptr, pairs_ptr,
-              tile_expert_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
+def _moe_tile(t, expert, pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, amax_ptr, pairs_ptr,
+              num_pairs, rows_div, N, K, stride_xm, stride_om,
               SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
               USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
               ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """Slot tile t times column tile pid_n of its expert's weight, stored through gemm._epilogue."""
-    expert = tl.load(tile_expert_ptr + t)
+    """Slot tile t (all of its pairs `expert`'s) times column tile pid_n of that expert's weight, stored
+    through gemm._epilogue."""
     pair, x_row, live = _tile_pairs(pairs_ptr, t, num_pairs, rows_div, BM)
     cols, offs_n, out_n = _tile_columns(pid_n, N, BN, GLU)
     offs_k = tl.arange(0, BK)
@@ -114,20 +114,22 @@ def w4a8_moe_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_
     ws: fp32 [E, N], bias [E, N] (HAS_BIAS); x e4m3 [R, K] with scales xs [R]; out [num_pairs, N] (GLU:
     [num_pairs, N/2] and amax int32 [num_pairs, column tiles]). ACT, ALPHA, LIMIT: gemm._epilogue's.
     PERSISTENT: num_programs programs walk the (slot tile, column tile) pairs of the used slots (the last
-    expert's group end) with a stride of num_programs, in one flattened loop so that the software pipeline
-    runs on across tile boundaries (a tile of a short K, e.g. a down projection's 768, is otherwise mostly
-    pipeline fill). Otherwise one program per pair, those past the used tiles (tile_expert -1) ending at once."""
+    expert's group end) with a stride of num_programs, in one flattened loop, so that the software pipeline
+    may run on across tile boundaries (measured: a few percent on short-K tiles; moe.MOE_CONFIGS). Otherwise
+    one program per pair, those past the used tiles (tile_expert -1) ending at once."""
     num_pid_n = tl.cdiv(N // 2, BN // 2) if GLU else tl.cdiv(N, BN)
     if PERSISTENT:
         work = tl.load(group_ends_ptr + num_experts - 1) // BM * num_pid_n
         for w in tl.range(tl.program_id(0), work, num_programs, flatten=True):
-            _moe_tile(w // num_pid_n, w % num_pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr,
-                      out_ptr, amax_ptr, pairs_ptr, tile_expert_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
+            t = w // num_pid_n
+            _moe_tile(t, tl.load(tile_expert_ptr + t), w % num_pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr,
+                      ws_ptr, bias_ptr, out_ptr, amax_ptr, pairs_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
                       SWAP_AB, BM, BN, BK, EVEN_K, USE_ASM, PRECISE_ACC, HAS_BIAS, GLU, ACT, ALPHA, LIMIT)
     else:
         pid = tl.program_id(0)
         t = pid // num_pid_n
-        if tl.load(tile_expert_ptr + t) >= 0:
-            _moe_tile(t, pid % num_pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
-                      amax_ptr, pairs_ptr, tile_expert_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
+        expert = tl.load(tile_expert_ptr + t)
+        if expert >= 0:
+            _moe_tile(t, expert, pid % num_pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr,
+                      out_ptr, amax_ptr, pairs_ptr, num_pairs, rows_div, N, K, stride_xm, stride_om,
                       SWAP_AB, BM, BN, BK, EVEN_K, USE_ASM, PRECISE_ACC, HAS_BIAS, GLU, ACT, ALPHA, LIMIT)
