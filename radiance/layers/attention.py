@@ -131,8 +131,8 @@ class Attention(nn.Module):
             return self._causal_no_cache(q, k, v, sinks)
         scales = self.kv_scales(self.k_cache.dtype)
         if _use_triton(q):
-            from radiance.layers import attention_triton as at
-            at.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, scales)
+            from radiance.layers.attention_prefill import store_kv_cache
+            store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, scales)
             return self._paged_triton(q, meta, quantize, sinks=sinks)
         store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_valid, scales)
         out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
@@ -144,7 +144,7 @@ class Attention(nn.Module):
                       rotary: tuple | None = None, sinks: torch.Tensor | None = None):
         """Attention of q over the paged cache, which already holds this step's K/V; at decode, with
         `rotary` (see paged_decode_attention), q is unrotated and the kernel rotates and stores K/V."""
-        from radiance.layers import attention_triton as at
+        from radiance.layers import attention_prefill as ap, attention_triton as at
         scales = self.kv_scales(self.k_cache.dtype)
         if meta.is_decode:
             out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
@@ -153,7 +153,7 @@ class Attention(nn.Module):
             if isinstance(out, tuple):
                 return Fp8Activations(*out, q.dtype, tuple(q.shape[:-2]))
         else:
-            out = at.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+            out = ap.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                              meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale,
                                              scales, max_kv_len=max(meta.kv_lens), sinks=sinks,
                                              sliding_window=self.sliding_window)

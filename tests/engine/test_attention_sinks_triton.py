@@ -51,7 +51,7 @@ def check_sinks_and_window(device: str, dtype: torch.dtype, cases, shapes, kv_dt
     paged_decode_attention over the one-token ones, against paged_attention_torch on the same cache, whose
     rows outside every window are NaN (_poisoned). Returns the worst relative errors and the number of
     outputs holding a NaN."""
-    from radiance.layers import attention_triton as at
+    from radiance.layers import attention_prefill as ap, attention_triton as at
     from radiance.layers.attention import UNIT_SCALES, paged_attention_torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -76,7 +76,7 @@ def check_sinks_and_window(device: str, dtype: torch.dtype, cases, shapes, kv_dt
         ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), tables, q_lens, kv_lens, scale,
                                     scales=scales, **options)
         for tiling in prefill_tilings:
-            note("prefill", at.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, cu, max(q_lens),
+            note("prefill", ap.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, cu, max(q_lens),
                                                        scale, scales, tiling=tiling, **options), ref)
         for splits in decode_splits:
             note("decode", at.paged_decode_attention(q[decode_rows], k_cache, v_cache, tables[decode],
@@ -107,7 +107,8 @@ def merge_against_formula(device: str, dtype: torch.dtype, heads: int = 5, head_
 _SCRIPT = """
 import json, torch
 from radiance.layers.attention import KvScales
-from radiance.layers.attention_triton import DecodeTiling, PrefillTiling
+from radiance.layers.attention_prefill import PrefillTiling
+from radiance.layers.attention_triton import DecodeTiling
 from tests.engine.test_attention_sinks_triton import check_sinks_and_window, merge_against_formula
 from tests.engine.test_attention_triton import check_fused_decode, check_merge_quantize
 
@@ -169,7 +170,7 @@ GPU_CACHES = [(None, None), (torch.float8_e4m3fn, None), (torch.float8_e4m3fn, (
 def test_sinks_and_window_on_gpu(heads, kv_heads, head_dim, kv_dtype, scales):
     """gpt-oss's layout (64 q heads, 8 kv heads, 64 dims, window 128) and a wider head, bf16."""
     from radiance.layers.attention import KvScales
-    from radiance.layers.attention_triton import PrefillTiling
+    from radiance.layers.attention_prefill import PrefillTiling
 
     shapes = [(700, 300), (1, 5000), (129, 0), (5, 60), (1, 70), (1, 1), (128, 0), (1, 128)]
     cases = [(128, True), (128, False), (None, True), (1, True), (4000, True)]

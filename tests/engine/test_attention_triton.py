@@ -21,7 +21,7 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
     "store_ulps": the largest difference between the Triton and torch stores of normal fp8 values in units
     of their last place, "store_subnormal" the largest among subnormals (0 = the same bytes); attention is checked against the torch reference over the cache the
     Triton store wrote."""
-    from radiance.layers import attention_triton as at
+    from radiance.layers import attention_prefill as ap, attention_triton as at
     from radiance.layers.attention import UNIT_SCALES, paged_attention_torch, store_kv_cache_torch, to_cache_dtype
 
     scales = scales or UNIT_SCALES
@@ -62,7 +62,7 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
     store_kv_cache_torch(k, v, ref_k, ref_v, slot_mapping, scales=scales)
     # padding rows (slot -1) must write nothing
     pad = torch.full((2,), -1, dtype=torch.int64, device=device)
-    at.store_kv_cache(torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), k_cache, v_cache, torch.cat([slot_mapping, pad]),
+    ap.store_kv_cache(torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), k_cache, v_cache, torch.cat([slot_mapping, pad]),
                       scales)
     errors = {"store": max((k_cache.float() - ref_k.float()).abs().max().item(),
                            (v_cache.float() - ref_v.float()).abs().max().item())}
@@ -80,7 +80,7 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
     errors["prefill"] = 0.0
     # the default tiling, and the one a context past 4k tokens picks (128 x 128 tiles for 16-bit dots)
     for max_kv_len in (None, 1 << 20):
-        out = at.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale, scales,
+        out = ap.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale, scales,
                                          max_kv_len=max_kv_len)
         errors["prefill"] = max(errors["prefill"], ((out.float() - ref).norm() / ref.norm()).item())
 
@@ -289,7 +289,7 @@ def test_prefill_tiling_follows_the_context():
     """128-row cache steps three deep over an fp8 cache; 128 x 128 tiles, 8 warps, over a 16-bit cache from 4k
     tokens of context; the 64 x 64 default below that, without Hopper's shared memory, or for heads above 128;
     16 q rows for a few tokens."""
-    from radiance.layers.attention_triton import PrefillTiling, prefill_tiling
+    from radiance.layers.attention_prefill import PrefillTiling, prefill_tiling
     assert prefill_tiling(128, max_q_len=2048, max_kv_len=2048, fp8_dots=False) == PrefillTiling(64, 64, 4, 2)
     assert prefill_tiling(128, max_q_len=512, max_kv_len=4096, fp8_dots=False) == PrefillTiling(128, 128, 8, 3)
     assert prefill_tiling(128, max_q_len=512, max_kv_len=100, fp8_dots=True) == PrefillTiling(64, 128, 4, 3)
