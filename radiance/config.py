@@ -123,6 +123,11 @@ class KernelConfig:
 
 DENSE_PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024)
 MOE_PREFILL_GRAPH_TOKENS = DENSE_PREFILL_GRAPH_TOKENS + (1536, 2048, 3072, 4096)
+# the piecewise graphs' buckets: from a few decodes next to a short prompt up to the prefill buckets' sizes,
+# with steps in between where padding costs: on the H200 one 256-token prompt next to 31 decodes (287 rows,
+# padded to 512) took 12.6 ms for the 8B (MXFP4) against 6.0 ms for 127 rows (bench/RESULTS.md, 26th session)
+PIECEWISE_DENSE_TOKENS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+PIECEWISE_MOE_TOKENS = PIECEWISE_DENSE_TOKENS + (1536, 2048, 3072, 4096)
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,13 @@ class RunnerConfig:
     # routing, combine) keep the eager prefill host-bound up to ~4k tokens (Qwen3-30B-A3B MXFP4: 2048
     # tokens 82-120 ms eager, 44 ms replayed; bench/RESULTS.md, twenty-fifth session)
     prefill_graph_tokens: tuple[int, ...] | None = None  # prefill graph buckets (tokens); 0: none
+    # token-count buckets of the piecewise graphs that serve every other step up to the largest: several
+    # sequences prefilling, prefill chunks mixed with decodes (engine.piecewise_graphs: the forward captured
+    # between its prefill-attention launches, which run eagerly). Eager, such steps are host-bound: one
+    # 256-token prompt next to 31 decodes took 83 ms for Qwen3-30B-A3B (MXFP4) on the H200, 26 ms replayed
+    # (bench/RESULTS.md, twenty-sixth session). None: PIECEWISE_DENSE_TOKENS, or PIECEWISE_MOE_TOKENS for a
+    # model with sparse MoE layers; 0: none (such steps run eagerly)
+    piecewise_graph_tokens: tuple[int, ...] | None = None  # piecewise graph buckets (tokens) of mixed / multi-sequence steps; 0: none
     # queue each decode step before reading the previous one's tokens, so the host's bookkeeping runs
     # while the device computes; None: on when decode steps replay CUDA graphs
     overlap_decode: bool | None = None
@@ -151,12 +163,21 @@ class RunnerConfig:
         _check(self.prefill_graph_tokens is None
                or all(isinstance(t, int) and t >= 0 for t in self.prefill_graph_tokens),
                "prefill_graph_tokens must be token counts (0 alone: no prefill graphs)")
+        _check(self.piecewise_graph_tokens is None
+               or all(isinstance(t, int) and t >= 0 for t in self.piecewise_graph_tokens),
+               "piecewise_graph_tokens must be token counts (0 alone: no piecewise graphs)")
 
     def prefill_graph_buckets(self, sparse_moe: bool) -> tuple[int, ...]:
         """The prefill graph buckets for a model (with or without sparse MoE layers)."""
         if self.prefill_graph_tokens is not None:
             return self.prefill_graph_tokens
         return MOE_PREFILL_GRAPH_TOKENS if sparse_moe else DENSE_PREFILL_GRAPH_TOKENS
+
+    def piecewise_graph_buckets(self, sparse_moe: bool) -> tuple[int, ...]:
+        """The piecewise graph buckets for a model (with or without sparse MoE layers)."""
+        if self.piecewise_graph_tokens is not None:
+            return self.piecewise_graph_tokens
+        return PIECEWISE_MOE_TOKENS if sparse_moe else PIECEWISE_DENSE_TOKENS
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """Turns a scheduled step into tensors, runs the model over the paged KV cache and samples.
 
 Decode-only steps on CUDA replay a CUDA graph captured for the smallest batch bucket that fits (padding
-rows write nowhere: slot -1, context 0); prefill and mixed steps, and everything on the CPU, run eagerly.
+rows write nowhere: slot -1, context 0), single-sequence prefills one captured per token bucket, and other
+steps up to the largest piecewise bucket (several sequences prefilling, prefill chunks next to decodes)
+replay a forward captured in pieces between its prefill-attention launches (`piecewise_graphs`); larger
+steps, and everything on the CPU, run eagerly.
 `launch` queues a step (sampling included; the sampled ids start their copy home behind an event) and
 `finish` waits for that step alone, so the engine can queue the next decode step in between. Steps with
 structured output sample separately (`sample`), once the host has the tokens their masks depend on, so
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -21,6 +25,7 @@ import torch
 from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
 from radiance.engine.outputs import TokenLogprob
+from radiance.engine.piecewise_graphs import PiecewiseForward, capture_piecewise
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.engine.structured_output import fill_allowed_token_words
 from radiance.layers.attention import AttentionMetadata
@@ -150,6 +155,8 @@ class ModelRunner:
         self.h_masks: list[torch.Tensor] = []  # pinned structured-output masks, allocated on first use (_mask_words)
         self._mask_turn = 0
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.piecewise: dict[int, PiecewiseForward] = {}
+        self._pool = None  # the memory pool the prefill and piecewise graphs share (one forward runs at a time)
         uncapturable = _uncapturable_module(model)
         if device.type == "cuda" and not config.runner.enforce_eager and uncapturable:
             logger.warning("CUDA graphs off: %s syncs with the host in its forward (e.g. experts not on the "
@@ -157,10 +164,11 @@ class ModelRunner:
         if device.type == "cuda" and not config.runner.enforce_eager and not uncapturable:
             self._capture_decode_graphs()
             self._capture_prefill_graphs()
+            self._capture_piecewise_graphs()
             if config.kernel.numerics_check:  # graph replays run no Python, so no check can run inside them
-                logger.warning("numerics check covers eager steps only (prefills of several sequences or above %d "
-                               "tokens, mixed steps, decode batches above %d); add --enforce-eager to check every step",
-                               max(self.prefill_sizes, default=0), max(self.graphs))
+                logger.warning("numerics check covers eager steps only (above %d tokens, decode batches above %d); "
+                               "add --enforce-eager to check every step",
+                               max(self.prefill_sizes + self.piecewise_sizes, default=0), max(self.graphs))
 
     # ---------------------------------------------------------------- inputs
 
@@ -225,6 +233,9 @@ class ModelRunner:
         elif (batch == 1 and not is_decode and next_tokens is None and self.prefill_graphs
               and q_lens[0] <= self.prefill_sizes[-1]):
             hidden = self._replay_prefill(tokens, positions, slots, kv_lens[0], tables)
+        elif (not is_decode and next_tokens is None and self.piecewise and len(positions) <= self.piecewise_sizes[-1]
+              and batch <= self.piecewise_max_seqs):
+            hidden = self._replay_piecewise(tokens, positions, slots, q_lens, kv_lens, tables)
         else:
             cu = np.zeros(batch + 1, dtype=np.int32)
             cu[1:] = np.cumsum(q_lens)
@@ -389,16 +400,90 @@ class ModelRunner:
         tokens, positions, slots = self.p_meta.unbind(0)
         slots.fill_(-1)
         self.p_hidden: dict[int, torch.Tensor] = {}
-        pool = None
         for size in reversed(self.prefill_sizes):
             self.p_lens.copy_(torch.tensor([0, size, size], dtype=torch.int32))
             meta = AttentionMetadata(slot_mapping=slots[:size], block_tables=self.p_table,
                                      context_lens=self.p_lens[2:], cu_seqlens_q=self.p_lens[:2], q_lens=[size],
                                      kv_lens=[size], is_decode=False)
-            self.prefill_graphs[size], self.p_hidden[size] = self._capture(pool, tokens[:size], positions[:size], meta)
-            pool = self.prefill_graphs[size].pool()
+            self.prefill_graphs[size], self.p_hidden[size] = self._capture(self._pool, tokens[:size],
+                                                                           positions[:size], meta)
+            self._pool = self.prefill_graphs[size].pool()
         torch.cuda.synchronize(dev)
         logger.info("captured CUDA graphs for single-sequence prefills of up to %s tokens", self.prefill_sizes)
+
+    def _capture_piecewise_graphs(self) -> None:
+        """One piecewise forward per `RunnerConfig.piecewise_graph_tokens` bucket, for the steps no whole-step
+        graph serves, of up to max_num_seqs sequences: padding rows write no KV (slot -1) and lie outside
+        cu_seqlens_q, so attention never computes them."""
+        limit = min(self.config.scheduler.max_num_batched_tokens,
+                    self.config.scheduler.max_num_seqs * self.max_model_len)
+        sizes = self.config.runner.piecewise_graph_buckets(getattr(self.model.config, "moe", None) is not None)
+        self.piecewise_sizes = sorted({t for t in sizes if 0 < t <= limit})
+        self.piecewise_max_seqs = self.config.scheduler.max_num_seqs
+        if not self.piecewise_sizes:
+            return
+        dev, top, seqs, arch = self.device, self.piecewise_sizes[-1], self.piecewise_max_seqs, self.model.config
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(dev)
+        # [tokens, positions, slots] of the largest bucket; int32 [cu_seqlens_q (seqs + 1), context_lens (seqs)];
+        # the block tables. Pinned staging sets are used in turn, as for the other graphs.
+        self.w_meta = torch.zeros(3, top, dtype=torch.long, device=dev)
+        self.w_lens = torch.zeros(2 * seqs + 1, dtype=torch.int32, device=dev)
+        self.w_tables = torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.hw_meta = [torch.zeros(3, top, dtype=torch.long).pin_memory() for _ in range(3)]
+        self.hw_lens = [torch.zeros(2 * seqs + 1, dtype=torch.int32).pin_memory() for _ in range(3)]
+        self.hw_tables = [torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32).pin_memory()
+                          for _ in range(3)]
+        self._w_staging = 0
+        tokens, positions, slots = self.w_meta.unbind(0)
+        slots.fill_(-1)
+        # the cuts' static buffers: rotated queries in, attention output out (zeroed: padding rows stay finite)
+        q_shape = (top, arch.num_heads, arch.head_dim)
+        q_buffer = torch.zeros(q_shape, dtype=self.dtype, device=dev)
+        out_buffer = torch.zeros(q_shape, dtype=self.dtype, device=dev)
+        for size in reversed(self.piecewise_sizes):
+            self.w_lens[:2].copy_(torch.tensor([0, size], dtype=torch.int32))
+            self.w_lens[seqs + 1] = size
+            meta = self._piecewise_meta(size, 1, [size], [size])
+            with torch.inference_mode():
+                self.model(tokens[:size], positions[:size], meta)  # warm-up: Triton compiles, scratch at full size
+            torch.cuda.synchronize(dev)
+            self.piecewise[size] = capture_piecewise(self.model, tokens[:size], positions[:size], meta, q_buffer,
+                                                     out_buffer, self._pool)
+            self._pool = self.piecewise[size].graphs[0].pool()
+        torch.cuda.synchronize(dev)
+        logger.info("captured piecewise CUDA graphs for steps of up to %d sequences and %s tokens in %.1f s "
+                    "(%+.0f MiB reserved)", seqs, self.piecewise_sizes, time.perf_counter() - start,
+                    (torch.cuda.memory_reserved(dev) - reserved) / 2**20)
+
+    def _piecewise_meta(self, size: int, batch: int, q_lens: list[int], kv_lens: list[int]) -> AttentionMetadata:
+        seqs = self.piecewise_max_seqs
+        return AttentionMetadata(slot_mapping=self.w_meta[2, :size], block_tables=self.w_tables[:batch],
+                                 context_lens=self.w_lens[seqs + 1:seqs + 1 + batch],
+                                 cu_seqlens_q=self.w_lens[:batch + 1], q_lens=q_lens, kv_lens=kv_lens,
+                                 is_decode=False)
+
+    def _replay_piecewise(self, tokens, positions, slots, q_lens: list[int], kv_lens: list[int],
+                          tables) -> torch.Tensor:
+        """tokens, positions, slots: the step's rows (host); tables [batch, width] its block tables."""
+        rows, batch, seqs = len(positions), len(q_lens), self.piecewise_max_seqs
+        size = self.piecewise_sizes[bisect.bisect_left(self.piecewise_sizes, rows)]
+        self._w_staging = (self._w_staging + 1) % len(self.hw_meta)
+        h_meta, h_lens, h_tables = (self.hw_meta[self._w_staging], self.hw_lens[self._w_staging],
+                                    self.hw_tables[self._w_staging])
+        meta = h_meta.numpy()
+        meta[:, :rows] = (tokens, positions, slots)
+        meta[:, rows:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere
+        lens = h_lens.numpy()
+        lens[0] = 0
+        lens[1:batch + 1] = np.cumsum(q_lens)
+        lens[seqs + 1:seqs + 1 + batch] = kv_lens
+        width = tables.shape[1]
+        h_tables.numpy()[:batch, :width] = tables  # entries past a sequence's blocks are never read
+        self.w_meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
+        self.w_lens.copy_(h_lens, non_blocking=True)
+        self.w_tables[:batch, :width].copy_(h_tables[:batch, :width], non_blocking=True)
+        hidden = self.piecewise[size].replay(self._piecewise_meta(size, batch, q_lens, kv_lens))
+        return hidden[:rows]
 
     def _replay_prefill(self, tokens, positions, slots, kv_len: int, tables) -> torch.Tensor:
         q_len = len(positions)

@@ -96,6 +96,9 @@ class Attention(nn.Module):
         # without a cache (evaluation), K/V are rounded to this dtype first, as a cache of it would store them
         self.kv_storage_dtype: torch.dtype | None = None
         self.fp8_kv_scales = UNIT_SCALES  # what an fp8 cache of this layer stores against (the checkpoint's)
+        # set while a piecewise CUDA graph is captured (engine.piecewise_graphs.PiecewiseCapture): the
+        # prefill attention launch is handed to it, to run eagerly between the captured pieces
+        self.cut = None
 
     def kv_scales(self, cache_dtype: torch.dtype | None) -> KvScales:
         """The scales a cache of `cache_dtype` stores K/V against: the calibrated ones for fp8."""
@@ -121,8 +124,9 @@ class Attention(nn.Module):
                     q, k = _head_norms(q, k, qk_norm)
                     fused = (rope.cos, rope.sin, positions, k, v, meta.slot_mapping)
                     return self._paged_triton(q, meta, quantize, rotary=fused, sinks=sinks)
+                q_out = self.cut.rotated_q(q) if self.cut is not None and not meta.is_decode else None
                 q = rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                          self.kv_scales(self.k_cache.dtype), qk_norm=qk_norm)
+                                          self.kv_scales(self.k_cache.dtype), qk_norm=qk_norm, q_out=q_out)
                 return self._paged_triton(q, meta, quantize, sinks=sinks)
             q, k = rope(positions, *_head_norms(q, k, qk_norm))
         else:
@@ -144,7 +148,7 @@ class Attention(nn.Module):
                       rotary: tuple | None = None, sinks: torch.Tensor | None = None):
         """Attention of q over the paged cache, which already holds this step's K/V; at decode, with
         `rotary` (see paged_decode_attention), q is unrotated and the kernel rotates and stores K/V."""
-        from radiance.layers import attention_prefill as ap, attention_triton as at
+        from radiance.layers import attention_triton as at
         scales = self.kv_scales(self.k_cache.dtype)
         if meta.is_decode:
             out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
@@ -152,12 +156,21 @@ class Attention(nn.Module):
                                             kv_scales=scales, sinks=sinks, sliding_window=self.sliding_window)
             if isinstance(out, tuple):
                 return Fp8Activations(*out, q.dtype, tuple(q.shape[:-2]))
+        elif self.cut is not None:  # capturing piecewise graphs: the capture runs it between two pieces
+            out = self.cut(self, q, meta, sinks)
         else:
-            out = ap.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                             meta.context_lens, meta.cu_seqlens_q, max(meta.q_lens), self.scale,
-                                             scales, max_kv_len=max(meta.kv_lens), sinks=sinks,
-                                             sliding_window=self.sliding_window)
+            out = self.prefill_attention(q, meta, sinks)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
+
+    def prefill_attention(self, q: torch.Tensor, meta: AttentionMetadata, sinks: torch.Tensor | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+        """The Triton prefill attention of rotated q [T, Hq, D] over the cache, which holds this step's K/V
+        (into `out` when given): one launch, its grid and tiling from meta's host lengths."""
+        from radiance.layers import attention_prefill as ap
+        return ap.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                          meta.cu_seqlens_q, max(meta.q_lens), self.scale,
+                                          self.kv_scales(self.k_cache.dtype), max_kv_len=max(meta.kv_lens),
+                                          sinks=sinks, sliding_window=self.sliding_window, out=out)
 
     def _causal_no_cache(self, q, k, v, sinks: torch.Tensor | None = None):
         scales = UNIT_SCALES

@@ -181,13 +181,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
                             scale: float, kv_scales: KvScales = UNIT_SCALES, max_kv_len: int | None = None,
                             tiling: PrefillTiling | None = None, sinks: torch.Tensor | None = None,
-                            sliding_window: int | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] (sequences back to back) -> [T, Hq, D] (an fp8 cache read back times `kv_scales`).
     max_kv_len: the longest context (host side; None = the kernel's default tiling for short ones).
-    sinks: fp32 [Hq] logits in each row's denominator; sliding_window: tokens each query sees (None: all)."""
+    sinks: fp32 [Hq] logits in each row's denominator; sliding_window: tokens each query sees (None: all).
+    out: where to write the result (like q; rows past cu_seqlens_q[-1] are left as they are)."""
     tokens, heads, dim = q.shape
     group = heads // k_cache.shape[2]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     dots_fp16 = _dots_in_fp16(q, k_cache)
     tiling = tiling or prefill_tiling(dim, max_q_len, max_kv_len or 0, dots_fp16, large_shared_memory(q.device))
     grid = (triton.cdiv(max_q_len, tiling.block_m), block_tables.shape[0], heads)

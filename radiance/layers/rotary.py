@@ -127,14 +127,15 @@ class RotaryEmbedding(nn.Module):
         return q.is_cuda and q.dim() == 3 and positions.dim() == 1 and half & (half - 1) == 0
 
     def rotate_and_store(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None,
-                         qk_norm=None) -> torch.Tensor:
-        """Rotated q; the rotated k and v written to the paged cache at slot_mapping (-1: skipped),
-        in one launch (what forward + store_kv_cache do in two); an fp8 cache holds them against `scales`
-        (attention.KvScales; None: unscaled). qk_norm = (q_norm, k_norm) RMSNorm modules: q and k heads
-        normalized first, in the same launch."""
+                         qk_norm=None, q_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotated q (written to `q_out` when given, a contiguous tensor like q); the rotated k and v
+        written to the paged cache at slot_mapping (-1: skipped), in one launch (what forward +
+        store_kv_cache do in two); an fp8 cache holds them against `scales` (attention.KvScales; None:
+        unscaled). qk_norm = (q_norm, k_norm) RMSNorm modules: q and k heads normalized first, in the same
+        launch."""
         inv = (1.0, 1.0) if scales is None else (scales.inv_k, scales.inv_v)
         return _rotate_triton(positions, q, k, self.cos, self.sin, store=(v, k_cache, v_cache, slot_mapping, *inv),
-                              qk_norm=qk_norm)
+                              qk_norm=qk_norm, q_out=q_out)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.fuses_kv_store(positions, q):
@@ -173,16 +174,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 ROTARY_Q_HEADS_PER_PROGRAM = 8
 
 
-def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None, qk_norm: tuple | None = None):
+def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None, qk_norm: tuple | None = None,
+                   q_out: torch.Tensor | None = None):
     """RotaryEmbedding.forward in one Triton kernel: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous views ok).
     With store = (v, k_cache, v_cache, slot_mapping, k_inv, v_inv) the rotated k and v go to their cache
     slots (an fp8 cache times k_inv / v_inv) and only q is returned. With qk_norm = (q_norm, k_norm) (RMSNorm
-    modules of one eps) each head of q and k is normalized before its rotation."""
+    modules of one eps) each head of q and k is normalized before its rotation. q_out: the rotated q's
+    tensor (contiguous [T, Hq, D]; None: a new one)."""
     from radiance.kernels._triton.rotary import rotary_kernel
 
     t, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
-    q_out = torch.empty((t, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if q_out is None:
+        q_out = torch.empty((t, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    elif q_out.shape != q.shape or q_out.dtype != q.dtype or not q_out.is_contiguous():
+        raise ValueError(f"q_out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
     if store is None:
         k_out = torch.empty((t, k_heads, head_dim), dtype=k.dtype, device=k.device)
         v = v_out = slots = k_out  # unused

@@ -83,6 +83,13 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
         out = ap.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale, scales,
                                          max_kv_len=max_kv_len)
         errors["prefill"] = max(errors["prefill"], ((out.float() - ref).norm() / ref.norm()).item())
+    # into a given buffer longer than the step (the piecewise graphs' static output): the same values in the
+    # step's rows, the rows past them untouched
+    given = torch.full((q.shape[0] + 3, *q.shape[1:]), float("nan"), dtype=q.dtype, device=device)
+    into = ap.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale, scales,
+                                      max_kv_len=max_kv_len, out=given)
+    errors["prefill_out"] = float(into.data_ptr() != given.data_ptr() or not torch.equal(given[:q.shape[0]], out)
+                                  or not torch.isnan(given[q.shape[0]:]).all().item())
 
     decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
     rows = cu[:-1][decode_rows].long()
@@ -303,7 +310,7 @@ def test_triton_kernels_in_the_interpreter():
     errors = results["fp32"]
     assert errors["store"] == 0.0
     assert errors["prefill"] < 1e-4 and errors["decode"] < 1e-4
-    assert errors["padding_nan"] == 0.0
+    assert errors["padding_nan"] == 0.0 and errors["prefill_out"] == 0.0
     for fp8 in (results["fp8_kv"], results["fp8_kv_scaled"], results["fp16_fp8_kv"]):  # scaled: K / 2.5, V / 0.3
         # the interpreter rounds ties away from zero (one place) and flushes subnormals
         assert fp8["store_ulps"] <= 1.0 and fp8["store_subnormal"] < 2**-6 and fp8["saturated"] == 1.0, fp8
@@ -442,7 +449,7 @@ def test_triton_kernels_on_gpu(head_dim, heads, kv_heads, kv_dtype, scales):
                            scales=KvScales(*scales) if scales else None)
     assert errors["store"] == 0.0  # the Triton store writes the torch store's bytes, fp8 included
     assert errors["prefill"] < 1e-2 and errors["decode"] < 1e-2, errors
-    assert errors["padding_nan"] == 0.0
+    assert errors["padding_nan"] == 0.0 and errors["prefill_out"] == 0.0
     if kv_dtype is not None:
         assert errors["saturated"] == 1.0
 

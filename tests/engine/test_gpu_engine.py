@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from radiance import SamplingParams
+from tests.engine.arrivals import staggered_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +64,34 @@ def test_prefill_graphs_do_not_change_greedy_outputs(tiny_llm, quantization):
             == eager.generate(longer, params)[0].outputs[0].token_ids)
     together = [o.outputs[0].token_ids for o in graphs.generate(prompts[:3], params)]
     assert together == [o.outputs[0].token_ids for o in eager.generate(prompts[:3], params)]
+
+
+@pytest.mark.parametrize("quantization", ["none", "mxfp4"])
+def test_piecewise_graphs_do_not_change_greedy_outputs(tiny_llm, quantization):
+    """Steps no whole-step graph serves replay piecewise graphs (graphs between eager prefill-attention
+    launches) and give the eager tokens: several prompts prefilling together, prompts arriving while others
+    decode (a prefill chunk next to decodes), chunks of a prompt longer than the token budget, and a mix that
+    fills the largest bucket; steps above it run eagerly."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", num_gpu_blocks_override=256, max_num_seqs=4, cuda_graph_max_batch=4,
+                  quantization=quantization, max_num_batched_tokens=48)
+    eager = tiny_llm(enforce_eager=True, **common)
+    graphs = tiny_llm(enforce_eager=False, prefill_graph_tokens=(16, 32), piecewise_graph_tokens=(16, 32), **common)
+    runner = graphs.engine.runner
+    assert sorted(runner.piecewise) == [16, 32] and not eager.engine.runner.piecewise
+    assert runner.piecewise_max_seqs == 4
+    served = []
+    replay = runner._replay_piecewise
+    runner._replay_piecewise = lambda *args: served.append(len(args[1])) or replay(*args)
+    prompts = [[(3 * i + 7 * j) % 256 for j in range(n)] for i, n in enumerate((5, 13, 30, 21, 70, 9))]
+    trio = [prompts[0], prompts[1], prompts[5]]  # 27 tokens prefilled in one step
+    assert ([o.outputs[0].token_ids for o in graphs.generate(trio, params)]
+            == [o.outputs[0].token_ids for o in eager.generate(trio, params)])
+    assert served == [27]
+    served.clear()
+    # the 70-token prompt arrives in 48-token chunks next to decodes (33-48 tokens: above the buckets, eager)
+    assert staggered_outputs(graphs, prompts, params) == staggered_outputs(eager, prompts, params)
+    assert len(served) >= 3 and max(served) <= 32 and any(n > 16 for n in served), served
 
 
 def test_fp8_kv_cache_gpu_matches_cpu(tiny_llm):

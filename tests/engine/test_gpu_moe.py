@@ -8,6 +8,7 @@ import torch
 
 from radiance import LLM, SamplingParams
 from radiance.layers.moe import SparseMoeBlock, moe_summary
+from tests.engine.arrivals import staggered_outputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -21,13 +22,15 @@ def _blocks(llm: LLM) -> list[SparseMoeBlock]:
 
 
 def _assert_graphs_give_the_eager_tokens(path, common: dict, eager: LLM, max_tokens: int):
-    """A second engine with CUDA graphs generates the eager engine's greedy tokens for prompts of 3-66 tokens."""
+    """A second engine with CUDA graphs generates the eager engine's greedy tokens for prompts of 3-66 tokens,
+    submitted together (one piecewise-graph prefill) and arriving while the others decode (mixed steps)."""
     prompts = [[(7 * i + j) % 256 for j in range(3 + 21 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     graphs = LLM(path, enforce_eager=False, **common)
-    assert graphs.engine.runner.graphs
+    assert graphs.engine.runner.graphs and graphs.engine.runner.piecewise
     assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])
+    assert staggered_outputs(graphs, prompts, params) == staggered_outputs(eager, prompts, params)
 
 
 def test_grouped_experts_match_the_loop(tiny_model_dir):

@@ -47,6 +47,12 @@ def test_rotate_and_store_writes_the_cache(device, head_dim, q_heads, k_heads):
     store_kv_cache_torch(ref_k, v, ref_kc, ref_vc, slots)
     assert torch.equal(q_rot, ref_q)
     assert torch.equal(k_cache, ref_kc) and torch.equal(v_cache, ref_vc)
+    # into a given tensor (the piecewise graphs' static queries): the same values, that tensor returned
+    given = torch.full((t, q_heads, head_dim), float("nan"), device=device)
+    assert rope.rotate_and_store(positions, q, k, v, k_cache, v_cache, slots, q_out=given) is given
+    assert torch.equal(given, ref_q)
+    with pytest.raises(ValueError, match="q_out"):
+        rope.rotate_and_store(positions, q, k, v, k_cache, v_cache, slots, q_out=given[:, :, :head_dim // 2])
 
 
 @pytest.mark.parametrize("store", [False, True])

@@ -49,6 +49,8 @@ def test_every_engine_field_is_a_cli_flag():
     assert cfg.cache.gpu_memory_utilization == 0.5 and cfg.model.model == "some/dir"
     off = engine_config_from_args(parser.parse_args(["--prefill-graph-tokens", "0"]))
     assert off.runner.prefill_graph_tokens == (0,)  # 0: no prefill graphs (the runner keeps sizes > 0)
+    chosen = engine_config_from_args(parser.parse_args(["--piecewise-graph-tokens", "32", "256"]))
+    assert chosen.runner.piecewise_graph_tokens == (32, 256)
     flags = {a.dest for a in parser._actions}
     for sub in dataclasses.fields(EngineConfig):
         for f in dataclasses.fields(sub.default_factory):
@@ -65,3 +67,14 @@ def test_prefill_graph_buckets_default_by_model_kind():
     chosen = RunnerConfig(prefill_graph_tokens=(64, 512))
     assert chosen.prefill_graph_buckets(sparse_moe=True) == chosen.prefill_graph_buckets(sparse_moe=False) == (64, 512)
     assert RunnerConfig(prefill_graph_tokens=(0,)).prefill_graph_buckets(sparse_moe=True) == (0,)
+
+
+def test_piecewise_graph_buckets_default_by_model_kind():
+    auto = RunnerConfig()
+    assert auto.piecewise_graph_buckets(sparse_moe=False) == (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+    assert auto.piecewise_graph_buckets(sparse_moe=True)[-4:] == (1536, 2048, 3072, 4096)
+    # independent of the single-sequence prefill buckets
+    assert RunnerConfig(prefill_graph_tokens=(0,)).piecewise_graph_buckets(sparse_moe=False) == auto.piecewise_graph_buckets(False)
+    assert RunnerConfig(piecewise_graph_tokens=(48,)).piecewise_graph_buckets(sparse_moe=True) == (48,)
+    with pytest.raises(ValueError, match="piecewise_graph_tokens"):
+        RunnerConfig(piecewise_graph_tokens=(-1,))
