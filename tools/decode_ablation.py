@@ -63,8 +63,8 @@ def _no_attention(self, q, k, v, meta, rotary=None, quantize=False, qk_norm=None
     return q.reshape(rows, width)
 
 
-def _no_rotary(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None, qk_norm=None):
-    return q
+def _no_rotary(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None, qk_norm=None, q_out=None):
+    return q if q_out is None else q_out.copy_(q)
 
 
 @contextlib.contextmanager

@@ -339,25 +339,28 @@ class ModelRunner:
         max_batch = min(self.config.runner.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
         self.buckets = graph_buckets(max_batch)
         dev = self.device
-        # one int64 block [tokens, positions, slots, context lens] and the block tables, filled from pinned
-        # host copies with one transfer each per step (no per-field copies while the GPU waits)
-        self.g_meta = torch.zeros(4, max_batch, dtype=torch.long, device=dev)
+        # one int64 block [tokens, positions, slots, context lens, the batch (in column 0: the real rows, the
+        # MoE layers route no padding row)] and the block tables, filled from pinned host copies with one
+        # transfer each per step (no per-field copies while the GPU waits)
+        self.g_meta = torch.zeros(5, max_batch, dtype=torch.long, device=dev)
         self.g_tables = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.h_meta = [torch.zeros(4, max_batch, dtype=torch.long).pin_memory() for _ in range(3)]
+        self.h_meta = [torch.zeros(5, max_batch, dtype=torch.long).pin_memory() for _ in range(3)]
         self.h_tables = [torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32).pin_memory()
                          for _ in range(3)]
         self._staging = 0
-        self.g_tokens, self.g_positions, self.g_slots, self.g_context = self.g_meta.unbind(0)
+        self.g_tokens, self.g_positions, self.g_slots, self.g_context, batch_row = self.g_meta.unbind(0)
         self.g_slots.fill_(-1)
         self.g_context.fill_(1)
         self.g_hidden: dict[int, torch.Tensor] = {}
         pool = None
         kv_heads = self.model.config.num_kv_heads
         for batch in reversed(self.buckets):
+            batch_row[0] = batch
             meta = AttentionMetadata(
                 slot_mapping=self.g_slots[:batch], block_tables=self.g_tables[:batch],
                 context_lens=self.g_context[:batch], cu_seqlens_q=None, q_lens=[1] * batch,
-                kv_lens=[1] * batch, is_decode=True, decode_splits=decode_num_splits(batch, kv_heads))
+                kv_lens=[1] * batch, is_decode=True, decode_splits=decode_num_splits(batch, kv_heads),
+                valid_rows=batch_row[:1])
             self.graphs[batch], self.g_hidden[batch] = self._capture(pool, self.g_tokens[:batch],
                                                                      self.g_positions[:batch], meta)
             pool = self.graphs[batch].pool()
@@ -404,7 +407,7 @@ class ModelRunner:
             self.p_lens.copy_(torch.tensor([0, size, size], dtype=torch.int32))
             meta = AttentionMetadata(slot_mapping=slots[:size], block_tables=self.p_table,
                                      context_lens=self.p_lens[2:], cu_seqlens_q=self.p_lens[:2], q_lens=[size],
-                                     kv_lens=[size], is_decode=False)
+                                     kv_lens=[size], is_decode=False, valid_rows=self.p_lens[1:2])
             self.prefill_graphs[size], self.p_hidden[size] = self._capture(self._pool, tokens[:size],
                                                                            positions[:size], meta)
             self._pool = self.prefill_graphs[size].pool()
@@ -424,13 +427,13 @@ class ModelRunner:
             return
         dev, top, seqs, arch = self.device, self.piecewise_sizes[-1], self.piecewise_max_seqs, self.model.config
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(dev)
-        # [tokens, positions, slots] of the largest bucket; int32 [cu_seqlens_q (seqs + 1), context_lens (seqs)];
-        # the block tables. Pinned staging sets are used in turn, as for the other graphs.
+        # [tokens, positions, slots] of the largest bucket; int32 [cu_seqlens_q (seqs + 1), context_lens (seqs),
+        # the real rows]; the block tables. Pinned staging sets are used in turn, as for the other graphs.
         self.w_meta = torch.zeros(3, top, dtype=torch.long, device=dev)
-        self.w_lens = torch.zeros(2 * seqs + 1, dtype=torch.int32, device=dev)
+        self.w_lens = torch.zeros(2 * seqs + 2, dtype=torch.int32, device=dev)
         self.w_tables = torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.hw_meta = [torch.zeros(3, top, dtype=torch.long).pin_memory() for _ in range(3)]
-        self.hw_lens = [torch.zeros(2 * seqs + 1, dtype=torch.int32).pin_memory() for _ in range(3)]
+        self.hw_lens = [torch.zeros(2 * seqs + 2, dtype=torch.int32).pin_memory() for _ in range(3)]
         self.hw_tables = [torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32).pin_memory()
                           for _ in range(3)]
         self._w_staging = 0
@@ -442,7 +445,7 @@ class ModelRunner:
         out_buffer = torch.zeros(q_shape, dtype=self.dtype, device=dev)
         for size in reversed(self.piecewise_sizes):
             self.w_lens[:2].copy_(torch.tensor([0, size], dtype=torch.int32))
-            self.w_lens[seqs + 1] = size
+            self.w_lens[seqs + 1] = self.w_lens[-1] = size
             meta = self._piecewise_meta(size, 1, [size], [size])
             with torch.inference_mode():
                 self.model(tokens[:size], positions[:size], meta)  # warm-up: Triton compiles, scratch at full size
@@ -460,7 +463,7 @@ class ModelRunner:
         return AttentionMetadata(slot_mapping=self.w_meta[2, :size], block_tables=self.w_tables[:batch],
                                  context_lens=self.w_lens[seqs + 1:seqs + 1 + batch],
                                  cu_seqlens_q=self.w_lens[:batch + 1], q_lens=q_lens, kv_lens=kv_lens,
-                                 is_decode=False)
+                                 is_decode=False, valid_rows=self.w_lens[-1:])
 
     def _replay_piecewise(self, tokens, positions, slots, q_lens: list[int], kv_lens: list[int],
                           tables) -> torch.Tensor:
@@ -477,6 +480,7 @@ class ModelRunner:
         lens[0] = 0
         lens[1:batch + 1] = np.cumsum(q_lens)
         lens[seqs + 1:seqs + 1 + batch] = kv_lens
+        lens[-1] = rows
         width = tables.shape[1]
         h_tables.numpy()[:batch, :width] = tables  # entries past a sequence's blocks are never read
         self.w_meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
@@ -512,7 +516,8 @@ class ModelRunner:
         self._staging = (self._staging + 1) % len(self.h_meta)
         h_meta, h_tables = self.h_meta[self._staging], self.h_tables[self._staging]
         meta = h_meta.numpy()
-        meta[:, batch:bucket] = ((0,), (0,), (-1,), (0,))  # padding rows: write nowhere, attend to nothing
+        meta[:, batch:bucket] = ((0,), (0,), (-1,), (0,), (0,))  # padding rows: write nowhere, attend to nothing
+        meta[4, 0] = batch
         on_device = isinstance(tokens, torch.Tensor)
         if not on_device:
             meta[0, :batch] = tokens

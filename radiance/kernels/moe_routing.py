@@ -4,6 +4,11 @@ route_to_experts / route_tokens group the pairs by expert into slots, each group
 block_m, so that one block_m-slot tile of the grouped GEMM (moe.py) serves one expert. Their shapes follow from
 (tokens, top_k, experts, block_m) alone and they never sync with the host, so a CUDA graph can capture them.
 combine_experts sums each token's expert outputs, weighted by the router.
+
+`valid_rows` (a device int tensor, element 0; None: every row) is the count of real tokens of a step replayed
+from a CUDA graph padded to its bucket: the padding rows after them get no expert (their pairs are parked in
+the slots past the used tiles, so the slots still hold each pair once) and combine to zeros. Without it a
+bucket's padding costs the expert GEMMs as many pairs as real tokens would.
 """
 
 from __future__ import annotations
@@ -36,20 +41,26 @@ def max_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-bound // block_m) * block_m
 
 
-def route_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertRouting:
+def route_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                     valid_rows: torch.Tensor | None = None) -> ExpertRouting:
     """Group the pairs of topk_ids (int [T, top_k], ids in [0, num_experts)) by expert, on its device.
     Torch ops of fixed shapes, no host sync: CUDA-graph capturable. Within an expert's group the pairs keep
-    their order (a stable sort), and its group starts at a multiple of block_m."""
+    their order (a stable sort), and its group starts at a multiple of block_m. With valid_rows only the
+    first valid_rows[0] tokens are grouped; the later pairs are parked past the used tiles, in pair order."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
     device = topk_ids.device
     slots = max_slots(num_pairs, num_experts, block_m)
+    if valid_rows is not None:  # a padding row's pairs go to expert E: sorted last, given no tile
+        real = torch.arange(tokens, device=device)[:, None] < valid_rows.reshape(-1)[:1]
+        topk_ids = torch.where(real, topk_ids, num_experts)
     expert_of_pair = topk_ids.reshape(-1).to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))
-    tiles = (counts + block_m - 1) // block_m
+    tiles = (counts[:num_experts] + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)  # one past each expert's last tile
-    group_start = (tile_end - tiles) * block_m  # first slot of each expert's group
+    # first slot of each expert's group, and of the parked pairs' after them (past the last group)
+    group_start = torch.nn.functional.pad(tile_end, (1, 0)) * block_m
     pair_start = torch.cumsum(counts, 0) - counts  # first position of each expert in the sorted pairs
     order = torch.argsort(expert_of_pair, stable=True)  # pairs by expert
     sorted_expert = expert_of_pair[order]
@@ -83,16 +94,17 @@ def top_k_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) ->
     return weights, ids
 
 
-def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, ExpertRouting]:
+def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
+                 valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertRouting]:
     """(weights fp32 [T, top_k], expert ids int32 [T, top_k], ExpertRouting) from router logits [T, E]:
     softmax in fp32, the top_k experts per token (renormalized to sum to 1 with `renormalize`), the pairs
-    grouped by expert as route_to_experts does. One Triton launch up to ROUTE_KERNEL_MAX_TOKENS tokens
-    where Triton serves (no host sync: CUDA-graph capturable), torch ops otherwise."""
+    grouped by expert as route_to_experts does (valid_rows: only the first valid_rows[0] tokens). One Triton
+    launch up to ROUTE_KERNEL_MAX_TOKENS tokens where Triton serves (no host sync: CUDA-graph capturable),
+    torch ops otherwise."""
     tokens, num_experts = router_logits.shape
     if not (triton_serves(router_logits) and 0 < tokens <= ROUTE_KERNEL_MAX_TOKENS):
         weights, ids = top_k_experts(router_logits, top_k, renormalize)
-        return weights, ids.to(torch.int32), route_to_experts(ids, num_experts, block_m)
+        return weights, ids.to(torch.int32), route_to_experts(ids, num_experts, block_m, valid_rows)
     device = router_logits.device
     num_pairs = tokens * top_k
     slots = max_slots(num_pairs, num_experts, block_m)
@@ -106,7 +118,8 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     _route.moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
-        tokens, num_experts, logits.stride(0), slots, slots // block_m,
+        valid_rows if valid_rows is not None else group_ends, tokens, num_experts, logits.stride(0), slots,
+        slots // block_m, HAS_VALID=valid_rows is not None,
         TOP_K=top_k, K_PAD=triton_next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
         # tiles no larger than the work (one compile per power of two of the token count)
         TB=max(2, min(4096 // e_pad, triton_next_pow2(tokens))),
@@ -117,12 +130,13 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, *,
                     rows: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                    ids: torch.Tensor | None = None) -> torch.Tensor:
+                    ids: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] = sum over the choices of weights [T, top_k] * h [T * top_k, H] (rows in pair order), summed
     in fp32 in choice order: one Triton launch where Triton serves, torch elsewhere (the same math).
     `rows` (int [T * top_k], optional): pair p's output is h's row rows[p] (expert-sorted outputs read in
     place, no un-sorting copy). `bias` [E, H] with `ids` (int [T, top_k]): each pair's expert bias is added
-    to its output in h's dtype first (a biased down projection)."""
+    to its output in h's dtype first (a biased down projection). valid_rows: the rows from valid_rows[0] on
+    are zeros (padding, not routed: their h rows were never written)."""
     tokens, top_k = weights.shape
     width = h.shape[1]
     if (bias is None) != (ids is None):
@@ -131,15 +145,20 @@ def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dty
         h = h[rows.long()] if rows is not None else h
         if bias is not None:
             h = h + bias.to(h.dtype)[ids.reshape(-1).long()]
-        return (h.view(tokens, top_k, width).float() * weights[..., None]).sum(dim=1).to(out_dtype)
+        out = (h.view(tokens, top_k, width).float() * weights[..., None]).sum(dim=1)
+        if valid_rows is not None:
+            real = torch.arange(tokens, device=h.device) < valid_rows.reshape(-1)[:1]
+            out = torch.where(real[:, None], out, 0.0)
+        return out.to(out_dtype)
     out = torch.empty((tokens, width), dtype=out_dtype, device=h.device)
     block = min(1024, triton_next_pow2(width))
     placeholder = weights  # any pointer for the operands a constexpr switches off
     _combine.moe_combine_kernel[(tokens, -(-width // block))](
         h, weights.contiguous(), out, rows if rows is not None else placeholder,
         bias.contiguous() if bias is not None else placeholder, ids.contiguous() if ids is not None else placeholder,
-        width, h.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, HAS_ROWS=rows is not None,
-        HAS_BIAS=bias is not None, num_warps=4)
+        valid_rows if valid_rows is not None else placeholder, width, h.stride(0), out.stride(0), TOP_K=top_k,
+        BLOCK=block, HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, HAS_VALID=valid_rows is not None,
+        num_warps=4)
     return out
 
 

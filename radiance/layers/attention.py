@@ -39,6 +39,9 @@ class AttentionMetadata:
     # per sequence, the first cache block of its context when its blocks run in order (b, b + 1, ...),
     # else -1: the torch path then reads the cache in place instead of gathering it (None: always gather)
     kv_first_blocks: list[int] | None = None
+    # a CUDA graph's count of real rows (device int, element 0): the rows after it pad the step to its bucket,
+    # and the sparse MoE layers route them to no expert (None: every row is real)
+    valid_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

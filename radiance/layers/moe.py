@@ -75,13 +75,15 @@ class SparseMoeBlock(nn.Module):
         the top_k of it, renormalized to sum to 1 where the model asks for it."""
         return moe_routing.top_k_experts(self.gate(x), self.top_k, self.norm_topk_prob)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """valid_rows (device int, element 0; the grouped paths): the rows from it on are a CUDA graph's padding,
+        routed to no expert (their output is the shared expert's alone, zeros without one)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
         if self.grouped is not None:
-            out = self._grouped_forward(x2)
+            out = self._grouped_forward(x2, valid_rows)
         elif self.grouped_16bit is not None and x2.dtype == self.grouped_16bit[0].dtype:
-            out = self._grouped_16bit_forward(x2)
+            out = self._grouped_16bit_forward(x2, valid_rows)
         else:
             out = self._looped_forward(x2, *self.route(x2))
         if self.shared_expert is not None:  # in x's dtype, as the model computes it
@@ -97,13 +99,14 @@ class SparseMoeBlock(nn.Module):
             out.index_add_(0, token, h.float() * weights[token, choice, None])
         return out.to(x.dtype)
 
-    def _grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _grouped_forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
         """W4A8 experts: routing in one launch at decode sizes, both expert GEMMs as grouped launches."""
         if moe_expanded.expand_serves(x, x.shape[0] * self.top_k, self.grouped[0]):
-            return self._grouped_expanded_forward(x)
+            return self._grouped_expanded_forward(x, valid_rows)
         gate_up, down = self.grouped
         block_m = grouped_kernels.moe_block_m(x.shape[0] * self.top_k, self.num_experts)
-        weights, _, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, block_m)
+        weights, _, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, block_m,
+                                                       valid_rows)
         x_q, x_scale = quantize_activations(x)
         gate_up_bias, down_bias = self.stacked_bias
         y_q, y_scale = grouped_kernels.w4a8_moe_gemm(x_q, x_scale, gate_up, routing, rows_per_pair_source="token",
@@ -111,15 +114,16 @@ class SparseMoeBlock(nn.Module):
                                                      activation=self.activation)
         h = grouped_kernels.w4a8_moe_gemm(y_q, y_scale, down, routing, rows_per_pair_source="pair", out_dtype=x.dtype,
                                           bias=down_bias)
-        return moe_routing.combine_experts(h, weights, x.dtype)
+        return moe_routing.combine_experts(h, weights, x.dtype, valid_rows=valid_rows)
 
-    def _grouped_expanded_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _grouped_expanded_forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
         """W4A8 experts with many tokens each (prefill): the pairs sorted by expert, both GEMMs on the experts
         expanded to fp8 (torch's fp8 grouped GEMM); the expert biases and the way back to pair order are
         left to the GLU and combine launches, which read the sorted rows in place."""
         gate_up, down = self.grouped
-        weights, ids, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
-        order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair
+        weights, ids, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1,
+                                                         valid_rows)
+        order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair (a padding row's: parked last)
         x_q, x_scale = quantize_activations(x)
         rows = order // self.top_k
         # fp8 rows gathered as bytes (index_select has no e4m3 kernel)
@@ -129,19 +133,20 @@ class SparseMoeBlock(nn.Module):
         act = glu_mul(gate_up_out, self.activation, quantize=True, **self._gate_up_bias(routing, len(order)))
         h_sorted = moe_expanded.w4a8_moe_mm_expanded(act.x_q, act.x_scale, down, routing.group_ends,
                                                         out_dtype=x.dtype)
-        return self._combine_sorted(h_sorted, weights, ids, routing, x.dtype)
+        return self._combine_sorted(h_sorted, weights, ids, routing, x.dtype, valid_rows)
 
-    def _grouped_16bit_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _grouped_16bit_forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
         """16-bit experts: the pairs sorted by expert (a routing without padding), two grouped GEMMs
         (torch._grouped_mm); biases and pair order as in _grouped_expanded_forward."""
         gate_up, down = self.grouped_16bit
-        weights, ids, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1)
-        order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair
+        weights, ids, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1,
+                                                         valid_rows)
+        order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair (a padding row's: parked last)
         rows = x[order // self.top_k]
         gate_up_out = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=routing.group_ends)
         y = glu_mul(gate_up_out, self.activation, **self._gate_up_bias(routing, len(order)))
         h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends)
-        return self._combine_sorted(h_sorted, weights, ids, routing, x.dtype)
+        return self._combine_sorted(h_sorted, weights, ids, routing, x.dtype, valid_rows)
 
     def _gate_up_bias(self, routing, rows: int) -> dict:
         """glu_mul's bias operands for expert-sorted rows (none without expert biases)."""
@@ -149,12 +154,12 @@ class SparseMoeBlock(nn.Module):
             return {}
         return dict(bias=self.stacked_bias[0], row_expert=moe_routing.expert_of_rows(routing.group_ends, rows))
 
-    def _combine_sorted(self, h_sorted, weights, ids, routing, dtype) -> torch.Tensor:
+    def _combine_sorted(self, h_sorted, weights, ids, routing, dtype, valid_rows=None) -> torch.Tensor:
         """The router-weighted sum of expert-sorted outputs, each pair's down bias added (combine_experts)."""
         down_bias = self.stacked_bias[1]
         return moe_routing.combine_experts(
             h_sorted, weights, dtype, rows=moe_routing.pair_rows(routing.sorted_pairs, routing.num_pairs),
-            bias=down_bias, ids=ids if down_bias is not None else None)
+            bias=down_bias, ids=ids if down_bias is not None else None, valid_rows=valid_rows)
 
     def path(self) -> str:
         """How forward runs the experts, for the startup summary."""

@@ -112,6 +112,8 @@ class LlamaDecoderLayer(nn.Module):
         # a sparse MLP's router reads the 16-bit norm output, so only a dense MLP takes it in fp8
         mlp_fp8 = isinstance(self.mlp, LlamaMLP) and takes_fp8(self.mlp.gate_up_proj)
         x, residual = self.post_attention_layernorm(x, residual, fp8=mlp_fp8)
+        if isinstance(self.mlp, SparseMoeBlock):  # a graph's padding rows pick no experts
+            return self.mlp(x, meta.valid_rows if meta is not None else None), residual
         return self.mlp(x), residual
 
 

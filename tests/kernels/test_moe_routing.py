@@ -12,11 +12,14 @@ from radiance.kernels.reference import quantize_activations_reference
 from tests.kernels.conftest import random_mxfp4
 
 
-def check_routing(routing: ExpertRouting, topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Every property the grouped GEMM relies on."""
+def check_routing(routing: ExpertRouting, topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                  valid_rows: int | None = None):
+    """Every property the grouped GEMM relies on; with valid_rows, that only the first valid_rows tokens have
+    slots in the used tiles and the later pairs are parked right after them, in pair order."""
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
-    expert_of_pair = topk_ids.reshape(-1)
+    routed = pairs if valid_rows is None else min(valid_rows, tokens) * top_k
+    expert_of_pair = topk_ids.reshape(-1)[:routed]
     slots, tile_expert = routing.sorted_pairs, routing.tile_expert
     assert (routing.num_pairs, routing.top_k, routing.block_m) == (pairs, top_k, block_m)
     assert slots.dtype == torch.int32 and tile_expert.dtype == torch.int32
@@ -28,7 +31,10 @@ def check_routing(routing: ExpertRouting, topk_ids: torch.Tensor, num_experts: i
     # used tiles first, in expert order, then -1
     used = int((tile_expert >= 0).sum())
     assert (tile_expert[used:] == -1).all() and (tile_expert[:used].diff() >= 0).all()
-    assert not live[used * block_m:].any()
+    parked = slots[used * block_m:used * block_m + pairs - routed]
+    assert torch.equal(parked, torch.arange(routed, pairs, dtype=torch.int32))
+    assert not live[used * block_m + pairs - routed:].any()
+    live[used * block_m:] = False
     slot_expert = tile_expert.repeat_interleave(block_m)
     assert torch.equal(slot_expert[live].long(), expert_of_pair[slots[live].long()].long())  # the tile's expert
     for e in range(num_experts):
@@ -62,6 +68,24 @@ def test_edge_routings(block_m):
     for ids in cases:
         routing = route_to_experts(ids, 8, block_m)
         check_routing(routing, ids.long(), 8, block_m)
+
+
+@pytest.mark.parametrize("block_m", [1, 16, 64])
+@pytest.mark.parametrize("tokens,valid", [(40, 25), (40, 0), (40, 40), (40, 99), (3, 1)])
+def test_padding_rows_get_no_expert(block_m, tokens, valid):
+    """A graph's padding rows (from valid_rows on; a count above the rows means all) route to no expert: the
+    groups hold the real rows' pairs alone, which route as they would on their own, and a padding pair sits
+    past the used tiles."""
+    ids = torch.stack([torch.randperm(16)[:4] for _ in range(tokens)])
+    ids[valid:] = 3  # padding rows of one bucket all pick the same experts
+    routing = route_to_experts(ids, 16, block_m, torch.tensor([valid], dtype=torch.int32))
+    check_routing(routing, ids, 16, block_m, valid_rows=valid)
+    alone = route_to_experts(ids[:valid], 16, block_m)
+    real = min(valid, tokens)
+    assert torch.equal(routing.group_ends, alone.group_ends)
+    used = int(routing.group_ends[-1])
+    assert torch.equal(routing.sorted_pairs[:used], torch.where(alone.sorted_pairs[:used] == real * 4,
+                                                                tokens * 4, alone.sorted_pairs[:used]))
 
 
 def test_routing_is_the_expected_layout():
@@ -107,3 +131,13 @@ def test_reference_is_per_pair_matmul(source):
     gate, up = out.split(20, dim=-1)
     want_q, want_s = quantize_activations_reference(torch.nn.functional.silu(gate) * up)
     assert torch.equal(y_s, want_s) and torch.equal(y_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_torch_combine_zeroes_padding_rows():
+    from radiance.kernels.moe_routing import combine_experts
+    h = torch.randn(10, 6)
+    h[6:] = float("nan")  # rows 3 and 4's pairs: never written
+    weights = torch.rand(5, 2)
+    out = combine_experts(h, weights, torch.float32, valid_rows=torch.tensor([3]))
+    torch.testing.assert_close(out[:3], (h[:6].view(3, 2, 6) * weights[:3, :, None]).sum(dim=1))
+    assert torch.equal(out[3:], torch.zeros(2, 6))

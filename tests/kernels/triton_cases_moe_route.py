@@ -84,3 +84,38 @@ def test_combine_experts_matches_torch(device, tokens, top_k, width, out_dtype):
     assert out.dtype == out_dtype and out.shape == (tokens, width)
     torch.testing.assert_close(out.float(), want.to(out_dtype).float(), rtol=1e-5 if out_dtype == torch.float32
                                else 2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,valid", [(24, 9), (24, 0), (5, 5), (7, 30)])
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_route_tokens_kernel_skips_padding_rows(device, tokens, valid, block_m):
+    """valid_rows: the kernel lays out the slots exactly as the torch path does, the real rows grouped and the
+    padding rows' pairs parked past the used tiles; weights and ids are still given for every row."""
+    logits = torch.randn(tokens, 32, device=device) * 3
+    count = torch.tensor([valid], dtype=torch.int32, device=device)
+    weights, ids, routing = moe.route_tokens(logits, 4, True, block_m, count)
+    want_weights, want_ids = _torch_routing(logits, 4, True)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+    assert torch.equal(ids.long(), want_ids)
+    want = moe.route_to_experts(want_ids, 32, block_m, count)
+    routing = _on_cpu(routing)
+    assert torch.equal(routing.sorted_pairs, want.sorted_pairs.cpu())
+    assert torch.equal(routing.tile_expert, want.tile_expert.cpu())
+    assert torch.equal(routing.group_ends, want.group_ends.cpu())
+    check_routing(routing, want_ids.cpu(), 32, block_m, valid_rows=valid)
+
+
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_combine_zeroes_padding_rows(device, with_rows):
+    """The rows from valid_rows on are zeros, even where their (never written) expert outputs hold NaN."""
+    tokens, top_k, width = 6, 2, 40
+    h = torch.randn(tokens * top_k, width, device=device)
+    h[8:] = float("nan")  # the pairs of rows 4 and 5
+    weights = torch.rand(tokens, top_k, device=device)
+    rows = torch.randperm(tokens * top_k, device=device).to(torch.int32) if with_rows else None
+    source = h[rows.argsort()] if with_rows else h  # so that rows[p] reads pair p's output
+    out = moe.combine_experts(source, weights, torch.float32, rows=rows,
+                              valid_rows=torch.tensor([4], dtype=torch.int32, device=device))
+    want = (h.view(tokens, top_k, width) * weights[..., None]).sum(dim=1)
+    torch.testing.assert_close(out[:4], want[:4], rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[4:], torch.zeros_like(out[4:]))

@@ -10,6 +10,9 @@ padding of moe_routing.route_to_experts): at a decode step those launches cost m
      within a group the pairs keep their order). Global scratch `next_slot` [E_PAD] carries each
      group's next free slot between blocks; CTA barriers order the phases (one program: a barrier makes
      its global writes visible to all its threads).
+With HAS_VALID only the first valid_ptr[0] tokens are routed (a CUDA graph's padding rows follow them): their
+pairs fill the groups, and every later pair p is parked in slot (used tiles) * BM + p - (routed pairs), past
+the used tiles, so that the slots still hold each pair once.
 """
 
 import triton
@@ -18,12 +21,15 @@ import triton.language as tl
 
 @triton.jit
 def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, next_slot_ptr,
-                     T, E, stride_l, num_slots, num_tiles,
+                     valid_ptr, T, E, stride_l, num_slots, num_tiles,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, BM: tl.constexpr,
-                     E_PAD: tl.constexpr, TB: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr):
+                     E_PAD: tl.constexpr, TB: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
+                     HAS_VALID: tl.constexpr = False):
     experts = tl.arange(0, E_PAD)
     e_live = experts < E
     num_pairs = T * TOP_K
+    routed = tl.minimum(tl.load(valid_ptr).to(tl.int32), T) if HAS_VALID else T  # tokens that get experts
+    routed_pairs = routed * TOP_K
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for t0 in range(0, T, TB):
         toks = t0 + tl.arange(0, TB)
@@ -39,7 +45,7 @@ def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_pt
             picked = experts[None, :] == top_id[:, None]
             tl.store(weights_ptr + toks * TOP_K + j, top, mask=t_live)
             tl.store(ids_ptr + toks * TOP_K + j, top_id, mask=t_live)
-            counts += tl.sum((picked & t_live[:, None]).to(tl.int32), axis=0)
+            counts += tl.sum((picked & (toks < routed)[:, None]).to(tl.int32), axis=0)
             probs = tl.where(picked, -1.0, probs)
     tl.debug_barrier()
     if NORM:  # the top_k weights of a token sum to 1
@@ -53,6 +59,7 @@ def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_pt
 
     tiles = (counts + BM - 1) // BM
     tile_end = tl.cumsum(tiles, axis=0)  # one past each expert's last tile
+    parked = tl.sum(tiles, axis=0) * BM  # the first slot past the used tiles
     tl.store(next_slot_ptr + experts, (tile_end - tiles) * BM)  # each group's first slot
     tl.store(group_end_ptr + experts, tile_end * BM, mask=e_live)
     for s0 in range(0, num_slots, SB):
@@ -68,12 +75,14 @@ def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_pt
     lanes = tl.arange(0, PB)
     for p0 in range(0, num_pairs, PB):
         pair = p0 + lanes
-        p_live = pair < num_pairs
+        p_live = pair < routed_pairs
         expert = tl.load(ids_ptr + pair, mask=p_live, other=0)
         earlier = (expert[:, None] == expert[None, :]) & (lanes[None, :] < lanes[:, None]) & p_live[None, :]
         rank = tl.sum(earlier.to(tl.int32), axis=1)  # same-expert pairs before it in this block
         slot = tl.load(next_slot_ptr + expert, mask=p_live, other=0) + rank
         tl.store(pairs_ptr + slot, pair, mask=p_live)
+        if HAS_VALID:  # a padding row's pairs: parked past the used tiles, in pair order
+            tl.store(pairs_ptr + parked + pair - routed_pairs, pair, mask=(pair >= routed_pairs) & (pair < num_pairs))
         added = tl.sum(((expert[:, None] == experts[None, :]) & p_live[:, None]).to(tl.int32), axis=0)
         moved = tl.load(next_slot_ptr + experts) + added
         tl.debug_barrier()  # every lane has read next_slot before it moves on
