@@ -454,6 +454,7 @@ class ModelRunner:
                                                      out_buffer, self._pool)
             self._pool = self.piecewise[size].graphs[0].pool()
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # the eager warm-ups' cached blocks (the graphs keep their own pool)
         logger.info("captured piecewise CUDA graphs for steps of up to %d sequences and %s tokens in %.1f s "
                     "(%+.0f MiB reserved)", seqs, self.piecewise_sizes, time.perf_counter() - start,
                     (torch.cuda.memory_reserved(dev) - reserved) / 2**20)

@@ -1,0 +1,94 @@
+"""The piecewise capture's protocol on the CPU, with stand-ins for CUDA graphs and the attention launch (the real
+thing, captured and replayed on a GPU against eager steps: test_gpu_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radiance.engine import piecewise_graphs as pw
+
+
+class FakeGraph:
+    """Records its capture and replays into a shared log."""
+
+    log: list = []
+    made = 0
+
+    def __init__(self):
+        self.name = f"graph{FakeGraph.made}"
+        FakeGraph.made += 1
+
+    def capture_begin(self, pool=None):
+        FakeGraph.log.append(("begin", self.name, pool))
+
+    def capture_end(self):
+        FakeGraph.log.append(("end", self.name))
+
+    def pool(self):
+        return "pool-of-" + self.name
+
+    def replay(self):
+        FakeGraph.log.append(("replay", self.name))
+
+
+class FakeAttention:
+    """Stands for Attention: prefill_attention writes q + its layer index into `out`."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def prefill_attention(self, q, meta, sinks=None, out=None):
+        FakeGraph.log.append(("attention", self.index, meta, sinks))
+        out.copy_(q + self.index)
+        return out
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    FakeGraph.log, FakeGraph.made = [], 0
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    return FakeGraph.log
+
+
+def test_each_cut_ends_a_piece_runs_the_launch_and_begins_the_next(fake_graphs):
+    q_buffer, out_buffer = torch.zeros(8, 2, 4), torch.zeros(8, 2, 4)
+    capture = pw.PiecewiseCapture(q_buffer[:6], out_buffer[:6], pool=None)
+    layers = [FakeAttention(1), FakeAttention(2)]
+    capture.begin()
+    q = torch.randn(6, 2, 4)
+    out = capture(layers[0], q, "meta", None)  # q rotated elsewhere: copied into the static buffer
+    assert out.data_ptr() == out_buffer.data_ptr() and torch.equal(q_buffer[:6], q) and torch.equal(out, q + 1)
+    static_q = capture.rotated_q(q)
+    static_q.copy_(q * 2)  # what the rotary launch does when it writes into the static buffer itself
+    capture(layers[1], static_q, "meta", "sinks")
+    capture.end()
+    assert [e[:2] for e in fake_graphs] == [("begin", "graph0"), ("end", "graph0"), ("attention", 1),
+                                            ("begin", "graph1"), ("end", "graph1"), ("attention", 2),
+                                            ("begin", "graph2"), ("end", "graph2")]
+    # the first piece makes the pool the later ones share
+    assert [e[2] for e in fake_graphs if e[0] == "begin"] == [None, "pool-of-graph0", "pool-of-graph0"]
+    assert [c.attn for c in capture.cuts] == layers and capture.cuts[1].sinks == "sinks"
+
+    forward = pw.PiecewiseForward(6, capture.graphs, capture.cuts, q_buffer[:6], out_buffer[:6], torch.zeros(6, 3))
+    fake_graphs.clear()
+    forward.replay("step-meta")
+    assert [e[:2] for e in fake_graphs] == [("replay", "graph0"), ("attention", 1), ("replay", "graph1"),
+                                            ("attention", 2), ("replay", "graph2")]
+    assert all(e[2] == "step-meta" for e in fake_graphs if e[0] == "attention")
+
+
+def test_queries_that_do_not_fit_the_static_buffer_are_refused(fake_graphs):
+    capture = pw.PiecewiseCapture(torch.zeros(8, 2, 4), torch.zeros(8, 2, 4), pool=None)
+    with pytest.raises(ValueError, match="static buffer"):
+        capture.rotated_q(torch.zeros(8, 3, 4))
+    with pytest.raises(ValueError, match="static buffer"):
+        capture.rotated_q(torch.zeros(8, 2, 4, dtype=torch.float16))
+
+
+def test_an_error_inside_a_piece_ends_its_capture(fake_graphs):
+    capture = pw.PiecewiseCapture(torch.zeros(4, 1, 2), torch.zeros(4, 1, 2), pool=None)
+    capture.begin()
+    capture.abort()
+    capture.abort()  # nothing open any more: no second end
+    assert [e[0] for e in fake_graphs] == ["begin", "end"] and capture.graphs == []
