@@ -66,17 +66,18 @@ def measure(args, quant: str, gen: torch.Generator) -> list[str]:
     engine = _engine(args.model, quant, args.prompt_len + args.output_len + 64, "cuda", None,
                      max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.85)
     runner = engine.runner
-    pieces, replay, replays = dict(runner.piecewise), runner._replay_piecewise, [0]
+    pieces, replays = runner.piecewise, [0]
+    replay = pieces.replay
 
     def counted(*step_args):
         replays[0] += 1
         return replay(*step_args)
 
-    runner._replay_piecewise = counted
+    pieces.replay = counted
     vocab, rows = engine.model.config.vocab_size, []
     for run in range(args.repeats + 1):  # run 0 warms up (Triton compiles the eager path's shapes)
         for variant in ("piecewise", "eager"):
-            runner.piecewise = pieces if variant == "piecewise" else {}
+            runner.piecewise = pieces if variant == "piecewise" else None
             prompts = [_random_ids(args.prompt_len, vocab, gen) for _ in range(args.requests)]
             replays[0] = 0
             wall, produced, steps = staggered_run(engine, prompts, args.output_len, args.gap, f"{variant}{run}")

@@ -25,7 +25,7 @@ import torch
 from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
 from radiance.engine.outputs import TokenLogprob
-from radiance.engine.piecewise_graphs import PiecewiseForward, capture_piecewise
+from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.engine.structured_output import fill_allowed_token_words
 from radiance.layers.attention import AttentionMetadata
@@ -155,7 +155,7 @@ class ModelRunner:
         self.h_masks: list[torch.Tensor] = []  # pinned structured-output masks, allocated on first use (_mask_words)
         self._mask_turn = 0
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.piecewise: dict[int, PiecewiseForward] = {}
+        self.piecewise: PiecewiseGraphs | None = None
         self._pool = None  # the memory pool the prefill and piecewise graphs share (one forward runs at a time)
         uncapturable = _uncapturable_module(model)
         if device.type == "cuda" and not config.runner.enforce_eager and uncapturable:
@@ -168,7 +168,8 @@ class ModelRunner:
             if config.kernel.numerics_check:  # graph replays run no Python, so no check can run inside them
                 logger.warning("numerics check covers eager steps only (above %d tokens, decode batches above %d); "
                                "add --enforce-eager to check every step",
-                               max(self.prefill_sizes + self.piecewise_sizes, default=0), max(self.graphs))
+                               max(self.prefill_sizes + (self.piecewise.sizes if self.piecewise else []), default=0),
+                               max(self.graphs))
 
     # ---------------------------------------------------------------- inputs
 
@@ -233,9 +234,8 @@ class ModelRunner:
         elif (batch == 1 and not is_decode and next_tokens is None and self.prefill_graphs
               and q_lens[0] <= self.prefill_sizes[-1]):
             hidden = self._replay_prefill(tokens, positions, slots, kv_lens[0], tables)
-        elif (not is_decode and next_tokens is None and self.piecewise and len(positions) <= self.piecewise_sizes[-1]
-              and batch <= self.piecewise_max_seqs):
-            hidden = self._replay_piecewise(tokens, positions, slots, q_lens, kv_lens, tables)
+        elif not is_decode and next_tokens is None and self.piecewise and self.piecewise.serves(len(positions), batch):
+            hidden = self.piecewise.replay(tokens, positions, slots, q_lens, kv_lens, tables)
         else:
             cu = np.zeros(batch + 1, dtype=np.int32)
             cu[1:] = np.cumsum(q_lens)
@@ -415,80 +415,24 @@ class ModelRunner:
         logger.info("captured CUDA graphs for single-sequence prefills of up to %s tokens", self.prefill_sizes)
 
     def _capture_piecewise_graphs(self) -> None:
-        """One piecewise forward per `RunnerConfig.piecewise_graph_tokens` bucket, for the steps no whole-step
-        graph serves, of up to max_num_seqs sequences: padding rows write no KV (slot -1) and lie outside
-        cu_seqlens_q, so attention never computes them."""
+        """The piecewise forwards (`RunnerConfig.piecewise_graph_tokens` buckets) for the steps no whole-step
+        graph serves, of up to max_num_seqs sequences."""
         limit = min(self.config.scheduler.max_num_batched_tokens,
                     self.config.scheduler.max_num_seqs * self.max_model_len)
         sizes = self.config.runner.piecewise_graph_buckets(getattr(self.model.config, "moe", None) is not None)
-        self.piecewise_sizes = sorted({t for t in sizes if 0 < t <= limit})
-        self.piecewise_max_seqs = self.config.scheduler.max_num_seqs
-        if not self.piecewise_sizes:
+        sizes = sorted({t for t in sizes if 0 < t <= limit})
+        if not sizes:
             return
-        dev, top, seqs, arch = self.device, self.piecewise_sizes[-1], self.piecewise_max_seqs, self.model.config
+        dev, arch, seqs = self.device, self.model.config, self.config.scheduler.max_num_seqs
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(dev)
-        # [tokens, positions, slots] of the largest bucket; int32 [cu_seqlens_q (seqs + 1), context_lens (seqs),
-        # the real rows]; the block tables. Pinned staging sets are used in turn, as for the other graphs.
-        self.w_meta = torch.zeros(3, top, dtype=torch.long, device=dev)
-        self.w_lens = torch.zeros(2 * seqs + 2, dtype=torch.int32, device=dev)
-        self.w_tables = torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.hw_meta = [torch.zeros(3, top, dtype=torch.long).pin_memory() for _ in range(3)]
-        self.hw_lens = [torch.zeros(2 * seqs + 2, dtype=torch.int32).pin_memory() for _ in range(3)]
-        self.hw_tables = [torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32).pin_memory()
-                          for _ in range(3)]
-        self._w_staging = 0
-        tokens, positions, slots = self.w_meta.unbind(0)
-        slots.fill_(-1)
-        # the cuts' static buffers: rotated queries in, attention output out (zeroed: padding rows stay finite)
-        q_shape = (top, arch.num_heads, arch.head_dim)
-        q_buffer = torch.zeros(q_shape, dtype=self.dtype, device=dev)
-        out_buffer = torch.zeros(q_shape, dtype=self.dtype, device=dev)
-        for size in reversed(self.piecewise_sizes):
-            self.w_lens[:2].copy_(torch.tensor([0, size], dtype=torch.int32))
-            self.w_lens[seqs + 1] = self.w_lens[-1] = size
-            meta = self._piecewise_meta(size, 1, [size], [size])
-            with torch.inference_mode():
-                self.model(tokens[:size], positions[:size], meta)  # warm-up: Triton compiles, scratch at full size
-            torch.cuda.synchronize(dev)
-            self.piecewise[size] = capture_piecewise(self.model, tokens[:size], positions[:size], meta, q_buffer,
-                                                     out_buffer, self._pool)
-            self._pool = self.piecewise[size].graphs[0].pool()
+        self.piecewise = PiecewiseGraphs(sizes, seqs, self.max_blocks_per_seq, (arch.num_heads, arch.head_dim),
+                                         self.dtype, dev)
+        self._pool = self.piecewise.capture(self.model, self._pool)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # the eager warm-ups' cached blocks (the graphs keep their own pool)
         logger.info("captured piecewise CUDA graphs for steps of up to %d sequences and %s tokens in %.1f s "
-                    "(%+.0f MiB reserved)", seqs, self.piecewise_sizes, time.perf_counter() - start,
+                    "(%+.0f MiB reserved)", seqs, sizes, time.perf_counter() - start,
                     (torch.cuda.memory_reserved(dev) - reserved) / 2**20)
-
-    def _piecewise_meta(self, size: int, batch: int, q_lens: list[int], kv_lens: list[int]) -> AttentionMetadata:
-        seqs = self.piecewise_max_seqs
-        return AttentionMetadata(slot_mapping=self.w_meta[2, :size], block_tables=self.w_tables[:batch],
-                                 context_lens=self.w_lens[seqs + 1:seqs + 1 + batch],
-                                 cu_seqlens_q=self.w_lens[:batch + 1], q_lens=q_lens, kv_lens=kv_lens,
-                                 is_decode=False, valid_rows=self.w_lens[-1:])
-
-    def _replay_piecewise(self, tokens, positions, slots, q_lens: list[int], kv_lens: list[int],
-                          tables) -> torch.Tensor:
-        """tokens, positions, slots: the step's rows (host); tables [batch, width] its block tables."""
-        rows, batch, seqs = len(positions), len(q_lens), self.piecewise_max_seqs
-        size = self.piecewise_sizes[bisect.bisect_left(self.piecewise_sizes, rows)]
-        self._w_staging = (self._w_staging + 1) % len(self.hw_meta)
-        h_meta, h_lens, h_tables = (self.hw_meta[self._w_staging], self.hw_lens[self._w_staging],
-                                    self.hw_tables[self._w_staging])
-        meta = h_meta.numpy()
-        meta[:, :rows] = (tokens, positions, slots)
-        meta[:, rows:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere
-        lens = h_lens.numpy()
-        lens[0] = 0
-        lens[1:batch + 1] = np.cumsum(q_lens)
-        lens[seqs + 1:seqs + 1 + batch] = kv_lens
-        lens[-1] = rows
-        width = tables.shape[1]
-        h_tables.numpy()[:batch, :width] = tables  # entries past a sequence's blocks are never read
-        self.w_meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
-        self.w_lens.copy_(h_lens, non_blocking=True)
-        self.w_tables[:batch, :width].copy_(h_tables[:batch, :width], non_blocking=True)
-        hidden = self.piecewise[size].replay(self._piecewise_meta(size, batch, q_lens, kv_lens))
-        return hidden[:rows]
 
     def _replay_prefill(self, tokens, positions, slots, kv_len: int, tables) -> torch.Tensor:
         q_len = len(positions)

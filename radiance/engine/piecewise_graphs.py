@@ -16,8 +16,10 @@ the rotated queries the piece before writes and the attention output the piece a
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radiance.layers.attention import Attention, AttentionMetadata
@@ -128,3 +130,77 @@ def capture_piecewise(model, tokens: torch.Tensor, positions: torch.Tensor, meta
         raise RuntimeError(f"piecewise capture: {len(capture.cuts)} attention cuts in a forward of {len(layers)} "
                            "layers (a layer whose attention does not run the Triton prefill path)")
     return PiecewiseForward(size, capture.graphs, capture.cuts, q_buffer[:size], out_buffer[:size], hidden)
+
+
+class PiecewiseGraphs:
+    """A runner's piecewise forwards, one per token bucket, for steps of up to `max_seqs` sequences, and the
+    static inputs they read: [tokens, positions, slots] of the largest bucket; int32 [cu_seqlens_q (max_seqs
+    + 1), context_lens (max_seqs), the step's real rows]; the block tables. Padding rows write no KV (slot -1),
+    lie outside cu_seqlens_q (attention never computes them) and route to no expert (valid_rows). Pinned
+    staging sets are used in turn, as for the runner's other graphs: the engine may queue steps ahead."""
+
+    def __init__(self, sizes: list[int], max_seqs: int, max_blocks_per_seq: int, q_shape: tuple[int, int],
+                 dtype: torch.dtype, device: torch.device):
+        self.sizes, self.max_seqs = sorted(sizes), max_seqs
+        self.forwards: dict[int, PiecewiseForward] = {}
+        top, pin = self.sizes[-1], device.type == "cuda"
+        self.meta = torch.zeros(3, top, dtype=torch.long, device=device)
+        self.lens = torch.zeros(2 * max_seqs + 2, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.meta[2].fill_(-1)
+        self._staging = [(torch.zeros(3, top, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(2 * max_seqs + 2, dtype=torch.int32, pin_memory=pin),
+                          torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin))
+                         for _ in range(3)]
+        self._turn = 0
+        # the cuts' static buffers: rotated queries in, attention output out (zeroed: padding rows stay finite)
+        self.q_buffer = torch.zeros(top, *q_shape, dtype=dtype, device=device)
+        self.out_buffer = torch.zeros(top, *q_shape, dtype=dtype, device=device)
+
+    def capture(self, model, pool=None):
+        """Capture every bucket, largest first, sharing `pool`; returns the pool (for the next captures)."""
+        tokens, positions, _ = self.meta.unbind(0)
+        for size in reversed(self.sizes):
+            self.lens[:2].copy_(torch.tensor([0, size], dtype=torch.int32))
+            self.lens[self.max_seqs + 1] = self.lens[-1] = size
+            meta = self.step_meta(size, [size], [size])
+            with torch.inference_mode():
+                model(tokens[:size], positions[:size], meta)  # warm-up: Triton compiles, scratch at full size
+            torch.cuda.synchronize(tokens.device)
+            self.forwards[size] = capture_piecewise(model, tokens[:size], positions[:size], meta, self.q_buffer,
+                                                    self.out_buffer, pool)
+            pool = self.forwards[size].graphs[0].pool()
+        return pool
+
+    def serves(self, rows: int, batch: int) -> bool:
+        return bool(self.forwards) and rows <= self.sizes[-1] and batch <= self.max_seqs
+
+    def step_meta(self, size: int, q_lens: list[int], kv_lens: list[int]) -> AttentionMetadata:
+        """The metadata of a step of len(q_lens) sequences in bucket `size`: views of the static inputs."""
+        batch, first_len = len(q_lens), self.max_seqs + 1
+        return AttentionMetadata(slot_mapping=self.meta[2, :size], block_tables=self.tables[:batch],
+                                 context_lens=self.lens[first_len:first_len + batch],
+                                 cu_seqlens_q=self.lens[:batch + 1], q_lens=q_lens, kv_lens=kv_lens,
+                                 is_decode=False, valid_rows=self.lens[-1:])
+
+    def replay(self, tokens, positions, slots, q_lens: list[int], kv_lens: list[int], tables) -> torch.Tensor:
+        """Hidden states of the step's rows: tokens, positions, slots (host, one per row), q_lens / kv_lens per
+        sequence, tables [batch, width] its block tables."""
+        rows, batch, first_len = len(positions), len(q_lens), self.max_seqs + 1
+        size = self.sizes[bisect.bisect_left(self.sizes, rows)]
+        self._turn = (self._turn + 1) % len(self._staging)
+        h_meta, h_lens, h_tables = self._staging[self._turn]
+        meta = h_meta.numpy()
+        meta[:, :rows] = (tokens, positions, slots)
+        meta[:, rows:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere
+        lens = h_lens.numpy()
+        lens[0] = 0
+        lens[1:batch + 1] = np.cumsum(q_lens)
+        lens[first_len:first_len + batch] = kv_lens
+        lens[-1] = rows
+        width = tables.shape[1]
+        h_tables.numpy()[:batch, :width] = tables  # entries past a sequence's blocks are never read
+        self.meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
+        self.lens.copy_(h_lens, non_blocking=True)
+        self.tables[:batch, :width].copy_(h_tables[:batch, :width], non_blocking=True)
+        return self.forwards[size].replay(self.step_meta(size, q_lens, kv_lens))[:rows]

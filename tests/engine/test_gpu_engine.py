@@ -77,12 +77,12 @@ def test_piecewise_graphs_do_not_change_greedy_outputs(tiny_llm, quantization):
                   quantization=quantization, max_num_batched_tokens=48)
     eager = tiny_llm(enforce_eager=True, **common)
     graphs = tiny_llm(enforce_eager=False, prefill_graph_tokens=(16, 32), piecewise_graph_tokens=(16, 32), **common)
-    runner = graphs.engine.runner
-    assert sorted(runner.piecewise) == [16, 32] and not eager.engine.runner.piecewise
-    assert runner.piecewise_max_seqs == 4
+    pieces = graphs.engine.runner.piecewise
+    assert sorted(pieces.forwards) == [16, 32] and eager.engine.runner.piecewise is None
+    assert pieces.max_seqs == 4
     served = []
-    replay = runner._replay_piecewise
-    runner._replay_piecewise = lambda *args: served.append(len(args[1])) or replay(*args)
+    replay = pieces.replay
+    pieces.replay = lambda *args: served.append(len(args[1])) or replay(*args)
     prompts = [[(3 * i + 7 * j) % 256 for j in range(n)] for i, n in enumerate((5, 13, 30, 21, 70, 9))]
     trio = [prompts[0], prompts[1], prompts[5]]  # 27 tokens prefilled in one step
     assert ([o.outputs[0].token_ids for o in graphs.generate(trio, params)]

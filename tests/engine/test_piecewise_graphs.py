@@ -3,6 +3,7 @@ thing, captured and replayed on a GPU against eager steps: test_gpu_engine.py)."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,3 +93,41 @@ def test_an_error_inside_a_piece_ends_its_capture(fake_graphs):
     capture.abort()
     capture.abort()  # nothing open any more: no second end
     assert [e[0] for e in fake_graphs] == ["begin", "end"] and capture.graphs == []
+
+
+class FakeForward:
+    """Stands for one bucket's captured forward: records the metadata it replays with."""
+
+    def __init__(self, size: int):
+        self.size, self.metas = size, []
+
+    def replay(self, meta):
+        self.metas.append(meta)
+        return torch.arange(self.size, dtype=torch.float32)[:, None].expand(self.size, 3)
+
+
+def test_a_step_fills_the_static_inputs_of_its_bucket():
+    """Two sequences (3 and 4 new tokens) in the 8-token bucket: rows, padding (slot -1), cu_seqlens, context
+    lengths, the real-row count and the block tables land where the captured pieces and the attention launch
+    read them; the hidden rows of the step come back."""
+    graphs = pw.PiecewiseGraphs([16, 8], max_seqs=3, max_blocks_per_seq=5, q_shape=(2, 4), dtype=torch.float32,
+                                device=torch.device("cpu"))
+    graphs.forwards = {8: FakeForward(8), 16: FakeForward(16)}
+    assert graphs.sizes == [8, 16] and graphs.q_buffer.shape == graphs.out_buffer.shape == (16, 2, 4)
+    assert graphs.serves(16, 3) and not graphs.serves(17, 1) and not graphs.serves(4, 4)
+    tokens, positions = [11, 12, 13, 21, 22, 23, 24], np.array([5, 6, 7, 0, 1, 2, 3])
+    slots = np.array([40, 41, 42, 8, 9, 10, 11])
+    tables = np.array([[2, 3, 9], [1, 0, 0]], dtype=np.int32)
+    hidden = graphs.replay(tokens, positions, slots, [3, 4], [8, 4], tables)
+    assert hidden.shape == (7, 3) and graphs.forwards[16].metas == []
+    assert graphs.meta[:, :8].tolist() == [tokens + [0], positions.tolist() + [0], slots.tolist() + [-1]]
+    meta = graphs.forwards[8].metas[0]
+    assert meta.cu_seqlens_q.tolist() == [0, 3, 7] and meta.context_lens.tolist() == [8, 4]
+    assert meta.valid_rows.tolist() == [7] and meta.q_lens == [3, 4] and meta.kv_lens == [8, 4]
+    assert meta.block_tables.tolist() == [[2, 3, 9, 0, 0], [1, 0, 0, 0, 0]] and not meta.is_decode
+    assert meta.slot_mapping.shape == (8,)
+    # a smaller step next: the buffers' views follow it, the earlier step's tail stays padding to the bucket
+    graphs.replay([5], np.array([8]), np.array([43]), [1], [9], tables[:1, :3])
+    meta = graphs.forwards[8].metas[1]
+    assert meta.cu_seqlens_q.tolist() == [0, 1] and meta.context_lens.tolist() == [9] and meta.valid_rows.tolist() == [1]
+    assert graphs.meta[2, :8].tolist() == [43] + [-1] * 7
