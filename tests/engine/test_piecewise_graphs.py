@@ -131,3 +131,29 @@ def test_a_step_fills_the_static_inputs_of_its_bucket():
     meta = graphs.forwards[8].metas[1]
     assert meta.cu_seqlens_q.tolist() == [0, 1] and meta.context_lens.tolist() == [9] and meta.valid_rows.tolist() == [1]
     assert graphs.meta[2, :8].tolist() == [43] + [-1] * 7
+
+
+def test_capture_takes_the_buckets_largest_first_and_threads_the_pool(monkeypatch):
+    """Each bucket: a warm-up forward, then the capture, over the bucket's rows of the static inputs with one
+    sequence filling it (cu_seqlens (0, size), context size, every row real); the pool of each capture is shared
+    with the next (capture_piecewise itself stood in for: it needs a GPU)."""
+    graphs = pw.PiecewiseGraphs([8, 16], max_seqs=2, max_blocks_per_seq=4, q_shape=(1, 2), dtype=torch.float32,
+                                device=torch.device("cpu"))
+    seen = []
+
+    def model(tokens, positions, meta):
+        seen.append(("warm-up", tokens.shape[0], meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(),
+                     meta.valid_rows.tolist()))
+
+    def fake_capture(model_, tokens, positions, meta, q_buffer, out_buffer, pool):
+        seen.append(("capture", tokens.shape[0], pool, q_buffer is graphs.q_buffer))
+        graph = FakeGraph()
+        return pw.PiecewiseForward(tokens.shape[0], [graph], [], q_buffer, out_buffer, None)
+
+    FakeGraph.log, FakeGraph.made = [], 0
+    monkeypatch.setattr(pw, "capture_piecewise", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert graphs.capture(model, pool="start") == "pool-of-graph1"
+    assert seen == [("warm-up", 16, [0, 16], [16], [16]), ("capture", 16, "start", True),
+                    ("warm-up", 8, [0, 8], [8], [8]), ("capture", 8, "pool-of-graph0", True)]
+    assert sorted(graphs.forwards) == [8, 16]
