@@ -86,7 +86,6 @@ class PiecewiseCapture:
 class PiecewiseForward:
     """One bucket's forward: len(cuts) + 1 graphs with an attention launch between each two."""
 
-    tokens: int
     graphs: list[torch.cuda.CUDAGraph]
     cuts: list[_Cut]
     q: torch.Tensor  # the static buffers of the cuts ([tokens, Hq, D])
@@ -129,7 +128,7 @@ def capture_piecewise(model, tokens: torch.Tensor, positions: torch.Tensor, meta
     if len(capture.cuts) != len(layers):
         raise RuntimeError(f"piecewise capture: {len(capture.cuts)} attention cuts in a forward of {len(layers)} "
                            "layers (a layer whose attention does not run the Triton prefill path)")
-    return PiecewiseForward(size, capture.graphs, capture.cuts, q_buffer[:size], out_buffer[:size], hidden)
+    return PiecewiseForward(capture.graphs, capture.cuts, q_buffer[:size], out_buffer[:size], hidden)
 
 
 class PiecewiseGraphs:

@@ -71,7 +71,7 @@ def test_each_cut_ends_a_piece_runs_the_launch_and_begins_the_next(fake_graphs):
     assert [e[2] for e in fake_graphs if e[0] == "begin"] == [None, "pool-of-graph0", "pool-of-graph0"]
     assert [c.attn for c in capture.cuts] == layers and capture.cuts[1].sinks == "sinks"
 
-    forward = pw.PiecewiseForward(6, capture.graphs, capture.cuts, q_buffer[:6], out_buffer[:6], torch.zeros(6, 3))
+    forward = pw.PiecewiseForward(capture.graphs, capture.cuts, q_buffer[:6], out_buffer[:6], torch.zeros(6, 3))
     fake_graphs.clear()
     forward.replay("step-meta")
     assert [e[:2] for e in fake_graphs] == [("replay", "graph0"), ("attention", 1), ("replay", "graph1"),
@@ -148,7 +148,7 @@ def test_capture_takes_the_buckets_largest_first_and_threads_the_pool(monkeypatc
     def fake_capture(model_, tokens, positions, meta, q_buffer, out_buffer, pool):
         seen.append(("capture", tokens.shape[0], pool, q_buffer is graphs.q_buffer))
         graph = FakeGraph()
-        return pw.PiecewiseForward(tokens.shape[0], [graph], [], q_buffer, out_buffer, None)
+        return pw.PiecewiseForward([graph], [], q_buffer, out_buffer, None)
 
     FakeGraph.log, FakeGraph.made = [], 0
     monkeypatch.setattr(pw, "capture_piecewise", fake_capture)
