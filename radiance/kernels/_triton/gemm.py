@@ -48,6 +48,20 @@ def _unpack_shifts(s):
 
 
 @triton.jit
+def live_words(kt, groups, BK: tl.constexpr):
+    """[BK/8] mask of K tile kt's kernel words whose 128-k group exists. Constant over each group's 16 words,
+    so that masked loads stay 16-byte vectors (a per-word mask split them into 4-byte copies)."""
+    return (kt * (BK // 128) + tl.arange(0, BK // 8) // 16) < groups
+
+
+@triton.jit
+def live_k(kt, K, BK: tl.constexpr):
+    """[BK] mask of K tile kt's columns below K. K is a multiple of 32 (the MXFP4 block), so the mask is constant
+    over 32 columns and fp8 loads stay 16-byte vectors (a per-column mask made them byte loads)."""
+    return (kt * BK + tl.arange(0, BK) // 32 * 32) < K
+
+
+@triton.jit
 def _tile_columns(pid_n, N, BN: tl.constexpr, GLU: tl.constexpr):
     """(output columns [BN or BN/2], weight rows [BN], output width) of column tile pid_n. Rows past
     the weight wrap around (their results are never stored), so weight loads need no row mask."""
@@ -170,10 +184,9 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
             words = tl.load(w_ptrs + kt * (BK // 8), eviction_policy="evict_first")  # read once: keep L2 for the rest
             s = tl.load(s_ptrs + kt * G * N)
         else:
-            k_live = (kt * BK + offs_k) < K
-            x = tl.load(x_ptrs + kt * BK, mask=x_live[:, None] & k_live[None, :], other=0.0)
-            word_live = (kt * BK + tl.arange(0, BK // 8) * 8) < groups * 128  # its 128-k group exists
-            words = tl.load(w_ptrs + kt * (BK // 8), mask=word_live[None, :], other=0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs + kt * BK, mask=x_live[:, None] & live_k(kt, K, BK)[None, :], other=0.0)
+            words = tl.load(w_ptrs + kt * (BK // 8), mask=live_words(kt, groups, BK)[None, :], other=0,
+                            eviction_policy="evict_first")
             group_live = (kt * G + offs_g) < groups
             s = tl.load(s_ptrs + kt * G * N, mask=group_live[None, :], other=0)
         words = tl.reshape(tl.permute(tl.reshape(words, (BN, G, 4, 4)), (0, 1, 3, 2)), (BN, NB, 4))  # [BN, block, q]

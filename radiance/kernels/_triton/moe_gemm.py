@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from radiance.kernels._triton.convert import expand_e2m1_words
-from radiance.kernels._triton.gemm import _epilogue, _tile_columns, _unpack_shifts
+from radiance.kernels._triton.gemm import _epilogue, _tile_columns, _unpack_shifts, live_k, live_words
 
 
 @triton.jit
@@ -44,8 +44,7 @@ def _weight_tile(w_ptrs, s_ptrs, kt, N, groups, BN: tl.constexpr, BK: tl.constex
         words = tl.load(w_ptrs + kt * (BK // 8))
         s = tl.load(s_ptrs + kt * G * N)
     else:
-        word_live = (kt * BK + tl.arange(0, BK // 8) * 8) < groups * 128  # its 128-k group exists
-        words = tl.load(w_ptrs + kt * (BK // 8), mask=word_live[None, :], other=0)
+        words = tl.load(w_ptrs + kt * (BK // 8), mask=live_words(kt, groups, BK)[None, :], other=0)
         group_live = (kt * G + tl.arange(0, G)) < groups
         s = tl.load(s_ptrs + kt * G * N, mask=group_live[None, :], other=0)
     words = tl.reshape(tl.permute(tl.reshape(words, (BN, G, 4, 4)), (0, 1, 3, 2)), (BN, NB, 4))  # [BN, block, q]
@@ -81,7 +80,7 @@ def _moe_tile(t, expert, pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_p
         if EVEN_K:
             x = tl.load(x_ptrs + kt * BK)
         else:
-            x = tl.load(x_ptrs + kt * BK, mask=((kt * BK + offs_k) < K)[None, :], other=0.0)
+            x = tl.load(x_ptrs + kt * BK, mask=live_k(kt, K, BK)[None, :], other=0.0)
         w = _weight_tile(w_ptrs, s_ptrs, kt, N, groups, BN, BK, EVEN_K, USE_ASM)
         if PRECISE_ACC:  # the MMA sums one K tile from zero; the fp32 add promotes it
             if SWAP_AB:
