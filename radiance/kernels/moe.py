@@ -11,7 +11,7 @@ import torch
 
 from radiance.kernels._triton import moe_gemm as _moe
 from radiance.kernels.activation import quantize_rows_from_parts, triton_serves
-from radiance.kernels.device_info import sm_count
+from radiance.kernels.device_info import sm_count, supports_pdl
 from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.kernels.moe_routing import ExpertRouting
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, dequantize_prepared, padded_k
@@ -171,8 +171,7 @@ def w4a8_moe_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, experts: PreparedExp
     and no bias are the bytes of w4a8_glu. bias (optional, [E, N], any float dtype) is added in fp32 to the
     scaled sum before its one rounding to out_dtype; `activation` serves only glu.
     `out` (optional) is the [T * top_k, N] output, or with glu the [T * top_k, N/2] activation rows before
-    quantization. Launched without programmatic dependent launch: tests/kernels/test_pdl_protocol.py
-    checks only the kernel modules it lists, and this one is not among them yet."""
+    quantization. Launched as a programmatic dependent where the GPU has it (sm_90), as the dense GEMM is."""
     y, amax, _ = _launch(x_q, x_scale, experts, routing, rows_per_pair_source, glu, out_dtype, config, use_asm, out,
                          bias, activation)
     return quantize_rows_from_parts(y, amax) if glu else y
@@ -201,6 +200,7 @@ def _launch(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, sour
     programs = min(work, sm_count(x_q.device) * cfg.programs_per_sm) if cfg.persistent else work
     if pairs == 0 or work == 0:
         return out, amax, None
+    pdl = supports_pdl(x_q.device)
     compiled = _moe.w4a8_moe_gemm_kernel[(programs,)](
         x_q, x_scale.reshape(-1), experts.w_q, experts.w_shift.view(torch.int32), experts.w_scale,
         bias.contiguous() if bias is not None else experts.w_scale, out, amax if glu else out,
@@ -209,7 +209,7 @@ def _launch(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, sour
         SWAP_AB=cfg.swap_ab, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, EVEN_K=(k % cfg.block_k == 0),
         USE_ASM=_use_asm(x_q) if use_asm is None else use_asm, PRECISE_ACC=cfg.precise_acc,
         HAS_BIAS=bias is not None, GLU=glu, **(activation.kernel_constexprs() if glu else {}),
-        PERSISTENT=cfg.persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PERSISTENT=cfg.persistent, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, amax, compiled
 
 

@@ -19,8 +19,10 @@ import torch
 
 from radiance.kernels._triton import moe_combine as _combine
 from radiance.kernels._triton import moe_route as _route
+from radiance.kernels._triton import moe_router as _router
 from radiance.kernels.activation import triton_next_pow2, triton_serves
 from radiance.kernels.buffers import device_buffer
+from radiance.kernels.device_info import supports_pdl
 
 
 class ExpertRouting(NamedTuple):
@@ -84,6 +86,32 @@ ROUTE_KERNEL_MAX_TOKENS = 128
 ROUTE_ONE_WARP_MAX_TOKENS = 2
 
 
+# Tokens up to which router_logits runs its Triton GEMV instead of torch's linear (cuBLAS). H200, us per call
+# (graphs of 16 layers' weights), cuBLAS / GEMV: gpt-oss-20b (32 x 2880, bias) 5.4 / 2.3 at 1 token, 5.9 / 2.8 at
+# 8; Qwen3-30B-A3B (128 x 2048) 4.7 / 1.6 and 5.0 / 2.5; Qwen3-235B-A22B (128 x 4096) 5.8 / 2.4, 5.9 / 3.8, and
+# 6.0 / 6.6 at 16 tokens (bench/RESULTS.md, twenty-seventh session)
+ROUTER_KERNEL_MAX_TOKENS = 8
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The router's logits [T, E] = x [T, H] @ weight [E, H]^T (+ bias) in x's dtype, as torch's linear computes
+    them (fp32 sums, one rounding). Up to ROUTER_KERNEL_MAX_TOKENS tokens where Triton serves: one launch that
+    takes part in programmatic dependent launch (cuBLAS's one or two do not); torch's linear otherwise."""
+    tokens, hidden = x.shape
+    if not (triton_serves(x) and 0 < tokens <= ROUTER_KERNEL_MAX_TOKENS) or x.stride(1) != 1 or weight.stride(1) != 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    num_experts = weight.shape[0]
+    out = torch.empty((tokens, num_experts), dtype=x.dtype, device=x.device)
+    # one expert row per program, read in at most a few wide chunks: the loads are all in flight at once
+    block_t = max(2, min(4, triton_next_pow2(tokens)))
+    pdl = supports_pdl(x.device)
+    _router.moe_router_kernel[(num_experts, -(-tokens // block_t))](
+        x, weight, bias if bias is not None else weight, out, tokens, num_experts, hidden, x.stride(0),
+        weight.stride(0), out.stride(0), BT=block_t, BE=1, BH=min(2048, triton_next_pow2(hidden)),
+        HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return out
+
+
 def top_k_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights fp32 [T, top_k], expert ids int64 [T, top_k]) in torch ops: softmax of the router logits in fp32,
     its top_k, renormalized to sum to 1 with `renormalize` (what route_tokens' kernel computes)."""
@@ -116,6 +144,7 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, blo
     group_ends = torch.empty(num_experts, dtype=torch.int32, device=device)
     next_slot = device_buffer("moe-route-next-slot", device, e_pad, torch.int32, zeroed=False)
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    pdl = supports_pdl(device)
     _route.moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
         valid_rows if valid_rows is not None else group_ends, tokens, num_experts, logits.stride(0), slots,
@@ -123,7 +152,7 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, blo
         TOP_K=top_k, K_PAD=triton_next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
         # tiles no larger than the work (one compile per power of two of the token count)
         TB=max(2, min(4096 // e_pad, triton_next_pow2(tokens))),
-        PB=max(16, min(64, triton_next_pow2(num_pairs))), SB=64,
+        PB=max(16, min(64, triton_next_pow2(num_pairs))), SB=64, PDL=pdl, launch_pdl=pdl,
         num_warps=1 if tokens <= ROUTE_ONE_WARP_MAX_TOKENS else 4)
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
 
@@ -153,12 +182,13 @@ def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dty
     out = torch.empty((tokens, width), dtype=out_dtype, device=h.device)
     block = min(1024, triton_next_pow2(width))
     placeholder = weights  # any pointer for the operands a constexpr switches off
+    pdl = supports_pdl(h.device)
     _combine.moe_combine_kernel[(tokens, -(-width // block))](
         h, weights.contiguous(), out, rows if rows is not None else placeholder,
         bias.contiguous() if bias is not None else placeholder, ids.contiguous() if ids is not None else placeholder,
         valid_rows if valid_rows is not None else placeholder, width, h.stride(0), out.stride(0), TOP_K=top_k,
         BLOCK=block, HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, HAS_VALID=valid_rows is not None,
-        num_warps=4)
+        PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
 
 

@@ -75,6 +75,10 @@ class SparseMoeBlock(nn.Module):
         the top_k of it, renormalized to sum to 1 where the model asks for it."""
         return moe_routing.top_k_experts(self.gate(x), self.top_k, self.norm_topk_prob)
 
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """self.gate(x), through the routing module's GEMV at decode sizes (moe_routing.router_logits)."""
+        return moe_routing.router_logits(x, self.gate.weight, self.gate.bias)
+
     def forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
         """valid_rows (device int, element 0; the grouped paths): the rows from it on are a CUDA graph's padding,
         routed to no expert (their output is the shared expert's alone, zeros without one)."""
@@ -105,8 +109,8 @@ class SparseMoeBlock(nn.Module):
             return self._grouped_expanded_forward(x, valid_rows)
         gate_up, down = self.grouped
         block_m = grouped_kernels.moe_block_m(x.shape[0] * self.top_k, self.num_experts)
-        weights, _, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, block_m,
-                                                       valid_rows)
+        weights, _, routing = moe_routing.route_tokens(self._router_logits(x), self.top_k, self.norm_topk_prob,
+                                                       block_m, valid_rows)
         x_q, x_scale = quantize_activations(x)
         gate_up_bias, down_bias = self.stacked_bias
         y_q, y_scale = grouped_kernels.w4a8_moe_gemm(x_q, x_scale, gate_up, routing, rows_per_pair_source="token",
@@ -121,7 +125,7 @@ class SparseMoeBlock(nn.Module):
         expanded to fp8 (torch's fp8 grouped GEMM); the expert biases and the way back to pair order are
         left to the GLU and combine launches, which read the sorted rows in place."""
         gate_up, down = self.grouped
-        weights, ids, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1,
+        weights, ids, routing = moe_routing.route_tokens(self._router_logits(x), self.top_k, self.norm_topk_prob, 1,
                                                          valid_rows)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair (a padding row's: parked last)
         x_q, x_scale = quantize_activations(x)
@@ -139,7 +143,7 @@ class SparseMoeBlock(nn.Module):
         """16-bit experts: the pairs sorted by expert (a routing without padding), two grouped GEMMs
         (torch._grouped_mm); biases and pair order as in _grouped_expanded_forward."""
         gate_up, down = self.grouped_16bit
-        weights, ids, routing = moe_routing.route_tokens(self.gate(x), self.top_k, self.norm_topk_prob, 1,
+        weights, ids, routing = moe_routing.route_tokens(self._router_logits(x), self.top_k, self.norm_topk_prob, 1,
                                                          valid_rows)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair (a padding row's: parked last)
         rows = x[order // self.top_k]

@@ -21,7 +21,7 @@ def compile_for_sm90(block_m: int, glu: bool):
     kernel = moe_gemm.w4a8_moe_gemm_kernel
     consts = dict(SWAP_AB=cfg.swap_ab, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, EVEN_K=True, USE_ASM=True,
                   PRECISE_ACC=cfg.precise_acc, HAS_BIAS=False, GLU=glu, ACT=0, ALPHA=None, LIMIT=None,
-                  PERSISTENT=cfg.persistent)
+                  PERSISTENT=cfg.persistent, PDL=True)
     signature = dict(SIGNATURE, **{c: "constexpr" for c in consts})
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()})
@@ -34,5 +34,6 @@ def compile_for_sm90(block_m: int, glu: bool):
 def test_production_tilings_compile_to_fp8_wgmma(block_m, glu):
     ptx = compile_for_sm90(block_m, glu).asm["ptx"]
     assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx
+    assert "griddepcontrol.wait" in ptx  # launched as a programmatic dependent on sm_90 (moe.w4a8_moe_gemm)
     if MOE_CONFIGS[block_m].persistent:
         assert "cp.async" in ptx  # the weight / activation tiles still stream through the software pipeline

@@ -20,6 +20,7 @@ silu or gpt-oss's swiglu_oai) and each row's amax parts.
 import triton
 import triton.language as tl
 
+from radiance.kernels._triton.act_quant import pdl_handoff
 from radiance.kernels._triton.convert import expand_e2m1_words
 from radiance.kernels._triton.gemm import _epilogue, _tile_columns, _unpack_shifts, live_k, live_words
 
@@ -108,14 +109,18 @@ def w4a8_moe_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_
                          SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
                          HAS_BIAS: tl.constexpr = False, GLU: tl.constexpr = False, ACT: tl.constexpr = 0,
-                         ALPHA: tl.constexpr = None, LIMIT: tl.constexpr = None, PERSISTENT: tl.constexpr = False):
+                         ALPHA: tl.constexpr = None, LIMIT: tl.constexpr = None, PERSISTENT: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """w: int32 kernel words [E, N, K'/8], shift: int32 [E, K'/128, N] (4 int8 block shifts each),
     ws: fp32 [E, N], bias [E, N] (HAS_BIAS); x e4m3 [R, K] with scales xs [R]; out [num_pairs, N] (GLU:
     [num_pairs, N/2] and amax int32 [num_pairs, column tiles]). ACT, ALPHA, LIMIT: gemm._epilogue's.
     PERSISTENT: num_programs programs walk the (slot tile, column tile) pairs of the used slots (the last
     expert's group end) with a stride of num_programs, in one flattened loop, so that the software pipeline
     may run on across tile boundaries (measured: a few percent on short-K tiles; moe.MOE_CONFIGS). Otherwise
-    one program per pair, those past the used tiles (tile_expert -1) ending at once."""
+    one program per pair, those past the used tiles (tile_expert -1) ending at once. PDL: launched as a
+    programmatic dependent (act_quant.pdl_handoff): every operand but the weights comes from the kernels just
+    before (routing, activations), and the weights' rows depend on the routing, so nothing is prefetched."""
+    pdl_handoff(PDL)
     num_pid_n = tl.cdiv(N // 2, BN // 2) if GLU else tl.cdiv(N, BN)
     if PERSISTENT:
         work = tl.load(group_ends_ptr + num_experts - 1) // BM * num_pid_n

@@ -10,6 +10,7 @@ padding of moe_routing.route_to_experts): at a decode step those launches cost m
      within a group the pairs keep their order). Global scratch `next_slot` [E_PAD] carries each
      group's next free slot between blocks; CTA barriers order the phases (one program: a barrier makes
      its global writes visible to all its threads).
+With PDL the kernel is launched as a programmatic dependent (act_quant.pdl_handoff).
 With HAS_VALID only the first valid_ptr[0] tokens are routed (a CUDA graph's padding rows follow them): their
 pairs fill the groups, and every later pair p is parked in slot (used tiles) * BM + p - (routed pairs), past
 the used tiles, so that the slots still hold each pair once.
@@ -18,13 +19,16 @@ the used tiles, so that the slots still hold each pair once.
 import triton
 import triton.language as tl
 
+from radiance.kernels._triton.act_quant import pdl_handoff
+
 
 @triton.jit
 def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, next_slot_ptr,
                      valid_ptr, T, E, stride_l, num_slots, num_tiles,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, BM: tl.constexpr,
                      E_PAD: tl.constexpr, TB: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
-                     HAS_VALID: tl.constexpr = False):
+                     HAS_VALID: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_handoff(PDL)
     experts = tl.arange(0, E_PAD)
     e_live = experts < E
     num_pairs = T * TOP_K
