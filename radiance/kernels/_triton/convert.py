@@ -83,6 +83,13 @@ def expand_e2m1_words(words, shift, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def live_words(kt, groups, BK: tl.constexpr):
+    """[BK/8] mask of K tile kt's kernel words whose 128-k group exists. Constant over each group's 16 words,
+    so that masked loads stay 16-byte vectors (a per-word mask split them into 4-byte ones)."""
+    return (kt * (BK // 128) + tl.arange(0, BK // 8) // 16) < groups
+
+
+@triton.jit
 def expand_weight_kernel(w_ptr, shift_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr,
                          USE_ASM: tl.constexpr):
     """Write the e4m3 weight [N, K] the GEMM kernels see: the large-M path (cuBLAS fp8 on the
@@ -99,10 +106,8 @@ def expand_weight_kernel(w_ptr, shift_ptr, out_ptr, N, K, BN: tl.constexpr, BK: 
     w_ptr += expert * N * (groups * 16)
     shift_ptr += expert * groups * N * 4
     out_ptr += expert * N * K
-    word = tl.arange(0, BK // 8)
-    word_live = (pid_k * BK + word * 8) < groups * 128
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * (groups * 16) + pid_k * (BK // 8) + word[None, :]
-    words = tl.load(w_ptrs, mask=rows[:, None] & word_live[None, :], other=0)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * (groups * 16) + pid_k * (BK // 8) + tl.arange(0, BK // 8)[None, :]
+    words = tl.load(w_ptrs, mask=rows[:, None] & live_words(pid_k, groups, BK)[None, :], other=0)
     words = tl.reshape(tl.permute(tl.reshape(words, (BN, G, 4, 4)), (0, 1, 3, 2)), (BN, NB, 4))  # [BN, block, q]
     g = pid_k * G + tl.arange(0, G)
     s_ptrs = (shift_ptr + g[None, :, None].to(tl.int64) * N * 4 + offs_n[:, None, None] * 4

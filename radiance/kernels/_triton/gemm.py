@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from radiance.kernels._triton.act_quant import silu_mul_values, swiglu_oai_values
-from radiance.kernels._triton.convert import expand_e2m1_words
+from radiance.kernels._triton.convert import expand_e2m1_words, live_words
 
 
 @triton.jit
@@ -45,13 +45,6 @@ def _unpack_shifts(s):
     b3 = s >> 24
     both = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [BN, G, 2, 2]: [.., i, j] = byte 2i + j
     return tl.reshape(both, (s.shape[0], s.shape[1] * 4))
-
-
-@triton.jit
-def live_words(kt, groups, BK: tl.constexpr):
-    """[BK/8] mask of K tile kt's kernel words whose 128-k group exists. Constant over each group's 16 words,
-    so that masked loads stay 16-byte vectors (a per-word mask split them into 4-byte copies)."""
-    return (kt * (BK // 128) + tl.arange(0, BK // 8) // 16) < groups
 
 
 @triton.jit

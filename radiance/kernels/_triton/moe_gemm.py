@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from radiance.kernels._triton.act_quant import pdl_handoff
-from radiance.kernels._triton.convert import expand_e2m1_words
-from radiance.kernels._triton.gemm import _epilogue, _tile_columns, _unpack_shifts, live_k, live_words
+from radiance.kernels._triton.convert import expand_e2m1_words, live_words
+from radiance.kernels._triton.gemm import _epilogue, _tile_columns, _unpack_shifts, live_k
 
 
 @triton.jit
