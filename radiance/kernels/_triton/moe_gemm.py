@@ -67,7 +67,8 @@ def _moe_tile(t, expert, pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_p
     groups = tl.cdiv(K, 128)
     words_per_row = groups * 16
     e = expert.to(tl.int64)
-    # padding slots read row 0: their results are never stored, so their loads need no mask
+    # padding slots point at row 0 but load nothing (at decode 15 of a tile's 16 slots are padding: their loads
+    # would multiply the activation traffic); their results are never stored
     x_ptrs = x_ptr + x_row.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = (w_ptr + (e * N + offs_n)[:, None] * words_per_row  # [BN, BK/8]: 4 threads per row (gemm.py)
               + tl.arange(0, BK // 8)[None, :])
@@ -79,9 +80,9 @@ def _moe_tile(t, expert, pid_n, num_pid_n, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_p
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(0, tl.cdiv(K, BK)):
         if EVEN_K:
-            x = tl.load(x_ptrs + kt * BK)
+            x = tl.load(x_ptrs + kt * BK, mask=live[:, None], other=0.0)
         else:
-            x = tl.load(x_ptrs + kt * BK, mask=live_k(kt, K, BK)[None, :], other=0.0)
+            x = tl.load(x_ptrs + kt * BK, mask=live[:, None] & live_k(kt, K, BK)[None, :], other=0.0)
         w = _weight_tile(w_ptrs, s_ptrs, kt, N, groups, BN, BK, EVEN_K, USE_ASM)
         if PRECISE_ACC:  # the MMA sums one K tile from zero; the fp32 add promotes it
             if SWAP_AB:
