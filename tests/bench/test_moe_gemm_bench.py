@@ -1,0 +1,42 @@
+"""tools/moe_gemm_bench.py: the expert shapes it reads from the synthetic configs, and the harness end to end (a
+CPU dry run under the Triton interpreter, in a subprocess: TRITON_INTERPRET is read when Triton is imported)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import moe_gemm_bench  # noqa: E402
+
+
+def test_model_shapes_are_the_published_ones():
+    gpt_oss = moe_gemm_bench.model_shapes("synthetic:gpt-oss-20b")
+    assert (gpt_oss.experts, gpt_oss.top_k, gpt_oss.hidden, gpt_oss.intermediate, gpt_oss.biased) == \
+        (32, 4, 2880, 2880, True)
+    assert gpt_oss.activation.kind == "swiglu_oai"
+    qwen = moe_gemm_bench.model_shapes("synthetic:qwen3-30b-a3b")
+    assert (qwen.experts, qwen.top_k, qwen.hidden, qwen.intermediate, qwen.biased) == (128, 8, 2048, 768, False)
+    with pytest.raises(SystemExit, match="no mixture-of-experts"):
+        moe_gemm_bench.model_shapes("synthetic:llama-3.1-8b")
+
+
+@pytest.mark.parametrize("model", ["synthetic:gpt-oss-20b", "synthetic:qwen3-30b-a3b"])
+def test_dry_run_checks_the_grouped_path(model):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_gemm_bench.py"), "--model", model, "--tokens",
+                           "1", "3", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [float(e) for e in re.findall(r"(?:W4A8|bf16 grouped) ([0-9.e+-]+)", proc.stdout)]
+    assert len(errors) == 4 and all(e <= 2e-3 for e in errors), proc.stdout
+
+
+def test_dry_run_needs_the_interpreter():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_gemm_bench.py"), "--dry-run"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr
