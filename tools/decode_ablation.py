@@ -120,8 +120,8 @@ def ab_engine(model: str, quantization: str, batches, device: str, overrides: di
 
 def recapture(engine) -> None:
     """Re-capture the decode graphs: they bake in whatever launches (and constexprs) are in force now."""
-    if engine.runner.graphs:
-        engine.runner._capture_decode_graphs()
+    if engine.runner.decode_graphs:
+        engine.runner.capture_decode_graphs()
 
 
 def run(model: str, quantization: str, batches, variants, device: str = "cuda", overrides: dict | None = None,

@@ -100,8 +100,8 @@ def run(model: str, quantization: str = "mxfp4", values=(1, 2, 3, 4, 5, 6, 8), b
 
     def timed(table: dict) -> float:
         with table_in_use(table):
-            if engine.runner.graphs:
-                engine.runner._capture_decode_graphs()  # the graph bakes in the tilings of its launches
+            if engine.runner.decode_graphs:
+                engine.runner.capture_decode_graphs()  # the graph bakes in the tilings of its launches
             return step_ms(engine, gen, batch, steps=steps)
 
     timed(base)  # warm-up (compiles, allocator pools)
@@ -129,8 +129,8 @@ def run(model: str, quantization: str = "mxfp4", values=(1, 2, 3, 4, 5, 6, 8), b
         combined = with_field(combined, shape, field, value, batch)
     result["final"] = [(v, timed(base if v == "table" else combined)) for v in ("table", "winners") * 2]
     log("  " + "  ".join(f"{v} {ms:.3f}" for v, ms in result["final"]))
-    if engine.runner.graphs:
-        engine.runner._capture_decode_graphs()  # leave the engine as the table has it
+    if engine.runner.decode_graphs:
+        engine.runner.capture_decode_graphs()  # leave the engine as the table has it
     return result
 
 

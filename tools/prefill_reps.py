@@ -49,7 +49,8 @@ def main() -> None:
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=64,
                          gpu_memory_utilization=0.85)
         runner = engine.runner
-        buckets = list(runner.prefill_sizes)
+        graphs = runner.prefill_graphs
+        buckets = list(graphs.sizes)
         for length in args.lengths:
             # eager: only the buckets below this length stay visible ([0] when none: the runner reads the last)
             modes = ({"graph": buckets, "eager": [s for s in buckets if s < length] or [0]} if args.eager_ab
@@ -57,16 +58,16 @@ def main() -> None:
             times: dict[str, list[float]] = {mode: [] for mode in modes}
             for rep in range(args.repeats + 1):
                 for mode, sizes in modes.items():
-                    runner.prefill_sizes = sizes
+                    graphs.sizes = sizes
                     ms = prefill_ms(engine, length, gen, f"{quant}-{mode}-{length}-{rep}")
                     if rep:  # the first run warms up
                         times[mode].append(ms)
-            runner.prefill_sizes = buckets
+            graphs.sizes = buckets
             for mode, ms in times.items():
                 rows.append(f"| {quant} | {mode} | {length} | {' / '.join(f'{t:.1f}' for t in ms)} | "
                             f"{length / min(ms) * 1e3:,.0f} |")
                 print(rows[-1], flush=True)
-        del engine, runner
+        del engine, runner, graphs
         torch.cuda.empty_cache()
     print(f"\n{args.model}, prefill graph buckets by model kind\n")
     print("| quantization | prefill | tokens | wall ms per run | best tok/s |")

@@ -43,7 +43,7 @@ class LLMEngine:
                                           prefer_in_order=self.device.type == "cpu")
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         overlap = self.config.runner.overlap_decode
-        self.overlap_decode = bool(self.runner.graphs) if overlap is None else overlap
+        self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
         self._ahead = None  # (queued decode step, each sequence's position in it): see _launch_ahead
         self.overlapped_steps = 0  # steps served by a step queued ahead
         self._grammar_backend: GrammarBackend | None = None  # built on the first structured-output request
@@ -57,7 +57,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         kv_tokens = self.runner.num_blocks * self.config.cache.block_size
-        graphs = sorted(self.runner.graphs) if self.runner.graphs else "off"
+        graphs = self.runner.decode_graphs.buckets if self.runner.decode_graphs else "off"
         self.load_summary = loaded.summary + [
             f"KV cache: {self.runner.num_blocks} blocks x {self.config.cache.block_size} = {kv_tokens} tokens "
             f"({str(self.runner.kv_cache.dtype).removeprefix('torch.')}); "

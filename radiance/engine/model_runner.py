@@ -1,10 +1,9 @@
 """Turns a scheduled step into tensors, runs the model over the paged KV cache and samples.
 
-Decode-only steps on CUDA replay a CUDA graph captured for the smallest batch bucket that fits (padding
-rows write nowhere: slot -1, context 0), single-sequence prefills one captured per token bucket, and other
-steps up to the largest piecewise bucket (several sequences prefilling, prefill chunks next to decodes)
-replay a forward captured in pieces between its prefill-attention launches (`piecewise_graphs`); larger
-steps, and everything on the CPU, run eagerly.
+Decode-only steps on CUDA replay a CUDA graph captured for the smallest batch bucket that fits, single-sequence
+prefills one captured per token bucket (`step_graphs`), and other steps up to the largest piecewise bucket
+(several sequences prefilling, prefill chunks next to decodes) replay a forward captured in pieces between its
+prefill-attention launches (`piecewise_graphs`); larger steps, and everything on the CPU, run eagerly.
 `launch` queues a step (sampling included; the sampled ids start their copy home behind an event) and
 `finish` waits for that step alone, so the engine can queue the next decode step in between. Steps with
 structured output sample separately (`sample`), once the host has the tokens their masks depend on, so
@@ -13,7 +12,6 @@ their forward can still be queued ahead.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 import weakref
@@ -27,6 +25,7 @@ from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_b
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence
+from radiance.engine.step_graphs import DecodeGraphs, PrefillGraphs, decode_num_splits
 from radiance.engine.structured_output import fill_allowed_token_words
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
@@ -34,7 +33,6 @@ from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutpu
 
 logger = logging.getLogger(__name__)
 
-_TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
 PROMPT_SCORE_ROWS = 512  # prompt positions per logits slice when scoring prompts (x vocab x 4 bytes)
 
 
@@ -107,11 +105,6 @@ class BlockTableMirror:
         return array
 
 
-def decode_num_splits(batch: int, num_kv_heads: int) -> int:
-    """KV partitions per sequence for the split-KV decode kernel: enough CTAs to fill the GPU."""
-    return max(1, min(32, -(-_TARGET_DECODE_CTAS // (batch * num_kv_heads))))
-
-
 def _uncapturable_module(model) -> str | None:
     """The name of a module whose forward a CUDA graph cannot capture (it says so with `capturable()`)."""
     for name, module in model.named_modules():
@@ -119,14 +112,6 @@ def _uncapturable_module(model) -> str | None:
         if capturable is not None and not capturable():
             return name
     return None
-
-
-def graph_buckets(max_batch: int) -> list[int]:
-    buckets = [b for b in (1, 2, 4, 8) if b <= max_batch]
-    buckets += list(range(16, max_batch + 1, 16))
-    if buckets[-1] != max_batch:
-        buckets.append(max_batch)
-    return buckets
 
 
 class ModelRunner:
@@ -146,7 +131,6 @@ class ModelRunner:
             logger.warning("max_model_len lowered to %d (model limit / KV cache capacity)", self.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, kv_dtype)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # pinned landing buffers of the sampled ids, used in turn (like the graph inputs' staging sets)
         max_rows = max(config.scheduler.max_num_seqs, 1 + config.speculative.ngram_draft_tokens)  # sampled rows
         pin = device.type == "cuda"
@@ -154,7 +138,8 @@ class ModelRunner:
         self._readback = 0
         self.h_masks: list[torch.Tensor] = []  # pinned structured-output masks, allocated on first use (_mask_words)
         self._mask_turn = 0
-        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self._pool = None  # the memory pool the prefill and piecewise graphs share (one forward runs at a time)
         uncapturable = _uncapturable_module(model)
@@ -162,14 +147,15 @@ class ModelRunner:
             logger.warning("CUDA graphs off: %s syncs with the host in its forward (e.g. experts not on the "
                            "W4A8 kernel; --quantization mxfp4 puts them there)", uncapturable)
         if device.type == "cuda" and not config.runner.enforce_eager and not uncapturable:
-            self._capture_decode_graphs()
+            self.capture_decode_graphs()
             self._capture_prefill_graphs()
             self._capture_piecewise_graphs()
             if config.kernel.numerics_check:  # graph replays run no Python, so no check can run inside them
+                sizes = (self.prefill_graphs.sizes if self.prefill_graphs else []) + \
+                    (self.piecewise.sizes if self.piecewise else [])
                 logger.warning("numerics check covers eager steps only (above %d tokens, decode batches above %d); "
-                               "add --enforce-eager to check every step",
-                               max(self.prefill_sizes + (self.piecewise.sizes if self.piecewise else []), default=0),
-                               max(self.graphs))
+                               "add --enforce-eager to check every step", max(sizes, default=0),
+                               self.decode_graphs.buckets[-1])
 
     # ---------------------------------------------------------------- inputs
 
@@ -229,11 +215,11 @@ class ModelRunner:
         tokens = next_tokens if next_tokens is not None else tokens
         is_decode = all(n == 1 for n in q_lens)
         batch = len(scheduled)
-        if is_decode and self.graphs and batch <= max(self.graphs):
-            hidden = self._replay(tokens, positions, slots, kv_lens, tables)
+        if is_decode and self.decode_graphs and self.decode_graphs.serves(batch):
+            hidden = self.decode_graphs.replay(tokens, positions, slots, kv_lens, tables)
         elif (batch == 1 and not is_decode and next_tokens is None and self.prefill_graphs
-              and q_lens[0] <= self.prefill_sizes[-1]):
-            hidden = self._replay_prefill(tokens, positions, slots, kv_lens[0], tables)
+              and self.prefill_graphs.serves(q_lens[0])):
+            hidden = self.prefill_graphs.replay(tokens, positions, slots, kv_lens[0], tables)
         elif not is_decode and next_tokens is None and self.piecewise and self.piecewise.serves(len(positions), batch):
             hidden = self.piecewise.replay(tokens, positions, slots, q_lens, kv_lens, tables)
         else:
@@ -335,84 +321,29 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- CUDA graphs
 
-    def _capture_decode_graphs(self) -> None:
+    def capture_decode_graphs(self) -> None:
+        """(Re)capture the decode graphs (a re-capture bakes in changed kernel tilings: tools/)."""
         max_batch = min(self.config.runner.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
-        self.buckets = graph_buckets(max_batch)
-        dev = self.device
-        # one int64 block [tokens, positions, slots, context lens, the batch (in column 0: the real rows, the
-        # MoE layers route no padding row)] and the block tables, filled from pinned host copies with one
-        # transfer each per step (no per-field copies while the GPU waits)
-        self.g_meta = torch.zeros(5, max_batch, dtype=torch.long, device=dev)
-        self.g_tables = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.h_meta = [torch.zeros(5, max_batch, dtype=torch.long).pin_memory() for _ in range(3)]
-        self.h_tables = [torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32).pin_memory()
-                         for _ in range(3)]
-        self._staging = 0
-        self.g_tokens, self.g_positions, self.g_slots, self.g_context, batch_row = self.g_meta.unbind(0)
-        self.g_slots.fill_(-1)
-        self.g_context.fill_(1)
-        self.g_hidden: dict[int, torch.Tensor] = {}
-        pool = None
-        kv_heads = self.model.config.num_kv_heads
-        for batch in reversed(self.buckets):
-            batch_row[0] = batch
-            meta = AttentionMetadata(
-                slot_mapping=self.g_slots[:batch], block_tables=self.g_tables[:batch],
-                context_lens=self.g_context[:batch], cu_seqlens_q=None, q_lens=[1] * batch,
-                kv_lens=[1] * batch, is_decode=True, decode_splits=decode_num_splits(batch, kv_heads),
-                valid_rows=batch_row[:1])
-            self.graphs[batch], self.g_hidden[batch] = self._capture(pool, self.g_tokens[:batch],
-                                                                     self.g_positions[:batch], meta)
-            pool = self.graphs[batch].pool()
-        torch.cuda.synchronize(dev)
-        logger.info("captured CUDA graphs for decode batches %s", self.buckets)
-
-    def _capture(self, pool, *args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """(graph, its output) of one forward over static `args`, in memory `pool` (shared by the
-        buckets: captured largest first, each reuses what the larger one freed)."""
-        with torch.inference_mode():
-            self.model(*args)  # warm-up outside the capture: Triton compiles, scratch buffers at full size
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                out = self.model(*args)
-        return graph, out
+        self.decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, self.model.config.num_kv_heads,
+                                          self.device)
+        self.decode_graphs.capture(self.model)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured CUDA graphs for decode batches %s", self.decode_graphs.buckets)
 
     def _capture_prefill_graphs(self) -> None:
-        """One graph per `RunnerConfig.prefill_graph_tokens` bucket, for steps that prefill (a chunk of)
-        one sequence: padding rows write no KV (slot -1) and lie outside cu_seqlens, so attention never
-        computes them; the caller keeps the first q_len rows of the output."""
+        """The single-sequence prefill graphs of `RunnerConfig.prefill_graph_tokens`, up to the step's token limit."""
         limit = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens)
         sizes = set(self.config.runner.prefill_graph_buckets(getattr(self.model.config, "moe", None) is not None))
         drafts = self.config.speculative.ngram_draft_tokens
         if drafts:  # a speculative step checks 1 + drafts tokens of one sequence: a small bucket of its own
             sizes.add(1 << drafts.bit_length())
-        self.prefill_sizes = sorted({t for t in sizes if 0 < t <= limit})
-        if not self.prefill_sizes:
+        sizes = sorted({t for t in sizes if 0 < t <= limit})
+        if not sizes:
             return
-        dev, top = self.device, self.prefill_sizes[-1]
-        # [tokens, positions, slots] of the largest bucket; int32 [cu_seqlens_q (0, q_len), context_len];
-        # the sequence's block table. Pinned staging sets are used in turn, as for the decode graphs.
-        self.p_meta = torch.zeros(3, top, dtype=torch.long, device=dev)
-        self.p_lens = torch.zeros(3, dtype=torch.int32, device=dev)
-        self.p_table = torch.zeros(1, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.hp_meta = [torch.zeros(3, top, dtype=torch.long).pin_memory() for _ in range(3)]
-        self.hp_lens = [torch.zeros(3, dtype=torch.int32).pin_memory() for _ in range(3)]
-        self.hp_table = [torch.zeros(1, self.max_blocks_per_seq, dtype=torch.int32).pin_memory() for _ in range(3)]
-        self._p_staging = 0
-        tokens, positions, slots = self.p_meta.unbind(0)
-        slots.fill_(-1)
-        self.p_hidden: dict[int, torch.Tensor] = {}
-        for size in reversed(self.prefill_sizes):
-            self.p_lens.copy_(torch.tensor([0, size, size], dtype=torch.int32))
-            meta = AttentionMetadata(slot_mapping=slots[:size], block_tables=self.p_table,
-                                     context_lens=self.p_lens[2:], cu_seqlens_q=self.p_lens[:2], q_lens=[size],
-                                     kv_lens=[size], is_decode=False, valid_rows=self.p_lens[1:2])
-            self.prefill_graphs[size], self.p_hidden[size] = self._capture(self._pool, tokens[:size],
-                                                                           positions[:size], meta)
-            self._pool = self.prefill_graphs[size].pool()
-        torch.cuda.synchronize(dev)
-        logger.info("captured CUDA graphs for single-sequence prefills of up to %s tokens", self.prefill_sizes)
+        self.prefill_graphs = PrefillGraphs(sizes, self.max_blocks_per_seq, self.device)
+        self._pool = self.prefill_graphs.capture(self.model, self._pool)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured CUDA graphs for single-sequence prefills of up to %s tokens", sizes)
 
     def _capture_piecewise_graphs(self) -> None:
         """The piecewise forwards (`RunnerConfig.piecewise_graph_tokens` buckets) for the steps no whole-step
@@ -433,46 +364,3 @@ class ModelRunner:
         logger.info("captured piecewise CUDA graphs for steps of up to %d sequences and %s tokens in %.1f s "
                     "(%+.0f MiB reserved)", seqs, sizes, time.perf_counter() - start,
                     (torch.cuda.memory_reserved(dev) - reserved) / 2**20)
-
-    def _replay_prefill(self, tokens, positions, slots, kv_len: int, tables) -> torch.Tensor:
-        q_len = len(positions)
-        size = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, q_len)]
-        self._p_staging = (self._p_staging + 1) % len(self.hp_meta)
-        h_meta = self.hp_meta[self._p_staging]
-        h_lens, h_table = self.hp_lens[self._p_staging], self.hp_table[self._p_staging]
-        meta = h_meta.numpy()
-        meta[:, :q_len] = (tokens, positions, slots)
-        meta[:, q_len:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere
-        h_lens.numpy()[:] = (0, q_len, kv_len)
-        width = tables.shape[1]
-        h_table.numpy()[0, :width] = tables[0]  # entries past the sequence's blocks are never read
-        self.p_meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
-        self.p_lens.copy_(h_lens, non_blocking=True)
-        self.p_table[:, :width].copy_(h_table[:, :width], non_blocking=True)
-        self.prefill_graphs[size].replay()
-        return self.p_hidden[size][:q_len]
-
-    def _replay(self, tokens, positions, slots, kv_lens, tables) -> torch.Tensor:
-        """tokens: host ints, or a device tensor (a step queued behind the one that samples them)."""
-        batch = len(positions)
-        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
-        # three pinned staging sets, used in turn: the engine queues up to two steps ahead of the one
-        # it last waited for, and a set must not be rewritten while its copy still waits in the stream
-        self._staging = (self._staging + 1) % len(self.h_meta)
-        h_meta, h_tables = self.h_meta[self._staging], self.h_tables[self._staging]
-        meta = h_meta.numpy()
-        meta[:, batch:bucket] = ((0,), (0,), (-1,), (0,), (0,))  # padding rows: write nowhere, attend to nothing
-        meta[4, 0] = batch
-        on_device = isinstance(tokens, torch.Tensor)
-        if not on_device:
-            meta[0, :batch] = tokens
-        meta[1, :batch] = positions
-        meta[2, :batch] = slots
-        meta[3, :batch] = kv_lens
-        h_tables.numpy()[:batch, :tables.shape[1]] = tables
-        self.g_meta[:, :bucket].copy_(h_meta[:, :bucket], non_blocking=True)
-        self.g_tables[:batch].copy_(h_tables[:batch], non_blocking=True)
-        if on_device:
-            self.g_tokens[:batch].copy_(tokens)
-        self.graphs[bucket].replay()
-        return self.g_hidden[bucket][:batch]

@@ -43,6 +43,6 @@ def test_set_field_touches_the_suffixed_linears_only():
 
     down, o = Mxfp4Linear(*random_mxfp4(8, 64, "cpu")), Mxfp4Linear(*random_mxfp4(8, 64, "cpu"))
     model = torch.nn.ModuleDict({"down_proj": down, "o_proj": o})
-    engine = SimpleNamespace(model=model, runner=SimpleNamespace(graphs=False))
+    engine = SimpleNamespace(model=model, runner=SimpleNamespace(decode_graphs=None))
     ab.set_field(engine, "defer_split_sum", False, ("down_proj",))
     assert down.kernel_config.defer_split_sum is False and o.kernel_config.defer_split_sum is True

@@ -18,7 +18,7 @@ def test_cuda_graphs_do_not_change_greedy_outputs(tiny_llm):
     eager = tiny_llm(enforce_eager=True, **common)
     graphs = tiny_llm(enforce_eager=False, **common)
     in_order = tiny_llm(enforce_eager=False, overlap_decode=False, **common)
-    assert not eager.engine.runner.graphs and graphs.engine.runner.graphs
+    assert eager.engine.runner.decode_graphs is None and graphs.engine.runner.decode_graphs.graphs
     assert graphs.engine.overlap_decode and not eager.engine.overlap_decode  # the default follows graphs
     out_eager = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     out_graph = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
@@ -53,7 +53,7 @@ def test_prefill_graphs_do_not_change_greedy_outputs(tiny_llm, quantization):
     eager = tiny_llm(enforce_eager=True, **common)
     graphs = tiny_llm(enforce_eager=False, prefill_graph_tokens=(16, 32, 64), **common)
     runner = graphs.engine.runner
-    assert sorted(runner.prefill_graphs) == [16, 32, 64] and not eager.engine.runner.prefill_graphs
+    assert sorted(runner.prefill_graphs.graphs) == [16, 32, 64] and eager.engine.runner.prefill_graphs is None
     prompts = [[(3 * i + 5 * j) % 256 for j in range(n)] for i, n in enumerate((5, 16, 17, 40, 64, 90))]
     for prompt in prompts:  # one at a time: each prefill is a single-sequence step
         assert (graphs.generate(prompt, params)[0].outputs[0].token_ids

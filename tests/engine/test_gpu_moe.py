@@ -27,7 +27,7 @@ def _assert_graphs_give_the_eager_tokens(path, common: dict, eager: LLM, max_tok
     prompts = [[(7 * i + j) % 256 for j in range(3 + 21 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     graphs = LLM(path, enforce_eager=False, **common)
-    assert graphs.engine.runner.graphs and graphs.engine.runner.piecewise.forwards
+    assert graphs.engine.runner.decode_graphs and graphs.engine.runner.piecewise.forwards
     assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])
     assert staggered_outputs(graphs, prompts, params) == staggered_outputs(eager, prompts, params)
@@ -60,7 +60,7 @@ def test_cuda_graphs_capture_grouped_experts(tiny_model_dir):
                   cuda_graph_max_batch=8)
     eager = LLM(path, enforce_eager=True, **common)
     graphs = LLM(path, enforce_eager=False, **common)
-    assert graphs.engine.runner.graphs
+    assert graphs.engine.runner.decode_graphs
     assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])
 
@@ -71,7 +71,7 @@ def test_16bit_experts_on_torch_grouped_gemm(tiny_model_dir):
     llm = LLM(path, device="cuda", quantization="none", num_gpu_blocks_override=64, max_num_seqs=2,
               cuda_graph_max_batch=2)
     blocks = _blocks(llm)
-    assert llm.engine.runner.graphs and all(b.grouped_16bit is not None for b in blocks)
+    assert llm.engine.runner.decode_graphs and all(b.grouped_16bit is not None for b in blocks)
     ids = torch.randint(0, 256, (1, 50), device="cuda")
     grouped = llm.engine.model.forward_logits(ids)
     stacked = [b.grouped_16bit for b in blocks]

@@ -1,0 +1,165 @@
+"""Whole-step CUDA graphs: decode steps of up to `cuda_graph_max_batch` sequences (one graph per batch bucket), and
+prefills of one sequence (one per token bucket). Steps neither serves replay the piecewise graphs
+(piecewise_graphs.py) or run eagerly (model_runner.py).
+
+Each family's graphs read static device inputs, which a replay fills from a pinned host staging set with one
+transfer per input. Three sets are used in turn: the engine queues up to two steps ahead of the one it last waited
+for, and a set must not be rewritten while its copy still waits in the stream. A bucket's padding rows write no KV
+(slot -1), attend to nothing and are routed to no expert (AttentionMetadata.valid_rows: the real row count, on the
+device).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from radiance.layers.attention import AttentionMetadata
+
+STAGING_SETS = 3
+_TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
+
+
+def decode_num_splits(batch: int, num_kv_heads: int) -> int:
+    """KV partitions per sequence for the split-KV decode kernel: enough CTAs to fill the GPU."""
+    return max(1, min(32, -(-_TARGET_DECODE_CTAS // (batch * num_kv_heads))))
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Decode batch buckets up to max_batch: 1, 2, 4, 8, then every 16, and max_batch itself."""
+    buckets = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    buckets += list(range(16, max_batch + 1, 16))
+    if buckets[-1] != max_batch:
+        buckets.append(max_batch)
+    return buckets
+
+
+def capture_forward(model, pool, tokens: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, its output) of one forward over static inputs, in memory `pool` (shared by a family's buckets:
+    captured largest first, each reuses what the larger one freed)."""
+    with torch.inference_mode():
+        model(tokens, positions, meta)  # warm-up outside the capture: Triton compiles, scratch buffers at full size
+        torch.cuda.synchronize(tokens.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            out = model(tokens, positions, meta)
+    return graph, out
+
+
+class DecodeGraphs:
+    """One graph per decode batch bucket. Static inputs: one int64 block [tokens, positions, slots, context lens,
+    the batch (column 0: the real rows)] and the block tables."""
+
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, num_kv_heads: int, device: torch.device):
+        self.buckets = graph_buckets(max_batch)
+        self.num_kv_heads = num_kv_heads
+        pin = device.type == "cuda"
+        self.meta = torch.zeros(5, max_batch, dtype=torch.long, device=device)
+        self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.h_meta = [torch.zeros(5, max_batch, dtype=torch.long, pin_memory=pin) for _ in range(STAGING_SETS)]
+        self.h_tables = [torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+                         for _ in range(STAGING_SETS)]
+        self._staging = 0
+        self.tokens, self.positions, self.slots, self.context, self.batch_row = self.meta.unbind(0)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    def capture(self, model) -> None:
+        """(Re)capture every bucket, largest first, in one pool (a re-capture picks up changed kernel tilings)."""
+        self.slots.fill_(-1)
+        self.context.fill_(1)
+        pool = None
+        for batch in reversed(self.buckets):
+            self.batch_row[0] = batch
+            meta = AttentionMetadata(
+                slot_mapping=self.slots[:batch], block_tables=self.tables[:batch],
+                context_lens=self.context[:batch], cu_seqlens_q=None, q_lens=[1] * batch,
+                kv_lens=[1] * batch, is_decode=True, decode_splits=decode_num_splits(batch, self.num_kv_heads),
+                valid_rows=self.batch_row[:1])
+            self.graphs[batch], self.hidden[batch] = capture_forward(model, pool, self.tokens[:batch],
+                                                                     self.positions[:batch], meta)
+            pool = self.graphs[batch].pool()
+
+    def serves(self, batch: int) -> bool:
+        return bool(self.graphs) and batch <= self.buckets[-1]
+
+    def replay(self, tokens, positions, slots, kv_lens, tables) -> torch.Tensor:
+        """The hidden states [batch, H] of a decode step. tokens: host ints, or a device tensor (a step queued
+        behind the one that samples them)."""
+        batch = len(positions)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
+        self._staging = (self._staging + 1) % STAGING_SETS
+        h_meta, h_tables = self.h_meta[self._staging], self.h_tables[self._staging]
+        meta = h_meta.numpy()
+        meta[:, batch:bucket] = ((0,), (0,), (-1,), (0,), (0,))  # padding rows: write nowhere, attend to nothing
+        meta[4, 0] = batch
+        on_device = isinstance(tokens, torch.Tensor)
+        if not on_device:
+            meta[0, :batch] = tokens
+        meta[1, :batch] = positions
+        meta[2, :batch] = slots
+        meta[3, :batch] = kv_lens
+        h_tables.numpy()[:batch, :tables.shape[1]] = tables
+        self.meta[:, :bucket].copy_(h_meta[:, :bucket], non_blocking=True)
+        self.tables[:batch].copy_(h_tables[:batch], non_blocking=True)
+        if on_device:
+            self.tokens[:batch].copy_(tokens)
+        self.graphs[bucket].replay()
+        return self.hidden[bucket][:batch]
+
+
+class PrefillGraphs:
+    """One graph per token bucket for steps that prefill (a chunk of) one sequence. Static inputs: [tokens,
+    positions, slots] of the largest bucket, int32 [cu_seqlens_q (0, q_len), context_len] and the sequence's
+    block table. Padding rows lie outside cu_seqlens: attention never computes them; the caller keeps the
+    first q_len rows of the output."""
+
+    def __init__(self, sizes: list[int], max_blocks_per_seq: int, device: torch.device):
+        self.sizes = sorted(sizes)
+        top, pin = self.sizes[-1], device.type == "cuda"
+        self.meta = torch.zeros(3, top, dtype=torch.long, device=device)
+        self.lens = torch.zeros(3, dtype=torch.int32, device=device)
+        self.table = torch.zeros(1, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.h_meta = [torch.zeros(3, top, dtype=torch.long, pin_memory=pin) for _ in range(STAGING_SETS)]
+        self.h_lens = [torch.zeros(3, dtype=torch.int32, pin_memory=pin) for _ in range(STAGING_SETS)]
+        self.h_table = [torch.zeros(1, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+                        for _ in range(STAGING_SETS)]
+        self._staging = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    def capture(self, model, pool=None):
+        """Capture every bucket, largest first, in `pool` (None: a new one); returns the pool."""
+        tokens, positions, slots = self.meta.unbind(0)
+        slots.fill_(-1)
+        for size in reversed(self.sizes):
+            self.lens.copy_(torch.tensor([0, size, size], dtype=torch.int32))
+            meta = AttentionMetadata(slot_mapping=slots[:size], block_tables=self.table,
+                                     context_lens=self.lens[2:], cu_seqlens_q=self.lens[:2], q_lens=[size],
+                                     kv_lens=[size], is_decode=False, valid_rows=self.lens[1:2])
+            self.graphs[size], self.hidden[size] = capture_forward(model, pool, tokens[:size], positions[:size], meta)
+            pool = self.graphs[size].pool()
+        return pool
+
+    def serves(self, q_len: int) -> bool:
+        return bool(self.graphs) and q_len <= self.sizes[-1]
+
+    def replay(self, tokens, positions, slots, kv_len: int, tables) -> torch.Tensor:
+        """The hidden states [q_len, H] of the step's one sequence (context kv_len with its new tokens)."""
+        q_len = len(positions)
+        size = self.sizes[bisect.bisect_left(self.sizes, q_len)]
+        self._staging = (self._staging + 1) % STAGING_SETS
+        h_meta, h_lens, h_table = self.h_meta[self._staging], self.h_lens[self._staging], self.h_table[self._staging]
+        meta = h_meta.numpy()
+        meta[:, :q_len] = (tokens, positions, slots)
+        meta[:, q_len:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere
+        h_lens.numpy()[:] = (0, q_len, kv_len)
+        width = tables.shape[1]
+        h_table.numpy()[0, :width] = tables[0]  # entries past the sequence's blocks are never read
+        self.meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
+        self.lens.copy_(h_lens, non_blocking=True)
+        self.table[:, :width].copy_(h_table[:, :width], non_blocking=True)
+        self.graphs[size].replay()
+        return self.hidden[size][:q_len]
