@@ -66,7 +66,8 @@ def expert_weight(experts: PreparedExperts, e: int) -> PreparedMxfp4:
 # Average pairs per expert from which the 64-slot tiles serve; below it the 16-slot ones, which pad each
 # expert's group less. Qwen3-30B-A3B's experts (128, top_k 8) on the H200, gate_up + down per call
 # (CUDA-graph replays of 16 random routings): 16-slot 247 / 810 / 1554 us at T = 512 / 2048 / 4096 tokens
-# (32 / 128 / 256 pairs per expert), 64-slot (swap-AB) 352 / 617 / 937 us.
+# (32 / 128 / 256 pairs per expert), 64-slot (swap-AB) 352 / 617 / 937 us. Measured before the padding slots stopped
+# loading activations (twenty-seventh session: 16-slot tiles 1.3-1.45x faster at 1-64 tokens): to re-measure.
 PREFILL_PAIRS_PER_EXPERT = 64
 # ... and from which the 128-slot tiles serve: each expanded weight tile then feeds twice the MMA work.
 # gpt-oss-20b's experts (32, top 4) at 256 / 1024 pairs per expert: 64-slot swap-AB 1544 / 5210 us, 128-slot
@@ -109,15 +110,16 @@ class MoeGemmConfig:
             raise ValueError(f"no wgmma tiling for {self}")
 
 
-# Default tilings by routing block_m (not autotuned at start). Measured on the H200 at Qwen3-30B-A3B's
-# shapes: for 16 slots, block_k 256 with 4 stages beat block_k 128 (4 or 6 stages), 256 with 3 and 512 with
-# 2 at T = 1, 8, 64 tokens (T = 1: gate_up + quantize 13.6 us, down 7.0 us). For 64 slots the plain tile (slots
-# as the MMA's M, 128 weight rows) with two persistent programs per SM beat 26 other tilings (swap-AB 64 / 128
-# slots, plain 64 / 128 / 256 slots by 64 / 128 / 256 rows, block_k 128 / 256, 2-4 stages, 4 / 8 warps, one
-# program per tile or 1-3 persistent per SM) on Qwen3-30B-A3B (64-512 pairs per expert: 1.07-1.30x the
-# previous swap-AB 64 / 128-slot tiles with uniform routing), gpt-oss-20b (128 / 256: 1.22x / 1.02x) and
-# Qwen3-235B-A22B's shapes (64 / 256: 1.21x / 1.07x) (bench/RESULTS.md, twenty-fifth session). Two of its CTAs
-# fit one SM (~66 KB of shared memory each), so one's MMAs run under the other's tile change.
+# Default tilings by routing block_m (not autotuned at start). Measured on the H200 at Qwen3-30B-A3B's shapes: for 16
+# slots, block_k 256 with 4 stages beat block_k 128 (4 or 6 stages), 256 with 3 and 512 with 2 at T = 1, 8, 64 tokens
+# (T = 1: gate_up + quantize 13.6 us, down 7.0 us; 9.6 / 5.3 us since the padding slots load no activations,
+# twenty-seventh session, where block_k 128 and 512 still lost before that change). For 64 slots the plain tile (slots
+# as the MMA's M, 128 weight rows) with two persistent programs per SM beat 26 other tilings (swap-AB 64 / 128 slots,
+# plain 64 / 128 / 256 slots by 64 / 128 / 256 rows, block_k 128 / 256, 2-4 stages, 4 / 8 warps, one program per tile
+# or 1-3 persistent per SM) on Qwen3-30B-A3B (64-512 pairs per expert: 1.07-1.30x the previous swap-AB 64 / 128-slot
+# tiles with uniform routing), gpt-oss-20b (128 / 256: 1.22x / 1.02x) and Qwen3-235B-A22B's shapes (64 / 256: 1.21x /
+# 1.07x) (bench/RESULTS.md, twenty-fifth session). Two of its CTAs fit one SM (~66 KB of shared memory each), so one's
+# MMAs run under the other's tile change.
 MOE_CONFIGS = {
     16: MoeGemmConfig(block_m=16, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=4),
     64: MoeGemmConfig(block_m=64, block_n=128, block_k=128, swap_ab=False, num_warps=4, num_stages=3,
