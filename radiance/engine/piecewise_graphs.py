@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radiance.engine.step_graphs import StagingSets
 from radiance.layers.attention import Attention, AttentionMetadata
 
 
@@ -135,23 +136,19 @@ class PiecewiseGraphs:
     """A runner's piecewise forwards, one per token bucket, for steps of up to `max_seqs` sequences, and the
     static inputs they read: [tokens, positions, slots] of the largest bucket; int32 [cu_seqlens_q (max_seqs
     + 1), context_lens (max_seqs), the step's real rows]; the block tables. Padding rows write no KV (slot -1),
-    lie outside cu_seqlens_q (attention never computes them) and route to no expert (valid_rows). Pinned
-    staging sets are used in turn, as for the runner's other graphs: the engine may queue steps ahead."""
+    lie outside cu_seqlens_q (attention never computes them) and route to no expert (valid_rows). Filled from
+    step_graphs.StagingSets, as the whole-step graphs are: the engine may queue steps ahead."""
 
     def __init__(self, sizes: list[int], max_seqs: int, max_blocks_per_seq: int, q_shape: tuple[int, int],
                  dtype: torch.dtype, device: torch.device):
         self.sizes, self.max_seqs = sorted(sizes), max_seqs
         self.forwards: dict[int, PiecewiseForward] = {}
-        top, pin = self.sizes[-1], device.type == "cuda"
+        top = self.sizes[-1]
         self.meta = torch.zeros(3, top, dtype=torch.long, device=device)
         self.lens = torch.zeros(2 * max_seqs + 2, dtype=torch.int32, device=device)
         self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.meta[2].fill_(-1)
-        self._staging = [(torch.zeros(3, top, dtype=torch.long, pin_memory=pin),
-                          torch.zeros(2 * max_seqs + 2, dtype=torch.int32, pin_memory=pin),
-                          torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin))
-                         for _ in range(3)]
-        self._turn = 0
+        self.staging = StagingSets([(tuple(t.shape), t.dtype) for t in (self.meta, self.lens, self.tables)], device)
         # the cuts' static buffers: rotated queries in, attention output out (zeroed: padding rows stay finite)
         self.q_buffer = torch.zeros(top, *q_shape, dtype=dtype, device=device)
         self.out_buffer = torch.zeros(top, *q_shape, dtype=dtype, device=device)
@@ -187,8 +184,7 @@ class PiecewiseGraphs:
         sequence, tables [batch, width] its block tables."""
         rows, batch, first_len = len(positions), len(q_lens), self.max_seqs + 1
         size = self.sizes[bisect.bisect_left(self.sizes, rows)]
-        self._turn = (self._turn + 1) % len(self._staging)
-        h_meta, h_lens, h_tables = self._staging[self._turn]
+        h_meta, h_lens, h_tables = self.staging.next()
         meta = h_meta.numpy()
         meta[:, :rows] = (tokens, positions, slots)
         meta[:, rows:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere

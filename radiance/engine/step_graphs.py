@@ -21,6 +21,21 @@ STAGING_SETS = 3
 _TARGET_DECODE_CTAS = 264  # ~2 waves of an H100/H200's 132 SMs
 
 
+class StagingSets:
+    """STAGING_SETS pinned host copies (pinned on CUDA only) of a graph family's static inputs, handed out in turn."""
+
+    def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device):
+        pin = device.type == "cuda"
+        self._sets = [tuple(torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in shapes)
+                      for _ in range(STAGING_SETS)]
+        self._turn = 0
+
+    def next(self) -> tuple[torch.Tensor, ...]:
+        """The set to fill for this step: not the last two steps' sets, whose copies may still wait in the stream."""
+        self._turn = (self._turn + 1) % STAGING_SETS
+        return self._sets[self._turn]
+
+
 def decode_num_splits(batch: int, num_kv_heads: int) -> int:
     """KV partitions per sequence for the split-KV decode kernel: enough CTAs to fill the GPU."""
     return max(1, min(32, -(-_TARGET_DECODE_CTAS // (batch * num_kv_heads))))
@@ -55,13 +70,9 @@ class DecodeGraphs:
     def __init__(self, max_batch: int, max_blocks_per_seq: int, num_kv_heads: int, device: torch.device):
         self.buckets = graph_buckets(max_batch)
         self.num_kv_heads = num_kv_heads
-        pin = device.type == "cuda"
         self.meta = torch.zeros(5, max_batch, dtype=torch.long, device=device)
         self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.h_meta = [torch.zeros(5, max_batch, dtype=torch.long, pin_memory=pin) for _ in range(STAGING_SETS)]
-        self.h_tables = [torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
-                         for _ in range(STAGING_SETS)]
-        self._staging = 0
+        self.staging = StagingSets([(tuple(t.shape), t.dtype) for t in (self.meta, self.tables)], device)
         self.tokens, self.positions, self.slots, self.context, self.batch_row = self.meta.unbind(0)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
@@ -90,8 +101,7 @@ class DecodeGraphs:
         behind the one that samples them)."""
         batch = len(positions)
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
-        self._staging = (self._staging + 1) % STAGING_SETS
-        h_meta, h_tables = self.h_meta[self._staging], self.h_tables[self._staging]
+        h_meta, h_tables = self.staging.next()
         meta = h_meta.numpy()
         meta[:, batch:bucket] = ((0,), (0,), (-1,), (0,), (0,))  # padding rows: write nowhere, attend to nothing
         meta[4, 0] = batch
@@ -118,15 +128,10 @@ class PrefillGraphs:
 
     def __init__(self, sizes: list[int], max_blocks_per_seq: int, device: torch.device):
         self.sizes = sorted(sizes)
-        top, pin = self.sizes[-1], device.type == "cuda"
-        self.meta = torch.zeros(3, top, dtype=torch.long, device=device)
+        self.meta = torch.zeros(3, self.sizes[-1], dtype=torch.long, device=device)
         self.lens = torch.zeros(3, dtype=torch.int32, device=device)
         self.table = torch.zeros(1, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.h_meta = [torch.zeros(3, top, dtype=torch.long, pin_memory=pin) for _ in range(STAGING_SETS)]
-        self.h_lens = [torch.zeros(3, dtype=torch.int32, pin_memory=pin) for _ in range(STAGING_SETS)]
-        self.h_table = [torch.zeros(1, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
-                        for _ in range(STAGING_SETS)]
-        self._staging = 0
+        self.staging = StagingSets([(tuple(t.shape), t.dtype) for t in (self.meta, self.lens, self.table)], device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
 
@@ -150,8 +155,7 @@ class PrefillGraphs:
         """The hidden states [q_len, H] of the step's one sequence (context kv_len with its new tokens)."""
         q_len = len(positions)
         size = self.sizes[bisect.bisect_left(self.sizes, q_len)]
-        self._staging = (self._staging + 1) % STAGING_SETS
-        h_meta, h_lens, h_table = self.h_meta[self._staging], self.h_lens[self._staging], self.h_table[self._staging]
+        h_meta, h_lens, h_table = self.staging.next()
         meta = h_meta.numpy()
         meta[:, :q_len] = (tokens, positions, slots)
         meta[:, q_len:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere

@@ -99,3 +99,12 @@ def test_prefill_capture_and_a_chunk_in_its_bucket(captured):
                                            list(range(100, 105)) + [-1] * 3]
     # cu_seqlens (0, q_len) and the context length; the real rows are cu_seqlens' end (valid_rows)
     assert graphs.lens.tolist() == [0, 5, 37] and graphs.table[0, :3].tolist() == [6, 2, 3]
+
+
+def test_staging_sets_come_in_turn_and_skip_the_last_two():
+    staging = sg.StagingSets([((2, 3), torch.long), ((4,), torch.int32)], CPU)
+    got = [staging.next() for _ in range(2 * sg.STAGING_SETS)]
+    assert all(s[0].shape == (2, 3) and s[0].dtype == torch.long and s[1].dtype == torch.int32 for s in got)
+    firsts = [s[0].data_ptr() for s in got]
+    assert len(set(firsts)) == sg.STAGING_SETS  # distinct sets, none handed out again within the next two turns
+    assert all(firsts[i] not in firsts[i + 1:i + sg.STAGING_SETS] for i in range(len(firsts) - sg.STAGING_SETS))
