@@ -16,9 +16,22 @@ reference instead of timing (tests/bench/test_moe_gemm_bench.py).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from dataclasses import dataclass
+
+import torch
+
+from radiance import env
+from radiance.bench.kernels import random_mxfp4
+from radiance.bench.synthetic import synthetic_config
+from radiance.kernels import moe as grouped
+from radiance.kernels.activation import glu_mul, quantize_activations
+from radiance.kernels.glu import GluActivation, glu_reference
+from radiance.kernels.moe_routing import route_to_experts
+from radiance.kernels.prepare import prepare_mxfp4
+from radiance.kernels.reference import relative_error
+from radiance.kernels.timing import time_us
+from radiance.kernels.w4a8 import w4a8_gemm, w4a8_glu
+from radiance.models.arch_config import MoeConfig
 
 ROUTINGS = 16
 
@@ -30,14 +43,11 @@ class ExpertShapes:
     hidden: int
     intermediate: int
     biased: bool
-    activation: object  # radiance.kernels.glu.GluActivation
+    activation: GluActivation
 
 
 def model_shapes(model: str) -> ExpertShapes:
     """The expert shapes of a synthetic MoE model's published config."""
-    from radiance.bench.synthetic import synthetic_config
-    from radiance.models.arch_config import MoeConfig
-
     config = synthetic_config(model)
     moe = MoeConfig.from_hf(config, model, int(config["num_hidden_layers"]))
     if moe is None:
@@ -50,14 +60,6 @@ class Workload:
     """Random MXFP4 and bf16 experts of `shapes`, and ROUTINGS random routings of `tokens` tokens each."""
 
     def __init__(self, shapes: ExpertShapes, tokens: int, device: str):
-        import torch
-
-        from radiance.kernels import moe as grouped
-        from radiance.kernels.activation import quantize_activations
-        from radiance.kernels.moe_routing import route_to_experts
-        from radiance.kernels.prepare import prepare_mxfp4
-        from tests.kernels.conftest import random_mxfp4
-
         s = self.shapes = shapes
         # bf16 as served; fp32 on the CPU, where the interpreter's bf16 rounding is not the GPU's (triton_cases_gemm)
         dtype = self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -82,46 +84,28 @@ class Workload:
         self.y_q = [self.gate_up_w4a8(i) for i in range(ROUTINGS)]
 
     def gate_up_w4a8(self, i: int):
-        from radiance.kernels import moe as grouped
-
         x_q, x_scale = self.x_q[i]
         return grouped.w4a8_moe_gemm(x_q, x_scale, self.gate_up, self.routing[i], rows_per_pair_source="token",
                                      glu=True, out_dtype=self.dtype, bias=self.biases[0],
                                      activation=self.shapes.activation)
 
     def down_w4a8(self, i: int):
-        from radiance.kernels import moe as grouped
-
         y_q, y_scale = self.y_q[i]
         return grouped.w4a8_moe_gemm(y_q, y_scale, self.down, self.routing[i], rows_per_pair_source="pair",
                                      out_dtype=self.dtype, bias=self.biases[1])
 
     def gate_up_bf16(self, i: int):
-        import torch
-
-        from radiance.kernels.activation import glu_mul
-
         routing = self.sorted[i]
         rows = self.x[i][routing.sorted_pairs.long() // self.shapes.top_k]
         return glu_mul(torch._grouped_mm(rows, self.w16[0].transpose(1, 2), offs=routing.group_ends),
                        self.shapes.activation)
 
     def down_bf16(self, i: int, y):
-        import torch
-
         return torch._grouped_mm(y, self.w16[1].transpose(1, 2), offs=self.sorted[i].group_ends)
 
 
 def dense_ceiling_us(shapes: ExpertShapes) -> tuple[float, float]:
     """(gate_up + quantize, down) us of one dense W4A8 GEMM at M = 1 over the bytes of top_k experts."""
-    import torch
-
-    from radiance.kernels.activation import quantize_activations
-    from radiance.kernels.prepare import prepare_mxfp4
-    from radiance.kernels.timing import time_us
-    from radiance.kernels.w4a8 import w4a8_gemm, w4a8_glu
-    from tests.kernels.conftest import random_mxfp4
-
     k, i = shapes.top_k, shapes.intermediate
     gate_up = prepare_mxfp4(*random_mxfp4(2 * i * k, shapes.hidden, "cuda"))
     down = prepare_mxfp4(*random_mxfp4(shapes.hidden, i * k, "cuda"))
@@ -132,8 +116,6 @@ def dense_ceiling_us(shapes: ExpertShapes) -> tuple[float, float]:
 
 def measure(workload: Workload) -> dict[str, tuple[float, float]]:
     """{path: (gate_up us, down us)} per call."""
-    from radiance.kernels.timing import time_us
-
     y16 = [workload.gate_up_bf16(i) for i in range(ROUTINGS)]
     return {
         "grouped W4A8": (time_us([lambda i=i: workload.gate_up_w4a8(i) for i in range(ROUTINGS)]),
@@ -146,10 +128,6 @@ def measure(workload: Workload) -> dict[str, tuple[float, float]]:
 def check(workload: Workload) -> tuple[float, float]:
     """Largest relative errors (dry run): the grouped W4A8 down output against its exact reference, and the bf16
     grouped path's against each pair's expert applied one by one."""
-    from radiance.kernels import moe as grouped
-    from radiance.kernels.glu import glu_reference
-    from radiance.kernels.reference import relative_error
-
     worst_w4a8 = worst_bf16 = 0.0
     for i in range(ROUTINGS):
         y_q, y_scale = workload.y_q[i]
@@ -173,8 +151,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shapes = model_shapes(args.model)
     if args.dry_run:
-        from radiance import env
-
         if not env.triton_interpret():
             raise SystemExit("--dry-run runs the Triton kernels on the CPU: set TRITON_INTERPRET=1")
         shapes = ExpertShapes(4, min(2, shapes.top_k), 64, 32, shapes.biased, shapes.activation)
@@ -194,5 +170,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.kernels.conftest
     main()
