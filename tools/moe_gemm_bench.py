@@ -9,8 +9,9 @@ scratch scripts; this tool has not run on the GPU yet).
 Per token count, 16 random routings (distinct experts per token) run back to back in one CUDA-graph replay per
 path, so that most expert weights come from HBM; microseconds per call of gate_up (with the GLU and the
 quantization of its output; bf16: the GLU) and of down. The dense ceiling is timed at one token only. CUDA only;
---dry-run builds every call at toy sizes on the CPU (Triton interpreter) and checks the grouped path against its
-reference instead of timing (tests/bench/test_moe_gemm_bench.py).
+--dry-run builds every call at toy sizes on the CPU (Triton interpreter) and, instead of timing, checks the W4A8
+path against its exact reference and the bf16 one against each pair's expert applied alone
+(tests/bench/test_moe_gemm_bench.py).
 """
 
 from __future__ import annotations
