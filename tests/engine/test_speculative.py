@@ -107,7 +107,7 @@ def test_gpu_speculative_steps_match_cpu_greedy_in_fp32(tiny_llm):
     cpu = tiny_llm()
     gpu = tiny_llm(device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4, cuda_graph_max_batch=4,
                    ngram_draft_tokens=7)
-    assert 8 in gpu.engine.runner.prefill_graphs.sizes
+    assert 8 in gpu.engine.runner.prefill_graphs.graphs
     for prompt in LOOPY:
         assert gpu.generate(prompt, params)[0].outputs[0].token_ids == cpu.generate(prompt, params)[0].outputs[0].token_ids
     assert gpu.engine.accepted_draft_tokens > 0
