@@ -36,11 +36,12 @@ from radiance.layers.rotary import RotaryEmbedding
 REMOVABLE = ("norm", "silu", "attn", "rotary")
 
 
-def _no_norm(x, residual, weight, eps, quantize=False):
+def _no_norm(x, residual, weight, eps, quantize=False, keep_values=False):
     if isinstance(x, PartialSums):  # a deferring GEMM's partials: stand in their (unsummed) first one
         x = x.parts[0, :, :x.width].to(x.dtype).reshape(*x.lead, x.width)
     k = x.shape[-1]
-    y = Fp8Activations(*fp8_outputs(x.numel() // k, k, x.device), x.dtype, tuple(x.shape[:-1])) if quantize else x
+    y = (Fp8Activations(*fp8_outputs(x.numel() // k, k, x.device), x.dtype, tuple(x.shape[:-1]),
+                        x if keep_values else None) if quantize else x)
     return y, x
 
 

@@ -89,12 +89,15 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Fp8Activations(NamedTuple):
     """Per-token e4m3 activations ready for a W4A8 linear, made by a fused norm or SiLU-mul kernel:
-    x_q [M, K], x_scale fp32 [M, 1]; the linear's output takes `dtype` and the leading shape `lead`."""
+    x_q [M, K], x_scale fp32 [M, 1]; the linear's output takes `dtype` and the leading shape `lead`.
+    `values`: the `dtype` tensor [*lead, K] they quantize, where the producer kept it too (add_rmsnorm's
+    keep_values: a sparse MLP's router reads it, its experts the e4m3 codes)."""
 
     x_q: torch.Tensor
     x_scale: torch.Tensor
     dtype: torch.dtype
     lead: tuple[int, ...]
+    values: torch.Tensor | None = None
 
 
 class PartialSums(NamedTuple):
@@ -123,11 +126,12 @@ def fp8_outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                quantize: bool = False):
+                quantize: bool = False, keep_values: bool = False):
     """One kernel for a decoder layer's pre-norm: (y, s) with s = x + residual (x when residual is
     None) and y = weight * rms_norm(s), rounded as the model's RMSNorm does; y is Fp8Activations when
-    `quantize`. x may be a GEMM's PartialSums, summed as the kernel reads them (the bytes of their
-    total). Triton on CUDA (and under the interpreter); the torch reference elsewhere."""
+    `quantize`, holding y itself as `values` too with `keep_values`. x may be a GEMM's PartialSums, summed
+    as the kernel reads them (the bytes of their total). Triton on CUDA (and under the interpreter); the
+    torch reference elsewhere."""
     parts = None
     if isinstance(x, PartialSums):
         if residual is None or not triton_serves(x.parts) or x.width > MAX_ROW or x.parts.shape[1] == 0:
@@ -147,11 +151,12 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
     if parts is None and (not triton_serves(x2) or k > MAX_ROW or m == 0):
         s = x2 + r2 if r2 is not None else x2
         y = reference.rms_normalize_reference(s, weight, eps)
-        out = Fp8Activations(*reference.quantize_activations_reference(y), x.dtype, lead) \
-            if quantize else y.reshape(x.shape)
+        out = Fp8Activations(*reference.quantize_activations_reference(y), x.dtype, lead,
+                             y.reshape(x.shape) if keep_values else None) if quantize else y.reshape(x.shape)
         return out, s.reshape(x.shape)
     s = torch.empty((m, k), dtype=dtype, device=x2.device) if r2 is not None else x2
-    y = s.new_empty((0,)) if quantize else torch.empty((m, k), dtype=dtype, device=x2.device)
+    keep_values = quantize and keep_values
+    y = s.new_empty((0,)) if quantize and not keep_values else torch.empty((m, k), dtype=dtype, device=x2.device)
     x_q, x_scale = fp8_outputs(m, k, x2.device) if quantize else (y, y)
     block, warps = _row_launch(k)
     if parts is not None and m <= FEW_ROWS:
@@ -161,9 +166,10 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
         x2, r2 if r2 is not None else x2, weight.contiguous(), y, s, x_q, x_scale, k, x2.stride(-2),
         r2.stride(0) if r2 is not None else 0, float(eps), x2.stride(0) if parts is not None else 0,
         HAS_RESIDUAL=r2 is not None, QUANT=quantize, PARTS=x2.shape[0] if parts is not None else 0, BLOCK=block,
-        INTERPRETER=not x2.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=warps)
+        INTERPRETER=not x2.is_cuda, PDL=pdl, KEEP_VALUES=keep_values, launch_pdl=pdl, num_warps=warps)
     shape = (*lead, k)
-    out = Fp8Activations(x_q, x_scale, dtype, lead) if quantize else y.reshape(shape)
+    out = (Fp8Activations(x_q, x_scale, dtype, lead, y.reshape(shape) if keep_values else None) if quantize
+           else y.reshape(shape))
     return out, s.reshape(shape)
 
 

@@ -64,19 +64,17 @@ def expert_weight(experts: PreparedExperts, e: int) -> PreparedMxfp4:
 
 
 # Average pairs per expert from which the 64-slot tiles serve; below it the 16-slot ones, which pad each
-# expert's group less. Qwen3-30B-A3B's experts (128, top_k 8) on the H200, gate_up + down per call
-# (CUDA-graph replays of 16 random routings): 16-slot 247 / 810 / 1554 us at T = 512 / 2048 / 4096 tokens
-# (32 / 128 / 256 pairs per expert), 64-slot (swap-AB) 352 / 617 / 937 us. Measured before the padding slots stopped
-# loading activations (twenty-seventh session: 16-slot tiles 1.3-1.45x faster at 1-64 tokens): to re-measure.
-PREFILL_PAIRS_PER_EXPERT = 64
+# expert's group less. Grouped gate_up + down per call on the H200 (graph replays of 8 uniform random routings,
+# twenty-eighth session, after the padding slots stopped loading activations), 16-slot / 64-slot us:
+# Qwen3-30B-A3B (128 experts, top 8) at 16 / 20 / 24 / 32 pairs per expert 147 / 181 / 200 / 242 against
+# 185 / 186 / 186 / 189; gpt-oss-20b (32, top 4) at 16 / 24 / 32: 193 / 266 / 325 against 252 / 251 / 254. In the
+# engine Qwen3-30B-A3B's 512-token prefill went 23.2k -> 28.6k tok/s with 32 against 64 here.
+PREFILL_PAIRS_PER_EXPERT = 24
 # ... and from which the 128-slot tiles serve: each expanded weight tile then feeds twice the MMA work.
-# gpt-oss-20b's experts (32, top 4) at 256 / 1024 pairs per expert: 64-slot swap-AB 1544 / 5210 us, 128-slot
-# 1359 / 3609 (twenty-fourth session). Against the persistent 64-slot tile of MOE_CONFIGS[64], with uniform
-# routing the 128-slot one lost at 256-512 pairs per expert (Qwen3-30B-A3B 0.77x / 0.94x), but in the engine,
-# whose synthetic router sends up to 5.5x the mean to one expert, it was as fast at 4096 tokens (32.7 against
-# 33.2 ms of grouped GEMMs per prefill) and faster at 8192 (55.9 against 63.6 ms): the threshold stays
-# (twenty-fifth session).
-LARGE_PAIRS_PER_EXPERT = 256
+# Same measurement, 64-slot / 128-slot us at 64 / 128 / 256 pairs per expert: Qwen3-30B-A3B 275 / 443 / 792
+# against 281 / 414 / 692; gpt-oss-20b 358 / 574 / 1019 against 332 / 503 / 851 (the twenty-fifth session, before
+# the ragged-K and padding-slot changes, had the 128-slot tile losing at 256-512 with uniform routing).
+LARGE_PAIRS_PER_EXPERT = 128
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:

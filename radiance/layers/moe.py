@@ -19,7 +19,7 @@ from torch import nn
 
 from radiance.kernels import moe as grouped_kernels
 from radiance.kernels import moe_expanded, moe_routing
-from radiance.kernels.activation import glu_mul, quantize_activations, silu_mul
+from radiance.kernels.activation import Fp8Activations, glu_mul, quantize_activations, silu_mul
 from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.layers.linear import DenseLinear, UnloadedLinear, takes_fp8
 from radiance.models.arch_config import MoeConfig
@@ -50,7 +50,8 @@ class Expert(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """forward(x [..., H]) -> sum over the top_k experts of router weight * expert(x), in x's dtype."""
+    """forward(x [..., H]) -> sum over the top_k experts of router weight * expert(x), in x's dtype. x may come
+    as Fp8Activations holding its 16-bit `values` too (takes_fp8: the norm before quantized it in its launch)."""
 
     def __init__(self, hidden_size: int, moe: MoeConfig):
         super().__init__()
@@ -79,13 +80,23 @@ class SparseMoeBlock(nn.Module):
         """self.gate(x), through the routing module's GEMV at decode sizes (moe_routing.router_logits)."""
         return moe_routing.router_logits(x, self.gate.weight, self.gate.bias)
 
-    def forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def takes_fp8(self) -> bool:
+        """Whether the experts run the grouped W4A8 kernel, so the norm before should hand over Fp8Activations
+        (with their 16-bit values, for the router) and spare the block its own quantize launch."""
+        return self.grouped is not None
+
+    def forward(self, x: torch.Tensor | Fp8Activations, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
         """valid_rows (device int, element 0; the grouped paths): the rows from it on are a CUDA graph's padding,
         routed to no expert (their output is the shared expert's alone, zeros without one)."""
+        quantized = None
+        if isinstance(x, Fp8Activations):
+            if x.values is None:
+                raise ValueError("SparseMoeBlock: Fp8Activations without their 16-bit values (the router needs them)")
+            quantized, x = (x.x_q, x.x_scale), x.values
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
         if self.grouped is not None:
-            out = self._grouped_forward(x2, valid_rows)
+            out = self._grouped_forward(x2, valid_rows, quantized)
         elif self.grouped_16bit is not None and x2.dtype == self.grouped_16bit[0].dtype:
             out = self._grouped_16bit_forward(x2, valid_rows)
         else:
@@ -103,15 +114,17 @@ class SparseMoeBlock(nn.Module):
             out.index_add_(0, token, h.float() * weights[token, choice, None])
         return out.to(x.dtype)
 
-    def _grouped_forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
-        """W4A8 experts: routing in one launch at decode sizes, both expert GEMMs as grouped launches."""
+    def _grouped_forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None,
+                         quantized: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """W4A8 experts: routing in one launch at decode sizes, both expert GEMMs as grouped launches.
+        `quantized`: x's (e4m3 codes, scales) where the norm made them, else quantized here."""
+        x_q, x_scale = quantized if quantized is not None else quantize_activations(x)
         if moe_expanded.expand_serves(x, x.shape[0] * self.top_k, self.grouped[0]):
-            return self._grouped_expanded_forward(x, valid_rows)
+            return self._grouped_expanded_forward(x, x_q, x_scale, valid_rows)
         gate_up, down = self.grouped
         block_m = grouped_kernels.moe_block_m(x.shape[0] * self.top_k, self.num_experts)
         weights, _, routing = moe_routing.route_tokens(self._router_logits(x), self.top_k, self.norm_topk_prob,
                                                        block_m, valid_rows)
-        x_q, x_scale = quantize_activations(x)
         gate_up_bias, down_bias = self.stacked_bias
         y_q, y_scale = grouped_kernels.w4a8_moe_gemm(x_q, x_scale, gate_up, routing, rows_per_pair_source="token",
                                                      glu=True, out_dtype=x.dtype, bias=gate_up_bias,
@@ -120,7 +133,8 @@ class SparseMoeBlock(nn.Module):
                                           bias=down_bias)
         return moe_routing.combine_experts(h, weights, x.dtype, valid_rows=valid_rows)
 
-    def _grouped_expanded_forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
+    def _grouped_expanded_forward(self, x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor,
+                                  valid_rows: torch.Tensor | None) -> torch.Tensor:
         """W4A8 experts with many tokens each (prefill): the pairs sorted by expert, both GEMMs on the experts
         expanded to fp8 (torch's fp8 grouped GEMM); the expert biases and the way back to pair order are
         left to the GLU and combine launches, which read the sorted rows in place."""
@@ -128,7 +142,6 @@ class SparseMoeBlock(nn.Module):
         weights, ids, routing = moe_routing.route_tokens(self._router_logits(x), self.top_k, self.norm_topk_prob, 1,
                                                          valid_rows)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair (a padding row's: parked last)
-        x_q, x_scale = quantize_activations(x)
         rows = order // self.top_k
         # fp8 rows gathered as bytes (index_select has no e4m3 kernel)
         rows_q = x_q.view(torch.uint8)[rows].view(x_q.dtype)

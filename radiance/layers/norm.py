@@ -26,19 +26,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None, fp8: bool = False):
+    def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None, fp8: bool = False,
+                keep_values: bool = False):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pre-norm
         residual stream of a decoder layer in one call. `fp8`: the norm comes out as Fp8Activations
-        for a W4A8 linear. x may be a GEMM's PartialSums (summed in the fused kernel)."""
+        for a W4A8 linear, carrying the 16-bit norm as `values` too with `keep_values` (a sparse MLP's
+        router). x may be a GEMM's PartialSums (summed in the fused kernel)."""
         if isinstance(x, PartialSums) and not (x.parts.is_cuda and residual is not None):
             x = x.total()  # off the GPU (or with nothing to add) the path of a plain tensor
         if isinstance(x, PartialSums) or (x.is_cuda and x.shape[-1] <= MAX_ROW):
-            y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8)
+            y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8, keep_values=keep_values)
             return y if residual is None else (y, summed)
         if residual is not None:
             x = x + residual
         y = rms_norm(x, self.weight, self.eps)
         if fp8:
             x_q, x_scale = quantize_activations_reference(y.reshape(-1, y.shape[-1]))
-            y = Fp8Activations(x_q, x_scale, y.dtype, tuple(y.shape[:-1]))
+            y = Fp8Activations(x_q, x_scale, y.dtype, tuple(y.shape[:-1]), y if keep_values else None)
         return y if residual is None else (y, x)

@@ -109,10 +109,11 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual, fp8=takes_fp8(self.self_attn.qkv_proj))
         x = self.self_attn(positions, x, meta)
-        # a sparse MLP's router reads the 16-bit norm output, so only a dense MLP takes it in fp8
-        mlp_fp8 = isinstance(self.mlp, LlamaMLP) and takes_fp8(self.mlp.gate_up_proj)
-        x, residual = self.post_attention_layernorm(x, residual, fp8=mlp_fp8)
-        if isinstance(self.mlp, SparseMoeBlock):  # a graph's padding rows pick no experts
+        # a sparse MLP's router reads the 16-bit norm output: W4A8 experts get it with its fp8 codes
+        sparse = isinstance(self.mlp, SparseMoeBlock)
+        mlp_fp8 = self.mlp.takes_fp8() if sparse else takes_fp8(self.mlp.gate_up_proj)
+        x, residual = self.post_attention_layernorm(x, residual, fp8=mlp_fp8, keep_values=sparse)
+        if sparse:  # a graph's padding rows pick no experts
             return self.mlp(x, meta.valid_rows if meta is not None else None), residual
         return self.mlp(x), residual
 

@@ -52,6 +52,22 @@ def test_grouped_experts_match_the_loop(tiny_model_dir):
         assert _rel(grouped, looped) <= 2e-3, tokens
 
 
+def test_norm_hands_grouped_experts_their_fp8_codes(tiny_model_dir):
+    """The decoder's norm quantizes a sparse MLP's input in its own launch and keeps the 16-bit values for the
+    router: the block's output is the bytes of the block quantizing the plain norm output itself."""
+    path, _ = tiny_model_dir("qwen3moe")
+    llm = LLM(path, device="cuda", quantization="mxfp4", enforce_eager=True, num_gpu_blocks_override=64)
+    layer = next(m for m in llm.engine.model.modules() if isinstance(getattr(m, "mlp", None), SparseMoeBlock))
+    assert layer.mlp.takes_fp8()
+    for tokens in (1, 7, 300):
+        x = torch.randn(tokens, layer.mlp.hidden_size, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        fused, _ = layer.post_attention_layernorm(x, residual, fp8=True, keep_values=True)
+        plain, _ = layer.post_attention_layernorm(x, residual)
+        assert torch.equal(fused.values, plain)
+        assert torch.equal(layer.mlp(fused), layer.mlp(plain)), tokens
+
+
 def test_cuda_graphs_capture_grouped_experts(tiny_model_dir):
     path, _ = tiny_model_dir("qwen3moe")
     prompts = [[(7 * i + j) % 256 for j in range(3 + 11 * i)] for i in range(6)]

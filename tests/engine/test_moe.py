@@ -14,6 +14,8 @@ from radiance.checkpoint import open_checkpoint
 from radiance.config import ModelConfig
 from radiance.engine.loader import load_model
 from radiance.errors import CheckpointError, ConfigError
+from radiance.kernels.activation import Fp8Activations
+from radiance.kernels.reference import quantize_activations_reference
 from radiance.layers.moe import SparseMoeBlock
 from radiance.models.arch_config import MoeConfig
 from radiance.models.registry import resolve_architecture
@@ -56,6 +58,11 @@ def test_looped_experts_match_a_dense_sum():
     dense = torch.zeros(7, 4).scatter(1, ids, weights)
     want = sum(dense[:, e:e + 1] * block.experts[e](x) for e in range(4))
     torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-6)
+    # the fused norm's hand-over (fp8 codes with their 16-bit values): routed and computed on the values here
+    x_q, x_scale = quantize_activations_reference(x)
+    torch.testing.assert_close(block(Fp8Activations(x_q, x_scale, x.dtype, (7,), x)), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="16-bit values"):
+        block(Fp8Activations(x_q, x_scale, x.dtype, (7,)))
 
 
 def test_grouped_16bit_experts_match_the_loop():

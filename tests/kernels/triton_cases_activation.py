@@ -113,6 +113,18 @@ def test_add_rmsnorm_matches_the_model_norm(device, dtype, with_residual):
     r_q, r_s = rmsnorm_quant_reference(s_ref.reshape(10, k), weight, 1e-5)
     assert torch.allclose(act.x_scale, r_s, rtol=1e-5, atol=0)
     assert (act.x_q.view(torch.uint8) != r_q.view(torch.uint8)).float().mean() < 0.01
+    assert act.values is None
+    # both (a sparse MLP's router reads the 16-bit norm): in bf16, as served, the bytes of each call alone
+    # (fp32's last bits may move with the compiled variant's FMA contraction, as against the reference)
+    both, s3 = add_rmsnorm(x, res, weight, 1e-5, quantize=True, keep_values=True)
+    assert torch.equal(s3, s_ref) and both.values.shape == x.shape
+    if dtype == torch.bfloat16:
+        assert torch.equal(both.values, y) and torch.equal(both.x_scale, act.x_scale)
+        assert torch.equal(both.x_q.view(torch.uint8), act.x_q.view(torch.uint8))
+    else:
+        _close_up_to_rare_last_bit(both.values, y)
+        assert torch.allclose(both.x_scale, act.x_scale, rtol=1e-6, atol=0)
+        assert (both.x_q.view(torch.uint8) != act.x_q.view(torch.uint8)).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

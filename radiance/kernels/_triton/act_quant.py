@@ -125,11 +125,12 @@ def quantize_rows_chunked_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: 
 def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_rm,
                             eps, stride_part=0, HAS_RESIDUAL: tl.constexpr = True, QUANT: tl.constexpr = False,
                             PARTS: tl.constexpr = 0, BLOCK: tl.constexpr = 1024, INTERPRETER: tl.constexpr = False,
-                            PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False, KEEP_VALUES: tl.constexpr = False):
     """The pre-norm step of a decoder layer in one pass, with the model's rounding:
     s = x + residual (rounded to x's dtype, written to res_out), y = weight * rms_norm(s) (normalized in
     fp32, rounded to x's dtype, multiplied by the weight in x's dtype); then y is written (out) or
-    quantized per token to e4m3 (xq, scale) for a W4A8 linear. With PARTS > 0, x is a W4A8 GEMM's fp32
+    quantized per token to e4m3 (xq, scale) for a W4A8 linear, or with KEEP_VALUES both (a sparse MLP: its
+    router reads y, its experts the e4m3 codes). With PARTS > 0, x is a W4A8 GEMM's fp32
     split-K partials [PARTS, M, stride_xm] (activation.PartialSums), summed here in split order and
     rounded to res_out's dtype as the GEMM would have; unrolled, so that all their loads are in flight
     at once (a loop over them waited an L2 round trip per partial: the 32B's decode step +145 us)."""
@@ -155,7 +156,7 @@ def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr,
     y = (w * normed).to(x_raw.dtype)
     if QUANT:
         _quantize_row(y.to(tl.float32), mask, xq_ptr + row * K + offs, scale_ptr + row, INTERPRETER)
-    else:
+    if KEEP_VALUES or not QUANT:
         tl.store(out_ptr + row * K + offs, y, mask=mask)
 
 
