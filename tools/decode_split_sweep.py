@@ -29,6 +29,7 @@ import radiance.kernels.tuning as tuning
 from radiance.bench.engine_bench import _engine
 from radiance.config import KernelConfig
 from radiance.layers.linear import Mxfp4Linear
+from radiance.layers.moe import SparseMoeBlock
 
 DECODE_BAND = KernelConfig().decode_band  # the engine's default: up to this M the tuning table's decode entries serve
 
@@ -75,8 +76,12 @@ def table_in_use(table: dict):
 
 
 def decode_shapes(model: torch.nn.Module) -> list[str]:
-    """The N x K of the model's MXFP4 linears, one per distinct shape."""
-    return sorted({f"{m.out_features}x{m.in_features}" for m in model.modules() if isinstance(m, Mxfp4Linear)})
+    """The N x K of the model's MXFP4 linears that the table serves, one per distinct shape (experts stacked
+    for the grouped kernel run its own tilings, not the table's)."""
+    grouped = {id(m) for block in model.modules() if isinstance(block, SparseMoeBlock) and block.grouped is not None
+               for m in block.experts.modules()}
+    return sorted({f"{m.out_features}x{m.in_features}" for m in model.modules()
+                   if isinstance(m, Mxfp4Linear) and id(m) not in grouped})
 
 
 def step_ms(engine, gen, batch: int = 1, steps: int = 24, repeats: int = 2) -> float:

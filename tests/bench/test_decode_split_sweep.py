@@ -71,3 +71,24 @@ def test_dry_run_on_the_cpu():
     assert len(lines) == 2 + len(result["tried"])
     with pytest.raises(ValueError, match="decode band"):
         sweep.run("synthetic:llama-3.1-8b", batch=65, device="cpu")
+
+
+def test_decode_shapes_leave_out_grouped_experts():
+    """Experts stacked for the grouped kernel run its tilings, not the table's: no sweep of their shapes."""
+    import torch
+
+    from radiance.layers.linear import Mxfp4Linear
+    from radiance.layers.moe import SparseMoeBlock
+    from radiance.models.arch_config import MoeConfig
+
+    def linear(n, k):
+        return Mxfp4Linear(torch.zeros(n, k // 2, dtype=torch.uint8), torch.full((n, k // 32), 127, dtype=torch.uint8))
+
+    block = SparseMoeBlock(64, MoeConfig(num_experts=2, top_k=1, intermediate_size=32, norm_topk_prob=True,
+                                         layers=frozenset({0})))
+    for expert in block.experts:
+        expert.gate_up_proj, expert.down_proj = linear(64, 64), linear(64, 32)
+    model = torch.nn.ModuleDict({"qkv": linear(96, 64), "mlp": block})
+    assert sweep.decode_shapes(model) == ["64x32", "64x64", "96x64"]  # a loop over the experts: the table serves
+    block.grouped = ("stacked gate_up", "stacked down")  # what finish_loading sets on a GPU
+    assert sweep.decode_shapes(model) == ["96x64"]
