@@ -2,9 +2,14 @@
 side with one dense W4A8 GEMM over the same experts' bytes (what the grouped launches would take if a token's
 experts were one weight: the streaming ceiling) and torch's bf16 grouped GEMM on the same routing (the 16-bit
 path, without the expert biases). The measurement behind bench/RESULTS.md's twenty-seventh session (there as
-scratch scripts; this tool has not run on the GPU yet).
+scratch scripts; the tool's first GPU run: twenty-eighth session, part 4).
 
     python3 tools/moe_gemm_bench.py --model synthetic:gpt-oss-20b --tokens 1 4 16 64
+    python3 tools/moe_gemm_bench.py --model synthetic:qwen3-30b-a3b --tokens 256 384 512 --block-m 16 64 128
+
+--block-m times the grouped W4A8 path with each routing tile forced (16, 64 or 128 slots per tile) and marks the one
+moe.moe_block_m picks: how moe.PREFILL_PAIRS_PER_EXPERT and LARGE_PAIRS_PER_EXPERT were chosen (bench/RESULTS.md,
+twenty-eighth session).
 
 Per token count, 16 random routings (distinct experts per token) run back to back in one CUDA-graph replay per
 path, so that most expert weights come from HBM; microseconds per call of gate_up (with the GLU and the
@@ -58,9 +63,10 @@ def model_shapes(model: str) -> ExpertShapes:
 
 
 class Workload:
-    """Random MXFP4 and bf16 experts of `shapes`, and ROUTINGS random routings of `tokens` tokens each."""
+    """Random MXFP4 and bf16 experts of `shapes`, and ROUTINGS random routings of `tokens` tokens each, in routing
+    tiles of `block_m` slots (None: the one moe.moe_block_m picks)."""
 
-    def __init__(self, shapes: ExpertShapes, tokens: int, device: str):
+    def __init__(self, shapes: ExpertShapes, tokens: int, device: str, block_m: int | None = None):
         s = self.shapes = shapes
         # bf16 as served; fp32 on the CPU, where the interpreter's bf16 rounding is not the GPU's (triton_cases_gemm)
         dtype = self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -72,7 +78,7 @@ class Workload:
                         torch.randn(s.experts, s.hidden, device=device)) if s.biased else (None, None))
         self.w16 = (torch.randn(s.experts, 2 * s.intermediate, s.hidden, device=device, dtype=dtype) * 0.02,
                     torch.randn(s.experts, s.hidden, s.intermediate, device=device, dtype=dtype) * 0.02)
-        block_m = grouped.moe_block_m(tokens * s.top_k, s.experts)
+        block_m = block_m or grouped.moe_block_m(tokens * s.top_k, s.experts)
         self.ids, self.x, self.x_q, self.routing, self.sorted = [], [], [], [], []
         for _ in range(ROUTINGS):
             ids = torch.stack([torch.randperm(s.experts, device=device)[:s.top_k] for _ in range(tokens)])
@@ -115,15 +121,17 @@ def dense_ceiling_us(shapes: ExpertShapes) -> tuple[float, float]:
     return (time_us([lambda: w4a8_glu(x_q, x_scale, gate_up)]), time_us([lambda: w4a8_gemm(y_q, y_scale, down)]))
 
 
-def measure(workload: Workload) -> dict[str, tuple[float, float]]:
-    """{path: (gate_up us, down us)} per call."""
+def w4a8_us(workload: Workload) -> tuple[float, float]:
+    """(gate_up us, down us) per call of the grouped W4A8 path."""
+    return (time_us([lambda i=i: workload.gate_up_w4a8(i) for i in range(ROUTINGS)]),
+            time_us([lambda i=i: workload.down_w4a8(i) for i in range(ROUTINGS)]))
+
+
+def bf16_us(workload: Workload) -> tuple[float, float]:
+    """(gate_up us, down us) per call of torch's bf16 grouped GEMM on the same routings."""
     y16 = [workload.gate_up_bf16(i) for i in range(ROUTINGS)]
-    return {
-        "grouped W4A8": (time_us([lambda i=i: workload.gate_up_w4a8(i) for i in range(ROUTINGS)]),
-                         time_us([lambda i=i: workload.down_w4a8(i) for i in range(ROUTINGS)])),
-        "bf16 torch._grouped_mm": (time_us([lambda i=i: workload.gate_up_bf16(i) for i in range(ROUTINGS)]),
-                                   time_us([lambda i=i: workload.down_bf16(i, y16[i]) for i in range(ROUTINGS)])),
-    }
+    return (time_us([lambda i=i: workload.gate_up_bf16(i) for i in range(ROUTINGS)]),
+            time_us([lambda i=i: workload.down_bf16(i, y16[i]) for i in range(ROUTINGS)]))
 
 
 def check(workload: Workload) -> tuple[float, float]:
@@ -148,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="synthetic:gpt-oss-20b", help="a synthetic MoE model (its config's shapes)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--block-m", type=int, nargs="+", choices=sorted(grouped.MOE_CONFIGS),
+                        help="time the grouped W4A8 path with each of these routing tiles forced")
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU, checked instead of timed")
     args = parser.parse_args(argv)
     shapes = model_shapes(args.model)
@@ -156,8 +166,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--dry-run runs the Triton kernels on the CPU: set TRITON_INTERPRET=1")
         shapes = ExpertShapes(4, min(2, shapes.top_k), 64, 32, shapes.biased, shapes.activation)
         for tokens in args.tokens:
-            w4a8, bf16 = check(Workload(shapes, tokens, "cpu"))
-            print(f"{args.model} toy, {tokens} tokens: rel err grouped W4A8 {w4a8:.1e}, bf16 grouped {bf16:.1e}")
+            for block_m in args.block_m or [None]:
+                w4a8, bf16 = check(Workload(shapes, tokens, "cpu", block_m))
+                tiles = f", {block_m}-slot tiles" if block_m else ""
+                print(f"{args.model} toy, {tokens} tokens{tiles}: rel err grouped W4A8 {w4a8:.1e}, "
+                      f"bf16 grouped {bf16:.1e}")
         return
     print("| model | tokens | path | gate_up us | down us | total us |")
     print("|---|---|---|---|---|---|")
@@ -165,7 +178,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| {args.model} | 1 | dense W4A8 over the top_k experts' bytes | {gate_up:.1f} | {down:.1f} | "
           f"{gate_up + down:.1f} |", flush=True)
     for tokens in args.tokens:
-        for path, (gate_up, down) in measure(Workload(shapes, tokens, "cuda")).items():
+        chosen = grouped.moe_block_m(tokens * shapes.top_k, shapes.experts)
+        rows = []
+        for block_m in args.block_m or [None]:
+            workload = Workload(shapes, tokens, "cuda", block_m)
+            label = "grouped W4A8" if block_m is None else \
+                f"grouped W4A8, {block_m}-slot tiles{' (chosen)' if block_m == chosen else ''}"
+            rows.append((label, w4a8_us(workload)))
+        rows.append(("bf16 torch._grouped_mm", bf16_us(workload)))
+        del workload
+        for path, (gate_up, down) in rows:
             print(f"| {args.model} | {tokens} | {path} | {gate_up:.1f} | {down:.1f} | {gate_up + down:.1f} |",
                   flush=True)
 

@@ -35,6 +35,16 @@ def test_dry_run_checks_the_grouped_path(model):
     assert len(errors) == 4 and all(e <= 2e-3 for e in errors), proc.stdout
 
 
+def test_dry_run_checks_every_forced_tile():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_gemm_bench.py"), "--model",
+                           "synthetic:qwen3-30b-a3b", "--tokens", "3", "--block-m", "16", "64", "128", "--dry-run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tiles = re.findall(r"(\d+)-slot tiles: rel err grouped W4A8 ([0-9.e+-]+)", proc.stdout)
+    assert [t for t, _ in tiles] == ["16", "64", "128"] and all(float(e) <= 2e-3 for _, e in tiles), proc.stdout
+
+
 def test_dry_run_needs_the_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_gemm_bench.py"), "--dry-run"], cwd=ROOT,
