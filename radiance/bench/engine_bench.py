@@ -3,7 +3,8 @@
 Measures, per variant (bf16, MXFP4): batch-1 decode ms/step at two context depths, prefill tok/s at two
 prompt lengths (and, for the shortest, the share of the step the GPU spends in kernels: below ~0.8 the
 prefill is host-bound), aggregate output tok/s at several concurrencies, and the batch-1 decode step time
-against the sum of its kernels' device times (engine overhead); then HF transformers `generate` in bf16
+against the sum of its kernels' device times (engine overhead), with the kernels that keep the GPU busy
+longest per step; then HF transformers `generate` in bf16
 on the same config as the peer. Everything is measured in one process, side by side.
 `python -m radiance.bench.engine_bench --model synthetic:llama-3.1-8b` (or `radiance bench engine`).
 """
@@ -114,16 +115,23 @@ def _aggregate_tok_s(engine, concurrency: int, prompt_len: int, output_len: int,
 
 
 def kernel_breakdown(records, steps: int, top: int = 12) -> list[dict]:
-    """Per-kernel totals of profiled steps, largest first: records are (kernel name, device us) pairs;
-    returns [{"kernel", "us_per_step", "calls_per_step"}] for the `top` largest."""
+    """Per-kernel totals of profiled steps: records are (kernel name, start us, end us) of device kernels;
+    returns [{"kernel", "busy_us_per_step", "us_per_step", "calls_per_step"}] for the `top` kernels that add the
+    most to the GPU's busy time. A kernel's busy share is the part of its intervals that no kernel started
+    before it covers (the shares sum to busy_us). With programmatic dependent launch a kernel starts while the
+    one before it runs and waits for it, so its own duration (us_per_step) counts that wait and overstates it."""
     totals: dict[str, list] = {}
-    for name, us in records:
-        entry = totals.setdefault(name, [0.0, 0])
-        entry[0] += us
-        entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"kernel": name[:80], "us_per_step": us / steps, "calls_per_step": calls / steps}
-            for name, (us, calls) in ranked]
+    reach = float("-inf")
+    for name, start, end in sorted(records, key=lambda r: (r[1], r[2])):
+        entry = totals.setdefault(name, [0.0, 0.0, 0])
+        if end > reach:
+            entry[0] += end - max(start, reach)
+            reach = end
+        entry[1] += end - start
+        entry[2] += 1
+    ranked = sorted(totals.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:top]
+    return [{"kernel": name[:80], "busy_us_per_step": busy / steps, "us_per_step": us / steps,
+             "calls_per_step": calls / steps} for name, (busy, us, calls) in ranked]
 
 
 def busy_us(intervals) -> float:
@@ -147,9 +155,9 @@ def _device_intervals(prof) -> list[tuple[float, float]]:
     return [(e.time_range.start, e.time_range.end) for e in _device_events(prof)]
 
 
-def _device_records(prof) -> list[tuple[str, float]]:
-    """(name, us) of each device-side record."""
-    return [(e.name, e.time_range.elapsed_us()) for e in _device_events(prof)]
+def _device_records(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of each device-side record."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in _device_events(prof)]
 
 
 def _prefill_gpu_busy(engine, length: int, wall_s: float, gen) -> float:
@@ -174,7 +182,8 @@ def _prefill_gpu_busy(engine, length: int, wall_s: float, gen) -> float:
 
 def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, float, float, list[dict]]:
     """(median step wall ms, mean per-step sum of CUDA kernel times, mean per-step time the GPU runs any
-    kernel (busy_us), the largest kernels per step) over profiled batch-1 decode steps."""
+    kernel (busy_us), the kernels that add most to that busy time (kernel_breakdown)) over profiled batch-1
+    decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from radiance.engine.sampling_params import SamplingParams
@@ -197,9 +206,9 @@ def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, fl
         engine.step()
     engine.overlap_decode = overlap
     records = _device_records(prof)
-    kernel_us = sum(us for _, us in records)
-    return (statistics.median(walls) * 1e3, kernel_us / steps / 1e3, busy_us(_device_intervals(prof)) / steps / 1e3,
-            kernel_breakdown(records, steps))
+    kernel_us = sum(end - start for _, start, end in records)
+    return (statistics.median(walls) * 1e3, kernel_us / steps / 1e3,
+            busy_us([(start, end) for _, start, end in records]) / steps / 1e3, kernel_breakdown(records, steps))
 
 
 def bench_variant(model: str, quantization: str, contexts, prefills, concurrencies, max_model_len: int,
@@ -327,8 +336,8 @@ def run_args(args) -> int:
     print(table(rows))
     for r in rows:
         for k in r.get("kernels", []):
-            print(f"[{r['variant']}] decode step @{args.contexts[0]}: {k['us_per_step']:8.1f} us "
-                  f"{k['calls_per_step']:5.0f} calls  {k['kernel']}")
+            print(f"[{r['variant']}] decode step @{args.contexts[0]}: {k['busy_us_per_step']:8.1f} us busy "
+                  f"({k['us_per_step']:8.1f} us own duration) {k['calls_per_step']:5.0f} calls  {k['kernel']}")
     for r in rows:
         if "error" in r:
             print(f"[{r['variant']}] FAILED: {r['error']}")

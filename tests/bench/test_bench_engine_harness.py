@@ -51,8 +51,19 @@ def test_busy_time_is_the_union_of_kernel_intervals():
 
 
 def test_kernel_breakdown_ranks_kernels_per_step():
-    records = [("gemm", 10.0), ("norm", 2.0), ("gemm", 12.0), ("rope", 1.0), ("norm", 2.5), ("gemm", 11.0)]
+    # two steps; gemm 10-20 and norm 19-24 overlap (a PDL dependent's wait counts in its own duration)
+    records = [("gemm", 0.0, 10.0), ("norm", 9.0, 11.0), ("rope", 11.0, 12.0), ("gemm", 12.0, 24.0),
+               ("norm", 30.0, 32.5), ("gemm", 32.5, 43.5)]
     ranked = engine_bench.kernel_breakdown(records, steps=2, top=2)
     assert [r["kernel"] for r in ranked] == ["gemm", "norm"]
-    assert ranked[0]["us_per_step"] == 16.5 and ranked[0]["calls_per_step"] == 1.5
-    assert ranked[1]["us_per_step"] == 2.25 and ranked[1]["calls_per_step"] == 1.0
+    assert ranked[0]["busy_us_per_step"] == 16.5 and ranked[0]["us_per_step"] == 16.5
+    assert ranked[0]["calls_per_step"] == 1.5
+    assert ranked[1]["busy_us_per_step"] == 1.75 and ranked[1]["us_per_step"] == 2.25
+    assert ranked[1]["calls_per_step"] == 1.0
+    # a dependent launched early: its wait is the gemm's time, not its own
+    late = engine_bench.kernel_breakdown([("gemm", 0.0, 10.0), ("quantize", 1.0, 11.0)], steps=1)
+    assert [(r["kernel"], r["busy_us_per_step"], r["us_per_step"]) for r in late] == \
+        [("gemm", 10.0, 10.0), ("quantize", 1.0, 10.0)]
+    everything = engine_bench.kernel_breakdown(records, steps=1, top=99)
+    assert sum(r["busy_us_per_step"] for r in everything) == \
+        engine_bench.busy_us([(start, end) for _, start, end in records])
