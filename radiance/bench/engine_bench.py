@@ -151,13 +151,13 @@ def _device_events(prof) -> list:
     return [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
 
 
-def _device_intervals(prof) -> list[tuple[float, float]]:
-    return [(e.time_range.start, e.time_range.end) for e in _device_events(prof)]
-
-
 def _device_records(prof) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of each device-side record."""
     return [(e.name, e.time_range.start, e.time_range.end) for e in _device_events(prof)]
+
+
+def _intervals(records) -> list[tuple[float, float]]:
+    return [(start, end) for _, start, end in records]
 
 
 def _prefill_gpu_busy(engine, length: int, wall_s: float, gen) -> float:
@@ -177,7 +177,7 @@ def _prefill_gpu_busy(engine, length: int, wall_s: float, gen) -> float:
         while engine.has_unfinished_requests():
             engine.step()
         _sync()
-    return busy_us(_device_intervals(prof)) / 1e6 / wall_s
+    return busy_us(_intervals(_device_records(prof))) / 1e6 / wall_s
 
 
 def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, float, float, list[dict]]:
@@ -208,7 +208,7 @@ def _kernel_sum_ms(engine, context: int, gen, steps: int = 8) -> tuple[float, fl
     records = _device_records(prof)
     kernel_us = sum(end - start for _, start, end in records)
     return (statistics.median(walls) * 1e3, kernel_us / steps / 1e3,
-            busy_us([(start, end) for _, start, end in records]) / steps / 1e3, kernel_breakdown(records, steps))
+            busy_us(_intervals(records)) / steps / 1e3, kernel_breakdown(records, steps))
 
 
 def bench_variant(model: str, quantization: str, contexts, prefills, concurrencies, max_model_len: int,
