@@ -84,6 +84,9 @@ ROUTE_KERNEL_MAX_TOKENS = 128
 # Up to this many tokens the routing kernel runs one warp (its barriers and reductions then stay in the warp:
 # 4.7 against 6.4 us with 4 warps at one token); from 4 tokens on 4 warps are as fast or faster
 ROUTE_ONE_WARP_MAX_TOKENS = 2
+# Whether a routing whose tokens and pairs fit one tile and one block (decode: up to 8 tokens of top 8) keeps its
+# phases in registers (moe_route._route_one_block) instead of handing them over through global memory
+ROUTE_ONE_BLOCK = True
 
 
 # Tokens up to which router_logits runs its Triton GEMV instead of torch's linear (cuBLAS). H200, us per call
@@ -145,14 +148,16 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, blo
     next_slot = device_buffer("moe-route-next-slot", device, e_pad, torch.int32, zeroed=False)
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     pdl = supports_pdl(device)
+    # tiles no larger than the work (one compile per power of two of the token count)
+    token_tile = max(2, min(4096 // e_pad, triton_next_pow2(tokens)))
+    pair_block = max(16, min(64, triton_next_pow2(num_pairs)))
     _route.moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
         valid_rows if valid_rows is not None else group_ends, tokens, num_experts, logits.stride(0), slots,
         slots // block_m, HAS_VALID=valid_rows is not None,
         TOP_K=top_k, K_PAD=triton_next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
-        # tiles no larger than the work (one compile per power of two of the token count)
-        TB=max(2, min(4096 // e_pad, triton_next_pow2(tokens))),
-        PB=max(16, min(64, triton_next_pow2(num_pairs))), SB=64, PDL=pdl, launch_pdl=pdl,
+        TB=token_tile, PB=pair_block, SB=64, PDL=pdl, launch_pdl=pdl,
+        ONE_BLOCK=ROUTE_ONE_BLOCK and tokens <= token_tile and num_pairs <= pair_block,
         num_warps=1 if tokens <= ROUTE_ONE_WARP_MAX_TOKENS else 4)
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
 

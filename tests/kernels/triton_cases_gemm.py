@@ -22,6 +22,8 @@ PLAIN = GemmConfig(block_m=64, block_n=32, block_k=128, swap_ab=False, split_k=1
 SPLIT3 = GemmConfig(block_m=16, block_n=32, block_k=128, swap_ab=True, split_k=3)
 # the tiling class of the M <= 256 prefill entries (tuning/sm90.json): wide token tile, block_k 256
 WIDE_M = GemmConfig(block_m=128, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=3, split_k=2)
+# the tiling class of the 32B gate_up's decode entry: four 128-k word groups per K tile
+DEEP_K = GemmConfig(block_m=16, block_n=64, block_k=512, swap_ab=True, num_warps=4, num_stages=3, split_k=1)
 
 
 def assert_same_quantized_rows(device, got, want):
@@ -68,10 +70,11 @@ def test_default_dispatch_every_m_band(device, m):
     _check(device, m, 48, 96, None, bias=m % 2 == 1)
 
 
-@pytest.mark.parametrize("config", [SWAP, PLAIN, SPLIT3], ids=["swap", "plain", "split3"])
+@pytest.mark.parametrize("config", [SWAP, PLAIN, SPLIT3, DEEP_K], ids=["swap", "plain", "split3", "deep_k"])
 @pytest.mark.parametrize("m", (1, 5, 17, 70))
 def test_tilings_with_ragged_n_and_k(device, config, m):
-    _check(device, m, 40, 544, config, bias=True)  # N not a tile multiple, K not a multiple of BK (5 K tiles)
+    # N not a tile multiple, K not a multiple of BK (5 K tiles of 128; 2 of 512, the second 32 columns live)
+    _check(device, m, 40, 544, config, bias=True)
 
 
 @pytest.mark.parametrize("m", (100, 257))

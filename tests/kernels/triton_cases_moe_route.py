@@ -119,3 +119,29 @@ def test_combine_zeroes_padding_rows(device, with_rows):
     want = (h.view(tokens, top_k, width) * weights[..., None]).sum(dim=1)
     torch.testing.assert_close(out[:4], want[:4], rtol=1e-5, atol=1e-6)
     assert torch.equal(out[4:], torch.zeros_like(out[4:]))
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 128, 8), (2, 128, 8), (8, 128, 8), (3, 60, 6), (2, 32, 4)])
+@pytest.mark.parametrize("block_m", [1, 16])
+@pytest.mark.parametrize("valid", [None, 0, 1])
+def test_one_block_routing_equals_the_blocked_one(device, monkeypatch, tokens, num_experts, top_k, block_m, valid):
+    """Decode-sized routings (all pairs in one block) keep their phases in registers: the same ids and slot layout as
+    the general path, which hands them over through global memory, and as the torch path; the same weights but for
+    the renormalization's rounding."""
+    logits = torch.randn(tokens, num_experts, device=device) * 3
+    count = None if valid is None else torch.tensor([valid], dtype=torch.int32, device=device)
+    results = []
+    for one_block in (False, True):
+        monkeypatch.setattr(moe, "ROUTE_ONE_BLOCK", one_block)
+        weights, ids, routing = moe.route_tokens(logits, top_k, True, block_m, count)
+        results.append((weights, ids, routing.sorted_pairs, routing.tile_expert, routing.group_ends))
+    (weights_blocked, *blocked), (weights_one, *one) = results
+    # the renormalizing sum runs over registers of another layout (4 warps from 3 tokens): last-ulp differences
+    torch.testing.assert_close(weights_one, weights_blocked, rtol=1e-6, atol=0)
+    for got, want in zip(one, blocked):
+        assert torch.equal(got, want)
+    want = moe.route_to_experts(ids.long(), num_experts, block_m, count)
+    routing = _on_cpu(routing)
+    assert torch.equal(routing.sorted_pairs, want.sorted_pairs.cpu())
+    assert torch.equal(routing.tile_expert, want.tile_expert.cpu())
+    check_routing(routing, ids.long().cpu(), num_experts, block_m, valid_rows=valid)

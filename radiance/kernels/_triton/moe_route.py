@@ -10,6 +10,9 @@ padding of moe_routing.route_to_experts): at a decode step those launches cost m
      within a group the pairs keep their order). Global scratch `next_slot` [E_PAD] carries each
      group's next free slot between blocks; CTA barriers order the phases (one program: a barrier makes
      its global writes visible to all its threads).
+With ONE_BLOCK (all tokens in one TB tile and all pairs in one PB block: a decode step of one or two tokens)
+the weights and ids stay in registers from phase 1 to 3 and each pair's slot comes from its group's first slot
+in registers: no global round trip through ids, weights or next_slot between the phases, and one barrier.
 With PDL the kernel is launched as a programmatic dependent (act_quant.pdl_handoff).
 With HAS_VALID only the first valid_ptr[0] tokens are routed (a CUDA graph's padding rows follow them): their
 pairs fill the groups, and every later pair p is parked in slot (used tiles) * BM + p - (routed pairs), past
@@ -23,26 +26,117 @@ from radiance.kernels._triton.act_quant import pdl_handoff
 
 
 @triton.jit
+def _softmax_rows(logits_ptr, toks, T, experts, E, stride_l):
+    """fp32 softmax [TB, E_PAD] of the router logits of tokens `toks` (dead rows and padding experts: 0)."""
+    t_live = toks < T
+    e_live = experts < E
+    logits = tl.load(logits_ptr + toks[:, None].to(tl.int64) * stride_l + experts[None, :],
+                     mask=t_live[:, None] & e_live[None, :], other=float("-inf")).to(tl.float32)
+    logits = tl.where(t_live[:, None], logits, tl.where(e_live[None, :], 0.0, float("-inf")))  # no NaN rows
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    return probs / tl.sum(probs, axis=1)[:, None]
+
+
+@triton.jit
+def _lay_out_groups(counts, experts, E, pairs_ptr, tile_expert_ptr, group_end_ptr, num_pairs, num_slots, num_tiles,
+                    BM: tl.constexpr, SB: tl.constexpr):
+    """Phase 2 from the per-expert pair counts: group ends stored, every slot set to the padding pair, each tile's
+    expert stored (-1 past the used ones). Returns (each group's first slot [E_PAD], the first slot past the
+    used tiles)."""
+    e_live = experts < E
+    tiles = (counts + BM - 1) // BM
+    tile_end = tl.cumsum(tiles, axis=0)  # one past each expert's last tile
+    tl.store(group_end_ptr + experts, tile_end * BM, mask=e_live)
+    for s0 in range(0, num_slots, SB):
+        slots = s0 + tl.arange(0, SB)
+        tl.store(pairs_ptr + slots, tl.zeros([SB], dtype=tl.int32) + num_pairs, mask=slots < num_slots)
+    for i0 in range(0, num_tiles, SB):
+        tile = i0 + tl.arange(0, SB)
+        # a tile belongs to the first expert whose tiles end after it (an empty expert ends where it starts)
+        owner = tl.sum(((tile_end[None, :] <= tile[:, None]) & e_live[None, :]).to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + tile, tl.where(owner < E, owner, -1), mask=tile < num_tiles)
+    return (tile_end - tiles) * BM, tl.sum(tiles, axis=0) * BM
+
+
+@triton.jit
+def _route_one_block(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, T, E, stride_l,
+                     num_slots, num_tiles, routed, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
+                     BM: tl.constexpr, E_PAD: tl.constexpr, TB: tl.constexpr, SB: tl.constexpr,
+                     HAS_VALID: tl.constexpr):
+    """moe_route_kernel for T <= TB tokens whose T * TOP_K pairs form one block: the phases hand each other
+    registers (the pairs are the [TB, K_PAD] choice matrix read row by row)."""
+    experts = tl.arange(0, E_PAD)
+    toks = tl.arange(0, TB)
+    choices = tl.arange(0, K_PAD)
+    probs = _softmax_rows(logits_ptr, toks, T, experts, E, stride_l)
+    top_w = tl.zeros([TB, K_PAD], dtype=tl.float32)
+    top_id = tl.zeros([TB, K_PAD], dtype=tl.int32)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(probs, axis=1)
+        pick = tl.argmax(probs, axis=1, tie_break_left=True)
+        picked = experts[None, :] == pick[:, None]
+        counts += tl.sum((picked & (toks < routed)[:, None]).to(tl.int32), axis=0)
+        top_w = tl.where(choices[None, :] == j, top[:, None], top_w)
+        top_id = tl.where(choices[None, :] == j, pick[:, None], top_id)
+        probs = tl.where(picked, -1.0, probs)
+    if NORM:  # the top_k weights of a token sum to 1 (K_PAD's extra columns hold 0)
+        top_w = top_w / tl.maximum(tl.sum(top_w, axis=1), 1e-30)[:, None]
+    pair = toks[:, None] * TOP_K + choices[None, :]
+    chosen = (toks < T)[:, None] & (choices < TOP_K)[None, :]
+    tl.store(weights_ptr + pair, top_w, mask=chosen)
+    tl.store(ids_ptr + pair, top_id, mask=chosen)
+
+    first_slot, parked = _lay_out_groups(counts, experts, E, pairs_ptr, tile_expert_ptr, group_end_ptr, T * TOP_K,
+                                         num_slots, num_tiles, BM, SB)
+    P: tl.constexpr = TB * K_PAD
+    pair = tl.reshape(pair, (P,))
+    expert = tl.reshape(top_id, (P,))
+    routed_pairs = routed * TOP_K
+    p_live = tl.reshape(chosen, (P,)) & (pair < routed_pairs)
+    # the pair's rank among the same expert's pairs before it (pair order), then its slot
+    earlier = (expert[:, None] == expert[None, :]) & (pair[None, :] < pair[:, None]) & p_live[None, :]
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    start = tl.sum(tl.where(expert[:, None] == experts[None, :], first_slot[None, :], 0), axis=1)
+    tl.debug_barrier()  # the padding is in every slot before the pairs overwrite theirs
+    tl.store(pairs_ptr + start + rank, pair, mask=p_live)
+    if HAS_VALID:  # a padding row's pairs: parked past the used tiles, in pair order
+        tl.store(pairs_ptr + parked + pair - routed_pairs, pair,
+                 mask=tl.reshape(chosen, (P,)) & (pair >= routed_pairs))
+
+
+@triton.jit
 def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, next_slot_ptr,
                      valid_ptr, T, E, stride_l, num_slots, num_tiles,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, BM: tl.constexpr,
                      E_PAD: tl.constexpr, TB: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
-                     HAS_VALID: tl.constexpr = False, PDL: tl.constexpr = False):
+                     HAS_VALID: tl.constexpr = False, PDL: tl.constexpr = False, ONE_BLOCK: tl.constexpr = False):
     pdl_handoff(PDL)
-    experts = tl.arange(0, E_PAD)
-    e_live = experts < E
-    num_pairs = T * TOP_K
     routed = tl.minimum(tl.load(valid_ptr).to(tl.int32), T) if HAS_VALID else T  # tokens that get experts
+    if ONE_BLOCK:
+        _route_one_block(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, T, E, stride_l,
+                         num_slots, num_tiles, routed, TOP_K, K_PAD, NORM, BM, E_PAD, TB, SB, HAS_VALID)
+    else:
+        _route_blocks(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, next_slot_ptr,
+                      T, E, stride_l, num_slots, num_tiles, routed, TOP_K, K_PAD, NORM, BM, E_PAD, TB, PB, SB,
+                      HAS_VALID)
+
+
+@triton.jit
+def _route_blocks(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, next_slot_ptr,
+                  T, E, stride_l, num_slots, num_tiles, routed, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  NORM: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr, TB: tl.constexpr, PB: tl.constexpr,
+                  SB: tl.constexpr, HAS_VALID: tl.constexpr):
+    """moe_route_kernel for any token count: token tiles of TB, pair blocks of PB, each group's next free slot
+    carried between blocks in next_slot (global scratch)."""
+    experts = tl.arange(0, E_PAD)
+    num_pairs = T * TOP_K
     routed_pairs = routed * TOP_K
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for t0 in range(0, T, TB):
         toks = t0 + tl.arange(0, TB)
         t_live = toks < T
-        logits = tl.load(logits_ptr + toks[:, None].to(tl.int64) * stride_l + experts[None, :],
-                         mask=t_live[:, None] & e_live[None, :], other=float("-inf")).to(tl.float32)
-        logits = tl.where(t_live[:, None], logits, tl.where(e_live[None, :], 0.0, float("-inf")))  # no NaN rows
-        probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        probs = probs / tl.sum(probs, axis=1)[:, None]
+        probs = _softmax_rows(logits_ptr, toks, T, experts, E, stride_l)
         for j in tl.static_range(TOP_K):
             top = tl.max(probs, axis=1)
             top_id = tl.argmax(probs, axis=1, tie_break_left=True)
@@ -61,19 +155,9 @@ def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_pt
             w = tl.load(ptrs, mask=live, other=0.0)
             tl.store(ptrs, w / tl.maximum(tl.sum(w, axis=1), 1e-30)[:, None], mask=live)  # dead rows: 0, not NaN
 
-    tiles = (counts + BM - 1) // BM
-    tile_end = tl.cumsum(tiles, axis=0)  # one past each expert's last tile
-    parked = tl.sum(tiles, axis=0) * BM  # the first slot past the used tiles
-    tl.store(next_slot_ptr + experts, (tile_end - tiles) * BM)  # each group's first slot
-    tl.store(group_end_ptr + experts, tile_end * BM, mask=e_live)
-    for s0 in range(0, num_slots, SB):
-        slots = s0 + tl.arange(0, SB)
-        tl.store(pairs_ptr + slots, tl.zeros([SB], dtype=tl.int32) + num_pairs, mask=slots < num_slots)
-    for i0 in range(0, num_tiles, SB):
-        tile = i0 + tl.arange(0, SB)
-        # a tile belongs to the first expert whose tiles end after it (an empty expert ends where it starts)
-        owner = tl.sum(((tile_end[None, :] <= tile[:, None]) & e_live[None, :]).to(tl.int32), axis=1)
-        tl.store(tile_expert_ptr + tile, tl.where(owner < E, owner, -1), mask=tile < num_tiles)
+    first_slot, parked = _lay_out_groups(counts, experts, E, pairs_ptr, tile_expert_ptr, group_end_ptr, num_pairs,
+                                         num_slots, num_tiles, BM, SB)
+    tl.store(next_slot_ptr + experts, first_slot)
     tl.debug_barrier()
 
     lanes = tl.arange(0, PB)
