@@ -10,7 +10,7 @@ padding of moe_routing.route_to_experts): at a decode step those launches cost m
      within a group the pairs keep their order). Global scratch `next_slot` [E_PAD] carries each
      group's next free slot between blocks; CTA barriers order the phases (one program: a barrier makes
      its global writes visible to all its threads).
-With ONE_BLOCK (all tokens in one TB tile and all pairs in one PB block: a decode step of one or two tokens)
+With ONE_BLOCK (all tokens in one TB tile and all pairs in one PB block: decode steps, up to 8 tokens of top 8)
 the weights and ids stay in registers from phase 1 to 3 and each pair's slot comes from its group's first slot
 in registers: no global round trip through ids, weights or next_slot between the phases, and one barrier.
 With PDL the kernel is launched as a programmatic dependent (act_quant.pdl_handoff).
