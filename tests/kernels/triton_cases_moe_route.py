@@ -145,3 +145,12 @@ def test_one_block_routing_equals_the_blocked_one(device, monkeypatch, tokens, n
     assert torch.equal(routing.sorted_pairs, want.sorted_pairs.cpu())
     assert torch.equal(routing.tile_expert, want.tile_expert.cpu())
     check_routing(routing, ids.long().cpu(), num_experts, block_m, valid_rows=valid)
+
+
+def test_one_block_ties_go_to_the_lower_expert(device):
+    """Exact ties at the top of decode-sized routings (the one-block path): the lower expert first, as torch's path."""
+    logits = (torch.randn(2, 128, device=device) * 3).to(torch.bfloat16)
+    logits[0, 5] = logits[0, 9] = 30.0
+    logits[1, 70] = logits[1, 3] = 30.0
+    _, ids, _ = moe.route_tokens(logits, 8, False, 16)
+    assert ids[:, :2].tolist() == [[5, 9], [3, 70]]
