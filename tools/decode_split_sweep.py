@@ -7,6 +7,7 @@ under 3% (bench/RESULTS.md, eighth session); 5 stages made 28672x4096 10% faster
 
     python3 tools/decode_split_sweep.py [--model synthetic:qwen3-32b] [--splits 1 2 3 4 5 6 8] [--batch 1]
     python3 tools/decode_split_sweep.py --field num_stages --values 3 4 5   # any GemmConfig field
+    python3 tools/decode_split_sweep.py --tilings '{"block_k": 512, "num_stages": 3, "split_k": 1}'  # several fields
 
 Prints tuning-table entries for radiance/kernels/tuning/sm90.json: a winner must beat the median of the
 table's repeats by more than --margin ms, and the closing table / winners alternation says whether the
@@ -45,18 +46,24 @@ def serving_entry(table: dict, shape: str, m: int) -> dict:
     return table["decode"][i] if i is not None else {"config": tuning.DEFAULT_DECODE.as_dict()}
 
 
-def with_field(table: dict, shape: str, field: str, value, m: int) -> dict:
-    """A copy of `table` that serves `shape` at M = m with GemmConfig `field` = `value`, the rest of the tiling
+def with_fields(table: dict, shape: str, fields: dict, m: int) -> dict:
+    """A copy of `table` that serves `shape` at M = m with the GemmConfig `fields` given, the rest of the tiling
     as now: a new entry (m_max m) right before the one serving it now, so smaller M bands keep their entries."""
-    if field not in tuning.GemmConfig.__dataclass_fields__:
-        raise ValueError(f"{field!r} is not a GemmConfig field")
+    for field in fields:
+        if field not in tuning.GemmConfig.__dataclass_fields__:
+            raise ValueError(f"{field!r} is not a GemmConfig field")
     patched = copy.deepcopy(table)
     decode = patched.setdefault("decode", [])
     i = serving_index(table, shape, m)
-    entry = {"shape": shape, "m_max": m, "config": {**serving_entry(table, shape, m)["config"], field: value}}
+    entry = {"shape": shape, "m_max": m, "config": {**serving_entry(table, shape, m)["config"], **fields}}
     tuning.GemmConfig(**entry["config"])  # a tiling the kernel accepts (block_k % 128 ...)
     decode.insert(len(decode) if i is None else i, entry)
     return patched
+
+
+def with_field(table: dict, shape: str, field: str, value, m: int) -> dict:
+    """with_fields for one field."""
+    return with_fields(table, shape, {field: value}, m)
 
 
 def with_split(table: dict, shape: str, split: int, m: int) -> dict:
@@ -89,15 +96,23 @@ def step_ms(engine, gen, batch: int = 1, steps: int = 24, repeats: int = 2) -> f
     return min(decode_ablation.step_ms(engine, batch, gen, steps=steps) for _ in range(repeats))
 
 
+def _label(fields: dict, field: str | None):
+    """How a candidate prints: its value for a one-field sweep, else its fields."""
+    return fields[field] if field is not None else ",".join(f"{k}={v}" for k, v in fields.items())
+
+
 def run(model: str, quantization: str = "mxfp4", values=(1, 2, 3, 4, 5, 6, 8), batch: int = 1, margin: float = 0.004,
         device: str = "cuda", overrides: dict | None = None, steps: int = 24, log=print,
-        field: str = "split_k") -> dict:
-    """Decode steps of `batch` sequences (the GEMMs' M) with each shape's `field` set to each of `values`:
-    {"table": [ms of every table repeat], "tried": {shape: [(value, ms)]}, "chosen": {shape: value},
+        field: str = "split_k", tilings: list[dict] | None = None) -> dict:
+    """Decode steps of `batch` sequences (the GEMMs' M) with each shape's `field` set to each of `values` (or,
+    with `tilings`, each dict of GemmConfig fields put in at once):
+    {"table": [ms of every table repeat], "tried": {shape: [(value or label, ms)]}, "chosen": {shape: fields},
     "final": [(variant, ms)], "entries": [(entry, the index in the table's decode list to insert it at)] for
     the winners}."""
     if batch > DECODE_BAND:
         raise ValueError(f"batch {batch} is past the decode band ({DECODE_BAND} tokens): its GEMMs run prefill tilings")
+    candidates = [dict(t) for t in tilings] if tilings else [{field: v} for v in values]
+    label_field = None if tilings else field
     engine = _engine(model, quantization, 2048, device, overrides, max_num_batched_tokens=4096,
                      max_num_seqs=batch, gpu_memory_utilization=0.85, prefill_graph_tokens=())
     gen = torch.Generator().manual_seed(0)
@@ -113,25 +128,29 @@ def run(model: str, quantization: str = "mxfp4", values=(1, 2, 3, 4, 5, 6, 8), b
     result = {"table": [timed(base)], "tried": {}, "chosen": {}}
     log(f"{model}: table {result['table'][0]:.3f} ms per step")
     for shape in decode_shapes(engine.model):
-        now = serving_entry(base, shape, batch)["config"].get(field)
-        tried = [(s, timed(with_field(base, shape, field, s, batch))) for s in values if s != now]
+        now = serving_entry(base, shape, batch)["config"]
+        fresh = [c for c in candidates if any(now.get(k) != v for k, v in c.items())]
+        tried = [(c, timed(with_fields(base, shape, c, batch))) for c in fresh]
         result["table"].append(timed(base))
-        result["tried"][shape] = tried
-        log(f"  {shape} (table {field} {now}): " + "  ".join(f"{s}: {ms:.3f}" for s, ms in tried)
+        result["tried"][shape] = [(_label(c, label_field), ms) for c, ms in tried]
+        keys = dict.fromkeys(k for c in candidates for k in c)  # the fields tried, in order
+        shown = f"{field} {now.get(field)}" if label_field else _label({k: now.get(k) for k in keys}, None)
+        log(f"  {shape} (table {shown}): "
+            + "  ".join(f"{_label(c, label_field)}: {ms:.3f}" for c, ms in tried)
             + f"  | table again {result['table'][-1]:.3f}")
         if tried:
-            value, ms = min(tried, key=lambda t: t[1])
+            fields, ms = min(tried, key=lambda t: t[1])
             # against the median of the table's repeats: the first ones of a session ran 35-40 us faster
             # than the later ones (8B), so the minimum would reject everything
             if ms < statistics.median(result["table"]) - margin:
-                result["chosen"][shape] = value
+                result["chosen"][shape] = fields
     combined = base
     result["entries"] = []
-    for shape, value in result["chosen"].items():
+    for shape, fields in result["chosen"].items():
         index = serving_index(base, shape, batch)
-        entry = with_field(base, shape, field, value, batch)["decode"][-1 if index is None else index]
+        entry = with_fields(base, shape, fields, batch)["decode"][-1 if index is None else index]
         result["entries"].append((entry, index))
-        combined = with_field(combined, shape, field, value, batch)
+        combined = with_fields(combined, shape, fields, batch)
     result["final"] = [(v, timed(base if v == "table" else combined)) for v in ("table", "winners") * 2]
     log("  " + "  ".join(f"{v} {ms:.3f}" for v, ms in result["final"]))
     if engine.runner.decode_graphs:
@@ -146,11 +165,15 @@ def main() -> None:
     p.add_argument("--splits", "--values", dest="values", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 8],
                    help="the values of --field to try (split counts by default)")
     p.add_argument("--field", default="split_k", help="the GemmConfig field swept: split_k, num_stages, block_k ...")
+    p.add_argument("--tilings", nargs="+", type=json.loads, metavar="JSON",
+                   help='whole tilings to try instead of one field, each a JSON dict of GemmConfig fields, e.g. '
+                        '\'{"block_k": 512, "num_stages": 3, "split_k": 1}\'')
     p.add_argument("--batch", type=int, default=1, help="sequences per decode step (the GEMMs' M)")
     p.add_argument("--margin", type=float, default=0.004, help="ms a winner must beat the table's median repeat by")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
-    result = run(args.model, args.quantization, args.values, args.batch, args.margin, args.device, field=args.field)
+    result = run(args.model, args.quantization, args.values, args.batch, args.margin, args.device, field=args.field,
+                 tilings=args.tilings)
     for entry, index in result["entries"]:
         print(f"{json.dumps(entry)}  # insert before decode entry {index} of tuning/sm90.json")
 

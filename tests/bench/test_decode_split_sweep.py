@@ -92,3 +92,27 @@ def test_decode_shapes_leave_out_grouped_experts():
     assert sweep.decode_shapes(model) == ["64x32", "64x64", "96x64"]  # a loop over the experts: the table serves
     block.grouped = ("stacked gate_up", "stacked down")  # what finish_loading sets on a GPU
     assert sweep.decode_shapes(model) == ["96x64"]
+
+
+def test_with_fields_patches_a_whole_tiling():
+    table = tuning.load_table("sm90")
+    fields = {"block_k": 512, "num_stages": 3, "split_k": 1}
+    patched = sweep.with_fields(table, "4096x14336", fields, m=1)
+    new, old = sweep.serving_entry(patched, "4096x14336", 1), sweep.serving_entry(table, "4096x14336", 1)
+    assert {k: new["config"][k] for k in fields} == fields
+    assert {k: v for k, v in new["config"].items() if k not in fields} == \
+        {k: v for k, v in old["config"].items() if k not in fields}
+    assert sweep.serving_entry(patched, "4096x14336", 2) == sweep.serving_entry(table, "4096x14336", 2)
+    with pytest.raises(ValueError, match="not a GemmConfig field"):
+        sweep.with_fields(table, "4096x14336", {"block_k": 512, "stages": 3}, m=1)
+
+
+def test_dry_run_of_whole_tilings_on_the_cpu():
+    lines = []
+    tilings = [{"block_k": 512, "num_stages": 3}, {"split_k": 2, "num_stages": 5}]
+    result = sweep.run("synthetic:llama-3.1-8b", batch=2, device="cpu", overrides={**TINY, "vocab_size": 512},
+                       steps=2, log=lines.append, tilings=tilings)
+    labels = {label for tried in result["tried"].values() for label, _ in tried}
+    assert labels == {"block_k=512,num_stages=3", "split_k=2,num_stages=5"}
+    assert all(fields in tilings for fields in result["chosen"].values())
+    assert all("(table block_k=" in line for line in lines[1:-1])
