@@ -38,6 +38,17 @@ def _softmax_rows(logits_ptr, toks, T, experts, E, stride_l):
 
 
 @triton.jit
+def _take_top(probs, experts, toks, routed):
+    """One top-k step over probs [TB, E_PAD]: (each row's largest probability, its expert (ties: the lower one),
+    the picks per expert among the routed tokens [E_PAD], probs with the picks set to -1)."""
+    top = tl.max(probs, axis=1)
+    pick = tl.argmax(probs, axis=1, tie_break_left=True)
+    picked = experts[None, :] == pick[:, None]
+    counts = tl.sum((picked & (toks < routed)[:, None]).to(tl.int32), axis=0)
+    return top, pick, counts, tl.where(picked, -1.0, probs)
+
+
+@triton.jit
 def _lay_out_groups(counts, experts, E, pairs_ptr, tile_expert_ptr, group_end_ptr, num_pairs, num_slots, num_tiles,
                     BM: tl.constexpr, SB: tl.constexpr):
     """Phase 2 from the per-expert pair counts: group ends stored, every slot set to the padding pair, each tile's
@@ -73,13 +84,10 @@ def _route_one_block(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_pt
     top_id = tl.zeros([TB, K_PAD], dtype=tl.int32)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        top = tl.max(probs, axis=1)
-        pick = tl.argmax(probs, axis=1, tie_break_left=True)
-        picked = experts[None, :] == pick[:, None]
-        counts += tl.sum((picked & (toks < routed)[:, None]).to(tl.int32), axis=0)
+        top, pick, picks, probs = _take_top(probs, experts, toks, routed)
+        counts += picks
         top_w = tl.where(choices[None, :] == j, top[:, None], top_w)
         top_id = tl.where(choices[None, :] == j, pick[:, None], top_id)
-        probs = tl.where(picked, -1.0, probs)
     if NORM:  # the top_k weights of a token sum to 1 (K_PAD's extra columns hold 0)
         top_w = top_w / tl.maximum(tl.sum(top_w, axis=1), 1e-30)[:, None]
     pair = toks[:, None] * TOP_K + choices[None, :]
@@ -138,13 +146,10 @@ def _route_blocks(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, 
         t_live = toks < T
         probs = _softmax_rows(logits_ptr, toks, T, experts, E, stride_l)
         for j in tl.static_range(TOP_K):
-            top = tl.max(probs, axis=1)
-            top_id = tl.argmax(probs, axis=1, tie_break_left=True)
-            picked = experts[None, :] == top_id[:, None]
+            top, top_id, picks, probs = _take_top(probs, experts, toks, routed)
             tl.store(weights_ptr + toks * TOP_K + j, top, mask=t_live)
             tl.store(ids_ptr + toks * TOP_K + j, top_id, mask=t_live)
-            counts += tl.sum((picked & (toks < routed)[:, None]).to(tl.int32), axis=0)
-            probs = tl.where(picked, -1.0, probs)
+            counts += picks
     tl.debug_barrier()
     if NORM:  # the top_k weights of a token sum to 1
         choices = tl.arange(0, K_PAD)
