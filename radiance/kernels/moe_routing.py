@@ -148,8 +148,10 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, blo
     next_slot = device_buffer("moe-route-next-slot", device, e_pad, torch.int32, zeroed=False)
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     pdl = supports_pdl(device)
-    # tiles no larger than the work (one compile per power of two of the token count)
-    token_tile = max(2, min(4096 // e_pad, triton_next_pow2(tokens)))
+    # tiles no larger than the work (one compile per power of two of the token count): a one-token routing's token
+    # tile is one row and its tile owners are found over next_pow2(tiles) tiles, not 64 (H200, 128 experts top 8,
+    # one token: 4.7 -> 2.8 us with the packed argmax, bench/RESULTS.md thirtieth session)
+    token_tile = min(4096 // e_pad, triton_next_pow2(tokens))
     pair_block = max(16, min(64, triton_next_pow2(num_pairs)))
     _route.moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
@@ -158,6 +160,7 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, blo
         TOP_K=top_k, K_PAD=triton_next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
         TB=token_tile, PB=pair_block, SB=64, PDL=pdl, launch_pdl=pdl,
         ONE_BLOCK=ROUTE_ONE_BLOCK and tokens <= token_tile and num_pairs <= pair_block,
+        OB=min(64, triton_next_pow2(slots // block_m)),
         num_warps=1 if tokens <= ROUTE_ONE_WARP_MAX_TOKENS else 4)
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
 

@@ -1,6 +1,8 @@
 """The one-launch routing kernel (moe_routing.route_tokens) against the torch ops it replaces. Run on CUDA, or on the
 CPU through the Triton interpreter by test_triton_interpreter.py."""
 
+import math
+
 import pytest
 import torch
 
@@ -154,3 +156,18 @@ def test_one_block_ties_go_to_the_lower_expert(device):
     logits[1, 70] = logits[1, 3] = 30.0
     _, ids, _ = moe.route_tokens(logits, 8, False, 16)
     assert ids[:, :2].tolist() == [[5, 9], [3, 70]]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_zero_probabilities_rank_by_expert_and_never_pick_padding(device, tokens):
+    """Experts whose probability underflows to exactly 0 still fill a token's top_k, lowest expert first, and the
+    padding experts past E (60 of E_PAD 64, probability 0 too) are never picked: the top-k step orders the
+    probability's bits, then the expert."""
+    logits = torch.full((tokens, 60), -1000.0, device=device)
+    logits[:, 50] = 0.0
+    logits[:, 7] = -1.0
+    weights, ids, routing = moe.route_tokens(logits, 8, True, 16)
+    assert ids.tolist() == [[50, 7, 0, 1, 2, 3, 4, 5]] * tokens
+    want = torch.tensor([1.0, math.exp(-1.0), 0, 0, 0, 0, 0, 0]) / (1.0 + math.exp(-1.0))
+    torch.testing.assert_close(weights.cpu(), want.expand(tokens, 8), rtol=1e-6, atol=0)
+    check_routing(_on_cpu(routing), ids.long().cpu(), 60, 16)

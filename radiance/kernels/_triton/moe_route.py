@@ -38,11 +38,16 @@ def _softmax_rows(logits_ptr, toks, T, experts, E, stride_l):
 
 
 @triton.jit
-def _take_top(probs, experts, toks, routed):
+def _take_top(probs, experts, toks, routed, E_PAD: tl.constexpr):
     """One top-k step over probs [TB, E_PAD]: (each row's largest probability, its expert (ties: the lower one),
-    the picks per expert among the routed tokens [E_PAD], probs with the picks set to -1)."""
-    top = tl.max(probs, axis=1)
-    pick = tl.argmax(probs, axis=1, tie_break_left=True)
+    the picks per expert among the routed tokens [E_PAD], probs with the picks set to -1).
+    Max and argmax are one int64 max: the probability's bits above, E_PAD - 1 - expert below (non-negative floats
+    order like their bits; a picked -1.0 is a negative int32 and stays below): one reduction where tl.max and
+    tl.argmax were two."""
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.max((bits << 32) | (E_PAD - 1 - experts[None, :]).to(tl.int64), axis=1)
+    top = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    pick = (E_PAD - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
     picked = experts[None, :] == pick[:, None]
     counts = tl.sum((picked & (toks < routed)[:, None]).to(tl.int32), axis=0)
     return top, pick, counts, tl.where(picked, -1.0, probs)
@@ -50,7 +55,7 @@ def _take_top(probs, experts, toks, routed):
 
 @triton.jit
 def _lay_out_groups(counts, experts, E, pairs_ptr, tile_expert_ptr, group_end_ptr, num_pairs, num_slots, num_tiles,
-                    BM: tl.constexpr, SB: tl.constexpr):
+                    BM: tl.constexpr, SB: tl.constexpr, OB: tl.constexpr):
     """Phase 2 from the per-expert pair counts: group ends stored, every slot set to the padding pair, each tile's
     expert stored (-1 past the used ones). Returns (each group's first slot [E_PAD], the first slot past the
     used tiles)."""
@@ -61,8 +66,8 @@ def _lay_out_groups(counts, experts, E, pairs_ptr, tile_expert_ptr, group_end_pt
     for s0 in range(0, num_slots, SB):
         slots = s0 + tl.arange(0, SB)
         tl.store(pairs_ptr + slots, tl.zeros([SB], dtype=tl.int32) + num_pairs, mask=slots < num_slots)
-    for i0 in range(0, num_tiles, SB):
-        tile = i0 + tl.arange(0, SB)
+    for i0 in range(0, num_tiles, OB):  # [OB, E_PAD] comparisons: OB no larger than the tiles (a decode has few)
+        tile = i0 + tl.arange(0, OB)
         # a tile belongs to the first expert whose tiles end after it (an empty expert ends where it starts)
         owner = tl.sum(((tile_end[None, :] <= tile[:, None]) & e_live[None, :]).to(tl.int32), axis=1)
         tl.store(tile_expert_ptr + tile, tl.where(owner < E, owner, -1), mask=tile < num_tiles)
@@ -73,7 +78,7 @@ def _lay_out_groups(counts, experts, E, pairs_ptr, tile_expert_ptr, group_end_pt
 def _route_one_block(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, T, E, stride_l,
                      num_slots, num_tiles, routed, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
                      BM: tl.constexpr, E_PAD: tl.constexpr, TB: tl.constexpr, SB: tl.constexpr,
-                     HAS_VALID: tl.constexpr):
+                     HAS_VALID: tl.constexpr, OB: tl.constexpr):
     """moe_route_kernel for T <= TB tokens whose T * TOP_K pairs form one block: the phases hand each other
     registers (the pairs are the [TB, K_PAD] choice matrix read row by row)."""
     experts = tl.arange(0, E_PAD)
@@ -84,7 +89,7 @@ def _route_one_block(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_pt
     top_id = tl.zeros([TB, K_PAD], dtype=tl.int32)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        top, pick, picks, probs = _take_top(probs, experts, toks, routed)
+        top, pick, picks, probs = _take_top(probs, experts, toks, routed, E_PAD)
         counts += picks
         top_w = tl.where(choices[None, :] == j, top[:, None], top_w)
         top_id = tl.where(choices[None, :] == j, pick[:, None], top_id)
@@ -96,7 +101,7 @@ def _route_one_block(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_pt
     tl.store(ids_ptr + pair, top_id, mask=chosen)
 
     first_slot, parked = _lay_out_groups(counts, experts, E, pairs_ptr, tile_expert_ptr, group_end_ptr, T * TOP_K,
-                                         num_slots, num_tiles, BM, SB)
+                                         num_slots, num_tiles, BM, SB, OB)
     P: tl.constexpr = TB * K_PAD
     pair = tl.reshape(pair, (P,))
     expert = tl.reshape(top_id, (P,))
@@ -118,23 +123,24 @@ def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_pt
                      valid_ptr, T, E, stride_l, num_slots, num_tiles,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, BM: tl.constexpr,
                      E_PAD: tl.constexpr, TB: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
-                     HAS_VALID: tl.constexpr = False, PDL: tl.constexpr = False, ONE_BLOCK: tl.constexpr = False):
+                     HAS_VALID: tl.constexpr = False, PDL: tl.constexpr = False, ONE_BLOCK: tl.constexpr = False,
+                     OB: tl.constexpr = 64):
     pdl_handoff(PDL)
     routed = tl.minimum(tl.load(valid_ptr).to(tl.int32), T) if HAS_VALID else T  # tokens that get experts
     if ONE_BLOCK:
         _route_one_block(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, T, E, stride_l,
-                         num_slots, num_tiles, routed, TOP_K, K_PAD, NORM, BM, E_PAD, TB, SB, HAS_VALID)
+                         num_slots, num_tiles, routed, TOP_K, K_PAD, NORM, BM, E_PAD, TB, SB, HAS_VALID, OB)
     else:
         _route_blocks(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, next_slot_ptr,
                       T, E, stride_l, num_slots, num_tiles, routed, TOP_K, K_PAD, NORM, BM, E_PAD, TB, PB, SB,
-                      HAS_VALID)
+                      HAS_VALID, OB)
 
 
 @triton.jit
 def _route_blocks(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, group_end_ptr, next_slot_ptr,
                   T, E, stride_l, num_slots, num_tiles, routed, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   NORM: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr, TB: tl.constexpr, PB: tl.constexpr,
-                  SB: tl.constexpr, HAS_VALID: tl.constexpr):
+                  SB: tl.constexpr, HAS_VALID: tl.constexpr, OB: tl.constexpr):
     """moe_route_kernel for any token count: token tiles of TB, pair blocks of PB, each group's next free slot
     carried between blocks in next_slot (global scratch)."""
     experts = tl.arange(0, E_PAD)
@@ -146,7 +152,7 @@ def _route_blocks(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, 
         t_live = toks < T
         probs = _softmax_rows(logits_ptr, toks, T, experts, E, stride_l)
         for j in tl.static_range(TOP_K):
-            top, top_id, picks, probs = _take_top(probs, experts, toks, routed)
+            top, top_id, picks, probs = _take_top(probs, experts, toks, routed, E_PAD)
             tl.store(weights_ptr + toks * TOP_K + j, top, mask=t_live)
             tl.store(ids_ptr + toks * TOP_K + j, top_id, mask=t_live)
             counts += picks
@@ -161,7 +167,7 @@ def _route_blocks(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_ptr, 
             tl.store(ptrs, w / tl.maximum(tl.sum(w, axis=1), 1e-30)[:, None], mask=live)  # dead rows: 0, not NaN
 
     first_slot, parked = _lay_out_groups(counts, experts, E, pairs_ptr, tile_expert_ptr, group_end_ptr, num_pairs,
-                                         num_slots, num_tiles, BM, SB)
+                                         num_slots, num_tiles, BM, SB, OB)
     tl.store(next_slot_ptr + experts, first_slot)
     tl.debug_barrier()
 
