@@ -6,6 +6,7 @@ scratch scripts; the tool's first GPU run: twenty-eighth session, part 4).
 
     python3 tools/moe_gemm_bench.py --model synthetic:gpt-oss-20b --tokens 1 4 16 64
     python3 tools/moe_gemm_bench.py --model synthetic:qwen3-30b-a3b --tokens 256 384 512 --block-m 16 64 128
+    python3 tools/moe_gemm_bench.py --shapes 128,8,4096,1536 --tokens 384 2048 --block-m 16 64 128  # Qwen3-235B-A22B
 
 --block-m times the grouped W4A8 path with each routing tile forced (16, 64 or 128 slots per tile) and marks the one
 moe.moe_block_m picks: how moe.PREFILL_PAIRS_PER_EXPERT and LARGE_PAIRS_PER_EXPERT were chosen (bench/RESULTS.md,
@@ -31,7 +32,7 @@ from radiance.bench.kernels import random_mxfp4
 from radiance.bench.synthetic import synthetic_config
 from radiance.kernels import moe as grouped
 from radiance.kernels.activation import glu_mul, quantize_activations
-from radiance.kernels.glu import GluActivation, glu_reference
+from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.kernels.moe_routing import route_to_experts
 from radiance.kernels.prepare import prepare_mxfp4
 from radiance.kernels.reference import relative_error
@@ -60,6 +61,18 @@ def model_shapes(model: str) -> ExpertShapes:
         raise SystemExit(f"{model} has no mixture-of-experts layers")
     return ExpertShapes(moe.num_experts, moe.top_k, int(config["hidden_size"]), moe.intermediate_size,
                         moe.expert_bias, moe.activation)
+
+
+def parse_shapes(spec: str) -> ExpertShapes:
+    """'EXPERTS,TOP_K,HIDDEN,INTERMEDIATE' -> SiLU-gated experts without biases (Qwen3-MoE's kind), for models
+    without a synthetic config (Qwen3-235B-A22B: 128,8,4096,1536)."""
+    try:
+        experts, top_k, hidden, intermediate = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--shapes {spec!r}: expected four integers EXPERTS,TOP_K,HIDDEN,INTERMEDIATE") from None
+    if min(experts, top_k, hidden, intermediate) < 1 or top_k > experts:
+        raise SystemExit(f"--shapes {spec!r}: every size must be positive and TOP_K at most EXPERTS")
+    return ExpertShapes(experts, top_k, hidden, intermediate, False, SILU)
 
 
 class Workload:
@@ -155,12 +168,16 @@ def check(workload: Workload) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="synthetic:gpt-oss-20b", help="a synthetic MoE model (its config's shapes)")
+    parser.add_argument("--shapes", metavar="E,K,H,I", help="expert shapes instead of --model's: experts, top_k, hidden, "
+                        "intermediate (SiLU, no biases), e.g. 128,8,4096,1536 for Qwen3-235B-A22B")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--block-m", type=int, nargs="+", choices=sorted(grouped.MOE_CONFIGS),
                         help="time the grouped W4A8 path with each of these routing tiles forced")
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU, checked instead of timed")
     args = parser.parse_args(argv)
-    shapes = model_shapes(args.model)
+    shapes = parse_shapes(args.shapes) if args.shapes else model_shapes(args.model)
+    if args.shapes:
+        args.model = f"experts {args.shapes}"
     if args.dry_run:
         if not env.triton_interpret():
             raise SystemExit("--dry-run runs the Triton kernels on the CPU: set TRITON_INTERPRET=1")

@@ -25,6 +25,16 @@ def test_model_shapes_are_the_published_ones():
         moe_gemm_bench.model_shapes("synthetic:llama-3.1-8b")
 
 
+def test_shapes_without_a_synthetic_config():
+    shapes = moe_gemm_bench.parse_shapes("128,8,4096,1536")  # Qwen3-235B-A22B
+    assert (shapes.experts, shapes.top_k, shapes.hidden, shapes.intermediate, shapes.biased) == (128, 8, 4096, 1536,
+                                                                                                False)
+    assert shapes.activation.kind == "silu"
+    for bad in ("128,8,4096", "128,8,4096,x", "4,8,64,32", "0,1,64,32"):
+        with pytest.raises(SystemExit, match="--shapes"):
+            moe_gemm_bench.parse_shapes(bad)
+
+
 @pytest.mark.parametrize("model", ["synthetic:gpt-oss-20b", "synthetic:qwen3-30b-a3b"])
 def test_dry_run_checks_the_grouped_path(model):
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -43,6 +53,14 @@ def test_dry_run_checks_every_forced_tile():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tiles = re.findall(r"(\d+)-slot tiles: rel err grouped W4A8 ([0-9.e+-]+)", proc.stdout)
     assert [t for t, _ in tiles] == ["16", "64", "128"] and all(float(e) <= 2e-3 for _, e in tiles), proc.stdout
+
+
+def test_dry_run_with_shapes():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_gemm_bench.py"), "--shapes", "128,8,4096,1536",
+                           "--tokens", "2", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"experts 128,8,4096,1536 toy, 2 tokens: rel err grouped W4A8 ([0-9.e+-]+)", proc.stdout), proc.stdout
 
 
 def test_dry_run_needs_the_interpreter():
