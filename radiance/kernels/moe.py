@@ -70,11 +70,13 @@ def expert_weight(experts: PreparedExperts, e: int) -> PreparedMxfp4:
 # 185 / 186 / 186 / 189; gpt-oss-20b (32, top 4) at 16 / 24 / 32: 193 / 266 / 325 against 252 / 251 / 254. In the
 # engine Qwen3-30B-A3B's 512-token prefill went 23.2k -> 28.6k tok/s with 32 against 64 here.
 PREFILL_PAIRS_PER_EXPERT = 24
-# ... and from which the 128-slot tiles serve: each expanded weight tile then feeds twice the MMA work.
-# Same measurement, 64-slot / 128-slot us at 64 / 128 / 256 pairs per expert: Qwen3-30B-A3B 275 / 443 / 792
-# against 281 / 414 / 692; gpt-oss-20b 358 / 574 / 1019 against 332 / 503 / 851 (the twenty-fifth session, before
-# the ragged-K and padding-slot changes, had the 128-slot tile losing at 256-512 with uniform routing).
-LARGE_PAIRS_PER_EXPERT = 128
+# ... and from which the 128-slot tiles serve: each expanded weight tile then feeds twice the MMA work, and with
+# ~64 pairs per expert on average many experts overflow one 64-slot tile (a second, mostly padding). Same
+# measurement (`tools/moe_gemm_bench.py --block-m 64 128`, thirtieth session), 64-slot / 128-slot us at 48 / 64 / 96
+# pairs per expert: Qwen3-30B-A3B 194 / 268 / 360 against 273 / 278 / 294; gpt-oss-20b 258 / 360 / 464 against
+# 323 / 333 / 360; Qwen3-235B-A22B's experts (128 x 4096 x 1536, top 8) at 40 / 56 / 64: 695 / 774 / 970 against
+# 844 / 874 / 882. (128 pairs per expert until then: the 64-slot tiles ran 22-29% slower at 96.)
+LARGE_PAIRS_PER_EXPERT = 64
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:

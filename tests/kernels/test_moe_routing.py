@@ -98,12 +98,12 @@ def test_routing_is_the_expected_layout():
 
 def test_block_m_choice():
     # Qwen3-30B-A3B (128 experts, top 8): 16-slot tiles to 383 tokens, 64-slot from 384 (24 pairs per expert),
-    # 128-slot from 2048 (128)
+    # 128-slot from 1024 (64)
     assert moe_block_m(1 * 8, 128) == 16 and moe_block_m(383 * 8, 128) == 16
-    assert moe_block_m(384 * 8, 128) == 64 and moe_block_m(2047 * 8, 128) == 64
-    assert moe_block_m(2048 * 8, 128) == 128
+    assert moe_block_m(384 * 8, 128) == 64 and moe_block_m(1023 * 8, 128) == 64
+    assert moe_block_m(1024 * 8, 128) == 128
     assert moe_block_m(0, 4) == 16
-    assert moe_block_m(1023 * 4, 32) == 64 and moe_block_m(1024 * 4, 32) == 128  # gpt-oss-20b (32, top 4)
+    assert moe_block_m(511 * 4, 32) == 64 and moe_block_m(512 * 4, 32) == 128  # gpt-oss-20b (32, top 4)
 
 
 def test_stack_and_view_round_trip():
