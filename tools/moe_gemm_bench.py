@@ -176,8 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU, checked instead of timed")
     args = parser.parse_args(argv)
     shapes = parse_shapes(args.shapes) if args.shapes else model_shapes(args.model)
-    if args.shapes:
-        args.model = f"experts {args.shapes}"
+    name = f"experts {args.shapes}" if args.shapes else args.model  # how the rows name the workload
     if args.dry_run:
         if not env.triton_interpret():
             raise SystemExit("--dry-run runs the Triton kernels on the CPU: set TRITON_INTERPRET=1")
@@ -186,13 +185,13 @@ def main(argv: list[str] | None = None) -> None:
             for block_m in args.block_m or [None]:
                 w4a8, bf16 = check(Workload(shapes, tokens, "cpu", block_m))
                 tiles = f", {block_m}-slot tiles" if block_m else ""
-                print(f"{args.model} toy, {tokens} tokens{tiles}: rel err grouped W4A8 {w4a8:.1e}, "
+                print(f"{name} toy, {tokens} tokens{tiles}: rel err grouped W4A8 {w4a8:.1e}, "
                       f"bf16 grouped {bf16:.1e}")
         return
     print("| model | tokens | path | gate_up us | down us | total us |")
     print("|---|---|---|---|---|---|")
     gate_up, down = dense_ceiling_us(shapes)
-    print(f"| {args.model} | 1 | dense W4A8 over the top_k experts' bytes | {gate_up:.1f} | {down:.1f} | "
+    print(f"| {name} | 1 | dense W4A8 over the top_k experts' bytes | {gate_up:.1f} | {down:.1f} | "
           f"{gate_up + down:.1f} |", flush=True)
     for tokens in args.tokens:
         chosen = grouped.moe_block_m(tokens * shapes.top_k, shapes.experts)
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(("bf16 torch._grouped_mm", bf16_us(workload)))
         del workload
         for path, (gate_up, down) in rows:
-            print(f"| {args.model} | {tokens} | {path} | {gate_up:.1f} | {down:.1f} | {gate_up + down:.1f} |",
+            print(f"| {name} | {tokens} | {path} | {gate_up:.1f} | {down:.1f} | {gate_up + down:.1f} |",
                   flush=True)
 
 
