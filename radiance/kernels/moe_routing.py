@@ -153,14 +153,15 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, blo
     # one token: 4.7 -> 2.8 us with the packed argmax, bench/RESULTS.md thirtieth session)
     token_tile = min(4096 // e_pad, triton_next_pow2(tokens))
     pair_block = max(16, min(64, triton_next_pow2(num_pairs)))
+    num_tiles = slots // block_m
     _route.moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
         valid_rows if valid_rows is not None else group_ends, tokens, num_experts, logits.stride(0), slots,
-        slots // block_m, HAS_VALID=valid_rows is not None,
+        num_tiles, HAS_VALID=valid_rows is not None,
         TOP_K=top_k, K_PAD=triton_next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
         TB=token_tile, PB=pair_block, SB=64, PDL=pdl, launch_pdl=pdl,
         ONE_BLOCK=ROUTE_ONE_BLOCK and tokens <= token_tile and num_pairs <= pair_block,
-        OB=min(64, triton_next_pow2(slots // block_m)),
+        OB=min(64, triton_next_pow2(num_tiles)),
         num_warps=1 if tokens <= ROUTE_ONE_WARP_MAX_TOKENS else 4)
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
 

@@ -124,7 +124,7 @@ def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_expert_pt
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, BM: tl.constexpr,
                      E_PAD: tl.constexpr, TB: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
                      HAS_VALID: tl.constexpr = False, PDL: tl.constexpr = False, ONE_BLOCK: tl.constexpr = False,
-                     OB: tl.constexpr = 64):
+                     OB: tl.constexpr = 64):  # OB: tiles whose owners one step of phase 2 finds
     pdl_handoff(PDL)
     routed = tl.minimum(tl.load(valid_ptr).to(tl.int32), T) if HAS_VALID else T  # tokens that get experts
     if ONE_BLOCK:
