@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls that re-check and re-measure everything GPU-side, writing logs under $OUT and printing the
-# tables last. Run from the repo root on the device (after ../shared/tools/device-wheels.sh filled .whl/
-# here; carry ".whl"):  bash tools/device_session.sh MODE   (each mode fits one 10-minute call)
+# tables last. Run from the repo root on the device (after `../shared/tools/device-wheels.sh xgrammar
+# apache-tvm-ffi` filled .whl/ here; carry ".whl"):  bash tools/device_session.sh MODE   (each mode fits one 10-minute call)
 #   quick    GPU tests, the Triton kernel cases, the 8B engine in bf16 and MXFP4 (about 5 minutes)
 #   kernels  the full kernel table (ours, cuBLAS bf16, cuBLAS fp8) and the per-CTA GEMM trace (about 5)
 #   models   the 32B engine in bf16 and MXFP4, the batch-64 step timeline of the 8B, its GEMMs traced
