@@ -4,9 +4,9 @@ chain of launches the batch-1 decode step is today (bench/RESULTS.md: ~2.5-2.8 u
 
 Each phase streams `--mb` MB of a buffer far larger than the L2 (a stand-in for a decode GEMM's weight; 0: no work),
 spread over `--programs` programs. "chain": one launch per phase, programmatic dependents as the engine launches them
-(each waits for the one before, then releases the next), all captured in one CUDA graph; "persistent": one launch
-that runs every phase, its programs (all resident: at most one per SM) meeting at an atomic-counter barrier between
-phases. Prints us per phase for both and the HBM-bound time of the bytes.
+(each waits for the one before, then releases the next), all captured in one CUDA graph, and the same without PDL;
+"persistent": one launch that runs every phase, its programs (all resident: at most one per SM) meeting at an
+atomic-counter barrier between phases. Prints us per phase for each and the HBM-bound time of the bytes.
 
     python3 tools/grid_barrier_bench.py [--mb 0 2 9 13 31] [--phases 64] [--programs 132]
 
@@ -78,9 +78,10 @@ class Workload:
         self.count = torch.zeros(1, dtype=torch.int64, device=device)
         self.pdl = supports_pdl(self.buf.device)
 
-    def phase_launch(self, phase: int) -> None:
+    def phase_launch(self, phase: int, pdl: bool = True) -> None:
+        pdl = pdl and self.pdl
         _phase_kernel[(self.programs,)](self.buf, self.out, phase, self.region, self.words_per_program, self.regions,
-                                        BLOCK=BLOCK, PDL=self.pdl, launch_pdl=self.pdl, num_warps=4)
+                                        BLOCK=BLOCK, PDL=pdl, launch_pdl=pdl, num_warps=4)
 
     def persistent_launch(self) -> None:
         _persistent_kernel[(self.programs,)](self.buf, self.out, self.count, self.phases, self.region,
@@ -97,19 +98,21 @@ def check(mb: float, phases: int, programs: int = 1) -> None:
     """Raises AssertionError unless both kernels store the sums torch computes (CPU: the interpreter)."""
     work = Workload(mb, programs, phases, "cpu")
     for name, run in (("chain", lambda: [work.phase_launch(k) for k in range(phases)]),
+                      ("chain without PDL", lambda: [work.phase_launch(k, pdl=False) for k in range(phases)]),
                       ("persistent", work.persistent_launch)):
         work.out.fill_(-1)
         run()
         assert torch.equal(work.out.cpu(), work.expected().cpu()), f"{name}: sums differ from torch's at {mb} MB"
 
 
-def measure(mb: float, phases: int, programs: int) -> tuple[float, float]:
-    """(chain, persistent) us per phase."""
+def measure(mb: float, phases: int, programs: int) -> tuple[float, float, float]:
+    """(chain, chain without PDL, persistent) us per phase."""
     work = Workload(mb, programs, phases, "cuda")
     chain = time_us([lambda k=k: work.phase_launch(k) for k in range(phases)])
+    plain = time_us([lambda k=k: work.phase_launch(k, pdl=False) for k in range(phases)])
     persistent = time_us([work.persistent_launch]) / phases
     assert torch.equal(work.out, work.expected().to(work.out.device)), f"wrong sums at {mb} MB"
-    return chain, persistent
+    return chain, plain, persistent
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,11 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     programs = args.programs or sms
     if programs > sms:
         raise SystemExit(f"the persistent kernel's barrier needs every program resident: at most {sms} programs")
-    print(f"| MB per phase | chain us per phase | persistent us per phase | HBM-bound us ({HBM_TB_S} TB/s) |")
-    print("|---|---|---|---|")
+    print(f"{programs} programs, {args.phases} phases; us per phase")
+    print(f"| MB per phase | chain (PDL) | chain without PDL | persistent | HBM-bound ({HBM_TB_S} TB/s) |")
+    print("|---|---|---|---|---|")
     for mb in args.mb:
-        chain, persistent = measure(mb, args.phases, programs)
-        print(f"| {mb:g} | {chain:.2f} | {persistent:.2f} | {mb * 2**20 / (HBM_TB_S * 1e6):.2f} |", flush=True)
+        chain, plain, persistent = measure(mb, args.phases, programs)
+        print(f"| {mb:g} | {chain:.2f} | {plain:.2f} | {persistent:.2f} | {mb * 2**20 / (HBM_TB_S * 1e6):.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":
