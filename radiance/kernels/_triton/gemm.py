@@ -123,9 +123,23 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
                      EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
                      DEPENDENT: tl.constexpr = False, PDL_PREFETCH: tl.constexpr = 0, GLU: tl.constexpr = False,
                      DEFER_SUM: tl.constexpr = False):
+    """A program per (output tile, K split): grid [tiles, splits]."""
+    w4a8_gemm_tile(tl.program_id(0), tl.program_id(1), x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
+                   part_ptr, lock_ptr, amax_ptr, M, N, K, stride_xm, stride_om, k_tiles_per_split, splits,
+                   HAS_BIAS, SWAP_AB, SPLIT, BM, BN, BK, GROUP_M, EVEN_K, USE_ASM, PRECISE_ACC, DEPENDENT,
+                   PDL_PREFETCH, GLU, DEFER_SUM)
+
+
+@triton.jit
+def w4a8_gemm_tile(pid, pid_k, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                   amax_ptr, M, N, K, stride_xm, stride_om, k_tiles_per_split, splits,
+                   HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                   EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
+                   DEPENDENT: tl.constexpr, PDL_PREFETCH: tl.constexpr, GLU: tl.constexpr, DEFER_SUM: tl.constexpr):
+    """Output tile `pid` (grouped order), K split `pid_k`: what one program of w4a8_gemm_kernel computes, callable
+    from a kernel that walks several tiles (a persistent one)."""
     NB: tl.constexpr = BK // 32
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N // 2, BN // 2) if GLU else tl.cdiv(N, BN)
     # grouped order: GROUP_M row tiles walk the N tiles together, so weight tiles are reused from L2
