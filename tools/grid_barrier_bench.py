@@ -55,7 +55,9 @@ def _persistent_kernel(buf, out, count, phases, region, words_per_program, regio
     programs = tl.num_programs(0)
     for phase in range(phases):
         _stream(buf, out, phase, region, words_per_program, regions, BLOCK)
-        # grid barrier: the count only grows (one phase adds `programs`), as in act_quant.shared_row_scale
+        # grid barrier: the count only grows (one phase adds `programs`), as in act_quant.shared_row_scale;
+        # the CTA barrier first, as a real phase needs (every thread's stores before the release)
+        tl.debug_barrier()
         before = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
         target = (before // programs + 1) * programs
         seen = before + 1
