@@ -1,15 +1,13 @@
 """tools/moe_gemm_bench.py: the expert shapes it reads from the synthetic configs, and the harness end to end (a
 CPU dry run under the Triton interpreter, in a subprocess: TRITON_INTERPRET is read when Triton is imported)."""
 
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.tool_run import ROOT, run_tool
+
 sys.path.insert(0, str(ROOT / "tools"))
 import moe_gemm_bench  # noqa: E402
 
@@ -37,34 +35,26 @@ def test_shapes_without_a_synthetic_config():
 
 @pytest.mark.parametrize("model", ["synthetic:gpt-oss-20b", "synthetic:qwen3-30b-a3b"])
 def test_dry_run_checks_the_grouped_path(model):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_gemm_bench.py"), "--model", model, "--tokens",
-                           "1", "3", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_tool("moe_gemm_bench.py", "--model", model, "--tokens", "1", "3", "--dry-run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     errors = [float(e) for e in re.findall(r"(?:W4A8|bf16 grouped) ([0-9.e+-]+)", proc.stdout)]
     assert len(errors) == 4 and all(e <= 2e-3 for e in errors), proc.stdout
 
 
 def test_dry_run_checks_every_forced_tile():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_gemm_bench.py"), "--model",
-                           "synthetic:qwen3-30b-a3b", "--tokens", "3", "--block-m", "16", "64", "128", "--dry-run"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_tool("moe_gemm_bench.py", "--model", "synthetic:qwen3-30b-a3b", "--tokens", "3", "--block-m", "16", "64",
+                    "128", "--dry-run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tiles = re.findall(r"(\d+)-slot tiles: rel err grouped W4A8 ([0-9.e+-]+)", proc.stdout)
     assert [t for t, _ in tiles] == ["16", "64", "128"] and all(float(e) <= 2e-3 for _, e in tiles), proc.stdout
 
 
 def test_dry_run_with_shapes():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_gemm_bench.py"), "--shapes", "128,8,4096,1536",
-                           "--tokens", "2", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_tool("moe_gemm_bench.py", "--shapes", "128,8,4096,1536", "--tokens", "2", "--dry-run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"experts 128,8,4096,1536 toy, 2 tokens: rel err grouped W4A8 ([0-9.e+-]+)", proc.stdout), proc.stdout
 
 
 def test_dry_run_needs_the_interpreter():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_gemm_bench.py"), "--dry-run"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_tool("moe_gemm_bench.py", "--dry-run", interpret=False)
     assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr
