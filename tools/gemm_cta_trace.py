@@ -29,9 +29,15 @@ MAX_CTAS = 1 << 16
 FIELDS = 8  # t_start, t_loop, t_end (globaltimer ns), smid, K tiles, c_start, c_loop, c_end (clock64)
 
 _NOW = 'tl.inline_asm_elementwise("mov.u64 $0, %{};", "=l", [], dtype=tl.int64, is_pure=False, pack=1)'
+# (anchor, text that replaces it): the kernel and its tile function (where the epilogue below lands, at the end of
+# gemm.py) gain trace_ptr; each anchor must occur exactly once in gemm.py
+_REPLACEMENTS = (
+    ("DEFER_SUM: tl.constexpr = False):", "DEFER_SUM: tl.constexpr = False, trace_ptr=None):"),
+    ("PDL_PREFETCH, GLU, DEFER_SUM)", "PDL_PREFETCH, GLU, DEFER_SUM, trace_ptr)"),
+    ("GLU: tl.constexpr, DEFER_SUM: tl.constexpr):", "GLU: tl.constexpr, DEFER_SUM: tl.constexpr, trace_ptr):"),
+)
 # (anchor, text inserted before it); each anchor must occur exactly once in gemm.py
 _PATCHES = (
-    ("DEFER_SUM: tl.constexpr = False):", None),  # replaced below: the signature gains trace_ptr
     ("    if SWAP_AB:\n        acc = tl.zeros(",
      f"    t_start = {_NOW.format('globaltimer')}\n    c_start = {_NOW.format('clock64')}\n"),
     ("    rm = pid_m * BM + tl.arange(0, BM)\n",
@@ -54,14 +60,12 @@ _EPILOGUE = f"""
 
 
 def traced_source(source: str) -> str:
-    """gemm.py with timestamps; raises if an anchor moved (then update _PATCHES)."""
-    for anchor, insert in _PATCHES:
+    """gemm.py with timestamps; raises if an anchor moved (then update _REPLACEMENTS / _PATCHES)."""
+    edits = list(_REPLACEMENTS) + [(anchor, insert + anchor) for anchor, insert in _PATCHES]
+    for anchor, text in edits:
         if source.count(anchor) != 1:
             raise RuntimeError(f"gemm_cta_trace: anchor {anchor!r} found {source.count(anchor)} times in {GEMM_SOURCE}")
-        if insert is None:
-            source = source.replace(anchor, anchor[:-2] + ", trace_ptr=None):")
-        else:
-            source = source.replace(anchor, insert + anchor)
+        source = source.replace(anchor, text)
     return source.rstrip("\n") + "\n" + _EPILOGUE
 
 
