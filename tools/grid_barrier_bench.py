@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from radiance import env
-from radiance.kernels._triton.act_quant import pdl_handoff
+from radiance.kernels._triton.act_quant import arrive_and_wait, pdl_handoff
 from radiance.kernels.device_info import sm_count, supports_pdl
 from radiance.kernels.timing import L2_BYTES, time_us
 
@@ -55,14 +55,9 @@ def _persistent_kernel(buf, out, count, phases, region, words_per_program, regio
     programs = tl.num_programs(0)
     for phase in range(phases):
         _stream(buf, out, phase, region, words_per_program, regions, BLOCK)
-        # grid barrier: the count only grows (one phase adds `programs`), as in act_quant.shared_row_scale;
-        # the CTA barrier first, as a real phase needs (every thread's stores before the release)
+        # grid barrier; the CTA barrier first, as a real phase needs (every thread's stores before the release)
         tl.debug_barrier()
-        before = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        target = (before // programs + 1) * programs
-        seen = before + 1
-        while seen < target:
-            seen = tl.atomic_add(count, 0, sem="acquire", scope="gpu")
+        arrive_and_wait(count, programs)
 
 
 class Workload:

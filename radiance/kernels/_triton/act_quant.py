@@ -203,20 +203,28 @@ def _silu_mul(gu_ptr, row, offs, mask, stride_m, I, bias_ptr, expert_ptr, HAS_BI
 
 
 @triton.jit
+def arrive_and_wait(count_ptr, parties):
+    """Counts this program in at count_ptr and waits until all `parties` programs (resident at once) have arrived.
+    The int64 count only grows (one round adds `parties`), so nothing is reset between rounds or launches: one
+    counter per party count."""
+    before = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    target = (before // parties + 1) * parties
+    seen = before + 1
+    while seen < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
 def shared_row_scale(slots_ptr, count_ptr, row, part, local_amax, has_nan, parties, P_PAD: tl.constexpr):
     """The scale of a row spread over `parties` resident programs (part = this program's index).
     Each writes its part's amax to its slot (as int32 bits: non-negative floats order like their
     bits, and a NaN, 0x7FC00000, beats every amax, so a row holding one gets a NaN scale as in
     _quantize_row), counts itself in, waits until the count reaches the next multiple of `parties`,
-    and takes the max of the row's slots. The int64 count only grows (one launch adds `parties`),
-    so nothing is reset: one counter array per party count (activation.row_barrier_buffers)."""
+    and takes the max of the row's slots (arrive_and_wait: one counter array per party count,
+    activation.row_barrier_buffers)."""
     bits = tl.where(has_nan, 0x7FC00000, local_amax.to(tl.int32, bitcast=True))
     tl.store(slots_ptr + row * parties + part, bits)
-    before = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")  # releases the slot store
-    target = (before // parties + 1) * parties
-    seen = before + 1
-    while seen < target:
-        seen = tl.atomic_add(count_ptr + row, 0, sem="acquire", scope="gpu")
+    arrive_and_wait(count_ptr + row, parties)  # its arrival releases the slot store
     offs = tl.arange(0, P_PAD)
     slots = tl.load(slots_ptr + row * parties + offs, mask=offs < parties, other=0, cache_modifier=".cg")
     row_bits = tl.max(slots, axis=0)
