@@ -301,12 +301,23 @@ def _parse_bool(text: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def field_help(cls) -> dict[str, str]:
-    """The trailing `# comment` of each field in the class source: the one place a field is explained."""
+    """Each field's explanation in the class source, the one place a field is explained: its trailing `# comment`,
+    else the block of `#` lines right above it (for a field whose reason takes several lines)."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):
         return {}
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, re.M)}
+    helps, block = {}, []
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            block.append(stripped.lstrip("#").strip())
+            continue
+        field = re.match(r"^\s+(\w+):[^#]*?(?:#\s*(.+))?$", line)
+        if field and (field.group(2) or block):
+            helps[field.group(1)] = (field.group(2) or " ".join(block)).strip()
+        block = []
+    return helps
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), group: str | None = None) -> None:

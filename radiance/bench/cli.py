@@ -64,13 +64,14 @@ def _add_serve(sub) -> None:
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or one prompt per line")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions with raw prompts (default) or /v1/chat/completions with one user message")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that reject unknown fields)")
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", help="sent as `Authorization: Bearer KEY` (a server started with --api-key)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrival times (default: 0)")
     p.add_argument("--label", help="name of this configuration in --json and --plot")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="aggregate tok/s against concurrency")
@@ -126,8 +127,8 @@ def _add_eval_mode(sub, mode: str) -> None:
                         "quantized too; +head2: as two MXFP4 terms; +fp8kv: K/V as an fp8 KV cache stores "
                         "them, e.g. none+fp8kv); replaces --quantization/--rule/--activations")
     p.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext2-test.txt")
-    p.add_argument("--chunks", type=int, default=64)
-    p.add_argument("--chunk-len", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=64, help="chunks of the text evaluated (default: 64)")
+    p.add_argument("--chunk-len", type=int, default=512, help="tokens per chunk, each scored on its own (default: 512)")
     p.add_argument("--first-chunk", type=int, default=0, help="skip this many chunks (evaluate a later slice)")
     p.add_argument("--device", help="cuda, cpu, cuda:1 (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),

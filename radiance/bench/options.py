@@ -48,7 +48,8 @@ def add_kernels_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--precision-probe", action="store_true", help="accuracy and speed of the big-M tilings")
     p.add_argument("--no-table", action="store_true", help="skip the speed table")
     p.add_argument("--no-reference", action="store_true", help="skip the reference-path column")
-    p.add_argument("--decode-band", type=int, default=64)
+    p.add_argument("--decode-band", type=int, default=64,
+                   help="M up to this runs the split-K decode kernel, above it the prefill kernel (default: 64)")
     p.add_argument("--config", type=_gemm_config, default=None,
                    help="force one GemmConfig (JSON) for --check and the table instead of the tuning table")
     p.add_argument("--out", help="also write all lines to this file")

@@ -15,8 +15,10 @@ def register(subparsers) -> None:
     parser.add_argument("prompt", help="the user message (or raw text with --no-chat)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the smallest set of tokens whose probability reaches this; 1 = off (default)")
+    parser.add_argument("--top-k", type=int, default=-1,
+                        help="sample from the k most likely tokens only; -1 = off (default)")
     parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (reproducible runs)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="divides the positive logits (multiplies the negative ones) of tokens already in "

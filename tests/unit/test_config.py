@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
+from radiance.cli import build_parser
 from radiance.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, RunnerConfig, SchedulerConfig,
-                             add_engine_args, engine_config_from_args)
+                             add_engine_args, engine_config_from_args, field_help)
 
 
 def test_configs_are_frozen():
@@ -57,6 +58,40 @@ def test_every_engine_field_is_a_cli_flag():
             assert f.name in flags, f.name
     # untouched fields keep the dataclass defaults
     assert cfg.kernel == KernelConfig()
+
+
+def _bare_flags(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """`path --flag` for every option of the parser and its subcommands whose --help says nothing."""
+    bare = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                bare += _bare_flags(sub, f"{path} {name}")
+        elif action.option_strings and action.dest != "help" \
+                and not (action.help or "").split("(default:")[0].strip():
+            bare.append(f"{path} {action.option_strings[0]}")
+    return bare
+
+
+def test_every_cli_flag_explains_itself():
+    """Every option of every `radiance` subcommand has --help text (config fields: their comment, trailing or
+    the block above)."""
+    assert _bare_flags(build_parser(), "radiance") == []
+
+
+def test_field_help_reads_a_trailing_comment_or_the_block_above():
+    @dataclasses.dataclass(frozen=True)
+    class Example:
+        plain: int = 1  # the trailing one
+        # a reason that takes
+        # two lines
+        above: bool = False
+        # a comment block, then a field with its own trailing comment: the trailing one wins
+        both: str = "x"  # short
+        bare: int = 0
+
+    assert field_help(Example) == {"plain": "the trailing one", "above": "a reason that takes two lines",
+                                   "both": "short"}
 
 
 def test_prefill_graph_buckets_default_by_model_kind():
