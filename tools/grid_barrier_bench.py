@@ -5,7 +5,7 @@ chain of launches the batch-1 decode step is today (bench/RESULTS.md: ~2.5-2.8 u
 Each phase streams `--mb` MB of a buffer far larger than the L2 (a stand-in for a decode GEMM's weight; 0: no work),
 spread over `--programs` programs. "chain": one launch per phase, programmatic dependents as the engine launches them
 (each waits for the one before, then releases the next), all captured in one CUDA graph, and the same without PDL;
-"persistent": one launch that runs every phase, its programs (all resident: at most one per SM) meeting at an
+"persistent": one launch that runs every phase, its programs (all resident: at most four per SM) meeting at an
 atomic-counter barrier between phases. Prints us per phase for each and the HBM-bound time of the bytes.
 
     python3 tools/grid_barrier_bench.py [--mb 0 2 9 13 31] [--phases 64] [--programs 132]
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, nargs="+", default=[0, 2, 9, 13, 31], help="MB streamed per phase")
     p.add_argument("--phases", type=int, default=64)
-    p.add_argument("--programs", type=int, default=0, help="programs per launch (0: one per SM; at most four per SM, which all fit at once)")
+    p.add_argument("--programs", type=int, default=0,
+                   help="programs per launch (0: one per SM; at most four per SM, which all fit at once)")
     p.add_argument("--dry-run", action="store_true", help="check on the CPU (Triton interpreter) instead of timing")
     args = p.parse_args(argv)
     if args.dry_run:
