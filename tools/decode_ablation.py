@@ -125,6 +125,26 @@ def recapture(engine) -> None:
         engine.runner.capture_decode_graphs()
 
 
+def alternate(engine, module, name: str, values, batches, repeats: int, steps: int, log) -> list[tuple[object, list[float]]]:
+    """[(value, [best-of-2 ms per decode step for each batch])] in run order: `module.name` set to each of
+    `values` in turn, the decode graphs re-captured for each, the whole list alternated `repeats` times; log(value,
+    times) after each. The setting and the graphs are restored after."""
+    gen = torch.Generator().manual_seed(0)
+    saved = getattr(module, name)
+    rows = []
+    try:
+        for _ in range(repeats):
+            for value in values:
+                setattr(module, name, value)
+                recapture(engine)
+                rows.append((value, [min(step_ms(engine, b, gen, steps=steps) for _ in range(2)) for b in batches]))
+                log(value, rows[-1][1])
+    finally:
+        setattr(module, name, saved)
+        recapture(engine)  # leave the engine as it was
+    return rows
+
+
 def run(model: str, quantization: str, batches, variants, device: str = "cuda", overrides: dict | None = None,
         steps: int = 24) -> list[tuple[str, list[float]]]:
     engine = ab_engine(model, quantization, batches, device, overrides)

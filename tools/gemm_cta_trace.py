@@ -81,13 +81,17 @@ def load_traced_kernel():
 
 
 class _WithTrace:
-    """Stands in for the GEMM kernel object in w4a8.py: kernel[grid](...) with trace_ptr added."""
+    """Stands in for the GEMM kernel object in w4a8.py (which launches through kernel.run(..., grid=, warmup=)):
+    the same calls with trace_ptr added."""
 
     def __init__(self, kernel, buffer):
         self.kernel, self.buffer = kernel, buffer
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, trace_ptr=self.buffer, **kwargs)
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return self.kernel.run(*args, grid=grid, warmup=warmup, trace_ptr=self.buffer, **kwargs)
 
 
 class _PerCallTrace:
@@ -99,16 +103,19 @@ class _PerCallTrace:
         self.calls = []  # (m, n, k, captured into a graph, slots)
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            import torch
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
 
-            slots = torch.zeros(grid[0] * grid[1] * FIELDS, dtype=torch.int64, device=args[0].device)
+    def run(self, *args, grid, warmup, **kwargs):
+        """A launch (its slots recorded), or with warmup=True the lookup of the compiled kernel the launch with
+        these arguments runs (w4a8 caps its occupancy inside graphs through it)."""
+        import torch
+
+        slots = torch.zeros(grid[0] * grid[1] * FIELDS, dtype=torch.int64, device=args[0].device)
+        if not warmup:
             first = self.kernel.arg_names.index("M")  # M, N, K follow the kernel's tensors
             m, n, k = args[first:first + 3]
             self.calls.append((m, n, k, torch.cuda.is_current_stream_capturing(), slots))
-            return self.kernel[grid](*args, trace_ptr=slots, **kwargs)
-
-        return launch
+        return self.kernel.run(*args, grid=grid, warmup=warmup, trace_ptr=slots, **kwargs)
 
 
 def step_summary(calls) -> list[str]:

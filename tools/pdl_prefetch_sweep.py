@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 import decode_ablation  # tools/, next to this script
 import radiance.kernels.w4a8 as w4a8_module
 
@@ -23,21 +21,10 @@ def run(model: str, quantization: str = "mxfp4", tiles=(2, 0, 1), batches=(1, 64
     if any(t < 0 for t in tiles):
         raise ValueError(f"prefetch depths are K tile counts >= 0, got {list(tiles)}")
     engine = decode_ablation.ab_engine(model, quantization, batches, device, overrides)
-    gen = torch.Generator().manual_seed(0)
-    saved = w4a8_module.PDL_PREFETCH_TILES
-    rows = []
-    try:
-        for _ in range(repeats):
-            for t in tiles:
-                w4a8_module.PDL_PREFETCH_TILES = t
-                decode_ablation.recapture(engine)
-                rows.append((t, [min(decode_ablation.step_ms(engine, b, gen, steps=steps) for _ in range(2))
-                                 for b in batches]))
-                log(f"prefetch {t:2d} tiles: " + "  ".join(f"batch {b} {ms:.4f} ms" for b, ms in zip(batches, rows[-1][1])))
-    finally:
-        w4a8_module.PDL_PREFETCH_TILES = saved
-        decode_ablation.recapture(engine)  # leave the engine as it was
-    return rows
+    return decode_ablation.alternate(
+        engine, w4a8_module, "PDL_PREFETCH_TILES", tiles, batches, repeats, steps,
+        lambda t, times: log(f"prefetch {t:2d} tiles: " + "  ".join(f"batch {b} {ms:.4f} ms"
+                                                                    for b, ms in zip(batches, times))))
 
 
 def main() -> None:

@@ -47,3 +47,14 @@ def large_shared_memory(device: torch.device) -> bool:
     props = _props(_index(device))
     optin = getattr(props, "shared_memory_per_block_optin", None)
     return optin >= LARGE_SHARED_MEMORY if optin is not None else props.major >= 9
+
+
+def shared_memory_limits(device: torch.device) -> tuple[int, int] | None:
+    """(bytes of shared memory per SM, the most one block may opt in to) of a CUDA device; None elsewhere or
+    where torch does not report them."""
+    if device.type != "cuda":
+        return None
+    props = _props(_index(device))
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    return (per_sm, optin) if per_sm and optin else None

@@ -9,6 +9,7 @@ from radiance.kernels._triton import gemm as _gemm
 from radiance.kernels.activation import PartialSums, quantize_rows_from_parts, silu_mul
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import sm_count, supports_pdl
+from radiance.kernels.occupancy import ctas_per_sm_at_most
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, padded_k
 from radiance.kernels.tuning import GemmConfig, expand_min_m, glu_epilogue_serves, select_config
 
@@ -39,6 +40,12 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 # In the 8B's batch-1 decode step on the H200: 0 / 1 / 2 / 4 / 8 tiles 2.317 / 2.240 / 2.279 / 2.389 /
 # 2.508 ms (deeper prefetches hold the CTA before its wait; bench/RESULTS.md, thirteenth session)
 PDL_PREFETCH_TILES = 1
+
+# decode-band GEMMs captured into a CUDA graph ask for the shared memory that fits at most ceil(CTAs / SMs) of
+# their CTAs per SM (occupancy.ctas_per_sm_at_most): 8B decode -3.6% per step at batch 8, -3.7% at 32 on the H200,
+# batch 1 unchanged (bench/RESULTS.md, thirty-second session). Only in graphs: an eager launch would pay a second
+# kernel lookup on the host, and eager decode steps are host-bound anyway.
+OCCUPANCY_CAP_IN_GRAPHS = True
 
 
 def _use_asm(t: torch.Tensor) -> bool:
@@ -168,14 +175,21 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
     bias_arg = bias if has_bias else weight.w_scale
     grid = (tiles, splits)
     dependent = supports_pdl(x_q.device)
-    compiled = _gemm.w4a8_gemm_kernel[grid](
-        x_q, x_scale, weight.w_q, weight.w_shift.view(torch.int32), weight.w_scale, bias_arg, out, part, locks,
-        amax if glu else out, m, n, k, x_q.stride(0), out.stride(0), per_split, splits,
-        HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT=splits > 1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-        GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
-        PRECISE_ACC=cfg.precise_acc, DEPENDENT=dependent, PDL_PREFETCH=PDL_PREFETCH_TILES if dependent else 0,
-        GLU=glu, DEFER_SUM=defer_sum, launch_pdl=dependent,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    def launch(warmup: bool):  # warmup: the compiled kernel these arguments select, not launched
+        return _gemm.w4a8_gemm_kernel.run(
+            x_q, x_scale, weight.w_q, weight.w_shift.view(torch.int32), weight.w_scale, bias_arg, out, part, locks,
+            amax if glu else out, m, n, k, x_q.stride(0), out.stride(0), per_split, splits, grid=grid, warmup=warmup,
+            HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT=splits > 1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+            GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
+            PRECISE_ACC=cfg.precise_acc, DEPENDENT=dependent, PDL_PREFETCH=PDL_PREFETCH_TILES if dependent else 0,
+            GLU=glu, DEFER_SUM=defer_sum, launch_pdl=dependent,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    if OCCUPANCY_CAP_IN_GRAPHS and m <= decode_band and x_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        with ctas_per_sm_at_most(launch(warmup=True), -(-(tiles * splits) // sm_count(x_q.device)), x_q.device):
+            compiled = launch(warmup=False)
+    else:
+        compiled = launch(warmup=False)
     return result, compiled, amax
 
 

@@ -59,12 +59,15 @@ def test_pdl_kernels_wait_first(name):
 
 
 def _launches() -> list[tuple[Path, str, ast.Call]]:
-    """Every `kernel[grid](..., launch_pdl=...)` call in the package: (file, kernel name, call)."""
+    """Every `kernel[grid](..., launch_pdl=...)` or `kernel.run(..., launch_pdl=...)` call in the package: (file,
+    kernel name, call)."""
     out = []
     for path in SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and any(k.arg == "launch_pdl" for k in node.keywords):
-                target = node.func.value if isinstance(node.func, ast.Subscript) else node.func
+                # kernel[grid](...), or kernel.run(..., grid=..., warmup=...) (the launch w4a8 also looks up)
+                run = isinstance(node.func, ast.Attribute) and node.func.attr == "run"
+                target = node.func.value if isinstance(node.func, ast.Subscript) or run else node.func
                 name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "?")
                 out.append((path, name, node))
     return out
