@@ -1,13 +1,16 @@
 """The occupancy cap (kernels/occupancy.py): its shared-memory arithmetic and patch/restore on the CPU; on a GPU, a
 decode GEMM captured into a CUDA graph under the cap gives the eager launch's bytes."""
 
+import contextlib
 import types
 
 import pytest
 import torch
 
 import radiance.kernels.occupancy as occupancy
+import radiance.kernels.w4a8 as w4a8
 from radiance.kernels.activation import quantize_activations
+from radiance.kernels.device_info import shared_memory_limits
 from radiance.kernels.occupancy import ctas_per_sm, ctas_per_sm_at_most, shared_bytes_for_cap
 from radiance.kernels.prepare import prepare_mxfp4
 from radiance.kernels.w4a8 import w4a8_gemm
@@ -66,15 +69,27 @@ def test_nothing_is_patched_without_device_limits_or_known_metadata(monkeypatch)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k,m", [(28672, 4096, 1), (4096, 14336, 1), (6144, 4096, 16), (4096, 4096, 64)])
-def test_capped_graph_gives_the_eager_bytes(n, k, m):
+def test_capped_graph_gives_the_eager_bytes(n, k, m, monkeypatch):
     """Captured (so capped: 448 CTAs -> 4 per SM, a split 4096x14336 -> 2 per SM past 48 KB), replayed on fresh
     activations: the eager launch's bytes."""
+    seen = []  # (cap, CTAs per SM the patched launch allows, launch metadata restored after)
+
+    @contextlib.contextmanager
+    def spy(compiled, cap, device):
+        with ctas_per_sm_at_most(compiled, cap, device):
+            allowed = ctas_per_sm(compiled.packed_metadata[2], shared_memory_limits(device)[0])
+            yield
+        seen.append((cap, allowed, compiled.packed_metadata[2] == compiled.metadata.shared))
+
+    monkeypatch.setattr(w4a8, "ctas_per_sm_at_most", spy)
     pw = prepare_mxfp4(*random_mxfp4(n, k, "cuda"))
     static_x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w4a8_gemm(*quantize_activations(static_x), pw)  # compiles outside the capture
+    assert seen == []  # eager launches are not capped
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = w4a8_gemm(*quantize_activations(static_x), pw)
+    assert len(seen) == 1 and seen[0][1] <= seen[0][0] and seen[0][2], seen
     for _ in range(2):
         fresh = torch.randn_like(static_x)
         static_x.copy_(fresh)
