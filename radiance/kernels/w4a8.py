@@ -43,8 +43,8 @@ PDL_PREFETCH_TILES = 1
 
 # decode-band GEMMs captured into a CUDA graph ask for the shared memory that fits at most ceil(CTAs / SMs) of
 # their CTAs per SM (occupancy.ctas_per_sm_at_most): 8B decode -3.6% per step at batch 8, -3.7% at 32 on the H200,
-# batch 1 unchanged (bench/RESULTS.md, thirty-second session). Only in graphs: an eager launch would pay a second
-# kernel lookup on the host, and eager decode steps are host-bound anyway.
+# batch 1 unchanged (bench/RESULTS.md, thirty-second session). Only in graphs (an eager launch would pay a second
+# kernel lookup on the host, and eager decode steps are host-bound anyway) and only for programmatic dependents.
 OCCUPANCY_CAP_IN_GRAPHS = True
 
 
@@ -185,7 +185,8 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
             GLU=glu, DEFER_SUM=defer_sum, launch_pdl=dependent,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    if OCCUPANCY_CAP_IN_GRAPHS and m <= decode_band and x_q.is_cuda and torch.cuda.is_current_stream_capturing():
+    # the placement it evens out is a programmatic dependent's (sm_90); elsewhere unmeasured
+    if OCCUPANCY_CAP_IN_GRAPHS and dependent and m <= decode_band and torch.cuda.is_current_stream_capturing():
         with ctas_per_sm_at_most(launch(warmup=True), -(-(tiles * splits) // sm_count(x_q.device)), x_q.device):
             compiled = launch(warmup=False)
     else:
