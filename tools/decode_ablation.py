@@ -125,7 +125,8 @@ def recapture(engine) -> None:
         engine.runner.capture_decode_graphs()
 
 
-def alternate(engine, module, name: str, values, batches, repeats: int, steps: int, log) -> list[tuple[object, list[float]]]:
+def alternate(engine, module, name: str, values, batches, repeats: int, steps: int,
+              log) -> list[tuple[object, list[float]]]:
     """[(value, [best-of-2 ms per decode step for each batch])] in run order: `module.name` set to each of
     `values` in turn, the decode graphs re-captured for each, the whole list alternated `repeats` times; log(value,
     times) after each. The setting and the graphs are restored after."""
