@@ -37,8 +37,8 @@ REMOVABLE = ("norm", "silu", "attn", "rotary")
 
 
 def _no_norm(x, residual, weight, eps, quantize=False, keep_values=False):
-    if isinstance(x, PartialSums):  # a deferring GEMM's partials: stand in their (unsummed) first one
-        x = x.parts[0, :, :x.width].to(x.dtype).reshape(*x.lead, x.width)
+    if isinstance(x, PartialSums):  # a deferring GEMM's partials: an empty stand-in (a slice + cast would launch)
+        x = torch.empty(*x.lead, x.width, dtype=x.dtype, device=x.parts.device)
     k = x.shape[-1]
     y = (Fp8Activations(*fp8_outputs(x.numel() // k, k, x.device), x.dtype, tuple(x.shape[:-1]),
                         x if keep_values else None) if quantize else x)

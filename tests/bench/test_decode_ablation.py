@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import radiance.kernels.w4a8 as w4a8_module
+from radiance.kernels.activation import PartialSums
 import radiance.layers.norm as norm_module
 import radiance.models.llama as llama_module
 from radiance.layers.attention import Attention
@@ -26,6 +28,29 @@ import decode_ablation  # noqa: E402
                                        (decode_ablation._no_rotary, RotaryEmbedding.rotate_and_store)])
 def test_stubs_take_the_launchers_arguments(stub, real):
     assert list(inspect.signature(stub).parameters) == list(inspect.signature(real).parameters)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_the_norm_stub_computes_nothing_from_deferred_partials(quantize):
+    """A stub that sliced or cast the partials would launch a kernel (outside the PDL chain) and spoil the row."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    parts = PartialSums(torch.randn(3, 2, 64), 48, torch.bfloat16, (2,))
+    residual, weight = torch.zeros(2, 48), torch.ones(48)
+    with Ops() as ops:
+        y, summed = decode_ablation._no_norm(parts, residual, weight, 1e-6, quantize=quantize)
+    assert summed.shape == (2, 48) and summed.dtype == torch.bfloat16
+    assert (y.x_q.shape if quantize else y.shape) == (2, 48)
+    assert set(ops.names) <= {"aten.empty", "aten.empty_strided"}, ops.names
 
 
 def test_removed_swaps_and_restores():
