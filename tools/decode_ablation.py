@@ -65,7 +65,7 @@ def _no_attention(self, q, k, v, meta, rotary=None, quantize=False, qk_norm=None
 
 
 def _no_rotary(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None, qk_norm=None, q_out=None):
-    return q if q_out is None else q_out.copy_(q)
+    return q if q_out is None else q_out  # a copy into q_out would launch
 
 
 @contextlib.contextmanager

@@ -30,27 +30,44 @@ def test_stubs_take_the_launchers_arguments(stub, real):
     assert list(inspect.signature(stub).parameters) == list(inspect.signature(real).parameters)
 
 
+class _Ops:
+    """Records the aten ops run inside (a stub must launch nothing: only allocations and views)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        names = self.names = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                names.append(str(func.overloadpacket))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
 @pytest.mark.parametrize("quantize", [False, True])
 def test_the_norm_stub_computes_nothing_from_deferred_partials(quantize):
     """A stub that sliced or cast the partials would launch a kernel (outside the PDL chain) and spoil the row."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     parts = PartialSums(torch.randn(3, 2, 64), 48, torch.bfloat16, (2,))
     residual, weight = torch.zeros(2, 48), torch.ones(48)
-    with Ops() as ops:
+    with _Ops() as ops:
         y, summed = decode_ablation._no_norm(parts, residual, weight, 1e-6, quantize=quantize)
     assert summed.shape == (2, 48) and summed.dtype == torch.bfloat16
     assert (y.x_q.shape if quantize else y.shape) == (2, 48)
     assert set(ops.names) <= {"aten.empty", "aten.empty_strided"}, ops.names
+
+
+def test_the_rotary_stub_copies_nothing():
+    q, q_out = torch.randn(2, 4, 8), torch.empty(2, 4, 8)
+    with _Ops() as ops:
+        out = decode_ablation._no_rotary(None, None, q, None, None, None, None, None, q_out=q_out)
+    assert out is q_out and ops.names == []
 
 
 def test_removed_swaps_and_restores():
