@@ -24,6 +24,7 @@ from radiance.kernels.device_info import shared_memory_limits
 logger = logging.getLogger(__name__)
 
 RESERVED_PER_CTA = 1024  # shared memory the hardware keeps per resident CTA (sm_80 and later)
+DEFAULT_DYNAMIC_LIMIT = 48 * 1024  # dynamic shared memory a function may take before it opts in to more
 _MARGIN = 256  # over the (cap + 1)-th CTA's share by this much: allocation granularity is 128 bytes
 _opt_in_functions: dict[int, object] = {}  # id(compiled kernel) -> its function loaded with the opt-in limit
 
@@ -59,7 +60,9 @@ def _opt_in_function(compiled, device: torch.device):
         from triton.runtime import driver
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        _, function, *_ = driver.active.utils.load_binary(compiled.name, compiled.kernel, 49152 + 1, index)
+        # asked for more than the default limit, Triton's loader opts the function in to the device's maximum
+        _, function, *_ = driver.active.utils.load_binary(compiled.name, compiled.kernel, DEFAULT_DYNAMIC_LIMIT + 1,
+                                                          index)
         _opt_in_functions[id(compiled)] = function
     return _opt_in_functions[id(compiled)]
 
@@ -82,7 +85,7 @@ def ctas_per_sm_at_most(compiled, cap: int, device: torch.device):
     saved = compiled.packed_metadata, compiled.function
     num_warps, num_ctas, _ = saved[0]
     try:
-        if shared > 49152:  # past the default limit of dynamic shared memory
+        if shared > DEFAULT_DYNAMIC_LIMIT:
             compiled.function = _opt_in_function(compiled, device)
         compiled.packed_metadata = (num_warps, num_ctas, shared)
         yield
