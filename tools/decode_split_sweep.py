@@ -8,10 +8,13 @@ under 3% (bench/RESULTS.md, eighth session); 5 stages made 28672x4096 10% faster
     python3 tools/decode_split_sweep.py [--model synthetic:qwen3-32b] [--splits 1 2 3 4 5 6 8] [--batch 1]
     python3 tools/decode_split_sweep.py --field num_stages --values 3 4 5   # any GemmConfig field
     python3 tools/decode_split_sweep.py --tilings '{"block_k": 512, "num_stages": 3, "split_k": 1}'  # several fields
+    python3 tools/decode_split_sweep.py --compare OLD.json --batches 1 8   # a whole table against the repo's
 
 Prints tuning-table entries for radiance/kernels/tuning/sm90.json: a winner must beat the median of the
 table's repeats by more than --margin ms, and the closing table / winners alternation says whether the
-winners together gain. On the CPU (`--device cpu`) it is a dry run of the harness: reference
+winners together gain. Candidates that launch what another one (or the table) already launches are timed
+once: a split count is compared as the number of splits it launches (w4a8.choose_split_k: 5 splits of
+16 K tiles launch 4 of 4 tiles each), so noise cannot crown a tiling equal to the table's. On the CPU (`--device cpu`) it is a dry run of the harness: reference
 kernels, no table, timings meaningless.
 """
 
@@ -29,6 +32,8 @@ import decode_ablation  # tools/, next to this script
 import radiance.kernels.tuning as tuning
 from radiance.bench.engine_bench import _engine
 from radiance.config import KernelConfig
+from radiance.kernels.device_info import sm_count
+from radiance.kernels.w4a8 import choose_split_k
 from radiance.layers.linear import Mxfp4Linear
 from radiance.layers.moe import SparseMoeBlock
 
@@ -91,6 +96,29 @@ def decode_shapes(model: torch.nn.Module) -> list[str]:
                    if isinstance(m, Mxfp4Linear) and id(m) not in grouped})
 
 
+def launched(config: dict, shape: str, m: int, num_sms: int) -> dict:
+    """A decode tiling as it launches at M = m: block_m fitted to M and split_k the split count it runs with (the
+    table's 0 means "auto"; a count that leaves a split without K tiles runs fewer), so that equal launches
+    compare equal."""
+    n, k = (int(v) for v in shape.split("x"))
+    fitted = tuning.GemmConfig(**{**config, "block_m": min(256, max(16, 1 << max(m - 1, 0).bit_length()))})
+    splits, _ = choose_split_k(m, n, k, fitted, num_sms)
+    return {**fitted.as_dict(), "split_k": splits}
+
+
+def distinct_candidates(candidates: list[dict], now: dict, shape: str, m: int, num_sms: int) -> list[dict]:
+    """The candidates (GemmConfig fields) that launch something other than the serving tiling `now` and than
+    the candidates before them."""
+    seen = [launched(now, shape, m, num_sms)]
+    kept = []
+    for fields in candidates:
+        key = launched({**now, **fields}, shape, m, num_sms)
+        if key not in seen:
+            seen.append(key)
+            kept.append(fields)
+    return kept
+
+
 def step_ms(engine, gen, batch: int = 1, steps: int = 24, repeats: int = 2) -> float:
     """Best of `repeats` wall ms per decode step of `batch` sequences at context 128 (decode_ablation's)."""
     return min(decode_ablation.step_ms(engine, batch, gen, steps=steps) for _ in range(repeats))
@@ -117,6 +145,7 @@ def run(model: str, quantization: str = "mxfp4", values=(1, 2, 3, 4, 5, 6, 8), b
                      max_num_seqs=batch, gpu_memory_utilization=0.85, prefill_graph_tokens=())
     gen = torch.Generator().manual_seed(0)
     base = copy.deepcopy(tuning.load_table("sm90"))
+    num_sms = sm_count(torch.device(device))
 
     def timed(table: dict) -> float:
         with table_in_use(table):
@@ -129,7 +158,7 @@ def run(model: str, quantization: str = "mxfp4", values=(1, 2, 3, 4, 5, 6, 8), b
     log(f"{model}: table {result['table'][0]:.3f} ms per step")
     for shape in decode_shapes(engine.model):
         now = serving_entry(base, shape, batch)["config"]
-        fresh = [c for c in candidates if any(now.get(k) != v for k, v in c.items())]
+        fresh = distinct_candidates(candidates, now, shape, batch, num_sms)
         tried = [(c, timed(with_fields(base, shape, c, batch))) for c in fresh]
         result["table"].append(timed(base))
         result["tried"][shape] = [(_label(c, label_field), ms) for c, ms in tried]
@@ -158,6 +187,26 @@ def run(model: str, quantization: str = "mxfp4", values=(1, 2, 3, 4, 5, 6, 8), b
     return result
 
 
+def compare_tables(model: str, tables: dict[str, dict], batches, quantization: str = "mxfp4", repeats: int = 3,
+                   device: str = "cuda", overrides: dict | None = None, steps: int = 24,
+                   log=print) -> list[tuple[str, list[float]]]:
+    """Whole tuning tables against each other in one engine: [(name, [ms per decode step for each batch])] in run
+    order, the tables alternated `repeats` times, the decode graphs re-captured for each (how a set of sweep
+    winners is confirmed before it lands)."""
+    if max(batches) > DECODE_BAND:
+        raise ValueError(f"batch {max(batches)} is past the decode band ({DECODE_BAND} tokens)")
+    loaders = {name: (lambda _name, table=table: table) for name, table in tables.items()}
+    names = {id(loader): name for name, loader in loaders.items()}
+    engine = decode_ablation.ab_engine(model, quantization, batches, device, overrides)
+
+    def report(loader, times):
+        log(f"{names[id(loader)]}: " + "  ".join(f"batch {b} {ms:.3f}" for b, ms in zip(batches, times)))
+
+    rows = decode_ablation.alternate(engine, tuning, "load_table", list(loaders.values()), batches, repeats, steps,
+                                     report)
+    return [(names[id(loader)], times) for loader, times in rows]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="synthetic:llama-3.1-8b")
@@ -171,7 +220,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per decode step (the GEMMs' M)")
     p.add_argument("--margin", type=float, default=0.004, help="ms a winner must beat the table's median repeat by")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--compare", metavar="TABLE.json",
+                   help="instead of a sweep: alternate this tuning table with the repo's (e.g. `git show "
+                        "HEAD~1:radiance/kernels/tuning/sm90.json > old.json`) at --batches")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="--compare's batch sizes")
+    p.add_argument("--repeats", type=int, default=3, help="--compare's alternations")
     args = p.parse_args()
+    if args.compare:
+        with open(args.compare) as f:
+            other = json.load(f)
+        compare_tables(args.model, {args.compare: other, "repo": tuning.load_table("sm90")}, args.batches,
+                       args.quantization, args.repeats, args.device)
+        return
     result = run(args.model, args.quantization, args.values, args.batch, args.margin, args.device, field=args.field,
                  tilings=args.tilings)
     for entry, index in result["entries"]:

@@ -116,3 +116,31 @@ def test_dry_run_of_whole_tilings_on_the_cpu():
     assert labels == {"block_k=512,num_stages=3", "split_k=2,num_stages=5"}
     assert all(fields in tilings for fields in result["chosen"].values())
     assert all("(table block_k=" in line for line in lines[1:-1])
+
+
+def test_candidates_that_launch_the_same_splits_are_tried_once():
+    """16 K tiles: split_k 4 and 5 both launch 4 splits of 4 tiles, which is also what the table's "auto" launches
+    on 132 SMs (64 tiles, two waves); only tilings that launch something else are timed."""
+    now = sweep.serving_entry(tuning.load_table("sm90"), "4096x4096", 1)["config"]
+    assert sweep.launched(now, "4096x4096", 1, 132)["split_k"] == 4
+    candidates = [{"split_k": s} for s in (4, 5, 3, 6, 7)]
+    assert sweep.distinct_candidates(candidates, now, "4096x4096", 1, 132) == [{"split_k": 3}, {"split_k": 6}]
+    # another field with the same split count is a different launch; block_m follows M as select_config fits it
+    stages = {"num_stages": now["num_stages"] + 1}
+    assert sweep.distinct_candidates([stages], now, "4096x4096", 1, 132) == [stages]
+    assert sweep.launched(now, "4096x4096", 20, 132)["block_m"] == 32
+
+
+def test_compare_tables_dry_run_on_the_cpu():
+    table = tuning.load_table("sm90")
+    real = tuning.load_table
+    other = sweep.with_split(table, "64x64", 2, m=1)
+    lines = []
+    rows = sweep.compare_tables("synthetic:llama-3.1-8b", {"old": other, "repo": table}, [1, 2], device="cpu",
+                                overrides={**TINY, "vocab_size": 512}, steps=2, repeats=1, log=lines.append)
+    assert [name for name, _ in rows] == ["old", "repo"]
+    assert all(len(times) == 2 and all(math.isfinite(ms) and ms > 0 for ms in times) for _, times in rows)
+    assert lines[0].startswith("old: batch 1 ") and "batch 2" in lines[0]
+    assert tuning.load_table is real
+    with pytest.raises(ValueError, match="decode band"):
+        sweep.compare_tables("synthetic:llama-3.1-8b", {"repo": table}, [65], device="cpu")
