@@ -14,8 +14,8 @@ Prints tuning-table entries for radiance/kernels/tuning/sm90.json: a winner must
 table's repeats by more than --margin ms, and the closing table / winners alternation says whether the
 winners together gain. Candidates that launch what another one (or the table) already launches are timed
 once: a split count is compared as the number of splits it launches (w4a8.choose_split_k: 5 splits of
-16 K tiles launch 4 of 4 tiles each), so noise cannot crown a tiling equal to the table's. On the CPU (`--device cpu`) it is a dry run of the harness: reference
-kernels, no table, timings meaningless.
+16 K tiles launch 4 of 4 tiles each), so noise cannot crown a tiling equal to the table's. On the CPU
+(`--device cpu`) it is a dry run of the harness: reference kernels, no table, timings meaningless.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def launched(config: dict, shape: str, m: int, num_sms: int) -> dict:
     table's 0 means "auto"; a count that leaves a split without K tiles runs fewer), so that equal launches
     compare equal."""
     n, k = (int(v) for v in shape.split("x"))
-    fitted = tuning.GemmConfig(**{**config, "block_m": min(256, max(16, 1 << max(m - 1, 0).bit_length()))})
+    fitted = tuning.GemmConfig(**{**config, "block_m": tuning.swap_ab_block_m(m)})
     splits, _ = choose_split_k(m, n, k, fitted, num_sms)
     return {**fitted.as_dict(), "split_k": splits}
 

@@ -98,6 +98,11 @@ def serving_entry_index(entries: list[dict], shape: str, m: int) -> int | None:
     return None
 
 
+def swap_ab_block_m(m: int) -> int:
+    """The token tile of a swap-AB launch at M = m: M's power of two, 16 to 256 (the MMA's N dimension)."""
+    return min(256, max(16, _next_pow2(m)))
+
+
 def select_config(m: int, n: int, k: int, decode_band: int, device: torch.device) -> GemmConfig:
     """The table's config for this call (decode band: M <= decode_band), with block_m fitted to M."""
     band = "decode" if m <= decode_band else "prefill"
@@ -109,7 +114,7 @@ def select_config(m: int, n: int, k: int, decode_band: int, device: torch.device
     else:
         chosen = DEFAULT_DECODE if band == "decode" else DEFAULT_PREFILL
     if chosen.swap_ab:  # tokens are the MMA N dimension: fit the tile to M (16..256)
-        fitted = min(256, max(16, _next_pow2(m)))
+        fitted = swap_ab_block_m(m)
         block_m = fitted if band == "decode" else min(chosen.block_m, fitted)  # prefill: only shrink
         chosen = GemmConfig(**{**chosen.as_dict(), "block_m": block_m})
     return chosen
