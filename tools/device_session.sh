@@ -10,6 +10,8 @@
 #            tuning-table entries for tuning/sm90.json (up to 10)
 #   splits   the decode GEMMs' split counts tuned inside the batch-1 decode step, 8B then 32B; prints
 #            tuning-table entries (about 3)
+#   retune   the same at batches 1, 8 and 64 (8B) and 1, 8 (32B): after anything that changes how decode
+#            GEMMs share the SMs (the occupancy cap moved five entries); prints entries (about 5)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -49,8 +51,14 @@ splits)
     step 300 splits-32b python3 tools/decode_split_sweep.py --model synthetic:qwen3-32b
     grep -h '^{"shape"' "$OUT"/splits-*.log
     ;;
+retune)
+    for b in 1 8 64; do step 120 "retune-8b-b$b" python3 tools/decode_split_sweep.py --batch "$b" --splits 1 2 3 4 6 8; done
+    for b in 1 8; do step 120 "retune-32b-b$b" python3 tools/decode_split_sweep.py --model synthetic:qwen3-32b \
+        --batch "$b" --splits 1 2 3 4 6 8; done
+    grep -h -B1 '^{"shape"\|winners' "$OUT"/retune-*.log
+    ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|kernels|models|sweep|splits]" >&2
+    echo "usage: bash tools/device_session.sh [quick|kernels|models|sweep|splits|retune]" >&2
     exit 2
     ;;
 esac
