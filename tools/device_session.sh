@@ -11,7 +11,7 @@
 #   splits   the decode GEMMs' split counts tuned inside the batch-1 decode step, 8B then 32B; prints
 #            tuning-table entries (about 3)
 #   retune   the same at batches 1, 8 and 64 (8B) and 1, 8 (32B): after anything that changes how decode
-#            GEMMs share the SMs (the occupancy cap moved five entries); prints entries (about 5)
+#            GEMMs share the SMs (the occupancy cap moved five shapes' entries); prints entries (about 5)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
