@@ -119,6 +119,13 @@ class PartialSums(NamedTuple):
         return total.to(self.dtype).reshape(*self.lead, self.width)
 
 
+# Launches that let the GEMM after them launch before they wait for the GEMM before them ("norm": the residual-add
+# norms, "parts_quantize": the quantize between gate_up and down), so that it becomes resident and prefetches its
+# weights while that GEMM runs (pdl_handoff's EARLY). An experiment switch: the thirteenth session lost 435 us
+# per 8B step doing this in every kernel before the occupancy cap existed.
+PDL_EARLY_RELEASE: frozenset[str] = frozenset()
+
+
 def fp8_outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty (x_q e4m3 [m, k], x_scale fp32 [m, 1]) for a kernel that quantizes m tokens."""
     return (torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device),
@@ -166,7 +173,8 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
         x2, r2 if r2 is not None else x2, weight.contiguous(), y, s, x_q, x_scale, k, x2.stride(-2),
         r2.stride(0) if r2 is not None else 0, float(eps), x2.stride(0) if parts is not None else 0,
         HAS_RESIDUAL=r2 is not None, QUANT=quantize, PARTS=x2.shape[0] if parts is not None else 0, BLOCK=block,
-        INTERPRETER=not x2.is_cuda, PDL=pdl, KEEP_VALUES=keep_values, launch_pdl=pdl, num_warps=warps)
+        INTERPRETER=not x2.is_cuda, PDL=pdl, KEEP_VALUES=keep_values, EARLY_RELEASE=pdl and "norm" in PDL_EARLY_RELEASE,
+        launch_pdl=pdl, num_warps=warps)
     shape = (*lead, k)
     out = (Fp8Activations(x_q, x_scale, dtype, lead, y.reshape(shape) if keep_values else None) if quantize
            else y.reshape(shape))
@@ -234,7 +242,8 @@ def quantize_rows_from_parts(y: torch.Tensor, amax_parts: torch.Tensor) -> tuple
     parts = amax_parts.shape[1]
     _act.quantize_rows_from_parts_kernel[(m * -(-k // CHUNK),)](
         y, amax_parts, x_q, x_scale, k, parts, y.stride(0), BLOCK=CHUNK, P_PAD=max(2, triton_next_pow2(parts)),
-        INTERPRETER=not y.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        INTERPRETER=not y.is_cuda, PDL=pdl, EARLY_RELEASE=pdl and "parts_quantize" in PDL_EARLY_RELEASE,
+        launch_pdl=pdl, num_warps=4)
     return x_q, x_scale
 
 

@@ -52,14 +52,19 @@ def divide_by_scale(x, scale, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def pdl_handoff(PDL: tl.constexpr):
+def pdl_handoff(PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """First statement of a kernel launched as a programmatic dependent (launch_pdl, sm_90+): wait
     until the kernel before it has finished and its writes are visible (it may have been launched
     while that kernel ran, which hides the launch), then let the kernel after this one launch in
-    turn (a GEMM prefetches its weights meanwhile). Nothing may be read or written before the wait."""
+    turn (a GEMM prefetches its weights meanwhile). Nothing may be read or written before the wait.
+    EARLY lets the kernel after this one launch before the wait, i.e. while the kernel before this
+    one still runs (it still waits for this one's completion before it reads)."""
     if PDL:
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -125,7 +130,8 @@ def quantize_rows_chunked_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_xm, BLOCK: 
 def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr, scale_ptr, K, stride_xm, stride_rm,
                             eps, stride_part=0, HAS_RESIDUAL: tl.constexpr = True, QUANT: tl.constexpr = False,
                             PARTS: tl.constexpr = 0, BLOCK: tl.constexpr = 1024, INTERPRETER: tl.constexpr = False,
-                            PDL: tl.constexpr = False, KEEP_VALUES: tl.constexpr = False):
+                            PDL: tl.constexpr = False, KEEP_VALUES: tl.constexpr = False,
+                            EARLY_RELEASE: tl.constexpr = False):
     """The pre-norm step of a decoder layer in one pass, with the model's rounding:
     s = x + residual (rounded to x's dtype, written to res_out), y = weight * rms_norm(s) (normalized in
     fp32, rounded to x's dtype, multiplied by the weight in x's dtype); then y is written (out) or
@@ -134,7 +140,7 @@ def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr,
     split-K partials [PARTS, M, stride_xm] (activation.PartialSums), summed here in split order and
     rounded to res_out's dtype as the GEMM would have; unrolled, so that all their loads are in flight
     at once (a loop over them waited an L2 round trip per partial: the 32B's decode step +145 us)."""
-    pdl_handoff(PDL)
+    pdl_handoff(PDL, EARLY_RELEASE)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
@@ -277,12 +283,12 @@ def silu_mul_rows_kernel(gu_ptr, out_ptr, xq_ptr, scale_ptr, I, stride_m, QUANT:
 @triton.jit
 def quantize_rows_from_parts_kernel(y_ptr, parts_ptr, xq_ptr, scale_ptr, K, n_parts, stride_ym,
                                     BLOCK: tl.constexpr, P_PAD: tl.constexpr, INTERPRETER: tl.constexpr,
-                                    PDL: tl.constexpr = False):
+                                    PDL: tl.constexpr = False, EARLY_RELEASE: tl.constexpr = False):
     """quantize_rows_kernel for rows whose amax the kernel before already found in parts: int32 bits
     [M, n_parts] (|y| maxima of column tiles, written by the GLU GEMM). Grid [M * cdiv(K, BLOCK)] (one axis:
     a grouped MoE GEMM's rows can pass the 65535 programs of a second grid axis): every program takes its
     row's scale from the parts (no barrier, no second pass) and quantizes one chunk."""
-    pdl_handoff(PDL)
+    pdl_handoff(PDL, EARLY_RELEASE)
     chunks = tl.cdiv(K, BLOCK)
     chunk = tl.program_id(0) % chunks
     row = (tl.program_id(0) // chunks).to(tl.int64)
