@@ -58,7 +58,9 @@ def pdl_handoff(PDL: tl.constexpr, EARLY: tl.constexpr = False):
     while that kernel ran, which hides the launch), then let the kernel after this one launch in
     turn (a GEMM prefetches its weights meanwhile). Nothing may be read or written before the wait.
     EARLY lets the kernel after this one launch before the wait, i.e. while the kernel before this
-    one still runs (it still waits for this one's completion before it reads)."""
+    one still runs (it still waits for this one's completion before it reads). It cannot starve this
+    kernel of SM room: the dependents launch only once every CTA of this kernel has issued the release,
+    i.e. is already resident."""
     if PDL:
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
