@@ -1,5 +1,6 @@
-"""Early PDL release (`activation.PDL_EARLY_RELEASE`) against production, inside the engine's decode step: the
-residual-add norms ("norm") and the quantize between gate_up and down ("parts_quantize") let the GEMM after them
+"""Early PDL release (`activation.PDL_EARLY_RELEASE`) A/B'd inside the engine's decode step: the residual-add norms
+("norm") and the quantize between gate_up and down ("parts_quantize"; "moe_parts_quantize" before an expert GEMM;
+production releases "parts_quantize" only) let the GEMM after them
 launch before they wait for the GEMM before them, so that it is resident and prefetching while that GEMM runs.
 With the occupancy cap, a GEMM right after a GEMM no longer piles onto the SMs that free first (bench/RESULTS.md,
 thirty-second session), and stubbing the norms out was worth 2.1 us each on the 8B (thirty-third session); the
@@ -18,7 +19,7 @@ import argparse
 import decode_ablation  # tools/, next to this script
 import radiance.kernels.activation as activation
 
-RELEASABLE = ("norm", "parts_quantize")
+RELEASABLE = ("norm", "parts_quantize", "moe_parts_quantize")
 
 
 def parse_variant(text: str) -> frozenset[str]:

@@ -120,10 +120,13 @@ class PartialSums(NamedTuple):
 
 
 # Launches that let the GEMM after them launch before they wait for the GEMM before them ("norm": the residual-add
-# norms, "parts_quantize": the quantize between gate_up and down), so that it becomes resident and prefetches its
-# weights while that GEMM runs (pdl_handoff's EARLY). An experiment switch: the thirteenth session lost 435 us
-# per 8B step doing this in every kernel before the occupancy cap existed.
-PDL_EARLY_RELEASE: frozenset[str] = frozenset()
+# norms; "parts_quantize" / "moe_parts_quantize": the quantize between gate_up and down, dense / grouped experts),
+# so that it becomes resident and prefetches its weights while that GEMM runs (pdl_handoff's EARLY). In the decode
+# step on the H200 (bench/RESULTS.md, thirty-fourth session, tools/early_release_ab.py): "parts_quantize" saves
+# 20-30 us per 8B step at batch 1 and is neutral at batch 8 / 64 and on the 32B; "norm" is neutral on the 8B and
+# costs the 32B 20-40 us; the grouped one costs gpt-oss-20b 200 us at batch 1 (the early expert GEMM's CTAs hold
+# SM room that the gate_up's later CTAs wait for).
+PDL_EARLY_RELEASE: frozenset[str] = frozenset({"parts_quantize"})
 
 
 def fp8_outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,10 +233,13 @@ def glu_mul(gate_up: torch.Tensor, activation: GluActivation, quantize: bool = F
     return Fp8Activations(x_q, x_scale, gate_up.dtype, lead) if quantize else y.reshape(*lead, inter)
 
 
-def quantize_rows_from_parts(y: torch.Tensor, amax_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_from_parts(y: torch.Tensor, amax_parts: torch.Tensor,
+                             launch: str = "parts_quantize") -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_activations(y) for y [M, K] whose row amax the kernel that wrote it left in amax_parts
     (int32 bits [M, P] of |y| maxima over column tiles: w4a8_glu's GEMM): one fully parallel launch,
-    M * cdiv(K, CHUNK) programs, none waiting for another. Triton only (CUDA or the interpreter)."""
+    M * cdiv(K, CHUNK) programs, none waiting for another. Triton only (CUDA or the interpreter).
+    `launch` names it for PDL_EARLY_RELEASE: "parts_quantize" before a dense GEMM, "moe_parts_quantize"
+    before a grouped one."""
     m, k = y.shape
     x_q, x_scale = fp8_outputs(m, k, y.device)
     if m == 0:
@@ -242,7 +248,7 @@ def quantize_rows_from_parts(y: torch.Tensor, amax_parts: torch.Tensor) -> tuple
     parts = amax_parts.shape[1]
     _act.quantize_rows_from_parts_kernel[(m * -(-k // CHUNK),)](
         y, amax_parts, x_q, x_scale, k, parts, y.stride(0), BLOCK=CHUNK, P_PAD=max(2, triton_next_pow2(parts)),
-        INTERPRETER=not y.is_cuda, PDL=pdl, EARLY_RELEASE=pdl and "parts_quantize" in PDL_EARLY_RELEASE,
+        INTERPRETER=not y.is_cuda, PDL=pdl, EARLY_RELEASE=pdl and launch in PDL_EARLY_RELEASE,
         launch_pdl=pdl, num_warps=4)
     return x_q, x_scale
 

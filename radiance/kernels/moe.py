@@ -176,7 +176,7 @@ def w4a8_moe_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, experts: PreparedExp
     quantization. Launched as a programmatic dependent where the GPU has it (sm_90), as the dense GEMM is."""
     y, amax, _ = _launch(x_q, x_scale, experts, routing, rows_per_pair_source, glu, out_dtype, config, use_asm, out,
                          bias, activation)
-    return quantize_rows_from_parts(y, amax) if glu else y
+    return quantize_rows_from_parts(y, amax, launch="moe_parts_quantize") if glu else y
 
 
 def _launch(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouting, source: str, glu: bool, out_dtype,

@@ -82,8 +82,10 @@ def w4a8_gemm_partials(x_q: torch.Tensor, x_scale: torch.Tensor, weight: Prepare
 # The residual-add norm that sums deferred partials runs one program per token, so at M = 1 one SM reads
 # every split's fp32 row. In the decode step on the H200 (bench/RESULTS.md, fifteenth session): the 8B's
 # o_proj and down_proj (4 partials of 16 KiB per row) gain 58 us per step at batch 1, the 32B's (4 and 6
-# of 20 KiB) lose 25-110 us; at batch 8 both gain (8B 77 us, 32B 110 us).
-DEFER_MAX_ROW_BYTES_AT_M1 = 64 * 1024
+# of 20 KiB) lose 25-110 us; at batch 8 both gain (8B 77 us, 32B 110 us). Since the norm loads every partial at
+# once and the occupancy cap, the 32B's down (6 partials, 120 KiB) gains 30 us at batch 1 too (thirty-fourth
+# session, tools/module_setting_ab.py).
+DEFER_MAX_ROW_BYTES_AT_M1 = 128 * 1024
 
 
 def deferring_pays(m: int, n: int, k: int, decode_band: int, device: torch.device) -> bool:
