@@ -19,7 +19,7 @@ import argparse
 import decode_ablation  # tools/, next to this script
 import radiance.kernels.activation as activation
 
-RELEASABLE = ("norm", "parts_quantize", "moe_parts_quantize")
+RELEASABLE = activation.EARLY_RELEASE_LAUNCHES
 
 
 def parse_variant(text: str) -> frozenset[str]:

@@ -126,7 +126,15 @@ class PartialSums(NamedTuple):
 # 20-30 us per 8B step at batch 1 and is neutral at batch 8 / 64 and on the 32B; "norm" is neutral on the 8B and
 # costs the 32B 20-40 us; the grouped one costs gpt-oss-20b 200 us at batch 1 (the early expert GEMM's CTAs hold
 # SM room that the gate_up's later CTAs wait for).
+EARLY_RELEASE_LAUNCHES = ("norm", "parts_quantize", "moe_parts_quantize")
 PDL_EARLY_RELEASE: frozenset[str] = frozenset({"parts_quantize"})
+
+
+def releases_early(launch: str, pdl: bool) -> bool:
+    """Whether `launch` (one of EARLY_RELEASE_LAUNCHES) lets its dependents launch before its wait."""
+    if launch not in EARLY_RELEASE_LAUNCHES:
+        raise ValueError(f"unknown launch {launch!r} for PDL_EARLY_RELEASE; known: {', '.join(EARLY_RELEASE_LAUNCHES)}")
+    return pdl and launch in PDL_EARLY_RELEASE
 
 
 def fp8_outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +184,7 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
         x2, r2 if r2 is not None else x2, weight.contiguous(), y, s, x_q, x_scale, k, x2.stride(-2),
         r2.stride(0) if r2 is not None else 0, float(eps), x2.stride(0) if parts is not None else 0,
         HAS_RESIDUAL=r2 is not None, QUANT=quantize, PARTS=x2.shape[0] if parts is not None else 0, BLOCK=block,
-        INTERPRETER=not x2.is_cuda, PDL=pdl, KEEP_VALUES=keep_values, EARLY_RELEASE=pdl and "norm" in PDL_EARLY_RELEASE,
+        INTERPRETER=not x2.is_cuda, PDL=pdl, KEEP_VALUES=keep_values, EARLY_RELEASE=releases_early("norm", pdl),
         launch_pdl=pdl, num_warps=warps)
     shape = (*lead, k)
     out = (Fp8Activations(x_q, x_scale, dtype, lead, y.reshape(shape) if keep_values else None) if quantize
@@ -248,7 +256,7 @@ def quantize_rows_from_parts(y: torch.Tensor, amax_parts: torch.Tensor,
     parts = amax_parts.shape[1]
     _act.quantize_rows_from_parts_kernel[(m * -(-k // CHUNK),)](
         y, amax_parts, x_q, x_scale, k, parts, y.stride(0), BLOCK=CHUNK, P_PAD=max(2, triton_next_pow2(parts)),
-        INTERPRETER=not y.is_cuda, PDL=pdl, EARLY_RELEASE=pdl and launch in PDL_EARLY_RELEASE,
+        INTERPRETER=not y.is_cuda, PDL=pdl, EARLY_RELEASE=releases_early(launch, pdl),
         launch_pdl=pdl, num_warps=4)
     return x_q, x_scale
 

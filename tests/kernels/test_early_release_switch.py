@@ -1,0 +1,28 @@
+"""Which launches release their PDL dependents early (activation.PDL_EARLY_RELEASE): the dense quantize after
+gate_up only (bench/RESULTS.md, thirty-fourth session: the same release before an expert GEMM cost gpt-oss-20b
+200 us per step), never without PDL, and a misspelt launch name fails loudly instead of silently never releasing."""
+
+import pytest
+import torch
+
+import radiance.kernels.activation as activation
+
+
+def test_production_releases_the_dense_quantize_only():
+    assert activation.releases_early("parts_quantize", pdl=True)
+    assert not activation.releases_early("moe_parts_quantize", pdl=True)
+    assert not activation.releases_early("norm", pdl=True)
+
+
+@pytest.mark.parametrize("launch", activation.EARLY_RELEASE_LAUNCHES)
+def test_no_release_without_pdl(launch, monkeypatch):
+    monkeypatch.setattr(activation, "PDL_EARLY_RELEASE", frozenset(activation.EARLY_RELEASE_LAUNCHES))
+    assert not activation.releases_early(launch, pdl=False)
+    assert activation.releases_early(launch, pdl=True)
+
+
+def test_an_unknown_launch_name_is_an_error():
+    y = torch.zeros((1, 64))
+    amax = torch.zeros((1, 1), dtype=torch.int32)
+    with pytest.raises(ValueError, match="moe_parts_quantise"):
+        activation.quantize_rows_from_parts(y, amax, launch="moe_parts_quantise")
