@@ -7,7 +7,8 @@ thirty-second session), and stubbing the norms out was worth 2.1 us each on the 
 thirteenth session's early release in every kernel, before the cap, lost 435 us per step. One engine, CUDA graphs
 re-captured per setting, the settings alternated `--repeats` times.
 
-    python3 tools/early_release_ab.py [--model synthetic:llama-3.1-8b] [--batches 1 8] [--variants none norm norm,parts_quantize]
+    python3 tools/early_release_ab.py [--model synthetic:llama-3.1-8b] [--batches 1 8] \
+        [--variants none norm parts_quantize norm,parts_quantize]
 
 On the CPU (`--device cpu`) it is a dry run of the harness: no PDL, no graphs, timings meaningless.
 """

@@ -40,6 +40,15 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 # In the 8B's batch-1 decode step on the H200: 0 / 1 / 2 / 4 / 8 tiles 2.317 / 2.240 / 2.279 / 2.389 /
 # 2.508 ms (deeper prefetches hold the CTA before its wait; bench/RESULTS.md, thirteenth session)
 PDL_PREFETCH_TILES = 1
+# Per-shape depths {(n, k): tiles} that replace PDL_PREFETCH_TILES for one GEMM shape (tools/pdl_prefetch_sweep.py
+# --shape): since the dense down GEMM launches while gate_up still runs (activation.PDL_EARLY_RELEASE), it has that
+# whole GEMM to prefetch in. None measured yet.
+PDL_PREFETCH_TILES_BY_SHAPE: dict[tuple[int, int], int] = {}
+
+
+def pdl_prefetch_tiles(n: int, k: int) -> int:
+    """K tiles of weights an [n, k] GEMM launched as a programmatic dependent prefetches before its wait."""
+    return PDL_PREFETCH_TILES_BY_SHAPE.get((n, k), PDL_PREFETCH_TILES)
 
 # decode-band GEMMs captured into a CUDA graph ask for the shared memory that fits at most ceil(CTAs / SMs) of
 # their CTAs per SM (occupancy.ctas_per_sm_at_most): 8B decode -3.6% per step at batch 8, -3.7% at 32 on the H200,
@@ -183,7 +192,7 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
             amax if glu else out, m, n, k, x_q.stride(0), out.stride(0), per_split, splits, grid=grid, warmup=warmup,
             HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT=splits > 1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
             GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
-            PRECISE_ACC=cfg.precise_acc, DEPENDENT=dependent, PDL_PREFETCH=PDL_PREFETCH_TILES if dependent else 0,
+            PRECISE_ACC=cfg.precise_acc, DEPENDENT=dependent, PDL_PREFETCH=pdl_prefetch_tiles(n, k) if dependent else 0,
             GLU=glu, DEFER_SUM=defer_sum, launch_pdl=dependent,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
