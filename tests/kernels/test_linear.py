@@ -111,7 +111,9 @@ def test_norm_hands_fp8_activations_to_the_layer_unchanged():
 
 @pytest.mark.parametrize("m, n, splits, pays", [
     (1, 4096, 4, True),  # 4 x 16 KiB per row: the 8B's o_proj / down_proj at batch 1
-    (1, 5120, 4, False),  # 4 x 20 KiB: the 32B's o_proj, slower deferred at batch 1
+    (1, 5120, 6, True),  # 6 x 20 KiB: the 32B's down_proj at batch 1 (thirty-fourth session: -30 us per step)
+    (1, 8192, 4, True),  # 128 KiB, the limit
+    (1, 8192, 6, False),  # 192 KiB: one program would read it all
     (1, 5120, 1, True),
     (8, 5120, 6, True),  # from two rows on the norm's programs spread over SMs
     (65, 4096, 4, False),  # past the decode band
