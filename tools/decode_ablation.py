@@ -36,7 +36,7 @@ from radiance.layers.rotary import RotaryEmbedding
 REMOVABLE = ("norm", "silu", "attn", "rotary")
 
 
-def _no_norm(x, residual, weight, eps, quantize=False, keep_values=False):
+def _no_norm(x, residual, weight, eps, quantize=False, keep_values=False, launch="norm"):
     if isinstance(x, PartialSums):  # a deferring GEMM's partials: an empty stand-in (a slice + cast would launch)
         x = torch.empty(*x.lead, x.width, dtype=x.dtype, device=x.parts.device)
     k = x.shape[-1]

@@ -12,6 +12,9 @@
 #            tuning-table entries (about 3)
 #   retune   the same at batches 1, 8 and 64 (8B) and 1, 8 (32B): after anything that changes how decode
 #            GEMMs share the SMs (the occupancy cap moved five shapes' entries); prints entries (about 5)
+#   pdl      which norm releases its GEMM early (tools/early_release_ab.py) and how deep the down GEMM, resident
+#            during gate_up since the early-released quantize, prefetches (pdl_prefetch_sweep.py --shape), 8B and
+#            32B at batches 1 and 8 (about 5)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -57,8 +60,16 @@ retune)
         --batch "$b" --splits 1 2 3 4 6 8; done
     grep -h -B1 '^{"shape"\|winners' "$OUT"/retune-*.log
     ;;
+pdl)
+    step 100 early-8b python3 tools/early_release_ab.py --batches 1 8
+    step 100 early-32b python3 tools/early_release_ab.py --model synthetic:qwen3-32b --batches 1 8 --repeats 2
+    step 80 prefetch-down-8b python3 tools/pdl_prefetch_sweep.py --shape 4096x14336 --tiles 1 2 4 --batches 1 8
+    step 90 prefetch-down-32b python3 tools/pdl_prefetch_sweep.py --model synthetic:qwen3-32b --shape 5120x25600 \
+        --tiles 1 2 4 --batches 1 8 --repeats 2
+    grep -h "batch 1" "$OUT"/early-*.log "$OUT"/prefetch-*.log
+    ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|kernels|models|sweep|splits|retune]" >&2
+    echo "usage: bash tools/device_session.sh [quick|kernels|models|sweep|splits|retune|pdl]" >&2
     exit 2
     ;;
 esac

@@ -1,14 +1,15 @@
-"""Early PDL release (`activation.PDL_EARLY_RELEASE`) A/B'd inside the engine's decode step: the residual-add norms
-("norm") and the quantize between gate_up and down ("parts_quantize"; "moe_parts_quantize" before an expert GEMM;
-production releases "parts_quantize" only) let the GEMM after them
-launch before they wait for the GEMM before them, so that it is resident and prefetching while that GEMM runs.
-With the occupancy cap, a GEMM right after a GEMM no longer piles onto the SMs that free first (bench/RESULTS.md,
-thirty-second session), and stubbing the norms out was worth 2.1 us each on the 8B (thirty-third session); the
-thirteenth session's early release in every kernel, before the cap, lost 435 us per step. One engine, CUDA graphs
-re-captured per setting, the settings alternated `--repeats` times.
+"""Early PDL release (`activation.PDL_EARLY_RELEASE`) A/B'd inside the engine's decode step: a launch named there
+lets the GEMM after it launch before it waits for the GEMM before it, so that the GEMM is resident and prefetching
+while the GEMM before runs. The launches: the residual-add norms before qkv ("attn_norm") and before the MLP
+("mlp_norm"), other norms ("norm"), the quantize between gate_up and down ("parts_quantize", production;
+"moe_parts_quantize" before a grouped expert GEMM). bench/RESULTS.md, thirty-fourth session: the dense quantize
+saves 20-30 us per 8B step at batch 1, both layer norms together are neutral (8B) to harmful (32B), the grouped
+quantize costs gpt-oss-20b 200 us; the thirteenth session's early release in every kernel, before the occupancy
+cap, lost 435 us per step. One engine, CUDA graphs re-captured per setting, the settings alternated `--repeats`
+times.
 
     python3 tools/early_release_ab.py [--model synthetic:llama-3.1-8b] [--batches 1 8] \
-        [--variants none norm parts_quantize norm,parts_quantize]
+        [--variants parts_quantize attn_norm,parts_quantize mlp_norm,parts_quantize]
 
 On the CPU (`--device cpu`) it is a dry run of the harness: no PDL, no graphs, timings meaningless.
 """
@@ -52,7 +53,8 @@ def main() -> None:
     p.add_argument("--quantization", default="mxfp4")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--variants", nargs="+", type=parse_variant,
-                   default=[frozenset(), frozenset({"norm"}), frozenset(RELEASABLE)],
+                   default=[frozenset({"parts_quantize"}), frozenset({"attn_norm", "parts_quantize"}),
+                            frozenset({"mlp_norm", "parts_quantize"})],
                    help="'none' or comma-joined launches to release early: " + ", ".join(RELEASABLE))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda")

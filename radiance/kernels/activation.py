@@ -119,14 +119,15 @@ class PartialSums(NamedTuple):
         return total.to(self.dtype).reshape(*self.lead, self.width)
 
 
-# Launches that let the GEMM after them launch before they wait for the GEMM before them ("norm": the residual-add
-# norms; "parts_quantize" / "moe_parts_quantize": the quantize between gate_up and down, dense / grouped experts),
-# so that it becomes resident and prefetches its weights while that GEMM runs (pdl_handoff's EARLY). In the decode
-# step on the H200 (bench/RESULTS.md, thirty-fourth session, tools/early_release_ab.py): "parts_quantize" saves
-# 20-30 us per 8B step at batch 1 and is neutral at batch 8 / 64 and on the 32B; "norm" is neutral on the 8B and
-# costs the 32B 20-40 us; the grouped one costs gpt-oss-20b 200 us at batch 1 (the early expert GEMM's CTAs hold
-# SM room that the gate_up's later CTAs wait for).
-EARLY_RELEASE_LAUNCHES = ("norm", "parts_quantize", "moe_parts_quantize")
+# Launches that let the GEMM after them launch before they wait for the GEMM before them, so that it becomes resident
+# and prefetches its weights while that GEMM runs (pdl_handoff's EARLY): the residual-add norms before qkv
+# ("attn_norm") and before the MLP ("mlp_norm"; "norm": any other), the quantize between gate_up and down
+# ("parts_quantize"; "moe_parts_quantize" before a grouped expert GEMM). In the decode step on the H200
+# (bench/RESULTS.md, thirty-fourth session, tools/early_release_ab.py): "parts_quantize" saves 20-30 us per 8B step
+# at batch 1 and is neutral at batch 8 / 64 and on the 32B; both layer norms together are neutral on the 8B and
+# cost the 32B 20-40 us (each alone unmeasured); the grouped quantize costs gpt-oss-20b 200 us at batch 1 (the
+# early expert GEMM's CTAs hold SM room that gate_up's later CTAs wait for).
+EARLY_RELEASE_LAUNCHES = ("attn_norm", "mlp_norm", "norm", "parts_quantize", "moe_parts_quantize")
 PDL_EARLY_RELEASE: frozenset[str] = frozenset({"parts_quantize"})
 
 
@@ -144,12 +145,12 @@ def fp8_outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                quantize: bool = False, keep_values: bool = False):
+                quantize: bool = False, keep_values: bool = False, launch: str = "norm"):
     """One kernel for a decoder layer's pre-norm: (y, s) with s = x + residual (x when residual is
     None) and y = weight * rms_norm(s), rounded as the model's RMSNorm does; y is Fp8Activations when
     `quantize`, holding y itself as `values` too with `keep_values`. x may be a GEMM's PartialSums, summed
     as the kernel reads them (the bytes of their total). Triton on CUDA (and under the interpreter); the
-    torch reference elsewhere."""
+    torch reference elsewhere. `launch` names the norm for PDL_EARLY_RELEASE."""
     parts = None
     if isinstance(x, PartialSums):
         if residual is None or not triton_serves(x.parts) or x.width > MAX_ROW or x.parts.shape[1] == 0:
@@ -184,7 +185,7 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
         x2, r2 if r2 is not None else x2, weight.contiguous(), y, s, x_q, x_scale, k, x2.stride(-2),
         r2.stride(0) if r2 is not None else 0, float(eps), x2.stride(0) if parts is not None else 0,
         HAS_RESIDUAL=r2 is not None, QUANT=quantize, PARTS=x2.shape[0] if parts is not None else 0, BLOCK=block,
-        INTERPRETER=not x2.is_cuda, PDL=pdl, KEEP_VALUES=keep_values, EARLY_RELEASE=releases_early("norm", pdl),
+        INTERPRETER=not x2.is_cuda, PDL=pdl, KEEP_VALUES=keep_values, EARLY_RELEASE=releases_early(launch, pdl),
         launch_pdl=pdl, num_warps=warps)
     shape = (*lead, k)
     out = (Fp8Activations(x_q, x_scale, dtype, lead, y.reshape(shape) if keep_values else None) if quantize

@@ -21,9 +21,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-6):
+    def __init__(self, size: int, eps: float = 1e-6, launch: str = "norm"):
         super().__init__()
         self.eps = eps
+        self.launch = launch  # which norm of the layer it is, for activation.PDL_EARLY_RELEASE
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None, fp8: bool = False,
@@ -35,7 +36,8 @@ class RMSNorm(nn.Module):
         if isinstance(x, PartialSums) and not (x.parts.is_cuda and residual is not None):
             x = x.total()  # off the GPU (or with nothing to add) the path of a plain tensor
         if isinstance(x, PartialSums) or (x.is_cuda and x.shape[-1] <= MAX_ROW):
-            y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8, keep_values=keep_values)
+            y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8, keep_values=keep_values,
+                                     launch=self.launch)
             return y if residual is None else (y, summed)
         if residual is not None:
             x = x + residual

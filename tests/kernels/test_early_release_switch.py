@@ -11,7 +11,7 @@ import radiance.kernels.activation as activation
 def test_production_releases_the_dense_quantize_only():
     assert activation.releases_early("parts_quantize", pdl=True)
     assert not activation.releases_early("moe_parts_quantize", pdl=True)
-    assert not activation.releases_early("norm", pdl=True)
+    assert not any(activation.releases_early(norm, pdl=True) for norm in ("attn_norm", "mlp_norm", "norm"))
 
 
 @pytest.mark.parametrize("launch", activation.EARLY_RELEASE_LAUNCHES)
@@ -19,6 +19,20 @@ def test_no_release_without_pdl(launch, monkeypatch):
     monkeypatch.setattr(activation, "PDL_EARLY_RELEASE", frozenset(activation.EARLY_RELEASE_LAUNCHES))
     assert not activation.releases_early(launch, pdl=False)
     assert activation.releases_early(launch, pdl=True)
+
+
+def test_the_layer_norms_are_named_apart():
+    from radiance.layers.rotary import RotaryEmbedding
+    from radiance.models.arch_config import ArchConfig
+    from radiance.models.llama import LlamaDecoderLayer
+
+    cfg = ArchConfig("LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                     num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     rope_scaling=None, max_position_embeddings=128, tie_word_embeddings=False)
+    layer = LlamaDecoderLayer(cfg, RotaryEmbedding(16, 128, 10000.0), 0)
+    assert (layer.input_layernorm.launch, layer.post_attention_layernorm.launch) == ("attn_norm", "mlp_norm")
+    assert all(name in activation.EARLY_RELEASE_LAUNCHES
+               for name in (layer.input_layernorm.launch, layer.post_attention_layernorm.launch))
 
 
 def test_an_unknown_launch_name_is_an_error():
