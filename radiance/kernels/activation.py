@@ -122,12 +122,14 @@ class PartialSums(NamedTuple):
 # Launches that let the GEMM after them launch before they wait for the GEMM before them, so that it becomes resident
 # and prefetches its weights while that GEMM runs (pdl_handoff's EARLY): the residual-add norms before qkv
 # ("attn_norm") and before the MLP ("mlp_norm"; "norm": any other), the quantize between gate_up and down
-# ("parts_quantize"; "moe_parts_quantize" before a grouped expert GEMM). In the decode step on the H200
-# (bench/RESULTS.md, thirty-fourth session, tools/early_release_ab.py): "parts_quantize" saves 20-30 us per 8B step
-# at batch 1 and is neutral at batch 8 / 64 and on the 32B; both layer norms together are neutral on the 8B and
-# cost the 32B 20-40 us (each alone unmeasured); the grouped quantize costs gpt-oss-20b 200 us at batch 1 (the
-# early expert GEMM's CTAs hold SM room that gate_up's later CTAs wait for).
-EARLY_RELEASE_LAUNCHES = ("attn_norm", "mlp_norm", "norm", "parts_quantize", "moe_parts_quantize")
+# ("parts_quantize" in the decode band, "prefill_parts_quantize" above it; "moe_parts_quantize" before a grouped
+# expert GEMM). In the decode step on the H200 (bench/RESULTS.md, thirty-fourth session, tools/early_release_ab.py):
+# "parts_quantize" saves 20-30 us per 8B step at batch 1 and is neutral at batch 8 / 64 and on the 32B; both layer
+# norms together are neutral on the 8B and cost the 32B 20-40 us (each alone unmeasured); the grouped quantize costs
+# gpt-oss-20b 200 us at batch 1 (the early expert GEMM's CTAs hold SM room that gate_up's later CTAs wait for),
+# which a prefill-sized down GEMM (more CTAs than fit at once) risks too (unmeasured).
+EARLY_RELEASE_LAUNCHES = ("attn_norm", "mlp_norm", "norm", "parts_quantize", "prefill_parts_quantize",
+                          "moe_parts_quantize")
 PDL_EARLY_RELEASE: frozenset[str] = frozenset({"parts_quantize"})
 
 
@@ -247,8 +249,8 @@ def quantize_rows_from_parts(y: torch.Tensor, amax_parts: torch.Tensor,
     """quantize_activations(y) for y [M, K] whose row amax the kernel that wrote it left in amax_parts
     (int32 bits [M, P] of |y| maxima over column tiles: w4a8_glu's GEMM): one fully parallel launch,
     M * cdiv(K, CHUNK) programs, none waiting for another. Triton only (CUDA or the interpreter).
-    `launch` names it for PDL_EARLY_RELEASE: "parts_quantize" before a dense GEMM, "moe_parts_quantize"
-    before a grouped one."""
+    `launch` names it for PDL_EARLY_RELEASE: "parts_quantize" / "prefill_parts_quantize" before a dense GEMM in /
+    above the decode band, "moe_parts_quantize" before a grouped one."""
     m, k = y.shape
     x_q, x_scale = fp8_outputs(m, k, y.device)
     if m == 0:

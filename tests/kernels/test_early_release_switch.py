@@ -2,6 +2,8 @@
 gate_up only (bench/RESULTS.md, thirty-fourth session: the same release before an expert GEMM cost gpt-oss-20b
 200 us per step), never without PDL, and a misspelt launch name fails loudly instead of silently never releasing."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -33,6 +35,21 @@ def test_the_layer_norms_are_named_apart():
     assert (layer.input_layernorm.launch, layer.post_attention_layernorm.launch) == ("attn_norm", "mlp_norm")
     assert all(name in activation.EARLY_RELEASE_LAUNCHES
                for name in (layer.input_layernorm.launch, layer.post_attention_layernorm.launch))
+
+
+@pytest.mark.parametrize("m, launch", [(1, "parts_quantize"), (64, "parts_quantize"), (65, "prefill_parts_quantize")])
+def test_the_glu_quantize_is_named_by_the_decode_band(m, launch, monkeypatch):
+    """Only a decode-band down GEMM (a grid that fits the SMs at once) was measured to gain from the release."""
+    from radiance.kernels import w4a8
+
+    seen = []
+    monkeypatch.setattr(w4a8, "glu_epilogue_serves", lambda n, k, device: True)
+    monkeypatch.setattr(w4a8, "_expand_serves", lambda *args: False)
+    monkeypatch.setattr(w4a8, "_launch", lambda x_q, *args, **kwargs: (
+        torch.zeros(x_q.shape[0], 8), None, torch.zeros(x_q.shape[0], 1, dtype=torch.int32)))
+    monkeypatch.setattr(w4a8, "quantize_rows_from_parts", lambda y, amax, launch: seen.append(launch) or (y, amax))
+    w4a8.w4a8_glu(torch.zeros(m, 64), torch.ones(m, 1), SimpleNamespace(shape=(16, 64)), decode_band=64)
+    assert seen == [launch]
 
 
 def test_an_unknown_launch_name_is_an_error():
