@@ -50,6 +50,7 @@ def pdl_prefetch_tiles(n: int, k: int) -> int:
     """K tiles of weights an [n, k] GEMM launched as a programmatic dependent prefetches before its wait."""
     return PDL_PREFETCH_TILES_BY_SHAPE.get((n, k), PDL_PREFETCH_TILES)
 
+
 # decode-band GEMMs captured into a CUDA graph ask for the shared memory that fits at most ceil(CTAs / SMs) of
 # their CTAs per SM (occupancy.ctas_per_sm_at_most): 8B decode -3.6% per step at batch 8, -3.7% at 32 on the H200,
 # batch 1 unchanged (bench/RESULTS.md, thirty-second session). Only in graphs (an eager launch would pay a second
