@@ -54,6 +54,9 @@ def open_checkpoint(path: str | None = None) -> Checkpoint:
             from radiance.checkpoint.hf_reader import HfCheckpoint
             return HfCheckpoint(path)
         ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if not ggufs and glob.glob(os.path.join(path, "*.safetensors")):  # HF weights without their config
+            raise CheckpointError("config.json not found next to the .safetensors files",
+                                  file=os.path.join(path, "config.json"))
         if len(ggufs) == 1:
             path = ggufs[0]
         else:

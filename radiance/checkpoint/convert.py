@@ -13,7 +13,9 @@ from typing import Iterable, Iterator
 import torch
 
 from radiance.checkpoint.base import is_weight
+from radiance.checkpoint.names import partition_modules
 from radiance.checkpoint.report import RequantReport
+from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import (DenseWeight, Fp8Weight, Nvfp4Weight, dequantize, quantize_fp8_per_channel,
                               quantize_nvfp4, to_mxfp4)
 
@@ -53,6 +55,30 @@ def convert_linear(weight, target: str, rule: str = "mse", chunk_rows: int | Non
     return new, rel_rms(dequantize(new), source)
 
 
+def check_patterns(patterns: Iterable[str], option: str = "--ignore") -> None:
+    """Compile each regex once up front: a typo is the user's to fix, not a traceback halfway through a model."""
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"{option}: {pattern!r} is not a regular expression: {exc}") from None
+
+
+def _culprit(name: str, weight) -> str:
+    """The checkpoint tensor behind a conversion that failed on a NaN or inf: the weight of the partition
+    (q/k/v, gate/up) holding the first one; the merged name when there is none to find."""
+    rows = (~torch.isfinite(dequantize(weight))).any(dim=1).nonzero()
+    modules = partition_modules(name)
+    if not len(rows) or len(modules) != len(weight.partition_sizes):
+        return name
+    row = int(rows[0])
+    for module, size in zip(modules, weight.partition_sizes):
+        if row < size:
+            return f"{module}.weight"
+        row -= size
+    return name
+
+
 def selects(patterns: Iterable[str], name: str) -> bool:
     """True when any regex matches the canonical module name (re.search, like the CLI's --ignore)."""
     return any(re.search(p, name) for p in patterns)
@@ -61,11 +87,13 @@ def selects(patterns: Iterable[str], name: str) -> bool:
 def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str = "mse",
                     ignore: tuple[str, ...] = (), quantize_lm_head: bool = False,
                     report: RequantReport | None = None, chunk_rows: int | None = None,
-                    dense_dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, object]]:
+                    dense_dtype: torch.dtype = torch.bfloat16, source: str | None = None
+                    ) -> Iterator[tuple[str, object]]:
     """Stream (name, Weight|tensor) -> the same with linears converted to `target`.
 
     lm_head (unless `quantize_lm_head`) and linears whose name matches an `ignore` regex become 16-bit
-    `DenseWeight`s; plain tensors pass through. Each conversion is added to `report`.
+    `DenseWeight`s; plain tensors pass through. Each conversion is added to `report`. A weight that cannot
+    be converted (a NaN in it) is a CheckpointError naming `source` (the checkpoint's path) and the tensor.
     """
     for name, obj in items:
         if name == "lm_head.weight" and quantize_lm_head:
@@ -82,7 +110,13 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
                 report.keep(name, "dense")
             yield name, obj  # the writer casts it to the 16-bit dtype
             continue
-        new, err = convert_linear(obj, goal, rule, chunk_rows, dense_dtype)
+        try:
+            new, err = convert_linear(obj, goal, rule, chunk_rows, dense_dtype)
+        except CheckpointError:
+            raise
+        except ValueError as exc:  # the codecs know no names: add them
+            raise CheckpointError(f"cannot convert {name} to {goal}: {exc}", file=source,
+                                  tensor=_culprit(name, obj)) from None
         if report is not None:
             if new is obj:
                 report.keep(name, obj.format)

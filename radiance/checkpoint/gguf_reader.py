@@ -129,10 +129,18 @@ class GgufCheckpoint(Checkpoint):
     def _field(self, key: str, default=None):
         return self.file.metadata.get(key, default)
 
+    def _required(self, key: str) -> int:
+        """A size the config cannot do without: a positive integer, or a CheckpointError naming the key."""
+        value = self._field(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            what = "missing" if value is None else f"{value!r}, not a positive integer"
+            raise CheckpointError(f"GGUF metadata {key} is {what}", file=self.file.path)
+        return value
+
     def _synthesize_config(self) -> dict:
         a = self.arch
-        hidden = int(self._field(f"{a}.embedding_length"))
-        heads = int(self._field(f"{a}.attention.head_count"))
+        hidden = self._required(f"{a}.embedding_length")
+        heads = self._required(f"{a}.attention.head_count")
         arch_name, model_type = _ARCHITECTURES[a]
         tokens = self._field("tokenizer.ggml.tokens")
         vocab = self._field(f"{a}.vocab_size") or (len(tokens) if tokens is not None else None)
@@ -140,8 +148,8 @@ class GgufCheckpoint(Checkpoint):
         rope_theta = float(self._field(f"{a}.rope.freq_base", 10000.0))
         return {
             "architectures": [arch_name], "model_type": model_type,
-            "hidden_size": hidden, "intermediate_size": int(self._field(f"{a}.feed_forward_length")),
-            "num_hidden_layers": int(self._field(f"{a}.block_count")),
+            "hidden_size": hidden, "intermediate_size": self._required(f"{a}.feed_forward_length"),
+            "num_hidden_layers": self._required(f"{a}.block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
             "head_dim": int(self._field(f"{a}.attention.key_length", hidden // heads)),

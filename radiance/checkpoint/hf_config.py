@@ -18,6 +18,8 @@ def load_json(path: str, what: str) -> dict:
             data = json.load(handle)
     except FileNotFoundError:
         raise CheckpointError(f"{what} not found", file=path) from None
+    except OSError as exc:  # a directory of that name, no permission, ...
+        raise CheckpointError(f"cannot read {what}: {exc.strerror or exc}", file=path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{what} is not valid JSON: {exc}", file=path) from None
     if not isinstance(data, dict):
@@ -25,14 +27,23 @@ def load_json(path: str, what: str) -> dict:
     return data
 
 
+# sizes the expected shapes are computed from: a string or 0 here would surface as a baffling shape error
+_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "intermediate_size", "moe_intermediate_size")
+
+
 def load_config(model_dir: str) -> dict:
     """Read `config.json` of an HF model directory and check the fields radiance relies on."""
     path = os.path.join(model_dir, "config.json")
     config = load_json(path, "config.json")
-    for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
+    for key in _SIZES:
         value = config.get(key)
-        if value is not None and (not isinstance(value, int) or value <= 0):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise CheckpointError(f"config.json field {key!r} must be a positive integer, got {value!r}", file=path)
+    archs = config.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise CheckpointError(f"config.json field 'architectures' must be a list of class names, got {archs!r}",
+                              file=path)
     return config
 
 
@@ -83,15 +94,17 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
 
 def eos_token_ids(model_dir: str, config: dict) -> list[int]:
     """EOS ids from generation_config.json (it may list several), else from config.json."""
-    ids = None
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.exists(gen_path):
-        ids = load_json(gen_path, "generation_config.json").get("eos_token_id")
+    ids, source = None, os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(source):
+        ids = load_json(source, "generation_config.json").get("eos_token_id")
     if ids is None:
-        ids = config.get("eos_token_id")
+        ids, source = config.get("eos_token_id"), os.path.join(model_dir, "config.json")
     if ids is None:
         return []
-    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+    try:
+        return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+    except (TypeError, ValueError):
+        raise CheckpointError(f"eos_token_id must be a token id or a list of them, got {ids!r}", file=source) from None
 
 
 def chat_template(model_dir: str) -> str | None:

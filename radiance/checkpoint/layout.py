@@ -89,6 +89,16 @@ def _dims(src: TensorSource, name: str, expected: tuple[int, int] | None, k_per_
     return meta.shape[0], meta.shape[1] * k_per_elem
 
 
+def _global_is_a_divisor(module: str, main: str, src: TensorSource) -> bool:
+    """compressed-tensors' `weight_global_scale` (a divisor) rather than ModelOpt's `weight_scale_2`; when neither
+    is stored, the layout of the packed codes says which one is missing."""
+    if f"{module}.weight_global_scale" in src.meta:
+        return True
+    if f"{module}.weight_scale_2" in src.meta:
+        return False
+    return main.endswith(".weight_packed")  # ModelOpt keeps its codes under `weight`
+
+
 def _slots(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None) -> dict[str, _Slot]:
     if fmt == "dense":
         n, k = _dims(src, f"{module}.weight", expected, 1)
@@ -108,7 +118,7 @@ def _slots(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] |
         else:
             slots["scale"] = _Slot(f"{module}.weight_scale", (torch.float8_e4m3fn,), (n, k // group),
                                    "nvfp4 e4m3 block scales")
-            if f"{module}.weight_global_scale" in src.meta or f"{module}.weight_scale_2" not in src.meta:
+            if _global_is_a_divisor(module, main, src):
                 slots["global"] = _Slot(f"{module}.weight_global_scale", FLOAT_DTYPES, None,
                                         "the nvfp4 global scale", (1,))
             else:  # ModelOpt: its reciprocal
@@ -150,6 +160,8 @@ def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, i
     """Read one projection's tensors into a Weight, validating every dtype and shape first."""
     slots = check_linear(module, fmt, src, expected)
     t = {role: src.get(slot.name) for role, slot in slots.items()}
+    if "scale" in slots:
+        check_scales(t["scale"], slots["scale"].what, _file_of(src, slots["scale"].name), slots["scale"].name)
     try:
         if fmt == "dense":
             return DenseWeight(t["w"])
@@ -169,6 +181,22 @@ def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, i
         raise
     except ValueError as exc:  # a container's own check: keep the module in the message
         raise CheckpointError(str(exc), tensor=module) from None
+
+
+def check_scales(scale: torch.Tensor, what: str, file: str | None, tensor: str) -> None:
+    """A NaN or negative scale is a broken checkpoint: say so here, naming it, not later in a codec or kernel
+    that knows no names. Checked on the bytes for the 8-bit kinds (cheap: one scale per 16 or 32 weights)."""
+    if scale.dtype == torch.uint8 or scale.dtype in E8M0_DTYPES:  # e8m0: 0xFF is NaN
+        bad = scale.view(torch.uint8) == 0xFF
+    elif scale.dtype == torch.float8_e4m3fn:  # e4m3fn: S1111111 is NaN, a set sign bit a negative scale
+        raw = scale.view(torch.uint8)
+        bad = ((raw & 0x7F) == 0x7F) | ((raw & 0x80) != 0) & ((raw & 0x7F) != 0)
+    else:
+        bad = ~torch.isfinite(scale) | (scale < 0)
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise CheckpointError(f"{what} hold a NaN, inf or negative value (first at index {where})",
+                              file=file, tensor=tensor)
 
 
 # ---------------------------------------------------------------------- writing

@@ -87,6 +87,10 @@ class SafetensorsIndex:
             raise CheckpointError(f"safetensors index is not valid JSON: {exc}", file=path) from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError("safetensors index has no weight_map", file=path)
+        for name, file in weight_map.items():  # each value is joined to the directory as a file name
+            if not isinstance(file, str) or not file:
+                raise CheckpointError(f"weight_map must map tensors to file names, got {file!r}", file=path,
+                                      tensor=name)
         return weight_map
 
     def _check_index(self) -> None:
@@ -104,8 +108,9 @@ class SafetensorsIndex:
             try:
                 handle = safe_open(path, framework="pt")
             except Exception as exc:  # SafetensorError is not importable under one name across versions
-                raise CheckpointError(f"unreadable safetensors file (truncated or corrupt?): {exc}",
-                                      file=path) from None
+                problem, tensor = _diagnose(path)
+                raise CheckpointError(f"unreadable safetensors file (truncated or corrupt?): {problem or exc}",
+                                      file=path, tensor=tensor) from None
             self._handles[path] = handle
         return handle
 
@@ -126,6 +131,30 @@ class SafetensorsIndex:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _diagnose(path: str) -> tuple[str | None, str | None]:
+    """(what is wrong, the tensor at fault) of a file safetensors refused, from its header; (None, None) when
+    the header itself is unreadable or looks sound (safetensors' own message then stands).
+
+    safetensors says "file not fully covered" or "invalid offset" without naming a tensor, and a truncated
+    download is the usual cause: name the first tensor whose bytes the file does not hold.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                return None, None
+            header = json.loads(handle.read(header_len))
+        data = size - 8 - header_len
+        ends = sorted((int(v["data_offsets"][1]), k) for k, v in header.items() if k != "__metadata__")
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None, None
+    for end, name in ends:
+        if end > data:
+            return f"the header places this tensor's data up to byte {end}, past the {data} bytes held", name
+    return None, None
 
 
 class ShardWriter:

@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from radiance.checkpoint.layout import check_scales
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight, Mxfp4Weight
@@ -111,6 +112,9 @@ def read_stacked_experts(group: StackedExperts, index: SafetensorsIndex) -> Iter
     biases = {proj: index.get(f"{p}.{proj}_bias") for proj in PROJECTIONS}
     if group.format == "mxfp4":
         stored = {proj: (index.get(f"{p}.{proj}_blocks"), index.get(f"{p}.{proj}_scales")) for proj in PROJECTIONS}
+        for proj in PROJECTIONS:
+            name = f"{p}.{proj}_scales"
+            check_scales(stored[proj][1], "mxfp4 e8m0 scales", index.meta[name].file, name)
     else:
         stored = {proj: (index.get(f"{p}.{proj}"), None) for proj in PROJECTIONS}
     for e in range(group.num_experts):

@@ -8,6 +8,7 @@ back into their projections (q/k/v, gate/up), each NVFP4 partition with its own 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from typing import Iterator
 import torch
 
 from radiance.checkpoint.base import Checkpoint, is_weight
-from radiance.checkpoint.convert import convert_weights
+from radiance.checkpoint.convert import check_patterns, convert_weights
 from radiance.checkpoint.layout import plain_tensor, split_partitions, weight_tensors
 from radiance.checkpoint.names import partition_modules
 from radiance.checkpoint.report import RequantReport
@@ -91,15 +92,58 @@ def _copy_side_files(ckpt: Checkpoint, dst: str) -> None:
 
 
 def convert_checkpoint(src, dst: str, config: ConvertConfig = ConvertConfig(), progress: bool = True) -> RequantReport:
-    """Read `src` (path, None = embedded model, or an open Checkpoint), write `config.format` to `dst`."""
+    """Read `src` (path, None = embedded model, or an open Checkpoint), write `config.format` to `dst`.
+
+    On any failure `dst` is left as it was found (absent or empty): a half-written directory would refuse the
+    next attempt, or, with shards but no config.json, pass for a model at a glance.
+    """
     from radiance.checkpoint import open_checkpoint
 
+    check_patterns(config.ignore)
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     dst = os.path.abspath(dst)
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise CheckpointError("destination exists and is not an empty directory; choose a new one", file=dst)
     if os.path.abspath(ckpt.path) == dst:
         raise CheckpointError("destination is the source", file=dst)
+    created = _first_missing(dst)
+    try:
+        return _convert(ckpt, dst, config, progress)
+    except BaseException as exc:  # Ctrl-C included
+        _discard(dst, created)
+        if isinstance(exc, OSError):  # no room, no permission, a file where a directory should be
+            where = str(exc.filename or dst)
+            verb = "write" if where.startswith(created or dst) else "read"
+            raise CheckpointError(f"cannot {verb} while converting: {exc.strerror or exc}", file=where) from None
+        raise
+
+
+def _first_missing(path: str) -> str | None:
+    """The topmost directory of `path` that does not exist yet (what writing it creates); None if it exists."""
+    top = None
+    while path and not os.path.exists(path):
+        top, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return top
+
+
+def _discard(dst: str, created: str | None) -> None:
+    """Undo a failed conversion: remove what it created, or empty the (empty before) destination."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+        return
+    for name in os.listdir(dst) if os.path.isdir(dst) else ():
+        path = os.path.join(dst, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool) -> RequantReport:
     dense_dtype = getattr(torch, config.dense_dtype)
     report = RequantReport(config.format, config.rule if config.format == "mxfp4" else None)
     logger.info("converting %s -> %s (%s%s)", ckpt.path, dst, config.format,
@@ -109,7 +153,7 @@ def convert_checkpoint(src, dst: str, config: ConvertConfig = ConvertConfig(), p
     partition_sizes: dict[str, tuple[int, ...]] = {}
     items = _with_untied_head(ckpt.iter_weights(progress=progress), config.quantize_lm_head, ckpt.tie_word_embeddings)
     for name, obj in convert_weights(items, config.format, config.rule, config.ignore, config.quantize_lm_head,
-                                     report, config.chunk_rows, dense_dtype):
+                                     report, config.chunk_rows, dense_dtype, source=ckpt.path):
         if is_weight(obj):
             modules = partition_modules(name)
             parts = split_partitions(obj)

@@ -119,7 +119,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
         generator = None
-        if params.seed is not None and params.temperature > 0:
+        if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, generator)

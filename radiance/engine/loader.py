@@ -38,27 +38,16 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """The dtype asked for, else bfloat16 on CUDA and on CPUs where it beats float32 (`cpu_prefers_bf16`),
-    float32 elsewhere."""
+    """The dtype asked for, else bfloat16 on CUDA and float32 on a CPU.
+
+    bfloat16 decodes faster on x86 CPUs (the embedded model: 20 against 25 ms per token on an AVX-512-BF16 CPU, 44
+    against 56 on an AVX2-only one; bench/RESULTS.md), but its arithmetic differs between CPUs with native bf16 dot
+    products and those that widen to fp32, enough to change greedy answers: on a Xeon with AVX-512-BF16 the embedded
+    model answered "What is the capital of France?" with "L'Étoile, la Marseillaise," where float32 (and bf16 on an
+    AVX2 EPYC) says Paris (thirty-fifth session). `--dtype bfloat16` keeps the faster path."""
     if dtype is not None:
         return _DTYPES[dtype]
-    if device.type == "cuda" or (device.type == "cpu" and cpu_prefers_bf16()):
-        return torch.bfloat16
-    return torch.float32
-
-
-def cpu_prefers_bf16() -> bool:
-    """Whether bfloat16 runs faster than float32 on this CPU: where oneDNN has native bf16 matmuls
-    (AVX512-BF16, AMX), and on any x86 CPU with AVX2 or AVX-512, where decode is bound by the bytes it
-    reads and widening bf16 to fp32 is one shift. Measured on the embedded model (bench/RESULTS.md): an
-    AVX2-only EPYC decodes 44 ms per token in bf16 against 56 in fp32, an AVX-512-BF16 one 20 against 25.
-    Elsewhere (other ISAs, unknown speed) float32."""
-    try:
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return True
-    except (AttributeError, RuntimeError):
-        pass
-    return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 @dataclass

@@ -6,13 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from radiance.engine.structured_output import StructuredOutput
+from radiance.layers.sampler import GREEDY_BELOW
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16  # None: up to max_model_len
-    temperature: float = 1.0     # 0 = greedy
+    temperature: float = 1.0     # 0 (or below sampler.GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = -1              # -1 (or 0) = off
     min_p: float = 0.0
@@ -64,7 +65,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalizes(self) -> bool:

@@ -16,6 +16,10 @@ import torch
 
 from radiance.kernels.argmax import argmax_rows
 
+# a temperature below this samples greedily: it is greedy in all but name, and far below it (1e-40) logits /
+# temperature overflow float32 to inf and the softmax to NaN (vLLM's _SAMPLING_EPS)
+GREEDY_BELOW = 1e-5
+
 
 class OutputCounts:
     """A sequence's output token counts on the device, kept up to date a few tokens per step (rebuilding
@@ -145,7 +149,8 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Mask (to -inf) what top-k / top-p / min-p exclude; logits already temperature-scaled."""
     device = logits.device
     vocab = logits.shape[-1]
-    top_k = small_tensor_to([r.top_k if r.top_k > 0 else vocab for r in rows], device)
+    # clamped to the vocabulary: a top_k past int64 (2**70 from a client) overflowed the tensor in the engine loop
+    top_k = small_tensor_to([min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows], device)
     top_p = small_tensor_to([r.top_p for r in rows], device)
     min_p = small_tensor_to([r.min_p for r in rows], device)
     if any(r.min_p > 0 for r in rows):
@@ -178,7 +183,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], pending: tor
     logits = adjust_logits(logits, rows, pending)
     greedy_ids = argmax_rows(logits)
     token_ids = greedy_ids
-    random_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
+    random_rows = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]
     if random_rows:
         idx = small_tensor_to(random_rows, logits.device)
         sub_rows = [rows[i] for i in random_rows]

@@ -23,7 +23,7 @@ from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       TokenizeRequest, model_card)
 from radiance.server.protocol_responses import ResponsesRequest
 from radiance.server.serving_chat import create_chat_completion, render_prompt
-from radiance.server.serving_common import check_token_ids
+from radiance.server.serving_common import check_token_ids, check_unicode
 from radiance.server.serving_completions import create_completion
 from radiance.server.serving_responses import create_response, stored_response
 from radiance.server.state import ServerState
@@ -150,8 +150,10 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
         if body.messages is not None:  # rendered exactly as /v1/chat/completions would render it
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
             text = render_prompt(state, chat, use_tools=False)
+            check_unicode(text, "messages")
             tokens = state.tokenizer.encode(text, add_special_tokens=False)
         else:
+            check_unicode(body.prompt, "prompt")
             tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 

@@ -83,7 +83,7 @@ def param_from_loc(loc: tuple) -> str | None:
     return out or None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, content_type: str | None = None) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -91,6 +91,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     kind = first.get("type", "")
     if kind == "json_invalid":
         return "the request body is not valid JSON", None
+    if kind == "missing" and len(first.get("loc", ())) <= 1:
+        return "the request body is empty: send a JSON object", None
+    if isinstance(first.get("input"), (bytes, bytearray)):  # FastAPI parses JSON only when the header says so
+        return ("the request body must be JSON sent with Content-Type: application/json "
+                f"(got {content_type or 'none'})"), None
     if kind in ("model_attributes_type", "dict_type", "model_type") and len(first.get("loc", ())) <= 1:
         return "the request body must be a JSON object", None
     param = param_from_loc(tuple(first.get("loc", ())))
@@ -117,8 +122,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc, request.headers.get("content-type"))
         return error_response(OpenAIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

@@ -21,6 +21,17 @@ _STRICT = ConfigDict(extra="ignore", strict=True)
 class _Model(BaseModel):
     model_config = _STRICT
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's API documents its optional fields as nullable ("n": null means n = 1) and some clients
+        send the nulls: a null where the default is not None gives the default. A required field stays required."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].default is None or fields[key].is_required()}
+
 
 class StreamOptions(_Model):
     include_usage: bool = False
@@ -130,7 +141,7 @@ class _SamplingFields(_Model):
     n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**63)  # the sampler holds it in an int64 tensor
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # the range torch generators accept
     stop: str | list[str] | None = None
@@ -159,7 +170,7 @@ class _SamplingFields(_Model):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         for token, bias in (self.logit_bias or {}).items():
-            if not token.strip().isdigit():
+            if not token.strip().isdecimal():  # isdigit() takes "²", which int() refuses
                 raise ValueError(f"logit_bias keys are token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")

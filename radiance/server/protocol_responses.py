@@ -79,7 +79,7 @@ class ResponsesRequest(_Model):
     chat_template_kwargs: dict[str, Any] | None = None  # as on chat (e.g. enable_thinking for Qwen3)
     background: bool = False
     # sampling fields the chat route takes beyond OpenAI's (vLLM accepts them on /v1/responses too)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**63)  # the sampler holds it in an int64 tensor
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None

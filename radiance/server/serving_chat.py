@@ -256,7 +256,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
         constraint = req.structured_output()
     prompt_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
-                                    "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+                                    "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                                    "messages")
     opens_thinking = prompt_opens_thinking(prompt)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix) for i in range(req.n)]
     jobs = [EngineJob(f"{request_id}-{i}", prompt_ids,

@@ -69,18 +69,31 @@ def encode_prompt(state: ServerState, text: str, param: str, **encode_kw: Any) -
         raise invalid(f"This model's maximum context length is {limit} tokens, but the prompt has {chars} "
                       f"characters: more than {chars // state.max_token_chars} tokens.", param=param,
                       code="context_length_exceeded")
+    check_unicode(text, param)
     return state.tokenizer.encode(text, **encode_kw)
 
 
-def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, param: str) -> int:
-    """Output budget; prompt + max_tokens must fit the context, and the message gives both numbers."""
+def check_unicode(text: str, param: str) -> None:
+    """A lone UTF-16 surrogate (JSON's "\\ud800") parses into a Python str but is no Unicode text: tokenizers
+    raise on it (TypeError, UnicodeEncodeError), which was a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(f"{param} holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}), which is not "
+                      "valid Unicode text", param=param) from None
+
+
+def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, param: str,
+                       prompt_param: str) -> int:
+    """Output budget; prompt + max_tokens must fit the context, and the message gives both numbers. `param`
+    names the request's output limit, `prompt_param` its prompt (messages, prompt, prompt[i])."""
     limit = state.max_model_len
     if prompt_len == 0:
-        raise invalid("the prompt is empty", param="prompt" if param == "max_tokens" else "messages")
+        raise invalid("the prompt is empty", param=prompt_param)
     if prompt_len >= limit:
         raise invalid(f"This model's maximum context length is {limit} tokens, but the prompt has "
                       f"{prompt_len} tokens, which leaves no room for output.",
-                      param="messages" if param != "max_tokens" else "prompt", code="context_length_exceeded")
+                      param=prompt_param, code="context_length_exceeded")
     if requested is None:
         return limit - prompt_len
     if prompt_len + requested > limit:

@@ -95,7 +95,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     request_id = new_id("cmpl")
     jobs, choices = [], []
     for p, (text, ids) in enumerate(prompts):
-        max_tokens = resolve_max_tokens(state, len(ids), req.output_limit(), "max_tokens")
+        max_tokens = resolve_max_tokens(state, len(ids), req.output_limit(), "max_tokens",
+                                        "prompt" if len(prompts) == 1 else f"prompt[{p}]")
         for i in range(req.n):
             index = p * req.n + i
             jobs.append(EngineJob(f"{request_id}-{index}", ids, sampling_params(req, max_tokens, i, req.structured_output())))

@@ -84,6 +84,24 @@ def test_sampler_filters():
     assert set(many) <= best3 and len(set(many)) == 3
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-300])
+def test_a_temperature_too_small_for_float32_samples_greedily(temperature):
+    """logits / 1e-40 overflow float32 to inf and the softmax to NaN: the embedded model answered token 0 over and
+    over through the server. Below sampler.GREEDY_BELOW a row takes the argmax."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50) * 30  # wide logits: inf - inf is what made NaN
+    assert sample(logits, [SamplingRow(temperature)] * 64).token_ids == logits.argmax(-1).tolist()
+    assert SamplingParams(temperature=temperature).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
+def test_a_top_k_past_int64_is_the_whole_vocabulary():
+    """A client's top_k of 2**70 overflowed the sampler's int64 tensor inside the engine loop, which stopped the
+    engine for every later request."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    ids = torch.tensor(sample(probs.log().repeat(4000, 1), [SamplingRow(1.0, top_k=2**70)] * 4000).token_ids)
+    assert torch.allclose(torch.bincount(ids, minlength=4).float() / 4000, probs, atol=0.03)
+
+
 def test_sampler_matches_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().repeat(4000, 1)

@@ -39,6 +39,8 @@ MALFORMED = [
     ("top_p zero", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("min_p above one", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "min_p": 2}, 400, "min_p"),
     ("top_k below -1", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "top_k": -5}, 400, "top_k"),
+    ("top_k beyond int64", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": MSG, "top_k": 2**70},
+     400, "top_k"),  # the sampler's int64 tensor overflowed in the engine loop, which stopped serving
     ("n zero", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": MSG, "n": 0}, 400, "n"),
     ("n too many", "POST", "/v1/chat/completions", {"model": "MODEL", "messages": MSG, "n": 1000}, 400, "n"),
     ("logprobs over 20", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
@@ -53,6 +55,13 @@ MALFORMED = [
     ("token id out of vocabulary", "POST", "/v1/completions", {"model": "MODEL", "prompt": [1, 2, 10_000_000]},
      400, "prompt"),
     ("negative token id", "POST", "/v1/completions", {"model": "MODEL", "prompt": [[1, 2], [-1]]}, 400, "prompt[1]"),
+    ("chat prompt over the context", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": [{"role": "user", "content": "hello " * 600}]}, 400, "messages"),
+    ("lone surrogate in a message", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages"),
+    ("lone surrogate in a prompt", "POST", "/v1/completions", {"model": "MODEL", "prompt": ["ok", "\udc00"]},
+     400, "prompt[1]"),
+    ("lone surrogate to tokenize", "POST", "/tokenize", {"prompt": "\ud83d"}, 400, "prompt"),
     ("stream_options without stream", "POST", "/v1/chat/completions",
      {"model": "MODEL", "messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("unknown tool_choice name", "POST", "/v1/chat/completions",
@@ -65,6 +74,8 @@ MALFORMED = [
      {"model": "MODEL", "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     ("logit_bias key not a token id", "POST", "/v1/chat/completions",
      {"model": "MODEL", "messages": MSG, "logit_bias": {"hello": 5}}, 400, "logit_bias"),
+    ("logit_bias key a superscript digit", "POST", "/v1/completions",
+     {"model": "MODEL", "prompt": "x", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # isdigit() but not int()
     ("logit_bias value over 100", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "logit_bias": {"5": 150}},
      400, "logit_bias"),
     ("logit_bias token out of vocabulary", "POST", "/v1/completions",
@@ -120,6 +131,8 @@ MALFORMED = [
      400, "max_output_tokens"),
     ("responses max_output_tokens too large", "POST", "/v1/responses",
      {"model": "MODEL", "input": "x", "max_output_tokens": "BIG"}, 400, "max_output_tokens"),
+    ("responses input over the context", "POST", "/v1/responses", {"model": "MODEL", "input": "hello " * 600},
+     400, "input"),
     ("responses unknown stored id", "GET", "/v1/responses/resp_nope", None, 404, None),
 ]
 

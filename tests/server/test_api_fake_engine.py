@@ -550,3 +550,37 @@ def test_tokens_sent_counts_the_text_that_went_out():
     # two tokens of one emoji decode alone to U+FFFD each and count nothing, so they never hold back the rest
     assert token_chars("\ufffd") == 0 and token_chars(" \ufffd") == 1
     assert tokens_sent(["a", "\ufffd", "\ufffd", "b"], before=0, sent=len("a\N{GRINNING FACE}b")) == 4
+
+
+def test_an_empty_body_or_a_body_not_sent_as_json_gets_a_message_that_says_so(server):
+    """An empty body was answered "Field required", and JSON sent as text/plain, as a form (curl -d) or with no
+    Content-Type (requests.post(data=...)) "the request body must be a JSON object", which it is."""
+    r = http(server, "POST", "/v1/chat/completions", b"")
+    check_error_shape(r, 400, None)
+    assert "empty" in r.json()["error"]["message"]
+    body = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "SAY:x"}]}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Authorization": f"Bearer {KEY}"} | ({"Content-Type": content_type} if content_type else {})
+        r = httpx.post(server[0] + "/v1/chat/completions", content=body, headers=headers, timeout=30)
+        check_error_shape(r, 400, None)
+        message = r.json()["error"]["message"]
+        assert "Content-Type: application/json" in message and str(content_type or "none") in message, message
+
+
+def test_null_optional_fields_take_their_defaults(client, server):
+    """OpenAI's API documents these fields as nullable ("n": null is n = 1); a client that sends the null
+    was refused with a 400."""
+    nulls = dict.fromkeys(("n", "stream", "logprobs", "ignore_eos", "skip_special_tokens", "parallel_tool_calls",
+                           "add_generation_prompt", "continue_final_message"))
+    r = http(server, "POST", "/v1/chat/completions",
+             {"model": "fake", "messages": [{"role": "user", "content": "SAY:nulls"}], **nulls})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "nulls" and len(r.json()["choices"]) == 1
+    r = http(server, "POST", "/v1/completions", {"model": "fake", "prompt": "SAY:nulls", "n": None, "stream": None,
+                                                 "echo": None, "logprobs": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "nulls"
+    r = http(server, "POST", "/v1/responses", {"model": "fake", "input": "SAY:nulls", "stream": None, "store": None})
+    assert r.status_code == 200, r.text
+    r = http(server, "POST", "/v1/chat/completions", {"model": "fake", "messages": [{"role": None, "content": "x"}]})
+    check_error_shape(r, 400, "messages[0].role")  # a required field stays required

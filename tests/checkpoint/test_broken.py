@@ -1,0 +1,312 @@
+"""More broken checkpoints and options: each is one CheckpointError / ConfigError naming the file and the
+tensor (or key) at fault, the CLI prints one line, and a failed `convert` leaves nothing behind."""
+
+import json
+import os
+import struct
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from radiance.checkpoint import convert_checkpoint, open_checkpoint
+from radiance.cli import main
+from radiance.config import ConvertConfig
+from radiance.errors import CheckpointError
+from radiance.formats import quantize_mxfp4
+from tests.checkpoint.factory import (CT_NVFP4_CONFIG, TINY, ct_nvfp4_tensors, dense_state_dict, linear_modules,
+                                      write_dir)
+
+K = "model.layers.1.self_attn.k_proj"
+DOWN = "model.layers.0.mlp.down_proj"
+MXFP4_CONFIG = dict(CT_NVFP4_CONFIG, format="mxfp4-pack-quantized", config_groups={"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32,
+                                       "strategy": "group", "dynamic": False},
+    "input_activations": None, "output_activations": None}})
+FP8_CONFIG = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}}}}
+
+
+def _read_all(path):
+    for _ in open_checkpoint(path).iter_weights(progress=False):
+        pass
+
+
+def _one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"radiance {command}: error:"), err
+    return err[0]
+
+
+def _with_nan(tensors, name, row=3):
+    w = tensors[name].clone()
+    w[row, 0] = float("nan")
+    tensors[name] = w
+
+
+# ---------------------------------------------------------------- safetensors headers
+
+
+def _rewrite_header(file, edit):
+    with open(file, "rb") as handle:
+        raw = handle.read()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as handle:
+        handle.write(struct.pack("<Q", len(text)) + text + raw[8 + size:])
+
+
+def test_a_truncated_safetensors_file_names_the_first_tensor_past_its_end(tmp_path):
+    path = write_dir(str(tmp_path), dense_state_dict(), TINY)
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "rb") as handle:
+        size = struct.unpack("<Q", handle.read(8))[0]
+        header = json.loads(handle.read(size))
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    os.truncate(file, os.path.getsize(file) - 100)
+    with pytest.raises(CheckpointError, match="truncated") as info:
+        _read_all(path)
+    assert info.value.file == file and info.value.tensor == last
+
+
+def test_a_header_that_lies_about_offsets_names_the_tensor(tmp_path):
+    path = write_dir(str(tmp_path), dense_state_dict(), TINY)
+    file = os.path.join(path, "model.safetensors")
+
+    def stretch(header):
+        start, end = header[f"{DOWN}.weight"]["data_offsets"]
+        header[f"{DOWN}.weight"]["data_offsets"] = [start, end + 10**6]
+    _rewrite_header(file, stretch)
+    with pytest.raises(CheckpointError) as info:
+        _read_all(path)
+    assert info.value.file == file and info.value.tensor == f"{DOWN}.weight"
+
+
+def test_an_index_with_non_string_files_is_a_checkpoint_error(tmp_path):
+    path = write_dir(str(tmp_path), dense_state_dict(), TINY)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as handle:
+        json.dump({"weight_map": {"lm_head.weight": 3}}, handle)
+    with pytest.raises(CheckpointError, match="weight_map") as info:
+        _read_all(path)
+    assert info.value.file.endswith("model.safetensors.index.json") and info.value.tensor == "lm_head.weight"
+
+
+# ---------------------------------------------------------------- config.json and friends
+
+
+def test_safetensors_without_config_json_say_config_json_is_missing(tmp_path):
+    path = write_dir(str(tmp_path), dense_state_dict(), TINY)
+    os.remove(os.path.join(path, "config.json"))
+    with pytest.raises(CheckpointError, match="config.json not found") as info:
+        open_checkpoint(path)
+    assert info.value.file == os.path.join(path, "config.json")
+
+
+def test_an_unreadable_config_json_is_a_checkpoint_error(tmp_path):
+    path = write_dir(str(tmp_path), dense_state_dict(), TINY)
+    os.remove(os.path.join(path, "config.json"))
+    os.mkdir(os.path.join(path, "config.json"))
+    with pytest.raises(CheckpointError, match="cannot read config.json") as info:
+        open_checkpoint(path)
+    assert info.value.file == os.path.join(path, "config.json")
+
+
+@pytest.mark.parametrize("key, value", [("num_attention_heads", "4"), ("num_key_value_heads", 0),
+                                        ("intermediate_size", -96), ("head_dim", 16.5)])
+def test_config_sizes_must_be_positive_integers(tmp_path, key, value):
+    path = write_dir(str(tmp_path), dense_state_dict(), dict(TINY, **{key: value}))
+    with pytest.raises(CheckpointError, match=f"'{key}' must be a positive integer") as info:
+        open_checkpoint(path)
+    assert info.value.file.endswith("config.json")
+
+
+def test_config_architectures_must_be_a_list(tmp_path):
+    path = write_dir(str(tmp_path), dense_state_dict(), dict(TINY, architectures="LlamaForCausalLM"))
+    with pytest.raises(CheckpointError, match="'architectures' must be a list") as info:
+        open_checkpoint(path)
+    assert info.value.file.endswith("config.json")
+
+
+@pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
+def test_a_non_integer_eos_token_id_names_its_file(tmp_path, where):
+    path = write_dir(str(tmp_path), dense_state_dict(), TINY)
+    if where == "config.json":
+        path = write_dir(str(tmp_path), dense_state_dict(), dict(TINY, eos_token_id="abc"))
+    else:
+        with open(os.path.join(path, where), "w") as handle:
+            json.dump({"eos_token_id": [2, "abc"]}, handle)
+    with pytest.raises(CheckpointError, match="eos_token_id") as info:
+        open_checkpoint(path).eos_token_ids
+    assert info.value.file == os.path.join(path, where)
+
+
+# ---------------------------------------------------------------- scales
+
+
+def _mxfp4_tensors():
+    out = dense_state_dict()
+    for m in linear_modules():
+        out[f"{m}.weight_packed"], out[f"{m}.weight_scale"] = quantize_mxfp4(out.pop(f"{m}.weight").float())[:2]
+    return out
+
+
+def _fp8_tensors():
+    out = dense_state_dict()
+    for m in linear_modules():
+        w = out.pop(f"{m}.weight").float()
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        out[f"{m}.weight"], out[f"{m}.weight_scale"] = (w / scale).to(torch.float8_e4m3fn), scale
+    return out
+
+
+def _nan_nvfp4_block_scale(t):
+    scale = t[f"{K}.weight_scale"].view(torch.uint8).clone()
+    scale[0, 0] = 0x7F  # the e4m3fn NaN
+    t[f"{K}.weight_scale"] = scale.view(torch.float8_e4m3fn)
+
+
+def _nan_mxfp4_scale(t):
+    t[f"{K}.weight_scale"] = t[f"{K}.weight_scale"].clone()
+    t[f"{K}.weight_scale"][0, 0] = 0xFF  # the e8m0 NaN
+
+
+def _nan_fp8_scale(t):
+    _with_nan(t, f"{K}.weight_scale")
+
+
+def _negative_fp8_scale(t):
+    t[f"{K}.weight_scale"] = -t[f"{K}.weight_scale"]
+
+
+@pytest.mark.parametrize("tensors, qc, corrupt", [
+    (lambda: ct_nvfp4_tensors(dense_state_dict(), linear_modules()), CT_NVFP4_CONFIG, _nan_nvfp4_block_scale),
+    (_mxfp4_tensors, MXFP4_CONFIG, _nan_mxfp4_scale),
+    (_fp8_tensors, FP8_CONFIG, _nan_fp8_scale),
+    (_fp8_tensors, FP8_CONFIG, _negative_fp8_scale),
+], ids=["nvfp4-nan-block-scale", "mxfp4-scale-0xff", "fp8-nan-scale", "fp8-negative-scale"])
+def test_a_bad_scale_is_named_when_read(tmp_path, tensors, qc, corrupt):
+    sd = tensors()
+    corrupt(sd)
+    path = write_dir(str(tmp_path), sd, TINY, qc)
+    with pytest.raises(CheckpointError, match="scale") as info:
+        _read_all(path)
+    assert info.value.tensor == f"{K}.weight_scale" and info.value.file.endswith("model.safetensors")
+
+
+def test_a_nan_scale_of_stacked_experts_is_named_when_read(tmp_path):
+    """gpt-oss keeps all experts of a layer in `*_blocks` / `*_scales` tensors."""
+    from safetensors.torch import save_file
+
+    from radiance.checkpoint.safetensors_io import SafetensorsIndex
+    from radiance.checkpoint.stacked_experts import find_stacked_experts, read_stacked_experts
+
+    experts, hidden, inter, p = 2, 64, 32, "model.layers.0.mlp.experts"
+    tensors = {}
+    for proj, (n, k) in {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}.items():
+        tensors[f"{p}.{proj}_blocks"] = torch.zeros(experts, n, k // 32, 16, dtype=torch.uint8)
+        tensors[f"{p}.{proj}_scales"] = torch.full((experts, n, k // 32), 127, dtype=torch.uint8)
+        tensors[f"{p}.{proj}_bias"] = torch.zeros(experts, n)
+    tensors[f"{p}.down_proj_scales"][1, 5, 0] = 0xFF
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    index = SafetensorsIndex(str(tmp_path))
+    groups = find_stacked_experts(index, {"hidden_size": hidden, "intermediate_size": inter, "num_local_experts": 2})
+    with pytest.raises(CheckpointError, match="scales") as info:
+        list(read_stacked_experts(groups[p], index))
+    assert info.value.tensor == f"{p}.down_proj_scales" and info.value.file.endswith("model.safetensors")
+
+
+def test_a_modelopt_checkpoint_missing_its_second_scale_names_weight_scale_2(tmp_path):
+    sd = ct_nvfp4_tensors(dense_state_dict(), linear_modules())
+    for m in linear_modules():
+        sd[f"{m}.weight"] = sd.pop(f"{m}.weight_packed")
+        sd[f"{m}.weight_scale_2"] = (1.0 / sd.pop(f"{m}.weight_global_scale")).reshape(())
+    del sd[f"{K}.weight_scale_2"]
+    path = write_dir(str(tmp_path), sd, TINY, {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                              "exclude_modules": ["lm_head"]})
+    with pytest.raises(CheckpointError, match="missing") as info:
+        open_checkpoint(path)
+    assert info.value.tensor == f"{K}.weight_scale_2"
+
+
+# ---------------------------------------------------------------- GGUF metadata
+
+
+def _gguf_without(tmp_path, missing: str) -> str:
+    path = str(tmp_path / "model.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    fields = {"block_count": 1, "embedding_length": 64, "feed_forward_length": 128, "head_count": 4}
+    for name, value in fields.items():
+        if name != missing:
+            getattr(writer, f"add_{name}")(value)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("missing", ["embedding_length", "head_count", "block_count", "feed_forward_length"])
+def test_a_gguf_missing_required_metadata_names_the_key(tmp_path, missing):
+    path = _gguf_without(tmp_path, missing)
+    key = f"llama.{missing.replace('head_count', 'attention.head_count')}"
+    with pytest.raises(CheckpointError, match=key.replace(".", r"\.")) as info:
+        open_checkpoint(path)
+    assert info.value.file == path
+
+
+# ---------------------------------------------------------------- convert
+
+
+def test_a_nan_weight_is_named_by_convert(tmp_path):
+    sd = dense_state_dict()
+    _with_nan(sd, f"{K}.weight")  # inside the merged qkv_proj: the message names k_proj, not qkv_proj
+    path = write_dir(str(tmp_path / "src"), sd, TINY)
+    with pytest.raises(CheckpointError, match="NaN") as info:
+        convert_checkpoint(path, str(tmp_path / "out"), ConvertConfig(format="mxfp4"), progress=False)
+    assert info.value.tensor == f"{K}.weight" and info.value.file == path
+
+
+@pytest.mark.parametrize("dst_exists", [False, True])
+def test_a_failed_convert_leaves_nothing_behind(tmp_path, dst_exists):
+    sd = dense_state_dict()
+    _with_nan(sd, "model.layers.1.mlp.down_proj.weight")  # late in the stream: earlier shards are written
+    path = write_dir(str(tmp_path / "src"), sd, TINY, tokenizer=True)
+    dst = tmp_path / "out"
+    if dst_exists:
+        dst.mkdir()
+    config = ConvertConfig(format="mxfp4", max_shard_bytes=4096)
+    with pytest.raises(CheckpointError):
+        convert_checkpoint(path, str(dst), config, progress=False)
+    assert (dst.exists() and os.listdir(dst) == []) if dst_exists else not dst.exists()
+    # and the same destination takes a second attempt
+    with pytest.raises(CheckpointError, match="NaN"):
+        convert_checkpoint(path, str(dst), config, progress=False)
+
+
+def test_convert_rejects_a_bad_ignore_regex_before_writing(tmp_path, capsys):
+    path = write_dir(str(tmp_path / "src"), dense_state_dict(), TINY)
+    assert main(["convert", path, str(tmp_path / "out"), "--ignore", "(", "--no-progress"]) == 2
+    assert "--ignore" in _one_error_line(capsys, "convert")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_into_a_path_below_a_file_is_one_line(tmp_path, capsys):
+    path = write_dir(str(tmp_path / "src"), dense_state_dict(), TINY)
+    (tmp_path / "file").write_text("x")
+    assert main(["convert", path, str(tmp_path / "file" / "out"), "--no-progress"]) == 2
+    assert str(tmp_path / "file") in _one_error_line(capsys, "convert")
+
+
+def test_a_bad_regex_option_of_any_command_is_one_line(tmp_path, capsys):
+    """--ignore of generate / serve goes to the engine's config; the CLI still prints one line."""
+    path = write_dir(str(tmp_path), dense_state_dict(), TINY, tokenizer=True)
+    args = ["generate", "w5", "--model", path, "--ignore", "(", "--quantization", "mxfp4", "--max-tokens", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err  # the load's progress bar comes first
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("radiance generate: error: '('")
