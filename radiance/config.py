@@ -31,6 +31,15 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _check_regexes(patterns: tuple[str, ...], name: str) -> None:
+    """Each pattern compiles: a typo is the user's to fix before a model loads, not a traceback halfway through."""
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{name}: {pattern!r} is not a regular expression: {exc}") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and how to quantize it."""
@@ -38,7 +47,7 @@ class ModelConfig:
     model: str | None = None  # path to an HF directory / GGUF file; None = embedded SmolLM2
     quantization: str = "auto"  # auto: as the checkpoint says (NVFP4/FP8 requantized to MXFP4); mxfp4: also quantize 16-bit linears; nvfp4: quantize 16-bit linears to NVFP4, then serve per --rule; none: dequantize everything to 16 bit
     rule: str = "mse"  # block-exponent rule for any conversion to MXFP4 (mse, noclip, ocp; none = serve NVFP4 dequantized)
-    dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA and on x86 CPUs with AVX2 / AVX-512, else float32
+    dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on a CPU (bfloat16 is ~20% faster there but its greedy answers differ between CPUs)
     device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped by KV)
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
@@ -52,6 +61,7 @@ class ModelConfig:
         _check(self.rule != "none" or self.quantization == "nvfp4", "rule 'none' only applies to quantization 'nvfp4'")
         _check(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        _check_regexes(self.ignore, "ignore")
         _check(not self.quantize_lm_head or self.quantization in ("mxfp4", "nvfp4"),
                "quantize_lm_head needs quantization mxfp4 or nvfp4 (it quantizes a 16-bit head at load)")
         _check(self.lm_head_format in LM_HEAD_FORMATS,
@@ -273,6 +283,7 @@ class ConvertConfig:
         _check(self.dense_dtype in ("bfloat16", "float16"), "dense_dtype must be bfloat16 or float16")
         _check(self.max_shard_bytes > 0, "max_shard_bytes must be positive")
         _check(self.chunk_rows is None or self.chunk_rows > 0, "chunk_rows must be positive")
+        _check_regexes(self.ignore, "ignore")
 
 
 # ---------------------------------------------------------------- argparse glue

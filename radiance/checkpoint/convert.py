@@ -15,7 +15,7 @@ import torch
 from radiance.checkpoint.base import is_weight
 from radiance.checkpoint.names import partition_modules
 from radiance.checkpoint.report import RequantReport
-from radiance.errors import CheckpointError, ConfigError
+from radiance.errors import CheckpointError
 from radiance.formats import (DenseWeight, Fp8Weight, Nvfp4Weight, dequantize, quantize_fp8_per_channel,
                               quantize_nvfp4, to_mxfp4)
 
@@ -55,16 +55,7 @@ def convert_linear(weight, target: str, rule: str = "mse", chunk_rows: int | Non
     return new, rel_rms(dequantize(new), source)
 
 
-def check_patterns(patterns: Iterable[str], option: str = "--ignore") -> None:
-    """Compile each regex once up front: a typo is the user's to fix, not a traceback halfway through a model."""
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ConfigError(f"{option}: {pattern!r} is not a regular expression: {exc}") from None
-
-
-def _culprit(name: str, weight) -> str:
+def culprit_tensor(name: str, weight) -> str:
     """The checkpoint tensor behind a conversion that failed on a NaN or inf: the weight of the partition
     (q/k/v, gate/up) holding the first one; the merged name when there is none to find."""
     rows = (~torch.isfinite(dequantize(weight))).any(dim=1).nonzero()
@@ -116,7 +107,7 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
             raise
         except ValueError as exc:  # the codecs know no names: add them
             raise CheckpointError(f"cannot convert {name} to {goal}: {exc}", file=source,
-                                  tensor=_culprit(name, obj)) from None
+                                  tensor=culprit_tensor(name, obj)) from None
         if report is not None:
             if new is obj:
                 report.keep(name, obj.format)

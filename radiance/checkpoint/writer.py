@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 
 from radiance.checkpoint.base import Checkpoint, is_weight
-from radiance.checkpoint.convert import check_patterns, convert_weights
+from radiance.checkpoint.convert import convert_weights
 from radiance.checkpoint.layout import plain_tensor, split_partitions, weight_tensors
 from radiance.checkpoint.names import partition_modules
 from radiance.checkpoint.report import RequantReport
@@ -99,7 +99,6 @@ def convert_checkpoint(src, dst: str, config: ConvertConfig = ConvertConfig(), p
     """
     from radiance.checkpoint import open_checkpoint
 
-    check_patterns(config.ignore)
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     dst = os.path.abspath(dst)
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):

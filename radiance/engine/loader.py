@@ -40,11 +40,12 @@ def resolve_device(device: str | None) -> torch.device:
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     """The dtype asked for, else bfloat16 on CUDA and float32 on a CPU.
 
-    bfloat16 decodes faster on x86 CPUs (the embedded model: 20 against 25 ms per token on an AVX-512-BF16 CPU, 44
-    against 56 on an AVX2-only one; bench/RESULTS.md), but its arithmetic differs between CPUs with native bf16 dot
-    products and those that widen to fp32, enough to change greedy answers: on a Xeon with AVX-512-BF16 the embedded
-    model answered "What is the capital of France?" with "L'Étoile, la Marseillaise," where float32 (and bf16 on an
-    AVX2 EPYC) says Paris (thirty-fifth session). `--dtype bfloat16` keeps the faster path."""
+    bfloat16 decoded faster on some x86 CPUs (the embedded model: 20 against 25 ms per token on an AVX-512-BF16 CPU,
+    44 against 56 on an AVX2-only one; 25.8 either way on a Xeon with AVX-512-BF16; bench/RESULTS.md), but its
+    arithmetic differs between CPUs with native bf16 dot products and those that widen to fp32, enough to change
+    greedy answers: on a Xeon with AVX-512-BF16 the embedded model answered "What is the capital of France?" with
+    "L'Étoile, la Marseillaise," where float32 (and bf16 on an AVX2 EPYC) says Paris (thirty-fifth session).
+    `--dtype bfloat16` keeps the bf16 path."""
     if dtype is not None:
         return _DTYPES[dtype]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -229,8 +230,13 @@ def _install_linear(model, name, weight, model_config, kernel_config, dtype, dev
     if tuple(weight.shape) != expected:
         raise CheckpointError(f"linear shape {tuple(weight.shape)} does not match the model's {expected}",
                               file=getattr(checkpoint, "path", None), tensor=name)
+    from radiance.checkpoint.convert import culprit_tensor
     from radiance.formats import weight_to
-    module, how, err = build(weight_to(weight, device), model_config, kernel_config, dtype)
+    try:
+        module, how, err = build(weight_to(weight, device), model_config, kernel_config, dtype)
+    except ValueError as exc:  # the codecs know no names (a NaN weight quantized at load): add them
+        raise CheckpointError(f"cannot load {name}: {exc}", file=getattr(checkpoint, "path", None),
+                              tensor=culprit_tensor(name, weight)) from None
     setattr(parent, leaf, module.to(device))
     return module, how, err
 

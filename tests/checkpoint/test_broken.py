@@ -292,7 +292,7 @@ def test_a_failed_convert_leaves_nothing_behind(tmp_path, dst_exists):
 def test_convert_rejects_a_bad_ignore_regex_before_writing(tmp_path, capsys):
     path = write_dir(str(tmp_path / "src"), dense_state_dict(), TINY)
     assert main(["convert", path, str(tmp_path / "out"), "--ignore", "(", "--no-progress"]) == 2
-    assert "--ignore" in _one_error_line(capsys, "convert")
+    assert "ignore: '(' is not a regular expression" in _one_error_line(capsys, "convert")
     assert not (tmp_path / "out").exists()
 
 
@@ -304,9 +304,23 @@ def test_convert_into_a_path_below_a_file_is_one_line(tmp_path, capsys):
 
 
 def test_a_bad_regex_option_of_any_command_is_one_line(tmp_path, capsys):
-    """--ignore of generate / serve goes to the engine's config; the CLI still prints one line."""
+    """--ignore of generate / serve is checked where the engine's config is built, before the model loads."""
     path = write_dir(str(tmp_path), dense_state_dict(), TINY, tokenizer=True)
     args = ["generate", "w5", "--model", path, "--ignore", "(", "--quantization", "mxfp4", "--max-tokens", "1"]
     assert main(args) == 2
-    err = capsys.readouterr().err  # the load's progress bar comes first
-    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("radiance generate: error: '('")
+    assert "ignore: '(' is not a regular expression" in _one_error_line(capsys, "generate")
+
+
+@pytest.mark.parametrize("quantization", ["mxfp4", "nvfp4"])
+def test_a_nan_weight_quantized_at_load_is_named(tmp_path, quantization):
+    """`generate --quantization mxfp4` on a 16-bit model with a NaN said "w contains NaN or inf" and named nothing."""
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+
+    sd = dense_state_dict()
+    _with_nan(sd, f"{K}.weight")
+    path = write_dir(str(tmp_path / "src"), sd, TINY)
+    with pytest.raises(CheckpointError, match="NaN") as info:
+        load_model(ModelConfig(device="cpu", dtype="float32", quantization=quantization),
+                   checkpoint=open_checkpoint(path), progress=False)
+    assert info.value.tensor == f"{K}.weight" and info.value.file == path
