@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import re
 import sys
 
 from radiance import __version__
@@ -41,12 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _message(exc: Exception) -> str:
-    if isinstance(exc, re.error):  # a regex option (--ignore, ...) that did not compile; its text says neither
-        return f"{exc.pattern!r} is not a regular expression: {exc}"
-    return str(exc)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -56,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (RadianceError, ValueError, re.error) as exc:  # config / sampling validation: the user's to fix
+    except (RadianceError, ValueError) as exc:  # config / sampling validation: the user's to fix
         logging.getLogger("radiance").debug("error details", exc_info=True)
-        print(f"radiance {args.command}: error: {_message(exc)}", file=sys.stderr)
+        print(f"radiance {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
