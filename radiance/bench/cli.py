@@ -42,8 +42,9 @@ def _with_engine_plot(run_engine):
             return run_engine(args)
         import tempfile
 
-        from radiance.bench.plot import plot_engine_rows
+        from radiance.bench.plot import check_plot_path, plot_engine_rows
 
+        check_plot_path(args.plot)  # before the run, which takes minutes
         with tempfile.TemporaryDirectory() as tmp:
             keep = getattr(args, "json", None)
             args.json = keep or str(Path(tmp) / "rows.json")
@@ -60,8 +61,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
     p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="levels, e.g. 1,8,32,128")
     p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)")
-    p.add_argument("--input-len", type=int, default=256, help="prompt length in words (~tokens)")
-    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    p.add_argument("--input-len", type=int, default=256, help="prompt length in words (~tokens; default: 256)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default: 128)")
     p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or one prompt per line")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
@@ -69,8 +70,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that reject unknown fields)")
     p.add_argument("--api-key", help="sent as `Authorization: Bearer KEY` (a server started with --api-key)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait to connect and for each streamed chunk, not the whole answer (default: 600)")
+    p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrival times (default: 0)")
     p.add_argument("--label", help="name of this configuration in --json and --plot")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -85,6 +87,7 @@ def run_serve(args) -> int:
     from radiance.bench.report import to_json
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the table
+    earlier = _checked_plot_inputs(args)
     opts = serve_bench.ServeBenchOptions(
         url=args.url, model=args.model, concurrency=tuple(args.concurrency), num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, dataset=args.dataset,
@@ -96,10 +99,32 @@ def run_serve(args) -> int:
     print(to_json(result) if args.json else serve_bench.serve_table(result))
     if args.plot:
         from radiance.bench.plot import plot_serve_results
-        earlier = [_read_json(path) for path in args.plot_with]
         plot_serve_results(args.plot, earlier + [result])
     failed = sum(lv["failed"] for lv in result["levels"])
     return 1 if failed and not any(lv["ok"] for lv in result["levels"]) else 0
+
+
+def _checked_plot_inputs(args) -> list[dict]:
+    """--plot and --plot-with checked before any request (not after a long run); returns the earlier results."""
+    if args.plot_with and not args.plot:
+        raise ConfigError("--plot-with needs --plot (the file to draw them in)")
+    if not args.plot:
+        return []
+    from radiance.bench.plot import check_plot_path
+
+    check_plot_path(args.plot)
+    return [_read_serve_result(path) for path in args.plot_with]
+
+
+def _read_serve_result(path: str) -> dict:
+    from radiance.bench.plot import serve_series
+
+    result = _read_json(path)
+    try:
+        serve_series([result])  # the keys --plot reads
+    except ConfigError as exc:
+        raise ConfigError(f"--plot-with {path}: {exc}") from None
+    return result
 
 
 def _read_json(path: str) -> dict:
@@ -132,8 +157,7 @@ def _add_eval_mode(sub, mode: str) -> None:
     p.add_argument("--first-chunk", type=int, default=0, help="skip this many chunks (evaluate a later slice)")
     p.add_argument("--device", help="cuda, cpu, cuda:1 (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="16-bit path dtype (default: the engine's: bfloat16 on CUDA and on x86 CPUs with "
-                        "AVX2 / AVX-512, else float32)")
+                   help="16-bit path dtype (default: the engine's: bfloat16 on CUDA, float32 on a CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_eval_command, eval_mode=mode)
 

@@ -22,8 +22,10 @@ import torch
 
 from radiance.bench.options import add_engine_options
 from radiance.bench.quality import split_suffixes
-from radiance.bench.report import format_table
-from radiance.bench.synthetic import SyntheticCheckpoint
+from radiance.bench.report import check_output_path, format_table
+from radiance.bench.synthetic import SyntheticCheckpoint, synthetic_config
+from radiance.config import ModelConfig
+from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -294,6 +296,8 @@ def run(model: str = "synthetic:llama-3.1-8b", variants=("none", "mxfp4"), conte
         overrides: dict | None = None, engine_options: dict | None = None) -> list[dict]:
     """`device="cpu"` with a small `overrides` config is a dry run of the harness (no timings that matter);
     `engine_options` go to every variant's EngineConfig (e.g. prefill_graph_tokens)."""
+    if device == "cuda" and not torch.cuda.is_available():  # else every variant fails alike, each with a traceback
+        raise ConfigError("bench engine measures a CUDA GPU, and torch sees none here")
     max_model_len = max(max(contexts), max(prefills)) + 256
     rows = []
     for v in variants:
@@ -323,8 +327,22 @@ def table(rows: list[dict]) -> str:
                         digits=[0] + [2] * len(keys))
 
 
+def check_args(model: str, args) -> None:
+    """The arguments' own mistakes, before a variant builds minutes of random weights and fails on them."""
+    synthetic_config(model)  # bench engine builds synthetic models only
+    for variant in args.variants:
+        quant, head, _ = split_suffixes(variant)
+        try:  # the engine's own rules for the quantization and the lm_head
+            ModelConfig(quantization=quant, quantize_lm_head=head is not None, lm_head_format=head or "mxfp4")
+        except ValueError as exc:
+            raise ConfigError(f"variant {variant!r}: {exc}") from None
+    if args.json:
+        check_output_path(args.json, "--json")
+
+
 def run_args(args) -> int:
     model = args.model_arg or args.model or "synthetic:llama-3.1-8b"
+    check_args(model, args)
     options = None
     if args.prefill_graphs is not None:
         options = {"prefill_graph_tokens": tuple(args.prefill_graphs)}
@@ -342,9 +360,12 @@ def run_args(args) -> int:
         if "error" in r:
             print(f"[{r['variant']}] FAILED: {r['error']}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    return 0
+        try:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        except OSError as exc:  # checked before the run; the directory can still go away during it
+            raise ConfigError(f"cannot write --json {args.json}: {exc}") from None
+    return 1 if any("error" in r for r in rows) else 0  # a failed variant is a failed run for scripts
 
 
 if __name__ == "__main__":

@@ -28,6 +28,16 @@ def parse_shape(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected N x K such as 4096x14336, got {text!r}") from None
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _gemm_config(text: str):
     from radiance.kernels.tuning import GemmConfig
     try:
@@ -64,13 +74,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--quantization", "--variants", dest="variants", nargs="+", default=["none", "mxfp4"],
                    help="quantization options to compare side by side (none = bf16; mxfp4; nvfp4; a '+head' "
                         "suffix, e.g. mxfp4+head, quantizes the lm_head too, '+head2' as two MXFP4 terms; a "
-                        "last '+fp8kv' serves with an fp8 KV cache, e.g. mxfp4+head2+fp8kv)")
-    p.add_argument("--contexts", nargs="+", type=int, default=[128, 8192, 32768],
-                   help="context depths of the batch-1 decode measurement")
-    p.add_argument("--prefills", nargs="+", type=int, default=[1024, 8192, 32768],
-                   help="prompt lengths of the prefill measurement")
-    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 128],
-                   help="concurrent sequences of the aggregate-throughput measurement")
+                        "last '+fp8kv' serves with an fp8 KV cache, e.g. mxfp4+head2+fp8kv; default: none mxfp4)")
+    p.add_argument("--contexts", nargs="+", type=positive_int, default=[128, 8192, 32768],
+                   help="context depths of the batch-1 decode measurement (default: 128 8192 32768)")
+    p.add_argument("--prefills", nargs="+", type=positive_int, default=[1024, 8192, 32768],
+                   help="prompt lengths of the prefill measurement (default: 1024 8192 32768)")
+    p.add_argument("--concurrency", nargs="+", type=positive_int, default=[1, 8, 32, 128],
+                   help="concurrent sequences of the aggregate-throughput measurement (default: 1 8 32 128)")
     p.add_argument("--prefill-graphs", nargs="+", type=int, default=None, metavar="TOKENS",
                    help="token buckets of the single-sequence prefills replayed from CUDA graphs "
                         "(RunnerConfig.prefill_graph_tokens; default 128 256 512 1024, and 1536 2048 3072 4096 for "

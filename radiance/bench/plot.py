@@ -7,6 +7,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
+from radiance.bench.report import check_output_path
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -22,11 +23,23 @@ def _pyplot():
     return plt
 
 
+def check_plot_path(path: str) -> None:
+    """Everything --plot needs, checked before the benchmark runs: a .png name in a writable directory and
+    matplotlib (a failure after a long run would leave only the printed numbers)."""
+    _check_png(path)
+    check_output_path(path, "--plot")
+    _pyplot()
+
+
+def _check_png(path: str) -> None:
+    if not str(path).lower().endswith(".png"):
+        raise ConfigError(f"--plot expects a .png file name, got {path!r}")
+
+
 def plot_lines(path: str, series: Mapping[str, Sequence[tuple[float, float]]], title: str, xlabel: str,
                ylabel: str, log_x: bool = False) -> None:
     """Write a PNG with one line per entry of `series` ({label: [(x, y), ...]}); NaN points are skipped."""
-    if not str(path).lower().endswith(".png"):
-        raise ConfigError(f"--plot expects a .png file name, got {path!r}")
+    _check_png(path)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in series.items():
@@ -49,18 +62,31 @@ def _label_axis(ax, title: str, xlabel: str, ylabel: str, log_x: bool) -> None:
 
 def _save(plt, fig, path: str) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:  # the directory went away or is not writable: the user's to fix, one line
+        raise ConfigError(f"cannot write --plot {path}: {exc}") from None
+    finally:
+        plt.close(fig)
     logger.info("wrote %s", path)
+
+
+def serve_series(results: Sequence[Mapping]) -> dict[str, list[tuple[float, float]]]:
+    """{label: [(concurrency, aggregate output tok/s)]}, one entry per `bench serve` result."""
+    series = {}
+    for res in results:
+        try:
+            label = res.get("label") or f"{res['model']} ({res['url']})"
+            series[label] = [(lv["concurrency"], lv["aggregate_tok_s"]) for lv in res["levels"]]
+        except (AttributeError, KeyError, TypeError):  # an earlier file that is some other JSON
+            raise ConfigError("not a `radiance bench serve --json` result (expected 'model', 'url' and 'levels' "
+                              "with 'concurrency' and 'aggregate_tok_s')") from None
+    return series
 
 
 def plot_serve_results(path: str, results: Sequence[Mapping]) -> None:
     """Aggregate output tok/s against concurrency, one line per `bench serve` result."""
-    series = {}
-    for res in results:
-        label = res.get("label") or f"{res['model']} ({res['url']})"
-        series[label] = [(lv["concurrency"], lv["aggregate_tok_s"]) for lv in res["levels"]]
-    plot_lines(path, series, "bench serve: aggregate output throughput", "concurrent requests",
+    plot_lines(path, serve_series(results), "bench serve: aggregate output throughput", "concurrent requests",
                "output tok/s", log_x=True)
 
 
@@ -76,8 +102,7 @@ def _keyed(row: Mapping, prefix: str) -> list[tuple[int, float]]:
 def plot_engine_rows(path: str, rows: Sequence[Mapping]) -> None:
     """`bench engine` rows -> two panels: output tok/s against concurrency (batch 1 = the decode rate at
     the shortest context) and prefill tok/s against prompt length; one line per variant."""
-    if not str(path).lower().endswith(".png"):
-        raise ConfigError(f"--plot expects a .png file name, got {path!r}")
+    _check_png(path)
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for row in rows:

@@ -109,13 +109,25 @@ class Variant:
 # --------------------------------------------------------------------------- text
 
 
-def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len: int, first: int = 0) -> torch.Tensor:
-    """[chunks, chunk_len] non-overlapping windows, starting at window `first` of the token stream
-    (so a long evaluation can be split into slices); fewer chunks when the text is short."""
+def check_chunking(chunks: int, chunk_len: int, first: int = 0) -> None:
     if chunk_len < 2:
         raise ConfigError("chunk_len must be at least 2 (one token predicts the next)")
     if chunks < 1 or first < 0:
         raise ConfigError("chunks must be positive and first_chunk non-negative")
+
+
+def check_context(model: LogitsModel, chunk_len: int) -> None:
+    """A chunk must fit the model's positions: past max_position_embeddings there are no rotary angles (an
+    IndexError on the CPU, out-of-bounds reads on CUDA)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None and chunk_len > limit:
+        raise ConfigError(f"chunk_len {chunk_len} exceeds the model's context of {limit} tokens")
+
+
+def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len: int, first: int = 0) -> torch.Tensor:
+    """[chunks, chunk_len] non-overlapping windows, starting at window `first` of the token stream
+    (so a long evaluation can be split into slices); fewer chunks when the text is short."""
+    check_chunking(chunks, chunk_len, first)
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     available = ids.numel() // chunk_len - first
     if available <= 0:
@@ -127,11 +139,16 @@ def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len:
     return ids[first * chunk_len: (first + n) * chunk_len].reshape(n, chunk_len)
 
 
-def tokenize_text(tokenizer, path: str, tokens_needed: int) -> list[int]:
-    """Token ids of the text file; only a prefix long enough for `tokens_needed` is tokenized."""
+def _text_file(path: str) -> Path:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"text file not found: {path}")
+    return file
+
+
+def tokenize_text(tokenizer, path: str, tokens_needed: int) -> list[int]:
+    """Token ids of the text file; only a prefix long enough for `tokens_needed` is tokenized."""
+    file = _text_file(path)
     if tokenizer is None:
         raise ConfigError("this model has no tokenizer (synthetic models cannot be evaluated on text)")
     text = file.read_text(encoding="utf-8")
@@ -221,16 +238,21 @@ def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
         raise ConfigError(f"eval mode must be ppl or kl, got {req.mode!r}")
     if not req.variants or len({v.label for v in req.variants}) != len(req.variants):
         raise ConfigError("give at least one variant, each once")
+    if req.mode == "kl" and not all(v.changes_numerics for v in req.variants):
+        raise ConfigError("KL of the 16-bit model against itself is 0 by construction; pick a quantization "
+                          f"(or {KV_SUFFIX})")
+    # the request's own mistakes before any model loads (a large one takes minutes, kl loads two)
+    check_chunking(req.chunks, req.chunk_len, req.first_chunk)
+    _text_file(req.text)
     start = time.perf_counter()
     models, tokenizer = {}, None
     reference = None
     if req.mode == "kl":
         reference, tokenizer = loader(req.model, Variant("none"), req.device, req.dtype)
+        check_context(reference, req.chunk_len)
     for variant in req.variants:
-        if req.mode == "kl" and not variant.changes_numerics:
-            raise ConfigError("KL of the 16-bit model against itself is 0 by construction; pick a quantization "
-                              f"(or {KV_SUFFIX})")
         models[variant.label], tok = loader(req.model, variant, req.device, req.dtype)
+        check_context(models[variant.label], req.chunk_len)
         tokenizer = tokenizer or tok
     ids = tokenize_text(tokenizer, req.text, (req.first_chunk + req.chunks) * req.chunk_len)
     chunks = chunk_token_ids(ids, req.chunks, req.chunk_len, req.first_chunk)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+from radiance.errors import ConfigError
 
 
 def format_number(value: Any, digits: int = 1) -> str:
@@ -44,3 +48,14 @@ def _json_safe(value: Any) -> Any:
 
 def to_json(obj: Any) -> str:
     return json.dumps(_json_safe(obj), indent=2)
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """A file a command writes at its end: checked before the run, so a typo costs an error line, not the run."""
+    file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory, expected a file name")
+    if not file.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {file.parent} does not exist")
+    if not os.access(file.parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: directory {file.parent} is not writable")

@@ -64,6 +64,10 @@ class ServeBenchOptions:
             raise ConfigError("input_len and output_len must be positive")
         if not self.request_rate > 0:
             raise ConfigError("request_rate must be positive (omit it to send all at once)")
+        if not self.timeout_s > 0:  # 0 or less would fail every request as a "timeout" of the server
+            raise ConfigError(f"timeout must be positive seconds, got {self.timeout_s}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be 0 or more requests, got {self.warmup}")
         if self.endpoint not in ("completions", "chat"):
             raise ConfigError(f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}")
 
@@ -128,16 +132,28 @@ def load_dataset(path: str, output_len: int) -> list[PromptSpec]:
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
-            try:
-                row = json.loads(line)
-                specs.append(PromptSpec(str(row["prompt"]), int(row.get("output_len", output_len))))
-            except (ValueError, KeyError) as exc:
-                raise ConfigError(f"dataset {path} line {lineno}: expected JSON with a 'prompt' field ({exc})") from None
+            specs.append(_dataset_row(line, output_len, f"dataset {path} line {lineno}"))
         else:
             specs.append(PromptSpec(line, output_len))
     if not specs:
         raise ConfigError(f"dataset {path} has no prompts")
     return specs
+
+
+def _dataset_row(line: str, output_len: int, where: str) -> PromptSpec:
+    """One JSONL row; a prompt that is not text or an output_len that is not a positive integer (null, 2.7,
+    true, 0) is the file's error, not a request the server rejects or a str(None) prompt."""
+    try:
+        row = json.loads(line)
+        prompt = row["prompt"]
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{where}: expected JSON with a 'prompt' field ({exc})") from None
+    n = row.get("output_len", output_len)
+    if not isinstance(prompt, str):
+        raise ConfigError(f"{where}: 'prompt' must be a string, got {prompt!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{where}: 'output_len' must be a positive integer, got {n!r}")
+    return PromptSpec(prompt, n)
 
 
 def prompts_for_level(opts: ServeBenchOptions, n: int, level_seed: int,
@@ -174,6 +190,15 @@ def _chunk_text(obj: dict) -> str:
     return choice.get("text") or ""
 
 
+def _stream_event(data: str) -> dict:
+    """One `data:` payload as a JSON object; anything else (`[1, 2]`, a bare string) is the server's error and
+    fails this request only, not the whole run."""
+    obj = json.loads(data)
+    if not isinstance(obj, dict):
+        raise ValueError(f"stream event is not a JSON object: {data[:80]}")
+    return obj
+
+
 async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str, spec: PromptSpec) -> RequestResult:
     path, body = _request_body(opts, model, spec)
     result = RequestResult(ok=False)
@@ -192,7 +217,7 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                obj = json.loads(data)
+                obj = _stream_event(data)
                 if "error" in obj:
                     result.error = f"stream error: {obj['error']}"[:200]
                     return result
@@ -202,7 +227,7 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
                 if usage:
                     usage_tokens = usage.get("completion_tokens")
                     result.prompt_tokens = usage.get("prompt_tokens")
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+    except (httpx.HTTPError, ValueError, OSError) as exc:  # ValueError: JSONDecodeError, _stream_event
         result.error = f"{type(exc).__name__}: {exc}"[:200]
         return result
     end = time.perf_counter()

@@ -2,7 +2,9 @@
 
 Engine steps run in one worker thread; requests and aborts are queued and applied by that thread between
 steps, so the engine is only ever touched from one thread. Each request gets an asyncio queue its
-`generate` iterator reads; abandoning the iterator (client disconnect) aborts the request.
+`generate` iterator reads; abandoning the iterator (client disconnect) aborts the request. Outputs are
+routed to the queue of the `generate` call whose request produced them, not by request id alone: an id
+can be reused as soon as its request is aborted, while the engine still holds (and steps) the old one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class AsyncLLMEngine:
         self.engine.warm_grammar_backend()
         self._lock = threading.Lock()
         self._pending: list[tuple] = []
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, asyncio.Queue] = {}  # the live generate calls
+        self._serving: dict[str, asyncio.Queue] = {}  # engine request id -> its generate call's queue (thread side)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.errored: BaseException | None = None
@@ -82,9 +85,9 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        self._queues[request_id] = queue
         with self._lock:
-            self._pending.append(("add", request_id, list(prompt_token_ids), params))
+            self._pending.append(("add", request_id, queue, list(prompt_token_ids), params))
         self._wakeup.set()
         finished = False
         try:
@@ -97,33 +100,46 @@ class AsyncLLMEngine:
                     finished = True
                     return
         finally:
-            if not finished:
+            if not finished and self._queues.get(request_id) is queue:  # not a later call's with this id
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        if self._queues.pop(request_id, None) is None:
+        queue = self._queues.pop(request_id, None)
+        if queue is None:
             return
         with self._lock:
-            self._pending.append(("abort", request_id))
+            self._pending.append(("abort", request_id, queue))
         if self._wakeup is not None:
             self._wakeup.set()
 
     # ---------------------------------------------------------------- the loop
 
-    def _step_in_thread(self) -> list[RequestOutput]:
+    def _step_in_thread(self) -> list[tuple[str, asyncio.Queue, RequestOutput | BaseException]]:
+        """Applies the queued adds and aborts, runs one step; returns (request id, queue, output or error)."""
         with self._lock:
             pending, self._pending = self._pending, []
-        failures = []
-        for item in pending:
-            if item[0] == "add":
+        results, aborted = [], set()
+        for kind, request_id, queue, *request in pending:
+            if kind == "add":
                 try:
-                    self.engine.add_request(item[1], item[2], item[3])
-                except ValueError as exc:
-                    failures.append((item[1], exc))
-            else:
-                self.engine.abort_request(item[1])
+                    self.engine.add_request(request_id, *request)
+                except Exception as exc:  # this request fails, not the loop that serves the others
+                    results.append((request_id, queue, exc))
+                    continue
+                self._serving[request_id] = queue
+            elif self._serving.get(request_id) is queue:  # else it failed to add, or already finished
+                del self._serving[request_id]
+                self.engine.abort_request(request_id)
+                aborted.add(request_id)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-        return failures + outputs
+        for out in outputs:
+            queue = self._serving.get(out.request_id)
+            if queue is None or out.finish_reason == "abort" and out.request_id in aborted:
+                continue  # its generate call has left; the id may already serve a new call
+            if out.finished:
+                del self._serving[out.request_id]
+            results.append((out.request_id, queue, out))
+        return results
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -139,21 +155,14 @@ class AsyncLLMEngine:
             except Exception as exc:  # a broken step fails every waiting request, loudly
                 logger.exception("engine step failed")
                 self.errored = exc
-                for _, queue in self._queues.values():
+                for queue in self._queues.values():
                     queue.put_nowait(exc)
                 self._queues.clear()
                 return
-            for item in results:
-                if isinstance(item, tuple):
-                    request_id, exc = item
-                    entry = self._queues.pop(request_id, None)
-                    if entry:
-                        entry[1].put_nowait(exc)
-                    continue
-                entry = self._queues.get(item.request_id)
-                if entry is None:
+            for request_id, queue, item in results:
+                if self._queues.get(request_id) is not queue:
                     continue  # aborted while the step ran
-                entry[1].put_nowait(item)
-                if item.finished:
-                    self._queues.pop(item.request_id, None)
+                queue.put_nowait(item)
+                if isinstance(item, BaseException) or item.finished:
+                    del self._queues[request_id]
             await asyncio.sleep(0)

@@ -52,12 +52,19 @@ class _StreamDecoder:
 
 def _decoder(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stream: bool):
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if stream and backend is not None:
+    # DecodeStream primed with a tail that ends inside a character hands that tail's text back with the
+    # first token (a prompt of ids can stop mid-character); the window starts after its last whole character
+    if stream and backend is not None and not _ends_mid_character(backend, prompt_token_ids, skip_special_tokens):
         try:
             return _StreamDecoder(backend, prompt_token_ids, skip_special_tokens)
         except (ImportError, TypeError):  # tokenizers before 0.22 (no DecodeStream, or none primed with ids)
             pass
     return _WindowDecoder(tokenizer, prompt_token_ids, skip_special_tokens)
+
+
+def _ends_mid_character(backend, prompt_token_ids: list[int], skip_special_tokens: bool) -> bool:
+    tail = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+    return backend.decode(tail, skip_special_tokens=skip_special_tokens).endswith("\ufffd")
 
 
 class IncrementalDetokenizer:

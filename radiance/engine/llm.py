@@ -64,7 +64,7 @@ class LLM:
         """prompts: a string, a list of token ids, or a list of either."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params  # [] is not the default
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
@@ -119,6 +119,8 @@ class LLM:
              **template_kwargs) -> list[GenerationOutput]:
         """messages: one conversation (list of {"role", "content"} dicts) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, list) or not all(_is_conversation(c) for c in conversations):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
         prompts = []
         for conversation in conversations:
             text = self.apply_chat_template(conversation, **template_kwargs)
@@ -126,3 +128,7 @@ class LLM:
             prompts.append(ids)
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outputs
+
+
+def _is_conversation(messages) -> bool:
+    return isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages)

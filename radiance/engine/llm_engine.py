@@ -82,6 +82,9 @@ class LLMEngine:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):  # more alternatives than tokens failed inside the step
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name} is {getattr(params, name)}; the vocabulary has {vocab} tokens")
         if params.structured_output is not None:
             self.grammar_backend().compile(params.structured_output)  # cached: add_request reuses it
 
@@ -121,14 +124,16 @@ class LLMEngine:
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
+            generator.manual_seed(int(params.seed) % 2**64)  # torch's seeds are 64-bit (it wraps negative ones)
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, generator)
         if params.structured_output is not None:
             seq.grammar = self.grammar_backend().matcher(params.structured_output)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens,
+                                             params.stop)
+        # registered only once nothing can fail: a half-added request kept its id in use
         self._arrivals += 1
         self.sequences[request_id] = seq
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                               params.skip_special_tokens, params.stop)
+        self.detokenizers[request_id] = detokenizer
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(prompt_token_ids)
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from numbers import Integral
 
 from radiance.engine.structured_output import StructuredOutput
+from radiance.errors import RadianceError
 from radiance.layers.sampler import GREEDY_BELOW
+
+
+class SamplingParamsError(RadianceError, ValueError):
+    """A sampling parameter out of range or of the wrong type; the message names it. A RadianceError, so the
+    server answers a value its request schema let through (repetition_penalty Infinity) with a 400, not a 500."""
 
 
 @dataclass(frozen=True)
@@ -34,21 +42,34 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
+        def check(cond, msg):
+            if not cond:
+                raise SamplingParamsError(msg)
+
+        # types first: a float seed or a None stop string failed later, inside the engine's loop
+        for name in ("n", "max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            optional = name not in ("n", "top_k")
+            check(isinstance(value, Integral) or optional and value is None,
+                  f"{name} must be an integer, got {value!r}")
+        check(isinstance(self.stop, str) or _is_sequence(self.stop, str),
+              f"stop must be a string or a list of strings, got {self.stop!r}")
+        check(_is_sequence(self.stop_token_ids, Integral),
+              f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
-
-        def check(cond, msg):
-            if not cond:
-                raise ValueError(msg)
 
         check(self.n >= 1, f"n must be at least 1, got {self.n}")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
+        # an infinite temperature or penalty turns a masked (-inf) or zero logit into NaN
+        for name in ("temperature", "repetition_penalty"):
+            check(math.isfinite(getattr(self, name)), f"{name} must be finite, got {getattr(self, name)}")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or non-negative, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
@@ -76,3 +97,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the logits change before the choice (bias, penalties or a structured output)."""
         return bool(self.logit_bias) or self.penalizes or self.structured_output is not None
+
+
+def _is_sequence(value, kind) -> bool:
+    """None, or a list / tuple / set of `kind` items."""
+    return value is None or isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, kind) for v in value)

@@ -1,5 +1,6 @@
 """Fixtures of the bench tests. A tiny OpenAI-compatible streaming server for testing the load generator: it emits exactly
-max_tokens chunks with a known first-token delay and token gap, and fails prompts containing FAIL."""
+max_tokens chunks with a known first-token delay and token gap, fails prompts containing FAIL and streams a
+non-object event for prompts containing GARBLE."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def build_app(max_in_flight: list[int]) -> FastAPI:
         if "FAIL" in prompt:
             return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None, "code": 500}},
                                 status_code=500)
+        if "GARBLE" in prompt:
+            return StreamingResponse(iter(["data: [1, 2]\n\n", "data: [DONE]\n\n"]), media_type="text/event-stream")
         return StreamingResponse(stream(body, chat), media_type="text/event-stream")
 
     @app.post("/v1/completions")

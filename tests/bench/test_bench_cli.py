@@ -72,3 +72,47 @@ def test_bench_kernels_runs_its_benchmark_when_called(monkeypatch):
     monkeypatch.setattr(kernels, "run_kernels_bench", lambda args: seen.append(args.m) or 0)
     args = build_parser().parse_args(["bench", "kernels", "--m", "1", "16"])
     assert args.func(args) == 0 and seen == [[1, 16]]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--plot", "{tmp}/out.jpg"], ".png"),
+    (["--plot", "{tmp}/no/such/dir/out.png"], "no/such/dir"),
+    (["--plot", "{tmp}"], ".png"),
+    (["--plot", "{tmp}/out.png", "--plot-with", "{tmp}/missing.json"], "missing.json"),
+    (["--plot", "{tmp}/out.png", "--plot-with", "{tmp}/object.json"], "object.json"),
+    (["--plot", "{tmp}/out.png", "--plot-with", "{tmp}/list.json"], "list.json"),
+    (["--plot-with", "{tmp}/object.json"], "--plot-with needs --plot"),
+])
+def test_serve_plot_options_fail_before_the_benchmark(monkeypatch, tmp_path, capsys, extra, message):
+    """A bad --plot / --plot-with is one error line before any request, not a traceback after a long run."""
+    from radiance.bench import serve_bench
+
+    (tmp_path / "object.json").write_text('{"a": 1}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    ran = []
+    monkeypatch.setattr(serve_bench, "run_serve_bench", lambda opts: ran.append(opts))
+    rc = main(["bench", "serve", "--url", "http://127.0.0.1:9", "--model", "m"]
+              + [a.format(tmp=tmp_path) for a in extra])
+    assert rc == 2 and not ran
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_eval_device_errors_are_one_line(monkeypatch, tmp_path, capsys):
+    import torch
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    rc = main(["eval", "ppl", "--text", str(text), "--device", "gpu0"])
+    assert rc == 2 and "gpu0" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = main(["eval", "ppl", "--text", str(text), "--device", "cuda"])
+    assert rc == 2 and "CUDA" in capsys.readouterr().err
+
+
+def test_eval_dtype_help_states_the_engine_default(capsys):
+    """The engine's CPU default is float32 (config.ModelConfig.dtype), which --help must say."""
+    with pytest.raises(SystemExit):
+        main(["eval", "ppl", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "float32 on a CPU" in help_text and "AVX2" not in help_text

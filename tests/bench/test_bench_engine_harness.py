@@ -1,7 +1,10 @@
 """`radiance bench engine` harness, dry-run on the CPU with a tiny synthetic model (timings do not matter)."""
 
+import argparse
 import math
 import re
+
+import pytest
 
 from radiance.bench import engine_bench
 from radiance.bench.options import add_engine_parser
@@ -26,8 +29,6 @@ def test_engine_bench_rows_have_every_measurement():
 
 
 def test_engine_bench_cli_takes_model_and_quantization(monkeypatch):
-    import argparse
-
     seen = {}
     monkeypatch.setattr(engine_bench, "run", lambda model, variants, *a, **kw: seen.update(
         model=model, variants=variants, options=kw.get("engine_options")) or [])
@@ -67,3 +68,57 @@ def test_kernel_breakdown_ranks_kernels_per_step():
     everything = engine_bench.kernel_breakdown(records, steps=1, top=99)
     assert sum(r["busy_us_per_step"] for r in everything) == \
         engine_bench.busy_us([(start, end) for _, start, end in records])
+
+
+def test_engine_bench_without_cuda_is_one_error_line(monkeypatch, capsys):
+    """Without a GPU every variant used to fail with a logged traceback, an empty table and exit code 0."""
+    import torch
+
+    from radiance.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = main(["bench", "engine", "--quantization", "none", "--contexts", "16", "--prefills", "16",
+               "--concurrency", "1", "--no-hf"])
+    assert rc == 2
+    captured = capsys.readouterr()
+    assert "CUDA" in captured.err and "Traceback" not in captured.err + captured.out
+
+
+def test_engine_bench_exit_code_says_a_variant_failed(monkeypatch):
+    parser = argparse.ArgumentParser()
+    add_engine_parser(parser.add_subparsers())
+    rows = [{"variant": "none", "decode_ms@128": 5.0}, {"variant": "mxfp4", "error": "RuntimeError: out of memory"}]
+    monkeypatch.setattr(engine_bench, "run", lambda *a, **kw: rows)
+    args = parser.parse_args(["engine"])
+    assert args.func(args) == 1
+    monkeypatch.setattr(engine_bench, "run", lambda *a, **kw: rows[:1])
+    assert args.func(args) == 0
+
+
+@pytest.mark.parametrize("argv", [["--contexts", "0"], ["--contexts", "-4"], ["--prefills", "0"],
+                                  ["--concurrency", "0"], ["--concurrency", "x"]])
+def test_engine_bench_sizes_must_be_positive(argv, capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["engine"] + argv)
+    assert "expected a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["synthetic:nope"], "unknown synthetic model"),
+    (["./my-checkpoint"], "unknown synthetic model"),
+    (["--quantization", "int4"], "quantization"),
+    (["--quantization", "none+head"], "quantize_lm_head"),
+    (["--quantization", "mxfp4+fp8"], "quantization"),
+    (["--json", "/no/such/dir/rows.json"], "/no/such/dir"),
+    (["--plot", "/no/such/dir/rows.png"], "/no/such/dir"),
+])
+def test_engine_bench_arguments_fail_before_any_model_is_built(monkeypatch, capsys, argv, message):
+    from radiance.cli import main
+
+    ran = []
+    monkeypatch.setattr(engine_bench, "run", lambda *a, **kw: ran.append(a) or [])
+    assert main(["bench", "engine"] + argv) == 2 and not ran
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err

@@ -50,3 +50,14 @@ def test_plot_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(ConfigError, match="pip install"):
         plot.plot_lines(str(tmp_path / "x.png"), {"a": [(1, 2)]}, "t", "x", "y")
+
+
+def test_unwritable_plot_path_is_a_config_error(tmp_path):
+    """savefig's FileNotFoundError / PermissionError was a raw traceback after the whole benchmark."""
+    target = str(tmp_path / "gone" / "x.png")
+    with pytest.raises(ConfigError, match="cannot write"):
+        plot.plot_lines(target, {"a": [(1, 2)]}, "t", "x", "y")
+    with pytest.raises(ConfigError, match="does not exist"):
+        plot.check_plot_path(target)
+    with pytest.raises(ConfigError, match="not a `radiance bench serve --json` result"):
+        plot.serve_series([{"model": "m", "url": "u", "levels": [{"concurrency": 1}]}])

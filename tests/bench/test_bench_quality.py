@@ -128,3 +128,45 @@ def test_run_eval_end_to_end_with_a_fake_loader(tmp_path):
                          progress=False)
     ppl_only = quality.run_eval(EvalRequest("ppl", None, (Variant("none"),), str(text), 2, 16), loader, progress=False)
     assert "kl" not in ppl_only and ppl_only["ppl"] > 1
+
+
+def test_chunks_longer_than_the_model_context_are_refused(tmp_path):
+    """Positions past max_position_embeddings have no rotary angles: an IndexError traceback on the CPU, reads
+    out of bounds on CUDA. The chunk length is checked against the loaded model instead."""
+    from types import SimpleNamespace
+
+    vocab = ["the", "cat", "sat"]
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(vocab[i % 3] for i in range(200)))
+
+    def loader(model, variant, device, dtype):
+        bigram = BigramModel(torch.zeros(3, 3))
+        bigram.config = SimpleNamespace(max_position_embeddings=32)
+        return bigram, WordTokenizer(vocab)
+
+    with pytest.raises(ConfigError, match="chunk_len 33 .*32"):
+        quality.run_eval(EvalRequest("ppl", None, (Variant("none"),), str(text), 2, 33), loader, progress=False)
+    at_limit = quality.run_eval(EvalRequest("ppl", None, (Variant("none"),), str(text), 2, 32), loader, progress=False)
+    assert at_limit["tokens"] == 2 * 31
+
+
+@pytest.mark.parametrize("text_name, chunks, chunk_len, first, match", [
+    ("missing.txt", 2, 16, 0, "not found"),
+    ("text.txt", 0, 16, 0, "chunks must be positive"),
+    ("text.txt", -1, 16, 0, "chunks must be positive"),
+    ("text.txt", 2, 1, 0, "chunk_len must be at least 2"),
+    ("text.txt", 2, 16, -1, "first_chunk non-negative"),
+])
+def test_bad_requests_fail_before_any_model_loads(tmp_path, text_name, chunks, chunk_len, first, match):
+    """A typo in --text or --chunks costs an error line, not the load of one or two large models first."""
+    (tmp_path / "text.txt").write_text("the cat sat " * 50)
+    loaded = []
+
+    def loader(model, variant, device, dtype):
+        loaded.append(variant)
+        return BigramModel(torch.zeros(3, 3)), WordTokenizer(["the", "cat", "sat"])
+
+    req = EvalRequest("kl", None, (Variant("mxfp4"),), str(tmp_path / text_name), chunks, chunk_len, first_chunk=first)
+    with pytest.raises(ConfigError, match=match):
+        quality.run_eval(req, loader, progress=False)
+    assert loaded == []

@@ -1,6 +1,8 @@
+import asyncio
 import json
 import math
 
+import httpx
 import pytest
 
 from radiance.bench import serve_bench
@@ -82,3 +84,42 @@ def test_options_validation(tmp_path):
         serve_bench.load_dataset(str(bad), 4)
     prompts = serve_bench.random_prompts(3, 10, 4, seed=0)
     assert len({p.prompt for p in prompts}) == 3 and all(len(p.prompt.split()) == 10 for p in prompts)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "hi", "output_len": null}', "output_len"),
+    ('{"prompt": "hi", "output_len": [3]}', "output_len"),
+    ('{"prompt": "hi", "output_len": 1e400}', "output_len"),
+    ('{"prompt": "hi", "output_len": 0}', "output_len"),
+    ('{"prompt": "hi", "output_len": -2}', "output_len"),
+    ('{"prompt": "hi", "output_len": 2.7}', "output_len"),
+    ('{"prompt": "hi", "output_len": true}', "output_len"),
+    ('{"prompt": null}', "prompt"),
+    ('{"prompt": 12}', "prompt"),
+])
+def test_dataset_rows_are_checked(tmp_path, line, message):
+    """A bad output_len or prompt is the file's error, named with its line, not a traceback or a bad request."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "fine", "output_len": 4}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=f"line 2.*{message}"):
+        serve_bench.load_dataset(str(data), 8)
+
+
+def test_timeout_and_warmup_are_checked():
+    for bad in ({"timeout_s": 0.0}, {"timeout_s": -1.0}, {"timeout_s": math.nan}, {"warmup": -1}):
+        with pytest.raises(ConfigError):
+            ServeBenchOptions(url="http://x", **bad)
+
+
+def test_a_non_object_stream_event_fails_its_request_only(fake_server):
+    """A server that streams `data: [1, 2]` fails that request (counted, with its error), not the whole run."""
+    opts = ServeBenchOptions(url=fake_server.url, model=fake_server.model, progress=False, warmup=0)
+
+    async def send(*prompts):
+        async with httpx.AsyncClient(base_url=fake_server.url) as client:
+            return [await serve_bench.send_request(client, opts, fake_server.model, serve_bench.PromptSpec(p, 2))
+                    for p in prompts]
+
+    ok, bad = asyncio.run(send("hello", "GARBLE me"))
+    assert ok.ok and ok.output_tokens == 2
+    assert not bad.ok and "stream event" in bad.error

@@ -87,3 +87,19 @@ def test_both_paths_agree_on_random_token_streams(tokenizer):
     for _ in range(5):
         ids = [rng.randrange(vocab + 8) for _ in range(60)]
         assert stream_text(tokenizer, [1, 2], ids, True)[-1] == stream_text(tokenizer, [1, 2], ids, False)[-1]
+
+
+def test_a_prompt_ending_mid_character_does_not_leak_into_the_text(tokenizer):
+    """A prompt of token ids may stop inside a multi-byte character. DecodeStream primed with such a tail gave
+    the tail's text back with the first token ("Gr" + "üße" for a prompt "Gr" + half of "ü"); both paths now
+    give the window's text, which starts after the prompt's last whole character."""
+    for text in TEXT:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        for cut in [c for c in range(1, len(ids)) if tokenizer.decode(ids[:c]).endswith("\ufffd")]:
+            prompt, gen = ids[:cut], ids[cut:]
+            expected = tokenizer.decode(prompt + gen)[len(tokenizer.decode(prompt)):]
+            for stream in (True, False):
+                detok = IncrementalDetokenizer(tokenizer, prompt, stream=stream)
+                for t in gen:
+                    detok.add_token(t)
+                assert detok.text == expected, (text, cut, stream)

@@ -247,3 +247,39 @@ def test_eval_variant_with_fp8_kv_matches_the_served_cache(tiny_llm):
     want = [rounded[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
     assert [e.logprob for e in served[1:]] == pytest.approx(want, abs=1e-4)
     assert max(abs(a - plain[p - 1, prompt[p]].item()) for p, a in enumerate(want, start=1)) > 1e-3
+
+
+def test_logprobs_past_the_vocabulary_are_refused_up_front(tiny_llm):
+    """logprobs or prompt_logprobs above the vocabulary size failed inside the step (topk out of range) with a
+    RuntimeError, which stopped the async engine for every request."""
+    llm = tiny_llm(max_num_seqs=4)
+    vocab = llm.engine.model.config.vocab_size
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=field):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **{field: vocab + 1}))
+    every = SamplingParams(max_tokens=2, temperature=0.0, logprobs=vocab, prompt_logprobs=vocab)
+    out = llm.generate([[1, 2, 3]], every)[0]
+    assert len(out.outputs[0].logprobs[0].top) == vocab and len(out.prompt_logprobs[1].top) == vocab
+
+
+def test_any_integer_seed_is_served(tiny_llm):
+    """torch takes 64-bit seeds: 2**70 raised "Overflow when unpacking long long", and n = 2 with the largest
+    seed overflowed on the second choice's seed + 1. Seeds are taken modulo 2**64 (torch already wraps negatives)."""
+    llm = tiny_llm(max_num_seqs=4)
+
+    def run(seed, n=1):
+        params = SamplingParams(n=n, max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)
+        return [c.token_ids for c in llm.generate([[1, 2, 3]], params)[0].outputs]
+
+    assert run(2**70) == run(2**70) == run(2**70 % 2**64)
+    assert run(-1) == run(2**64 - 1)
+    assert run(2**64 - 1, n=2) == run(2**64 - 1) + run(0)
+
+
+def test_generate_checks_its_arguments(tiny_llm):
+    llm = tiny_llm(max_num_seqs=4)
+    with pytest.raises(ValueError, match="0 sampling params for 1 prompts"):
+        llm.generate([[1, 2, 3]], [])  # was served with the default parameters
+    for bad in ("hello", ["hello"], [("user", "hi")], [[{"content": "no role"}]]):
+        with pytest.raises(ValueError, match="messages"):
+            llm.chat(bad)

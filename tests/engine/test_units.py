@@ -8,6 +8,7 @@ import torch
 from radiance.engine.block_manager import BlockManager
 from radiance.engine.sampling_params import SamplingParams
 from radiance.engine.sequence import Sequence
+from radiance.errors import RadianceError
 from radiance.layers.sampler import SamplingRow, sample
 
 
@@ -161,3 +162,16 @@ def test_block_table_mirror_follows_appends_and_new_lists():
     other = Seq()
     other.block_table = [1]
     assert mirror.row(other).tolist() == [1] and mirror.row(seq).tolist() == []  # one row per sequence
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("inf")), ("repetition_penalty", float("inf")),  # inf / inf made NaN logits
+    ("max_tokens", 2.5), ("n", 1.5), ("top_k", 1.5), ("seed", 1.5), ("logprobs", 0.5), ("prompt_logprobs", 1.5),
+    ("stop", 5), ("stop", [None]), ("stop", ["ok", 3]), ("stop_token_ids", [1.5]), ("stop_token_ids", ["7"]),
+])
+def test_sampling_params_name_the_field_of_a_bad_value(field, value):
+    """Non-finite floats and non-integers where an integer belongs were accepted, and failed later inside the
+    engine (a float seed raised RuntimeError in add_request, which stopped the async engine's loop)."""
+    with pytest.raises(ValueError, match=field) as info:
+        SamplingParams(**{field: value})
+    assert isinstance(info.value, RadianceError)  # what the server answers with a 400
