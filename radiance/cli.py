@@ -16,6 +16,8 @@ from radiance import __version__
 from radiance.env import log_level
 from radiance.errors import RadianceError
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 # (module, subcommands it registers) in the order --help lists them
 _AREAS = (
     "radiance.server.cli",      # serve
@@ -32,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(and on the CPU through reference kernels).",
     )
     parser.add_argument("--version", action="version", version=f"radiance {__version__}")
-    parser.add_argument("--log-level", default=log_level(), choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                        help="default: $RADIANCE_LOG_LEVEL or INFO")
+    parser.add_argument("--log-level", default=log_level(), choices=LOG_LEVELS,
+                        help="level of the log lines on stderr (default: $RADIANCE_LOG_LEVEL or INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _AREAS:
         importlib.import_module(name).register(sub)
@@ -43,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.log_level not in LOG_LEVELS:  # argparse checks the flag, not a default from the environment
+        print(f"radiance: error: RADIANCE_LOG_LEVEL={args.log_level} is not one of {', '.join(LOG_LEVELS)}",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()

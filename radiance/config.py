@@ -44,12 +44,12 @@ def _check_regexes(patterns: tuple[str, ...], name: str) -> None:
 class ModelConfig:
     """What to load and how to quantize it."""
 
-    model: str | None = None  # path to an HF directory / GGUF file; None = embedded SmolLM2
+    model: str | None = None  # path to an HF directory / GGUF file; default: the embedded SmolLM2
     quantization: str = "auto"  # auto: as the checkpoint says (NVFP4/FP8 requantized to MXFP4); mxfp4: also quantize 16-bit linears; nvfp4: quantize 16-bit linears to NVFP4, then serve per --rule; none: dequantize everything to 16 bit
     rule: str = "mse"  # block-exponent rule for any conversion to MXFP4 (mse, noclip, ocp; none = serve NVFP4 dequantized)
     dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on a CPU (bfloat16 is ~20% faster there but its greedy answers differ between CPUs)
     device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
-    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped by KV)
+    max_model_len: int | None = None  # tokens of a sequence (prompt and output) at most; default: the model's max_position_embeddings; a value above that or above what the KV cache holds is lowered, with a warning
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
     quantize_lm_head: bool = False  # with quantization mxfp4/nvfp4, quantize a 16-bit lm_head too (a tied one gets a quantized copy; the embedding stays 16-bit)
     lm_head_format: str = "mxfp4"  # with quantize_lm_head: mxfp4 (4.25 bits per weight) or mxfp4x2 (two MXFP4 terms, the head and its residual: 8.5 bits, ~1/8 of the error, one GEMM)
@@ -82,7 +82,7 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV cache block
     gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the process may use
     cpu_kv_cache_bytes: int = 512 << 20  # KV budget when running on the CPU (a float32 cache there)
-    num_gpu_blocks_override: int | None = None  # force a block count (tests, preemption drills)
+    num_gpu_blocks_override: int | None = None  # force a block count (tests, preemption drills); default: as many as the memory budget holds
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
     kv_cache_dtype: str = "auto"  # auto (the model's dtype; float32 on CPU) | fp8 (e4m3, scale 1: half a 16-bit cache's bytes)
 
@@ -156,16 +156,16 @@ class RunnerConfig:
     # way), or MOE_PREFILL_GRAPH_TOKENS with sparse MoE layers, whose ~20 more launches per layer (router,
     # routing, combine) keep the eager prefill host-bound up to ~4k tokens (Qwen3-30B-A3B MXFP4: 2048
     # tokens 82-120 ms eager, 44 ms replayed; bench/RESULTS.md, twenty-fifth session)
-    prefill_graph_tokens: tuple[int, ...] | None = None  # prefill graph buckets (tokens); 0: none
+    prefill_graph_tokens: tuple[int, ...] | None = None  # prefill graph buckets (tokens); default: 128 to 1024 (to 4096 for sparse MoE models); 0: none
     # token-count buckets of the piecewise graphs that serve every other step up to the largest: several
     # sequences prefilling, prefill chunks mixed with decodes (engine.piecewise_graphs: the forward captured
     # between its prefill-attention launches, which run eagerly). Eager, such steps are host-bound: one
     # 256-token prompt next to 31 decodes took 83 ms for Qwen3-30B-A3B (MXFP4) on the H200, 26 ms replayed
     # (bench/RESULTS.md, twenty-sixth session). None: PIECEWISE_DENSE_TOKENS, or PIECEWISE_MOE_TOKENS for a
     # model with sparse MoE layers; 0: none (such steps run eagerly)
-    piecewise_graph_tokens: tuple[int, ...] | None = None  # piecewise graph buckets (tokens) of mixed / multi-sequence steps; 0: none
+    piecewise_graph_tokens: tuple[int, ...] | None = None  # piecewise graph buckets (tokens) of mixed / multi-sequence steps; default: 16 to 1024 (to 4096 for sparse MoE models); 0: none
     # queue each decode step before reading the previous one's tokens, so the host's bookkeeping runs
-    # while the device computes; None: on when decode steps replay CUDA graphs
+    # while the device computes; default: on when decode steps replay CUDA graphs
     overlap_decode: bool | None = None
 
     def __post_init__(self):
@@ -233,6 +233,7 @@ class EngineConfig:
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "harmony", "none")
 REASONING_PARSERS = ("auto", "think", "harmony", "none")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
@@ -240,19 +241,23 @@ class ServerConfig:
     """The OpenAI-compatible HTTP server (`radiance serve`)."""
 
     host: str = "127.0.0.1"  # interface to listen on; 0.0.0.0 for every interface
-    port: int = 8000  # TCP port of the HTTP API
+    port: int = 8000  # TCP port of the HTTP API; 0: a free one (the startup lines name it)
     served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases; default from the model
     api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY`
-    chat_template: str | None = None  # a jinja file (or literal template) overriding the model's
+    chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
     tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, harmony, none; auto: from the template's markup
     reasoning_parser: str = "auto"  # think, harmony, none; auto: from the template (<|channel|>: harmony, <think>: think)
     max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)
     responses_store: int = 1000  # /v1/responses kept in memory for previous_response_id and GET; 0 = none
-    uvicorn_log_level: str = "warning"  # log level of uvicorn's own access and error logs
+    uvicorn_log_level: str = "warning"  # log level of uvicorn's own access and error logs: critical, error, warning, info, debug, trace
 
     def __post_init__(self):
+        # an empty host (an unset shell variable) would listen on every interface
+        _check(self.host.strip() != "", "host must be non-empty (0.0.0.0 listens on every interface)")
         _check(0 <= self.port <= 65535, "port must be in [0, 65535]")
+        _check(self.uvicorn_log_level.lower() in UVICORN_LOG_LEVELS,
+               f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, got {self.uvicorn_log_level!r}")
         _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         _check(0 <= self.max_logprobs <= 20, "max_logprobs must be in [0, 20]")
@@ -275,7 +280,7 @@ class ConvertConfig:
     quantize_lm_head: bool = False  # lm_head stays 16-bit unless set (a tied head is then untied)
     dense_dtype: str = "bfloat16"  # dtype of the 16-bit tensors written (embeddings, norms, kept linears)
     max_shard_bytes: int = 2 << 30  # safetensors shard size
-    chunk_rows: int | None = None  # rows per requant chunk (bounds the fp32 transient); None = automatic
+    chunk_rows: int | None = None  # rows per requant chunk (bounds the fp32 transient); default: automatic
 
     def __post_init__(self):
         _check(self.format in CONVERT_FORMATS, f"format must be one of {CONVERT_FORMATS}, got {self.format!r}")
@@ -331,6 +336,14 @@ def field_help(cls) -> dict[str, str]:
     return helps
 
 
+def _help_with_default(text: str, default) -> str:
+    """A field's help with its default; an unset default (None, empty) is the comment's to explain, since
+    "(default: None)" tells a user nothing."""
+    if default is None or default == ():
+        return text if "default" in text else f"{text} (default: none)".lstrip()
+    return f"{text} (default: {default})".lstrip()
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), group: str | None = None) -> None:
     """Add a `--field-name` flag for every field of dataclass `cls` (defaults stay in the class)."""
     hints = typing.get_type_hints(cls)
@@ -342,7 +355,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ..
         base, optional, is_tuple = _base_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_text = f"{helps.get(f.name, '')} (default: {default})".lstrip()
+        # argparse %-formats help strings: a comment's "20%" would break --help
+        help_text = _help_with_default(helps.get(f.name, ""), default).replace("%", "%%")
         if base is bool:
             target.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=argparse.SUPPRESS,
                                 metavar="BOOL", help=help_text)

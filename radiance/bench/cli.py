@@ -59,7 +59,7 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="load-test any OpenAI-compatible server (streaming)")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
-    p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="levels, e.g. 1,8,32,128")
+    p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="levels, comma-separated (default: 1,8,32,128)")
     p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)")
     p.add_argument("--input-len", type=int, default=256, help="prompt length in words (~tokens; default: 256)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default: 128)")
@@ -142,10 +142,11 @@ def _add_eval_mode(sub, mode: str) -> None:
     p = sub.add_parser(mode, help=f"{what} over chunks of a text file")
     p.add_argument("model", nargs="?", help="HF directory or GGUF file (default: the embedded SmolLM2)")
     p.add_argument("--quantization", choices=("none", "mxfp4", "nvfp4"), default="none" if mode == "ppl" else "mxfp4",
-                   help="nvfp4: quantize to NVFP4, then serve as the engine would (requantized with --rule)")
+                   help="nvfp4: quantize to NVFP4, then serve as the engine would (requantized with --rule) "
+                        f"(default: {'none' if mode == 'ppl' else 'mxfp4'})")
     p.add_argument("--rule", choices=("mse", "noclip", "ocp", "none"), default="mse",
-                   help="block-exponent rule of the conversion to MXFP4; none (with nvfp4): NVFP4 as W4A16")
-    p.add_argument("--activations", choices=("fp8", "bf16"), default="fp8", help="fp8 = W4A8, bf16 = W4A16")
+                   help="block-exponent rule of the conversion to MXFP4; none (with nvfp4): NVFP4 as W4A16 (default: mse)")
+    p.add_argument("--activations", choices=("fp8", "bf16"), default="fp8", help="fp8 = W4A8, bf16 = W4A16 (default: fp8)")
     p.add_argument("--variants", nargs="+", metavar="QUANT[/RULE[/ACT]][+head|+head2][+fp8kv]",
                    help="several configurations in one pass over the text (one reference pass for kl), "
                         "e.g. mxfp4/mse/fp8 mxfp4/mse/bf16 nvfp4/none mxfp4/mse/fp8+head (+head: the lm_head "
@@ -154,7 +155,7 @@ def _add_eval_mode(sub, mode: str) -> None:
     p.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext2-test.txt")
     p.add_argument("--chunks", type=int, default=64, help="chunks of the text evaluated (default: 64)")
     p.add_argument("--chunk-len", type=int, default=512, help="tokens per chunk, each scored on its own (default: 512)")
-    p.add_argument("--first-chunk", type=int, default=0, help="skip this many chunks (evaluate a later slice)")
+    p.add_argument("--first-chunk", type=int, default=0, help="skip this many chunks (evaluate a later slice; default: 0)")
     p.add_argument("--device", help="cuda, cpu, cuda:1 (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="16-bit path dtype (default: the engine's: bfloat16 on CUDA, float32 on a CPU)")

@@ -26,26 +26,11 @@ def open_model_source(model: str | None, device: str | None, dtype: str | None):
     return SyntheticCheckpoint(model, device=dev, dtype=resolve_dtype(dtype, dev))
 
 
-def check_device(device: str | None) -> None:
-    """A --device torch can use, as one error line: the loader hands the string to torch, whose answer for
-    "gpu0" or for "cuda" on a machine without one is a traceback."""
-    if device is None:
-        return
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: torch sees no CUDA GPU here (use --device cpu)")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
-
-
 def load_eval_model(model: str | None, variant: Variant, device: str | None, dtype: str | None):
     """(model with forward_logits, tokenizer) for one variant; the signature quality.run_eval expects."""
-    from radiance.engine.loader import load_model
+    from radiance.engine.loader import load_model, resolve_device
 
-    check_device(device)
+    resolve_device(device)  # a bad --device: one line before the model loads (not a torch traceback)
     if is_synthetic(model):
         raise ConfigError("synthetic models have no tokenizer; evaluate a real checkpoint (or omit MODEL)")
     model_config = ModelConfig(model=model, quantization=variant.quantization, rule=variant.rule,

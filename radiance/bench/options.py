@@ -49,7 +49,7 @@ def _gemm_config(text: str):
 def add_kernels_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=list(KERNEL_SHAPES),
                    help="N x K list (default: the issue's 7)")
-    p.add_argument("--m", type=int, nargs="+", default=list(KERNEL_M), help="token counts M")
+    p.add_argument("--m", type=int, nargs="+", default=list(KERNEL_M), help=f"token counts M (default: {' '.join(map(str, KERNEL_M))})")
     p.add_argument("--check", action="store_true", help="kernel vs exact reference, prmt vs arithmetic, PTX wgmma")
     p.add_argument("--sweep", action="store_true", help="time tile candidates and print tuning-table entries")
     p.add_argument("--requant", action="store_true", help="time NVFP4 -> MXFP4 for an 8B Llama set of linears")

@@ -80,6 +80,7 @@ class AsyncLLMEngine:
         params = params or SamplingParams()
         if self.errored is not None:
             raise RuntimeError(f"engine stopped after an error: {self.errored}")
+        self.engine.check_one_sequence(params)  # n > 1 is the caller's to expand (the server does)
         self.engine.check_request(prompt_token_ids, params)  # ValueError before anything is queued
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")

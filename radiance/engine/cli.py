@@ -14,19 +14,23 @@ def register(subparsers) -> None:
                                                "(the embedded SmolLM2 when --model is not given).")
     parser.add_argument("prompt", help="the user message (or raw text with --no-chat)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature; 0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="sample from the smallest set of tokens whose probability reaches this; 1 = off (default)")
     parser.add_argument("--top-k", type=int, default=-1,
                         help="sample from the k most likely tokens only; -1 = off (default)")
-    parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (reproducible runs)")
+    parser.add_argument("--sampling-seed", type=int, default=None,
+                        help="seed of the sampler, for reproducible runs (default: none: the engine's RNG, see --seed)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="divides the positive logits (multiplies the negative ones) of tokens already in "
                              "the prompt or output; 1 = off (default), 1.1-1.3 curbs loops of small models")
     parser.add_argument("--frequency-penalty", type=float, default=0.0,
-                        help="subtracted from a token's logit per time it is in the output, in [-2, 2]")
+                        help="subtracted from a token's logit per time it is in the output, in [-2, 2] "
+                             "(default: 0 = off)")
     parser.add_argument("--presence-penalty", type=float, default=0.0,
-                        help="subtracted once from the logit of every token in the output, in [-2, 2]")
+                        help="subtracted once from the logit of every token in the output, in [-2, 2] "
+                             "(default: 0 = off)")
     constrain = parser.add_argument_group(
         "structured output", "hold the output to one constraint (tokens that would break it are never sampled)")
     one = constrain.add_mutually_exclusive_group()
@@ -38,7 +42,8 @@ def register(subparsers) -> None:
     one.add_argument("--grammar", metavar="FILE", default=None, help="an EBNF (GBNF) grammar file with a root rule")
     parser.add_argument("--chat", dest="chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt in the model's chat template (default: on when it has one)")
-    parser.add_argument("--system", default=None, help="an optional system message (chat mode)")
+    parser.add_argument("--system", default=None,
+                        help="a system message before the prompt, in chat mode (default: none)")
     add_engine_args(parser)
     parser.set_defaults(func=run)
 
@@ -47,12 +52,14 @@ def run(args) -> int:
     from radiance.engine.llm import LLM
     from radiance.engine.sampling_params import SamplingParams
 
+    # the sampling options are checked before the model loads (a large one takes minutes); the loader checks
+    # --device before anything else
     config = engine_config_from_args(args)
-    llm = LLM.from_engine_config(config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, repetition_penalty=args.repetition_penalty,
                             frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                             structured_output=structured_output_from_args(args))
+    llm = LLM.from_engine_config(config)
     if args.chat and (llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None)):
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

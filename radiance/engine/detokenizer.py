@@ -69,10 +69,12 @@ def _ends_mid_character(backend, prompt_token_ids: list[int], skip_special_token
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: tuple[str, ...] = (), stream: bool = True):
-        """`stream`: use DecodeStream when the tokenizer has a Rust backend (False: always the window)."""
+                 stop: tuple[str, ...] = (), stream: bool = True, include_stop: bool = False):
+        """`stream`: use DecodeStream when the tokenizer has a Rust backend (False: always the window).
+        `include_stop`: the text is cut after the stop string that ends it, not before."""
         self.decoder = None if tokenizer is None else _decoder(tokenizer, prompt_token_ids, skip_special_tokens, stream)
         self.stop = stop
+        self.include_stop = include_stop
         self.longest_stop = max((len(s) for s in stop), default=0)
         self.text = ""
 
@@ -80,7 +82,7 @@ class IncrementalDetokenizer:
         """Text safe to stream while generating: a tail that could still grow into a stop string is held
         back, so a client never sees characters that a later stop would have cut."""
         hold = 0
-        for stop in self.stop:
+        for stop in () if self.include_stop else self.stop:  # a kept stop string is never taken back
             for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
                 if self.text.endswith(stop[:k]):
                     hold = k
@@ -88,7 +90,8 @@ class IncrementalDetokenizer:
         return self.text[:len(self.text) - hold] if hold else self.text
 
     def add_token(self, token_id: int) -> bool:
-        """Append one generated token; returns True when a stop string appeared (text is cut before it)."""
+        """Append one generated token; returns True when a stop string appeared (the text is cut before it, or
+        after it with include_stop; the first one to start wins)."""
         if self.decoder is None:
             return False
         delta = self.decoder.step(token_id)
@@ -96,8 +99,9 @@ class IncrementalDetokenizer:
             return False
         search_from = max(0, len(self.text) - self.longest_stop)
         self.text += delta
-        hits = [at for s in self.stop if s and (at := self.text.find(s, search_from)) >= 0]
+        hits = [(at, -len(s)) for s in self.stop if s and (at := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, minus_length = min(hits)  # of two starting at once, the longer
+            self.text = self.text[:at - minus_length if self.include_stop else at]
             return True
         return False

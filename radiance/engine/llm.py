@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from numbers import Integral
 
 from tqdm import tqdm
 
@@ -57,17 +58,25 @@ class LLM:
             if self.tokenizer is None:
                 raise ConfigError("this model has no tokenizer: pass prompts as lists of token ids")
             return prompt, self.tokenizer(prompt).input_ids
+        if not _is_token_ids(prompt):  # int() took 1.7 as token 1; a tuple of ids failed as "int not iterable"
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {_short(prompt)}")
         return None, [int(t) for t in prompt]
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
-        """prompts: a string, a list of token ids, or a list of either."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """prompts: a string, a list (or tuple, or 1-D array) of token ids, or a list of either."""
+        if isinstance(prompts, str) or _is_token_ids(prompts) and len(prompts):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of token ids or a list of either, "
+                             f"got {_short(prompts)}")
         params = SamplingParams() if sampling_params is None else sampling_params  # [] is not the default
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        bad = [p for p in params_list if not isinstance(p, SamplingParams)]
+        if bad:  # a dict failed deep in the engine as "'dict' object has no attribute 'logit_bias'"
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {_short(bad[0])}")
         results: list[GenerationOutput] = []
         request_slots: dict[str, tuple[int, int]] = {}
         tokenized = [self._tokenize(prompt) for prompt in prompts]
@@ -128,6 +137,18 @@ class LLM:
             prompts.append(ids)
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outputs
+
+
+def _is_token_ids(prompt) -> bool:
+    """A list, tuple or 1-D array of integers (numpy's too; not floats, not bools)."""
+    if isinstance(prompt, (list, tuple)) or getattr(prompt, "ndim", None) == 1:
+        return all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt)
+    return False
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_conversation(messages) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from numbers import Integral
 
 import torch
 
@@ -76,6 +77,9 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
                              f"{self.max_model_len} tokens including the output (max_model_len)")
         vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, Integral) or isinstance(t, bool)]
+        if bad:  # 2.5 passed the range check below and failed inside the step, stopping the async engine
+            raise ValueError(f"prompt token ids must be integers, got {bad[0]!r}")
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
@@ -85,6 +89,9 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):  # more alternatives than tokens failed inside the step
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} is {getattr(params, name)}; the vocabulary has {vocab} tokens")
+        if params.stop and self.tokenizer is None:  # they match text, which such a model has none of
+            raise ValueError("stop strings need the model's tokenizer, and this checkpoint has none: "
+                             "use stop_token_ids")
         if params.structured_output is not None:
             self.grammar_backend().compile(params.structured_output)  # cached: add_request reuses it
 
@@ -112,14 +119,25 @@ class LLMEngine:
             except StructuredOutputError as exc:  # a request will report it; nothing to warm
                 logger.info("structured output unavailable: %s", exc)
 
-        thread = threading.Thread(target=build, name="radiance-grammar-warmup", daemon=True)
+        # not a daemon: the interpreter waits for it at exit, as a process that ended while xgrammar was still
+        # compiling aborted ("terminate called without an active exception", rc 134) after a failed start
+        thread = threading.Thread(target=build, name="radiance-grammar-warmup", daemon=False)
         thread.start()
         return thread
+
+    @staticmethod
+    def check_one_sequence(params: SamplingParams) -> None:
+        """ValueError for n > 1: a request is one sequence here, and n > 1 was served as one completion
+        without a word. Callers expand n into n requests (LLM.generate, the server: seed + i each)."""
+        if params.n != 1:
+            raise ValueError(f"n is {params.n}, but the engine serves one completion per request: send n requests "
+                             f"with n=1 (LLM.generate and the server expand n this way)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_one_sequence(params)
         self.check_request(prompt_token_ids, params)
         generator = None
         if params.seed is not None and not params.greedy:
@@ -129,7 +147,7 @@ class LLMEngine:
         if params.structured_output is not None:
             seq.grammar = self.grammar_backend().matcher(params.structured_output)
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens,
-                                             params.stop)
+                                             params.stop, include_stop=params.include_stop_str_in_output)
         # registered only once nothing can fail: a half-added request kept its id in use
         self._arrivals += 1
         self.sequences[request_id] = seq
@@ -316,7 +334,7 @@ class LLMEngine:
         self.generation_tokens_total += 1
         p = seq.params
         hit_stop_string = False
-        if not (token_id in self.eos_token_ids and p.skip_special_tokens):
+        if self._shows_text(token_id, p):
             hit_stop_string = self.detokenizers[seq.request_id].add_token(token_id)
         detokenizer = self.detokenizers[seq.request_id]
         grammar_done = False
@@ -336,6 +354,14 @@ class LLMEngine:
         if reason:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
+
+    def _shows_text(self, token_id: int, p: SamplingParams) -> bool:
+        """Whether a token's text joins the output. A stop token's does not (as in vLLM: its id ends
+        token_ids, its text is not in text) unless include_stop_str_in_output, and an EOS token's does where
+        special tokens are kept: the server's harmony parser reads gpt-oss's <|call|> / <|return|> there."""
+        if token_id in self.eos_token_ids:
+            return not p.skip_special_tokens
+        return p.include_stop_str_in_output or token_id not in p.stop_token_ids
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:

@@ -20,7 +20,7 @@ from radiance.config import EngineConfig, KernelConfig, ModelConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
 from radiance.engine.linears import build_linear, build_lm_head
-from radiance.errors import CheckpointError
+from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight
 from radiance.layers.linear import UnloadedLinear
 from radiance.models.registry import build_model
@@ -31,10 +31,34 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str | None) -> torch.device:
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch device to run on (default: cuda when available, else cpu); one that cannot run here is a
+    ConfigError of one line, checked before any loading (torch's own answers are tracebacks)."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = _parse_device(device)
+    if dev.type == "cuda":
+        _check_cuda_index(device, dev.index)
+    return dev
+
+
+def _parse_device(device: str | torch.device) -> torch.device:
+    """cpu or cuda[:N]: the device types the engine has kernels for."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {str(device)!r} is not one radiance runs on (cpu, cuda, cuda:1, ...)")
+    return dev
+
+
+def _check_cuda_index(device, index: int | None) -> None:
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {str(device)!r}: torch sees no CUDA GPU here (use cpu)")
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ConfigError(f"device {str(device)!r}: torch sees {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Real
+
+import numpy
 
 from radiance.engine.structured_output import StructuredOutput
 from radiance.errors import RadianceError
@@ -40,6 +42,8 @@ class SamplingParams:
     presence_penalty: float = 0.0    # minus p once the token is in the output
     # the output must match this JSON schema / regex / choice / grammar (tokens that would break it are masked)
     structured_output: StructuredOutput | None = None
+    # vLLM's: the stop string (or stop_token_ids token) that ended the output stays at the end of its text
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         def check(cond, msg):
@@ -47,11 +51,20 @@ class SamplingParams:
                 raise SamplingParamsError(msg)
 
         # types first: a float seed or a None stop string failed later, inside the engine's loop
+        # (a bool is an Integral, but True for n or temperature is a mistake, and "no" for ignore_eos was true)
         for name in ("n", "max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             optional = name not in ("n", "top_k")
-            check(isinstance(value, Integral) or optional and value is None,
+            check(isinstance(value, Integral) and not isinstance(value, bool) or optional and value is None,
                   f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)  # a string or None failed below as a TypeError
+            check(isinstance(value, Real) and not isinstance(value, bool), f"{name} must be a number, got {value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):  # numpy's bools and 0 / 1 pass
+            value = getattr(self, name)
+            check(isinstance(value, (Integral, numpy.bool_)) and value in (True, False),
+                  f"{name} must be true or false, got {value!r}")
+            object.__setattr__(self, name, bool(value))
         check(isinstance(self.stop, str) or _is_sequence(self.stop, str),
               f"stop must be a string or a list of strings, got {self.stop!r}")
         check(_is_sequence(self.stop_token_ids, Integral),

@@ -19,6 +19,10 @@ from radiance.kernels.argmax import argmax_rows
 # a temperature below this samples greedily: it is greedy in all but name, and far below it (1e-40) logits /
 # temperature overflow float32 to inf and the softmax to NaN (vLLM's _SAMPLING_EPS)
 GREEDY_BELOW = 1e-5
+# penalized logits are held within +-LOGIT_LIMIT, which any temperature (>= GREEDY_BELOW) keeps finite in
+# float32: a repetition penalty of 1e-30 took a seen token's logit to inf, and the softmax to NaN
+LOGIT_LIMIT = 1e30
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class OutputCounts:
@@ -133,11 +137,18 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
             none = torch.zeros(vocab, dtype=torch.bool, device=device)
             seen = torch.stack([adj[j].output.prompt_seen if adj[j].output.prompt_seen is not None else none
                                 for j in penalized]) | (counts > 0)
-            part = torch.where(seen, torch.where(part > 0, part / rep, part * rep), part)
+            part = torch.where(seen & part.isfinite(), _repetition_penalized(part, rep), part)  # masks stay -inf
         sub[pen] = part - freq * counts - pres * (counts > 0)
     out = _fp32_copy(logits)
     out[idx] = sub
     return out
+
+
+def _repetition_penalized(logits: torch.Tensor, rep: torch.Tensor) -> torch.Tensor:
+    """logits / rep where positive, else * rep (vLLM's formula), held finite: rep 1e-308 is 0 in float32
+    (x / 0 = inf) and 1e308 is inf (0 * inf = NaN)."""
+    rep = rep.clamp(torch.finfo(torch.float32).tiny, FLOAT32_MAX)
+    return torch.where(logits > 0, logits / rep, logits * rep).clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def _fp32_copy(logits: torch.Tensor) -> torch.Tensor:
@@ -187,7 +198,8 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], pending: tor
     if random_rows:
         idx = small_tensor_to(random_rows, logits.device)
         sub_rows = [rows[i] for i in random_rows]
-        temps = small_tensor_to([r.temperature for r in sub_rows], logits.device).unsqueeze(1)
+        # float32 turns a temperature past its range (1e308) into inf, and a masked logit / inf is NaN
+        temps = small_tensor_to([min(r.temperature, FLOAT32_MAX) for r in sub_rows], logits.device).unsqueeze(1)
         probs = _filter(logits[idx].float() / temps, sub_rows).softmax(-1)
         noise = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(sub_rows) if r.generator is None]

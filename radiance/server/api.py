@@ -109,17 +109,17 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    def card(name: str) -> dict:
+        root = state.model_path or state.served_names[0]
+        return dict(model_card(name, root, state.created), max_model_len=state.max_model_len or None)
+
     @app.get("/v1/models")
     async def list_models():
-        root = state.model_path or state.served_names[0]
-        cards = [dict(model_card(name, root, state.created), max_model_len=state.max_model_len or None)
-                 for name in state.served_names]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [card(name) for name in state.served_names]}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str):
-        served = state.check_model(name)
-        return model_card(served, state.model_path or state.served_names[0], state.created)
+        return card(state.check_model(name))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -148,8 +148,8 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
         state.require_engine()
         state.check_model(body.model)
         if body.messages is not None:  # rendered exactly as /v1/chat/completions would render it
-            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            text = render_prompt(state, chat, use_tools=False)
+            chat = body.chat_request()
+            text = render_prompt(state, chat, use_tools=bool(chat.tools))
             check_unicode(text, "messages")
             tokens = state.tokenizer.encode(text, add_special_tokens=False)
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from radiance.config import (ServerConfig, add_dataclass_args, add_engine_args, dataclass_kwargs,
                              engine_config_from_args)
@@ -41,7 +42,57 @@ def configs_from_args(args: argparse.Namespace):
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    _check_before_loading(engine_config, server_config)
     return engine_config, server_config
+
+
+def _check_before_loading(engine_config, server_config: ServerConfig) -> None:
+    """What can be checked without the model: otherwise the mistake surfaces after a load that may take minutes."""
+    from radiance.engine.loader import resolve_device
+
+    resolve_device(engine_config.model.device)
+    _check_chat_template(server_config.chat_template)
+    _check_parsers(server_config)
+
+
+def _check_parsers(server_config: ServerConfig) -> None:
+    """Harmony tool calls are read by the harmony reasoning parser (ServerState._check_harmony_calls); a flag
+    that rules it out is known to fail before the model loads."""
+    reasoning = server_config.reasoning_parser
+    if server_config.tool_call_parser == "harmony" and reasoning not in ("harmony", "auto"):
+        raise ConfigError("--tool-call-parser harmony needs the harmony reasoning parser (--reasoning-parser "
+                          f"harmony or auto with a harmony template), not {reasoning}")
+
+
+def _check_chat_template(value: str | None) -> None:
+    """--chat-template names a readable file (or is template text) that parses as jinja."""
+    from radiance.server.chat_template import _compile, load_template
+
+    try:
+        template = load_template(value)
+    except OSError as exc:  # e.g. a directory, or no permission
+        raise ConfigError(f"--chat-template {value}: cannot read it: {exc.strerror}") from None
+    if template is not None:
+        _compile(template)  # a syntax error is a ConfigError naming the line
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so a bad --host or a taken --port is one line at once
+    (uvicorn binds only after its startup, and then exits with a log line and a traceback). Port 0 binds a free
+    port, which the startup lines report. Bound as uvicorn binds: IPv6 when the host has a colon."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -51,12 +102,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from radiance.server.state import ServerState
 
     engine_config, server_config = configs_from_args(args)
+    sock = listening_socket(server_config.host, server_config.port)
 
     def make_engine():
         from radiance.engine import AsyncLLMEngine
         return AsyncLLMEngine(engine_config)
 
-    url = f"http://{server_config.host}:{server_config.port}"
+    url = _url(server_config.host, sock.getsockname()[1])
 
     def on_ready(state: ServerState) -> None:
         for line in state.startup_lines():
@@ -74,7 +126,10 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(state, on_ready=on_ready, on_load_failure=on_load_failure)
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5))
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if state.load_error is not None:
         raise state.load_error  # a RadianceError prints as one line (exit 2); anything else is a bug
     return 0

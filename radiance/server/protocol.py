@@ -146,6 +146,7 @@ class _SamplingFields(_Model):
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # the range torch generators accept
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token's text) ends the text
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     max_tokens: int | None = Field(None, ge=1)
@@ -259,6 +260,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's (and vLLM's) default for completions; chat: the context
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
@@ -280,17 +282,30 @@ class CompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Model):
+    """A prompt, or chat messages with the chat request's fields that change how they render (vLLM's
+    /tokenize takes the same), so the count is the prompt_tokens a chat completion would report."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt set to false")
         return self
+
+    def chat_request(self) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message,
+                                     chat_template_kwargs=self.chat_template_kwargs, tools=self.tools)
 
 
 class DetokenizeRequest(_Model):

@@ -27,7 +27,7 @@ from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, new
 from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS, FunctionMessage
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
                                             encode_prompt, guarded_sse, merged_outputs, resolve_max_tokens,
-                                            sampling_params, sse, token_chars, tokens_sent)
+                                            sampling_params, sse, StreamUsage, token_chars, tokens_sent)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -274,8 +274,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     choices = chat.choices
     outputs = merged_outputs(engine, chat.jobs)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        stream = _stream(state, request_id, model, outputs, choices, len(chat.prompt_ids), include_usage)
+        stream = _stream(request_id, model, outputs, choices, len(chat.prompt_ids), StreamUsage(req.stream_options))
         return StreamingResponse(stream, media_type="text/event-stream")
     deltas: list[dict] = [{} for _ in choices]
     logprobs: list[list | None] = [None for _ in choices]
@@ -310,23 +309,26 @@ def _response(request_id: str, model: str, choices: list[ChoiceStream], deltas: 
         body_choices.append({"index": choice.index, "message": message,
                              "logprobs": None if lp is None else {"content": lp},
                              "finish_reason": choice.finish_reason()})
-    finals = [c.output for c in choices]
+    return {"id": request_id, "object": "chat.completion", "created": now(), "model": model,
+            "choices": body_choices, "usage": _usage(choices, prompt_len)}
+
+
+def _usage(choices: list[ChoiceStream], prompt_len: int) -> dict:
+    """The request's usage, the same whether it streamed or not."""
+    finals = [c.output for c in choices if c.output is not None]
     completion_tokens = sum(len(f.token_ids) for f in finals)
     cached = max((f.num_cached_tokens for f in finals), default=0)
-    return {"id": request_id, "object": "chat.completion", "created": now(), "model": model,
-            "choices": body_choices, "usage": usage(prompt_len, completion_tokens, cached)}
+    return usage(prompt_len, completion_tokens, cached)
 
 
-def _stream(state: ServerState, request_id: str, model: str, outputs: AsyncIterator,
-                  choices: list[ChoiceStream], prompt_len: int, include_usage: bool) -> AsyncIterator[str]:
+def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[ChoiceStream], prompt_len: int,
+            stream_usage: StreamUsage) -> AsyncIterator[str]:
     created = now()
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-        if include_usage:
-            body["usage"] = None
-        return body
+        return stream_usage.add_to_chunk(body, prompt_len, choices[index].output)
 
     async def events() -> AsyncIterator[str]:
         for choice in choices:
@@ -338,9 +340,8 @@ def _stream(state: ServerState, request_id: str, model: str, outputs: AsyncItera
                 yield sse(chunk(index, delta, logprobs))
             if out.finished:
                 yield sse(chunk(index, {}, None, choice.finish_reason()))
-        if include_usage:
-            completion_tokens = sum(len(c.output.token_ids) for c in choices if c.output is not None)
+        if stream_usage.final:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_len, completion_tokens)})
+                       "choices": [], "usage": _usage(choices, prompt_len)})
 
     return guarded_sse(events(), outputs, f"chat stream {request_id}")

@@ -21,6 +21,7 @@ from fastapi import Request
 from radiance.engine.sampling_params import SamplingParams
 from radiance.engine.structured_output import StructuredOutput
 from radiance.server.errors import OpenAIError, invalid, sse_error
+from radiance.server.protocol import usage
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ def sampling_params(req: Any, max_tokens: int, choice: int, constraint: Structur
         top_k=-1 if req.top_k in (None, 0) else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
         seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
+        include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, logprobs=req.num_logprobs(),
         skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
         prompt_logprobs=req.num_logprobs() if getattr(req, "echo", False) else None,
@@ -277,6 +279,25 @@ async def guarded_sse(events: AsyncIterator[str], outputs: AsyncIterator, what: 
         await outputs.aclose()
     if done:
         yield "data: [DONE]\n\n"
+
+
+class StreamUsage:
+    """The usage a stream reports (stream_options): none; with include_usage, `usage: null` in every chunk
+    and the totals in a last chunk; with continuous_usage_stats too (vLLM's), every chunk counts its
+    choice's tokens so far."""
+
+    def __init__(self, options: Any):
+        self.final = bool(options and options.include_usage)
+        self.continuous = self.final and bool(options.continuous_usage_stats)
+
+    def add_to_chunk(self, body: dict, prompt_tokens: int, output: Any) -> dict:
+        """Sets the usage of `body`, a chunk of the choice whose latest engine output is `output` (None before
+        its first)."""
+        if self.continuous:
+            body["usage"] = usage(prompt_tokens, len(output.token_ids) if output is not None else 0)
+        elif self.final:
+            body["usage"] = None
+        return body
 
 
 def sse(data: dict | str) -> str:

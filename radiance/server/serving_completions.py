@@ -17,7 +17,8 @@ from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import CompletionRequest, new_id, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             completion_logprobs, encode_prompt, merged_outputs, resolve_max_tokens,
-                                            guarded_sse, sampling_params, sse, token_chars, tokens_sent)
+                                            guarded_sse, sampling_params, sse, StreamUsage, token_chars,
+                                            tokens_sent)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
 
 
 class CompletionChoice:
-    def __init__(self, state: ServerState, index: int, prompt_text: str, echo: bool):
+    def __init__(self, state: ServerState, index: int, prompt_text: str, echo: bool, prompt_tokens: int = 0):
         self.index = index
+        self.prompt_tokens = prompt_tokens
         self.tokenizer = state.tokenizer
         self.prefix = prompt_text if echo else ""
         self.timer = RequestTimer(state.metrics)
@@ -100,12 +102,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         for i in range(req.n):
             index = p * req.n + i
             jobs.append(EngineJob(f"{request_id}-{index}", ids, sampling_params(req, max_tokens, i, req.structured_output())))
-            choices.append(CompletionChoice(state, index, text, req.echo))
+            choices.append(CompletionChoice(state, index, text, req.echo, len(ids)))
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     outputs = merged_outputs(engine, jobs)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        stream = _stream(request_id, model, outputs, choices, prompt_tokens, include_usage)
+        stream = _stream(request_id, model, outputs, choices, prompt_tokens, StreamUsage(req.stream_options))
         return StreamingResponse(stream, media_type="text/event-stream")
 
     texts = ["" for _ in choices]
@@ -130,22 +131,20 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
 
 def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[CompletionChoice],
-                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+            prompt_tokens: int, stream_usage: StreamUsage) -> AsyncIterator[str]:
     created = now()
 
     def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> dict:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
-        if include_usage:
-            body["usage"] = None
-        return body
+        return stream_usage.add_to_chunk(body, choices[index].prompt_tokens, choices[index].output)
 
     async def events() -> AsyncIterator[str]:
         async for index, out in outputs:
             text, logprobs = choices[index].step(out)
             if text or logprobs or out.finished:
                 yield sse(chunk(index, text, logprobs, out.finish_reason if out.finished else None))
-        if include_usage:
+        if stream_usage.final:
             completion_tokens = sum(len(c.output.token_ids) for c in choices if c.output is not None)
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

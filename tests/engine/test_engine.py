@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy
 import pytest
 
 from radiance import SamplingParams
@@ -280,6 +281,19 @@ def test_generate_checks_its_arguments(tiny_llm):
     llm = tiny_llm(max_num_seqs=4)
     with pytest.raises(ValueError, match="0 sampling params for 1 prompts"):
         llm.generate([[1, 2, 3]], [])  # was served with the default parameters
+    # a float id was truncated to a token, a tuple failed as "'int' object is not iterable", a dict of
+    # parameters as "'dict' object has no attribute 'logit_bias'"
+    for bad, match in (([[1.7, 2.2]], "a prompt must be"), ([[True, 3]], "a prompt must be"), (None, "prompts must be"),
+                       ([[1, 2], {"ids": [1]}], "a prompt must be")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(bad, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="sampling_params must be SamplingParams"):
+        llm.generate([[1, 2, 3]], {"max_tokens": 2})
+    assert not llm.engine.has_unfinished_requests()
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    want = llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
+    for same in ((1, 2, 3), numpy.array([1, 2, 3]), [numpy.int64(1), 2, 3]):  # one prompt of token ids
+        assert [o.outputs[0].token_ids for o in llm.generate(same, params)] == [want]
     for bad in ("hello", ["hello"], [("user", "hi")], [[{"content": "no role"}]]):
         with pytest.raises(ValueError, match="messages"):
             llm.chat(bad)

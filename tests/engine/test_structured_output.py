@@ -159,6 +159,7 @@ def test_the_backend_warms_on_a_background_thread(tiny_text_llm, tiny_llm):
     engine = tiny_text_llm().engine
     assert engine._grammar_backend is None  # the offline engine builds it on first use
     thread = engine.warm_grammar_backend()
+    assert not thread.daemon  # the interpreter waits for it: exiting mid-compile aborted the process (rc 134)
     thread.join(timeout=60)
     backend = engine._grammar_backend
     assert backend is not None and backend.compiler.get_cache_size_bytes() > 0  # the JSON-object grammar too

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 
@@ -168,6 +169,10 @@ def test_block_table_mirror_follows_appends_and_new_lists():
     ("temperature", float("inf")), ("repetition_penalty", float("inf")),  # inf / inf made NaN logits
     ("max_tokens", 2.5), ("n", 1.5), ("top_k", 1.5), ("seed", 1.5), ("logprobs", 0.5), ("prompt_logprobs", 1.5),
     ("stop", 5), ("stop", [None]), ("stop", ["ok", 3]), ("stop_token_ids", [1.5]), ("stop_token_ids", ["7"]),
+    # a string or None where a number belongs raised a bare TypeError; "no" for ignore_eos was true
+    ("temperature", "0.5"), ("top_p", None), ("min_p", [0.1]), ("repetition_penalty", "2"),
+    ("presence_penalty", None), ("frequency_penalty", "1"), ("n", True), ("max_tokens", True),
+    ("ignore_eos", "no"), ("skip_special_tokens", 2),
 ])
 def test_sampling_params_name_the_field_of_a_bad_value(field, value):
     """Non-finite floats and non-integers where an integer belongs were accepted, and failed later inside the
@@ -175,3 +180,9 @@ def test_sampling_params_name_the_field_of_a_bad_value(field, value):
     with pytest.raises(ValueError, match=field) as info:
         SamplingParams(**{field: value})
     assert isinstance(info.value, RadianceError)  # what the server answers with a 400
+
+
+def test_sampling_params_take_numpy_scalars():
+    params = SamplingParams(temperature=numpy.float32(0.5), top_k=numpy.int64(3), ignore_eos=numpy.bool_(True),
+                            skip_special_tokens=0)
+    assert params.ignore_eos is True and params.skip_special_tokens is False and params.top_k == 3

@@ -142,6 +142,14 @@ def test_max_tokens_and_stop(client):
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("one", "stop")
 
 
+def test_max_tokens_defaults_to_16_on_completions_and_to_the_context_on_chat(client, server):
+    """OpenAI's (and vLLM's) completions default to 16 tokens; chat's max_tokens has no default."""
+    client.completions.create(model="fake", prompt="abc")
+    assert server[1].requests[-1][2].max_tokens == 16
+    chat(client, "abc")
+    assert server[1].requests[-1][2].max_tokens > 16
+
+
 def test_chat_logprobs(client):
     r = chat(client, "hey", logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content

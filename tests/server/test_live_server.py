@@ -82,6 +82,9 @@ def test_completions_stop_logprobs_echo(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="smol", prompt=prompt, max_tokens=8, temperature=0, stop=["."], stream=True) if c.choices)
     assert streamed == choice.text
+    kept = client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0, stop=["."],
+                                     extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.text == choice.text + "." and kept.finish_reason == "stop"
 
 
 def test_echo_logprobs_score_the_prompt(client, server):

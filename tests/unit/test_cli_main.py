@@ -1,0 +1,47 @@
+"""The `radiance` dispatcher and `radiance generate`: the user's mistakes are one line, found before a model loads."""
+
+import pytest
+
+from radiance.cli import main
+
+
+def _one_error_line(capsys, prefix: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(prefix), err
+    return err
+
+
+def test_a_bad_log_level_from_the_environment_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("RADIANCE_LOG_LEVEL", "chatty")
+    assert main(["inspect"]) == 2
+    assert "RADIANCE_LOG_LEVEL=CHATTY is not one of DEBUG, INFO, WARNING, ERROR" in _one_error_line(capsys, "radiance:")
+
+
+def test_the_log_level_flag_overrides_a_bad_environment(monkeypatch, capsys):
+    monkeypatch.setenv("RADIANCE_LOG_LEVEL", "chatty")
+    with pytest.raises(SystemExit):
+        main(["--log-level", "ERROR", "--version"])
+    assert "radiance" in capsys.readouterr().out
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    from radiance.engine.llm import LLM
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model loaded although an option was bad")
+
+    monkeypatch.setattr(LLM, "from_engine_config", must_not_load)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-tokens", "0"], "max_tokens must be at least 1"),
+    (["--temperature", "-1"], "temperature must be non-negative"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2]"),
+    (["--grammar", "/nonexistent.gbnf"], "--grammar: cannot read /nonexistent.gbnf"),
+    (["--dtype", "float8"], "dtype must be one of"),
+])
+def test_generate_checks_its_options_before_loading(no_loading, capsys, argv, message):
+    assert main(["generate", "hi", *argv]) == 2
+    assert message in _one_error_line(capsys, "radiance generate: error:")
