@@ -35,11 +35,12 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from radiance.checkpoint import open_checkpoint
-    from radiance.checkpoint.inspect import inspect_lines
+    from radiance.checkpoint.inspect import inspect_report
 
     ckpt = open_checkpoint(_source(args.path))
-    print("\n".join(inspect_lines(ckpt, with_tokenizer=args.tokenizer)))
-    return 1 if (args.strict and ckpt.warnings) else 0
+    lines, warnings = inspect_report(ckpt, with_tokenizer=args.tokenizer)
+    print("\n".join(lines))
+    return 1 if (args.strict and warnings) else 0
 
 
 def register(subparsers) -> None:
@@ -59,5 +60,6 @@ def register(subparsers) -> None:
     inspect.add_argument("path", nargs="?", default=None,
                          help="HF directory or .gguf file (default: the embedded SmolLM2)")
     inspect.add_argument("--tokenizer", action="store_true", help="also load the tokenizer and report it")
-    inspect.add_argument("--strict", action="store_true", help="exit 1 when there are sanity warnings")
+    inspect.add_argument("--strict", action="store_true",
+                         help="exit 1 when there are sanity warnings (a model radiance cannot serve included)")
     inspect.set_defaults(func=_run_inspect)

@@ -57,10 +57,15 @@ def modelopt_quant_file(model_dir: str) -> tuple[dict | None, str]:
     return {"quant_method": "modelopt", **(data.get("quantization") or {})}, path
 
 
-def quantization_config(config: dict) -> dict | None:
+def quantization_config(config: dict, file: str = "config.json") -> dict | None:
     """The checkpoint's quantization_config (older compressed-tensors exports call it compression_config)."""
-    qc = config.get("quantization_config") or config.get("compression_config")
-    return qc if isinstance(qc, dict) else None
+    for key in ("quantization_config", "compression_config"):
+        qc = config.get(key)
+        if qc is not None and not isinstance(qc, dict):  # else read as unquantized: packed codes as weights
+            raise CheckpointError(f"config.json field {key!r} must be an object, got {qc!r}", file=file)
+        if qc:
+            return qc
+    return None
 
 
 def head_dim(config: dict) -> int | None:
@@ -79,6 +84,8 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
     hd = head_dim(config)
     if not (hidden and heads and hd and inter):
         return {}
+    if heads % kv_heads or (not config.get("head_dim") and hidden % heads):
+        return {}  # heads that cannot split: the model registry names the config error, not a shape
     q, kv = heads * hd, kv_heads * hd
     shapes = {
         "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),

@@ -25,7 +25,7 @@ from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES,
 from radiance.checkpoint.quant_config import parse_quantization_config
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.checkpoint.stacked_experts import find_stacked_experts, read_stacked_experts
-from radiance.errors import CheckpointError
+from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight, concat_partitions, dequantize
 from radiance.models.arch_config import MoeConfig
 
@@ -33,6 +33,15 @@ logger = logging.getLogger(__name__)
 
 _DECODER_PROJ = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj$")
 _EXPERT_PROJ = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj$")
+
+
+# buffers older exports saved with the weights (transformers < 4.31 Llama: rotary_emb.inv_freq in every layer);
+# radiance computes them from config.json, as transformers and vLLM do when they skip them
+_DERIVED_LEAVES = ("inv_freq", "cos_cached", "sin_cached")
+
+
+def _is_derived_buffer(module: str, leafname: str) -> bool:
+    return leafname in _DERIVED_LEAVES and leaf(module) == "rotary_emb"
 
 
 @dataclass
@@ -47,7 +56,7 @@ class HfCheckpoint(Checkpoint):
         path = os.path.abspath(path)
         config = load_config(path)
         self.config_file = os.path.join(path, "config.json")
-        qc, qc_file = quantization_config(config), self.config_file
+        qc, qc_file = quantization_config(config, self.config_file), self.config_file
         if qc is None:
             qc, qc_file = modelopt_quant_file(path)
         quant = parse_quantization_config(qc, qc_file)
@@ -78,10 +87,14 @@ class HfCheckpoint(Checkpoint):
         plain, biases = [], {}
         attention_scales = []
         stacked = {name for group in self._stacked.values() for name in group.tensor_names()}
+        derived = []
         for name in self.index.meta:
             if name in stacked:
                 continue
             module, leafname = split_tensor_name(name)
+            if _is_derived_buffer(module, leafname):
+                derived.append(name)
+                continue
             if leafname in ATTENTION_SCALE_SUFFIXES:
                 attention_scales.append(name)
                 continue
@@ -119,6 +132,8 @@ class HfCheckpoint(Checkpoint):
                    else "check the quantization_config targets")
             self.quant._warn(f"quantization_config says {len(modules)} {kind} module(s) (e.g. {modules[0]}) are "
                              f"{said} but they are stored as {stored}; reading them as stored ({fix})")
+        if derived:
+            logger.info("skipping %d rotary buffer(s) the model computes itself (e.g. %s)", len(derived), derived[0])
         self._check_plain(plain)
         self._check_complete(linears, plain)
         if attention_scales:
@@ -174,7 +189,10 @@ class HfCheckpoint(Checkpoint):
         if not self.tie_word_embeddings:
             needed.append("lm_head")
         sparse = self.config.get("num_experts") or self.config.get("num_local_experts")
-        moe = MoeConfig.from_hf(self.config, "model", layers) if sparse else None
+        try:
+            moe = MoeConfig.from_hf(self.config, self.architecture, layers) if sparse else None
+        except ConfigError:  # a layout radiance does not know: the architecture check says why (inspect warns)
+            return
         router = "router" if self.config.get("model_type") == "gpt_oss" else "gate"
         for i in range(layers):
             p = f"model.layers.{i}"

@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 from radiance.checkpoint.base import Checkpoint
 from radiance.checkpoint.names import layer_kind
+from radiance.checkpoint.servable import servability_problem
 
 _LAYER = re.compile(r"\.layers\.\d+\.")
 
@@ -45,12 +46,20 @@ def _model_line(config: dict) -> str:
 
 
 def inspect_lines(ckpt: Checkpoint, with_tokenizer: bool = False) -> list[str]:
+    return inspect_report(ckpt, with_tokenizer)[0]
+
+
+def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list[str], list[str]]:
+    """(the lines `radiance inspect` prints, its warnings: first of all why radiance cannot serve the model)."""
+    problem = servability_problem(ckpt)
+    warnings = ([f"not servable: {problem}"] if problem else []) + list(ckpt.warnings)
     entries = ckpt.describe()
     lines = [f"model      {ckpt.path}", f"kind       {ckpt.kind}, {ckpt.architecture}",
              f"config     {_model_line(ckpt.config)}", f"quant      {ckpt.quant.describe()}"]
     if ckpt.kind == "gguf":
         kinds = sorted({e.source_format for e in entries if e.source_format})
         lines[-1] += f"; GGUF {'/'.join(kinds)} tensors are dequantized to float32 at load"
+    lines.append(f"servable   {'NO: ' + problem if problem else 'yes'}")
     template = ckpt.chat_template
     lines.append(f"generation eos ids {ckpt.eos_token_ids}, chat template {'yes' if template else 'no'}")
     if with_tokenizer:
@@ -88,5 +97,5 @@ def inspect_lines(ckpt: Checkpoint, with_tokenizer: bool = False) -> list[str]:
                              f"{min(values):.4g} .. {max(values):.4g}")
     total = sum(e.nbytes for e in entries)
     lines += ["", f"total      {len(entries)} entries, {_mib(total)}"]
-    lines += ["", f"warnings   {len(ckpt.warnings) or 'none'}"] + [f"  - {w}" for w in ckpt.warnings]
-    return lines
+    lines += ["", f"warnings   {len(warnings) or 'none'}"] + [f"  - {w}" for w in warnings]
+    return lines, warnings

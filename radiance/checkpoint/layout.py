@@ -239,12 +239,22 @@ def weight_tensors(module: str, weight, dense_dtype: torch.dtype = torch.bfloat1
         scale = weight.scale.float().reshape(-1, 1)
         return {f"{module}.weight": weight.w8, f"{module}.weight_scale": scale.expand(n, 1).contiguous()}
     tensor = weight.tensor
-    return {f"{module}.weight": tensor.to(_dense_dtype(tensor.dtype, dense_dtype))}
+    return {f"{module}.weight": cast_16bit(tensor, _dense_dtype(tensor.dtype, dense_dtype))}
 
 
 def plain_tensor(tensor: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Non-linear tensors (embeddings, norms, biases): fp32 -> the 16-bit dtype; 16-bit kept."""
     if tensor.dtype == torch.float32:
-        return tensor.to(dense_dtype)
+        return cast_16bit(tensor, dense_dtype)
     return tensor
 
+
+def cast_16bit(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)`, refusing finite values that become inf (fp32 above 65504 cast to float16)."""
+    out = tensor.to(dtype)
+    if out.dtype != tensor.dtype and out.is_floating_point():
+        overflow = torch.isinf(out) & torch.isfinite(tensor)
+        if bool(overflow.any()):
+            largest = float(tensor[overflow].abs().max())
+            raise ValueError(f"a value of magnitude {largest:.6g} overflows {str(dtype).replace('torch.', '')}")
+    return out

@@ -164,9 +164,10 @@ def parse_quantization_config(qc: dict | None, source: str = "config.json") -> Q
     elif method == "mxfp4":  # the experts' format is in their tensor names; no linear is quantized
         spec = QuantSpec(method="mxfp4", storage="mxfp4 (experts)", source=source)
     else:
-        raise CheckpointError(
-            f"unsupported quantization_config.quant_method {qc.get('quant_method')!r}; "
-            f"radiance reads {', '.join(METHODS[1:])} checkpoints (or unquantized ones)", file=source)
+        what = (f"unsupported quantization_config.quant_method {qc['quant_method']!r}" if qc.get("quant_method")
+                else "quantization_config has no quant_method")
+        raise CheckpointError(f"{what}; radiance reads {', '.join(METHODS[1:])} checkpoints (or unquantized ones)",
+                              file=source)
     exclusions = {"compressed-tensors": "ignore", "quark": "exclude", "modelopt": "exclude_modules",
                   "mxfp4": "modules_to_not_convert"}[method]
     _resolve_ignore(spec, qc.get(exclusions) or [])

@@ -166,10 +166,14 @@ class ShardWriter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
+        self._names: set[str] = set()
         self.total_bytes = 0
         os.makedirs(out_dir, exist_ok=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:  # the later one would silently win (or both land in different shards)
+            raise CheckpointError("tensor written twice", file=self.out_dir, tensor=name)
+        self._names.add(name)
         size = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + size > self.max_shard_bytes:
             self._flush()

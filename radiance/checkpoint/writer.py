@@ -23,6 +23,7 @@ from radiance.checkpoint.layout import plain_tensor, split_partitions, weight_te
 from radiance.checkpoint.names import partition_modules
 from radiance.checkpoint.report import RequantReport
 from radiance.checkpoint.safetensors_io import ShardWriter
+from radiance.checkpoint.servable import check_servable
 from radiance.config import ConvertConfig
 from radiance.errors import CheckpointError
 
@@ -61,8 +62,13 @@ def quantization_config_for(fmt: str, ignore: list[str], rule: str | None = None
 
 
 def _with_untied_head(items: Iterator, quantize_lm_head: bool, tied: bool) -> Iterator:
-    """A tied lm_head that is to be quantized needs its own tensor: emit a copy of the embeddings."""
+    """A tied lm_head that is to be quantized needs its own tensor: emit a copy of the embeddings.
+
+    A 16-bit lm_head.weight stored beside tied embeddings is dropped: the served model (like transformers' and
+    vLLM's) reads the embeddings instead, and written out it would replace the quantized copy of them."""
     for name, obj in items:
+        if tied and name == "lm_head.weight":
+            continue
         yield name, obj
         if quantize_lm_head and tied and name == "model.embed_tokens.weight":
             yield "lm_head.weight", obj.clone()
@@ -100,6 +106,7 @@ def convert_checkpoint(src, dst: str, config: ConvertConfig = ConvertConfig(), p
     from radiance.checkpoint import open_checkpoint
 
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    check_servable(ckpt)  # convert only rewrites linears: a model radiance cannot load stays one
     dst = os.path.abspath(dst)
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise CheckpointError("destination exists and is not an empty directory; choose a new one", file=dst)
@@ -142,6 +149,18 @@ def _discard(dst: str, created: str | None) -> None:
                 os.remove(path)
 
 
+@contextlib.contextmanager
+def _naming(tensor: str, source: str):
+    """A 16-bit cast that fails (fp32 values beyond float16's range) becomes a CheckpointError naming the tensor."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except ValueError as exc:
+        raise CheckpointError(f"cannot write it 16-bit: {exc} (--dense-dtype bfloat16 holds it)", file=source,
+                              tensor=tensor) from None
+
+
 def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool) -> RequantReport:
     dense_dtype = getattr(torch, config.dense_dtype)
     report = RequantReport(config.format, config.rule if config.format == "mxfp4" else None)
@@ -160,16 +179,20 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool) 
                 raise CheckpointError(f"{name} has {len(parts)} partitions, expected {len(modules)}", tensor=name)
             partition_sizes[name] = obj.partition_sizes
             for module, part in zip(modules, parts):
-                for tensor_name, tensor in weight_tensors(module, part, dense_dtype).items():
+                with _naming(f"{module}.weight", ckpt.path):
+                    tensors = weight_tensors(module, part, dense_dtype)
+                for tensor_name, tensor in tensors.items():
                     writer.add(tensor_name, tensor)
                 if part.format == "dense":
                     kept_dense.append(module)
         elif name.endswith(".bias") and name[: -len(".bias")] in partition_sizes:
             merged = name[: -len(".bias")]
             for module, piece in zip(partition_modules(merged), torch.split(obj, partition_sizes[merged])):
-                writer.add(f"{module}.bias", plain_tensor(piece, dense_dtype))
+                with _naming(f"{module}.bias", ckpt.path):
+                    writer.add(f"{module}.bias", plain_tensor(piece, dense_dtype))
         else:
-            writer.add(name, plain_tensor(obj, dense_dtype))
+            with _naming(name, ckpt.path):
+                writer.add(name, plain_tensor(obj, dense_dtype))
     files = writer.finish()
 
     out_config = {k: v for k, v in ckpt.config.items()

@@ -23,7 +23,7 @@ from radiance.engine.linears import build_linear, build_lm_head
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight
 from radiance.layers.linear import UnloadedLinear
-from radiance.models.registry import build_model
+from radiance.models.registry import build_model, parameter_name
 
 logger = logging.getLogger(__name__)
 
@@ -98,25 +98,6 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
         torch.set_default_dtype(old)
 
 
-# canonical tensor name endings -> the parameter that holds them in our module tree
-_TENSOR_TARGETS = (
-    ("self_attn.qkv_proj.bias", "self_attn.qkv_bias"),
-    ("self_attn.o_proj.bias", "self_attn.o_bias"),  # gpt-oss
-    ("gate_up_proj.bias", "gate_up_bias"),  # gpt-oss experts
-    ("down_proj.bias", "down_bias"),
-    ("mlp.router.weight", "mlp.gate.weight"),  # gpt-oss's router is Qwen's gate
-    ("mlp.router.bias", "mlp.gate.bias"),
-)
-
-
-def _tensor_target(name: str, model) -> str:
-    """Canonical tensor name -> parameter name in our module tree."""
-    for ending, target in _TENSOR_TARGETS:
-        if name.endswith(ending):
-            return name[: -len(ending)] + target
-    return name
-
-
 def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig | None = None,
                checkpoint=None, progress: bool = True) -> LoadedModel:
     if isinstance(config, EngineConfig):
@@ -147,7 +128,7 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
 
     for name, item in checkpoint.iter_weights(progress=progress):
         if isinstance(item, torch.Tensor):
-            target = _tensor_target(name, model)
+            target = parameter_name(name)
             if target == "lm_head.weight" and model.config.tie_word_embeddings:
                 logger.debug("ignoring lm_head.weight of a model with tied embeddings")
                 continue

@@ -55,13 +55,15 @@ class ArchConfig:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        if config.get("hidden_act", "silu") != "silu":
+        if config.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: swish is silu
             raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
-        rope = dict(config.get("rope_parameters") or {})  # transformers >= 5 folds theta into it
-        theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
-        scaling = rope or config.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-            scaling = None
+        if config.get("mlp_bias"):
+            raise ConfigError("mlp_bias true is not supported (the MLP projections have no bias in radiance)")
+        kv_heads, head_dim = _heads(config, architecture, hidden, heads)
+        theta, scaling = _rope(config)
+        # Llama's attention_bias: q, k, v and o all carry a bias (as in transformers)
+        flags = {"qkv_bias": bool(config.get("attention_bias")), "o_bias": bool(config.get("attention_bias"))}
+        flags.update(overrides)
         return cls(
             architecture=architecture,
             vocab_size=need("vocab_size"),
@@ -69,8 +71,8 @@ class ArchConfig:
             intermediate_size=need("intermediate_size"),
             num_layers=need("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -78,8 +80,59 @@ class ArchConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             moe=MoeConfig.from_hf(config, architecture, need("num_hidden_layers")),
             **_sliding_window(config, need("num_hidden_layers")),
-            **overrides,
+            **flags,
         )
+
+
+def _heads(config: dict, architecture: str, hidden: int, heads: int) -> tuple[int, int]:
+    """(num_key_value_heads, head_dim): a missing kv count means one per head and a missing head_dim
+    hidden_size / heads, as in transformers; grouped-query attention needs heads to split evenly."""
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ConfigError(f"config.json of a {architecture} model: num_attention_heads {heads} is not a multiple "
+                          f"of num_key_value_heads {kv_heads}")
+    head_dim = config.get("head_dim")
+    if not head_dim:
+        if hidden % heads:
+            raise ConfigError(f"config.json of a {architecture} model gives no head_dim and hidden_size {hidden} "
+                              f"is not a multiple of num_attention_heads {heads}")
+        head_dim = hidden // heads
+    return kv_heads, head_dim
+
+
+# rope_type -> the keys its frequencies are computed from (radiance.layers.rotary)
+ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",)}
+
+
+def _rope(config: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope scaling or None) from transformers 5's `rope_parameters` or the older `rope_theta` +
+    `rope_scaling`, checked here so that an unsupported or incomplete scaling is one line before any load."""
+    rope = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    for key, value in (("rope_parameters", rope), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"config.json {key} must be an object, got {value!r}")
+    rope = dict(rope or {})
+    theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
+    scaling = rope or scaling
+    partial = (scaling or {}).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported (radiance rotates whole heads)")
+    if not scaling:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    for key in ROPE_TYPES[kind]:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{kind} rope_scaling needs a positive number for {key!r}, got {value!r}")
+    # dynamic NTK (transformers) rescales only past max_position_embeddings, which radiance never serves:
+    # below it, its frequencies are exactly the default ones
+    if kind in ("default", "dynamic"):
+        return float(theta), None
+    return float(theta), scaling
 
 
 def _sliding_window(config: dict, num_layers: int) -> dict:

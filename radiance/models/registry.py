@@ -1,4 +1,8 @@
-"""Chooses the model class from config.json `architectures`."""
+"""Chooses the model class from config.json `architectures` (or, without it, `model_type`).
+
+`resolve_architecture` is the one check of whether a config is servable: loading calls it, and so do
+`radiance inspect` (a warning) and `radiance convert` (a refusal before any work), with the same message.
+"""
 
 from __future__ import annotations
 
@@ -19,24 +23,72 @@ MODEL_CLASSES = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+# model_type -> class, for configs that omit `architectures` (as transformers' AutoModelForCausalLM maps them)
+MODEL_TYPES = {
+    "gpt_oss": "GptOssForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def supported_architectures() -> str:
+    return ", ".join(MODEL_CLASSES)
+
+
+def _named_architectures(hf_config: dict) -> list[str]:
+    names = hf_config.get("architectures") or []
+    if not names and hf_config.get("model_type") in MODEL_TYPES:
+        names = [MODEL_TYPES[hf_config["model_type"]]]
+    return list(names)
+
+
+def _unsupported(hf_config: dict) -> ConfigError:
+    names, model_type = hf_config.get("architectures"), hf_config.get("model_type")
+    if names:
+        what = f"model architecture {', '.join(map(str, names))}"
+    elif model_type:
+        what = f"model_type {model_type!r} (config.json lists no architectures)"
+    else:
+        what = "model: config.json names no architecture (neither 'architectures' nor 'model_type')"
+    return ConfigError(f"unsupported {what}; radiance serves {supported_architectures()}")
 
 
 def resolve_architecture(hf_config: dict) -> tuple[type[LlamaForCausalLM], ArchConfig]:
-    names = hf_config.get("architectures") or []
-    if not names and hf_config.get("model_type") == "llama":
-        names = ["LlamaForCausalLM"]
-    for name in names:
+    """The model class and its ArchConfig; a ConfigError of one line for anything radiance cannot serve."""
+    for name in _named_architectures(hf_config):
         if name in MODEL_CLASSES:
             cls = MODEL_CLASSES[name]
-            cfg = ArchConfig.from_hf(hf_config, name, **cls.arch_overrides)
-            if cfg.moe is not None and not cls.supports_moe:
-                raise ConfigError(f"config.json gives {name} {cfg.moe.num_experts} experts; radiance serves "
-                                  f"mixture-of-experts MLPs for {', '.join(n for n, c in MODEL_CLASSES.items() if c.supports_moe)}")
-            return cls, cfg
-    raise ConfigError(f"unsupported model architecture {names or '(none given)'}; "
-                      f"supported: {', '.join(MODEL_CLASSES)}")
+            experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+            if experts and not cls.supports_moe:  # before ArchConfig asks for the expert sizes
+                moe_classes = ", ".join(n for n, c in MODEL_CLASSES.items() if c.supports_moe)
+                raise ConfigError(f"config.json gives {name} {experts} experts; radiance serves "
+                                  f"mixture-of-experts MLPs for {moe_classes}")
+            return cls, ArchConfig.from_hf(hf_config, name, **cls.arch_overrides)
+    raise _unsupported(hf_config)
 
 
 def build_model(hf_config: dict) -> LlamaForCausalLM:
     cls, cfg = resolve_architecture(hf_config)
     return cls(cfg)
+
+
+# canonical tensor name endings -> the parameter that holds them in our module tree
+_PARAMETER_ENDINGS = (
+    ("self_attn.qkv_proj.bias", "self_attn.qkv_bias"),
+    ("self_attn.o_proj.bias", "self_attn.o_bias"),  # gpt-oss
+    ("gate_up_proj.bias", "gate_up_bias"),  # gpt-oss experts
+    ("down_proj.bias", "down_bias"),
+    ("mlp.router.weight", "mlp.gate.weight"),  # gpt-oss's router is Qwen's gate
+    ("mlp.router.bias", "mlp.gate.bias"),
+)
+
+
+def parameter_name(tensor: str) -> str:
+    """Canonical tensor name -> parameter name in our module tree (the loader and `servable` share it)."""
+    for ending, target in _PARAMETER_ENDINGS:
+        if tensor.endswith(ending):
+            return tensor[: -len(ending)] + target
+    return tensor

@@ -141,13 +141,15 @@ def test_qwen2_biases_are_merged_and_split_back(tmp_path):
 
     sd = dense_state_dict()
     gen = torch.Generator().manual_seed(7)
-    for x, n in (("q", 64), ("k", 32), ("v", 32)):
-        sd[f"model.layers.0.self_attn.{x}_proj.bias"] = torch.randn(n, generator=gen).to(torch.bfloat16)
-    src = write_dir(str(tmp_path / "src"), sd, TINY)
+    for i in range(2):
+        for x, n in (("q", 64), ("k", 32), ("v", 32)):
+            sd[f"model.layers.{i}.self_attn.{x}_proj.bias"] = torch.randn(n, generator=gen).to(torch.bfloat16)
+    qwen2 = dict(TINY, architectures=["Qwen2ForCausalLM"], model_type="qwen2")  # Llama has no q/k/v bias
+    src = write_dir(str(tmp_path / "src"), sd, qwen2)
     got = open_checkpoint(src).state_dict()
     bias = got["model.layers.0.self_attn.qkv_proj.bias"]
     assert torch.equal(bias, torch.cat([sd[f"model.layers.0.self_attn.{x}_proj.bias"] for x in "qkv"]))
-    assert "model.layers.1.self_attn.qkv_proj.bias" not in got
+    assert "model.layers.0.self_attn.q_proj.bias" not in got
     convert_checkpoint(src, str(tmp_path / "out"), ConvertConfig(format="mxfp4"), progress=False)
     again = open_checkpoint(str(tmp_path / "out"))
     assert torch.equal(again.state_dict()["model.layers.0.self_attn.qkv_proj.bias"], bias)

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from radiance import LLM, SamplingParams
+from radiance import SamplingParams
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError
 from radiance.layers.sampler import LogitAdjustment, SamplingRow, adjust_logits, apply_token_masks, sample
 from tests.engine.conftest import tiny_byte_bpe_tokenizer
