@@ -73,7 +73,7 @@ pdl)
     grep -h "batch 1" "$OUT"/early-*.log "$OUT"/prefetch-*.log
     ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|kernels|models|sweep|splits|retune|pdl]" >&2
+    echo "usage: bash tools/device_session.sh [quick|cases|kernels|models|sweep|splits|retune|pdl]" >&2
     exit 2
     ;;
 esac

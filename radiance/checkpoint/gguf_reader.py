@@ -4,18 +4,25 @@ Q4_0 / Q4_1 / Q4_K linears are read as `Int4Weight` (their codes, scales and off
 CPU can serve them from 4-bit codes; the `gguf` package dequantizes every other tensor (Q8_0, ...) to
 float32. llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are
 permuted back to the HF layout here, so one model implementation serves both. The config is synthesized
-from the GGUF metadata as an HF config.json dict; the tokenizer comes from transformers' GGUF support, the
-chat template from the metadata. The file itself is read by gguf_file (gguf-py's reader takes seconds on a
-large vocabulary).
+from the GGUF metadata as an HF config.json dict (rope scaling included: {arch}.rope.scaling.*, or Llama 3's
+rope_freqs tensor read back into its llama3 parameters); the tokenizer comes from transformers' GGUF support,
+the chat template from the metadata. A split GGUF (model-00001-of-00003.gguf) is read from all its parts.
+Other architectures open, for the model registry to refuse them as it refuses an HF checkpoint; a tensor
+type the gguf package cannot dequantize is refused at open. The file itself is read by gguf_file (gguf-py's
+reader takes seconds on a large vocabulary).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import math
 import os
+import re
 from typing import Iterator
 
+import gguf
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -42,8 +49,9 @@ _BLOCK_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",  # Llama attention_bias
 }
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: its rope scaling as per-frequency divisors, read into the config
 _ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                   "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 _PERMUTED_ARCHS = ("llama",)  # llama.cpp permutes q/k only for these
@@ -70,6 +78,59 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+@functools.cache
+def readable_types() -> tuple[str, ...]:
+    """The GGML tensor types the gguf package dequantizes (probed: the list grows with its version)."""
+    readable = []
+    for qtype in gguf.GGMLQuantizationType:
+        block_bytes = gguf.GGML_QUANT_SIZES.get(qtype, (0, 0))[1]
+        try:
+            gguf.quants.dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
+        except (NotImplementedError, ValueError):
+            continue
+        readable.append(qtype.name)
+    return tuple(readable)
+
+
+def llama3_rope_scaling(divisors: np.ndarray, head_dim: int, theta: float) -> dict | None:
+    """Llama 3's rope scaling (factor, low/high_freq_factor, original_max_position_embeddings) that divides
+    the default frequencies by `divisors`, as llama.cpp's converter wrote them to rope_freqs; None when they
+    are all 1. Frequencies depend on the scaling only through the band edges, so a band without inner
+    points is placed between its neighbours. Raises ValueError for divisors no such scaling gives."""
+    from radiance.layers.rotary import rope_inv_freq
+
+    divisors = divisors.astype(np.float64)
+    if len(divisors) != head_dim // 2:
+        raise ValueError(f"{len(divisors)} rope factors for head_dim {head_dim} (want {head_dim // 2})")
+    if np.allclose(divisors, 1.0, rtol=0, atol=1e-6):
+        return None
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = float(divisors.max())
+    kept, slowed = divisors <= 1 + 1e-6, divisors >= factor * (1 - 1e-6)
+    band = ~kept & ~slowed
+    if band.sum() >= 2:  # inside the band 1/divisor blends 1/factor and 1: smooth = old_len/wavelen*k - low*k
+        smooth = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)
+        slope, offset = np.linalg.lstsq(np.stack([1 / wavelen[band], -np.ones(band.sum())], 1), smooth, rcond=None)[0]
+        low_wavelen, high_wavelen = slope / offset, slope / (1 + offset)
+    elif kept.any() and slowed.any() and not band.any():
+        edge = math.sqrt(wavelen[kept].max() * wavelen[slowed].min())
+        high_wavelen, low_wavelen = math.sqrt(wavelen[kept].max() * edge), math.sqrt(edge * wavelen[slowed].min())
+    else:
+        raise ValueError("the factors do not rise from 1 to one maximum")
+    def nearly_whole(x: float) -> float:  # 8191.9999 as fitted: 8192, as the model's config.json said
+        return float(round(x)) if abs(x - round(x)) < 1e-5 * x else float(x)
+
+    # with low_freq_factor 1, original_max_position_embeddings is the band's long edge
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": nearly_whole(low_wavelen / high_wavelen),
+               "original_max_position_embeddings": nearly_whole(low_wavelen)}
+    want = rope_inv_freq(head_dim, theta, None).double() / torch.from_numpy(divisors)
+    got = rope_inv_freq(head_dim, theta, scaling).double()
+    if not (low_wavelen > high_wavelen > 0) or not torch.allclose(got, want, rtol=1e-4, atol=0):
+        raise ValueError("they are not Llama 3 rope scaling")
+    return scaling
+
+
 # GGUF types whose values are exactly code * scale + offset per 32 weights: (bytes per block, weights per
 # block, codes per nibble run: code byte j holds code j of a run in its low nibble and of the next run in
 # its high nibble)
@@ -92,8 +153,6 @@ def int4_from_blocks(blocks: np.ndarray, type_name: str, rows: int, cols: int) -
         return raw[..., at:at + 2].contiguous().view(torch.float16).reshape(rows, per_row).float()
 
     if type_name == "Q4_K":
-        import gguf
-
         sc, m = (torch.from_numpy(a.astype(np.float32)).reshape(rows, per_row, 8)
                  for a in gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12).numpy()))
         scale = (fp16_field(0).unsqueeze(-1) * sc).reshape(rows, -1)
@@ -117,11 +176,12 @@ class GgufCheckpoint(Checkpoint):
         path = os.path.abspath(path)
         self.file = GgufFile(path)
         self.arch = str(self._field("general.architecture", "llama"))
-        if self.arch not in _ARCHITECTURES:
-            raise CheckpointError(f"unsupported GGUF architecture {self.arch!r}; radiance reads "
-                                  f"{', '.join(_ARCHITECTURES)}", file=path)
-        self.tensors = {t.name: t for t in self.file.tensors}
-        super().__init__(path=path, kind="gguf", config=self._synthesize_config(), quant=QuantSpec(source=path))
+        self.tensors = {t.name: t for part in self._split_parts() for t in part.tensors}
+        # another architecture still opens (inspect reports it); serving it fails as for an HF checkpoint
+        config = self._synthesize_config() if self.arch in _ARCHITECTURES else self._unread_config()
+        super().__init__(path=path, kind="gguf", config=config, quant=QuantSpec(source=path))
+        if self.arch in _ARCHITECTURES:
+            self._check_tensor_types()
         self._tokenizer = None
 
     # ------------------------------------------------------------------ metadata
@@ -137,30 +197,112 @@ class GgufCheckpoint(Checkpoint):
             raise CheckpointError(f"GGUF metadata {key} is {what}", file=self.file.path)
         return value
 
+    def _split_parts(self) -> list[GgufFile]:
+        """This file and, for a split GGUF (llama.cpp's model-00001-of-00003.gguf), its other parts, which hold
+        tensors only: the metadata is the first part's."""
+        count, number = int(self._field("split.count", 1)), int(self._field("split.no", 0))
+        if count <= 1:
+            return [self.file]
+        path = self.file.path
+        named = re.search(r"-(\d{5})-of-(\d{5})\.gguf$", path)
+        if named is None:
+            raise CheckpointError(f"part {number + 1} of a split GGUF of {count} parts whose name lacks the "
+                                  "-0000N-of-0000M.gguf ending that locates the others", file=path)
+        name = lambda i: f"{path[:named.start()]}-{i:05d}-of-{count:05d}.gguf"  # noqa: E731
+        if number != 0:
+            raise CheckpointError(f"part {number + 1} of {count} of a split GGUF: open the first part, "
+                                  f"{os.path.basename(name(1))}", file=path)
+        parts = [self.file]
+        for i in range(2, count + 1):
+            if not os.path.exists(name(i)):
+                raise CheckpointError(f"part {i} of {count} of the split GGUF is missing", file=name(i))
+            parts.append(GgufFile(name(i)))
+        total = self._field("split.tensors.count")
+        if total is not None and sum(len(p.tensors) for p in parts) != total:
+            raise CheckpointError(f"the {count} parts hold {sum(len(p.tensors) for p in parts)} tensors, "
+                                  f"not the {total} the first part announces", file=path)
+        return parts
+
+    def _unread_config(self) -> dict:
+        """An architecture radiance does not read from GGUF: named as such, so the model registry refuses it with
+        the line it gives an HF checkpoint of an unsupported architecture."""
+        return {"architectures": [self.arch], "model_type": self.arch, "vocab_size": self._vocab_size(),
+                "tie_word_embeddings": "output.weight" not in self.tensors}
+
+    def _vocab_size(self) -> int | None:
+        """From the metadata, else the token list, else the embedding's rows (a file without tokenizer data)."""
+        tokens = self._field("tokenizer.ggml.tokens")
+        embedding = self.tensors.get("token_embd.weight")
+        vocab = (self._field(f"{self.arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+                 or (int(embedding.shape[-1]) if embedding is not None and len(embedding.shape) == 2 else None))
+        return int(vocab) if vocab is not None else None
+
+    def _check_tensor_types(self) -> None:
+        """A type the gguf package cannot dequantize fails here, before convert or load read anything."""
+        readable = readable_types()
+        for t in self.tensors.values():
+            if t.tensor_type.name not in readable:
+                raise CheckpointError(f"GGUF tensor type {t.tensor_type.name} cannot be read; radiance reads "
+                                      f"{', '.join(readable)}", file=self.file.path, tensor=t.name)
+
+    def _rope_parameters(self, theta: float, head_dim: int) -> dict:
+        """rope_parameters (transformers 5's form) from {arch}.rope.scaling.* or a Llama 3 rope_freqs tensor.
+        A type radiance lacks (longrope, ...) is passed on for the model config to refuse in one line."""
+        a = self.arch
+        kind = str(self._field(f"{a}.rope.scaling.type", "none"))
+        if ROPE_FREQS in self.tensors:
+            if kind != "none":
+                raise CheckpointError(f"both {ROPE_FREQS} and {a}.rope.scaling.type {kind} scale the rope",
+                                      file=self.file.path, tensor=ROPE_FREQS)
+            try:
+                scaling = llama3_rope_scaling(self._dequantize(ROPE_FREQS, unpermute=False).numpy().ravel(),
+                                              head_dim, theta)
+            except ValueError as exc:
+                raise CheckpointError(f"{ROPE_FREQS} holds rope factors radiance cannot apply: {exc}",
+                                      file=self.file.path, tensor=ROPE_FREQS) from None
+            return {"rope_theta": theta, **(scaling or {"rope_type": "default"})}
+        factor = self._field(f"{a}.rope.scaling.factor")
+        if kind == "none" and self._field(f"{a}.rope.scale_linear", 1.0) != 1.0:  # the key of older files
+            kind, factor = "linear", self._field(f"{a}.rope.scale_linear")
+        if kind == "none":
+            return {"rope_type": "default", "rope_theta": theta}
+        attn_factor = self._field(f"{a}.rope.scaling.attn_factor", 1.0)
+        if attn_factor != 1.0:  # llama.cpp's multiplier on yarn's own attention factor: not read here
+            raise CheckpointError(f"GGUF metadata {a}.rope.scaling.attn_factor {attn_factor} is not supported",
+                                  file=self.file.path)
+        params = {"rope_type": kind, "rope_theta": theta, "factor": factor,
+                  "original_max_position_embeddings": self._field(f"{a}.rope.scaling.original_context_length"),
+                  "beta_fast": self._field(f"{a}.rope.scaling.yarn_beta_fast"),
+                  "beta_slow": self._field(f"{a}.rope.scaling.yarn_beta_slow")}
+        return {key: value for key, value in params.items() if value is not None}
+
     def _synthesize_config(self) -> dict:
         a = self.arch
         hidden = self._required(f"{a}.embedding_length")
         heads = self._required(f"{a}.attention.head_count")
         arch_name, model_type = _ARCHITECTURES[a]
-        tokens = self._field("tokenizer.ggml.tokens")
-        vocab = self._field(f"{a}.vocab_size") or (len(tokens) if tokens is not None else None)
         eos = self._field("tokenizer.ggml.eos_token_id")
         rope_theta = float(self._field(f"{a}.rope.freq_base", 10000.0))
+        head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads))
+        rope_dims = int(self._field(f"{a}.rope.dimension_count", head_dim))
+        rope = self._rope_parameters(rope_theta, rope_dims)
         return {
             "architectures": [arch_name], "model_type": model_type,
             "hidden_size": hidden, "intermediate_size": self._required(f"{a}.feed_forward_length"),
             "num_hidden_layers": self._required(f"{a}.block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
-            "head_dim": int(self._field(f"{a}.attention.key_length", hidden // heads)),
+            "head_dim": head_dim, "partial_rotary_factor": rope_dims / head_dim,
             "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+            "rope_theta": rope_theta, "rope_parameters": rope,
             "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
-            "vocab_size": int(vocab) if vocab is not None else None,
+            "vocab_size": self._vocab_size(),
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos, "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
             "hidden_act": "silu", "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            # a Mixtral-style llama file: the model registry refuses its experts in one line
+            "num_local_experts": self._field(f"{a}.expert_count"),
             "torch_dtype": "float32",  # what the dequantized tensors are
             "gguf_file_type": self._field("general.file_type"),
         }
@@ -172,7 +314,10 @@ class GgufCheckpoint(Checkpoint):
         groups: dict[str, dict[int, str]] = {}
         for name in self.tensors:
             target = hf_name(name)
-            if target is None:
+            if name == ROPE_FREQS and self.arch in _ARCHITECTURES:
+                continue  # read into the config's rope scaling
+            if target is None:  # kept under its GGUF name: the servability check reports it unused
+                groups.setdefault(name, {})[0] = name
                 continue
             module, _, leafname = target.rpartition(".")
             if leafname == "weight" and module.rpartition(".")[2].endswith("_proj"):
@@ -218,16 +363,15 @@ class GgufCheckpoint(Checkpoint):
                                   file=self.path, tensor=gguf_name) from None
         return Int4Weight(*(self._rows_unpermuted(gguf_name, x) for x in (weight.packed, weight.scale, weight.offset)))
 
-    def _dequantize(self, gguf_name: str) -> torch.Tensor:
-        import gguf
-
+    def _dequantize(self, gguf_name: str, unpermute: bool = True) -> torch.Tensor:
         t = self.tensors[gguf_name]
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as exc:
             raise CheckpointError(f"cannot dequantize GGUF tensor of type {t.tensor_type.name}: {exc}",
-                                  file=self.path, tensor=gguf_name) from None
-        return self._rows_unpermuted(gguf_name, torch.from_numpy(np.array(values, dtype=np.float32, copy=True)))
+                                  file=self.file.path, tensor=gguf_name) from None
+        values = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+        return self._rows_unpermuted(gguf_name, values) if unpermute else values
 
     def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, object]]:
         plan = self._plan()

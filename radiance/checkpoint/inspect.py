@@ -57,8 +57,12 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list
     lines = [f"model      {ckpt.path}", f"kind       {ckpt.kind}, {ckpt.architecture}",
              f"config     {_model_line(ckpt.config)}", f"quant      {ckpt.quant.describe()}"]
     if ckpt.kind == "gguf":
-        kinds = sorted({e.source_format for e in entries if e.source_format})
-        lines[-1] += f"; GGUF {'/'.join(kinds)} tensors are dequantized to float32 at load"
+        kept = sorted({e.source_format for e in entries if e.format == "int4" and e.source_format})
+        widened = sorted({e.source_format for e in entries if e.format != "int4" and e.source_format})
+        if kept:  # Q4_0 / Q4_1 / Q4_K linears stay 4-bit for the CPU's int4 kernel
+            lines[-1] += f"; GGUF {'/'.join(kept)} linears stay 4-bit (int4 on a CPU, dequantized elsewhere)"
+        if widened:
+            lines[-1] += f"; GGUF {'/'.join(widened)} tensors are dequantized at load"
     lines.append(f"servable   {'NO: ' + problem if problem else 'yes'}")
     template = ckpt.chat_template
     lines.append(f"generation eos ids {ckpt.eos_token_ids}, chat template {'yes' if template else 'no'}")

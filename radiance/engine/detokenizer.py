@@ -75,7 +75,6 @@ class IncrementalDetokenizer:
         self.decoder = None if tokenizer is None else _decoder(tokenizer, prompt_token_ids, skip_special_tokens, stream)
         self.stop = stop
         self.include_stop = include_stop
-        self.longest_stop = max((len(s) for s in stop), default=0)
         self.text = ""
 
     def visible_text(self) -> str:
@@ -89,17 +88,22 @@ class IncrementalDetokenizer:
                     break
         return self.text[:len(self.text) - hold] if hold else self.text
 
-    def add_token(self, token_id: int) -> bool:
+    def add_token(self, token_id: int, check_stop: bool = True) -> bool:
         """Append one generated token; returns True when a stop string appeared (the text is cut before it, or
-        after it with include_stop; the first one to start wins)."""
+        after it with include_stop; the first one to start wins). With check_stop False (SamplingParams.min_tokens
+        not reached) no stop string is looked for, and none that ends in this token's text counts later."""
         if self.decoder is None:
             return False
         delta = self.decoder.step(token_id)
         if not delta:
             return False
-        search_from = max(0, len(self.text) - self.longest_stop)
+        old_length = len(self.text)
         self.text += delta
-        hits = [(at, -len(s)) for s in self.stop if s and (at := self.text.find(s, search_from)) >= 0]
+        if not check_stop:
+            return False
+        # a stop string counts where it ends in the new text (it may start in the old)
+        hits = [(at, -len(s)) for s in self.stop
+                if s and (at := self.text.find(s, max(0, old_length - len(s) + 1))) >= 0]
         if hits:
             at, minus_length = min(hits)  # of two starting at once, the longer
             self.text = self.text[:at - minus_length if self.include_stop else at]

@@ -19,6 +19,7 @@ import re
 import torch
 from torch import nn
 
+from radiance.checkpoint.layout import cast_16bit
 from radiance.config import KernelConfig, ModelConfig
 from radiance.formats import DenseWeight, Nvfp4Weight, dense_to_mxfp4_pair, dequantize, quantize_nvfp4
 from radiance.layers.int4_linear import Int4Linear, int4_cpu_unsupported
@@ -27,8 +28,23 @@ from radiance.layers.linear import DenseLinear, Mxfp4Linear, Mxfp4PairLinear
 log = logging.getLogger(__name__)
 
 
+class Overflow16Bit(ValueError):
+    """A finite weight value that the serving dtype holds only as inf (a float32 value above 65504 in float16)."""
+
+
+def to_serving_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)`; Overflow16Bit where a finite value would become inf. Checked only into float16 (from
+    float32 or bfloat16: |x| > 65504), the one serving dtype whose range is short; other casts cost no extra pass."""
+    if dtype != torch.float16 or tensor.dtype == torch.float16 or not tensor.is_floating_point():
+        return tensor.to(dtype)
+    try:
+        return cast_16bit(tensor, dtype)
+    except ValueError as exc:
+        raise Overflow16Bit(str(exc)) from None
+
+
 def dense_linear(tensor: torch.Tensor, dtype: torch.dtype, kernel_config: KernelConfig, name: str = "") -> nn.Module:
-    return DenseLinear(tensor.to(dtype), name=name)
+    return DenseLinear(to_serving_dtype(tensor, dtype), name=name)
 
 
 def mxfp4_linear(weight, rule: str, dtype: torch.dtype, kernel_config: KernelConfig,

@@ -146,6 +146,8 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, generator)
         if params.structured_output is not None:
             seq.grammar = self.grammar_backend().matcher(params.structured_output)
+        if params.min_tokens:
+            seq.min_tokens_bans = self._ending_tokens(params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens,
                                              params.stop, include_stop=params.include_stop_str_in_output)
         # registered only once nothing can fail: a half-added request kept its id in use
@@ -154,6 +156,12 @@ class LLMEngine:
         self.detokenizers[request_id] = detokenizer
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(prompt_token_ids)
+
+    def _ending_tokens(self, params: SamplingParams) -> tuple[int, ...]:
+        """The tokens that end an output (min_tokens bans them): the stop_token_ids, and EOS unless ignored; one
+        outside the vocabulary can never be sampled, so it needs no ban (and would not index the logits)."""
+        ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        return tuple(sorted(t for t in ids if 0 <= t < self.model.config.vocab_size))
 
     def abort_request(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
@@ -334,8 +342,11 @@ class LLMEngine:
         self.generation_tokens_total += 1
         p = seq.params
         hit_stop_string = False
+        # as in vLLM, nothing stops the output before min_tokens (EOS and stop tokens are banned until then), and
+        # a stop string counts only where it ends in the text of a later token
+        past_min = seq.num_output_tokens > p.min_tokens
         if self._shows_text(token_id, p):
-            hit_stop_string = self.detokenizers[seq.request_id].add_token(token_id)
+            hit_stop_string = self.detokenizers[seq.request_id].add_token(token_id, check_stop=past_min)
         detokenizer = self.detokenizers[seq.request_id]
         grammar_done = False
         if seq.grammar is not None:
@@ -345,8 +356,8 @@ class LLMEngine:
                                token_id)
             grammar_done = not accepted or seq.grammar.finished
         reason = None
-        if ((not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids or hit_stop_string
-                or grammar_done):
+        ends = (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids
+        if (ends and seq.num_output_tokens >= p.min_tokens) or hit_stop_string or grammar_done:
             reason = "stop"
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             reason = "length"

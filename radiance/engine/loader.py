@@ -19,7 +19,7 @@ import torch
 from radiance.config import EngineConfig, KernelConfig, ModelConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
-from radiance.engine.linears import build_linear, build_lm_head
+from radiance.engine.linears import Overflow16Bit, build_linear, build_lm_head, to_serving_dtype
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight
 from radiance.layers.linear import UnloadedLinear
@@ -137,12 +137,11 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
             else:
                 param = params.get(target)
                 if param is None:
-                    raise CheckpointError("tensor not used by the model", file=getattr(checkpoint, "path", None),
-                                          tensor=name)
+                    raise CheckpointError("tensor not used by the model", file=_file_of(checkpoint, name), tensor=name)
                 if tuple(param.shape) != tuple(item.shape):
                     raise CheckpointError(f"shape {tuple(item.shape)} does not match the model's {tuple(param.shape)}",
-                                          file=getattr(checkpoint, "path", None), tensor=name)
-                param.data.copy_(item)
+                                          file=_file_of(checkpoint, name), tensor=name)
+                param.data.copy_(_cast_named(item, param.dtype, name, checkpoint))
                 loaded.add(target)
                 continue
         module, how, err = _install_linear(model, name, item, model_config, kernel_config, dtype, device, checkpoint)
@@ -212,6 +211,30 @@ def _install_kv_scales(model, scales: dict[str, float], checkpoint) -> str | Non
             "(applied with --kv-cache-dtype fp8)")
 
 
+def _file_of(checkpoint, name: str) -> str | None:
+    """The safetensors file holding a checkpoint tensor (a sharded checkpoint's index knows it); else the
+    checkpoint's path (merged linears, GGUF, a synthetic checkpoint)."""
+    meta = getattr(getattr(checkpoint, "index", None), "meta", None)
+    entry = meta.get(name) if isinstance(meta, dict) else None
+    return getattr(entry, "file", None) or getattr(checkpoint, "path", None)
+
+
+def _overflow_message(exc: ValueError, dtype: torch.dtype) -> str:
+    return f"cannot load it in {str(dtype).removeprefix('torch.')}: {exc} (--dtype bfloat16 holds it)"
+
+
+def _cast_named(tensor: torch.Tensor, dtype: torch.dtype, name: str, checkpoint) -> torch.Tensor:
+    """`tensor` ready to copy into a parameter of `dtype`; a finite value that would become inf there (a float32
+    value above 65504 in float16) is a CheckpointError naming the tensor, not a model that answers NaN. Into
+    other dtypes it goes as it is (the copy casts it, with no extra pass)."""
+    if dtype != torch.float16:
+        return tensor
+    try:
+        return to_serving_dtype(tensor, dtype)
+    except Overflow16Bit as exc:
+        raise CheckpointError(_overflow_message(exc, dtype), file=_file_of(checkpoint, name), tensor=name) from None
+
+
 def _model_name(requested: str | None, path: str | None) -> str:
     """The name the server lists: the embedded model's when none was asked for and the file is a GGUF."""
     return model_name(requested if requested is not None or path is None or path.endswith(".gguf") else path)
@@ -236,9 +259,13 @@ def _install_linear(model, name, weight, model_config, kernel_config, dtype, dev
         raise CheckpointError(f"linear shape {tuple(weight.shape)} does not match the model's {expected}",
                               file=getattr(checkpoint, "path", None), tensor=name)
     from radiance.checkpoint.convert import culprit_tensor
-    from radiance.formats import weight_to
+    from radiance.formats import dequantize, weight_to
     try:
         module, how, err = build(weight_to(weight, device), model_config, kernel_config, dtype)
+    except Overflow16Bit as exc:  # a 16-bit linear's value beyond float16: the partition holding it, named
+        culprit = culprit_tensor(name, DenseWeight(dequantize(weight).to(dtype), weight.partition_sizes))
+        raise CheckpointError(_overflow_message(exc, dtype), file=_file_of(checkpoint, culprit),
+                              tensor=culprit) from None
     except ValueError as exc:  # the codecs know no names (a NaN weight quantized at load): add them
         raise CheckpointError(f"cannot load {name}: {exc}", file=getattr(checkpoint, "path", None),
                               tensor=culprit_tensor(name, weight)) from None

@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 PROMPT_SCORE_ROWS = 512  # prompt positions per logits slice when scoring prompts (x vocab x 4 bytes)
 
 
-def logit_adjustment(seq, vocab: int, device: torch.device) -> LogitAdjustment:
-    """A sequence's logit bias and penalties, its output counts brought up to the tokens the host has."""
+def logit_adjustment(seq, vocab: int, device: torch.device, banned: tuple[int, ...] = ()) -> LogitAdjustment:
+    """A sequence's logit bias, penalties and `banned` tokens, its output counts brought up to the tokens the
+    host has."""
     p = seq.params
     if p.penalizes:
         if seq.output_counts is None:
@@ -45,7 +46,24 @@ def logit_adjustment(seq, vocab: int, device: torch.device) -> LogitAdjustment:
                                              seq.prompt_token_ids if p.repetition_penalty != 1.0 else None)
         seq.output_counts.catch_up(seq.token_ids[seq.num_prompt_tokens + seq.output_counts.counted:])
     return LogitAdjustment(p.logit_bias, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-                           seq.output_counts if p.penalizes else None)
+                           seq.output_counts if p.penalizes else None, banned=banned)
+
+
+def sampling_rows(sampled: list[ScheduledSequence], vocab: int, device: torch.device,
+                  pending: bool) -> list[SamplingRow]:
+    """One row per logits row: a sequence's last token's, after one per draft token before it. A row below its
+    min_tokens bans the tokens that would end the output; it counts the output tokens before its own position
+    (the drafts before it, and the token still on the device when `pending`). Rows with nothing to adjust
+    take the plain path."""
+    rows = []
+    for s in sampled:
+        seq, p = s.seq, s.seq.params
+        before = seq.num_output_tokens - seq.num_draft_tokens + pending
+        for j in range(1 + seq.num_draft_tokens):
+            banned = seq.bans_after(before + j) if p.min_tokens else ()
+            adjust = logit_adjustment(seq, vocab, device, banned) if p.adjusts_logits or banned else None
+            rows.append(SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs, adjust))
+    return rows
 
 
 @dataclass
@@ -258,9 +276,7 @@ class ModelRunner:
         `pending` (device, one per row): each sequence's newest token where the host does not have it yet."""
         seqs = [s.seq for s in handle.sampled for _ in range(1 + s.seq.num_draft_tokens)]  # one per logits row
         logits = handle.logits
-        rows = [SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs,
-                            logit_adjustment(seq, logits.shape[-1], logits.device) if p.adjusts_logits else None)
-                for seq in seqs for p in (seq.params,)]
+        rows = sampling_rows(handle.sampled, logits.shape[-1], logits.device, pending is not None)
         constrained = [(row, seq.grammar) for row, seq in zip(rows, seqs) if seq.grammar is not None]
         if constrained:  # every constrained sequence's mask in one transfer
             words = self._mask_words(len(constrained), logits.shape[-1])

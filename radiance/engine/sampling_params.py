@@ -44,6 +44,9 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     # vLLM's: the stop string (or stop_token_ids token) that ended the output stays at the end of its text
     include_stop_str_in_output: bool = False
+    # vLLM's: EOS and the stop_token_ids are banned (their logits -inf) until the output has this many tokens,
+    # and a stop string counts only where it ends after them
+    min_tokens: int = 0
 
     def __post_init__(self):
         def check(cond, msg):
@@ -52,9 +55,9 @@ class SamplingParams:
 
         # types first: a float seed or a None stop string failed later, inside the engine's loop
         # (a bool is an Integral, but True for n or temperature is a mistake, and "no" for ignore_eos was true)
-        for name in ("n", "max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+        for name in ("n", "max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens"):
             value = getattr(self, name)
-            optional = name not in ("n", "top_k")
+            optional = name not in ("n", "top_k", "min_tokens")
             check(isinstance(value, Integral) and not isinstance(value, bool) or optional and value is None,
                   f"{name} must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
@@ -79,6 +82,9 @@ class SamplingParams:
 
         check(self.n >= 1, f"n must be at least 1, got {self.n}")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              f"min_tokens must be at most max_tokens, got min_tokens {self.min_tokens} > max_tokens {self.max_tokens}")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
         # an infinite temperature or penalty turns a masked (-inf) or zero logit into NaN
         for name in ("temperature", "repetition_penalty"):

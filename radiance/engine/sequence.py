@@ -42,6 +42,9 @@ class Sequence:
         self.num_draft_tokens = 0  # speculative tokens at the end of token_ids, until their step is verified
         self.draft_misses = 0  # speculative steps in a row that kept no draft
         self.draft_backoff = 0  # steps to decode before the next draft lookup (after misses)
+        # the tokens that would end the output (EOS, stop_token_ids), banned while it is shorter than
+        # params.min_tokens; set by the engine, which knows the EOS ids
+        self.min_tokens_bans: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +65,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def bans_after(self, num_output: int) -> tuple[int, ...]:
+        """The tokens banned for the output token that follows `num_output` output tokens (min_tokens)."""
+        return self.min_tokens_bans if num_output < self.params.min_tokens else ()
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.token_ids.append(token_id)

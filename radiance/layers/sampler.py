@@ -1,7 +1,7 @@
 """Token sampling for a batch of rows, each with its own settings.
 
-First a row's structured-output mask, logit bias and repetition / frequency / presence penalties
-change its logits (fp32).
+First a row's structured-output mask, min_tokens ban, logit bias and repetition / frequency / presence
+penalties change its logits (fp32).
 Greedy rows take the argmax. The others are scaled by temperature, filtered by top-k, top-p and min-p,
 and sampled by the exponential race (argmax of p / E, E ~ Exp(1)), which needs no cumulative sum and
 lets a seeded row draw its noise from its own generator: the same seed gives the same tokens however
@@ -51,7 +51,7 @@ class LogitAdjustment:
     """A row's logit bias and penalties; `output` holds the output tokens the host knows (one still on the
     device comes as adjust_logits' `pending`), and the prompt's for a repetition penalty. `allowed`: the
     tokens a structured output allows next, as int32 words on the logits' device (xgrammar's bitmask:
-    token 32 i + j is allowed when bit j of word i is set)."""
+    token 32 i + j is allowed when bit j of word i is set). `banned`: tokens set to -inf, whatever the rest."""
 
     bias: tuple[tuple[int, float], ...] = ()
     repetition: float = 1.0
@@ -59,6 +59,7 @@ class LogitAdjustment:
     presence: float = 0.0
     output: OutputCounts | None = None
     allowed: torch.Tensor | None = None
+    banned: tuple[int, ...] = ()  # set to -inf (SamplingParams.min_tokens: the tokens that would end the output)
 
 
 @dataclass
@@ -100,7 +101,7 @@ def apply_token_masks(logits: torch.Tensor, adj: list[LogitAdjustment]) -> None:
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] with each row's structured-output mask (-inf where a token is not allowed), bias, then
+    """logits [B, V] with each row's structured-output mask (-inf where a token is not allowed), bans, bias, then
     repetition, frequency and presence penalties applied (vLLM's order and formulas), fp32; unchanged (same
     tensor) when no row asks. `pending` [B]: each row's newest output token where it is still on the
     device (an overlapped decode step), counted as output."""
@@ -109,7 +110,9 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
         return logits
     device, vocab = logits.device, logits.shape[-1]
     adj = [rows[i].adjust for i in picked]
-    bias = [(j, t, b) for j, a in enumerate(adj) for t, b in a.bias]
+    # a ban is a bias of -inf: it rides the bias's one indexed add (and stays -inf through the penalties)
+    bias = [(j, t, b) for j, a in enumerate(adj) for t, b in a.bias] + \
+        [(j, t, float("-inf")) for j, a in enumerate(adj) for t in a.banned]
     penalized = [j for j, a in enumerate(adj) if a.output is not None]
     if len(picked) == len(rows) and not bias and not penalized:  # structured output only: no row indexing
         out = _fp32_copy(logits)
@@ -127,7 +130,12 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
     if any(a.allowed is not None for a in adj):
         apply_token_masks(sub, adj)
     if bias:
+        # a structured output that allows only tokens min_tokens bans (its end) keeps its own mask: with every
+        # logit -inf the choice was token 0, text the constraint then refused
+        masked = sub.clone() if any(a.allowed is not None and a.banned for a in adj) else None
         sub.index_put_((rows_b, toks_b), vals_b.squeeze(1), accumulate=True)
+        if masked is not None:
+            sub = torch.where(torch.isneginf(sub).all(-1, keepdim=True), masked, sub)
     if penalized:
         counts = torch.stack([adj[j].output.counts for j in penalized])
         if pending is not None:

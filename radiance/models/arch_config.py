@@ -49,7 +49,7 @@ class ArchConfig:
     @classmethod
     def from_hf(cls, config: dict, architecture: str, **overrides) -> "ArchConfig":
         def need(key):
-            if key not in config:
+            if config.get(key) is None:  # a null is as missing as an absent key (it failed later, as a TypeError)
                 raise ConfigError(f"config.json of a {architecture} model lacks {key!r}")
             return config[key]
 

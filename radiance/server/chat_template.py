@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from radiance.errors import ConfigError
@@ -37,9 +38,21 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` marks the assistant's tokens for training masks;
+    for inference the block is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)  # the `generation` tag itself
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @functools.lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -47,6 +60,11 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ConfigError(f"chat template does not parse: {exc.message} (line {exc.lineno})") from exc
+
+
+def check_template(template: str) -> None:
+    """A template that does not parse is a ConfigError naming the line (checked before a model loads)."""
+    _compile(template)
 
 
 def load_template(value: str | None) -> str | None:
@@ -147,8 +165,8 @@ def render_chat(template: str, messages: list[dict], tools: list[dict] | None = 
         raise
     except jinja2.exceptions.SecurityError as exc:
         raise TemplateError(f"chat template tried an unsafe operation: {exc}") from exc
-    except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
-        raise TemplateError(f"chat template failed on these messages: {exc}") from exc
+    except Exception as exc:  # the template is the model's code: whatever it raises, these messages made it fail
+        raise TemplateError(f"chat template failed on these messages: {type(exc).__name__}: {exc}") from exc
 
 
 def template_features(template: str | None) -> dict:

@@ -66,14 +66,14 @@ def _check_parsers(server_config: ServerConfig) -> None:
 
 def _check_chat_template(value: str | None) -> None:
     """--chat-template names a readable file (or is template text) that parses as jinja."""
-    from radiance.server.chat_template import _compile, load_template
+    from radiance.server.chat_template import check_template, load_template
 
     try:
         template = load_template(value)
     except OSError as exc:  # e.g. a directory, or no permission
         raise ConfigError(f"--chat-template {value}: cannot read it: {exc.strerror}") from None
     if template is not None:
-        _compile(template)  # a syntax error is a ConfigError naming the line
+        check_template(template)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

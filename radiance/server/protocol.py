@@ -85,6 +85,19 @@ class ChatMessage(_Model):
     reasoning: str | None = None  # the same, as other servers name it (we send both)
     thinking: str | None = None  # the same, as gpt-oss's chat template reads it (harmony clients send it so)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """An image or audio part is refused by name (the union with str reported "Input should be a valid
+        string", which told the client nothing)."""
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only "
+                                 f"(a string, or parts of type 'text')")
+        return data
+
     @model_validator(mode="after")
     def _content_needed(self):
         if self.content is None and self.role != "assistant":
@@ -150,6 +163,7 @@ class _SamplingFields(_Model):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension: EOS and stop tokens / strings wait for this many tokens
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

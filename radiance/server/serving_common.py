@@ -112,7 +112,7 @@ def sampling_params(req: Any, max_tokens: int, choice: int, constraint: Structur
     request's skip_special_tokens for a parser that reads special-token markup."""
     seed = None if req.seed is None else req.seed + choice
     return SamplingParams(
-        n=1, max_tokens=max_tokens,
+        n=1, max_tokens=max_tokens, min_tokens=req.min_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k in (None, 0) else req.top_k,

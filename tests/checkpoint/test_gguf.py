@@ -60,6 +60,15 @@ def test_describe_names_the_format_iter_weights_yields(smol):
     assert formats["model.embed_tokens.weight"] == "float32"  # Q8_0, dequantized
 
 
+
+def test_inspect_says_which_gguf_tensors_stay_4bit(smol):
+    """It said every tensor type, Q4_1 included, was dequantized to float32 at load."""
+    from radiance.checkpoint.inspect import inspect_lines
+
+    quant = next(line for line in inspect_lines(smol) if line.startswith("quant"))
+    assert "GGUF Q4_1 linears stay 4-bit" in quant and "GGUF F32/Q8_0 tensors are dequantized" in quant, quant
+
+
 def test_a_truncated_4bit_tensor_names_file_and_tensor(smol):
     from radiance.errors import CheckpointError
 

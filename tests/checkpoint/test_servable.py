@@ -322,3 +322,10 @@ def test_an_unreadable_quantization_config_is_one_line_naming_it(tmp_path, capsy
     assert match in _one_error_line(capsys, "inspect")
     assert main(["convert", path, str(tmp_path / "out"), "--no-progress"]) == 2
     assert match in _one_error_line(capsys, "convert")
+
+
+@pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "num_hidden_layers"])
+def test_a_null_size_is_a_missing_size(key):
+    """`"vocab_size": null` passed the presence check and failed later as a TypeError."""
+    with pytest.raises(ConfigError, match=f"lacks '{key}'"):
+        resolve_architecture(dict(TINY, **{key: None}))

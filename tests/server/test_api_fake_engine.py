@@ -592,3 +592,13 @@ def test_null_optional_fields_take_their_defaults(client, server):
     assert r.status_code == 200, r.text
     r = http(server, "POST", "/v1/chat/completions", {"model": "fake", "messages": [{"role": None, "content": "x"}]})
     check_error_shape(r, 400, "messages[0].role")  # a required field stays required
+
+
+def test_an_image_part_is_refused_by_name(server):
+    """The content union (a string or text parts) answered an image part with "Input should be a valid string"."""
+    image = {"type": "image_url", "image_url": {"url": "https://x/y.png"}}
+    r = http(server, "POST", "/v1/chat/completions",
+             {"model": "fake", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]})
+    check_error_shape(r, 400, "messages[0]")
+    message = r.json()["error"]["message"]
+    assert "'image_url' are not supported" in message and "valid string" not in message, message
