@@ -163,3 +163,17 @@ def serve_in_thread(app, port: int | None = None):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serve_engine(engine, **server_config):
+    """A server in a thread in front of `engine` (attached: ready at once), its ServerConfig serving the model
+    name "fake" with `server_config`; yields the base URL."""
+    from radiance.config import ServerConfig
+    from radiance.server.api import build_app
+    from radiance.server.state import ServerState
+
+    state = ServerState(ServerConfig(served_model_name=("fake",), **server_config), engine_factory=lambda: engine)
+    state.attach(engine)
+    with serve_in_thread(build_app(state)) as url:
+        yield url

@@ -10,18 +10,13 @@ import time
 import httpx
 import pytest
 
-from radiance.config import ServerConfig
-from radiance.server.api import build_app
-from radiance.server.state import ServerState
-from tests.server.fake_engine import FakeEngine, serve_in_thread
+from tests.server.fake_engine import FakeEngine, serve_engine
 
 
 @pytest.fixture(scope="module")
 def server():
     engine = FakeEngine()
-    state = ServerState(ServerConfig(served_model_name=("fake",), max_n=4), engine_factory=lambda: engine)
-    state.attach(engine)
-    with serve_in_thread(build_app(state)) as url:
+    with serve_engine(engine, max_n=4) as url:
         yield url, engine
 
 

@@ -11,7 +11,7 @@ import pytest
 from radiance.config import ServerConfig
 from radiance.server.api import build_app
 from radiance.server.state import ServerState
-from tests.server.fake_engine import FakeEngine, serve_in_thread
+from tests.server.fake_engine import FakeEngine, serve_engine, serve_in_thread
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -21,9 +21,7 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool
 @pytest.fixture(scope="module")
 def server():
     engine = FakeEngine()
-    state = ServerState(ServerConfig(served_model_name=("fake",), responses_store=3), engine_factory=lambda: engine)
-    state.attach(engine)
-    with serve_in_thread(build_app(state)) as url:
+    with serve_engine(engine, responses_store=3) as url:
         yield url, engine
 
 

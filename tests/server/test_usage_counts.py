@@ -7,10 +7,7 @@ import json
 import httpx
 import pytest
 
-from radiance.config import ServerConfig
-from radiance.server.api import build_app
-from radiance.server.state import ServerState
-from tests.server.fake_engine import FakeEngine, serve_in_thread
+from tests.server.fake_engine import FakeEngine, serve_engine
 
 CACHED = 3  # prompt tokens the scripted engine reports as served from the prefix cache
 
@@ -26,10 +23,7 @@ class CachingEngine(FakeEngine):
 
 @pytest.fixture(scope="module")
 def url():
-    engine = CachingEngine()
-    state = ServerState(ServerConfig(served_model_name=("fake",), max_n=4), engine_factory=lambda: engine)
-    state.attach(engine)
-    with serve_in_thread(build_app(state)) as base:
+    with serve_engine(CachingEngine(), max_n=4) as base:
         yield base
 
 
