@@ -39,6 +39,10 @@ class Checkpoint(ABC):
     def names(self) -> list[str]:
         return [e.name for e in self.describe()]
 
+    def file_of(self, name: str) -> str:
+        """The file holding tensor `name`, for error messages: the checkpoint's path unless a reader knows better."""
+        return self.path
+
     @abstractmethod
     def describe(self) -> list[EntryInfo]:
         ...

@@ -217,6 +217,11 @@ class HfCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ interface
 
+    def file_of(self, name: str) -> str:
+        """The shard holding a plain tensor (the index knows it); the directory for merged linears."""
+        meta = self.index.meta.get(name)
+        return meta.file if meta is not None else self.path
+
     def describe(self) -> list[EntryInfo]:
         out = []
         for e in self._linears:

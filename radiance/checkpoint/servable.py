@@ -78,13 +78,8 @@ def check_servable(ckpt: Checkpoint) -> None:
     if found.unused:
         count = "1 tensor" if len(found.unused) == 1 else f"{len(found.unused)} tensors, the first"
         raise CheckpointError(f"{count} not used by the {found.architecture} model",
-                              file=_file_of(ckpt, found.unused[0]), tensor=found.unused[0])
+                              file=ckpt.file_of(found.unused[0]), tensor=found.unused[0])
     if found.missing:
         raise CheckpointError(f"the checkpoint lacks {len(found.missing)} weight(s) the {found.architecture} "
                               f"model needs, e.g. {found.missing[0]}", file=ckpt.path)
 
-
-def _file_of(ckpt: Checkpoint, name: str) -> str:
-    """The safetensors file holding a plain tensor; the checkpoint's path for merged linears and GGUF."""
-    meta = getattr(getattr(ckpt, "index", None), "meta", {}).get(name)
-    return meta.file if meta is not None else ckpt.path

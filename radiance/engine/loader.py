@@ -212,11 +212,9 @@ def _install_kv_scales(model, scales: dict[str, float], checkpoint) -> str | Non
 
 
 def _file_of(checkpoint, name: str) -> str | None:
-    """The safetensors file holding a checkpoint tensor (a sharded checkpoint's index knows it); else the
-    checkpoint's path (merged linears, GGUF, a synthetic checkpoint)."""
-    meta = getattr(getattr(checkpoint, "index", None), "meta", None)
-    entry = meta.get(name) if isinstance(meta, dict) else None
-    return getattr(entry, "file", None) or getattr(checkpoint, "path", None)
+    """The file holding a checkpoint tensor, for an error (a synthetic checkpoint has neither file nor path)."""
+    file_of = getattr(checkpoint, "file_of", None)
+    return file_of(name) if file_of is not None else getattr(checkpoint, "path", None)
 
 
 def _overflow_message(exc: ValueError, dtype: torch.dtype) -> str:
