@@ -138,6 +138,13 @@ def test_broken_stacked_experts_name_the_tensor(gpt_oss_mxfp4, tmp_path):
         open_checkpoint(gone)
 
 
+def test_the_published_layout_passes_the_servability_check(gpt_oss_mxfp4):
+    """inspect and convert run it: stacked experts, sinks and router biases all have their place."""
+    from radiance.checkpoint.servable import servability_problem
+
+    assert servability_problem(open_checkpoint(gpt_oss_mxfp4[0])) is None
+
+
 def test_inspect_lists_each_expert(gpt_oss_mxfp4):
     names = {e.name: e for e in open_checkpoint(gpt_oss_mxfp4[0]).describe()}
     gate_up = names["model.layers.0.mlp.experts.7.gate_up_proj"]

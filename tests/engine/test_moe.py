@@ -248,6 +248,7 @@ def test_inspect_lists_experts_as_their_own_class(tiny_model_dir):
     path, _ = tiny_model_dir("qwen3moe")
     lines = inspect_lines(open_checkpoint(path))
     assert any("experts 8 (top 2) of 32" in line for line in lines)
+    assert "servable   yes" in lines
     rows = {line.split()[0]: int(line.split()[1]) for line in lines if line.strip().split()[:1]
             and line.split()[0].endswith("_proj")}
     assert rows["experts.gate_up_proj"] == 8 and rows["experts.down_proj"] == 8 and rows["gate_up_proj"] == 1
