@@ -14,6 +14,8 @@ def register(subparsers) -> None:
                                                "(the embedded SmolLM2 when --model is not given).")
     parser.add_argument("prompt", help="the user message (or raw text with --no-chat)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="tokens to generate before end-of-sequence may stop the output (default: 0)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature; 0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0,
@@ -55,8 +57,9 @@ def run(args) -> int:
     # the sampling options are checked before the model loads (a large one takes minutes); the loader checks
     # --device before anything else
     config = engine_config_from_args(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed, repetition_penalty=args.repetition_penalty,
+    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            repetition_penalty=args.repetition_penalty,
                             frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                             structured_output=structured_output_from_args(args))
     llm = LLM.from_engine_config(config)

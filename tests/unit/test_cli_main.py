@@ -41,6 +41,7 @@ def no_loading(monkeypatch):
     (["--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2]"),
     (["--grammar", "/nonexistent.gbnf"], "--grammar: cannot read /nonexistent.gbnf"),
     (["--dtype", "float8"], "dtype must be one of"),
+    (["--min-tokens", "65"], "min_tokens must be at most max_tokens, got min_tokens 65 > max_tokens 64"),
 ])
 def test_generate_checks_its_options_before_loading(no_loading, capsys, argv, message):
     assert main(["generate", "hi", *argv]) == 2
