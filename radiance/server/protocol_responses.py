@@ -13,10 +13,14 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from radiance.server.protocol import ChatCompletionRequest, _Model
+from radiance.server.protocol import ChatCompletionRequest, _Model, _SamplingFields
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# the chat request's sampling fields beyond OpenAI's Responses fields, passed on as they are
+CHAT_SAMPLING_FIELDS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "repetition_penalty", "presence_penalty",
+                        "frequency_penalty", "logit_bias", "min_tokens", "include_stop_str_in_output", "ignore_eos",
+                        "skip_special_tokens")
 
 
 class TextFormat(_Model):
@@ -78,14 +82,21 @@ class ResponsesRequest(_Model):
     truncation: Literal["auto", "disabled"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as on chat (e.g. enable_thinking for Qwen3)
     background: bool = False
-    # sampling fields the chat route takes beyond OpenAI's (vLLM accepts them on /v1/responses too)
+    # sampling fields the chat route takes beyond OpenAI's (vLLM accepts them on /v1/responses too), declared
+    # as protocol._SamplingFields declares them
     top_k: int | None = Field(None, ge=-1, lt=2**63)  # the sampler holds it in an int64 tensor
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("background")
     @classmethod
@@ -114,6 +125,22 @@ class ResponsesRequest(_Model):
                 raise ValueError(f"tools[{i}].{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
         return tools
 
+    @model_validator(mode="after")
+    def _sampling_as_on_chat(self):
+        """The chat request's own checks of these fields (stop strings non-empty, logit_bias keys and values),
+        here so that a bad value is refused naming its field, not as a fault of the chat request built later."""
+        if self.max_output_tokens is not None and self.min_tokens > self.max_output_tokens:
+            raise ValueError(f"min_tokens must be at most max_output_tokens, got min_tokens {self.min_tokens} > "
+                             f"max_output_tokens {self.max_output_tokens}")
+        try:
+            _SamplingFields.model_validate(self.chat_sampling_fields())
+        except ValidationError as exc:
+            raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        return self
+
+    def chat_sampling_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in CHAT_SAMPLING_FIELDS if getattr(self, name) is not None}
+
     def tool_choice_error(self) -> str | None:
         """Why tool_choice does not fit the tools (None when it does)."""
         if isinstance(self.tool_choice, FunctionToolChoice):
@@ -136,11 +163,11 @@ class ResponsesRequest(_Model):
         previous_response_id), then the input. ValueError (a 400 on `input`) for items it cannot serve."""
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else [])
         messages += history + input_messages(self.input)
+        if not messages:
+            raise ValueError("input has no message to answer (only reasoning items)")
         body: dict[str, Any] = {
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "seed": self.seed, "stop": self.stop, "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "temperature": self.temperature, "top_p": self.top_p, **self.chat_sampling_fields(),
             "user": self.user, "parallel_tool_calls": self.parallel_tool_calls,
             "chat_template_kwargs": self.chat_template_kwargs,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
@@ -152,7 +179,7 @@ class ResponsesRequest(_Model):
                              for t in self.function_tools()]
         if isinstance(self.tool_choice, FunctionToolChoice):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
-        elif self.tool_choice is not None:
+        elif self.tool_choice is not None and self.tools:  # OpenAI takes "auto" / "none" without tools; chat not
             body["tool_choice"] = self.tool_choice
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_object":
@@ -173,6 +200,7 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else None  # a list there is unhashable: it raised a TypeError (500)
         key = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}.get(kind)
         if key is None:
             if kind in ("input_image", "input_file", "input_audio"):
@@ -189,6 +217,21 @@ def _field(item: dict, name: str, where: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{where} ({item.get('type')}) needs a string {name}")
     return value
+
+
+def _reasoning_text(item: dict, where: str) -> str | None:
+    """A reasoning item's thinking: its content (our reasoning items carry it whole), else its summary (OpenAI's
+    carry only that), else None (only encrypted_content, which this server cannot read)."""
+    texts = {}
+    for name in ("content", "summary"):
+        parts = item.get(name) or []
+        if not isinstance(parts, list):
+            raise ValueError(f"{where}.{name} must be a list of parts")
+        for j, part in enumerate(parts):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}.{name}[{j}] needs a string text")
+        texts[name] = "".join(part["text"] for part in parts)
+    return texts["content"] or texts["summary"] or None
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
@@ -225,8 +268,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
                              "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
         elif kind == "reasoning":
-            parts = (item.get("content") or []) + (item.get("summary") or [])
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
+            reasoning = _reasoning_text(item, where)
         elif kind == "item_reference":
             raise ValueError(f"{where}: item_reference is not supported; send the item itself or use "
                              "previous_response_id")

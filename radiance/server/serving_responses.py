@@ -18,11 +18,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from radiance.engine.sampling_params import SamplingParamsError
 from radiance.server.errors import OpenAIError, invalid
 from radiance.server.protocol_responses import ReasoningConfig, ResponsesRequest, input_messages
 from radiance.server.response_store import StoredResponse
 from radiance.server.serving_chat import ChoiceStream, prepare_chat
-from radiance.server.serving_common import collect_until_disconnect, guarded_sse, merged_outputs
+from radiance.server.serving_common import (check_unicode, collect_until_disconnect, guarded_sse, merged_outputs,
+                                            token_chars)
 from radiance.server.state import ServerState
 
 def item_id(prefix: str) -> str:
@@ -30,9 +32,16 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-# chat request fields -> the Responses fields they came from (for error messages)
-_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+# chat request fields (and the engine's max_tokens) -> the Responses fields they came from (for error messages)
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "messages": "input",
+                "response_format": "text.format"}
 _TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+
+
+def _responses_names(message: str) -> str:
+    for chat_name, name in _FIELD_NAMES.items():
+        message = message.replace(chat_name, name)
+    return message
 
 
 class OutputItems:
@@ -42,7 +51,7 @@ class OutputItems:
     def __init__(self):
         self.items: list[dict] = []
         self._open: dict | None = None  # the text item (message or reasoning) still growing
-        self._logprobs: list[dict] = []  # token logprobs not yet sent with a text delta
+        self._logprobs: list[dict] = []  # token logprobs not yet sent with a text delta (or dropped)
 
     def feed(self, delta: dict, logprobs: dict | None, cut_call_ids: set[str] = frozenset()) -> list[dict]:
         """Items for a chat delta; a call whose id is in cut_call_ids ends "incomplete" (cut by max tokens)."""
@@ -78,9 +87,20 @@ class OutputItems:
         event = {"type": f"{_TEXT_EVENTS[kind]}.delta", "item_id": item["id"], "output_index": self._index(item),
                  "content_index": 0, "delta": text}
         if kind == "message":
-            event["logprobs"], self._logprobs = self._logprobs, []
+            event["logprobs"] = self._logprobs_of(text)
             part.setdefault("logprobs", []).extend(event["logprobs"])
         return events + [event]
+
+    def _logprobs_of(self, text: str) -> list[dict]:
+        """The logprobs of the tokens that make `text`, the message's newest text: the waiting ones at the end
+        whose characters cover it. Those before them made reasoning, a call or markup (`</think>`) and are
+        dropped: a message's logprobs spell its own text, as OpenAI's do."""
+        taken, chars = [], 0
+        while self._logprobs and chars < len(text):
+            taken.append(self._logprobs.pop())
+            chars += token_chars(taken[-1]["token"])
+        self._logprobs = []
+        return taken[::-1]
 
     def _start(self, kind: str) -> list[dict]:
         if kind == "message":
@@ -105,9 +125,7 @@ class OutputItems:
         where = {"item_id": item["id"], "output_index": self._index(item), "content_index": 0}
         done = {"type": f"{_TEXT_EVENTS[item['type']]}.done", **where, "text": part["text"]}
         if item["type"] == "message":
-            part.setdefault("logprobs", []).extend(self._logprobs)
-            self._logprobs = []
-            done["logprobs"] = part["logprobs"]
+            done["logprobs"] = part.setdefault("logprobs", [])
         item["status"] = status
         return [done, {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)},
                 {"type": "response.output_item.done", "output_index": self._index(item), "item": copy.deepcopy(item)}]
@@ -156,11 +174,15 @@ class ResponseRun:
         req = self.req
         if req.tool_choice_error():
             raise invalid(req.tool_choice_error(), param="tool_choice")
+        if req.instructions:  # checked here, or the rendered prompt's check blames `input`
+            check_unicode(req.instructions, "instructions")
         if req.previous_response_id is not None:
             previous = self.state.responses.get(req.previous_response_id)
             if previous is None:
+                # OpenAI's code, which clients (Codex CLI) read to send the whole conversation instead
                 raise invalid(f"no stored response has id {req.previous_response_id!r} (this server keeps the last "
-                              f"{self.state.responses.capacity} in memory)", param="previous_response_id")
+                              f"{self.state.responses.capacity} in memory)", param="previous_response_id",
+                              code="previous_response_not_found")
             self.history = previous.conversation
         try:
             chat = req.to_chat(self.history)
@@ -173,10 +195,13 @@ class ResponseRun:
         try:
             prepared = await prepare_chat(self.state, chat, self.id)
         except OpenAIError as exc:  # named as this API names the field
-            for chat_name, name in _FIELD_NAMES.items():
-                exc.message = exc.message.replace(chat_name, name)
+            exc.message = _responses_names(exc.message)
             exc.param = _FIELD_NAMES.get(exc.param, exc.param)
             raise
+        except SamplingParamsError as exc:  # e.g. min_tokens over the room the context leaves for output
+            message = _responses_names(str(exc))
+            field = message.split(" ", 1)[0]
+            raise invalid(message, param=field if field in ResponsesRequest.model_fields else None) from None
         self.choice = prepared.choices[0]
         self.prompt_len = len(prepared.prompt_ids)
         return prepared
