@@ -1,8 +1,9 @@
 """Split reasoning from the answer, incrementally (same result for any chunking).
 
 `think`: the output may open its own `<think>` block (after optional whitespace) or, when the chat
-template already opened one in the prompt (Qwen3 style), start inside it. Without a `</think>`
-everything after the opening is reasoning (a generation cut off while thinking has no answer yet).
+template already opened one in the prompt (Qwen3 style), start inside it (a `<think>` the model writes
+there again is dropped, as vLLM does). Without a `</think>` everything after the opening is reasoning (a
+generation cut off while thinking has no answer yet).
 
 `harmony` (gpt-oss): the output is a series of messages, `<|start|>assistant<|channel|>NAME<|message|>
 BODY<|end|>` (the first without `<|start|>assistant`, which ends the prompt); `analysis` bodies are
@@ -54,14 +55,15 @@ class ThinkReasoningParser:
     needs_special_tokens = False
 
     def __init__(self, starts_inside: bool = False):
-        self._state = "reasoning" if starts_inside else "start"
+        # "start": the output may open <think>; "inside": the prompt opened it (the model may repeat it)
+        self._state = "inside" if starts_inside else "start"
         self._buffer = ""
         self._eat_space = LeadingSpaceEater(active=starts_inside)
 
     def feed(self, delta: str) -> ReasoningDelta:
         out = ReasoningDelta()
         self._buffer += delta
-        if self._state == "start":
+        if self._state in ("start", "inside"):
             head = self._buffer.lstrip()
             if head.startswith(OPEN_TAG):
                 self._state = "reasoning"
@@ -70,7 +72,7 @@ class ThinkReasoningParser:
             elif not head or OPEN_TAG.startswith(head):
                 return out  # could still become <think>
             else:
-                self._state = "content"
+                self._state = "reasoning" if self._state == "inside" else "content"
         if self._state == "reasoning":
             end = self._buffer.find(CLOSE_TAG)
             if end >= 0:
@@ -89,7 +91,7 @@ class ThinkReasoningParser:
 
     def finish(self) -> ReasoningDelta:
         out = ReasoningDelta()
-        if self._state == "reasoning":
+        if self._state in ("reasoning", "inside"):
             out.reasoning = self._eat_space(self._buffer)
         else:  # "start" with only whitespace or a partial "<thi": plain content
             out.content = self._eat_space(self._buffer)

@@ -9,13 +9,18 @@ One incremental scanner serves both streaming and non-streaming requests (non-st
 whole text at once), so both give the same result by construction. Text outside calls streams out
 as content; a possible start tag at a chunk's end is held back until the next chunk decides; a call
 is emitted whole when its end tag arrives. A call cut off by max_tokens is parsed at `finish()` from
-what was generated; markup never reaches the content. Whitespace that only separates content from
+what was generated, its markup never reaching the content. Whitespace that only separates content from
 calls is dropped.
+
+A call must be usable: it names one of the request's tools and its arguments are a JSON object. Markup that
+is no such call (broken JSON, another name, a list for arguments, a tag the model opened and never closed
+before it stopped) is the model's text, and goes out as content unchanged, as vLLM returns it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -44,6 +49,15 @@ class ParseDelta:
         return self
 
 
+def _reject_non_finite(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _loads(text: str):
+    """json.loads without NaN / Infinity, which Python reads but a client's JSON parser refuses."""
+    return json.loads(text, parse_constant=_reject_non_finite)
+
+
 class ToolParser:
     """Incremental scanner; subclasses only say how one call's body becomes a ParsedToolCall."""
 
@@ -54,12 +68,18 @@ class ToolParser:
         self._buffer = ""
         self._in_call = False
         self._held_space = ""  # trailing whitespace of content, dropped if a call follows
+        self._space_before_call = ""  # that whitespace, given back if the call turns out to be text
         self._after_call = LeadingSpaceEater()
         self.num_calls = 0
 
-    def parse_call(self, body: str, complete: bool) -> ParsedToolCall | None:
-        """One call's body -> the parsed call (None when nothing usable); each format defines it."""
+    def parse_call(self, body: str, cut: bool) -> ParsedToolCall | None:
+        """One call's body -> the parsed call, None when it is no usable call; each format defines it. `cut`:
+        max_tokens ended the output inside the call, so a partial call is read from what was generated."""
         raise TypeError(f"{type(self).__name__} must define parse_call")
+
+    def offers(self, name) -> bool:
+        """A call must name one of the request's tools (a parser made without tools takes any name)."""
+        return isinstance(name, str) and (not self.tools or name in self.tools)
 
     def _content(self, out: ParseDelta, text: str) -> None:
         text = self._after_call(text)
@@ -70,11 +90,19 @@ class ToolParser:
         self._held_space = text[len(body):]
         out.content += body
 
-    def _call(self, out: ParseDelta, body: str, complete: bool) -> None:
-        call = self.parse_call(body, complete)
-        if call is not None:
-            out.tool_calls.append(call)
-            self.num_calls += 1
+    def _call(self, out: ParseDelta, body: str, cut: bool) -> bool:
+        """Parses one call into `out`; False when the body is no usable call."""
+        call = self.parse_call(body, cut)
+        if call is None:
+            return False
+        out.tool_calls.append(call)
+        self.num_calls += 1
+        return True
+
+    def _not_a_call(self, out: ParseDelta, markup: str) -> None:
+        """Markup that held no usable call is text: content as written, with the whitespace before it."""
+        self._held_space = self._space_before_call
+        self._content(out, markup)
 
     def feed(self, delta: str) -> ParseDelta:
         out = ParseDelta()
@@ -84,15 +112,18 @@ class ToolParser:
                 end = self._buffer.find(END_TAG)
                 if end < 0:
                     break
-                self._call(out, self._buffer[:end], complete=True)
+                body = self._buffer[:end]
                 self._buffer = self._buffer[end + len(END_TAG):]
                 self._in_call = False
-                self._after_call.active = True
+                if self._call(out, body, cut=False):
+                    self._after_call.active = True
+                else:
+                    self._not_a_call(out, START_TAG + body + END_TAG)
                 continue
             start = self._buffer.find(START_TAG)
             if start >= 0:
                 self._content(out, self._buffer[:start])
-                self._held_space = ""
+                self._space_before_call, self._held_space = self._held_space, ""
                 self._buffer = self._buffer[start + len(START_TAG):]
                 self._in_call = True
                 continue
@@ -110,8 +141,12 @@ class ToolParser:
     def finish(self, truncated: bool = False) -> ParseDelta:
         """End of generation. `truncated`: cut off by max_tokens (a dangling partial tag is markup)."""
         out = ParseDelta()
-        if self._in_call:  # cut off inside a call; a partial end tag is markup, not arguments
-            self._call(out, self._buffer[:partial_tag_start(self._buffer, END_TAG)].rstrip(), complete=False)
+        if self._in_call:  # the output ended inside a call; a partial end tag is markup, not arguments
+            body = self._buffer[:partial_tag_start(self._buffer, END_TAG)]
+            if truncated:
+                self._call(out, body.rstrip(), cut=True)  # nothing usable yet: the markup is dropped
+            elif not self._call(out, body, cut=False):  # the model stopped in its call: whole, or text
+                self._not_a_call(out, START_TAG + self._buffer)
         elif self._buffer and not truncated:
             self._content(out, self._buffer)
         elif self._buffer:  # a start tag cut off by max_tokens: markup, like the space before it
@@ -129,29 +164,52 @@ class HermesToolParser(ToolParser):
     _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
     _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
-    def parse_call(self, body: str, complete: bool) -> ParsedToolCall | None:
+    def parse_call(self, body: str, cut: bool) -> ParsedToolCall | None:
         try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            obj = None
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-            args = obj.get("arguments", obj.get("parameters", {}))
-            text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            return ParsedToolCall(obj["name"], text)
-        # broken or cut-off JSON: recover the name and the arguments text generated so far ("" when a cut
-        # came before them: nothing is made up)
+            obj = _loads(body)
+        except ValueError:  # cut off by max_tokens (a partial call), or broken (no call)
+            return self._partial_call(body) if cut else None
+        return self._call_of(obj)
+
+    def _call_of(self, obj) -> ParsedToolCall | None:
+        """`{"name": NAME, "arguments": {...}}` ("parameters" also read), NAME one of the tools."""
+        if not isinstance(obj, dict) or not self.offers(obj.get("name")):
+            return None
+        arguments = _object_text(obj.get("arguments", obj.get("parameters")))
+        return None if arguments is None else ParsedToolCall(obj["name"], arguments)
+
+    def _partial_call(self, body: str) -> ParsedToolCall | None:
+        """A call cut off by max_tokens: its name and the arguments text generated so far ("" when the cut
+        came before them: nothing is made up)."""
         name = self._NAME.search(body)
         if not name:
             return None
-        args = self._ARGS.search(body)
-        text = body[args.end():].rstrip() if args else ("{}" if complete else "")
-        if complete and text.endswith("}"):
-            text = text[:-1].rstrip()  # the closing brace of the outer object
         try:  # the name as JSON would read it (escapes); raw when the model wrote an invalid escape
             fn_name = json.loads(f'"{name.group(1)}"')
         except json.JSONDecodeError:
             fn_name = name.group(1)
-        return ParsedToolCall(fn_name, text, complete)
+        if not self.offers(fn_name):
+            return None
+        args = self._ARGS.search(body)
+        return ParsedToolCall(fn_name, body[args.end():].rstrip() if args else "", complete=False)
+
+
+def _object_text(arguments) -> str | None:
+    """A call's arguments as JSON object text: an object, or a string holding one (as some models write
+    them); missing or null is no arguments. None for anything else, which no client can call with."""
+    if arguments is None:
+        return "{}"
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False)
+    if isinstance(arguments, str):
+        try:
+            return arguments if isinstance(_loads(arguments), dict) else None
+        except ValueError:
+            return None
+    return None
+
+
+_CALL_SEPARATORS = " \t\r\n;"  # between Llama 3.x calls
 
 
 class Llama3JsonToolParser(HermesToolParser):
@@ -166,7 +224,7 @@ class Llama3JsonToolParser(HermesToolParser):
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
         self._mode: str | None = None  # None until the answer's first characters decide: "text" | "calls"
-        self._decoder = json.JSONDecoder()
+        self._decoder = json.JSONDecoder(parse_constant=_reject_non_finite)
 
     def feed(self, delta: str) -> ParseDelta:
         out = ParseDelta()
@@ -188,9 +246,10 @@ class Llama3JsonToolParser(HermesToolParser):
         self._take_calls(out, final=False)
         return out
 
-    def _take_calls(self, out: ParseDelta, final: bool) -> None:
+    def _take_calls(self, out: ParseDelta, final: bool, truncated: bool = False) -> None:
+        """Calls from the buffer; `final`: the output ended (`truncated`: by max_tokens, inside a call)."""
         while True:
-            rest = self._buffer.lstrip().lstrip(";").lstrip()
+            rest = self._buffer.lstrip(_CALL_SEPARATORS)  # any run of them, however it was chunked
             if rest.startswith(self.PYTHON_TAG):
                 rest = rest[len(self.PYTHON_TAG):]
                 self._buffer = rest
@@ -204,25 +263,21 @@ class Llama3JsonToolParser(HermesToolParser):
                     self._buffer, self._mode = "", "text"
                 return
             try:
-                obj, end = self._decoder.raw_decode(rest)
-            except json.JSONDecodeError:
-                if final:  # cut off (or broken): recover the name and arguments so far, else keep it as text
-                    before = len(out.tool_calls)
-                    self._call(out, rest, complete=False)
-                    if len(out.tool_calls) == before:
+                _, end = self._decoder.raw_decode(rest)
+            except ValueError:
+                if final:  # cut off: the name and arguments so far; broken, or no name yet: text
+                    if not self._call(out, rest, cut=truncated):
                         out.content += rest
                     self._buffer = ""
                 return
-            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-                self._call(out, rest[:end], complete=True)
-            else:
+            if not self._call(out, rest[:end], cut=False):  # JSON, but no call to one of the tools: text
                 out.content += rest[:end]
             self._buffer = rest[end:]
 
     def finish(self, truncated: bool = False) -> ParseDelta:
         out = ParseDelta()
         if self._mode == "calls":
-            self._take_calls(out, final=True)
+            self._take_calls(out, final=True, truncated=truncated)
         elif self._buffer and not truncated:
             out.content = self._buffer
         self._buffer, self._mode = "", None
@@ -235,23 +290,23 @@ class Qwen3CoderToolParser(ToolParser):
     _PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
     _VALUE_END = re.compile(r"</parameter>|<parameter=|</function>")
 
-    def parse_call(self, body: str, complete: bool) -> ParsedToolCall | None:
+    def parse_call(self, body: str, cut: bool) -> ParsedToolCall | None:
         fn = self._FUNCTION.search(body)
-        if not fn:
+        if not fn or not self.offers(name := fn.group(1).strip()):
             return None
-        name = fn.group(1).strip()
         schema = ((self.tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
         args: dict = {}
         pos = fn.end()
         while (param := self._PARAMETER.search(body, pos)) is not None:
             end = self._VALUE_END.search(body, param.end())
-            if end is None and not complete:
+            if end is None and cut:
                 break  # value cut off by max_tokens: keep only whole parameters
             stop = end.start() if end else len(body)
             key = param.group(1).strip()
             args[key] = _convert(_strip_newline(body[param.end():stop]), schema.get(key))
             pos = end.end() if end and end.group(0) == "</parameter>" else stop
-        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False), complete)
+        # a cut after </function> (in the end tag) left the call whole
+        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False), not cut or "</function>" in body[fn.end():])
 
 
 class HarmonyToolParser(ToolParser):
@@ -294,11 +349,13 @@ def _convert(value: str, schema: dict | None):
             return int(value.strip())
         if kind == "number":
             number = float(value.strip())
+            if not math.isfinite(number):
+                return value  # "inf" / "nan": no JSON number
             return int(number) if number.is_integer() and "." not in value else number
         if kind == "boolean":
             return {"true": True, "false": False}[value.strip().lower()]
-        return json.loads(value)
-    except (ValueError, KeyError, json.JSONDecodeError):
+        return _loads(value)
+    except (ValueError, KeyError):
         return value
 
 

@@ -121,6 +121,9 @@ LLAMA3_CASES = [
     ('It is sunny. {"name": "get_weather"}', False, 'It is sunny. {"name": "get_weather"}', []),
     # a JSON answer that is no call stays content, as does text after the calls
     ('{"city": "Oslo"}', False, '{"city": "Oslo"}', []),
+    # separators as a run of any length, however it is chunked
+    (LLAMA_CALL + "; ;\n" + LLAMA_CALL + "; ; ", False, "",
+     [("get_weather", {"city": "Oslo", "days": 2}), ("get_weather", {"city": "Oslo", "days": 2})]),
     (LLAMA_CALL + " Done. It is sunny.", False, "Done. It is sunny.", [("get_weather", {"city": "Oslo", "days": 2})]),
     # cut off by max_tokens: the name and the arguments so far
     ('{"name": "get_weather", "parameters": {"city": "Os', True, "", [("get_weather", '{"city": "Os')]),
@@ -191,7 +194,8 @@ def test_reasoning_then_tool_call_streams_like_the_whole():
 
 def test_hermes_invalid_escape_in_a_cut_off_call_keeps_the_raw_name():
     text = '<tool_call>{"name": "get\\qweather", "arguments": {"city": "Par'
-    whole = stream_tools(HermesToolParser, [text], truncated=True)
+    odd_tool = {"type": "function", "function": {"name": "get\\qweather"}}  # a call must name an offered tool
+    whole = parse_tool_calls(HermesToolParser([odd_tool]), text, truncated=True)
     assert [c.name for c in whole.tool_calls] == ["get\\qweather"]
     assert "<tool_call>" not in whole.content
 
