@@ -182,7 +182,16 @@ def template_features(template: str | None) -> dict:
     }
 
 
-def prompt_opens_thinking(prompt: str) -> bool:
-    """True when the rendered prompt leaves a `<think>` block open (the model starts inside it)."""
+def prompt_opens_thinking(prompt: str, last_content: str = "", continuing: bool = False) -> bool:
+    """True when the rendered prompt leaves a `<think>` block open (the model starts inside it). The opening
+    must be the template's, after the last message (a user asking what `<think>` does opens nothing), or
+    inside that message when the model continues it (continue_final_message). A last message the template
+    did not render verbatim cannot be located: any unclosed `<think>` counts then."""
     start = prompt.rfind("<think>")
-    return start >= 0 and prompt.find("</think>", start) < 0
+    if start < 0 or prompt.find("</think>", start) >= 0:
+        return False
+    if not last_content or prompt.rfind(last_content) < 0:
+        return True
+    if continuing and prompt.rfind(last_content) <= start:
+        return True  # the continued message opened it (the prompt ends with that message)
+    return prompt.rfind(last_content, 0, start) >= 0  # the whole last message comes before the opening

@@ -244,8 +244,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
     prompt = render_prompt(state, req, use_tools)
     forced_prefix = forced_tool_call_prefix(state, req) if use_tools else ""
+    last_content = req.messages[-1].text() if req.messages else ""
+    opens_thinking = prompt_opens_thinking(prompt, last_content, req.continue_final_message)
     if forced_prefix:
-        if prompt_opens_thinking(prompt):
+        if opens_thinking:
             prompt += "\n</think>\n\n"
         prompt += forced_prefix
     if forced_prefix:
@@ -258,7 +260,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                     "messages")
-    opens_thinking = prompt_opens_thinking(prompt)
+    opens_thinking = opens_thinking and not forced_prefix  # the prefix above closed the block
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix) for i in range(req.n)]
     jobs = [EngineJob(f"{request_id}-{i}", prompt_ids,
                       sampling_params(req, max_tokens, i, constraint, keep_special_tokens=choice.needs_special_tokens))
