@@ -131,6 +131,7 @@ class FakeEngine:
                 reason = ("length" if cut else "stop") if done else None
                 if not done:  # hold back a possible start of a stop string, as a real engine does
                     text = text[:min([partial_tag_start(text, s) for s in params.stop] or [len(text)])]
+                    text = text.rstrip("\ufffd")  # and a character whose bytes are not all generated yet
                 yield RequestOutput(request_id, list(prompt_token_ids), text, list(token_ids),
                                     None if logprobs is None else list(logprobs), reason, done,
                                     prompt_logprobs=prompt_logprobs)

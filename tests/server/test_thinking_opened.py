@@ -43,3 +43,10 @@ def test_a_template_opened_block_is_still_reasoning(client):
     message = ask(client, "SAY:plan</think>Answer", extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     message = message.choices[0].message
     assert (message.content, message.reasoning_content) == ("Answer", "plan")
+
+
+def test_the_fake_engine_streams_split_characters_whole(client):
+    """A character of several bytes (one token each here) comes out once all its bytes are generated, as the
+    real detokenizer holds it back; the fake sent U+FFFD and the server then lost the character."""
+    streamed = list(ask(client, "SAY:Köln 😀", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "Köln 😀"
