@@ -4,11 +4,14 @@ gguf-py's GGUFReader builds a numpy view per metadata element: about 6 s for the
 49k-token vocabulary and 49k merges, half of a cold start. The container is a flat run of little-endian
 scalars and length-prefixed strings (ggml's docs/gguf.md), so one `struct` pass reads it in ~0.1 s;
 gguf-py still supplies the type tables (value types, quantization block sizes) and the dequantizers.
-Only little-endian files (every file llama.cpp writes on x86 and ARM) are read.
+Only little-endian files of version 2 or 3 (every file llama.cpp writes on x86 and ARM since 2023) are
+read; like llama.cpp, a duplicated metadata key or tensor name and an alignment that is not a power of two
+are refused.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import NamedTuple
 
@@ -65,17 +68,31 @@ class _Cursor:
         if value_type == gguf.GGUFValueType.ARRAY:
             item_type, count = self.scalar("I"), self.scalar("Q")
             if item_type in _SCALARS:  # numeric arrays in one unpack
-                fmt = f"<{count}{_SCALARS[item_type]}"
-                if self.pos + struct.calcsize(fmt) > len(self.buf):
+                size = count * struct.calcsize("<" + _SCALARS[item_type])  # before building a format of `count`
+                if self.pos + size > len(self.buf):
                     raise CheckpointError("truncated GGUF header (an array runs past the end of the file)",
                                           file=self.path)
-                items = list(struct.unpack_from(fmt, self.buf, self.pos))
-                self.pos += struct.calcsize(fmt)
+                items = list(struct.unpack_from(f"<{count}{_SCALARS[item_type]}", self.buf, self.pos))
+                self.pos += size
                 return items
             return [self.value(item_type) for _ in range(count)]
         if value_type not in _SCALARS:
             raise CheckpointError(f"unknown GGUF metadata value type {value_type}", file=self.path)
         return self.scalar(_SCALARS[value_type])
+
+
+def _check_version(version: int, path: str) -> None:
+    """Versions 2 and 3, little-endian; a big-endian file shows its version byte-swapped."""
+    if version in _VERSIONS:
+        return
+    swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+    if swapped in _VERSIONS + (1,):
+        raise CheckpointError(f"big-endian GGUF (version {swapped}): radiance reads little-endian GGUF files; "
+                              "convert the model again with llama.cpp's default byte order", file=path)
+    if version == 1:  # 32-bit counts and lengths: a layout of its own, replaced in 2023
+        raise CheckpointError("GGUF version 1 is not supported (radiance reads versions 2 and 3): convert the "
+                              "model again with a current llama.cpp", file=path)
+    raise CheckpointError(f"GGUF version {version} is not supported (radiance reads versions 2 and 3)", file=path)
 
 
 class GgufFile:
@@ -90,23 +107,33 @@ class GgufFile:
         cur = _Cursor(blob, path)
         if len(blob) < 4 or cur.scalar("I") != gguf.GGUF_MAGIC:
             raise CheckpointError("not a GGUF file (no GGUF magic)", file=path)
-        version = cur.scalar("I")
-        if version not in _VERSIONS:
-            raise CheckpointError(f"GGUF version {version} is not supported (only {_VERSIONS}, little-endian)",
-                                  file=path)
+        _check_version(cur.scalar("I"), path)
         tensor_count, kv_count = cur.scalar("Q"), cur.scalar("Q")
         self.metadata: dict[str, object] = {}
         for _ in range(kv_count):
             key = cur.string()
+            if key in self.metadata:  # which value is meant? llama.cpp refuses the file too
+                raise CheckpointError(f"GGUF metadata key {key} appears twice", file=path)
             self.metadata[key] = cur.value(cur.scalar("I"))
-        table = []
+        table, names = [], set()
         for _ in range(tensor_count):
             name = cur.string()
+            if name in names:  # the second would silently replace the first
+                raise CheckpointError("GGUF tensor name appears twice", file=path, tensor=name)
+            names.add(name)
             dims = tuple(cur.scalar("Q") for _ in range(cur.scalar("I")))
             table.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
-        alignment = int(self.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+        alignment = self._alignment()
         data_start = -(-cur.pos // alignment) * alignment
         self.tensors = [self._tensor(blob, data_start, *entry) for entry in table]
+
+    def _alignment(self) -> int:
+        """general.alignment: the tensor data's alignment, a power of two (0 was a ZeroDivisionError)."""
+        value = self.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value & (value - 1):
+            raise CheckpointError(f"GGUF metadata general.alignment is {value!r}, not a power of two",
+                                  file=self.path)
+        return value
 
     def _tensor(self, blob: np.ndarray, data_start: int, name: str, dims: tuple[int, ...], type_id: int,
                 offset: int) -> GgufTensor:
@@ -119,7 +146,7 @@ class GgufFile:
             raise CheckpointError(f"GGUF tensor shape {dims} does not fit {qtype.name} blocks of {block}",
                                   file=self.path, tensor=name)
         row_bytes = dims[0] // block * block_bytes
-        n_bytes = row_bytes * int(np.prod(dims[1:], dtype=np.int64))
+        n_bytes = row_bytes * math.prod(dims[1:])  # exact: a corrupt dimension must not wrap around int64
         start = data_start + offset
         if start + n_bytes > len(blob):
             raise CheckpointError(f"GGUF tensor data ({n_bytes} bytes at {start}) runs past the end of the file "

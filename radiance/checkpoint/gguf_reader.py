@@ -5,11 +5,12 @@ CPU can serve them from 4-bit codes; the `gguf` package dequantizes every other 
 float32. llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are
 permuted back to the HF layout here, so one model implementation serves both. The config is synthesized
 from the GGUF metadata as an HF config.json dict (rope scaling included: {arch}.rope.scaling.*, or Llama 3's
-rope_freqs tensor read back into its llama3 parameters); the tokenizer comes from transformers' GGUF support,
-the chat template from the metadata. A split GGUF (model-00001-of-00003.gguf) is read from all its parts.
-Other architectures open, for the model registry to refuse them as it refuses an HF checkpoint; a tensor
-type the gguf package cannot dequantize is refused at open. The file itself is read by gguf_file (gguf-py's
-reader takes seconds on a large vocabulary).
+rope_freqs tensor read back into its llama3 parameters), and every tensor's shape checked against it at open;
+the tokenizer comes from transformers' GGUF support, the chat templates from the metadata (the default and
+named ones such as tool_use, which the tokenizer carries as transformers' {name: template}). A split GGUF
+(model-00001-of-00003.gguf) is read from all its parts. Other architectures open, for the model registry to
+refuse them as it refuses an HF checkpoint; a tensor type the gguf package cannot dequantize is refused at open.
+The file itself is read by gguf_file (gguf-py's reader takes seconds on a large vocabulary).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.gguf_file import GgufFile
+from radiance.checkpoint.hf_config import expected_shapes
 from radiance.checkpoint.names import canonical_linear, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError
@@ -55,6 +57,8 @@ ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: its rope scaling as per-frequency
 _ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                   "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 _PERMUTED_ARCHS = ("llama",)  # llama.cpp permutes q/k only for these
+_FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
+               "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
 
 def embedded_model_path() -> str:
@@ -175,19 +179,26 @@ class GgufCheckpoint(Checkpoint):
     def __init__(self, path: str):
         path = os.path.abspath(path)
         self.file = GgufFile(path)
+        self._check_file_type()
         self.arch = str(self._field("general.architecture", "llama"))
-        self.tensors = {t.name: t for part in self._split_parts() for t in part.tensors}
+        self.tensors = self._tensor_table()
         # another architecture still opens (inspect reports it); serving it fails as for an HF checkpoint
         config = self._synthesize_config() if self.arch in _ARCHITECTURES else self._unread_config()
         super().__init__(path=path, kind="gguf", config=config, quant=QuantSpec(source=path))
         if self.arch in _ARCHITECTURES:
             self._check_tensor_types()
+            self._check_shapes()
         self._tokenizer = None
 
     # ------------------------------------------------------------------ metadata
 
     def _field(self, key: str, default=None):
-        return self.file.metadata.get(key, default)
+        value = self.file.metadata.get(key, default)
+        if isinstance(value, float) and math.isfinite(value) and float(np.float32(value)) == value:
+            # llama.cpp stores floats as float32: 1e-5 reads as 9.999999747378752e-06; the shortest decimal of
+            # the same float32 is the value the model's config.json had (and convert writes it back)
+            return float(str(np.float32(value)))
+        return value
 
     def _required(self, key: str) -> int:
         """A size the config cannot do without: a positive integer, or a CheckpointError naming the key."""
@@ -196,6 +207,38 @@ class GgufCheckpoint(Checkpoint):
             what = "missing" if value is None else f"{value!r}, not a positive integer"
             raise CheckpointError(f"GGUF metadata {key} is {what}", file=self.file.path)
         return value
+
+    def _check_file_type(self) -> None:
+        """llama.cpp also writes LoRA adapters, vision projectors and importance matrices as GGUF: say so at once,
+        not that their metadata lacks a model's sizes."""
+        kind = self._field("general.type", "model")
+        if kind != "model":
+            what = _FILE_TYPES.get(kind, "")
+            raise CheckpointError(f"GGUF general.type is {kind!r}{what}, not a model: radiance serves model files",
+                                  file=self.file.path)
+
+    def _one_for_all_layers(self, key: str, default: int) -> int:
+        """A size llama.cpp may write per layer (an array, e.g. head_count_kv): radiance's models take one."""
+        value = self._field(key, default)
+        if isinstance(value, list):
+            if not value or len(set(value)) > 1:
+                raise CheckpointError(f"GGUF metadata {key} differs per layer (values {sorted(set(value))}); "
+                                      "radiance serves models with one value for all layers", file=self.file.path)
+            value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"GGUF metadata {key} is {value!r}, not a positive integer", file=self.file.path)
+        return value
+
+    def _tensor_table(self) -> dict:
+        """{name: GgufTensor} over all parts; a name in two parts is refused (each part refuses its own twice)."""
+        tensors = {}
+        for part in self._split_parts():
+            for t in part.tensors:
+                if t.name in tensors:
+                    raise CheckpointError("GGUF tensor name appears in two parts of the split file", file=part.path,
+                                          tensor=t.name)
+                tensors[t.name] = t
+        return tensors
 
     def _split_parts(self) -> list[GgufFile]:
         """This file and, for a split GGUF (llama.cpp's model-00001-of-00003.gguf), its other parts, which hold
@@ -245,6 +288,35 @@ class GgufCheckpoint(Checkpoint):
                 raise CheckpointError(f"GGUF tensor type {t.tensor_type.name} cannot be read; radiance reads "
                                       f"{', '.join(readable)}", file=self.file.path, tensor=t.name)
 
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{GGUF top-level name or block tensor suffix: the [rows, cols] (HF order) the metadata implies}."""
+        c = self.config
+        projections = expected_shapes(c)  # {"q_proj": (N, K), ...}, the HF reader's own
+        if not projections:
+            return {}
+        hidden, head_dim = c["hidden_size"], c["head_dim"]
+        shapes = {"output_norm.weight": (hidden,), "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
+                  "attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
+        if c.get("vocab_size"):
+            shapes.update({"token_embd.weight": (c["vocab_size"], hidden), "output.weight": (c["vocab_size"], hidden)})
+        for suffix, target in _BLOCK_NAMES.items():
+            module, _, leafname = target.rpartition(".")
+            rows_cols = projections.get(module.rpartition(".")[2])  # q_proj, ..., down_proj
+            if rows_cols is not None:
+                shapes[suffix] = rows_cols if leafname == "weight" else rows_cols[:1]
+        return shapes
+
+    def _check_shapes(self) -> None:
+        """A tensor that disagrees with the metadata fails at open, named by its GGUF name, as the HF reader
+        checks its linears: not at load after reading the tensors before it, and not after convert wrote it."""
+        expected = self._expected_shapes()
+        for name, t in self.tensors.items():
+            want = expected.get(name.split(".", 2)[2] if name.startswith("blk.") and name.count(".") >= 2 else name)
+            got = tuple(int(d) for d in reversed(t.shape))
+            if want is not None and got != want:
+                raise CheckpointError(f"GGUF tensor of shape {list(got)} where the {self.arch} model its metadata "
+                                      f"describes has {list(want)}", file=self.file.path, tensor=name)
+
     def _rope_parameters(self, theta: float, head_dim: int) -> dict:
         """rope_parameters (transformers 5's form) from {arch}.rope.scaling.* or a Llama 3 rope_freqs tensor.
         A type radiance lacks (longrope, ...) is passed on for the model config to refuse in one line."""
@@ -291,7 +363,7 @@ class GgufCheckpoint(Checkpoint):
             "hidden_size": hidden, "intermediate_size": self._required(f"{a}.feed_forward_length"),
             "num_hidden_layers": self._required(f"{a}.block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
+            "num_key_value_heads": self._one_for_all_layers(f"{a}.attention.head_count_kv", heads),
             "head_dim": head_dim, "partial_rotary_factor": rope_dims / head_dim,
             "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": rope_theta, "rope_parameters": rope,
@@ -388,8 +460,17 @@ class GgufCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ tokenizer
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the file carries tokenizer metadata (llama.cpp writes it for every model; a weights-only
+        file serves token-id prompts only)."""
+        return "tokenizer.ggml.model" in self.file.metadata or "tokenizer.ggml.tokens" in self.file.metadata
+
     def tokenizer(self):
         if self._tokenizer is None:
+            if not self.has_tokenizer:
+                raise CheckpointError("the GGUF file holds no tokenizer: no tokenizer.ggml.* metadata",
+                                      file=self.path)
             # the generic fast class, not AutoTokenizer: that one first builds a model config from the file
             # through gguf-py (~8 s for the embedded model) only to pick the class; transformers 5 picks this
             # one for GGUF files anyway
@@ -399,15 +480,36 @@ class GgufCheckpoint(Checkpoint):
                                                                           gguf_file=os.path.basename(self.path))
             except Exception as exc:
                 raise CheckpointError(f"cannot build the tokenizer from GGUF metadata: {exc}", file=self.path) from None
-            if self._tokenizer.chat_template is None and self.chat_template:
-                self._tokenizer.chat_template = self.chat_template
+            templates = self.chat_templates
+            if set(templates) - {"default"}:
+                # transformers reads the default only; named ones as it reads a tokenizer_config.json list:
+                # {name: template}, apply_chat_template then takes tool_use when given tools, save_pretrained
+                # writes them all (chat_template.jinja, additional_chat_templates/)
+                self._tokenizer.chat_template = templates
+            elif self._tokenizer.chat_template is None and templates:
+                self._tokenizer.chat_template = templates["default"]
         return self._tokenizer
 
     @property
+    def chat_templates(self) -> dict[str, str]:
+        """Every chat template of the file by name: "default" (tokenizer.chat_template) and those llama.cpp's
+        converter writes from a tokenizer_config.json list of {name, template} (tokenizer.chat_template.tool_use,
+        ..., listed in tokenizer.chat_templates)."""
+        prefix = "tokenizer.chat_template."
+        named = {key[len(prefix):]: value for key, value in self.file.metadata.items()
+                 if key.startswith(prefix) and isinstance(value, str) and value}
+        default = self._field("tokenizer.chat_template")
+        return {"default": default, **named} if default else named
+
+    @property
     def chat_template(self) -> str | None:
-        return self._field("tokenizer.chat_template")
+        """The default template; a file with named ones only: the first, as the HF path takes from a list."""
+        templates = self.chat_templates
+        return templates.get("default") or next(iter(templates.values()), None)
 
     @property
     def eos_token_ids(self) -> list[int]:
-        ids = [self._field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+        # llama.cpp ends generation at any of them: eom is Llama 3.1's <|eom_id|> (after a built-in tool call)
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        ids = [self._field(k) for k in keys]
         return list(dict.fromkeys(int(i) for i in ids if i is not None))

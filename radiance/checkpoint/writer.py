@@ -74,8 +74,20 @@ def _with_untied_head(items: Iterator, quantize_lm_head: bool, tied: bool) -> It
             yield "lm_head.weight", obj.clone()
 
 
-def _copy_side_files(ckpt: Checkpoint, dst: str) -> None:
-    """Tokenizer, chat template and generation config next to the weights."""
+def _source_tokenizer(ckpt: Checkpoint):
+    """A GGUF's tokenizer, built before any tensor is read (broken tokenizer metadata fails first). A GGUF without
+    tokenizer metadata converts weights-only, with a warning, as an HF directory without tokenizer files does."""
+    if ckpt.kind == "hf":
+        return None
+    if not getattr(ckpt, "has_tokenizer", True):
+        logger.warning("%s has no tokenizer metadata; the converted checkpoint has no tokenizer either "
+                       "(token-id prompts only, or add tokenizer files to it)", ckpt.path)
+        return None
+    return ckpt.tokenizer()
+
+
+def _copy_side_files(ckpt: Checkpoint, dst: str, tokenizer=None) -> None:
+    """Tokenizer, chat template and generation config next to the weights (`tokenizer`: _source_tokenizer's)."""
     if ckpt.kind == "hf":
         copied = [n for n in TOKENIZER_FILES + ("generation_config.json",)
                   if os.path.exists(os.path.join(ckpt.path, n))]
@@ -85,8 +97,7 @@ def _copy_side_files(ckpt: Checkpoint, dst: str) -> None:
             logger.warning("%s has no tokenizer files; the converted checkpoint has none either", ckpt.path)
         if "generation_config.json" in copied:
             return
-    else:
-        tokenizer = ckpt.tokenizer()
+    elif tokenizer is not None:
         if ckpt.chat_template and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = ckpt.chat_template
         tokenizer.save_pretrained(dst)
@@ -107,6 +118,7 @@ def convert_checkpoint(src, dst: str, config: ConvertConfig = ConvertConfig(), p
 
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     check_servable(ckpt)  # convert only rewrites linears: a model radiance cannot load stays one
+    tokenizer = _source_tokenizer(ckpt)
     dst = os.path.abspath(dst)
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise CheckpointError("destination exists and is not an empty directory; choose a new one", file=dst)
@@ -114,7 +126,7 @@ def convert_checkpoint(src, dst: str, config: ConvertConfig = ConvertConfig(), p
         raise CheckpointError("destination is the source", file=dst)
     created = _first_missing(dst)
     try:
-        return _convert(ckpt, dst, config, progress)
+        return _convert(ckpt, dst, config, progress, tokenizer)
     except BaseException as exc:  # Ctrl-C included
         _discard(dst, created)
         if isinstance(exc, OSError):  # no room, no permission, a file where a directory should be
@@ -161,7 +173,7 @@ def _naming(tensor: str, source: str):
                               tensor=tensor) from None
 
 
-def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool) -> RequantReport:
+def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, tokenizer=None) -> RequantReport:
     dense_dtype = getattr(torch, config.dense_dtype)
     report = RequantReport(config.format, config.rule if config.format == "mxfp4" else None)
     logger.info("converting %s -> %s (%s%s)", ckpt.path, dst, config.format,
@@ -202,7 +214,7 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool) 
         out_config["tie_word_embeddings"] = False
     ignore = kept_dense if ("lm_head" in kept_dense or config.quantize_lm_head) else ["lm_head"] + kept_dense
     out_config["quantization_config"] = quantization_config_for(config.format, ignore, config.rule)
-    _copy_side_files(ckpt, dst)
+    _copy_side_files(ckpt, dst, tokenizer)
     # config.json last: its presence marks a complete conversion
     with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as handle:
         json.dump(out_config, handle, indent=2)

@@ -2,6 +2,8 @@
 architectures, rope scaling (metadata or Llama 3's rope_freqs tensor), tensor types radiance cannot read,
 tensors it has no place for, and the same one-line refusals the HF path gives."""
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -17,23 +19,22 @@ T = gguf.GGMLQuantizationType
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 128, 4, 2, 96
 
 
-def write_gguf(path, arch="llama", metadata=None, extra_tensors=None, types=None, head_dim=HIDDEN // HEADS):
-    """A one-layer model, no tokenizer metadata; `types` {gguf name: GGML type} for the linears."""
+def write_gguf(path, arch="llama", metadata=None, extra_tensors=None, types=None, head_dim=HIDDEN // HEADS,
+               overrides=None):
+    """A one-layer model, no tokenizer metadata; `types` {gguf name: GGML type} for the linears, `overrides`
+    metadata replacing the sizes the tensors are written with."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_context_length(4096)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    sizes = {f"{arch}.block_count": 1, f"{arch}.context_length": 4096, f"{arch}.embedding_length": HIDDEN,
+             f"{arch}.feed_forward_length": FFN, f"{arch}.attention.head_count": HEADS,
+             f"{arch}.attention.head_count_kv": KV_HEADS}
     if head_dim != HIDDEN // HEADS:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    for key, value in (metadata or {}).items():
-        {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32}[type(value)](key, value)
+        sizes.update({f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim})
+    metadata = {**sizes, f"{arch}.rope.freq_base": 10000.0, f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+                **(metadata or {}), **(overrides or {})}
+    for key, value in metadata.items():
+        {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32, bool: writer.add_bool,
+         list: writer.add_array}[type(value)](key, value)
     shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,),
               "blk.0.attn_norm.weight": (HIDDEN,), "blk.0.ffn_norm.weight": (HIDDEN,),
               "blk.0.attn_q.weight": (HEADS * head_dim, HIDDEN), "blk.0.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
@@ -206,3 +207,71 @@ def test_a_later_or_missing_part_of_a_split_gguf_is_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="part 3 of 3 .* missing") as err:
         open_checkpoint(parts[0])
     assert err.value.file == parts[2]
+
+
+@pytest.mark.parametrize("metadata, tensor", [
+    ({"llama.feed_forward_length": 96}, "blk.0.ffn_gate.weight"),
+    ({"llama.vocab_size": 90}, "token_embd.weight"),
+    ({"llama.attention.head_count_kv": 1}, "blk.0.attn_k.weight"),
+])
+def test_a_tensor_that_disagrees_with_the_metadata_is_named_at_open(tmp_path, metadata, tensor):
+    """Was: opened, inspected and converted; loading failed only after reading the tensors before it,
+    naming the merged linear (model.layers.0.mlp.gate_up_proj) instead of the GGUF tensor."""
+    path = write_gguf(tmp_path / "m.gguf", overrides=metadata)
+    with pytest.raises(CheckpointError, match="GGUF tensor of shape .* its metadata describes has") as err:
+        open_checkpoint(path)
+    assert err.value.tensor == tensor and err.value.file == path
+
+
+def test_a_tensor_in_two_parts_of_a_split_gguf_is_refused(tmp_path):
+    """Was: the later part's tensor silently replaced the first's (the tensor count still adding up)."""
+    from radiance.checkpoint.gguf_file import GgufFile
+
+    _, parts = write_split(tmp_path)
+    first = GgufFile(parts[0]).tensors[0]
+    third = GgufFile(parts[2])
+    writer = gguf.GGUFWriter(parts[2] + ".new", "llama")  # part 3 with part 1's first tensor for its last one
+    writer.add_uint16("split.no", 2)
+    writer.add_uint16("split.count", 3)
+    for t in third.tensors[:-1] + [first]:
+        writer.add_tensor(t.name, np.array(t.data).view(np.float32).reshape(*reversed(t.shape)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(parts[2] + ".new", parts[2])
+    with pytest.raises(CheckpointError, match="appears in two parts") as err:
+        open_checkpoint(parts[0])
+    assert err.value.tensor == first.name and err.value.file == parts[2]
+
+
+def test_a_per_layer_kv_head_count_is_read_when_uniform_and_refused_when_not(tmp_path):
+    """Was: int() of the array, a TypeError traceback."""
+    ckpt = open_checkpoint(write_gguf(tmp_path / "same.gguf", overrides={"llama.attention.head_count_kv": [KV_HEADS]}))
+    assert ckpt.config["num_key_value_heads"] == KV_HEADS
+    with pytest.raises(CheckpointError, match="head_count_kv differs per layer"):
+        open_checkpoint(write_gguf(tmp_path / "mixed.gguf", metadata={"llama.block_count": 2},
+                                   overrides={"llama.attention.head_count_kv": [KV_HEADS, 1]}))
+
+
+def test_float32_metadata_reads_as_the_decimal_it_was_written_from(tmp_path):
+    """Was: rms_norm_eps 9.999999747378752e-06 for 1e-5 (in the config convert writes, too)."""
+    ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", metadata={
+        "llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.5, "llama.rope.scaling.yarn_beta_fast": 0.3,
+        "llama.rope.freq_base": 1e6}))
+    assert ckpt.config["rms_norm_eps"] == 1e-5 and ckpt.config["rope_theta"] == 1e6
+    assert ckpt.config["rope_parameters"]["factor"] == 2.5 and ckpt.config["rope_parameters"]["beta_fast"] == 0.3
+
+
+def test_a_lora_adapter_gguf_is_named_as_such(tmp_path):
+    """Was: "GGUF metadata llama.embedding_length is missing" (an adapter has none)."""
+    writer = gguf.GGUFWriter(str(tmp_path / "lora.gguf"), "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string("adapter.type", "lora")
+    writer.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((8, HIDDEN), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="general.type is 'adapter' \\(a LoRA adapter.*not a model"):
+        open_checkpoint(str(tmp_path / "lora.gguf"))
