@@ -13,12 +13,15 @@ from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+SERVE_LEVELS = (1, 8, 32, 128)  # bench serve's default concurrency levels
+
 
 def _int_list(text: str) -> tuple[int, ...]:
+    """'1,8', '1 8' and '1, 8' alike (as `bench engine --concurrency 1 8` takes them)."""
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        values = tuple(int(v) for v in text.replace(",", " ").split())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas or spaces, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
@@ -59,16 +62,19 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="load-test any OpenAI-compatible server (streaming)")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
-    p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="levels, comma-separated (default: 1,8,32,128)")
+    p.add_argument("--concurrency", type=_int_list, nargs="+",
+                   help=f"levels, comma- or space-separated (default: {','.join(map(str, SERVE_LEVELS))})")
     p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)")
     p.add_argument("--input-len", type=int, default=256, help="prompt length in words (~tokens; default: 256)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default: 128)")
-    p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or one prompt per line")
+    p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len'), a JSON array of those or of "
+                                     "ShareGPT conversations (their first human turn), or one prompt per line")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="/v1/completions with raw prompts (default) or /v1/chat/completions with one user message")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos (for servers that reject unknown fields)")
+                   help="send OpenAI's fields only, not vLLM's ignore_eos, min_tokens and "
+                        "stream_options.continuous_usage_stats (for servers that reject unknown fields)")
     p.add_argument("--api-key", help="sent as `Authorization: Bearer KEY` (a server started with --api-key)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait to connect and for each streamed chunk, not the whole answer (default: 600)")
@@ -89,19 +95,30 @@ def run_serve(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the table
     earlier = _checked_plot_inputs(args)
     opts = serve_bench.ServeBenchOptions(
-        url=args.url, model=args.model, concurrency=tuple(args.concurrency), num_prompts=args.num_prompts,
+        url=args.url, model=args.model, concurrency=serve_levels(args), num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, dataset=args.dataset,
         request_rate=args.request_rate, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
         api_key=args.api_key, timeout_s=args.timeout, warmup=args.warmup, seed=args.seed)
     result = serve_bench.run_serve_bench(opts)
+    if result.get("interrupted") and not result["levels"]:
+        return 130  # Ctrl-C before any request finished: nothing to report
     if args.label:
         result["label"] = args.label
     print(to_json(result) if args.json else serve_bench.serve_table(result))
     if args.plot:
         from radiance.bench.plot import plot_serve_results
         plot_serve_results(args.plot, earlier + [result])
+    if result.get("interrupted"):
+        return 130
     failed = sum(lv["failed"] for lv in result["levels"])
     return 1 if failed and not any(lv["ok"] for lv in result["levels"]) else 0
+
+
+def serve_levels(args) -> tuple[int, ...]:
+    """--concurrency as one tuple: each argument holds one level or several ('1,8', '1 8')."""
+    if not args.concurrency:
+        return SERVE_LEVELS
+    return tuple(level for group in args.concurrency for level in group)
 
 
 def _checked_plot_inputs(args) -> list[dict]:

@@ -43,9 +43,25 @@ def decode_tokens_per_second(output_tokens: int, ttft_s: float, e2e_s: float) ->
     return tokens_per_second(output_tokens - 1, e2e_s - ttft_s)
 
 
-def inter_token_latencies(token_times: Sequence[float]) -> list[float]:
-    """Gaps between successive token arrival times (seconds)."""
-    return [b - a for a, b in zip(token_times, token_times[1:])]
+def inter_token_latencies(chunk_times: Sequence[float], chunk_tokens: Sequence[int] | None = None) -> list[float]:
+    """Gaps between successive tokens (seconds), from the arrival times of the streamed chunks and the tokens
+    each carried (default: one). A chunk of k tokens that came g after the previous one stands for k gaps of
+    g / k: its tokens were made over that time and sent together. The first chunk's tokens come at the first
+    token time, so they are no gaps."""
+    counts = list(chunk_tokens) if chunk_tokens is not None else [1] * len(chunk_times)
+    if len(counts) != len(chunk_times):
+        raise ValueError(f"{len(chunk_times)} chunk times but {len(counts)} token counts")
+    gaps = []
+    for a, b, k in zip(chunk_times, chunk_times[1:], counts[1:]):
+        gaps += [(b - a) / k] * k
+    return gaps
+
+
+def tokens_per_chunk(total_tokens: int, chunks: int) -> list[int]:
+    """`total_tokens` spread over `chunks` as evenly as whole numbers allow, at least one each: the best guess of
+    what each streamed chunk carried when the server reports only the total."""
+    total = max(total_tokens, chunks)
+    return [(i + 1) * total // chunks - i * total // chunks for i in range(chunks)]
 
 
 @dataclass(frozen=True)
@@ -70,10 +86,14 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def perplexity(total_nll: float, num_tokens: int) -> float:
-    """exp(mean NLL)."""
+    """exp(mean NLL); inf past float range (a broken variant's mean NLL over 709 nats must not end a comparison
+    of several with an OverflowError)."""
     if num_tokens <= 0:
         raise ValueError("perplexity needs at least one token")
-    return math.exp(total_nll / num_tokens)
+    try:
+        return math.exp(total_nll / num_tokens)
+    except OverflowError:
+        return math.inf
 
 
 def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

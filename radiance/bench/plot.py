@@ -72,12 +72,14 @@ def _save(plt, fig, path: str) -> None:
 
 
 def serve_series(results: Sequence[Mapping]) -> dict[str, list[tuple[float, float]]]:
-    """{label: [(concurrency, aggregate output tok/s)]}, one entry per `bench serve` result."""
+    """{label: [(concurrency, aggregate output tok/s)]}, one entry per `bench serve` result. A level cut short by
+    Ctrl-C is left out: its rate counts only the requests that finished before it."""
     series = {}
     for res in results:
         try:
             label = res.get("label") or f"{res['model']} ({res['url']})"
-            series[label] = [(lv["concurrency"], lv["aggregate_tok_s"]) for lv in res["levels"]]
+            series[label] = [(lv["concurrency"], lv["aggregate_tok_s"]) for lv in res["levels"]
+                             if not lv.get("interrupted")]
         except (AttributeError, KeyError, TypeError):  # an earlier file that is some other JSON
             raise ConfigError("not a `radiance bench serve --json` result (expected 'model', 'url' and 'levels' "
                               "with 'concurrency' and 'aggregate_tok_s')") from None

@@ -139,19 +139,24 @@ def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len:
     return ids[first * chunk_len: (first + n) * chunk_len].reshape(n, chunk_len)
 
 
-def _text_file(path: str) -> Path:
+def read_text(path: str) -> str:
+    """The text file's content; a missing, empty or non-UTF-8 file is one error line, found before any model loads."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"text file not found: {path}")
-    return file
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"text file {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not text.strip():
+        raise ConfigError(f"text file {path} is empty")
+    return text
 
 
-def tokenize_text(tokenizer, path: str, tokens_needed: int) -> list[int]:
-    """Token ids of the text file; only a prefix long enough for `tokens_needed` is tokenized."""
-    file = _text_file(path)
+def tokenize_text(tokenizer, text: str, tokens_needed: int) -> list[int]:
+    """Token ids of the text; only a prefix long enough for `tokens_needed` is tokenized."""
     if tokenizer is None:
         raise ConfigError("this model has no tokenizer (synthetic models cannot be evaluated on text)")
-    text = file.read_text(encoding="utf-8")
     take = tokens_needed * 8  # chars per token is below 8 for any natural text and BPE vocabulary
     while True:
         ids = tokenizer(text[:take], add_special_tokens=False)["input_ids"]
@@ -210,7 +215,7 @@ def evaluate(chunks: torch.Tensor, models: dict[str, LogitsModel], reference: Lo
             accs[name].add(_scored_logits(model, window, device), targets, ref_logits)
         # running numbers of the first model, so a long run shows where it is heading
         first = next(iter(accs.values()))
-        bar.set_postfix(ppl=f"{math.exp(first.nll / first.tokens):.3f}",
+        bar.set_postfix(ppl=f"{metrics.perplexity(first.nll, first.tokens):.3f}",
                         **({"kl": f"{torch.cat(first.kl_values).double().mean().item():.4f}"} if first.kl_values else {}))
     out = {name: acc.result() for name, acc in accs.items()}
     if ref_acc is not None:
@@ -243,7 +248,7 @@ def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
                           f"(or {KV_SUFFIX})")
     # the request's own mistakes before any model loads (a large one takes minutes, kl loads two)
     check_chunking(req.chunks, req.chunk_len, req.first_chunk)
-    _text_file(req.text)
+    text = read_text(req.text)
     start = time.perf_counter()
     models, tokenizer = {}, None
     reference = None
@@ -254,7 +259,7 @@ def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
         models[variant.label], tok = loader(req.model, variant, req.device, req.dtype)
         check_context(models[variant.label], req.chunk_len)
         tokenizer = tokenizer or tok
-    ids = tokenize_text(tokenizer, req.text, (req.first_chunk + req.chunks) * req.chunk_len)
+    ids = tokenize_text(tokenizer, text, (req.first_chunk + req.chunks) * req.chunk_len)
     chunks = chunk_token_ids(ids, req.chunks, req.chunk_len, req.first_chunk)
     device = next(_model_device(m) for m in [*models.values(), reference] if m is not None)
     scores = evaluate(chunks, models, reference, device=device, progress=progress)

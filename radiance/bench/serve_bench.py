@@ -4,7 +4,10 @@ For each concurrency level it sends `num_prompts` streaming requests with at mos
 flight (optionally arriving as a Poisson process at `request_rate` per second) and records, per
 request, the time to the first token, the gaps between streamed tokens and the end-to-end latency.
 Each streamed chunk that carries text counts as one token; when the server reports usage
-(`stream_options.include_usage`), its completion token count wins.
+(`stream_options.include_usage`), its completion token count wins, and a chunk of several tokens
+stands for as many inter-token gaps (the server's count of each chunk with vLLM's
+`continuous_usage_stats`, else the total spread evenly). A stream that ends without a finish_reason
+or `[DONE]`, or with malformed events, fails its request only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 from tqdm import tqdm
@@ -48,7 +52,8 @@ class ServeBenchOptions:
     dataset: str | None = None  # JSONL ({"prompt", "output_len"?}) or plain text, one prompt a line
     request_rate: float = math.inf  # requests/s per level; inf: all at once (bounded by concurrency)
     endpoint: str = "completions"  # or "chat"
-    ignore_eos: bool = True  # ask for exactly output_len tokens (vLLM / llama.cpp / radiance extension)
+    ignore_eos: bool = True  # send vLLM's extensions (ignore_eos, min_tokens: exactly output_len tokens;
+    # continuous_usage_stats: the tokens of each chunk); False: OpenAI's fields only
     api_key: str | None = None
     timeout_s: float = 600.0
     warmup: int = 1  # requests sent (and not counted) before the first level
@@ -56,6 +61,7 @@ class ServeBenchOptions:
     progress: bool = True
 
     def __post_init__(self):
+        _check_url(self.url)
         if not self.concurrency or min(self.concurrency) < 1:
             raise ConfigError("concurrency levels must be positive integers")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -75,6 +81,18 @@ class ServeBenchOptions:
         return self.num_prompts if self.num_prompts is not None else max(8, 4 * concurrency)
 
 
+def _check_url(url: str) -> None:
+    """http(s)://HOST[:PORT], checked before any request: a port past 65535 was an OverflowError traceback, and a
+    URL without its scheme failed every request as an 'unsupported protocol'."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        raise ConfigError(f"--url {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--url must be http://HOST[:PORT] or https://..., got {url!r}")
+
+
 @dataclass(frozen=True)
 class PromptSpec:
     prompt: str
@@ -90,6 +108,12 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    requested_tokens: int = 0  # max_tokens asked for
+
+    @property
+    def short(self) -> bool:
+        """Finished with fewer tokens than asked: the server stopped early (it ignores ignore_eos and min_tokens)."""
+        return self.ok and self.output_tokens < self.requested_tokens
 
 
 @dataclass(frozen=True)
@@ -108,6 +132,8 @@ class LevelSummary:
     output_tokens: int
     mean_prompt_tokens: float
     errors: tuple[str, ...] = ()
+    short_outputs: int = 0  # finished with fewer tokens than output_len (the server stopped early)
+    interrupted: bool = False  # Ctrl-C: the requests that finished before it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -123,32 +149,83 @@ def random_prompts(n: int, input_len: int, output_len: int, seed: int) -> list[P
 
 
 def load_dataset(path: str, output_len: int) -> list[PromptSpec]:
-    """JSONL lines {"prompt": str, "output_len": int?} or plain text lines (one prompt each)."""
+    """A JSON array (ShareGPT's {"conversations": [...]} or {"prompt", "output_len"?} objects), JSONL lines
+    {"prompt": str, "output_len": int?} or plain text lines (one prompt each)."""
+    text = _dataset_text(path)
+    array = _json_array(text, path)
+    if array is not None:
+        items = (_array_item(item, output_len, f"dataset {path} item {i}") for i, item in enumerate(array))
+        specs = [spec for spec in items if spec is not None]
+    else:
+        specs = _dataset_lines(text, output_len, path)
+    if not specs:
+        raise ConfigError(f"dataset {path} has no prompts")
+    return specs
+
+
+def _dataset_text(path: str) -> str:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"dataset file not found: {path}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"dataset {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _json_array(text: str, path: str) -> list | None:
+    """The file as one JSON array (ShareGPT's layout), None when it is lines. A .json file that starts like an
+    array must parse: read as lines, a broken one would send its fragments as prompts."""
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        if path.lower().endswith(".json"):
+            raise ConfigError(f"dataset {path} is not valid JSON ({exc})") from None
+        return None  # text lines, the first of which starts with "["
+
+
+def _array_item(item, output_len: int, where: str) -> PromptSpec | None:
+    """One {"prompt", "output_len"?} object, or a ShareGPT conversation's first human turn (None when it has none:
+    ShareGPT holds some conversations that open with the model)."""
+    if isinstance(item, dict) and "conversations" in item:
+        turns = item["conversations"]
+        if not isinstance(turns, list):
+            raise ConfigError(f"{where}: 'conversations' must be a list of turns")
+        first = next((t for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
+        if first is None or not isinstance(first.get("value"), str) or not first["value"].strip():
+            return None
+        return PromptSpec(first["value"], output_len)
+    return _prompt_row(item, output_len, where)
+
+
+def _dataset_lines(text: str, output_len: int, path: str) -> list[PromptSpec]:
     specs = []
-    for lineno, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
             specs.append(_dataset_row(line, output_len, f"dataset {path} line {lineno}"))
         else:
             specs.append(PromptSpec(line, output_len))
-    if not specs:
-        raise ConfigError(f"dataset {path} has no prompts")
     return specs
 
 
 def _dataset_row(line: str, output_len: int, where: str) -> PromptSpec:
-    """One JSONL row; a prompt that is not text or an output_len that is not a positive integer (null, 2.7,
-    true, 0) is the file's error, not a request the server rejects or a str(None) prompt."""
     try:
         row = json.loads(line)
-        prompt = row["prompt"]
-    except (ValueError, KeyError) as exc:
+    except ValueError as exc:
         raise ConfigError(f"{where}: expected JSON with a 'prompt' field ({exc})") from None
-    n = row.get("output_len", output_len)
+    return _prompt_row(row, output_len, where)
+
+
+def _prompt_row(row, output_len: int, where: str) -> PromptSpec:
+    """One {"prompt", "output_len"?} object; a prompt that is not text or an output_len that is not a positive
+    integer (null, 2.7, true, 0) is the file's error, not a request the server rejects or a str(None) prompt."""
+    if not isinstance(row, dict) or "prompt" not in row:
+        raise ConfigError(f"{where}: expected JSON with a 'prompt' field, got {str(row)[:60]}")
+    prompt, n = row["prompt"], row.get("output_len", output_len)
     if not isinstance(prompt, str):
         raise ConfigError(f"{where}: 'prompt' must be a string, got {prompt!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -171,7 +248,10 @@ def _request_body(opts: ServeBenchOptions, model: str, spec: PromptSpec) -> tupl
     body: dict = {"model": model, "max_tokens": spec.output_len, "stream": True, "temperature": 0.0,
                   "stream_options": {"include_usage": True}}
     if opts.ignore_eos:
-        body["ignore_eos"] = True
+        # vLLM's extensions (also SGLang's and ours): exactly output_len tokens, and the token count of every
+        # chunk, so the inter-token latencies count tokens even when a chunk carries several
+        body.update(ignore_eos=True, min_tokens=spec.output_len)
+        body["stream_options"]["continuous_usage_stats"] = True
     if opts.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": spec.prompt}]
         return "/v1/chat/completions", body
@@ -179,15 +259,37 @@ def _request_body(opts: ServeBenchOptions, model: str, spec: PromptSpec) -> tupl
     return "/v1/completions", body
 
 
-def _chunk_text(obj: dict) -> str:
+def _text_field(where: dict, key: str) -> str:
+    value = where.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"stream event {key!r} is not text: {str(value)[:80]}")
+    return value or ""
+
+
+def _first_choice(obj: dict) -> dict | None:
+    """The event's choice, None for a usage-only chunk (`choices: []`); any other shape is the server's error."""
     choices = obj.get("choices") or []
-    if not choices:
+    if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
+        raise ValueError(f"stream event has a malformed choice: {str(choices)[:80]}")
+    return choices[0] if choices else None
+
+
+def _chunk_text(choice: dict | None) -> str:
+    if choice is None:
         return ""
-    choice = choices[0]
-    if "delta" in choice:
-        delta = choice["delta"] or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return choice.get("text") or ""
+    if "delta" not in choice:
+        return _text_field(choice, "text")
+    delta = choice["delta"] or {}
+    if not isinstance(delta, dict):
+        raise ValueError(f"stream event has a malformed delta: {str(delta)[:80]}")
+    return "".join(_text_field(delta, key) for key in ("content", "reasoning_content", "reasoning"))
+
+
+def _usage_count(usage: dict, key: str) -> int | None:
+    value = usage.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"stream event usage {key!r} is not a count: {str(value)[:80]}")
+    return value
 
 
 def _stream_event(data: str) -> dict:
@@ -199,53 +301,108 @@ def _stream_event(data: str) -> dict:
     return obj
 
 
+@dataclass
+class _Stream:
+    """What one streamed answer delivered: when each chunk with text came and the usage the server reported."""
+
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_usage: list[int | None] = field(default_factory=list)  # completion_tokens so far, sent with each text chunk
+    completion_tokens: int | None = None  # the last usage's
+    prompt_tokens: int | None = None
+    finished: bool = False  # a finish_reason or [DONE] came: the answer is whole
+    events: int = 0  # `data:` lines read
+
+    def add(self, obj: dict, now: float) -> None:
+        choice = _first_choice(obj)
+        usage = obj.get("usage")
+        if usage is not None and not isinstance(usage, dict):
+            raise ValueError(f"stream event usage is not an object: {str(usage)[:80]}")
+        completion = _usage_count(usage, "completion_tokens") if usage else None
+        if _chunk_text(choice):
+            self.chunk_times.append(now)
+            self.chunk_usage.append(completion)
+        if choice is not None and choice.get("finish_reason"):
+            self.finished = True
+        if usage:
+            self.completion_tokens = completion if completion is not None else self.completion_tokens
+            self.prompt_tokens = _usage_count(usage, "prompt_tokens")
+
+    @property
+    def output_tokens(self) -> int:
+        return max(len(self.chunk_times), self.completion_tokens or 0)
+
+    def tokens_per_chunk(self) -> list[int]:
+        """The server's counts when every text chunk carried its usage (continuous_usage_stats) and they add up,
+        else the total spread evenly over the chunks."""
+        if self.chunk_usage and None not in self.chunk_usage:
+            counts = [b - a for a, b in zip([0, *self.chunk_usage], self.chunk_usage)]
+            if min(counts) >= 1:
+                return counts
+        return metrics.tokens_per_chunk(self.output_tokens, len(self.chunk_times))
+
+
+async def _read_stream(resp: httpx.Response, stream: _Stream) -> str | None:
+    """Reads the events into `stream`; returns the error the server streamed, if any."""
+    async for line in resp.aiter_lines():
+        if line.startswith("error:"):  # llama.cpp's server streams its errors as `error: {...}` lines
+            return f"stream error: {line[6:].strip()}"[:200]
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        stream.events += 1
+        if data == "[DONE]":
+            stream.finished = True
+            return None
+        obj = _stream_event(data)
+        if "error" in obj:
+            return f"stream error: {obj['error']}"[:200]
+        stream.add(obj, time.perf_counter())
+    return None
+
+
 async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str, spec: PromptSpec) -> RequestResult:
     path, body = _request_body(opts, model, spec)
-    result = RequestResult(ok=False)
-    token_times: list[float] = []
-    usage_tokens = None
+    result = RequestResult(ok=False, requested_tokens=spec.output_len)
+    stream = _Stream()
     start = time.perf_counter()
     try:
         async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {text[:200]}"
+                result.error = f"HTTP {resp.status_code}: {' '.join(text.split())[:200]}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = _stream_event(data)
-                if "error" in obj:
-                    result.error = f"stream error: {obj['error']}"[:200]
-                    return result
-                if _chunk_text(obj):
-                    token_times.append(time.perf_counter())
-                usage = obj.get("usage")
-                if usage:
-                    usage_tokens = usage.get("completion_tokens")
-                    result.prompt_tokens = usage.get("prompt_tokens")
-    except (httpx.HTTPError, ValueError, OSError) as exc:  # ValueError: JSONDecodeError, _stream_event
+            result.error = await _read_stream(resp, stream)
+    except (httpx.HTTPError, ValueError, OSError) as exc:  # ValueError: JSONDecodeError, malformed events
         result.error = f"{type(exc).__name__}: {exc}"[:200]
-        return result
     end = time.perf_counter()
-    if not token_times:
-        result.error = "no tokens streamed"
+    if result.error is None:
+        result.error = _stream_problem(stream)
+    if result.error is not None:
         return result
     result.ok = True
-    result.ttft_s = token_times[0] - start
+    result.ttft_s = stream.chunk_times[0] - start
     result.e2e_s = end - start
-    result.itl_s = metrics.inter_token_latencies(token_times)
-    result.output_tokens = max(len(token_times), usage_tokens or 0)
+    result.itl_s = metrics.inter_token_latencies(stream.chunk_times, stream.tokens_per_chunk())
+    result.output_tokens = stream.output_tokens
+    result.prompt_tokens = stream.prompt_tokens
     return result
+
+
+def _stream_problem(stream: _Stream) -> str | None:
+    if not stream.events:  # e.g. one JSON answer from a server that ignores "stream": true
+        return "the response is not an event stream (no `data:` lines)"
+    if not stream.chunk_times:
+        return "no tokens streamed"
+    if not stream.finished:  # the connection closed mid-answer: its numbers would flatter the server
+        return f"stream ended after {len(stream.chunk_times)} chunk(s) without a finish_reason or [DONE]"
+    return None
 
 
 # --------------------------------------------------------------------------- one level
 
 
-def summarize_level(concurrency: int, results: list[RequestResult], duration_s: float) -> LevelSummary:
+def summarize_level(concurrency: int, results: list[RequestResult], duration_s: float,
+                    interrupted: bool = False) -> LevelSummary:
     good = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in good)
     prompt_counts = [r.prompt_tokens for r in good if r.prompt_tokens is not None]
@@ -265,6 +422,8 @@ def summarize_level(concurrency: int, results: list[RequestResult], duration_s: 
         output_tokens=out_tokens,
         mean_prompt_tokens=metrics.mean(prompt_counts),
         errors=tuple(sorted({r.error for r in results if r.error}))[:5],
+        short_outputs=sum(r.short for r in results),
+        interrupted=interrupted,
     )
 
 
@@ -285,52 +444,91 @@ async def run_level(client: httpx.AsyncClient, opts: ServeBenchOptions, model: s
     gate = asyncio.Semaphore(concurrency)
     offsets = arrival_offsets(len(specs), opts.request_rate, level_seed)
     bar = tqdm(total=len(specs), desc=f"concurrency {concurrency}", unit="req", disable=not opts.progress, leave=False)
+    results: list[RequestResult] = []
     start = time.perf_counter()
 
-    async def one(spec: PromptSpec, offset: float) -> RequestResult:
+    async def one(spec: PromptSpec, offset: float) -> None:
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         async with gate:
-            res = await send_request(client, opts, model, spec)
+            results.append(await send_request(client, opts, model, spec))
         bar.update(1)
-        return res
 
-    results = await asyncio.gather(*(one(s, o) for s, o in zip(specs, offsets)))
+    interrupted = False
+    try:
+        await asyncio.gather(*(one(s, o) for s, o in zip(specs, offsets)))
+    except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels the main task): keep what finished
+        asyncio.current_task().uncancel()  # handled here: closing the client afterwards must not be cancelled
+        interrupted = True
     duration = time.perf_counter() - start
     bar.close()
-    return summarize_level(concurrency, list(results), duration)
+    return summarize_level(concurrency, results, duration, interrupted)
 
 
 async def discover_model(client: httpx.AsyncClient) -> str:
+    where = f"{client.base_url}/v1/models"
     try:
         resp = await client.get("/v1/models")
-        resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise ConfigError(f"could not list the server's models at {client.base_url}/v1/models ({exc}); pass --model") from None
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"could not list the server's models at {where} ({type(exc).__name__}: {exc}); "
+                          "pass --model") from None
+    if resp.status_code != 200:  # one line: httpx's own message adds a second with a link
+        raise ConfigError(f"could not list the server's models at {where} (HTTP {resp.status_code}: "
+                          f"{' '.join(resp.text.split())[:200]}); pass --model")
+    try:
+        model = resp.json()["data"][0]["id"]
+    except (KeyError, IndexError, TypeError, ValueError):
+        model = None
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"the server's model list at {where} names no model ({' '.join(resp.text.split())[:120]}); "
+                          "pass --model")
+    return model
 
 
 async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
     pool = load_dataset(opts.dataset, opts.output_len) if opts.dataset else None  # fail before any request
+    _warn_if_prompts_repeat(opts, pool)
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4)
     async with httpx.AsyncClient(base_url=opts.url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(opts.timeout_s)) as client:
         model = opts.model or await discover_model(client)
-        for spec in prompts_for_level(opts, opts.warmup, opts.seed - 1, pool):
-            await send_request(client, opts, model, spec)
-        levels = []
+        await warm_up(client, opts, model, pool)
+        levels, interrupted = [], False
         for i, conc in enumerate(opts.concurrency):
             specs = prompts_for_level(opts, opts.prompts_for(conc), opts.seed + i, pool)
             summary = await run_level(client, opts, model, conc, specs, opts.seed + i)
             logger.info("concurrency %d: %d ok, %d failed, %.1f output tok/s aggregate",
                         conc, summary.ok, summary.failed, summary.aggregate_tok_s)
-            levels.append(summary)
+            if summary.requests:
+                levels.append(summary)
+            if summary.interrupted:
+                interrupted = True
+                break
     return {"url": opts.url, "model": model, "endpoint": opts.endpoint,
             "input_len": None if opts.dataset else opts.input_len, "output_len": opts.output_len,
-            "dataset": opts.dataset, "request_rate": opts.request_rate,
+            "dataset": opts.dataset, "request_rate": opts.request_rate, "ignore_eos": opts.ignore_eos,
+            "interrupted": interrupted,
             "levels": [lv.as_dict() for lv in levels]}
+
+
+def _warn_if_prompts_repeat(opts: ServeBenchOptions, pool: list[PromptSpec] | None) -> None:
+    most = max(opts.prompts_for(c) for c in opts.concurrency)
+    if pool and most > len(pool):  # a prefix cache answers a repeated prompt without its prefill
+        logger.warning("the dataset has %d prompts for up to %d requests a level: prompts repeat, and a server with a "
+                       "prefix cache serves the repeats faster", len(pool), most)
+
+
+async def warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str,
+                  pool: list[PromptSpec] | None) -> None:
+    """The uncounted first requests. One that fails (a wrong --url or --model, a server that is down) would fail
+    every measured request the same way, so the run stops here with its error."""
+    for spec in prompts_for_level(opts, opts.warmup, opts.seed - 1, pool):
+        result = await send_request(client, opts, model, spec)
+        if not result.ok:
+            raise ConfigError(f"warmup request failed: {result.error} (check --url and --model; --warmup 0 "
+                              "measures without this check)")
 
 
 def run_serve_bench(opts: ServeBenchOptions) -> dict:
@@ -346,6 +544,17 @@ def serve_table(result: dict) -> str:
     lines = [f"{result['model']} at {result['url']} ({result['endpoint']})",
              format_table(headers, rows, digits=(0, 0, 0, 1, 1, 2, 2, 2, 2, 1, 1))]
     for lv in result["levels"]:
-        for err in lv["errors"]:
-            lines.append(f"concurrency {lv['concurrency']}: error: {err}")
+        lines += _level_notes(lv, result.get("ignore_eos", True))
     return "\n".join(lines)
+
+
+def _level_notes(lv: dict, ignore_eos: bool) -> list[str]:
+    where = f"concurrency {lv['concurrency']}"
+    notes = [f"{where}: error: {err}" for err in lv["errors"]]
+    if lv.get("short_outputs"):
+        why = " (the server may not honour ignore_eos / min_tokens)" if ignore_eos else ""
+        notes.append(f"{where}: {lv['short_outputs']} of {lv['ok']} requests stopped before their max_tokens{why}; "
+                     "tok/s counts the tokens sent")
+    if lv.get("interrupted"):
+        notes.append(f"{where}: interrupted (Ctrl-C) after {lv['requests']} request(s); its numbers cover those only")
+    return notes

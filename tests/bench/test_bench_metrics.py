@@ -70,3 +70,25 @@ def test_top1_agreement():
     a = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
     b = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 1.0]])
     assert metrics.top1_agreement(a, b).tolist() == [1.0, 0.0]
+
+
+def test_inter_token_latencies_count_the_tokens_of_each_chunk():
+    # chunks at 1.0 (2 tokens), 1.4 (2 tokens), 1.5 (1 token): the first chunk's tokens come with the first token
+    # time; the second chunk's 0.4 s made two tokens, 0.2 s each
+    assert metrics.inter_token_latencies([1.0, 1.4, 1.5], [2, 2, 1]) == pytest.approx([0.2, 0.2, 0.1])
+    assert metrics.inter_token_latencies([1.0]) == []
+    with pytest.raises(ValueError):
+        metrics.inter_token_latencies([1.0, 2.0], [1])
+
+
+def test_tokens_per_chunk_spreads_the_total_evenly():
+    assert metrics.tokens_per_chunk(8, 4) == [2, 2, 2, 2]
+    assert metrics.tokens_per_chunk(7, 3) == [2, 2, 3] and sum(metrics.tokens_per_chunk(101, 7)) == 101
+    assert metrics.tokens_per_chunk(2, 4) == [1, 1, 1, 1]  # every chunk with text holds a token at least
+    assert metrics.tokens_per_chunk(0, 0) == []
+
+
+def test_perplexity_past_float_range_is_inf():
+    """exp(800) overflows a float: a garbage variant's perplexity is inf, not an OverflowError ending the run."""
+    assert metrics.perplexity(800.0 * 3, 3) == math.inf
+    assert metrics.perplexity(709.0, 1) == pytest.approx(math.exp(709.0))

@@ -61,3 +61,13 @@ def test_unwritable_plot_path_is_a_config_error(tmp_path):
         plot.check_plot_path(target)
     with pytest.raises(ConfigError, match="not a `radiance bench serve --json` result"):
         plot.serve_series([{"model": "m", "url": "u", "levels": [{"concurrency": 1}]}])
+
+
+def test_serve_series_leaves_out_a_level_cut_short_by_ctrl_c():
+    """An interrupted level's tok/s counts only the requests that finished: drawn, it would look like a collapse."""
+    result = {"model": "m", "url": "u", "levels": [
+        {"concurrency": 1, "aggregate_tok_s": 50.0, "interrupted": False},
+        {"concurrency": 8, "aggregate_tok_s": 3.0, "interrupted": True}]}
+    assert plot.serve_series([result]) == {"m (u)": [(1, 50.0)]}
+    older = {"model": "m", "url": "u", "label": "old", "levels": [{"concurrency": 2, "aggregate_tok_s": 9.0}]}
+    assert plot.serve_series([older]) == {"old": [(2, 9.0)]}  # results written before the field existed

@@ -170,3 +170,38 @@ def test_bad_requests_fail_before_any_model_loads(tmp_path, text_name, chunks, c
     with pytest.raises(ConfigError, match=match):
         quality.run_eval(req, loader, progress=False)
     assert loaded == []
+
+
+@pytest.mark.parametrize("content, match", [
+    ("caf\xe9 au lait".encode("latin-1"), "is not UTF-8"),
+    (b"", "is empty"),
+    (b"  \n\n ", "is empty"),
+])
+def test_unreadable_text_fails_before_any_model_loads(tmp_path, content, match):
+    """A latin-1 file was a UnicodeDecodeError (without the file's name) after the model loads, which takes minutes
+    for a large one (two for kl); an empty file said '0 tokens' only after them."""
+    text = tmp_path / "text.txt"
+    text.write_bytes(content)
+    loaded = []
+
+    def loader(model, variant, device, dtype):
+        loaded.append(variant)
+        return BigramModel(torch.zeros(3, 3)), WordTokenizer(["the", "cat", "sat"])
+
+    with pytest.raises(ConfigError, match=f"text.txt {match}"):
+        quality.run_eval(EvalRequest("kl", None, (Variant("mxfp4"),), str(text), 2, 16), loader, progress=False)
+    assert loaded == []
+
+
+def test_a_variant_past_float_range_reports_inf_perplexity():
+    """Logits of +-1e5 that always miss the next token: mean NLL 2e5 nats, exp() of it overflows a float. The
+    running progress figure and the result used to raise OverflowError; now the variant reads inf (null in --json)."""
+    v = 3
+    table = torch.full((v, v), -1e5)
+    table[torch.arange(v), torch.arange(v)] = 1e5  # predicts the token it saw; the text never repeats one
+    chunks = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    out = quality.evaluate(chunks, {"broken": BigramModel(table)}, progress=False)
+    assert out["broken"]["ppl"] == math.inf and out["broken"]["nll"] == pytest.approx(2e5)
+    from radiance.bench.report import to_json
+
+    assert json.loads(to_json(out))["broken"]["ppl"] is None
