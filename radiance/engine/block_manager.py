@@ -1,7 +1,7 @@
 """Paged KV cache bookkeeping: which cache blocks each sequence owns, plus prefix caching.
 
-A full block is identified by the hash of (hash of the previous block, its token ids), so equal prefixes
-map to equal hash chains. Freed blocks keep their contents and hash until they are handed out again (LRU
+A full block is identified by a digest of (the previous block's digest, its token ids), so equal prefixes
+map to equal digest chains. Freed blocks keep their contents and hash until they are handed out again (LRU
 order), so a later request with the same prefix reuses them without recomputing.
 
 With `prefer_in_order` (the CPU engine), a growing sequence takes the block right after its last one
@@ -11,13 +11,18 @@ the cache in place instead of gathering the context every step (AttentionMetadat
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from radiance.engine.sequence import Sequence
 
 
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+def block_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """SHA-256 of the previous block's digest and this block's tokens, so it stands for the whole prefix. Not
+    Python's hash(): for ints and tuples it is 64 bits, computed the same way in every process and invertible
+    step by step, so a crafted prompt could collide with another request's prefix and be served its K/V."""
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:
@@ -28,9 +33,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefer_in_order = prefer_in_order
         self.ref_counts = [0] * num_blocks
-        self.hash_of_block: list[int | None] = [None] * num_blocks
+        self.hash_of_block: list[bytes | None] = [None] * num_blocks
         self.tokens_of_block: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against hash collisions
-        self.block_of_hash: dict[int, int] = {}
+        self.block_of_hash: dict[bytes, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
 
     @property

@@ -29,7 +29,7 @@ class Sequence:
         self.num_cached_tokens = 0        # prompt tokens served from the prefix cache (first admission)
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0        # leading full blocks already registered in the prefix cache
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []  # block_manager.block_hash of each hashed block
         self.generator = generator
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # SamplingParams.prompt_logprobs: one entry per prompt position scored so far (the first token has none)
