@@ -5,6 +5,8 @@ steps, so the engine is only ever touched from one thread. Each request gets an 
 `generate` iterator reads; abandoning the iterator (client disconnect) aborts the request. Outputs are
 routed to the queue of the `generate` call whose request produced them, not by request id alone: an id
 can be reused as soon as its request is aborted, while the engine still holds (and steps) the old one.
+A step that raises stops the loop: the engine's requests are aborted and every `generate` call, waiting or
+later, raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from radiance.engine.outputs import RequestOutput
 from radiance.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """An engine step raised: the engine's state is unknown, so every request in flight fails with this and
+    later ones are refused (the server answers 500 / 503 and /health turns unhealthy, as vLLM does)."""
 
 
 class AsyncLLMEngine:
@@ -79,7 +86,7 @@ class AsyncLLMEngine:
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
         if self.errored is not None:
-            raise RuntimeError(f"engine stopped after an error: {self.errored}")
+            raise self._dead_error()
         self.engine.check_one_sequence(params)  # n > 1 is the caller's to expand (the server does)
         self.engine.check_request(prompt_token_ids, params)  # ValueError before anything is queued
         if request_id in self._queues:
@@ -116,6 +123,13 @@ class AsyncLLMEngine:
     # ---------------------------------------------------------------- the loop
 
     def _step_in_thread(self) -> list[tuple[str, asyncio.Queue, RequestOutput | BaseException]]:
+        try:
+            return self._apply_and_step()
+        except Exception:
+            self._abort_all_in_thread()
+            raise
+
+    def _apply_and_step(self) -> list[tuple[str, asyncio.Queue, RequestOutput | BaseException]]:
         """Applies the queued adds and aborts, runs one step; returns (request id, queue, output or error)."""
         with self._lock:
             pending, self._pending = self._pending, []
@@ -142,6 +156,22 @@ class AsyncLLMEngine:
             results.append((out.request_id, queue, out))
         return results
 
+    def _abort_all_in_thread(self) -> None:
+        """After a failed step: every request the engine holds is aborted (best effort: its state is suspect),
+        so its KV blocks go back and the running / waiting gauges read 0 instead of the requests of a dead loop."""
+        for request_id in list(self._serving):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - the step's own error is the one to report
+                logger.debug("abort of %s after the failed step failed", request_id, exc_info=True)
+        self._serving.clear()
+
+    def _dead_error(self) -> EngineDeadError:
+        """A fresh error per request: one instance raised in many tasks collects all their tracebacks."""
+        error = EngineDeadError(f"the engine stopped after an internal error ({type(self.errored).__name__})")
+        error.__cause__ = self.errored
+        return error
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -153,11 +183,11 @@ class AsyncLLMEngine:
                 continue
             try:
                 results = await loop.run_in_executor(self._executor, self._step_in_thread)
-            except Exception as exc:  # a broken step fails every waiting request, loudly
-                logger.exception("engine step failed")
+            except Exception as exc:  # a broken step fails every waiting request, loudly (logged once, here)
+                logger.exception("engine step failed; the engine is stopped")
                 self.errored = exc
                 for queue in self._queues.values():
-                    queue.put_nowait(exc)
+                    queue.put_nowait(self._dead_error())
                 self._queues.clear()
                 return
             for request_id, queue, item in results:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radiance import __version__
 
-from radiance.server.errors import OpenAIError, error_response, install_error_handlers, invalid
+from radiance.server.errors import OpenAIError, error_response, install_error_handlers, internal_error, invalid
 from radiance.server.metrics import CONTENT_TYPE
 from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, model_card)
@@ -35,7 +35,8 @@ PUBLIC_PATHS = ("/health", "/metrics", "/version", "/ping")
 
 class ApiKeyMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass through
-    untouched; also counts error statuses for /metrics."""
+    untouched; also counts error statuses for /metrics, and answers what a route left unanswered (a bug: 500;
+    cancelled by the server's shutdown: 503) as an OpenAI-shaped error."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -44,23 +45,47 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if not self._authorized(scope):
+            self.state.metrics.http_errors.labels(status="401").inc()
+            response = error_response(OpenAIError(401, "Incorrect or missing API key "
+                                                       "(send Authorization: Bearer KEY)", code="invalid_api_key"))
+            return await response(scope, receive, send)
+        await self._serve(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
         key = self.state.config.api_key
-        if key and scope["path"] not in PUBLIC_PATHS:
-            headers = dict(scope.get("headers") or ())
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), key.encode()):
-                self.state.metrics.http_errors.labels(status="401").inc()
-                response = error_response(OpenAIError(401, "Incorrect or missing API key "
-                                                           "(send Authorization: Bearer KEY)", code="invalid_api_key"))
-                return await response(scope, receive, send)
+        if not key or scope["path"] in PUBLIC_PATHS:
+            return True
+        headers = dict(scope.get("headers") or ())
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        return hmac.compare_digest(token.encode(), key.encode())
+
+    async def _serve(self, scope, receive, send):
+        started = False
 
         async def counting_send(message):
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.state.metrics.http_errors.labels(status=str(message["status"])).inc()
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    self.state.metrics.http_errors.labels(status=str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs once its graceful-shutdown timeout is over (and awaits it no more):
+            # the client gets a 503 (not uvicorn's text/plain 500), the log no "Exception in ASGI application"
+            asyncio.current_task().uncancel()
+            if not started:
+                await error_response(OpenAIError(503, "the server is shutting down"))(scope, receive, counting_send)
+        except Exception as exc:
+            # answered here, not by Starlette's outermost handler: that one re-raises, so uvicorn logged the
+            # traceback a second time and closed the client's keep-alive connection
+            logger.exception("internal error while serving %s", scope["path"])
+            if not started:
+                await error_response(internal_error(exc))(scope, receive, counting_send)
 
 
 def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAPI:
@@ -72,6 +97,8 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
         async def load():
             try:
                 await state.load()
+            except asyncio.CancelledError:  # stopped while loading (Ctrl+C): nothing failed
+                return
             except BaseException:  # noqa: BLE001 - logged by state.load; /health reports it
                 if on_load_failure is not None:
                     on_load_failure(state)

@@ -55,6 +55,11 @@ def error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
+def internal_error(exc: BaseException) -> OpenAIError:
+    """A bug's answer: the exception's type, never its message or traceback (those go to the log)."""
+    return OpenAIError(500, f"internal server error ({type(exc).__name__})")
+
+
 def sse_error(err: OpenAIError) -> str:
     """The event a stream sends when it fails after its headers went out (then `[DONE]`)."""
     return f"data: {json.dumps(err.body())}\n\n"
@@ -144,4 +149,4 @@ def install_error_handlers(app: FastAPI) -> None:
         state = getattr(request.app.state, "radiance", None)
         if state is not None:
             state.metrics.http_errors.labels(status="500").inc()
-        return error_response(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
+        return error_response(internal_error(exc))

@@ -18,9 +18,10 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 
+from radiance.engine.async_engine import EngineDeadError
 from radiance.engine.sampling_params import SamplingParams
 from radiance.engine.structured_output import StructuredOutput
-from radiance.server.errors import OpenAIError, invalid, sse_error
+from radiance.server.errors import OpenAIError, internal_error, invalid, sse_error
 from radiance.server.protocol import usage
 from radiance.server.state import ServerState
 
@@ -149,6 +150,8 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob]) -> AsyncIterator[tu
             await queue.put((index, done_marker))
         except asyncio.CancelledError:
             raise
+        except EngineDeadError as exc:  # logged once by the engine loop; every request gets the same clean 500
+            await queue.put((index, engine_dead(exc)))
         except ValueError as exc:  # the engine refused the request up front: the client's fault
             await queue.put((index, invalid(str(exc)) if not produced else exc))
         except BaseException as exc:  # handed to the consumer, which turns it into an HTTP error
@@ -175,6 +178,10 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob]) -> AsyncIterator[tu
                     await _maybe_await(engine.abort(job.request_id))
                 except Exception:  # noqa: BLE001 - aborting is best effort; never mask the real error
                     logger.exception("abort of %s failed", job.request_id)
+
+
+def engine_dead(exc: EngineDeadError) -> OpenAIError:
+    return OpenAIError(500, f"{exc}; restart the server")
 
 
 async def collect_until_disconnect(request: Request, outputs: AsyncIterator[tuple[int, Any]],
@@ -272,9 +279,14 @@ async def guarded_sse(events: AsyncIterator[str], outputs: AsyncIterator, what: 
             yield event
     except OpenAIError as exc:
         yield error_event(exc)
+    except asyncio.CancelledError:
+        # the server shuts down (uvicorn cancels what still runs after its graceful timeout) or the client left
+        # (then the events below go nowhere): the stream ends as a stream, not cut mid-way. Nothing here awaits
+        # (that would meet the cancellation again): the events go out as the response sends them
+        yield error_event(OpenAIError(503, "the server is shutting down"))
     except Exception as exc:  # noqa: BLE001 - reported in-band and logged
         logger.exception("%s failed", what)
-        yield error_event(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
+        yield error_event(internal_error(exc))
     finally:
         await outputs.aclose()
     if done:

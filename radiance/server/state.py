@@ -60,6 +60,8 @@ class ServerState:
         try:
             engine = await asyncio.to_thread(self.engine_factory)
             self.attach(engine)
+        except asyncio.CancelledError:  # the server stops while loading: no failure of the model's
+            raise
         except BaseException as exc:  # reported by /health (503) and by whoever awaits load()
             self.load_error = exc
             if not isinstance(exc, RadianceError):
