@@ -361,7 +361,7 @@ class LLMEngine:
             reason = "stop"
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        seq.text = detokenizer.text if reason else detokenizer.visible_text()
+        seq.text = detokenizer.finish() if reason else detokenizer.visible_text()
         if reason:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
