@@ -69,22 +69,29 @@ def quantization_config(config: dict, file: str = "config.json") -> dict | None:
 
 
 def head_dim(config: dict) -> int | None:
-    if config.get("head_dim"):
-        return int(config["head_dim"])
+    """As the model will have it: config.json's, else the architecture's default (Qwen3: 128), else
+    hidden_size // num_attention_heads."""
+    from radiance.models.arch_config import head_counts
+
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    return hidden // heads if hidden and heads else None
+    given = head_counts(config, heads or 1)[1]
+    if given:
+        return int(given)
+    return hidden // heads if hidden and heads and not hidden % heads else None
 
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
     """(N, K) of each projection of a Llama/Qwen-style decoder layer, by leaf name ({} if unknown)."""
+    from radiance.models.arch_config import head_counts
+
     hidden = config.get("hidden_size")
     heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
     inter = config.get("intermediate_size")
     hd = head_dim(config)
     if not (hidden and heads and hd and inter):
         return {}
-    if heads % kv_heads or (not config.get("head_dim") and hidden % heads):
+    kv_heads = head_counts(config, heads)[0]
+    if heads % kv_heads:
         return {}  # heads that cannot split: the model registry names the config error, not a shape
     q, kv = heads * hd, kv_heads * hd
     shapes = {

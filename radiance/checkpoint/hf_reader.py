@@ -218,9 +218,19 @@ class HfCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ interface
 
     def file_of(self, name: str) -> str:
-        """The shard holding a plain tensor (the index knows it); the directory for merged linears."""
+        """The shard holding tensor `name`; for a linear (a projection or a merged qkv_proj / gate_up_proj, in
+        any stored format) the shard holding all its tensors; the directory when they lie in several shards."""
         meta = self.index.meta.get(name)
-        return meta.file if meta is not None else self.path
+        if meta is not None:
+            return meta.file
+        files = {self.index.meta[t].file for t in self._tensors_of_linear(name.removesuffix(".weight"))}
+        return files.pop() if len(files) == 1 else self.path
+
+    def _tensors_of_linear(self, module: str) -> list[str]:
+        for group in self._stacked.values():  # gpt-oss: every expert of a layer in the same few tensors
+            if module.startswith(f"{group.prefix}."):
+                return group.tensor_names()
+        return [t for m in partition_modules(module) for t in self._module_tensors.get(m, ())]
 
     def describe(self) -> list[EntryInfo]:
         out = []

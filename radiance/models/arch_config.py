@@ -53,16 +53,18 @@ class ArchConfig:
                 raise ConfigError(f"config.json of a {architecture} model lacks {key!r}")
             return config[key]
 
+        defaults = hf_defaults(architecture)
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         if config.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: swish is silu
             raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
-        if config.get("mlp_bias"):
+        if config.get("mlp_bias") and architecture == "LlamaForCausalLM":  # the only one of them that reads it
             raise ConfigError("mlp_bias true is not supported (the MLP projections have no bias in radiance)")
         kv_heads, head_dim = _heads(config, architecture, hidden, heads)
-        theta, scaling = _rope(config)
-        # Llama's attention_bias: q, k, v and o all carry a bias (as in transformers)
-        flags = {"qkv_bias": bool(config.get("attention_bias")), "o_bias": bool(config.get("attention_bias"))}
+        theta, scaling = _rope(config, defaults)
+        # attention_bias: q, k, v and o all carry a bias (as in transformers' Llama, Qwen3 and gpt-oss)
+        bias = bool(_given(config, "attention_bias", defaults.attention_bias))
+        flags = {"qkv_bias": bias, "o_bias": bias}
         flags.update(overrides)
         return cls(
             architecture=architecture,
@@ -73,25 +75,108 @@ class ArchConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rms_norm_eps=_positive(config, "rms_norm_eps", defaults.rms_norm_eps),
+            rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            max_position_embeddings=int(_positive(config, "max_position_embeddings",
+                                                  defaults.max_position_embeddings, integer=True)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             moe=MoeConfig.from_hf(config, architecture, need("num_hidden_layers")),
-            **_sliding_window(config, need("num_hidden_layers")),
+            **_sliding_window(config, architecture, need("num_hidden_layers")),
             **flags,
         )
 
 
+@dataclass(frozen=True)
+class HfDefaults:
+    """What transformers (its <Model>Config) assumes for a key config.json leaves out, so that such a config
+    is served as transformers reads it."""
+
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    num_key_value_heads: int | None = None  # when the key is absent (None, or a null: one per head)
+    attention_bias: bool = False
+    rope_parameters: dict | None = None  # the rope scaling of a config that gives none
+
+
+# gpt-oss's published rope (transformers' GptOssConfig default)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+HF_DEFAULTS = {
+    "LlamaForCausalLM": HfDefaults(2048),
+    "Qwen2ForCausalLM": HfDefaults(32768, num_key_value_heads=32),
+    "Qwen2MoeForCausalLM": HfDefaults(32768, num_key_value_heads=16),
+    "Qwen3ForCausalLM": HfDefaults(32768, head_dim=128, num_key_value_heads=32),  # not hidden // heads
+    "Qwen3MoeForCausalLM": HfDefaults(32768, num_key_value_heads=4),
+    "GptOssForCausalLM": HfDefaults(131072, rms_norm_eps=1e-5, rope_theta=150000.0, head_dim=64,
+                                    num_key_value_heads=8, attention_bias=True, rope_parameters=_GPT_OSS_ROPE),
+}
+
+
+def hf_defaults(architecture: str) -> HfDefaults:
+    """transformers' defaults for `architecture` (a class name); Llama's for one radiance does not know."""
+    return HF_DEFAULTS.get(architecture, HF_DEFAULTS["LlamaForCausalLM"])
+
+
+# model_type -> class, for configs that omit `architectures` (as transformers' AutoModelForCausalLM maps them)
+MODEL_TYPES = {
+    "gpt_oss": "GptOssForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def named_architectures(config: dict) -> list[str]:
+    """The class names config.json gives (`architectures`, else the one its `model_type` implies)."""
+    names = config.get("architectures") or []
+    if not names and config.get("model_type") in MODEL_TYPES:
+        names = [MODEL_TYPES[config["model_type"]]]
+    return list(names)
+
+
+def config_defaults(config: dict) -> HfDefaults:
+    """transformers' defaults for the architecture this config.json names (Llama's for one radiance does not know)."""
+    known = [name for name in named_architectures(config) if name in HF_DEFAULTS]
+    return hf_defaults(known[0] if known else "")
+
+
+def head_counts(config: dict, heads: int) -> tuple[int, int | None]:
+    """(num_key_value_heads, head_dim or None for hidden_size // heads) as transformers reads config.json:
+    an absent kv count is the architecture's default (Qwen3: 32), a null one one per head."""
+    defaults = config_defaults(config)
+    kv_heads = config["num_key_value_heads"] if "num_key_value_heads" in config else defaults.num_key_value_heads
+    return kv_heads or heads, config.get("head_dim") or defaults.head_dim
+
+
+def _given(config: dict, key: str, default):
+    """config[key], or `default` where the key is absent or null (a null is as missing as an absent key)."""
+    value = config.get(key)
+    return default if value is None else value
+
+
+def _positive(config: dict, key: str, default, integer: bool = False):
+    """A positive number from config.json (`default` when absent or null); anything else a ConfigError, not a
+    TypeError deep in a layer."""
+    value = _given(config, key, default)
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        what = "a positive integer" if integer else "a positive number"
+        raise ConfigError(f"config.json field {key!r} must be {what}, got {value!r}")
+    return value
+
+
 def _heads(config: dict, architecture: str, hidden: int, heads: int) -> tuple[int, int]:
-    """(num_key_value_heads, head_dim): a missing kv count means one per head and a missing head_dim
-    hidden_size / heads, as in transformers; grouped-query attention needs heads to split evenly."""
-    kv_heads = config.get("num_key_value_heads") or heads
+    """(num_key_value_heads, head_dim) with transformers' defaults (head_counts); grouped-query attention needs
+    heads to split evenly."""
+    kv_heads, head_dim = head_counts(config, heads)
     if heads % kv_heads:
         raise ConfigError(f"config.json of a {architecture} model: num_attention_heads {heads} is not a multiple "
                           f"of num_key_value_heads {kv_heads}")
-    head_dim = config.get("head_dim")
     if not head_dim:
         if hidden % heads:
             raise ConfigError(f"config.json of a {architecture} model gives no head_dim and hidden_size {hidden} "
@@ -105,16 +190,21 @@ ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "origin
               "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",)}
 
 
-def _rope(config: dict) -> tuple[float, dict | None]:
+def _rope(config: dict, defaults: HfDefaults) -> tuple[float, dict | None]:
     """(rope_theta, rope scaling or None) from transformers 5's `rope_parameters` or the older `rope_theta` +
-    `rope_scaling`, checked here so that an unsupported or incomplete scaling is one line before any load."""
+    `rope_scaling`, checked here so that an unsupported or incomplete scaling is one line before any load.
+    A config that gives neither gets the architecture's (gpt-oss: YaRN), as in transformers."""
     rope = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
     for key, value in (("rope_parameters", rope), ("rope_scaling", scaling)):
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"config.json {key} must be an object, got {value!r}")
+    if rope is None and scaling is None:
+        scaling = defaults.rope_parameters
     rope = dict(rope or {})
-    theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
+    theta = float(_positive(rope if rope.get("rope_theta") is not None else config, "rope_theta",
+                            defaults.rope_theta))
+    rope.pop("rope_theta", None)
     scaling = rope or scaling
     partial = (scaling or {}).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
@@ -135,24 +225,69 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
-def _sliding_window(config: dict, num_layers: int) -> dict:
-    """sliding_window and the layers that use it: those `layer_types` calls "sliding_attention" (gpt-oss).
-    Qwen2/Qwen3 configs carry a `sliding_window` that `use_sliding_window: false` switches off; a window
-    switched on without `layer_types` (which layers?) is refused rather than guessed."""
-    window = config.get("sliding_window")
-    types = config.get("layer_types")
-    if not window or (types is None and not config.get("use_sliding_window")):
+def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
+    """sliding_window and the layers that use it, as transformers reads them: Llama has none; Qwen2, Qwen3 and
+    their MoE variants only with `use_sliding_window` (off, transformers nulls sliding_window whatever
+    layer_types says), on the layers `layer_types` calls "sliding_attention" or, without it, the ones
+    `max_window_layers` implies; gpt-oss on the sliding layers of its `layer_types`."""
+    if architecture in _QWEN_SLIDING_LAYERS:
+        if not config.get("use_sliding_window"):
+            return {}
+        window = config.get("sliding_window", 4096)  # transformers' default
+    elif architecture == "GptOssForCausalLM":
+        window = config.get("sliding_window")
+        if config.get("layer_types") is None and not config.get("use_sliding_window"):
+            return {}  # published gpt-oss configs list layer_types; without them only use_sliding_window asks
+    else:
         return {}
-    if types is None:
-        raise ConfigError("config.json turns a sliding window on (use_sliding_window) without layer_types; "
+    if not window:
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"config.json field 'sliding_window' must be a positive integer, got {window!r}")
+    layers = frozenset(i for i, t in enumerate(_layer_types(config, architecture, num_layers))
+                       if t == "sliding_attention")
+    return {"sliding_window": window, "sliding_layers": layers} if layers else {}
+
+
+def _layer_types(config: dict, architecture: str, num_layers: int) -> list[str]:
+    types = config.get("layer_types")
+    if types is None and architecture == "GptOssForCausalLM":
+        raise ConfigError("config.json of a gpt-oss model turns a sliding window on without layer_types; "
                           "radiance needs layer_types to know which layers use it")
-    if len(types) != num_layers:
-        raise ConfigError(f"config.json lists {len(types)} layer_types for {num_layers} layers")
-    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if types is None or architecture == "Qwen3MoeForCausalLM":  # transformers' Qwen3-MoE reads no layer_types
+        return [_QWEN_SLIDING_LAYERS[architecture](i, config) for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        count = len(types) if isinstance(types, list) else repr(types)
+        raise ConfigError(f"config.json lists {count} layer_types for {num_layers} layers")
+    unknown = set(map(str, types)) - {"sliding_attention", "full_attention"}
     if unknown:
         raise ConfigError(f"unsupported layer_types {sorted(unknown)} (supported: sliding_attention, full_attention)")
-    return {"sliding_window": int(window),
-            "sliding_layers": frozenset(i for i, t in enumerate(types) if t == "sliding_attention")}
+    return types
+
+
+def _max_window_layers(config: dict) -> int:
+    value = _given(config, "max_window_layers", 28)  # transformers' default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"config.json field 'max_window_layers' must be a layer count, got {value!r}")
+    return value
+
+
+def _slides_from_max_window_layers(layer: int, config: dict) -> str:
+    return "sliding_attention" if layer >= _max_window_layers(config) else "full_attention"
+
+
+def _slides_on_even_layers_below(layer: int, config: dict) -> str:
+    return "sliding_attention" if layer % 2 == 0 and layer < _max_window_layers(config) else "full_attention"
+
+
+# the layer type transformers gives layer i of a config.json with no layer_types (its <Model>Config):
+# Qwen2 / Qwen3 slide from max_window_layers on, Qwen2-MoE on the even layers below it, Qwen3-MoE everywhere
+_QWEN_SLIDING_LAYERS = {
+    "Qwen2ForCausalLM": _slides_from_max_window_layers,
+    "Qwen3ForCausalLM": _slides_from_max_window_layers,
+    "Qwen2MoeForCausalLM": _slides_on_even_layers_below,
+    "Qwen3MoeForCausalLM": lambda layer, config: "sliding_attention",
+}
 
 
 @dataclass(frozen=True)

@@ -7,5 +7,5 @@ from radiance.models.llama import LlamaForCausalLM
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    arch_overrides = {"qkv_bias": True, "o_bias": True, "attention_sinks": True}
+    arch_overrides = {"attention_sinks": True}  # the q/k/v/o biases: attention_bias (default true)
     supports_moe = True

@@ -141,8 +141,13 @@ class LlamaForCausalLM(nn.Module):
     compute_logits(hidden, fp32=True) -> fp32 logits (the model's dtype with fp32=False);
     forward_logits(input_ids [B, T]) -> [B, T, V] without a cache."""
 
-    arch_overrides: dict = {}
+    arch_overrides: dict = {}  # ArchConfig fields the architecture fixes, whatever config.json says
     supports_moe = False  # whether config.json's experts are served (else a clear error at load)
+
+    @classmethod
+    def overrides(cls, hf_config: dict) -> dict:
+        """The ArchConfig fields this architecture sets itself (arch_overrides; some read config.json)."""
+        return dict(cls.arch_overrides)
 
     def __init__(self, cfg: ArchConfig):
         super().__init__()

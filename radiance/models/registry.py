@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from radiance.errors import ConfigError
-from radiance.models.arch_config import ArchConfig
+from radiance.models.arch_config import ArchConfig, named_architectures
 from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
@@ -23,26 +23,10 @@ MODEL_CLASSES = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
-# model_type -> class, for configs that omit `architectures` (as transformers' AutoModelForCausalLM maps them)
-MODEL_TYPES = {
-    "gpt_oss": "GptOssForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
 
 
 def supported_architectures() -> str:
     return ", ".join(MODEL_CLASSES)
-
-
-def _named_architectures(hf_config: dict) -> list[str]:
-    names = hf_config.get("architectures") or []
-    if not names and hf_config.get("model_type") in MODEL_TYPES:
-        names = [MODEL_TYPES[hf_config["model_type"]]]
-    return list(names)
 
 
 def _unsupported(hf_config: dict) -> ConfigError:
@@ -58,7 +42,7 @@ def _unsupported(hf_config: dict) -> ConfigError:
 
 def resolve_architecture(hf_config: dict) -> tuple[type[LlamaForCausalLM], ArchConfig]:
     """The model class and its ArchConfig; a ConfigError of one line for anything radiance cannot serve."""
-    for name in _named_architectures(hf_config):
+    for name in named_architectures(hf_config):
         if name in MODEL_CLASSES:
             cls = MODEL_CLASSES[name]
             experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
@@ -66,7 +50,7 @@ def resolve_architecture(hf_config: dict) -> tuple[type[LlamaForCausalLM], ArchC
                 moe_classes = ", ".join(n for n, c in MODEL_CLASSES.items() if c.supports_moe)
                 raise ConfigError(f"config.json gives {name} {experts} experts; radiance serves "
                                   f"mixture-of-experts MLPs for {moe_classes}")
-            return cls, ArchConfig.from_hf(hf_config, name, **cls.arch_overrides)
+            return cls, ArchConfig.from_hf(hf_config, name, **cls.overrides(hf_config))
     raise _unsupported(hf_config)
 
 

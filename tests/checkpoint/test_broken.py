@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from radiance.checkpoint import convert_checkpoint, open_checkpoint
 from radiance.cli import main
@@ -323,4 +324,44 @@ def test_a_nan_weight_quantized_at_load_is_named(tmp_path, quantization):
     with pytest.raises(CheckpointError, match="NaN") as info:
         load_model(ModelConfig(device="cpu", dtype="float32", quantization=quantization),
                    checkpoint=open_checkpoint(path), progress=False)
-    assert info.value.tensor == f"{K}.weight" and info.value.file == path
+    assert info.value.tensor == f"{K}.weight" and info.value.file == os.path.join(path, "model.safetensors")
+
+
+def _write_sharded(path, tensors, config, shard_of) -> None:
+    """A checkpoint in two shards: shard_of(name) is 1 or 2."""
+    os.makedirs(path, exist_ok=True)
+    weight_map = {n: f"model-0000{shard_of(n)}-of-00002.safetensors" for n in tensors}
+    for file in set(weight_map.values()):
+        save_file({n: t.contiguous() for n, t in tensors.items() if weight_map[n] == file}, os.path.join(path, file))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as handle:
+        json.dump({"metadata": {}, "weight_map": weight_map}, handle)
+    with open(os.path.join(path, "config.json"), "w") as handle:
+        json.dump(config, handle)
+
+
+def test_a_nan_weight_quantized_at_load_names_its_shard(tmp_path):
+    """Was: the checkpoint directory, which does not say which of its files holds the NaN."""
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+
+    sd = dense_state_dict()
+    _with_nan(sd, f"{K}.weight")
+    path = str(tmp_path / "src")
+    _write_sharded(path, sd, TINY, lambda name: 2 if name.startswith(f"{K}.") else 1)
+    with pytest.raises(CheckpointError, match="NaN") as info:
+        load_model(ModelConfig(device="cpu", dtype="float32", quantization="mxfp4"),
+                   checkpoint=open_checkpoint(path), progress=False)
+    assert info.value.tensor == f"{K}.weight"
+    assert info.value.file == os.path.join(path, "model-00002-of-00002.safetensors")
+
+
+def test_file_of_a_linear_is_its_shard_or_the_directory(tmp_path):
+    """A merged linear is named by its one shard; split over two, by the directory (no one file holds it)."""
+    path = str(tmp_path / "src")
+    q = K.replace("k_proj", "q_proj")
+    _write_sharded(path, dense_state_dict(), TINY, lambda name: 2 if name.startswith((K, DOWN)) else 1)
+    ckpt = open_checkpoint(path)
+    down_file = os.path.join(path, "model-00002-of-00002.safetensors")
+    assert ckpt.file_of(DOWN) == ckpt.file_of(f"{DOWN}.weight") == down_file
+    assert ckpt.file_of(f"{q}.weight") == os.path.join(path, "model-00001-of-00002.safetensors")
+    assert ckpt.file_of(K.replace("k_proj", "qkv_proj")) == path  # q, v in shard 1, k in shard 2
