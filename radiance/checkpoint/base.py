@@ -62,6 +62,11 @@ class Checkpoint(ABC):
         ...
 
     @property
+    def chat_templates(self) -> dict[str, str]:
+        """Every chat template by name ("default", and named ones such as "tool_use" where the model ships them)."""
+        return {"default": self.chat_template} if self.chat_template else {}
+
+    @property
     @abstractmethod
     def eos_token_ids(self) -> list[int]:
         ...

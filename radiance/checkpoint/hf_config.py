@@ -122,18 +122,37 @@ def eos_token_ids(model_dir: str, config: dict) -> list[int]:
 
 
 def chat_template(model_dir: str) -> str | None:
-    """The chat template a model ships: chat_template.jinja, chat_template.json or tokenizer_config.json."""
+    """The chat template a model ships (its "default" one; with named templates only, the first)."""
+    templates = chat_templates(model_dir)
+    return templates.get("default") or next(iter(templates.values()), None)
+
+
+def chat_templates(model_dir: str) -> dict[str, str]:
+    """Every chat template a model ships, by name: "default" from chat_template.jinja, chat_template.json or
+    tokenizer_config.json (a string there, or the "default" entry of a list of {name, template}), and named
+    ones (tool_use, ...) from that list or from additional_chat_templates/NAME.jinja, where transformers'
+    save_pretrained writes them."""
+    templates: dict[str, str] = {}
     jinja = os.path.join(model_dir, "chat_template.jinja")
     if os.path.exists(jinja):
         with open(jinja, encoding="utf-8") as handle:
-            return handle.read()
+            templates["default"] = handle.read()
     for name in ("chat_template.json", "tokenizer_config.json"):
         path = os.path.join(model_dir, name)
-        if os.path.exists(path):
-            template = load_json(path, name).get("chat_template")
-            if isinstance(template, list):  # named templates: take "default"
-                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-                template = named.get("default") or next(iter(named.values()), None)
-            if template:
-                return template
-    return None
+        if not os.path.exists(path):
+            continue
+        template = load_json(path, name).get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            for key, text in named.items():
+                if isinstance(key, str) and isinstance(text, str) and text:
+                    templates.setdefault(key, text)
+        elif isinstance(template, str) and template:
+            templates.setdefault("default", template)
+    extra = os.path.join(model_dir, "additional_chat_templates")
+    if os.path.isdir(extra):
+        for file in sorted(os.listdir(extra)):
+            if file.endswith(".jinja"):
+                with open(os.path.join(extra, file), encoding="utf-8") as handle:
+                    templates.setdefault(file.removesuffix(".jinja"), handle.read())
+    return templates

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
-from radiance.checkpoint.hf_config import (chat_template, eos_token_ids, expected_shapes, load_config,
+from radiance.checkpoint.hf_config import (chat_template, chat_templates, eos_token_ids, expected_shapes, load_config,
                                            modelopt_quant_file, quantization_config)
 from radiance.checkpoint.layout import FLOAT_DTYPES, check_linear, detect_format, read_linear, required_tensors
 from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
@@ -319,6 +319,10 @@ class HfCheckpoint(Checkpoint):
     @property
     def chat_template(self) -> str | None:
         return chat_template(self.path)
+
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        return chat_templates(self.path)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -65,7 +65,7 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list
             lines[-1] += f"; GGUF {'/'.join(widened)} tensors are dequantized at load"
     lines.append(f"servable   {'NO: ' + problem if problem else 'yes'}")
     template = ckpt.chat_template
-    named = [name for name in getattr(ckpt, "chat_templates", {}) if name != "default"]  # GGUF: tool_use, ...
+    named = [name for name in getattr(ckpt, "chat_templates", {}) if name != "default"]  # tool_use, ...
     lines.append(f"generation eos ids {ckpt.eos_token_ids}, chat template {'yes' if template else 'no'}"
                  + (f" (named: {', '.join(named)})" if named else ""))
     if with_tokenizer:

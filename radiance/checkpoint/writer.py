@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+NAMED_TEMPLATES_DIR = "additional_chat_templates"  # transformers' save_pretrained: tool_use.jinja, ...
 # weights-only schemes: activations are quantized by the serving kernel, so no input scales are stored
 _WEIGHT_ARGS = {
     "mxfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
@@ -93,6 +94,8 @@ def _copy_side_files(ckpt: Checkpoint, dst: str, tokenizer=None) -> None:
                   if os.path.exists(os.path.join(ckpt.path, n))]
         for name in copied:
             shutil.copyfile(os.path.join(ckpt.path, name), os.path.join(dst, name))
+        if os.path.isdir(os.path.join(ckpt.path, NAMED_TEMPLATES_DIR)):
+            shutil.copytree(os.path.join(ckpt.path, NAMED_TEMPLATES_DIR), os.path.join(dst, NAMED_TEMPLATES_DIR))
         if not any(n.startswith("tokenizer") for n in copied):
             logger.warning("%s has no tokenizer files; the converted checkpoint has none either", ckpt.path)
         if "generation_config.json" in copied:

@@ -59,6 +59,10 @@ class AsyncLLMEngine:
         return self.engine.chat_template
 
     @property
+    def chat_templates(self):
+        return self.engine.chat_templates
+
+    @property
     def model_name(self) -> str:
         return self.engine.model_name
 

@@ -115,7 +115,10 @@ class LLM:
         bar.close()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The prompt text; with `tools`, the model's "tool_use" template where it ships one (as transformers)."""
         template = self.engine.chat_template
+        if kwargs.get("tools"):
+            template = (getattr(self.engine, "chat_templates", None) or {}).get("tool_use") or template
         from radiance.server.chat_template import render_chat
         if template:
             return render_chat(template, messages, add_generation_prompt=add_generation_prompt, **kwargs)

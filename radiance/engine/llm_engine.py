@@ -33,6 +33,7 @@ class LLMEngine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
+        self.chat_templates = loaded.chat_templates  # by name; "tool_use" serves requests with tools
         self.model_name = loaded.name
         self.device = loaded.device
         self.dtype = loaded.dtype

@@ -85,6 +85,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     summary: list[str] = field(default_factory=list)
+    chat_templates: dict[str, str] = field(default_factory=dict)  # by name: "default", "tool_use", ...
 
 
 @contextlib.contextmanager
@@ -189,7 +190,7 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     return LoadedModel(model, tokenizer, getattr(checkpoint, "chat_template", None), eos, str(name),
-                       device, dtype, summary)
+                       device, dtype, summary, dict(getattr(checkpoint, "chat_templates", None) or {}))
 
 
 def _install_kv_scales(model, scales: dict[str, float], checkpoint) -> str | None:

@@ -142,7 +142,8 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: bool) -> str:
-    if not state.chat_template:
+    template = (state.tool_chat_template if use_tools else None) or state.chat_template
+    if not template:
         raise invalid("this model has no chat template; pass one with --chat-template or use /v1/completions",
                       param="messages")
     tok = state.tokenizer
@@ -151,7 +152,7 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
     kwargs.setdefault("eos_token", getattr(tok, "eos_token", None) or "")
     messages = _messages(req)
     try:
-        prompt = render_chat(state.chat_template, messages,
+        prompt = render_chat(template, messages,
                              tools=[t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None,
                              add_generation_prompt=req.add_generation_prompt, **kwargs)
     except TemplateError as exc:

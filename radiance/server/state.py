@@ -49,6 +49,7 @@ class ServerState:
         self.max_token_chars: int | None = None  # the longest token's text, for serving_common.encode_prompt
         self.max_model_len: int = 0
         self.chat_template: str | None = None
+        self.tool_chat_template: str | None = None  # the model's "tool_use" template, for requests with tools
         self.tool_parser_name: str | None = None
         self.reasoning_parser_name: str | None = None
         self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0])
@@ -73,9 +74,12 @@ class ServerState:
         self.max_token_chars = longest_token_chars(self.tokenizer)
         self.max_model_len = int(engine_attr(engine, "max_model_len"))
         self.chat_template = load_template(self.config.chat_template) or engine_attr(engine, "chat_template")
+        # a model's named tool_use template serves requests with tools, unless --chat-template replaced them all
+        named = {} if self.config.chat_template else (engine_attr(engine, "chat_templates") or {})
+        self.tool_chat_template = named.get("tool_use")
         if not self.config.served_model_name:
             self.served_names = (default_model_name(self.model_path, engine),)
-        features = template_features(self.chat_template)
+        features = template_features("\n".join(filter(None, (self.chat_template, self.tool_chat_template))))
         # harmony first: <|channel|> is gpt-oss's own markup, while <think> could appear in any template's text
         reasoning = next((name for name in ("harmony", "think") if features[name]), None)
         self.reasoning_parser_name = self._pick(self.config.reasoning_parser, reasoning)
