@@ -78,13 +78,14 @@ def selects(patterns: Iterable[str], name: str) -> bool:
 def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str = "mse",
                     ignore: tuple[str, ...] = (), quantize_lm_head: bool = False,
                     report: RequantReport | None = None, chunk_rows: int | None = None,
-                    dense_dtype: torch.dtype = torch.bfloat16, source: str | None = None
+                    dense_dtype: torch.dtype = torch.bfloat16, file_of=None
                     ) -> Iterator[tuple[str, object]]:
     """Stream (name, Weight|tensor) -> the same with linears converted to `target`.
 
     lm_head (unless `quantize_lm_head`) and linears whose name matches an `ignore` regex become 16-bit
     `DenseWeight`s; plain tensors pass through. Each conversion is added to `report`. A weight that cannot
-    be converted (a NaN in it) is a CheckpointError naming `source` (the checkpoint's path) and the tensor.
+    be converted (a NaN in it) is a CheckpointError naming the tensor and `file_of(tensor)` (Checkpoint.file_of:
+    its shard).
     """
     for name, obj in items:
         if name == "lm_head.weight" and quantize_lm_head:
@@ -106,8 +107,9 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
         except CheckpointError:
             raise
         except ValueError as exc:  # the codecs know no names: add them
-            raise CheckpointError(f"cannot convert {name} to {goal}: {exc}", file=source,
-                                  tensor=culprit_tensor(name, obj)) from None
+            culprit = culprit_tensor(name, obj)
+            raise CheckpointError(f"cannot convert {name} to {goal}: {exc}",
+                                  file=file_of(culprit) if file_of is not None else None, tensor=culprit) from None
         if report is not None:
             if new is obj:
                 report.keep(name, obj.format)

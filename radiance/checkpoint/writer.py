@@ -165,14 +165,15 @@ def _discard(dst: str, created: str | None) -> None:
 
 
 @contextlib.contextmanager
-def _naming(tensor: str, source: str):
-    """A 16-bit cast that fails (fp32 values beyond float16's range) becomes a CheckpointError naming the tensor."""
+def _naming(tensor: str, ckpt: Checkpoint):
+    """A 16-bit cast that fails (fp32 values beyond float16's range) becomes a CheckpointError naming the tensor
+    and its shard."""
     try:
         yield
     except CheckpointError:
         raise
     except ValueError as exc:
-        raise CheckpointError(f"cannot write it 16-bit: {exc} (--dense-dtype bfloat16 holds it)", file=source,
+        raise CheckpointError(f"cannot write it 16-bit: {exc} (--dense-dtype bfloat16 holds it)", file=ckpt.file_of(tensor),
                               tensor=tensor) from None
 
 
@@ -186,7 +187,7 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
     partition_sizes: dict[str, tuple[int, ...]] = {}
     items = _with_untied_head(ckpt.iter_weights(progress=progress), config.quantize_lm_head, ckpt.tie_word_embeddings)
     for name, obj in convert_weights(items, config.format, config.rule, config.ignore, config.quantize_lm_head,
-                                     report, config.chunk_rows, dense_dtype, source=ckpt.path):
+                                     report, config.chunk_rows, dense_dtype, file_of=ckpt.file_of):
         if is_weight(obj):
             modules = partition_modules(name)
             parts = split_partitions(obj)
@@ -194,7 +195,7 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
                 raise CheckpointError(f"{name} has {len(parts)} partitions, expected {len(modules)}", tensor=name)
             partition_sizes[name] = obj.partition_sizes
             for module, part in zip(modules, parts):
-                with _naming(f"{module}.weight", ckpt.path):
+                with _naming(f"{module}.weight", ckpt):
                     tensors = weight_tensors(module, part, dense_dtype)
                 for tensor_name, tensor in tensors.items():
                     writer.add(tensor_name, tensor)
@@ -203,16 +204,18 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
         elif name.endswith(".bias") and name[: -len(".bias")] in partition_sizes:
             merged = name[: -len(".bias")]
             for module, piece in zip(partition_modules(merged), torch.split(obj, partition_sizes[merged])):
-                with _naming(f"{module}.bias", ckpt.path):
+                with _naming(f"{module}.bias", ckpt):
                     writer.add(f"{module}.bias", plain_tensor(piece, dense_dtype))
         else:
-            with _naming(name, ckpt.path):
+            with _naming(name, ckpt):
                 writer.add(name, plain_tensor(obj, dense_dtype))
     files = writer.finish()
 
     out_config = {k: v for k, v in ckpt.config.items()
                   if k not in ("quantization_config", "compression_config", "gguf_file_type")}
     out_config["torch_dtype"] = config.dense_dtype
+    if "dtype" in out_config:  # transformers 5's name, which it reads first: not the source's stale one
+        out_config["dtype"] = config.dense_dtype
     if config.quantize_lm_head:
         out_config["tie_word_embeddings"] = False
     ignore = kept_dense if ("lm_head" in kept_dense or config.quantize_lm_head) else ["lm_head"] + kept_dense

@@ -270,7 +270,7 @@ def test_a_nan_weight_is_named_by_convert(tmp_path):
     path = write_dir(str(tmp_path / "src"), sd, TINY)
     with pytest.raises(CheckpointError, match="NaN") as info:
         convert_checkpoint(path, str(tmp_path / "out"), ConvertConfig(format="mxfp4"), progress=False)
-    assert info.value.tensor == f"{K}.weight" and info.value.file == path
+    assert info.value.tensor == f"{K}.weight" and info.value.file == os.path.join(path, "model.safetensors")
 
 
 @pytest.mark.parametrize("dst_exists", [False, True])
@@ -365,3 +365,15 @@ def test_file_of_a_linear_is_its_shard_or_the_directory(tmp_path):
     assert ckpt.file_of(DOWN) == ckpt.file_of(f"{DOWN}.weight") == down_file
     assert ckpt.file_of(f"{q}.weight") == os.path.join(path, "model-00001-of-00002.safetensors")
     assert ckpt.file_of(K.replace("k_proj", "qkv_proj")) == path  # q, v in shard 1, k in shard 2
+
+
+def test_convert_writes_the_dtype_it_wrote_under_both_names(tmp_path):
+    """transformers 5 reads `dtype` before `torch_dtype`: a source's `dtype` was copied as it was, stale."""
+    import json
+
+    path = write_dir(str(tmp_path / "src"), dense_state_dict(), {**TINY, "dtype": "float32"})
+    convert_checkpoint(path, str(tmp_path / "out"), ConvertConfig(format="mxfp4", dense_dtype="float16"),
+                       progress=False)
+    with open(tmp_path / "out" / "config.json", encoding="utf-8") as handle:
+        config = json.load(handle)
+    assert (config["dtype"], config["torch_dtype"]) == ("float16", "float16")
