@@ -85,6 +85,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        # listening at once: a client that comes while uvicorn still starts waits in the backlog instead of being
+        # refused (the load runs in a thread from the lifespan's startup, before uvicorn's own listen)
+        sock.listen(2048)
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None

@@ -124,3 +124,15 @@ def test_port_0_serves_on_the_port_it_reports(monkeypatch, caplog, capsys):
     assert health["status"] == 503 and "loading" in health["body"]["error"]["message"]
     assert f"the API at http://127.0.0.1:{port} answers /health" in caplog.text
     assert "fake load failure" in _one_error_line(capsys)
+
+
+def test_the_bound_socket_takes_connections_before_uvicorn_starts():
+    """The model loads in a thread from the lifespan's startup, before uvicorn listens: a client (or the load
+    itself) that came then was refused (a clean-clone CI run saw test_port_0_serves_on_the_port_it_reports fail
+    so once)."""
+    server = listening_socket("127.0.0.1", 0)
+    try:
+        with socket.create_connection(server.getsockname(), timeout=2):
+            pass  # queued in the backlog, accepted once uvicorn serves
+    finally:
+        server.close()
