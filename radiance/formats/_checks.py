@@ -17,9 +17,17 @@ def check_k_multiple(t: torch.Tensor, multiple: int, fmt: str) -> None:
         raise ValueError(f"{fmt} needs K (the last dimension) to be a multiple of {multiple}, got K={t.shape[1]}")
 
 
-def check_finite(t: torch.Tensor, name: str) -> None:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+def check_finite(t: torch.Tensor, name: str, row_offset: int = 0) -> None:
+    """Refuse NaN / inf; `row_offset` makes the reported index absolute when `t` is a chunk of rows."""
+    if not t.is_floating_point():
+        return
+    if t.element_size() == 1:  # torch has no isfinite for the fp8 dtypes
+        t = t.float()
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()[0].tolist()
+        if bad:
+            bad[0] += row_offset
         raise ValueError(f"{name} contains NaN or inf (first at index {bad}); refusing to quantize it")
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from radiance.formats._checks import check_finite
+
 E2M1_MAX = 6.0
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -48,8 +50,10 @@ def round_to_e2m1(x_scaled: torch.Tensor) -> torch.Tensor:
     """Round already-scaled float values to e2m1 codes: nearest, ties to the even code, clamp at 6.
 
     The e2m1 grid has spacing 0.5 below 2, 1 in [2, 4) and 2 from 4 on, so each range rounds with
-    one half-to-even `torch.round` (which is what makes ties land on the even code).
+    one half-to-even `torch.round` (which is what makes ties land on the even code). NaN and inf are
+    refused: a NaN would otherwise become code 0 and an inf a silent 6.
     """
+    check_finite(x_scaled, "x_scaled")
     a = x_scaled.abs().float()
     low = torch.round(2.0 * a)  # codes 0..4 for a < 2
     mid = torch.round(a) + 2.0  # codes 4..6 for 2 <= a < 4

@@ -7,6 +7,7 @@ import torch
 from radiance.formats._checks import check_finite, check_matrix
 
 FP8_E4M3_MAX = 448.0
+FP32_TINIEST = 2.0 ** -149  # the smallest positive (subnormal) fp32
 
 
 def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,7 +18,11 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     check_finite(w, "w")
     w = w.float()
     amax = w.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    # A divisor on amax's device: CUDA turns division by a Python number into a product with its
+    # rounded reciprocal, which made the GPU's scales differ from the CPU's in the last bit.
+    scale = amax / amax.new_full((), FP8_E4M3_MAX)
+    # Rows below ~3e-43 would get scale amax/448 = 0 and then NaN codes: floor it at the tiniest fp32.
+    scale = torch.where(amax > 0, scale.clamp(min=FP32_TINIEST), torch.ones_like(amax))
     w8 = (w / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return w8, scale
 

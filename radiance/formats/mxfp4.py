@@ -47,11 +47,16 @@ def ocp_exponent(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_blocks(blocks: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and dequantized values of fp32 blocks [..., 32] under exponents e [...]."""
+    """Codes of fp32 blocks [..., 32] under exponents e [...], and each block's squared error in units of 4^e.
+
+    The error is measured on the scaled values (x / 2^e - grid), exact power-of-two scaling: in x's own
+    units the squares of huge blocks overflow fp32 and those of tiny blocks underflow to 0, which made
+    `mse` compare inf with inf or 0 with 0. The differences are exact in fp32 and their squares in fp64.
+    """
     scaled = scale_by_pow2(blocks, -e.unsqueeze(-1))
     codes = round_to_e2m1(scaled)
-    values = scale_by_pow2(e2m1_to_float(codes), e.unsqueeze(-1))
-    return codes, values
+    error = scaled.sub_(e2m1_to_float(codes)).double().square_().sum(-1)  # in place: bounded transients
+    return codes, error
 
 
 def quantize_blocks(blocks: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,11 +66,13 @@ def quantize_blocks(blocks: torch.Tensor, rule: str) -> tuple[torch.Tensor, torc
     amax = blocks.abs().amax(dim=-1)
     e = ocp_exponent(amax) if rule == "ocp" else noclip_exponent(amax)
     e = torch.clamp(torch.where(amax > 0, e, torch.zeros_like(e)), -127, 127)
-    codes, values = _quantize_blocks(blocks, e)
+    codes, error = _quantize_blocks(blocks, e)
     if rule == "mse":  # also try one exponent lower (clips the max, finer grid); keep the better block
         e_lo = torch.clamp(e - 1, -127, 127)
-        codes_lo, values_lo = _quantize_blocks(blocks, e_lo)
-        lower = (blocks - values_lo).square().sum(-1) < (blocks - values).square().sum(-1)
+        codes_lo, error_lo = _quantize_blocks(blocks, e_lo)
+        # error_lo is in units of 4^e_lo: a quarter of e's unit when e_lo = e - 1 (equal when clamped)
+        error_lo = torch.where(e_lo < e, error_lo * 0.25, error_lo)
+        lower = error_lo < error  # ties keep noclip
         e = torch.where(lower, e_lo, e)
         codes = torch.where(lower.unsqueeze(-1), codes_lo, codes)
     return e, codes

@@ -14,6 +14,7 @@ from radiance.formats.e2m1 import E2M1_MAX, e2m1_to_float, pack_e2m1, round_to_e
 
 NV_BLOCK = 16
 FP8_E4M3_MAX = 448.0
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _row_global_scales(global_scale: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
@@ -34,17 +35,29 @@ def quantize_nvfp4(w: torch.Tensor, partition_sizes=None):
     w = w.float()
     amax = torch.stack([part.abs().amax() if part.numel() else torch.zeros((), device=w.device)
                         for part in torch.split(w, sizes, dim=0)])
-    # An all-zero partition gets global scale 1 (any value dequantizes its zero codes to zero).
+    # An all-zero partition gets global scale 1 (any value dequantizes its zero codes to zero). Below
+    # amax ~8e-36, 448*6/amax overflows fp32: cap it, the block scales then just use fewer e4m3 steps.
     global_scale = torch.where(amax > 0, FP8_E4M3_MAX * E2M1_MAX / amax, torch.ones_like(amax)).float()
+    global_scale = global_scale.clamp(max=FP32_MAX)
     row_gs = _row_global_scales(global_scale, sizes)
     blocks = w.reshape(n, k // NV_BLOCK, NV_BLOCK)
     block_amax = blocks.abs().amax(-1)
-    scale = (block_amax / E2M1_MAX * row_gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    # divisor on the device: CUDA would multiply by a rounded 1/6 instead (scales then differ from the CPU's)
+    scale = (block_amax / block_amax.new_full((), E2M1_MAX) * row_gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     effective = scale.float() / row_gs  # the scale the dequantizer will apply
     safe = torch.where(effective > 0, effective, torch.ones_like(effective))
     codes = round_to_e2m1(blocks / safe.unsqueeze(-1))
     codes = torch.where((effective > 0).unsqueeze(-1), codes, torch.zeros_like(codes))
     return pack_e2m1(codes.reshape(n, k)), scale, global_scale
+
+
+def check_block_scales(scale: torch.Tensor) -> None:
+    """e4m3fn has no inf; its NaN (0x7F / 0xFF) would dequantize a whole block to NaN."""
+    check_matrix(scale, "scale")
+    nan = torch.isnan(scale.float())
+    if bool(nan.any()):
+        bad = nan.nonzero()[0].tolist()
+        raise ValueError(f"NVFP4 block scale contains NaN (e4m3 0x7F/0xFF), first at [row, block] {bad}")
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -64,6 +77,7 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: to
     sizes = check_partitions(n, partition_sizes, global_scale.numel())
     if not bool(torch.isfinite(global_scale).all()) or bool((global_scale <= 0).any()):
         raise ValueError(f"NVFP4 global scales must be finite and positive, got {global_scale.tolist()}")
+    check_block_scales(scale)
     values = e2m1_to_float(unpack_e2m1(packed)).reshape(n, -1, NV_BLOCK)
     block = scale.float() / _row_global_scales(global_scale, sizes)
     return (values * block.unsqueeze(-1)).reshape(n, half_k * 2)

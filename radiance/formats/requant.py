@@ -13,7 +13,7 @@ import torch
 
 from radiance.formats._checks import check_finite, check_partitions
 from radiance.formats.mxfp4 import MX_BLOCK, RULES, quantize_mxfp4, dequantize_mxfp4
-from radiance.formats.nvfp4 import dequantize_nvfp4
+from radiance.formats.nvfp4 import check_block_scales, dequantize_nvfp4
 
 TRANSIENT_BYTES = 256 << 20  # fp32 bytes of one dequantized chunk (the codec makes ~4 such temporaries)
 
@@ -40,6 +40,7 @@ def requant_rows_to_mxfp4(dequant_rows: Callable[[int, int], torch.Tensor], n: i
     for start in range(0, n, chunk_rows):
         stop = min(n, start + chunk_rows)
         rows = dequant_rows(start, stop).float()
+        check_finite(rows, "the dequantized weight", row_offset=start)  # a NaN source value, named by its row
         p, s = quantize_mxfp4(rows, rule)
         packed[start:stop], scale[start:stop] = p, s
         err += (rows - dequantize_mxfp4(p, s)).square().sum(dtype=torch.float64)
@@ -57,6 +58,7 @@ def nvfp4_to_mxfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
     n = packed.shape[0]
     global_scale = torch.as_tensor(global_scale, device=packed.device).float().reshape(-1)
     sizes = check_partitions(n, partition_sizes, global_scale.numel())
+    check_block_scales(scale)  # here, on all rows, so the index it reports is not a chunk's
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def rows(start: int, stop: int) -> torch.Tensor:

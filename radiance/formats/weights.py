@@ -210,7 +210,10 @@ def to_mxfp4(weight: Weight, rule: str = "mse", chunk_rows: int | None = None) -
     elif isinstance(weight, DenseWeight):
         p, s, err = dense_to_mxfp4(weight.tensor, rule, chunk_rows)
     elif isinstance(weight, Int4Weight):
-        p, s, err = dense_to_mxfp4(dequantize(weight), rule, chunk_rows)
+        def int4_rows(a: int, b: int) -> torch.Tensor:  # one chunk of rows at a time: the fp32 copy stays bounded
+            return dequantize_int4(weight.packed[a:b], weight.scale[a:b], weight.offset[a:b])
+
+        p, s, err = requant_rows_to_mxfp4(int4_rows, *weight.shape, weight.packed.device, rule, chunk_rows)
     else:
         raise ValueError(f"not a weight: {type(weight).__name__}")
     return Mxfp4Weight(p, s, sizes), err
