@@ -13,7 +13,17 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        try:
+            return F.embedding(input_ids, self.weight)
+        except IndexError:  # the CPU's "index out of range in self" names neither the id nor the vocabulary
+            bad = self._first_out_of_range(input_ids)
+            if bad is None:
+                raise
+            raise ValueError(f"token id {bad} is outside the vocabulary (size {self.weight.shape[0]})") from None
+
+    def _first_out_of_range(self, input_ids: torch.Tensor) -> int | None:
+        bad = input_ids[(input_ids < 0) | (input_ids >= self.weight.shape[0])]
+        return int(bad.flatten()[0]) if bad.numel() else None
 
 
 class LMHead(nn.Module):
