@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from radiance.engine.structured_output import StructuredOutputError, _reason
+from radiance.engine.structured_output import StructuredOutputError, _reason, check_json_schemas
 
 CALL_START = "<tool_call>"
 MAX_WHITESPACE = 2  # consecutive whitespace characters between a call's JSON / XML parts
@@ -80,6 +80,13 @@ def _parameters(fn: dict) -> dict:
     return fn.get("parameters") or {"type": "object"}
 
 
+def _check_size(fns: list[dict], what: str) -> None:
+    """Schemas xgrammar would take long to compile are refused (20,000 enum values: 19 s on the server's compile
+    thread, which other structured requests wait for); keywords it does not enforce are let through, as tools'
+    schemas are written for models, not grammars (a strict function's arguments are held to the rest)."""
+    check_json_schemas({f"#{i}": _parameters(fn) for i, fn in enumerate(fns)}, what, keywords=False)
+
+
 def _compile(tag_format: dict, what: str):
     import xgrammar as xgr
 
@@ -119,6 +126,7 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
     when `parallel`, any number of further whole calls, each after markup.separator. Nothing may follow the
     calls: "required" makes the answer its calls, so the model ends there (or opens another)."""
     fns = [t["function"] for t in tools]
+    _check_size(fns if name is None else [fn for fn in fns if fn["name"] == name], "a tool's parameters")
     if name is not None:
         fn = next(fn for fn in fns if fn["name"] == name)
         call = {"type": "sequence", "elements": [markup.arguments(_parameters(fn)),
@@ -141,6 +149,7 @@ def strict_tools_grammar(tools: list[dict], markup: ToolCallMarkup, parallel: bo
     arguments follow its schema, and without `parallel` the answer ends after the first call. Where calls
     only open the answer (Llama 3.x), the answer is either such a call (then, with `parallel`, text in which
     further calls are held) or text that does not open with "{"."""
+    _check_size([t["function"] for t in tools if t["function"].get("strict")], "the tools' parameters")
     if not markup.calls_open_answer:
         return str(_compile(_triggered_calls(tools, markup, strict_only=True, stop_after_first=not parallel),
                             "the tools' parameters"))

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from radiance.engine.structured_output import StructuredOutput
 
@@ -147,6 +147,11 @@ class StructuredOutputs(_Model):
                                 choice=self.choice, grammar=self.grammar)
 
 
+# vLLM's older request fields, each one constraint: the StructuredOutput field it gives
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
 class _SamplingFields(_Model):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -180,6 +185,15 @@ class _SamplingFields(_Model):
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
 
+    @field_validator(*_GUIDED_FIELDS)
+    @classmethod
+    def _guided_constraint(cls, value: Any, info: ValidationInfo) -> Any:
+        """A malformed guided_* constraint (an empty choice) is a 400 naming its field: raised in the model's
+        validator below, it named none."""
+        if value is not None:
+            StructuredOutput(**{_GUIDED_FIELDS[info.field_name]: value})
+        return value
+
     @model_validator(mode="after")
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
@@ -212,8 +226,7 @@ class _SamplingFields(_Model):
             given["response_format"] = StructuredOutput(json=schema) if schema else StructuredOutput(json_object=True)
         if self.structured_outputs is not None:
             given["structured_outputs"] = self.structured_outputs.spec()
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                          ("guided_grammar", "grammar")):
+        for name, key in _GUIDED_FIELDS.items():
             if getattr(self, name) is not None:
                 given[name] = StructuredOutput(**{key: getattr(self, name)})
         if len(given) > 1:
