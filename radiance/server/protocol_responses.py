@@ -9,7 +9,7 @@ text-only model can serve is accepted: images, files and built-in tools (web sea
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -17,6 +17,19 @@ from radiance.server.protocol import ChatCompletionRequest, _Model, _SamplingFie
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# `include` values OpenAI defines (ResponseIncludable) that this server accepts: the logprobs it serves, and
+# reasoning.encrypted_content, which exists so reasoning items can be sent back statelessly (store false); ours
+# carry their thinking in the clear (`content`), which input_messages reads back, so ignoring it loses nothing
+# (and Codex CLI sends it with every stateless request)
+ACCEPTED_INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
+# the other values OpenAI defines: each adds the output of something a text-only server without built-in tools
+# never produces, so asking for one is a 400 rather than a silent no-op
+INAPPLICABLE_INCLUDES = {
+    "file_search_call.results": "the file_search tool", "web_search_call.results": "the web_search tool",
+    "web_search_call.action.sources": "the web_search tool",
+    "code_interpreter_call.outputs": "the code_interpreter tool",
+    "computer_call_output.output.image_url": "the computer tool", "message.input_image.image_url": "image input",
+}
 # the chat request's sampling fields beyond OpenAI's Responses fields, passed on as they are
 CHAT_SAMPLING_FIELDS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "repetition_penalty", "presence_penalty",
                         "frequency_penalty", "logit_bias", "min_tokens", "include_stop_str_in_output", "ignore_eos",
@@ -105,6 +118,12 @@ class ResponsesRequest(_Model):
             raise ValueError("background responses are not supported")
         return value
 
+    @field_validator("include")
+    @classmethod
+    def _known_includes(cls, values):
+        check_includes(values or ())
+        return values
+
     @field_validator("input")
     @classmethod
     def _some_input(cls, value):
@@ -158,11 +177,13 @@ class ResponsesRequest(_Model):
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
-    def to_chat(self, history: list[dict]) -> ChatCompletionRequest:
+    def to_chat(self, history: list[dict], dropped_units: int = 0) -> ChatCompletionRequest:
         """The chat request that serves this one: instructions, then `history` (the conversation of
-        previous_response_id), then the input. ValueError (a 400 on `input`) for items it cannot serve."""
+        previous_response_id), then the input, less the `dropped_units` oldest conversation_units (truncation).
+        ValueError (a 400 on `input`) for items it cannot serve."""
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else [])
-        messages += history + input_messages(self.input)
+        units = conversation_units(history + input_messages(self.input))
+        messages += [message for unit in units[dropped_units:] for message in unit]
         if not messages:
             raise ValueError("input has no message to answer (only reasoning items)")
         body: dict[str, Any] = {
@@ -188,6 +209,52 @@ class ResponsesRequest(_Model):
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}}
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+
+def check_includes(values) -> None:
+    """ValueError naming the first `include` value this server does not serve."""
+    for value in values:
+        if value in INAPPLICABLE_INCLUDES:
+            raise ValueError(f"include value {value!r} cannot apply here: this server has no "
+                             f"{INAPPLICABLE_INCLUDES[value]} (text-only, function tools only)")
+        if value not in ACCEPTED_INCLUDES:
+            raise ValueError(f"include value {value!r} is unknown; the values are "
+                             f"{', '.join(ACCEPTED_INCLUDES + tuple(INAPPLICABLE_INCLUDES))}")
+
+
+def conversation_units(messages: list[dict]) -> list[list[dict]]:
+    """`messages` in the pieces truncation drops whole: each message, with the tool messages after it (a
+    function call's outputs go with the call: a template may refuse an output whose call is gone)."""
+    units: list[list[dict]] = []
+    for message in messages:
+        if message["role"] == "tool" and units:
+            units[-1].append(message)
+        else:
+            units.append([message])
+    return units
+
+
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_input_items(items: str | list[dict[str, Any]], new_id: Callable[[str], str]) -> list[dict]:
+    """`input` as GET /v1/responses/{id}/input_items lists it: typed items with an id (the client's, else
+    `new_id(prefix)`: pages are cut after an id), a message's string content as one text part."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    listed = []
+    for item in items:
+        item = {"type": "message", **item} if "type" not in item else dict(item)
+        if not isinstance(item.get("id"), str):
+            item["id"] = new_id(_ITEM_ID_PREFIXES.get(item["type"], "item"))
+        if item["type"] == "message":
+            item.setdefault("status", "completed")
+            if isinstance(item.get("content"), str):
+                text = item["content"]
+                item["content"] = [{"type": "output_text", "text": text, "annotations": []}
+                                   if item.get("role") == "assistant" else {"type": "input_text", "text": text}]
+        listed.append(item)
+    return listed
 
 
 def _text(content: Any, where: str) -> str:

@@ -1,18 +1,34 @@
 """Responses kept in memory so a follow-up can name one (`previous_response_id`) and a client can read it
-back (`GET /v1/responses/{id}`): the last `capacity` stored, oldest dropped first. Nothing survives a
-restart, as in vLLM's in-memory store."""
+back (`GET /v1/responses/{id}`, its input items from `GET /v1/responses/{id}/input_items`): the last
+`capacity` stored, oldest dropped first. Nothing survives a restart, as in vLLM's in-memory store."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class StoredResponse:
     body: dict  # the response object as it was answered
     conversation: list[dict]  # chat messages without instructions: the input turns, then the model's answer
+    # the items that made its context, as input_items lists them: those of previous_response_id's context
+    # and its output, then this request's input (each with an id)
+    input_items: list[dict] = field(default_factory=list)
+
+    def input_items_page(self, order: str, after: str | None, limit: int) -> dict | None:
+        """One page of input_items (OpenAI's list object), `after` the item with that id in `order`; None
+        when no input item has the id `after`."""
+        items = self.input_items if order == "asc" else self.input_items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                return None
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 class ResponseStore:

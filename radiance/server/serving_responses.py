@@ -2,8 +2,9 @@
 (protocol_responses), the chat parsers' deltas become output items (reasoning, message, function_call)
 in the order they start, streamed as typed events (`response.created` ... `response.completed`).
 
-Streaming and non-streaming build the same items with the same `OutputItems`, so both agree. Stored
-responses (in memory, `ServerConfig.responses_store`) serve previous_response_id and GET / DELETE.
+Streaming and non-streaming build the same items with the same `OutputItems`, so both agree. A stream that
+fails after it started ends with `response.failed` (the response, its `error` set). Stored responses (in
+memory, `ServerConfig.responses_store`) serve previous_response_id, GET / DELETE and GET .../input_items.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pydantic import ValidationError
 
 from radiance.engine.sampling_params import SamplingParamsError
 from radiance.server.errors import OpenAIError, invalid
-from radiance.server.protocol_responses import ReasoningConfig, ResponsesRequest, input_messages
+from radiance.server.protocol_responses import (ReasoningConfig, ResponsesRequest, check_includes, conversation_units,
+                                                input_messages, listed_input_items)
 from radiance.server.response_store import StoredResponse
 from radiance.server.serving_chat import ChoiceStream, prepare_chat
 from radiance.server.serving_common import (check_unicode, collect_until_disconnect, guarded_sse, merged_outputs,
@@ -36,6 +38,7 @@ def item_id(prefix: str) -> str:
 _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "messages": "input",
                 "response_format": "text.format"}
 _TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+_CONTEXT_EXCEEDED = "context_length_exceeded"  # the code of the 400 for a prompt too long for the context
 
 
 def _responses_names(message: str) -> str:
@@ -167,6 +170,7 @@ class ResponseRun:
         self.items = OutputItems()
         self.choice: ChoiceStream | None = None
         self.prompt_len = 0
+        self.previous: StoredResponse | None = None  # the stored response previous_response_id names
         self.history: list[dict] = []
 
     async def prepare(self):
@@ -177,15 +181,22 @@ class ResponseRun:
         if req.instructions:  # checked here, or the rendered prompt's check blames `input`
             check_unicode(req.instructions, "instructions")
         if req.previous_response_id is not None:
-            previous = self.state.responses.get(req.previous_response_id)
-            if previous is None:
+            self.previous = self.state.responses.get(req.previous_response_id)
+            if self.previous is None:
                 # OpenAI's code, which clients (Codex CLI) read to send the whole conversation instead
                 raise invalid(f"no stored response has id {req.previous_response_id!r} (this server keeps the last "
                               f"{self.state.responses.capacity} in memory)", param="previous_response_id",
                               code="previous_response_not_found")
-            self.history = previous.conversation
+            self.history = self.previous.conversation
+        prepared = await (self._prepare_truncated() if req.truncation == "auto" else self._prepare_chat())
+        self.choice = prepared.choices[0]
+        self.prompt_len = len(prepared.prompt_ids)
+        return prepared
+
+    async def _prepare_chat(self, dropped_units: int = 0):
+        """The chat pipeline's preparation of this request, less its `dropped_units` oldest conversation units."""
         try:
-            chat = req.to_chat(self.history)
+            chat = self.req.to_chat(self.history, dropped_units)
         except ValidationError as exc:  # a message the chat request refuses (e.g. a user turn without content)
             err = exc.errors()[0]
             where = ".".join(str(part) for part in err["loc"])
@@ -193,7 +204,7 @@ class ResponseRun:
         except ValueError as exc:
             raise invalid(str(exc), param="input") from None
         try:
-            prepared = await prepare_chat(self.state, chat, self.id)
+            return await prepare_chat(self.state, chat, self.id)
         except OpenAIError as exc:  # named as this API names the field
             exc.message = _responses_names(exc.message)
             exc.param = _FIELD_NAMES.get(exc.param, exc.param)
@@ -202,9 +213,31 @@ class ResponseRun:
             message = _responses_names(str(exc))
             field = message.split(" ", 1)[0]
             raise invalid(message, param=field if field in ResponsesRequest.model_fields else None) from None
-        self.choice = prepared.choices[0]
-        self.prompt_len = len(prepared.prompt_ids)
-        return prepared
+
+    async def _prepare_truncated(self):
+        """truncation "auto" (OpenAI's): when the prompt and max_output_tokens overflow the context, the oldest
+        conversation units are dropped, the fewest that make it fit (bisection: each try renders and tokenizes
+        the whole prompt). The instructions and the newest unit stay; without room even then, the 400 says so."""
+        try:
+            return await self._prepare_chat()
+        except OpenAIError as exc:
+            if exc.code != _CONTEXT_EXCEEDED:
+                raise
+            too_long = exc
+        droppable = len(conversation_units(self.history + input_messages(self.req.input))) - 1
+        low, high, fitting = 1, droppable, None
+        while low <= high:  # fitting: the last try that fit, the one with the fewest units dropped
+            middle = (low + high) // 2
+            try:
+                fitting, high = await self._prepare_chat(middle), middle - 1
+            except OpenAIError as exc:
+                if exc.code != _CONTEXT_EXCEEDED:
+                    raise
+                too_long, low = exc, middle + 1
+        if fitting is None:
+            too_long.message += " (truncation auto kept only the instructions and the newest input item)"
+            raise too_long
+        return fitting
 
     def step(self, out: Any) -> list[dict]:
         delta, logprobs = self.choice.step(out)
@@ -213,7 +246,7 @@ class ResponseRun:
             events += self.items.finish(complete=out.finish_reason != "length")
         return events
 
-    def body(self, status: str) -> dict:
+    def body(self, status: str, error: dict | None = None) -> dict:
         req, out = self.req, self.choice.output if self.choice else None
         finished = status != "in_progress"
         truncated = finished and out is not None and out.finish_reason == "length"
@@ -222,7 +255,7 @@ class ResponseRun:
         fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
-            "status": "incomplete" if truncated else status, "background": False, "error": None,
+            "status": "incomplete" if truncated else status, "background": False, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
             "output": copy.deepcopy(self.items.items) if finished else [],
@@ -250,7 +283,27 @@ class ResponseRun:
     def store(self, body: dict) -> None:
         if self._stores():  # instructions do not carry over to a follow-up (OpenAI's rule)
             conversation = self.history + input_messages(self.req.input) + [_answer_message(self.items)]
-            self.state.responses.put(self.id, StoredResponse(body, conversation))
+            self.state.responses.put(self.id, StoredResponse(body, conversation, self._input_items()))
+
+    def _input_items(self) -> list[dict]:
+        """What input_items lists: the context previous_response_id brought (its input items and output), then
+        this request's input; instructions are no item (OpenAI's rule)."""
+        context = self.previous.input_items + self.previous.body["output"] if self.previous is not None else []
+        return context + listed_input_items(self.req.input, item_id)
+
+    def fail(self, exc: OpenAIError) -> list[dict]:
+        """The events that end a stream failing after it started: the item still open closes incomplete, then
+        `response.failed` carries the response with its error (as stored: a GET reads it back as failed)."""
+        events = self.items.finish(complete=False)
+        body = self.body("failed", error=_response_error(exc))
+        self.store(body)
+        return events + [{"type": "response.failed", "response": body}]
+
+
+def _response_error(exc: OpenAIError) -> dict:
+    """A failed response's `error`, with the code of OpenAI's list that fits: the engine refused the request
+    (a 4xx), or the server failed."""
+    return {"code": "invalid_prompt" if exc.status < 500 else "server_error", "message": exc.message}
 
 
 async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
@@ -274,8 +327,8 @@ def _stream(run: ResponseRun, outputs: AsyncIterator) -> AsyncIterator[str]:
         body = {**body, "sequence_number": next(counter)}
         return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def error_event(exc: OpenAIError) -> str:
-        return event({"type": "error", "code": exc.code, "message": exc.message, "param": exc.param})
+    def failed_events(exc: OpenAIError) -> str:  # a stream that started ends as a response: response.failed
+        return "".join(event(body) for body in run.fail(exc))
 
     async def events() -> AsyncIterator[str]:
         yield event({"type": "response.created", "response": run.body("in_progress")})
@@ -287,11 +340,34 @@ def _stream(run: ResponseRun, outputs: AsyncIterator) -> AsyncIterator[str]:
         run.store(final)
         yield event({"type": f"response.{final['status']}", "response": final})
 
-    return guarded_sse(events(), outputs, f"responses stream {run.id}", error_event=error_event, done=False)
+    return guarded_sse(events(), outputs, f"responses stream {run.id}", error_event=failed_events, done=False)
 
 
 def stored_response(state: ServerState, response_id: str) -> dict:
+    return _stored(state, response_id).body
+
+
+def stored_input_items(state: ServerState, response_id: str, order: str, after: str | None, limit: int,
+                       include: list[str]) -> dict:
+    """GET /v1/responses/{id}/input_items: a page of the items its context was made of. `include` takes the
+    values creating a response takes; none of them adds to input items here (a message keeps what it had)."""
+    stored = _stored(state, response_id)
+    if order not in ("asc", "desc"):
+        raise invalid(f"order must be asc or desc, got {order!r}", param="order")
+    if not 1 <= limit <= 100:  # OpenAI's range
+        raise invalid(f"limit must be between 1 and 100, got {limit}", param="limit")
+    try:
+        check_includes(include)
+    except ValueError as exc:
+        raise invalid(str(exc), param="include") from None
+    page = stored.input_items_page(order, after, limit)
+    if page is None:
+        raise invalid(f"after: response {response_id!r} has no input item with id {after!r}", param="after")
+    return page
+
+
+def _stored(state: ServerState, response_id: str) -> StoredResponse:
     stored = state.responses.get(response_id)
     if stored is None:
         raise OpenAIError(404, f"no stored response has id {response_id!r}", param="response_id", code="not_found")
-    return stored.body
+    return stored

@@ -186,7 +186,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event(server):
                                                                  "stream": True}, timeout=30) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     last = json.loads(lines[-1][len("data: "):])
-    assert last["type"] == "error" and "internal server error" in last["message"]
+    assert last["type"] == "response.failed" and "internal server error" in last["response"]["error"]["message"]
     assert "[DONE]" not in lines[-1]
 
 
