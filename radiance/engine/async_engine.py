@@ -6,12 +6,14 @@ steps, so the engine is only ever touched from one thread. Each request gets an 
 routed to the queue of the `generate` call whose request produced them, not by request id alone: an id
 can be reused as soon as its request is aborted, while the engine still holds (and steps) the old one.
 A step that raises stops the loop: the engine's requests are aborted and every `generate` call, waiting or
-later, raises EngineDeadError.
+later, raises EngineDeadError. `shutdown()` (the server stopping) stops the loop and joins its threads; a call
+still waiting then raises EngineStoppedError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -30,6 +32,11 @@ class EngineDeadError(RuntimeError):
     later ones are refused (the server answers 500 / 503 and /health turns unhealthy, as vLLM does)."""
 
 
+class EngineStoppedError(EngineDeadError):
+    """The engine was shut down (the server stops): a `generate` call still waiting ends with this, a later one is
+    refused with it."""
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, checkpoint=None, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config, checkpoint=checkpoint)
@@ -44,6 +51,7 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.errored: BaseException | None = None
+        self.stopped = False  # shutdown() ran
 
     # the attributes of the synchronous engine the server reads
     @property
@@ -89,6 +97,8 @@ class AsyncLLMEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
+        if self.stopped:
+            raise EngineStoppedError("the engine was shut down")
         if self.errored is not None:
             raise self._dead_error()
         self.engine.check_one_sequence(params)  # n > 1 is the caller's to expand (the server does)
@@ -123,6 +133,33 @@ class AsyncLLMEngine:
             self._pending.append(("abort", request_id, queue))
         if self._wakeup is not None:
             self._wakeup.set()
+
+    # ---------------------------------------------------------------- shutdown
+
+    async def shutdown(self) -> None:
+        """Stops the loop, ends the `generate` calls still waiting (outputs of a stopped loop never come: they
+        waited forever) and joins the engine's threads, after the step that runs, if any."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await self._stop_loop()
+        for queue in self._queues.values():
+            queue.put_nowait(EngineStoppedError("the engine was shut down"))
+        self._queues.clear()
+        await asyncio.to_thread(self._join_threads)  # off the loop: a step on a large model takes a while
+        logger.info("engine stopped")
+
+    async def _stop_loop(self) -> None:
+        task = self._task
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            return  # never started, or ended with its loop (nothing runs it any more)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    def _join_threads(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._compiler.shutdown(wait=True, cancel_futures=True)
 
     # ---------------------------------------------------------------- the loop
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -18,14 +19,14 @@ from fastapi.responses import JSONResponse, Response
 from radiance import __version__
 
 from radiance.server.errors import OpenAIError, error_response, install_error_handlers, internal_error, invalid
-from radiance.server.metrics import CONTENT_TYPE
+from radiance.server.metrics import CONTENT_TYPE, ServedRequest, current_request
 from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, model_card)
 from radiance.server.protocol_responses import ResponsesRequest
 from radiance.server.serving_chat import create_chat_completion, render_prompt
 from radiance.server.serving_common import check_token_ids, check_unicode
 from radiance.server.serving_completions import create_completion
-from radiance.server.serving_responses import create_response, stored_response
+from radiance.server.serving_responses import create_response, stored_input_items, stored_response
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,9 @@ PUBLIC_PATHS = ("/health", "/metrics", "/version", "/ping")
 class ApiKeyMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass through
     untouched; also counts error statuses for /metrics, and answers what a route left unanswered (a bug: 500;
-    cancelled by the server's shutdown: 503) as an OpenAI-shaped error."""
+    cancelled by the server's shutdown: 503) as an OpenAI-shaped error. Every answer carries X-Request-Id: the
+    client's own (as vLLM honours it) or a new one; log lines written while serving the request are tagged
+    with it (cli.RequestIdLogFilter)."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -45,12 +48,37 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        served = ServedRequest(self._request_id(scope))
+        token = current_request.set(served)
+        try:
+            await self._answer(scope, receive, self._sending_request_id(send, served.request_id))
+        finally:
+            current_request.reset(token)
+
+    async def _answer(self, scope, receive, send):
         if not self._authorized(scope):
             self.state.metrics.http_errors.labels(status="401").inc()
             response = error_response(OpenAIError(401, "Incorrect or missing API key "
                                                        "(send Authorization: Bearer KEY)", code="invalid_api_key"))
             return await response(scope, receive, send)
         await self._serve(scope, receive, send)
+
+    @staticmethod
+    def _request_id(scope) -> str:
+        for name, value in scope.get("headers") or ():
+            if name == b"x-request-id" and value:
+                return value.decode("latin-1")
+        return uuid.uuid4().hex
+
+    @staticmethod
+    def _sending_request_id(send, request_id: str):
+        async def send_with_request_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message["headers"] = [*headers, (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        return send_with_request_id
 
     def _authorized(self, scope) -> bool:
         key = self.state.config.api_key
@@ -62,30 +90,49 @@ class ApiKeyMiddleware:
         return hmac.compare_digest(token.encode(), key.encode())
 
     async def _serve(self, scope, receive, send):
-        started = False
+        status = None
+        sent_all = client_left = False
+
+        async def watching_receive():
+            nonlocal client_left
+            message = await receive()
+            # the server reports a disconnect after the last body too: only one before it is a client that left
+            client_left = client_left or message["type"] == "http.disconnect" and not sent_all
+            return message
 
         async def counting_send(message):
-            nonlocal started
+            nonlocal status, sent_all
             if message["type"] == "http.response.start":
-                started = True
-                if message["status"] >= 400:
-                    self.state.metrics.http_errors.labels(status=str(message["status"])).inc()
+                status = message["status"]
+                if status >= 400:
+                    self.state.metrics.http_errors.labels(status=str(status)).inc()
+            sent_all = sent_all or message["type"] == "http.response.body" and not message.get("more_body", False)
             await send(message)
 
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, watching_receive, counting_send)
         except asyncio.CancelledError:
             # uvicorn cancels what still runs once its graceful-shutdown timeout is over (and awaits it no more):
             # the client gets a 503 (not uvicorn's text/plain 500), the log no "Exception in ASGI application"
             asyncio.current_task().uncancel()
-            if not started:
+            if status is None:
                 await error_response(OpenAIError(503, "the server is shutting down"))(scope, receive, counting_send)
         except Exception as exc:
             # answered here, not by Starlette's outermost handler: that one re-raises, so uvicorn logged the
             # traceback a second time and closed the client's keep-alive connection
             logger.exception("internal error while serving %s", scope["path"])
-            if not started:
+            if status is None:
                 await error_response(internal_error(exc))(scope, receive, counting_send)
+        finally:
+            self._count_stream_error(status, client_left)
+
+    def _count_stream_error(self, status: int | None, client_left: bool) -> None:
+        """A stream that failed after its 200 went out reported the error in-band (errors.sse_error): counted
+        as an error answer of that status, which /metrics otherwise never saw; one whose client left as 499, as
+        a non-streaming request whose client left is answered."""
+        in_band = current_request.get().stream_error_status
+        if status is not None and status < 400 and in_band is not None:
+            self.state.metrics.http_errors.labels(status="499" if client_left else str(in_band)).inc()
 
 
 def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAPI:
@@ -110,6 +157,8 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
         yield
         if task is not None and not task.done():
             task.cancel()
+        # the engine's loop and threads stop with the server: a stream still waiting ends instead of hanging
+        await state.shutdown()
 
     app = FastAPI(title="radiance", version=__version__, lifespan=lifespan)
     app.state.radiance = state
@@ -163,6 +212,13 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
         return stored_response(state, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request, order: str = "desc", after: str | None = None,
+                               limit: int = 20):
+        query = request.query_params  # the openai client sends a list as include[]=...
+        include = query.getlist("include") + query.getlist("include[]")
+        return stored_input_items(state, response_id, order, after, limit, include)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):

@@ -8,8 +8,11 @@ ready), then the startup summary is logged: model, quantization, kernels, KV cac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import socket
+import sys
 
 from radiance.config import (ServerConfig, add_dataclass_args, add_engine_args, dataclass_kwargs,
                              engine_config_from_args)
@@ -94,6 +97,48 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class RequestIdLogFilter(logging.Filter):
+    """Tags a line logged while a request is served (uvicorn's access line included) with the request's id, the
+    X-Request-Id its answer carries, so a client's id finds its lines in the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from radiance.server.metrics import current_request
+
+        served = current_request.get()
+        if served is not None and not hasattr(record, "request_id"):  # once, whichever handler sees it first
+            record.request_id = served.request_id
+            if record.name == "uvicorn.access" and isinstance(record.args, tuple) and record.args:
+                # uvicorn's access formatter prints its arguments, not the message: tag the client's address
+                record.args = (f"[{served.request_id}] {record.args[0]}", *record.args[1:])
+            else:
+                tag = served.request_id.replace("%", "%%") if record.args else served.request_id  # formatted
+                record.msg = f"[{tag}] {record.msg}"
+        return True
+
+
+@contextlib.contextmanager
+def request_ids_in_logs(loggers=("", "uvicorn", "uvicorn.access", "uvicorn.error")):
+    """RequestIdLogFilter on the handlers of these loggers (root's, and uvicorn's own, which do not propagate)
+    while the server runs; taken off after (a process that serves twice, tests, keeps its handlers as they were)."""
+    tagged = [handler for name in loggers for handler in logging.getLogger(name).handlers]
+    log_filter = RequestIdLogFilter()
+    for handler in tagged:
+        handler.addFilter(log_filter)
+    try:
+        yield
+    finally:
+        for handler in tagged:
+            handler.removeFilter(log_filter)
+
+
+def _exit_while_loading() -> None:
+    """Ctrl+C while the weights load: the load thread cannot be interrupted, and the interpreter's exit would
+    end it mid-way in native code (an abort), so the process ends here, at once, with one line."""
+    print("radiance serve: interrupted while the model was loading", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -130,9 +175,24 @@ def run_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5))
     try:
-        server.run(sockets=[sock])
+        with request_ids_in_logs():  # after uvicorn.Config: it sets up uvicorn's log handlers
+            server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn stopped, then raised the SIGINT it caught
+        if state.loading:
+            _exit_while_loading()
+        raise
     finally:
         sock.close()
-    if state.load_error is not None:
-        raise state.load_error  # a RadianceError prints as one line (exit 2); anything else is a bug
-    return 0
+    return _load_failure_exit(state.load_error)
+
+
+def _load_failure_exit(error: BaseException | None) -> int:
+    """0 when the model loaded; a load error the user can fix is raised (one line, exit 2); any other was logged
+    with its traceback as it happened (ServerState.load), so it is not raised to print that again: exit 1."""
+    from radiance.errors import RadianceError
+
+    if error is None:
+        return 0
+    if isinstance(error, (RadianceError, ValueError)):
+        raise error
+    return 1

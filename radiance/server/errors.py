@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radiance.errors import RadianceError
+from radiance.server.metrics import current_request
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,11 @@ def internal_error(exc: BaseException) -> OpenAIError:
 
 
 def sse_error(err: OpenAIError) -> str:
-    """The event a stream sends when it fails after its headers went out (then `[DONE]`)."""
+    """The event a stream sends when it fails after its headers went out (then `[DONE]`); noted for /metrics,
+    as the response's status (200) does not say the request failed."""
+    served = current_request.get()
+    if served is not None:
+        served.stream_error_status = err.status
     return f"data: {json.dumps(err.body())}\n\n"
 
 

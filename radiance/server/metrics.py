@@ -8,6 +8,8 @@ by the serving code. Each app has its own registry, so several apps can live in 
 from __future__ import annotations
 
 import time
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -18,6 +20,20 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class ServedRequest:
+    """The HTTP request the current task serves (set by the API middleware for the request's whole life, streams
+    included): its id (the client's X-Request-Id or a new one: sent back in that header, tagged on log lines) and
+    the status of an error a stream reported in-band after its 200 went out (errors.sse_error), which
+    request_errors counts as it counts an error answer."""
+
+    request_id: str
+    stream_error_status: int | None = None
+
+
+current_request: ContextVar[ServedRequest | None] = ContextVar("radiance_current_request", default=None)
 
 
 class _EngineCollector:

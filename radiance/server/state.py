@@ -1,6 +1,6 @@
 """What the routes share: the engine (loaded in the background), served names, template, parsers.
 
-The engine loads in a worker thread after the HTTP server is up, so `/health` can answer 503 while
+The engine loads in a daemon thread after the HTTP server is up, so `/health` can answer 503 while
 weights load and the event loop never blocks. Attributes the ARCHITECTURE contract puts on the
 synchronous `LLMEngine` (tokenizer, max_model_len, chat_template, model_name, stats, load_summary)
 are looked up on the async engine first and on its inner `.engine` otherwise.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -54,12 +55,13 @@ class ServerState:
         self.reasoning_parser_name: str | None = None
         self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0])
         self.responses = ResponseStore(config.responses_store)  # /v1/responses answers, for follow-ups
+        self._load_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ loading
 
     async def load(self) -> None:
         try:
-            engine = await asyncio.to_thread(self.engine_factory)
+            engine = await self._build_engine_in_daemon_thread()
             self.attach(engine)
         except asyncio.CancelledError:  # the server stops while loading: no failure of the model's
             raise
@@ -68,6 +70,47 @@ class ServerState:
             if not isinstance(exc, RadianceError):
                 logger.exception("model failed to load")
             raise
+
+    def _build_engine_in_daemon_thread(self) -> asyncio.Future:
+        """engine_factory() in a daemon thread, not asyncio.to_thread: asyncio.run's end joins the default
+        executor's threads (and the interpreter's exit joins them too), so Ctrl+C during a load of minutes waited
+        for the load to finish. A result that comes after the server stopped is dropped."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.done():  # cancelled: the server stopped while loading
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def build() -> None:
+            result, error = None, None
+            try:
+                result = self.engine_factory()
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+                error = exc
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the loop is closed: the server stopped while loading
+                pass
+
+        self._load_thread = threading.Thread(target=build, name="radiance-load", daemon=True)
+        self._load_thread.start()
+        return future
+
+    @property
+    def loading(self) -> bool:
+        """The load thread still runs (it cannot be interrupted; Ctrl+C leaves it behind)."""
+        return self._load_thread is not None and self._load_thread.is_alive()
+
+    async def shutdown(self) -> None:
+        """The server stops: the engine's loop and threads stop (an engine without `shutdown` has nothing to stop)."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            await shutdown()
 
     def attach(self, engine: Any) -> None:
         self.tokenizer = engine_attr(engine, "tokenizer")

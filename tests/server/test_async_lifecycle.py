@@ -100,7 +100,8 @@ def test_requests_in_flight_end_cleanly_when_the_server_stops():
         assert events[-1] == "[DONE]", (name, results[name].text[-300:])
         assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
     last = data_lines(results["responses_stream"].text)[-1]
-    assert json.loads(last)["type"] == "error" and "shutting down" in json.loads(last)["message"]
+    failed = json.loads(last)
+    assert failed["type"] == "response.failed" and "shutting down" in failed["response"]["error"]["message"]
     assert not asgi_errors(logged), logged
     assert not engine.active  # each request's engine work was aborted
 
