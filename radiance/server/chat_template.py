@@ -182,6 +182,15 @@ def template_features(template: str | None) -> dict:
     }
 
 
+THINKING_CLOSE = "\n</think>\n\n"  # after an opened block, what Qwen3's templates write for enable_thinking=false
+
+
+def close_thinking(prompt: str) -> str:
+    """A prompt that leaves `<think>` open (prompt_opens_thinking), with the block closed empty: the model starts
+    on its answer, as with thinking turned off."""
+    return prompt + THINKING_CLOSE
+
+
 def prompt_opens_thinking(prompt: str, last_content: str = "", continuing: bool = False) -> bool:
     """True when the rendered prompt leaves a `<think>` block open (the model starts inside it). The opening
     must be the template's, after the last message (a user asking what `<think>` does opens nothing), or

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from radiance.engine.structured_output import StructuredOutput
 from radiance.engine.tool_grammars import (FORCED_CALL_MARKUPS, HARMONY, MARKUPS, strict_tools_grammar,
                                           tool_call_grammar)
-from radiance.server.chat_template import TemplateError, prompt_opens_thinking, render_chat
+from radiance.server.chat_template import TemplateError, close_thinking, prompt_opens_thinking, render_chat
 from radiance.server.errors import invalid
 from radiance.server.metrics import RequestTimer
 from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, new_id, now, usage
@@ -71,12 +71,13 @@ class ChoiceStream:
         parsed = self.tools.feed(text)
         self._take(parsed, delta)
 
-    def _route_function_message(self, message: FunctionMessage, delta: dict) -> None:
-        """A harmony call: the tool parser's to make a call of; without tools in the request its body is text."""
+    def _route_function_message(self, message: FunctionMessage, delta: dict, truncated: bool) -> None:
+        """A harmony call: the tool parser's to make a call of; without tools in the request its body is text.
+        `truncated`: max_tokens ended the output (inside the message when it is incomplete)."""
         if self.tools is None:
             self._route(message.arguments, delta)
         else:
-            self._take(self.tools.function_message(message), delta)
+            self._take(self.tools.function_message(message, truncated), delta)
 
     def _take(self, parsed, delta: dict) -> None:
         if parsed.content:
@@ -97,6 +98,7 @@ class ChoiceStream:
         new_text = out.text[self.sent_chars:]
         self.sent_chars = len(out.text)
         delta: dict = {}
+        truncated = out.finished and out.finish_reason == "length"
         if self.reasoning is None:
             self._route(new_text, delta)
         else:
@@ -111,10 +113,10 @@ class ChoiceStream:
                 delta["reasoning"] = r.reasoning
             self._route(r.content, delta)
             for message in r.function_messages:
-                self._route_function_message(message, delta)
+                self._route_function_message(message, delta, truncated)
         if out.finished:
             if self.tools is not None:
-                self._take(self.tools.finish(truncated=out.finish_reason == "length"), delta)
+                self._take(self.tools.finish(truncated=truncated), delta)
             self.timer.finished(out.finish_reason)
         logprobs = None
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
@@ -245,23 +247,23 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
     prompt = render_prompt(state, req, use_tools)
     forced_prefix = forced_tool_call_prefix(state, req) if use_tools else ""
-    last_content = req.messages[-1].text() if req.messages else ""
-    opens_thinking = prompt_opens_thinking(prompt, last_content, req.continue_final_message)
-    if forced_prefix:
-        if opens_thinking:
-            prompt += "\n</think>\n\n"
-        prompt += forced_prefix
     if forced_prefix:
         constraint = await forced_tool_call_constraint(state, req, tools)
     elif use_tools:
         constraint = await strict_tools_constraint(state, req, tools) or req.structured_output()
     else:
         constraint = req.structured_output()
+    last_content = req.messages[-1].text() if req.messages else ""
+    opens_thinking = prompt_opens_thinking(prompt, last_content, req.continue_final_message)
+    # a forced call or response_format / guided_* holds the answer: inside the thinking block the template opened,
+    # the constrained text would be the reasoning and the answer empty, so the block is closed first
+    if opens_thinking and (forced_prefix or req.structured_output() is not None):
+        prompt, opens_thinking = close_thinking(prompt), False
+    prompt += forced_prefix
     prompt_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                     "messages")
-    opens_thinking = opens_thinking and not forced_prefix  # the prefix above closed the block
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix) for i in range(req.n)]
     jobs = [EngineJob(f"{request_id}-{i}", prompt_ids,
                       sampling_params(req, max_tokens, i, constraint, keep_special_tokens=choice.needs_special_tokens))

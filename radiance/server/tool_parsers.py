@@ -133,7 +133,7 @@ class ToolParser:
             break
         return out
 
-    def function_message(self, message: FunctionMessage) -> ParseDelta:
+    def function_message(self, message: FunctionMessage, truncated: bool = False) -> ParseDelta:
         """A harmony message to a function (the reasoning parser's): a markup that writes calls in the text
         reads none there, so its body is content."""
         return ParseDelta(content=message.arguments)
@@ -310,18 +310,31 @@ class Qwen3CoderToolParser(ToolParser):
 
 
 class HarmonyToolParser(ToolParser):
-    """gpt-oss: every message to `functions.NAME` is a call to NAME, its body the arguments (JSON, as the
+    """gpt-oss: a message to `functions.NAME` is a call to NAME, its body the arguments (JSON, as the
     header's `<|constrain|>json` says). The harmony reasoning parser reads the markup, so content arrives
-    clean and passes as it is; a call arrives whole when its message ends (with <|call|>)."""
+    clean and passes as it is; a call arrives whole when its message ends (with <|call|>). As with the other
+    markups, a message that holds no usable call (a function the request did not offer, a body that is no
+    JSON object) is the model's text: its body is content."""
 
     name = "harmony"
 
     def feed(self, delta: str) -> ParseDelta:
         return ParseDelta(content=delta)
 
-    def function_message(self, message: FunctionMessage) -> ParseDelta:
+    def function_message(self, message: FunctionMessage, truncated: bool = False) -> ParseDelta:
+        """`truncated`: max_tokens cut the output, so a message that did not end is a partial call (its name and
+        the arguments so far); one the model stopped in without ending it is a call only if its body is whole."""
+        if not self.offers(message.name):
+            return ParseDelta(content=message.arguments)
+        if message.complete or not truncated:
+            arguments = _object_text(message.arguments or None)  # an empty body: no arguments
+            if arguments is None:
+                return ParseDelta(content=message.arguments)
+            call = ParsedToolCall(message.name, arguments)
+        else:
+            call = ParsedToolCall(message.name, message.arguments, complete=False)
         self.num_calls += 1
-        return ParseDelta(tool_calls=[ParsedToolCall(message.name, message.arguments, message.complete)])
+        return ParseDelta(tool_calls=[call])
 
     def finish(self, truncated: bool = False) -> ParseDelta:
         return ParseDelta()
