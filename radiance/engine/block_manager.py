@@ -92,13 +92,15 @@ class BlockManager:
 
     # ---------------------------------------------------------------- allocation
 
+    def new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks `seq` lacks to hold its computed tokens and `num_new_tokens` more."""
+        return self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= self.num_free_blocks
+        return self.new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        for _ in range(need):
+        for _ in range(self.new_blocks_needed(seq, num_new_tokens)):
             following = seq.block_table[-1] + 1 if self.prefer_in_order and seq.block_table else None
             seq.block_table.append(self._take_fresh_block(following))
 

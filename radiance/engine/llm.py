@@ -21,6 +21,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
 
 
 @dataclass
@@ -97,7 +98,7 @@ class LLM:
             for j in range(p.n):
                 request_id = f"llm-{self._counter}"
                 self._counter += 1
-                sub = p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                sub = p if p.n == 1 else replace(p, n=1, best_of=None, seed=None if p.seed is None else p.seed + j)
                 self.engine.add_request(request_id, ids, sub)
                 request_slots[request_id] = (i, j)
 
@@ -107,7 +108,8 @@ class LLM:
             for out in self.engine.step():
                 if out.finished and out.request_id in request_slots:
                     i, j = request_slots[out.request_id]
-                    results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason, out.logprobs)
+                    results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason, out.logprobs,
+                                                             out.cumulative_logprob)
                     results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
                     if out.prompt_logprobs is not None:
                         results[i].prompt_logprobs = out.prompt_logprobs

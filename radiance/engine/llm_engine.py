@@ -381,7 +381,8 @@ class LLMEngine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             finish_reason=seq.finish_reason, finished=seq.is_finished, num_cached_tokens=seq.num_cached_tokens,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob)
 
     def stats(self) -> EngineStats:
         return EngineStats(

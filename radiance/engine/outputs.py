@@ -23,6 +23,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
+    cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
 
 
 @dataclass

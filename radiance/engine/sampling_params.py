@@ -47,6 +47,8 @@ class SamplingParams:
     # vLLM's: EOS and the stop_token_ids are banned (their logits -inf) until the output has this many tokens,
     # and a stop string counts only where it ends after them
     min_tokens: int = 0
+    # vLLM v0's "n best of best_of samples"; v1 dropped it, and so does this engine: only unset or n is accepted
+    best_of: int | None = None
 
     def __post_init__(self):
         def check(cond, msg):
@@ -55,7 +57,7 @@ class SamplingParams:
 
         # types first: a float seed or a None stop string failed later, inside the engine's loop
         # (a bool is an Integral, but True for n or temperature is a mistake, and "no" for ignore_eos was true)
-        for name in ("n", "max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens"):
+        for name in ("n", "max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", "best_of"):
             value = getattr(self, name)
             optional = name not in ("n", "top_k", "min_tokens")
             check(isinstance(value, Integral) and not isinstance(value, bool) or optional and value is None,
@@ -81,6 +83,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
 
         check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        check(self.best_of is None or self.best_of == self.n,
+              f"best_of is not supported (got {self.best_of} with n {self.n}; vLLM v1 removed it too): leave it "
+              f"unset, or ask for n samples with logprobs and pick by cumulative_logprob")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,

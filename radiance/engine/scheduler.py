@@ -5,6 +5,12 @@ ones are admitted while the token budget (`max_num_batched_tokens`), `max_num_se
 allow. When a running sequence needs a block and none is free, the most recently arrived running
 sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed from its tokens (prompt + output so far) when it is admitted again.
+
+Against preemption churn (a sequence preempted, re-admitted with the blocks it just gave back, preempted
+again before it samples, its recompute lost each time): beside running sequences, a waiting sequence is
+admitted only when its blocks leave a watermark of free blocks (as vLLM's) for the running ones to grow
+into, and a preempted one only when the blocks of its whole recompute do. So a sequence preempted in a
+step is not re-admitted in it either: the blocks it freed, less those the grower took, are too few.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from radiance.engine.block_manager import BlockManager
 from radiance.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+WATERMARK_FRACTION = 0.01  # of the cache's blocks kept free when admitting beside running sequences (vLLM's)
 
 
 @dataclass
@@ -38,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.watermark_blocks = max(1, int(WATERMARK_FRACTION * block_manager.num_blocks))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -68,6 +77,17 @@ class Scheduler:
         if remaining <= budget or nothing_scheduled:
             return remaining
         return 0
+
+    def _can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether a waiting sequence may start with `num_new_tokens`. Alone it needs just their blocks.
+        Beside running sequences it leaves the watermark free too, and a preempted one waits until its
+        whole recompute fits: admitted with less, it would be the next victim as soon as they grow."""
+        bm = self.block_manager
+        if not self.running:
+            return bm.can_allocate(seq, num_new_tokens)
+        if seq.admitted:
+            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
+        return bm.new_blocks_needed(seq, num_new_tokens) + self.watermark_blocks <= bm.num_free_blocks
 
     def schedule(self) -> list[ScheduledSequence]:
         budget = self.config.max_num_batched_tokens
@@ -100,7 +120,7 @@ class Scheduler:
                 if not seq.admitted:
                     seq.num_cached_tokens = cached
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, not scheduled)
-            if n == 0 or not bm.can_allocate(seq, n):
+            if n == 0 or not self._can_admit(seq, n):
                 if not scheduled and not self.running and not bm.can_allocate(seq, n):
                     raise RuntimeError(f"request {seq.request_id} needs more KV blocks than the cache holds")
                 bm.free(seq)  # do not hoard matched prefix blocks while waiting

@@ -32,6 +32,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # block_manager.block_hash of each hashed block
         self.generator = generator
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # the sum of the sampled tokens' logprobs, as vLLM reports it: only when logprobs are requested
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         # SamplingParams.prompt_logprobs: one entry per prompt position scored so far (the first token has none)
         self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self.finish_reason: str | None = None
@@ -74,3 +76,4 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
+            self.cumulative_logprob += logprob.logprob
