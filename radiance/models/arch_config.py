@@ -229,15 +229,15 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     """sliding_window and the layers that use it, as transformers reads them: Llama has none; Qwen2, Qwen3 and
     their MoE variants only with `use_sliding_window` (off, transformers nulls sliding_window whatever
     layer_types says), on the layers `layer_types` calls "sliding_attention" or, without it, the ones
-    `max_window_layers` implies; gpt-oss on the sliding layers of its `layer_types`."""
+    `max_window_layers` implies; gpt-oss on the sliding layers of its `layer_types`, without them on the even
+    layers (window 128 unless given), as transformers' GptOssConfig derives them."""
     if architecture in _QWEN_SLIDING_LAYERS:
         if not config.get("use_sliding_window"):
             return {}
         window = config.get("sliding_window", 4096)  # transformers' default
     elif architecture == "GptOssForCausalLM":
-        window = config.get("sliding_window")
-        if config.get("layer_types") is None and not config.get("use_sliding_window"):
-            return {}  # published gpt-oss configs list layer_types; without them only use_sliding_window asks
+        # transformers' GptOssConfig: an absent window is 128, a null one none; use_sliding_window is not read
+        window = config.get("sliding_window", 128)
     else:
         return {}
     if not window:
@@ -251,11 +251,8 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
 
 def _layer_types(config: dict, architecture: str, num_layers: int) -> list[str]:
     types = config.get("layer_types")
-    if types is None and architecture == "GptOssForCausalLM":
-        raise ConfigError("config.json of a gpt-oss model turns a sliding window on without layer_types; "
-                          "radiance needs layer_types to know which layers use it")
     if types is None or architecture == "Qwen3MoeForCausalLM":  # transformers' Qwen3-MoE reads no layer_types
-        return [_QWEN_SLIDING_LAYERS[architecture](i, config) for i in range(num_layers)]
+        return [_DERIVED_LAYER_TYPES[architecture](i, config) for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
         count = len(types) if isinstance(types, list) else repr(types)
         raise ConfigError(f"config.json lists {count} layer_types for {num_layers} layers")
@@ -280,6 +277,10 @@ def _slides_on_even_layers_below(layer: int, config: dict) -> str:
     return "sliding_attention" if layer % 2 == 0 and layer < _max_window_layers(config) else "full_attention"
 
 
+def _slides_on_even_layers(layer: int, config: dict) -> str:
+    return "sliding_attention" if layer % 2 == 0 else "full_attention"
+
+
 # the layer type transformers gives layer i of a config.json with no layer_types (its <Model>Config):
 # Qwen2 / Qwen3 slide from max_window_layers on, Qwen2-MoE on the even layers below it, Qwen3-MoE everywhere
 _QWEN_SLIDING_LAYERS = {
@@ -288,6 +289,8 @@ _QWEN_SLIDING_LAYERS = {
     "Qwen2MoeForCausalLM": _slides_on_even_layers_below,
     "Qwen3MoeForCausalLM": lambda layer, config: "sliding_attention",
 }
+# gpt-oss alternates, starting with a sliding layer
+_DERIVED_LAYER_TYPES = {**_QWEN_SLIDING_LAYERS, "GptOssForCausalLM": _slides_on_even_layers}
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def test_inspect_says_which_gguf_tensors_stay_4bit(smol):
 
     quant = next(line for line in inspect_lines(smol) if line.startswith("quant"))
     assert "GGUF Q4_1 linears stay 4-bit" in quant and "GGUF F32/Q8_0 tensors are dequantized" in quant, quant
+    assert "none" not in quant and "16-bit" not in quant, quant  # a GGUF has no quantization_config: not "none"
 
 
 def test_a_truncated_4bit_tensor_names_file_and_tensor(smol):
@@ -98,6 +99,8 @@ def test_convert_embedded_keeps_tokenizer_and_template(smol, tmp_path):
     config = ConvertConfig(format="mxfp4", ignore=(r"layers\.([2-9]|[12]\d)\.",))
     report = convert_checkpoint(smol, str(tmp_path / "smol"), config, progress=False)
     assert len(report.entries) == 8 and report.kept["dense"] == 112
+    # the source named is the GGUF's int4 (it said "dense": the codes are dequantized before they convert)
+    assert {(e.source_format, e.target_format) for e in report.entries} == {("int4", "mxfp4")}
     assert 0.05 < report.worst.rel_rms < 0.2
     out = open_checkpoint(str(tmp_path / "smol"))
     assert out.warnings == [] and out.eos_token_ids == [2]

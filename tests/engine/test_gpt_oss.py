@@ -160,9 +160,13 @@ BASE = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_
 
 @pytest.mark.parametrize("extra, window, layers", [
     ({"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2}, 8, {0, 2}),
-    ({"sliding_window": 8, "use_sliding_window": False}, None, set()),  # Qwen2 / Qwen3 configs: off
+    # without layer_types the even layers slide, as transformers' GptOssConfig derives them (its window: 128
+    # when absent); use_sliding_window is not read
+    ({"sliding_window": 8, "use_sliding_window": False}, 8, {0, 2}),
+    ({"sliding_window": 8, "use_sliding_window": True}, 8, {0, 2}),
     ({"sliding_window": None, "layer_types": ["full_attention"] * 4}, None, set()),
-    ({}, None, set()),
+    ({"sliding_window": None}, None, set()),
+    ({}, 128, {0, 2}),
 ])
 def test_sliding_window_layers_come_from_layer_types(extra, window, layers):
     from radiance.models.registry import resolve_architecture
@@ -173,7 +177,6 @@ def test_sliding_window_layers_come_from_layer_types(extra, window, layers):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"sliding_window": 8, "use_sliding_window": True}, "layer_types"),
     ({"sliding_window": 8, "layer_types": ["sliding_attention"] * 3}, "3 layer_types for 4 layers"),
     ({"sliding_window": 8, "layer_types": ["chunked_attention"] * 4}, "chunked_attention"),
 ])
