@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from radiance import __version__
@@ -54,13 +55,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return rc
+    except BrokenPipeError:  # the reader went away (`radiance generate ... | head -1`): no traceback
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE: what a tool killed by the signal reports to the shell
     except (RadianceError, ValueError) as exc:  # config / sampling validation: the user's to fix
         logging.getLogger("radiance").debug("error details", exc_info=True)
         print(f"radiance {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null, so Python's flush at exit does not raise on the closed pipe again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file descriptor (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -338,39 +338,62 @@ def run_activation_error(layers=(0, 14, 29), prompt: str | None = None) -> list[
 
 def run_kernels_bench(args: argparse.Namespace) -> int:
     if args.activation_error and args.no_table and not (args.check or args.sweep or args.requant):
-        print("\n".join(run_activation_error()))
-        return 0
+        return _finish(run_activation_error(), args.out, printed=False, failures=0)
     if not torch.cuda.is_available():
         from radiance.errors import ConfigError
-        raise ConfigError("radiance bench kernels needs a CUDA GPU (the CPU runs only the reference path)")
+        raise ConfigError("radiance bench kernels needs a CUDA GPU (the CPU runs only the reference path); "
+                          "on a CPU, --activation-error --no-table measures the activation error alone")
     device = torch.device("cuda")
     lines = [f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}"]
     print(lines[0], flush=True)
-    sections = []
+    sections = []  # (section, whether it is a pass/fail check)
     if args.check:
-        sections += [lambda: run_convert_check(device), lambda: run_ptx_check(device), lambda: run_check(device, config=args.config)]
+        sections += [(lambda: run_convert_check(device), True), (lambda: run_ptx_check(device), True),
+                     (lambda: run_check(device, config=args.config), True)]
     if args.precision_probe:
-        sections.append(lambda: run_precision_probe(device))
+        sections.append((lambda: run_precision_probe(device), False))
     if args.sweep:
-        sections.append(lambda: run_sweep(args.shapes, args.m, device, args.decode_band))
+        sections.append((lambda: run_sweep(args.shapes, args.m, device, args.decode_band), False))
     if not args.no_table:
-        sections.append(lambda: bench_table(args.shapes, args.m, device, args.decode_band, not args.no_reference,
-                                                args.config))
+        sections.append((lambda: bench_table(args.shapes, args.m, device, args.decode_band, not args.no_reference,
+                                             args.config), False))
     if args.requant:
-        sections.append(lambda: run_requant(device))
+        sections.append((lambda: run_requant(device), False))
     if args.activation_error:
-        sections.append(run_activation_error)
-    for section in sections:
+        sections.append((run_activation_error, False))
+    failures = 0
+    for section, is_check in sections:
         try:
             out = section()
         except Exception:  # noqa: BLE001 - report and go on: one broken section must not hide the others
             out = ["section failed:\n" + traceback.format_exc()]
+            failures += 1
+        else:
+            failures += sum(map(reports_failure, out)) if is_check else 0
         lines += out
         print("\n".join(ln for ln in out if not ln.startswith(("sweep", "| "))), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
+    return _finish(lines, args.out, printed=True, failures=failures)
+
+
+def reports_failure(line: str) -> bool:
+    """A --check line that reports a failed check: a kernel past the error gate, prmt and arithmetic bytes
+    that differ, an fp8 wgmma missing from the PTX."""
+    return "FAIL" in line or ": False" in line or "wgmma ABSENT" in line
+
+
+def _finish(lines: list[str], out: str | None, printed: bool, failures: int) -> int:
+    """Prints what is not printed yet, writes --out, and gives the exit code: 1 when a check or a section failed
+    (scripts and CI read the code, not the table)."""
+    if failures:
+        lines = lines + [f"{failures} check(s) or section(s) failed"]
+    if not printed:
+        print("\n".join(lines), flush=True)
+    elif failures:
+        print(lines[-1], flush=True)
+    if out:
+        with open(out, "w") as f:
             f.write("\n".join(lines) + "\n")
-    return 0
+    return 1 if failures else 0
 
 
 def main(argv=None) -> int:

@@ -26,8 +26,10 @@ def open_model_source(model: str | None, device: str | None, dtype: str | None):
     return SyntheticCheckpoint(model, device=dev, dtype=resolve_dtype(dtype, dev))
 
 
-def load_eval_model(model: str | None, variant: Variant, device: str | None, dtype: str | None):
-    """(model with forward_logits, tokenizer) for one variant; the signature quality.run_eval expects."""
+def load_eval_model(model: str | None, variant: Variant, device: str | None, dtype: str | None,
+                    progress: bool = True):
+    """(model with forward_logits, tokenizer) for one variant; the signature quality.run_eval expects. The bar
+    shows the load: quantizing at load takes minutes on a CPU (the embedded model's 120 linears to MXFP4)."""
     from radiance.engine.loader import load_model, resolve_device
 
     resolve_device(device)  # a bad --device: one line before the model loads (not a torch traceback)
@@ -36,7 +38,7 @@ def load_eval_model(model: str | None, variant: Variant, device: str | None, dty
     model_config = ModelConfig(model=model, quantization=variant.quantization, rule=variant.rule,
                                quantize_lm_head=variant.lm_head is not None,
                                lm_head_format=variant.lm_head or "mxfp4", device=device, dtype=dtype)
-    loaded = load_model(model_config, KernelConfig(activations=variant.activations), progress=False)
+    loaded = load_model(model_config, KernelConfig(activations=variant.activations), progress=progress)
     if variant.kv_cache == "fp8":  # eval runs without a cache: attention reads K/V rounded as one would store them
         for attn in loaded.model.attention_layers():
             attn.kv_storage_dtype = torch.float8_e4m3fn

@@ -22,10 +22,12 @@ def run_later(module: str, function: str):
 
 def parse_shape(text: str) -> tuple[int, int]:
     try:
-        n, k = text.lower().split("x")
-        return int(n), int(k)
+        n, k = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected N x K such as 4096x14336, got {text!r}") from None
+    if n < 1 or k < 32 or k % 32:  # MXFP4 scales blocks of 32 along K
+        raise argparse.ArgumentTypeError(f"expected N >= 1 and K a positive multiple of 32, got {text!r}")
+    return n, k
 
 
 def positive_int(text: str) -> int:
@@ -49,7 +51,7 @@ def _gemm_config(text: str):
 def add_kernels_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=list(KERNEL_SHAPES),
                    help="N x K list (default: the issue's 7)")
-    p.add_argument("--m", type=int, nargs="+", default=list(KERNEL_M), help=f"token counts M (default: {' '.join(map(str, KERNEL_M))})")
+    p.add_argument("--m", type=positive_int, nargs="+", default=list(KERNEL_M), help=f"token counts M (default: {' '.join(map(str, KERNEL_M))})")
     p.add_argument("--check", action="store_true", help="kernel vs exact reference, prmt vs arithmetic, PTX wgmma")
     p.add_argument("--sweep", action="store_true", help="time tile candidates and print tuning-table entries")
     p.add_argument("--requant", action="store_true", help="time NVFP4 -> MXFP4 for an 8B Llama set of linears")

@@ -142,6 +142,8 @@ def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len:
 def read_text(path: str) -> str:
     """The text file's content; a missing, empty or non-UTF-8 file is one error line, found before any model loads."""
     file = Path(path)
+    if file.is_dir():  # "not found" would send the user looking for a file that is there
+        raise ConfigError(f"text file {path} is a directory, expected a UTF-8 text file")
     if not file.is_file():
         raise ConfigError(f"text file not found: {path}")
     try:
@@ -153,15 +155,22 @@ def read_text(path: str) -> str:
     return text
 
 
+# tokens at the end of a cut-off prefix that can differ from the whole text's (the cut splits a word)
+_CUT_TOKENS = 8
+
+
 def tokenize_text(tokenizer, text: str, tokens_needed: int) -> list[int]:
-    """Token ids of the text; only a prefix long enough for `tokens_needed` is tokenized."""
+    """Token ids of the text; only a prefix long enough for `tokens_needed` is tokenized. The prefix's last
+    tokens are never among those needed: where the prefix ends inside a word they are not the text's tokens."""
     if tokenizer is None:
         raise ConfigError("this model has no tokenizer (synthetic models cannot be evaluated on text)")
     take = tokens_needed * 8  # chars per token is below 8 for any natural text and BPE vocabulary
     while True:
         ids = tokenizer(text[:take], add_special_tokens=False)["input_ids"]
-        if len(ids) >= tokens_needed or take >= len(text):
+        if take >= len(text):
             return ids
+        if len(ids) >= tokens_needed + _CUT_TOKENS:
+            return ids[:len(ids) - _CUT_TOKENS]
         take *= 2
 
 

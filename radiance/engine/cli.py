@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
 
 from radiance.config import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text for one prompt (offline, no server)",
                                    description="Generate text for one prompt with the model's chat template "
                                                "(the embedded SmolLM2 when --model is not given).")
-    parser.add_argument("prompt", help="the user message (or raw text with --no-chat)")
+    parser.add_argument("prompt", help="the user message (or raw text with --no-chat); - reads it from stdin")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     parser.add_argument("--min-tokens", type=int, default=0,
                         help="tokens to generate before end-of-sequence may stop the output (default: 0)")
@@ -62,15 +66,30 @@ def run(args) -> int:
                             repetition_penalty=args.repetition_penalty,
                             frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                             structured_output=structured_output_from_args(args))
+    if args.system is not None and not args.chat:
+        raise ValueError("--system goes into the chat template, which --no-chat turns off")
+    prompt_text = read_prompt(args.prompt)  # after the options' checks: a bad one must not wait for stdin
     llm = LLM.from_engine_config(config)
     if args.chat and (llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None)):
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": args.prompt})
+        messages.append({"role": "user", "content": prompt_text})
         prompt = llm.tokenizer(llm.apply_chat_template(messages), add_special_tokens=False).input_ids
     else:
-        prompt = args.prompt
+        if args.system is not None:
+            logger.warning("the model has no chat template: --system is left out, the prompt goes in as raw text")
+        prompt = prompt_text
     _stream(llm, prompt, params)
     return 0
+
+
+def read_prompt(prompt: str) -> str:
+    """The prompt argument, or stdin's text for "-" (a long or multi-line prompt from a file or a pipe)."""
+    if prompt != "-":
+        return prompt
+    text = sys.stdin.read()
+    if not text.strip():
+        raise ValueError("the prompt is -, but stdin holds no text")
+    return text.rstrip("\n")  # the newline `echo` and editors end a file with is not part of the message
 
 
 def structured_output_from_args(args):
@@ -78,15 +97,23 @@ def structured_output_from_args(args):
     from radiance.engine.structured_output import StructuredOutput
 
     if args.json_schema is not None:
-        text = args.json_schema
-        if not text.lstrip().startswith("{"):
-            text = _read(text, "--json-schema")
-        return StructuredOutput(json=text)
+        return StructuredOutput(json=_json_schema_text(args.json_schema))
     if args.grammar is not None:
         return StructuredOutput(grammar=_read(args.grammar, "--grammar"))
     if args.json_object or args.regex is not None or args.choice is not None:
         return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice)
     return None
+
+
+def _json_schema_text(value: str) -> str:
+    """The schema as JSON text (given inline or as a file), parsed here: a typo is one line before the model
+    loads, not after it (the engine compiles the constraint only when the request is added)."""
+    text = value if value.lstrip().startswith("{") else _read(value, "--json-schema")
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--json-schema is not valid JSON: {exc}") from None
+    return text
 
 
 def _read(path: str, option: str) -> str:
