@@ -175,7 +175,9 @@ class ResponsesRequest(_Model):
         return [FunctionTool.model_validate(t) for t in self.tools or ()]
 
     def wants_logprobs(self) -> bool:
-        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+        """Logprobs come back only with include ["message.output_text.logprobs"], as OpenAI's and vLLM's:
+        top_logprobs alone sets how many alternatives they would carry, and the output's logprobs stay []."""
+        return LOGPROBS_INCLUDE in (self.include or ())
 
     def to_chat(self, history: list[dict], dropped_units: int = 0) -> ChatCompletionRequest:
         """The chat request that serves this one: instructions, then `history` (the conversation of

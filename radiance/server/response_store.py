@@ -16,6 +16,12 @@ class StoredResponse:
     # the items that made its context, as input_items lists them: those of previous_response_id's context
     # and its output, then this request's input (each with an id)
     input_items: list[dict] = field(default_factory=list)
+    # set when DELETE removed it: a stream still running (it stored an in-progress body) must not put it back
+    deleted: bool = False
+
+    @property
+    def in_progress(self) -> bool:
+        return self.body.get("status") == "in_progress"
 
     def input_items_page(self, order: str, after: str | None, limit: int) -> dict | None:
         """One page of input_items (OpenAI's list object), `after` the item with that id in `order`; None
@@ -52,4 +58,8 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._items.pop(response_id, None) is not None
+            stored = self._items.pop(response_id, None)
+        if stored is None:
+            return False
+        stored.deleted = True
+        return True

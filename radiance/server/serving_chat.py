@@ -38,8 +38,10 @@ class ChoiceStream:
     """Turns one choice's cumulative engine outputs into deltas: content, reasoning, tool calls."""
 
     def __init__(self, state: ServerState, index: int, tools: list[dict] | None, opens_thinking: bool,
-                 forced_prefix: str = ""):
+                 forced_prefix: str = "", named_tool: bool = False):
         self.index = index
+        # tool_choice named one function: OpenAI (and vLLM) finish such a call with "stop", not "tool_calls"
+        self.named_tool = named_tool
         self.tokenizer = state.tokenizer
         # a forced harmony call's header is the harmony reasoning parser's to read (it hands calls on)
         harmony_forced = bool(forced_prefix) and state.reasoning_parser_name == "harmony"
@@ -131,7 +133,7 @@ class ChoiceStream:
 
     def finish_reason(self) -> str | None:
         reason = self.output.finish_reason if self.output is not None else None
-        return "tool_calls" if reason == "stop" and self.num_tool_calls else reason
+        return "tool_calls" if reason == "stop" and self.num_tool_calls and not self.named_tool else reason
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict]:
@@ -264,7 +266,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                     "messages")
-    choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix) for i in range(req.n)]
+    named_tool = bool(forced_prefix) and isinstance(req.tool_choice, NamedToolChoice)
+    choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix, named_tool) for i in range(req.n)]
     jobs = [EngineJob(f"{request_id}-{i}", prompt_ids,
                       sampling_params(req, max_tokens, i, constraint, keep_special_tokens=choice.needs_special_tokens))
             for i, choice in enumerate(choices)]

@@ -172,6 +172,8 @@ class ResponseRun:
         self.prompt_len = 0
         self.previous: StoredResponse | None = None  # the stored response previous_response_id names
         self.history: list[dict] = []
+        self.stored: StoredResponse | None = None  # what this run last put in the store (None: nothing yet)
+        self.finalized = False  # its final body (completed, incomplete or failed) is made
 
     async def prepare(self):
         """The engine job, or a 400 naming the field at fault."""
@@ -187,6 +189,9 @@ class ResponseRun:
                 raise invalid(f"no stored response has id {req.previous_response_id!r} (this server keeps the last "
                               f"{self.state.responses.capacity} in memory)", param="previous_response_id",
                               code="previous_response_not_found")
+            if self.previous.in_progress:  # its answer is not there yet to continue from
+                raise invalid(f"previous response {req.previous_response_id!r} is still in progress: wait for it "
+                              "to complete", param="previous_response_id")
             self.history = self.previous.conversation
         prepared = await (self._prepare_truncated() if req.truncation == "auto" else self._prepare_chat())
         self.choice = prepared.choices[0]
@@ -281,9 +286,16 @@ class ResponseRun:
         return self.req.store and self.state.responses.capacity > 0
 
     def store(self, body: dict) -> None:
-        if self._stores():  # instructions do not carry over to a follow-up (OpenAI's rule)
-            conversation = self.history + input_messages(self.req.input) + [_answer_message(self.items)]
-            self.state.responses.put(self.id, StoredResponse(body, conversation, self._input_items()))
+        """Stores `body` (store true): an in-progress one while a stream runs (GET reads it as OpenAI's does), then
+        the final one in its place; a response DELETE removed meanwhile stays deleted."""
+        if body["status"] != "in_progress":
+            self.finalized = True
+        if not self._stores() or (self.stored is not None and self.stored.deleted):
+            return
+        # instructions do not carry over to a follow-up (OpenAI's rule)
+        conversation = self.history + input_messages(self.req.input) + [_answer_message(self.items)]
+        self.stored = StoredResponse(body, conversation, self._input_items())
+        self.state.responses.put(self.id, self.stored)
 
     def _input_items(self) -> list[dict]:
         """What input_items lists: the context previous_response_id brought (its input items and output), then
@@ -331,14 +343,21 @@ def _stream(run: ResponseRun, outputs: AsyncIterator) -> AsyncIterator[str]:
         return "".join(event(body) for body in run.fail(exc))
 
     async def events() -> AsyncIterator[str]:
-        yield event({"type": "response.created", "response": run.body("in_progress")})
-        yield event({"type": "response.in_progress", "response": run.body("in_progress")})
-        async for _index, out in outputs:
-            for body in run.step(out):
-                yield event(body)
-        final = run.body("completed")
-        run.store(final)
-        yield event({"type": f"response.{final['status']}", "response": final})
+        created = run.body("in_progress")
+        run.store(created)  # GET /v1/responses/{id} answers it, in_progress, while the stream runs
+        try:
+            yield event({"type": "response.created", "response": created})
+            yield event({"type": "response.in_progress", "response": run.body("in_progress")})
+            async for _index, out in outputs:
+                for body in run.step(out):
+                    yield event(body)
+            final = run.body("completed")
+            run.store(final)
+            yield event({"type": f"response.{final['status']}", "response": final})
+        finally:
+            if not run.finalized:  # closed before its end with no failure reported (run.fail would replace this)
+                run.store(run.body("failed", error={"code": "server_error",
+                                                    "message": "the stream ended before the response completed"}))
 
     return guarded_sse(events(), outputs, f"responses stream {run.id}", error_event=failed_events, done=False)
 
@@ -368,6 +387,8 @@ def stored_input_items(state: ServerState, response_id: str, order: str, after: 
 
 def _stored(state: ServerState, response_id: str) -> StoredResponse:
     stored = state.responses.get(response_id)
-    if stored is None:
-        raise OpenAIError(404, f"no stored response has id {response_id!r}", param="response_id", code="not_found")
+    if stored is None:  # OpenAI's (and vLLM's) 404 for a response it does not have: an invalid_request_error
+        raise OpenAIError(404, f"Response with id {response_id!r} not found (this server keeps the last "
+                          f"{state.responses.capacity} stored in memory).", param="response_id",
+                          code="not_found", type="invalid_request_error")
     return stored
