@@ -528,11 +528,12 @@ class GgufCheckpoint(Checkpoint):
         """The declared end ids, and where none of them ends a chat turn, the end tokens found by their text
         (a warning says which)."""
         declared = self._declared_end_ids()
+        if self._ends_a_turn(declared):  # the usual file: no scan of the vocabulary at open
+            return declared
         guessed = [i for i in self._end_ids_by_text() if i not in declared]
-        if guessed and not self._ends_a_turn(declared):
+        if guessed:
             self.warnings.append(_guessed_end_warning(guessed, self._field("tokenizer.ggml.tokens")))
-            declared += guessed
-        return declared
+        return declared + guessed
 
     def _declared_end_ids(self) -> list[int]:
         # llama.cpp ends generation at any of them: eom is Llama 3.1's <|eom_id|> (after a built-in tool call)
