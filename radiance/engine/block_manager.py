@@ -50,26 +50,31 @@ class BlockManager:
 
     # ---------------------------------------------------------------- prefix cache
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """On admission of a sequence without blocks: take the cached blocks of its longest cached prefix.
-        At least one token is left to compute (its logits start generation). Returns tokens reused."""
-        assert not seq.block_table
+    def cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(block, hash) of the longest cached prefix of a sequence without blocks, looked up without taking
+        anything. At least one token is left to compute (its logits start generation)."""
         if not self.enable_prefix_caching:
-            return 0
-        parent = None
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        for i in range(max_blocks):
+            return []
+        found, parent = [], None
+        for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = block_hash(parent, tokens)
-            block = self.block_of_hash.get(h)
+            parent = block_hash(parent, tokens)
+            block = self.block_of_hash.get(parent)
             if block is None or self.tokens_of_block[block] != tokens:
                 break
+            found.append((block, parent))
+        return found
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """On admission of a sequence without blocks: take the cached blocks of its longest cached prefix.
+        Returns tokens reused."""
+        assert not seq.block_table
+        for block, h in self.cached_prefix(seq):
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
             seq.block_hashes.append(h)
-            parent = h
         seq.num_hashed_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens

@@ -303,21 +303,22 @@ class LLMEngine:
         if (len(scheduled) == 1 and self._speculates(lone) and not lone.draft_backoff
                 and may_find_drafts(lone.token_ids, self.config.speculative.ngram_min)):
             return None  # the next step may speculate, which needs this step's token to look up drafts
-        if self.scheduler.waiting and len(self.scheduler.running) < self.config.scheduler.max_num_seqs:
-            return None  # the next schedule admits a waiting request
-        keep = []
+        keep, leaving = [], []
         for i, s in enumerate(handle.sampled):
             seq, p = s.seq, s.seq.params
             if seq.generator is not None or p.logprobs is not None:
                 return None  # a seeded draw or logprobs must not be spent on a step that may be dropped
             out_after = seq.num_output_tokens + 1
             if (p.max_tokens is not None and out_after >= p.max_tokens) or seq.num_tokens + 1 >= self.max_model_len:
-                continue  # finishes with this step's token
+                leaving.append(seq)  # finishes with this step's token
+                continue
             if not self.block_manager.can_allocate(seq, 1):
                 return None  # the scheduler will preempt
             self.block_manager.allocate(seq, 1)
             keep.append(i)
-        if not keep:
+        # asked once the step's blocks are taken, as the next schedule takes them before admitting: a request
+        # waiting for blocks it cannot get yet does not cost every step its overlap
+        if not keep or self.scheduler.admits_next(leaving):
             return None
         prev = handle.select(keep)
         step = self.runner.launch([ScheduledSequence(s.seq, 1) for s in prev.sampled], next_tokens=prev.token_ids)
@@ -346,7 +347,8 @@ class LLMEngine:
         # as in vLLM, nothing stops the output before min_tokens (EOS and stop tokens are banned until then), and
         # a stop string counts only where it ends in the text of a later token
         past_min = seq.num_output_tokens > p.min_tokens
-        if self._shows_text(token_id, p):
+        stops = self._stops(seq, token_id)
+        if p.include_stop_str_in_output or not stops:
             hit_stop_string = self.detokenizers[seq.request_id].add_token(token_id, check_stop=past_min)
         detokenizer = self.detokenizers[seq.request_id]
         grammar_done = False
@@ -357,8 +359,7 @@ class LLMEngine:
                                token_id)
             grammar_done = not accepted or seq.grammar.finished
         reason = None
-        ends = (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids
-        if (ends and seq.num_output_tokens >= p.min_tokens) or hit_stop_string or grammar_done:
+        if stops or hit_stop_string or grammar_done:
             reason = "stop"
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             reason = "length"
@@ -367,13 +368,14 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
 
-    def _shows_text(self, token_id: int, p: SamplingParams) -> bool:
-        """Whether a token's text joins the output. A stop token's does not (as in vLLM: its id ends
-        token_ids, its text is not in text) unless include_stop_str_in_output, and an EOS token's does where
-        special tokens are kept: the server's harmony parser reads gpt-oss's <|call|> / <|return|> there."""
-        if token_id in self.eos_token_ids:
-            return not p.skip_special_tokens
-        return p.include_stop_str_in_output or token_id not in p.stop_token_ids
+    def _stops(self, seq: Sequence, token_id: int) -> bool:
+        """Whether the token just appended ends the output: EOS (unless ignore_eos) or a stop_token_ids one,
+        once min_tokens are out. As in vLLM, its id ends token_ids but its text joins text only with
+        include_stop_str_in_output, even where special tokens are kept (the server asks for it where its
+        harmony parser reads gpt-oss's <|call|> / <|return|>)."""
+        p = seq.params
+        ends = (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids
+        return ends and seq.num_output_tokens >= p.min_tokens
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:

@@ -79,15 +79,49 @@ class Scheduler:
         return 0
 
     def _can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether a waiting sequence may start with `num_new_tokens`. Alone it needs just their blocks.
-        Beside running sequences it leaves the watermark free too, and a preempted one waits until its
-        whole recompute fits: admitted with less, it would be the next victim as soon as they grow."""
+        return self._fits(seq, len(seq.block_table), seq.num_computed_tokens, num_new_tokens,
+                          self.block_manager.num_free_blocks, beside_running=bool(self.running))
+
+    def _fits(self, seq: Sequence, num_held: int, num_computed: int, num_new_tokens: int, num_free: int,
+              beside_running: bool) -> bool:
+        """Whether a waiting sequence holding `num_held` blocks (`num_computed` tokens) may start with
+        `num_new_tokens` while `num_free` blocks are free. Alone it needs just their blocks. Beside running
+        sequences it leaves the watermark free too, and a preempted one waits until its whole recompute
+        fits: admitted with less, it would be the next victim as soon as they grow."""
+        if beside_running and seq.admitted:
+            num_new_tokens = seq.num_tokens - num_computed
+        needed = self.block_manager.blocks_needed(num_computed + num_new_tokens) - num_held
+        return needed + (self.watermark_blocks if beside_running else 0) <= num_free
+
+    def admits_next(self, leaving: list[Sequence] | tuple[Sequence, ...] = ()) -> bool:
+        """Whether the next schedule() admits the head of the queue, when every running sequence but those
+        `leaving` (finished by then) decodes one token in it, into blocks it already holds: the engine asks
+        before queuing a decode step ahead, which such an admission would discard. Same rule as schedule(),
+        without its side effects (the cached prefix blocks it would take are only looked up). A sequence
+        that stops on a token in between is not foreseen: then a step queued ahead may be discarded."""
+        staying = len(self.running) - len(leaving)
+        budget = self.config.max_num_batched_tokens - staying
+        if not self.waiting or staying >= self.config.max_num_seqs or budget <= 0:
+            return False
         bm = self.block_manager
-        if not self.running:
-            return bm.can_allocate(seq, num_new_tokens)
-        if seq.admitted:
-            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
-        return bm.new_blocks_needed(seq, num_new_tokens) + self.watermark_blocks <= bm.num_free_blocks
+        freed = self._refs_after(leaving)
+        num_free = bm.num_free_blocks + sum(1 for b, refs in freed.items() if refs == 0)
+        seq = self.waiting[0]
+        num_held, num_computed = len(seq.block_table), seq.num_computed_tokens
+        if not seq.block_table and seq.params.prompt_logprobs is None:  # as schedule() matches it
+            prefix = [block for block, _ in bm.cached_prefix(seq)]
+            num_held, num_computed = len(prefix), len(prefix) * bm.block_size
+            num_free -= sum(1 for b in prefix if freed.get(b, bm.ref_counts[b]) == 0)  # taken off the free list
+        n = self._chunk(seq.num_tokens - num_computed, budget, nothing_scheduled=staying == 0)
+        return n > 0 and self._fits(seq, num_held, num_computed, n, num_free, beside_running=staying > 0)
+
+    def _refs_after(self, leaving) -> dict[int, int]:
+        """Each block the `leaving` sequences hold: its reference count once they have freed it."""
+        refs: dict[int, int] = {}
+        for seq in leaving:
+            for block in seq.block_table:
+                refs[block] = refs.get(block, self.block_manager.ref_counts[block]) - 1
+        return refs
 
     def schedule(self) -> list[ScheduledSequence]:
         budget = self.config.max_num_batched_tokens

@@ -99,14 +99,16 @@ def test_stop_strings_across_tokens_are_cut_before_or_after_as_asked(tiny_text_l
     assert llm.generate([prompt], with_token)[0].outputs[0].text == texts[k]
 
 
-def test_the_eos_text_stays_where_special_tokens_are_kept(tiny_text_llm):
-    """An EOS stop keeps its text when special tokens are kept: the server's harmony parser reads gpt-oss's
-    <|call|> / <|return|> there; with special tokens skipped it is gone."""
+def test_the_eos_text_joins_the_text_only_with_include_stop_str_in_output(tiny_text_llm):
+    """An EOS stop ends token_ids; as in vLLM its text is in text only with include_stop_str_in_output (and
+    special tokens kept): skip_special_tokens=False alone no longer adds it (the server asks for both where
+    its harmony parser reads gpt-oss's <|call|> / <|return|>)."""
     llm = tiny_text_llm(max_num_seqs=4)
     eos = llm.tokenizer.eos_token_id
     prompt = llm.tokenizer("The quick brown").input_ids
-    for skip, text in ((False, "<eos>"), (True, "")):
-        params = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={eos: 100.0}, skip_special_tokens=skip)
+    for skip, include, text in ((False, False, ""), (False, True, "<eos>"), (True, False, ""), (True, True, "")):
+        params = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={eos: 100.0}, skip_special_tokens=skip,
+                                include_stop_str_in_output=include)
         out = llm.generate([prompt], params)[0].outputs[0]
         assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == text
 
