@@ -38,6 +38,30 @@ class StructuredOutputError(ValueError):
     """A constraint that cannot be served (it does not compile, or the model has no tokenizer): a 400."""
 
 
+# gpt-oss's markers other than <|end|>: an analysis message leaves only by <|end|>, so the grammar and the
+# harmony parser agree on where the final message starts
+_HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>", "<|return|>",
+                    "<|endoftext|>"]
+_HARMONY_ANALYSIS = {"type": "sequence", "elements": [
+    {"type": "tag", "begin": "<|channel|>analysis<|message|>",
+     "content": {"type": "any_text", "excludes": _HARMONY_MARKERS}, "end": "<|end|>"},
+    {"type": "const_string", "value": "<|start|>assistant"}]}
+# Structural-tag formats of the text before a constrained answer, by reasoning format (xgrammar's built-in model
+# tags hold reasoning the same way: free text up to the block's end):
+#   think: the rest of a <think> block the prompt opened, its end, and the whitespace Qwen3 writes after it;
+#   harmony: any analysis messages, then the final channel's header (the prompt ends with <|start|>assistant)
+REASONING_BEFORE = {
+    "think": {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"},
+        {"type": "regex", "pattern": r"\s{0,2}"}]},
+    "harmony": {"type": "sequence", "elements": [
+        {"type": "star", "content": _HARMONY_ANALYSIS},
+        {"type": "or", "elements": [{"type": "const_string", "value": header} for header in
+                                    ("<|channel|>final<|message|>", "<|channel|>final <|constrain|>json<|message|>")]},
+    ]},
+}
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one constraint (vLLM's `structured_outputs` shape). JSON is generated compactly (one
@@ -48,8 +72,13 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # one of these strings, exactly
     grammar: str | None = None           # EBNF (GBNF dialect), with a `root` rule
+    # set by the server, never by a request: the reasoning (REASONING_BEFORE) that runs free before the text held
+    # to the constraint, so the constraint holds the answer, not the model's thinking
+    after_reasoning: str | None = None
 
     def __post_init__(self):
+        if self.after_reasoning is not None and self.after_reasoning not in REASONING_BEFORE:
+            raise StructuredOutputError(f"unknown reasoning format {self.after_reasoning!r}")
         if isinstance(self.json, dict):
             try:
                 object.__setattr__(self, "json", json.dumps(self.json))
@@ -198,6 +227,8 @@ class GrammarBackend:
     def _compile(self, spec: StructuredOutput) -> Any:
         c = self.compiler
         try:
+            if spec.after_reasoning is not None:
+                return c.compile_grammar(after_reasoning(_grammar(spec), spec.after_reasoning))
             if spec.json is not None:
                 return c.compile_json_schema(spec.json, any_whitespace=False)
             if spec.json_object:
@@ -205,7 +236,7 @@ class GrammarBackend:
             if spec.regex is not None:
                 return c.compile_regex(spec.regex)
             if spec.choice is not None:
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in spec.choice))
+                return c.compile_grammar(_choice_ebnf(spec.choice))
             return c.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise StructuredOutputError(f"invalid {spec.kind} constraint: {_reason(exc)}") from exc
@@ -220,6 +251,30 @@ class GrammarBackend:
 
     def matcher(self, spec: StructuredOutput) -> "GrammarState":
         return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self)
+
+
+def _choice_ebnf(choice: tuple[str, ...]) -> str:
+    return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choice)
+
+
+def _grammar(spec: StructuredOutput) -> str:
+    """The constraint alone as EBNF (what _compile compiles directly), to be placed after the reasoning."""
+    import xgrammar as xgr
+
+    if spec.json is not None or spec.json_object:
+        return str(xgr.Grammar.from_json_schema(spec.json or '{"type": "object"}', any_whitespace=False))
+    if spec.regex is not None:
+        return str(xgr.Grammar.from_regex(spec.regex))
+    return _choice_ebnf(spec.choice) if spec.choice is not None else spec.grammar
+
+
+def after_reasoning(grammar: str, reasoning: str) -> str:
+    """EBNF of the model's reasoning in format `reasoning` (REASONING_BEFORE), free, then text held to `grammar`."""
+    import xgrammar as xgr
+
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        REASONING_BEFORE[reasoning], {"type": "grammar", "grammar": grammar}]}}
+    return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
 
 
 class GrammarState:

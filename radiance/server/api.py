@@ -48,7 +48,7 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        served = ServedRequest(self._request_id(scope))
+        served = self._served_request(scope)
         token = current_request.set(served)
         try:
             await self._answer(scope, receive, self._sending_request_id(send, served.request_id))
@@ -64,11 +64,11 @@ class ApiKeyMiddleware:
         await self._serve(scope, receive, send)
 
     @staticmethod
-    def _request_id(scope) -> str:
+    def _served_request(scope) -> ServedRequest:
         for name, value in scope.get("headers") or ():
             if name == b"x-request-id" and value:
-                return value.decode("latin-1")
-        return uuid.uuid4().hex
+                return ServedRequest(value.decode("latin-1"), from_client=True)
+        return ServedRequest(uuid.uuid4().hex)
 
     @staticmethod
     def _sending_request_id(send, request_id: str):

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # OpenAI's type for an unknown model, URL or object (never "not_found_error")
     405: "invalid_request_error",
     413: "invalid_request_error",
     499: "client_closed_request",
@@ -50,6 +50,12 @@ class OpenAIError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param, code=code)
+
+
+def unknown_url(method: str, path: str) -> OpenAIError:
+    """OpenAI's 404 for a route it does not have."""
+    return OpenAIError(404, f"Unknown request URL: {method} {path}. Please check the URL for typos.",
+                       code="unknown_url")
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -138,9 +144,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
-        message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
-            message = f"not found: {_request.url.path}"
+            return error_response(unknown_url(_request.method, _request.url.path))
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
         return error_response(OpenAIError(exc.status_code, message))
 
     @app.exception_handler(RadianceError)

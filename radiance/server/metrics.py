@@ -19,6 +19,10 @@ PREFIX = "radiance_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# vLLM v1's finish reasons (FINISH_REASON_STRINGS) that a request here can end with
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+ABORT, ERROR = "abort", "error"
+
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -30,6 +34,7 @@ class ServedRequest:
     request_errors counts as it counts an error answer."""
 
     request_id: str
+    from_client: bool = False  # the id is the client's own X-Request-Id (response body ids derive from it)
     stream_error_status: int | None = None
 
 
@@ -82,11 +87,14 @@ class ServerMetrics:
             PREFIX + "time_per_output_token_seconds", "Mean time between output tokens of a request, after the first.",
             registry=self.registry, buckets=_TOKEN_BUCKETS)
         self.e2e_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last output token.",
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from request arrival to its end (last output token, abort or error).",
             registry=self.registry, buckets=_LATENCY_BUCKETS)
         self.request_success = Counter(
-            PREFIX + "request_success", "Finished engine requests by finish reason.", ["finished_reason"],
-            registry=self.registry)
+            PREFIX + "request_success", "Ended engine requests by finish reason (abort: client gone or server "
+            "stopping; error: the engine failed).", ["finished_reason"], registry=self.registry)
+        for reason in FINISHED_REASONS:  # every label shows from the start (0), as vLLM's do
+            self.request_success.labels(finished_reason=reason)
         self.http_errors = Counter(
             PREFIX + "request_errors", "Requests answered with an error, by HTTP status.", ["status"],
             registry=self.registry)
@@ -96,13 +104,15 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Latency bookkeeping of one engine request (one choice)."""
+    """Latency bookkeeping of one engine request (one choice), which ends in the metrics exactly once: finished
+    by the engine, aborted, failed, or (refused before it started) not at all."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float | None = None):
         self.metrics = metrics
         self.arrival = arrival if arrival is not None else time.monotonic()
         self.first_token: float | None = None
         self.num_tokens = 0
+        self.ended = False
 
     def tokens(self, total: int) -> None:
         if total > 0 and self.first_token is None:
@@ -110,7 +120,15 @@ class RequestTimer:
             self.metrics.time_to_first_token.observe(self.first_token - self.arrival)
         self.num_tokens = total
 
+    def discard(self) -> None:
+        """The engine refused the request up front (a 400): it never ran, so it ends in no metric."""
+        self.ended = True
+
     def finished(self, reason: str | None) -> None:
+        """Records the end (a later call is ignored); e2e and TPOT cover aborted and failed requests too."""
+        if self.ended:
+            return
+        self.ended = True
         end = time.monotonic()
         self.metrics.e2e_latency.observe(end - self.arrival)
         if self.first_token is not None and self.num_tokens > 1:

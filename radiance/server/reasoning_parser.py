@@ -7,10 +7,13 @@ generation cut off while thinking has no answer yet).
 
 `harmony` (gpt-oss): the output is a series of messages, `<|start|>assistant<|channel|>NAME<|message|>
 BODY<|end|>` (the first without `<|start|>assistant`, which ends the prompt); `analysis` bodies are
-reasoning, every other channel's bodies content, except a message addressed to a developer function
-(`to=functions.NAME` in its header, ending `<|call|>`): that one comes out whole as a FunctionMessage, for
-the harmony tool-call parser to make a call of. Its markers are special tokens, so a request it serves must
-keep special tokens in the text (`needs_special_tokens`).
+reasoning, every other channel's bodies content, except a message addressed to a recipient (`to=...` in its
+header). One to a developer function (`to=functions.NAME`, ending `<|call|>`) comes out whole as a
+FunctionMessage, for the harmony tool-call parser to make a call of; one to any other recipient (gpt-oss's
+built-in tools: `to=browser.search`, `to=python`, ...) is reasoning, as vLLM's harmony output reads built-in
+tool calls: this server runs no built-in tool, so such a message is neither a call nor answer text. Bodies
+that land in one field are joined with MESSAGE_SEPARATOR. Its markers are special tokens, so a request it
+serves must keep special tokens in the text (`needs_special_tokens`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class FunctionMessage:
     name: str
     arguments: str
     complete: bool = True  # False: the output ended inside the body (no <|call|>)
+    at: int = 0  # where it came among the content of its ReasoningDelta (that content[:at] came before it)
+    # whether a message of the content came before it: the parser then sets the next one apart (if its body
+    # turns out to be text, ChoiceStream sets that apart itself)
+    content_before: bool = False
 
 
 @dataclass
@@ -39,6 +46,14 @@ class ReasoningDelta:
     reasoning: str = ""
     content: str = ""
     function_messages: list[FunctionMessage] = field(default_factory=list)  # harmony only
+
+    def extend(self, later: "ReasoningDelta") -> None:
+        """Appends what a later delta parsed, its function messages kept in their place among the content."""
+        for message in later.function_messages:
+            message.at += len(self.content)
+        self.reasoning += later.reasoning
+        self.content += later.content
+        self.function_messages += later.function_messages
 
 
 class ReasoningParser(Protocol):
@@ -106,7 +121,8 @@ HARMONY_MARKERS = (START, MESSAGE, CHANNEL, CONSTRAIN, *MESSAGE_ENDS)
 _MARKER = re.compile("|".join(re.escape(marker) for marker in HARMONY_MARKERS))
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 # the recipient, before or after the channel: `to=functions.get_weather<|channel|>...`, `... to=functions.f <|constrain|>`
-_FUNCTION_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+FUNCTIONS = "functions."  # the namespace of the developer's functions; other recipients are built-in tools
 # Text outside messages that may still be the start of a header: the prompt ends with `<|start|>assistant`,
 # so the model may go on with ` to=functions.f` before the header's first marker. Every prefix of such a
 # text matches too, so the guess fails the same way however the text is chunked.
@@ -184,9 +200,13 @@ class HarmonyReasoningParser:
             self._header += marker  # kept so the channel name can be found after <|channel|>
             return
         channel = _CHANNEL_NAME.search(self._header)
-        function = _FUNCTION_RECIPIENT.search(self._header)
-        self._function = FunctionMessage(function.group(1), "") if function else None
-        self._field = "reasoning" if channel and channel.group(1) == "analysis" else "content"
+        recipient = _RECIPIENT.search(self._header)
+        to = recipient.group(1) if recipient else None
+        function = to is not None and to.startswith(FUNCTIONS) and len(to) > len(FUNCTIONS)
+        self._function = FunctionMessage(to[len(FUNCTIONS):], "") if function else None
+        # a built-in tool's call is the model's own work, like its analysis (no tool here runs it)
+        analysis = channel is not None and channel.group(1) == "analysis"
+        self._field = "reasoning" if analysis or (to is not None and not function) else "content"
         self._mode, self._body_started = "body", False
 
     def _leave_message(self, out: ReasoningDelta, complete: bool = True) -> None:
@@ -196,6 +216,8 @@ class HarmonyReasoningParser:
         if self._mode == "body" and self._function is not None:
             self._function.arguments = self._function.arguments.strip()
             self._function.complete = complete
+            self._function.at = len(out.content)
+            self._function.content_before = self._filled["content"]
             out.function_messages.append(self._function)
             self._function = None
         self._mode, self._header_guess = "outside", ""
@@ -229,7 +251,6 @@ PARSERS = {parser.name: parser for parser in (ThinkReasoningParser, HarmonyReaso
 
 def split_reasoning(parser: ReasoningParser, text: str) -> ReasoningDelta:
     """Non-streaming: the whole text through the same incremental parser."""
-    first = parser.feed(text)
-    last = parser.finish()
-    return ReasoningDelta(first.reasoning + last.reasoning, first.content + last.content,
-                          first.function_messages + last.function_messages)
+    out = parser.feed(text)
+    out.extend(parser.finish())
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -22,14 +22,14 @@ from radiance.engine.tool_grammars import (FORCED_CALL_MARKUPS, HARMONY, MARKUPS
                                           tool_call_grammar)
 from radiance.server.chat_template import TemplateError, close_thinking, prompt_opens_thinking, render_chat
 from radiance.server.errors import invalid
-from radiance.server.metrics import RequestTimer
-from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, new_id, now, usage
-from radiance.server.reasoning_parser import PARSERS as REASONING_PARSERS, FunctionMessage
+from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, now, usage
+from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASONING_PARSERS, FunctionMessage
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
-                                            encode_prompt, guarded_sse, merged_outputs, resolve_max_tokens,
-                                            sampling_params, sse, StreamUsage, token_chars, tokens_sent)
+                                            encode_prompt, engine_request_id, guarded_sse, merged_outputs,
+                                            resolve_max_tokens, response_id, sampling_params, sse, StreamUsage,
+                                            token_chars, tokens_sent)
 from radiance.server.state import ServerState
-from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS
+from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, ParseDelta
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +50,13 @@ class ChoiceStream:
         self.tools = TOOL_PARSERS[state.tool_parser_name](tools) if tools and state.tool_parser_name else None
         if forced_prefix:  # the call markup we put at the end of the prompt is part of what we parse
             (self.reasoning if harmony_forced else self.tools).feed(forced_prefix)
-        self.timer = RequestTimer(state.metrics)
         self.sent_chars = 0
         self.sent_logprobs = 0
         self.logprob_chars = 0  # characters of the tokens whose logprobs went out
         self.num_tool_calls = 0
         self.cut_call_ids: set[str] = set()  # calls max_tokens cut off before their arguments were whole
+        self.content_sent = False
+        self.separate_next = False  # the next content follows a harmony function message's body made text
         self.output: Any = None
 
     @property
@@ -67,8 +68,11 @@ class ChoiceStream:
     def _route(self, text: str, delta: dict) -> None:
         if not text:
             return
+        if self.separate_next:
+            text, self.separate_next = MESSAGE_SEPARATOR + text, False
         if self.tools is None:
             delta["content"] = delta.get("content", "") + text
+            self.content_sent = True
             return
         parsed = self.tools.feed(text)
         self._take(parsed, delta)
@@ -76,14 +80,17 @@ class ChoiceStream:
     def _route_function_message(self, message: FunctionMessage, delta: dict, truncated: bool) -> None:
         """A harmony call: the tool parser's to make a call of; without tools in the request its body is text.
         `truncated`: max_tokens ended the output (inside the message when it is incomplete)."""
-        if self.tools is None:
-            self._route(message.arguments, delta)
-        else:
-            self._take(self.tools.function_message(message, truncated), delta)
+        parsed = (ParseDelta(content=message.arguments) if self.tools is None
+                  else self.tools.function_message(message, truncated))
+        if parsed.content:  # one more message of the content: set apart from its neighbours, as they are
+            parsed.content = (MESSAGE_SEPARATOR if self.content_sent else "") + parsed.content
+            self.separate_next = not message.content_before  # else the reasoning parser sets the next one apart
+        self._take(parsed, delta)
 
     def _take(self, parsed, delta: dict) -> None:
         if parsed.content:
             delta["content"] = delta.get("content", "") + parsed.content
+            self.content_sent = True
         for call in parsed.tool_calls:
             call_id = f"call_{uuid.uuid4().hex[:24]}"
             delta.setdefault("tool_calls", []).append({
@@ -96,7 +103,6 @@ class ChoiceStream:
     def step(self, out: Any) -> tuple[dict, dict | None]:
         """(delta, logprobs or None) for the text this output adds; flushes the parsers when finished."""
         self.output = out
-        self.timer.tokens(len(out.token_ids))
         new_text = out.text[self.sent_chars:]
         self.sent_chars = len(out.text)
         delta: dict = {}
@@ -106,20 +112,19 @@ class ChoiceStream:
         else:
             r = self.reasoning.feed(new_text)
             if out.finished:
-                tail = self.reasoning.finish()
-                r.reasoning += tail.reasoning
-                r.content += tail.content
-                r.function_messages += tail.function_messages
+                r.extend(self.reasoning.finish())
             if r.reasoning:
                 delta["reasoning_content"] = r.reasoning
                 delta["reasoning"] = r.reasoning
-            self._route(r.content, delta)
-            for message in r.function_messages:
+            start = 0
+            for message in r.function_messages:  # each in its place among the content, in any chunking
+                self._route(r.content[start:message.at], delta)
+                start = message.at
                 self._route_function_message(message, delta, truncated)
+            self._route(r.content[start:], delta)
         if out.finished:
             if self.tools is not None:
                 self._take(self.tools.finish(truncated=truncated), delta)
-            self.timer.finished(out.finish_reason)
         logprobs = None
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
             entries = chat_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:])["content"]
@@ -199,11 +204,12 @@ async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionReq
     return await _tools_constraint(state, lambda: tool_call_grammar(tools, markup, named, parallel))
 
 
-async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest,
-                                  tools: list[dict]) -> StructuredOutput | None:
+async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest, tools: list[dict],
+                                  opens_thinking: bool = False) -> StructuredOutput | None:
     """tool_choice auto with `strict` functions: calls the model opens are held to the tools (and a strict
     function's arguments to its schema); None without strict functions or a tool-call parser, or when
-    response_format already constrains the answer (one constraint per request)."""
+    response_format already constrains the answer (one constraint per request). In a <think> block the prompt
+    opened the reasoning runs free: the calls are held from its end on."""
     if (state.tool_parser_name is None or req.structured_output() is not None
             or not any(t.function.strict for t in req.tools)):
         return None
@@ -214,7 +220,8 @@ async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest
         # parsed as usual, not held to the schema
         _warn_unconstrained_strict(state.tool_parser_name)
         return None
-    return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls))
+    return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls),
+                                   after_reasoning="think" if opens_thinking else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,12 +230,27 @@ def _warn_unconstrained_strict(parser: str) -> None:
                    "their schemas (its call grammar serves forced calls only)", parser)
 
 
-async def _tools_constraint(state: ServerState, grammar) -> StructuredOutput:
+async def _tools_constraint(state: ServerState, grammar, after_reasoning: str | None = None) -> StructuredOutput:
     try:
-        spec = StructuredOutput(grammar=grammar())
+        spec = StructuredOutput(grammar=grammar(), after_reasoning=after_reasoning)
         await state.engine.check_structured_output(spec)
     except ValueError as exc:
         raise invalid(str(exc), param="tools") from None
+    return spec
+
+
+async def harmony_final_constraint(state: ServerState, req: ChatCompletionRequest,
+                                   constraint: StructuredOutput) -> StructuredOutput:
+    """gpt-oss answers in the final channel, after any analysis messages: response_format / guided_* hold that
+    message's body alone (the analysis runs free, as gpt-oss has no mode without it), not the text after
+    <|start|>assistant. A continued final message (continue_final_message) is already in its body."""
+    if req.continue_final_message or constraint.after_reasoning is not None:
+        return constraint
+    try:
+        spec = replace(constraint, after_reasoning="harmony")
+        await state.engine.check_structured_output(spec)
+    except ValueError as exc:
+        raise invalid(str(exc), param=req.constraint_field()) from None
     return spec
 
 
@@ -249,14 +271,16 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
     prompt = render_prompt(state, req, use_tools)
     forced_prefix = forced_tool_call_prefix(state, req) if use_tools else ""
+    last_content = req.messages[-1].text() if req.messages else ""
+    opens_thinking = prompt_opens_thinking(prompt, last_content, req.continue_final_message)
     if forced_prefix:
         constraint = await forced_tool_call_constraint(state, req, tools)
     elif use_tools:
-        constraint = await strict_tools_constraint(state, req, tools) or req.structured_output()
+        constraint = await strict_tools_constraint(state, req, tools, opens_thinking) or req.structured_output()
     else:
         constraint = req.structured_output()
-    last_content = req.messages[-1].text() if req.messages else ""
-    opens_thinking = prompt_opens_thinking(prompt, last_content, req.continue_final_message)
+    if constraint is not None and not forced_prefix and state.reasoning_parser_name == "harmony":
+        constraint = await harmony_final_constraint(state, req, constraint)
     # a forced call or response_format / guided_* holds the answer: inside the thinking block the template opened,
     # the constrained text would be the reasoning and the answer empty, so the block is closed first
     if opens_thinking and (forced_prefix or req.structured_output() is not None):
@@ -268,7 +292,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
                                     "messages")
     named_tool = bool(forced_prefix) and isinstance(req.tool_choice, NamedToolChoice)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix, named_tool) for i in range(req.n)]
-    jobs = [EngineJob(f"{request_id}-{i}", prompt_ids,
+    jobs = [EngineJob(engine_request_id(request_id, i), prompt_ids,
                       sampling_params(req, max_tokens, i, constraint, keep_special_tokens=choice.needs_special_tokens))
             for i, choice in enumerate(choices)]
     return PreparedChat(prompt_ids, jobs, choices)
@@ -277,10 +301,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     engine = state.require_engine()
     model = state.check_model(req.model)
-    request_id = new_id("chatcmpl")
+    request_id = response_id("chatcmpl")
     chat = await prepare_chat(state, req, request_id)
     choices = chat.choices
-    outputs = merged_outputs(engine, chat.jobs)
+    outputs = merged_outputs(engine, chat.jobs, state.metrics)
     if req.stream:
         stream = _stream(request_id, model, outputs, choices, len(chat.prompt_ids), StreamUsage(req.stream_options))
         return StreamingResponse(stream, media_type="text/event-stream")

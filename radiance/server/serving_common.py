@@ -1,8 +1,9 @@
 """What chat and text completions share: limits, sampling params, fan-out of `n` choices, disconnects.
 
-A request with n choices becomes n engine requests (`<id>-<i>`, seed + i when a seed is given);
-their outputs are merged into one stream. Whatever way a request ends (finished, client gone,
-error), engine requests still running are aborted so their KV blocks return to the pool.
+A request with n choices becomes n engine requests (`<id>-<i>-<8 random hex>`, seed + i when a seed is
+given); their outputs are merged into one stream. Whatever way a request ends (finished, client gone,
+error), engine requests still running are aborted so their KV blocks return to the pool, and each engine
+request ends exactly once in the metrics (its finish reason, `abort` or `error`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import inspect
 import json
 import logging
 import math
+import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -22,7 +24,8 @@ from radiance.engine.async_engine import EngineDeadError
 from radiance.engine.sampling_params import SamplingParams
 from radiance.engine.structured_output import StructuredOutput
 from radiance.server.errors import OpenAIError, internal_error, invalid, sse_error
-from radiance.server.protocol import usage
+from radiance.server.metrics import ABORT, ERROR, RequestTimer, ServerMetrics, current_request
+from radiance.server.protocol import new_id, usage
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,21 @@ class EngineJob:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+
+
+def response_id(prefix: str) -> str:
+    """A response body's id: `<prefix>-<X-Request-Id>` when the client sent that header (vLLM's
+    _base_request_id, so a client finds its request by its own id), else a new random one."""
+    served = current_request.get()
+    if served is not None and served.from_client:
+        return f"{prefix}-{served.request_id}"
+    return new_id(prefix)
+
+
+def engine_request_id(response: str, index: int) -> str:
+    """Choice `index`'s engine request id: random-suffixed (as vLLM's engine suffixes every id), so two
+    requests that share an X-Request-Id (a retry, a fixed proxy id) never collide inside the engine."""
+    return f"{response}-{index}-{uuid.uuid4().hex[:8]}"
 
 
 async def check_limits(state: ServerState, req: Any) -> None:
@@ -135,10 +153,18 @@ async def _maybe_await(value: Any) -> None:
         await value
 
 
-async def merged_outputs(engine: Any, jobs: list[EngineJob]) -> AsyncIterator[tuple[int, Any]]:
-    """(job index, RequestOutput) from all jobs as they come; aborts unfinished jobs on exit."""
+_REFUSED = "refused"  # a job's failure that is no end in the metrics: the engine refused it up front
+
+
+async def merged_outputs(engine: Any, jobs: list[EngineJob],
+                         metrics: ServerMetrics) -> AsyncIterator[tuple[int, Any]]:
+    """(job index, RequestOutput) from all jobs as they come; aborts unfinished jobs on exit. Each job ends
+    once in `metrics`: its finish reason; `error` when the engine failed it; `abort` when the request ended
+    first (client gone, server stopping, a sibling choice's failure)."""
     queue: asyncio.Queue = asyncio.Queue()
     finished: set[int] = set()
+    failures: dict[int, str] = {}  # job index -> how its failure ends it in the metrics
+    timers = [RequestTimer(metrics) for _ in jobs]
     done_marker = object()
 
     async def pump(index: int, job: EngineJob) -> None:
@@ -151,33 +177,48 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob]) -> AsyncIterator[tu
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:  # logged once by the engine loop; every request gets the same clean 500
+            failures[index] = ERROR
             await queue.put((index, engine_dead(exc)))
         except ValueError as exc:  # the engine refused the request up front: the client's fault
+            failures[index] = ERROR if produced else _REFUSED
             await queue.put((index, invalid(str(exc)) if not produced else exc))
         except BaseException as exc:  # handed to the consumer, which turns it into an HTTP error
+            failures[index] = ERROR
             await queue.put((index, exc))
 
     tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
     try:
         while len(finished) < len(jobs):
             index, item = await queue.get()
-            if item is done_marker:
+            if item is done_marker:  # the engine's stream ended; without a finished output, the job was aborted
                 finished.add(index)
+                timers[index].finished(ABORT)
                 continue
             if isinstance(item, BaseException):
                 raise item
+            timers[index].tokens(len(item.token_ids))
             if item.finished:
                 finished.add(index)
+                timers[index].finished(item.finish_reason)
             yield index, item
     finally:
         for task in tasks:
             task.cancel()
         for index, job in enumerate(jobs):
             if index not in finished:
+                _end_unfinished(timers[index], failures.get(index, ABORT))
                 try:
                     await _maybe_await(engine.abort(job.request_id))
                 except Exception:  # noqa: BLE001 - aborting is best effort; never mask the real error
                     logger.exception("abort of %s failed", job.request_id)
+
+
+def _end_unfinished(timer: RequestTimer, reason: str) -> None:
+    """Recorded before the engine's abort, so the metrics are there once the engine is idle."""
+    if reason == _REFUSED:
+        timer.discard()
+    else:
+        timer.finished(reason)
 
 
 def engine_dead(exc: EngineDeadError) -> OpenAIError:

@@ -13,12 +13,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from radiance.engine.outputs import TokenLogprob
 from radiance.server.errors import invalid
-from radiance.server.metrics import RequestTimer
-from radiance.server.protocol import CompletionRequest, new_id, now, usage
+from radiance.server.protocol import CompletionRequest, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
-                                            completion_logprobs, encode_prompt, merged_outputs, resolve_max_tokens,
-                                            guarded_sse, sampling_params, sse, StreamUsage, token_chars,
-                                            tokens_sent)
+                                            completion_logprobs, encode_prompt, engine_request_id, merged_outputs,
+                                            resolve_max_tokens, guarded_sse, response_id, sampling_params, sse,
+                                            StreamUsage, token_chars, tokens_sent)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -55,7 +54,6 @@ class CompletionChoice:
         self.prompt_tokens = prompt_tokens
         self.tokenizer = state.tokenizer
         self.prefix = prompt_text if echo else ""
-        self.timer = RequestTimer(state.metrics)
         self.sent_chars = 0
         self.echoed = False
         self.sent_logprobs = 0
@@ -64,7 +62,6 @@ class CompletionChoice:
 
     def step(self, out: Any) -> tuple[str, dict | None]:
         self.output = out
-        self.timer.tokens(len(out.token_ids))
         text = out.text[self.sent_chars:]
         parts = []
         if not self.echoed:  # the prompt goes out once, with the first output (which may be empty)
@@ -84,8 +81,6 @@ class CompletionChoice:
                 self.sent_logprobs += ready
                 self.logprob_chars += sum(token_chars(token) for token in part["tokens"][:ready])
         logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]} if parts else None
-        if out.finished:
-            self.timer.finished(out.finish_reason)
         return text, logprobs
 
 
@@ -94,17 +89,18 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     model = state.check_model(req.model)
     await check_limits(state, req)
     prompts = _prompts(state, req)
-    request_id = new_id("cmpl")
+    request_id = response_id("cmpl")
     jobs, choices = [], []
     for p, (text, ids) in enumerate(prompts):
         max_tokens = resolve_max_tokens(state, len(ids), req.output_limit(), "max_tokens",
                                         "prompt" if len(prompts) == 1 else f"prompt[{p}]")
         for i in range(req.n):
             index = p * req.n + i
-            jobs.append(EngineJob(f"{request_id}-{index}", ids, sampling_params(req, max_tokens, i, req.structured_output())))
+            jobs.append(EngineJob(engine_request_id(request_id, index), ids,
+                                  sampling_params(req, max_tokens, i, req.structured_output())))
             choices.append(CompletionChoice(state, index, text, req.echo, len(ids)))
     prompt_tokens = sum(len(ids) for _, ids in prompts)
-    outputs = merged_outputs(engine, jobs)
+    outputs = merged_outputs(engine, jobs, state.metrics)
     if req.stream:
         stream = _stream(request_id, model, outputs, choices, prompt_tokens, StreamUsage(req.stream_options))
         return StreamingResponse(stream, media_type="text/event-stream")

@@ -323,7 +323,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, request: Re
     model = state.check_model(req.model)
     run = ResponseRun(state, req, model)
     prepared = await run.prepare()
-    outputs = merged_outputs(engine, prepared.jobs)
+    outputs = merged_outputs(engine, prepared.jobs, state.metrics)
     if req.stream:
         return StreamingResponse(_stream(run, outputs), media_type="text/event-stream")
     await collect_until_disconnect(request, outputs, lambda _index, out: run.step(out))

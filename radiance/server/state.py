@@ -180,8 +180,9 @@ class ServerState:
         """The served name a request addresses (None = the default); 404 for any other name."""
         if name is None or name in self.served_names:
             return name or self.served_names[0]
-        raise OpenAIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.served_names)}",
-                          param="model", code="model_not_found")
+        # OpenAI's answer (404 invalid_request_error, code model_not_found), naming the served models too
+        raise OpenAIError(404, f"The model `{name}` does not exist or you do not have access to it. "
+                          f"Served: {', '.join(self.served_names)}", param="model", code="model_not_found")
 
     def stats(self):
         if self.engine is None:

@@ -14,7 +14,11 @@ calls is dropped.
 
 A call must be usable: it names one of the request's tools and its arguments are a JSON object. Markup that
 is no such call (broken JSON, another name, a list for arguments, a tag the model opened and never closed
-before it stopped) is the model's text, and goes out as content unchanged, as vLLM returns it.
+before it stopped) is the model's text, and goes out as content unchanged, as vLLM returns it. A call the
+model stopped in (its end tag never came, and max_tokens did not cut it) is a call only when it is whole
+(`stopped_call_whole`: its JSON parses; a Qwen3-coder call has its `</function>`), as a harmony message
+the model stopped in is; otherwise it is text. (vLLM's qwen3_coder parser also takes a `<function=` left
+open as a call, parameters and all; a call cut short is no call its client can trust.)
 """
 
 from __future__ import annotations
@@ -133,6 +137,11 @@ class ToolParser:
             break
         return out
 
+    def stopped_call_whole(self, body: str) -> bool:
+        """Whether a call the model stopped in (no end tag, not cut by max_tokens) is whole as written; a
+        format whose calls close their own body (Qwen3-coder's </function>) says so here."""
+        return True
+
     def function_message(self, message: FunctionMessage, truncated: bool = False) -> ParseDelta:
         """A harmony message to a function (the reasoning parser's): a markup that writes calls in the text
         reads none there, so its body is content."""
@@ -145,7 +154,7 @@ class ToolParser:
             body = self._buffer[:partial_tag_start(self._buffer, END_TAG)]
             if truncated:
                 self._call(out, body.rstrip(), cut=True)  # nothing usable yet: the markup is dropped
-            elif not self._call(out, body, cut=False):  # the model stopped in its call: whole, or text
+            elif not (self.stopped_call_whole(body) and self._call(out, body, cut=False)):  # stopped: whole, or text
                 self._not_a_call(out, START_TAG + self._buffer)
         elif self._buffer and not truncated:
             self._content(out, self._buffer)
@@ -306,7 +315,13 @@ class Qwen3CoderToolParser(ToolParser):
             args[key] = _convert(_strip_newline(body[param.end():stop]), schema.get(key))
             pos = end.end() if end and end.group(0) == "</parameter>" else stop
         # a cut after </function> (in the end tag) left the call whole
-        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False), not cut or "</function>" in body[fn.end():])
+        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False), not cut or self.stopped_call_whole(body))
+
+    def stopped_call_whole(self, body: str) -> bool:
+        """A call ends with </function> (the grammar's and the template's markup): without it, the model stopped
+        mid-call, perhaps before further parameters, so the markup is text, not a call."""
+        fn = self._FUNCTION.search(body)
+        return fn is not None and "</function>" in body[fn.end():]
 
 
 class HarmonyToolParser(ToolParser):

@@ -152,10 +152,11 @@ def test_concurrent_clients_some_gone_leave_nothing_behind(smollm2):
     grew = {name: after[name] - before.get(name, 0.0) for name in after}
     assert after["radiance_num_requests_running"] == after["radiance_num_requests_waiting"] == 0
     assert after["radiance_kv_cache_usage_perc"] == 0
-    assert grew['radiance_request_success_total{"finished_reason": "length"}'] == 4  # the finished ones only
+    assert grew['radiance_request_success_total{"finished_reason": "length"}'] == 4  # the finished ones
+    assert grew['radiance_request_success_total{"finished_reason": "abort"}'] == 4  # the ones whose client left
     assert grew["radiance_generation_tokens_total"] >= sum(u["completion_tokens"] for u in usages)
     assert grew["radiance_prompt_tokens_total"] >= sum(u["prompt_tokens"] for u in usages)
-    assert grew["radiance_e2e_request_latency_seconds_count"] == 4
+    assert grew["radiance_e2e_request_latency_seconds_count"] == 8  # every engine request ends once
     assert not async_engine._queues and not async_engine._serving
 
 
