@@ -63,10 +63,21 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE: what a tool killed by the signal reports to the shell
     except (RadianceError, ValueError) as exc:  # config / sampling validation: the user's to fix
         logging.getLogger("radiance").debug("error details", exc_info=True)
-        print(f"radiance {args.command}: error: {exc}", file=sys.stderr)
+        print(f"radiance {_command_path(args)}: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _one_line(message: str) -> str:
+    """A library's multi-line message (transformers' tokenizer errors) as one line: the CLI's errors are one each."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def _command_path(args: argparse.Namespace) -> str:
+    """The words typed ("bench serve", not "bench"), as argparse's own errors name the command."""
+    sub = getattr(args, f"{args.command}_command", None)  # bench_command, eval_command: the areas' subparsers
+    return f"{args.command} {sub}" if sub else args.command
 
 
 def _silence_stdout() -> None:

@@ -59,7 +59,10 @@ def _with_engine_plot(run_engine):
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="load-test any OpenAI-compatible server (streaming)")
+    p = sub.add_parser("serve", help="load-test any OpenAI-compatible server (streaming)",
+                       description="Load-test a running OpenAI-compatible server (radiance serve, vLLM, ...) with "
+                                   "streamed requests at each concurrency level: throughput, time to first token "
+                                   "and inter-token latency.")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
     p.add_argument("--concurrency", type=_int_list, nargs="+",
@@ -156,14 +159,17 @@ def _read_json(path: str) -> dict:
 
 def _add_eval_mode(sub, mode: str) -> None:
     what = "perplexity" if mode == "ppl" else "KL(16-bit || quantized) of next-token distributions"
-    p = sub.add_parser(mode, help=f"{what} over chunks of a text file")
+    p = sub.add_parser(mode, help=f"{what} over chunks of a text file",
+                       description=f"Measure {what} over chunks of a text file, for the model as served with "
+                                   "each quantization asked for.")
     p.add_argument("model", nargs="?", help="HF directory or GGUF file (default: the embedded SmolLM2)")
-    p.add_argument("--quantization", choices=("none", "mxfp4", "nvfp4"), default="none" if mode == "ppl" else "mxfp4",
+    defaults = _eval_defaults(mode)
+    p.add_argument("--quantization", choices=("none", "mxfp4", "nvfp4"), default=defaults["quantization"],
                    help="nvfp4: quantize to NVFP4, then serve as the engine would (requantized with --rule) "
-                        f"(default: {'none' if mode == 'ppl' else 'mxfp4'})")
-    p.add_argument("--rule", choices=("mse", "noclip", "ocp", "none"), default="mse",
+                        f"(default: {defaults['quantization']})")
+    p.add_argument("--rule", choices=("mse", "noclip", "ocp", "none"), default=defaults["rule"],
                    help="block-exponent rule of the conversion to MXFP4; none (with nvfp4): NVFP4 as W4A16 (default: mse)")
-    p.add_argument("--activations", choices=("fp8", "bf16"), default="fp8", help="fp8 = W4A8, bf16 = W4A16 (default: fp8)")
+    p.add_argument("--activations", choices=("fp8", "bf16"), default=defaults["activations"], help="fp8 = W4A8, bf16 = W4A16 (default: fp8)")
     p.add_argument("--variants", nargs="+", metavar="QUANT[/RULE[/ACT]][+head|+head2][+fp8kv]",
                    help="several configurations in one pass over the text (one reference pass for kl), "
                         "e.g. mxfp4/mse/fp8 mxfp4/mse/bf16 nvfp4/none mxfp4/mse/fp8+head (+head: the lm_head "
@@ -180,12 +186,25 @@ def _add_eval_mode(sub, mode: str) -> None:
     p.set_defaults(func=run_eval_command, eval_mode=mode)
 
 
+def _eval_defaults(mode: str) -> dict[str, str]:
+    return {"quantization": "none" if mode == "ppl" else "mxfp4", "rule": "mse", "activations": "fp8"}
+
+
+def _check_variants_alone(args) -> None:
+    """--variants replaces --quantization / --rule / --activations: one given beside it did nothing, silently."""
+    for name, default in _eval_defaults(args.eval_mode).items():
+        if getattr(args, name) != default:
+            raise ConfigError(f"--{name} {getattr(args, name)} is left unused beside --variants, which names each "
+                              f"configuration in full (e.g. nvfp4/none): give one or the other")
+
+
 def run_eval_command(args) -> int:
     from radiance.bench import quality
     from radiance.bench.loading import load_eval_model
     from radiance.bench.report import format_table, to_json
 
     if args.variants:
+        _check_variants_alone(args)
         variants = tuple(quality.Variant.parse(v) for v in args.variants)
     else:
         variants = (quality.Variant(args.quantization, args.rule, args.activations),)
@@ -212,13 +231,18 @@ def run_eval_command(args) -> int:
 
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: kernels, engine, serve")
+    bench = subparsers.add_parser("bench", help="benchmarks: kernels, engine, serve",
+                                  description="Benchmarks: the GEMM kernels, the offline engine, or a running "
+                                              "server. `radiance bench WHAT --help` explains each.")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
     add_kernels_parser(bench_sub)
     _add_engine(bench_sub)
     _add_serve(bench_sub)
 
-    ev = subparsers.add_parser("eval", help="quality: perplexity and KL against the 16-bit model")
+    ev = subparsers.add_parser("eval", help="quality: perplexity and KL against the 16-bit model",
+                               description="Quality of a quantized model: perplexity (ppl) or KL divergence from "
+                                           "the 16-bit model (kl) over a text file. `radiance eval WHAT --help` "
+                                           "explains each.")
     ev_sub = ev.add_subparsers(dest="eval_command", metavar="WHAT", required=True)
     _add_eval_mode(ev_sub, "ppl")
     _add_eval_mode(ev_sub, "kl")

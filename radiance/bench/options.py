@@ -40,6 +40,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
 def _gemm_config(text: str):
     from radiance.kernels.tuning import GemmConfig
     try:
@@ -60,7 +70,7 @@ def add_kernels_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--precision-probe", action="store_true", help="accuracy and speed of the big-M tilings")
     p.add_argument("--no-table", action="store_true", help="skip the speed table")
     p.add_argument("--no-reference", action="store_true", help="skip the reference-path column")
-    p.add_argument("--decode-band", type=int, default=64,
+    p.add_argument("--decode-band", type=non_negative_int, default=64,
                    help="M up to this runs the split-K decode kernel, above it the prefill kernel (default: 64)")
     p.add_argument("--config", type=_gemm_config, default=None,
                    help="force one GemmConfig (JSON) for --check and the table instead of the tuning table")
@@ -83,7 +93,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prompt lengths of the prefill measurement (default: 1024 8192 32768)")
     p.add_argument("--concurrency", nargs="+", type=positive_int, default=[1, 8, 32, 128],
                    help="concurrent sequences of the aggregate-throughput measurement (default: 1 8 32 128)")
-    p.add_argument("--prefill-graphs", nargs="+", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--prefill-graphs", nargs="+", type=non_negative_int, default=None, metavar="TOKENS",
                    help="token buckets of the single-sequence prefills replayed from CUDA graphs "
                         "(RunnerConfig.prefill_graph_tokens; default 128 256 512 1024, and 1536 2048 3072 4096 for "
                         "MoE models); 0 turns them off, "
@@ -94,7 +104,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_kernels_parser(bench_subparsers) -> argparse.ArgumentParser:
-    p = bench_subparsers.add_parser("kernels", help="W4A8 GEMM vs cuBLAS bf16/fp8 and the reference (GPU)")
+    p = bench_subparsers.add_parser(
+        "kernels", help="W4A8 GEMM vs cuBLAS bf16/fp8 and the reference (GPU)",
+        description="Time radiance's W4A8 GEMM against cuBLAS bf16 / fp8 and the reference path over N x K "
+                    "shapes and token counts M; --check, --sweep and the other switches add measurements. "
+                    "Needs a CUDA GPU (on a CPU: --activation-error --no-table).")
     add_kernels_options(p)
     p.set_defaults(func=run_later("radiance.bench.kernels", "run_kernels_bench"))
     return p
@@ -102,7 +116,11 @@ def add_kernels_parser(bench_subparsers) -> argparse.ArgumentParser:
 
 def add_engine_parser(bench_subparsers) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser("engine", help="offline engine speed on the GPU: decode ms/step, prefill "
-                                                   "tok/s, aggregate tok/s (MODEL: synthetic:llama-3.1-8b, ...)")
+                                                   "tok/s, aggregate tok/s (MODEL: synthetic:llama-3.1-8b, ...)",
+                                    description="Measure the offline engine on a CUDA GPU with a synthetic model "
+                                                "(random weights of a real model's shapes): batch-1 decode ms/step "
+                                                "at each context depth, prefill tok/s, aggregate tok/s at each "
+                                                "concurrency, for each quantization side by side.")
     add_engine_options(p)
     p.set_defaults(func=run_later("radiance.bench.engine_bench", "run_args"))
     return p

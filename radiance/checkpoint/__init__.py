@@ -46,6 +46,8 @@ def open_checkpoint(path: str | None = None) -> Checkpoint:
     """Open a model: an HF directory, a .gguf file, a directory holding one .gguf, or None (embedded SmolLM2)."""
     if path is None:
         path = embedded_model_path()
+    if not str(path).strip():  # "" (an unset shell variable): as a path it names no file at all
+        raise CheckpointError("the model path is empty: give an HF model directory or a .gguf file")
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
         raise CheckpointError("no such file or directory", file=path)
@@ -65,6 +67,9 @@ def open_checkpoint(path: str | None = None) -> Checkpoint:
     if path.endswith(".gguf"):
         from radiance.checkpoint.gguf_reader import GgufCheckpoint
         return GgufCheckpoint(path)
+    if path.endswith(".safetensors"):  # a model's weights, read with the config.json beside them
+        raise CheckpointError("a .safetensors file alone is no model: give the directory holding it and its "
+                              "config.json", file=path)
     raise CheckpointError("not a model: expected an HF directory with config.json or a .gguf file", file=path)
 
 

@@ -20,17 +20,39 @@ def _source(path: str | None) -> str | None:
     return None if path in (None, EMBEDDED) else path
 
 
+def _not_empty(value: str, name: str, wanted: str) -> None:
+    """An empty argument ("" from an unset shell variable) said so: as a path it named no file, or the current
+    directory."""
+    if not value.strip():
+        raise ConfigError(f"{name} is empty: give {wanted}")
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     from radiance.checkpoint.writer import convert_checkpoint
 
+    _not_empty(args.src, "SRC", f"an HF model directory, a .gguf file, or '{EMBEDDED}'")
+    _not_empty(args.dst, "DST", "the directory to write the converted checkpoint to")
     try:
         config = ConvertConfig(**dataclass_kwargs(args, ConvertConfig))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check_mxfp4_options(config)
     report = convert_checkpoint(_source(args.src), args.dst, config, progress=not args.no_progress)
     print(report.summary())
     print(f"wrote {args.dst}")
     return 0
+
+
+def _check_mxfp4_options(config: ConvertConfig) -> None:
+    """--rule and --chunk-rows steer the conversion to MXFP4 only: with another format they did nothing, silently."""
+    if config.format == "mxfp4":
+        return
+    if config.rule != ConvertConfig.rule:
+        raise ConfigError(f"--rule {config.rule} picks MXFP4 block exponents; --format {config.format} has none "
+                          "(leave --rule out, or convert to mxfp4)")
+    if config.chunk_rows is not None:
+        raise ConfigError(f"--chunk-rows bounds the memory of the conversion to mxfp4 only, not to --format "
+                          f"{config.format} (leave it out)")
 
 
 def _run_inspect(args: argparse.Namespace) -> int:

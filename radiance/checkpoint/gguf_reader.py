@@ -65,6 +65,9 @@ _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter me
 # guesses them the same way (llama-vocab.cpp, its end-of-generation list).
 _TURN_END_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>"})
 _END_TEXTS = _TURN_END_TEXTS | {"<|endoftext|>", "<|end_of_text|>"}
+# the special ids transformers' GGUF tokenizer reads (transformers.integrations.ggml)
+_TOKENIZER_SPECIAL_IDS = tuple(f"tokenizer.ggml.{name}_token_id"
+                               for name in ("bos", "eos", "unknown", "padding"))
 
 
 def _guessed_end_warning(ids: list[int], tokens: list[str]) -> str:
@@ -484,6 +487,7 @@ class GgufCheckpoint(Checkpoint):
             if not self.has_tokenizer:
                 raise CheckpointError("the GGUF file holds no tokenizer: no tokenizer.ggml.* metadata",
                                       file=self.path)
+            self._check_special_ids()
             # the generic fast class, not AutoTokenizer: that one first builds a model config from the file
             # through gguf-py (~8 s for the embedded model) only to pick the class; transformers 5 picks this
             # one for GGUF files anyway
@@ -502,6 +506,17 @@ class GgufCheckpoint(Checkpoint):
             elif self._tokenizer.chat_template is None and templates:
                 self._tokenizer.chat_template = templates["default"]
         return self._tokenizer
+
+    def _check_special_ids(self) -> None:
+        """transformers looks these ids up in the token list: one beyond it was its "list index out of range"."""
+        tokens = self._field("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):
+            return
+        for key in _TOKENIZER_SPECIAL_IDS:
+            value = self._field(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= len(tokens):
+                raise CheckpointError(f"GGUF metadata {key} is {value}, beyond the {len(tokens)} tokens of "
+                                      "tokenizer.ggml.tokens: the tokenizer cannot be built", file=self.path)
 
     @property
     def chat_templates(self) -> dict[str, str]:
@@ -530,9 +545,11 @@ class GgufCheckpoint(Checkpoint):
         declared = self._declared_end_ids()
         if self._ends_a_turn(declared):  # the usual file: no scan of the vocabulary at open
             return declared
-        guessed = [i for i in self._end_ids_by_text() if i not in declared]
+        tokens = self._field("tokenizer.ggml.tokens")
+        guessed = [i for i in self._end_ids_by_text() if i not in declared
+                   and self._in_vocab(i, f"the end-of-generation token {tokens[i]} (found by its text)")]
         if guessed:
-            self.warnings.append(_guessed_end_warning(guessed, self._field("tokenizer.ggml.tokens")))
+            self.warnings.append(_guessed_end_warning(guessed, tokens))
         return declared + guessed
 
     def _declared_end_ids(self) -> list[int]:
@@ -543,8 +560,21 @@ class GgufCheckpoint(Checkpoint):
             value = self._field(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise CheckpointError(f"GGUF metadata {key} is {value!r}, not a token id", file=self.file.path)
-            ids.append(value)
-        return list(dict.fromkeys(i for i in ids if i is not None))
+            if value is not None and self._in_vocab(value, f"GGUF metadata {key}"):
+                ids.append(value)
+        return list(dict.fromkeys(ids))
+
+    def _in_vocab(self, token_id: int, what: str) -> bool:
+        """Whether the model can produce `token_id`. An id beyond the vocabulary (a broken conversion) is dropped
+        with a warning, not refused: llama.cpp loads such a file too, warning of a "bad special token"."""
+        vocab = self.config.get("vocab_size")
+        if vocab is None or token_id < vocab:
+            return True
+        message = (f"{what} is {token_id}, beyond the vocabulary of {vocab} tokens: ignored, as llama.cpp ignores "
+                   f"it (file {self.file.path})")
+        self.warnings.append(message)
+        logger.warning(message)
+        return False
 
     def _end_ids_by_text(self) -> list[int]:
         """Ids of the vocabulary's end-of-generation tokens (_END_TEXTS), in id order."""

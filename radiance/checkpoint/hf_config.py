@@ -106,8 +106,9 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def eos_token_ids(model_dir: str, config: dict) -> list[int]:
-    """EOS ids from generation_config.json (it may list several), else from config.json."""
+def eos_token_ids(model_dir: str, config: dict, warn=None) -> list[int]:
+    """EOS ids from generation_config.json (it may list several), else from config.json. An id outside the
+    vocabulary is dropped and `warn(message)` told, as llama.cpp drops a GGUF's: the model cannot produce it."""
     ids, source = None, os.path.join(model_dir, "generation_config.json")
     if os.path.exists(source):
         ids = load_json(source, "generation_config.json").get("eos_token_id")
@@ -116,9 +117,22 @@ def eos_token_ids(model_dir: str, config: dict) -> list[int]:
     if ids is None:
         return []
     try:
-        return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+        ids = [int(i) for i in (ids if isinstance(ids, list) else [ids])]
     except (TypeError, ValueError):
         raise CheckpointError(f"eos_token_id must be a token id or a list of them, got {ids!r}", file=source) from None
+    return _inside_vocab(ids, config.get("vocab_size"), source, warn or (lambda message: None))
+
+
+def _inside_vocab(ids: list[int], vocab: int | None, source: str, warn) -> list[int]:
+    """`ids` less those the model cannot produce, each of which `warn` is told of, naming the file."""
+    kept = []
+    for i in ids:
+        if i >= 0 and (vocab is None or i < vocab):
+            kept.append(i)
+            continue
+        where = f"outside the vocabulary of {vocab} tokens" if vocab is not None else "negative"
+        warn(f"{os.path.basename(source)} eos_token_id {i} is {where}: generation does not end at it (file {source})")
+    return kept
 
 
 def chat_template(model_dir: str) -> str | None:

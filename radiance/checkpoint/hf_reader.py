@@ -72,6 +72,11 @@ class HfCheckpoint(Checkpoint):
         virtual = ["lm_head"] if self.tie_word_embeddings else []
         self.quant.check_modules(sorted(self._module_tensors) + virtual)
         self._tokenizer = None
+        self._eos_token_ids = eos_token_ids(path, config, self._warn)  # at open: inspect lists its warning
+
+    def _warn(self, message: str) -> None:
+        self.warnings.append(message)
+        logger.warning(message)
 
     # ------------------------------------------------------------------ planning (headers only)
 
@@ -326,5 +331,5 @@ class HfCheckpoint(Checkpoint):
 
     @property
     def eos_token_ids(self) -> list[int]:
-        return eos_token_ids(self.path, self.config)
+        return list(self._eos_token_ids)
 

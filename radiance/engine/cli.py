@@ -17,7 +17,9 @@ def register(subparsers) -> None:
                                    description="Generate text for one prompt with the model's chat template "
                                                "(the embedded SmolLM2 when --model is not given).")
     parser.add_argument("prompt", help="the user message (or raw text with --no-chat); - reads it from stdin")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="tokens to generate at most; with the prompt they must fit the model's context "
+                             "(max_model_len) (default: 64)")
     parser.add_argument("--min-tokens", type=int, default=0,
                         help="tokens to generate before end-of-sequence may stop the output (default: 0)")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -124,9 +126,21 @@ def _read(path: str, option: str) -> str:
         raise ValueError(f"{option}: cannot read {path}: {exc.strerror}") from None
 
 
+def check_fits_context(prompt_len: int, max_tokens: int, context: int) -> None:
+    """Refuses --max-tokens the context cannot hold after the prompt, as the server's context_length_exceeded
+    does: a silent cut at the context would look like the model's own stop. A prompt alone too long for the
+    context is left to the engine's own message."""
+    room = context - prompt_len
+    if 0 < room < max_tokens:
+        tokens = f"{prompt_len} token" + ("s" if prompt_len != 1 else "")
+        raise ValueError(f"--max-tokens {max_tokens} does not fit the model's context of {context} tokens "
+                         f"(max_model_len) after a prompt of {tokens}: use --max-tokens {room} or less")
+
+
 def _stream(llm, prompt, params) -> None:
     engine = llm.engine
     _, ids = llm._tokenize(prompt)
+    check_fits_context(len(ids), params.max_tokens, engine.max_model_len)
     engine.add_request("cli", ids, params)
     printed = 0
     while engine.has_unfinished_requests():

@@ -91,4 +91,4 @@ def test_eval_cuda_index_past_the_gpus_is_one_line(one_gpu, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 50)
     assert main(["eval", "ppl", "--text", str(text), "--device", "cuda:3"]) == 2
-    assert "torch sees 1 CUDA GPU(s)" in _one_error_line(capsys, "eval")
+    assert "torch sees 1 CUDA GPU(s)" in _one_error_line(capsys, "eval ppl")

@@ -27,6 +27,7 @@ class _FakeLLM:
 
     class _Engine:
         chat_template = None
+        max_model_len = 8192  # generate checks --max-tokens against it
 
         def add_request(self, request_id, ids, params):
             pass
