@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls that re-check and re-measure everything GPU-side, writing logs under $OUT and printing the
-# tables last. Run from the repo root on the device (after `../shared/tools/device-wheels.sh xgrammar
-# apache-tvm-ffi` filled .whl/ here; carry ".whl"):  bash tools/device_session.sh MODE   (each mode fits one 10-minute call)
+# tables last. Run from the repo root on the device (after `../shared/tools/device-wheels.sh` with the packages
+# the README's developer section lists filled .whl/ here; carry ".whl"):  bash tools/device_session.sh MODE   (each mode fits one 10-minute call)
 #   quick    GPU tests, the 8B engine in bf16 and MXFP4 (about 9 minutes on a cold machine: the tests compile
 #            for about 5)
 #   cases    the Triton kernel cases on the GPU (about 4)
