@@ -7,7 +7,8 @@ Llama 3.x, a bare JSON object (`{"name": NAME, "parameters": {...}}`). xgrammar 
 schema into the grammar of its arguments (style "qwen_xml" for the parameters, whose values follow the
 schema's types, patterns and enums), so one set of builders serves every markup:
   - `tool_call_grammar`: the rest of a forced call (tool_choice "required" or named; the prompt already
-    ends with the call's opening; gpt-oss's harmony calls too, `HARMONY`), then, for "required" with parallel calls, further whole calls after the
+    ends with the call's opening, or, after a thinking block the prompt opened, the whole call with its opening;
+    gpt-oss's harmony calls too, `HARMONY`), then, for "required" with parallel calls, further whole calls after the
     markup's separator, and nothing else (the answer is its calls);
   - `strict_tools_grammar`: tool_choice "auto" with `strict` functions: free text in which every call the
     model opens is whole and names one of the tools (for Llama 3.x, whose calls are the whole answer: an
@@ -119,21 +120,25 @@ def _triggered_calls(tools: list[dict], markup: ToolCallMarkup, strict_only: boo
 
 
 def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | None = None,
-                      parallel: bool = False) -> str:
+                      parallel: bool = False, with_opening: bool = False) -> str:
     """The grammar of what a model writes after the forced opening of a call (serving_chat): for a named
     function (the prompt ends with markup.opening(name)) its arguments and the call's end; otherwise (the
     prompt ends with markup.required_prefix) one whole call to any of `tools` (OpenAI function dicts), then,
     when `parallel`, any number of further whole calls, each after markup.separator. Nothing may follow the
-    calls: "required" makes the answer its calls, so the model ends there (or opens another)."""
+    calls: "required" makes the answer its calls, so the model ends there (or opens another).
+    `with_opening`: the prompt does not end with that opening (a thinking block it opened comes first, the call
+    after it), so the grammar starts with it: the same call, the opening included."""
     fns = [t["function"] for t in tools]
     _check_size(fns if name is None else [fn for fn in fns if fn["name"] == name], "a tool's parameters")
     if name is not None:
         fn = next(fn for fn in fns if fn["name"] == name)
         call = {"type": "sequence", "elements": [markup.arguments(_parameters(fn)),
                                                  {"type": "const_string", "value": markup.closing}]}
+        if with_opening:
+            call["elements"].insert(0, {"type": "const_string", "value": markup.opening(name)})
     else:
-        call = {"type": "or", "elements": [_call_tag(markup, fn, _parameters(fn), skip=markup.required_prefix)
-                                           for fn in fns]}
+        skip = "" if with_opening else markup.required_prefix
+        call = {"type": "or", "elements": [_call_tag(markup, fn, _parameters(fn), skip=skip) for fn in fns]}
         if parallel:
             another = {"type": "sequence", "elements": [{"type": "const_string", "value": markup.separator},
                                                         {"type": "or", "elements": _call_tags(tools, markup, False)}]}

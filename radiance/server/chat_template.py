@@ -187,7 +187,8 @@ THINKING_CLOSE = "\n</think>\n\n"  # after an opened block, what Qwen3's templat
 
 def close_thinking(prompt: str) -> str:
     """A prompt that leaves `<think>` open (prompt_opens_thinking), with the block closed empty: the model starts
-    on its answer, as with thinking turned off."""
+    on its answer, as with thinking turned off. The server does so for a constraint only where no think reasoning
+    parser could set the reasoning apart (with one, the constraint holds the text after </think>: serving_chat)."""
     return prompt + THINKING_CLOSE
 
 

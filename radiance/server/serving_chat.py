@@ -179,7 +179,8 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
 def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> str:
     """tool_choice "required" / named: the prompt ends with the opening of a tool call (and the function
     name when one is named), so the model can only continue a call, held to the tools' schemas too
-    (forced_tool_call_constraint)."""
+    (forced_tool_call_constraint). After a thinking block the prompt opened, the model writes this opening
+    itself, once its reasoning has ended (prepare_chat)."""
     if req.tool_choice in (None, "auto", "none"):
         return ""
     if state.tool_parser_name is None:
@@ -191,17 +192,20 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     return markup.opening(req.tool_choice.function.name)
 
 
-async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest,
-                                      tools: list[dict]) -> StructuredOutput:
+async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest, tools: list[dict],
+                                      after_thinking: bool = False) -> StructuredOutput:
     """The rest of a forced tool call held to the tools' parameter schemas (so it parses and its arguments
-    validate), then, with parallel calls after a "required" one, further calls held the same way."""
+    validate), then, with parallel calls after a "required" one, further calls held the same way.
+    `after_thinking`: the prompt opened a <think> block and does not end with the call's opening: the reasoning
+    runs free up to </think>, then the whole call is held, its opening (forced_tool_call_prefix) included."""
     if req.structured_output() is not None:
         raise invalid("tool_choice required/named already constrains the output; drop "
                       f"{req.constraint_field()} or use tool_choice auto", param="tool_choice")
     markup = FORCED_CALL_MARKUPS[state.tool_parser_name]
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     parallel = req.parallel_tool_calls and markup is not HARMONY  # harmony: <|call|> ends the generation
-    return await _tools_constraint(state, lambda: tool_call_grammar(tools, markup, named, parallel))
+    return await _tools_constraint(state, lambda: tool_call_grammar(tools, markup, named, parallel, after_thinking),
+                                   after_reasoning="think" if after_thinking else None)
 
 
 async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest, tools: list[dict],
@@ -239,15 +243,20 @@ async def _tools_constraint(state: ServerState, grammar, after_reasoning: str | 
     return spec
 
 
-async def harmony_final_constraint(state: ServerState, req: ChatCompletionRequest,
-                                   constraint: StructuredOutput) -> StructuredOutput:
-    """gpt-oss answers in the final channel, after any analysis messages: response_format / guided_* hold that
-    message's body alone (the analysis runs free, as gpt-oss has no mode without it), not the text after
-    <|start|>assistant. A continued final message (continue_final_message) is already in its body."""
-    if req.continue_final_message or constraint.after_reasoning is not None:
+async def answer_constraint(state: ServerState, req: ChatCompletionRequest, constraint: StructuredOutput,
+                            reasoning: str) -> StructuredOutput:
+    """response_format / guided_* hold the answer, after the model's reasoning in format `reasoning`
+    (structured_output.REASONING_BEFORE), which runs free, as vLLM applies a grammar only once its reasoning
+    parser saw the reasoning end:
+      - "think": a <think> block the prompt opened (Qwen3 with thinking on): free text up to </think>, then the
+        constrained answer (the reasoning parser splits them into reasoning_content and content);
+      - "harmony": gpt-oss answers in the final channel, after any analysis messages: the constraint holds that
+        message's body alone (gpt-oss has no mode without analysis), not the text after <|start|>assistant. A
+        continued final message (continue_final_message) is already in its body."""
+    if constraint.after_reasoning is not None or (reasoning == "harmony" and req.continue_final_message):
         return constraint
     try:
-        spec = replace(constraint, after_reasoning="harmony")
+        spec = replace(constraint, after_reasoning=reasoning)
         await state.engine.check_structured_output(spec)
     except ValueError as exc:
         raise invalid(str(exc), param=req.constraint_field()) from None
@@ -273,24 +282,32 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     forced_prefix = forced_tool_call_prefix(state, req) if use_tools else ""
     last_content = req.messages[-1].text() if req.messages else ""
     opens_thinking = prompt_opens_thinking(prompt, last_content, req.continue_final_message)
-    if forced_prefix:
-        constraint = await forced_tool_call_constraint(state, req, tools)
+    # a forced call or response_format / guided_* holds the answer, not the reasoning of a <think> block the
+    # template opened: with the think reasoning parser to split them, the reasoning runs free and the constraint
+    # holds the text after </think> (vLLM's rule), so a forced call's opening comes after </think>, not at the end
+    # of the prompt; without it the block is closed empty first (nothing would tell the reasoning from the answer)
+    think_first = opens_thinking and state.reasoning_parser_name == "think"
+    forced = bool(forced_prefix)
+    if forced:
+        constraint = await forced_tool_call_constraint(state, req, tools, after_thinking=think_first)
     elif use_tools:
         constraint = await strict_tools_constraint(state, req, tools, opens_thinking) or req.structured_output()
     else:
         constraint = req.structured_output()
-    if constraint is not None and not forced_prefix and state.reasoning_parser_name == "harmony":
-        constraint = await harmony_final_constraint(state, req, constraint)
-    # a forced call or response_format / guided_* holds the answer: inside the thinking block the template opened,
-    # the constrained text would be the reasoning and the answer empty, so the block is closed first
-    if opens_thinking and (forced_prefix or req.structured_output() is not None):
+    if constraint is not None and not forced and state.reasoning_parser_name == "harmony":
+        constraint = await answer_constraint(state, req, constraint, "harmony")
+    elif constraint is not None and not forced and think_first:
+        constraint = await answer_constraint(state, req, constraint, "think")
+    if opens_thinking and not think_first and (forced or req.structured_output() is not None):
         prompt, opens_thinking = close_thinking(prompt), False
+    if think_first:
+        forced_prefix = ""  # the model writes the call's opening after its reasoning: the parsers read it there
     prompt += forced_prefix
     prompt_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                     "messages")
-    named_tool = bool(forced_prefix) and isinstance(req.tool_choice, NamedToolChoice)
+    named_tool = forced and isinstance(req.tool_choice, NamedToolChoice)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix, named_tool) for i in range(req.n)]
     jobs = [EngineJob(engine_request_id(request_id, i), prompt_ids,
                       sampling_params(req, max_tokens, i, constraint, keep_special_tokens=choice.needs_special_tokens))

@@ -38,3 +38,26 @@ def test_the_constraint_keeps_its_checks_and_messages(backend):
         backend.compile(StructuredOutput(regex="((", after_reasoning="think"))
     with pytest.raises(StructuredOutputError, match="unknown reasoning format"):
         StructuredOutput(json_object=True, after_reasoning="channels")
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("named", [None, "get_weather"])
+def test_a_forced_call_after_the_reasoning_writes_its_own_opening(backend, named):
+    """A template that opened <think>: the prompt cannot end with the call's opening, so the grammar holds the
+    whole call, opening included, after the reasoning (tool_call_grammar with_opening)."""
+    from radiance.engine.tool_grammars import HERMES, tool_call_grammar
+
+    spec = StructuredOutput(grammar=tool_call_grammar(TOOLS, HERMES, named, with_opening=True),
+                            after_reasoning="think")
+    plan = 'Call {"name": "get_time"}? <tool_call> maybe.'
+    assert accepts(backend, spec, plan + "</think>\n\n" + CALL)
+    assert not accepts(backend, spec, CALL)  # the call is not the reasoning
+    assert not accepts(backend, spec, plan + "</think>\n\nSunny.")  # the answer is the call
+    assert not accepts(backend, spec, plan + "</think>\n\n" + CALL[len("<tool_call>\n"):])  # its opening included
+    time_call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert accepts(backend, spec, plan + "</think>" + time_call) is (named is None)

@@ -1,4 +1,4 @@
-"""Chat follow-ups: a constraint on a model whose template opens a thinking block, a cut in `</think>`, finish
+"""Chat follow-ups: a constraint on a model whose template opens a thinking block (held after it), a cut in `</think>`, finish
 reasons of calls cut by max_tokens, and harmony calls that hold no usable call (another function, a body that
 is no JSON object, a message the model stopped in). Each asks the same thing streamed and not: both must agree."""
 
@@ -73,12 +73,16 @@ CONSTRAINTS = {
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("field", list(CONSTRAINTS))
-def test_a_constraint_closes_the_thinking_block_the_template_opened(think_server, field, stream):
+def test_a_constraint_holds_the_answer_after_the_thinking_block_the_template_opened(think_server, field, stream):
+    """vLLM's rule: the reasoning runs free, the constraint holds the text after </think> (the grammar itself:
+    test_thinking_then_constraint.py)."""
     url, engine = think_server
-    engine.reply = '{"a": 1}'
+    engine.reply = 'plan {"a": "x"}</think>\n\n{"a": 1}'
     body = {"messages": [{"role": "user", "content": "A?"}], **THINKING, **CONSTRAINTS[field]}
-    assert chat(url, body, stream) == ({"content": '{"a": 1}'}, "stop")
-    assert last_prompt(engine).endswith("<|assistant|><think>\n</think>\n\n")
+    assert chat(url, body, stream) == ({"content": '{"a": 1}', "reasoning_content": 'plan {"a": "x"}',
+                                        "reasoning": 'plan {"a": "x"}'}, "stop")
+    assert last_prompt(engine).endswith("<|assistant|><think>")  # the block stays open
+    assert engine.requests[-1][2].structured_output.after_reasoning == "think"
 
 
 @pytest.mark.parametrize("stream", [False, True])
