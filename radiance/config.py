@@ -31,6 +31,16 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.long's, as the server's request `seed` (and vLLM's) takes
+
+
+def check_seed(seed: int, name: str) -> None:
+    """A seed torch takes: beyond 64 bits torch.manual_seed failed after the checkpoint opened, as "Overflow when
+    unpacking long long". Negatives stay valid: torch maps one to seed + 2**64, so -1 and 1 differ."""
+    low, high = SEED_RANGE
+    _check(low <= seed <= high, f"{name} must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {seed}")
+
+
 def _check_regexes(patterns: tuple[str, ...], name: str) -> None:
     """Each pattern compiles: a typo is the user's to fix before a model loads, not a traceback halfway through."""
     for pattern in patterns:
@@ -53,7 +63,7 @@ class ModelConfig:
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
     quantize_lm_head: bool = False  # with quantization mxfp4/nvfp4, quantize a 16-bit lm_head too (a tied one gets a quantized copy; the embedding stays 16-bit)
     lm_head_format: str = "mxfp4"  # with quantize_lm_head: mxfp4 (4.25 bits per weight) or mxfp4x2 (two MXFP4 terms, the head and its residual: 8.5 bits, ~1/8 of the error, one GEMM)
-    seed: int = 0  # seed of the torch RNG (random weights, sampling without a per-request seed)
+    seed: int = 0  # seed of the torch RNG (random weights, sampling without a per-request seed): a 64-bit signed integer, as a request's seed; a negative one is a seed of its own (torch takes -1 as 2**64 - 1)
 
     def __post_init__(self):
         _check(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
@@ -61,6 +71,7 @@ class ModelConfig:
         _check(self.rule != "none" or self.quantization == "nvfp4", "rule 'none' only applies to quantization 'nvfp4'")
         _check(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        check_seed(self.seed, "seed")
         _check_regexes(self.ignore, "ignore")
         _check(not self.quantize_lm_head or self.quantization in ("mxfp4", "nvfp4"),
                "quantize_lm_head needs quantization mxfp4 or nvfp4 (it quantizes a 16-bit head at load)")
@@ -242,8 +253,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"  # interface to listen on; 0.0.0.0 for every interface
     port: int = 8000  # TCP port of the HTTP API; 0: a free one (the startup lines name it)
-    served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases; default from the model
-    api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY`
+    served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases (each once); default from the model
+    api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY` (printable ASCII)
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
     tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, harmony, none; auto: from the template's markup
     reasoning_parser: str = "auto"  # think, harmony, none; auto: from the template (<|channel|>: harmony, <think>: think)
@@ -264,7 +275,21 @@ class ServerConfig:
         _check(self.max_n >= 1, "max_n must be positive")
         _check(self.responses_store >= 0, "responses_store must be >= 0")
         _check(all(name for name in self.served_model_name), "served_model_name entries must be non-empty")
+        _check_distinct(self.served_model_name, "served_model_name")
         _check(self.api_key is None or self.api_key != "", "api_key must be non-empty when given")
+        _check(self.api_key is None or _HEADER_TOKEN.fullmatch(self.api_key) is not None,
+               "api_key must be printable ASCII without leading or trailing spaces: the Authorization header "
+               "carries it, and clients strip the spaces (a key of spaces or a newline could never match)")
+
+
+# printable ASCII, inner spaces allowed: what an HTTP header value carries unchanged
+_HEADER_TOKEN = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
+def _check_distinct(values: tuple[str, ...], name: str) -> None:
+    """A name given twice is a typo (two names meant) or a copy: either way /v1/models would list it twice."""
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    _check(not repeated, f"{name} lists {', '.join(map(repr, repeated))} more than once")
 
 
 CONVERT_FORMATS = ("mxfp4", "nvfp4", "fp8")

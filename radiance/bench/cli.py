@@ -8,7 +8,7 @@ import logging
 import math
 from pathlib import Path
 
-from radiance.bench.options import add_engine_parser, add_kernels_parser
+from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait to connect and for each streamed chunk, not the whole answer (default: 600)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level (default: 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrival times (default: 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the random prompts and arrival times; level i uses SEED + i. Not negative: Python's "
+                        "random takes -3 as 3, so levels would repeat prompts (default: 0)")
     p.add_argument("--label", help="name of this configuration in --json and --plot")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="aggregate tok/s against concurrency")

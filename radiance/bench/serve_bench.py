@@ -524,7 +524,9 @@ async def warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str
                   pool: list[PromptSpec] | None) -> None:
     """The uncounted first requests. One that fails (a wrong --url or --model, a server that is down) would fail
     every measured request the same way, so the run stops here with its error."""
-    for spec in prompts_for_level(opts, opts.warmup, opts.seed - 1, pool):
+    # a seed no level uses: seed - 1 was -1 for the default 0, which Python's random takes as 1, so the second
+    # level's first prompts were the warmup's, already in the prefix cache
+    for spec in prompts_for_level(opts, opts.warmup, opts.seed + len(opts.concurrency), pool):
         result = await send_request(client, opts, model, spec)
         if not result.ok:
             raise ConfigError(f"warmup request failed: {result.error} (check --url and --model; --warmup 0 "

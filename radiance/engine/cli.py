@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from radiance.config import add_engine_args, engine_config_from_args
+from radiance.config import add_engine_args, check_seed, engine_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,8 @@ def register(subparsers) -> None:
     parser.add_argument("--top-k", type=int, default=-1,
                         help="sample from the k most likely tokens only; -1 = off (default)")
     parser.add_argument("--sampling-seed", type=int, default=None,
-                        help="seed of the sampler, for reproducible runs (default: none: the engine's RNG, see --seed)")
+                        help="seed of the sampler, for reproducible runs: a 64-bit signed integer, as a request's "
+                             "seed; a negative one is a seed of its own (default: none: the engine's RNG, see --seed)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="divides the positive logits (multiplies the negative ones) of tokens already in "
                              "the prompt or output; 1 = off (default), 1.1-1.3 curbs loops of small models")
@@ -63,6 +64,8 @@ def run(args) -> int:
     # the sampling options are checked before the model loads (a large one takes minutes); the loader checks
     # --device before anything else
     config = engine_config_from_args(args)
+    if args.sampling_seed is not None:  # the engine wraps any int into 64 bits: 2**64 + 1 would sample as 1
+        check_seed(args.sampling_seed, "--sampling-seed")
     params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
                             repetition_penalty=args.repetition_penalty,
@@ -75,7 +78,7 @@ def run(args) -> int:
     if args.chat and (llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None)):
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt_text})
-        prompt = llm.tokenizer(llm.apply_chat_template(messages), add_special_tokens=False).input_ids
+        prompt = llm._encode(llm.apply_chat_template(messages), add_special_tokens=False)
     else:
         if args.system is not None:
             logger.warning("the model has no chat template: --system is left out, the prompt goes in as raw text")

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from radiance.config import EngineConfig
 from radiance.engine.llm_engine import LLMEngine
+from radiance.engine.loader import no_tokenizer_message
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.sampling_params import SamplingParams
 from radiance.errors import ConfigError
@@ -54,11 +55,20 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def _no_tokenizer(self, hint: str) -> ConfigError:
+        """The error of a text prompt without a tokenizer, naming why there is none (a GGUF field, the file)."""
+        return ConfigError(no_tokenizer_message(getattr(self.engine, "tokenizer_error", None), hint))
+
+    def _encode(self, text: str, **kwargs) -> list[int]:
+        """`text`'s token ids (kwargs to the tokenizer, e.g. add_special_tokens=False); not vLLM's `encode`,
+        which embeds."""
+        if self.tokenizer is None:  # was a TypeError on None for a chat prompt
+            raise self._no_tokenizer("only lists of token ids can be prompts")
+        return self.tokenizer(text, **kwargs).input_ids
+
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ConfigError("this model has no tokenizer: pass prompts as lists of token ids")
-            return prompt, self.tokenizer(prompt).input_ids
+            return prompt, self._encode(prompt)
         if not _is_token_ids(prompt):  # int() took 1.7 as token 1; a tuple of ids failed as "int not iterable"
             raise ValueError(f"a prompt must be a string or a list of token ids, got {_short(prompt)}")
         return None, [int(t) for t in prompt]
@@ -125,7 +135,7 @@ class LLM:
         if template:
             return render_chat(template, messages, add_generation_prompt=add_generation_prompt, **kwargs)
         if self.tokenizer is None:
-            raise ConfigError("this model has no tokenizer and no chat template")
+            raise self._no_tokenizer("it has no chat template either")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   chat_template=template, **kwargs)
 
@@ -138,8 +148,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = self.apply_chat_template(conversation, **template_kwargs)
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append(ids)
+            prompts.append(self._encode(text, add_special_tokens=False))
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outputs
 

@@ -32,6 +32,7 @@ class LLMEngine:
         loaded = load_model(self.config, checkpoint=checkpoint, progress=progress)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.tokenizer_error = loaded.tokenizer_error  # why there is none: for the errors of text prompts
         self.chat_template = loaded.chat_template
         self.chat_templates = loaded.chat_templates  # by name; "tool_use" serves requests with tools
         self.model_name = loaded.name

@@ -86,6 +86,7 @@ class LoadedModel:
     dtype: torch.dtype
     summary: list[str] = field(default_factory=list)
     chat_templates: dict[str, str] = field(default_factory=dict)  # by name: "default", "tool_use", ...
+    tokenizer_error: str | None = None  # why `tokenizer` is None (file and field), for the errors of text prompts
 
 
 @contextlib.contextmanager
@@ -167,11 +168,7 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     for module in model.modules():  # e.g. a sparse MLP stacks its experts for the grouped kernel
         if hasattr(module, "finish_loading"):
             module.finish_loading()
-    try:
-        tokenizer = checkpoint.tokenizer()
-    except CheckpointError as exc:  # a weights-only directory still serves token-id prompts
-        logger.warning("no tokenizer (%s): only token-id prompts can be served", exc)
-        tokenizer = None
+    tokenizer, tokenizer_error = _load_tokenizer(checkpoint)
     name = _model_name(model_config.model, getattr(checkpoint, "path", None))
     summary = [
         f"model: {getattr(checkpoint, 'path', None) or name} ({model.config.architecture}, {model.config.num_layers} layers, hidden {model.config.hidden_size}) "
@@ -190,7 +187,24 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     return LoadedModel(model, tokenizer, getattr(checkpoint, "chat_template", None), eos, str(name),
-                       device, dtype, summary, dict(getattr(checkpoint, "chat_templates", None) or {}))
+                       device, dtype, summary, dict(getattr(checkpoint, "chat_templates", None) or {}),
+                       tokenizer_error)
+
+
+def _load_tokenizer(checkpoint) -> tuple[object | None, str | None]:
+    """(tokenizer, None), or (None, why not): a weights-only directory or a GGUF whose tokenizer cannot be built
+    still serves token-id prompts, and the reason is kept for the error a text prompt gets later (the warning
+    here scrolls away behind the load's log lines)."""
+    try:
+        return checkpoint.tokenizer(), None
+    except CheckpointError as exc:
+        logger.warning("no tokenizer (%s): only token-id prompts can be served", exc)
+        return None, str(exc)
+
+
+def no_tokenizer_message(reason: str | None, hint: str) -> str:
+    """The error a text prompt gets from a model without a tokenizer: the cause when known, then what works."""
+    return f"this model has no tokenizer: {reason}; {hint}" if reason else f"this model has no tokenizer: {hint}"
 
 
 def _install_kv_scales(model, scales: dict[str, float], checkpoint) -> str | None:

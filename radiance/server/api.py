@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radiance import __version__
 
-from radiance.server.errors import OpenAIError, error_response, install_error_handlers, internal_error, invalid
+from radiance.server.errors import OpenAIError, error_response, install_error_handlers, internal_error
 from radiance.server.metrics import CONTENT_TYPE, ServedRequest, current_request
 from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, model_card)
@@ -230,14 +230,15 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     async def tokenize(body: TokenizeRequest):
         state.require_engine()
         state.check_model(body.model)
+        tokenizer = state.require_tokenizer()
         if body.messages is not None:  # rendered exactly as /v1/chat/completions would render it
             chat = body.chat_request()
             text = render_prompt(state, chat, use_tools=bool(chat.tools))
             check_unicode(text, "messages")
-            tokens = state.tokenizer.encode(text, add_special_tokens=False)
+            tokens = tokenizer.encode(text, add_special_tokens=False)
         else:
             check_unicode(body.prompt, "prompt")
-            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @app.get("/tokenizer_info")
@@ -245,9 +246,7 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
         """The special tokens and chat template, as vLLM serves them: lm-evaluation-harness's remote
         tokenizer reads this, then /tokenize and /detokenize, instead of downloading the tokenizer."""
         state.require_engine()
-        tok = state.tokenizer
-        if tok is None:
-            raise invalid("this model has no tokenizer")
+        tok = state.require_tokenizer()
         special = {name: getattr(tok, name, None) for name in ("eos_token", "bos_token", "pad_token", "unk_token")}
         return {"tokenizer_class": type(tok).__name__, **special, "chat_template": state.chat_template,
                 "model_max_length": state.max_model_len}
@@ -257,6 +256,6 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
         state.require_engine()
         state.check_model(body.model)
         check_token_ids(state, body.tokens, "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        return {"prompt": state.require_tokenizer("tokens").decode(body.tokens)}
 
     return app

@@ -90,6 +90,8 @@ def encode_prompt(state: ServerState, text: str, param: str, **encode_kw: Any) -
                       f"characters: more than {chars // state.max_token_chars} tokens.", param=param,
                       code="context_length_exceeded")
     check_unicode(text, param)
+    if state.tokenizer is None:  # a 400 naming why there is none, not an AttributeError's 500
+        state.require_tokenizer(param)
     return state.tokenizer.encode(text, **encode_kw)
 
 

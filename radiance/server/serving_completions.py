@@ -36,8 +36,6 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
         if isinstance(item, str):
             if not item:
                 raise invalid("prompt must not be empty", param=param)
-            if state.tokenizer is None:
-                raise invalid("this model has no tokenizer: send the prompt as token ids", param=param)
             prompts.append((item, encode_prompt(state, item, param)))
         else:
             if not item:
@@ -89,6 +87,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     model = state.check_model(req.model)
     await check_limits(state, req)
     prompts = _prompts(state, req)
+    if req.logprobs is not None:  # logprobs carry each token's text: refused before generating, not a 500 after
+        state.require_tokenizer("logprobs", hint="logprobs need it for the tokens' texts")
     request_id = response_id("cmpl")
     jobs, choices = [], []
     for p, (text, ids) in enumerate(prompts):

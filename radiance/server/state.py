@@ -47,6 +47,7 @@ class ServerState:
         self.created = int(time.time())
         self.served_names: tuple[str, ...] = config.served_model_name or (default_model_name(model_path),)
         self.tokenizer: Any = None
+        self.tokenizer_error: str | None = None  # why the model has no tokenizer (file, field), for its 400s
         self.max_token_chars: int | None = None  # the longest token's text, for serving_common.encode_prompt
         self.max_model_len: int = 0
         self.chat_template: str | None = None
@@ -114,6 +115,7 @@ class ServerState:
 
     def attach(self, engine: Any) -> None:
         self.tokenizer = engine_attr(engine, "tokenizer")
+        self.tokenizer_error = engine_attr(engine, "tokenizer_error")
         self.max_token_chars = longest_token_chars(self.tokenizer)
         self.max_model_len = int(engine_attr(engine, "max_model_len"))
         self.chat_template = load_template(self.config.chat_template) or engine_attr(engine, "chat_template")
@@ -175,6 +177,15 @@ class ServerState:
         if self.engine_failed():
             raise OpenAIError(503, "the engine stopped after an internal error; restart the server")
         return self.engine
+
+    def require_tokenizer(self, param: str | None = None,
+                          hint: str = "only token-id prompts can be served (/v1/completions)") -> Any:
+        """The tokenizer; without one (a GGUF whose tokenizer cannot be built) a 400 naming why, where touching
+        None was a 500 "internal server error (AttributeError)"; token-id completions still serve."""
+        if self.tokenizer is None:
+            reason = f"{self.tokenizer_error}; " if self.tokenizer_error else ""
+            raise OpenAIError(400, f"this model has no tokenizer: {reason}{hint}", param=param)
+        return self.tokenizer
 
     def check_model(self, name: str | None) -> str:
         """The served name a request addresses (None = the default); 404 for any other name."""
