@@ -26,8 +26,14 @@ from radiance.bench.report import check_output_path, format_table
 from radiance.bench.synthetic import SyntheticCheckpoint, synthetic_config
 from radiance.config import ModelConfig
 from radiance.errors import ConfigError
+from radiance.models.registry import resolve_architecture
 
 logger = logging.getLogger(__name__)
+
+DECODE_STEPS = 32  # timed batch-1 decode steps per context depth
+# tokens a decode measurement generates past its depth: the timed steps, the first token and two warm-up steps
+DECODE_ROOM = DECODE_STEPS + 3
+HEADROOM = 256  # tokens of context asked past the deepest measurement, where the model's context has them
 
 
 def _sync():
@@ -226,7 +232,7 @@ def bench_variant(model: str, quantization: str, contexts, prefills, concurrenci
                      max_num_seqs=max(concurrencies), gpu_memory_utilization=0.85, **options)
     row = {"variant": quantization, "load": engine.load_summary}
     for c in contexts:
-        row[f"decode_ms@{c}"] = _decode_ms(engine, c, 32, gen)
+        row[f"decode_ms@{c}"] = _decode_ms(engine, c, DECODE_STEPS, gen)
     for p in prefills:
         row[f"prefill_tok_s@{p}"] = _prefill_tok_s(engine, p, gen)
     if device == "cuda":  # is the shortest prefill host-bound?
@@ -298,7 +304,7 @@ def run(model: str = "synthetic:llama-3.1-8b", variants=("none", "mxfp4"), conte
     `engine_options` go to every variant's EngineConfig (e.g. prefill_graph_tokens)."""
     if device == "cuda" and not torch.cuda.is_available():  # else every variant fails alike, each with a traceback
         raise ConfigError("bench engine measures a CUDA GPU, and torch sees none here")
-    max_model_len = max(max(contexts), max(prefills)) + 256
+    max_model_len = fit_max_model_len(model, overrides, contexts, prefills)
     rows = []
     for v in variants:
         rows.append(_guarded(v, bench_variant, model, v, contexts, prefills, concurrencies, max_model_len, device,
@@ -307,6 +313,23 @@ def run(model: str = "synthetic:llama-3.1-8b", variants=("none", "mxfp4"), conte
     if with_hf:
         rows.append(_guarded("hf-transformers-bf16", bench_hf, model, contexts, prefills, concurrencies))
     return rows
+
+
+def fit_max_model_len(model: str, overrides: dict | None, contexts, prefills) -> int:
+    """The engine's max_model_len: the deepest measurement plus HEADROOM, capped at the model's context (the
+    engine refuses more); a depth whose measurement cannot fit the context is refused here, before any model is
+    built, where it failed inside its variant."""
+    context = resolve_architecture(synthetic_config(model, overrides))[1].max_position_embeddings
+    _check_depths("--contexts", contexts, DECODE_ROOM, model, context)
+    _check_depths("--prefills", prefills, 1, model, context)  # the prompt, then its one token
+    return min(max((*contexts, *prefills)) + HEADROOM, context)
+
+
+def _check_depths(flag: str, depths, room: int, model: str, context: int) -> None:
+    too_deep = [d for d in depths if d + room > context]
+    if too_deep:
+        raise ConfigError(f"{flag} {' '.join(map(str, too_deep))} does not fit {model}'s context of {context} "
+                          f"tokens (the measurement needs {room} more past its depth): use {context - room} or less")
 
 
 def _guarded(label: str, fn, *args) -> dict:

@@ -23,7 +23,7 @@ from radiance.engine.linears import Overflow16Bit, build_linear, build_lm_head, 
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight
 from radiance.layers.linear import DenseLinear, UnloadedLinear
-from radiance.models.registry import build_model, parameter_name
+from radiance.models.registry import parameter_name, resolve_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +112,12 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     if checkpoint is None:
         from radiance.checkpoint import open_checkpoint
         checkpoint = open_checkpoint(model_config.model)
+    model_class, arch = resolve_architecture(checkpoint.config)
+    # as soon as the config is read: a refused length is one line before minutes of weights load
+    check_max_model_len(model_config.max_model_len, arch.max_position_embeddings, _context_source(checkpoint))
     started = time.perf_counter()
     with _default_dtype_and_device(dtype, device):
-        model = build_model(checkpoint.config)
+        model = model_class(arch)
     model.eval()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -189,6 +192,24 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     return LoadedModel(model, tokenizer, getattr(checkpoint, "chat_template", None), eos, str(name),
                        device, dtype, summary, dict(getattr(checkpoint, "chat_templates", None) or {}),
                        tokenizer_error)
+
+
+def check_max_model_len(requested: int | None, context: int, source: str = "max_position_embeddings") -> None:
+    """Refuses a max_model_len above the model's context, as vLLM does (it was lowered with a warning that
+    scrolled away). vLLM's override (VLLM_ALLOW_LONG_MAX_MODEL_LEN) has no counterpart: the rotary table ends at
+    the context, and a position past it is an IndexError on the CPU, an out-of-bounds read on CUDA."""
+    if requested is not None and requested > context:
+        raise ConfigError(f"max_model_len {requested} exceeds the model's context of {context} tokens ({source}): "
+                          f"use --max-model-len {context} or less")
+
+
+def _context_source(checkpoint) -> str:
+    """Where the model's context comes from, for the error that names it."""
+    if str(getattr(checkpoint, "path", "") or "").endswith(".gguf"):
+        return "the GGUF's context_length"
+    if checkpoint.config.get("max_position_embeddings") is None:
+        return "transformers' default max_position_embeddings: config.json gives none"
+    return "max_position_embeddings in config.json"
 
 
 def _load_tokenizer(checkpoint) -> tuple[object | None, str | None]:

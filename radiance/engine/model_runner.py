@@ -22,6 +22,7 @@ import torch
 
 from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
+from radiance.engine.loader import check_max_model_len
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence
@@ -143,10 +144,7 @@ class ModelRunner:
         arch = model.config
         kv_dtype = kv_cache_dtype(device, dtype, config.cache.kv_cache_dtype)
         self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype)
-        wanted = config.model.max_model_len or arch.max_position_embeddings
-        self.max_model_len = min(wanted, arch.max_position_embeddings, self.num_blocks * self.block_size)
-        if config.model.max_model_len and self.max_model_len < config.model.max_model_len:
-            logger.warning("max_model_len lowered to %d (model limit / KV cache capacity)", self.max_model_len)
+        self.max_model_len = self._max_model_len(config.model.max_model_len, arch.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, kv_dtype)
         # pinned landing buffers of the sampled ids, used in turn (like the graph inputs' staging sets)
@@ -174,6 +172,16 @@ class ModelRunner:
                 logger.warning("numerics check covers eager steps only (above %d tokens, decode batches above %d); "
                                "add --enforce-eager to check every step", max(sizes, default=0),
                                self.decode_graphs.buckets[-1])
+
+    def _max_model_len(self, requested: int | None, context: int) -> int:
+        """The requested length or the model's context; one above the context is refused (load_model checks it
+        first, before the weights load; this covers a runner built on a model of its own), one above what the
+        KV cache holds lowered, with a warning."""
+        check_max_model_len(requested, context)
+        length = min(requested or context, self.num_blocks * self.block_size)
+        if requested and length < requested:
+            logger.warning("max_model_len lowered to %d (the KV cache holds no more)", length)
+        return length
 
     # ---------------------------------------------------------------- inputs
 
