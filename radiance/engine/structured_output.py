@@ -46,14 +46,24 @@ _HARMONY_ANALYSIS = {"type": "sequence", "elements": [
     {"type": "tag", "begin": "<|channel|>analysis<|message|>",
      "content": {"type": "any_text", "excludes": _HARMONY_MARKERS}, "end": "<|end|>"},
     {"type": "const_string", "value": "<|start|>assistant"}]}
+
+
+def _think_block(begin: str) -> dict:
+    """A <think> block from `begin` on: free text up to </think>, then the whitespace Qwen3 writes after it."""
+    return {"type": "sequence", "elements": [
+        {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": "</think>"},
+        {"type": "regex", "pattern": r"\s{0,2}"}]}
+
+
 # Structural-tag formats of the text before a constrained answer, by reasoning format (xgrammar's built-in model
 # tags hold reasoning the same way: free text up to the block's end):
 #   think: the rest of a <think> block the prompt opened, its end, and the whitespace Qwen3 writes after it;
+#   optional_think: a whole <think> block the model may open as its first text (the prompt opened none: Qwen3's
+#     hybrid template with thinking on, DeepSeek-R1-style models), or none, the answer then held from the start;
 #   harmony: any analysis messages, then the final channel's header (the prompt ends with <|start|>assistant)
 REASONING_BEFORE = {
-    "think": {"type": "sequence", "elements": [
-        {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"},
-        {"type": "regex", "pattern": r"\s{0,2}"}]},
+    "think": _think_block(""),
+    "optional_think": {"type": "optional", "content": _think_block("<think>")},
     "harmony": {"type": "sequence", "elements": [
         {"type": "star", "content": _HARMONY_ANALYSIS},
         {"type": "or", "elements": [{"type": "const_string", "value": header} for header in

@@ -7,7 +7,8 @@ Llama 3.x, a bare JSON object (`{"name": NAME, "parameters": {...}}`). xgrammar 
 schema into the grammar of its arguments (style "qwen_xml" for the parameters, whose values follow the
 schema's types, patterns and enums), so one set of builders serves every markup:
   - `tool_call_grammar`: the rest of a forced call (tool_choice "required" or named; the prompt already
-    ends with the call's opening, or, after a thinking block the prompt opened, the whole call with its opening;
+    ends with the call's opening, or, after a thinking block (the prompt's or an optional one the model opens),
+    the whole call with its opening;
     gpt-oss's harmony calls too, `HARMONY`), then, for "required" with parallel calls, further whole calls after the
     markup's separator, and nothing else (the answer is its calls);
   - `strict_tools_grammar`: tool_choice "auto" with `strict` functions: free text in which every call the
@@ -126,8 +127,8 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
     prompt ends with markup.required_prefix) one whole call to any of `tools` (OpenAI function dicts), then,
     when `parallel`, any number of further whole calls, each after markup.separator. Nothing may follow the
     calls: "required" makes the answer its calls, so the model ends there (or opens another).
-    `with_opening`: the prompt does not end with that opening (a thinking block it opened comes first, the call
-    after it), so the grammar starts with it: the same call, the opening included."""
+    `with_opening`: the prompt does not end with that opening (a thinking block it opened, or one the model may
+    open first, comes before the call), so the grammar starts with it: the same call, the opening included."""
     fns = [t["function"] for t in tools]
     _check_size(fns if name is None else [fn for fn in fns if fn["name"] == name], "a tool's parameters")
     if name is not None:

@@ -192,6 +192,13 @@ def close_thinking(prompt: str) -> str:
     return prompt + THINKING_CLOSE
 
 
+def prompt_closes_thinking(prompt: str) -> bool:
+    """True when the rendered prompt ends with a `<think>` block the template closed (Qwen3's hybrid template with
+    enable_thinking=false writes `<think>\n\n</think>\n\n`, DeepSeek-V3.1's without thinking `</think>`): thinking
+    is off, the model starts on its answer (vLLM: the prompt's reasoning already ended)."""
+    return prompt.rstrip().endswith("</think>")
+
+
 def prompt_opens_thinking(prompt: str, last_content: str = "", continuing: bool = False) -> bool:
     """True when the rendered prompt leaves a `<think>` block open (the model starts inside it). The opening
     must be the template's, after the last message (a user asking what `<think>` does opens nothing), or

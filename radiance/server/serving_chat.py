@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from radiance.engine.structured_output import StructuredOutput
 from radiance.engine.tool_grammars import (FORCED_CALL_MARKUPS, HARMONY, MARKUPS, strict_tools_grammar,
                                           tool_call_grammar)
-from radiance.server.chat_template import TemplateError, close_thinking, prompt_opens_thinking, render_chat
-from radiance.server.errors import invalid
+from radiance.server.chat_template import (TemplateError, close_thinking, prompt_closes_thinking,
+                                           prompt_opens_thinking, render_chat)
+from radiance.server.errors import OpenAIError, invalid
 from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, now, usage
 from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASONING_PARSERS, FunctionMessage
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
@@ -150,13 +151,14 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: bool) -> str:
+def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: bool, **template_kwargs: Any) -> str:
+    """The request's prompt; `template_kwargs` over the request's own (thinking_before_answer's probe)."""
     template = (state.tool_chat_template if use_tools else None) or state.chat_template
     if not template:
         raise invalid("this model has no chat template; pass one with --chat-template or use /v1/completions",
                       param="messages")
     tok = state.tokenizer
-    kwargs = req.template_kwargs()
+    kwargs = {**req.template_kwargs(), **template_kwargs}
     kwargs.setdefault("bos_token", getattr(tok, "bos_token", None) or "")
     kwargs.setdefault("eos_token", getattr(tok, "eos_token", None) or "")
     messages = _messages(req)
@@ -179,8 +181,8 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
 def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> str:
     """tool_choice "required" / named: the prompt ends with the opening of a tool call (and the function
     name when one is named), so the model can only continue a call, held to the tools' schemas too
-    (forced_tool_call_constraint). After a thinking block the prompt opened, the model writes this opening
-    itself, once its reasoning has ended (prepare_chat)."""
+    (forced_tool_call_constraint). After a thinking block the prompt opened, or one the model may open first
+    (thinking_before_answer), the model writes this opening itself, once its reasoning has ended (prepare_chat)."""
     if req.tool_choice in (None, "auto", "none"):
         return ""
     if state.tool_parser_name is None:
@@ -193,27 +195,31 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
 
 
 async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest, tools: list[dict],
-                                      after_thinking: bool = False) -> StructuredOutput:
+                                      after_reasoning: str | None = None) -> StructuredOutput:
     """The rest of a forced tool call held to the tools' parameter schemas (so it parses and its arguments
     validate), then, with parallel calls after a "required" one, further calls held the same way.
-    `after_thinking`: the prompt opened a <think> block and does not end with the call's opening: the reasoning
-    runs free up to </think>, then the whole call is held, its opening (forced_tool_call_prefix) included."""
+    `after_reasoning` (structured_output.REASONING_BEFORE, "think" or "optional_think"): a <think> block the prompt
+    opened, or one the model may open first, comes before the call, so the prompt does not end with the call's
+    opening: the reasoning runs free up to </think>, then the whole call is held, its opening
+    (forced_tool_call_prefix) included."""
     if req.structured_output() is not None:
         raise invalid("tool_choice required/named already constrains the output; drop "
                       f"{req.constraint_field()} or use tool_choice auto", param="tool_choice")
     markup = FORCED_CALL_MARKUPS[state.tool_parser_name]
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     parallel = req.parallel_tool_calls and markup is not HARMONY  # harmony: <|call|> ends the generation
-    return await _tools_constraint(state, lambda: tool_call_grammar(tools, markup, named, parallel, after_thinking),
-                                   after_reasoning="think" if after_thinking else None)
+    with_opening = after_reasoning is not None
+    return await _tools_constraint(state, lambda: tool_call_grammar(tools, markup, named, parallel, with_opening),
+                                   after_reasoning=after_reasoning)
 
 
 async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest, tools: list[dict],
-                                  opens_thinking: bool = False) -> StructuredOutput | None:
+                                  after_reasoning: str | None = None) -> StructuredOutput | None:
     """tool_choice auto with `strict` functions: calls the model opens are held to the tools (and a strict
     function's arguments to its schema); None without strict functions or a tool-call parser, or when
     response_format already constrains the answer (one constraint per request). In a <think> block the prompt
-    opened the reasoning runs free: the calls are held from its end on."""
+    opened, or one the model opens first (`after_reasoning`), the reasoning runs free: the calls are held from its
+    end on."""
     if (state.tool_parser_name is None or req.structured_output() is not None
             or not any(t.function.strict for t in req.tools)):
         return None
@@ -225,7 +231,7 @@ async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest
         _warn_unconstrained_strict(state.tool_parser_name)
         return None
     return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls),
-                                   after_reasoning="think" if opens_thinking else None)
+                                   after_reasoning=after_reasoning)
 
 
 @functools.lru_cache(maxsize=None)
@@ -250,6 +256,9 @@ async def answer_constraint(state: ServerState, req: ChatCompletionRequest, cons
     parser saw the reasoning end:
       - "think": a <think> block the prompt opened (Qwen3 with thinking on): free text up to </think>, then the
         constrained answer (the reasoning parser splits them into reasoning_content and content);
+      - "optional_think": the prompt opened no block, but the model may open one first (Qwen3's hybrid template
+        with thinking on, DeepSeek-R1-style models): <think> free text </think>, then the answer, or the answer
+        alone, held from the first token (thinking_before_answer);
       - "harmony": gpt-oss answers in the final channel, after any analysis messages: the constraint holds that
         message's body alone (gpt-oss has no mode without analysis), not the text after <|start|>assistant. A
         continued final message (continue_final_message) is already in its body."""
@@ -261,6 +270,35 @@ async def answer_constraint(state: ServerState, req: ChatCompletionRequest, cons
     except ValueError as exc:
         raise invalid(str(exc), param=req.constraint_field()) from None
     return spec
+
+
+def thinking_before_answer(state: ServerState, req: ChatCompletionRequest, prompt: str, opens_thinking: bool,
+                           use_tools: bool) -> str | None:
+    """The <think> block a constraint lets run free before the text it holds (structured_output.REASONING_BEFORE),
+    with the think reasoning parser to set it apart: "think" when the prompt opened it; "optional_think" when the
+    model may open one as its first text (the prompt opened none and thinking is on: Qwen3's hybrid template,
+    DeepSeek-R1-style models); None when thinking is off (enable_thinking false, reasoning_effort none / minimal,
+    the template closed the block in the prompt, or its thinking is opt-in: asked with enable_thinking it would
+    open the block) or the model continues a message it began: the answer is held from the start.
+    vLLM applies the grammar only once the reasoning parser saw </think>, so a model there that does not think is
+    never held; here it is held from its first token, and one that thinks, from the block's end."""
+    if state.reasoning_parser_name != "think":
+        return None
+    if opens_thinking:
+        return "think"
+    kwargs = req.template_kwargs()
+    if (req.continue_final_message or not req.add_generation_prompt or kwargs.get("enable_thinking") is False
+            or prompt_closes_thinking(prompt)):
+        return None
+    if "enable_thinking" not in kwargs:  # a template that thinks only when asked has thinking off by default
+        last_content = req.messages[-1].text() if req.messages else ""
+        try:
+            asked = render_prompt(state, req, use_tools, enable_thinking=True)
+        except OpenAIError:
+            asked = prompt
+        if prompt_opens_thinking(asked, last_content):
+            return None
+    return "optional_think"
 
 
 @dataclass
@@ -275,6 +313,9 @@ class PreparedChat:
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str) -> PreparedChat:
     """Limits, template, forced tool-call prefix and constraint, tokens, sampling: everything a chat request
     (or a Responses request turned into one) does before it reaches the engine."""
+    # a chat prompt is text: without a tokenizer nothing below can serve it, and its cause (a broken GGUF field)
+    # is the one to name, not the "no chat template" that rendering would answer first
+    state.require_tokenizer("messages")
     await check_limits(state, req)
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
@@ -285,22 +326,27 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     # a forced call or response_format / guided_* holds the answer, not the reasoning of a <think> block the
     # template opened: with the think reasoning parser to split them, the reasoning runs free and the constraint
     # holds the text after </think> (vLLM's rule), so a forced call's opening comes after </think>, not at the end
-    # of the prompt; without it the block is closed empty first (nothing would tell the reasoning from the answer)
-    think_first = opens_thinking and state.reasoning_parser_name == "think"
+    # of the prompt; without it the block is closed empty first (nothing would tell the reasoning from the answer).
+    # A block the model may open itself (thinking_before_answer) is optional before the constraint, the same way.
+    constrained = bool(forced_prefix) or req.structured_output() is not None or (
+        use_tools and any(t.function.strict for t in req.tools))
+    thinking = thinking_before_answer(state, req, prompt, opens_thinking, use_tools) if constrained else None
+    think_first = thinking == "think"
     forced = bool(forced_prefix)
     if forced:
-        constraint = await forced_tool_call_constraint(state, req, tools, after_thinking=think_first)
+        constraint = await forced_tool_call_constraint(state, req, tools, after_reasoning=thinking)
     elif use_tools:
-        constraint = await strict_tools_constraint(state, req, tools, opens_thinking) or req.structured_output()
+        constraint = (await strict_tools_constraint(state, req, tools, "think" if opens_thinking else thinking)
+                      or req.structured_output())
     else:
         constraint = req.structured_output()
     if constraint is not None and not forced and state.reasoning_parser_name == "harmony":
         constraint = await answer_constraint(state, req, constraint, "harmony")
-    elif constraint is not None and not forced and think_first:
-        constraint = await answer_constraint(state, req, constraint, "think")
+    elif constraint is not None and not forced and thinking is not None:
+        constraint = await answer_constraint(state, req, constraint, thinking)
     if opens_thinking and not think_first and (forced or req.structured_output() is not None):
         prompt, opens_thinking = close_thinking(prompt), False
-    if think_first:
+    if thinking is not None:
         forced_prefix = ""  # the model writes the call's opening after its reasoning: the parsers read it there
     prompt += forced_prefix
     prompt_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
