@@ -7,14 +7,14 @@ held). The server splits the two (reasoning_content; content or tool_calls), str
 and no reasoning parser keep the constraint from the start, as before. Grammars are checked by xgrammar over a small
 real tokenizer (test_parser_followups.accepts)."""
 
-import json
-
 import httpx
 import pytest
 
 from tests.server.fake_engine import TEMPLATE, FakeEngine, serve_engine
 from tests.server.test_chat_followups import SCHEMA, chat
 from tests.server.test_parser_followups import accepts
+from tests.server.test_thinking_then_constraint import (ASK, BAD_ARGUMENTS, CALLS, NAMED, PLAN, REQUIRED, TIME_TOOL,
+                                                        TOOLS, calls_of, prompt_of, spec_of)
 from tests.server.test_tool_parsers import WEATHER_TOOL
 
 # Qwen3's hybrid template: thinking on by default with nothing opened in the prompt (the model writes <think>);
@@ -22,21 +22,6 @@ from tests.server.test_tool_parsers import WEATHER_TOOL
 HYBRID = TEMPLATE.replace(
     "{% if enable_thinking %}<think>{% endif %}",
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
-PLAN = 'Let me think. Maybe {"a": "x"}, or <tool_call> get_time?'  # JSON, markup: the reasoning is free text
-ASK = [{"role": "user", "content": "A?"}]
-TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-TOOLS = [WEATHER_TOOL, TIME_TOOL]
-CALLS = {
-    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
-    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
-                   "</tool_call>",
-}
-BAD_ARGUMENTS = {  # the same call, its arguments against the schema (days is an integer)
-    "hermes": CALLS["hermes"].replace('"Oslo"', '"Oslo", "days": "two"'),
-    "qwen3_coder": CALLS["qwen3_coder"].replace("<parameter=city>\nOslo", "<parameter=days>\ntwo"),
-}
-REQUIRED = {"tool_choice": "required"}
-NAMED = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
 
 
 @pytest.fixture(scope="module", params=["hermes", "qwen3_coder"])
@@ -44,18 +29,6 @@ def server(request):
     engine = FakeEngine(max_model_len=2048, chat_template=HYBRID)
     with serve_engine(engine, reasoning_parser="think", tool_call_parser=request.param) as url:
         yield url, engine, request.param
-
-
-def prompt_of(engine: FakeEngine) -> str:
-    return engine.tokenizer.decode(engine.requests[-1][1])
-
-
-def spec_of(engine: FakeEngine):
-    return engine.requests[-1][2].structured_output
-
-
-def calls_of(message: dict) -> list:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", ())]
 
 
 def thought(text: str) -> str:
