@@ -59,7 +59,7 @@ class ModelConfig:
     rule: str = "mse"  # block-exponent rule for any conversion to MXFP4 (mse, noclip, ocp; none = serve NVFP4 dequantized)
     dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on a CPU (bfloat16 is ~20% faster there but its greedy answers differ between CPUs)
     device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
-    max_model_len: int | None = None  # tokens of a sequence (prompt and output) at most; default: the model's context (max_position_embeddings, a GGUF's context_length); a value above the context is refused (no rotary angles past it, so there is no override), one above what the KV cache holds is lowered with a warning
+    max_model_len: int | None = None  # tokens of a sequence (prompt and output) at most; default: the model's context (max_position_embeddings, a GGUF's context_length); a value above the context is refused (no rotary angles past it, so there is no override), one above what the KV cache holds (blocks x block_size) is refused too (raise gpu_memory_utilization / cpu_kv_cache_bytes / num_gpu_blocks_override, or kv_cache_dtype fp8); unset, the context is lowered to the KV cache's capacity with a warning
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
     quantize_lm_head: bool = False  # with quantization mxfp4/nvfp4, quantize a 16-bit lm_head too (a tied one gets a quantized copy; the embedding stays 16-bit)
     lm_head_format: str = "mxfp4"  # with quantize_lm_head: mxfp4 (4.25 bits per weight) or mxfp4x2 (two MXFP4 terms, the head and its residual: 8.5 bits, ~1/8 of the error, one GEMM)

@@ -22,7 +22,7 @@ import torch
 
 from radiance.config import EngineConfig
 from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
-from radiance.engine.loader import check_max_model_len
+from radiance.engine.loader import check_kv_capacity, check_max_model_len
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence
@@ -174,14 +174,21 @@ class ModelRunner:
                                self.decode_graphs.buckets[-1])
 
     def _max_model_len(self, requested: int | None, context: int) -> int:
-        """The requested length or the model's context; one above the context is refused (load_model checks it
-        first, before the weights load; this covers a runner built on a model of its own), one above what the
-        KV cache holds lowered, with a warning."""
+        """The requested length or the model's context. A requested one above the context is refused (load_model
+        checks it first, before the weights load; this covers a runner built on a model of its own), and so is
+        one above what the KV cache holds (as vLLM refuses it). Not requested (None), the model's context is
+        lowered to what the KV cache holds, with a warning, so a bare `radiance serve` runs on a small machine."""
         check_max_model_len(requested, context)
-        length = min(requested or context, self.num_blocks * self.block_size)
-        if requested and length < requested:
-            logger.warning("max_model_len lowered to %d (the KV cache holds no more)", length)
-        return length
+        check_kv_capacity(requested, self.num_blocks, self.block_size, self.config.cache, self.device.type)
+        capacity = self.num_blocks * self.block_size
+        if requested is not None:
+            return requested
+        if capacity < context:
+            logger.warning("max_model_len lowered to %d from the model's context of %d (the KV cache holds no "
+                           "more; --gpu-memory-utilization / --cpu-kv-cache-bytes / --kv-cache-dtype fp8 raise it)",
+                           capacity, context)
+            return capacity
+        return context
 
     # ---------------------------------------------------------------- inputs
 
