@@ -18,6 +18,7 @@ from radiance.config import ServerConfig
 from radiance.errors import ConfigError, RadianceError
 from radiance.server.chat_template import load_template, template_features
 from radiance.checkpoint import model_name
+from radiance.engine.loader import no_tokenizer_message
 from radiance.server.errors import OpenAIError
 from radiance.server.metrics import ServerMetrics
 from radiance.server.response_store import ResponseStore
@@ -183,8 +184,7 @@ class ServerState:
         """The tokenizer; without one (a GGUF whose tokenizer cannot be built) a 400 naming why, where touching
         None was a 500 "internal server error (AttributeError)"; token-id completions still serve."""
         if self.tokenizer is None:
-            reason = f"{self.tokenizer_error}; " if self.tokenizer_error else ""
-            raise OpenAIError(400, f"this model has no tokenizer: {reason}{hint}", param=param)
+            raise OpenAIError(400, no_tokenizer_message(self.tokenizer_error, hint), param=param)
         return self.tokenizer
 
     def check_model(self, name: str | None) -> str:

@@ -7,10 +7,10 @@ model that does not think is never held.) JSON is the engine's compact form: one
 import pytest
 from xgrammar.testing import _is_grammar_accept_string
 
-from radiance.engine.structured_output import (REASONING_BEFORE, GrammarBackend, StructuredOutput, _grammar,
+from radiance.engine.structured_output import (REASONING_BEFORE, StructuredOutput, _grammar,
                                                after_reasoning)
 from radiance.engine.tool_grammars import HERMES, QWEN3_CODER, tool_call_grammar
-from tests.engine.conftest import TINY_TOKENIZER_VOCAB, tiny_byte_bpe_tokenizer
+from tests.engine.test_structured_after_reasoning import accepts, backend  # noqa: F401 (fixture)
 
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
 PLAN = 'plan {with json} {"a": "x"} <tool_call> maybe'  # the reasoning is free text
@@ -57,17 +57,6 @@ def test_every_kind_of_constraint(spec, good, bad):
         assert _is_grammar_accept_string(grammar, before + good)
         assert not _is_grammar_accept_string(grammar, before + bad)
     assert not _is_grammar_accept_string(grammar, PLAN + " " + good)
-
-
-@pytest.fixture(scope="module")
-def backend():
-    tokenizer = tiny_byte_bpe_tokenizer()
-    return GrammarBackend(tokenizer, TINY_TOKENIZER_VOCAB, [tokenizer.eos_token_id])
-
-
-def accepts(backend, spec, text):
-    matcher = backend.matcher(spec).matcher
-    return matcher.accept_string(text) and matcher.is_completed()
 
 
 def test_the_engine_compiles_and_holds_it_over_a_real_tokenizer(backend):

@@ -7,20 +7,16 @@ import functools
 import json
 from types import SimpleNamespace
 
-import httpx
 import pytest
 
-from radiance.config import ServerConfig
 from radiance.engine.structured_output import GrammarBackend
-from radiance.server.api import build_app
-from radiance.server.reasoning_parser import HARMONY_MARKERS, HarmonyReasoningParser, split_reasoning
+from radiance.server.reasoning_parser import HarmonyReasoningParser, split_reasoning
 from radiance.server.serving_chat import ChoiceStream
-from radiance.server.state import ServerState
 from radiance.server.tool_parsers import Qwen3CoderToolParser, parse_tool_calls
 from tests.engine.conftest import TINY_TOKENIZER_VOCAB, tiny_byte_bpe_tokenizer
-from tests.server.fake_engine import FakeEngine, serve_engine, serve_in_thread
-from tests.server.test_chat_followups import SCHEMA, THINKING, chat
-from tests.server.test_harmony_tools import ANALYSIS, TOOLS, TOOLS_TEMPLATE
+from tests.server.fake_engine import FakeEngine, serve_engine
+from tests.server.test_chat_followups import SCHEMA, THINKING, chat, harmony_server  # noqa: F401 (fixture)
+from tests.server.test_harmony_tools import ANALYSIS, TOOLS
 from tests.server.test_tool_parsers import WEATHER_TOOL
 
 
@@ -46,15 +42,6 @@ def splits(text: str):
 
 
 # --- 1. gpt-oss: response_format holds the final message's body, after any analysis ---
-
-@pytest.fixture(scope="module")
-def harmony_server():
-    engine = FakeEngine(chat_template=TOOLS_TEMPLATE, special_tokens=HARMONY_MARKERS)
-    state = ServerState(ServerConfig(served_model_name=("fake",)), engine_factory=lambda: engine)
-    state.attach(engine)
-    with serve_in_thread(build_app(state)) as url:
-        yield url, engine
-
 
 FINAL = '<|start|>assistant<|channel|>final<|message|>{"a": 1}'
 HARMONY_CONSTRAINTS = {
