@@ -319,7 +319,7 @@ def fit_max_model_len(model: str, overrides: dict | None, contexts, prefills) ->
     """The engine's max_model_len: the deepest measurement plus HEADROOM, capped at the model's context (the
     engine refuses more); a depth whose measurement cannot fit the context is refused here, before any model is
     built, where it failed inside its variant."""
-    context = resolve_architecture(synthetic_config(model, overrides))[1].max_position_embeddings
+    context = resolve_architecture(synthetic_config(model, overrides))[1].context_length
     _check_depths("--contexts", contexts, DECODE_ROOM, model, context)
     _check_depths("--prefills", prefills, 1, model, context)  # the prompt, then its one token
     return min(max((*contexts, *prefills)) + HEADROOM, context)

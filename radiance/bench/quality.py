@@ -117,9 +117,9 @@ def check_chunking(chunks: int, chunk_len: int, first: int = 0) -> None:
 
 
 def check_context(model: LogitsModel, chunk_len: int) -> None:
-    """A chunk must fit the model's positions: past max_position_embeddings there are no rotary angles (an
-    IndexError on the CPU, out-of-bounds reads on CUDA)."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    """A chunk must fit the model's positions: past its context (ArchConfig.context_length) there are no rotary
+    angles (an IndexError on the CPU, out-of-bounds reads on CUDA)."""
+    limit = getattr(getattr(model, "config", None), "context_length", None)
     if limit is not None and chunk_len > limit:
         raise ConfigError(f"chunk_len {chunk_len} exceeds the model's context of {limit} tokens")
 

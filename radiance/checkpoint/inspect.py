@@ -39,7 +39,23 @@ def _model_line(config: dict) -> str:
         parts.append("tied embeddings")
     if config.get("max_position_embeddings"):
         parts.append(f"max len {config['max_position_embeddings']}")
+    context = _yarn_context(config)
+    if context is not None:
+        parts.append(f"YaRN context {context}")
     return ", ".join(parts)
+
+
+def _yarn_context(config: dict) -> int | None:
+    """The context YaRN gives (original x factor, ArchConfig.context_length) where it differs from
+    max_position_embeddings; None otherwise, or for a config the registry refuses."""
+    from radiance.errors import ConfigError
+    from radiance.models.registry import resolve_architecture
+
+    try:
+        cfg = resolve_architecture(config)[1]
+    except ConfigError:
+        return None
+    return cfg.context_length if cfg.context_length != cfg.max_position_embeddings else None
 
 
 def _layer_list(layers: list[int]) -> str:

@@ -114,7 +114,7 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
         checkpoint = open_checkpoint(model_config.model)
     model_class, arch = resolve_architecture(checkpoint.config)
     # as soon as the config is read: a refused length is one line before minutes of weights load
-    check_max_model_len(model_config.max_model_len, arch.max_position_embeddings, _context_source(checkpoint))
+    check_max_model_len(model_config.max_model_len, arch.context_length, _context_source(checkpoint, arch))
     started = time.perf_counter()
     with _default_dtype_and_device(dtype, device):
         model = model_class(arch)
@@ -223,8 +223,10 @@ def check_kv_capacity(requested: int | None, num_blocks: int, block_size: int, c
                       f"({num_blocks} blocks of {block_size}): {knobs}, or use --max-model-len {capacity} or less")
 
 
-def _context_source(checkpoint) -> str:
-    """Where the model's context comes from, for the error that names it."""
+def _context_source(checkpoint, arch) -> str:
+    """Where the model's context (ArchConfig.context_length) comes from, for the error that names it."""
+    if arch.context_length != arch.max_position_embeddings:
+        return "YaRN's original_max_position_embeddings x factor"
     if str(getattr(checkpoint, "path", "") or "").endswith(".gguf"):
         return "the GGUF's context_length"
     if checkpoint.config.get("max_position_embeddings") is None:

@@ -144,7 +144,7 @@ class ModelRunner:
         arch = model.config
         kv_dtype = kv_cache_dtype(device, dtype, config.cache.kv_cache_dtype)
         self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype)
-        self.max_model_len = self._max_model_len(config.model.max_model_len, arch.max_position_embeddings)
+        self.max_model_len = self._max_model_len(config.model.max_model_len, arch.context_length)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, kv_dtype)
         # pinned landing buffers of the sampled ids, used in turn (like the graph inputs' staging sets)

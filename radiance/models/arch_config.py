@@ -39,6 +39,18 @@ class ArchConfig:
         return self.sliding_window if index in self.sliding_layers else None
 
     @property
+    def context_length(self) -> int:
+        """Tokens a sequence may span, vLLM's rule: max_position_embeddings, but with YaRN the original context
+        times the factor (Qwen3's recipe adds YaRN to config.json to reach 4 x 32k and leaves
+        max_position_embeddings at 40960). Linear scaling keeps max_position_embeddings, where such configs
+        already give the scaled length (vLLM multiplies it once more); dynamic NTK is served as the default
+        rope (see _rope), which transformers matches only up to max_position_embeddings."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) == "yarn":
+            return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        return self.max_position_embeddings
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -131,7 +131,7 @@ def test_run_eval_end_to_end_with_a_fake_loader(tmp_path):
 
 
 def test_chunks_longer_than_the_model_context_are_refused(tmp_path):
-    """Positions past max_position_embeddings have no rotary angles: an IndexError traceback on the CPU, reads
+    """Positions past the context have no rotary angles: an IndexError traceback on the CPU, reads
     out of bounds on CUDA. The chunk length is checked against the loaded model instead."""
     from types import SimpleNamespace
 
@@ -141,7 +141,7 @@ def test_chunks_longer_than_the_model_context_are_refused(tmp_path):
 
     def loader(model, variant, device, dtype):
         bigram = BigramModel(torch.zeros(3, 3))
-        bigram.config = SimpleNamespace(max_position_embeddings=32)
+        bigram.config = SimpleNamespace(context_length=32)
         return bigram, WordTokenizer(vocab)
 
     with pytest.raises(ConfigError, match="chunk_len 33 .*32"):
