@@ -24,9 +24,9 @@ def kv_cache_dtype(device: torch.device, model_dtype: torch.dtype, wanted: str =
     return model_dtype if device.type == "cuda" else torch.float32
 
 
-def block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.config
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+def block_bytes(arch, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block of a model whose ArchConfig is `arch`."""
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * torch.tensor([], dtype=dtype).element_size()
     return per_token * block_size
 
 
@@ -47,20 +47,33 @@ def _peak_activation_bytes(model, device: torch.device, num_tokens: int, max_sam
     return peak
 
 
-def num_kv_blocks(model, cache: CacheConfig, scheduler: SchedulerConfig, device: torch.device,
-                  dtype: torch.dtype) -> int:
+def blocks_known_before_load(arch, cache: CacheConfig, device: torch.device, dtype: torch.dtype) -> int | None:
+    """The KV block count where no weights are needed to know it (an override, or the CPU's byte budget), so that
+    a max_model_len it cannot hold is refused before the load; None on CUDA, where it comes from the memory left
+    after the weights and an activation probe."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    per_block = block_bytes(model, cache.block_size, dtype)
     if device.type == "cuda":
-        peak = _peak_activation_bytes(model, device, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free  # weights, other processes, the allocator's reserve
-        budget = int(total * cache.gpu_memory_utilization) - used - peak
-        logger.info("KV budget: %.2f GiB (total %.1f, in use %.1f, activation peak %.2f GiB, utilization %.2f)",
-                    budget / 2**30, total / 2**30, used / 2**30, peak / 2**30, cache.gpu_memory_utilization)
-    else:
-        budget = cache.cpu_kv_cache_bytes
+        return None
+    return _blocks_of(cache.cpu_kv_cache_bytes, block_bytes(arch, cache.block_size, dtype))
+
+
+def num_kv_blocks(model, cache: CacheConfig, scheduler: SchedulerConfig, device: torch.device,
+                  dtype: torch.dtype) -> int:
+    known = blocks_known_before_load(model.config, cache, device, dtype)
+    if known is not None:
+        return known
+    per_block = block_bytes(model.config, cache.block_size, dtype)
+    peak = _peak_activation_bytes(model, device, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free  # weights, other processes, the allocator's reserve
+    budget = int(total * cache.gpu_memory_utilization) - used - peak
+    logger.info("KV budget: %.2f GiB (total %.1f, in use %.1f, activation peak %.2f GiB, utilization %.2f)",
+                budget / 2**30, total / 2**30, used / 2**30, peak / 2**30, cache.gpu_memory_utilization)
+    return _blocks_of(budget, per_block)
+
+
+def _blocks_of(budget: int, per_block: int) -> int:
     blocks = budget // per_block
     if blocks < 1:
         raise ConfigError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB available, "

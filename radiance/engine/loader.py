@@ -19,6 +19,7 @@ import torch
 from radiance.config import EngineConfig, KernelConfig, ModelConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
+from radiance.engine.kv_cache import blocks_known_before_load, kv_cache_dtype
 from radiance.engine.linears import Overflow16Bit, build_linear, build_lm_head, to_serving_dtype
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight
@@ -102,6 +103,7 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
 
 def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig | None = None,
                checkpoint=None, progress: bool = True) -> LoadedModel:
+    cache_config = config.cache if isinstance(config, EngineConfig) else None
     if isinstance(config, EngineConfig):
         model_config, kernel_config = config.model, kernel_config or config.kernel
     else:
@@ -115,6 +117,8 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     model_class, arch = resolve_architecture(checkpoint.config)
     # as soon as the config is read: a refused length is one line before minutes of weights load
     check_max_model_len(model_config.max_model_len, arch.context_length, _context_source(checkpoint, arch))
+    if cache_config is not None:
+        _check_known_kv_capacity(model_config.max_model_len, arch, cache_config, device, dtype)
     started = time.perf_counter()
     with _default_dtype_and_device(dtype, device):
         model = model_class(arch)
@@ -221,6 +225,14 @@ def check_kv_capacity(requested: int | None, num_blocks: int, block_size: int, c
         knobs += " or use --kv-cache-dtype fp8"
     raise ConfigError(f"max_model_len {requested} is larger than the KV cache holds: {capacity} tokens "
                       f"({num_blocks} blocks of {block_size}): {knobs}, or use --max-model-len {capacity} or less")
+
+
+def _check_known_kv_capacity(requested: int | None, arch, cache, device: torch.device, dtype: torch.dtype) -> None:
+    """check_kv_capacity where the block count needs no weights (the CPU's byte budget, a block override): a refusal
+    before the load rather than after it. On CUDA without an override the runner checks once the memory is known."""
+    blocks = blocks_known_before_load(arch, cache, device, kv_cache_dtype(device, dtype, cache.kv_cache_dtype))
+    if blocks is not None:
+        check_kv_capacity(requested, blocks, cache.block_size, cache, device.type)
 
 
 def _context_source(checkpoint, arch) -> str:

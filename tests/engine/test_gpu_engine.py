@@ -108,7 +108,7 @@ def test_fp8_kv_cache_gpu_matches_cpu(tiny_llm):
     from radiance.engine.kv_cache import block_bytes
 
     model = gpu.engine.runner.model
-    assert 2 * block_bytes(model, 16, torch.float8_e4m3fn) == block_bytes(model, 16, torch.bfloat16)
+    assert 2 * block_bytes(model.config, 16, torch.float8_e4m3fn) == block_bytes(model.config, 16, torch.bfloat16)
 
 
 def test_qwen3_head_norms_fused_in_rotary_match_cpu(tiny_model_dir):

@@ -83,3 +83,16 @@ def test_generate_refuses_an_explicit_length_above_the_kv_cache_in_one_line(caps
     assert len(errors) == 1, captured.err
     assert "radiance generate: error: max_model_len 64 is larger than the KV cache holds: 32 tokens " \
            "(2 blocks of 16)" in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("knob", [{"num_gpu_blocks_override": 4}, {"cpu_kv_cache_bytes": 4 * BLOCK_BYTES}])
+def test_a_capacity_known_without_weights_refuses_before_the_load(knob):
+    """The CPU's byte budget and a block override give the block count from the config alone: the refusal comes
+    before any weight is read (on CUDA without an override the count needs the loaded model's memory)."""
+    ckpt = _checkpoint()
+    read = []
+    ckpt.iter_weights = lambda *a, **kw: read.append(1) or iter(())
+    config = EngineConfig.from_flat(model=MODEL, device="cpu", max_model_len=65, **knob)
+    with pytest.raises(ConfigError, match="max_model_len 65 is larger than the KV cache holds: 64 tokens"):
+        LLM.from_engine_config(config, checkpoint=ckpt)
+    assert not read
