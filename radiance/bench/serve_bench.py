@@ -13,13 +13,11 @@ or `[DONE]`, or with malformed events, fails its request only.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -27,18 +25,11 @@ from tqdm import tqdm
 
 from radiance.bench import metrics
 from radiance.bench.report import format_table
+from radiance.bench.serve_prompts import PromptSpec, load_dataset, prompts_for_level
+from radiance.bench.serve_stream import Stream, read_stream, stream_problem
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-# Common short English words: each is about one token for BPE vocabularies, so a prompt of L
-# words is close to L tokens on any model (the server's usage reports the exact count).
-_WORDS = (
-    "the of and to in is was for on as with by he at from his an were are which this be or has had "
-    "not but first one their its new after who they have her she two been other when there all during "
-    "into school time may years more most only over city some world would where later up such used many "
-    "can state about national out known university united then made year three under since season well"
-).split()
 
 
 @dataclass(frozen=True)
@@ -93,12 +84,6 @@ def _check_url(url: str) -> None:
         raise ConfigError(f"--url must be http://HOST[:PORT] or https://..., got {url!r}")
 
 
-@dataclass(frozen=True)
-class PromptSpec:
-    prompt: str
-    output_len: int
-
-
 @dataclass
 class RequestResult:
     ok: bool
@@ -139,108 +124,6 @@ class LevelSummary:
         return asdict(self)
 
 
-# --------------------------------------------------------------------------- prompts
-
-
-def random_prompts(n: int, input_len: int, output_len: int, seed: int) -> list[PromptSpec]:
-    """n distinct prompts of input_len words (distinct so prefix caching cannot skip the prefill)."""
-    rng = random.Random(seed)
-    return [PromptSpec(" ".join(rng.choice(_WORDS) for _ in range(input_len)), output_len) for _ in range(n)]
-
-
-def load_dataset(path: str, output_len: int) -> list[PromptSpec]:
-    """A JSON array (ShareGPT's {"conversations": [...]} or {"prompt", "output_len"?} objects), JSONL lines
-    {"prompt": str, "output_len": int?} or plain text lines (one prompt each)."""
-    text = _dataset_text(path)
-    array = _json_array(text, path)
-    if array is not None:
-        items = (_array_item(item, output_len, f"dataset {path} item {i}") for i, item in enumerate(array))
-        specs = [spec for spec in items if spec is not None]
-    else:
-        specs = _dataset_lines(text, output_len, path)
-    if not specs:
-        raise ConfigError(f"dataset {path} has no prompts")
-    return specs
-
-
-def _dataset_text(path: str) -> str:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"dataset file not found: {path}")
-    try:
-        return file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"dataset {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-
-
-def _json_array(text: str, path: str) -> list | None:
-    """The file as one JSON array (ShareGPT's layout), None when it is lines. A .json file that starts like an
-    array must parse: read as lines, a broken one would send its fragments as prompts."""
-    if not text.lstrip().startswith("["):
-        return None
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        if path.lower().endswith(".json"):
-            raise ConfigError(f"dataset {path} is not valid JSON ({exc})") from None
-        return None  # text lines, the first of which starts with "["
-
-
-def _array_item(item, output_len: int, where: str) -> PromptSpec | None:
-    """One {"prompt", "output_len"?} object, or a ShareGPT conversation's first human turn (None when it has none:
-    ShareGPT holds some conversations that open with the model)."""
-    if isinstance(item, dict) and "conversations" in item:
-        turns = item["conversations"]
-        if not isinstance(turns, list):
-            raise ConfigError(f"{where}: 'conversations' must be a list of turns")
-        first = next((t for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
-        if first is None or not isinstance(first.get("value"), str) or not first["value"].strip():
-            return None
-        return PromptSpec(first["value"], output_len)
-    return _prompt_row(item, output_len, where)
-
-
-def _dataset_lines(text: str, output_len: int, path: str) -> list[PromptSpec]:
-    specs = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            specs.append(_dataset_row(line, output_len, f"dataset {path} line {lineno}"))
-        else:
-            specs.append(PromptSpec(line, output_len))
-    return specs
-
-
-def _dataset_row(line: str, output_len: int, where: str) -> PromptSpec:
-    try:
-        row = json.loads(line)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: expected JSON with a 'prompt' field ({exc})") from None
-    return _prompt_row(row, output_len, where)
-
-
-def _prompt_row(row, output_len: int, where: str) -> PromptSpec:
-    """One {"prompt", "output_len"?} object; a prompt that is not text or an output_len that is not a positive
-    integer (null, 2.7, true, 0) is the file's error, not a request the server rejects or a str(None) prompt."""
-    if not isinstance(row, dict) or "prompt" not in row:
-        raise ConfigError(f"{where}: expected JSON with a 'prompt' field, got {str(row)[:60]}")
-    prompt, n = row["prompt"], row.get("output_len", output_len)
-    if not isinstance(prompt, str):
-        raise ConfigError(f"{where}: 'prompt' must be a string, got {prompt!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"{where}: 'output_len' must be a positive integer, got {n!r}")
-    return PromptSpec(prompt, n)
-
-
-def prompts_for_level(opts: ServeBenchOptions, n: int, level_seed: int,
-                      pool: list[PromptSpec] | None = None) -> list[PromptSpec]:
-    """The dataset's prompts in order (cycled), else n random prompts."""
-    if pool:
-        return [pool[i % len(pool)] for i in range(n)]
-    return random_prompts(n, opts.input_len, opts.output_len, level_seed)
-
-
 # --------------------------------------------------------------------------- one request
 
 
@@ -259,111 +142,10 @@ def _request_body(opts: ServeBenchOptions, model: str, spec: PromptSpec) -> tupl
     return "/v1/completions", body
 
 
-def _text_field(where: dict, key: str) -> str:
-    value = where.get(key)
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"stream event {key!r} is not text: {str(value)[:80]}")
-    return value or ""
-
-
-def _first_choice(obj: dict) -> dict | None:
-    """The event's choice, None for a usage-only chunk (`choices: []`); any other shape is the server's error."""
-    choices = obj.get("choices") or []
-    if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
-        raise ValueError(f"stream event has a malformed choice: {str(choices)[:80]}")
-    return choices[0] if choices else None
-
-
-def _chunk_text(choice: dict | None) -> str:
-    if choice is None:
-        return ""
-    if "delta" not in choice:
-        return _text_field(choice, "text")
-    delta = choice["delta"] or {}
-    if not isinstance(delta, dict):
-        raise ValueError(f"stream event has a malformed delta: {str(delta)[:80]}")
-    return "".join(_text_field(delta, key) for key in ("content", "reasoning_content", "reasoning"))
-
-
-def _usage_count(usage: dict, key: str) -> int | None:
-    value = usage.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"stream event usage {key!r} is not a count: {str(value)[:80]}")
-    return value
-
-
-def _stream_event(data: str) -> dict:
-    """One `data:` payload as a JSON object; anything else (`[1, 2]`, a bare string) is the server's error and
-    fails this request only, not the whole run."""
-    obj = json.loads(data)
-    if not isinstance(obj, dict):
-        raise ValueError(f"stream event is not a JSON object: {data[:80]}")
-    return obj
-
-
-@dataclass
-class _Stream:
-    """What one streamed answer delivered: when each chunk with text came and the usage the server reported."""
-
-    chunk_times: list[float] = field(default_factory=list)
-    chunk_usage: list[int | None] = field(default_factory=list)  # completion_tokens so far, sent with each text chunk
-    completion_tokens: int | None = None  # the last usage's
-    prompt_tokens: int | None = None
-    finished: bool = False  # a finish_reason or [DONE] came: the answer is whole
-    events: int = 0  # `data:` lines read
-
-    def add(self, obj: dict, now: float) -> None:
-        choice = _first_choice(obj)
-        usage = obj.get("usage")
-        if usage is not None and not isinstance(usage, dict):
-            raise ValueError(f"stream event usage is not an object: {str(usage)[:80]}")
-        completion = _usage_count(usage, "completion_tokens") if usage else None
-        if _chunk_text(choice):
-            self.chunk_times.append(now)
-            self.chunk_usage.append(completion)
-        if choice is not None and choice.get("finish_reason"):
-            self.finished = True
-        if usage:
-            self.completion_tokens = completion if completion is not None else self.completion_tokens
-            self.prompt_tokens = _usage_count(usage, "prompt_tokens")
-
-    @property
-    def output_tokens(self) -> int:
-        return max(len(self.chunk_times), self.completion_tokens or 0)
-
-    def tokens_per_chunk(self) -> list[int]:
-        """The server's counts when every text chunk carried its usage (continuous_usage_stats) and they add up,
-        else the total spread evenly over the chunks."""
-        if self.chunk_usage and None not in self.chunk_usage:
-            counts = [b - a for a, b in zip([0, *self.chunk_usage], self.chunk_usage)]
-            if min(counts) >= 1:
-                return counts
-        return metrics.tokens_per_chunk(self.output_tokens, len(self.chunk_times))
-
-
-async def _read_stream(resp: httpx.Response, stream: _Stream) -> str | None:
-    """Reads the events into `stream`; returns the error the server streamed, if any."""
-    async for line in resp.aiter_lines():
-        if line.startswith("error:"):  # llama.cpp's server streams its errors as `error: {...}` lines
-            return f"stream error: {line[6:].strip()}"[:200]
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        stream.events += 1
-        if data == "[DONE]":
-            stream.finished = True
-            return None
-        obj = _stream_event(data)
-        if "error" in obj:
-            return f"stream error: {obj['error']}"[:200]
-        stream.add(obj, time.perf_counter())
-    return None
-
-
 async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str, spec: PromptSpec) -> RequestResult:
     path, body = _request_body(opts, model, spec)
     result = RequestResult(ok=False, requested_tokens=spec.output_len)
-    stream = _Stream()
+    stream = Stream()
     start = time.perf_counter()
     try:
         async with client.stream("POST", path, json=body) as resp:
@@ -371,12 +153,12 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
                 text = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {' '.join(text.split())[:200]}"
                 return result
-            result.error = await _read_stream(resp, stream)
+            result.error = await read_stream(resp, stream)
     except (httpx.HTTPError, ValueError, OSError) as exc:  # ValueError: JSONDecodeError, malformed events
         result.error = f"{type(exc).__name__}: {exc}"[:200]
     end = time.perf_counter()
     if result.error is None:
-        result.error = _stream_problem(stream)
+        result.error = stream_problem(stream)
     if result.error is not None:
         return result
     result.ok = True
@@ -386,16 +168,6 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
     result.output_tokens = stream.output_tokens
     result.prompt_tokens = stream.prompt_tokens
     return result
-
-
-def _stream_problem(stream: _Stream) -> str | None:
-    if not stream.events:  # e.g. one JSON answer from a server that ignores "stream": true
-        return "the response is not an event stream (no `data:` lines)"
-    if not stream.chunk_times:
-        return "no tokens streamed"
-    if not stream.finished:  # the connection closed mid-answer: its numbers would flatter the server
-        return f"stream ended after {len(stream.chunk_times)} chunk(s) without a finish_reason or [DONE]"
-    return None
 
 
 # --------------------------------------------------------------------------- one level

@@ -5,7 +5,7 @@ import math
 import httpx
 import pytest
 
-from radiance.bench import serve_bench
+from radiance.bench import serve_bench, serve_prompts
 from radiance.bench.serve_bench import ServeBenchOptions
 from radiance.errors import ConfigError
 
@@ -77,12 +77,12 @@ def test_options_validation(tmp_path):
     with pytest.raises(ConfigError):
         ServeBenchOptions(url="http://x", endpoint="embeddings")
     with pytest.raises(ConfigError, match="not found"):
-        serve_bench.load_dataset(str(tmp_path / "missing.jsonl"), 4)
+        serve_prompts.load_dataset(str(tmp_path / "missing.jsonl"), 4)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(ConfigError, match="line 1"):
-        serve_bench.load_dataset(str(bad), 4)
-    prompts = serve_bench.random_prompts(3, 10, 4, seed=0)
+        serve_prompts.load_dataset(str(bad), 4)
+    prompts = serve_prompts.random_prompts(3, 10, 4, seed=0)
     assert len({p.prompt for p in prompts}) == 3 and all(len(p.prompt.split()) == 10 for p in prompts)
 
 
@@ -102,7 +102,7 @@ def test_dataset_rows_are_checked(tmp_path, line, message):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "fine", "output_len": 4}\n' + line + "\n")
     with pytest.raises(ConfigError, match=f"line 2.*{message}"):
-        serve_bench.load_dataset(str(data), 8)
+        serve_prompts.load_dataset(str(data), 8)
 
 
 def test_timeout_and_warmup_are_checked():
@@ -117,7 +117,7 @@ def test_a_non_object_stream_event_fails_its_request_only(fake_server):
 
     async def send(*prompts):
         async with httpx.AsyncClient(base_url=fake_server.url) as client:
-            return [await serve_bench.send_request(client, opts, fake_server.model, serve_bench.PromptSpec(p, 2))
+            return [await serve_bench.send_request(client, opts, fake_server.model, serve_prompts.PromptSpec(p, 2))
                     for p in prompts]
 
     ok, bad = asyncio.run(send("hello", "GARBLE me"))

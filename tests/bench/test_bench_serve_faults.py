@@ -17,8 +17,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radiance.bench import serve_bench
-from radiance.bench.serve_bench import PromptSpec, ServeBenchOptions
+from radiance.bench import serve_bench, serve_prompts
+from radiance.bench.serve_bench import ServeBenchOptions
+from radiance.bench.serve_prompts import PromptSpec
 from radiance.cli import build_parser, main
 from radiance.errors import ConfigError
 from tests.bench.conftest import free_port
@@ -302,17 +303,17 @@ def test_sharegpt_json_is_a_dataset(tmp_path, indent):
     pretty-printed lines failed as JSONL."""
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps(SHAREGPT, indent=indent))
-    specs = serve_bench.load_dataset(str(data), 7)
+    specs = serve_prompts.load_dataset(str(data), 7)
     assert specs == [PromptSpec("What is a cat?", 7), PromptSpec("Hi", 7)]
 
 
 def test_a_json_array_of_prompt_objects_and_lines_that_start_with_a_bracket(tmp_path):
     data = tmp_path / "prompts.json"
     data.write_text(json.dumps([{"prompt": "one"}, {"prompt": "two", "output_len": 3}]))
-    assert serve_bench.load_dataset(str(data), 5) == [PromptSpec("one", 5), PromptSpec("two", 3)]
+    assert serve_prompts.load_dataset(str(data), 5) == [PromptSpec("one", 5), PromptSpec("two", 3)]
     lines = tmp_path / "prompts.txt"
     lines.write_text("[INST] hello [/INST]\nplain\n")
-    assert serve_bench.load_dataset(str(lines), 5) == [PromptSpec("[INST] hello [/INST]", 5), PromptSpec("plain", 5)]
+    assert serve_prompts.load_dataset(str(lines), 5) == [PromptSpec("[INST] hello [/INST]", 5), PromptSpec("plain", 5)]
 
 
 @pytest.mark.parametrize("name, content, message", [
@@ -326,14 +327,14 @@ def test_bad_json_datasets_are_one_line(tmp_path, name, content, message):
     data = tmp_path / name
     data.write_text(content)
     with pytest.raises(ConfigError, match=message):
-        serve_bench.load_dataset(str(data), 4)
+        serve_prompts.load_dataset(str(data), 4)
 
 
 def test_a_dataset_that_is_not_utf8_names_the_file(tmp_path):
     data = tmp_path / "latin1.txt"
     data.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     with pytest.raises(ConfigError, match="latin1.txt is not UTF-8"):
-        serve_bench.load_dataset(str(data), 4)
+        serve_prompts.load_dataset(str(data), 4)
 
 
 def test_a_dataset_smaller_than_a_level_warns_once(faulty, tmp_path, caplog):

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from radiance.bench import serve_bench
+from radiance.bench import serve_bench, serve_prompts
 from radiance.cli import main
 from radiance.config import ModelConfig
 
@@ -87,5 +87,5 @@ def test_the_warmup_prompts_are_no_level_s(monkeypatch):
     opts = serve_bench.ServeBenchOptions(url="http://x", concurrency=(1, 2, 4), warmup=2, input_len=8, progress=False)
     asyncio.run(serve_bench.warm_up(None, opts, "m", None))
     measured = {spec.prompt for i, conc in enumerate(opts.concurrency)
-                for spec in serve_bench.prompts_for_level(opts, opts.prompts_for(conc), opts.seed + i)}
+                for spec in serve_prompts.prompts_for_level(opts, opts.prompts_for(conc), opts.seed + i)}
     assert len(sent) == 2 and not measured & set(sent)

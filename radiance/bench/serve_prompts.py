@@ -1,0 +1,129 @@
+"""The prompts `radiance bench serve` sends: random words of a given length, or a dataset file's prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from radiance.errors import ConfigError
+
+if TYPE_CHECKING:
+    from radiance.bench.serve_bench import ServeBenchOptions
+
+
+# Common short English words: each is about one token for BPE vocabularies, so a prompt of L
+# words is close to L tokens on any model (the server's usage reports the exact count).
+_WORDS = (
+    "the of and to in is was for on as with by he at from his an were are which this be or has had "
+    "not but first one their its new after who they have her she two been other when there all during "
+    "into school time may years more most only over city some world would where later up such used many "
+    "can state about national out known university united then made year three under since season well"
+).split()
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    prompt: str
+    output_len: int
+
+
+def random_prompts(n: int, input_len: int, output_len: int, seed: int) -> list[PromptSpec]:
+    """n distinct prompts of input_len words (distinct so prefix caching cannot skip the prefill)."""
+    rng = random.Random(seed)
+    return [PromptSpec(" ".join(rng.choice(_WORDS) for _ in range(input_len)), output_len) for _ in range(n)]
+
+
+def load_dataset(path: str, output_len: int) -> list[PromptSpec]:
+    """A JSON array (ShareGPT's {"conversations": [...]} or {"prompt", "output_len"?} objects), JSONL lines
+    {"prompt": str, "output_len": int?} or plain text lines (one prompt each)."""
+    text = _dataset_text(path)
+    array = _json_array(text, path)
+    if array is not None:
+        items = (_array_item(item, output_len, f"dataset {path} item {i}") for i, item in enumerate(array))
+        specs = [spec for spec in items if spec is not None]
+    else:
+        specs = _dataset_lines(text, output_len, path)
+    if not specs:
+        raise ConfigError(f"dataset {path} has no prompts")
+    return specs
+
+
+def _dataset_text(path: str) -> str:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"dataset file not found: {path}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"dataset {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _json_array(text: str, path: str) -> list | None:
+    """The file as one JSON array (ShareGPT's layout), None when it is lines. A .json file that starts like an
+    array must parse: read as lines, a broken one would send its fragments as prompts."""
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        if path.lower().endswith(".json"):
+            raise ConfigError(f"dataset {path} is not valid JSON ({exc})") from None
+        return None  # text lines, the first of which starts with "["
+
+
+def _array_item(item, output_len: int, where: str) -> PromptSpec | None:
+    """One {"prompt", "output_len"?} object, or a ShareGPT conversation's first human turn (None when it has none:
+    ShareGPT holds some conversations that open with the model)."""
+    if isinstance(item, dict) and "conversations" in item:
+        turns = item["conversations"]
+        if not isinstance(turns, list):
+            raise ConfigError(f"{where}: 'conversations' must be a list of turns")
+        first = next((t for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
+        if first is None or not isinstance(first.get("value"), str) or not first["value"].strip():
+            return None
+        return PromptSpec(first["value"], output_len)
+    return _prompt_row(item, output_len, where)
+
+
+def _dataset_lines(text: str, output_len: int, path: str) -> list[PromptSpec]:
+    specs = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            specs.append(_dataset_row(line, output_len, f"dataset {path} line {lineno}"))
+        else:
+            specs.append(PromptSpec(line, output_len))
+    return specs
+
+
+def _dataset_row(line: str, output_len: int, where: str) -> PromptSpec:
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: expected JSON with a 'prompt' field ({exc})") from None
+    return _prompt_row(row, output_len, where)
+
+
+def _prompt_row(row, output_len: int, where: str) -> PromptSpec:
+    """One {"prompt", "output_len"?} object; a prompt that is not text or an output_len that is not a positive
+    integer (null, 2.7, true, 0) is the file's error, not a request the server rejects or a str(None) prompt."""
+    if not isinstance(row, dict) or "prompt" not in row:
+        raise ConfigError(f"{where}: expected JSON with a 'prompt' field, got {str(row)[:60]}")
+    prompt, n = row["prompt"], row.get("output_len", output_len)
+    if not isinstance(prompt, str):
+        raise ConfigError(f"{where}: 'prompt' must be a string, got {prompt!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{where}: 'output_len' must be a positive integer, got {n!r}")
+    return PromptSpec(prompt, n)
+
+
+def prompts_for_level(opts: ServeBenchOptions, n: int, level_seed: int,
+                      pool: list[PromptSpec] | None = None) -> list[PromptSpec]:
+    """The dataset's prompts in order (cycled), else n random prompts."""
+    if pool:
+        return [pool[i % len(pool)] for i in range(n)]
+    return random_prompts(n, opts.input_len, opts.output_len, level_seed)

@@ -1,0 +1,123 @@
+"""Reading one streamed OpenAI answer: when each chunk with text came, the usage the server reported and
+whether the answer came whole."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from radiance.bench import metrics
+
+
+def _text_field(where: dict, key: str) -> str:
+    value = where.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"stream event {key!r} is not text: {str(value)[:80]}")
+    return value or ""
+
+
+def _first_choice(obj: dict) -> dict | None:
+    """The event's choice, None for a usage-only chunk (`choices: []`); any other shape is the server's error."""
+    choices = obj.get("choices") or []
+    if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
+        raise ValueError(f"stream event has a malformed choice: {str(choices)[:80]}")
+    return choices[0] if choices else None
+
+
+def _chunk_text(choice: dict | None) -> str:
+    if choice is None:
+        return ""
+    if "delta" not in choice:
+        return _text_field(choice, "text")
+    delta = choice["delta"] or {}
+    if not isinstance(delta, dict):
+        raise ValueError(f"stream event has a malformed delta: {str(delta)[:80]}")
+    return "".join(_text_field(delta, key) for key in ("content", "reasoning_content", "reasoning"))
+
+
+def _usage_count(usage: dict, key: str) -> int | None:
+    value = usage.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"stream event usage {key!r} is not a count: {str(value)[:80]}")
+    return value
+
+
+def _stream_event(data: str) -> dict:
+    """One `data:` payload as a JSON object; anything else (`[1, 2]`, a bare string) is the server's error and
+    fails this request only, not the whole run."""
+    obj = json.loads(data)
+    if not isinstance(obj, dict):
+        raise ValueError(f"stream event is not a JSON object: {data[:80]}")
+    return obj
+
+
+@dataclass
+class Stream:
+    """What one streamed answer delivered: when each chunk with text came and the usage the server reported."""
+
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_usage: list[int | None] = field(default_factory=list)  # completion_tokens so far, sent with each text chunk
+    completion_tokens: int | None = None  # the last usage's
+    prompt_tokens: int | None = None
+    finished: bool = False  # a finish_reason or [DONE] came: the answer is whole
+    events: int = 0  # `data:` lines read
+
+    def add(self, obj: dict, now: float) -> None:
+        choice = _first_choice(obj)
+        usage = obj.get("usage")
+        if usage is not None and not isinstance(usage, dict):
+            raise ValueError(f"stream event usage is not an object: {str(usage)[:80]}")
+        completion = _usage_count(usage, "completion_tokens") if usage else None
+        if _chunk_text(choice):
+            self.chunk_times.append(now)
+            self.chunk_usage.append(completion)
+        if choice is not None and choice.get("finish_reason"):
+            self.finished = True
+        if usage:
+            self.completion_tokens = completion if completion is not None else self.completion_tokens
+            self.prompt_tokens = _usage_count(usage, "prompt_tokens")
+
+    @property
+    def output_tokens(self) -> int:
+        return max(len(self.chunk_times), self.completion_tokens or 0)
+
+    def tokens_per_chunk(self) -> list[int]:
+        """The server's counts when every text chunk carried its usage (continuous_usage_stats) and they add up,
+        else the total spread evenly over the chunks."""
+        if self.chunk_usage and None not in self.chunk_usage:
+            counts = [b - a for a, b in zip([0, *self.chunk_usage], self.chunk_usage)]
+            if min(counts) >= 1:
+                return counts
+        return metrics.tokens_per_chunk(self.output_tokens, len(self.chunk_times))
+
+
+async def read_stream(resp: httpx.Response, stream: Stream) -> str | None:
+    """Reads the events into `stream`; returns the error the server streamed, if any."""
+    async for line in resp.aiter_lines():
+        if line.startswith("error:"):  # llama.cpp's server streams its errors as `error: {...}` lines
+            return f"stream error: {line[6:].strip()}"[:200]
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        stream.events += 1
+        if data == "[DONE]":
+            stream.finished = True
+            return None
+        obj = _stream_event(data)
+        if "error" in obj:
+            return f"stream error: {obj['error']}"[:200]
+        stream.add(obj, time.perf_counter())
+    return None
+
+
+def stream_problem(stream: Stream) -> str | None:
+    if not stream.events:  # e.g. one JSON answer from a server that ignores "stream": true
+        return "the response is not an event stream (no `data:` lines)"
+    if not stream.chunk_times:
+        return "no tokens streamed"
+    if not stream.finished:  # the connection closed mid-answer: its numbers would flatter the server
+        return f"stream ended after {len(stream.chunk_times)} chunk(s) without a finish_reason or [DONE]"
+    return None
