@@ -122,3 +122,30 @@ def test_qwen3_head_norms_fused_in_rotary_match_cpu(tiny_model_dir):
     torch.backends.cuda.matmul.allow_tf32 = False
     gpu = LLM(path, device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4, cuda_graph_max_batch=4)
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == cpu
+
+
+def test_yarn_positions_past_max_position_embeddings_match_cpu(tiny_model_dir, tmp_path):
+    """A YaRN config serves original x factor positions (ArchConfig.context_length, here 32 x 4 = 128 over a
+    max_position_embeddings of 48): the GPU's rotary launch reads its table past 48 as the CPU does (fp32, the
+    same greedy tokens, prompts of 60-78 tokens)."""
+    import json
+    import shutil
+
+    from radiance import LLM
+
+    src, _ = tiny_model_dir("qwen3")
+    path = tmp_path / "yarn"
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(max_position_embeddings=48, rope_parameters={
+        "rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    (path / "config.json").write_text(json.dumps(config))
+    prompts = [[(5 * i + 3 * j) % 256 for j in range(60 + 9 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu = LLM(str(path), device="cpu", dtype="float32", max_model_len=128)
+    assert cpu.engine.max_model_len == 128
+    expected = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = LLM(str(path), device="cuda", dtype="float32", max_model_len=128, num_gpu_blocks_override=128,
+              max_num_seqs=4, cuda_graph_max_batch=4)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == expected
