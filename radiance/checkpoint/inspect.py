@@ -82,7 +82,7 @@ def _attention_line(config: dict) -> str | None:
     declared = config.get("sliding_window")
     try:
         cfg = resolve_architecture(config)[1]
-    except ConfigError:  # e.g. Mistral: what config.json says, for the servable line's refusal to explain
+    except ConfigError:  # e.g. Phi-3: what config.json says, for the servable line's refusal to explain
         return f"config.json gives a sliding window of {declared} tokens" if declared else None
     layers = sorted(cfg.sliding_layers)
     if not layers:

@@ -118,6 +118,7 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
                  "original_max_position_embeddings": 4096}
 HF_DEFAULTS = {
     "LlamaForCausalLM": HfDefaults(2048),
+    "MistralForCausalLM": HfDefaults(131072, num_key_value_heads=8),
     "Qwen2ForCausalLM": HfDefaults(32768, num_key_value_heads=32),
     "Qwen2MoeForCausalLM": HfDefaults(32768, num_key_value_heads=16),
     "Qwen3ForCausalLM": HfDefaults(32768, head_dim=128, num_key_value_heads=32),  # not hidden // heads
@@ -136,6 +137,7 @@ def hf_defaults(architecture: str) -> HfDefaults:
 MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
@@ -242,7 +244,8 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     their MoE variants only with `use_sliding_window` (off, transformers nulls sliding_window whatever
     layer_types says), on the layers `layer_types` calls "sliding_attention" or, without it, the ones
     `max_window_layers` implies; gpt-oss on the sliding layers of its `layer_types`, without them on the even
-    layers (window 128 unless given), as transformers' GptOssConfig derives them."""
+    layers (window 128 unless given), as transformers' GptOssConfig derives them; Mistral on every layer (4096
+    unless given; a null window is full attention)."""
     if architecture in _QWEN_SLIDING_LAYERS:
         if not config.get("use_sliding_window"):
             return {}
@@ -250,6 +253,9 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     elif architecture == "GptOssForCausalLM":
         # transformers' GptOssConfig: an absent window is 128, a null one none; use_sliding_window is not read
         window = config.get("sliding_window", 128)
+    elif architecture == "MistralForCausalLM":
+        # transformers' MistralConfig: an absent window is 4096 (Mistral-7B v0.1's), a null one none (v0.2 on)
+        window = config.get("sliding_window", 4096)
     else:
         return {}
     if not window:
@@ -263,7 +269,7 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
 
 def _layer_types(config: dict, architecture: str, num_layers: int) -> list[str]:
     types = config.get("layer_types")
-    if types is None or architecture == "Qwen3MoeForCausalLM":  # transformers' Qwen3-MoE reads no layer_types
+    if types is None or architecture in _READS_NO_LAYER_TYPES:
         return [_DERIVED_LAYER_TYPES[architecture](i, config) for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
         count = len(types) if isinstance(types, list) else repr(types)
@@ -301,8 +307,11 @@ _QWEN_SLIDING_LAYERS = {
     "Qwen2MoeForCausalLM": _slides_on_even_layers_below,
     "Qwen3MoeForCausalLM": lambda layer, config: "sliding_attention",
 }
-# gpt-oss alternates, starting with a sliding layer
-_DERIVED_LAYER_TYPES = {**_QWEN_SLIDING_LAYERS, "GptOssForCausalLM": _slides_on_even_layers}
+# gpt-oss alternates, starting with a sliding layer; Mistral slides on every layer
+_DERIVED_LAYER_TYPES = {**_QWEN_SLIDING_LAYERS, "GptOssForCausalLM": _slides_on_even_layers,
+                        "MistralForCausalLM": lambda layer, config: "sliding_attention"}
+# transformers' Qwen3-MoE and Mistral read no layer_types: their windows follow the rules above whatever it says
+_READS_NO_LAYER_TYPES = {"Qwen3MoeForCausalLM", "MistralForCausalLM"}
 
 
 @dataclass(frozen=True)

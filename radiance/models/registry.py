@@ -10,6 +10,7 @@ from radiance.errors import ConfigError
 from radiance.models.arch_config import ArchConfig, named_architectures
 from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.llama import LlamaForCausalLM
+from radiance.models.mistral import MistralForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
 from radiance.models.qwen2_moe import Qwen2MoeForCausalLM
 from radiance.models.qwen3 import Qwen3ForCausalLM
@@ -18,6 +19,7 @@ from radiance.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_CLASSES = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

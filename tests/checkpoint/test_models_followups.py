@@ -100,7 +100,11 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_si
     (dict(GPT_OSS, num_hidden_layers=24),
      "sliding window 128 tokens on layers 0, 2, 4, ..., 22 (12 of 24), full causal on the others"),
     (dict(QWEN2, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096),
-     "config.json gives a sliding window of 4096 tokens"),
+     "sliding window 4096 tokens on layers 0-35 (36 of 36), no full-attention layer"),
+    (dict(QWEN2, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
+     "full causal on all 36 layers"),
+    (dict(QWEN2, architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=2047),  # not served
+     "config.json gives a sliding window of 2047 tokens"),
     (dict(QWEN2, architectures=["LlamaForCausalLM"], model_type="llama"), "full causal on all 36 layers"),
 ])
 def test_inspect_shows_the_sliding_window_layout(config, line):

@@ -149,3 +149,17 @@ def test_yarn_positions_past_max_position_embeddings_match_cpu(tiny_model_dir, t
     gpu = LLM(str(path), device="cuda", dtype="float32", max_model_len=128, num_gpu_blocks_override=128,
               max_num_seqs=4, cuda_graph_max_batch=4)
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == expected
+
+
+def test_mistral_window_on_every_layer_matches_cpu(tiny_model_dir):
+    """Mistral's 24-token window on every layer through the Triton prefill and decode attention (no sinks): greedy
+    tokens in fp32 as on the CPU, prompts longer than the window and decode past it."""
+    from radiance import LLM
+
+    path, _ = tiny_model_dir("mistral")
+    prompts = [[(7 * i + 5 * j) % 256 for j in range(30 + 11 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32").generate(prompts, params)]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = LLM(path, device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4, cuda_graph_max_batch=4)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == cpu
