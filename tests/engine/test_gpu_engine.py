@@ -111,17 +111,24 @@ def test_fp8_kv_cache_gpu_matches_cpu(tiny_llm):
     assert 2 * block_bytes(model.config, 16, torch.float8_e4m3fn) == block_bytes(model.config, 16, torch.bfloat16)
 
 
-def test_qwen3_head_norms_fused_in_rotary_match_cpu(tiny_model_dir):
-    """Qwen3's q_norm / k_norm run inside the rotary launch on the GPU: greedy tokens in fp32 as on the CPU."""
+def _assert_gpu_greedy_equals_cpu(path, prompts, params, **options) -> None:
+    """fp32 greedy tokens of the model at `path` on the GPU (Triton attention, rotary and norms, CUDA graphs) equal
+    the CPU's; `options` go to both engines."""
     from radiance import LLM
 
+    cpu = [o.outputs[0].token_ids for o in LLM(str(path), device="cpu", dtype="float32", **options).generate(
+        prompts, params)]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = LLM(str(path), device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4,
+              cuda_graph_max_batch=4, **options)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == cpu
+
+
+def test_qwen3_head_norms_fused_in_rotary_match_cpu(tiny_model_dir):
+    """Qwen3's q_norm / k_norm run inside the rotary launch on the GPU: greedy tokens in fp32 as on the CPU."""
     path, _ = tiny_model_dir("qwen3")
     prompts = [[(5 * i + 3 * j) % 256 for j in range(20 + 9 * i)] for i in range(3)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    cpu = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32").generate(prompts, params)]
-    torch.backends.cuda.matmul.allow_tf32 = False
-    gpu = LLM(path, device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4, cuda_graph_max_batch=4)
-    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == cpu
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
 
 
 def test_yarn_positions_past_max_position_embeddings_match_cpu(tiny_model_dir, tmp_path):
@@ -131,8 +138,6 @@ def test_yarn_positions_past_max_position_embeddings_match_cpu(tiny_model_dir, t
     import json
     import shutil
 
-    from radiance import LLM
-
     src, _ = tiny_model_dir("qwen3")
     path = tmp_path / "yarn"
     shutil.copytree(src, path)
@@ -141,25 +146,13 @@ def test_yarn_positions_past_max_position_embeddings_match_cpu(tiny_model_dir, t
         "rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
     (path / "config.json").write_text(json.dumps(config))
     prompts = [[(5 * i + 3 * j) % 256 for j in range(60 + 9 * i)] for i in range(3)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    cpu = LLM(str(path), device="cpu", dtype="float32", max_model_len=128)
-    assert cpu.engine.max_model_len == 128
-    expected = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
-    torch.backends.cuda.matmul.allow_tf32 = False
-    gpu = LLM(str(path), device="cuda", dtype="float32", max_model_len=128, num_gpu_blocks_override=128,
-              max_num_seqs=4, cuda_graph_max_batch=4)
-    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == expected
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                  max_model_len=128)
 
 
 def test_mistral_window_on_every_layer_matches_cpu(tiny_model_dir):
     """Mistral's 24-token window on every layer through the Triton prefill and decode attention (no sinks): greedy
     tokens in fp32 as on the CPU, prompts longer than the window and decode past it."""
-    from radiance import LLM
-
     path, _ = tiny_model_dir("mistral")
     prompts = [[(7 * i + 5 * j) % 256 for j in range(30 + 11 * i)] for i in range(3)]
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    cpu = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32").generate(prompts, params)]
-    torch.backends.cuda.matmul.allow_tf32 = False
-    gpu = LLM(path, device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4, cuda_graph_max_batch=4)
-    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == cpu
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
