@@ -103,11 +103,10 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
 
 def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig | None = None,
                checkpoint=None, progress: bool = True) -> LoadedModel:
-    cache_config = config.cache if isinstance(config, EngineConfig) else None
     if isinstance(config, EngineConfig):
-        model_config, kernel_config = config.model, kernel_config or config.kernel
-    else:
-        model_config, kernel_config = config, kernel_config or KernelConfig()
+        model_config, kernel_config, cache_config = config.model, kernel_config or config.kernel, config.cache
+    else:  # a model alone: no cache settings to check before the load
+        model_config, kernel_config, cache_config = config, kernel_config or KernelConfig(), None
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, device)
     torch.manual_seed(model_config.seed)
