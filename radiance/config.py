@@ -242,7 +242,7 @@ class EngineConfig:
 
 
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "harmony", "none")
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "none")
 REASONING_PARSERS = ("auto", "think", "harmony", "none")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -256,7 +256,7 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases (each once); default from the model
     api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY` (printable ASCII)
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
-    tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, harmony, none; auto: from the template's markup
+    tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony, none; auto: the template's markup
     reasoning_parser: str = "auto"  # think, harmony, none; auto: from the template (<|channel|>: harmony, <think>: think)
     max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)

@@ -1,9 +1,11 @@
 """Grammars that hold a model's tool calls to the request's tools (xgrammar structural tags).
 
-A chat template writes a call in one of three markups (`ToolCallMarkup`): Hermes, the call as JSON
+A chat template writes a call in one of these markups (`ToolCallMarkup`): Hermes, the call as JSON
 (`<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`); Qwen3-coder, the arguments as XML
 parameters (`<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>`);
-Llama 3.x, a bare JSON object (`{"name": NAME, "parameters": {...}}`). xgrammar turns a function's JSON
+Llama 3.x, a bare JSON object (`{"name": NAME, "parameters": {...}}`); Mistral, a JSON array of calls after its
+`[TOOL_CALLS]` token (`[TOOL_CALLS] [{"name": NAME, "arguments": {...}}, ...]`) or, from its v11 tokenizer on, one
+`[TOOL_CALLS]NAME[ARGS]{...}` per call (`call_markup` picks the one a template writes). xgrammar turns a function's JSON
 schema into the grammar of its arguments (style "qwen_xml" for the parameters, whose values follow the
 schema's types, patterns and enums), so one set of builders serves every markup:
   - `tool_call_grammar`: the rest of a forced call (tool_choice "required" or named; the prompt already
@@ -18,6 +20,7 @@ schema's types, patterns and enums), so one set of builders serves every markup:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -41,10 +44,21 @@ class ToolCallMarkup:
     required_prefix: str = CALL_START + "\n"  # what a "required" call's prompt ends with
     calls_open_answer: bool = False  # calls are read only where the answer starts (else anywhere in the text)
     separator: str = "\n"  # between parallel calls, as the chat template writes them
+    # the text around all of an answer's calls (Mistral's `[TOOL_CALLS] [` ... `]`), written once; a "required"
+    # call's prompt ends with group_opening, then the start of the first call's opening (required_prefix)
+    group_opening: str = ""
+    group_closing: str = ""
+
+    def __post_init__(self):
+        assert self.required_prefix.startswith(self.group_opening), self
 
     def opening(self, function_name: str) -> str:
         name = json.dumps(function_name) if self.quote_name else function_name
         return self.opening_format.format(name=name)
+
+    def forced_opening(self, function_name: str) -> str:
+        """What a prompt that forces a call to `function_name` ends with: the group's opening and the call's."""
+        return self.group_opening + self.opening(function_name)
 
     def arguments(self, schema: dict) -> dict:
         """The structural-tag content of a call's arguments under `schema` (whitespace between the parts
@@ -76,6 +90,28 @@ HARMONY = ToolCallMarkup("harmony", "<|channel|>commentary to=functions.{name} <
                          quote_name=False, arguments_style=None, trigger="<|channel|>commentary to=functions.",
                          required_prefix="<|channel|>commentary to=functions.")
 FORCED_CALL_MARKUPS = {**MARKUPS, HARMONY.name: HARMONY}
+# Mistral: `[TOOL_CALLS]` is a special token. Up to tokenizer v7 (Mistral-7B v0.3, Nemo, Small 3.1) an answer's calls are
+# one JSON array after it, written "[TOOL_CALLS] [" or "[TOOL_CALLS][" as the template does; from v11 on (Small 3.2,
+# Magistral, Devstral) each call has its own marker and its arguments follow an [ARGS] token.
+MISTRAL = ToolCallMarkup("mistral", '{{"name": {name}, "arguments": ', "}", quote_name=True, arguments_style=None,
+                         trigger="[TOOL_CALLS]", required_prefix="[TOOL_CALLS] [", separator=", ",
+                         group_opening="[TOOL_CALLS] [", group_closing="]")
+MISTRAL_COMPACT = dataclasses.replace(MISTRAL, required_prefix="[TOOL_CALLS][", group_opening="[TOOL_CALLS][")
+MISTRAL_ARGS = ToolCallMarkup("mistral", "[TOOL_CALLS]{name}[ARGS]", "", quote_name=False, arguments_style=None,
+                              trigger="[TOOL_CALLS]", required_prefix="[TOOL_CALLS]", separator="")
+
+
+def call_markup(parser: str | None, template: str) -> ToolCallMarkup | None:
+    """The markup `parser`'s calls take in a chat template's text (None: no grammar can write them). Mistral's
+    templates differ by tokenizer version; one that has the model write a call id ([CALL_ID], Magistral's) is
+    read, but no forced opening can hold the id, so its calls are never forced."""
+    if parser != MISTRAL.name:
+        return FORCED_CALL_MARKUPS.get(parser)
+    if "[CALL_ID]" in template:
+        return None
+    if "[ARGS]" in template:
+        return MISTRAL_ARGS
+    return MISTRAL_COMPACT if "[TOOL_CALLS][" in template else MISTRAL
 
 
 def _parameters(fn: dict) -> dict:
@@ -115,38 +151,55 @@ def _call_tags(tools: list[dict], markup: ToolCallMarkup, strict_only: bool) -> 
 
 
 def _triggered_calls(tools: list[dict], markup: ToolCallMarkup, strict_only: bool, stop_after_first: bool) -> dict:
-    """Free text in which every call the model opens is a whole call to one of `tools` (_call_tags)."""
-    return {"type": "triggered_tags", "triggers": [markup.trigger], "tags": _call_tags(tools, markup, strict_only),
+    """Free text in which every call the model opens is a whole call to one of `tools` (_call_tags); where calls
+    come in a group (Mistral's array), every group it opens holds one or more of them."""
+    tags = _call_tags(tools, markup, strict_only)
+    if markup.group_opening:
+        tags = [{"type": "tag", "begin": markup.group_opening, "end": markup.group_closing,
+                 "content": {"type": "tags_with_separator", "tags": tags, "separator": markup.separator,
+                             "at_least_one": True, "stop_after_first": stop_after_first}}]
+    return {"type": "triggered_tags", "triggers": [markup.trigger], "tags": tags,
             "at_least_one": False, "stop_after_first": stop_after_first}
 
 
 def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | None = None,
                       parallel: bool = False, with_opening: bool = False) -> str:
     """The grammar of what a model writes after the forced opening of a call (serving_chat): for a named
-    function (the prompt ends with markup.opening(name)) its arguments and the call's end; otherwise (the
+    function (the prompt ends with markup.forced_opening(name)) its arguments and the call's end; otherwise (the
     prompt ends with markup.required_prefix) one whole call to any of `tools` (OpenAI function dicts), then,
-    when `parallel`, any number of further whole calls, each after markup.separator. Nothing may follow the
-    calls: "required" makes the answer its calls, so the model ends there (or opens another).
+    when `parallel`, any number of further whole calls, each after markup.separator, and the group's closing.
+    Nothing may follow the calls: "required" makes the answer its calls, so the model ends there (or opens another).
     `with_opening`: the prompt does not end with that opening (a thinking block it opened, or one the model may
     open first, comes before the call), so the grammar starts with it: the same call, the opening included."""
     fns = [t["function"] for t in tools]
     _check_size(fns if name is None else [fn for fn in fns if fn["name"] == name], "a tool's parameters")
     if name is not None:
         fn = next(fn for fn in fns if fn["name"] == name)
-        call = {"type": "sequence", "elements": [markup.arguments(_parameters(fn)),
-                                                 {"type": "const_string", "value": markup.closing}]}
+        call = {"type": "sequence", "elements": [markup.arguments(_parameters(fn)), _const(markup.closing +
+                                                                                          markup.group_closing)]}
         if with_opening:
-            call["elements"].insert(0, {"type": "const_string", "value": markup.opening(name)})
-    else:
-        skip = "" if with_opening else markup.required_prefix
-        call = {"type": "or", "elements": [_call_tag(markup, fn, _parameters(fn), skip=skip) for fn in fns]}
-        if parallel:
-            another = {"type": "sequence", "elements": [{"type": "const_string", "value": markup.separator},
-                                                        {"type": "or", "elements": _call_tags(tools, markup, False)}]}
-            # a model may end its last call with a newline before it stops: that is no call to force
-            call = {"type": "sequence", "elements": [call, {"type": "star", "content": another},
-                                                     {"type": "regex", "pattern": r"\s{0,2}"}]}
+            call["elements"].insert(0, _const(markup.forced_opening(name)))
+        return str(_compile(call, "a tool's parameters"))
+    # the prompt ends with required_prefix (the group's opening, then the start of the first call's), or with none
+    lead = markup.group_opening if with_opening else ""
+    skip = "" if with_opening else markup.required_prefix[len(markup.group_opening):]
+    elements = [{"type": "or", "elements": [_call_tag(markup, fn, _parameters(fn), skip=skip) for fn in fns]}]
+    if lead:
+        elements.insert(0, _const(lead))
+    if parallel:
+        another = {"type": "sequence", "elements": [_const(markup.separator),
+                                                    {"type": "or", "elements": _call_tags(tools, markup, False)}]}
+        elements.append({"type": "star", "content": another})
+    if markup.group_closing:
+        elements.append(_const(markup.group_closing))
+    if parallel:  # a model may end its last call with a newline before it stops: that is no call to force
+        elements.append({"type": "regex", "pattern": r"\s{0,2}"})
+    call = elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
     return str(_compile(call, "a tool's parameters"))
+
+
+def _const(text: str) -> dict:
+    return {"type": "const_string", "value": text}
 
 
 def strict_tools_grammar(tools: list[dict], markup: ToolCallMarkup, parallel: bool) -> str:

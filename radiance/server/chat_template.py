@@ -4,13 +4,14 @@ Templates run in jinja2's immutable sandbox with the helpers Hugging Face templa
 `raise_exception`, a `tojson` filter that keeps non-ASCII text, and `strftime_now`. Messages go in
 as plain dicts; a tool call's JSON `arguments` string is handed to the template as a dict, since most
 templates print it with `tojson`. gpt-oss's (harmony) template gets the messages and tools in the shape it
-reads (_harmony_messages).
+reads (_harmony_messages), Mistral's the 9-character call ids it insists on (mistral_call_id).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import json
 import os
 from typing import Any
@@ -20,6 +21,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from radiance.errors import ConfigError
+from radiance.server.tool_parsers.mistral import ID_ALPHABET, ID_LENGTH
 
 
 class TemplateError(ValueError):
@@ -102,6 +104,28 @@ def _template_message(message: dict) -> dict:
     return out
 
 
+def mistral_call_id(call_id: str) -> str:
+    """Mistral's templates take only 9-character alphanumeric call ids and raise on any other (OpenAI's `call_...`,
+    another server's): such an id is rendered as one derived from it, the same for a call and its reply."""
+    if len(call_id) == ID_LENGTH and call_id.isascii() and call_id.isalnum():
+        return call_id
+    digest = hashlib.sha256(call_id.encode()).digest()
+    return "".join(ID_ALPHABET[byte % len(ID_ALPHABET)] for byte in digest[:ID_LENGTH])
+
+
+def _mistral_call_ids(messages: list[dict]) -> list[dict]:
+    out = []
+    for message in messages:
+        message = dict(message)
+        if isinstance(message.get("tool_call_id"), str):
+            message["tool_call_id"] = mistral_call_id(message["tool_call_id"])
+        if message.get("tool_calls"):
+            message["tool_calls"] = [{**call, "id": mistral_call_id(call["id"])} if isinstance(call.get("id"), str)
+                                     else call for call in message["tool_calls"]]
+        out.append(message)
+    return out
+
+
 def _harmony_tools(tools: list[dict]) -> list[dict]:
     """gpt-oss's template writes `"// " + tool.description`: a function without one gets "" (an empty line)."""
     return [{**tool, "function": {**tool["function"], "description": tool["function"].get("description") or ""}}
@@ -155,9 +179,13 @@ def render_chat(template: str, messages: list[dict], tools: list[dict] | None = 
     compiled = _compile(template)
     messages = [_template_message(m) for m in messages]
     # Only harmony (gpt-oss) templates get these: other templates print the tools as JSON (an invented
-    # description would change the prompt), loop over all calls of a message, and read reasoning_content
-    if template_features(template)["harmony"]:
+    # description would change the prompt), loop over all calls of a message, and read reasoning_content;
+    # only Mistral's check call ids
+    features = template_features(template)
+    if features["harmony"]:
         messages, tools = _harmony_messages(messages), tools and _harmony_tools(tools)
+    if features["mistral"]:
+        messages = _mistral_call_ids(messages)
     try:
         return compiled.render(messages=messages, tools=tools or None,
                                add_generation_prompt=add_generation_prompt, **kw)
@@ -177,6 +205,7 @@ def template_features(template: str | None) -> dict:
         "hermes": "<tool_call>" in text,
         # Llama 3.x: calls written as {"name": ..., "parameters": ...} (and <|python_tag|> for built-in tools)
         "llama3_json": "<|python_tag|>" in text or ("<|start_header_id|>" in text and '"parameters"' in text),
+        "mistral": "[TOOL_CALLS]" in text,  # Mistral: calls after its [TOOL_CALLS] token
         "think": "<think>" in text,
         "harmony": "<|channel|>" in text,  # gpt-oss: messages in channels (analysis, commentary, final)
     }

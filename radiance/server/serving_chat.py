@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import uuid
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
@@ -18,8 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radiance.engine.structured_output import StructuredOutput
-from radiance.engine.tool_grammars import (FORCED_CALL_MARKUPS, HARMONY, MARKUPS, strict_tools_grammar,
-                                          tool_call_grammar)
+from radiance.engine.tool_grammars import HARMONY, strict_tools_grammar, tool_call_grammar
 from radiance.server.chat_template import (TemplateError, close_thinking, prompt_closes_thinking,
                                            prompt_opens_thinking, render_chat)
 from radiance.server.errors import OpenAIError, invalid
@@ -62,9 +60,9 @@ class ChoiceStream:
 
     @property
     def needs_special_tokens(self) -> bool:
-        """Its reasoning parser reads markers that are special tokens (harmony), which the text must keep;
-        the parser takes them out again."""
-        return self.reasoning is not None and self.reasoning.needs_special_tokens
+        """Its reasoning or tool parser reads markers that are special tokens (harmony, Mistral's [TOOL_CALLS]),
+        which the text must keep; the parser takes them out again."""
+        return any(parser is not None and parser.needs_special_tokens for parser in (self.reasoning, self.tools))
 
     def _route(self, text: str, delta: dict) -> None:
         if not text:
@@ -93,7 +91,7 @@ class ChoiceStream:
             delta["content"] = delta.get("content", "") + parsed.content
             self.content_sent = True
         for call in parsed.tool_calls:
-            call_id = f"call_{uuid.uuid4().hex[:24]}"
+            call_id = self.tools.new_call_id()
             delta.setdefault("tool_calls", []).append({
                 "index": self.num_tool_calls, "id": call_id, "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments}})
@@ -188,10 +186,14 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     if state.tool_parser_name is None:
         raise invalid("tool_choice required/named needs a tool-call parser; this model's chat template has no "
                       "tool markup (start the server with --tool-call-parser)", param="tool_choice")
-    markup = FORCED_CALL_MARKUPS[state.tool_parser_name]
+    markup = state.tool_call_markup
+    if markup is None:
+        raise invalid(f"tool_choice required/named cannot be held in this chat template's {state.tool_parser_name} "
+                      "tool markup (the model writes a call id no grammar can fix in advance); use tool_choice auto",
+                      param="tool_choice")
     if req.tool_choice == "required":
         return markup.required_prefix
-    return markup.opening(req.tool_choice.function.name)
+    return markup.forced_opening(req.tool_choice.function.name)
 
 
 async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionRequest, tools: list[dict],
@@ -205,7 +207,7 @@ async def forced_tool_call_constraint(state: ServerState, req: ChatCompletionReq
     if req.structured_output() is not None:
         raise invalid("tool_choice required/named already constrains the output; drop "
                       f"{req.constraint_field()} or use tool_choice auto", param="tool_choice")
-    markup = FORCED_CALL_MARKUPS[state.tool_parser_name]
+    markup = state.tool_call_markup  # forced_tool_call_prefix refused a parser without one
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     parallel = req.parallel_tool_calls and markup is not HARMONY  # harmony: <|call|> ends the generation
     with_opening = after_reasoning is not None
@@ -223,11 +225,11 @@ async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest
     if (state.tool_parser_name is None or req.structured_output() is not None
             or not any(t.function.strict for t in req.tools)):
         return None
-    markup = MARKUPS.get(state.tool_parser_name)
-    if markup is None:
-        # harmony's call grammar holds forced calls only (tool_grammars.HARMONY); /v1/responses marks every
-        # function strict unless told otherwise, so a 400 here would refuse most tool requests: the calls are
-        # parsed as usual, not held to the schema
+    markup = state.tool_call_markup
+    if markup is None or markup is HARMONY:
+        # harmony's call grammar holds forced calls only (tool_grammars.HARMONY), and a call id the model writes
+        # (Mistral's [CALL_ID]) none; /v1/responses marks every function strict unless told otherwise, so a 400
+        # here would refuse most tool requests: the calls are parsed as usual, not held to the schema
         _warn_unconstrained_strict(state.tool_parser_name)
         return None
     return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls),
@@ -236,8 +238,8 @@ async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest
 
 @functools.lru_cache(maxsize=None)
 def _warn_unconstrained_strict(parser: str) -> None:
-    logger.warning("strict functions with the %s tool-call format are served without holding the arguments to "
-                   "their schemas (its call grammar serves forced calls only)", parser)
+    logger.warning("strict functions with this chat template's %s tool-call markup are served without holding the "
+                   "arguments to their schemas (no grammar holds its calls under tool_choice auto)", parser)
 
 
 async def _tools_constraint(state: ServerState, grammar, after_reasoning: str | None = None) -> StructuredOutput:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from radiance.config import ServerConfig
 from radiance.errors import ConfigError, RadianceError
+from radiance.engine.tool_grammars import ToolCallMarkup, call_markup
 from radiance.server.chat_template import load_template, template_features
 from radiance.checkpoint import model_name
 from radiance.engine.loader import no_tokenizer_message
@@ -54,6 +55,7 @@ class ServerState:
         self.chat_template: str | None = None
         self.tool_chat_template: str | None = None  # the model's "tool_use" template, for requests with tools
         self.tool_parser_name: str | None = None
+        self.tool_call_markup: ToolCallMarkup | None = None  # how the template writes calls (forced and strict)
         self.reasoning_parser_name: str | None = None
         self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0])
         self.responses = ResponseStore(config.responses_store)  # /v1/responses answers, for follow-ups
@@ -125,13 +127,16 @@ class ServerState:
         self.tool_chat_template = named.get("tool_use")
         if not self.config.served_model_name:
             self.served_names = (default_model_name(self.model_path, engine),)
-        features = template_features("\n".join(filter(None, (self.chat_template, self.tool_chat_template))))
+        templates = "\n".join(filter(None, (self.chat_template, self.tool_chat_template)))
+        features = template_features(templates)
         # harmony first: <|channel|> is gpt-oss's own markup, while <think> could appear in any template's text
         reasoning = next((name for name in ("harmony", "think") if features[name]), None)
         self.reasoning_parser_name = self._pick(self.config.reasoning_parser, reasoning)
-        markup = next((name for name in ("harmony", "qwen3_coder", "hermes", "llama3_json") if features[name]), None)
+        markup = next((name for name in ("harmony", "qwen3_coder", "hermes", "mistral", "llama3_json")
+                       if features[name]), None)
         self.tool_parser_name = self._pick(self.config.tool_call_parser, markup)
         self._check_harmony_calls()
+        self.tool_call_markup = call_markup(self.tool_parser_name, templates)
         self.engine = engine  # last: `ready` flips only once everything above is set
 
     def _check_harmony_calls(self) -> None:

@@ -77,10 +77,11 @@ def test_template_helpers_and_errors():
 
 def test_template_features_pick_parsers(tmp_path):
     assert template_features(QWEN_LIKE) == {"qwen3_coder": False, "hermes": True, "llama3_json": False, "think": True,
-                                            "harmony": False}
+                                            "harmony": False, "mistral": False}
     assert template_features("<tool_call><function=x>")["qwen3_coder"]
     assert template_features(None) == {"qwen3_coder": False, "hermes": False, "llama3_json": False, "think": False,
-                                       "harmony": False}
+                                       "harmony": False, "mistral": False}
+    assert template_features('{{ "[TOOL_CALLS] [" }}')["mistral"]
     llama = '<|start_header_id|>assistant<|end_header_id|>{"name": "f", "parameters": {}}'
     assert template_features(llama)["llama3_json"] and template_features("<|python_tag|>")["llama3_json"]
     path = tmp_path / "t.jinja"
@@ -115,7 +116,7 @@ def test_serve_defaults_and_bad_values():
     engine, server = configs_from_args(parse(["serve"]))
     assert engine.model.model is None and server.port == 8000
     with pytest.raises(ConfigError, match="tool_call_parser"):
-        configs_from_args(parse(["serve", "--tool-call-parser", "mistral"]))
+        configs_from_args(parse(["serve", "--tool-call-parser", "pythonic"]))
     with pytest.raises(ConfigError, match="max_num_seqs"):
         configs_from_args(parse(["serve", "--max-num-seqs", "0"]))
     with pytest.raises(ConfigError, match="two models"):
@@ -141,6 +142,8 @@ def test_serve_with_a_missing_model_exits_2_with_one_line(tmp_path):
     ("auto", "auto", "<tool_call>{}</tool_call>", ("hermes", None)),
     ("auto", "auto", '<|start_header_id|>{"name": "f", "parameters": {}}', ("llama3_json", None)),
     ("auto", "auto", CHATML, (None, None)),
+    ("auto", "auto", '[INST]{{ "[TOOL_CALLS][" }}', ("mistral", None)),
+    ("mistral", "auto", CHATML, ("mistral", None)),
     ("hermes", "none", "<tool_call><function=f> <think>", ("hermes", None)),
     ("none", "think", CHATML, (None, "think")),
 ])

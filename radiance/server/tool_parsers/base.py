@@ -1,0 +1,167 @@
+"""What every tool-call parser shares: the parsed call, the delta a chunk of text gives, and the incremental
+scanner for markups whose calls sit between a start and an end tag (Hermes, Qwen3-coder)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from radiance.engine.tool_grammars import CALL_START as START_TAG
+from radiance.server.reasoning_parser import FunctionMessage
+from radiance.server.streaming_text import LeadingSpaceEater, partial_tag_start
+
+END_TAG = "</tool_call>"
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text (may be incomplete JSON, or "", for a JSON call cut off by max_tokens)
+    complete: bool = True  # False: cut off by max_tokens before its arguments were whole
+
+
+@dataclass
+class ParseDelta:
+    content: str = ""
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+
+    def __iadd__(self, other: "ParseDelta") -> "ParseDelta":
+        self.content += other.content
+        self.tool_calls.extend(other.tool_calls)
+        return self
+
+
+def _reject_non_finite(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _loads(text: str):
+    """json.loads without NaN / Infinity, which Python reads but a client's JSON parser refuses."""
+    return json.loads(text, parse_constant=_reject_non_finite)
+
+
+class ToolParser:
+    """Incremental scanner; subclasses only say how one call's body becomes a ParsedToolCall."""
+
+    name = "base"
+    needs_special_tokens = False  # its markup is special tokens, which the detokenizer drops by default
+
+    def __init__(self, tools: list[dict] | None = None):
+        self.tools = {t["function"]["name"]: t["function"] for t in tools or ()}
+        self._buffer = ""
+        self._in_call = False
+        self._held_space = ""  # trailing whitespace of content, dropped if a call follows
+        self._space_before_call = ""  # that whitespace, given back if the call turns out to be text
+        self._after_call = LeadingSpaceEater()
+        self.num_calls = 0
+
+    def parse_call(self, body: str, cut: bool) -> ParsedToolCall | None:
+        """One call's body -> the parsed call, None when it is no usable call; each format defines it. `cut`:
+        max_tokens ended the output inside the call, so a partial call is read from what was generated."""
+        raise TypeError(f"{type(self).__name__} must define parse_call")
+
+    def new_call_id(self) -> str:
+        """The id of a call this parser read (OpenAI's shape)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def offers(self, name) -> bool:
+        """A call must name one of the request's tools (a parser made without tools takes any name)."""
+        return isinstance(name, str) and (not self.tools or name in self.tools)
+
+    def _content(self, out: ParseDelta, text: str) -> None:
+        text = self._after_call(text)
+        if not text:
+            return
+        text = self._held_space + text
+        body = text.rstrip()
+        self._held_space = text[len(body):]
+        out.content += body
+
+    def _call(self, out: ParseDelta, body: str, cut: bool) -> bool:
+        """Parses one call into `out`; False when the body is no usable call."""
+        call = self.parse_call(body, cut)
+        if call is None:
+            return False
+        out.tool_calls.append(call)
+        self.num_calls += 1
+        return True
+
+    def _not_a_call(self, out: ParseDelta, markup: str) -> None:
+        """Markup that held no usable call is text: content as written, with the whitespace before it."""
+        self._held_space = self._space_before_call
+        self._content(out, markup)
+
+    def feed(self, delta: str) -> ParseDelta:
+        out = ParseDelta()
+        self._buffer += delta
+        while self._buffer:
+            if self._in_call:
+                end = self._buffer.find(END_TAG)
+                if end < 0:
+                    break
+                body = self._buffer[:end]
+                self._buffer = self._buffer[end + len(END_TAG):]
+                self._in_call = False
+                if self._call(out, body, cut=False):
+                    self._after_call.active = True
+                else:
+                    self._not_a_call(out, START_TAG + body + END_TAG)
+                continue
+            start = self._buffer.find(START_TAG)
+            if start >= 0:
+                self._content(out, self._buffer[:start])
+                self._space_before_call, self._held_space = self._held_space, ""
+                self._buffer = self._buffer[start + len(START_TAG):]
+                self._in_call = True
+                continue
+            keep = partial_tag_start(self._buffer, START_TAG)
+            self._content(out, self._buffer[:keep])
+            self._buffer = self._buffer[keep:]
+            break
+        return out
+
+    def stopped_call_whole(self, body: str) -> bool:
+        """Whether a call the model stopped in (no end tag, not cut by max_tokens) is whole as written; a
+        format whose calls close their own body (Qwen3-coder's </function>) says so here."""
+        return True
+
+    def function_message(self, message: FunctionMessage, truncated: bool = False) -> ParseDelta:
+        """A harmony message to a function (the reasoning parser's): a markup that writes calls in the text
+        reads none there, so its body is content."""
+        return ParseDelta(content=message.arguments)
+
+    def finish(self, truncated: bool = False) -> ParseDelta:
+        """End of generation. `truncated`: cut off by max_tokens (a dangling partial tag is markup)."""
+        out = ParseDelta()
+        if self._in_call:  # the output ended inside a call; a partial end tag is markup, not arguments
+            body = self._buffer[:partial_tag_start(self._buffer, END_TAG)]
+            if truncated:
+                self._call(out, body.rstrip(), cut=True)  # nothing usable yet: the markup is dropped
+            elif not (self.stopped_call_whole(body) and self._call(out, body, cut=False)):  # stopped: whole, or text
+                self._not_a_call(out, START_TAG + self._buffer)
+        elif self._buffer and not truncated:
+            self._content(out, self._buffer)
+        elif self._buffer:  # a start tag cut off by max_tokens: markup, like the space before it
+            self._held_space = ""
+        self._buffer = ""
+        self._in_call = False
+        if self._held_space and not self._after_call.active:
+            out.content += self._held_space
+        self._held_space = ""
+        return out
+
+
+def _object_text(arguments) -> str | None:
+    """A call's arguments as JSON object text: an object, or a string holding one (as some models write
+    them); missing or null is no arguments. None for anything else, which no client can call with."""
+    if arguments is None:
+        return "{}"
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False)
+    if isinstance(arguments, str):
+        try:
+            return arguments if isinstance(_loads(arguments), dict) else None
+        except ValueError:
+            return None
+    return None

@@ -1,0 +1,118 @@
+"""Calls written as JSON: Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and Llama 3.x (an
+answer that is `{"name": ..., "parameters": {...}}`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from radiance.server.tool_parsers.base import ParseDelta, ParsedToolCall, ToolParser, _loads, _object_text, _reject_non_finite
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+    _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+    def parse_call(self, body: str, cut: bool) -> ParsedToolCall | None:
+        try:
+            obj = _loads(body)
+        except ValueError:  # cut off by max_tokens (a partial call), or broken (no call)
+            return self._partial_call(body) if cut else None
+        return self._call_of(obj)
+
+    def _call_of(self, obj) -> ParsedToolCall | None:
+        """`{"name": NAME, "arguments": {...}}` ("parameters" also read), NAME one of the tools."""
+        if not isinstance(obj, dict) or not self.offers(obj.get("name")):
+            return None
+        arguments = _object_text(obj.get("arguments", obj.get("parameters")))
+        return None if arguments is None else ParsedToolCall(obj["name"], arguments)
+
+    def _partial_call(self, body: str) -> ParsedToolCall | None:
+        """A call cut off by max_tokens: its name and the arguments text generated so far ("" when the cut
+        came before them: nothing is made up)."""
+        name = self._NAME.search(body)
+        if not name:
+            return None
+        try:  # the name as JSON would read it (escapes); raw when the model wrote an invalid escape
+            fn_name = json.loads(f'"{name.group(1)}"')
+        except json.JSONDecodeError:
+            fn_name = name.group(1)
+        if not self.offers(fn_name):
+            return None
+        args = self._ARGS.search(body)
+        return ParsedToolCall(fn_name, body[args.end():].rstrip() if args else "", complete=False)
+
+
+_CALL_SEPARATORS = " \t\r\n;"  # between Llama 3.x calls
+
+
+class Llama3JsonToolParser(HermesToolParser):
+    """Llama 3.x JSON calls: an answer that starts with a JSON object (after an optional `<|python_tag|>`) is
+    one or more calls `{"name": ..., "parameters": {...}}`, separated by ';' or whitespace; any other answer
+    is text (calls are read only where the answer starts, as the template teaches). A call is emitted as
+    soon as its object closes; a JSON object without a name, and text after the calls, stay content."""
+
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._mode: str | None = None  # None until the answer's first characters decide: "text" | "calls"
+        self._decoder = json.JSONDecoder(parse_constant=_reject_non_finite)
+
+    def feed(self, delta: str) -> ParseDelta:
+        out = ParseDelta()
+        if self._mode == "text":
+            out.content = delta
+            return out
+        self._buffer += delta
+        if self._mode is None:
+            head = self._buffer.lstrip()
+            if head.startswith(self.PYTHON_TAG):
+                head = head[len(self.PYTHON_TAG):].lstrip()
+            if not head or self.PYTHON_TAG.startswith(head):
+                return out  # only whitespace or a partial tag so far
+            self._mode = "calls" if head.startswith("{") else "text"
+            if self._mode == "text":
+                out.content, self._buffer = self._buffer, ""
+                return out
+            self._buffer = head
+        self._take_calls(out, final=False)
+        return out
+
+    def _take_calls(self, out: ParseDelta, final: bool, truncated: bool = False) -> None:
+        """Calls from the buffer; `final`: the output ended (`truncated`: by max_tokens, inside a call)."""
+        while True:
+            rest = self._buffer.lstrip(_CALL_SEPARATORS)  # any run of them, however it was chunked
+            if rest.startswith(self.PYTHON_TAG):
+                rest = rest[len(self.PYTHON_TAG):]
+                self._buffer = rest
+                continue
+            self._buffer = rest
+            if not rest:
+                return
+            if not rest.startswith("{"):  # text after the calls: the rest of the answer passes as it comes
+                if final or not self.PYTHON_TAG.startswith(rest):
+                    out.content += rest
+                    self._buffer, self._mode = "", "text"
+                return
+            try:
+                _, end = self._decoder.raw_decode(rest)
+            except ValueError:
+                if final:  # cut off: the name and arguments so far; broken, or no name yet: text
+                    if not self._call(out, rest, cut=truncated):
+                        out.content += rest
+                    self._buffer = ""
+                return
+            if not self._call(out, rest[:end], cut=False):  # JSON, but no call to one of the tools: text
+                out.content += rest[:end]
+            self._buffer = rest[end:]
+
+    def finish(self, truncated: bool = False) -> ParseDelta:
+        out = ParseDelta()
+        if self._mode == "calls":
+            self._take_calls(out, final=True, truncated=truncated)
+        elif self._buffer and not truncated:
+            out.content = self._buffer
+        self._buffer, self._mode = "", None
+        return out

@@ -1,0 +1,190 @@
+"""Mistral's calls, after its `[TOOL_CALLS]` token. Two shapes, by tokenizer version:
+  - up to v7 (Mistral-7B v0.3, Nemo, Small 3.1): one JSON array of calls, `[TOOL_CALLS] [{"name": NAME,
+    "arguments": {...}}, ...]` (an "id" key the model may add is ignored);
+  - from v11 on (Small 3.2, Magistral, Devstral): a marker per call, `[TOOL_CALLS]NAME[ARGS]{...}`, some templates
+    with `[CALL_ID]ID` before `[ARGS]`.
+The markers are special tokens, so the server keeps special tokens in the text this parser reads
+(`needs_special_tokens`). Text before a marker is content, each call is emitted as soon as its JSON object closes,
+and text after the calls is content again. Markup that gives no usable call (broken JSON, a function the request did
+not offer, a name with a space in it) is the model's text, as with the other formats: it goes out as content, the
+markup read before it included. Calls get 9-character alphanumeric ids, the only ones Mistral's templates take back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+
+from radiance.server.streaming_text import partial_tag_start
+from radiance.server.tool_parsers.base import ParseDelta, ParsedToolCall, _object_text, _reject_non_finite
+from radiance.server.tool_parsers.json_calls import HermesToolParser
+
+MARKER = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
+CALL_ID = "[CALL_ID]"
+ID_ALPHABET = string.ascii_letters + string.digits
+ID_LENGTH = 9
+_BETWEEN_CALLS = " \t\r\n,"  # in the array
+_NAME = re.compile(r"[^\s\[\]{}]*")  # a v11 call's function name: up to [ARGS], [CALL_ID] or its arguments
+_CALL_ID = re.compile(re.escape(CALL_ID) + r"[^\s\[\]{}]*")
+
+
+class MistralToolParser(HermesToolParser):
+    name = "mistral"
+    needs_special_tokens = True
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._state = "text"  # text | opened (right after a marker) | array | name | arguments
+        self._markup = ""  # markup read since the marker that has given no call yet: text if none comes
+        self._group_calls = 0  # calls the current array gave
+        self._function = ""  # the v11 call's function name, once read
+        self._decoder = json.JSONDecoder(parse_constant=_reject_non_finite)
+        self._steps = {"text": self._in_text, "opened": self._in_opened, "array": self._in_array,
+                       "name": self._in_name, "arguments": self._in_arguments}
+
+    def new_call_id(self) -> str:
+        return "".join(secrets.choice(ID_ALPHABET) for _ in range(ID_LENGTH))
+
+    def feed(self, delta: str) -> ParseDelta:
+        out = ParseDelta()
+        self._buffer += delta
+        while self._steps[self._state](out):
+            pass
+        return out
+
+    # each state's step reads what the buffer decides; False: it needs more text
+
+    def _in_text(self, out: ParseDelta) -> bool:
+        start = self._buffer.find(MARKER)
+        if start < 0:
+            keep = partial_tag_start(self._buffer, MARKER)
+            self._content(out, self._buffer[:keep])
+            self._buffer = self._buffer[keep:]
+            return False
+        self._content(out, self._buffer[:start])
+        self._space_before_call, self._held_space = self._held_space, ""
+        self._markup, self._buffer, self._state = MARKER, self._buffer[start + len(MARKER):], "opened"
+        self._group_calls = 0
+        return True
+
+    def _in_opened(self, out: ParseDelta) -> bool:
+        rest = self._buffer.lstrip()
+        if not rest:
+            return False
+        self._markup += self._buffer[:len(self._buffer) - len(rest)]
+        if rest.startswith("["):
+            self._markup += "["
+            self._buffer, self._state = rest[1:], "array"
+        else:
+            self._buffer, self._state = rest, "name"
+        return True
+
+    def _in_array(self, out: ParseDelta) -> bool:
+        rest = self._buffer.lstrip(_BETWEEN_CALLS)
+        self._markup += self._buffer[:len(self._buffer) - len(rest)]
+        self._buffer = rest
+        if not rest:
+            return False
+        if rest.startswith("]"):
+            self._buffer, self._state = rest[1:], "text"
+            if self._group_calls:
+                self._markup = ""
+            else:  # an array that gave no call is text, its closing too
+                self._text_instead(out, "]")
+            return True
+        if not rest.startswith("{"):  # no call list after all: the rest is text
+            self._text_instead(out, "")
+            self._state = "text"
+            return True
+        try:
+            obj, end = self._decoder.raw_decode(rest)
+        except ValueError:
+            return False  # not whole yet (finish decides about an object that never closes)
+        call = self._call_of(obj)
+        if call is None:
+            self._text_instead(out, rest[:end])
+        else:
+            self._emit(out, call)
+            self._group_calls += 1
+        self._buffer = rest[end:]
+        return True
+
+    def _in_name(self, out: ParseDelta) -> bool:
+        name = _NAME.match(self._buffer).group(0)
+        after = self._buffer[len(name):]
+        call_id = _CALL_ID.match(after)
+        if call_id:
+            after = after[call_id.end():]
+        if not after:
+            return False
+        if after.startswith(ARGS) or (name and after.startswith("{")):
+            args_at = len(self._buffer) - len(after) + (len(ARGS) if after.startswith(ARGS) else 0)
+            self._markup += self._buffer[:args_at]
+            self._function, self._buffer, self._state = name, self._buffer[args_at:], "arguments"
+            return True
+        if ARGS.startswith(after) or (not call_id and CALL_ID.startswith(after)):
+            return False  # a marker may be coming
+        self._text_instead(out, "")  # a name with a space in it, or no name: text
+        self._state = "text"
+        return True
+
+    def _in_arguments(self, out: ParseDelta) -> bool:
+        rest = self._buffer.lstrip()
+        if not rest:
+            return False
+        if not rest.startswith("{"):
+            self._text_instead(out, "")
+            self._state = "text"
+            return True
+        try:
+            obj, end = self._decoder.raw_decode(rest)
+        except ValueError:
+            return False
+        arguments = _object_text(obj) if self.offers(self._function) and isinstance(obj, dict) else None
+        if arguments is None:
+            self._text_instead(out, rest[:end])
+        else:
+            self._emit(out, ParsedToolCall(self._function, arguments))
+        self._buffer, self._state = rest[end:], "text"
+        return True
+
+    def _emit(self, out: ParseDelta, call: ParsedToolCall) -> None:
+        out.tool_calls.append(call)
+        self.num_calls += 1
+        self._markup = ""
+        self._after_call.active = True
+
+    def _text_instead(self, out: ParseDelta, text: str) -> None:
+        """`text` is the model's text, not a call; so is the markup read before it that gave no call yet."""
+        if self._markup:
+            self._held_space, self._space_before_call = self._space_before_call, ""
+            text, self._markup = self._markup + text, ""
+        self._content(out, text)
+
+    def finish(self, truncated: bool = False) -> ParseDelta:
+        """End of generation; `truncated`: max_tokens cut it, so a call it cut is read from what was generated (its
+        name and arguments so far) and a cut marker is markup; otherwise markup that gave no call is text."""
+        out = ParseDelta()
+        rest = self._buffer.strip()
+        if self._state == "text" and self._buffer:  # a partial marker: text, or markup a cut ended (and its space)
+            if truncated:
+                self._held_space = ""
+            else:
+                self._content(out, self._buffer)
+        elif self._state == "array" and rest and truncated:
+            call = self._partial_call(rest)
+            if call is not None:
+                self._emit(out, call)
+        elif self._state == "arguments" and truncated:
+            if self.offers(self._function):
+                self._emit(out, ParsedToolCall(self._function, rest, complete=False))
+        elif self._state != "text" and not truncated and (rest or not self._group_calls):
+            self._text_instead(out, self._buffer)  # a call the model stopped in, or a marker with no call
+        self._buffer, self._state, self._markup = "", "text", ""
+        if self._held_space and not self._after_call.active:
+            out.content += self._held_space
+        self._held_space = ""
+        return out
