@@ -184,16 +184,17 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
                 f", rule {config.rule}" if config.format == "mxfp4" else "")
     writer = ShardWriter(dst, config.max_shard_bytes)
     kept_dense: list[str] = []
-    partition_sizes: dict[str, tuple[int, ...]] = {}
+    written: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}  # linear -> (modules written, their rows)
     items = _with_untied_head(ckpt.iter_weights(progress=progress), config.quantize_lm_head, ckpt.tie_word_embeddings)
     for name, obj in convert_weights(items, config.format, config.rule, config.ignore, config.quantize_lm_head,
                                      report, config.chunk_rows, dense_dtype, file_of=ckpt.file_of):
         if is_weight(obj):
-            modules = partition_modules(name)
             parts = split_partitions(obj)
+            # a merged linear the source stored whole (Phi-3's qkv_proj, gate_up_proj) is written whole
+            modules = partition_modules(name) if len(parts) > 1 else (name,)
             if len(parts) != len(modules):
                 raise CheckpointError(f"{name} has {len(parts)} partitions, expected {len(modules)}", tensor=name)
-            partition_sizes[name] = obj.partition_sizes
+            written[name] = (modules, obj.partition_sizes)
             for module, part in zip(modules, parts):
                 with _naming(f"{module}.weight", ckpt):
                     tensors = weight_tensors(module, part, dense_dtype)
@@ -201,9 +202,9 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
                     writer.add(tensor_name, tensor)
                 if part.format == "dense":
                     kept_dense.append(module)
-        elif name.endswith(".bias") and name[: -len(".bias")] in partition_sizes:
-            merged = name[: -len(".bias")]
-            for module, piece in zip(partition_modules(merged), torch.split(obj, partition_sizes[merged])):
+        elif name.endswith(".bias") and name[: -len(".bias")] in written:
+            modules, sizes = written[name[: -len(".bias")]]
+            for module, piece in zip(modules, torch.split(obj, sizes)):
                 with _naming(f"{module}.bias", ckpt):
                     writer.add(f"{module}.bias", plain_tensor(piece, dense_dtype))
         else:

@@ -119,6 +119,7 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 HF_DEFAULTS = {
     "LlamaForCausalLM": HfDefaults(2048),
     "MistralForCausalLM": HfDefaults(131072, num_key_value_heads=8),
+    "Phi3ForCausalLM": HfDefaults(4096, rms_norm_eps=1e-5),
     "Qwen2ForCausalLM": HfDefaults(32768, num_key_value_heads=32),
     "Qwen2MoeForCausalLM": HfDefaults(32768, num_key_value_heads=16),
     "Qwen3ForCausalLM": HfDefaults(32768, head_dim=128, num_key_value_heads=32),  # not hidden // heads
@@ -138,6 +139,7 @@ MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
@@ -245,7 +247,7 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     layer_types says), on the layers `layer_types` calls "sliding_attention" or, without it, the ones
     `max_window_layers` implies; gpt-oss on the sliding layers of its `layer_types`, without them on the even
     layers (window 128 unless given), as transformers' GptOssConfig derives them; Mistral on every layer (4096
-    unless given; a null window is full attention)."""
+    unless given; a null window is full attention); Phi-3 on every layer when given."""
     if architecture in _QWEN_SLIDING_LAYERS:
         if not config.get("use_sliding_window"):
             return {}
@@ -256,6 +258,8 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     elif architecture == "MistralForCausalLM":
         # transformers' MistralConfig: an absent window is 4096 (Mistral-7B v0.1's), a null one none (v0.2 on)
         window = config.get("sliding_window", 4096)
+    elif architecture == "Phi3ForCausalLM":
+        window = config.get("sliding_window")  # transformers' Phi3Config: none unless given
     else:
         return {}
     if not window:
@@ -307,11 +311,12 @@ _QWEN_SLIDING_LAYERS = {
     "Qwen2MoeForCausalLM": _slides_on_even_layers_below,
     "Qwen3MoeForCausalLM": lambda layer, config: "sliding_attention",
 }
-# gpt-oss alternates, starting with a sliding layer; Mistral slides on every layer
+# gpt-oss alternates, starting with a sliding layer; Mistral and Phi-3 slide on every layer
 _DERIVED_LAYER_TYPES = {**_QWEN_SLIDING_LAYERS, "GptOssForCausalLM": _slides_on_even_layers,
-                        "MistralForCausalLM": lambda layer, config: "sliding_attention"}
-# transformers' Qwen3-MoE and Mistral read no layer_types: their windows follow the rules above whatever it says
-_READS_NO_LAYER_TYPES = {"Qwen3MoeForCausalLM", "MistralForCausalLM"}
+                        "MistralForCausalLM": lambda layer, config: "sliding_attention",
+                        "Phi3ForCausalLM": lambda layer, config: "sliding_attention"}
+# transformers' Qwen3-MoE, Mistral and Phi-3 read no layer_types: their windows follow the rules above whatever it says
+_READS_NO_LAYER_TYPES = {"Qwen3MoeForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"}
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from radiance.models.arch_config import ArchConfig, named_architectures
 from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.mistral import MistralForCausalLM
+from radiance.models.phi3 import Phi3ForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
 from radiance.models.qwen2_moe import Qwen2MoeForCausalLM
 from radiance.models.qwen3 import Qwen3ForCausalLM
@@ -20,6 +21,7 @@ MODEL_CLASSES = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

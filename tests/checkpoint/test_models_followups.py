@@ -103,8 +103,10 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_si
      "sliding window 4096 tokens on layers 0-35 (36 of 36), no full-attention layer"),
     (dict(QWEN2, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
      "full causal on all 36 layers"),
-    (dict(QWEN2, architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=2047),  # not served
-     "config.json gives a sliding window of 2047 tokens"),
+    (dict(QWEN2, architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=2047),  # Phi-3-mini-4k
+     "sliding window 2047 tokens on layers 0-35 (36 of 36), no full-attention layer"),
+    (dict(QWEN2, architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=4096),  # not served
+     "config.json gives a sliding window of 4096 tokens"),
     (dict(QWEN2, architectures=["LlamaForCausalLM"], model_type="llama"), "full causal on all 36 layers"),
 ])
 def test_inspect_shows_the_sliding_window_layout(config, line):

@@ -16,8 +16,8 @@ YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow":
 def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
-    from transformers import (AutoModelForCausalLM, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (AutoModelForCausalLM, GptOssConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512)
@@ -40,6 +40,8 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
         config._attn_implementation = "eager"  # the implementation that applies the sinks
     elif arch == "mistral":  # a 24-token window on every layer; head_dim given apart from hidden / heads (Nemo)
         config = MistralConfig(**common, head_dim=32, sliding_window=24)
+    elif arch == "phi3":  # a 20-token window on every layer (Phi-3-mini-4k's shape); merged qkv and gate_up
+        config = Phi3Config(**common, sliding_window=20, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -156,3 +158,25 @@ def test_mistral_window_on_every_layer_matches_cpu(tiny_model_dir):
     path, _ = tiny_model_dir("mistral")
     prompts = [[(7 * i + 5 * j) % 256 for j in range(30 + 11 * i)] for i in range(3)]
     _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+
+
+def test_phi3_merged_linears_and_window_match_cpu(tiny_model_dir, tmp_path):
+    """Phi-3's checkpoint stores qkv_proj / gate_up_proj merged: fp32 greedy tokens through the 20-token window on
+    every layer equal the CPU's, and MXFP4 on the W4A8 kernels (the fused SiLU epilogue reads the stored gate | up
+    halves) gives the logits of the same weights stored apart (as Mistral), bit for bit."""
+    from radiance.checkpoint import open_checkpoint
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+    from tests.engine.test_phi3 import split_as_mistral
+
+    path, _ = tiny_model_dir("phi3")
+    prompts = [[(7 * i + 5 * j) % 256 for j in range(26 + 11 * i)] for i in range(3)]
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    ids = torch.tensor([prompts[2]], device="cuda")
+    logits = []
+    for checkpoint in (path, split_as_mistral(path, tmp_path / "split")):
+        loaded = load_model(ModelConfig(device="cuda", dtype="bfloat16", quantization="mxfp4"),
+                            checkpoint=open_checkpoint(checkpoint), progress=False)
+        assert re.search(r"\b8/8 linears on the W4A8 kernel", "\n".join(loaded.summary)), loaded.summary
+        logits.append(loaded.model.forward_logits(ids))
+    assert torch.equal(*logits)
