@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from radiance.errors import CheckpointError
+from radiance.errors import CheckpointError, ConfigError
 
 
 def load_json(path: str, what: str) -> dict:
@@ -45,6 +45,47 @@ def load_config(model_dir: str) -> dict:
         raise CheckpointError(f"config.json field 'architectures' must be a list of class names, got {archs!r}",
                               file=path)
     return config
+
+
+# Where a vision-language checkpoint keeps its language model's tensors (older transformers saves first, then
+# transformers >= 4.52's), and what a text-only checkpoint of that model calls them; its other tensors (the vision
+# tower, the projector) are not served.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                            ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+# keys of a vision-language config.json that describe its language model's weights too (over text_config's)
+_SHARED_KEYS = ("quantization_config", "compression_config", "torch_dtype", "dtype", "tie_word_embeddings")
+
+
+def language_model_tensor(name: str) -> str | None:
+    """A vision-language checkpoint's tensor name as its language model alone names it; None for the others."""
+    for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return None
+
+
+def language_model(config: dict, file: str = "config.json") -> dict | None:
+    """For a vision-language checkpoint (Mistral Small 3.x's Mistral3ForConditionalGeneration, Pixtral's
+    LlavaForConditionalGeneration, ...) whose language model radiance serves: that model's config.json, as a text-only
+    checkpoint of it would have (its `text_config`, named by its model_type, with the quantization and dtype the
+    whole checkpoint gives), and `served_from` naming the wrapper. None for any other config."""
+    from radiance.models.arch_config import MODEL_TYPES
+
+    names = config.get("architectures") or []
+    text = config.get("text_config")
+    if not any(name.endswith("ForConditionalGeneration") for name in names) or text is None:
+        return None
+    if not isinstance(text, dict):
+        raise CheckpointError(f"config.json field 'text_config' must be an object, got {text!r}", file=file)
+    model_type = text.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"the language model of {names[0]} (text_config model_type {model_type!r}) is not one "
+                          f"radiance serves (model types: {', '.join(MODEL_TYPES)})")
+    flat = dict(text)
+    flat.update({key: config[key] for key in _SHARED_KEYS if key in config})  # transformers ties by the top level
+    flat["architectures"] = [MODEL_TYPES[model_type]]
+    flat["served_from"] = names[0]
+    return flat
 
 
 def modelopt_quant_file(model_dir: str) -> tuple[dict | None, str]:

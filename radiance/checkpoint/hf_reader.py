@@ -17,8 +17,9 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
-from radiance.checkpoint.hf_config import (chat_template, chat_templates, eos_token_ids, expected_shapes, load_config,
-                                           modelopt_quant_file, quantization_config)
+from radiance.checkpoint.hf_config import (chat_template, chat_templates, eos_token_ids, expected_shapes,
+                                           language_model, language_model_tensor, load_config, modelopt_quant_file,
+                                           quantization_config)
 from radiance.checkpoint.layout import FLOAT_DTYPES, check_linear, detect_format, read_linear, required_tensors
 from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
                                        leaf, partition_modules, sort_key, split_tensor_name)
@@ -56,21 +57,31 @@ class HfCheckpoint(Checkpoint):
         path = os.path.abspath(path)
         config = load_config(path)
         self.config_file = os.path.join(path, "config.json")
+        text_only = language_model(config, self.config_file)  # a vision-language model: its language model
+        config = text_only or config
         qc, qc_file = quantization_config(config, self.config_file), self.config_file
         if qc is None:
             qc, qc_file = modelopt_quant_file(path)
         quant = parse_quantization_config(qc, qc_file)
         super().__init__(path=path, kind="hf", config=config, quant=quant, warnings=quant.warnings)
-        self.index = SafetensorsIndex(path)
+        self.index = SafetensorsIndex(path, rename=language_model_tensor if text_only else None)
+        if self.index.skipped:
+            logger.info("serving the language model of %s: %d other tensors (vision tower, projector) not read, "
+                        "e.g. %s", config["served_from"], len(self.index.skipped), self.index.skipped[0])
         self._module_tensors: dict[str, list[str]] = {}
-        for name in self.index.meta:
-            self._module_tensors.setdefault(split_tensor_name(name)[0], []).append(name)
+        # the modules' names in the files, which quantization_config's targets and exclusions name
+        self._stored_module: dict[str, str] = {}
+        for name, meta in self.index.meta.items():
+            module = split_tensor_name(name)[0]
+            self._module_tensors.setdefault(module, []).append(name)
+            self._stored_module[module] = split_tensor_name(meta.stored)[0]
         self._shapes = expected_shapes(config)
         self._stacked = find_stacked_experts(self.index, config)  # gpt-oss: all experts in one tensor
         self._linears, self._plain, self._biases = self._plan()
         # a tied lm_head is still a Linear module of the model, so naming it in ignore is right
         virtual = ["lm_head"] if self.tie_word_embeddings else []
-        self.quant.check_modules(sorted(self._module_tensors) + virtual)
+        skipped = sorted({split_tensor_name(name)[0] for name in self.index.skipped})  # exclusions may name them
+        self.quant.check_modules(sorted(self._stored_module.values()) + skipped + virtual)
         self._tokenizer = None
         self._eos_token_ids = eos_token_ids(path, config, self._warn)  # at open: inspect lists its warning
 
@@ -121,7 +132,7 @@ class HfCheckpoint(Checkpoint):
             modules = (canonical,) if found.get(0) == canonical else partition_modules(canonical)
             formats = []
             for module in modules:
-                scheme = self.quant.scheme_for(module, linear=True)
+                scheme = self.quant.scheme_for(self._stored_module.get(module, module), linear=True)
                 detected = detect_format(module, self.index)
                 if detected is None:
                     missing = [t for t in required_tensors(module, scheme.format, scheme.layout) if t not in self.index]

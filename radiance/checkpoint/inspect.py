@@ -117,7 +117,9 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list
     problem = servability_problem(ckpt)
     warnings = ([f"not servable: {problem}"] if problem else []) + list(ckpt.warnings)
     entries = ckpt.describe()
-    lines = [f"model      {ckpt.path}", f"kind       {ckpt.kind}, {ckpt.architecture}",
+    served_from = ckpt.config.get("served_from")  # a vision-language model: its language model alone
+    kind = f"{ckpt.kind}, {ckpt.architecture}" + (f" (the language model of {served_from})" if served_from else "")
+    lines = [f"model      {ckpt.path}", f"kind       {kind}",
              f"config     {_model_line(ckpt.config)}"]
     attention = _attention_line(ckpt.config)
     if attention:

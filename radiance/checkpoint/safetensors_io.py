@@ -10,6 +10,7 @@ import glob
 import json
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -35,6 +36,11 @@ class TensorMeta:
     file: str
     shape: tuple[int, ...]
     dtype: torch.dtype | None  # None: a dtype torch cannot hold
+    stored_name: str = ""  # the name in the file, where the index renames it ("": the same)
+
+    @property
+    def stored(self) -> str:
+        return self.stored_name or self.name
 
     @property
     def nbytes(self) -> int:
@@ -45,20 +51,32 @@ class TensorMeta:
 
 
 class SafetensorsIndex:
-    """Tensor name -> file, shapes and dtypes from the headers; reads tensors on demand."""
+    """Tensor name -> file, shapes and dtypes from the headers; reads tensors on demand.
 
-    def __init__(self, model_dir: str):
+    `rename` (stored name -> the name the model reads, None to skip the tensor) serves part of a checkpoint
+    under other names: a vision-language model's language model as a text-only one (hf_config.language_model);
+    the skipped names are kept in `skipped`."""
+
+    def __init__(self, model_dir: str, rename: Callable[[str], str | None] | None = None):
         self.model_dir = model_dir
         self._handles: dict[str, object] = {}
         self.files = self._find_files()
         self.meta: dict[str, TensorMeta] = {}
+        self.skipped: list[str] = []
         for path in self.files:
             handle = self._open(path)
-            for name in handle.keys():
+            for stored in handle.keys():
+                name = rename(stored) if rename is not None else stored
+                if name is None:
+                    self.skipped.append(stored)
+                    continue
                 if name in self.meta:
-                    raise CheckpointError("tensor stored in two files", file=path, tensor=name)
-                piece = handle.get_slice(name)
-                self.meta[name] = TensorMeta(name, path, tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype()))
+                    raise CheckpointError("tensor stored in two files" if name == stored else
+                                          f"tensor stored twice (also as {self.meta[name].stored})", file=path,
+                                          tensor=stored)
+                piece = handle.get_slice(stored)
+                self.meta[name] = TensorMeta(name, path, tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype()),
+                                             "" if name == stored else stored)
         self._check_index()
 
     def _find_files(self) -> list[str]:
@@ -96,9 +114,9 @@ class SafetensorsIndex:
     def _check_index(self) -> None:
         if self._weight_map is None:
             return
+        stored = {meta.stored for meta in self.meta.values()} | set(self.skipped)
         for name, file in self._weight_map.items():
-            meta = self.meta.get(name)
-            if meta is None:
+            if name not in stored:
                 raise CheckpointError("tensor listed in the index is missing from its shard",
                                       file=os.path.join(self.model_dir, file), tensor=name)
 
@@ -125,9 +143,9 @@ class SafetensorsIndex:
         if meta is None:
             raise CheckpointError("tensor missing from the checkpoint", file=self.model_dir, tensor=name)
         try:
-            return self._open(meta.file).get_tensor(name)
+            return self._open(meta.file).get_tensor(meta.stored)
         except Exception as exc:
-            raise CheckpointError(f"cannot read tensor: {exc}", file=meta.file, tensor=name) from None
+            raise CheckpointError(f"cannot read tensor: {exc}", file=meta.file, tensor=meta.stored) from None
 
     def close(self) -> None:
         self._handles.clear()

@@ -213,7 +213,7 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
     files = writer.finish()
 
     out_config = {k: v for k, v in ckpt.config.items()
-                  if k not in ("quantization_config", "compression_config", "gguf_file_type")}
+                  if k not in ("quantization_config", "compression_config", "gguf_file_type", "served_from")}
     out_config["torch_dtype"] = config.dense_dtype
     if "dtype" in out_config:  # transformers 5's name, which it reads first: not the source's stale one
         out_config["dtype"] = config.dense_dtype
