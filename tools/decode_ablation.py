@@ -45,7 +45,7 @@ def _no_norm(x, residual, weight, eps, quantize=False, keep_values=False, launch
     return y, x
 
 
-def _no_silu(gate_up, quantize=False):
+def _no_glu(gate_up, activation, quantize=False, *, bias=None, row_expert=None):
     inter = gate_up.shape[-1] // 2
     if not quantize:
         return gate_up[..., :inter]
@@ -74,13 +74,13 @@ def removed(names: set[str]):
     unknown = names - set(REMOVABLE)
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}; removable: {', '.join(REMOVABLE)}")
-    saved = (norm_module.add_rmsnorm, llama_module.silu_mul, w4a8_module.quantize_rows_from_parts, Attention.forward,
+    saved = (norm_module.add_rmsnorm, llama_module.glu_mul, w4a8_module.quantize_rows_from_parts, Attention.forward,
              RotaryEmbedding.rotate_and_store)
     try:
         if "norm" in names:
             norm_module.add_rmsnorm = _no_norm
         if "silu" in names:
-            llama_module.silu_mul = _no_silu
+            llama_module.glu_mul = _no_glu
             w4a8_module.quantize_rows_from_parts = _no_parts_quantize
         if "attn" in names:
             Attention.forward = _no_attention
@@ -88,7 +88,7 @@ def removed(names: set[str]):
             RotaryEmbedding.rotate_and_store = _no_rotary
         yield
     finally:
-        (norm_module.add_rmsnorm, llama_module.silu_mul, w4a8_module.quantize_rows_from_parts,
+        (norm_module.add_rmsnorm, llama_module.glu_mul, w4a8_module.quantize_rows_from_parts,
          Attention.forward, RotaryEmbedding.rotate_and_store) = saved
 
 

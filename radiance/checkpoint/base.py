@@ -78,7 +78,11 @@ class Checkpoint(ABC):
 
     @property
     def tie_word_embeddings(self) -> bool:
-        return bool(self.config.get("tie_word_embeddings", False))
+        """config.json's, or the architecture's default where it says nothing (Gemma: tied)."""
+        from radiance.models.arch_config import config_defaults
+
+        value = self.config.get("tie_word_embeddings")
+        return bool(config_defaults(self.config).tie_word_embeddings if value is None else value)
 
     def state_dict(self, progress: bool = False) -> dict[str, object]:
         """Everything at once (small models and tests only)."""

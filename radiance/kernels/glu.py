@@ -5,6 +5,7 @@ reference.
 "swiglu_oai" (OpenAI's gpt-oss, as HF transformers computes it):
     gate = gate.clamp(max=limit); up = up.clamp(-limit, limit)
     y = (up + 1) * (gate * sigmoid(gate * alpha))
+"gelu_tanh" (Gemma's GeGLU, transformers' gelu_pytorch_tanh): gelu(gate, approximate="tanh") * up.
 
 glu_reference computes them with torch ops in the input's dtype, each op rounded to it as torch rounds (the
 math of one op in fp32). The Triton GLU epilogue (_triton/gemm.py, _triton/act_quant.py) applies the same ops
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 # the kernels' ACT code of each kind is its index here
-GLU_KINDS = ("silu", "swiglu_oai")
+GLU_KINDS = ("silu", "swiglu_oai", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,13 @@ class GluActivation:
         alpha and limit say."""
         if self.kind == "silu":
             return {}
+        if self.kind == "gelu_tanh":
+            return dict(ACT=self.kernel_code)
         return dict(ACT=self.kernel_code, ALPHA=self.alpha, LIMIT=self.limit)
 
 
 SILU = GluActivation()
+GELU_TANH = GluActivation("gelu_tanh")
 
 
 def glu_reference(gate_up: torch.Tensor, act: GluActivation) -> torch.Tensor:
@@ -54,6 +58,8 @@ def glu_reference(gate_up: torch.Tensor, act: GluActivation) -> torch.Tensor:
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     if act.kind == "silu":
         return F.silu(gate) * up
+    if act.kind == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=act.limit)
     up = up.clamp(min=-act.limit, max=act.limit)
     return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))

@@ -30,6 +30,10 @@ class ArchConfig:
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit joins each softmax denominator
     sliding_window: int | None = None  # tokens a sliding-window layer attends to (itself included)
     sliding_layers: frozenset[int] = frozenset()  # the layers that use it (config.json `layer_types`)
+    sliding_rope_theta: float | None = None  # Gemma 3: the sliding layers' own rope base (no scaling); None: rope_theta
+    attention_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype
+    mlp_activation: GluActivation = SILU  # the dense MLP's GLU (Gemma: GeGLU)
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.layers
@@ -68,8 +72,8 @@ class ArchConfig:
         defaults = hf_defaults(architecture)
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        if config.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: swish is silu
-            raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
+        if architecture not in _OWN_ACTIVATION and config.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")  # swish is silu
         if config.get("mlp_bias") and architecture == "LlamaForCausalLM":  # the only one of them that reads it
             raise ConfigError("mlp_bias true is not supported (the MLP projections have no bias in radiance)")
         kv_heads, head_dim = _heads(config, architecture, hidden, heads)
@@ -92,7 +96,7 @@ class ArchConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(_positive(config, "max_position_embeddings",
                                                   defaults.max_position_embeddings, integer=True)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(_given(config, "tie_word_embeddings", defaults.tie_word_embeddings)),
             moe=MoeConfig.from_hf(config, architecture, need("num_hidden_layers")),
             **_sliding_window(config, architecture, need("num_hidden_layers")),
             **flags,
@@ -111,6 +115,7 @@ class HfDefaults:
     num_key_value_heads: int | None = None  # when the key is absent (None, or a null: one per head)
     attention_bias: bool = False
     rope_parameters: dict | None = None  # the rope scaling of a config that gives none
+    tie_word_embeddings: bool = False
 
 
 # gpt-oss's published rope (transformers' GptOssConfig default)
@@ -118,6 +123,8 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
                  "original_max_position_embeddings": 4096}
 HF_DEFAULTS = {
     "LlamaForCausalLM": HfDefaults(2048),
+    "Gemma3ForCausalLM": HfDefaults(131072, rope_theta=1_000_000.0, head_dim=256, num_key_value_heads=4,
+                                    tie_word_embeddings=True),
     "MistralForCausalLM": HfDefaults(131072, num_key_value_heads=8),
     "Phi3ForCausalLM": HfDefaults(4096, rms_norm_eps=1e-5),
     "Qwen2ForCausalLM": HfDefaults(32768, num_key_value_heads=32),
@@ -136,6 +143,7 @@ def hf_defaults(architecture: str) -> HfDefaults:
 
 # model_type -> class, for configs that omit `architectures` (as transformers' AutoModelForCausalLM maps them)
 MODEL_TYPES = {
+    "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -201,6 +209,9 @@ def _heads(config: dict, architecture: str, hidden: int, heads: int) -> tuple[in
     return kv_heads, head_dim
 
 
+# architectures that name their MLP activation otherwise (Gemma: hidden_activation) and check it themselves
+_OWN_ACTIVATION = {"Gemma3ForCausalLM"}
+
 # rope_type -> the keys its frequencies are computed from (radiance.layers.rotary)
 ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
               "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",)}
@@ -218,6 +229,8 @@ def _rope(config: dict, defaults: HfDefaults) -> tuple[float, dict | None]:
     if rope is None and scaling is None:
         scaling = defaults.rope_parameters
     rope = dict(rope or {})
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): the full-attention layers' rope
+        rope = dict(rope["full_attention"])
     theta = float(_positive(rope if rope.get("rope_theta") is not None else config, "rope_theta",
                             defaults.rope_theta))
     rope.pop("rope_theta", None)
@@ -260,6 +273,8 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
         window = config.get("sliding_window", 4096)
     elif architecture == "Phi3ForCausalLM":
         window = config.get("sliding_window")  # transformers' Phi3Config: none unless given
+    elif architecture == "Gemma3ForCausalLM":
+        window = config.get("sliding_window", 4096)  # transformers' Gemma3TextConfig
     else:
         return {}
     if not window:
@@ -311,8 +326,17 @@ _QWEN_SLIDING_LAYERS = {
     "Qwen2MoeForCausalLM": _slides_on_even_layers_below,
     "Qwen3MoeForCausalLM": lambda layer, config: "sliding_attention",
 }
+def _slides_but_every_nth(layer: int, config: dict) -> str:
+    """Gemma 3 without layer_types: full attention on every sliding_window_pattern-th layer (6: 5 local, 1 global)."""
+    pattern = _given(config, "sliding_window_pattern", 6)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ConfigError(f"config.json field 'sliding_window_pattern' must be a positive integer, got {pattern!r}")
+    return "sliding_attention" if (layer + 1) % pattern else "full_attention"
+
+
 # gpt-oss alternates, starting with a sliding layer; Mistral and Phi-3 slide on every layer
 _DERIVED_LAYER_TYPES = {**_QWEN_SLIDING_LAYERS, "GptOssForCausalLM": _slides_on_even_layers,
+                        "Gemma3ForCausalLM": _slides_but_every_nth,
                         "MistralForCausalLM": lambda layer, config: "sliding_attention",
                         "Phi3ForCausalLM": lambda layer, config: "sliding_attention"}
 # transformers' Qwen3-MoE, Mistral and Phi-3 read no layer_types: their windows follow the rules above whatever it says

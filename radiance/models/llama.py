@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radiance.kernels.activation import silu_mul
+from radiance.kernels.activation import glu_mul
+from radiance.kernels.glu import SILU
 from radiance.layers.attention import Attention, AttentionMetadata
 from radiance.layers.embedding import LMHead, VocabEmbedding
 from radiance.layers.linear import DenseLinear, Mxfp4Linear, UnloadedLinear, takes_fp8
@@ -44,7 +45,8 @@ class LlamaAttention(nn.Module):
         # gpt-oss: one learned logit per head joins every softmax denominator (fp32, as its kernels read it)
         self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32), requires_grad=False)
                       if cfg.attention_sinks else None)
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sliding_window=cfg.window_of(index))
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale=cfg.attention_scale,
+                              sliding_window=cfg.window_of(index))
 
     def finish_loading(self) -> None:
         """Hand the q/k/v and o biases (Qwen2, gpt-oss) to their linears where those add a bias themselves:
@@ -80,16 +82,19 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
+        self.activation = cfg.mlp_activation  # SiLU; Gemma's GeGLU
         self.gate_up_proj = UnloadedLinear(cfg.hidden_size, 2 * cfg.intermediate_size,
                                            (cfg.intermediate_size, cfg.intermediate_size))
         self.down_proj = UnloadedLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
-        if takes_fp8(self.down_proj) and takes_fp8(self.gate_up_proj) and self.gate_up_proj.fuses_glu():
+        if (self.activation == SILU and takes_fp8(self.down_proj) and takes_fp8(self.gate_up_proj)
+                and self.gate_up_proj.fuses_glu()):
             # both W4A8: the SiLU-mul runs in the gate_up GEMM's epilogue, then one quantize launch
             return for_norm(self.down_proj, self.gate_up_proj.forward_glu(x))
-        # one kernel on CUDA (fp8 out when down_proj is W4A8); F.silu(gate) * up on the CPU
-        return for_norm(self.down_proj, silu_mul(self.gate_up_proj(x), quantize=takes_fp8(self.down_proj)))
+        # one kernel on CUDA (fp8 out when down_proj is W4A8); torch's act(gate) * up on the CPU
+        return for_norm(self.down_proj, glu_mul(self.gate_up_proj(x), self.activation,
+                                                quantize=takes_fp8(self.down_proj)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from radiance.errors import ConfigError
 from radiance.models.arch_config import ArchConfig, named_architectures
+from radiance.models.gemma3 import Gemma3ForCausalLM
 from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.mistral import MistralForCausalLM
@@ -18,6 +19,7 @@ from radiance.models.qwen3 import Qwen3ForCausalLM
 from radiance.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,

@@ -22,7 +22,7 @@ import decode_ablation  # noqa: E402
 
 
 @pytest.mark.parametrize("stub,real", [(decode_ablation._no_norm, norm_module.add_rmsnorm),
-                                       (decode_ablation._no_silu, llama_module.silu_mul),
+                                       (decode_ablation._no_glu, llama_module.glu_mul),
                                        (decode_ablation._no_parts_quantize, w4a8_module.quantize_rows_from_parts),
                                        (decode_ablation._no_attention, Attention.forward),
                                        (decode_ablation._no_rotary, RotaryEmbedding.rotate_and_store)])
@@ -71,18 +71,18 @@ def test_the_rotary_stub_copies_nothing():
 
 
 def test_removed_swaps_and_restores():
-    real = (norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward)
+    real = (norm_module.add_rmsnorm, llama_module.glu_mul, Attention.forward)
     with decode_ablation.removed({"norm", "attn"}):
         assert norm_module.add_rmsnorm is decode_ablation._no_norm
         assert Attention.forward is decode_ablation._no_attention
-        assert llama_module.silu_mul is real[1]
+        assert llama_module.glu_mul is real[1]
     with decode_ablation.removed({"silu"}):  # the SiLU launch, or the quantize launch of the fused GLU
-        assert llama_module.silu_mul is decode_ablation._no_silu
+        assert llama_module.glu_mul is decode_ablation._no_glu
         assert w4a8_module.quantize_rows_from_parts is decode_ablation._no_parts_quantize
     with decode_ablation.removed({"rotary"}):
         assert RotaryEmbedding.rotate_and_store is decode_ablation._no_rotary
     assert RotaryEmbedding.rotate_and_store is not decode_ablation._no_rotary
-    assert (norm_module.add_rmsnorm, llama_module.silu_mul, Attention.forward) == real
+    assert (norm_module.add_rmsnorm, llama_module.glu_mul, Attention.forward) == real
     with pytest.raises(ValueError, match="removable"):
         with decode_ablation.removed({"rope"}):
             pass

@@ -90,5 +90,5 @@ def test_names_and_refusals():
     assert language_model_tensor("language_model.lm_head.weight") == "lm_head.weight"
     assert language_model_tensor("model.vision_tower.patch_conv.weight") is None
     assert language_model({"architectures": ["MistralForCausalLM"], "text_config": {}}) is None  # not a wrapper
-    with pytest.raises(ConfigError, match="gemma3_text"):
-        language_model({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"model_type": "gemma3_text"}})
+    with pytest.raises(ConfigError, match="PaliGemmaForConditionalGeneration.*'gemma'"):  # Gemma 1 inside
+        language_model({"architectures": ["PaliGemmaForConditionalGeneration"], "text_config": {"model_type": "gemma"}})

@@ -16,8 +16,8 @@ YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow":
 def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
-    from transformers import (AutoModelForCausalLM, GptOssConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512)
@@ -40,6 +40,12 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
         config._attn_implementation = "eager"  # the implementation that applies the sinks
     elif arch == "mistral":  # a 24-token window on every layer; head_dim given apart from hidden / heads (Nemo)
         config = MistralConfig(**common, head_dim=32, sliding_window=24)
+    elif arch == "gemma3":  # a 24-token window on layer 0 (its own rope base), full attention with linear rope on
+        # layer 1; a query scale apart from head_dim; GeGLU; tied head
+        config = Gemma3TextConfig(**common, head_dim=32, sliding_window=24, query_pre_attn_scalar=20,
+                                  layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                      "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
     elif arch == "phi3":  # a 20-token window on every layer (Phi-3-mini-4k's shape); merged qkv and gate_up
         config = Phi3Config(**common, sliding_window=20, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     else:

@@ -68,6 +68,17 @@ def test_silu_is_silu_mul(dtype):
 
 def test_kinds_and_kernel_codes():
     assert SILU == GluActivation("silu") and SILU.kind == "silu"
-    assert [GluActivation(kind).kernel_code for kind in GLU_KINDS] == [0, 1]
+    assert [GluActivation(kind).kernel_code for kind in GLU_KINDS] == [0, 1, 2]
     with pytest.raises(ValueError, match="kind must be one of"):
         GluActivation("gelu")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_gelu_tanh_is_gemmas_geglu(dtype):
+    """Gemma's MLP: transformers' gelu_pytorch_tanh of the gate times the up projection, in the input dtype."""
+    from transformers.activations import ACT2FN
+
+    gate_up = (torch.randn(4, 96) * 3).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(glu_reference(gate_up, GluActivation("gelu_tanh")), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+    assert GluActivation("gelu_tanh").kernel_constexprs() == {"ACT": 2}

@@ -6,7 +6,9 @@ import torch
 
 from radiance.formats import dequantize_mxfp4
 from radiance.kernels import ops  # also registers torch.ops.radiance.*
-from radiance.kernels.activation import Fp8Activations, PartialSums, add_rmsnorm, quantize_activations, silu_mul
+from radiance.kernels.activation import (Fp8Activations, PartialSums, add_rmsnorm, glu_mul, quantize_activations,
+                                         silu_mul)
+from radiance.kernels.glu import SILU
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
 from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_matmul_reference
 from radiance.kernels.tuning import GemmConfig
@@ -288,7 +290,7 @@ def test_norm_after_a_deferring_linear_matches_the_summing_gemm(device, monkeypa
 @pytest.mark.parametrize("m", (3, 70))
 def test_mlp_takes_the_fused_route_with_the_unfused_result(device, monkeypatch, m):
     """LlamaMLP with W4A8 gate_up and down: with KernelConfig.fuse_glu the SiLU runs in the gate_up
-    GEMM's epilogue (no silu_mul call), without it as its own launch; the outputs are identical."""
+    GEMM's epilogue (no glu_mul call), without it as its own launch; the outputs are identical."""
     from types import SimpleNamespace
 
     from radiance.config import KernelConfig
@@ -298,12 +300,12 @@ def test_mlp_takes_the_fused_route_with_the_unfused_result(device, monkeypatch, 
 
     monkeypatch.setattr(linear_module, "choose_path", lambda dev, cfg: (linear_module.PATH_W4A8, "test"))
     silu_calls = []
-    monkeypatch.setattr(llama, "silu_mul", lambda *a, **kw: silu_calls.append(1) or silu_mul(*a, **kw))
+    monkeypatch.setattr(llama, "glu_mul", lambda *a, **kw: silu_calls.append(1) or glu_mul(*a, **kw))
     gate_up, down = random_mxfp4(192, 64, device), random_mxfp4(64, 96, device)
     x = torch.randn(m, 64, device=device)
     outputs = {}
     for fuse in (True, False):
-        mlp = llama.LlamaMLP(SimpleNamespace(hidden_size=64, intermediate_size=96))
+        mlp = llama.LlamaMLP(SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_activation=SILU))
         mlp.gate_up_proj = Mxfp4Linear(*gate_up, kernel_config=KernelConfig(fuse_glu=fuse))
         mlp.down_proj = Mxfp4Linear(*down)
         out = mlp(x)

@@ -194,10 +194,24 @@ def swiglu_oai_values(g, u, dtype: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.
 
 
 @triton.jit
+def gelu_tanh_mul_values(g, u, dtype: tl.constexpr):
+    """gelu(g, approximate="tanh") * u with torch's rounding in `dtype` (g, u: fp32 holding dtype values): torch's
+    0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) in fp32, rounded, times u, rounded. tanh(z) is
+    sign(z) (1 - e^-2|z|) / (1 + e^-2|z|), accurate to a few ulp as tanhf is (and Triton's interpreter runs it);
+    where 1 + tanh cancels (g below about -2.5) the result can differ from torch's by an ulp of 1 times g / 2."""
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    t = tl.exp(-2.0 * tl.abs(inner))
+    tanh = (1.0 - t) / (1.0 + t)
+    tanh = tl.where(inner < 0, -tanh, tanh)
+    act = (0.5 * g * (1.0 + tanh)).to(dtype).to(tl.float32)
+    return (act * u).to(dtype)
+
+
+@triton.jit
 def _silu_mul(gu_ptr, row, offs, mask, stride_m, I, bias_ptr, expert_ptr, HAS_BIAS: tl.constexpr,
               ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """act(gate, up) with torch's rounding, in the input dtype: silu(gate) * up (ACT 0) or gpt-oss's clamped
-    SwiGLU (ACT 1; glu.GLU_KINDS). HAS_BIAS: the row's expert bias (bias [E, 2I], the row's expert at
+    """act(gate, up) with torch's rounding, in the input dtype: silu(gate) * up (ACT 0), gpt-oss's clamped
+    SwiGLU (ACT 1) or Gemma's GeGLU (ACT 2; glu.GLU_KINDS). HAS_BIAS: the row's expert bias (bias [E, 2I], the row's expert at
     expert_ptr[row]) is added to gate and up first, rounded as torch's add would be."""
     g_raw = tl.load(gu_ptr + row * stride_m + offs, mask=mask, other=0.0)
     u_raw = tl.load(gu_ptr + row * stride_m + I + offs, mask=mask, other=0.0)
@@ -207,6 +221,8 @@ def _silu_mul(gu_ptr, row, offs, mask, stride_m, I, bias_ptr, expert_ptr, HAS_BI
         u_raw = (u_raw.to(tl.float32) + tl.load(b_row + I + offs, mask=mask, other=0.0)).to(u_raw.dtype)
     if ACT == 0:
         return silu_mul_values(g_raw.to(tl.float32), u_raw.to(tl.float32), g_raw.dtype)
+    if ACT == 2:
+        return gelu_tanh_mul_values(g_raw.to(tl.float32), u_raw.to(tl.float32), g_raw.dtype)
     return swiglu_oai_values(g_raw.to(tl.float32), u_raw.to(tl.float32), g_raw.dtype, ALPHA, LIMIT)
 
 

@@ -30,7 +30,7 @@ kernel keeps the default, silu.
 import triton
 import triton.language as tl
 
-from radiance.kernels._triton.act_quant import silu_mul_values, swiglu_oai_values
+from radiance.kernels._triton.act_quant import gelu_tanh_mul_values, silu_mul_values, swiglu_oai_values
 from radiance.kernels._triton.convert import expand_e2m1_words, live_words
 
 
@@ -76,9 +76,12 @@ def _tile_columns(pid_n, N, BN: tl.constexpr, GLU: tl.constexpr):
 
 @triton.jit
 def _glu_values(gate, up, dtype: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """act(gate, up) in dtype for ACT 0 silu, 1 swiglu_oai (glu.GLU_KINDS; ALPHA and LIMIT: swiglu_oai's)."""
+    """act(gate, up) in dtype for ACT 0 silu, 1 swiglu_oai, 2 gelu_tanh (glu.GLU_KINDS; ALPHA and LIMIT:
+    swiglu_oai's)."""
     if ACT == 0:
         y = silu_mul_values(gate, up, dtype)
+    elif ACT == 2:
+        y = gelu_tanh_mul_values(gate, up, dtype)
     else:
         y = swiglu_oai_values(gate, up, dtype, ALPHA, LIMIT)
     return y

@@ -1,0 +1,127 @@
+"""Gemma 3 (`Gemma3ForCausalLM`: gemma-3-1b, and the language model of the 4B / 12B / 27B
+`Gemma3ForConditionalGeneration`), as transformers' Gemma3TextModel computes it:
+
+- four RMSNorms per layer, each scaling by 1 + weight (folded into the weight at load): the input norm, a norm of the
+  attention output before its residual add (`post_attention_layernorm`), the norm before the MLP
+  (`pre_feedforward_layernorm`) and one of the MLP output (`post_feedforward_layernorm`);
+- q and k normed per head (as Qwen3), attention scaled by query_pre_attn_scalar ** -0.5;
+- five sliding-window layers to one full one (config.json's layer_types, or its sliding_window_pattern), the
+  sliding ones rotating with their own base (rope_local_base_freq, 10000) and no scaling, the full ones with
+  rope_theta and rope_scaling (linear x8 on the 4B and up);
+- a GeGLU MLP (gelu_pytorch_tanh), embeddings times sqrt(hidden_size) in the model's dtype, a tied head.
+
+Refused at load: attention or final logit soft-capping (Gemma 2), bidirectional attention (EmbeddingGemma).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radiance.errors import ConfigError
+from radiance.kernels.glu import GELU_TANH
+from radiance.layers.embedding import LMHead, VocabEmbedding
+from radiance.layers.linear import takes_fp8
+from radiance.layers.norm import RMSNorm
+from radiance.layers.rotary import RotaryEmbedding
+from radiance.models.arch_config import ArchConfig
+from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP
+
+_GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, launch="attn_norm")
+        self.self_attn = LlamaAttention(cfg, rotary, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, launch="mlp_norm")
+        self.mlp = LlamaMLP(cfg)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta):
+        # the residual stream as LlamaDecoderLayer keeps it (x: what the next add brings in); the extra norms of the
+        # attention and MLP outputs come before those adds
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x, fp8=takes_fp8(self.self_attn.qkv_proj))
+        else:
+            x, residual = self.input_layernorm(x, residual, fp8=takes_fp8(self.self_attn.qkv_proj))
+        x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
+        x, residual = self.pre_feedforward_layernorm(x, residual, fp8=takes_fp8(self.mlp.gate_up_proj))
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+
+class Gemma3Body(LlamaBody):
+    def __init__(self, cfg: ArchConfig):
+        nn.Module.__init__(self)
+        self.embed_scale = cfg.embed_scale
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        # the full-attention layers' rope (with its scaling), and the sliding layers' own
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
+        self.sliding_rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.sliding_rope_theta)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, self.sliding_rotary if cfg.window_of(i) else self.rotary, i)
+            for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        # transformers multiplies by sqrt(hidden_size) rounded to the weights' dtype (sqrt(3072) = 55.43 -> 55.5)
+        x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
+        residual = None
+        with self.rotary.step(positions), self.sliding_rotary.step(positions):
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    arch_overrides = {"qkv_bias": False, "o_bias": False, "qk_norm": True, "mlp_activation": GELU_TANH}
+
+    @classmethod
+    def overrides(cls, hf_config: dict) -> dict:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf_config.get(key) is not None:
+                raise ConfigError(f"config.json gives {key} {hf_config[key]!r}: soft-capped logits (Gemma 2) are not "
+                                  "supported")
+        if hf_config.get("use_bidirectional_attention"):
+            raise ConfigError("config.json asks for bidirectional attention (an embedding model): not supported")
+        activation = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "gelu_pytorch_tanh"
+        if activation not in _GELU_TANH_NAMES:
+            raise ConfigError(f"hidden_activation {activation!r} is not supported for Gemma 3 (only gelu_pytorch_tanh)")
+        hidden = hf_config.get("hidden_size") or 0
+        scalar = hf_config.get("query_pre_attn_scalar", 256)
+        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+            raise ConfigError(f"config.json field 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")
+        return {**cls.arch_overrides, "embed_scale": hidden ** 0.5, "attention_scale": float(scalar) ** -0.5,
+                "sliding_rope_theta": _sliding_rope_theta(hf_config)}
+
+    def __init__(self, cfg: ArchConfig):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = Gemma3Body(cfg)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
+
+    def finish_loading(self) -> None:
+        """Gemma's RMSNorm scales by 1 + weight (computed in fp32, then rounded, in transformers): the weight
+        becomes 1 + weight once, so every norm kernel serves it unchanged."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.copy_((module.weight.float() + 1.0).to(module.weight.dtype))
+
+
+def _sliding_rope_theta(hf_config: dict) -> float:
+    """The sliding layers' rope base: transformers 5's rope_parameters["sliding_attention"], else the older
+    rope_local_base_freq, else Gemma3TextConfig's 10000 (no scaling either way)."""
+    local = (hf_config.get("rope_parameters") or {}).get("sliding_attention")
+    theta = (local or {}).get("rope_theta", hf_config.get("rope_local_base_freq", 10000.0))
+    if (local or {}).get("rope_type", "default") != "default":
+        raise ConfigError(f"Gemma 3's sliding layers take the default rope, got {local!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"the sliding layers' rope base must be a positive number, got {theta!r}")
+    return float(theta)

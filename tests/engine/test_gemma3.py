@@ -1,0 +1,125 @@
+"""Gemma 3 (Gemma3ForCausalLM, and the language model of Gemma3ForConditionalGeneration) as transformers computes it:
+sandwich norms scaling by 1 + weight, q/k norms, query_pre_attn_scalar, sliding layers with their own rope base,
+GeGLU, scaled embeddings, a tied head; what radiance cannot serve refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radiance import LLM, SamplingParams
+from radiance.checkpoint import open_checkpoint
+from radiance.config import ModelConfig
+from radiance.engine.loader import load_model
+from radiance.errors import ConfigError
+from radiance.kernels.glu import GELU_TANH
+from radiance.models.registry import resolve_architecture
+
+# the shape of gemma-3-4b-it's text_config as the Hub has it (the older rope keys, no layer_types)
+HUB_STYLE = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+             "intermediate_size": 96, "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 32, "vocab_size": 100, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 32,
+             "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+             "sliding_window": 1024, "sliding_window_pattern": 6, "final_logit_softcapping": None,
+             "attn_logit_softcapping": None}
+
+
+def test_config_as_transformers_reads_it():
+    cls, cfg = resolve_architecture(HUB_STYLE)
+    assert cls.__name__ == "Gemma3ForCausalLM"
+    assert cfg.sliding_window == 1024 and cfg.sliding_layers == {0, 1, 2, 3, 4, 6, 7, 8, 9, 10}  # every 6th is full
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling["factor"] == 8.0 and cfg.sliding_rope_theta == 10000.0
+    assert cfg.attention_scale == 32 ** -0.5 and cfg.embed_scale == 8.0 and cfg.mlp_activation == GELU_TANH
+    assert cfg.tie_word_embeddings and cfg.qk_norm and cfg.max_position_embeddings == 131072  # Gemma's defaults
+    layer_typed = resolve_architecture({**HUB_STYLE, "layer_types": ["full_attention"] * 11 + ["sliding_attention"]})[1]
+    assert layer_typed.sliding_layers == {11}
+    assert resolve_architecture({**HUB_STYLE, "architectures": None})[0].__name__ == "Gemma3ForCausalLM"
+
+
+@pytest.mark.parametrize("change, refusal", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),  # Gemma 2
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"use_bidirectional_attention": True}, "bidirectional"),  # EmbeddingGemma
+    ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
+    ({"rope_local_base_freq": -1}, "positive"),
+])
+def test_what_radiance_cannot_serve_is_refused_in_one_line(change, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        resolve_architecture({**HUB_STYLE, **change})
+
+
+def test_each_piece_is_applied(tiny_model_dir):
+    """The 1 + weight norms, the query scale and the sliding layers' own rope base each change the logits, so the
+    exact match with transformers (test_models.test_logits_match_transformers) depends on all of them."""
+    path, hf = tiny_model_dir("gemma3")
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ckpt = open_checkpoint(path)
+    base = dict(ckpt.config)
+    for change in ({"query_pre_attn_scalar": 32},
+                   {"rope_parameters": {**base["rope_parameters"], "sliding_attention": {"rope_type": "default",
+                                                                                         "rope_theta": 1e6}}}):
+        ckpt.config = {**base, **change}
+        model = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+        assert ((model.forward_logits(ids) - ref).norm() / ref.norm()).item() > 1e-2, change
+    ckpt.config = base
+    model = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+    assert torch.equal(model.forward_logits(ids), model.forward_logits(ids))
+    assert ((model.forward_logits(ids) - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_bf16_stays_near_transformers(tiny_model_dir):
+    """In bf16 the norms apply 1 + weight rounded to bf16, after rounding the normalized row (Llama's order; transformers
+    multiplies in fp32 first): the logits stay within bf16's own distance from fp32."""
+    from transformers import AutoModelForCausalLM
+
+    path, hf = tiny_model_dir("gemma3")
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(4))
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()  # the fixture's model stays fp32
+    with torch.no_grad():
+        ref32 = hf(ids).logits
+        ref16 = hf16(ids).logits.float()
+    ours = load_model(ModelConfig(device="cpu", dtype="bfloat16"), checkpoint=open_checkpoint(path),
+                      progress=False).model.forward_logits(ids).float()
+    theirs, mine = (((x - ref32).norm() / ref32.norm()).item() for x in (ref16, ours))
+    assert mine <= 2 * theirs + 1e-3, (mine, theirs)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])  # one prefill, or chunks smaller than the window
+def test_engine_greedy_tokens_match_transformers(tiny_model_dir, chunk):
+    path, hf = tiny_model_dir("gemma3")
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    options = {"max_num_batched_tokens": chunk} if chunk else {}
+    llm = LLM(path, device="cpu", dtype="float32", **options)
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == ref[0, 40:].tolist()
+
+
+def test_the_language_model_of_gemma3_for_conditional_generation(tmp_path):
+    """gemma-3-4b and up ship as Gemma3ForConditionalGeneration: its language model is served from the same files,
+    the SigLIP tower and projector skipped, with transformers' logits for text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=300, head_dim=32, sliding_window=24,
+                            query_pre_attn_scalar=20, layer_types=["sliding_attention", "full_attention"])
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                          boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    hf.save_pretrained(tmp_path)
+    ckpt = open_checkpoint(str(tmp_path))
+    assert ckpt.architecture == "Gemma3ForCausalLM" and ckpt.tie_word_embeddings
+    ids = torch.randint(0, 296, (1, 60), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    ours = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+    assert ((ours.forward_logits(ids) - ref).norm() / ref.norm()).item() <= 1e-5
