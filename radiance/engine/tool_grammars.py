@@ -50,7 +50,8 @@ class ToolCallMarkup:
     group_closing: str = ""
 
     def __post_init__(self):
-        assert self.required_prefix.startswith(self.group_opening), self
+        if not self.required_prefix.startswith(self.group_opening):
+            raise ValueError(f"{self.name}: a required call's prefix must start with the group's opening")
 
     def opening(self, function_name: str) -> str:
         name = json.dumps(function_name) if self.quote_name else function_name

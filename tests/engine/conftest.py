@@ -142,3 +142,34 @@ def tiny_text_llm(tmp_path_factory):
         return LLM(str(path), **options)
 
     return make
+
+
+def assert_engine_greedy_matches_transformers(path, hf, prompt_len: int, chunk: int | None, low: int = 0) -> None:
+    """The engine's greedy tokens (fp32, CPU; prefill whole or in `chunk`-token pieces, then 24 decodes) equal
+    `transformers.generate`'s for a random prompt of `prompt_len` tokens from [low, 256)."""
+    from radiance import LLM, SamplingParams
+
+    prompt = torch.randint(low, 256, (prompt_len,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    options = {"max_num_batched_tokens": chunk} if chunk else {}
+    llm = LLM(path, device="cpu", dtype="float32", **options)
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == ref[0, prompt_len:].tolist()
+
+
+def assert_window_changes_logits(path, window: int, tokens: int) -> None:
+    """The same weights without config.json's sliding window give other logits past it (equal inside it), so a match
+    with transformers depends on the window."""
+    from radiance.checkpoint import open_checkpoint
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+
+    ckpt = open_checkpoint(path)
+    windowed = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+    ckpt.config = dict(ckpt.config, sliding_window=None)
+    full = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+    ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(3))
+    a, b = windowed.forward_logits(ids), full.forward_logits(ids)
+    assert torch.equal(a[:, :window], b[:, :window])  # inside the window both attend to everything
+    assert ((a[:, window:] - b[:, window:]).norm() / b[:, window:].norm()).item() > 1e-2

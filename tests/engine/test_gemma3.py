@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radiance import LLM, SamplingParams
 from radiance.checkpoint import open_checkpoint
 from radiance.config import ModelConfig
 from radiance.engine.loader import load_model
 from radiance.errors import ConfigError
 from radiance.kernels.glu import GELU_TANH
 from radiance.models.registry import resolve_architecture
+from tests.engine.conftest import assert_engine_greedy_matches_transformers
 
 # the shape of gemma-3-4b-it's text_config as the Hub has it (the older rope keys, no layer_types)
 HUB_STYLE = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
@@ -88,14 +88,7 @@ def test_bf16_stays_near_transformers(tiny_model_dir):
 
 @pytest.mark.parametrize("chunk", [None, 16])  # one prefill, or chunks smaller than the window
 def test_engine_greedy_tokens_match_transformers(tiny_model_dir, chunk):
-    path, hf = tiny_model_dir("gemma3")
-    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
-    options = {"max_num_batched_tokens": chunk} if chunk else {}
-    llm = LLM(path, device="cpu", dtype="float32", **options)
-    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == ref[0, 40:].tolist()
+    assert_engine_greedy_matches_transformers(*tiny_model_dir("gemma3"), prompt_len=40, chunk=chunk)
 
 
 def test_the_language_model_of_gemma3_for_conditional_generation(tmp_path):
@@ -123,3 +116,71 @@ def test_the_language_model_of_gemma3_for_conditional_generation(tmp_path):
         ref = hf(input_ids=ids).logits
     ours = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
     assert ((ours.forward_logits(ids) - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def gguf_of(hf, path, window_pattern: int | None = None) -> str:
+    """The tiny model as llama.cpp's converter writes a Gemma 3 GGUF: its tensor names, every norm weight stored as
+    1 + weight, the global rope base and linear scaling in the metadata, the local base and window pattern left to
+    llama.cpp's defaults (10000, 6) unless `window_pattern` is written."""
+    import gguf
+    import numpy as np
+
+    c = hf.config
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(c.rope_parameters["full_attention"]["factor"])
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_float32("gemma3.attention.scale", c.query_pre_attn_scalar ** -0.5)
+    if window_pattern is not None:
+        writer.add_uint32("gemma3.attention.sliding_window_pattern", window_pattern)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied: llama.cpp writes no output tensor
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            gguf_name = f"blk.{i}.{block[module]}.{leaf}"
+        else:
+            gguf_name = names[name]
+        values = tensor.float().numpy()
+        writer.add_tensor(gguf_name, (values + 1.0 if gguf_name.endswith("norm.weight") else values).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_a_gemma3_gguf_as_llama_cpp_writes_it(tiny_model_dir, tmp_path):
+    """llama.cpp's Gemma 3 file: its norms' 1 + weight taken back to transformers' weight, ffn_norm read as the norm
+    before the MLP and the two post norms placed, the query scale from attention.scale: transformers' logits. Without
+    a window pattern in the metadata llama.cpp's 6 applies (full attention on layer 5 only; the tiny model's 2 layers
+    then both slide), with one written it is read."""
+    path, hf = tiny_model_dir("gemma3")
+    ckpt = open_checkpoint(gguf_of(hf, tmp_path / "g.gguf", window_pattern=2))
+    assert ckpt.architecture == "Gemma3ForCausalLM" and ckpt.tie_word_embeddings
+    _, cfg = resolve_architecture(ckpt.config)
+    assert cfg.sliding_layers == {0} and cfg.sliding_rope_theta == 10000.0 and cfg.rope_scaling["factor"] == 8.0
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ours = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+    assert ((ours.forward_logits(ids) - ref).norm() / ref.norm()).item() <= 1e-5
+    default = open_checkpoint(gguf_of(hf, tmp_path / "d.gguf"))
+    assert resolve_architecture(default.config)[1].sliding_layers == {0, 1}

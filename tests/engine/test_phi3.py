@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from radiance import LLM, SamplingParams
 from radiance.checkpoint import convert_checkpoint, open_checkpoint
 from radiance.checkpoint.inspect import inspect_lines
 from radiance.config import ConvertConfig, ModelConfig
 from radiance.engine.loader import load_model
 from radiance.errors import ConfigError
 from radiance.models.registry import resolve_architecture
+from tests.engine.conftest import assert_engine_greedy_matches_transformers, assert_window_changes_logits
 
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 16,
          "vocab_size": 100}
@@ -110,26 +110,9 @@ def test_merged_storage_serves_what_split_storage_does(tiny_model_dir, tmp_path,
 
 
 def test_the_window_is_applied(tiny_model_dir):
-    """The same weights without the window give other logits past it, so the match with transformers
-    (test_models.test_logits_match_transformers) depends on the window."""
-    path, _ = tiny_model_dir("phi3")
-    ckpt = open_checkpoint(path)
-    windowed = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
-    ckpt.config = dict(ckpt.config, sliding_window=None)
-    full = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
-    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(3))
-    a, b = windowed.forward_logits(ids), full.forward_logits(ids)
-    assert torch.equal(a[:, :20], b[:, :20])  # inside the window both attend to everything
-    assert ((a[:, 20:] - b[:, 20:]).norm() / b[:, 20:].norm()).item() > 1e-2
+    assert_window_changes_logits(tiny_model_dir("phi3")[0], window=20, tokens=50)
 
 
 @pytest.mark.parametrize("chunk", [None, 16])  # one prefill, or chunks smaller than the window
 def test_engine_greedy_tokens_match_transformers(tiny_model_dir, chunk):
-    path, hf = tiny_model_dir("phi3")
-    prompt = torch.randint(3, 256, (36,), generator=torch.Generator().manual_seed(5)).tolist()
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
-    options = {"max_num_batched_tokens": chunk} if chunk else {}
-    llm = LLM(path, device="cpu", dtype="float32", **options)
-    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == ref[0, 36:].tolist()
+    assert_engine_greedy_matches_transformers(*tiny_model_dir("phi3"), prompt_len=36, chunk=chunk, low=3)

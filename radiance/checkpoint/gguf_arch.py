@@ -1,0 +1,80 @@
+"""What a GGUF file of each architecture radiance reads means in transformers' terms: its model class and
+model_type, llama.cpp's tensor names, the conventions llama.cpp's converter applied (Llama's q/k rows permuted into
+its rotary layout; Gemma's norm weights stored as 1 + weight), and the config fields its metadata leaves to
+llama.cpp's own defaults (Gemma 3's local rope base, window pattern and query scale)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",  # Llama attention_bias
+}
+# Gemma's four norms per layer: ffn_norm is the one before the MLP, two more norm the attention and MLP outputs
+_GEMMA_NORMS = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_attention_norm.weight": "post_attention_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    architecture: str  # the transformers class the file's model is
+    model_type: str
+    permuted_qk: bool = False  # llama.cpp's converter permuted the q / k rows (Llama only)
+    norm_shift: float = 0.0  # added to every norm weight by llama.cpp's converter (Gemma: 1, its 1 + weight)
+    block_names: dict[str, str] = field(default_factory=dict)  # over BLOCK_NAMES
+    hidden_act: str = "silu"
+    extra_config: Callable[[Callable[[str, Any], Any], dict], dict] | None = None  # (field getter, config) -> keys
+
+    def block_name(self, suffix: str) -> str | None:
+        return self.block_names.get(suffix, BLOCK_NAMES.get(suffix))
+
+    @property
+    def all_block_names(self) -> dict[str, str]:
+        return {**BLOCK_NAMES, **self.block_names}
+
+
+def _gemma3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """What llama.cpp takes for Gemma 3 where the metadata is silent: a local rope base of 10000, full attention on
+    every 6th layer, and the query scale of transformers' query_pre_attn_scalar (hidden / heads on the 27B, its 62
+    layers, else head_dim)."""
+    scalar = field_of("gemma3.attention.scale", None)
+    if scalar is None:
+        big = config["num_hidden_layers"] == 62
+        query_pre_attn_scalar = config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+    else:  # llama.cpp's f_attention_scale multiplies q: the scalar whose inverse square root it is
+        query_pre_attn_scalar = 1.0 / float(scalar) ** 2
+    return {"sliding_window": field_of("gemma3.attention.sliding_window", 4096),
+            "sliding_window_pattern": int(field_of("gemma3.attention.sliding_window_pattern", 6)),
+            "rope_local_base_freq": float(field_of("gemma3.rope.freq_base_swa", 10000.0)),
+            "query_pre_attn_scalar": query_pre_attn_scalar}
+
+
+ARCHITECTURES = {
+    "llama": GgufArch("LlamaForCausalLM", "llama", permuted_qk=True),
+    "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", norm_shift=1.0, block_names=_GEMMA_NORMS,
+                       hidden_act="gelu_pytorch_tanh", extra_config=_gemma3_config),
+}
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """GGUF tensor name -> HF tensor name (None for tensors radiance does not use, e.g. rope_freqs)."""
+    if gguf_name in TOP_NAMES:
+        return TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    known = ARCHITECTURES.get(arch, ARCHITECTURES["llama"])
+    if len(parts) == 3 and parts[0] == "blk" and known.block_name(parts[2]) is not None:
+        return f"model.layers.{parts[1]}.{known.block_name(parts[2])}"
+    return None
