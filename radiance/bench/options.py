@@ -79,6 +79,7 @@ def add_kernels_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_engine_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("model_arg", nargs="?", metavar="MODEL",
                    help="synthetic:llama-3.1-8b (default), synthetic:qwen3-8b, synthetic:qwen3-32b, "
+                        "synthetic:gemma-3-12b, synthetic:gemma-3-27b, "
                         "synthetic:qwen3-30b-a3b or synthetic:gpt-oss-20b (mixtures of experts)")
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the positional's older spelling
     p.add_argument("--quantization", "--variants", dest="variants", nargs="+", default=["none", "mxfp4"],

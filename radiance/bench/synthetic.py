@@ -70,6 +70,28 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
         "initializer_range": 0.02,
     },
+    "gemma-3-12b": {  # the text_config of google/gemma-3-12b-it (Gemma3ForConditionalGeneration), as a text model
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "attention_bias": False, "hidden_activation": "gelu_pytorch_tanh", "bos_token_id": 2, "eos_token_id": 1,
+        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "vocab_size": 262208, "initializer_range": 0.02,
+    },
+    "gemma-3-27b": {  # the text_config of google/gemma-3-27b-it
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "attention_bias": False, "hidden_activation": "gelu_pytorch_tanh", "bos_token_id": 2, "eos_token_id": 1,
+        "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+        "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "vocab_size": 262208, "initializer_range": 0.02,
+    },
     "gpt-oss-20b": {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
         "attention_bias": True, "hidden_act": "silu", "eos_token_id": 200002, "pad_token_id": 199999,
@@ -141,11 +163,15 @@ class SyntheticCheckpoint:
                    (pre + "self_attn.qkv_proj", (d["q"] + 2 * d["kv"], d["hidden"]), (d["q"], d["kv"], d["kv"]))]
         if self.config.get("attention_bias") or self.config.get("model_type") == "qwen2":
             entries.append((pre + "self_attn.qkv_proj.bias", (d["q"] + 2 * d["kv"],), None))
-        if self.config.get("model_type") in ("qwen3", "qwen3_moe"):
+        gemma = self.config.get("model_type") == "gemma3_text"
+        if self.config.get("model_type") in ("qwen3", "qwen3_moe") or gemma:
             entries += [(pre + "self_attn.q_norm.weight", (d["head_dim"],), None),
                         (pre + "self_attn.k_norm.weight", (d["head_dim"],), None)]
         entries += [(pre + "self_attn.o_proj", (d["hidden"], d["q"]), (d["hidden"],)),
                     (pre + "post_attention_layernorm.weight", (d["hidden"],), None)]
+        if gemma:  # the norm before the MLP and the one of its output
+            entries += [(pre + "pre_feedforward_layernorm.weight", (d["hidden"],), None),
+                        (pre + "post_feedforward_layernorm.weight", (d["hidden"],), None)]
         gpt_oss = self.config.get("model_type") == "gpt_oss"
         if gpt_oss:
             entries += [(pre + "self_attn.o_proj.bias", (d["hidden"],), None),

@@ -151,11 +151,12 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
     """One kernel for a decoder layer's pre-norm: (y, s) with s = x + residual (x when residual is
     None) and y = weight * rms_norm(s), rounded as the model's RMSNorm does; y is Fp8Activations when
     `quantize`, holding y itself as `values` too with `keep_values`. x may be a GEMM's PartialSums, summed
-    as the kernel reads them (the bytes of their total). Triton on CUDA (and under the interpreter); the
-    torch reference elsewhere. `launch` names the norm for PDL_EARLY_RELEASE."""
+    as the kernel reads them (the bytes of their total); without a residual their sum is not kept (s is None:
+    Gemma's norms of the attention and MLP outputs). Triton on CUDA (and under the interpreter); the torch
+    reference elsewhere. `launch` names the norm for PDL_EARLY_RELEASE."""
     parts = None
     if isinstance(x, PartialSums):
-        if residual is None or not triton_serves(x.parts) or x.width > MAX_ROW or x.parts.shape[1] == 0:
+        if not triton_serves(x.parts) or x.width > MAX_ROW or x.parts.shape[1] == 0:
             x = x.total()
         elif x.parts.stride(2) != 1:
             raise ValueError("add_rmsnorm: partials need contiguous rows")
@@ -175,7 +176,10 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
         out = Fp8Activations(*reference.quantize_activations_reference(y), x.dtype, lead,
                              y.reshape(x.shape) if keep_values else None) if quantize else y.reshape(x.shape)
         return out, s.reshape(x.shape)
-    s = torch.empty((m, k), dtype=dtype, device=x2.device) if r2 is not None else x2
+    if r2 is not None:
+        s = torch.empty((m, k), dtype=dtype, device=x2.device)
+    else:  # partials without a residual: an empty s only tells the kernel the dtype their sum is rounded to
+        s = x2 if parts is None else torch.empty((0,), dtype=dtype, device=x2.device)
     keep_values = quantize and keep_values
     y = s.new_empty((0,)) if quantize and not keep_values else torch.empty((m, k), dtype=dtype, device=x2.device)
     x_q, x_scale = fp8_outputs(m, k, x2.device) if quantize else (y, y)
@@ -192,7 +196,7 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
     shape = (*lead, k)
     out = (Fp8Activations(x_q, x_scale, dtype, lead, y.reshape(shape) if keep_values else None) if quantize
            else y.reshape(shape))
-    return out, s.reshape(shape)
+    return out, (None if s.numel() == 0 and m * k else s.reshape(shape))
 
 
 def silu_mul(gate_up: torch.Tensor, quantize: bool = False):

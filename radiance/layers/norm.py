@@ -33,8 +33,8 @@ class RMSNorm(nn.Module):
         residual stream of a decoder layer in one call. `fp8`: the norm comes out as Fp8Activations
         for a W4A8 linear, carrying the 16-bit norm as `values` too with `keep_values` (a sparse MLP's
         router). x may be a GEMM's PartialSums (summed in the fused kernel)."""
-        if isinstance(x, PartialSums) and not (x.parts.is_cuda and residual is not None):
-            x = x.total()  # off the GPU (or with nothing to add) the path of a plain tensor
+        if isinstance(x, PartialSums) and not x.parts.is_cuda:
+            x = x.total()  # off the GPU the path of a plain tensor
         if isinstance(x, PartialSums) or (x.is_cuda and x.shape[-1] <= MAX_ROW):
             y, summed = add_rmsnorm(x, residual, self.weight, self.eps, quantize=fp8, keep_values=keep_values,
                                      launch=self.launch)

@@ -23,6 +23,12 @@ TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num
                            num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
                            num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                            mlp_only_layers=[], decoder_sparse_step=1, tie_word_embeddings=False)),
+    ("gemma-3-12b", dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, vocab_size=262208,
+                         sliding_window=1024, rope_theta=1000000.0, tie_word_embeddings=True)),
+    ("gemma-3-27b", dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
+                         num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168, vocab_size=262208,
+                         sliding_window=1024, rope_theta=1000000.0, tie_word_embeddings=True)),
     ("gpt-oss-20b", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
                          num_key_value_heads=8, head_dim=64, vocab_size=201088, num_local_experts=32,
                          num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0, rope_theta=150000,
@@ -44,6 +50,9 @@ def test_llama_rope_scaling_and_parameter_count():
     assert 32.7e9 < SyntheticCheckpoint("synthetic:qwen3-32b", device="cpu").num_parameters() < 32.9e9
     # Qwen3-30B-A3B: 30.5B in all by its model card
     assert 30.4e9 < SyntheticCheckpoint("synthetic:qwen3-30b-a3b", device="cpu").num_parameters() < 30.6e9
+    # Gemma 3's language models: 27.0B of the 27B (27.4B with the vision tower), 11.8B of the 12B (12.2B with it)
+    assert 26.9e9 < SyntheticCheckpoint("synthetic:gemma-3-27b", device="cpu").num_parameters() < 27.1e9
+    assert 11.7e9 < SyntheticCheckpoint("synthetic:gemma-3-12b", device="cpu").num_parameters() < 11.85e9
     # gpt-oss-20b: 21B (20.91B) by its model card
     assert 20.85e9 < SyntheticCheckpoint("synthetic:gpt-oss-20b", device="cpu").num_parameters() < 20.95e9
 
@@ -117,3 +126,17 @@ def test_quantized_weight_formats(fmt, cls):
     rel = ((dequantize(w) - ref).norm() / ref.norm()).item()
     assert 0.02 < rel < 0.2  # 4-bit rounding of the same random values
     assert torch.equal(quant["model.norm.weight"], dense["model.norm.weight"])
+
+
+def test_gemma3_builds_as_its_model_class():
+    """The synthetic Gemma 3 carries the tensors Gemma3ForCausalLM loads: its four norms, q/k norms, a tied head."""
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+
+    tiny = dict(TINY, num_hidden_layers=6, query_pre_attn_scalar=16, sliding_window=8)
+    ckpt = SyntheticCheckpoint("synthetic:gemma-3-27b", device="cpu", dtype=torch.float32, overrides=tiny)
+    assert "model.layers.0.pre_feedforward_layernorm.weight" in ckpt.names() and "lm_head.weight" not in ckpt.names()
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False)
+    assert type(loaded.model).__name__ == "Gemma3ForCausalLM"
+    assert loaded.model.config.sliding_layers == {0, 1, 2, 3, 4}  # every 6th layer attends to everything
+    assert torch.isfinite(loaded.model.forward_logits(torch.arange(20)[None])).all()

@@ -259,6 +259,14 @@ def test_add_rmsnorm_sums_partials_as_the_gemm_does(device, quantize):
         assert torch.equal(y.x_q.view(torch.uint8), y_want.x_q.view(torch.uint8))
     else:
         assert torch.equal(y, y_want)
+    # without a residual (Gemma's norm of an attention or MLP output): the same y, and no sum kept
+    y, s = add_rmsnorm(partial, None, weight, 1e-5, quantize=quantize)
+    y_want, _ = add_rmsnorm(partial.total(), None, weight, 1e-5, quantize=quantize)
+    assert s is None
+    if quantize:
+        assert torch.equal(y.x_q.view(torch.uint8), y_want.x_q.view(torch.uint8)) and y.lead == (2, 3)
+    else:
+        assert y.shape == (2, 3, k) and torch.equal(y, y_want)
 
 
 @pytest.mark.parametrize("m", (3, 70))
