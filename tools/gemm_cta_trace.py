@@ -32,9 +32,10 @@ _NOW = 'tl.inline_asm_elementwise("mov.u64 $0, %{};", "=l", [], dtype=tl.int64, 
 # (anchor, text that replaces it): the kernel and its tile function (where the epilogue below lands, at the end of
 # gemm.py) gain trace_ptr; each anchor must occur exactly once in gemm.py
 _REPLACEMENTS = (
-    ("DEFER_SUM: tl.constexpr = False):", "DEFER_SUM: tl.constexpr = False, trace_ptr=None):"),
-    ("PDL_PREFETCH, GLU, DEFER_SUM)", "PDL_PREFETCH, GLU, DEFER_SUM, trace_ptr)"),
-    ("GLU: tl.constexpr, DEFER_SUM: tl.constexpr):", "GLU: tl.constexpr, DEFER_SUM: tl.constexpr, trace_ptr):"),
+    ("DEFER_SUM: tl.constexpr = False, ACT: tl.constexpr = 0):",
+     "DEFER_SUM: tl.constexpr = False, ACT: tl.constexpr = 0, trace_ptr=None):"),
+    ("PDL_PREFETCH, GLU, DEFER_SUM, ACT)", "PDL_PREFETCH, GLU, DEFER_SUM, ACT, trace_ptr)"),
+    ("ACT: tl.constexpr):", "ACT: tl.constexpr, trace_ptr):"),
 )
 # (anchor, text inserted before it); each anchor must occur exactly once in gemm.py
 _PATCHES = (

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     for label, bm, bn, bk, swap, split, warps, stages, precise in CONFIGS:
         consts = dict(HAS_BIAS=False, SWAP_AB=swap, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=True,
                       USE_ASM=True, PRECISE_ACC=precise, DEPENDENT=False, PDL_PREFETCH=0,
-                      GLU=label.endswith("glu"), DEFER_SUM=False)
+                      GLU=label.endswith("glu"), DEFER_SUM=False, ACT=0)
         name = f"{label}_{bm}x{bn}x{bk}_w{warps}s{stages}{'_precise' if precise else ''}"
         kernel, sass = compile_sass(gemm.w4a8_gemm_kernel, consts, warps, stages, name, args.out)
         body = longest_loop(sass)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from radiance.errors import CheckpointError, ConfigError
+from radiance.errors import CheckpointError
 
 
 def load_json(path: str, what: str) -> dict:
@@ -68,7 +68,8 @@ def language_model(config: dict, file: str = "config.json") -> dict | None:
     """For a vision-language checkpoint (Mistral Small 3.x's Mistral3ForConditionalGeneration, Pixtral's
     LlavaForConditionalGeneration, ...) whose language model radiance serves: that model's config.json, as a text-only
     checkpoint of it would have (its `text_config`, named by its model_type, with the quantization and dtype the
-    whole checkpoint gives), and `served_from` naming the wrapper. None for any other config."""
+    whole checkpoint gives), and `served_from` naming the wrapper. None for any other config: one whose language
+    model radiance does not serve opens as it is, for `inspect` to show and the model registry to refuse."""
     from radiance.models.arch_config import MODEL_TYPES
 
     names = config.get("architectures") or []
@@ -79,8 +80,7 @@ def language_model(config: dict, file: str = "config.json") -> dict | None:
         raise CheckpointError(f"config.json field 'text_config' must be an object, got {text!r}", file=file)
     model_type = text.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ConfigError(f"the language model of {names[0]} (text_config model_type {model_type!r}) is not one "
-                          f"radiance serves (model types: {', '.join(MODEL_TYPES)})")
+        return None
     flat = dict(text)
     flat.update({key: config[key] for key in _SHARED_KEYS if key in config})  # transformers ties by the top level
     flat["architectures"] = [MODEL_TYPES[model_type]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from radiance.kernels.activation import quantize_activations
+from radiance.kernels.glu import GluActivation
 from radiance.kernels.prepare import PreparedMxfp4
 from radiance.kernels.w4a8 import w4a8_gemm, w4a8_glu
 
@@ -60,21 +61,22 @@ def _w4a8_linear_quantized_fake(x_q, x_scale, w_q, w_shift, w_scale, bias, out_d
 
 def w4a8_glu_quantized_impl(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_shift: torch.Tensor,
                             w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                            decode_band: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A merged [gate | up] W4A8 linear, then silu(gate) * up (rounded to out_dtype), quantized per
-    token: (x_q e4m3 [M, N/2], x_scale [M, 1]) for the down projection (w4a8.w4a8_glu)."""
+                            decode_band: int, act: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A merged [gate | up] W4A8 linear, then act(gate) * up (rounded to out_dtype; `act` a GLU kind of
+    w4a8.DENSE_GLU_KINDS), quantized per token: (x_q e4m3 [M, N/2], x_scale [M, 1]) for the down projection
+    (w4a8.w4a8_glu)."""
     return w4a8_glu(x_q, x_scale, _prepared(w_q, w_shift, w_scale, x_q.shape[1]), bias, out_dtype,
-                    decode_band=decode_band)
+                    decode_band=decode_band, activation=GluActivation(act))
 
 
 @torch.library.custom_op("radiance::w4a8_glu_quantized", mutates_args=())
 def w4a8_glu_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_shift: torch.Tensor,
                        w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                       decode_band: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return w4a8_glu_quantized_impl(x_q, x_scale, w_q, w_shift, w_scale, bias, out_dtype, decode_band)
+                       decode_band: int, act: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    return w4a8_glu_quantized_impl(x_q, x_scale, w_q, w_shift, w_scale, bias, out_dtype, decode_band, act)
 
 
 @w4a8_glu_quantized.register_fake
-def _w4a8_glu_quantized_fake(x_q, x_scale, w_q, w_shift, w_scale, bias, out_dtype, decode_band):
+def _w4a8_glu_quantized_fake(x_q, x_scale, w_q, w_shift, w_scale, bias, out_dtype, decode_band, act="silu"):
     m = x_q.shape[0]
     return (x_q.new_empty((m, w_q.shape[0] // 2)), x_scale.new_empty((m, 1)))

@@ -6,9 +6,10 @@ import torch
 
 from radiance.kernels._triton import convert as _convert
 from radiance.kernels._triton import gemm as _gemm
-from radiance.kernels.activation import PartialSums, quantize_rows_from_parts, silu_mul
+from radiance.kernels.activation import PartialSums, glu_mul, quantize_rows_from_parts
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import sm_count, supports_pdl
+from radiance.kernels.glu import SILU, GluActivation
 from radiance.kernels.occupancy import ctas_per_sm_at_most
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, padded_k
 from radiance.kernels.tuning import GemmConfig, expand_min_m, glu_epilogue_serves, select_config
@@ -34,6 +35,9 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     its counters at zero again."""
     return device_buffer("tile-counters", device, max(tiles, 16384), torch.int32, zeroed=True)
 
+
+# GLU kinds the dense W4A8 GEMM's epilogue applies (no clamp parameters; gpt-oss's runs in the MoE GEMM)
+DENSE_GLU_KINDS = ("silu", "gelu_tanh")
 
 # K tiles per weight row that a GEMM launched as a programmatic dependent (PDL, sm_90+) prefetches into
 # L2 while the kernel before it (the norm or SiLU that quantizes its activations) still runs (0: none).
@@ -134,28 +138,31 @@ def _expand_then_fp8_mm(x_q, x_scale, weight: PreparedMxfp4, bias, out_dtype) ->
 
 def w4a8_glu(x_q: torch.Tensor, x_scale: torch.Tensor, weight: PreparedMxfp4, bias: torch.Tensor | None = None,
              out_dtype: torch.dtype = torch.bfloat16, *, decode_band: int = 64, config: GemmConfig | None = None,
-             use_asm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_activations(silu_mul(w4a8_gemm(...))) for a merged [gate | up] weight (N = 2I rows):
-    (x_q e4m3 [M, I], x_scale fp32 [M, 1]), the same bytes. The GEMM's epilogue computes
-    silu(gate) * up and each tile's row amax, so one quantize launch follows and no SiLU launch (nor
+             use_asm: bool | None = None, activation: GluActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activations(glu_mul(w4a8_gemm(...), activation)) for a merged [gate | up] weight (N = 2I rows):
+    (x_q e4m3 [M, I], x_scale fp32 [M, 1]), the same bytes. The GEMM's epilogue computes act(gate) * up
+    (SiLU, or Gemma's GeGLU) and each tile's row amax, so one quantize launch follows and no GLU launch (nor
     the [M, 2I] gate_up tensor); on the expand path (M >= expand_min_m), and for the tuning table's
-    `unfused_glu_shapes`, it is the GEMM, then silu_mul."""
+    `unfused_glu_shapes`, it is the GEMM, then glu_mul."""
     m, n = x_q.shape[0], weight.shape[0]
     if n % 2:
         raise ValueError(f"w4a8_glu: a [gate | up] weight has an even row count, not {n}")
+    if activation.kind not in DENSE_GLU_KINDS:
+        raise ValueError(f"w4a8_glu: the dense GLU epilogue takes {DENSE_GLU_KINDS}, not {activation.kind!r}")
     k = weight.shape[1]
     if config is None and (not glu_epilogue_serves(n, k, x_q.device) or _expand_serves(x_q, m, n, k, out_dtype, None)):
         # w4a8_gemm takes the expand path itself where it serves
-        act = silu_mul(w4a8_gemm(x_q, x_scale, weight, bias, out_dtype, decode_band=decode_band, use_asm=use_asm),
-                       quantize=True)
+        act = glu_mul(w4a8_gemm(x_q, x_scale, weight, bias, out_dtype, decode_band=decode_band, use_asm=use_asm),
+                      activation, quantize=True)
         return act.x_q, act.x_scale
-    y, _, amax = _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, None, glu=True)
+    y, _, amax = _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, None, glu=True,
+                         act=activation.kernel_code)
     # the early release was measured before decode-band down GEMMs (grids that fit the SMs at once) only
     return quantize_rows_from_parts(y, amax, launch="parts_quantize" if m <= decode_band else "prefill_parts_quantize")
 
 
 def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm, out, glu: bool = False,
-            defer_sum: bool = False):
+            defer_sum: bool = False, act: int = 0):
     """w4a8_gemm's body (with `glu`, w4a8_glu's GEMM; with `defer_sum`, w4a8_gemm_partials's, whose output
     is the partials [splits, M, width] fp32): (output, the compiled GEMM kernel, with `glu` the row amax
     parts [M, column tiles] int32 else None). The PTX of the kernel is checked for wgmma."""
@@ -195,7 +202,7 @@ def _launch(x_q, x_scale, weight, bias, out_dtype, decode_band, config, use_asm,
             HAS_BIAS=has_bias, SWAP_AB=cfg.swap_ab, SPLIT=splits > 1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
             GROUP_M=cfg.group_m, EVEN_K=(k % cfg.block_k == 0), USE_ASM=_use_asm(x_q) if use_asm is None else use_asm,
             PRECISE_ACC=cfg.precise_acc, DEPENDENT=dependent, PDL_PREFETCH=pdl_prefetch_tiles(n, k) if dependent else 0,
-            GLU=glu, DEFER_SUM=defer_sum, launch_pdl=dependent,
+            GLU=glu, DEFER_SUM=defer_sum, ACT=act, launch_pdl=dependent,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     # the placement it evens out is a programmatic dependent's (sm_90); elsewhere unmeasured

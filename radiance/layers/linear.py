@@ -22,6 +22,7 @@ from radiance.kernels import ops  # noqa: F401 - registers torch.ops.radiance.*
 from radiance.kernels import reference
 from radiance.kernels.activation import Fp8Activations, PartialSums, quantize_activations
 from radiance.kernels.device_info import capability
+from radiance.kernels.glu import SILU, GluActivation
 from radiance.kernels.numerics import NumericsMonitor
 from radiance.kernels.prepare import PreparedMxfp4, dequantize_prepared, prepare_mxfp4
 from radiance.kernels.w4a8 import deferring_pays, w4a8_gemm_partials
@@ -166,15 +167,15 @@ class Mxfp4Linear(nn.Module):
         numerics monitor (it checks this layer's own output, which the fused epilogue never writes)."""
         return self.path == PATH_W4A8 and self.kernel_config.fuse_glu and self.monitor is None
 
-    def forward_glu(self, x: torch.Tensor | Fp8Activations) -> Fp8Activations:
-        """For a merged [gate | up] layer (fuses_glu): silu(gate) * up of this layer's output, quantized per
-        token for a W4A8 down projection, with the bytes of silu_mul(self(x), quantize=True); the SiLU
-        happens in the GEMM's epilogue (w4a8.w4a8_glu)."""
+    def forward_glu(self, x: torch.Tensor | Fp8Activations, activation: GluActivation = SILU) -> Fp8Activations:
+        """For a merged [gate | up] layer (fuses_glu): act(gate) * up of this layer's output (SiLU, or Gemma's
+        GeGLU), quantized per token for a W4A8 down projection, with the bytes of glu_mul(self(x), activation,
+        quantize=True); the activation happens in the GEMM's epilogue (w4a8.w4a8_glu)."""
         if not isinstance(x, Fp8Activations):
             lead = tuple(x.shape[:-1])
             x = Fp8Activations(*quantize_activations(x.reshape(-1, self.in_features)), x.dtype, lead)
         x_q, x_scale = _kernel_op("w4a8_glu_quantized", x.x_q, x.x_scale, self.w_q, self.w_shift, self.w_scale,
-                                  self.bias, x.dtype, self.kernel_config.decode_band)
+                                  self.bias, x.dtype, self.kernel_config.decode_band, activation.kind)
         return Fp8Activations(x_q, x_scale, x.dtype, x.lead)
 
     def dequantized_weight(self) -> torch.Tensor:

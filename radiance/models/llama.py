@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from radiance.kernels.activation import glu_mul
-from radiance.kernels.glu import SILU
 from radiance.layers.attention import Attention, AttentionMetadata
 from radiance.layers.embedding import LMHead, VocabEmbedding
 from radiance.layers.linear import DenseLinear, Mxfp4Linear, UnloadedLinear, takes_fp8
@@ -88,10 +87,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = UnloadedLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
-        if (self.activation == SILU and takes_fp8(self.down_proj) and takes_fp8(self.gate_up_proj)
-                and self.gate_up_proj.fuses_glu()):
-            # both W4A8: the SiLU-mul runs in the gate_up GEMM's epilogue, then one quantize launch
-            return for_norm(self.down_proj, self.gate_up_proj.forward_glu(x))
+        if takes_fp8(self.down_proj) and takes_fp8(self.gate_up_proj) and self.gate_up_proj.fuses_glu():
+            # both W4A8: the GLU (SiLU, GeGLU) runs in the gate_up GEMM's epilogue, then one quantize launch
+            return for_norm(self.down_proj, self.gate_up_proj.forward_glu(x, self.activation))
         # one kernel on CUDA (fp8 out when down_proj is W4A8); torch's act(gate) * up on the CPU
         return for_norm(self.down_proj, glu_mul(self.gate_up_proj(x), self.activation,
                                                 quantize=takes_fp8(self.down_proj)))

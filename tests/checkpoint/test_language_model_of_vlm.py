@@ -15,6 +15,7 @@ from radiance.checkpoint.inspect import inspect_lines
 from radiance.config import ConvertConfig, ModelConfig
 from radiance.engine.loader import load_model
 from radiance.errors import ConfigError
+from radiance.models.registry import resolve_architecture
 
 
 def tiny_mistral3(tie: bool | None, wrapper: str = "Mistral3"):
@@ -90,5 +91,8 @@ def test_names_and_refusals():
     assert language_model_tensor("language_model.lm_head.weight") == "lm_head.weight"
     assert language_model_tensor("model.vision_tower.patch_conv.weight") is None
     assert language_model({"architectures": ["MistralForCausalLM"], "text_config": {}}) is None  # not a wrapper
-    with pytest.raises(ConfigError, match="PaliGemmaForConditionalGeneration.*'gemma'"):  # Gemma 1 inside
-        language_model({"architectures": ["PaliGemmaForConditionalGeneration"], "text_config": {"model_type": "gemma"}})
+    # a language model radiance does not serve (Gemma 1 inside PaliGemma): opened as it is, refused by the registry
+    paligemma = {"architectures": ["PaliGemmaForConditionalGeneration"], "text_config": {"model_type": "gemma"}}
+    assert language_model(paligemma) is None
+    with pytest.raises(ConfigError, match="unsupported model architecture PaliGemmaForConditionalGeneration"):
+        resolve_architecture(paligemma)

@@ -23,7 +23,7 @@ def test_patch_anchors_fail_loudly():
 def test_traced_kernel_compiles_for_sm90_with_timestamps():
     kernel = gemm_cta_trace.load_traced_kernel()
     consts = dict(HAS_BIAS=False, SWAP_AB=True, SPLIT=True, BM=16, BN=64, BK=256, GROUP_M=8, EVEN_K=True,
-                  USE_ASM=True, PRECISE_ACC=True, DEPENDENT=True, PDL_PREFETCH=2, GLU=False, DEFER_SUM=False)
+                  USE_ASM=True, PRECISE_ACC=True, DEPENDENT=True, PDL_PREFETCH=2, GLU=False, DEFER_SUM=False, ACT=0)
     signature = dict(sass_loop_stats.GEMM_SIG, trace_ptr="*i64", **{c: "constexpr" for c in consts})
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()})

@@ -41,7 +41,8 @@ def async_copy_sizes(kernel, signature: dict, consts: dict) -> Counter:
 
 KERNELS = {
     "dense": (gemm.w4a8_gemm_kernel, GEMM_SIGNATURE,
-              dict(DECODE_TILE, SPLIT=True, GROUP_M=8, DEPENDENT=True, PDL_PREFETCH=1, GLU=False, DEFER_SUM=False)),
+              dict(DECODE_TILE, SPLIT=True, GROUP_M=8, DEPENDENT=True, PDL_PREFETCH=1, GLU=False, DEFER_SUM=False,
+                   ACT=0)),
     "grouped": (moe_gemm.w4a8_moe_gemm_kernel, MOE_SIGNATURE,
                 dict(DECODE_TILE, GLU=True, ACT=1, ALPHA=1.702, LIMIT=7.0, PERSISTENT=False, PDL=True)),
 }

@@ -8,7 +8,7 @@ from radiance.formats import dequantize_mxfp4
 from radiance.kernels import ops  # also registers torch.ops.radiance.*
 from radiance.kernels.activation import (Fp8Activations, PartialSums, add_rmsnorm, glu_mul, quantize_activations,
                                          silu_mul)
-from radiance.kernels.glu import SILU
+from radiance.kernels.glu import GELU_TANH, SILU, GluActivation
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
 from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_matmul_reference
 from radiance.kernels.tuning import GemmConfig
@@ -158,15 +158,15 @@ def test_large_m_expand_path_matches_reference(device, monkeypatch, bias):
     assert len(calls) == 1
 
 
-def _glu_pair(device, m, inter, k, bias, config, out_dtype):
-    """(silu_mul(w4a8_gemm(...), quantize=True), w4a8_glu(...)) on one random [gate | up] weight."""
+def _glu_pair(device, m, inter, k, bias, config, out_dtype, activation=SILU):
+    """(glu_mul(w4a8_gemm(...), activation, quantize=True), w4a8_glu(...)) on one random [gate | up] weight."""
     packed, scale = random_mxfp4(2 * inter, k, device)
     pw = prepare_mxfp4(packed, scale)
     x = torch.randn(m, k, device=device) * 2
     b = torch.randn(2 * inter, device=device) if bias else None
     x_q, x_scale = quantize_activations(x)
-    unfused = silu_mul(w4a8_gemm(x_q, x_scale, pw, b, out_dtype, config=config), quantize=True)
-    return unfused, w4a8_glu(x_q, x_scale, pw, b, out_dtype, config=config)
+    unfused = glu_mul(w4a8_gemm(x_q, x_scale, pw, b, out_dtype, config=config), activation, quantize=True)
+    return unfused, w4a8_glu(x_q, x_scale, pw, b, out_dtype, config=config, activation=activation)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -179,6 +179,23 @@ def test_glu_epilogue_gives_the_unfused_bytes(device, config, m, out_dtype):
     unfused, (x_q, x_scale) = _glu_pair(device, m, 40, 544, m % 2 == 1, config, out_dtype)
     assert x_q.shape == (m, 40) and x_scale.shape == (m, 1)
     assert_same_quantized_rows(device, (x_q, x_scale), (unfused.x_q, unfused.x_scale))
+
+
+@pytest.mark.parametrize("config", [SWAP, SPLIT3, None], ids=["swap", "split3", "table"])
+@pytest.mark.parametrize("m", (1, 17, 70))
+def test_geglu_epilogue_gives_the_unfused_bytes(device, config, m):
+    """Gemma's GeGLU in the gate_up GEMM's epilogue (ACT 2): the bytes of the GEMM, the GeGLU launch and the
+    quantize as three steps, and far from the SiLU epilogue's rows on the same inputs."""
+    pw = prepare_mxfp4(*random_mxfp4(80, 544, device))
+    x_q, x_scale = quantize_activations(torch.randn(m, 544, device=device) * 2)
+    out_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fused = w4a8_glu(x_q, x_scale, pw, None, out_dtype, config=config, activation=GELU_TANH)
+    unfused = glu_mul(w4a8_gemm(x_q, x_scale, pw, None, out_dtype, config=config), GELU_TANH, quantize=True)
+    assert_same_quantized_rows(device, fused, (unfused.x_q, unfused.x_scale))
+    silu = w4a8_glu(x_q, x_scale, pw, None, out_dtype, config=config)  # the large gates agree; the negative don't
+    assert (silu[0].float() != fused[0].float()).float().mean() > 0.2
+    with pytest.raises(ValueError, match="dense GLU epilogue"):
+        w4a8_glu(x_q, x_scale, pw, None, out_dtype, activation=GluActivation("swiglu_oai"))
 
 
 def test_glu_nan_token_stays_in_its_row(device):
@@ -215,6 +232,9 @@ def test_glu_expand_path_and_custom_op(device, monkeypatch):
     compiled = torch.compile(lambda *a: torch.ops.radiance.w4a8_glu_quantized(*a)[1] * 2, backend="aot_eager",
                              fullgraph=True)
     assert torch.equal(compiled(*args), fused[1] * 2)
+    gelu_q, gelu_s = torch.ops.radiance.w4a8_glu_quantized(*args, "gelu_tanh")  # Gemma's GeGLU through the op
+    want_q, want_s = w4a8_glu(x_q, x_scale, pw, None, torch.float32, activation=GELU_TANH)
+    assert torch.equal(gelu_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(gelu_s, want_s)
     with pytest.raises(ValueError, match="even row count"):
         w4a8_glu(x_q, x_scale, prepare_mxfp4(*random_mxfp4(63, 256, device)))
 

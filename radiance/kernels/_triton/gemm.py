@@ -125,12 +125,12 @@ def w4a8_gemm_kernel(x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
                      DEPENDENT: tl.constexpr = False, PDL_PREFETCH: tl.constexpr = 0, GLU: tl.constexpr = False,
-                     DEFER_SUM: tl.constexpr = False):
-    """A program per (output tile, K split): grid [tiles, splits]."""
+                     DEFER_SUM: tl.constexpr = False, ACT: tl.constexpr = 0):
+    """A program per (output tile, K split): grid [tiles, splits]. ACT: the GLU's activation (0 silu, 2 gelu_tanh)."""
     w4a8_gemm_tile(tl.program_id(0), tl.program_id(1), x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr, out_ptr,
                    part_ptr, lock_ptr, amax_ptr, M, N, K, stride_xm, stride_om, k_tiles_per_split, splits,
                    HAS_BIAS, SWAP_AB, SPLIT, BM, BN, BK, GROUP_M, EVEN_K, USE_ASM, PRECISE_ACC, DEPENDENT,
-                   PDL_PREFETCH, GLU, DEFER_SUM)
+                   PDL_PREFETCH, GLU, DEFER_SUM, ACT)
 
 
 @triton.jit
@@ -139,7 +139,8 @@ def w4a8_gemm_tile(pid, pid_k, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr
                    HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                    EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, PRECISE_ACC: tl.constexpr,
-                   DEPENDENT: tl.constexpr, PDL_PREFETCH: tl.constexpr, GLU: tl.constexpr, DEFER_SUM: tl.constexpr):
+                   DEPENDENT: tl.constexpr, PDL_PREFETCH: tl.constexpr, GLU: tl.constexpr, DEFER_SUM: tl.constexpr,
+                   ACT: tl.constexpr):
     """Output tile `pid` (grouped order), K split `pid_k`: what one program of w4a8_gemm_kernel computes, callable
     from a kernel that walks several tiles (a persistent one)."""
     NB: tl.constexpr = BK // 32
@@ -235,8 +236,8 @@ def w4a8_gemm_tile(pid, pid_k, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr
                 for k in range(splits):  # .cg: read L2, where the other CTAs' partials are
                     total += tl.load(part + k * M * width, mask=m_live[:, None], other=0.0, cache_modifier=".cg")
                 _epilogue(out_ptr, amax_ptr, bias_ptr, total, rm, m_live, cols, offs_n, out_n, stride_om,
-                          num_pid_n, pid_n, HAS_BIAS, GLU, BM, BN)
+                          num_pid_n, pid_n, HAS_BIAS, GLU, BM, BN, ACT)
                 tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
     else:
         _epilogue(out_ptr, amax_ptr, bias_ptr, acc, rm, m_live, cols, offs_n, out_n, stride_om,
-                  num_pid_n, pid_n, HAS_BIAS, GLU, BM, BN)
+                  num_pid_n, pid_n, HAS_BIAS, GLU, BM, BN, ACT)
