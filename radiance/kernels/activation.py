@@ -176,6 +176,7 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
         out = Fp8Activations(*reference.quantize_activations_reference(y), x.dtype, lead,
                              y.reshape(x.shape) if keep_values else None) if quantize else y.reshape(x.shape)
         return out, s.reshape(x.shape)
+    keeps_sum = r2 is not None or parts is None
     if r2 is not None:
         s = torch.empty((m, k), dtype=dtype, device=x2.device)
     else:  # partials without a residual: an empty s only tells the kernel the dtype their sum is rounded to
@@ -196,7 +197,7 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
     shape = (*lead, k)
     out = (Fp8Activations(x_q, x_scale, dtype, lead, y.reshape(shape) if keep_values else None) if quantize
            else y.reshape(shape))
-    return out, (None if s.numel() == 0 and m * k else s.reshape(shape))
+    return out, (s.reshape(shape) if keeps_sum else None)
 
 
 def silu_mul(gate_up: torch.Tensor, quantize: bool = False):

@@ -96,9 +96,7 @@ class MistralToolParser(HermesToolParser):
                 self._text_instead(out, "]")
             return True
         if not rest.startswith("{"):  # no call list after all: the rest is text
-            self._text_instead(out, "")
-            self._state = "text"
-            return True
+            return self._back_to_text(out)
         try:
             obj, end = self._decoder.raw_decode(rest)
         except ValueError:
@@ -127,18 +125,14 @@ class MistralToolParser(HermesToolParser):
             return True
         if ARGS.startswith(after) or (not call_id and CALL_ID.startswith(after)):
             return False  # a marker may be coming
-        self._text_instead(out, "")  # a name with a space in it, or no name: text
-        self._state = "text"
-        return True
+        return self._back_to_text(out)  # a name with a space in it, or no name: text
 
     def _in_arguments(self, out: ParseDelta) -> bool:
         rest = self._buffer.lstrip()
         if not rest:
             return False
         if not rest.startswith("{"):
-            self._text_instead(out, "")
-            self._state = "text"
-            return True
+            return self._back_to_text(out)
         try:
             obj, end = self._decoder.raw_decode(rest)
         except ValueError:
@@ -156,6 +150,12 @@ class MistralToolParser(HermesToolParser):
         self.num_calls += 1
         self._markup = ""
         self._after_call.active = True
+
+    def _back_to_text(self, out: ParseDelta) -> bool:
+        """The markup read since the marker gave no call: it is text, and so is what follows it."""
+        self._text_instead(out, "")
+        self._state = "text"
+        return True
 
     def _text_instead(self, out: ParseDelta, text: str) -> None:
         """`text` is the model's text, not a call; so is the markup read before it that gave no call yet."""
