@@ -25,7 +25,7 @@ from radiance.layers.linear import takes_fp8
 from radiance.layers.norm import RMSNorm
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.models.arch_config import ArchConfig
-from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP
+from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP, input_norm
 
 _GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -43,11 +43,7 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, positions, x, residual, meta):
         # the residual stream as LlamaDecoderLayer keeps it (x: what the next add brings in); the extra norms of the
         # attention and MLP outputs come before those adds
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x, fp8=takes_fp8(self.self_attn.qkv_proj))
-        else:
-            x, residual = self.input_layernorm(x, residual, fp8=takes_fp8(self.self_attn.qkv_proj))
+        x, residual = input_norm(self.input_layernorm, x, residual, fp8=takes_fp8(self.self_attn.qkv_proj))
         x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
         x, residual = self.pre_feedforward_layernorm(x, residual, fp8=takes_fp8(self.mlp.gate_up_proj))
         return self.post_feedforward_layernorm(self.mlp(x)), residual

@@ -27,6 +27,14 @@ def for_norm(linear: nn.Module, x):
     return forward(x) if forward is not None else linear(x)
 
 
+def input_norm(norm: nn.Module, x, residual, fp8: bool):
+    """A decoder layer's first norm: (its output, the residual stream). The first layer starts the stream with its
+    input; the others add their input to it in the norm's kernel."""
+    if residual is None:
+        return norm(x, fp8=fp8), x
+    return norm(x, residual, fp8=fp8)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int = 0):
         super().__init__()
@@ -106,11 +114,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions, x, residual, meta):
         # the norms hand W4A8 linears fp8 activations straight from their fused kernel, and sum the
         # split-K partials the o_proj and down_proj GEMMs leave them at decode sizes (for_norm)
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x, fp8=takes_fp8(self.self_attn.qkv_proj))
-        else:
-            x, residual = self.input_layernorm(x, residual, fp8=takes_fp8(self.self_attn.qkv_proj))
+        x, residual = input_norm(self.input_layernorm, x, residual, fp8=takes_fp8(self.self_attn.qkv_proj))
         x = self.self_attn(positions, x, meta)
         # a sparse MLP's router reads the 16-bit norm output: W4A8 experts get it with its fp8 codes
         sparse = isinstance(self.mlp, SparseMoeBlock)
