@@ -243,7 +243,7 @@ class EngineConfig:
 
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "none")
-REASONING_PARSERS = ("auto", "think", "harmony", "none")
+REASONING_PARSERS = ("auto", "think", "mistral", "harmony", "none")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -257,7 +257,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY` (printable ASCII)
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
     tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony, none; auto: the template's markup
-    reasoning_parser: str = "auto"  # think, harmony, none; auto: from the template (<|channel|>: harmony, <think>: think)
+    reasoning_parser: str = "auto"  # think, mistral, harmony, none; auto: from the template (<|channel|>: harmony, [THINK]: mistral, <think>: think)
     max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)
     responses_store: int = 1000  # /v1/responses kept in memory for previous_response_id and GET; 0 = none

@@ -207,6 +207,7 @@ def template_features(template: str | None) -> dict:
         "llama3_json": "<|python_tag|>" in text or ("<|start_header_id|>" in text and '"parameters"' in text),
         "mistral": "[TOOL_CALLS]" in text,  # Mistral: calls after its [TOOL_CALLS] token
         "think": "<think>" in text,
+        "mistral_think": "[THINK]" in text,  # Magistral: reasoning between its [THINK] and [/THINK] tokens
         "harmony": "<|channel|>" in text,  # gpt-oss: messages in channels (analysis, commentary, final)
     }
 

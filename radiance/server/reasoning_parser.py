@@ -68,6 +68,7 @@ class ReasoningParser(Protocol):
 class ThinkReasoningParser:
     name = "think"
     needs_special_tokens = False
+    open_tag, close_tag = OPEN_TAG, CLOSE_TAG
 
     def __init__(self, starts_inside: bool = False):
         # "start": the output may open <think>; "inside": the prompt opened it (the model may repeat it)
@@ -80,23 +81,23 @@ class ThinkReasoningParser:
         self._buffer += delta
         if self._state in ("start", "inside"):
             head = self._buffer.lstrip()
-            if head.startswith(OPEN_TAG):
+            if head.startswith(self.open_tag):
                 self._state = "reasoning"
-                self._buffer = head[len(OPEN_TAG):]
+                self._buffer = head[len(self.open_tag):]
                 self._eat_space.active = True
-            elif not head or OPEN_TAG.startswith(head):
+            elif not head or self.open_tag.startswith(head):
                 return out  # could still become <think>
             else:
                 self._state = "reasoning" if self._state == "inside" else "content"
         if self._state == "reasoning":
-            end = self._buffer.find(CLOSE_TAG)
+            end = self._buffer.find(self.close_tag)
             if end >= 0:
                 out.reasoning = self._eat_space(self._buffer[:end])
-                self._buffer = self._buffer[end + len(CLOSE_TAG):]
+                self._buffer = self._buffer[end + len(self.close_tag):]
                 self._state = "content"
                 self._eat_space = LeadingSpaceEater(active=True)
             else:
-                keep = partial_tag_start(self._buffer, CLOSE_TAG)
+                keep = partial_tag_start(self._buffer, self.close_tag)
                 out.reasoning = self._eat_space(self._buffer[:keep])
                 self._buffer = self._buffer[keep:]
                 return out
@@ -112,6 +113,12 @@ class ThinkReasoningParser:
             out.content = self._eat_space(self._buffer)
         self._buffer = ""
         return out
+
+
+class MistralReasoningParser(ThinkReasoningParser):
+    name = "mistral"
+    needs_special_tokens = True  # [THINK] and [/THINK] are control tokens
+    open_tag, close_tag = "[THINK]", "[/THINK]"
 
 
 START, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>"
@@ -246,7 +253,7 @@ class HarmonyReasoningParser:
             setattr(out, field, getattr(out, field) + text)
 
 
-PARSERS = {parser.name: parser for parser in (ThinkReasoningParser, HarmonyReasoningParser)}
+PARSERS = {parser.name: parser for parser in (ThinkReasoningParser, MistralReasoningParser, HarmonyReasoningParser)}
 
 
 def split_reasoning(parser: ReasoningParser, text: str) -> ReasoningDelta:

@@ -129,8 +129,10 @@ class ServerState:
             self.served_names = (default_model_name(self.model_path, engine),)
         templates = "\n".join(filter(None, (self.chat_template, self.tool_chat_template)))
         features = template_features(templates)
-        # harmony first: <|channel|> is gpt-oss's own markup, while <think> could appear in any template's text
-        reasoning = next((name for name in ("harmony", "think") if features[name]), None)
+        # harmony and Magistral's [THINK] first: their markers are the models' own tokens, while <think> could
+        # appear in any template's text
+        reasoning = next((parser for parser, feature in (("harmony", "harmony"), ("mistral", "mistral_think"),
+                                                         ("think", "think")) if features[feature]), None)
         self.reasoning_parser_name = self._pick(self.config.reasoning_parser, reasoning)
         markup = next((name for name in ("harmony", "qwen3_coder", "hermes", "mistral", "llama3_json")
                        if features[name]), None)

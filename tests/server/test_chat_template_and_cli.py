@@ -77,10 +77,10 @@ def test_template_helpers_and_errors():
 
 def test_template_features_pick_parsers(tmp_path):
     assert template_features(QWEN_LIKE) == {"qwen3_coder": False, "hermes": True, "llama3_json": False, "think": True,
-                                            "harmony": False, "mistral": False}
+                                            "harmony": False, "mistral": False, "mistral_think": False}
     assert template_features("<tool_call><function=x>")["qwen3_coder"]
     assert template_features(None) == {"qwen3_coder": False, "hermes": False, "llama3_json": False, "think": False,
-                                       "harmony": False, "mistral": False}
+                                       "harmony": False, "mistral": False, "mistral_think": False}
     assert template_features('{{ "[TOOL_CALLS] [" }}')["mistral"]
     llama = '<|start_header_id|>assistant<|end_header_id|>{"name": "f", "parameters": {}}'
     assert template_features(llama)["llama3_json"] and template_features("<|python_tag|>")["llama3_json"]
@@ -144,6 +144,8 @@ def test_serve_with_a_missing_model_exits_2_with_one_line(tmp_path):
     ("auto", "auto", CHATML, (None, None)),
     ("auto", "auto", '[INST]{{ "[TOOL_CALLS][" }}', ("mistral", None)),
     ("mistral", "auto", CHATML, ("mistral", None)),
+    ("auto", "auto", '[INST]{{ "[TOOL_CALLS]" }} [THINK] <think>', ("mistral", "mistral")),  # Magistral
+    ("auto", "mistral", CHATML, (None, "mistral")),
     ("hermes", "none", "<tool_call><function=f> <think>", ("hermes", None)),
     ("none", "think", CHATML, (None, "think")),
 ])
