@@ -1,7 +1,9 @@
 """What a GGUF file of each architecture radiance reads means in transformers' terms: its model class and
 model_type, llama.cpp's tensor names, the conventions llama.cpp's converter applied (Llama's q/k rows permuted into
-its rotary layout; Gemma's norm weights stored as 1 + weight), and the config fields its metadata leaves to
-llama.cpp's own defaults (Gemma 3's local rope base, window pattern and query scale)."""
+its rotary layout; Gemma's norm weights stored as 1 + weight; Phi-3's merged qkv and gate | up kept merged; OLMo 2's
+q / k norms over all heads), and the
+config fields its metadata leaves to llama.cpp's own defaults (Gemma 3's local rope base, window pattern and query
+scale) or spells its own way (Phi-3's pretraining context and window)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class GgufArch:
     norm_shift: float = 0.0  # added to every norm weight by llama.cpp's converter (Gemma: 1, its 1 + weight)
     block_names: dict[str, str] = field(default_factory=dict)  # over BLOCK_NAMES
     hidden_act: str = "silu"
+    whole_width_qk_norm: bool = False  # attn_q_norm / attn_k_norm span all heads (OLMo 2), not one head
     extra_config: Callable[[Callable[[str, Any], Any], dict], dict] | None = None  # (field getter, config) -> keys
 
     def block_name(self, suffix: str) -> str | None:
@@ -42,6 +45,12 @@ class GgufArch:
     @property
     def all_block_names(self) -> dict[str, str]:
         return {**BLOCK_NAMES, **self.block_names}
+
+# OLMo 2: only the attention's and the MLP's outputs are normed
+_OLMO2_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# Phi-3: llama.cpp keeps the checkpoint's merged projections (ffn_up holds gate | up, as gate_up_proj does)
+_PHI3_MERGED = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 
 
 def _gemma3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
@@ -60,12 +69,30 @@ def _gemma3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
             "query_pre_attn_scalar": query_pre_attn_scalar}
 
 
+def _phi3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """The window llama.cpp's converter writes from config.json's sliding_window (on every layer in transformers'
+    Phi3), and the pretraining context LongRoPE scales from (rope.scaling.original_context_length)."""
+    extra = {}
+    window = field_of("phi3.attention.sliding_window", None)
+    if window:
+        extra["sliding_window"] = int(window)
+    original = field_of("phi3.rope.scaling.original_context_length", None)
+    if original:
+        extra["original_max_position_embeddings"] = int(original)
+    return extra
+
+
 ARCHITECTURES = {
     "llama": GgufArch("LlamaForCausalLM", "llama", permuted_qk=True),
     "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2"),
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3"),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", norm_shift=1.0, block_names=_GEMMA_NORMS,
                        hidden_act="gelu_pytorch_tanh", extra_config=_gemma3_config),
+    "olmo2": GgufArch("Olmo2ForCausalLM", "olmo2", block_names=_OLMO2_NORMS, whole_width_qk_norm=True),
+    "phi3": GgufArch("Phi3ForCausalLM", "phi3", block_names=_PHI3_MERGED, extra_config=_phi3_config),
+    # SmolLM3: llama.cpp's converter is Llama's (q / k permuted); it writes no NoPE layers and llama.cpp takes
+    # every 4th, SmolLM3Config's default interval
+    "smollm3": GgufArch("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),
 }
 
 

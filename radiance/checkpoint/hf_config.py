@@ -139,6 +139,7 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
         "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
         "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
         "lm_head": (config.get("vocab_size") or 0, hidden),
+        "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden),  # Phi-3 stores them merged
     }
     expert = config.get("moe_intermediate_size")
     if expert:  # a sparse MLP's experts, keyed "experts.<leaf>" (hf_reader.HfCheckpoint._expected)

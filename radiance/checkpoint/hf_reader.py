@@ -32,6 +32,9 @@ from radiance.models.arch_config import MoeConfig
 
 logger = logging.getLogger(__name__)
 
+# the norms every decoder layer has (OLMo 2 normalizes the attention and MLP outputs only)
+_LAYER_NORMS = {None: ("input_layernorm", "post_attention_layernorm"),
+                "Olmo2ForCausalLM": ("post_attention_layernorm", "post_feedforward_layernorm")}
 _DECODER_PROJ = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj$")
 _EXPERT_PROJ = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj$")
 
@@ -212,8 +215,8 @@ class HfCheckpoint(Checkpoint):
         router = "router" if self.config.get("model_type") == "gpt_oss" else "gate"
         for i in range(layers):
             p = f"model.layers.{i}"
-            needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.input_layernorm.weight",
-                       f"{p}.post_attention_layernorm.weight"]
+            needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj"]
+            needed += [f"{p}.{norm}.weight" for norm in _LAYER_NORMS.get(self.architecture, _LAYER_NORMS[None])]
             if moe is not None and i in moe.layers:
                 needed.append(f"{p}.mlp.{router}.weight")
                 experts = [f"{p}.mlp.experts.{e}" for e in range(moe.num_experts)]

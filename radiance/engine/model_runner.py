@@ -29,6 +29,7 @@ from radiance.engine.scheduler import ScheduledSequence
 from radiance.engine.step_graphs import DecodeGraphs, PrefillGraphs, decode_num_splits
 from radiance.engine.structured_output import fill_allowed_token_words
 from radiance.layers.attention import AttentionMetadata
+from radiance.layers.rotary import RotaryEmbedding
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
                                     sample_on_device, small_tensor_to, token_logprobs)
 
@@ -133,6 +134,20 @@ def _uncapturable_module(model) -> str | None:
     return None
 
 
+def _serve_rotary_context(model, max_model_len: int) -> None:
+    """Tells the rotary embeddings the served context (LongRoPE picks its short or long factors by it) and says
+    which LongRoPE set serves."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.serve_context(max_model_len)
+            if (module.scaling or {}).get("rope_type") == "longrope":
+                original = module.scaling["original_max_position_embeddings"]
+                which = (f"long factors (max_model_len {max_model_len} > the pretraining context {original}; "
+                         f"--max-model-len {original} serves short prompts with the short ones)"
+                         if module.long_factors else f"short factors (max_model_len {max_model_len} <= {original})")
+                logger.info("LongRoPE rotary: %s", which)
+
+
 class ModelRunner:
     def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.model = model
@@ -146,6 +161,7 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype)
         self.max_model_len = self._max_model_len(config.model.max_model_len, arch.context_length)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        _serve_rotary_context(model, self.max_model_len)
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, kv_dtype)
         # pinned landing buffers of the sampled ids, used in turn (like the graph inputs' staging sets)
         max_rows = max(config.scheduler.max_num_seqs, 1 + config.speculative.ngram_draft_tokens)  # sampled rows

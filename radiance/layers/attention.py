@@ -140,7 +140,8 @@ class Attention(nn.Module):
         if _use_triton(q):
             from radiance.layers.attention_prefill import store_kv_cache
             store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, scales)
-            return self._paged_triton(q, meta, quantize, sinks=sinks)
+            # unrotated (a NoPE layer), q is still a strided view of the qkv output
+            return self._paged_triton(q.contiguous(), meta, quantize, sinks=sinks)
         store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_valid, scales)
         out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
                                     meta.kv_lens, self.scale, meta.kv_first_blocks, scales, sinks,

@@ -1,6 +1,6 @@
 """Rotary position embedding (the "rotate half" / NeoX layout HF Llama and Qwen use), with the rope
-scaling variants of the supported models: none/default, linear, Llama 3's frequency-band scaling and
-YaRN (gpt-oss)."""
+scaling variants of the supported models: none/default, linear, Llama 3's frequency-band scaling, YaRN
+(gpt-oss) and LongRoPE (Phi-3.5 / Phi-4-mini), over whole heads or their leading `rotary_dim` dims."""
 
 from __future__ import annotations
 
@@ -51,8 +51,11 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling:
 
 
 def rope_attention_factor(scaling: dict | None) -> float:
-    """What YaRN multiplies cos and sin by (so q.k by its square); 1 for the other kinds."""
-    if (scaling or {}).get("rope_type", (scaling or {}).get("type")) != "yarn":
+    """What YaRN and LongRoPE multiply cos and sin by (so q.k by its square); 1 for the other kinds."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "longrope":
+        return float(scaling["attention_factor"])  # arch_config._longrope fills it in
+    if kind != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -66,9 +69,14 @@ def rope_attention_factor(scaling: dict | None) -> float:
     return mscale(factor)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, long: bool = False) -> torch.Tensor:
+    """The rotation frequencies of `head_dim` rotated dims; `long`: LongRoPE's long-context factors."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "longrope":  # per-frequency divisors, in transformers' order of operations
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if kind == "default":
         pass
     elif kind == "linear":
@@ -81,23 +89,48 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
                 raise ConfigError(f"yarn rope scaling needs {key!r}")
         inv_freq = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     else:
-        raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn, "
+                          f"longrope)")
     return inv_freq
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embedding to q [T, Hq, D] and k [T, Hkv, D] at integer `positions` [T]."""
+    """Applies rotary embedding to q [T, Hq, D] and k [T, Hkv, D] at integer `positions` [T]; with `rotary_dim`
+    below D only each head's leading rotary_dim dims rotate (Phi-4-mini), the rest pass through."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        factor = rope_attention_factor(scaling)
-        # [P, D/2] each; kept fp32 so low-precision models rotate with exact angles
-        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
-        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim or head_dim
+        self.theta, self.scaling, self.max_positions = theta, scaling, max_positions
+        longrope = (scaling or {}).get("rope_type") == "longrope"
+        # LongRoPE's factors follow the served context (serve_context); until told, the model's whole context
+        self.long_factors = longrope and max_positions > scaling["original_max_position_embeddings"]
+        cos, sin = self._tables()
+        # [P, rotary_dim/2] each; kept fp32 so low-precision models rotate with exact angles
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self._step: tuple | None = None  # (positions, cos, sin) while `step` is active
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, long=self.long_factors)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        factor = rope_attention_factor(self.scaling)
+        return freqs.cos() * factor, freqs.sin() * factor
+
+    def serve_context(self, max_model_len: int) -> None:
+        """LongRoPE: serve with the long factors when sequences may pass the pretraining context, else the short
+        ones (vLLM's and llama.cpp's rule: one set for every position, so the KV cache never mixes rotations;
+        transformers switches per forward by its longest position). Other kinds: nothing to choose. Call before
+        CUDA graphs are captured (the tables are rewritten in place)."""
+        if (self.scaling or {}).get("rope_type") != "longrope":
+            return
+        long = max_model_len > self.scaling["original_max_position_embeddings"]
+        if long != self.long_factors:
+            self.long_factors = long
+            cos, sin = self._tables()
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
 
     @contextmanager
     def step(self, positions: torch.Tensor):
@@ -109,7 +142,8 @@ class RotaryEmbedding(nn.Module):
         else:
             cos, sin = self._cos_sin(positions)
             small = positions.dim() == 1 and positions.numel() <= _MATRIX_MAX_TOKENS
-            self._step = (positions, cos, sin, _rotation_matrices(cos[:, 0], sin[:, 0]) if small else None)
+            matrices = _rotation_matrices(cos[:, 0], sin[:, 0], self.head_dim) if small else None
+            self._step = (positions, cos, sin, matrices)
         try:
             yield
         finally:
@@ -124,7 +158,8 @@ class RotaryEmbedding(nn.Module):
         """Whether `rotate_and_store` serves these inputs (the Triton path: CUDA, [T, H, D], D/2 a power of 2);
         then at decode paged_decode_attention(rotary=...) rotates and stores in its own launch instead."""
         half = q.shape[-1] // 2
-        return q.is_cuda and q.dim() == 3 and positions.dim() == 1 and half & (half - 1) == 0
+        whole = self.rotary_dim == q.shape[-1]  # the kernels rotate whole heads
+        return q.is_cuda and q.dim() == 3 and positions.dim() == 1 and whole and half & (half - 1) == 0
 
     def rotate_and_store(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None,
                          qk_norm=None, q_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,17 +192,25 @@ class RotaryEmbedding(nn.Module):
 _MATRIX_MAX_TOKENS = 16
 
 
-def _rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """[T, D/2] cos, sin -> [T, D, D] M with x @ M = rotate-half rotation of the row x (exact entries: every
-    output sums the same two products as `_rotate`, plus zeros)."""
+def _rotation_matrices(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[T, R/2] cos, sin -> [T, D, D] M with x @ M = rotate-half rotation of the row x's leading R dims, the
+    rest passed through (exact entries: every output sums the same two products as `_rotate`, plus zeros)."""
     c, s = torch.diag_embed(cos), torch.diag_embed(sin)
-    return torch.cat((torch.cat((c, s), dim=-1), torch.cat((-s, c), dim=-1)), dim=-2)
+    rotation = torch.cat((torch.cat((c, s), dim=-1), torch.cat((-s, c), dim=-1)), dim=-2)
+    rot = rotation.shape[-1]
+    if rot == head_dim:
+        return rotation
+    matrices = torch.eye(head_dim, dtype=rotation.dtype).repeat(rotation.shape[0], 1, 1)
+    matrices[:, :rot, :rot] = rotation
+    return matrices
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    """The rotation of x's leading 2 * cos.shape[-1] dims (all of them unless the rotary is partial)."""
+    rot = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
 # q heads per rotary program: a decode step's one token spreads its heads (and their norms) over several SMs

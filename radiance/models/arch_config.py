@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from radiance.errors import ConfigError
@@ -34,6 +35,8 @@ class ArchConfig:
     attention_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype
     mlp_activation: GluActivation = SILU  # the dense MLP's GLU (Gemma: GeGLU)
+    rotary_dim: int | None = None  # Phi-4-mini: the leading dims of each head that rotate; None: all of them
+    nope_layers: frozenset[int] = frozenset()  # SmolLM3: layers that attend without rotary positions
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.layers
@@ -74,10 +77,14 @@ class ArchConfig:
         heads = need("num_attention_heads")
         if architecture not in _OWN_ACTIVATION and config.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")  # swish is silu
-        if config.get("mlp_bias") and architecture == "LlamaForCausalLM":  # the only one of them that reads it
+        if config.get("mlp_bias") and architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):  # they read it
             raise ConfigError("mlp_bias true is not supported (the MLP projections have no bias in radiance)")
         kv_heads, head_dim = _heads(config, architecture, hidden, heads)
-        theta, scaling = _rope(config, defaults)
+        theta, scaling = _rope(config, defaults, architecture)
+        rotary_dim = _rotary_dim(config, architecture, head_dim)
+        max_positions = int(_positive(config, "max_position_embeddings", defaults.max_position_embeddings, integer=True))
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+            scaling = _longrope(config, scaling, defaults, rotary_dim or head_dim, max_positions)
         # attention_bias: q, k, v and o all carry a bias (as in transformers' Llama, Qwen3 and gpt-oss)
         bias = bool(_given(config, "attention_bias", defaults.attention_bias))
         flags = {"qkv_bias": bias, "o_bias": bias}
@@ -94,8 +101,8 @@ class ArchConfig:
             rms_norm_eps=_positive(config, "rms_norm_eps", defaults.rms_norm_eps),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(_positive(config, "max_position_embeddings",
-                                                  defaults.max_position_embeddings, integer=True)),
+            max_position_embeddings=max_positions,
+            rotary_dim=rotary_dim,
             tie_word_embeddings=bool(_given(config, "tie_word_embeddings", defaults.tie_word_embeddings)),
             moe=MoeConfig.from_hf(config, architecture, need("num_hidden_layers")),
             **_sliding_window(config, architecture, need("num_hidden_layers")),
@@ -116,6 +123,7 @@ class HfDefaults:
     attention_bias: bool = False
     rope_parameters: dict | None = None  # the rope scaling of a config that gives none
     tie_word_embeddings: bool = False
+    original_max_position_embeddings: int | None = None  # LongRoPE's pretraining context when config.json omits it
 
 
 # gpt-oss's published rope (transformers' GptOssConfig default)
@@ -126,11 +134,13 @@ HF_DEFAULTS = {
     "Gemma3ForCausalLM": HfDefaults(131072, rope_theta=1_000_000.0, head_dim=256, num_key_value_heads=4,
                                     tie_word_embeddings=True),
     "MistralForCausalLM": HfDefaults(131072, num_key_value_heads=8),
-    "Phi3ForCausalLM": HfDefaults(4096, rms_norm_eps=1e-5),
+    "Phi3ForCausalLM": HfDefaults(4096, rms_norm_eps=1e-5, original_max_position_embeddings=4096),
+    "Olmo2ForCausalLM": HfDefaults(2048, rms_norm_eps=1e-5),
     "Qwen2ForCausalLM": HfDefaults(32768, num_key_value_heads=32),
     "Qwen2MoeForCausalLM": HfDefaults(32768, num_key_value_heads=16),
     "Qwen3ForCausalLM": HfDefaults(32768, head_dim=128, num_key_value_heads=32),  # not hidden // heads
     "Qwen3MoeForCausalLM": HfDefaults(32768, num_key_value_heads=4),
+    "SmolLM3ForCausalLM": HfDefaults(32768, rope_theta=2_000_000.0, num_key_value_heads=4, tie_word_embeddings=True),
     "GptOssForCausalLM": HfDefaults(131072, rms_norm_eps=1e-5, rope_theta=150000.0, head_dim=64,
                                     num_key_value_heads=8, attention_bias=True, rope_parameters=_GPT_OSS_ROPE),
 }
@@ -147,11 +157,13 @@ MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 
@@ -212,15 +224,20 @@ def _heads(config: dict, architecture: str, hidden: int, heads: int) -> tuple[in
 # architectures that name their MLP activation otherwise (Gemma: hidden_activation) and check it themselves
 _OWN_ACTIVATION = {"Gemma3ForCausalLM"}
 
-# rope_type -> the keys its frequencies are computed from (radiance.layers.rotary)
+# rope_type -> the keys its frequencies are computed from (radiance.layers.rotary); longrope's lists are checked
+# against the rotary dimension in _longrope
 ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
-              "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",)}
+              "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",), "longrope": ()}
+
+# architectures whose transformers model rotates only the leading partial_rotary_factor of each head
+_PARTIAL_ROTARY = {"Phi3ForCausalLM"}
 
 
-def _rope(config: dict, defaults: HfDefaults) -> tuple[float, dict | None]:
+def _rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[float, dict | None]:
     """(rope_theta, rope scaling or None) from transformers 5's `rope_parameters` or the older `rope_theta` +
     `rope_scaling`, checked here so that an unsupported or incomplete scaling is one line before any load.
-    A config that gives neither gets the architecture's (gpt-oss: YaRN), as in transformers."""
+    A config that gives neither gets the architecture's (gpt-oss: YaRN), as in transformers. Phi-3's older "su"
+    and "yarn" spellings come back as rope_type "longrope" (as transformers' Phi3Config reads them)."""
     rope = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
     for key, value in (("rope_parameters", rope), ("rope_scaling", scaling)):
@@ -234,13 +251,13 @@ def _rope(config: dict, defaults: HfDefaults) -> tuple[float, dict | None]:
     theta = float(_positive(rope if rope.get("rope_theta") is not None else config, "rope_theta",
                             defaults.rope_theta))
     rope.pop("rope_theta", None)
-    scaling = rope or scaling
-    partial = (scaling or {}).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported (radiance rotates whole heads)")
+    rope.pop("partial_rotary_factor", None)  # read by _rotary_dim
+    scaling = {k: v for k, v in (rope or scaling or {}).items() if k != "partial_rotary_factor"}  # (rope_scaling's)
     if not scaling:
         return float(theta), None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if architecture == "Phi3ForCausalLM" and kind in ("su", "yarn"):
+        kind = "longrope"
     if kind not in ROPE_TYPES:
         raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     for key in ROPE_TYPES[kind]:
@@ -251,7 +268,55 @@ def _rope(config: dict, defaults: HfDefaults) -> tuple[float, dict | None]:
     # below it, its frequencies are exactly the default ones
     if kind in ("default", "dynamic"):
         return float(theta), None
-    return float(theta), scaling
+    return float(theta), scaling if kind == scaling.get("rope_type", scaling.get("type")) else {**scaling, "rope_type": kind}
+
+
+def _rotary_dim(config: dict, architecture: str, head_dim: int) -> int | None:
+    """The dims of each head that rotate when config.json's partial_rotary_factor is below 1 (transformers 5 keeps
+    it in rope_parameters, older configs at the top level or in rope_scaling), None when all do."""
+    partial = None
+    for source in (config.get("rope_parameters"), config.get("rope_scaling"), config):
+        if isinstance(source, dict) and source.get("partial_rotary_factor") is not None:
+            partial = source["partial_rotary_factor"]
+            break
+    if partial is None or partial == 1:
+        return None
+    if architecture not in _PARTIAL_ROTARY:
+        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported for {architecture} (radiance rotates "
+                          f"whole heads there, as transformers does)")
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial < 1:
+        raise ConfigError(f"config.json partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+    dims = int(head_dim * partial)  # transformers' rounding
+    if dims < 2 or dims % 2:
+        raise ConfigError(f"partial_rotary_factor {partial} of head_dim {head_dim} rotates {dims} dims; rotary "
+                          f"pairs need an even number of at least 2")
+    return dims
+
+
+def _longrope(config: dict, scaling: dict, defaults: HfDefaults, rotary_dim: int, max_positions: int) -> dict:
+    """LongRoPE (Phi-3.5-mini, Phi-3-*-128k, Phi-4-mini) as transformers computes it: per-frequency divisors,
+    `short_factor` for a context within the pretraining one and `long_factor` past it, and cos / sin scaled by
+    sqrt(1 + ln(factor) / ln(original)) with factor = max_position_embeddings / original unless given. The
+    pretraining context is config.json's top-level original_max_position_embeddings (Phi-3's default 4096), else
+    the scaling's, else max_position_embeddings."""
+    original = (config.get("original_max_position_embeddings") or defaults.original_max_position_embeddings
+                or scaling.get("original_max_position_embeddings") or max_positions)
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ConfigError(f"longrope original_max_position_embeddings must be a positive integer, got {original!r}")
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = scaling.get(key)
+        if (not isinstance(values, list) or len(values) != rotary_dim // 2
+                or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in values)):
+            raise ConfigError(f"longrope rope_scaling needs {key!r}: a list of {rotary_dim // 2} positive numbers "
+                              f"(one per rotary frequency), got {values!r}")
+        factors[key] = [float(v) for v in values]
+    factor = scaling.get("factor") or max_positions / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", **factors, "original_max_position_embeddings": original,
+            "attention_factor": float(attention_factor)}
 
 
 def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
@@ -275,6 +340,10 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
         window = config.get("sliding_window")  # transformers' Phi3Config: none unless given
     elif architecture == "Gemma3ForCausalLM":
         window = config.get("sliding_window", 4096)  # transformers' Gemma3TextConfig
+    elif architecture == "SmolLM3ForCausalLM":
+        if not config.get("use_sliding_window"):
+            return {}
+        window = config.get("sliding_window")  # transformers' SmolLM3Config: none unless given
     else:
         return {}
     if not window:
@@ -334,11 +403,19 @@ def _slides_but_every_nth(layer: int, config: dict) -> str:
     return "sliding_attention" if (layer + 1) % pattern else "full_attention"
 
 
+def _slides_without_rotary(layer: int, config: dict) -> str:
+    """SmolLM3 without layer_types: its NoPE layers slide (with use_sliding_window; _sliding_window checks that)."""
+    from radiance.models.smollm3 import rotary_layers
+
+    return "full_attention" if rotary_layers(config)[layer] else "sliding_attention"
+
+
 # gpt-oss alternates, starting with a sliding layer; Mistral and Phi-3 slide on every layer
 _DERIVED_LAYER_TYPES = {**_QWEN_SLIDING_LAYERS, "GptOssForCausalLM": _slides_on_even_layers,
                         "Gemma3ForCausalLM": _slides_but_every_nth,
                         "MistralForCausalLM": lambda layer, config: "sliding_attention",
-                        "Phi3ForCausalLM": lambda layer, config: "sliding_attention"}
+                        "Phi3ForCausalLM": lambda layer, config: "sliding_attention",
+                        "SmolLM3ForCausalLM": _slides_without_rotary}
 # transformers' Qwen3-MoE, Mistral and Phi-3 read no layer_types: their windows follow the rules above whatever it says
 _READS_NO_LAYER_TYPES = {"Qwen3MoeForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"}
 

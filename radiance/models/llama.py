@@ -39,7 +39,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.rotary = [rotary]  # a list: shared by every layer, not registered as a submodule each time
+        # a list: shared by every layer, not registered as a submodule each time; None: a NoPE layer (SmolLM3)
+        self.rotary = [None if index in cfg.nope_layers else rotary]
         self.qkv_proj = UnloadedLinear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size,
                                        (cfg.q_size, cfg.kv_size, cfg.kv_size))
         self.o_proj = UnloadedLinear(cfg.q_size, cfg.hidden_size)
@@ -65,21 +66,27 @@ class LlamaAttention(nn.Module):
                 linear.bias = bias.detach()
                 setattr(self, bias_name, None)
 
+    def normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple:
+        """(q, k, the per-head norms the attention applies to them (Qwen3) or None): q [..., q_size] and
+        k [..., kv_size] as they leave the qkv projection."""
+        return q, k, ((self.q_norm, self.k_norm) if self.q_norm is not None else None)
+
     def forward(self, positions, x, meta):
         cfg = self.cfg
         qkv = self.qkv_proj(x)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        q, k, qk_norm = self.normed_qk(q, k)
         lead = qkv.shape[:-1]
         q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
         k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         # rotary inside attention: on CUDA one launch normalizes (Qwen3) and rotates q and k and writes k, v
         # to the KV cache
-        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
-        attended = self.attn(q, k, v, meta, rotary=(self.rotary[0], positions), quantize=takes_fp8(self.o_proj),
-                             qk_norm=qk_norm, sinks=self.sinks)
+        rotary = (self.rotary[0], positions) if self.rotary[0] is not None else None
+        attended = self.attn(q, k, v, meta, rotary=rotary, quantize=takes_fp8(self.o_proj), qk_norm=qk_norm,
+                             sinks=self.sinks)
         if self.o_bias is not None:  # a bias after the GEMM: its split-K sums cannot be left to the norm
             return self.o_proj(attended) + self.o_bias
         return for_norm(self.o_proj, attended)
@@ -126,11 +133,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
+    layer_class = LlamaDecoderLayer
+
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling,
+                                      rotary_dim=cfg.rotary_dim)
+        self.layers = nn.ModuleList(self.layer_class(cfg, self.rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -150,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
 
     arch_overrides: dict = {}  # ArchConfig fields the architecture fixes, whatever config.json says
     supports_moe = False  # whether config.json's experts are served (else a clear error at load)
+    body_class = LlamaBody
 
     @classmethod
     def overrides(cls, hf_config: dict) -> dict:
@@ -159,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaBody(cfg)
+        self.model = self.body_class(cfg)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
 

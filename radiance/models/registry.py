@@ -12,22 +12,26 @@ from radiance.models.gemma3 import Gemma3ForCausalLM
 from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.mistral import MistralForCausalLM
+from radiance.models.olmo2 import Olmo2ForCausalLM
 from radiance.models.phi3 import Phi3ForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
 from radiance.models.qwen2_moe import Qwen2MoeForCausalLM
 from radiance.models.qwen3 import Qwen3ForCausalLM
 from radiance.models.qwen3_moe import Qwen3MoeForCausalLM
+from radiance.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 

@@ -99,13 +99,14 @@ def test_a_servable_checkpoint_says_so(tmp_path, capsys):
 # ---------------------------------------------------------------- rope scaling
 
 @pytest.mark.parametrize("rope,match", [
-    ({"rope_type": "longrope", "factor": 2.0}, "rope_scaling type 'longrope' is not supported"),
+    ({"rope_type": "ntk-by-parts", "factor": 2.0}, "rope_scaling type 'ntk-by-parts' is not supported"),
+    ({"rope_type": "longrope", "factor": 2.0}, "longrope rope_scaling needs 'short_factor': a list of 8 positive"),
     ({"type": "linear"}, "linear rope_scaling needs a positive number for 'factor', got None"),
     ({"rope_type": "llama3", "factor": 8.0},
      "llama3 rope_scaling needs a positive number for 'original_max_position_embeddings', got None"),
     ({"rope_type": "yarn", "factor": "4"}, "yarn rope_scaling needs a positive number for 'factor', got '4'"),
     ("linear", "config.json rope_scaling must be an object, got 'linear'"),
-], ids=["unknown-type", "linear-without-factor", "llama3-without-original", "yarn-factor-string", "not-an-object"])
+], ids=["unknown-type", "longrope-without-factors", "linear-without-factor", "llama3-without-original", "yarn-factor-string", "not-an-object"])
 def test_a_bad_rope_scaling_is_one_line_everywhere(tmp_path, capsys, rope, match):
     """Were: silently passed inspect and convert; at load a KeyError / AttributeError traceback (the unknown
     type alone was a ConfigError, and only at load)."""

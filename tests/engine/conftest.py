@@ -9,6 +9,8 @@ import torch
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 # gpt-oss's published rope (YaRN, no truncation) on a shorter original context, so 300 tokens pass it
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 4.0],
+            "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}
 YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
              "original_max_position_embeddings": 64, "rope_theta": 150000.0}
 
@@ -17,7 +19,7 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
     from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              Olmo2Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512)
@@ -48,6 +50,14 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
                                       "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
     elif arch == "phi3":  # a 20-token window on every layer (Phi-3-mini-4k's shape); merged qkv and gate_up
         config = Phi3Config(**common, sliding_window=20, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch == "phi3longrope":  # Phi-4-mini's shape: LongRoPE past a 32-token pretraining context, 12 of 16 dims rotated
+        config = Phi3Config(**common, original_max_position_embeddings=32, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2, rope_parameters=dict(LONGROPE, partial_rotary_factor=0.75))
+    elif arch == "olmo2":  # post-norms only; q and k normed over all their heads at once
+        config = Olmo2Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch == "smollm3":  # layer 1 without rotary (NoPE), sliding over 24 tokens (use_sliding_window on)
+        config = SmolLM3Config(**common, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=24,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -144,17 +154,19 @@ def tiny_text_llm(tmp_path_factory):
     return make
 
 
-def assert_engine_greedy_matches_transformers(path, hf, prompt_len: int, chunk: int | None, low: int = 0) -> None:
-    """The engine's greedy tokens (fp32, CPU; prefill whole or in `chunk`-token pieces, then 24 decodes) equal
-    `transformers.generate`'s for a random prompt of `prompt_len` tokens from [low, 256)."""
+def assert_engine_greedy_matches_transformers(path, hf, prompt_len: int, chunk: int | None, low: int = 0,
+                                              new_tokens: int = 24, **engine_options) -> None:
+    """The engine's greedy tokens (fp32, CPU; prefill whole or in `chunk`-token pieces, then `new_tokens` - 1 decodes)
+    equal `transformers.generate`'s for a random prompt of `prompt_len` tokens from [low, 256)."""
     from radiance import LLM, SamplingParams
 
     prompt = torch.randint(low, 256, (prompt_len,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                          min_new_tokens=new_tokens)
     options = {"max_num_batched_tokens": chunk} if chunk else {}
-    llm = LLM(path, device="cpu", dtype="float32", **options)
-    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    llm = LLM(path, device="cpu", dtype="float32", **options, **engine_options)
+    out = llm.generate([prompt], SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == ref[0, prompt_len:].tolist()
 
 

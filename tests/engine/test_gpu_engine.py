@@ -182,6 +182,33 @@ def test_phi3_merged_linears_and_window_match_cpu(tiny_model_dir, tmp_path):
     assert torch.equal(*logits)
 
 
+def test_olmo2_output_norms_and_whole_width_qk_norms_match_cpu(tiny_model_dir):
+    """OLMo 2 on the GPU: q and k normed over all heads by the norm kernel (strided rows of the qkv output), no norm
+    before the attention or the MLP (their linears quantize their own input), the output norms summing the GEMMs'
+    partials: fp32 greedy tokens equal the CPU's."""
+    path, _ = tiny_model_dir("olmo2")
+    prompts = [[(11 * i + 3 * j) % 256 for j in range(20 + 9 * i)] for i in range(3)]
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+
+
+def test_smollm3_nope_layer_matches_cpu(tiny_model_dir):
+    """SmolLM3's NoPE layer (no rotary: q and k straight from the qkv GEMM into the Triton KV store and attention, a
+    24-token window on it): fp32 greedy tokens equal the CPU's, prompts and decodes past the window."""
+    path, _ = tiny_model_dir("smollm3")
+    prompts = [[(3 * i + 7 * j) % 256 for j in range(28 + 9 * i)] for i in range(3)]
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("max_model_len", [32, 128])  # LongRoPE's short factors, then its long ones
+def test_phi3_longrope_partial_rotary_matches_cpu(tiny_model_dir, max_model_len):
+    """Phi-4-mini's rotary (12 of 16 dims rotated, LongRoPE past a 32-token pretraining context) on the GPU, where the
+    Triton launches that rotate whole heads step aside: fp32 greedy tokens equal the CPU's with either factor set."""
+    path, _ = tiny_model_dir("phi3longrope")
+    prompts = [[(7 * i + 5 * j) % 256 for j in range(6 + 5 * i)] for i in range(3)]
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+                                  max_model_len=max_model_len)
+
+
 @pytest.mark.parametrize("head_dim", [32, 256])  # 256: Gemma 3's own head size through the Triton attention
 def test_gemma3_matches_cpu(tmp_path, head_dim):
     """Gemma 3 on the GPU: the norms of 1 + weight (fused residual-add kernels), q/k norms in the rotary launch with two

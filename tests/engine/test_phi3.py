@@ -1,9 +1,10 @@
-"""Phi-3 (Phi3ForCausalLM: Phi-3-mini / medium, Phi-4) as transformers reads it: the Llama decoder without biases,
-q/k/v and gate/up stored merged, a sliding window on every layer when config.json gives one; LongRoPE and a
-partial rotary refused before any load."""
+"""Phi-3 (Phi3ForCausalLM: Phi-3-mini / medium, Phi-3.5-mini, Phi-4, Phi-4-mini) as transformers reads it: the Llama
+decoder without biases, q/k/v and gate/up stored merged, a sliding window on every layer when config.json gives one,
+LongRoPE with its short or long factors chosen by the served context, a partial rotary."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -37,14 +38,80 @@ def test_config_as_transformers_reads_it():
     assert resolve_architecture({"model_type": "phi3", **SIZES})[0].__name__ == "Phi3ForCausalLM"
 
 
+# as Phi-3.5-mini spells it (one factor per frequency: head_dim 4 here)
+PHI35_ROPE = {"type": "longrope", "short_factor": [1.0, 1.2], "long_factor": [4.0, 9.0]}
+
+
+def test_longrope_as_transformers_reads_it():
+    """Phi-3.5-mini's config: no original_max_position_embeddings in rope_scaling (the top level's, Phi3Config's 4096
+    when absent), no factor (max_position_embeddings / original), the attention factor from them; older "su" and
+    "yarn" spellings are LongRoPE in Phi-3."""
+    arch = _arch(rope_scaling=PHI35_ROPE, max_position_embeddings=131072)
+    scaling = arch.rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 4096
+    assert scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    assert arch.context_length == 131072 and arch.rotary_dim is None
+    given = _arch(rope_scaling=dict(PHI35_ROPE, original_max_position_embeddings=99, attention_factor=1.5),
+                  original_max_position_embeddings=8192, max_position_embeddings=131072)
+    assert given.rope_scaling["original_max_position_embeddings"] == 8192  # the top level wins, as in transformers
+    assert given.rope_scaling["attention_factor"] == 1.5
+    for old in ("su", "yarn"):
+        assert _arch(rope_scaling=dict(PHI35_ROPE, type=old)).rope_scaling["rope_type"] == "longrope"
+    assert _arch(rope_scaling=PHI35_ROPE).rope_scaling["attention_factor"] == 1.0  # no extension: no scaling
+
+
+def test_partial_rotary_as_transformers_reads_it():
+    """Phi-4-mini: partial_rotary_factor 0.75 of head_dim 128 rotates 96 dims (at the top level or, as transformers 5
+    writes it, in rope_parameters); other architectures refuse it (their transformers model rotates whole heads)."""
+    sizes = {"hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8}
+    assert _arch(**sizes, partial_rotary_factor=0.75).rotary_dim == 96
+    assert _arch(**sizes, rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.75}).rotary_dim == 96
+    assert _arch(partial_rotary_factor=1.0).rotary_dim is None
+    with pytest.raises(ConfigError, match="partial_rotary_factor 0.5 is not supported for LlamaForCausalLM"):
+        resolve_architecture({"architectures": ["LlamaForCausalLM"], **SIZES, "partial_rotary_factor": 0.5})
+
+
 @pytest.mark.parametrize("config, refusal", [
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 2, "long_factor": [4.0] * 2,
-                       "original_max_position_embeddings": 4096}}, "longrope"),  # Phi-3.5-mini, the 128k models
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),  # Phi-4-mini
+    ({"rope_scaling": dict(PHI35_ROPE, long_factor=[4.0] * 3)}, "'long_factor': a list of 2 positive numbers"),
+    ({"rope_scaling": dict(PHI35_ROPE, short_factor=None)}, "'short_factor'"),
+    ({"rope_scaling": dict(PHI35_ROPE, short_factor=[1.0, 0.0])}, "'short_factor'"),
+    ({"partial_rotary_factor": 0.1}, "rotates 0 dims"),
+    ({"partial_rotary_factor": 1.5}, r"in \(0, 1\]"),
 ])
-def test_what_radiance_cannot_rotate_is_refused_in_one_line(config, refusal):
+def test_bad_rotary_settings_are_refused_in_one_line(config, refusal):
     with pytest.raises(ConfigError, match=refusal):
         _arch(**config)
+
+
+@pytest.mark.parametrize("max_model_len, prompt_len, new_tokens", [
+    (32, 10, 20),    # within the 32-token pretraining context: the short factors, as transformers there
+    (None, 40, 24),  # the model's 512: the long factors, as transformers past 32 tokens
+])
+def test_longrope_partial_rotary_greedy_tokens_match_transformers(tiny_model_dir, max_model_len, prompt_len,
+                                                                   new_tokens):
+    assert_engine_greedy_matches_transformers(*tiny_model_dir("phi3longrope"), prompt_len=prompt_len, chunk=None,
+                                              new_tokens=new_tokens, max_model_len=max_model_len)
+
+
+def test_served_context_picks_the_longrope_factors(tiny_model_dir):
+    """The runner tells the rotary its max_model_len: the two factor sets give other logits (so the matches above
+    depend on the choice), and switching back restores the first bit for bit."""
+    from radiance import LLM
+
+    path, _ = tiny_model_dir("phi3longrope")
+    short = LLM(path, device="cpu", dtype="float32", max_model_len=32).engine.runner.model
+    assert short.model.rotary.long_factors is False
+    model = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=open_checkpoint(path),
+                       progress=False).model
+    assert model.model.rotary.long_factors is True  # the whole 512-token context until a runner says otherwise
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(6))
+    long_logits = model.forward_logits(ids)
+    model.model.rotary.serve_context(32)
+    short_logits = model.forward_logits(ids)
+    assert torch.equal(short_logits, short.forward_logits(ids))
+    assert ((short_logits - long_logits).norm() / long_logits.norm()).item() > 1e-2
+    model.model.rotary.serve_context(33)
+    assert torch.equal(model.forward_logits(ids), long_logits)
 
 
 def test_merged_checkpoint_linears_load_as_they_are(tiny_model_dir):

@@ -1,0 +1,85 @@
+"""OLMo 2 (Olmo2ForCausalLM) as transformers computes it: norms after the attention and the MLP only, q and k normed
+over all their heads at once; served through the paged cache and, from GGUF, as llama.cpp writes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radiance.checkpoint import open_checkpoint
+from radiance.config import ModelConfig
+from radiance.engine.loader import load_model
+from radiance.errors import CheckpointError
+from radiance.models.registry import resolve_architecture
+from tests.engine.conftest import assert_engine_greedy_matches_transformers
+
+
+def test_resolved_from_model_type_with_transformers_defaults():
+    cls, cfg = resolve_architecture({"model_type": "olmo2", "hidden_size": 64, "intermediate_size": 96,
+                                     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100})
+    assert cls.__name__ == "Olmo2ForCausalLM"
+    assert cfg.max_position_embeddings == 2048 and cfg.rms_norm_eps == 1e-5 and not cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_engine_greedy_tokens_match_transformers(tiny_model_dir, chunk):
+    assert_engine_greedy_matches_transformers(*tiny_model_dir("olmo2"), prompt_len=30, chunk=chunk)
+
+
+def test_a_checkpoint_without_its_output_norms_names_the_tensor(tiny_model_dir, tmp_path):
+    """The layer's norms are the two output norms (no input norm to ask for): one missing is named at open."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny_model_dir("olmo2")
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    tensors = load_file(f"{broken}/model.safetensors")
+    del tensors["model.layers.1.post_feedforward_layernorm.weight"]
+    save_file(tensors, f"{broken}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.1.post_feedforward_layernorm.weight"):
+        load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=open_checkpoint(str(broken)), progress=False)
+
+
+def test_an_olmo2_gguf_as_llama_cpp_writes_it(tiny_model_dir, tmp_path):
+    """llama.cpp's OLMo 2 file (its own converter: q / k rows as stored, whole-width attn_q_norm / attn_k_norm,
+    post_attention_norm and post_ffw_norm): transformers' logits for the same weights."""
+    import gguf
+
+    _, hf = tiny_model_dir("olmo2")
+    c = hf.config
+    block = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    writer = gguf.GGUFWriter(str(tmp_path / "o.gguf"), "olmo2")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    for name, tensor in hf.state_dict().items():
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            name = f"blk.{i}.{block[module]}.{leaf}"
+        else:
+            name = top[name]
+        writer.add_tensor(name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ckpt = open_checkpoint(str(tmp_path / "o.gguf"))
+    assert ckpt.architecture == "Olmo2ForCausalLM"
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ours = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+    assert ((ours.forward_logits(ids) - ref).norm() / ref.norm()).item() <= 1e-5
