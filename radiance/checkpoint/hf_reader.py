@@ -32,9 +32,10 @@ from radiance.models.arch_config import MoeConfig
 
 logger = logging.getLogger(__name__)
 
-# the norms every decoder layer has (OLMo 2 normalizes the attention and MLP outputs only)
-_LAYER_NORMS = {None: ("input_layernorm", "post_attention_layernorm"),
-                "Olmo2ForCausalLM": ("post_attention_layernorm", "post_feedforward_layernorm")}
+# the norms every decoder layer has (OLMo 2 and 3 normalize the attention and MLP outputs only)
+_OUTPUT_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+_LAYER_NORMS = {None: ("input_layernorm", "post_attention_layernorm"), "Olmo2ForCausalLM": _OUTPUT_NORMS,
+                "Olmo3ForCausalLM": _OUTPUT_NORMS}
 _DECODER_PROJ = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj$")
 _EXPERT_PROJ = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj$")
 

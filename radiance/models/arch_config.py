@@ -31,7 +31,7 @@ class ArchConfig:
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit joins each softmax denominator
     sliding_window: int | None = None  # tokens a sliding-window layer attends to (itself included)
     sliding_layers: frozenset[int] = frozenset()  # the layers that use it (config.json `layer_types`)
-    sliding_rope_theta: float | None = None  # Gemma 3: the sliding layers' own rope base (no scaling); None: rope_theta
+    sliding_rope_theta: float | None = None  # Gemma 3, OLMo 3: the sliding layers' own rope base (no scaling); None: theirs is rope_theta's rope
     attention_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype
     mlp_activation: GluActivation = SILU  # the dense MLP's GLU (Gemma: GeGLU)
@@ -136,6 +136,7 @@ HF_DEFAULTS = {
     "MistralForCausalLM": HfDefaults(131072, num_key_value_heads=8),
     "Phi3ForCausalLM": HfDefaults(4096, rms_norm_eps=1e-5, original_max_position_embeddings=4096),
     "Olmo2ForCausalLM": HfDefaults(2048, rms_norm_eps=1e-5),
+    "Olmo3ForCausalLM": HfDefaults(2048, rms_norm_eps=1e-5, rope_theta=500000.0),
     "Qwen2ForCausalLM": HfDefaults(32768, num_key_value_heads=32),
     "Qwen2MoeForCausalLM": HfDefaults(32768, num_key_value_heads=16),
     "Qwen3ForCausalLM": HfDefaults(32768, head_dim=128, num_key_value_heads=32),  # not hidden // heads
@@ -158,6 +159,7 @@ MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -271,6 +273,19 @@ def _rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[float,
     return float(theta), scaling if kind == scaling.get("rope_type", scaling.get("type")) else {**scaling, "rope_type": kind}
 
 
+def sliding_rope_theta(hf_config: dict, default: float, legacy_key: str | None = None) -> float:
+    """The rope base of the sliding layers of a model whose layer types rotate apart (Gemma 3, OLMo 3): transformers
+    5's rope_parameters["sliding_attention"], else the older config's `legacy_key` (Gemma: rope_local_base_freq),
+    else the architecture's default (no scaling either way)."""
+    local = (hf_config.get("rope_parameters") or {}).get("sliding_attention")
+    theta = (local or {}).get("rope_theta", hf_config.get(legacy_key, default) if legacy_key else default)
+    if (local or {}).get("rope_type", "default") != "default":
+        raise ConfigError(f"the sliding layers take the default rope, got {local!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"the sliding layers' rope base must be a positive number, got {theta!r}")
+    return float(theta)
+
+
 def _rotary_dim(config: dict, architecture: str, head_dim: int) -> int | None:
     """The dims of each head that rotate when config.json's partial_rotary_factor is below 1 (transformers 5 keeps
     it in rope_parameters, older configs at the top level or in rope_scaling), None when all do."""
@@ -325,7 +340,8 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     layer_types says), on the layers `layer_types` calls "sliding_attention" or, without it, the ones
     `max_window_layers` implies; gpt-oss on the sliding layers of its `layer_types`, without them on the even
     layers (window 128 unless given), as transformers' GptOssConfig derives them; Mistral on every layer (4096
-    unless given; a null window is full attention); Phi-3 on every layer when given."""
+    unless given; a null window is full attention); Phi-3 on every layer when given; OLMo 3 on three layers of four
+    (4096 unless given); SmolLM3 only with `use_sliding_window`, on its NoPE layers."""
     if architecture in _QWEN_SLIDING_LAYERS:
         if not config.get("use_sliding_window"):
             return {}
@@ -340,6 +356,8 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
         window = config.get("sliding_window")  # transformers' Phi3Config: none unless given
     elif architecture == "Gemma3ForCausalLM":
         window = config.get("sliding_window", 4096)  # transformers' Gemma3TextConfig
+    elif architecture == "Olmo3ForCausalLM":
+        window = config.get("sliding_window", 4096)  # transformers' Olmo3Config
     elif architecture == "SmolLM3ForCausalLM":
         if not config.get("use_sliding_window"):
             return {}
@@ -410,12 +428,14 @@ def _slides_without_rotary(layer: int, config: dict) -> str:
     return "full_attention" if rotary_layers(config)[layer] else "sliding_attention"
 
 
-# gpt-oss alternates, starting with a sliding layer; Mistral and Phi-3 slide on every layer
+# gpt-oss alternates, starting with a sliding layer; Mistral and Phi-3 slide on every layer, OLMo 3 on three of four
 _DERIVED_LAYER_TYPES = {**_QWEN_SLIDING_LAYERS, "GptOssForCausalLM": _slides_on_even_layers,
                         "Gemma3ForCausalLM": _slides_but_every_nth,
                         "MistralForCausalLM": lambda layer, config: "sliding_attention",
                         "Phi3ForCausalLM": lambda layer, config: "sliding_attention",
-                        "SmolLM3ForCausalLM": _slides_without_rotary}
+                        "SmolLM3ForCausalLM": _slides_without_rotary,
+                        "Olmo3ForCausalLM": lambda layer, config: "full_attention" if (layer + 1) % 4 == 0
+                        else "sliding_attention"}
 # transformers' Qwen3-MoE, Mistral and Phi-3 read no layer_types: their windows follow the rules above whatever it says
 _READS_NO_LAYER_TYPES = {"Qwen3MoeForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"}
 

@@ -20,11 +20,10 @@ from torch import nn
 
 from radiance.errors import ConfigError
 from radiance.kernels.glu import GELU_TANH
-from radiance.layers.embedding import LMHead, VocabEmbedding
 from radiance.layers.linear import takes_fp8
 from radiance.layers.norm import RMSNorm
 from radiance.layers.rotary import RotaryEmbedding
-from radiance.models.arch_config import ArchConfig
+from radiance.models.arch_config import ArchConfig, sliding_rope_theta
 from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP, input_norm
 
 _GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -50,31 +49,11 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Body(LlamaBody):
-    def __init__(self, cfg: ArchConfig):
-        nn.Module.__init__(self)
-        self.embed_scale = cfg.embed_scale
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        # the full-attention layers' rope (with its scaling), and the sliding layers' own
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
-        self.sliding_rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.sliding_rope_theta)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, self.sliding_rotary if cfg.window_of(i) else self.rotary, i)
-            for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
-        # transformers multiplies by sqrt(hidden_size) rounded to the weights' dtype (sqrt(3072) = 55.43 -> 55.5)
-        x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
-        residual = None
-        with self.rotary.step(positions), self.sliding_rotary.step(positions):
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+    layer_class = Gemma3DecoderLayer
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    body_class = Gemma3Body
     arch_overrides = {"qkv_bias": False, "o_bias": False, "qk_norm": True, "mlp_activation": GELU_TANH}
 
     @classmethod
@@ -93,14 +72,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
             raise ConfigError(f"config.json field 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")
         return {**cls.arch_overrides, "embed_scale": hidden ** 0.5, "attention_scale": float(scalar) ** -0.5,
-                "sliding_rope_theta": _sliding_rope_theta(hf_config)}
-
-    def __init__(self, cfg: ArchConfig):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = Gemma3Body(cfg)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
-                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
+                "sliding_rope_theta": sliding_rope_theta(hf_config, 10000.0, legacy_key="rope_local_base_freq")}
 
     def finish_loading(self) -> None:
         """Gemma's RMSNorm scales by 1 + weight (computed in fp32, then rounded, in transformers): the weight
@@ -109,15 +81,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.weight.copy_((module.weight.float() + 1.0).to(module.weight.dtype))
-
-
-def _sliding_rope_theta(hf_config: dict) -> float:
-    """The sliding layers' rope base: transformers 5's rope_parameters["sliding_attention"], else the older
-    rope_local_base_freq, else Gemma3TextConfig's 10000 (no scaling either way)."""
-    local = (hf_config.get("rope_parameters") or {}).get("sliding_attention")
-    theta = (local or {}).get("rope_theta", hf_config.get("rope_local_base_freq", 10000.0))
-    if (local or {}).get("rope_type", "default") != "default":
-        raise ConfigError(f"Gemma 3's sliding layers take the default rope, got {local!r}")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"the sliding layers' rope base must be a positive number, got {theta!r}")
-    return float(theta)

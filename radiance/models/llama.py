@@ -7,6 +7,8 @@ naming (`self_attn.qkv_proj`, `mlp.gate_up_proj`).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -137,16 +139,28 @@ class LlamaBody(nn.Module):
 
     def __init__(self, cfg: ArchConfig):
         super().__init__()
+        self.embed_scale = cfg.embed_scale
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling,
                                       rotary_dim=cfg.rotary_dim)
-        self.layers = nn.ModuleList(self.layer_class(cfg, self.rotary, i) for i in range(cfg.num_layers))
+        # sliding layers with a rope of their own (Gemma 3, OLMo 3): its base, no scaling
+        self.sliding_rotary = None
+        if cfg.sliding_rope_theta is not None:
+            self.sliding_rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.sliding_rope_theta,
+                                                  rotary_dim=cfg.rotary_dim)
+        sliding = self.sliding_rotary if self.sliding_rotary is not None else self.rotary
+        self.layers = nn.ModuleList(self.layer_class(cfg, sliding if cfg.window_of(i) else self.rotary, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            # Gemma multiplies by sqrt(hidden_size) rounded to the weights' dtype (sqrt(3072) = 55.43 -> 55.5)
+            x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
         residual = None
-        with self.rotary.step(positions):
+        sliding = self.sliding_rotary.step(positions) if self.sliding_rotary is not None else nullcontext()
+        with self.rotary.step(positions), sliding:
             for layer in self.layers:
                 x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)

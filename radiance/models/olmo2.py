@@ -1,4 +1,4 @@
-"""OLMo 2 (`Olmo2ForCausalLM`: OLMo-2 1B / 7B / 13B / 32B), as transformers' Olmo2Model computes it: no norm opens
+"""OLMo 2 (`Olmo2ForCausalLM`: OLMo-2 1B / 7B / 13B / 32B) and OLMo 3 (its layers with sliding windows), as transformers' Olmo2Model computes it: no norm opens
 the attention or the MLP; each output is normed (`post_attention_layernorm`, `post_feedforward_layernorm`) before
 its residual add, and q and k are normed over their whole width (every head at once, `q_norm` / `k_norm`) before
 the rotary. (transformers' Olmo2RMSNorm multiplies by the weight before rounding to the model's dtype, radiance's
@@ -11,7 +11,7 @@ from torch import nn
 
 from radiance.layers.norm import RMSNorm
 from radiance.layers.rotary import RotaryEmbedding
-from radiance.models.arch_config import ArchConfig
+from radiance.models.arch_config import ArchConfig, sliding_rope_theta
 from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP
 
 
@@ -47,3 +47,15 @@ class Olmo2Body(LlamaBody):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     body_class = Olmo2Body
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 3 (`Olmo3ForCausalLM`: OLMo-3 7B / 32B): OLMo 2's layers, three sliding-window layers to one full one
+    (config.json's layer_types, window 4096 unless given), the full layers with rope_theta and its scaling (YaRN on
+    the long-context models), the sliding ones with the default rope of their own base."""
+
+    @classmethod
+    def overrides(cls, hf_config: dict) -> dict:
+        # transformers' Olmo3Config gives the sliding layers 500000 unless rope_parameters names their base, even
+        # where an older config.json's top-level rope_theta differs
+        return {**cls.arch_overrides, "sliding_rope_theta": sliding_rope_theta(hf_config, 500000.0)}

@@ -12,7 +12,7 @@ from radiance.models.gemma3 import Gemma3ForCausalLM
 from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.mistral import MistralForCausalLM
-from radiance.models.olmo2 import Olmo2ForCausalLM
+from radiance.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from radiance.models.phi3 import Phi3ForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
 from radiance.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -26,6 +26,7 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -19,7 +19,7 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
     from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig,
-                              Olmo2Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                              Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512)
@@ -55,6 +55,12 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
                             eos_token_id=2, rope_parameters=dict(LONGROPE, partial_rotary_factor=0.75))
     elif arch == "olmo2":  # post-norms only; q and k normed over all their heads at once
         config = Olmo2Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch == "olmo3":  # OLMo 2's layers; a 24-token window on layer 0 (its own rope base), YaRN on full layer 1
+        config = Olmo3Config(**common, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_parameters={
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 # without `truncate`, as OLMo 3 ships it (transformers reads no per-type truncate)
+                                 "full_attention": {k: v for k, v in YARN_ROPE.items() if k != "truncate"}})
     elif arch == "smollm3":  # layer 1 without rotary (NoPE), sliding over 24 tokens (use_sliding_window on)
         config = SmolLM3Config(**common, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=24,
                                pad_token_id=0, bos_token_id=1, eos_token_id=2)

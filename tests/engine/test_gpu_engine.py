@@ -182,13 +182,14 @@ def test_phi3_merged_linears_and_window_match_cpu(tiny_model_dir, tmp_path):
     assert torch.equal(*logits)
 
 
-def test_olmo2_output_norms_and_whole_width_qk_norms_match_cpu(tiny_model_dir):
-    """OLMo 2 on the GPU: q and k normed over all heads by the norm kernel (strided rows of the qkv output), no norm
+def test_olmo_output_norms_and_whole_width_qk_norms_match_cpu(tiny_model_dir):
+    """OLMo 2 and 3 on the GPU: q and k normed over all heads by the norm kernel (strided rows of the qkv output), no norm
     before the attention or the MLP (their linears quantize their own input), the output norms summing the GEMMs'
     partials: fp32 greedy tokens equal the CPU's."""
-    path, _ = tiny_model_dir("olmo2")
     prompts = [[(11 * i + 3 * j) % 256 for j in range(20 + 9 * i)] for i in range(3)]
-    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for model in ("olmo2", "olmo3"):  # OLMo 3: a sliding layer with its own rope next to a YaRN one
+        path, _ = tiny_model_dir(model)
+        _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 
 
 def test_smollm3_nope_layer_matches_cpu(tiny_model_dir):

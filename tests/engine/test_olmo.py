@@ -1,5 +1,6 @@
 """OLMo 2 (Olmo2ForCausalLM) as transformers computes it: norms after the attention and the MLP only, q and k normed
-over all their heads at once; served through the paged cache and, from GGUF, as llama.cpp writes it."""
+over all their heads at once; served through the paged cache and, from GGUF, as llama.cpp writes it. OLMo 3
+(Olmo3ForCausalLM): the same layers, three sliding to one full, each kind with its own rope."""
 
 from __future__ import annotations
 
@@ -83,3 +84,35 @@ def test_an_olmo2_gguf_as_llama_cpp_writes_it(tiny_model_dir, tmp_path):
         ref = hf(ids).logits
     ours = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
     assert ((ours.forward_logits(ids) - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_olmo3_config_as_transformers_reads_it():
+    sizes = {"model_type": "olmo3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8,
+             "num_attention_heads": 4, "vocab_size": 100}
+    cls, cfg = resolve_architecture(sizes)
+    assert cls.__name__ == "Olmo3ForCausalLM"
+    assert cfg.sliding_window == 4096 and cfg.sliding_layers == {0, 1, 2, 4, 5, 6}  # full on every fourth
+    assert cfg.rope_theta == 500000.0 and cfg.sliding_rope_theta == 500000.0
+    # an older config.json: its rope_theta and YaRN for the full layers; the sliding ones keep Olmo3Config's base
+    _, old = resolve_architecture(dict(sizes, rope_theta=10000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}))
+    assert old.rope_theta == 10000.0 and old.rope_scaling["factor"] == 8.0 and old.sliding_rope_theta == 500000.0
+    assert old.context_length == 65536
+
+
+@pytest.mark.parametrize("chunk", [None, 16])  # one prefill, or chunks smaller than the window
+def test_olmo3_engine_greedy_tokens_match_transformers(tiny_model_dir, chunk):
+    assert_engine_greedy_matches_transformers(*tiny_model_dir("olmo3"), prompt_len=40, chunk=chunk)
+
+
+def test_olmo3_sliding_layers_rotate_with_their_own_base(tiny_model_dir):
+    """The sliding layer's rope base changes the logits, so the match above depends on each kind's own rope."""
+    path, _ = tiny_model_dir("olmo3")
+    ckpt = open_checkpoint(path)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(6))
+    own = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+    rope = dict(ckpt.config["rope_parameters"], sliding_attention={"rope_type": "default", "rope_theta": 99.0})
+    ckpt.config = dict(ckpt.config, rope_parameters=rope)
+    other = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+    a, b = own.forward_logits(ids), other.forward_logits(ids)
+    assert ((a - b).norm() / b.norm()).item() > 1e-2
