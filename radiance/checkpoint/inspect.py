@@ -95,6 +95,34 @@ def _attention_line(config: dict) -> str | None:
             f"({len(layers)} of {cfg.num_layers}), {rest}")
 
 
+def _rotary_line(config: dict) -> str | None:
+    """What is unusual about the model's rotary embedding (LongRoPE's two factor sets, a partial rotary, NoPE
+    layers, sliding layers with a base of their own); None when nothing is, or for a config the registry refuses."""
+    from radiance.errors import ConfigError
+    from radiance.models.registry import resolve_architecture
+
+    try:
+        cfg = resolve_architecture(config)[1]
+    except ConfigError:
+        return None
+    parts = []
+    if (cfg.rope_scaling or {}).get("rope_type") == "longrope":
+        original = cfg.rope_scaling["original_max_position_embeddings"]
+        parts.append(f"LongRoPE: the short factors for a max_model_len up to {original}, the long ones above it")
+    if cfg.rotary_dim is not None:
+        parts.append(f"{cfg.rotary_dim} of {cfg.head_dim} dims per head rotate")
+    if cfg.nope_layers:
+        parts.append(f"no rotary (NoPE) on layers {_layer_list(sorted(cfg.nope_layers))}")
+    if cfg.sliding_rope_theta is not None:
+        parts.append(f"sliding layers rotate with base {_base(cfg.sliding_rope_theta)}, the others "
+                     f"{_base(cfg.rope_theta)}")
+    return "; ".join(parts) or None
+
+
+def _base(theta: float) -> str:
+    return f"{theta:.0f}" if float(theta).is_integer() else f"{theta:g}"
+
+
 def _gguf_quant(entries) -> str | None:
     """A GGUF's quantization by tensor type (it has no quantization_config: its quant reads "none"); None when
     every tensor is 16/32-bit."""
@@ -124,6 +152,9 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list
     attention = _attention_line(ckpt.config)
     if attention:
         lines.append(f"attention  {attention}")
+    rotary = _rotary_line(ckpt.config)
+    if rotary:
+        lines.append(f"rotary     {rotary}")
     quant = (_gguf_quant(entries) if ckpt.kind == "gguf" else None) or ckpt.quant.describe()
     lines.append(f"quant      {quant}")
     lines.append(f"servable   {'NO: ' + problem if problem else 'yes'}")

@@ -231,3 +231,18 @@ def test_default_dtype():
     assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cuda")) == torch.float32
+
+
+@pytest.mark.parametrize("arch, rotary", [
+    ("phi3longrope", "LongRoPE: the short factors for a max_model_len up to 32, the long ones above it; "
+                     "12 of 16 dims per head rotate"),
+    ("smollm3", "no rotary (NoPE) on layers 1"),
+    ("olmo3", "sliding layers rotate with base 10000, the others 150000"),
+    ("llama3", None),
+])
+def test_inspect_says_what_is_unusual_about_the_rotary(tiny_model_dir, arch, rotary):
+    from radiance.checkpoint.inspect import inspect_lines
+
+    lines = [line[len("rotary     "):] for line in inspect_lines(open_checkpoint(tiny_model_dir(arch)[0]))
+             if line.startswith("rotary ")]
+    assert lines == ([rotary] if rotary else [])
