@@ -5,7 +5,8 @@ A chat template writes a call in one of these markups (`ToolCallMarkup`): Hermes
 parameters (`<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>`);
 Llama 3.x, a bare JSON object (`{"name": NAME, "parameters": {...}}`); Mistral, a JSON array of calls after its
 `[TOOL_CALLS]` token (`[TOOL_CALLS] [{"name": NAME, "arguments": {...}}, ...]`) or, from its v11 tokenizer on, one
-`[TOOL_CALLS]NAME[ARGS]{...}` per call (`call_markup` picks the one a template writes). xgrammar turns a function's JSON
+`[TOOL_CALLS]NAME[ARGS]{...}` per call, in some templates with an id the model writes (`[CALL_ID]ID[ARGS]`;
+`call_markup` picks the one a template writes). xgrammar turns a function's JSON
 schema into the grammar of its arguments (style "qwen_xml" for the parameters, whose values follow the
 schema's types, patterns and enums), so one set of builders serves every markup:
   - `tool_call_grammar`: the rest of a forced call (tool_choice "required" or named; the prompt already
@@ -48,6 +49,8 @@ class ToolCallMarkup:
     # call's prompt ends with group_opening, then the start of the first call's opening (required_prefix)
     group_opening: str = ""
     group_closing: str = ""
+    # text the model writes between the opening and the arguments, as a regex (Mistral's call id and [ARGS])
+    arguments_lead: str = ""
 
     def __post_init__(self):
         if not self.required_prefix.startswith(self.group_opening):
@@ -67,6 +70,8 @@ class ToolCallMarkup:
         content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
         if self.arguments_style:
             content["style"] = self.arguments_style
+        if self.arguments_lead:
+            return {"type": "sequence", "elements": [{"type": "regex", "pattern": self.arguments_lead}, content]}
         return content
 
 
@@ -100,16 +105,20 @@ MISTRAL = ToolCallMarkup("mistral", '{{"name": {name}, "arguments": ', "}", quot
 MISTRAL_COMPACT = dataclasses.replace(MISTRAL, required_prefix="[TOOL_CALLS][", group_opening="[TOOL_CALLS][")
 MISTRAL_ARGS = ToolCallMarkup("mistral", "[TOOL_CALLS]{name}[ARGS]", "", quote_name=False, arguments_style=None,
                               trigger="[TOOL_CALLS]", required_prefix="[TOOL_CALLS]", separator="")
+# templates whose calls carry an id the model writes (`[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`): the grammar holds
+# it to the 9 alphanumerics Mistral's templates check
+MISTRAL_CALL_ID = dataclasses.replace(MISTRAL_ARGS, opening_format="[TOOL_CALLS]{name}[CALL_ID]",
+                                      arguments_lead=r"[A-Za-z0-9]{9}\[ARGS\]")
 
 
 def call_markup(parser: str | None, template: str) -> ToolCallMarkup | None:
     """The markup `parser`'s calls take in a chat template's text (None: no grammar can write them). Mistral's
-    templates differ by tokenizer version; one that has the model write a call id ([CALL_ID], Magistral's) is
-    read, but no forced opening can hold the id, so its calls are never forced."""
+    templates differ by tokenizer version: an array of calls, one [ARGS] per call, or that with a call id the model
+    writes ([CALL_ID])."""
     if parser != MISTRAL.name:
         return FORCED_CALL_MARKUPS.get(parser)
     if "[CALL_ID]" in template:
-        return None
+        return MISTRAL_CALL_ID
     if "[ARGS]" in template:
         return MISTRAL_ARGS
     return MISTRAL_COMPACT if "[TOOL_CALLS][" in template else MISTRAL

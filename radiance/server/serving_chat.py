@@ -189,8 +189,7 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     markup = state.tool_call_markup
     if markup is None:
         raise invalid(f"tool_choice required/named cannot be held in this chat template's {state.tool_parser_name} "
-                      "tool markup (the model writes a call id no grammar can fix in advance); use tool_choice auto",
-                      param="tool_choice")
+                      "tool markup; use tool_choice auto", param="tool_choice")
     if req.tool_choice == "required":
         return markup.required_prefix
     return markup.forced_opening(req.tool_choice.function.name)
@@ -227,9 +226,9 @@ async def strict_tools_constraint(state: ServerState, req: ChatCompletionRequest
         return None
     markup = state.tool_call_markup
     if markup is None or markup is HARMONY:
-        # harmony's call grammar holds forced calls only (tool_grammars.HARMONY), and a call id the model writes
-        # (Mistral's [CALL_ID]) none; /v1/responses marks every function strict unless told otherwise, so a 400
-        # here would refuse most tool requests: the calls are parsed as usual, not held to the schema
+        # harmony's call grammar holds forced calls only (tool_grammars.HARMONY); /v1/responses marks every
+        # function strict unless told otherwise, so a 400 here would refuse most tool requests: the calls are
+        # parsed as usual, not held to the schema
         _warn_unconstrained_strict(state.tool_parser_name)
         return None
     return await _tools_constraint(state, lambda: strict_tools_grammar(tools, markup, req.parallel_tool_calls),

@@ -10,8 +10,8 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-from radiance.engine.tool_grammars import MISTRAL, MISTRAL_ARGS, MISTRAL_COMPACT, call_markup, strict_tools_grammar, \
-    tool_call_grammar
+from radiance.engine.tool_grammars import MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, MISTRAL_COMPACT, call_markup, \
+    strict_tools_grammar, tool_call_grammar
 from radiance.server.chat_template import TemplateError, mistral_call_id, render_chat
 from radiance.server.reasoning_parser import ThinkReasoningParser
 from radiance.server.tool_parsers import MistralToolParser
@@ -143,11 +143,29 @@ def test_strict_auto_calls_are_held_in_each_markup(markup):
         assert accepts(g, call + " " + call) == parallel
 
 
+def test_calls_with_an_id_the_model_writes_are_held_with_it():
+    """[CALL_ID] templates: the model writes the id after the forced opening, 9 alphanumerics as the templates check,
+    then [ARGS] and the arguments; under "auto" a strict call is held the same way."""
+    named = grammar(tool_call_grammar([WEATHER, TIME_TOOL], MISTRAL_CALL_ID, "get_weather"))
+    assert MISTRAL_CALL_ID.forced_opening("get_weather") == "[TOOL_CALLS]get_weather[CALL_ID]"
+    assert accepts(named, 'a1B2c3D4e[ARGS]{"city": "Rome"}')
+    for bad in ('a1b2c3d4[ARGS]{"city": "Rome"}', 'a1b2c3d4e-[ARGS]{"city": "Rome"}', '[ARGS]{"city": "Rome"}',
+                'a1b2c3d4e[ARGS]{"town": "Rome"}'):
+        assert not accepts(named, bad), bad
+    required = grammar(tool_call_grammar([WEATHER, TIME_TOOL], MISTRAL_CALL_ID, parallel=True))
+    assert accepts(required, 'get_time[CALL_ID]000000000[ARGS]{}[TOOL_CALLS]get_weather[CALL_ID]zzzzzzzzz[ARGS]'
+                             '{"city": "Oslo"}')
+    strict = [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]
+    auto = grammar(strict_tools_grammar(strict, MISTRAL_CALL_ID, False))
+    assert accepts(auto, 'Sure.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome"}')
+    assert not accepts(auto, 'Sure.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"town": "Rome"}')
+
+
 def test_each_mistral_template_gets_its_markup():
     assert call_markup("mistral", '{{ "[TOOL_CALLS] [" }}') is MISTRAL
     assert call_markup("mistral", '{{ "[TOOL_CALLS][" }}') is MISTRAL_COMPACT
     assert call_markup("mistral", "{{ '[TOOL_CALLS]' + name + '[ARGS]' }}") is MISTRAL_ARGS
-    assert call_markup("mistral", "{{ '[TOOL_CALLS]' + name + '[CALL_ID]' + id + '[ARGS]' }}") is None
+    assert call_markup("mistral", "{{ '[TOOL_CALLS]' + name + '[CALL_ID]' + id + '[ARGS]' }}") is MISTRAL_CALL_ID
     assert call_markup("mistral", "") is MISTRAL  # the flag on another template: the oldest shape
     assert call_markup("hermes", "").name == "hermes" and call_markup(None, "") is None
 
@@ -250,7 +268,7 @@ def test_mistral_calls_through_the_server():
 
 def test_mistral_v11_and_call_id_templates_through_the_server():
     """A template writing [TOOL_CALLS]NAME[ARGS] forces calls in that shape; one whose calls carry a [CALL_ID]
-    reads them under "auto" but refuses a forced call with a 400 that says why (no grammar can fix the id)."""
+    reads them under "auto" and forces them with the id left to the model (held to 9 alphanumerics)."""
     engine = mistral_engine(MISTRAL_V11_LIKE, '{"city": "Rome"}')
     with serve_engine(engine) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -267,8 +285,16 @@ def test_mistral_v11_and_call_id_templates_through_the_server():
         r = client.chat.completions.create(model="fake", messages=history("x")[:1], tools=[WEATHER])
         assert r.choices[0].message.content == "Sure."
         assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
-        with pytest.raises(openai.BadRequestError, match="call id"):
-            client.chat.completions.create(model="fake", messages=history("x")[:1], tools=[WEATHER],
+        engine.reply = 'a1b2c3d4e[ARGS]{"city": "Rome"}'
+        r = client.chat.completions.create(model="fake", messages=history("x")[:1], tools=[WEATHER],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        [call] = r.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+        assert sent_prompt(engine).endswith("[/INST][TOOL_CALLS]get_weather[CALL_ID]")
+        rest = grammar(engine.requests[-1][2].structured_output.grammar)
+        assert accepts(rest, engine.reply) and not accepts(rest, '[ARGS]{"city": "Rome"}')
+        engine.reply = 'get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Bern"}'
+        r = client.chat.completions.create(model="fake", messages=history("x")[:1], tools=[WEATHER],
                                            tool_choice="required")
-        r = client.chat.completions.create(model="fake", messages=history("x")[:1], tools=[WEATHER])
-        assert r.choices[0].message.tool_calls  # the server kept serving
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Bern"}
+        assert sent_prompt(engine).endswith("[/INST][TOOL_CALLS]")
