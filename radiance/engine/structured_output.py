@@ -48,10 +48,10 @@ _HARMONY_ANALYSIS = {"type": "sequence", "elements": [
     {"type": "const_string", "value": "<|start|>assistant"}]}
 
 
-def _think_block(begin: str) -> dict:
-    """A <think> block from `begin` on: free text up to </think>, then the whitespace Qwen3 writes after it."""
+def _think_block(begin: str, end: str = "</think>") -> dict:
+    """A thinking block from `begin` on: free text up to its `end`, then the whitespace Qwen3 writes after it."""
     return {"type": "sequence", "elements": [
-        {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": "</think>"},
+        {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": end},
         {"type": "regex", "pattern": r"\s{0,2}"}]}
 
 
@@ -60,10 +60,12 @@ def _think_block(begin: str) -> dict:
 #   think: the rest of a <think> block the prompt opened, its end, and the whitespace Qwen3 writes after it;
 #   optional_think: a whole <think> block the model may open as its first text (the prompt opened none: Qwen3's
 #     hybrid template with thinking on, DeepSeek-R1-style models), or none, the answer then held from the start;
+#   optional_mistral_think: the same with Magistral's [THINK] ... [/THINK] (control tokens, named by their text);
 #   harmony: any analysis messages, then the final channel's header (the prompt ends with <|start|>assistant)
 REASONING_BEFORE = {
     "think": _think_block(""),
     "optional_think": {"type": "optional", "content": _think_block("<think>")},
+    "optional_mistral_think": {"type": "optional", "content": _think_block("[THINK]", "[/THINK]")},
     "harmony": {"type": "sequence", "elements": [
         {"type": "star", "content": _HARMONY_ANALYSIS},
         {"type": "or", "elements": [{"type": "const_string", "value": header} for header in

@@ -282,7 +282,11 @@ def thinking_before_answer(state: ServerState, req: ChatCompletionRequest, promp
     the template closed the block in the prompt, or its thinking is opt-in: asked with enable_thinking it would
     open the block) or the model continues a message it began: the answer is held from the start.
     vLLM applies the grammar only once the reasoning parser saw </think>, so a model there that does not think is
-    never held; here it is held from its first token, and one that thinks, from the block's end."""
+    never held; here it is held from its first token, and one that thinks, from the block's end.
+    With the mistral reasoning parser (Magistral, which thinks when its system prompt asks): "optional_mistral_think",
+    a [THINK] block the model may open first."""
+    if state.reasoning_parser_name == "mistral":
+        return None if req.continue_final_message or not req.add_generation_prompt else "optional_mistral_think"
     if state.reasoning_parser_name != "think":
         return None
     if opens_thinking:

@@ -82,3 +82,39 @@ def test_magistral_reasoning_through_the_server():
         assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
             ("get_weather", {"city": "Oslo"})]
         assert r.choices[0].finish_reason == "tool_calls"
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_a_constraint_lets_magistral_think_first_and_holds_the_answer():
+    """response_format or a forced call on Magistral: a [THINK] block the model may open first runs free, the text
+    after [/THINK] (or from the first token, without one) is held; the server splits them as usual."""
+    from tests.server.test_parser_followups import accepts
+
+    engine = FakeEngine(chat_template=MAGISTRAL_LIKE, special_tokens=SPECIAL + ("[THINK]", "[/THINK]"))
+    engine.reply = '[THINK]One field.[/THINK]{"a": 1}'
+    with serve_engine(engine) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "JSON please"}],
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "a", "schema": SCHEMA}})
+        message = r.choices[0].message
+        assert (message.content, message.model_extra["reasoning_content"]) == ('{"a": 1}', "One field.")
+        spec = engine.requests[-1][2].structured_output
+        assert spec.after_reasoning == "optional_mistral_think"
+        assert accepts(spec, engine.reply) and accepts(spec, '{"a": 1}')
+        for bad in ('[THINK]One field.[/THINK]{"a": "one"}', '<think>One field.</think>{"a": 1}',
+                    'One field.[/THINK]{"a": 1}'):
+            assert not accepts(spec, bad), bad
+
+        engine.reply = '[THINK]Look it up.[/THINK][TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+        r = client.chat.completions.create(model="fake", messages=history("x")[:1], tools=[WEATHER],
+                                           tool_choice="required")
+        assert r.choices[0].message.model_extra["reasoning_content"] == "Look it up."
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+        sent = engine.tokenizer.decode(engine.requests[-1][1], skip_special_tokens=False)
+        assert sent.endswith("[/INST]")  # the model writes the call's opening after its reasoning
+        spec = engine.requests[-1][2].structured_output
+        assert accepts(spec, engine.reply) and accepts(spec, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}')
+        assert not accepts(spec, "[THINK]Look it up.[/THINK]It is sunny.")
