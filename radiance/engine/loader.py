@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radiance.config import EngineConfig, KernelConfig, ModelConfig
+from radiance.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
 from radiance.engine.kv_cache import blocks_known_before_load, kv_cache_dtype
@@ -110,14 +110,7 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, device)
     torch.manual_seed(model_config.seed)
-    if checkpoint is None:
-        from radiance.checkpoint import open_checkpoint
-        checkpoint = open_checkpoint(model_config.model)
-    model_class, arch = resolve_architecture(checkpoint.config)
-    # as soon as the config is read: a refused length is one line before minutes of weights load
-    check_max_model_len(model_config.max_model_len, arch.context_length, _context_source(checkpoint, arch))
-    if cache_config is not None:
-        _check_known_kv_capacity(model_config.max_model_len, arch, cache_config, device, dtype)
+    checkpoint, model_class, arch = open_for_loading(model_config, cache_config, checkpoint)
     started = time.perf_counter()
     with _default_dtype_and_device(dtype, device):
         model = model_class(arch)
@@ -195,6 +188,23 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     return LoadedModel(model, tokenizer, getattr(checkpoint, "chat_template", None), eos, str(name),
                        device, dtype, summary, dict(getattr(checkpoint, "chat_templates", None) or {}),
                        tokenizer_error)
+
+
+def open_for_loading(model_config: ModelConfig, cache_config: CacheConfig | None = None, checkpoint=None):
+    """(checkpoint, model class, ArchConfig): the model opened (unless given) and what its config alone can refuse
+    checked (an architecture radiance does not serve, a max_model_len past its context or past a KV cache whose size
+    is known before the load), so each is one line before minutes of weights load; `radiance serve` calls it before
+    it binds its port."""
+    if checkpoint is None:
+        from radiance.checkpoint import open_checkpoint
+        checkpoint = open_checkpoint(model_config.model)
+    model_class, arch = resolve_architecture(checkpoint.config)
+    check_max_model_len(model_config.max_model_len, arch.context_length, _context_source(checkpoint, arch))
+    if cache_config is not None:
+        device = resolve_device(model_config.device)
+        _check_known_kv_capacity(model_config.max_model_len, arch, cache_config, device,
+                                 resolve_dtype(model_config.dtype, device))
+    return checkpoint, model_class, arch
 
 
 def check_max_model_len(requested: int | None, context: int, source: str = "max_position_embeddings") -> None:

@@ -146,15 +146,18 @@ def _url(host: str, port: int) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from radiance.engine.loader import open_for_loading
     from radiance.server.api import build_app
     from radiance.server.state import ServerState
 
     engine_config, server_config = configs_from_args(args)
+    # before the port is bound: a missing or unsupported model, or a --max-model-len past its context, is one line
+    checkpoint, _, _ = open_for_loading(engine_config.model, engine_config.cache)
     sock = listening_socket(server_config.host, server_config.port)
 
     def make_engine():
         from radiance.engine import AsyncLLMEngine
-        return AsyncLLMEngine(engine_config)
+        return AsyncLLMEngine(engine_config, checkpoint=checkpoint)
 
     url = _url(server_config.host, sock.getsockname()[1])
 

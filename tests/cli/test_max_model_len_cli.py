@@ -32,8 +32,8 @@ def test_generate_refuses_a_length_above_the_context(capsys):
 def test_serve_refuses_a_length_above_the_context(monkeypatch, capsys):
     real = radiance.engine.AsyncLLMEngine
 
-    def engine_then_stop(config):  # a load that succeeds stops the server too (the old code served on)
-        real(config)
+    def engine_then_stop(config, checkpoint=None):  # a load that succeeds stops the server too (the old code served on)
+        real(config, checkpoint=checkpoint)
         raise ConfigError("the engine loaded")
 
     monkeypatch.setattr(radiance.engine, "AsyncLLMEngine", engine_then_stop)

@@ -137,6 +137,23 @@ def test_serve_with_a_missing_model_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_serve_refuses_a_max_model_len_past_the_context_before_it_listens(tmp_path):
+    """The model's config is read before the port is bound: the refusal is one line, exit 2, and no server ever
+    announced itself (the "loading ...; the API at ..." line comes after the bind)."""
+    import subprocess
+    import sys
+
+    from tests.engine.conftest import tiny_hf_model
+    from tests.server.fake_engine import free_port
+
+    tiny_hf_model("llama3").save_pretrained(tmp_path)  # max_position_embeddings 512
+    proc = subprocess.run([sys.executable, "-m", "radiance.cli", "serve", str(tmp_path), "--max-model-len", "4096",
+                           "--port", str(free_port()), "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "max_model_len 4096 exceeds the model's context of 512 tokens" in proc.stderr
+    assert "answers /health" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("tool_flag,reasoning_flag,template,want", [
     ("auto", "auto", "<tool_call><function=f> <think>", ("qwen3_coder", "think")),
     ("auto", "auto", "<tool_call>{}</tool_call>", ("hermes", None)),

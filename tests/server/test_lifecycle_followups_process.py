@@ -26,10 +26,10 @@ import radiance.engine
 from radiance.engine.async_engine import AsyncLLMEngine
 from tests.server.test_lifecycle_followups import StepEngine
 
-def never_loads(config):
+def never_loads(config, checkpoint=None):
     time.sleep(120)
 
-def steps(config):
+def steps(config, checkpoint=None):
     return AsyncLLMEngine(engine=StepEngine(step_s=0.05))
 
 radiance.engine.AsyncLLMEngine = never_loads if sys.argv[1] == "never-loads" else steps
