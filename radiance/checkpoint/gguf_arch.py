@@ -69,6 +69,14 @@ def _gemma3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
             "query_pre_attn_scalar": query_pre_attn_scalar}
 
 
+def _granite_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """Granite's four multipliers, which llama.cpp's converter renames (attention_multiplier -> attention.scale,
+    embedding_multiplier -> embedding_scale, residual_multiplier -> residual_scale, logits_scaling -> logit_scale)."""
+    keys = {"attention_multiplier": "granite.attention.scale", "embedding_multiplier": "granite.embedding_scale",
+            "residual_multiplier": "granite.residual_scale", "logits_scaling": "granite.logit_scale"}
+    return {hf: float(field_of(key, 1.0)) for hf, key in keys.items()}
+
+
 def _phi3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
     """The window llama.cpp's converter writes from config.json's sliding_window (on every layer in transformers'
     Phi3), and the pretraining context LongRoPE scales from (rope.scaling.original_context_length)."""
@@ -86,6 +94,7 @@ ARCHITECTURES = {
     "llama": GgufArch("LlamaForCausalLM", "llama", permuted_qk=True),
     "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2"),
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3"),
+    "granite": GgufArch("GraniteForCausalLM", "granite", permuted_qk=True, extra_config=_granite_config),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", norm_shift=1.0, block_names=_GEMMA_NORMS,
                        hidden_act="gelu_pytorch_tanh", extra_config=_gemma3_config),
     "olmo2": GgufArch("Olmo2ForCausalLM", "olmo2", block_names=_OLMO2_NORMS, whole_width_qk_norm=True),

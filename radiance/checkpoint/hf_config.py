@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from radiance.errors import CheckpointError
 
@@ -54,6 +55,33 @@ _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_mode
                             ("model.language_model.", "model."), ("lm_head.", "lm_head."))
 # keys of a vision-language config.json that describe its language model's weights too (over text_config's)
 _SHARED_KEYS = ("quantization_config", "compression_config", "torch_dtype", "dtype", "tie_word_embeddings")
+
+
+# Mixtral's sparse MLP as Qwen-MoE's names it, which radiance's model reads: the block, the router, the experts'
+# w1 (gate), w3 (up) and w2 (down)
+_MIXTRAL_MLP = re.compile(r"\.block_sparse_moe\.(gate\.|experts\.\d+\.(w[123])\.)")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def mixtral_tensor(name: str) -> str:
+    """A Mixtral checkpoint's tensor name in the naming radiance's sparse MLP reads (others unchanged)."""
+    match = _MIXTRAL_MLP.search(name)
+    if match is None:
+        return name
+    part = match.group(1)
+    if match.group(2):
+        part = part.replace(f"{match.group(2)}.", f"{_MIXTRAL_EXPERT[match.group(2)]}.")
+    return f"{name[:match.start()]}.mlp.{part}{name[match.end():]}"
+
+
+def tensor_renames(config: dict, text_only: bool):
+    """The stored -> served tensor names of a checkpoint (SafetensorsIndex's rename), or None: a vision-language
+    checkpoint's language model, Mixtral's sparse MLPs."""
+    if text_only:
+        return language_model_tensor
+    if "MixtralForCausalLM" in (config.get("architectures") or []) or config.get("model_type") == "mixtral":
+        return mixtral_tensor
+    return None
 
 
 def language_model_tensor(name: str) -> str | None:

@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.hf_config import (chat_template, chat_templates, eos_token_ids, expected_shapes,
-                                           language_model, language_model_tensor, load_config, modelopt_quant_file,
-                                           quantization_config)
+                                           language_model, load_config, modelopt_quant_file, quantization_config,
+                                           tensor_renames)
 from radiance.checkpoint.layout import FLOAT_DTYPES, check_linear, detect_format, read_linear, required_tensors
 from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
                                        leaf, partition_modules, sort_key, split_tensor_name)
@@ -68,7 +68,7 @@ class HfCheckpoint(Checkpoint):
             qc, qc_file = modelopt_quant_file(path)
         quant = parse_quantization_config(qc, qc_file)
         super().__init__(path=path, kind="hf", config=config, quant=quant, warnings=quant.warnings)
-        self.index = SafetensorsIndex(path, rename=language_model_tensor if text_only else None)
+        self.index = SafetensorsIndex(path, rename=tensor_renames(config, text_only is not None))
         if self.index.skipped:
             logger.info("serving the language model of %s: %d other tensors (vision tower, projector) not read, "
                         "e.g. %s", config["served_from"], len(self.index.skipped), self.index.skipped[0])

@@ -148,6 +148,10 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
                     raise _nonfinite_error(bad, name, checkpoint)
                 loaded.add(target)
                 continue
+        try:
+            item = model.checkpoint_linear(name, item)
+        except ValueError as exc:
+            raise CheckpointError(str(exc), file=_file_of(checkpoint, name), tensor=name) from None
         module, how, err = _install_linear(model, name, item, model_config, kernel_config, dtype, device, checkpoint)
         if name == "lm_head":  # a quantized head replaces the 16-bit weight slot
             loaded.add("lm_head.weight")

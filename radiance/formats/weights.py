@@ -7,6 +7,7 @@ a merged linear (q/k/v, gate/up); NVFP4 keeps one global scale per partition.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -175,6 +176,29 @@ def concat_partitions(weights: list[Weight]) -> Weight:
         return Fp8Weight(torch.cat([w.w8 for w in weights]), torch.cat(scales), sizes)
     merged = {name: torch.cat([w.tensors()[name] for w in weights]) for name in first.tensors()}
     return type(first)(**merged, partition_sizes=sizes)
+
+
+def scaled(weight: Weight, factor: float) -> Weight:
+    """The weight times `factor`, folded into its scales where it has them (Granite's residual multiplier): dense
+    values in float32, FP8 and int4 scales (and offsets), NVFP4's global divisor; MXFP4's power-of-two block scales
+    take a power of two only (a ValueError otherwise)."""
+    if isinstance(weight, DenseWeight):
+        return replace(weight, tensor=weight.tensor.float() * factor)
+    if isinstance(weight, Fp8Weight):
+        return replace(weight, scale=weight.scale * factor)
+    if isinstance(weight, Int4Weight):
+        return replace(weight, scale=weight.scale * factor, offset=weight.offset * factor)
+    if isinstance(weight, Nvfp4Weight):
+        return replace(weight, global_scale=weight.global_scale / factor)
+    if isinstance(weight, Mxfp4Weight):
+        mantissa, exponent = math.frexp(factor)
+        if mantissa != 0.5:
+            raise ValueError(f"an MXFP4 weight scales exactly by a power of two only, not {factor}")
+        shifted = weight.scale.int() + (exponent - 1)
+        if (shifted < 0).any() or (shifted > 254).any():
+            raise ValueError(f"scaling by {factor} takes MXFP4 block exponents out of the e8m0 range")
+        return replace(weight, scale=shifted.to(torch.uint8))
+    raise ValueError(f"not a weight: {type(weight).__name__}")
 
 
 def dequantize(weight: Weight) -> torch.Tensor:

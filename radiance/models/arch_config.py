@@ -31,9 +31,13 @@ class ArchConfig:
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit joins each softmax denominator
     sliding_window: int | None = None  # tokens a sliding-window layer attends to (itself included)
     sliding_layers: frozenset[int] = frozenset()  # the layers that use it (config.json `layer_types`)
-    sliding_rope_theta: float | None = None  # Gemma 3, OLMo 3: the sliding layers' own rope base (no scaling); None: theirs is rope_theta's rope
+    # Gemma 3, OLMo 3: the sliding layers' own rope base (no scaling); None: they rotate as the others do
+    sliding_rope_theta: float | None = None
     attention_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
-    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size); Granite: embedding_multiplier
+    embed_scale_rounded: bool = True  # the scale rounded to the model's dtype first (Gemma), or not (Granite)
+    residual_multiplier: float = 1.0  # Granite: what each attention and MLP adds to the residual stream is scaled
+    logits_scaling: float = 1.0  # Granite: the logits are divided by it
     mlp_activation: GluActivation = SILU  # the dense MLP's GLU (Gemma: GeGLU)
     rotary_dim: int | None = None  # Phi-4-mini: the leading dims of each head that rotate; None: all of them
     nope_layers: frozenset[int] = frozenset()  # SmolLM3: layers that attend without rotary positions
@@ -77,12 +81,13 @@ class ArchConfig:
         heads = need("num_attention_heads")
         if architecture not in _OWN_ACTIVATION and config.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")  # swish is silu
-        if config.get("mlp_bias") and architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):  # they read it
+        if config.get("mlp_bias") and architecture in _READS_MLP_BIAS:
             raise ConfigError("mlp_bias true is not supported (the MLP projections have no bias in radiance)")
         kv_heads, head_dim = _heads(config, architecture, hidden, heads)
         theta, scaling = _rope(config, defaults, architecture)
         rotary_dim = _rotary_dim(config, architecture, head_dim)
-        max_positions = int(_positive(config, "max_position_embeddings", defaults.max_position_embeddings, integer=True))
+        max_positions = int(_positive(config, "max_position_embeddings", defaults.max_position_embeddings,
+                                      integer=True))
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
             scaling = _longrope(config, scaling, defaults, rotary_dim or head_dim, max_positions)
         # attention_bias: q, k, v and o all carry a bias (as in transformers' Llama, Qwen3 and gpt-oss)
@@ -131,9 +136,11 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
                  "original_max_position_embeddings": 4096}
 HF_DEFAULTS = {
     "LlamaForCausalLM": HfDefaults(2048),
+    "GraniteForCausalLM": HfDefaults(2048),
     "Gemma3ForCausalLM": HfDefaults(131072, rope_theta=1_000_000.0, head_dim=256, num_key_value_heads=4,
                                     tie_word_embeddings=True),
     "MistralForCausalLM": HfDefaults(131072, num_key_value_heads=8),
+    "MixtralForCausalLM": HfDefaults(131072, rms_norm_eps=1e-5, rope_theta=1_000_000.0, num_key_value_heads=8),
     "Phi3ForCausalLM": HfDefaults(4096, rms_norm_eps=1e-5, original_max_position_embeddings=4096),
     "Olmo2ForCausalLM": HfDefaults(2048, rms_norm_eps=1e-5),
     "Olmo3ForCausalLM": HfDefaults(2048, rms_norm_eps=1e-5, rope_theta=500000.0),
@@ -156,8 +163,10 @@ def hf_defaults(architecture: str) -> HfDefaults:
 MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -223,6 +232,9 @@ def _heads(config: dict, architecture: str, hidden: int, heads: int) -> tuple[in
     return kv_heads, head_dim
 
 
+# architectures whose transformers MLP takes config.json's mlp_bias (radiance's MLPs have no bias)
+_READS_MLP_BIAS = {"LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM"}
+
 # architectures that name their MLP activation otherwise (Gemma: hidden_activation) and check it themselves
 _OWN_ACTIVATION = {"Gemma3ForCausalLM"}
 
@@ -270,7 +282,9 @@ def _rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[float,
     # below it, its frequencies are exactly the default ones
     if kind in ("default", "dynamic"):
         return float(theta), None
-    return float(theta), scaling if kind == scaling.get("rope_type", scaling.get("type")) else {**scaling, "rope_type": kind}
+    if kind != scaling.get("rope_type", scaling.get("type")):  # a spelling mapped (Phi-3's su / yarn)
+        scaling = {**scaling, "rope_type": kind}
+    return float(theta), scaling
 
 
 def sliding_rope_theta(hf_config: dict, default: float, legacy_key: str | None = None) -> float:
@@ -352,6 +366,8 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     elif architecture == "MistralForCausalLM":
         # transformers' MistralConfig: an absent window is 4096 (Mistral-7B v0.1's), a null one none (v0.2 on)
         window = config.get("sliding_window", 4096)
+    elif architecture == "MixtralForCausalLM":
+        window = config.get("sliding_window")  # transformers' MixtralConfig: none unless given
     elif architecture == "Phi3ForCausalLM":
         window = config.get("sliding_window")  # transformers' Phi3Config: none unless given
     elif architecture == "Gemma3ForCausalLM":
@@ -432,12 +448,14 @@ def _slides_without_rotary(layer: int, config: dict) -> str:
 _DERIVED_LAYER_TYPES = {**_QWEN_SLIDING_LAYERS, "GptOssForCausalLM": _slides_on_even_layers,
                         "Gemma3ForCausalLM": _slides_but_every_nth,
                         "MistralForCausalLM": lambda layer, config: "sliding_attention",
+                        "MixtralForCausalLM": lambda layer, config: "sliding_attention",
                         "Phi3ForCausalLM": lambda layer, config: "sliding_attention",
                         "SmolLM3ForCausalLM": _slides_without_rotary,
                         "Olmo3ForCausalLM": lambda layer, config: "full_attention" if (layer + 1) % 4 == 0
                         else "sliding_attention"}
-# transformers' Qwen3-MoE, Mistral and Phi-3 read no layer_types: their windows follow the rules above whatever it says
-_READS_NO_LAYER_TYPES = {"Qwen3MoeForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"}
+# transformers' Qwen3-MoE, Mistral, Mixtral and Phi-3 read no layer_types: their windows follow the rules above whatever
+# it says
+_READS_NO_LAYER_TYPES = {"Qwen3MoeForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -461,6 +479,8 @@ class MoeConfig:
             return None
         if config.get("model_type") == "gpt_oss":
             return cls._gpt_oss(config, int(experts), num_layers)
+        if architecture == "MixtralForCausalLM":
+            return cls._mixtral(config, int(experts), num_layers)
         for key in ("num_experts_per_tok", "moe_intermediate_size"):
             if not config.get(key):
                 raise ConfigError(f"config.json of a {architecture} model with {experts} experts lacks {key!r}")
@@ -471,6 +491,15 @@ class MoeConfig:
         return cls(int(experts), top_k, int(config["moe_intermediate_size"]),
                    bool(config.get("norm_topk_prob", False)), layers,
                    int(config.get("shared_expert_intermediate_size") or 0))
+
+    @classmethod
+    def _mixtral(cls, config: dict, experts: int, num_layers: int) -> "MoeConfig":
+        """Mixtral: every MLP is sparse, experts of `intermediate_size`, the top-k of the router's softmax
+        renormalized (transformers' MixtralSparseMoeBlock)."""
+        if not config.get("intermediate_size"):
+            raise ConfigError("config.json of a Mixtral model lacks 'intermediate_size'")
+        return cls(experts, _top_k(config, experts), int(config["intermediate_size"]), True,
+                   frozenset(range(num_layers)))
 
     @classmethod
     def _gpt_oss(cls, config: dict, experts: int, num_layers: int) -> "MoeConfig":

@@ -139,7 +139,7 @@ class LlamaBody(nn.Module):
 
     def __init__(self, cfg: ArchConfig):
         super().__init__()
-        self.embed_scale = cfg.embed_scale
+        self.embed_scale, self.embed_scale_rounded = cfg.embed_scale, cfg.embed_scale_rounded
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling,
                                       rotary_dim=cfg.rotary_dim)
@@ -157,7 +157,8 @@ class LlamaBody(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             # Gemma multiplies by sqrt(hidden_size) rounded to the weights' dtype (sqrt(3072) = 55.43 -> 55.5)
-            x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
+            scale = self.embed_scale
+            x = x * (float(torch.tensor(scale, dtype=x.dtype)) if self.embed_scale_rounded else scale)
         residual = None
         sliding = self.sliding_rotary.step(positions) if self.sliding_rotary is not None else nullcontext()
         with self.rotary.step(positions), sliding:
@@ -193,6 +194,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         return self.lm_head(hidden, fp32)
+
+    def checkpoint_linear(self, name: str, weight):
+        """A checkpoint's linear (canonical name, radiance.formats weight) as this model serves it: unchanged here
+        (Granite folds its residual multiplier into the linears that feed the residual stream)."""
+        return weight
 
     @torch.inference_mode()
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:

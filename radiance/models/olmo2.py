@@ -1,8 +1,9 @@
-"""OLMo 2 (`Olmo2ForCausalLM`: OLMo-2 1B / 7B / 13B / 32B) and OLMo 3 (its layers with sliding windows), as transformers' Olmo2Model computes it: no norm opens
-the attention or the MLP; each output is normed (`post_attention_layernorm`, `post_feedforward_layernorm`) before
-its residual add, and q and k are normed over their whole width (every head at once, `q_norm` / `k_norm`) before
-the rotary. (transformers' Olmo2RMSNorm multiplies by the weight before rounding to the model's dtype, radiance's
-after, as for Llama: the same in float32, within a rounding in bfloat16.)"""
+"""OLMo 2 (`Olmo2ForCausalLM`: OLMo-2 1B / 7B / 13B / 32B) and OLMo 3 (the same layers, some with sliding windows),
+as transformers' Olmo2Model computes them: no norm opens the attention or the MLP; each output is normed
+(`post_attention_layernorm`, `post_feedforward_layernorm`) before its residual add, and q and k are normed over their
+whole width (every head at once, `q_norm` / `k_norm`) before the rotary. (transformers' Olmo2RMSNorm multiplies by the
+weight before rounding to the model's dtype, radiance's after, as for Llama: the same in float32, within a rounding in
+bfloat16.)"""
 
 from __future__ import annotations
 

@@ -10,8 +10,10 @@ from radiance.errors import ConfigError
 from radiance.models.arch_config import ArchConfig, named_architectures
 from radiance.models.gemma3 import Gemma3ForCausalLM
 from radiance.models.gpt_oss import GptOssForCausalLM
+from radiance.models.granite import GraniteForCausalLM
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.mistral import MistralForCausalLM
+from radiance.models.mixtral import MixtralForCausalLM
 from radiance.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from radiance.models.phi3 import Phi3ForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
@@ -23,8 +25,10 @@ from radiance.models.smollm3 import SmolLM3ForCausalLM
 MODEL_CLASSES = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -21,7 +21,8 @@ def rotary_layers(config: dict) -> list[int]:
     if flags is None:
         interval = config.get("no_rope_layer_interval", 4)
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ConfigError(f"config.json field 'no_rope_layer_interval' must be a positive integer, got {interval!r}")
+            raise ConfigError(f"config.json field 'no_rope_layer_interval' must be a positive integer, "
+                              f"got {interval!r}")
         return [int((i + 1) % interval != 0) for i in range(layers)]
     if not isinstance(flags, list) or len(flags) < layers or any(f not in (0, 1) for f in flags):
         raise ConfigError(f"config.json field 'no_rope_layers' must list 0 or 1 for each of the {layers} layers, "

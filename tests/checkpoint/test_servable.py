@@ -70,12 +70,13 @@ def test_an_unknown_architecture_is_shown_refused_and_not_loaded_with_one_messag
 
 
 @pytest.mark.parametrize("architecture,match", [
-    ("MixtralForCausalLM", "unsupported model architecture MixtralForCausalLM; radiance serves"),
+    ("JambaForCausalLM", "unsupported model architecture JambaForCausalLM; radiance serves"),
     ("LlamaForCausalLM", "config.json gives LlamaForCausalLM 4 experts; radiance serves mixture-of-experts MLPs"),
 ])
 def test_experts_radiance_cannot_serve_are_named_after_the_architecture(tmp_path, capsys, architecture, match):
-    """A Mixtral config (experts of intermediate_size, no moe_intermediate_size) stopped `inspect` itself with
-    "config.json of a model model with 4 experts lacks 'moe_intermediate_size'"."""
+    """A Mixtral-style config (experts of intermediate_size, no moe_intermediate_size) of an architecture radiance does
+    not serve stopped `inspect` itself with "config.json of a model model with 4 experts lacks
+    'moe_intermediate_size'"."""
     path = _dir(tmp_path, {"architectures": [architecture], "num_local_experts": 4, "num_experts_per_tok": 2})
     code, out = _inspect(capsys, path)
     assert code == 0 and f"servable   NO: {match}" in out

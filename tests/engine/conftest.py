@@ -18,8 +18,9 @@ YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow":
 def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
-    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig,
-                              Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512)
@@ -50,7 +51,8 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
                                       "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
     elif arch == "phi3":  # a 20-token window on every layer (Phi-3-mini-4k's shape); merged qkv and gate_up
         config = Phi3Config(**common, sliding_window=20, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    elif arch == "phi3longrope":  # Phi-4-mini's shape: LongRoPE past a 32-token pretraining context, 12 of 16 dims rotated
+    elif arch == "phi3longrope":  # Phi-4-mini's shape: LongRoPE past a 32-token pretraining context, 12 of 16 dims
+        # rotated
         config = Phi3Config(**common, original_max_position_embeddings=32, pad_token_id=0, bos_token_id=1,
                             eos_token_id=2, rope_parameters=dict(LONGROPE, partial_rotary_factor=0.75))
     elif arch == "olmo2":  # post-norms only; q and k normed over all their heads at once
@@ -61,6 +63,12 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                  # without `truncate`, as OLMo 3 ships it (transformers reads no per-type truncate)
                                  "full_attention": {k: v for k, v in YARN_ROPE.items() if k != "truncate"}})
+    elif arch == "mixtral":  # 8 experts, top 2, every MLP sparse; a 24-token window on every layer
+        config = MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2, sliding_window=24,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch == "granite":  # its four multipliers, none of them 1 (nor a power of two), and attention biases
+        config = GraniteConfig(**common, embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22,
+                               logits_scaling=8.0, attention_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     elif arch == "smollm3":  # layer 1 without rotary (NoPE), sliding over 24 tokens (use_sliding_window on)
         config = SmolLM3Config(**common, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=24,
                                pad_token_id=0, bos_token_id=1, eos_token_id=2)

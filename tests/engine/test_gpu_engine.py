@@ -192,6 +192,15 @@ def test_olmo_output_norms_and_whole_width_qk_norms_match_cpu(tiny_model_dir):
         _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 
 
+def test_granite_multipliers_match_cpu(tiny_model_dir):
+    """Granite on the GPU: its attention scale in the Triton attention, the embedding multiplier, the residual
+    multiplier folded into o_proj / down_proj (and o_proj's bias, in the GEMM's epilogue), the logits' divisor: fp32
+    greedy tokens equal the CPU's."""
+    path, _ = tiny_model_dir("granite")
+    prompts = [[(13 * i + 5 * j) % 256 for j in range(18 + 9 * i)] for i in range(3)]
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+
+
 def test_smollm3_nope_layer_matches_cpu(tiny_model_dir):
     """SmolLM3's NoPE layer (no rotary: q and k straight from the qkv GEMM into the Triton KV store and attention, a
     24-token window on it): fp32 greedy tokens equal the CPU's, prompts and decodes past the window."""

@@ -162,3 +162,24 @@ def test_expanded_experts_match_the_grouped_kernel(tiny_model_dir, monkeypatch, 
             # fp32 sums), so an element of y may land on the next fp8 step of the down GEMM's input
             assert _rel(expanded, kernel) <= 3e-2, (model, tokens)
     _assert_graphs_give_the_eager_tokens(path, common, llm, max_tokens=12)
+
+
+def test_mixtral_grouped_experts_match_the_loop_and_graphs_the_eager_engine(tiny_model_dir):
+    """Mixtral's sparse MLPs (read from block_sparse_moe / w1 w3 w2, every layer sparse, a 24-token window): the
+    grouped W4A8 experts give the per-expert loop's logits, and CUDA graphs the eager engine's greedy tokens."""
+    path, _ = tiny_model_dir("mixtral")
+    common = dict(device="cuda", quantization="mxfp4", num_gpu_blocks_override=64)
+    eager = LLM(path, enforce_eager=True, **common)
+    blocks = _blocks(eager)
+    assert len(blocks) == 2 and all(b.grouped is not None for b in blocks)
+    model = eager.engine.model
+    ids = torch.randint(0, 256, (1, 40), device="cuda")
+    grouped = model.forward_logits(ids)
+    stacked = [b.grouped for b in blocks]
+    for b in blocks:
+        b.grouped = None
+    looped = model.forward_logits(ids)
+    for b, s in zip(blocks, stacked):
+        b.grouped = s
+    assert _rel(grouped, looped) <= 2e-3
+    _assert_graphs_give_the_eager_tokens(path, common, eager, max_tokens=12)

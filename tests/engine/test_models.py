@@ -16,8 +16,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gptoss", "mistral", "phi3", "phi3longrope",
-                                  "gemma3", "smollm3", "olmo2", "olmo3"])
+ARCHS = ["llama3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gptoss", "mistral", "phi3", "phi3longrope", "gemma3",
+         "smollm3", "olmo2", "olmo3", "granite", "mixtral"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers(arch, tiny_model_dir):
     path, hf = tiny_model_dir(arch)
     loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=open_checkpoint(path), progress=False)

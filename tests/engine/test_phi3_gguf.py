@@ -23,7 +23,8 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "o
 
 
 def gguf_of(hf, path, drop: str | None = None) -> str:
-    """The tiny HF Phi-3 as llama.cpp's Phi3MiniModel converter writes it (float32 tensors); `drop`: a tensor left out."""
+    """The tiny HF Phi-3 as llama.cpp's Phi3MiniModel converter writes it (float32 tensors); `drop`: a tensor left
+    out."""
     import gguf
     import numpy as np
 
@@ -46,7 +47,8 @@ def gguf_of(hf, path, drop: str | None = None) -> str:
     tensors = {}
     if rope.get("rope_type") == "longrope":
         scale = c.max_position_embeddings / c.original_max_position_embeddings
-        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
+        original = c.original_max_position_embeddings
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
     for name, tensor in hf.state_dict().items():

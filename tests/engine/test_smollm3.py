@@ -29,7 +29,8 @@ def test_config_as_transformers_reads_it():
     assert listed.nope_layers == {1, 4}
     sliding = _arch(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=16)
     assert sliding.nope_layers == {1, 3, 5, 7} and sliding.sliding_layers == {1, 3, 5, 7}
-    typed = _arch(use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention"] * 2 + ["full_attention"] * 6)
+    types = ["sliding_attention"] * 2 + ["full_attention"] * 6
+    typed = _arch(use_sliding_window=True, sliding_window=16, layer_types=types)
     assert typed.sliding_layers == {0, 1}
     assert resolve_architecture({"model_type": "smollm3", **SIZES})[0].__name__ == "SmolLM3ForCausalLM"
 
@@ -104,7 +105,8 @@ def test_a_smollm3_gguf_as_llama_cpp_writes_it(tmp_path):
                 tensor = _llama_cpp_permuted(tensor, 4 if module == "self_attn.q_proj" else 2)
             gguf_name = f"blk.{i}.{block[module]}.{leaf}"
         else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "model.norm.weight": "output_norm.weight"}[name]
         writer.add_tensor(gguf_name, tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
