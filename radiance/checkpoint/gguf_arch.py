@@ -69,6 +69,16 @@ def _gemma3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
             "query_pre_attn_scalar": query_pre_attn_scalar}
 
 
+def _gemma2_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """Gemma 2's soft caps and window from the metadata; the query scale llama.cpp computes (hidden / heads on the
+    27B, its 46 layers, else head_dim), sliding and full layers alternating as in transformers."""
+    big = config["num_hidden_layers"] == 46
+    return {"attn_logit_softcapping": field_of("gemma2.attn_logit_softcapping", 50.0),
+            "final_logit_softcapping": field_of("gemma2.final_logit_softcapping", 30.0),
+            "sliding_window": field_of("gemma2.attention.sliding_window", 4096),
+            "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]}
+
+
 def _granite_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
     """Granite's four multipliers, which llama.cpp's converter renames (attention_multiplier -> attention.scale,
     embedding_multiplier -> embedding_scale, residual_multiplier -> residual_scale, logits_scaling -> logit_scale)."""
@@ -95,6 +105,8 @@ ARCHITECTURES = {
     "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2"),
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3"),
     "granite": GgufArch("GraniteForCausalLM", "granite", permuted_qk=True, extra_config=_granite_config),
+    "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", norm_shift=1.0, block_names=_GEMMA_NORMS,
+                       hidden_act="gelu_pytorch_tanh", extra_config=_gemma2_config),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", norm_shift=1.0, block_names=_GEMMA_NORMS,
                        hidden_act="gelu_pytorch_tanh", extra_config=_gemma3_config),
     "olmo2": GgufArch("Olmo2ForCausalLM", "olmo2", block_names=_OLMO2_NORMS, whole_width_qk_norm=True),

@@ -9,7 +9,8 @@ Without metadata (`meta=None`) attention is plain causal over the given [B, T] b
 Two options of gpt-oss, on every path: `sinks` (a learned logit per q head that joins each query's
 softmax denominator and contributes no value; unscaled, as HF's eager attention appends it) and a
 layer's `sliding_window` W (the query at position p sees the keys at p - W < j <= p; the cache keeps
-every token, the kernels skip what lies outside the window).
+every token, the kernels skip what lies outside the window). Gemma 2's `softcap` c: each scaled logit x
+becomes c * tanh(x / c) before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -85,10 +86,13 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"the attention soft cap must be positive, got {softcap}")
+        self.softcap = softcap  # None: the logits as they are
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -145,7 +149,7 @@ class Attention(nn.Module):
         store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_valid, scales)
         out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
                                     meta.kv_lens, self.scale, meta.kv_first_blocks, scales, sinks,
-                                    self.sliding_window)
+                                    self.sliding_window, self.softcap)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
     def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata, quantize: bool = False,
@@ -157,7 +161,8 @@ class Attention(nn.Module):
         if meta.is_decode:
             out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                             meta.context_lens, self.scale, meta.decode_splits, quantize, rotary,
-                                            kv_scales=scales, sinks=sinks, sliding_window=self.sliding_window)
+                                            kv_scales=scales, sinks=sinks, sliding_window=self.sliding_window,
+                                            softcap=self.softcap)
             if isinstance(out, tuple):
                 return Fp8Activations(*out, q.dtype, tuple(q.shape[:-2]))
         elif self.cut is not None:  # capturing piecewise graphs: the capture runs it between two pieces
@@ -174,7 +179,8 @@ class Attention(nn.Module):
         return ap.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                           meta.cu_seqlens_q, max(meta.q_lens), self.scale,
                                           self.kv_scales(self.k_cache.dtype), max_kv_len=max(meta.kv_lens),
-                                          sinks=sinks, sliding_window=self.sliding_window, out=out)
+                                          sinks=sinks, sliding_window=self.sliding_window, out=out,
+                                          softcap=self.softcap)
 
     def _causal_no_cache(self, q, k, v, sinks: torch.Tensor | None = None):
         scales = UNIT_SCALES
@@ -185,10 +191,10 @@ class Attention(nn.Module):
         squeeze = q.dim() == 3  # [T, H, D] -> one sequence
         if squeeze:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        if sinks is None and self.sliding_window is None:
+        if sinks is None and self.sliding_window is None and self.softcap is None:
             out = _sdpa(q, k, v, self.scale * scales.k, causal=True)
         else:
-            out = _windowed_attention(q, k, v, 0, self.scale * scales.k, sinks, self.sliding_window)
+            out = _windowed_attention(q, k, v, 0, self.scale * scales.k, sinks, self.sliding_window, self.softcap)
         out = _scaled_output(out, scales)
         if squeeze:
             out = out.squeeze(0)
@@ -213,10 +219,12 @@ def _window_start(kv_len: int, q_len: int, window: int | None) -> int:
     return 0 if window is None else max(0, kv_len - q_len + 1 - window)
 
 
-def _windowed_attention(q, k, v, first: int, scale: float, sinks: torch.Tensor | None, window: int | None):
+def _windowed_attention(q, k, v, first: int, scale: float, sinks: torch.Tensor | None, window: int | None,
+                        softcap: float | None = None):
     """Causal attention of q [B, Tq, Hq, D], the context's last Tq tokens, over its rows from position
     `first` on (k/v [B, kv_len - first, Hkv, D]), within `window` (None: unlimited), each head's sink
-    logit in the denominator (None: no sinks). In float32, the sinks' precision."""
+    logit in the denominator (None: no sinks), the logits soft-capped at `softcap` (None: not). In float32,
+    the sinks' precision."""
     kv_len = first + k.shape[1]
     queries = torch.arange(kv_len - q.shape[1], kv_len, device=q.device)[:, None]
     keys = torch.arange(first, kv_len, device=q.device)[None, :]
@@ -224,12 +232,27 @@ def _windowed_attention(q, k, v, first: int, scale: float, sinks: torch.Tensor |
     if window is not None:
         allowed &= keys > queries - window
     q32, k32, v32 = q.float(), k.float(), v.float()
+    if softcap is not None:
+        if sinks is not None:
+            raise ValueError("soft-capped attention with sinks is not supported")
+        return _soft_capped_attention(q32, k32, v32, allowed, scale, softcap).to(q.dtype)
     if sinks is not None:
         # an infinite sink as a finite one as far out (no weight, or all of it): the real keys' 0 x sink
         # in the extra dimension must stay 0, not NaN
         sinks = sinks.float().clamp(-1e30, 1e30)
         q32, k32, v32, allowed = _with_sink_key(q32, k32, v32, allowed, sinks / scale)
     return _sdpa(q32, k32, v32, scale, mask=allowed).to(q.dtype)
+
+
+def _soft_capped_attention(q, k, v, allowed, scale: float, softcap: float):
+    """Gemma 2's attention (SDPA has no soft cap): each logit q.k * scale becomes softcap * tanh(logit / softcap),
+    then the mask and the softmax; q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D]."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    logits = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    logits = torch.tanh(logits / softcap) * softcap
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def _with_sink_key(q, k, v, allowed, sink_dots):
@@ -301,18 +324,18 @@ def cached_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, first
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, first_blocks=None,
                           scales: KvScales = UNIT_SCALES, sinks: torch.Tensor | None = None,
-                          sliding_window: int | None = None):
+                          sliding_window: int | None = None, softcap: float | None = None):
     """Reference paged attention: q [T, Hq, D] flattened over sequences -> [T, Hq, D]. The cache may be
     wider than q (float32 on the CPU): decode attends in float32 anyway, prefill in q's dtype (float32
     with sinks or a window). An fp8 cache holds K / scales.k and V / scales.v (KvScales)."""
     if scales != UNIT_SCALES:
         out = paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale * scales.k,
-                                    first_blocks, sinks=sinks, sliding_window=sliding_window)
+                                    first_blocks, sinks=sinks, sliding_window=sliding_window, softcap=softcap)
         return _scaled_output(out, scales)
     firsts = first_blocks or [-1] * len(q_lens)
-    if sinks is not None or sliding_window is not None:
+    if sinks is not None or sliding_window is not None or softcap is not None:
         return _paged_windowed_attention(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, firsts,
-                                         sinks, sliding_window)
+                                         sinks, sliding_window, softcap)
     if len(q_lens) == 1 and q_lens[0] == 1:  # one sequence's decode step (the CPU's usual case): no copy-out
         k_1 = cached_kv(k_cache, block_tables[0], kv_lens[0], firsts[0])
         v_1 = cached_kv(v_cache, block_tables[0], kv_lens[0], firsts[0])
@@ -338,9 +361,10 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, sc
     return out
 
 
-def _paged_windowed_attention(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, firsts, sinks, window):
-    """paged_attention_torch with sinks and/or a sliding window: each sequence reads only the cached rows
-    from its first query's window on."""
+def _paged_windowed_attention(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, firsts, sinks, window,
+                              softcap=None):
+    """paged_attention_torch with sinks, a sliding window and / or a soft cap: each sequence reads only the cached
+    rows from its first query's window on."""
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
@@ -348,6 +372,7 @@ def _paged_windowed_attention(q, k_cache, v_cache, block_tables, q_lens, kv_lens
         k_i = cached_kv(k_cache, block_tables[i], kv_len, firsts[i], first).unsqueeze(0)
         v_i = cached_kv(v_cache, block_tables[i], kv_len, firsts[i], first).unsqueeze(0)
         q_i = q[start:start + q_len].unsqueeze(0)
-        out[start:start + q_len] = _windowed_attention(q_i, k_i, v_i, first, scale, sinks, window).squeeze(0)
+        out[start:start + q_len] = _windowed_attention(q_i, k_i, v_i, first, scale, sinks, window,
+                                                       softcap).squeeze(0)
         start += q_len
     return out

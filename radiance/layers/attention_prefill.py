@@ -24,7 +24,7 @@ from radiance.kernels._triton.rotary import to_cache
 from radiance.kernels.device_info import large_shared_memory
 from radiance.layers.attention import UNIT_SCALES, KvScales
 from radiance.layers.attention_merge import LOG2E, sinks_argument
-from radiance.layers.attention_triton import _dots_in_fp16, _precision, _window
+from radiance.layers.attention_triton import _dots_in_fp16, _precision, _window, soft_capped, softcap_argument
 
 _LOG2E = LOG2E.value
 
@@ -94,9 +94,10 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 def _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, stop, kv_len, q_pos,
                    stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
-                   WINDOW: tl.constexpr):
+                   WINDOW: tl.constexpr, softcap, SOFTCAP: tl.constexpr):
     """Online softmax of the q tile over cache rows [start, stop) of sequence b, BLOCK_N rows a step. MASKED:
-    causal (and WINDOW) masks per row; otherwise every row sees every key (rows below the tile's first query)."""
+    causal (and WINDOW) masks per row; otherwise every row sees every key (rows below the tile's first query).
+    SOFTCAP: the scores soft-capped at `softcap` (base-2 units) first."""
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_len
@@ -105,6 +106,8 @@ def _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, st
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # fp8: widened
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            s = soft_capped(s, softcap)
         if MASKED:
             allowed = (q_pos[:, None] >= offs_n[None, :]) & mask_n[None, :]
             if WINDOW > 0:
@@ -128,9 +131,10 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
                     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_tb,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    DOTS_FP16: tl.constexpr = False, HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0):
+                    DOTS_FP16: tl.constexpr = False, HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+                    softcap=0.0, SOFTCAP: tl.constexpr = False):
     """WINDOW > 0: a sliding window of that many tokens (0: full causal). HAS_SINKS: the per-head logit
-    SINKS[h] joins each row's denominator."""
+    SINKS[h] joins each row's denominator. SOFTCAP: the scores soft-capped at `softcap` (Gemma 2)."""
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -157,17 +161,17 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
             lo = tl.maximum(before + m_block * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
             m_i, l_i, acc = _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, lo, end, kv_len,
                                            q_pos, stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
-                                           PAGE, BLOCK_N, PRECISION, True, WINDOW)
+                                           PAGE, BLOCK_N, PRECISION, True, WINDOW, softcap, SOFTCAP)
         else:
             # keys up to the tile's first query position are seen by every row: no causal mask there (the
             # compare-and-select costs the softmax's ALU on every tile otherwise); only the diagonal masks
             full_end = (before + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
             m_i, l_i, acc = _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, 0, full_end, kv_len,
                                            q_pos, stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
-                                           PAGE, BLOCK_N, PRECISION, False, WINDOW)
+                                           PAGE, BLOCK_N, PRECISION, False, WINDOW, softcap, SOFTCAP)
             m_i, l_i, acc = _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, full_end, end,
                                            kv_len, q_pos, stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
-                                           PAGE, BLOCK_N, PRECISION, True, WINDOW)
+                                           PAGE, BLOCK_N, PRECISION, True, WINDOW, softcap, SOFTCAP)
         if WINDOW > 0:  # a padding row past q_len may have seen no key (0 / 0; never stored)
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
         if HAS_SINKS:  # the sink's share of the denominator, in the scores' base-2 units (no value)
@@ -181,11 +185,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
                             scale: float, kv_scales: KvScales = UNIT_SCALES, max_kv_len: int | None = None,
                             tiling: PrefillTiling | None = None, sinks: torch.Tensor | None = None,
-                            sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, out: torch.Tensor | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D] (sequences back to back) -> [T, Hq, D] (an fp8 cache read back times `kv_scales`).
     max_kv_len: the longest context (host side; None = the kernel's default tiling for short ones).
     sinks: fp32 [Hq] logits in each row's denominator; sliding_window: tokens each query sees (None: all).
-    out: where to write the result (like q; rows past cu_seqlens_q[-1] are left as they are)."""
+    out: where to write the result (like q; rows past cu_seqlens_q[-1] are left as they are); softcap: the logits'
+    soft cap (Gemma 2), None for none."""
     tokens, heads, dim = q.shape
     group = heads // k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
@@ -200,5 +206,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, HEAD_DIM=dim, D_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1],
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, PRECISION=_precision(q),
         DOTS_FP16=dots_fp16, HAS_SINKS=sinks is not None, WINDOW=_window(sliding_window),
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+        softcap=softcap_argument(softcap), SOFTCAP=softcap is not None, num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages)
     return out

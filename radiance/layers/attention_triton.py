@@ -152,13 +152,30 @@ def _window(sliding_window: int | None) -> int:
     return sliding_window
 
 
+def softcap_argument(softcap: float | None) -> float:
+    """The kernels' soft cap in their scores' base-2 units (0: none): Gemma 2's cap * tanh(logit / cap) is, on
+    logits times log2(e), cap' * tanh(s / cap') with cap' = cap * log2(e)."""
+    if softcap is None:
+        return 0.0
+    if not softcap > 0:
+        raise ValueError(f"the attention soft cap must be positive, got {softcap}")
+    return float(softcap) * _LOG2E
+
+
+@triton.jit
+def soft_capped(s, cap):
+    """cap * tanh(s / cap), tanh as 1 - 2 / (e^2x + 1) (exp2: no libdevice call, the interpreter runs it too)."""
+    return cap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * LOG2E / cap)) + 1.0))
+
+
 @triton.jit
 def _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
                  stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, V_WORDS: tl.constexpr, ASM: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, V_WORDS: tl.constexpr, ASM: tl.constexpr, softcap=0.0,
+                 SOFTCAP: tl.constexpr = False):
     """Online softmax of q's heads over cache rows [start, end) of sequence b, BLOCK_N rows a step,
-    loads pipelined STAGES deep."""
+    loads pipelined STAGES deep; with SOFTCAP the scores soft-capped at `softcap` (base-2 units) first."""
     for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -168,6 +185,8 @@ def _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
         k = tl.load(KC + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
                     eviction_policy="evict_first").to(q.dtype)  # an fp8 cache is widened here
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            s = soft_capped(s, softcap)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -189,10 +208,12 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
                          PRECISION: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr = False,
                          DOTS_FP16: tl.constexpr = False, LONG_BLOCK_N: tl.constexpr = 0,
                          LONG_FROM: tl.constexpr = 0, STAGES: tl.constexpr = 2, LONG_STAGES: tl.constexpr = 2,
-                         V_WORDS: tl.constexpr = False, ASM: tl.constexpr = False, WINDOW: tl.constexpr = 0):
+                         V_WORDS: tl.constexpr = False, ASM: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+                         softcap=0.0, SOFTCAP: tl.constexpr = False):
     """With ROTARY, Q is unrotated and the new token's unrotated k and its v (KN, VN [B, Hkv, D]) are
     not in the cache yet: this launch does what rotary_kernel with STORE_KV would have done first.
-    WINDOW > 0: the splits share only the window's last WINDOW tokens (the new one's keys), 0: all."""
+    WINDOW > 0: the splits share only the window's last WINDOW tokens (the new one's keys), 0: all.
+    SOFTCAP: the scores soft-capped at `softcap` (Gemma 2; softcap_argument)."""
     pdl_handoff(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -239,11 +260,11 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
     if LONG_BLOCK_N > 0 and share >= LONG_FROM:
         m_i, l_i, acc = _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
                                      stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d, PAGE,
-                                     LONG_BLOCK_N, LONG_STAGES, PRECISION, HEAD_DIM, V_WORDS, ASM)
+                                     LONG_BLOCK_N, LONG_STAGES, PRECISION, HEAD_DIM, V_WORDS, ASM, softcap, SOFTCAP)
     else:
         m_i, l_i, acc = _attend_rows(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, end,
                                      stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d, PAGE,
-                                     BLOCK_N, STAGES, PRECISION, HEAD_DIM, V_WORDS, ASM)
+                                     BLOCK_N, STAGES, PRECISION, HEAD_DIM, V_WORDS, ASM, softcap, SOFTCAP)
     empty = l_i == 0.0  # a split past the context (or a padding row of a graph bucket)
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale  # (merging the splits commutes with v_scale)
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -256,7 +277,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float, num_splits: int, quantize: bool = False,
                            rotary: tuple | None = None, tiling: DecodeTiling | None = None,
                            kv_scales: KvScales = UNIT_SCALES, sinks: torch.Tensor | None = None,
-                           sliding_window: int | None = None):
+                           sliding_window: int | None = None, softcap: float | None = None):
     """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]; with `quantize`, (x_q e4m3 [B, Hq * D],
     x_scale fp32 [B, 1]) for a W4A8 linear instead, the bytes of quantize_activations of that output,
     from the merge launch (attention_merge: the barrier kernel while merge_quant_serves, else the per-row
@@ -268,7 +289,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rotated k and the v, as RotaryEmbedding.rotate_and_store would (one launch fewer).
     An fp8 cache holds K and V against `kv_scales` (stored divided, read back times them).
     sliding_window: the splits read only the new token's window (None: the whole context); sinks: fp32
-    [Hq] logits, added to each row's denominator by the merge."""
+    [Hq] logits, added to each row's denominator by the merge; softcap: the logits' soft cap (Gemma 2)."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -296,7 +317,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl, DOTS_FP16=_dots_in_fp16(q, k_cache),
         LONG_BLOCK_N=tiling.long_block_n, LONG_FROM=tiling.long_from, STAGES=tiling.num_stages,
         LONG_STAGES=tiling.long_stages or tiling.num_stages, V_WORDS=v_words, ASM=q.is_cuda,
-        WINDOW=_window(sliding_window), num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+        WINDOW=_window(sliding_window), softcap=softcap_argument(softcap), SOFTCAP=softcap is not None,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     if not quantize:
         return merge_splits(acc, lse, q.dtype, pdl, sinks=sinks)
     if merge_quant_serves(q):

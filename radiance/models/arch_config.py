@@ -38,6 +38,8 @@ class ArchConfig:
     embed_scale_rounded: bool = True  # the scale rounded to the model's dtype first (Gemma), or not (Granite)
     residual_multiplier: float = 1.0  # Granite: what each attention and MLP adds to the residual stream is scaled
     logits_scaling: float = 1.0  # Granite: the logits are divided by it
+    attn_softcap: float | None = None  # Gemma 2: each attention logit x becomes c * tanh(x / c)
+    final_softcap: float | None = None  # Gemma 2: each output logit likewise
     mlp_activation: GluActivation = SILU  # the dense MLP's GLU (Gemma: GeGLU)
     rotary_dim: int | None = None  # Phi-4-mini: the leading dims of each head that rotate; None: all of them
     nope_layers: frozenset[int] = frozenset()  # SmolLM3: layers that attend without rotary positions
@@ -137,6 +139,7 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 HF_DEFAULTS = {
     "LlamaForCausalLM": HfDefaults(2048),
     "GraniteForCausalLM": HfDefaults(2048),
+    "Gemma2ForCausalLM": HfDefaults(8192, head_dim=256, num_key_value_heads=4, tie_word_embeddings=True),
     "Gemma3ForCausalLM": HfDefaults(131072, rope_theta=1_000_000.0, head_dim=256, num_key_value_heads=4,
                                     tie_word_embeddings=True),
     "MistralForCausalLM": HfDefaults(131072, num_key_value_heads=8),
@@ -161,6 +164,7 @@ def hf_defaults(architecture: str) -> HfDefaults:
 
 # model_type -> class, for configs that omit `architectures` (as transformers' AutoModelForCausalLM maps them)
 MODEL_TYPES = {
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -236,7 +240,7 @@ def _heads(config: dict, architecture: str, hidden: int, heads: int) -> tuple[in
 _READS_MLP_BIAS = {"LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM"}
 
 # architectures that name their MLP activation otherwise (Gemma: hidden_activation) and check it themselves
-_OWN_ACTIVATION = {"Gemma3ForCausalLM"}
+_OWN_ACTIVATION = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 
 # rope_type -> the keys its frequencies are computed from (radiance.layers.rotary); longrope's lists are checked
 # against the rotary dimension in _longrope
@@ -370,8 +374,8 @@ def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
         window = config.get("sliding_window")  # transformers' MixtralConfig: none unless given
     elif architecture == "Phi3ForCausalLM":
         window = config.get("sliding_window")  # transformers' Phi3Config: none unless given
-    elif architecture == "Gemma3ForCausalLM":
-        window = config.get("sliding_window", 4096)  # transformers' Gemma3TextConfig
+    elif architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        window = config.get("sliding_window", 4096)  # transformers' Gemma2Config, Gemma3TextConfig
     elif architecture == "Olmo3ForCausalLM":
         window = config.get("sliding_window", 4096)  # transformers' Olmo3Config
     elif architecture == "SmolLM3ForCausalLM":
@@ -444,9 +448,10 @@ def _slides_without_rotary(layer: int, config: dict) -> str:
     return "full_attention" if rotary_layers(config)[layer] else "sliding_attention"
 
 
-# gpt-oss alternates, starting with a sliding layer; Mistral and Phi-3 slide on every layer, OLMo 3 on three of four
+# gpt-oss and Gemma 2 alternate, starting with a sliding layer; Mistral and Phi-3 slide on every layer, OLMo 3 on three of four
 _DERIVED_LAYER_TYPES = {**_QWEN_SLIDING_LAYERS, "GptOssForCausalLM": _slides_on_even_layers,
                         "Gemma3ForCausalLM": _slides_but_every_nth,
+                        "Gemma2ForCausalLM": _slides_on_even_layers,
                         "MistralForCausalLM": lambda layer, config: "sliding_attention",
                         "MixtralForCausalLM": lambda layer, config: "sliding_attention",
                         "Phi3ForCausalLM": lambda layer, config: "sliding_attention",

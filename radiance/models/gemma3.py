@@ -1,5 +1,6 @@
 """Gemma 3 (`Gemma3ForCausalLM`: gemma-3-1b, and the language model of the 4B / 12B / 27B
-`Gemma3ForConditionalGeneration`), as transformers' Gemma3TextModel computes it:
+`Gemma3ForConditionalGeneration`), as transformers' Gemma3TextModel computes it (and Gemma 2, Gemma2ForCausalLM
+below, as its Gemma2Model does):
 
 - four RMSNorms per layer, each scaling by 1 + weight (folded into the weight at load): the input norm, a norm of the
   attention output before its residual add (`post_attention_layernorm`), the norm before the MLP
@@ -10,7 +11,7 @@
   rope_theta and rope_scaling (linear x8 on the 4B and up);
 - a GeGLU MLP (gelu_pytorch_tanh), embeddings times sqrt(hidden_size) in the model's dtype, a tied head.
 
-Refused at load: attention or final logit soft-capping (Gemma 2), bidirectional attention (EmbeddingGemma).
+Refused at load: a Gemma 3 config with Gemma 2's soft-capping, bidirectional attention (EmbeddingGemma).
 """
 
 from __future__ import annotations
@@ -60,18 +61,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def overrides(cls, hf_config: dict) -> dict:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if hf_config.get(key) is not None:
-                raise ConfigError(f"config.json gives {key} {hf_config[key]!r}: soft-capped logits (Gemma 2) are not "
-                                  "supported")
-        if hf_config.get("use_bidirectional_attention"):
-            raise ConfigError("config.json asks for bidirectional attention (an embedding model): not supported")
-        activation = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "gelu_pytorch_tanh"
-        if activation not in _GELU_TANH_NAMES:
-            raise ConfigError(f"hidden_activation {activation!r} is not supported for Gemma 3 (only gelu_pytorch_tanh)")
-        hidden = hf_config.get("hidden_size") or 0
-        scalar = hf_config.get("query_pre_attn_scalar", 256)
-        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
-            raise ConfigError(f"config.json field 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")
-        return {**cls.arch_overrides, "embed_scale": hidden ** 0.5, "attention_scale": float(scalar) ** -0.5,
+                raise ConfigError(f"config.json gives {key} {hf_config[key]!r}: Gemma 3 has no soft-capped logits")
+        return {**gemma_overrides(cls, hf_config),
                 "sliding_rope_theta": sliding_rope_theta(hf_config, 10000.0, legacy_key="rope_local_base_freq")}
 
     def finish_loading(self) -> None:
@@ -81,3 +72,41 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.weight.copy_((module.weight.float() + 1.0).to(module.weight.dtype))
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2 (gemma-2-2b / 9b / 27b): Gemma 3's layers without the q / k norms, sliding and full layers alternating
+    (both with rope_theta's rope), and soft-capped logits: each attention logit x becomes c * tanh(x / c) with c =
+    attn_logit_softcapping (50), each output logit likewise with final_logit_softcapping (30)."""
+
+    arch_overrides = {**Gemma3ForCausalLM.arch_overrides, "qk_norm": False}
+
+    @classmethod
+    def overrides(cls, hf_config: dict) -> dict:
+        caps = {}
+        for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+            value = hf_config.get(key, 50.0 if key.startswith("attn") else 30.0)  # transformers' Gemma2Config
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"config.json field {key!r} must be a positive number or null, got {value!r}")
+            caps[field] = None if value is None else float(value)
+        return {**gemma_overrides(cls, hf_config), **caps}
+
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden, fp32)
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def gemma_overrides(cls, hf_config: dict) -> dict:
+    """What Gemma 2 and 3 read alike: the activation (GeGLU only), no bidirectional attention, the embeddings times
+    sqrt(hidden_size), the attention scaled by query_pre_attn_scalar ** -0.5."""
+    if hf_config.get("use_bidirectional_attention"):
+        raise ConfigError("config.json asks for bidirectional attention (an embedding model): not supported")
+    activation = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in _GELU_TANH_NAMES:
+        raise ConfigError(f"hidden_activation {activation!r} is not supported for Gemma (only gelu_pytorch_tanh)")
+    hidden = hf_config.get("hidden_size") or 0
+    scalar = hf_config.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ConfigError(f"config.json field 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")
+    return {**cls.arch_overrides, "embed_scale": hidden ** 0.5, "attention_scale": float(scalar) ** -0.5}

@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32), requires_grad=False)
                       if cfg.attention_sinks else None)
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale=cfg.attention_scale,
-                              sliding_window=cfg.window_of(index))
+                              sliding_window=cfg.window_of(index), softcap=cfg.attn_softcap)
 
     def finish_loading(self) -> None:
         """Hand the q/k/v and o biases (Qwen2, gpt-oss) to their linears where those add a bias themselves:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from radiance.errors import ConfigError
 from radiance.models.arch_config import ArchConfig, named_architectures
-from radiance.models.gemma3 import Gemma3ForCausalLM
+from radiance.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.granite import GraniteForCausalLM
 from radiance.models.llama import LlamaForCausalLM
@@ -23,6 +23,7 @@ from radiance.models.qwen3_moe import Qwen3MoeForCausalLM
 from radiance.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,

@@ -18,7 +18,7 @@ YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow":
 def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
-    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig,
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig,
                               MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
@@ -49,6 +49,10 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
                                   layer_types=["sliding_attention", "full_attention"], rope_parameters={
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                       "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    elif arch == "gemma2":  # sliding (24 tokens) and full layers alternating; caps small enough to matter here
+        config = Gemma2Config(**common, head_dim=32, sliding_window=24, query_pre_attn_scalar=20,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+        config._attn_implementation = "eager"  # the implementation that applies the attention soft cap
     elif arch == "phi3":  # a 20-token window on every layer (Phi-3-mini-4k's shape); merged qkv and gate_up
         config = Phi3Config(**common, sliding_window=20, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     elif arch == "phi3longrope":  # Phi-4-mini's shape: LongRoPE past a 32-token pretraining context, 12 of 16 dims

@@ -14,13 +14,14 @@ import torch
 
 def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: int = 8, kv_heads: int = 2,
                   page: int = 16, seed: int = 0, big: bool = False, kv_dtype: torch.dtype | None = None,
-                  scales=None) -> dict[str, float]:
+                  scales=None, softcap: float | None = None) -> dict[str, float]:
     """Random paged caches with shuffled block tables; returns the worst relative error per kernel. The
     cache in `kv_dtype` (default: the model's dtype; fp8: rows of K/V up to 600 x scales.k, past e4m3's 448,
     stored against `scales`, an attention.KvScales).
     "store_ulps": the largest difference between the Triton and torch stores of normal fp8 values in units
     of their last place, "store_subnormal" the largest among subnormals (0 = the same bytes); attention is checked against the torch reference over the cache the
-    Triton store wrote."""
+    Triton store wrote. `softcap`: the logits soft-capped (Gemma 2) everywhere; "cap_effect" how far the capped
+    reference lies from the uncapped one."""
     from radiance.layers import attention_prefill as ap, attention_triton as at
     from radiance.layers.attention import UNIT_SCALES, paged_attention_torch, store_kv_cache_torch, to_cache_dtype
 
@@ -76,18 +77,22 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
         errors["saturated"] = float(k_cache[slots[0] // page, slots[0] % page, 0, :2].float().abs().tolist() == [448.0] * 2)
 
     ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), block_tables, q_lens, kv_lens, scale,
-                                scales=scales)
+                                scales=scales, softcap=softcap)
+    if softcap is not None:
+        plain = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), block_tables, q_lens, kv_lens,
+                                      scale, scales=scales)
+        errors["cap_effect"] = ((plain - ref).norm() / ref.norm()).item()
     errors["prefill"] = 0.0
     # the default tiling, and the one a context past 4k tokens picks (128 x 128 tiles for 16-bit dots)
     for max_kv_len in (None, 1 << 20):
         out = ap.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale, scales,
-                                         max_kv_len=max_kv_len)
+                                         max_kv_len=max_kv_len, softcap=softcap)
         errors["prefill"] = max(errors["prefill"], ((out.float() - ref).norm() / ref.norm()).item())
     # into a given buffer longer than the step (the piecewise graphs' static output): the same values in the
     # step's rows, the rows past them untouched
     given = torch.full((q.shape[0] + 3, *q.shape[1:]), float("nan"), dtype=q.dtype, device=device)
     into = ap.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, max(q_lens), scale, scales,
-                                      max_kv_len=max_kv_len, out=given)
+                                      max_kv_len=max_kv_len, out=given, softcap=softcap)
     errors["prefill_out"] = float(into.data_ptr() != given.data_ptr() or not torch.equal(given[:q.shape[0]], out)
                                   or not torch.isnan(given[q.shape[0]:]).all().item())
 
@@ -101,7 +106,8 @@ def check_kernels(device: str, dtype: torch.dtype, head_dim: int = 64, heads: in
                at.DecodeTiling(128, 4, 2)]
     for splits, tiling in [(1, None), (3, None), (8, None)] + [(3, t) for t in tilings]:
         out_d = at.paged_decode_attention(q[rows], k_cache, v_cache, block_tables[decode_rows],
-                                          context_lens[decode_rows], scale, splits, tiling=tiling, kv_scales=scales)
+                                          context_lens[decode_rows], scale, splits, tiling=tiling, kv_scales=scales,
+                                          softcap=softcap)
         worst = max(worst, ((out_d.float() - ref_d).norm() / ref_d.norm()).item())
     errors["decode"] = worst
     # a graph bucket's padding row: context 0 gives zeros, not NaN
@@ -272,7 +278,10 @@ scaled = check_kernels("cpu", torch.float32, head_dim=48, heads=6, kv_heads=2, k
 # a 16-bit model over an fp8 cache: fp16 dots, V read as words (a head of 48 leaves 4 of 16 words masked)
 fp16_fp8_kv = check_kernels("cpu", torch.float16, head_dim=48, heads=6, kv_heads=2, kv_dtype=torch.float8_e4m3fn,
                             seed=3, scales=KvScales(k=2.5, v=0.3))
-print(json.dumps({"fp32": fp32, "fp8_kv": fp8_kv, "fp8_kv_scaled": scaled, "fp16_fp8_kv": fp16_fp8_kv}))
+# Gemma 2's soft-capped logits, the cap well inside the logits' range so that it changes the result
+capped = check_kernels("cpu", torch.float32, head_dim=48, heads=6, kv_heads=2, seed=4, softcap=0.5)
+print(json.dumps({"fp32": fp32, "fp8_kv": fp8_kv, "fp8_kv_scaled": scaled, "fp16_fp8_kv": fp16_fp8_kv,
+                  "softcap": capped}))
 """
 
 
@@ -316,6 +325,9 @@ def test_triton_kernels_in_the_interpreter():
         assert fp8["store_ulps"] <= 1.0 and fp8["store_subnormal"] < 2**-6 and fp8["saturated"] == 1.0, fp8
         tol = 1e-3 if fp8 is results["fp16_fp8_kv"] else 1e-4  # fp16 dots round q, p and the products
         assert fp8["prefill"] < tol and fp8["decode"] < tol and fp8["padding_nan"] == 0.0, fp8
+    capped = results["softcap"]
+    assert capped["cap_effect"] > 0.05, capped  # the cap matters, so the kernels' match depends on applying it
+    assert capped["prefill"] < 1e-4 and capped["decode"] < 1e-4 and capped["padding_nan"] == 0.0, capped
 
 
 _FUSED_SCRIPT = """

@@ -192,6 +192,14 @@ def test_olmo_output_norms_and_whole_width_qk_norms_match_cpu(tiny_model_dir):
         _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 
 
+def test_gemma2_soft_capped_logits_match_cpu(tiny_model_dir):
+    """Gemma 2's soft-capped attention logits in the Triton prefill and decode kernels (SOFTCAP), alternating
+    sliding (24 tokens) and full layers, the capped output logits: fp32 greedy tokens equal the CPU's."""
+    path, _ = tiny_model_dir("gemma2")
+    prompts = [[(3 * i + 11 * j) % 256 for j in range(26 + 9 * i)] for i in range(3)]
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+
+
 def test_granite_multipliers_match_cpu(tiny_model_dir):
     """Granite on the GPU: its attention scale in the Triton attention, the embedding multiplier, the residual
     multiplier folded into o_proj / down_proj (and o_proj's bias, in the GEMM's epilogue), the logits' divisor: fp32

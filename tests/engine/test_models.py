@@ -17,7 +17,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 ARCHS = ["llama3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gptoss", "mistral", "phi3", "phi3longrope", "gemma3",
-         "smollm3", "olmo2", "olmo3", "granite", "mixtral"]
+         "smollm3", "olmo2", "olmo3", "granite", "mixtral", "gemma2"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
