@@ -85,14 +85,16 @@ def _attention_line(config: dict) -> str | None:
     except ConfigError:  # e.g. Phi-3: what config.json says, for the servable line's refusal to explain
         return f"config.json gives a sliding window of {declared} tokens" if declared else None
     layers = sorted(cfg.sliding_layers)
+    caps = "".join(f", {what} logits soft-capped at {cap:g}" for what, cap in
+                   (("attention", cfg.attn_softcap), ("output", cfg.final_softcap)) if cap is not None)
     if not layers:
         unused = (f" (config.json's sliding_window {declared} is off for {cfg.architecture}, as in transformers)"
                   if declared else "")
         every = "the one layer" if cfg.num_layers == 1 else f"all {cfg.num_layers} layers"
-        return f"full causal on {every}{unused}"
+        return f"full causal on {every}{unused}{caps}"
     rest = "full causal on the others" if len(layers) < cfg.num_layers else "no full-attention layer"
     return (f"sliding window {cfg.sliding_window} tokens on layers {_layer_list(layers)} "
-            f"({len(layers)} of {cfg.num_layers}), {rest}")
+            f"({len(layers)} of {cfg.num_layers}), {rest}{caps}")
 
 
 def _rotary_line(config: dict) -> str | None:

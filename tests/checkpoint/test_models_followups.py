@@ -105,7 +105,10 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_si
      "full causal on all 36 layers"),
     (dict(QWEN2, architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=2047),  # Phi-3-mini-4k
      "sliding window 2047 tokens on layers 0-35 (36 of 36), no full-attention layer"),
-    (dict(QWEN2, architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=4096),  # not served
+    (dict(QWEN2, architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=4096),  # alternating
+     "sliding window 4096 tokens on layers 0, 2, 4, ..., 34 (18 of 36), full causal on the others, attention logits "
+     "soft-capped at 50, output logits soft-capped at 30"),
+    (dict(QWEN2, architectures=["Gemma4ForCausalLM"], model_type="gemma4", sliding_window=4096),  # not served
      "config.json gives a sliding window of 4096 tokens"),
     (dict(QWEN2, architectures=["LlamaForCausalLM"], model_type="llama"), "full causal on all 36 layers"),
 ])

@@ -31,6 +31,14 @@ def test_config_as_transformers_reads_it():
         resolve_architecture(dict(SIZES, attn_logit_softcapping=-1.0))
 
 
+def test_inspect_names_the_caps(tiny_model_dir):
+    from radiance.checkpoint.inspect import inspect_lines
+
+    lines = inspect_lines(open_checkpoint(tiny_model_dir("gemma2")[0]))
+    assert ("attention  sliding window 24 tokens on layers 0 (1 of 2), full causal on the others, attention logits "
+            "soft-capped at 2, output logits soft-capped at 3") in lines
+
+
 @pytest.mark.parametrize("chunk", [None, 16])  # one prefill, or chunks smaller than the window
 def test_engine_greedy_tokens_match_transformers(tiny_model_dir, chunk):
     assert_engine_greedy_matches_transformers(*tiny_model_dir("gemma2"), prompt_len=36, chunk=chunk)
