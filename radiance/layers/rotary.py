@@ -54,7 +54,7 @@ def rope_attention_factor(scaling: dict | None) -> float:
     """What YaRN and LongRoPE multiply cos and sin by (so q.k by its square); 1 for the other kinds."""
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
     if kind == "longrope":
-        return float(scaling["attention_factor"])  # arch_config._longrope fills it in
+        return float(scaling["attention_factor"])  # rope_config.longrope fills it in
     if kind != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from radiance.errors import ConfigError
 from radiance.kernels.glu import SILU, GluActivation
+from radiance.models.config_fields import given, positive
+from radiance.models.rope_config import longrope, read_rope, rotary_dim_of
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,14 @@ class ArchConfig:
         if config.get("mlp_bias") and architecture in _READS_MLP_BIAS:
             raise ConfigError("mlp_bias true is not supported (the MLP projections have no bias in radiance)")
         kv_heads, head_dim = _heads(config, architecture, hidden, heads)
-        theta, scaling = _rope(config, defaults, architecture)
-        rotary_dim = _rotary_dim(config, architecture, head_dim)
-        max_positions = int(_positive(config, "max_position_embeddings", defaults.max_position_embeddings,
+        theta, scaling = read_rope(config, defaults, architecture)
+        rotary_dim = rotary_dim_of(config, architecture, head_dim)
+        max_positions = int(positive(config, "max_position_embeddings", defaults.max_position_embeddings,
                                       integer=True))
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
-            scaling = _longrope(config, scaling, defaults, rotary_dim or head_dim, max_positions)
+            scaling = longrope(config, scaling, defaults, rotary_dim or head_dim, max_positions)
         # attention_bias: q, k, v and o all carry a bias (as in transformers' Llama, Qwen3 and gpt-oss)
-        bias = bool(_given(config, "attention_bias", defaults.attention_bias))
+        bias = bool(given(config, "attention_bias", defaults.attention_bias))
         flags = {"qkv_bias": bias, "o_bias": bias}
         flags.update(overrides)
         return cls(
@@ -105,12 +106,12 @@ class ArchConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=_positive(config, "rms_norm_eps", defaults.rms_norm_eps),
+            rms_norm_eps=positive(config, "rms_norm_eps", defaults.rms_norm_eps),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
             rotary_dim=rotary_dim,
-            tie_word_embeddings=bool(_given(config, "tie_word_embeddings", defaults.tie_word_embeddings)),
+            tie_word_embeddings=bool(given(config, "tie_word_embeddings", defaults.tie_word_embeddings)),
             moe=MoeConfig.from_hf(config, architecture, need("num_hidden_layers")),
             **_sliding_window(config, architecture, need("num_hidden_layers")),
             **flags,
@@ -204,23 +205,6 @@ def head_counts(config: dict, heads: int) -> tuple[int, int | None]:
     return kv_heads or heads, config.get("head_dim") or defaults.head_dim
 
 
-def _given(config: dict, key: str, default):
-    """config[key], or `default` where the key is absent or null (a null is as missing as an absent key)."""
-    value = config.get(key)
-    return default if value is None else value
-
-
-def _positive(config: dict, key: str, default, integer: bool = False):
-    """A positive number from config.json (`default` when absent or null); anything else a ConfigError, not a
-    TypeError deep in a layer."""
-    value = _given(config, key, default)
-    kinds = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
-        what = "a positive integer" if integer else "a positive number"
-        raise ConfigError(f"config.json field {key!r} must be {what}, got {value!r}")
-    return value
-
-
 def _heads(config: dict, architecture: str, hidden: int, heads: int) -> tuple[int, int]:
     """(num_key_value_heads, head_dim) with transformers' defaults (head_counts); grouped-query attention needs
     heads to split evenly."""
@@ -241,116 +225,6 @@ _READS_MLP_BIAS = {"LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM
 
 # architectures that name their MLP activation otherwise (Gemma: hidden_activation) and check it themselves
 _OWN_ACTIVATION = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
-
-# rope_type -> the keys its frequencies are computed from (radiance.layers.rotary); longrope's lists are checked
-# against the rotary dimension in _longrope
-ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
-              "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",), "longrope": ()}
-
-# architectures whose transformers model rotates only the leading partial_rotary_factor of each head
-_PARTIAL_ROTARY = {"Phi3ForCausalLM"}
-
-
-def _rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope scaling or None) from transformers 5's `rope_parameters` or the older `rope_theta` +
-    `rope_scaling`, checked here so that an unsupported or incomplete scaling is one line before any load.
-    A config that gives neither gets the architecture's (gpt-oss: YaRN), as in transformers. Phi-3's older "su"
-    and "yarn" spellings come back as rope_type "longrope" (as transformers' Phi3Config reads them)."""
-    rope = config.get("rope_parameters")
-    scaling = config.get("rope_scaling")
-    for key, value in (("rope_parameters", rope), ("rope_scaling", scaling)):
-        if value is not None and not isinstance(value, dict):
-            raise ConfigError(f"config.json {key} must be an object, got {value!r}")
-    if rope is None and scaling is None:
-        scaling = defaults.rope_parameters
-    rope = dict(rope or {})
-    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): the full-attention layers' rope
-        rope = dict(rope["full_attention"])
-    theta = float(_positive(rope if rope.get("rope_theta") is not None else config, "rope_theta",
-                            defaults.rope_theta))
-    rope.pop("rope_theta", None)
-    rope.pop("partial_rotary_factor", None)  # read by _rotary_dim
-    scaling = {k: v for k, v in (rope or scaling or {}).items() if k != "partial_rotary_factor"}  # (rope_scaling's)
-    if not scaling:
-        return float(theta), None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if architecture == "Phi3ForCausalLM" and kind in ("su", "yarn"):
-        kind = "longrope"
-    if kind not in ROPE_TYPES:
-        raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    for key in ROPE_TYPES[kind]:
-        value = scaling.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"{kind} rope_scaling needs a positive number for {key!r}, got {value!r}")
-    # dynamic NTK (transformers) rescales only past max_position_embeddings, which radiance never serves:
-    # below it, its frequencies are exactly the default ones
-    if kind in ("default", "dynamic"):
-        return float(theta), None
-    if kind != scaling.get("rope_type", scaling.get("type")):  # a spelling mapped (Phi-3's su / yarn)
-        scaling = {**scaling, "rope_type": kind}
-    return float(theta), scaling
-
-
-def sliding_rope_theta(hf_config: dict, default: float, legacy_key: str | None = None) -> float:
-    """The rope base of the sliding layers of a model whose layer types rotate apart (Gemma 3, OLMo 3): transformers
-    5's rope_parameters["sliding_attention"], else the older config's `legacy_key` (Gemma: rope_local_base_freq),
-    else the architecture's default (no scaling either way)."""
-    local = (hf_config.get("rope_parameters") or {}).get("sliding_attention")
-    theta = (local or {}).get("rope_theta", hf_config.get(legacy_key, default) if legacy_key else default)
-    if (local or {}).get("rope_type", "default") != "default":
-        raise ConfigError(f"the sliding layers take the default rope, got {local!r}")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"the sliding layers' rope base must be a positive number, got {theta!r}")
-    return float(theta)
-
-
-def _rotary_dim(config: dict, architecture: str, head_dim: int) -> int | None:
-    """The dims of each head that rotate when config.json's partial_rotary_factor is below 1 (transformers 5 keeps
-    it in rope_parameters, older configs at the top level or in rope_scaling), None when all do."""
-    partial = None
-    for source in (config.get("rope_parameters"), config.get("rope_scaling"), config):
-        if isinstance(source, dict) and source.get("partial_rotary_factor") is not None:
-            partial = source["partial_rotary_factor"]
-            break
-    if partial is None or partial == 1:
-        return None
-    if architecture not in _PARTIAL_ROTARY:
-        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported for {architecture} (radiance rotates "
-                          f"whole heads there, as transformers does)")
-    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial < 1:
-        raise ConfigError(f"config.json partial_rotary_factor must be a number in (0, 1], got {partial!r}")
-    dims = int(head_dim * partial)  # transformers' rounding
-    if dims < 2 or dims % 2:
-        raise ConfigError(f"partial_rotary_factor {partial} of head_dim {head_dim} rotates {dims} dims; rotary "
-                          f"pairs need an even number of at least 2")
-    return dims
-
-
-def _longrope(config: dict, scaling: dict, defaults: HfDefaults, rotary_dim: int, max_positions: int) -> dict:
-    """LongRoPE (Phi-3.5-mini, Phi-3-*-128k, Phi-4-mini) as transformers computes it: per-frequency divisors,
-    `short_factor` for a context within the pretraining one and `long_factor` past it, and cos / sin scaled by
-    sqrt(1 + ln(factor) / ln(original)) with factor = max_position_embeddings / original unless given. The
-    pretraining context is config.json's top-level original_max_position_embeddings (Phi-3's default 4096), else
-    the scaling's, else max_position_embeddings."""
-    original = (config.get("original_max_position_embeddings") or defaults.original_max_position_embeddings
-                or scaling.get("original_max_position_embeddings") or max_positions)
-    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
-        raise ConfigError(f"longrope original_max_position_embeddings must be a positive integer, got {original!r}")
-    factors = {}
-    for key in ("short_factor", "long_factor"):
-        values = scaling.get(key)
-        if (not isinstance(values, list) or len(values) != rotary_dim // 2
-                or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in values)):
-            raise ConfigError(f"longrope rope_scaling needs {key!r}: a list of {rotary_dim // 2} positive numbers "
-                              f"(one per rotary frequency), got {values!r}")
-        factors[key] = [float(v) for v in values]
-    factor = scaling.get("factor") or max_positions / original
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return {"rope_type": "longrope", **factors, "original_max_position_embeddings": original,
-            "attention_factor": float(attention_factor)}
-
 
 def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     """sliding_window and the layers that use it, as transformers reads them: Llama has none; Qwen2, Qwen3 and
@@ -407,7 +281,7 @@ def _layer_types(config: dict, architecture: str, num_layers: int) -> list[str]:
 
 
 def _max_window_layers(config: dict) -> int:
-    value = _given(config, "max_window_layers", 28)  # transformers' default
+    value = given(config, "max_window_layers", 28)  # transformers' default
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"config.json field 'max_window_layers' must be a layer count, got {value!r}")
     return value
@@ -435,7 +309,7 @@ _QWEN_SLIDING_LAYERS = {
 }
 def _slides_but_every_nth(layer: int, config: dict) -> str:
     """Gemma 3 without layer_types: full attention on every sliding_window_pattern-th layer (6: 5 local, 1 global)."""
-    pattern = _given(config, "sliding_window_pattern", 6)
+    pattern = given(config, "sliding_window_pattern", 6)
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise ConfigError(f"config.json field 'sliding_window_pattern' must be a positive integer, got {pattern!r}")
     return "sliding_attention" if (layer + 1) % pattern else "full_attention"
