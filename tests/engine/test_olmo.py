@@ -13,6 +13,7 @@ from radiance.engine.loader import load_model
 from radiance.errors import CheckpointError
 from radiance.models.registry import resolve_architecture
 from tests.engine.conftest import assert_engine_greedy_matches_transformers
+from tests.engine.gguf_files import LLAMA_BLOCK, gguf_tensors, write_gguf
 
 
 def test_resolved_from_model_type_with_transformers_defaults():
@@ -46,37 +47,11 @@ def test_a_checkpoint_without_its_output_norms_names_the_tensor(tiny_model_dir, 
 def test_an_olmo2_gguf_as_llama_cpp_writes_it(tiny_model_dir, tmp_path):
     """llama.cpp's OLMo 2 file (its own converter: q / k rows as stored, whole-width attn_q_norm / attn_k_norm,
     post_attention_norm and post_ffw_norm): transformers' logits for the same weights."""
-    import gguf
-
     _, hf = tiny_model_dir("olmo2")
-    c = hf.config
-    block = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    writer = gguf.GGUFWriter(str(tmp_path / "o.gguf"), "olmo2")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    for name, tensor in hf.state_dict().items():
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            module, leaf = rest.rsplit(".", 1)
-            name = f"blk.{i}.{block[module]}.{leaf}"
-        else:
-            name = top[name]
-        writer.add_tensor(name, tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    block = {**LLAMA_BLOCK, "post_attention_layernorm": "post_attention_norm",
+             "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm"}
+    write_gguf(tmp_path / "o.gguf", "olmo2", hf.config, gguf_tensors(hf, block))
     ckpt = open_checkpoint(str(tmp_path / "o.gguf"))
     assert ckpt.architecture == "Olmo2ForCausalLM"
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(5))

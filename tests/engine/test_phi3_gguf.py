@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,57 +16,30 @@ from radiance.config import ModelConfig
 from radiance.engine.loader import load_model
 from radiance.errors import CheckpointError
 from radiance.models.registry import resolve_architecture
+from tests.engine.gguf_files import LLAMA_BLOCK, gguf_tensors, write_gguf
 
-BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
-         "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-       "lm_head.weight": "output.weight"}
+# llama.cpp keeps Phi-3's merged projections
+BLOCK = {**LLAMA_BLOCK, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def gguf_of(hf, path, drop: str | None = None) -> str:
     """The tiny HF Phi-3 as llama.cpp's Phi3MiniModel converter writes it (float32 tensors); `drop`: a tensor left
     out."""
-    import gguf
-    import numpy as np
-
     c = hf.config
     rope = c.rope_parameters
     head_dim = c.hidden_size // c.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+    metadata = {"phi3.rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+                "phi3.rope.scaling.original_context_length": c.original_max_position_embeddings}
     if c.sliding_window:
-        writer.add_sliding_window(c.sliding_window)
-    tensors = {}
+        metadata["phi3.attention.sliding_window"] = c.sliding_window
+    tensors = gguf_tensors(hf, BLOCK)
     if rope.get("rope_type") == "longrope":
         scale = c.max_position_embeddings / c.original_max_position_embeddings
-        original = c.original_max_position_embeddings
-        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        metadata["phi3.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(scale) / math.log(
+            c.original_max_position_embeddings))
         tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
-    for name, tensor in hf.state_dict().items():
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            module, leaf = rest.rsplit(".", 1)
-            tensors[f"blk.{i}.{BLOCK[module]}.{leaf}"] = tensor.float().numpy()
-        else:
-            tensors[TOP[name]] = tensor.float().numpy()
-    for name, values in tensors.items():
-        if name != drop:
-            writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return write_gguf(path, "phi3", c, {k: v for k, v in tensors.items() if k != drop}, metadata)
 
 
 def _assert_logits_match(hf, ckpt, tokens: int) -> None:

@@ -12,6 +12,7 @@ from radiance.engine.loader import load_model
 from radiance.errors import ConfigError
 from radiance.models.registry import resolve_architecture
 from tests.engine.conftest import assert_engine_greedy_matches_transformers
+from tests.engine.gguf_files import LLAMA_BLOCK, gguf_tensors, write_gguf
 
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8, "num_attention_heads": 4,
          "vocab_size": 100}
@@ -64,15 +65,9 @@ def test_engine_greedy_tokens_match_transformers(tiny_model_dir, chunk):
     assert_engine_greedy_matches_transformers(*tiny_model_dir("smollm3"), prompt_len=36, chunk=chunk, low=3)
 
 
-def _llama_cpp_permuted(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter's q / k row order (each head's two rotary halves interleaved)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def test_a_smollm3_gguf_as_llama_cpp_writes_it(tmp_path):
     """llama.cpp's SmolLM3 file (Llama's converter: q / k rows permuted, no NoPE metadata, every 4th layer NoPE as
     llama.cpp takes it): transformers' logits for the same weights."""
-    import gguf
     from transformers import AutoModelForCausalLM, SmolLM3Config
 
     config = SmolLM3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -83,35 +78,7 @@ def test_a_smollm3_gguf_as_llama_cpp_writes_it(tmp_path):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    writer = gguf.GGUFWriter(str(tmp_path / "s.gguf"), "smollm3")
-    writer.add_block_count(4)
-    writer.add_context_length(512)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            module, leaf = rest.rsplit(".", 1)
-            if module in ("self_attn.q_proj", "self_attn.k_proj"):
-                tensor = _llama_cpp_permuted(tensor, 4 if module == "self_attn.q_proj" else 2)
-            gguf_name = f"blk.{i}.{block[module]}.{leaf}"
-        else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
-                         "model.norm.weight": "output_norm.weight"}[name]
-        writer.add_tensor(gguf_name, tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(tmp_path / "s.gguf", "smollm3", config, gguf_tensors(hf, LLAMA_BLOCK, permute=True))
     ckpt = open_checkpoint(str(tmp_path / "s.gguf"))
     assert resolve_architecture(ckpt.config)[1].nope_layers == {3}
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))

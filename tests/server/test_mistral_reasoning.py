@@ -8,9 +8,10 @@ import openai
 import pytest
 
 from radiance.server.reasoning_parser import MistralReasoningParser, split_reasoning
-from radiance.server.tool_parsers import MistralToolParser, ParseDelta
+from radiance.server.tool_parsers import MistralToolParser
 from tests.server.fake_engine import FakeEngine, serve_engine
 from tests.server.test_mistral_tools import MISTRAL_V11_LIKE, SPECIAL, WEATHER, history
+from tests.server.test_parsers_property import run_chain
 from tests.server.test_tool_parsers import WEATHER_TOOL, chunkings
 
 CASES = [
@@ -41,18 +42,9 @@ def test_think_tokens_at_every_chunk_boundary(text, reasoning, content):
 def test_reasoning_then_a_call_streams_like_the_whole():
     text = '[THINK]need the weather[/THINK][TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
     for chunks in chunkings(text):
-        rp, tp = MistralReasoningParser(), MistralToolParser([WEATHER_TOOL])
-        reasoning, tools = "", ParseDelta()
-        for chunk in chunks:
-            d = rp.feed(chunk)
-            reasoning += d.reasoning
-            tools += tp.feed(d.content)
-        d = rp.finish()
-        reasoning += d.reasoning
-        tools += tp.feed(d.content)
-        tools += tp.finish()
-        assert reasoning == "need the weather" and tools.content == ""
-        assert [(c.name, json.loads(c.arguments)) for c in tools.tool_calls] == [("get_weather", {"city": "Oslo"})]
+        reasoning, content, calls = run_chain(MistralReasoningParser(), MistralToolParser([WEATHER_TOOL]), chunks)
+        assert reasoning == "need the weather" and content == ""
+        assert [(name, json.loads(arguments)) for name, arguments in calls] == [("get_weather", {"city": "Oslo"})]
 
 
 # Magistral Small 2509's shape: a default system prompt that asks for [THINK]...[/THINK], then Mistral v11 turns
