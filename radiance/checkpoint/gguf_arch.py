@@ -55,6 +55,10 @@ _QWEN2MOE_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"
                     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
                     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
                     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+# gpt-oss: the norm before the MLP, the attention's sinks, the router (with a bias)
+_GPT_OSS_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
+                  "ffn_gate_inp.bias": "mlp.router.bias"}
 # Phi-3: llama.cpp keeps the checkpoint's merged projections (ffn_up holds gate | up, as gate_up_proj does)
 _PHI3_MERGED = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 
@@ -101,14 +105,23 @@ def _qwen2moe_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
             "norm_topk_prob": False}
 
 
+def _gpt_oss_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """gpt-oss: experts of expert_feed_forward_length, its window (128 unless given), and transformers' GptOssConfig
+    rope, YaRN without truncating the correction range (llama.cpp writes the type, factor and original context)."""
+    return {"intermediate_size": field_of("gpt-oss.expert_feed_forward_length", config["intermediate_size"]),
+            "num_experts_per_tok": field_of("gpt-oss.expert_used_count", None),
+            "sliding_window": field_of("gpt-oss.attention.sliding_window", 128),
+            "rope_parameters": {**config["rope_parameters"], "truncate": False}}
+
+
 def _gemma2_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
     """Gemma 2's soft caps and window from the metadata; the query scale llama.cpp computes (hidden / heads on the
     27B, its 46 layers, else head_dim), sliding and full layers alternating as in transformers."""
     big = config["num_hidden_layers"] == 46
+    scalar = config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
     return {"attn_logit_softcapping": field_of("gemma2.attn_logit_softcapping", 50.0),
             "final_logit_softcapping": field_of("gemma2.final_logit_softcapping", 30.0),
-            "sliding_window": field_of("gemma2.attention.sliding_window", 4096),
-            "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]}
+            "sliding_window": field_of("gemma2.attention.sliding_window", 4096), "query_pre_attn_scalar": scalar}
 
 
 def _granite_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
@@ -139,6 +152,8 @@ ARCHITECTURES = {
     "qwen3moe": GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", extra_config=_qwen3moe_config),
     "qwen2moe": GgufArch("Qwen2MoeForCausalLM", "qwen2_moe", block_names=_QWEN2MOE_SHARED,
                          extra_config=_qwen2moe_config),
+    "gpt-oss": GgufArch("GptOssForCausalLM", "gpt_oss", block_names=_GPT_OSS_NAMES,
+                        extra_config=_gpt_oss_config),
     "granite": GgufArch("GraniteForCausalLM", "granite", permuted_qk=True, extra_config=_granite_config),
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", norm_shift=1.0, block_names=_GEMMA_NORMS,
                        hidden_act="gelu_pytorch_tanh", extra_config=_gemma2_config),

@@ -1,7 +1,7 @@
 """GGUF files (the embedded SmolLM2 among them) read into the same in-memory form as HF checkpoints.
 
 Q4_0 / Q4_1 / Q4_K linears are read as `Int4Weight` (their codes, scales and offsets, no rounding), so a
-CPU can serve them from 4-bit codes; the `gguf` package dequantizes every other tensor (Q8_0, ...) to
+CPU can serve them from 4-bit codes; MXFP4 ones (gpt-oss's experts) as `Mxfp4Weight`, served as they are; the `gguf` package dequantizes every other tensor (Q8_0, ...) to
 float32. llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are
 permuted back to the HF layout here, so one model implementation serves both. The config is synthesized
 from the GGUF metadata as an HF config.json dict (rope scaling included, gguf_rope: {arch}.rope.scaling.*, Llama 3's
@@ -38,7 +38,7 @@ from radiance.checkpoint.hf_config import expected_shapes
 from radiance.checkpoint.names import canonical_linear, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError
-from radiance.formats import DenseWeight, Int4Weight, concat_partitions, dequantize, pack_e2m1
+from radiance.formats import DenseWeight, Int4Weight, Mxfp4Weight, concat_partitions, dequantize, pack_e2m1
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,10 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # a sparse MLP's experts stacked in one tensor per projection (llama.cpp's Mixtral, Qwen-MoE files), or, in files
 # converted before 2024-04, one tensor per expert
-_STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|bias)$")
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+# canonical names of plain tensors (norms, embeddings, biases, gpt-oss's sinks); the others name linears
+_PLAIN_LEAVES = (".weight", ".bias", ".sinks")
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
@@ -81,6 +83,16 @@ def readable_types() -> tuple[str, ...]:
             continue
         readable.append(qtype.name)
     return tuple(readable)
+
+
+def mxfp4_from_blocks(blocks: np.ndarray, rows: int, cols: int) -> Mxfp4Weight:
+    """ggml's MXFP4 blocks of a [rows, cols] tensor (17 bytes per 32 weights: the e8m0 exponent, then 16 code bytes
+    whose low nibbles hold weights 0-15 and high nibbles 16-31) -> Mxfp4Weight, the same e2m1 codes and exponents
+    in radiance's packing (a byte holds weights 2i and 2i + 1, the even one in its low nibble): no rounding."""
+    raw = torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True)).reshape(rows, cols // 32, 17)
+    codes = torch.cat((raw[..., 1:] & 0x0F, raw[..., 1:] >> 4), dim=-1)  # [rows, blocks, 32] in weight order
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return Mxfp4Weight(packed.reshape(rows, cols // 2).contiguous(), raw[..., 0].contiguous())
 
 
 def int4_from_blocks(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Int4Weight:
@@ -313,9 +325,10 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
                 continue  # read into the config's rope scaling
             stacked = _STACKED_EXPERTS.match(name)
             if stacked and self.arch in ARCHITECTURES:  # [experts, rows, cols]: one linear per expert
-                layer, proj = stacked.group(1), f"{stacked.group(2)}_proj"
+                layer, proj, leaf = stacked.group(1), f"{stacked.group(2)}_proj", stacked.group(3)
                 for expert in range(int(self.tensors[name].shape[-1])):
                     canonical, index = canonical_linear(f"model.layers.{layer}.mlp.experts.{expert}.{proj}")
+                    canonical += ".bias" if leaf == "bias" else ""
                     groups.setdefault(canonical, {})[index] = (name, expert)
                 continue
             single = _EXPERT.match(name)
@@ -343,11 +356,14 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         for canonical, parts in self._plan().items():
             infos = [self._part(parts[i]) for i in sorted(parts)]
             rows = [int(shape[-1]) if len(shape) > 1 else int(shape[0]) for _, _, _, shape in infos]
-            is_linear = not canonical.endswith((".weight", ".bias"))
+            is_linear = not canonical.endswith(_PLAIN_LEAVES)
             first = infos[0][3]
             shape = (sum(rows), int(first[0])) if len(first) > 1 else (sum(rows),)
             kinds = sorted({t.tensor_type.name for _, t, _, _ in infos})
-            fmt = ("int4" if len(kinds) == 1 and kinds[0] in _INT4_TYPES else "dense") if is_linear else "float32"
+            fmt = "float32"
+            if is_linear:
+                fmt = ("mxfp4" if kinds == ["MXFP4"] else "int4" if len(kinds) == 1 and kinds[0] in _INT4_TYPES
+                       else "dense")
             n_bytes = sum(int(data.nbytes) for _, _, data, _ in infos)
             out.append(EntryInfo(canonical, is_linear, fmt, shape, tuple(rows) if is_linear else (), n_bytes,
                                  "/".join(kinds)))
@@ -375,6 +391,8 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         """One linear's weight (a tensor, or one expert of a stacked one): Int4Weight for Q4_0 / Q4_1 / Q4_K,
         otherwise DenseWeight of the float32 values."""
         gguf_name, t, data, shape = self._part(ref)
+        if t.tensor_type.name == "MXFP4" and len(shape) == 2:  # gpt-oss's experts: served as they are
+            return mxfp4_from_blocks(data, int(shape[1]), int(shape[0]))
         if t.tensor_type.name not in _INT4_TYPES or len(shape) != 2:
             return DenseWeight(self._dequantize(ref))
         cols, rows = (int(d) for d in shape)  # GGUF lists the fastest dimension first
@@ -399,7 +417,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         plan = self._plan()
         for canonical, parts in tqdm(plan.items(), desc=f"reading {os.path.basename(self.path)}", unit="tensor",
                                      disable=not progress, leave=False):
-            if canonical.endswith((".weight", ".bias")):
+            if canonical.endswith(_PLAIN_LEAVES):
                 tensors = [self._dequantize(parts[i]) for i in sorted(parts)]
                 shift = ARCHITECTURES[self.arch].norm_shift if self.arch in ARCHITECTURES else 0.0
                 if shift and canonical.endswith("norm.weight"):  # llama.cpp stored Gemma's 1 + weight
