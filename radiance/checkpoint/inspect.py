@@ -129,10 +129,13 @@ def _gguf_quant(entries) -> str | None:
     """A GGUF's quantization by tensor type (it has no quantization_config: its quant reads "none"); None when
     every tensor is 16/32-bit."""
     kept = sorted({e.source_format for e in entries if e.format == "int4" and e.source_format})
-    widened = sorted({e.source_format for e in entries if e.format != "int4" and e.source_format})
+    mxfp4 = any(e.format == "mxfp4" for e in entries)
+    widened = sorted({e.source_format for e in entries if e.format not in ("int4", "mxfp4") and e.source_format})
     parts = []
     if kept:  # Q4_0 / Q4_1 / Q4_K linears stay 4-bit for the CPU's int4 kernel
         parts.append(f"GGUF {'/'.join(kept)} linears stay 4-bit (int4 on a CPU, dequantized elsewhere)")
+    if mxfp4:  # gpt-oss's experts
+        parts.append("GGUF MXFP4 linears are served as MXFP4")
     if widened:
         parts.append(f"GGUF {'/'.join(widened)} tensors are dequantized at load")
     return "; ".join(parts) or None

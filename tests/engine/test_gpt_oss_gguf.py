@@ -100,6 +100,8 @@ def test_a_gpt_oss_gguf_serves_its_mxfp4_experts_as_they_are(tiny_model_dir, tmp
     assert cfg.sliding_layers == {0} and cfg.rope_scaling["truncate"] is False
     formats = {e.name: e.format for e in ckpt.describe()}
     assert formats["model.layers.1.mlp.experts.7.gate_up_proj"] == "mxfp4"
+    from radiance.checkpoint.inspect import inspect_lines
+    assert any(line.startswith("quant      GGUF MXFP4 linears are served as MXFP4") for line in inspect_lines(ckpt))
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
     # both with the attention's 16-bit linears quantized too, so that only the experts' route differs
     served = load_model(ModelConfig(device="cpu", dtype="float32", quantization="mxfp4"), checkpoint=ckpt,
