@@ -61,10 +61,11 @@ def gguf_tensors(hf, block: dict, permute: bool = False, norm_shift: float = 0.0
 
 
 def write_gguf(path, arch: str, config, tensors: dict[str, np.ndarray], metadata: dict | None = None,
-               head_dim: int | None = None, rope_theta: float | None = None) -> str:
+               head_dim: int | None = None, rope_theta: float | None = None,
+               raw_types: dict[str, gguf.GGMLQuantizationType] | None = None) -> str:
     """A GGUF of `arch`: the sizes of the transformers `config` (key / value length when `head_dim` is given, the
     rope base `rope_theta` or the config's), `metadata` {key: value} (floats as float32, ints as uint32, strings,
-    lists as arrays), then `tensors`."""
+    lists as arrays), then `tensors` (float32, or the raw blocks of the type `raw_types` names)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -81,7 +82,10 @@ def write_gguf(path, arch: str, config, tensors: dict[str, np.ndarray], metadata
         {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32, bool: writer.add_bool,
          list: writer.add_array}[type(value)](key, value)
     for name, values in tensors.items():
-        writer.add_tensor(name, values.astype(np.float32))
+        if name in (raw_types or {}):
+            writer.add_tensor(name, values, raw_dtype=raw_types[name])
+        else:
+            writer.add_tensor(name, values.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

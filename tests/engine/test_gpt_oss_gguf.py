@@ -16,7 +16,7 @@ from radiance.config import ModelConfig
 from radiance.engine.loader import load_model
 from radiance.formats import Mxfp4Weight, dequantize, quantize_mxfp4
 from radiance.models.registry import resolve_architecture
-from tests.engine.gguf_files import TOP
+from tests.engine.gguf_files import TOP, write_gguf
 
 MXFP4 = gguf.GGMLQuantizationType.MXFP4
 BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -43,27 +43,20 @@ def test_ggml_blocks_read_back_as_the_same_codes():
 
 
 def write_gpt_oss_gguf(hf, path, fused: bool = False) -> str:
+    """The tiny HF gpt-oss as llama.cpp's converter writes it: the experts in MXFP4 (radiance's own quantization of
+    them, in ggml's blocks), gate and up apart or `fused`, the rest float32."""
     c = hf.config
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    for add, value in ((writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 512),
-                       (writer.add_embedding_length, c.hidden_size),
-                       (writer.add_feed_forward_length, c.intermediate_size),
-                       (writer.add_head_count, c.num_attention_heads),
-                       (writer.add_head_count_kv, c.num_key_value_heads),
-                       (writer.add_key_length, c.head_dim), (writer.add_value_length, c.head_dim),
-                       (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
-                       (writer.add_rope_freq_base, c.rope_parameters["rope_theta"]),
-                       (writer.add_sliding_window, c.sliding_window), (writer.add_expert_count, c.num_local_experts),
-                       (writer.add_expert_used_count, c.num_experts_per_tok),
-                       (writer.add_expert_feed_forward_length, c.intermediate_size)):
-        add(value)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(c.rope_parameters["factor"])
-    writer.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
+    rope = c.rope_parameters
+    metadata = {"gpt-oss.attention.sliding_window": c.sliding_window, "gpt-oss.expert_count": c.num_local_experts,
+                "gpt-oss.expert_used_count": c.num_experts_per_tok,
+                "gpt-oss.expert_feed_forward_length": c.intermediate_size, "gpt-oss.rope.scaling.type": "yarn",
+                "gpt-oss.rope.scaling.factor": float(rope["factor"]),
+                "gpt-oss.rope.scaling.original_context_length": rope["original_max_position_embeddings"]}
+    tensors = {}
     for name, tensor in hf.state_dict().items():
         values = tensor.float()
         if not name.startswith("model.layers."):
-            writer.add_tensor(TOP[name], values.numpy())
+            tensors[TOP[name]] = values.numpy()
             continue
         _, _, i, rest = name.split(".", 3)
         module, leaf = rest.rsplit(".", 1)
@@ -77,18 +70,15 @@ def write_gpt_oss_gguf(hf, path, fused: bool = False) -> str:
                 parts = {"down": values.transpose(1, 2) if leaf == "down_proj" else values}
             for proj, part in parts.items():
                 if leaf.endswith("_bias"):
-                    writer.add_tensor(f"blk.{i}.ffn_{proj}_exps.bias", part.numpy())
+                    tensors[f"blk.{i}.ffn_{proj}_exps.bias"] = part.numpy()
                 else:
-                    writer.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", ggml_blocks(part), raw_dtype=MXFP4)
+                    tensors[f"blk.{i}.ffn_{proj}_exps.weight"] = ggml_blocks(part)
         elif module == "self_attn" and leaf == "sinks":
-            writer.add_tensor(f"blk.{i}.attn_sinks.weight", values.numpy())
+            tensors[f"blk.{i}.attn_sinks.weight"] = values.numpy()
         else:
-            writer.add_tensor(f"blk.{i}.{BLOCK[module]}.{leaf}", values.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+            tensors[f"blk.{i}.{BLOCK[module]}.{leaf}"] = values.numpy()
+    raw = {name: MXFP4 for name in tensors if name.endswith("_exps.weight")}
+    return write_gguf(path, "gpt-oss", c, tensors, metadata, head_dim=c.head_dim, raw_types=raw)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["gate-and-up", "fused-gate-up"])

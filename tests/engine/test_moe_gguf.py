@@ -76,9 +76,10 @@ def test_q4_0_experts_stay_4_bit_and_match_their_dequantized_values(tmp_path):
     metadata = {"qwen3moe.expert_count": 8, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_feed_forward_length": 32}
     quantized = {name: (gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0) if "_exps" in name else values)
                  for name, values in gguf_tensors(hf, block).items()}
-    weights = dict(open_checkpoint(_write_raw(tmp_path / "q4.gguf", hf.config, quantized, metadata)).iter_weights(
-        progress=False))
     q4 = gguf.GGMLQuantizationType.Q4_0
+    path = write_gguf(tmp_path / "q4.gguf", "qwen3moe", hf.config, quantized, metadata, head_dim=32,
+                      raw_types={name: q4 for name in quantized if "_exps" in name})
+    weights = dict(open_checkpoint(path).iter_weights(progress=False))
     for layer, expert in ((0, 0), (1, 5)):
         gate_up = weights[f"model.layers.{layer}.mlp.experts.{expert}.gate_up_proj"]
         down = weights[f"model.layers.{layer}.mlp.experts.{expert}.down_proj"]
@@ -88,33 +89,6 @@ def test_q4_0_experts_stay_4_bit_and_match_their_dequantized_values(tmp_path):
         assert torch.equal(dequantize(gate_up), torch.from_numpy(want))
         want = gguf.quants.dequantize(quantized[f"blk.{layer}.ffn_down_exps.weight"][expert], q4)
         assert torch.equal(dequantize(down), torch.from_numpy(want))
-
-
-def _write_raw(path, config, tensors: dict, metadata: dict) -> str:
-    """write_gguf with the Q4_0 expert tensors written as raw blocks."""
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_key_length(32)
-    writer.add_value_length(32)
-    for key, value in metadata.items():
-        writer.add_uint32(key, value)
-    for name, values in tensors.items():
-        if "_exps" in name:
-            writer.add_tensor(name, values, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-        else:
-            writer.add_tensor(name, values.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
 
 
 def test_a_qwen2moe_gguf_with_its_shared_expert(tmp_path):
