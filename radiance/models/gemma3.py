@@ -25,8 +25,8 @@ from radiance.layers.linear import takes_fp8
 from radiance.layers.norm import RMSNorm
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.models.arch_config import ArchConfig
-from radiance.models.rope_config import sliding_rope_theta
 from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP, input_norm
+from radiance.models.rope_config import sliding_rope_theta
 
 _GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
 

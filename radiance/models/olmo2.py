@@ -13,8 +13,8 @@ from torch import nn
 from radiance.layers.norm import RMSNorm
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.models.arch_config import ArchConfig
-from radiance.models.rope_config import sliding_rope_theta
 from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP
+from radiance.models.rope_config import sliding_rope_theta
 
 
 class Olmo2Attention(LlamaAttention):
