@@ -178,3 +178,14 @@ def serve_engine(engine, **server_config):
     state.attach(engine)
     with serve_in_thread(build_app(state)) as url:
         yield url
+
+
+def calls_content_reason(response, stream: bool) -> tuple[list, str, str]:
+    """(tool calls, content, finish reason) of a chat completion from the openai client, streamed or whole."""
+    if stream:
+        chunks = list(response)
+        calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        return calls, content, [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason][0]
+    message = response.choices[0].message
+    return message.tool_calls, message.content or "", response.choices[0].finish_reason

@@ -13,7 +13,7 @@ from radiance.config import ServerConfig
 from radiance.engine.structured_output import StructuredOutput
 from radiance.server.api import build_app
 from radiance.server.state import ServerState
-from tests.server.fake_engine import FakeEngine, serve_in_thread
+from tests.server.fake_engine import FakeEngine, calls_content_reason, serve_in_thread
 from tests.server.malformed import MALFORMED, body_bytes, check_error_shape
 
 KEY = "sk-test-key"
@@ -335,14 +335,7 @@ def test_health_is_503_while_loading():
 def test_named_tool_choice_prefills_the_call(client, server, stream):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r = chat(client, '{"city": "Rome"}}</tool_call>', tools=TOOLS, tool_choice=choice, stream=stream)
-    if stream:
-        chunks = list(r)
-        calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-        content = "".join(c.choices[0].delta.content or "" for c in chunks)
-        reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason][0]
-    else:
-        calls, content, reason = r.choices[0].message.tool_calls, r.choices[0].message.content or "", \
-            r.choices[0].finish_reason
+    calls, content, reason = calls_content_reason(r, stream)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
     assert content == "" and reason == "stop"  # OpenAI's and vLLM's for a named tool_choice
     prompt = server[1].tokenizer.decode(server[1].requests[-1][1])
@@ -407,12 +400,7 @@ def test_llama3_json_tool_calls():
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         for stream in (False, True):
             r = chat(client, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', tools=TOOLS, stream=stream)
-            if stream:
-                chunks = list(r)
-                calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-                reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason][0]
-            else:
-                calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+            calls, _, reason = calls_content_reason(r, stream)
             assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
             assert reason == "tool_calls"
         r = chat(client, "It is sunny in Oslo.", tools=TOOLS)

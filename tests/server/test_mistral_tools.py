@@ -15,7 +15,7 @@ from radiance.engine.tool_grammars import MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID
 from radiance.server.chat_template import TemplateError, mistral_call_id, render_chat
 from radiance.server.reasoning_parser import ThinkReasoningParser
 from radiance.server.tool_parsers import MistralToolParser
-from tests.server.fake_engine import FakeEngine, serve_engine
+from tests.server.fake_engine import FakeEngine, calls_content_reason, serve_engine
 from tests.server.test_parsers_property import random_chunks, run_chain
 from tests.server.test_tool_parsers import WEATHER_TOOL, as_tuple, chunkings, stream_tools
 
@@ -233,14 +233,7 @@ def test_mistral_calls_through_the_server():
         for stream in (False, True):
             r = client.chat.completions.create(model="fake", messages=history("x")[:1], tools=[WEATHER],
                                                stream=stream)
-            if stream:
-                chunks = list(r)
-                calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-                content = "".join(c.choices[0].delta.content or "" for c in chunks)
-                reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason][0]
-            else:
-                calls, content, reason = (r.choices[0].message.tool_calls, r.choices[0].message.content or "",
-                                          r.choices[0].finish_reason)
+            calls, content, reason = calls_content_reason(r, stream)
             assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
                 ("get_weather", {"city": "Oslo"}), ("get_weather", {})]
             assert all(len(c.id) == 9 and c.id.isalnum() for c in calls) and content == "" and reason == "tool_calls"
