@@ -3,7 +3,7 @@ model_type, llama.cpp's tensor names, the conventions llama.cpp's converter appl
 its rotary layout; Gemma's norm weights stored as 1 + weight; Phi-3's merged qkv and gate | up kept merged; OLMo 2's
 q / k norms over all heads), and the
 config fields its metadata leaves to llama.cpp's own defaults (Gemma 3's local rope base, window pattern and query
-scale) or spells its own way (Phi-3's pretraining context and window)."""
+scale) or spells its own way (Phi-3's pretraining context and window; OLMo 3, an olmo2 file with a window)."""
 
 from __future__ import annotations
 
@@ -132,6 +132,30 @@ def _granite_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
     return {hf: float(field_of(key, 1.0)) for hf, key in keys.items()}
 
 
+def _olmo2_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """llama.cpp writes OLMo 3 as an olmo2 file with a window: its converter's sliding_window_pattern is one bool per
+    layer (true: sliding; llama.cpp's newer loader also takes a period n, n - 1 sliding layers to one full), absent
+    it every 4th layer is full. The sliding layers rotate with the plain rope of rope.freq_base_swa, or of
+    rope.freq_base, as llama.cpp's graph does; the full ones with the file's scaling (YaRN on the long-context
+    models)."""
+    window = field_of("olmo2.attention.sliding_window", None)
+    if not window:
+        return {}
+    layers = config["num_hidden_layers"]
+    pattern = field_of("olmo2.attention.sliding_window_pattern", 4)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"olmo2.attention.sliding_window_pattern lists {len(pattern)} layers of {layers}")
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        sliding = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    local_theta = float(field_of("olmo2.rope.freq_base_swa", config["rope_theta"]))
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "sliding_window": int(window),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            "rope_parameters": {"full_attention": config["rope_parameters"],
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}}
+
+
 def _phi3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
     """The window llama.cpp's converter writes from config.json's sliding_window (on every layer in transformers'
     Phi3), and the pretraining context LongRoPE scales from (rope.scaling.original_context_length)."""
@@ -159,7 +183,8 @@ ARCHITECTURES = {
                        hidden_act="gelu_pytorch_tanh", extra_config=_gemma2_config),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", norm_shift=1.0, block_names=_GEMMA_NORMS,
                        hidden_act="gelu_pytorch_tanh", extra_config=_gemma3_config),
-    "olmo2": GgufArch("Olmo2ForCausalLM", "olmo2", block_names=_OLMO2_NORMS, whole_width_qk_norm=True),
+    "olmo2": GgufArch("Olmo2ForCausalLM", "olmo2", block_names=_OLMO2_NORMS, whole_width_qk_norm=True,
+                      extra_config=_olmo2_config),
     "phi3": GgufArch("Phi3ForCausalLM", "phi3", block_names=_PHI3_MERGED, extra_config=_phi3_config),
     # SmolLM3: llama.cpp's converter is Llama's (q / k permuted); it writes no NoPE layers and llama.cpp takes
     # every 4th, SmolLM3Config's default interval

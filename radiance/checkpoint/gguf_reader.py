@@ -310,7 +310,10 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             "gguf_file_type": self._field("general.file_type"),
         }
         if known.extra_config is not None:
-            config.update(known.extra_config(self._field, config))
+            try:
+                config.update(known.extra_config(self._field, config))
+            except ValueError as exc:  # metadata the architecture's fields cannot mean
+                raise CheckpointError(f"GGUF metadata: {exc}", file=self.file.path) from None
         return config
 
     # ------------------------------------------------------------------ tensors

@@ -88,7 +88,9 @@ class GgufRope:
         params = {"rope_type": kind, "rope_theta": theta, "factor": factor,
                   "original_max_position_embeddings": self._field(f"{a}.rope.scaling.original_context_length"),
                   "beta_fast": self._field(f"{a}.rope.scaling.yarn_beta_fast"),
-                  "beta_slow": self._field(f"{a}.rope.scaling.yarn_beta_slow")}
+                  "beta_slow": self._field(f"{a}.rope.scaling.yarn_beta_slow"),
+                  # the converter's copy of config.json's attention_factor (YaRN's own default when absent)
+                  "attention_factor": self._field(f"{a}.rope.scaling.yarn_attn_factor")}
         return {key: value for key, value in params.items() if value is not None}
 
     def _longrope_parameters(self, theta: float) -> dict:

@@ -1,6 +1,7 @@
 """OLMo 2 (Olmo2ForCausalLM) as transformers computes it: norms after the attention and the MLP only, q and k normed
 over all their heads at once; served through the paged cache and, from GGUF, as llama.cpp writes it. OLMo 3
-(Olmo3ForCausalLM): the same layers, three sliding to one full, each kind with its own rope."""
+(Olmo3ForCausalLM): the same layers, three sliding to one full, each kind with its own rope; from GGUF, llama.cpp's
+olmo2 file with a window."""
 
 from __future__ import annotations
 
@@ -91,3 +92,51 @@ def test_olmo3_sliding_layers_rotate_with_their_own_base(tiny_model_dir):
     other = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
     a, b = own.forward_logits(ids), other.forward_logits(ids)
     assert ((a - b).norm() / b.norm()).item() > 1e-2
+
+
+OLMO3_BLOCK = {**LLAMA_BLOCK, "post_attention_layernorm": "post_attention_norm",
+               "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm"}
+# the tiny olmo3 model's full layers' YaRN (tests/engine/conftest.py) as llama.cpp's converter writes it
+OLMO3_YARN = {"olmo2.rope.scaling.type": "yarn", "olmo2.rope.scaling.factor": 8.0,
+              "olmo2.rope.scaling.original_context_length": 64, "olmo2.rope.scaling.yarn_beta_fast": 32.0,
+              "olmo2.rope.scaling.yarn_beta_slow": 1.0}
+
+
+def _olmo3_gguf(path, hf, **metadata) -> str:
+    return write_gguf(path, "olmo2", hf.config, gguf_tensors(hf, OLMO3_BLOCK), rope_theta=150000.0,
+                      metadata={"olmo2.attention.sliding_window": 24, **OLMO3_YARN, **metadata})
+
+
+@pytest.mark.parametrize("pattern", [[True, False], 2])  # one bool per layer (the converter's), or a period
+def test_an_olmo3_gguf_as_llama_cpp_writes_it(tiny_model_dir, tmp_path, pattern):
+    """llama.cpp's OLMo 3 file is an olmo2 file with a window: the pattern says which layers slide, the sliding ones
+    rotate with rope.freq_base_swa's plain rope, the full ones with the file's YaRN: transformers' logits."""
+    _, hf = tiny_model_dir("olmo3")
+    ckpt = open_checkpoint(_olmo3_gguf(tmp_path / "o.gguf", hf, **{
+        "olmo2.attention.sliding_window_pattern": pattern, "olmo2.rope.freq_base_swa": 10000.0}))
+    assert ckpt.architecture == "Olmo3ForCausalLM"
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(7))  # past the 24-token window
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ours = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model
+    assert ((ours.forward_logits(ids) - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_an_olmo3_gguf_without_pattern_or_local_base_takes_llama_cpps_defaults(tiny_model_dir, tmp_path):
+    """No pattern: three sliding layers to one full (both of the tiny model's two layers slide); no freq_base_swa:
+    the sliding layers rotate with rope.freq_base, unscaled. The converter's yarn_attn_factor (config.json's
+    attention_factor) is YaRN's attention factor."""
+    _, hf = tiny_model_dir("olmo3")
+    ckpt = open_checkpoint(_olmo3_gguf(tmp_path / "o.gguf", hf, **{"olmo2.rope.scaling.yarn_attn_factor": 1.5}))
+    cfg = resolve_architecture(ckpt.config)[1]
+    assert cfg.sliding_window == 24 and cfg.sliding_layers == {0, 1}
+    assert cfg.sliding_rope_theta == 150000.0 and cfg.rope_theta == 150000.0
+    assert cfg.rope_scaling["factor"] == 8.0 and cfg.rope_scaling["attention_factor"] == 1.5
+
+
+def test_an_olmo3_gguf_whose_pattern_misses_layers_names_the_file(tiny_model_dir, tmp_path):
+    _, hf = tiny_model_dir("olmo3")
+    path = _olmo3_gguf(tmp_path / "o.gguf", hf, **{"olmo2.attention.sliding_window_pattern": [True, False, True]})
+    with pytest.raises(CheckpointError, match=r"sliding_window_pattern lists 3 layers of 2.*o\.gguf"):
+        open_checkpoint(path)
