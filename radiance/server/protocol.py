@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from radiance.engine.structured_output import StructuredOutput
 
@@ -157,10 +157,10 @@ class _SamplingFields(_Model):
 
     model: str | None = None
     n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, lt=2**63)  # the sampler holds it in an int64 tensor
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # the range torch generators accept
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -171,9 +171,10 @@ class _SamplingFields(_Model):
     min_tokens: int = Field(0, ge=0)  # vLLM's extension: EOS and stop tokens / strings wait for this many tokens
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's extension; 1 = off
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    # vLLM's extension; 1 = off. NaN / inf: "a finite number" naming the field (NaN failed "<= 2" before)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
     # the output held to a constraint: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
@@ -239,6 +240,24 @@ class _SamplingFields(_Model):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+# what the server itself hands the chat template: chat_template_kwargs may not set these (a key of the request
+# has its own field; a second value reached render_chat as a TypeError, a 500)
+_RESERVED_TEMPLATE_KWARGS = {"messages": "messages", "tools": "tools",
+                             "add_generation_prompt": "add_generation_prompt", "template": None}
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs without the variables the server sets itself."""
+    for key in sorted(set(kwargs or ()) & set(_RESERVED_TEMPLATE_KWARGS)):
+        field = _RESERVED_TEMPLATE_KWARGS[key]
+        raise ValueError(f"chat_template_kwargs may not set {key!r}"
+                         + (f": use the request's {field!r} field" if field else ": the server passes the template"))
+    return kwargs
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(check_template_kwargs)]
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -249,7 +268,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     # OpenAI's reasoning effort: "none" / "minimal" turn a thinking template's thinking off (enable_thinking,
     # as Qwen3's templates read it); every value also reaches the template as `reasoning_effort`
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
@@ -318,7 +337,7 @@ class TokenizeRequest(_Model):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     tools: list[Tool] | None = None
 
     @model_validator(mode="after")

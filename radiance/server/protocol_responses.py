@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from radiance.server.protocol import ChatCompletionRequest, _Model, _SamplingFields
+from radiance.server.protocol import ChatCompletionRequest, TemplateKwargs, _Model, _SamplingFields
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -79,8 +79,8 @@ class ResponsesRequest(_Model):
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_logprobs: int | None = Field(None, ge=0, le=20)
     include: list[str] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -93,12 +93,12 @@ class ResponsesRequest(_Model):
     user: str | None = None
     reasoning: ReasoningConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # as on chat (e.g. enable_thinking for Qwen3)
+    chat_template_kwargs: TemplateKwargs = None  # as on chat (e.g. enable_thinking for Qwen3)
     background: bool = False
     # sampling fields the chat route takes beyond OpenAI's (vLLM accepts them on /v1/responses too), declared
     # as protocol._SamplingFields declares them
     top_k: int | None = Field(None, ge=-1, lt=2**63)  # the sampler holds it in an int64 tensor
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -106,9 +106,9 @@ class ResponsesRequest(_Model):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = Field(0, ge=0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
 
     @field_validator("background")

@@ -313,10 +313,12 @@ def completion_logprobs(tokenizer: Any, entries: list, offset: int) -> dict:
 
 
 async def guarded_sse(events: AsyncIterator[str], outputs: AsyncIterator, what: str,
-                      error_event: Callable[[OpenAIError], str] = sse_error, done: bool = True) -> AsyncIterator[str]:
+                      error_event: Callable[[OpenAIError], str] = sse_error, done: bool = True,
+                      cancelled_event: Callable[[OpenAIError], str] | None = None) -> AsyncIterator[str]:
     """A stream's events, then `data: [DONE]` (when `done`; the Responses API sends none). The headers are
-    already out, so a failure mid-way is reported in-band as `error_event` (no traceback to the client);
-    the engine outputs are closed whatever happens, which aborts their requests when the client went away."""
+    already out, so a failure mid-way is reported in-band as `error_event` (no traceback to the client), a
+    cancellation as `cancelled_event` (default: `error_event`); the engine outputs are closed whatever happens,
+    which aborts their requests when the client went away."""
     try:
         async for event in events:
             yield event
@@ -326,7 +328,7 @@ async def guarded_sse(events: AsyncIterator[str], outputs: AsyncIterator, what: 
         # the server shuts down (uvicorn cancels what still runs after its graceful timeout) or the client left
         # (then the events below go nowhere): the stream ends as a stream, not cut mid-way. Nothing here awaits
         # (that would meet the cancellation again): the events go out as the response sends them
-        yield error_event(OpenAIError(503, "the server is shutting down"))
+        yield (cancelled_event or error_event)(OpenAIError(503, "the server is shutting down"))
     except Exception as exc:  # noqa: BLE001 - reported in-band and logged
         logger.exception("%s failed", what)
         yield error_event(internal_error(exc))

@@ -3,7 +3,8 @@
 in the order they start, streamed as typed events (`response.created` ... `response.completed`).
 
 Streaming and non-streaming build the same items with the same `OutputItems`, so both agree. A stream that
-fails after it started ends with `response.failed` (the response, its `error` set). Stored responses (in
+fails after it started ends with `response.failed` (the response, its `error` set); one its client left is
+stored `cancelled`. Stored responses (in
 memory, `ServerConfig.responses_store`) serve previous_response_id, GET / DELETE and GET .../input_items.
 """
 
@@ -303,6 +304,16 @@ class ResponseRun:
         context = self.previous.input_items + self.previous.body["output"] if self.previous is not None else []
         return context + listed_input_items(self.req.input, item_id)
 
+    def cancel(self, exc: OpenAIError) -> list[dict]:
+        """The events that end a stream cut short (the client left, or the server shuts down): stored as
+        `cancelled` (what a later GET can see: only a client that left leaves a server to ask), told in-band as a
+        failure with `exc` (what a client still listening to a server going down reads)."""
+        events = self.items.finish(complete=False)
+        body = self.body("cancelled")
+        self.store(body)
+        return events + [{"type": "response.failed", "response": {**body, "status": "failed",
+                                                                  "error": _response_error(exc)}}]
+
     def fail(self, exc: OpenAIError) -> list[dict]:
         """The events that end a stream failing after it started: the item still open closes incomplete, then
         `response.failed` carries the response with its error (as stored: a GET reads it back as failed)."""
@@ -342,6 +353,9 @@ def _stream(run: ResponseRun, outputs: AsyncIterator) -> AsyncIterator[str]:
     def failed_events(exc: OpenAIError) -> str:  # a stream that started ends as a response: response.failed
         return "".join(event(body) for body in run.fail(exc))
 
+    def cancelled_events(exc: OpenAIError) -> str:
+        return "".join(event(body) for body in run.cancel(exc))
+
     async def events() -> AsyncIterator[str]:
         created = run.body("in_progress")
         run.store(created)  # GET /v1/responses/{id} answers it, in_progress, while the stream runs
@@ -355,11 +369,11 @@ def _stream(run: ResponseRun, outputs: AsyncIterator) -> AsyncIterator[str]:
             run.store(final)
             yield event({"type": f"response.{final['status']}", "response": final})
         finally:
-            if not run.finalized:  # closed before its end with no failure reported (run.fail would replace this)
-                run.store(run.body("failed", error={"code": "server_error",
-                                                    "message": "the stream ended before the response completed"}))
+            if not run.finalized:  # closed before its end (the client left) with nothing reported yet
+                run.store(run.body("cancelled"))
 
-    return guarded_sse(events(), outputs, f"responses stream {run.id}", error_event=failed_events, done=False)
+    return guarded_sse(events(), outputs, f"responses stream {run.id}", error_event=failed_events, done=False,
+                       cancelled_event=cancelled_events)
 
 
 def stored_response(state: ServerState, response_id: str) -> dict:

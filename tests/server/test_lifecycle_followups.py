@@ -199,6 +199,22 @@ def test_a_stream_whose_client_left_is_no_server_error():
     assert error_count(metrics, "499") == 1.0
 
 
+def test_a_responses_stream_whose_client_left_is_stored_cancelled():
+    """A Responses stream cut by its client was stored failed with "the server is shutting down" (the in-band event
+    nobody reads); a later GET finds it cancelled, no error set."""
+    engine = FakeEngine()
+    with serve_engine(engine) as url:
+        with httpx.stream("POST", url + "/v1/responses", json={"input": "SAY:SLOW" + "z" * 100, "stream": True},
+                          timeout=30) as r:
+            created = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+        wait_for(lambda: engine.aborted, what="the request was not aborted")
+        response_id = created["response"]["id"]
+        wait_for(lambda: httpx.get(f"{url}/v1/responses/{response_id}").json()["status"] != "in_progress",
+                 what="the response stayed in_progress")
+        stored = httpx.get(f"{url}/v1/responses/{response_id}").json()
+    assert stored["status"] == "cancelled" and stored["error"] is None, stored
+
+
 # ------------------------------------------------------------------ engine shutdown
 
 def test_engine_shutdown_ends_waiting_calls_and_joins_its_threads():
