@@ -27,6 +27,7 @@ from radiance.server.errors import OpenAIError, internal_error, invalid, sse_err
 from radiance.server.metrics import ABORT, ERROR, RequestTimer, ServerMetrics, current_request
 from radiance.server.protocol import new_id, usage
 from radiance.server.state import ServerState
+from radiance.server.token_bytes import token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -285,14 +286,16 @@ def tokens_sent(tokens: list[str], before: int, sent: int) -> int:
 
 
 def chat_logprobs(tokenizer: Any, entries: list) -> dict:
+    """The chat `logprobs` object: each token's text (U+FFFD for part of a character, as it decodes alone) and its
+    own raw bytes, which join back into the characters a token splits."""
     texts = token_texts(tokenizer, entries)
+    raw = token_bytes(tokenizer, list(texts), texts)
     content = []
     for entry in entries:
-        text = texts[entry.token_id]
         content.append({
-            "token": text, "logprob": safe_logprob(entry.logprob), "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": (t := texts[tid]), "logprob": safe_logprob(lp),
-                              "bytes": list(t.encode("utf-8"))} for tid, lp in entry.top],
+            "token": texts[entry.token_id], "logprob": safe_logprob(entry.logprob), "bytes": raw[entry.token_id],
+            "top_logprobs": [{"token": texts[tid], "logprob": safe_logprob(lp), "bytes": raw[tid]}
+                             for tid, lp in entry.top],
         })
     return {"content": content}
 
