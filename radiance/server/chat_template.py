@@ -178,6 +178,8 @@ def render_chat(template: str, messages: list[dict], tools: list[dict] | None = 
     enable_thinking, ...)."""
     compiled = _compile(template)
     messages = [_template_message(m) for m in messages]
+    if "developer" not in template:  # OpenAI's developer role: the system prompt, to a template with no such role
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     # Only harmony (gpt-oss) templates get these: other templates print the tools as JSON (an invented
     # description would change the prompt), loop over all calls of a message, and read reasoning_content;
     # only Mistral's check call ids

@@ -181,11 +181,15 @@ def forced_tool_call_prefix(state: ServerState, req: ChatCompletionRequest) -> s
     name when one is named), so the model can only continue a call, held to the tools' schemas too
     (forced_tool_call_constraint). After a thinking block the prompt opened, or one the model may open first
     (thinking_before_answer), the model writes this opening itself, once its reasoning has ended (prepare_chat)."""
+    if state.tool_parser_name is None:
+        # the calls would come out as text, and a template without tool markup never shows the model its tools:
+        # a 400, as vLLM answers tool choice auto without a parser (tools were ignored silently before)
+        forced = req.tool_choice not in (None, "auto")
+        raise invalid(f"tool_choice {'required/named' if forced else 'auto'} needs a tool-call parser; this model's "
+                      "chat template has no tool markup radiance knows (start the server with --tool-call-parser, "
+                      "or send tool_choice \"none\")", param="tool_choice" if forced else "tools")
     if req.tool_choice in (None, "auto", "none"):
         return ""
-    if state.tool_parser_name is None:
-        raise invalid("tool_choice required/named needs a tool-call parser; this model's chat template has no "
-                      "tool markup (start the server with --tool-call-parser)", param="tool_choice")
     markup = state.tool_call_markup
     if markup is None:
         raise invalid(f"tool_choice required/named cannot be held in this chat template's {state.tool_parser_name} "

@@ -217,3 +217,21 @@ def test_harmony_parser_reads_an_empty_body_as_no_arguments():
     parser = HarmonyToolParser(TOOLS + [{"type": "function", "function": {"name": "now", "parameters": {}}}])
     [call] = parser.function_message(FunctionMessage("now", "")).tool_calls
     assert (call.name, call.arguments, call.complete) == ("now", "{}", True)
+
+
+@pytest.mark.parametrize("tool_choice, param", [(None, "tools"), ("auto", "tools"), ("required", "tool_choice")])
+def test_tools_without_a_tool_call_parser_are_a_400_not_ignored(tool_choice, param):
+    """With no parser the tools were dropped silently (a template without tool markup never shows them) and any
+    call came out as text: a 400 naming the way out, as vLLM answers; tool_choice "none" still serves."""
+    engine = FakeEngine()
+    body = {"messages": [{"role": "user", "content": "SAY:hi"}], "tools": [WEATHER], "max_tokens": 4}
+    with serve_engine(engine, tool_call_parser="none") as url:
+        chosen = {} if tool_choice is None else {"tool_choice": tool_choice}
+        r = httpx.post(url + "/v1/chat/completions", json={**body, **chosen}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "--tool-call-parser" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/responses", json={"input": "SAY:hi", "tools": [
+            {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]}, timeout=30)
+        assert r.status_code == 400, r.text
+        r = httpx.post(url + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"

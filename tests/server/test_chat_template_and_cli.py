@@ -45,6 +45,15 @@ def test_chatml_render():
     assert not render_chat(CHATML, [{"role": "user", "content": "Hi"}], add_generation_prompt=False).endswith("assistant\n")
 
 
+def test_the_developer_role_is_the_system_prompt_unless_the_template_knows_it():
+    """OpenAI's developer role: rendered as system by a template without one (SmolLM2's wrote a developer turn and
+    added its default system prompt above it); a template that has the role (gpt-oss's) gets it as sent."""
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render_chat(CHATML, messages) == render_chat(CHATML, [dict(messages[0], role="system"), messages[1]])
+    knows = "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }};{% endfor %}"
+    assert render_chat(knows, messages) == "D:Be brief.;Hi;"
+
+
 def test_tools_and_tool_call_arguments_reach_the_template_as_data():
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "Weather in Zürich?"},
