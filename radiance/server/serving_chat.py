@@ -26,7 +26,7 @@ from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASO
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
                                             encode_prompt, engine_request_id, guarded_sse, merged_outputs,
                                             resolve_max_tokens, response_id, sampling_params, sse, StreamUsage,
-                                            token_chars, tokens_sent)
+                                            token_chars, tokens_sent, tokens_started)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, ParseDelta
 
@@ -128,7 +128,7 @@ class ChoiceStream:
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
             entries = chat_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:])["content"]
             tokens = [e["token"] for e in entries]
-            ready = len(entries) if out.finished else tokens_sent(tokens, self.logprob_chars, self.sent_chars)
+            ready = (tokens_started if out.finished else tokens_sent)(tokens, self.logprob_chars, self.sent_chars)
             if ready:
                 logprobs = {"content": entries[:ready]}
                 self.sent_logprobs += ready

@@ -285,6 +285,19 @@ def tokens_sent(tokens: list[str], before: int, sent: int) -> int:
     return count
 
 
+def tokens_started(tokens: list[str], before: int, total: int) -> int:
+    """How many of `tokens` (their texts, starting `before` characters into the output) start within its first
+    `total` characters: at the end of a request, the tokens whose logprobs it reports. The tokens of a stop string
+    the text was cut at (and the EOS token's) lie past the text's end; a token the cut splits still counts."""
+    count = 0
+    for token in tokens:
+        if before >= total:
+            break
+        before += token_chars(token)
+        count += 1
+    return count
+
+
 def chat_logprobs(tokenizer: Any, entries: list) -> dict:
     """The chat `logprobs` object: each token's text (U+FFFD for part of a character, as it decodes alone) and its
     own raw bytes, which join back into the characters a token splits."""

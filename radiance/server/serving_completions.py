@@ -17,7 +17,7 @@ from radiance.server.protocol import CompletionRequest, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             completion_logprobs, encode_prompt, engine_request_id, merged_outputs,
                                             resolve_max_tokens, guarded_sse, response_id, sampling_params, sse,
-                                            StreamUsage, token_chars, tokens_sent)
+                                            StreamUsage, token_chars, tokens_sent, tokens_started)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -72,8 +72,8 @@ class CompletionChoice:
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
             part = completion_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:],
                                        len(self.prefix) + self.logprob_chars)
-            ready = len(part["tokens"]) if out.finished else tokens_sent(part["tokens"], self.logprob_chars,
-                                                                           self.sent_chars)
+            ready = (tokens_started if out.finished else tokens_sent)(part["tokens"], self.logprob_chars,
+                                                                      self.sent_chars)
             if ready:
                 parts.append({key: values[:ready] for key, values in part.items()})
                 self.sent_logprobs += ready

@@ -515,27 +515,39 @@ def test_completion_logprobs_follow_their_tokens_when_stop_strings_hold_text_bac
         r = client.completions.create(**args)
         assert r.choices[0].text == "1, 2, 3"
         lp = r.choices[0].logprobs
-        assert "".join(lp.tokens).startswith("1, 2, 3") and lp.text_offset == list(range(len(lp.tokens)))
+        # the stop string's tokens are not the text's: their logprobs are left out (text_offset never passes the end)
+        assert "".join(lp.tokens) == "1, 2, 3" and lp.text_offset == list(range(len(lp.tokens)))
         return
     chunks = [c.choices[0] for c in client.completions.create(**args, stream=True)]
     assert "".join(c.text for c in chunks) == "1, 2, 3"
     offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
     assert offsets == list(range(len(offsets)))
-    for c in chunks[:-1]:  # the last chunk also carries the stop string's tokens, whose text never goes out
+    for c in chunks:
         assert "".join(c.logprobs.tokens if c.logprobs else []) == c.text, c
 
 
 def test_chat_stream_logprobs_go_out_with_their_text(client):
     """Chat streaming: a token's logprob goes out in the chunk that carries its text, also while a possible
-    stop string holds text back."""
+    stop string holds text back; the stop string's own tokens get none (they were sent with the last chunk)."""
     stream = chat(client, "1, 2, 3, 4", stream=True, logprobs=True, stop=[", 4"])
     chunks = [c.choices[0] for c in stream if c.choices]
     assert "".join(c.delta.content or "" for c in chunks) == "1, 2, 3"
-    with_logprobs = [i for i, c in enumerate(chunks) if c.logprobs and c.logprobs.content]
-    for i, c in enumerate(chunks):  # the last chunk with logprobs also carries the stop string's tokens
-        if i != with_logprobs[-1]:
-            assert "".join(e.token for e in (c.logprobs.content if c.logprobs else [])) == (c.delta.content or ""), c
-    assert "".join(e.token for i in with_logprobs for e in chunks[i].logprobs.content) == "1, 2, 3, 4"
+    for c in chunks:
+        assert "".join(e.token for e in (c.logprobs.content if c.logprobs else [])) == (c.delta.content or ""), c
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_the_stop_string_cuts_keeps_its_logprob(client, stream):
+    """The logprobs follow the text: a token the cut splits contributed text, so it keeps its logprob; the tokens
+    after it do not."""
+    r = chat(client, "I'm glad you came", stream=stream, logprobs=True, stop=["d you"])
+    if stream:
+        chunks = [c.choices[0] for c in r if c.choices]
+        content = "".join(c.delta.content or "" for c in chunks)
+        tokens = "".join(e.token for c in chunks if c.logprobs for e in c.logprobs.content)
+    else:
+        content, tokens = r.choices[0].message.content, "".join(e.token for e in r.choices[0].logprobs.content)
+    assert content == "I'm gla" and tokens.startswith(content) and len(tokens) <= len("I'm glad")
 
 
 def test_tokens_sent_counts_the_text_that_went_out():
