@@ -7,6 +7,7 @@ ignored, as OpenAI clients send some we do not use. Responses are plain dicts in
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -15,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from radiance.engine.structured_output import StructuredOutput
 
+logger = logging.getLogger(__name__)
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
 
@@ -152,8 +154,23 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
+def log_ignored_fields(cls: type[BaseModel], data: Any) -> Any:
+    """A request's top-level fields radiance does not know are ignored (as vLLM does; OpenAI would refuse them):
+    logged, so that an extension a client relies on (vLLM's echo, prompt_logprobs, ...) is not silently lost."""
+    if isinstance(data, dict):
+        ignored = sorted(str(key) for key in data if key not in cls.model_fields)
+        if ignored:
+            logger.warning("%s: ignored request fields %s (not supported)", cls.__name__, ", ".join(ignored))
+    return data
+
+
 class _SamplingFields(_Model):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any) -> Any:
+        return log_ignored_fields(cls, data)
 
     model: str | None = None
     n: int = Field(1, ge=1)

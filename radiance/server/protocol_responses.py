@@ -13,7 +13,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from radiance.server.protocol import ChatCompletionRequest, TemplateKwargs, _Model, _SamplingFields
+from radiance.server.protocol import (ChatCompletionRequest, TemplateKwargs, _Model, _SamplingFields,
+                                      log_ignored_fields)
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -110,6 +111,12 @@ class ResponsesRequest(_Model):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any) -> Any:
+        return log_ignored_fields(cls, data)
 
     @field_validator("background")
     @classmethod

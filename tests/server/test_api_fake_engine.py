@@ -602,3 +602,15 @@ def test_an_image_part_is_refused_by_name(server):
     check_error_shape(r, 400, "messages[0]")
     message = r.json()["error"]["message"]
     assert "'image_url' are not supported" in message and "valid string" not in message, message
+
+
+def test_unknown_request_fields_are_ignored_and_logged(server, caplog):
+    """vLLM's extensions radiance lacks (chat `echo`, `prompt_logprobs`) were ignored without a word: still
+    served (as vLLM serves unknown fields), now with one warning naming them."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": "SAY:ok"}], "echo": True, "prompt_logprobs": 1}
+    with caplog.at_level("WARNING", logger="radiance.server.protocol"):
+        r = http(server, "POST", "/v1/chat/completions", body)
+        known = http(server, "POST", "/v1/completions", {"model": "fake", "prompt": "SAY:ok"})
+    assert r.status_code == 200 and known.status_code == 200
+    warned = [rec.getMessage() for rec in caplog.records if "ignored request fields" in rec.getMessage()]
+    assert warned == ["ChatCompletionRequest: ignored request fields echo, prompt_logprobs (not supported)"]
