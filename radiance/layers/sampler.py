@@ -235,6 +235,13 @@ def token_logprobs(logits: torch.Tensor, ids: list[int], k: int) -> list[tuple[f
     return [(c, list(zip(t, v))) for c, t, v in zip(chosen, top_ids.tolist(), top_vals.tolist())]
 
 
+def token_ranks(logits: torch.Tensor, ids: list[int]) -> list[int]:
+    """Per row of logits [R, V]: 1 + how many tokens are more likely than ids[row] (vLLM's rank)."""
+    logits = logits.float()
+    chosen = logits.gather(1, torch.tensor(ids, device=logits.device)[:, None])
+    return ((logits > chosen).sum(-1) + 1).tolist()
+
+
 def read_samples(logits: torch.Tensor, ids: list[int], rows: list[SamplingRow]) -> SamplerOutput:
     """The sampler output for ids already read back, with the logprobs asked for."""
     logprobs: list = [None] * len(rows)

@@ -193,6 +193,8 @@ class _SamplingFields(_Model):
     # vLLM's extension; 1 = off. NaN / inf: "a finite number" naming the field (NaN failed "<= 2" before)
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # vLLM's extension: each prompt token's logprob, rank and this many alternatives (not while streaming)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None
     # the output held to a constraint: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
     # older guided_* fields (at most one of them)
@@ -216,6 +218,8 @@ class _SamplingFields(_Model):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
         for token, bias in (self.logit_bias or {}).items():
             if not token.strip().isdecimal():  # isdigit() takes "²", which int() refuses
                 raise ValueError(f"logit_bias keys are token ids, got {token!r}")

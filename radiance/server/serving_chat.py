@@ -26,7 +26,7 @@ from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASO
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
                                             encode_prompt, engine_request_id, guarded_sse, merged_outputs,
                                             resolve_max_tokens, response_id, sampling_params, sse, StreamUsage,
-                                            token_chars, tokens_sent, tokens_started)
+                                            prompt_logprobs_json, token_chars, tokens_sent, tokens_started)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, ParseDelta
 
@@ -390,7 +390,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             logprobs[index] = (logprobs[index] or []) + lp["content"]
 
     await collect_until_disconnect(request, outputs, on_output)
-    return JSONResponse(_response(request_id, model, choices, deltas, logprobs, len(chat.prompt_ids)))
+    body = _response(request_id, model, choices, deltas, logprobs, len(chat.prompt_ids))
+    if req.prompt_logprobs is not None:  # vLLM's top-level field: the prompt's, which every choice shares
+        body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, choices[0].output.prompt_logprobs)
+    return JSONResponse(body)
 
 
 def _merge_delta(total: dict, delta: dict) -> None:

@@ -143,12 +143,40 @@ def sampling_params(req: Any, max_tokens: int, choice: int, constraint: Structur
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, logprobs=req.num_logprobs(),
         skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
-        prompt_logprobs=req.num_logprobs() if getattr(req, "echo", False) else None,
+        prompt_logprobs=scored_prompt_logprobs(req),
         logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
         structured_output=constraint,
     )
+
+
+def scored_prompt_logprobs(req: Any) -> int | None:
+    """The alternatives the engine scores per prompt token: the request's prompt_logprobs, and as many as its
+    logprobs for a completion's echo (each use keeps its own count)."""
+    wanted = [n for n in (req.prompt_logprobs, req.num_logprobs() if getattr(req, "echo", False) else None)
+              if n is not None]
+    return max(wanted) if wanted else None
+
+
+def prompt_logprobs_json(tokenizer: Any, entries: list | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (null for the first, which nothing scores) {token id: {logprob,
+    rank, decoded_token}} for the token itself and its alternatives, most likely first."""
+    if entries is None:
+        return None
+    scored = [e for e in entries if e is not None]
+    texts = token_texts(tokenizer, scored)
+    out: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {str(entry.token_id): {"logprob": safe_logprob(entry.logprob), "rank": entry.rank,
+                                        "decoded_token": texts[entry.token_id]}}
+        for rank, (tid, lp) in enumerate(entry.top, 1):
+            ranked.setdefault(str(tid), {"logprob": safe_logprob(lp), "rank": rank, "decoded_token": texts[tid]})
+        out.append(ranked)
+    return out
 
 
 async def _maybe_await(value: Any) -> None:

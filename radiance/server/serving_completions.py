@@ -16,6 +16,7 @@ from radiance.server.errors import invalid
 from radiance.server.protocol import CompletionRequest, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             completion_logprobs, encode_prompt, engine_request_id, merged_outputs,
+                                            prompt_logprobs_json,
                                             resolve_max_tokens, guarded_sse, response_id, sampling_params, sse,
                                             StreamUsage, token_chars, tokens_sent, tokens_started)
 from radiance.server.state import ServerState
@@ -47,8 +48,10 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
 
 
 class CompletionChoice:
-    def __init__(self, state: ServerState, index: int, prompt_text: str, echo: bool, prompt_tokens: int = 0):
+    def __init__(self, state: ServerState, index: int, prompt_text: str, echo: bool, prompt_tokens: int = 0,
+                 logprobs: int | None = None):
         self.index = index
+        self.logprobs = logprobs  # the request's: an echoed prompt's alternatives too
         self.prompt_tokens = prompt_tokens
         self.tokenizer = state.tokenizer
         self.prefix = prompt_text if echo else ""
@@ -65,8 +68,10 @@ class CompletionChoice:
         if not self.echoed:  # the prompt goes out once, with the first output (which may be empty)
             text = self.prefix + text
             self.echoed = True
-            if self.prefix and out.prompt_logprobs is not None:  # echo with logprobs: the prompt's come first
-                prompt = [TokenLogprob(out.prompt_token_ids[0], None)] + out.prompt_logprobs[1:]
+            if self.prefix and self.logprobs is not None and out.prompt_logprobs is not None:
+                # echo with logprobs: the prompt's come first (scored with prompt_logprobs' alternatives if more)
+                prompt = [TokenLogprob(out.prompt_token_ids[0], None)] + [
+                    TokenLogprob(e.token_id, e.logprob, e.top[:self.logprobs]) for e in out.prompt_logprobs[1:]]
                 parts.append(completion_logprobs(self.tokenizer, prompt, 0))
         self.sent_chars = len(out.text)
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
@@ -98,7 +103,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             index = p * req.n + i
             jobs.append(EngineJob(engine_request_id(request_id, index), ids,
                                   sampling_params(req, max_tokens, i, req.structured_output())))
-            choices.append(CompletionChoice(state, index, text, req.echo, len(ids)))
+            choices.append(CompletionChoice(state, index, text, req.echo, len(ids), req.logprobs))
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     outputs = merged_outputs(engine, jobs, state.metrics)
     if req.stream:
@@ -121,6 +126,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     await collect_until_disconnect(request, outputs, on_output)
     body_choices = [{"index": c.index, "text": texts[c.index], "logprobs": logprobs[c.index],
                      "finish_reason": c.output.finish_reason} for c in choices]
+    if req.prompt_logprobs is not None:  # vLLM's field of each choice
+        for body, c in zip(body_choices, choices):
+            body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, c.output.prompt_logprobs)
     completion_tokens = sum(len(c.output.token_ids) for c in choices)
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now(), "model": model,
                          "choices": body_choices, "usage": usage(prompt_tokens, completion_tokens)})

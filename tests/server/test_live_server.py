@@ -110,6 +110,34 @@ def test_echo_logprobs_score_the_prompt(client, server):
     assert info["eos_token"] == "<|im_end|>" and "<|im_start|>" in info["chat_template"]
 
 
+def test_prompt_logprobs_score_and_rank_every_prompt_token(server):
+    """vLLM's prompt_logprobs: per prompt token (none for the first) its logprob, its rank and the alternatives,
+    the numbers echo's logprobs give; chat has them at the top level; a stream is refused, as in vLLM."""
+    def post(path, body):
+        return httpx.post(server[0] + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+    ids = post("/tokenize", {"prompt": "The capital of France is"}).json()["tokens"]
+    r = post("/v1/completions", {"model": "smol", "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                 "prompt_logprobs": 2, "echo": True, "logprobs": 1}).json()
+    choice = r["choices"][0]
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    for position, (token, entry) in enumerate(zip(ids[1:], scored[1:]), 1):
+        own = entry[str(token)]
+        ranked = sorted(entry.values(), key=lambda v: v["rank"])  # the token itself and the two most likely
+        assert [v["rank"] for v in ranked][:2] == [1, 2] and len(entry) == (2 if own["rank"] <= 2 else 3)
+        assert ranked[0]["logprob"] >= ranked[1]["logprob"] and ranked[0]["logprob"] >= own["logprob"]
+        assert own["logprob"] == choice["logprobs"]["token_logprobs"][position]  # echo's, one alternative
+        assert len(choice["logprobs"]["top_logprobs"][position]) == 1
+    chat = post("/v1/chat/completions", {"model": "smol", "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 0})
+    prompt_len = chat.json()["usage"]["prompt_tokens"]
+    assert len(chat.json()["prompt_logprobs"]) == prompt_len and chat.json()["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat.json()["prompt_logprobs"][1:])
+    streamed = post("/v1/chat/completions", {"model": "smol", "messages": QUESTION, "max_tokens": 1,
+                                             "prompt_logprobs": 1, "stream": True})
+    check_error_shape(streamed, 400, "prompt_logprobs")
+
+
 def test_n_and_seed_reproducible(client):
     kw = dict(model="smol", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6,
               temperature=1.0, n=2, seed=1234)
