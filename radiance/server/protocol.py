@@ -156,7 +156,8 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 
 def log_ignored_fields(cls: type[BaseModel], data: Any) -> Any:
     """A request's top-level fields radiance does not know are ignored (as vLLM does; OpenAI would refuse them):
-    logged, so that an extension a client relies on (vLLM's echo, prompt_logprobs, ...) is not silently lost."""
+    logged, so that an extension a client relies on (vLLM's chat echo, return_tokens_as_token_ids, ...) is not
+    silently lost."""
     if isinstance(data, dict):
         ignored = sorted(str(key) for key in data if key not in cls.model_fields)
         if ignored:

@@ -112,7 +112,6 @@ class ResponsesRequest(_Model):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
 
-
     @model_validator(mode="before")
     @classmethod
     def _log_ignored_fields(cls, data: Any) -> Any:

@@ -392,7 +392,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     await collect_until_disconnect(request, outputs, on_output)
     body = _response(request_id, model, choices, deltas, logprobs, len(chat.prompt_ids))
     if req.prompt_logprobs is not None:  # vLLM's top-level field: the prompt's, which every choice shares
-        body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, choices[0].output.prompt_logprobs)
+        first = choices[0].output
+        body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, first.prompt_logprobs if first else None)
     return JSONResponse(body)
 
 

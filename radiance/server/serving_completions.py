@@ -16,9 +16,9 @@ from radiance.server.errors import invalid
 from radiance.server.protocol import CompletionRequest, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             completion_logprobs, encode_prompt, engine_request_id, merged_outputs,
-                                            prompt_logprobs_json,
-                                            resolve_max_tokens, guarded_sse, response_id, sampling_params, sse,
-                                            StreamUsage, token_chars, tokens_sent, tokens_started)
+                                            prompt_logprobs_json, resolve_max_tokens, guarded_sse, response_id,
+                                            sampling_params, sse, StreamUsage, token_chars, tokens_sent,
+                                            tokens_started)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)

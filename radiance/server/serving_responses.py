@@ -4,8 +4,8 @@ in the order they start, streamed as typed events (`response.created` ... `respo
 
 Streaming and non-streaming build the same items with the same `OutputItems`, so both agree. A stream that
 fails after it started ends with `response.failed` (the response, its `error` set); one its client left is
-stored `cancelled`. Stored responses (in
-memory, `ServerConfig.responses_store`) serve previous_response_id, GET / DELETE and GET .../input_items.
+stored `cancelled`. Stored responses (in memory, `ServerConfig.responses_store`) serve previous_response_id,
+GET / DELETE and GET .../input_items.
 """
 
 from __future__ import annotations
