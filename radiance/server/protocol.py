@@ -156,8 +156,7 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 
 def log_ignored_fields(cls: type[BaseModel], data: Any) -> Any:
     """A request's top-level fields radiance does not know are ignored (as vLLM does; OpenAI would refuse them):
-    logged, so that an extension a client relies on (vLLM's chat echo, return_tokens_as_token_ids, ...) is not
-    silently lost."""
+    logged, so that an extension a client relies on (vLLM's chat echo, priority, ...) is not silently lost."""
     if isinstance(data, dict):
         ignored = sorted(str(key) for key in data if key not in cls.model_fields)
         if ignored:
@@ -196,6 +195,9 @@ class _SamplingFields(_Model):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM's extension: each prompt token's logprob, rank and this many alternatives (not while streaming)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's extension: logprobs name each token "token_id:N" (a part of a character, or a text that is not
+    # JSON-clean, still identifies its token)
+    return_tokens_as_token_ids: bool = False
     user: str | None = None
     # the output held to a constraint: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
     # older guided_* fields (at most one of them)

@@ -26,7 +26,8 @@ from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASO
 from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
                                             encode_prompt, engine_request_id, guarded_sse, merged_outputs,
                                             resolve_max_tokens, response_id, sampling_params, sse, StreamUsage,
-                                            prompt_logprobs_json, token_chars, tokens_sent, tokens_started)
+                                            prompt_logprobs_json, token_chars, token_texts, tokens_sent,
+                                            tokens_started)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, ParseDelta
 
@@ -37,8 +38,9 @@ class ChoiceStream:
     """Turns one choice's cumulative engine outputs into deltas: content, reasoning, tool calls."""
 
     def __init__(self, state: ServerState, index: int, tools: list[dict] | None, opens_thinking: bool,
-                 forced_prefix: str = "", named_tool: bool = False):
+                 forced_prefix: str = "", named_tool: bool = False, token_ids_as_names: bool = False):
         self.index = index
+        self.token_ids_as_names = token_ids_as_names  # vLLM's return_tokens_as_token_ids
         # tool_choice named one function: OpenAI (and vLLM) finish such a call with "stop", not "tool_calls"
         self.named_tool = named_tool
         self.tokenizer = state.tokenizer
@@ -126,11 +128,12 @@ class ChoiceStream:
                 self._take(self.tools.finish(truncated=truncated), delta)
         logprobs = None
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
-            entries = chat_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:])["content"]
-            tokens = [e["token"] for e in entries]
+            waiting = out.logprobs[self.sent_logprobs:]
+            texts = token_texts(self.tokenizer, waiting)
+            tokens = [texts[e.token_id] for e in waiting]
             ready = (tokens_started if out.finished else tokens_sent)(tokens, self.logprob_chars, self.sent_chars)
             if ready:
-                logprobs = {"content": entries[:ready]}
+                logprobs = chat_logprobs(self.tokenizer, waiting[:ready], self.token_ids_as_names, texts)
                 self.sent_logprobs += ready
                 self.logprob_chars += sum(token_chars(token) for token in tokens[:ready])
         return delta, logprobs
@@ -363,7 +366,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                     "messages")
     named_tool = forced and isinstance(req.tool_choice, NamedToolChoice)
-    choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix, named_tool) for i in range(req.n)]
+    choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix, named_tool,
+                            req.return_tokens_as_token_ids) for i in range(req.n)]
     jobs = [EngineJob(engine_request_id(request_id, i), prompt_ids,
                       sampling_params(req, max_tokens, i, constraint, keep_special_tokens=choice.needs_special_tokens))
             for i, choice in enumerate(choices)]
@@ -393,7 +397,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     body = _response(request_id, model, choices, deltas, logprobs, len(chat.prompt_ids))
     if req.prompt_logprobs is not None:  # vLLM's top-level field: the prompt's, which every choice shares
         first = choices[0].output
-        body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, first.prompt_logprobs if first else None)
+        body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, first.prompt_logprobs if first else None,
+                                                       req.return_tokens_as_token_ids)
     return JSONResponse(body)
 
 

@@ -159,22 +159,22 @@ def scored_prompt_logprobs(req: Any) -> int | None:
     return max(wanted) if wanted else None
 
 
-def prompt_logprobs_json(tokenizer: Any, entries: list | None) -> list[dict | None] | None:
+def prompt_logprobs_json(tokenizer: Any, entries: list | None, as_ids: bool = False) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token (null for the first, which nothing scores) {token id: {logprob,
     rank, decoded_token}} for the token itself and its alternatives, most likely first."""
     if entries is None:
         return None
     scored = [e for e in entries if e is not None]
-    texts = token_texts(tokenizer, scored)
+    name = token_name(token_texts(tokenizer, scored), as_ids)
     out: list[dict | None] = []
     for entry in entries:
         if entry is None:
             out.append(None)
             continue
         ranked = {str(entry.token_id): {"logprob": safe_logprob(entry.logprob), "rank": entry.rank,
-                                        "decoded_token": texts[entry.token_id]}}
+                                        "decoded_token": name(entry.token_id)}}
         for rank, (tid, lp) in enumerate(entry.top, 1):
-            ranked.setdefault(str(tid), {"logprob": safe_logprob(lp), "rank": rank, "decoded_token": texts[tid]})
+            ranked.setdefault(str(tid), {"logprob": safe_logprob(lp), "rank": rank, "decoded_token": name(tid)})
         out.append(ranked)
     return out
 
@@ -326,33 +326,42 @@ def tokens_started(tokens: list[str], before: int, total: int) -> int:
     return count
 
 
-def chat_logprobs(tokenizer: Any, entries: list) -> dict:
+def token_name(texts: dict[int, str], as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or with vLLM's return_tokens_as_token_ids "token_id:N" (a text that
+    is part of a character or not JSON-clean still identifies the token)."""
+    return (lambda tid: f"token_id:{tid}") if as_ids else texts.__getitem__
+
+
+def chat_logprobs(tokenizer: Any, entries: list, as_ids: bool = False, texts: dict[int, str] | None = None) -> dict:
     """The chat `logprobs` object: each token's text (U+FFFD for part of a character, as it decodes alone) and its
-    own raw bytes, which join back into the characters a token splits."""
-    texts = token_texts(tokenizer, entries)
+    own raw bytes, which join back into the characters a token splits. `texts`: token_texts' when known."""
+    texts = texts if texts is not None else token_texts(tokenizer, entries)
     raw = token_bytes(tokenizer, list(texts), texts)
+    name = token_name(texts, as_ids)
     content = []
     for entry in entries:
         content.append({
-            "token": texts[entry.token_id], "logprob": safe_logprob(entry.logprob), "bytes": raw[entry.token_id],
-            "top_logprobs": [{"token": texts[tid], "logprob": safe_logprob(lp), "bytes": raw[tid]}
+            "token": name(entry.token_id), "logprob": safe_logprob(entry.logprob), "bytes": raw[entry.token_id],
+            "top_logprobs": [{"token": name(tid), "logprob": safe_logprob(lp), "bytes": raw[tid]}
                              for tid, lp in entry.top],
         })
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: Any, entries: list, offset: int) -> dict:
+def completion_logprobs(tokenizer: Any, entries: list, offset: int, as_ids: bool = False,
+                        texts: dict[int, str] | None = None) -> dict:
     """The legacy completions `logprobs` object; an entry with logprob None (an echoed prompt's first
-    token, which nothing scores) gets null logprobs, as OpenAI's API gives it."""
-    texts = token_texts(tokenizer, entries)
+    token, which nothing scores) gets null logprobs, as OpenAI's API gives it. text_offset counts the tokens'
+    texts whatever names them (`as_ids`)."""
+    texts = texts if texts is not None else token_texts(tokenizer, entries)
+    name = token_name(texts, as_ids)
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
-        text = texts[entry.token_id]
-        tokens.append(text)
+        tokens.append(name(entry.token_id))
         token_logprobs.append(None if entry.logprob is None else safe_logprob(entry.logprob))
-        top.append({texts[tid]: safe_logprob(lp) for tid, lp in entry.top} if entry.top else None)
+        top.append({name(tid): safe_logprob(lp) for tid, lp in entry.top} if entry.top else None)
         offsets.append(offset)
-        offset += token_chars(text)
+        offset += token_chars(texts[entry.token_id])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 

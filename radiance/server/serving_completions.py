@@ -17,8 +17,8 @@ from radiance.server.protocol import CompletionRequest, now, usage
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             completion_logprobs, encode_prompt, engine_request_id, merged_outputs,
                                             prompt_logprobs_json, resolve_max_tokens, guarded_sse, response_id,
-                                            sampling_params, sse, StreamUsage, token_chars, tokens_sent,
-                                            tokens_started)
+                                            sampling_params, sse, StreamUsage, token_chars, token_texts,
+                                            tokens_sent, tokens_started)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -49,9 +49,10 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
 
 class CompletionChoice:
     def __init__(self, state: ServerState, index: int, prompt_text: str, echo: bool, prompt_tokens: int = 0,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, token_ids_as_names: bool = False):
         self.index = index
         self.logprobs = logprobs  # the request's: an echoed prompt's alternatives too
+        self.token_ids_as_names = token_ids_as_names  # vLLM's return_tokens_as_token_ids
         self.prompt_tokens = prompt_tokens
         self.tokenizer = state.tokenizer
         self.prefix = prompt_text if echo else ""
@@ -72,17 +73,18 @@ class CompletionChoice:
                 # echo with logprobs: the prompt's come first (scored with prompt_logprobs' alternatives if more)
                 prompt = [TokenLogprob(out.prompt_token_ids[0], None)] + [
                     TokenLogprob(e.token_id, e.logprob, e.top[:self.logprobs]) for e in out.prompt_logprobs[1:]]
-                parts.append(completion_logprobs(self.tokenizer, prompt, 0))
+                parts.append(completion_logprobs(self.tokenizer, prompt, 0, self.token_ids_as_names))
         self.sent_chars = len(out.text)
         if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
-            part = completion_logprobs(self.tokenizer, out.logprobs[self.sent_logprobs:],
-                                       len(self.prefix) + self.logprob_chars)
-            ready = (tokens_started if out.finished else tokens_sent)(part["tokens"], self.logprob_chars,
-                                                                      self.sent_chars)
+            waiting = out.logprobs[self.sent_logprobs:]
+            texts = token_texts(self.tokenizer, waiting)
+            tokens = [texts[e.token_id] for e in waiting]
+            ready = (tokens_started if out.finished else tokens_sent)(tokens, self.logprob_chars, self.sent_chars)
             if ready:
-                parts.append({key: values[:ready] for key, values in part.items()})
+                parts.append(completion_logprobs(self.tokenizer, waiting[:ready], len(self.prefix) + self.logprob_chars,
+                                                 self.token_ids_as_names, texts))
                 self.sent_logprobs += ready
-                self.logprob_chars += sum(token_chars(token) for token in part["tokens"][:ready])
+                self.logprob_chars += sum(token_chars(token) for token in tokens[:ready])
         logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]} if parts else None
         return text, logprobs
 
@@ -103,7 +105,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             index = p * req.n + i
             jobs.append(EngineJob(engine_request_id(request_id, index), ids,
                                   sampling_params(req, max_tokens, i, req.structured_output())))
-            choices.append(CompletionChoice(state, index, text, req.echo, len(ids), req.logprobs))
+            choices.append(CompletionChoice(state, index, text, req.echo, len(ids), req.logprobs,
+                                            req.return_tokens_as_token_ids))
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     outputs = merged_outputs(engine, jobs, state.metrics)
     if req.stream:
@@ -128,7 +131,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                      "finish_reason": c.output.finish_reason} for c in choices]
     if req.prompt_logprobs is not None:  # vLLM's field of each choice
         for body, c in zip(body_choices, choices):
-            body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, c.output.prompt_logprobs)
+            body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, c.output.prompt_logprobs,
+                                                           req.return_tokens_as_token_ids)
     completion_tokens = sum(len(c.output.token_ids) for c in choices)
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now(), "model": model,
                          "choices": body_choices, "usage": usage(prompt_tokens, completion_tokens)})

@@ -605,13 +605,35 @@ def test_an_image_part_is_refused_by_name(server):
 
 
 def test_unknown_request_fields_are_ignored_and_logged(server, caplog):
-    """vLLM's extensions radiance lacks (chat `echo`, `return_tokens_as_token_ids`) were ignored without a word:
-    still served (as vLLM serves unknown fields), now with one warning naming them."""
-    body = {"model": "fake", "messages": [{"role": "user", "content": "SAY:ok"}], "echo": True,
-            "return_tokens_as_token_ids": True}
+    """vLLM's extensions radiance lacks (chat `echo`, `priority`) were ignored without a word: still served (as
+    vLLM serves unknown fields), now with one warning naming them."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": "SAY:ok"}], "echo": True, "priority": 1}
     with caplog.at_level("WARNING", logger="radiance.server.protocol"):
         r = http(server, "POST", "/v1/chat/completions", body)
         known = http(server, "POST", "/v1/completions", {"model": "fake", "prompt": "SAY:ok"})
     assert r.status_code == 200 and known.status_code == 200
     warned = [rec.getMessage() for rec in caplog.records if "ignored request fields" in rec.getMessage()]
-    assert warned == ["ChatCompletionRequest: ignored request fields echo, return_tokens_as_token_ids (not supported)"]
+    assert warned == ["ChatCompletionRequest: ignored request fields echo, priority (not supported)"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, stream):
+    """vLLM's return_tokens_as_token_ids: every logprob token (chosen and alternatives) is "token_id:N", the ids of
+    the text the answer carries; completions' text_offset still counts the tokens' texts."""
+    tokenizer = server[1].tokenizer
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    names = [f"token_id:{i}" for i in ids]
+    chat_body = {"model": "fake", "messages": [{"role": "user", "content": "SAY:hello world"}], "logprobs": True,
+                 "top_logprobs": 1, "return_tokens_as_token_ids": True, "stream": stream}
+    r = http(server, "POST", "/v1/chat/completions", chat_body)
+    if stream:
+        chunks = [e["choices"] for e in sse_events(r.text)]
+        content = [t for c in chunks if c and c[0]["logprobs"] for t in c[0]["logprobs"]["content"]]
+    else:
+        content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in content] == names
+    assert all(alt["token"].startswith("token_id:") for t in content for alt in t["top_logprobs"])
+    body = {"model": "fake", "prompt": "SAY:hello world", "logprobs": 1, "return_tokens_as_token_ids": True}
+    lp = http(server, "POST", "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == names
+    assert lp["text_offset"] == [len(tokenizer.decode(ids[:k])) for k in range(len(ids))]
