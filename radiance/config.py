@@ -54,7 +54,7 @@ def _check_regexes(patterns: tuple[str, ...], name: str) -> None:
 class ModelConfig:
     """What to load and how to quantize it."""
 
-    model: str | None = None  # path to an HF directory / GGUF file; default: the embedded SmolLM2
+    model: str | None = None  # path to an HF directory / GGUF file, or a Hugging Face Hub id (org/name[:TAG]); default: the embedded SmolLM2
     quantization: str = "auto"  # auto: as the checkpoint says (NVFP4/FP8 requantized to MXFP4); mxfp4: also quantize 16-bit linears; nvfp4: quantize 16-bit linears to NVFP4, then serve per --rule; none: dequantize everything to 16 bit
     rule: str = "mse"  # block-exponent rule for any conversion to MXFP4 (mse, noclip, ocp; none = serve NVFP4 dequantized)
     dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on a CPU (bfloat16 is ~20% faster there but its greedy answers differ between CPUs)

@@ -164,7 +164,8 @@ def _add_eval_mode(sub, mode: str) -> None:
     p = sub.add_parser(mode, help=f"{what} over chunks of a text file",
                        description=f"Measure {what} over chunks of a text file, for the model as served with "
                                    "each quantization asked for.")
-    p.add_argument("model", nargs="?", help="HF directory or GGUF file (default: the embedded SmolLM2)")
+    p.add_argument("model", nargs="?",
+                   help="HF directory, GGUF file or Hugging Face Hub id (default: the embedded SmolLM2)")
     defaults = _eval_defaults(mode)
     p.add_argument("--quantization", choices=("none", "mxfp4", "nvfp4"), default=defaults["quantization"],
                    help="nvfp4: quantize to NVFP4, then serve as the engine would (requantized with --rule) "

@@ -30,9 +30,13 @@ def __getattr__(name):  # lazy: `radiance --help` imports this package's CLI mod
 
 
 def model_name(path: str | None) -> str:
-    """The name a model is served under: its directory or file name without .gguf; None = the embedded model."""
+    """The name a model is served under: its directory or file name without .gguf; a Hugging Face Hub id as given
+    (what vLLM serves it as, so clients keep their model field); None = the embedded model."""
     if path is None:
         return EMBEDDED_MODEL_NAME
+    from radiance.checkpoint.hub import hub_model
+    if not os.path.exists(os.path.expanduser(path)) and hub_model(path) is not None:
+        return path
     base = os.path.basename(os.path.normpath(path))
     return base[:-5] if base.endswith(".gguf") else base
 
@@ -43,14 +47,19 @@ def embedded_model_path() -> str:
 
 
 def open_checkpoint(path: str | None = None) -> Checkpoint:
-    """Open a model: an HF directory, a .gguf file, a directory holding one .gguf, or None (embedded SmolLM2)."""
+    """Open a model: an HF directory, a .gguf file, a directory holding one .gguf, a Hugging Face Hub id (`org/name`,
+    checkpoint.hub: fetched into its cache), or None (embedded SmolLM2)."""
     if path is None:
         path = embedded_model_path()
     if not str(path).strip():  # "" (an unset shell variable): as a path it names no file at all
         raise CheckpointError("the model path is empty: give an HF model directory or a .gguf file")
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
-        raise CheckpointError("no such file or directory", file=path)
+        from radiance.checkpoint.hub import fetch, hub_model
+        hub = hub_model(path)
+        if hub is None:
+            raise CheckpointError("no such file or directory", file=path)
+        path = fetch(hub)  # org/name: the Hugging Face Hub's, cached
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "config.json")):
             from radiance.checkpoint.hf_reader import HfCheckpoint

@@ -70,7 +70,8 @@ def register(subparsers) -> None:
         "convert", help="write a checkpoint as MXFP4 / NVFP4 / FP8 (compressed-tensors layout)",
         description="Convert a model (HF directory, GGUF file, or 'embedded') to a compressed-tensors "
                     "checkpoint. lm_head and embeddings stay 16-bit unless --quantize-lm-head.")
-    convert.add_argument("src", help="HF model directory, .gguf file, or 'embedded' for the built-in SmolLM2")
+    convert.add_argument("src", help="HF model directory, .gguf file, Hugging Face Hub id (org/name[:TAG]), or "
+                                     "'embedded' for the built-in SmolLM2")
     convert.add_argument("dst", help="output directory (must not exist or be empty)")
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_dataclass_args(convert, ConvertConfig, group="conversion options")
@@ -80,7 +81,7 @@ def register(subparsers) -> None:
         "inspect", help="print a checkpoint's layers, formats, shapes, bytes and sanity warnings",
         description="Describe a checkpoint from its headers (no tensor data is read).")
     inspect.add_argument("path", nargs="?", default=None,
-                         help="HF directory or .gguf file (default: the embedded SmolLM2)")
+                         help="HF directory, .gguf file or Hugging Face Hub id (default: the embedded SmolLM2)")
     inspect.add_argument("--tokenizer", action="store_true", help="also load the tokenizer and report it")
     inspect.add_argument("--strict", action="store_true",
                          help="exit 1 when there are sanity warnings (a model radiance cannot serve included)")

@@ -24,10 +24,12 @@ logger = logging.getLogger(__name__)
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL (an HF checkpoint directory or a GGUF file; default: the embedded "
-                    "SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API.")
+        description="Serve MODEL (an HF checkpoint directory, a GGUF file or a Hugging Face Hub id; default: the "
+                    "embedded SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API.")
     parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                        help="checkpoint directory or .gguf file (default: the embedded SmolLM2)")
+                        help="checkpoint directory, .gguf file, or Hugging Face Hub id: org/name, org/name@revision, "
+                             "org/name:TAG for the GGUF file of a repo whose name has TAG (fetched into the Hub's "
+                             "cache once; default: the embedded SmolLM2)")
     add_engine_args(parser)
     add_dataclass_args(parser, ServerConfig, group="server options")
     parser.set_defaults(func=run_serve)
