@@ -9,11 +9,16 @@ A Hub that cannot be reached falls back to what the cache already holds.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import socket
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from radiance.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 # what an HF model directory needs: config, generation config, tokenizer (fast or SentencePiece), chat templates,
 # the weights and their index
@@ -44,6 +49,10 @@ def fetch(model: HubModel) -> str:
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     where = model.repo + (f"@{model.revision}" if model.revision else "")
+    logger.info("%s is no local path: looking it up on the Hugging Face Hub", where)
+    unreachable = _unresolvable_endpoint()
+    if unreachable is not None:  # huggingface_hub retried a connection for ~25 s before it failed
+        return _cached(model, where, unreachable)
     try:
         files = list_repo_files(model.repo, revision=model.revision)
     except GatedRepoError:
@@ -85,6 +94,18 @@ def pick_gguf(model: HubModel, files: list[str], where: str) -> str | None:
                               "parts with llama.cpp's llama-gguf-split --merge)")
     raise CheckpointError(f"{where} holds several GGUF files: name one as {model.repo}:TAG, TAG part of its name "
                           f"(e.g. {model.repo}:Q4_K_M; its GGUF files: {names})")
+
+
+def _unresolvable_endpoint() -> OSError | None:
+    """The error of resolving the Hub's host name (HF_ENDPOINT's), None when it resolves: no DNS means no network."""
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname or ""
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as exc:
+        return exc
+    return None
 
 
 def _cached(model: HubModel, where: str, why: Exception) -> str:
