@@ -9,6 +9,7 @@ A Hub that cannot be reached falls back to what the cache already holds.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import re
@@ -21,8 +22,10 @@ from radiance.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 # what an HF model directory needs: config, generation config, tokenizer (fast or SentencePiece), chat templates,
-# the weights and their index
+# the weights and their index; not the copies some repos add in their makers' own layouts (Mistral's
+# consolidated.safetensors, Meta's original/), which radiance does not read and which double the download
 TRANSFORMERS_FILES = ("*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken")
+NOT_TRANSFORMERS_FILES = ("original/*", "consolidated*")
 _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+?))?"
                      r"(?::(?P<tag>[\w.-]+))?")
 _SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
@@ -68,8 +71,9 @@ def fetch(model: HubModel) -> str:
     gguf = pick_gguf(model, files, where)
     if gguf is not None:
         return hf_hub_download(model.repo, gguf, revision=model.revision)
-    if "config.json" in files and any(f.endswith(".safetensors") for f in files):
-        return snapshot_download(model.repo, revision=model.revision, allow_patterns=list(TRANSFORMERS_FILES))
+    if _has_transformers_weights(files):
+        return snapshot_download(model.repo, revision=model.revision, allow_patterns=list(TRANSFORMERS_FILES),
+                                 ignore_patterns=list(NOT_TRANSFORMERS_FILES))
     raise CheckpointError(f"{where} on the Hugging Face Hub holds neither a config.json with .safetensors weights "
                           f"nor a .gguf file (radiance reads those; its files: {', '.join(sorted(files)[:12])})")
 
@@ -78,7 +82,7 @@ def pick_gguf(model: HubModel, files: list[str], where: str) -> str | None:
     """The GGUF file to take: the one whose name has the tag (any case), or the repo's only one; None for a repo of
     Transformers weights without a tag. Multimodal projectors are never the model."""
     ggufs = [f for f in files if f.endswith(".gguf") and "mmproj" not in os.path.basename(f).lower()]
-    if model.tag is None and (not ggufs or ("config.json" in files and any(f.endswith(".safetensors") for f in files))):
+    if model.tag is None and (not ggufs or _has_transformers_weights(files)):
         return None
     matches = [f for f in ggufs if model.tag is None or model.tag.lower() in os.path.basename(f).lower()]
     if len(matches) == 1:
@@ -94,6 +98,11 @@ def pick_gguf(model: HubModel, files: list[str], where: str) -> str | None:
                               "parts with llama.cpp's llama-gguf-split --merge)")
     raise CheckpointError(f"{where} holds several GGUF files: name one as {model.repo}:TAG, TAG part of its name "
                           f"(e.g. {model.repo}:Q4_K_M; its GGUF files: {names})")
+
+
+def _has_transformers_weights(files: list[str]) -> bool:
+    return "config.json" in files and any(
+        f.endswith(".safetensors") and not any(fnmatch.fnmatch(f, p) for p in NOT_TRANSFORMERS_FILES) for f in files)
 
 
 def _unresolvable_endpoint() -> OSError | None:

@@ -57,13 +57,15 @@ class FakeHub:
     def hf_hub_download(self, repo, filename, revision=None):
         return self._copy(repo, filename)
 
-    def snapshot_download(self, repo, revision=None, allow_patterns=None, local_files_only=False):
+    def snapshot_download(self, repo, revision=None, allow_patterns=None, ignore_patterns=None,
+                          local_files_only=False):
         if local_files_only:
             if not os.path.isdir(self._snapshot(repo)):
                 raise LocalEntryNotFoundError(f"{repo} is not cached")
             return self._snapshot(repo)
         for name in self.repos[repo]:
-            if allow_patterns is None or any(fnmatch.fnmatch(name, p) for p in allow_patterns):
+            allowed = allow_patterns is None or any(fnmatch.fnmatch(name, p) for p in allow_patterns)
+            if allowed and not any(fnmatch.fnmatch(name, p) for p in ignore_patterns or ()):
                 self._copy(repo, name)
         return self._snapshot(repo)
 
@@ -82,7 +84,9 @@ def hub(tmp_path, monkeypatch):
 def transformers_repo(tmp_path, hub):
     src = write_dir(str(tmp_path / "src"), dense_state_dict(), TINY, tokenizer=True)
     (tmp_path / "src" / "pytorch_model.bin").write_bytes(b"a PyTorch copy of the weights, never fetched")
-    hub.add("org/tiny", {name: os.path.join(src, name) for name in os.listdir(src)})
+    copy = os.path.join(src, "model.safetensors")  # stand-ins for a maker's own layouts, never fetched either
+    hub.add("org/tiny", {**{name: os.path.join(src, name) for name in os.listdir(src)},
+                         "consolidated.safetensors": copy, "original/model.safetensors": copy})
     return src
 
 
@@ -93,7 +97,7 @@ def test_hub_ids_and_paths_that_are_not_ones():
     assert all(hub_model(p) is None for p in ("/abs/x", "./x/y", "~/x/y", "a/b/c", "name"))
 
 
-def test_a_transformers_repo_is_fetched_without_its_pytorch_copy_and_served_under_its_id(hub, transformers_repo):
+def test_a_transformers_repo_is_fetched_without_its_other_copies_and_served_under_its_id(hub, transformers_repo):
     ckpt = open_checkpoint("org/tiny")
     local = open_checkpoint(transformers_repo)
     assert ckpt.architecture == local.architecture == "LlamaForCausalLM"
@@ -101,7 +105,8 @@ def test_a_transformers_repo_is_fetched_without_its_pytorch_copy_and_served_unde
     assert fetched.keys() == served.keys()
     values = lambda weight: getattr(weight, "tensor", weight)  # noqa: E731 - a DenseWeight's, or a plain tensor
     assert all(torch.equal(values(fetched[k]), values(served[k])) for k in served)
-    assert "pytorch_model.bin" not in hub.fetched and "model.safetensors" in hub.fetched
+    assert "model.safetensors" in hub.fetched
+    assert not {"pytorch_model.bin", "consolidated.safetensors", "original/model.safetensors"} & set(hub.fetched)
     assert all(any(fnmatch.fnmatch(f, p) for p in TRANSFORMERS_FILES) for f in hub.fetched)
     assert model_name("org/tiny") == "org/tiny"  # what vLLM serves it as: clients keep their model field
 
