@@ -238,16 +238,24 @@ async def run_level(client: httpx.AsyncClient, opts: ServeBenchOptions, model: s
     return summarize_level(concurrency, results, duration, interrupted)
 
 
+def server_root(url: str) -> str:
+    """--url without a trailing slash or /v1 (the openai client's base_url, which users pass here too: the
+    requests went to .../v1/v1/...)."""
+    root = url.rstrip("/")
+    return root[:-len("/v1")] if root.endswith("/v1") else root
+
+
 async def discover_model(client: httpx.AsyncClient) -> str:
     where = f"{client.base_url}/v1/models"
     try:
         resp = await client.get("/v1/models")
-    except httpx.HTTPError as exc:
-        raise ConfigError(f"could not list the server's models at {where} ({type(exc).__name__}: {exc}); "
-                          "pass --model") from None
+    except httpx.HTTPError as exc:  # nothing listens there: --model would not help ("pass --model" said so)
+        raise ConfigError(f"could not reach the server at {where} ({type(exc).__name__}: {exc})") from None
     if resp.status_code != 200:  # one line: httpx's own message adds a second with a link
+        hint = {401: "; pass its key with --api-key", 404: "; is --url an OpenAI-compatible server?"}.get(
+            resp.status_code, "; pass --model")
         raise ConfigError(f"could not list the server's models at {where} (HTTP {resp.status_code}: "
-                          f"{' '.join(resp.text.split())[:200]}); pass --model")
+                          f"{' '.join(resp.text.split())[:200]}){hint}")
     try:
         model = resp.json()["data"][0]["id"]
     except (KeyError, IndexError, TypeError, ValueError):
@@ -263,7 +271,7 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
     _warn_if_prompts_repeat(opts, pool)
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4)
-    async with httpx.AsyncClient(base_url=opts.url.rstrip("/"), headers=headers, limits=limits,
+    async with httpx.AsyncClient(base_url=server_root(opts.url), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(opts.timeout_s)) as client:
         model = opts.model or await discover_model(client)
         await warm_up(client, opts, model, pool)

@@ -17,6 +17,7 @@ __all__ = ["Checkpoint", "EntryInfo", "RequantReport", "open_checkpoint", "is_we
 
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED = "embedded"  # what every command takes for the embedded model (unless a local path has that name)
 
 
 def __getattr__(name):  # lazy: `radiance --help` imports this package's CLI module, and base imports torch
@@ -32,7 +33,7 @@ def __getattr__(name):  # lazy: `radiance --help` imports this package's CLI mod
 def model_name(path: str | None) -> str:
     """The name a model is served under: its directory or file name without .gguf; a Hugging Face Hub id as given
     (what vLLM serves it as, so clients keep their model field); None = the embedded model."""
-    if path is None:
+    if path is None or (path == EMBEDDED and not os.path.exists(path)):
         return EMBEDDED_MODEL_NAME
     from radiance.checkpoint.hub import hub_model
     if not os.path.exists(os.path.expanduser(path)) and hub_model(path) is not None:
@@ -49,7 +50,7 @@ def embedded_model_path() -> str:
 def open_checkpoint(path: str | None = None) -> Checkpoint:
     """Open a model: an HF directory, a .gguf file, a directory holding one .gguf, a Hugging Face Hub id (`org/name`,
     checkpoint.hub: fetched into its cache), or None (embedded SmolLM2)."""
-    if path is None:
+    if path is None or (path == EMBEDDED and not os.path.exists(path)):  # every command's name for it
         path = embedded_model_path()
     if not str(path).strip():  # "" (an unset shell variable): as a path it names no file at all
         raise CheckpointError("the model path is empty: give an HF model directory or a .gguf file")

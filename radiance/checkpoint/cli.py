@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from radiance.checkpoint import EMBEDDED
 from radiance.config import ConvertConfig, add_dataclass_args, dataclass_kwargs
 from radiance.errors import ConfigError
-
-EMBEDDED = "embedded"
 
 
 def _source(path: str | None) -> str | None:

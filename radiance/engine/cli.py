@@ -49,8 +49,9 @@ def register(subparsers) -> None:
     one.add_argument("--regex", default=None, help="a regular expression the whole output matches")
     one.add_argument("--choice", nargs="+", default=None, help="the output is exactly one of these strings")
     one.add_argument("--grammar", metavar="FILE", default=None, help="an EBNF (GBNF) grammar file with a root rule")
-    parser.add_argument("--chat", dest="chat", action=argparse.BooleanOptionalAction, default=True,
-                        help="wrap the prompt in the model's chat template (default: on when it has one)")
+    parser.add_argument("--chat", dest="chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="wrap the prompt in the model's chat template; --chat on a model without one is an "
+                             "error (default: on when it has one)")
     parser.add_argument("--system", default=None,
                         help="a system message before the prompt, in chat mode (default: none)")
     add_engine_args(parser)
@@ -71,11 +72,17 @@ def run(args) -> int:
                             repetition_penalty=args.repetition_penalty,
                             frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                             structured_output=structured_output_from_args(args))
-    if args.system is not None and not args.chat:
+    if args.system is not None and args.chat is False:
         raise ValueError("--system goes into the chat template, which --no-chat turns off")
-    prompt_text = read_prompt(args.prompt)  # after the options' checks: a bad one must not wait for stdin
+    if args.system is not None:
+        utf8_text(args.system, "--system")
+    # after the options' checks: a bad one must not wait for stdin
+    prompt_text = utf8_text(read_prompt(args.prompt), "the prompt")
     llm = LLM.from_engine_config(config)
-    if args.chat and (llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None)):
+    has_template = bool(llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None))
+    if args.chat and not has_template:  # was ignored: the raw prompt went in without a word
+        raise ValueError("--chat: the model has no chat template (--no-chat sends the prompt as raw text)")
+    if args.chat is not False and has_template:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt_text})
         prompt = llm._encode(llm.apply_chat_template(messages), add_special_tokens=False)
@@ -127,6 +134,18 @@ def _read(path: str, option: str) -> str:
             return f.read()
     except OSError as exc:
         raise ValueError(f"{option}: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:  # named neither the file nor the option
+        raise ValueError(f"{option}: {path} is not UTF-8 text") from None
+
+
+def utf8_text(text: str, what: str) -> str:
+    """`text` as given, or a ValueError naming `what`: Python hands on bytes that are not UTF-8 (an argument, a
+    pipe) as lone surrogates, which the tokenizer met with a TypeError and a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 text (a byte at character {exc.start} is not)") from None
+    return text
 
 
 def check_fits_context(prompt_len: int, max_tokens: int, context: int) -> None:
@@ -145,10 +164,15 @@ def _stream(llm, prompt, params) -> None:
     _, ids = llm._tokenize(prompt)
     check_fits_context(len(ids), params.max_tokens, engine.max_model_len)
     engine.add_request("cli", ids, params)
-    printed = 0
+    printed, last = 0, None
     while engine.has_unfinished_requests():
         for out in engine.step():
             sys.stdout.write(out.text[printed:])
             sys.stdout.flush()
-            printed = len(out.text)
+            printed, last = len(out.text), out
     sys.stdout.write("\n")
+    if params.structured_output is not None and last is not None and last.finish_reason == "length":
+        # the constraint holds every token, but only a finished output is whole (a JSON object closed, a choice
+        # written out): a cut one looked like a valid answer
+        logger.warning("--max-tokens %d cut the output before the constraint was complete: it is not valid; raise "
+                       "--max-tokens", params.max_tokens)

@@ -77,6 +77,8 @@ def _check_chat_template(value: str | None) -> None:
         template = load_template(value)
     except OSError as exc:  # e.g. a directory, or no permission
         raise ConfigError(f"--chat-template {value}: cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError:  # named neither the file nor the flag
+        raise ConfigError(f"--chat-template {value}: the file is not UTF-8 text") from None
     if template is not None:
         check_template(template)
 

@@ -350,7 +350,8 @@ def test_a_dataset_smaller_than_a_level_warns_once(faulty, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("status, payload, message", [
-    (401, {"error": {"message": "invalid API key"}}, "HTTP 401: .*invalid API key"),
+    (401, {"error": {"message": "invalid API key"}}, "HTTP 401: .*invalid API key.*; pass its key with --api-key"),
+    (404, {"detail": "Not Found"}, "HTTP 404: .*; is --url an OpenAI-compatible server"),
     (200, {"data": ["a-model"]}, "names no model"),
     (200, {"data": [{"id": None}]}, "names no model"),
     (200, {"data": []}, "names no model"),
@@ -384,6 +385,19 @@ def test_a_bad_url_is_one_line_before_any_request(url, message):
     with pytest.raises(ConfigError, match=message):
         ServeBenchOptions(url=url)
     assert ServeBenchOptions(url="https://example.com/base/").url == "https://example.com/base/"
+
+
+def test_nothing_listening_does_not_ask_for_model_and_a_v1_url_is_the_root():
+    """Nothing listening ended with "pass --model", which cannot help; a URL ending in /v1 (the openai client's
+    base_url) requested /v1/v1/models."""
+    async def discover():
+        async with httpx.AsyncClient(base_url=serve_bench.server_root("http://127.0.0.1:1/v1/")) as client:
+            return await serve_bench.discover_model(client)
+
+    with pytest.raises(ConfigError, match=r"could not reach the server at http://127.0.0.1:1/v1/models") as info:
+        asyncio.run(discover())
+    assert "--model" not in str(info.value)
+    assert serve_bench.server_root("http://h:8000/v1") == serve_bench.server_root("http://h:8000/") == "http://h:8000"
 
 
 def test_the_table_says_which_level_was_cut_short():

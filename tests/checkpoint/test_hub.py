@@ -12,7 +12,7 @@ import pytest
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
-from radiance.checkpoint import model_name, open_checkpoint
+from radiance.checkpoint import EMBEDDED_MODEL_NAME, model_name, open_checkpoint
 from radiance.checkpoint.gguf_reader import embedded_model_path
 from radiance.checkpoint import hub as hub_module
 from radiance.checkpoint.hub import TRANSFORMERS_FILES, hub_model
@@ -88,6 +88,16 @@ def transformers_repo(tmp_path, hub):
     hub.add("org/tiny", {**{name: os.path.join(src, name) for name in os.listdir(src)},
                          "consolidated.safetensors": copy, "original/model.safetensors": copy})
     return src
+
+
+def test_embedded_names_the_embedded_model_in_every_command(tmp_path, monkeypatch):
+    """`convert embedded` and `inspect embedded` took it; `generate --model embedded`, `serve embedded` and `eval ppl
+    embedded` said "no such file or directory" (they all open it here). A local path of that name stays a path."""
+    assert open_checkpoint("embedded").path == embedded_model_path() and model_name("embedded") == EMBEDDED_MODEL_NAME
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "embedded").mkdir()
+    with pytest.raises(CheckpointError, match="neither config.json nor a .gguf file"):
+        open_checkpoint("embedded")
 
 
 def test_hub_ids_and_paths_that_are_not_ones():

@@ -1,0 +1,101 @@
+"""`radiance generate` / `serve` inputs a new user gets wrong: bytes that are not UTF-8 (a traceback from the tokenizer, or
+a decoder message naming no file), `--chat` on a model without a template (silently raw), and a constrained output cut
+by --max-tokens (printed as if valid)."""
+
+import pytest
+
+from radiance.cli import main
+from radiance.engine.llm import LLM
+
+
+class _Output:
+    def __init__(self, text, finish_reason):
+        self.text, self.finish_reason = text, finish_reason
+
+
+class _Engine:
+    chat_template = None
+    max_model_len = 128
+
+    def __init__(self):
+        self.steps = [[_Output('{"a": 1', "length")]]
+
+    def add_request(self, request_id, ids, params):
+        self.params = params
+
+    def has_unfinished_requests(self):
+        return bool(self.steps)
+
+    def step(self):
+        return self.steps.pop(0)
+
+
+class _FakeLLM:
+    """What `generate` uses of an LLM: no chat template, a 3-token prompt, one step that ends at max_tokens."""
+
+    def __init__(self):
+        self.engine, self.tokenizer = _Engine(), None
+
+    def _tokenize(self, prompt):
+        return prompt, [1, 2, 3]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    llm, loads = _FakeLLM(), []
+    monkeypatch.setattr(LLM, "from_engine_config", lambda config: loads.append(config) or llm)
+    llm.loads = loads
+    return llm
+
+
+def _error_line(capsys, prefix="radiance generate: error:") -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(prefix), err
+    return err
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["hi \udcff there", "--no-chat"], "the prompt"),  # how Python hands on a byte that is not UTF-8
+    (["hi", "--system", "a\udcffb"], "--system"),
+])
+def test_text_that_is_not_utf8_is_one_error_line_before_the_model_loads(fake, capsys, argv, what):
+    """Was: a TypeError traceback from the tokenizer, exit 1."""
+    assert main(["generate", *argv]) == 2
+    assert f"{what} is not valid UTF-8 text" in _error_line(capsys)
+    assert fake.loads == []
+
+
+@pytest.mark.parametrize("flag", ["--json-schema", "--grammar"])
+def test_a_constraint_file_that_is_not_utf8_names_the_flag_and_file(fake, capsys, tmp_path, flag):
+    path = tmp_path / "bin.json"
+    path.write_bytes(b"\xd7\xff\x00binary")
+    assert main(["generate", "hi", flag, str(path)]) == 2
+    assert f"{flag}: {path} is not UTF-8 text" in _error_line(capsys)  # was the codec's message alone
+
+
+def test_serve_a_chat_template_that_is_not_utf8_names_the_flag_and_file(capsys, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_bytes(b"\xd7\xff{{ messages }}")
+    assert main(["serve", "--chat-template", str(path)]) == 2
+    assert f"--chat-template {path}: the file is not UTF-8 text" in _error_line(capsys, "radiance serve: error:")
+
+
+def test_chat_on_a_model_without_a_template_is_an_error_and_the_default_goes_raw(fake, capsys):
+    """--chat was ignored without a word (the prompt went in raw); unset, a template-less model takes raw text."""
+    assert main(["generate", "hi", "--chat"]) == 2
+    assert "--chat: the model has no chat template" in _error_line(capsys)
+    fake.engine.steps = [[_Output("raw", "stop")]]
+    assert main(["generate", "hi"]) == 0
+    assert capsys.readouterr().out == "raw\n"
+
+
+def test_a_constrained_output_cut_by_max_tokens_says_it_is_not_valid(fake, capsys, caplog):
+    with caplog.at_level("WARNING", logger="radiance.engine.cli"):
+        assert main(["generate", "hi", "--no-chat", "--json", "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out == '{"a": 1\n'
+    assert any("--max-tokens 4 cut the output before the constraint was complete" in r.getMessage()
+               for r in caplog.records)
+    fake.engine.steps = [[_Output("plain", "length")]]  # no constraint: a cut is the usual max_tokens end
+    caplog.clear()
+    assert main(["generate", "hi", "--no-chat", "--max-tokens", "4"]) == 0
+    assert not [r for r in caplog.records if "constraint" in r.getMessage()]
