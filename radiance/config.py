@@ -258,7 +258,7 @@ class ServerConfig:
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
     tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony, none; auto: the template's markup
     reasoning_parser: str = "auto"  # think, mistral, harmony, none; auto: from the template (<|channel|>: harmony, [THINK]: mistral, <think>: think)
-    max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for
+    max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for, in [0, 20] (OpenAI's limit: it only lowers it)
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)
     responses_store: int = 1000  # /v1/responses kept in memory for previous_response_id and GET; 0 = none
     uvicorn_log_level: str = "warning"  # log level of uvicorn's own access and error logs: critical, error, warning, info, debug, trace
@@ -299,11 +299,11 @@ CONVERT_FORMATS = ("mxfp4", "nvfp4", "fp8")
 class ConvertConfig:
     """Checkpoint conversion (`radiance convert`): the format written and what stays 16-bit."""
 
-    format: str = "mxfp4"  # linears are written in this format (compressed-tensors layout)
-    rule: str = "mse"  # block-exponent rule when converting to MXFP4
+    format: str = "mxfp4"  # linears are written in this format (compressed-tensors layout): mxfp4, nvfp4 or fp8
+    rule: str = "mse"  # block-exponent rule when converting to MXFP4: mse (least squared error), noclip or ocp
     ignore: tuple[str, ...] = ()  # regexes (re.search) of linears to keep 16-bit, e.g. "layers\\.0\\."
     quantize_lm_head: bool = False  # lm_head stays 16-bit unless set (a tied head is then untied)
-    dense_dtype: str = "bfloat16"  # dtype of the 16-bit tensors written (embeddings, norms, kept linears)
+    dense_dtype: str = "bfloat16"  # dtype of the 16-bit tensors written (embeddings, norms, kept linears): bfloat16 or float16
     max_shard_bytes: int = 2 << 30  # safetensors shard size
     chunk_rows: int | None = None  # rows per requant chunk (bounds the fp32 transient); default: automatic
 

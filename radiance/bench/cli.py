@@ -217,7 +217,8 @@ def run_eval_command(args) -> int:
     if args.json:
         print(to_json(result))
         return 0
-    print(f"{result['model']}: {result['chunks']} chunks of {result['chunk_len']} tokens "
+    chunks = f"{result['chunks']} chunk" + ("s" if result["chunks"] != 1 else "")
+    print(f"{result['model']}: {chunks} of {result['chunk_len']} tokens "
           f"({result['tokens']} scored) from {result['text']}, {result['seconds']:.0f} s")
     if "reference_ppl" in result:
         print(f"reference (16-bit) perplexity: {result['reference_ppl']:.4f}")

@@ -90,6 +90,8 @@ class SamplingParams:
         check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens must be at most max_tokens, got min_tokens {self.min_tokens} > max_tokens {self.max_tokens}")
+        # NaN compares false: "must be non-negative, got nan" said the wrong thing
+        check(not math.isnan(self.temperature), "temperature must be a number, got nan")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
         # an infinite temperature or penalty turns a masked (-inf) or zero logit into NaN
         for name in ("temperature", "repetition_penalty"):

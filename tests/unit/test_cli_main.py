@@ -37,6 +37,7 @@ def no_loading(monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--max-tokens", "0"], "max_tokens must be at least 1"),
     (["--temperature", "-1"], "temperature must be non-negative"),
+    (["--temperature", "nan"], "temperature must be a number, got nan"),  # was "must be non-negative, got nan"
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2]"),
     (["--grammar", "/nonexistent.gbnf"], "--grammar: cannot read /nonexistent.gbnf"),
