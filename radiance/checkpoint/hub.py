@@ -3,7 +3,7 @@
 `org/name` (`org/name@revision` to pin one; `org/name:TAG` picks the GGUF file of a repo holding several whose name
 has TAG, e.g. `:Q4_K_M`, as llama.cpp's `-hf` does). What radiance reads is fetched into the Hub's cache once with
 `huggingface_hub` (its progress bars, HF_TOKEN / `hf auth login` for gated repos, HF_HUB_OFFLINE): config.json, the
-tokenizer files and the .safetensors weights of a Transformers repo (no PyTorch .bin copies), or the one GGUF file.
+tokenizer files and the .safetensors weights of a Transformers repo (not its other copies), or the one GGUF file.
 A Hub that cannot be reached falls back to what the cache already holds.
 """
 
@@ -134,4 +134,3 @@ def _cached(model: HubModel, where: str, why: Exception) -> str:
     if model.tag is None and "config.json" in files:
         return folder
     raise CheckpointError(f"{where}: the Hugging Face Hub could not be reached and the cache holds no model of it")
-

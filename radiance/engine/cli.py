@@ -144,7 +144,7 @@ def utf8_text(text: str, what: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid UTF-8 text (a byte at character {exc.start} is not)") from None
+        raise ValueError(f"{what} is not valid UTF-8 text (a byte at character {exc.start} is not UTF-8)") from None
     return text
 
 
