@@ -154,23 +154,23 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
-def log_ignored_fields(cls: type[BaseModel], data: Any) -> Any:
-    """A request's top-level fields radiance does not know are ignored (as vLLM does; OpenAI would refuse them):
-    logged, so that an extension a client relies on (vLLM's chat echo, priority, ...) is not silently lost."""
-    if isinstance(data, dict):
-        ignored = sorted(str(key) for key in data if key not in cls.model_fields)
-        if ignored:
-            logger.warning("%s: ignored request fields %s (not supported)", cls.__name__, ", ".join(ignored))
-    return data
-
-
-class _SamplingFields(_Model):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _Request(_Model):
+    """A request body (chat, completions, responses): its top-level fields radiance does not know are ignored (as
+    vLLM does; OpenAI would refuse them) and logged, so that an extension a client relies on (vLLM's chat echo,
+    priority, ...) is not silently lost."""
 
     @model_validator(mode="before")
     @classmethod
     def _log_ignored_fields(cls, data: Any) -> Any:
-        return log_ignored_fields(cls, data)
+        if isinstance(data, dict):
+            ignored = sorted(str(key) for key in data if key not in cls.model_fields)
+            if ignored:
+                logger.warning("%s: ignored request fields %s (not supported)", cls.__name__, ", ".join(ignored))
+        return data
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
     n: int = Field(1, ge=1)

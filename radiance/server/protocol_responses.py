@@ -13,8 +13,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from radiance.server.protocol import (ChatCompletionRequest, TemplateKwargs, _Model, _SamplingFields,
-                                      log_ignored_fields)
+from radiance.server.protocol import ChatCompletionRequest, TemplateKwargs, _Model, _Request, _SamplingFields
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -74,7 +73,7 @@ class FunctionToolChoice(_Model):
     name: str
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -111,11 +110,6 @@ class ResponsesRequest(_Model):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _log_ignored_fields(cls, data: Any) -> Any:
-        return log_ignored_fields(cls, data)
 
     @field_validator("background")
     @classmethod

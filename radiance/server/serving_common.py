@@ -283,9 +283,14 @@ async def collect_until_disconnect(request: Request, outputs: AsyncIterator[tupl
         await outputs.aclose()
 
 
+def logprob_token_ids(entries: list) -> list[int]:
+    """Every token id in these logprob entries (chosen and alternatives), once each."""
+    return list(dict.fromkeys([e.token_id for e in entries] + [tid for e in entries for tid, _ in e.top]))
+
+
 def token_texts(tokenizer: Any, entries: list) -> dict[int, str]:
     """Text of every token id in these logprob entries (chosen and alternatives), decoded in one batch."""
-    ids = list(dict.fromkeys([e.token_id for e in entries] + [tid for e in entries for tid, _ in e.top]))
+    ids = logprob_token_ids(entries)
     return dict(zip(ids, tokenizer.batch_decode([[i] for i in ids]))) if ids else {}
 
 
@@ -336,7 +341,7 @@ def chat_logprobs(tokenizer: Any, entries: list, as_ids: bool = False, texts: di
     """The chat `logprobs` object: each token's text (U+FFFD for part of a character, as it decodes alone) and its
     own raw bytes, which join back into the characters a token splits. `texts`: token_texts' when known."""
     texts = texts if texts is not None else token_texts(tokenizer, entries)
-    raw = token_bytes(tokenizer, list(texts), texts)
+    raw = token_bytes(tokenizer, logprob_token_ids(entries), texts)  # `texts` may cover tokens still held back
     name = token_name(texts, as_ids)
     content = []
     for entry in entries:
