@@ -35,12 +35,31 @@ def build_parser() -> argparse.ArgumentParser:
                     "(and on the CPU through reference kernels).",
     )
     parser.add_argument("--version", action="version", version=f"radiance {__version__}")
-    parser.add_argument("--log-level", default=log_level(), choices=LOG_LEVELS,
-                        help="level of the log lines on stderr (default: $RADIANCE_LOG_LEVEL or INFO)")
+    _add_global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _AREAS:
         importlib.import_module(name).register(sub)
+    for subparser in _subparsers(parser):
+        _add_global_options(subparser, top=False)
     return parser
+
+
+def _add_global_options(parser: argparse.ArgumentParser, top: bool) -> None:
+    """The options of every command, taken before the command or after it (`radiance generate ... --log-level
+    DEBUG`). Below the top their default is SUPPRESS, so an option not given there keeps the top's value."""
+    parser.add_argument("--log-level", default=log_level() if top else argparse.SUPPRESS, choices=LOG_LEVELS,
+                        help="level of the log lines on stderr (default: $RADIANCE_LOG_LEVEL or INFO)")
+    parser.add_argument("--no-progress", action="store_true", default=False if top else argparse.SUPPRESS,
+                        help="no progress bars on stderr (loading, downloading, converting, eval, bench serve)")
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """Every parser below `parser` (commands and their subcommands)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                yield subparser
+                yield from _subparsers(subparser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
+    if args.no_progress:  # the Hub's download bars; radiance's own bars take the flag from args
+        from huggingface_hub.utils import disable_progress_bars
+        disable_progress_bars()
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+from functools import partial
 from pathlib import Path
 
 from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int
@@ -103,7 +104,8 @@ def run_serve(args) -> int:
         url=args.url, model=args.model, concurrency=serve_levels(args), num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, dataset=args.dataset,
         request_rate=args.request_rate, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
-        api_key=args.api_key, timeout_s=args.timeout, warmup=args.warmup, seed=args.seed)
+        api_key=args.api_key, timeout_s=args.timeout, warmup=args.warmup, seed=args.seed,
+        progress=not args.no_progress)
     result = serve_bench.run_serve_bench(opts)
     if result.get("interrupted") and not result["levels"]:
         return 130  # Ctrl-C before any request finished: nothing to report
@@ -213,7 +215,8 @@ def run_eval_command(args) -> int:
         variants = (quality.Variant(args.quantization, args.rule, args.activations),)
     req = quality.EvalRequest(args.eval_mode, args.model, variants, args.text, args.chunks, args.chunk_len,
                               args.device, args.dtype, args.first_chunk)
-    result = quality.run_eval(req, load_eval_model)
+    progress = not args.no_progress
+    result = quality.run_eval(req, partial(load_eval_model, progress=progress), progress=progress)
     if args.json:
         print(to_json(result))
         return 0

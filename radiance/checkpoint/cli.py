@@ -72,7 +72,6 @@ def register(subparsers) -> None:
     convert.add_argument("src", help="HF model directory, .gguf file, Hugging Face Hub id (org/name[:TAG]), or "
                                      "'embedded' for the built-in SmolLM2")
     convert.add_argument("dst", help="output directory (must not exist or be empty)")
-    convert.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_dataclass_args(convert, ConvertConfig, group="conversion options")
     convert.set_defaults(func=_run_convert)
 

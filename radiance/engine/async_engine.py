@@ -38,8 +38,9 @@ class EngineStoppedError(EngineDeadError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig | None = None, checkpoint=None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config, checkpoint=checkpoint)
+    def __init__(self, config: EngineConfig | None = None, checkpoint=None, engine: LLMEngine | None = None,
+                 progress: bool = True):
+        self.engine = engine or LLMEngine(config, checkpoint=checkpoint, progress=progress)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radiance-engine")
         # constraints compile off the event loop and off the stepping thread (a large JSON schema takes 10s of ms)
         self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radiance-grammar")

@@ -78,7 +78,7 @@ def run(args) -> int:
         utf8_text(args.system, "--system")
     # after the options' checks: a bad one must not wait for stdin
     prompt_text = utf8_text(read_prompt(args.prompt), "the prompt")
-    llm = LLM.from_engine_config(config)
+    llm = LLM.from_engine_config(config, progress=not args.no_progress)
     has_template = bool(llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None))
     if args.chat and not has_template:  # was ignored: the raw prompt went in without a word
         raise ValueError("--chat: the model has no chat template (--no-chat sends the prompt as raw text)")

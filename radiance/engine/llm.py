@@ -45,9 +45,10 @@ class LLM:
         self._counter = 0
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, checkpoint=None) -> "LLM":
+    def from_engine_config(cls, config: EngineConfig, checkpoint=None, progress: bool = True) -> "LLM":
+        """`progress`: the weight-loading bar on stderr."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config, checkpoint=checkpoint)
+        llm.engine = LLMEngine(config, checkpoint=checkpoint, progress=progress)
         llm._counter = 0
         return llm
 

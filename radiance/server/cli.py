@@ -161,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def make_engine():
         from radiance.engine import AsyncLLMEngine
-        return AsyncLLMEngine(engine_config, checkpoint=checkpoint)
+        return AsyncLLMEngine(engine_config, checkpoint=checkpoint, progress=not args.no_progress)
 
     url = _url(server_config.host, sock.getsockname()[1])
 

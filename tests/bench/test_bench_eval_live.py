@@ -22,13 +22,15 @@ def text_file(tmp_path_factory):
     return str(path)
 
 
-def _run_json(capsys, argv) -> dict:
+def _run_json(capsys, argv) -> tuple[dict, str]:
+    """The JSON on stdout and what went to stderr."""
     assert main(argv) == 0
-    return json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    return json.loads(captured.out), captured.err
 
 
 def test_eval_kl_and_ppl_on_embedded_model(text_file, capsys):
-    kl = _run_json(capsys, ["eval", "kl", "--text", text_file, "--chunks", "2", "--chunk-len", "48",
+    kl, kl_err = _run_json(capsys, ["eval", "kl", "--text", text_file, "--chunks", "2", "--chunk-len", "48",
                             "--quantization", "mxfp4", "--rule", "noclip", "--activations", "bf16", "--device", "cpu", "--json"])
     assert (kl["chunks"], kl["tokens"]) == (2, 2 * 47)
     # a working 135M model predicts English far better than chance (ppl 49152) and worse than perfect
@@ -36,8 +38,9 @@ def test_eval_kl_and_ppl_on_embedded_model(text_file, capsys):
     assert 0.0 < kl["kl"] < 3.0  # 4-bit weights move the distributions, but not to noise
     assert 0.3 < kl["top1_agreement"] < 1.0
     assert kl["results"][0]["label"] == "mxfp4 noclip W4A16"
-    ppl = _run_json(capsys, ["eval", "ppl", "--text", text_file, "--chunks", "2", "--chunk-len", "48",
-                             "--device", "cpu", "--json"])
+    ppl, ppl_err = _run_json(capsys, ["eval", "ppl", "--text", text_file, "--chunks", "2", "--chunk-len", "48",
+                                      "--device", "cpu", "--json", "--no-progress"])
+    assert "tensor/s" in kl_err and "tensor/s" not in ppl_err  # the loading bars, drawn unless --no-progress
     assert "kl" not in ppl and ppl["tokens"] == kl["tokens"]
     # the same 16-bit model on the same chunks: the KL run's reference perplexity
     assert ppl["ppl"] == pytest.approx(kl["reference_ppl"], rel=1e-6)

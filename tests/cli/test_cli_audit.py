@@ -71,7 +71,7 @@ def test_eval_refuses_a_quantization_flag_beside_variants(capsys, monkeypatch, t
 
     text = tmp_path / "t.txt"
     text.write_text("some text")
-    monkeypatch.setattr(quality, "run_eval", lambda req, loader: pytest.fail("evaluated despite the conflict"))
+    monkeypatch.setattr(quality, "run_eval", lambda req, loader, **_: pytest.fail("evaluated despite the conflict"))
     assert main(["eval", mode, "--text", str(text), "--variants", "mxfp4/mse/fp8", *flags]) == 2
     err = _error_line(capsys)
     assert err.startswith(f"radiance eval {mode}: error: {flags[0]} {flags[1]}") and "--variants" in err

@@ -35,7 +35,7 @@ class _FakeLLM:
 @pytest.fixture
 def fake(monkeypatch):
     llm = _FakeLLM()
-    monkeypatch.setattr(LLM, "from_engine_config", lambda config: llm)
+    monkeypatch.setattr(LLM, "from_engine_config", lambda config, **_: llm)
     return llm
 
 

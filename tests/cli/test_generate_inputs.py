@@ -43,7 +43,7 @@ class _FakeLLM:
 @pytest.fixture
 def fake(monkeypatch):
     llm, loads = _FakeLLM(), []
-    monkeypatch.setattr(LLM, "from_engine_config", lambda config: loads.append(config) or llm)
+    monkeypatch.setattr(LLM, "from_engine_config", lambda config, **_: loads.append(config) or llm)
     llm.loads = loads
     return llm
 

@@ -32,7 +32,7 @@ def test_generate_refuses_a_length_above_the_context(capsys):
 def test_serve_refuses_a_length_above_the_context(monkeypatch, capsys):
     real = radiance.engine.AsyncLLMEngine
 
-    def engine_then_stop(config, checkpoint=None):  # a load that succeeds stops the server too (the old code served on)
+    def engine_then_stop(config, checkpoint=None, **_):  # a load that succeeds stops the server too (the old code served on)
         real(config, checkpoint=checkpoint)
         raise ConfigError("the engine loaded")
 

@@ -305,7 +305,7 @@ def test_a_load_that_fails_by_a_bug_is_reported_once(monkeypatch, caplog):
     import radiance.engine
     from radiance.cli import main
 
-    def broken_engine(config, checkpoint=None):
+    def broken_engine(config, checkpoint=None, **_):
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(radiance.engine, "AsyncLLMEngine", broken_engine)

@@ -46,7 +46,7 @@ class _FakeLLM:
 def test_a_dash_reads_the_prompt_from_stdin(monkeypatch):
     """`generate -` sent the prompt "-" to the model; a long prompt had to be quoted on the command line."""
     fake = _FakeLLM()
-    monkeypatch.setattr(LLM, "from_engine_config", lambda config: fake)
+    monkeypatch.setattr(LLM, "from_engine_config", lambda config, **_: fake)
     monkeypatch.setattr("sys.stdin", io.StringIO("Summarize:\nline one\nline two\n"))
     assert main(["generate", "-", "--no-chat", "--max-tokens", "1"]) == 0
     assert fake.prompts == ["Summarize:\nline one\nline two"]
@@ -95,7 +95,7 @@ class _ClosedPipe:
 
 def test_a_reader_that_goes_away_mid_stream_is_no_traceback(monkeypatch):
     """`radiance generate ... | head -c 3` ended in a BrokenPipeError traceback."""
-    monkeypatch.setattr(LLM, "from_engine_config", lambda config: _FakeLLM())
+    monkeypatch.setattr(LLM, "from_engine_config", lambda config, **_: _FakeLLM())
     monkeypatch.setattr("sys.stdout", _ClosedPipe(fail_on_write=True))
     assert main(["generate", "hi", "--no-chat"]) == 141
 
@@ -107,6 +107,6 @@ def test_output_still_buffered_when_the_reader_went_away_is_no_traceback(monkeyp
 
     text = tmp_path / "t.txt"
     text.write_text("some text")
-    monkeypatch.setattr(quality, "run_eval", lambda req, loader: {"ppl": 12.5})
+    monkeypatch.setattr(quality, "run_eval", lambda req, loader, **_: {"ppl": 12.5})
     monkeypatch.setattr("sys.stdout", _ClosedPipe(fail_on_write=False))
     assert main(["eval", "ppl", "--text", str(text), "--json"]) == 141

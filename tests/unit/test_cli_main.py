@@ -47,3 +47,28 @@ def no_loading(monkeypatch):
 def test_generate_checks_its_options_before_loading(no_loading, capsys, argv, message):
     assert main(["generate", "hi", *argv]) == 2
     assert message in _one_error_line(capsys, "radiance generate: error:")
+
+
+@pytest.mark.parametrize("argv, level, no_progress", [
+    (["generate", "x", "--log-level", "DEBUG", "--no-progress"], "DEBUG", True),
+    (["--log-level", "ERROR", "generate", "x"], "ERROR", False),  # a subcommand's unset option keeps the top's
+    (["--no-progress", "--log-level", "ERROR", "generate", "x", "--log-level", "WARNING"], "WARNING", True),
+    (["bench", "serve", "--url", "http://h", "--log-level", "ERROR"], "ERROR", False),
+    (["bench", "--no-progress", "serve", "--url", "http://h"], "INFO", True),
+    (["eval", "kl", "--text", "t.txt", "--no-progress"], "INFO", True),
+    (["convert", "a", "b", "--no-progress", "--log-level", "DEBUG"], "DEBUG", True),
+    (["serve", "--log-level", "WARNING"], "WARNING", False),
+])
+def test_global_options_are_taken_before_or_after_the_command(monkeypatch, argv, level, no_progress):
+    from radiance.cli import build_parser
+
+    monkeypatch.delenv("RADIANCE_LOG_LEVEL", raising=False)
+    args = build_parser().parse_args(argv)
+    assert (args.log_level, args.no_progress) == (level, no_progress)
+
+
+@pytest.mark.parametrize("flags, bar", [([], True), (["--no-progress"], False)])
+def test_generate_draws_the_loading_bar_unless_told_not_to(capsys, flags, bar):
+    assert main(["--log-level", "ERROR", "generate", "hi", "--max-tokens", "1", "--device", "cpu", *flags]) == 0
+    err = capsys.readouterr().err
+    assert ("tensor/s" in err) == bar, err[-500:]

@@ -131,7 +131,7 @@ def test_port_0_serves_on_the_port_it_reports(monkeypatch, caplog, capsys):
 
     health = {}
 
-    def fake_engine(config, checkpoint=None):
+    def fake_engine(config, checkpoint=None, **_):
         url = f"http://127.0.0.1:{bound[0]}/health"
         try:
             urllib.request.urlopen(url, timeout=10)
