@@ -105,16 +105,19 @@ def read_prompt(prompt: str) -> str:
 
 
 def structured_output_from_args(args):
-    """The StructuredOutput the constraint options ask for, or None."""
-    from radiance.engine.structured_output import StructuredOutput
+    """The StructuredOutput the constraint options ask for (checked: it parses), or None."""
+    from radiance.engine.structured_output import StructuredOutput, check_syntax
 
     if args.json_schema is not None:
-        return StructuredOutput(json=_json_schema_text(args.json_schema))
-    if args.grammar is not None:
-        return StructuredOutput(grammar=_read(args.grammar, "--grammar"))
-    if args.json_object or args.regex is not None or args.choice is not None:
-        return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice)
-    return None
+        spec = StructuredOutput(json=_json_schema_text(args.json_schema))
+    elif args.grammar is not None:
+        spec = StructuredOutput(grammar=_read(args.grammar, "--grammar"))
+    elif args.json_object or args.regex is not None or args.choice is not None:
+        spec = StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice)
+    else:
+        return None
+    check_syntax(spec)
+    return spec
 
 
 def _json_schema_text(value: str) -> str:

@@ -194,6 +194,21 @@ def _check_servable(spec: StructuredOutput) -> None:
         check_json_schemas({"#": schema}, "invalid json constraint")
 
 
+def check_syntax(spec: StructuredOutput) -> None:
+    """What needs no tokenizer: the constraint parses and is servable. `radiance generate` checks this before the
+    model loads (a typo in a regex is one line at once, not after minutes of loading)."""
+    import xgrammar as xgr
+
+    _check_servable(spec)
+    try:
+        if spec.grammar is not None:
+            xgr.Grammar.from_ebnf(spec.grammar)
+        else:
+            _grammar(spec)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise StructuredOutputError(f"invalid {spec.kind} constraint: {_reason(exc)}") from exc
+
+
 def _reason(exc: Exception) -> str:
     """xgrammar's message without its '[time] /path/file.cc:line: ' prefix."""
     text = str(exc).strip()

@@ -73,6 +73,29 @@ def test_a_constraint_file_that_is_not_utf8_names_the_flag_and_file(fake, capsys
     assert f"{flag}: {path} is not UTF-8 text" in _error_line(capsys)  # was the codec's message alone
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--regex", "a(b", "invalid regex constraint: Regex parsing error at position 4"),
+    ("--grammar", "root ::= foo", 'invalid grammar constraint: EBNF parser error at line 1, column 10: Rule "foo"'),
+    ("--json-schema", '{"type": "objectx"}', 'invalid json constraint: Unsupported type "objectx"'),
+    ("--choice", None, "invalid choice constraint: 1001 choices, more than the 1000 allowed"),
+])
+def test_a_constraint_that_does_not_parse_is_one_line_before_the_model_loads(fake, capsys, tmp_path, flag, value,
+                                                                              message):
+    """Was: found when the request was added, after the model had loaded (xgrammar parses without a tokenizer)."""
+    if flag == "--grammar":
+        (tmp_path / "g.ebnf").write_text(value)
+        value = str(tmp_path / "g.ebnf")
+    values = [f"c{i}" for i in range(1001)] if flag == "--choice" else [value]
+    assert main(["generate", "hi", flag, *values]) == 2
+    assert message in _error_line(capsys)
+    assert fake.loads == []
+
+
+def test_a_constraint_that_parses_reaches_the_engine(fake, capsys):
+    assert main(["generate", "hi", "--regex", "[ab]+", "--no-chat"]) == 0
+    assert fake.engine.params.structured_output.regex == "[ab]+"
+
+
 def test_serve_a_chat_template_that_is_not_utf8_names_the_flag_and_file(capsys, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_bytes(b"\xd7\xff{{ messages }}")
