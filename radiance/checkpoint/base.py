@@ -57,6 +57,12 @@ class Checkpoint(ABC):
         ...
 
     @property
+    def has_tokenizer(self) -> bool:
+        """Whether the checkpoint carries a tokenizer (found without loading it); without one only token-id prompts
+        can be served."""
+        return True
+
+    @property
     @abstractmethod
     def chat_template(self) -> str | None:
         ...

@@ -55,6 +55,9 @@ class _Linear:
     modules: tuple[str, ...]  # checkpoint projections, partition order
     formats: tuple[str, ...]  # stored format of each projection
 
+# a tokenizer's own files (tokenizer_config.json alone is settings, not a vocabulary); Kimi's: *.tiktoken
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
 
 class HfCheckpoint(Checkpoint):
     def __init__(self, path: str):
@@ -326,6 +329,11 @@ class HfCheckpoint(Checkpoint):
                              "merged as 16-bit (bfloat16)")
             return concat_partitions([DenseWeight(dequantize(w).to(torch.bfloat16)) for w in weights])
         return concat_partitions(weights)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        names = os.listdir(self.path)
+        return any(name in TOKENIZER_FILES or name.endswith(".tiktoken") for name in names)
 
     def tokenizer(self):
         if self._tokenizer is None:

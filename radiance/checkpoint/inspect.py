@@ -149,6 +149,8 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list
     """(the lines `radiance inspect` prints, its warnings: first of all why radiance cannot serve the model)."""
     problem = servability_problem(ckpt)
     warnings = ([f"not servable: {problem}"] if problem else []) + list(ckpt.warnings)
+    if not ckpt.has_tokenizer:
+        warnings.append("no tokenizer: only token-id prompts can be served (no text, no chat)")
     entries = ckpt.describe()
     served_from = ckpt.config.get("served_from")  # a vision-language model: its language model alone
     kind = f"{ckpt.kind}, {ckpt.architecture}" + (f" (the language model of {served_from})" if served_from else "")
@@ -166,8 +168,9 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list
     template = ckpt.chat_template
     named = [name for name in getattr(ckpt, "chat_templates", {}) if name != "default"]  # tool_use, ...
     lines.append(f"generation eos ids {ckpt.eos_token_ids}, chat template {'yes' if template else 'no'}"
-                 + (f" (named: {', '.join(named)})" if named else ""))
-    if with_tokenizer:
+                 + (f" (named: {', '.join(named)})" if named else "")
+                 + ("" if ckpt.has_tokenizer else ", no tokenizer"))
+    if with_tokenizer and ckpt.has_tokenizer:
         tok = ckpt.tokenizer()
         lines.append(f"tokenizer  {type(tok).__name__}, {len(tok)} tokens")
 

@@ -93,8 +93,18 @@ def test_a_supported_model_type_without_architectures_is_served(model_type, cls)
 
 
 def test_a_servable_checkpoint_says_so(tmp_path, capsys):
-    code, out = _inspect(capsys, _dir(tmp_path), "--strict")
+    code, out = _inspect(capsys, _dir(tmp_path, tokenizer=True), "--strict")
     assert code == 0 and "servable   yes" in out and "warnings   none" in out
+
+
+def test_a_checkpoint_without_a_tokenizer_is_a_warning(tmp_path, capsys):
+    """Was: `inspect --strict` passed, and the model then served token-id prompts only."""
+    path = _dir(tmp_path)
+    code, out = _inspect(capsys, path, "--strict")
+    assert code == 1 and "servable   yes" in out and ", no tokenizer" in out
+    assert "  - no tokenizer: only token-id prompts can be served" in out
+    code, out = _inspect(capsys, path, "--tokenizer")  # nothing to load: the same warning, not an error
+    assert code == 0 and "tokenizer  " not in out and "  - no tokenizer" in out
 
 
 # ---------------------------------------------------------------- rope scaling
@@ -192,7 +202,7 @@ def test_rotary_inv_freq_buffers_of_old_exports_are_skipped(tmp_path, capsys):
     tensors = dense_state_dict()
     for i in range(TINY["num_hidden_layers"]):
         tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
-    path = _dir(tmp_path, tensors=tensors)
+    path = _dir(tmp_path, tensors=tensors, tokenizer=True)
     assert _inspect(capsys, path, "--strict")[0] == 0
     assert torch.isfinite(_load(path).model.forward_logits(torch.tensor([[3, 4]]))).all()
     convert_checkpoint(path, str(tmp_path / "out"), ConvertConfig(format="mxfp4"), progress=False)
@@ -232,7 +242,7 @@ def test_tied_and_untied_heads_that_load_pass_every_check(tmp_path, capsys, tied
     tensors = dense_state_dict()  # TINY is untied: it has lm_head.weight
     if not with_head:
         tensors.pop("lm_head.weight")
-    path = _dir(tmp_path, {"tie_word_embeddings": tied}, tensors)
+    path = _dir(tmp_path, {"tie_word_embeddings": tied}, tensors, tokenizer=True)
     assert _inspect(capsys, path, "--strict")[0] == 0
     convert_checkpoint(path, str(tmp_path / "out"), ConvertConfig(format="mxfp4"), progress=False)
     loaded = _load(str(tmp_path / "out")).model
