@@ -212,7 +212,14 @@ def run_eval_command(args) -> int:
         _check_variants_alone(args)
         variants = tuple(quality.Variant.parse(v) for v in args.variants)
     else:
-        variants = (quality.Variant(args.quantization, args.rule, args.activations),)
+        variant = quality.Variant(args.quantization, args.rule, args.activations)
+        defaults = _eval_defaults(args.eval_mode)
+        unused = variant.unused_parts(rule_given=args.rule != defaults["rule"],
+                                      activations_given=args.activations != defaults["activations"])
+        if unused:
+            raise ConfigError(f"--quantization {args.quantization} --rule {args.rule} --activations "
+                              f"{args.activations}: {unused}")
+        variants = (variant,)
     req = quality.EvalRequest(args.eval_mode, args.model, variants, args.text, args.chunks, args.chunk_len,
                               args.device, args.dtype, args.first_chunk)
     progress = not args.no_progress

@@ -88,7 +88,19 @@ class Variant:
         parts = body.split("/")
         if not 1 <= len(parts) <= 3:
             raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]][+head|+head2][{KV_SUFFIX}]")
-        return cls(*parts, lm_head=head, kv_cache=kv)
+        variant = cls(*parts, lm_head=head, kv_cache=kv)
+        unused = variant.unused_parts(rule_given=len(parts) > 1, activations_given=len(parts) > 2)
+        if unused:  # was dropped without a word: 'none/ocp' evaluated the 16-bit model
+            raise ConfigError(f"variant {spec!r}: {unused}")
+        return variant
+
+    def unused_parts(self, rule_given: bool, activations_given: bool) -> str | None:
+        """Why a rule or activations given would change nothing, or None."""
+        if self.quantization == "none" and (rule_given or activations_given):
+            return "the 16-bit model (none) has no block-exponent rule or 4-bit activations to pick"
+        if self.rule == "none" and activations_given and self.activations == "fp8":
+            return "NVFP4 served as W4A16 (rule none) keeps 16-bit activations, not fp8"
+        return None
 
     @property
     def label(self) -> str:

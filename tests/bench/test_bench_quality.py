@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -96,6 +97,28 @@ def test_variant_parsing_and_labels():
                 "nvfp4/none+head2", "none+head2", "mxfp4+fp8kv+head", "none+kv"):
         with pytest.raises(ConfigError):
             Variant.parse(bad)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("none/ocp", "the 16-bit model (none) has no block-exponent rule"),  # was the 16-bit model, without a word
+    ("none/mse/bf16+fp8kv", "the 16-bit model (none) has no block-exponent rule"),
+    ("nvfp4/none/fp8", "keeps 16-bit activations, not fp8"),
+])
+def test_a_variant_part_that_would_change_nothing_is_an_error(spec, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Variant.parse(spec)
+    assert Variant.parse("nvfp4/none/bf16") == Variant("nvfp4", "none", "bf16")  # what it serves: fine
+
+
+@pytest.mark.parametrize("flags", [["--rule", "ocp"], ["--activations", "bf16"]])
+def test_eval_of_the_16_bit_model_refuses_a_rule_or_activations(flags, tmp_path, capsys):
+    from radiance.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 50)
+    assert main(["eval", "ppl", "--text", str(text), *flags]) == 2
+    err = capsys.readouterr().err
+    assert "the 16-bit model (none) has no block-exponent rule" in err and len(err.strip().splitlines()) == 1
 
 
 def test_run_eval_end_to_end_with_a_fake_loader(tmp_path):
