@@ -78,10 +78,12 @@ def test_eval_refuses_a_quantization_flag_beside_variants(capsys, monkeypatch, t
 
 
 def test_a_multi_line_library_message_is_one_error_line(capsys, tmp_path):
-    """A Llama directory without tokenizer files: transformers' answer spans lines; was printed as it came."""
+    """A Llama directory whose tokenizer is a vocab.json alone: transformers' answer spans lines; was printed as it
+    came."""
     from tests.checkpoint.factory import TINY, dense_state_dict, write_dir
 
     path = write_dir(str(tmp_path / "m"), dense_state_dict(), TINY)
+    (tmp_path / "m" / "vocab.json").write_text("{}")
     assert main(["inspect", "--tokenizer", path]) == 2
     err = _error_line(capsys)
     assert err.startswith("radiance inspect: error: cannot load the tokenizer") and path in err
