@@ -192,10 +192,13 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list
                      f"{_mib(sum(e.nbytes for e in group)):>11}{note}")
     if not linears:
         lines.append("  (none)")
-    lines += ["", "other tensors", f"  {'name':<46}{'count':>6}  {'dtype':<10}{'shape':<16}{'bytes':>11}"]
+    name_width = max([46] + [len(name) + 1 for name, *_ in others])  # Gemma 3's pre_feedforward_layernorm: 52
+    shape_width = max([16] + [len(_shape(shape)) + 1 for _, _, shape, _ in others])
+    lines += ["", "other tensors",
+              f"  {'name':<{name_width}}{'count':>6}  {'dtype':<10}{'shape':<{shape_width}}{'bytes':>11}"]
     for (name, fmt, shape, source), group in others.items():
         note = f"  stored {source}" if source else ""
-        lines.append(f"  {name:<46}{len(group):>6}  {fmt:<10}{_shape(shape):<16}"
+        lines.append(f"  {name:<{name_width}}{len(group):>6}  {fmt:<10}{_shape(shape):<{shape_width}}"
                      f"{_mib(sum(e.nbytes for e in group)):>11}{note}")
     if ckpt.attention_scales:  # calibrated fp8 KV-cache scales (applied with --kv-cache-dtype fp8)
         for kind in ("k_scale", "v_scale"):

@@ -3,6 +3,8 @@ layers alternating with one rope, and the soft-capped attention and output logit
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -38,6 +40,26 @@ def test_inspect_names_the_caps(tiny_model_dir):
     lines = inspect_lines(open_checkpoint(tiny_model_dir("gemma2")[0]))
     assert ("attention  sliding window 24 tokens on layers 0 (1 of 2), full causal on the others, attention logits "
             "soft-capped at 2, output logits soft-capped at 3") in lines
+
+
+def test_inspect_columns_stay_aligned_past_long_norm_names(tiny_model_dir):
+    """Gemma 2's `model.layers.*.pre_feedforward_layernorm.weight` (48 characters) pushed its row's count, dtype
+    and shape one column right of the header's."""
+    from radiance.checkpoint.inspect import inspect_lines
+
+    lines = inspect_lines(open_checkpoint(tiny_model_dir("gemma2")[0]))
+    start = lines.index("other tensors") + 1
+    rows = lines[start:lines.index("", start)]
+    assert any("pre_feedforward_layernorm" in row for row in rows)
+    for column in ("count", "dtype", "shape", "bytes"):
+        # right-aligned columns end where the header's word ends, left-aligned ones start where it starts
+        at = rows[0].index(column) + (len(column) if column in ("count", "bytes") else 0)
+        for row in rows[1:]:
+            fields = [(m.start(), m.end()) for m in re.finditer(r"\S+(?: \S+)?", row)]
+            if column in ("count", "bytes"):
+                assert any(end == at for _, end in fields), (column, row)
+            else:
+                assert any(begin == at for begin, _ in fields), (column, row)
 
 
 @pytest.mark.parametrize("chunk", [None, 16])  # one prefill, or chunks smaller than the window
