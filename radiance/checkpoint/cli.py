@@ -37,8 +37,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     _check_mxfp4_options(config)
     report = convert_checkpoint(_source(args.src), args.dst, config, progress=not args.no_progress)
-    print(report.summary())
-    print(f"wrote {args.dst}")
+    print(report.summary())  # the result on stdout; the log lines (stderr) say what was read and written
     return 0
 
 

@@ -74,8 +74,3 @@ class RequantReport:
         return (f"converted {len(self.entries)} linears {sources} -> {self.target_format}{rule} ({kinds}){kept}; "
                 f"relRMS mean {self.mean_rel_rms():.4f}, worst {worst.rel_rms:.4f} ({worst.name}); "
                 f"{self.seconds:.1f} s")
-
-    def log_summary(self) -> str:
-        line = self.summary()
-        self.log.info(line)
-        return line

@@ -225,6 +225,5 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
     # config.json last: its presence marks a complete conversion
     with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as handle:
         json.dump(out_config, handle, indent=2)
-    report.log_summary()
     logger.info("wrote %s (%d file(s), %.1f MiB)", dst, len(files), writer.total_bytes / 2**20)
     return report

@@ -149,20 +149,27 @@ def test_report_lines(caplog):
         report.add("model.layers.0.mlp.down_proj", "nvfp4", 0.2)
         report.add("model.layers.1.mlp.down_proj", "nvfp4", 0.1)
         report.keep("lm_head", "dense")
-        line = report.log_summary()
+        line = report.summary()
     assert line.startswith("converted 3 linears nvfp4 -> mxfp4, rule mse (qkv_proj 1, down_proj 2); kept 1 dense")
     assert "mean 0.1500, worst 0.2000 (model.layers.0.mlp.down_proj)" in line
     assert any("qkv_proj: nvfp4 -> mxfp4 relRMS 0.1500" in r.message for r in caplog.records)
-    assert caplog.records[-1].levelno == logging.INFO
 
 
-def test_cli_convert_and_inspect(source, tmp_path, capsys):
+def test_cli_convert_and_inspect(source, tmp_path, capsys, caplog):
+    import logging
+
     from radiance.cli import main
+
+    caplog.set_level(logging.INFO)
 
     dst = str(tmp_path / "fp8")
     assert main(["convert", source, dst, "--format", "fp8", "--ignore", r"layers\.1\.", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "converted 4 linears dense -> fp8 (down_proj 1, gate_up_proj 1, o_proj 1, qkv_proj 1); kept 4 dense" in out
+    summary = "converted 4 linears dense -> fp8 (down_proj 1, gate_up_proj 1, o_proj 1, qkv_proj 1); kept 4 dense"
+    assert out.startswith(summary) and len(out.splitlines()) == 1
+    # once: the summary was also an INFO line, and "wrote DST" printed beside the log's own "wrote DST (files, MiB)"
+    assert not any("converted 4" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith(f"wrote {dst} (") for r in caplog.records)
     assert main(["inspect", dst]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(l.split()[:4] == ["qkv_proj", "1", "fp8", "[128,"] for l in lines)
