@@ -256,6 +256,7 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases (each once); default from the model
     api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY` (printable ASCII)
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
+    trust_request_chat_template: bool = False  # render a request's own `chat_template` (vLLM's field); off: such a request is a 400, since a template is code the server runs
     tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony, none; auto: the template's markup
     reasoning_parser: str = "auto"  # think, mistral, harmony, none; auto: from the template (<|channel|>: harmony, [THINK]: mistral, <think>: think)
     max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for, in [0, 20] (OpenAI's limit: it only lowers it)

@@ -293,6 +293,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs = None
+    chat_template: str | None = Field(None, min_length=1)  # vLLM's: this request's own template (a trusted server's)
     # OpenAI's reasoning effort: "none" / "minimal" turn a thinking template's thinking off (enable_thinking,
     # as Qwen3's templates read it); every value also reaches the template as `reasoning_effort`
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
@@ -362,6 +363,7 @@ class TokenizeRequest(_Model):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs = None
+    chat_template: str | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
 
     @model_validator(mode="after")
@@ -375,7 +377,8 @@ class TokenizeRequest(_Model):
     def chat_request(self) -> ChatCompletionRequest:
         return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
                                      continue_final_message=self.continue_final_message,
-                                     chat_template_kwargs=self.chat_template_kwargs, tools=self.tools)
+                                     chat_template_kwargs=self.chat_template_kwargs,
+                                     chat_template=self.chat_template, tools=self.tools)
 
 
 class DetokenizeRequest(_Model):

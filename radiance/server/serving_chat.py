@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radiance.engine.structured_output import StructuredOutput
+from radiance.errors import ConfigError
 from radiance.server.chat_template import (TemplateError, close_thinking, prompt_closes_thinking,
                                            prompt_opens_thinking, render_chat)
 from radiance.server.chat_tools import forced_tool_call_constraint, forced_tool_call_prefix, strict_tools_constraint
@@ -151,9 +152,20 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+def _request_template(state: ServerState, req: ChatCompletionRequest) -> str | None:
+    """The request's own chat_template where the server trusts them (as vLLM's --trust-request-chat-template)."""
+    if req.chat_template is None:
+        return None
+    if not state.config.trust_request_chat_template:
+        raise invalid("a request's own chat_template is refused: a template is code the server runs (start it "
+                      "with --trust-request-chat-template to allow them, or --chat-template for one of its own)",
+                      param="chat_template")
+    return req.chat_template
+
+
 def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: bool, **template_kwargs: Any) -> str:
     """The request's prompt; `template_kwargs` over the request's own (thinking_before_answer's probe)."""
-    template = (state.tool_chat_template if use_tools else None) or state.chat_template
+    template = _request_template(state, req) or (state.tool_chat_template if use_tools else None) or state.chat_template
     if not template:
         raise invalid("this model has no chat template; pass one with --chat-template or use /v1/completions",
                       param="messages")
@@ -168,6 +180,8 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
                              add_generation_prompt=req.add_generation_prompt, **kwargs)
     except TemplateError as exc:
         raise invalid(str(exc), param="messages") from exc
+    except ConfigError as exc:  # only a request's own template can fail to parse here: the server's was checked
+        raise invalid(str(exc), param="chat_template") from exc
     if req.continue_final_message:
         last = messages[-1].get("content") or ""
         cut = prompt.rfind(last)

@@ -26,10 +26,10 @@ import radiance.engine
 from radiance.engine.async_engine import AsyncLLMEngine
 from tests.server.test_lifecycle_followups import StepEngine
 
-def never_loads(config, checkpoint=None):
+def never_loads(config, checkpoint=None, **_):
     time.sleep(120)
 
-def steps(config, checkpoint=None):
+def steps(config, checkpoint=None, **_):
     return AsyncLLMEngine(engine=StepEngine(step_s=0.05))
 
 radiance.engine.AsyncLLMEngine = never_loads if sys.argv[1] == "never-loads" else steps
