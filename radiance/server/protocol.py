@@ -294,6 +294,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs = None
     chat_template: str | None = Field(None, min_length=1)  # vLLM's: this request's own template (a trusted server's)
+    echo: bool = False  # vLLM's: the answer starts with the last message's content when that is the assistant's
     # OpenAI's reasoning effort: "none" / "minimal" turn a thinking template's thinking off (enable_thinking,
     # as Qwen3's templates read it); every value also reaches the template as `reasoning_effort`
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
@@ -324,6 +325,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def echoed_text(self) -> str:
+        """What `echo` puts before the answer: the last message's content when it is the assistant's (the message a
+        continue_final_message request continues), as vLLM; else nothing."""
+        last = self.messages[-1]
+        return (last.text() or "") if self.echo and last.role == "assistant" else ""
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -316,8 +316,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     chat = await prepare_chat(state, req, request_id)
     choices = chat.choices
     outputs = merged_outputs(engine, chat.jobs, state.metrics)
+    echoed = req.echoed_text()
     if req.stream:
-        stream = _stream(request_id, model, outputs, choices, len(chat.prompt_ids), StreamUsage(req.stream_options))
+        stream = _stream(request_id, model, outputs, choices, len(chat.prompt_ids), StreamUsage(req.stream_options),
+                         echoed)
         return StreamingResponse(stream, media_type="text/event-stream")
     deltas: list[dict] = [{} for _ in choices]
     logprobs: list[list | None] = [None for _ in choices]
@@ -329,7 +331,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             logprobs[index] = (logprobs[index] or []) + lp["content"]
 
     await collect_until_disconnect(request, outputs, on_output)
-    body = _response(request_id, model, choices, deltas, logprobs, len(chat.prompt_ids))
+    body = _response(request_id, model, choices, deltas, logprobs, len(chat.prompt_ids), echoed)
     if req.prompt_logprobs is not None:  # vLLM's top-level field: the prompt's, which every choice shares
         first = choices[0].output
         body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, first.prompt_logprobs if first else None,
@@ -346,10 +348,11 @@ def _merge_delta(total: dict, delta: dict) -> None:
 
 
 def _response(request_id: str, model: str, choices: list[ChoiceStream], deltas: list[dict],
-              logprobs: list[list | None], prompt_len: int) -> dict:
+              logprobs: list[list | None], prompt_len: int, echoed: str = "") -> dict:
     body_choices = []
     for choice, delta, lp in zip(choices, deltas, logprobs):
-        message = {"role": "assistant", "content": delta.get("content") or (None if delta.get("tool_calls") else "")}
+        content = echoed + (delta.get("content") or "")
+        message = {"role": "assistant", "content": content or (None if delta.get("tool_calls") else "")}
         if "reasoning_content" in delta:
             message["reasoning_content"] = message["reasoning"] = delta["reasoning_content"]
         if delta.get("tool_calls"):
@@ -370,7 +373,7 @@ def _usage(choices: list[ChoiceStream], prompt_len: int) -> dict:
 
 
 def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[ChoiceStream], prompt_len: int,
-            stream_usage: StreamUsage) -> AsyncIterator[str]:
+            stream_usage: StreamUsage, echoed: str = "") -> AsyncIterator[str]:
     created = now()
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
@@ -381,6 +384,8 @@ def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[C
     async def events() -> AsyncIterator[str]:
         for choice in choices:
             yield sse(chunk(choice.index, {"role": "assistant", "content": ""}))
+            if echoed:
+                yield sse(chunk(choice.index, {"content": echoed}))
         async for index, out in outputs:
             choice = choices[index]
             delta, logprobs = choice.step(out)

@@ -1,0 +1,49 @@
+"""vLLM's chat `echo`: the answer starts with the last message's content when that message is the assistant's (the
+one continue_final_message continues), streamed or whole, in every choice; was ignored (logged)."""
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.fake_engine import FakeEngine, serve_engine
+
+CONTINUED = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "SAY:one two"}]
+
+
+def _chat(url, messages, **fields):
+    body = {"model": "fake", "messages": messages, "max_tokens": 32, **fields}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+
+
+def _streamed_contents(response) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    return texts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_continued_message_before_the_answer(stream):
+    """The fake engine answers the text after the prompt's last SAY:, here "one two"."""
+    fields = {"echo": True, "add_generation_prompt": False, "continue_final_message": True, "n": 2, "stream": stream}
+    with serve_engine(FakeEngine()) as url:
+        r = _chat(url, CONTINUED, **fields)
+        assert r.status_code == 200, r.text
+        if stream:
+            texts = _streamed_contents(r)
+        else:
+            texts = {c["index"]: c["message"]["content"] for c in r.json()["choices"]}
+            assert r.json()["usage"]["completion_tokens"] == 2 * len("one two")  # the echo is not generated
+        assert texts == {0: "SAY:one twoone two", 1: "SAY:one twoone two"}
+        without = _chat(url, CONTINUED, **dict(fields, echo=False))
+        assert (_streamed_contents(without) if stream else
+                {c["index"]: c["message"]["content"] for c in without.json()["choices"]}) == {0: "one two", 1: "one two"}
+
+
+def test_echo_after_a_user_message_adds_nothing():
+    with serve_engine(FakeEngine()) as url:
+        r = _chat(url, [{"role": "user", "content": "SAY:hello"}], echo=True)
+        assert r.json()["choices"][0]["message"]["content"] == "hello"
