@@ -156,8 +156,8 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 
 class _Request(_Model):
     """A request body (chat, completions, responses): its top-level fields radiance does not know are ignored (as
-    vLLM does; OpenAI would refuse them) and logged, so that an extension a client relies on (vLLM's chat echo,
-    priority, ...) is not silently lost."""
+    vLLM does; OpenAI would refuse them) and logged, so that an extension a client relies on (vLLM's `documents`,
+    `mm_processor_kwargs`, ...) is not silently lost."""
 
     @model_validator(mode="before")
     @classmethod
@@ -198,6 +198,9 @@ class _SamplingFields(_Request):
     # vLLM's extension: logprobs name each token "token_id:N" (a part of a character, or a text that is not
     # JSON-clean, still identifies its token)
     return_tokens_as_token_ids: bool = False
+    # vLLM's: a request's place in a priority-scheduled queue; the scheduler is first-come first-served, so only 0
+    # (vLLM's answer without --scheduling-policy priority)
+    priority: int = 0
     user: str | None = None
     # the output held to a constraint: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
     # older guided_* fields (at most one of them)
@@ -215,6 +218,14 @@ class _SamplingFields(_Request):
         validator below, it named none."""
         if value is not None:
             StructuredOutput(**{_GUIDED_FIELDS[info.field_name]: value})
+        return value
+
+    @field_validator("priority")
+    @classmethod
+    def _no_priority_scheduling(cls, value: int) -> int:
+        if value != 0:
+            raise ValueError(f"got priority {value}, but requests are served first come, first served (no "
+                             "priority scheduling): leave it out or 0")
         return value
 
     @model_validator(mode="after")

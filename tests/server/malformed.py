@@ -93,6 +93,10 @@ MALFORMED = [
      "chat_template_kwargs"),  # a second value for render_chat's own argument: a TypeError, a 500
     ("chat_template_kwargs setting messages to tokenize", "POST", "/tokenize",
      {"messages": MSG, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+    ("priority without priority scheduling", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "priority": 3}, 400, "priority"),  # was ignored, logged
+    ("chat_template in a request to a server that does not trust them", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "chat_template": "{{ messages }}"}, 400, "chat_template"),
     ("stop with an empty string", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "stop": [""]},
      400, "stop"),
     ("response_format an unknown type", "POST", "/v1/chat/completions",
