@@ -263,6 +263,9 @@ class ServerConfig:
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)
     responses_store: int = 1000  # /v1/responses kept in memory for previous_response_id and GET; 0 = none
     uvicorn_log_level: str = "warning"  # log level of uvicorn's own access and error logs: critical, error, warning, info, debug, trace
+    allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS), e.g. https://chat.example.com, or * for any; default: pages of localhost / 127.0.0.1 / [::1] on any port
+    ssl_keyfile: str | None = None  # serve HTTPS: the private key (PEM), with ssl_certfile
+    ssl_certfile: str | None = None  # serve HTTPS: the certificate chain (PEM) of ssl_keyfile
 
     def __post_init__(self):
         # an empty host (an unset shell variable) would listen on every interface
@@ -277,6 +280,9 @@ class ServerConfig:
         _check(self.responses_store >= 0, "responses_store must be >= 0")
         _check(all(name for name in self.served_model_name), "served_model_name entries must be non-empty")
         _check_distinct(self.served_model_name, "served_model_name")
+        _check((self.ssl_keyfile is None) == (self.ssl_certfile is None),
+               "HTTPS needs both ssl_keyfile and ssl_certfile (or neither, for HTTP)")
+        _check(all(origin for origin in self.allowed_origins), "allowed_origins entries must be non-empty")
         _check(self.api_key is None or self.api_key != "", "api_key must be non-empty when given")
         _check(self.api_key is None or _HEADER_TOKEN.fullmatch(self.api_key) is not None,
                "api_key must be printable ASCII without leading or trailing spaces: the Authorization header "

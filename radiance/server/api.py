@@ -14,6 +14,7 @@ import logging
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from radiance import __version__
@@ -32,6 +33,19 @@ from radiance.server.state import ServerState
 logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = ("/health", "/metrics", "/version", "/ping")
+
+# the web pages a browser lets call the API when no --allowed-origins are given: this machine's own (a local chat
+# UI), not any site the user happens to visit (a local server is otherwise open to every page, as Ollama found)
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def cors_options(allowed_origins: tuple[str, ...]) -> dict:
+    """CORSMiddleware's options: the origins given (`*`: any), else local pages only. Any header (the OpenAI SDKs
+    send x-stainless-*), no cookies (the API key travels in Authorization); pages may read X-Request-Id."""
+    origins = {"allow_origins": ["*"]} if "*" in allowed_origins else (
+        {"allow_origins": list(allowed_origins)} if allowed_origins else {"allow_origin_regex": LOCAL_ORIGINS})
+    return {**origins, "allow_methods": ["GET", "POST", "DELETE"], "allow_headers": ["*"],
+            "expose_headers": ["X-Request-Id"], "allow_credentials": False}
 
 
 class ApiKeyMiddleware:
@@ -165,6 +179,9 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     install_error_handlers(app)
 
     app.add_middleware(ApiKeyMiddleware, state=state)
+    # added last, so outermost: a browser's preflight (no Authorization header) is answered before the key check,
+    # and a 401 carries the CORS headers the page needs to read it
+    app.add_middleware(CORSMiddleware, **cors_options(state.config.allowed_origins))
 
     @app.get("/health")
     async def health():

@@ -58,6 +58,27 @@ def _check_before_loading(engine_config, server_config: ServerConfig) -> None:
     resolve_device(engine_config.model.device)
     _check_chat_template(server_config.chat_template)
     _check_parsers(server_config)
+    _check_tls(server_config)
+
+
+def _check_tls(server_config: ServerConfig) -> None:
+    """The key and certificate load (uvicorn would fail on them only at startup, with a traceback)."""
+    if server_config.ssl_certfile is None:
+        return
+    import ssl
+
+    certfile, keyfile = server_config.ssl_certfile, server_config.ssl_keyfile
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        try:
+            open(path, "rb").close()
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: cannot read it: {exc.strerror}") from None
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except ssl.SSLError as exc:  # OpenSSL's own words ("[SSL] PEM lib (_ssl.c:3905)") name neither file
+        detail = f" ({exc.reason})" if exc.reason else ""
+        raise ConfigError(f"--ssl-certfile {certfile} and --ssl-keyfile {keyfile} are not a PEM certificate (chain) "
+                          f"and its private key{detail}") from None
 
 
 def _check_parsers(server_config: ServerConfig) -> None:
@@ -143,8 +164,9 @@ def _exit_while_loading() -> None:
     os._exit(130)
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, tls: bool = False) -> str:
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -163,7 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from radiance.engine import AsyncLLMEngine
         return AsyncLLMEngine(engine_config, checkpoint=checkpoint, progress=not args.no_progress)
 
-    url = _url(server_config.host, sock.getsockname()[1])
+    url = _url(server_config.host, sock.getsockname()[1], tls=server_config.ssl_certfile is not None)
 
     def on_ready(state: ServerState) -> None:
         for line in state.startup_lines():
@@ -180,7 +202,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     app = build_app(state, on_ready=on_ready, on_load_failure=on_load_failure)
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                           log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5))
+                                           log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
+                                           ssl_keyfile=server_config.ssl_keyfile,
+                                           ssl_certfile=server_config.ssl_certfile))
     try:
         with request_ids_in_logs():  # after uvicorn.Config: it sets up uvicorn's log handlers
             server.run(sockets=[sock])
