@@ -22,6 +22,7 @@ from tqdm import tqdm
 from radiance.bench import metrics
 from radiance.config import KV_CACHE_DTYPES, LM_HEAD_FORMATS, MODEL_RULES
 from radiance.errors import ConfigError
+from radiance.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,9 @@ def check_context(model: LogitsModel, chunk_len: int) -> None:
     limit = getattr(getattr(model, "config", None), "context_length", None)
     if limit is not None and chunk_len > limit:
         raise ConfigError(f"chunk_len {chunk_len} exceeds the model's context of {limit} tokens")
+    for module in model.modules() if isinstance(model, torch.nn.Module) else ():
+        if isinstance(module, RotaryEmbedding):  # built for the first EAGER_TABLE_POSITIONS positions only
+            module.cover(chunk_len)
 
 
 def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len: int, first: int = 0) -> torch.Tensor:

@@ -77,9 +77,13 @@ class GgufVocabulary:
         """Every chat template of the file by name: "default" (tokenizer.chat_template) and those llama.cpp's
         converter writes from a tokenizer_config.json list of {name, template} (tokenizer.chat_template.tool_use,
         ..., listed in tokenizer.chat_templates)."""
-        prefix = "tokenizer.chat_template."
-        named = {key[len(prefix):]: value for key, value in self.file.metadata.items()
-                 if key.startswith(prefix) and isinstance(value, str) and value}
+        prefix = "tokenizer.chat_template"
+        for key, value in self.file.metadata.items():
+            if key.startswith(prefix) and key != "tokenizer.chat_templates" and not isinstance(value, str):
+                raise CheckpointError(f"GGUF metadata {key} must be a string (a jinja template), got "
+                                      f"{type(value).__name__}", file=self.path)
+        named = {key[len(prefix) + 1:]: value for key, value in self.file.metadata.items()
+                 if key.startswith(prefix + ".") and value}
         default = self._field("tokenizer.chat_template")
         return {"default": default, **named} if default else named
 

@@ -227,12 +227,19 @@ def chat_templates(model_dir: str) -> dict[str, str]:
             continue
         template = load_json(path, name).get("chat_template")
         if isinstance(template, list):
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            for key, text in named.items():
-                if isinstance(key, str) and isinstance(text, str) and text:
-                    templates.setdefault(key, text)
-        elif isinstance(template, str) and template:
-            templates.setdefault("default", template)
+            if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                       for t in template):
+                raise CheckpointError("chat_template, a list, must hold {\"name\": ..., \"template\": ...} "
+                                      "objects with text values", file=path)
+            for entry in template:
+                if entry["template"]:
+                    templates.setdefault(entry["name"], entry["template"])
+        elif isinstance(template, str):
+            if template:
+                templates.setdefault("default", template)
+        elif template is not None:  # a number: transformers' tokenizer kept it, and jinja failed on it later
+            raise CheckpointError(f"chat_template must be text (a jinja template) or a list of {{name, template}}, "
+                                  f"got {type(template).__name__}", file=path)
     extra = os.path.join(model_dir, "additional_chat_templates")
     if os.path.isdir(extra):
         for file in sorted(os.listdir(extra)):

@@ -171,7 +171,19 @@ def parse_quantization_config(qc: dict | None, source: str = "config.json") -> Q
     exclusions = {"compressed-tensors": "ignore", "quark": "exclude", "modelopt": "exclude_modules",
                   "mxfp4": "modules_to_not_convert"}[method]
     _resolve_ignore(spec, qc.get(exclusions) or [])
+    _check_regexes([*spec.ignore_as_written, *(t for scheme in spec.schemes for t in scheme.targets)], source)
     return spec
+
+
+def _check_regexes(patterns: list, source: str) -> None:
+    """Every "re:" pattern compiles (it raised re.error, a traceback, when the first module was matched)."""
+    for pattern in patterns:
+        if isinstance(pattern, str) and pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                raise CheckpointError(f"quantization_config pattern {pattern!r} is not a valid regular expression: "
+                                      f"{exc}", file=source) from None
 
 
 def _resolve_ignore(spec: QuantSpec, entries: list) -> None:

@@ -94,9 +94,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, long: bool 
     return inv_freq
 
 
+# rows of the cos / sin tables built before the served context is known: a model's context can be millions of
+# positions (Llama 4: 10M, 5 GB of tables at head_dim 128; a corrupt config's 10**12 died in an allocation), while
+# what is served is capped by the KV cache (serve_context sizes the tables to it)
+EAGER_TABLE_POSITIONS = 1 << 17
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotary embedding to q [T, Hq, D] and k [T, Hkv, D] at integer `positions` [T]; with `rotary_dim`
-    below D only each head's leading rotary_dim dims rotate (Phi-4-mini), the rest pass through."""
+    below D only each head's leading rotary_dim dims rotate (Phi-4-mini), the rest pass through. `max_positions`
+    is the model's context; the tables cover min(it, EAGER_TABLE_POSITIONS) rows until `serve_context` or
+    `cover` says how many are used."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
                  rotary_dim: int | None = None):
@@ -106,31 +114,45 @@ class RotaryEmbedding(nn.Module):
         longrope = (scaling or {}).get("rope_type") == "longrope"
         # LongRoPE's factors follow the served context (serve_context); until told, the model's whole context
         self.long_factors = longrope and max_positions > scaling["original_max_position_embeddings"]
-        cos, sin = self._tables()
-        # [P, rotary_dim/2] each; kept fp32 so low-precision models rotate with exact angles
+        cos, sin = self._tables(min(max_positions, EAGER_TABLE_POSITIONS))
+        # [rows, rotary_dim/2] each; kept fp32 so low-precision models rotate with exact angles
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self._step: tuple | None = None  # (positions, cos, sin) while `step` is active
 
-    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def table_positions(self) -> int:
+        """The positions the tables cover (0 .. table_positions - 1)."""
+        return self.cos.shape[0]
+
+    def _tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, long=self.long_factors)
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(torch.arange(rows, dtype=torch.float32), inv_freq)
         factor = rope_attention_factor(self.scaling)
         return freqs.cos() * factor, freqs.sin() * factor
 
+    def _rebuild(self, rows: int) -> None:
+        cos, sin = self._tables(rows)
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)  # buffers: assignment replaces them
+
+    def cover(self, positions: int) -> None:
+        """Tables for at least `positions` positions (up to the model's context), for a caller without an engine
+        (eval's chunks)."""
+        rows = min(positions, self.max_positions)
+        if rows > self.table_positions:
+            self._rebuild(rows)
+
     def serve_context(self, max_model_len: int) -> None:
-        """LongRoPE: serve with the long factors when sequences may pass the pretraining context, else the short
-        ones (vLLM's and llama.cpp's rule: one set for every position, so the KV cache never mixes rotations;
-        transformers switches per forward by its longest position). Other kinds: nothing to choose. Call before
-        CUDA graphs are captured (the tables are rewritten in place)."""
-        if (self.scaling or {}).get("rope_type") != "longrope":
-            return
-        long = max_model_len > self.scaling["original_max_position_embeddings"]
-        if long != self.long_factors:
+        """Sizes the tables to the served context, and for LongRoPE picks the long factors when sequences may pass
+        the pretraining context, else the short ones (vLLM's and llama.cpp's rule: one set for every position, so
+        the KV cache never mixes rotations; transformers switches per forward by its longest position). Call
+        before CUDA graphs are captured (the tables are replaced)."""
+        rows = min(max_model_len, self.max_positions)
+        longrope = (self.scaling or {}).get("rope_type") == "longrope"
+        long = longrope and max_model_len > self.scaling["original_max_position_embeddings"]
+        if long != self.long_factors or rows != self.table_positions:
             self.long_factors = long
-            cos, sin = self._tables()
-            self.cos.copy_(cos)
-            self.sin.copy_(sin)
+            self._rebuild(rows)
 
     @contextmanager
     def step(self, positions: torch.Tensor):

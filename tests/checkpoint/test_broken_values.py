@@ -1,0 +1,98 @@
+"""Config values that loaded wrongly or died in a traceback (a black-box hunt over broken checkpoints): a context of
+10**12 positions, NaN / inf numbers, a boolean written as a string, a bad regex in the checkpoint's own ignore list,
+a chat template that is not text."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from radiance.cli import main
+from radiance.engine.llm import LLM
+from radiance.engine.sampling_params import SamplingParams
+from radiance.layers.rotary import EAGER_TABLE_POSITIONS, RotaryEmbedding
+from tests.checkpoint.factory import TINY, dense_state_dict, write_dir
+
+
+def _rotaries(llm):
+    return [m for m in llm.engine.model.modules() if isinstance(m, RotaryEmbedding)]
+
+
+@pytest.mark.parametrize("max_model_len", [64, None])
+def test_a_huge_context_loads_with_rotary_tables_for_the_served_length(tmp_path, max_model_len):
+    """The cos / sin tables were built for the whole context: 10**12 positions died allocating 4 TB (and 2**26 took
+    8.7 GB on a 2-layer toy); now they cover what is served (the KV cache caps it without --max-model-len)."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), dict(TINY, max_position_embeddings=10**12))
+    llm = LLM(model=path, device="cpu", max_model_len=max_model_len, cpu_kv_cache_bytes=2**20)
+    served = llm.engine.max_model_len
+    assert served == (max_model_len or served) and served < 10**6
+    assert all(r.table_positions == served for r in _rotaries(llm))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_tables_cover_an_evals_chunks_with_the_same_angles():
+    """Without an engine the tables start at EAGER_TABLE_POSITIONS rows; `cover` grows them to a chunk's length."""
+    rotary = RotaryEmbedding(16, 10**9, 10000.0)
+    first = rotary.cos.clone()
+    assert rotary.table_positions == EAGER_TABLE_POSITIONS
+    rotary.cover(EAGER_TABLE_POSITIONS + 5)
+    assert rotary.table_positions == EAGER_TABLE_POSITIONS + 5
+    assert torch.equal(rotary.cos[:EAGER_TABLE_POSITIONS], first)
+    position = EAGER_TABLE_POSITIONS + 4
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    expected = torch.cos(position * inv_freq.float().double())
+    assert torch.allclose(rotary.cos[-1].double(), expected, atol=1e-3)
+    rotary.cover(10)  # never shrinks: a later, shorter chunk keeps the rows
+    assert rotary.table_positions == EAGER_TABLE_POSITIONS + 5
+
+
+def _one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"radiance {command}: error:"), err
+    return err[0]
+
+
+@pytest.mark.parametrize("where", ["ignore", "targets"])
+def test_a_bad_regex_in_the_quantization_config_is_one_line(tmp_path, capsys, where):
+    """Was re.error with a traceback from inspect, generate and serve (the CLI's own --ignore was checked)."""
+    group = {"targets": ["re:(" if where == "targets" else "Linear"],
+             "weights": {"num_bits": 4, "type": "float", "group_size": 32}}
+    qc = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {"g": group},
+          "ignore": ["lm_head"] + (["re:("] if where == "ignore" else [])}
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), TINY, quantization_config=qc)
+    assert main(["inspect", path]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert "quantization_config pattern 're:(' is not a valid regular expression" in err and "config.json" in err
+
+
+@pytest.mark.parametrize("template, message", [
+    (42, "chat_template must be text (a jinja template) or a list of {name, template}, got int"),
+    ([{"name": "default"}], "chat_template, a list, must hold"),
+])
+@pytest.mark.parametrize("command", ["inspect", "generate"])
+def test_a_chat_template_that_is_not_text_names_the_file(tmp_path, capsys, template, message, command):
+    """Was: generate died in jinja ("Can't compile non template nodes"), serve said "no chat template"."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), TINY, tokenizer=True)
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path) as handle:
+        config = json.load(handle)
+    with open(config_path, "w") as handle:
+        json.dump(dict(config, chat_template=template), handle)
+    argv = ["inspect", path] if command == "inspect" else ["generate", "w3 w4", "--model", path, "--device", "cpu", "--no-progress"]
+    assert main(argv) == 2
+    err = _one_error_line(capsys, command)
+    assert message in err and config_path in err
+
+
+def test_a_gguf_chat_template_that_is_not_a_string_names_the_key(tmp_path, capsys):
+    """Was: serve died in a TypeError traceback (joining the templates), generate in jinja."""
+    from tests.checkpoint.test_gguf_metadata import write_gguf
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, metadata={"tokenizer.chat_template": 7})
+    assert main(["inspect", str(path)]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert "GGUF metadata tokenizer.chat_template must be a string (a jinja template), got int" in err
+    assert str(path) in err
