@@ -254,7 +254,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # interface to listen on; 0.0.0.0 for every interface
     port: int = 8000  # TCP port of the HTTP API; 0: a free one (the startup lines name it)
     served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases (each once); default from the model
-    api_key: str | None = None  # when set, /v1/* and /tokenize need `Authorization: Bearer KEY` (printable ASCII)
+    api_key: str | None = None  # when set, every route but /health, /metrics, /version and /ping needs `Authorization: Bearer KEY` (printable ASCII)
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
     trust_request_chat_template: bool = False  # render a request's own `chat_template` (vLLM's field); off: such a request is a 400, since a template is code the server runs
     tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony, none; auto: the template's markup

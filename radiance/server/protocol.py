@@ -376,7 +376,7 @@ class TokenizeRequest(_Model):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)  # [] was a 500 (the chat request refused it)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -25,10 +25,10 @@ ACCEPTED_INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
 # the other values OpenAI defines: each adds the output of something a text-only server without built-in tools
 # never produces, so asking for one is a 400 rather than a silent no-op
 INAPPLICABLE_INCLUDES = {
-    "file_search_call.results": "the file_search tool", "web_search_call.results": "the web_search tool",
-    "web_search_call.action.sources": "the web_search tool",
-    "code_interpreter_call.outputs": "the code_interpreter tool",
-    "computer_call_output.output.image_url": "the computer tool", "message.input_image.image_url": "image input",
+    "file_search_call.results": "file_search tool", "web_search_call.results": "web_search tool",
+    "web_search_call.action.sources": "web_search tool",
+    "code_interpreter_call.outputs": "code_interpreter tool",
+    "computer_call_output.output.image_url": "computer tool", "message.input_image.image_url": "image input",
 }
 # the chat request's sampling fields beyond OpenAI's Responses fields, passed on as they are
 CHAT_SAMPLING_FIELDS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "repetition_penalty", "presence_penalty",

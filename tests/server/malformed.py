@@ -93,6 +93,7 @@ MALFORMED = [
      "chat_template_kwargs"),  # a second value for render_chat's own argument: a TypeError, a 500
     ("chat_template_kwargs setting messages to tokenize", "POST", "/tokenize",
      {"messages": MSG, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+    ("tokenize no messages", "POST", "/tokenize", {"messages": []}, 400, "messages"),  # was a 500
     ("priority without priority scheduling", "POST", "/v1/chat/completions",
      {"model": "MODEL", "messages": MSG, "priority": 3}, 400, "priority"),  # was ignored, logged
     ("chat_template in a request to a server that does not trust them", "POST", "/v1/chat/completions",
