@@ -25,7 +25,7 @@ from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       TokenizeRequest, model_card)
 from radiance.server.protocol_responses import ResponsesRequest
 from radiance.server.serving_chat import create_chat_completion, render_prompt
-from radiance.server.serving_common import check_token_ids, check_unicode
+from radiance.server.serving_common import check_token_ids, check_unicode, encode_prompt
 from radiance.server.serving_completions import create_completion
 from radiance.server.serving_responses import create_response, stored_input_items, stored_response
 from radiance.server.state import ServerState
@@ -247,15 +247,15 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     async def tokenize(body: TokenizeRequest):
         state.require_engine()
         state.check_model(body.model)
-        tokenizer = state.require_tokenizer()
+        state.require_tokenizer()
+        # encode_prompt, as the completion routes: a text too long for the context by its length alone is a 400
+        # before tokenizing (a 6 MB one held the whole server for 9 s)
         if body.messages is not None:  # rendered exactly as /v1/chat/completions would render it
             chat = body.chat_request()
             text = render_prompt(state, chat, use_tools=bool(chat.tools))
-            check_unicode(text, "messages")
-            tokens = tokenizer.encode(text, add_special_tokens=False)
+            tokens = encode_prompt(state, text, "messages", add_special_tokens=False)
         else:
-            check_unicode(body.prompt, "prompt")
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = encode_prompt(state, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @app.get("/tokenizer_info")
