@@ -32,6 +32,9 @@ def load_json(path: str, what: str) -> dict:
 _SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
           "head_dim", "intermediate_size", "moe_intermediate_size")
 
+# switches a string would turn on ("false" is a non-empty, truthy string)
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+
 
 def load_config(model_dir: str) -> dict:
     """Read `config.json` of an HF model directory and check the fields radiance relies on."""
@@ -41,6 +44,10 @@ def load_config(model_dir: str) -> dict:
         value = config.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise CheckpointError(f"config.json field {key!r} must be a positive integer, got {value!r}", file=path)
+    for key in _FLAGS:
+        value = config.get(key)
+        if value is not None and not isinstance(value, bool):  # "false" was truthy: the head was dropped
+            raise CheckpointError(f"config.json field {key!r} must be true or false, got {value!r}", file=path)
     archs = config.get("architectures")
     if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
         raise CheckpointError(f"config.json field 'architectures' must be a list of class names, got {archs!r}",

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from radiance.errors import ConfigError
+from radiance.models.config_fields import is_positive_number
 from radiance.kernels.glu import GELU_TANH
 from radiance.layers.linear import takes_fp8
 from radiance.layers.norm import RMSNorm
@@ -87,7 +88,7 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
         caps = {}
         for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
             value = hf_config.get(key, 50.0 if key.startswith("attn") else 30.0)  # transformers' Gemma2Config
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            if value is not None and not is_positive_number(value):
                 raise ConfigError(f"config.json field {key!r} must be a positive number or null, got {value!r}")
             caps[field] = None if value is None else float(value)
         return {**gemma_overrides(cls, hf_config), **caps}
@@ -108,6 +109,6 @@ def gemma_overrides(cls, hf_config: dict) -> dict:
         raise ConfigError(f"hidden_activation {activation!r} is not supported for Gemma (only gelu_pytorch_tanh)")
     hidden = hf_config.get("hidden_size") or 0
     scalar = hf_config.get("query_pre_attn_scalar", 256)
-    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+    if not is_positive_number(scalar):
         raise ConfigError(f"config.json field 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")
     return {**cls.arch_overrides, "embed_scale": hidden ** 0.5, "attention_scale": float(scalar) ** -0.5}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from radiance.errors import ConfigError
+from radiance.models.config_fields import is_positive_number
 from radiance.formats import scaled
 from radiance.models.llama import LlamaForCausalLM
 
@@ -24,7 +25,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
         values = {}
         for key in _MULTIPLIERS:
             value = hf_config.get(key, 1.0)  # transformers' GraniteConfig defaults
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if not is_positive_number(value):
                 raise ConfigError(f"config.json field {key!r} must be a positive number, got {value!r}")
             values[key] = float(value)
         return {**cls.arch_overrides, "embed_scale": values["embedding_multiplier"], "embed_scale_rounded": False,

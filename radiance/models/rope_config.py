@@ -8,7 +8,7 @@ import math
 from typing import TYPE_CHECKING
 
 from radiance.errors import ConfigError
-from radiance.models.config_fields import positive
+from radiance.models.config_fields import is_positive_number, positive
 
 if TYPE_CHECKING:
     from radiance.models.arch_config import HfDefaults
@@ -52,7 +52,7 @@ def read_rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[fl
         raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     for key in ROPE_TYPES[kind]:
         value = scaling.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        if not is_positive_number(value):
             raise ConfigError(f"{kind} rope_scaling needs a positive number for {key!r}, got {value!r}")
     # dynamic NTK (transformers) rescales only past max_position_embeddings, which radiance never serves:
     # below it, its frequencies are exactly the default ones
@@ -71,7 +71,7 @@ def sliding_rope_theta(hf_config: dict, default: float, legacy_key: str | None =
     theta = (local or {}).get("rope_theta", hf_config.get(legacy_key, default) if legacy_key else default)
     if (local or {}).get("rope_type", "default") != "default":
         raise ConfigError(f"the sliding layers take the default rope, got {local!r}")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+    if not is_positive_number(theta):
         raise ConfigError(f"the sliding layers' rope base must be a positive number, got {theta!r}")
     return float(theta)
 
@@ -112,7 +112,7 @@ def longrope(config: dict, scaling: dict, defaults: HfDefaults, rotary_dim: int,
     for key in ("short_factor", "long_factor"):
         values = scaling.get(key)
         if (not isinstance(values, list) or len(values) != rotary_dim // 2
-                or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in values)):
+                or not all(is_positive_number(v) for v in values)):
             raise ConfigError(f"longrope rope_scaling needs {key!r}: a list of {rotary_dim // 2} positive numbers "
                               f"(one per rotary frequency), got {values!r}")
         factors[key] = [float(v) for v in values]

@@ -96,3 +96,37 @@ def test_a_gguf_chat_template_that_is_not_a_string_names_the_key(tmp_path, capsy
     err = _one_error_line(capsys, "inspect")
     assert "GGUF metadata tokenizer.chat_template must be a string (a jinja template), got int" in err
     assert str(path) in err
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' must be a positive number, got nan"),
+    ({"rms_norm_eps": float("inf")}, "'rms_norm_eps' must be a positive number, got inf"),
+    ({"rope_theta": float("nan")}, "'rope_theta' must be a positive number, got nan"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": float("nan")}}, "needs a positive number for 'factor'"),
+])
+def test_nan_and_infinity_config_numbers_are_refused(tmp_path, capsys, changes, named):
+    """Python's json reads NaN / Infinity; they passed `<= 0` checks and served empty answers, exit 0."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), dict(TINY, **changes), tokenizer=True)
+    assert main(["inspect", path, "--strict"]) == 1
+    servable = [line for line in capsys.readouterr().out.splitlines() if line.startswith("servable ")]
+    assert servable[0].startswith("servable   NO: ") and named in servable[0]
+    assert main(["generate", "w3", "--model", path, "--device", "cpu", "--no-progress"]) == 2
+    assert named in _one_error_line(capsys, "generate")
+
+
+def test_a_nan_gguf_epsilon_is_refused(tmp_path, capsys):
+    from tests.checkpoint.test_gguf_metadata import write_gguf
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, overrides={"llama.attention.layer_norm_rms_epsilon": float("nan")})
+    assert main(["inspect", str(path), "--strict"]) == 1
+    assert "servable   NO: config.json field 'rms_norm_eps' must be a positive number, got nan" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias"])
+def test_a_switch_written_as_a_string_is_refused(tmp_path, capsys, key):
+    """"false" counted as true: lm_head.weight was dropped for the embeddings and the answers changed, silently."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), dict(TINY, **{key: "false"}), tokenizer=True)
+    assert main(["inspect", path]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert f"config.json field {key!r} must be true or false, got 'false'" in err
