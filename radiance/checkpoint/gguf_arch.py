@@ -192,6 +192,20 @@ ARCHITECTURES = {
 }
 
 
+def gguf_name(hf_tensor: str, arch: str = "llama") -> str | None:
+    """HF tensor name -> the GGUF name llama.cpp's converter writes it under (None when there is none)."""
+    known = ARCHITECTURES.get(arch, ARCHITECTURES["llama"])
+    for gguf, hf in TOP_NAMES.items():
+        if hf == hf_tensor:
+            return gguf
+    parts = hf_tensor.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        for suffix, block in known.all_block_names.items():
+            if block == parts[3] and known.block_name(suffix) == block:
+                return f"blk.{parts[2]}.{suffix}"
+    return None
+
+
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """GGUF tensor name -> HF tensor name (None for tensors radiance does not use, e.g. rope_freqs)."""
     if gguf_name in TOP_NAMES:

@@ -30,12 +30,12 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
-from radiance.checkpoint.gguf_arch import ARCHITECTURES, hf_name
+from radiance.checkpoint.gguf_arch import ARCHITECTURES, gguf_name, hf_name
 from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.gguf_rope import LONGROPE_FACTORS, ROPE_FREQS, GgufRope
 from radiance.checkpoint.gguf_vocab import GgufVocabulary
 from radiance.checkpoint.hf_config import expected_shapes
-from radiance.checkpoint.names import canonical_linear, sort_key
+from radiance.checkpoint.names import canonical_linear, partition_modules, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight, Int4Weight, Mxfp4Weight, concat_partitions, dequantize, pack_e2m1
@@ -352,7 +352,31 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             else:
                 canonical, index = target, 0
             groups.setdefault(canonical, {})[index] = name
+        self._check_partitions(groups)
         return dict(sorted(groups.items(), key=lambda kv: sort_key(kv[0])))
+
+    def _check_partitions(self, groups: dict[str, dict]) -> None:
+        """Every part of a merged linear is in the file: a missing attn_k made q and v a qkv_proj of the wrong
+        shape, reported under that merged name (and `inspect` called the file servable)."""
+        for canonical, parts in groups.items():
+            if canonical.endswith(".bias"):  # a merged linear's biases: one per part too
+                module, leaf = canonical[:-len(".bias")], ".bias"
+            elif canonical.endswith(_PLAIN_LEAVES):  # norms, embeddings, sinks
+                continue
+            else:
+                module, leaf = canonical, ".weight"
+            first = next(iter(parts.values()))
+            written = hf_name(first if isinstance(first, str) else first[0], self.arch) or ""
+            if canonical_linear(written.rpartition(".")[0])[0] == written.rpartition(".")[0]:
+                continue  # stored fused (Phi-3's attn_qkv, its ffn_up of gate and up), or stacked experts
+            projections = partition_modules(module)
+            for index, projection in enumerate(projections):
+                if len(projections) > 1 and index not in parts:
+                    hf = f"{projection}{leaf}"
+                    raise CheckpointError(f"tensor missing from the GGUF file ({hf} in transformers' names): the "
+                                          f"model's {module.rpartition('.')[2]} needs all of "
+                                          f"{', '.join(p.rpartition('.')[2] for p in projections)}",
+                                          file=self.path, tensor=gguf_name(hf, self.arch) or hf)
 
     def describe(self) -> list[EntryInfo]:
         out = []

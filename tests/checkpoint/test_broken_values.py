@@ -130,3 +130,34 @@ def test_a_switch_written_as_a_string_is_refused(tmp_path, capsys, key):
     assert main(["inspect", path]) == 2
     err = _one_error_line(capsys, "inspect")
     assert f"config.json field {key!r} must be true or false, got 'false'" in err
+
+
+@pytest.mark.parametrize("missing, hf", [("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight"),
+                                         ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight")])
+def test_a_gguf_missing_one_part_of_a_merged_linear_names_it(tmp_path, capsys, missing, hf):
+    """Was: `inspect --strict` said servable, then loading failed on a qkv_proj / gate_up_proj of the wrong shape
+    (a name the file does not have)."""
+    import gguf
+
+    from tests.checkpoint.test_gguf_metadata import write_gguf
+
+    full, path = tmp_path / "full.gguf", tmp_path / "m.gguf"
+    write_gguf(full)
+    reader = gguf.GGUFReader(str(full))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32}[type(value)](field.name, value)
+    for tensor in reader.tensors:
+        if tensor.name != missing:
+            writer.add_tensor(tensor.name, tensor.data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["inspect", str(path), "--strict"]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert f"tensor missing from the GGUF file ({hf} in transformers' names)" in err
+    assert f"(file {path}, tensor {missing})" in err
