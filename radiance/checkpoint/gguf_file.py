@@ -126,6 +126,18 @@ class GgufFile:
         alignment = self._alignment()
         data_start = -(-cur.pos // alignment) * alignment
         self.tensors = [self._tensor(blob, data_start, *entry) for entry in table]
+        self._check_layout(table, alignment)
+
+    def _check_layout(self, table: list[tuple], alignment: int) -> None:
+        """llama.cpp's rule: each tensor's data follows the previous one's, padded to the alignment. A moved offset
+        (misaligned, or onto another tensor's bytes) was read as it stood."""
+        expected = 0
+        for (name, _, _, offset), tensor in zip(table, self.tensors):
+            if offset != expected:
+                raise CheckpointError(f"GGUF tensor data at offset {offset}, expected {expected} (each tensor "
+                                      f"follows the previous one, padded to general.alignment {alignment}): a "
+                                      "corrupt file", file=self.path, tensor=name)
+            expected += -(-tensor.n_bytes // alignment) * alignment
 
     def _alignment(self) -> int:
         """general.alignment: the tensor data's alignment, a power of two (0 was a ZeroDivisionError)."""

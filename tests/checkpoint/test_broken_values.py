@@ -161,3 +161,31 @@ def test_a_gguf_missing_one_part_of_a_merged_linear_names_it(tmp_path, capsys, m
     err = _one_error_line(capsys, "inspect")
     assert f"tensor missing from the GGUF file ({hf} in transformers' names)" in err
     assert f"(file {path}, tensor {missing})" in err
+
+
+@pytest.mark.parametrize("shift", [4, 32, "onto attn_q"])
+def test_a_gguf_tensor_offset_out_of_place_is_refused(tmp_path, capsys, shift):
+    """A tensor's offset moved off its place (misaligned, one alignment further, onto another tensor's bytes) was
+    read as it stood; llama.cpp refuses such a file, and so does radiance now."""
+    import struct
+
+    from tests.checkpoint.test_gguf_metadata import write_gguf
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    raw = bytearray(path.read_bytes())
+
+    def offset_at(name: bytes) -> int:  # the u64 offset after the name, its dims and its type
+        at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+        n_dims = struct.unpack_from("<I", raw, at)[0]
+        return at + 4 + 8 * n_dims + 4
+
+    k_at = offset_at(b"blk.0.attn_k.weight")
+    old = struct.unpack_from("<Q", raw, k_at)[0]
+    new = struct.unpack_from("<Q", raw, offset_at(b"blk.0.attn_q.weight"))[0] if shift == "onto attn_q" \
+        else old + shift
+    struct.pack_into("<Q", raw, k_at, new)
+    path.write_bytes(bytes(raw))
+    assert main(["inspect", str(path)]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert f"GGUF tensor data at offset {new}, expected {old}" in err and "tensor blk.0.attn_k.weight" in err
