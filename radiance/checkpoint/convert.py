@@ -87,10 +87,20 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
     be converted (a NaN in it) is a CheckpointError naming the tensor and `file_of(tensor)` (Checkpoint.file_of:
     its shard).
     """
+    def refuse_non_finite(values: torch.Tensor, culprit: str) -> None:
+        """Norms, embeddings and linears kept 16-bit are written as they are: a NaN there made a checkpoint that
+        loading refuses (naming the new file, not the source)."""
+        if values.is_floating_point() and not torch.isfinite(values).all():
+            count = int((~torch.isfinite(values)).sum())
+            raise CheckpointError(f"{count} NaN or inf value(s): refusing to write them",
+                                  file=file_of(culprit) if file_of is not None else None, tensor=culprit)
+
     for name, obj in items:
         if name == "lm_head.weight" and quantize_lm_head:
             obj, name = DenseWeight(obj), "lm_head"
         if not is_weight(obj):
+            if isinstance(obj, torch.Tensor):
+                refuse_non_finite(obj, name)
             yield name, obj
             continue
         source_format = obj.format  # what the report names as the source (int4, not the values it starts from)
@@ -99,6 +109,7 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
         keep_dense = selects(ignore, name) or (name == "lm_head" and not quantize_lm_head)
         goal = "dense" if keep_dense else target
         if goal == "dense" and obj.format == "dense":
+            refuse_non_finite(dequantize(obj), culprit_tensor(name, obj))
             if report is not None:
                 report.keep(name, "dense")
             yield name, obj  # the writer casts it to the 16-bit dtype

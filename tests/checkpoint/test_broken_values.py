@@ -189,3 +189,18 @@ def test_a_gguf_tensor_offset_out_of_place_is_refused(tmp_path, capsys, shift):
     assert main(["inspect", str(path)]) == 2
     err = _one_error_line(capsys, "inspect")
     assert f"GGUF tensor data at offset {new}, expected {old}" in err and "tensor blk.0.attn_k.weight" in err
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.1.post_attention_layernorm.weight", "model.embed_tokens.weight",
+                                    "lm_head.weight"])
+def test_convert_refuses_a_nan_it_would_copy(tmp_path, capsys, tensor):
+    """Norms, embeddings and the 16-bit head were copied NaN and all (exit 0); loading the result then refused it,
+    naming the new file. Now convert names the source's tensor and writes nothing."""
+    tensors = dense_state_dict()
+    tensors[tensor].view(-1)[3] = float("nan")
+    path = write_dir(str(tmp_path / "src"), tensors, TINY, tokenizer=True)
+    dst = tmp_path / "out"
+    assert main(["convert", path, str(dst), "--no-progress"]) == 2
+    err = _one_error_line(capsys, "convert")
+    assert "1 NaN or inf value(s): refusing to write them" in err and f"tensor {tensor})" in err
+    assert "model.safetensors" in err and not (dst / "config.json").exists()
