@@ -322,7 +322,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                          echoed)
         return StreamingResponse(stream, media_type="text/event-stream")
     deltas: list[dict] = [{} for _ in choices]
-    logprobs: list[list | None] = [None for _ in choices]
+    # asked for: a list even when no token's logprob goes out (a stop on the first token), as OpenAI answers
+    logprobs: list[list | None] = [[] if req.logprobs else None for _ in choices]
 
     def on_output(index: int, out: Any) -> None:
         delta, lp = choices[index].step(out)

@@ -114,17 +114,16 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         return StreamingResponse(stream, media_type="text/event-stream")
 
     texts = ["" for _ in choices]
-    logprobs: list[dict | None] = [None for _ in choices]
+    # asked for: the object even when no token's logprob goes out (a stop on the first token), as OpenAI answers
+    logprobs: list[dict | None] = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                                   if req.logprobs is not None else None for _ in choices]
 
     def on_output(index: int, out: Any) -> None:
         text, lp = choices[index].step(out)
         texts[index] += text
         if lp is not None:
-            if logprobs[index] is None:
-                logprobs[index] = lp
-            else:
-                for key, values in lp.items():
-                    logprobs[index][key].extend(values)
+            for key, values in lp.items():
+                logprobs[index][key].extend(values)
 
     await collect_until_disconnect(request, outputs, on_output)
     body_choices = [{"index": c.index, "text": texts[c.index], "logprobs": logprobs[c.index],

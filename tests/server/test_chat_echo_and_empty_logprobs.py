@@ -1,4 +1,4 @@
-"""vLLM's chat `echo`: the answer starts with the last message's content when that message is the assistant's (the
+"""Logprobs asked for are never null (below); vLLM's chat `echo`: the answer starts with the last message's content when that message is the assistant's (the
 one continue_final_message continues), streamed or whole, in every choice; was ignored (logged)."""
 
 import json
@@ -47,3 +47,25 @@ def test_echo_after_a_user_message_adds_nothing():
     with serve_engine(FakeEngine()) as url:
         r = _chat(url, [{"role": "user", "content": "SAY:hello"}], echo=True)
         assert r.json()["choices"][0]["message"]["content"] == "hello"
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_logprobs_asked_for_are_there_when_no_token_goes_out(route):
+    """A stop string on the first token leaves no text: logprobs were null, and `choice.logprobs.content` raised
+    in clients (OpenAI answers an empty list)."""
+    with serve_engine(FakeEngine()) as url:
+        if route == "chat":
+            r = _chat(url, [{"role": "user", "content": "SAY:hello"}], logprobs=True, top_logprobs=1, stop=["h"])
+            assert r.json()["choices"][0]["message"]["content"] == ""
+            assert r.json()["choices"][0]["logprobs"] == {"content": []}
+            lp = _chat(url, [{"role": "user", "content": "SAY:hello"}], logprobs=True).json()["choices"][0]
+            assert "".join(e["token"] for e in lp["logprobs"]["content"]) == "hello"
+            assert _chat(url, [{"role": "user", "content": "SAY:hello"}]).json()["choices"][0]["logprobs"] is None
+        else:
+            body = {"model": "fake", "prompt": "SAY:hello", "logprobs": 1, "stop": ["h"], "max_tokens": 8}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+            assert r["text"] == "" and r["logprobs"] == {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                         "text_offset": []}
+            body.pop("stop")
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+            assert "".join(r["logprobs"]["tokens"]) == r["text"] == "hello"
