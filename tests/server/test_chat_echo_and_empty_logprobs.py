@@ -1,5 +1,6 @@
-"""Logprobs asked for are never null (below); vLLM's chat `echo`: the answer starts with the last message's content when that message is the assistant's (the
-one continue_final_message continues), streamed or whole, in every choice; was ignored (logged)."""
+"""vLLM's chat `echo`: the answer starts with the last message's content when that message is the assistant's (the
+one continue_final_message continues), streamed or whole, in every choice (was ignored, logged); and logprobs
+asked for are never null."""
 
 import json
 
