@@ -38,8 +38,12 @@ class ChoiceStream:
     """Turns one choice's cumulative engine outputs into deltas: content, reasoning, tool calls."""
 
     def __init__(self, state: ServerState, index: int, tools: list[dict] | None, opens_thinking: bool,
-                 forced_prefix: str = "", named_tool: bool = False, token_ids_as_names: bool = False):
+                 forced_prefix: str = "", named_tool: bool = False, token_ids_as_names: bool = False,
+                 parallel_tool_calls: bool = True):
         self.index = index
+        # false: one call at most, as OpenAI answers (strict tools' grammar ends the answer after it; a model writing
+        # free markup may go on: its further calls are dropped)
+        self.parallel_tool_calls = parallel_tool_calls
         self.token_ids_as_names = token_ids_as_names  # vLLM's return_tokens_as_token_ids
         # tool_choice named one function: OpenAI (and vLLM) finish such a call with "stop", not "tool_calls"
         self.named_tool = named_tool
@@ -93,6 +97,8 @@ class ChoiceStream:
             delta["content"] = delta.get("content", "") + parsed.content
             self.content_sent = True
         for call in parsed.tool_calls:
+            if self.num_tool_calls and not self.parallel_tool_calls:
+                continue
             call_id = self.tools.new_call_id()
             delta.setdefault("tool_calls", []).append({
                 "index": self.num_tool_calls, "id": call_id, "type": "function",
@@ -302,7 +308,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
                                     "messages")
     named_tool = forced and isinstance(req.tool_choice, NamedToolChoice)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix, named_tool,
-                            req.return_tokens_as_token_ids) for i in range(req.n)]
+                            req.return_tokens_as_token_ids, req.parallel_tool_calls) for i in range(req.n)]
     jobs = [EngineJob(engine_request_id(request_id, i), prompt_ids,
                       sampling_params(req, max_tokens, i, constraint, keep_special_tokens=choice.needs_special_tokens))
             for i, choice in enumerate(choices)]

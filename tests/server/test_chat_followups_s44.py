@@ -1,6 +1,6 @@
-"""vLLM's chat `echo`: the answer starts with the last message's content when that message is the assistant's (the
-one continue_final_message continues), streamed or whole, in every choice (was ignored, logged); and logprobs
-asked for are never null."""
+"""Chat follow-ups from a black-box hunt: vLLM's `echo` (the answer starts with the last message's content when that
+message is the assistant's, the one continue_final_message continues; was ignored), logprobs asked for are never
+null, and parallel_tool_calls false keeps the first call."""
 
 import json
 
@@ -70,3 +70,29 @@ def test_logprobs_asked_for_are_there_when_no_token_goes_out(route):
             body.pop("stop")
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]
             assert "".join(r["logprobs"]["tokens"]) == r["text"] == "hello"
+
+
+def _tool(name):
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_keeps_the_first_call(stream, parallel):
+    """A model that writes two calls under tool_choice "auto" (non-strict tools: nothing constrains it) gave both
+    with parallel_tool_calls false; OpenAI answers one at most."""
+    engine = FakeEngine()
+    engine.reply = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+                    '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>')
+    with serve_engine(engine) as url:
+        r = _chat(url, [{"role": "user", "content": "go"}], tools=[_tool("a"), _tool("b")],
+                  parallel_tool_calls=parallel, stream=stream, max_tokens=200)
+        assert r.status_code == 200, r.text
+        if stream:
+            calls = [c for line in r.text.splitlines() if line.startswith("data: {")
+                     for choice in json.loads(line[6:])["choices"] for c in choice["delta"].get("tool_calls") or []]
+        else:
+            calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == (["a", "b"] if parallel else ["a"])
+        if stream:  # a streamed call's place among the calls
+            assert [c["index"] for c in calls] == ([0, 1] if parallel else [0])
