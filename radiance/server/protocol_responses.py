@@ -95,6 +95,7 @@ class ResponsesRequest(_Request):
     truncation: Literal["auto", "disabled"] | None = None
     chat_template_kwargs: TemplateKwargs = None  # as on chat (e.g. enable_thinking for Qwen3)
     background: bool = False
+    conversation: str | dict[str, Any] | None = None  # OpenAI's stored conversations: not kept here (a 400)
     # sampling fields the chat route takes beyond OpenAI's (vLLM accepts them on /v1/responses too), declared
     # as protocol._SamplingFields declares them
     top_k: int | None = Field(None, ge=-1, lt=2**63)  # the sampler holds it in an int64 tensor
@@ -116,6 +117,14 @@ class ResponsesRequest(_Request):
     def _foreground(cls, value: bool) -> bool:
         if value:
             raise ValueError("background responses are not supported")
+        return value
+
+    @field_validator("conversation")
+    @classmethod
+    def _no_conversations(cls, value):
+        if value is not None:  # was ignored: the answer came without the conversation's earlier turns
+            raise ValueError("conversations are not kept by this server; chain responses with previous_response_id "
+                             "(or send the earlier items in input)")
         return value
 
     @field_validator("include")
@@ -184,7 +193,9 @@ class ResponsesRequest(_Request):
         previous_response_id), then the input, less the `dropped_units` oldest conversation_units (truncation).
         ValueError (a 400 on `input`) for items it cannot serve."""
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else [])
-        units = conversation_units(history + input_messages(self.input))
+        conversation = history + input_messages(self.input)
+        _check_call_outputs(conversation)
+        units = conversation_units(conversation)
         messages += [message for unit in units[dropped_units:] for message in unit]
         if not messages:
             raise ValueError("input has no message to answer (only reasoning items)")
@@ -301,6 +312,17 @@ def _reasoning_text(item: dict, where: str) -> str | None:
                 raise ValueError(f"{where}.{name}[{j}] needs a string text")
         texts[name] = "".join(part["text"] for part in parts)
     return texts["content"] or texts["summary"] or None
+
+
+def _check_call_outputs(messages: list[dict]) -> None:
+    """Each function_call_output answers a call made before it (in this input or the previous responses), as OpenAI
+    requires: an unknown call_id was served as a tool message answering nothing."""
+    calls: set[str] = set()
+    for message in messages:
+        calls.update(call["id"] for call in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message["tool_call_id"] not in calls:
+            raise ValueError(f"no function call found for the function_call_output with call_id "
+                             f"{message['tool_call_id']!r}")
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:

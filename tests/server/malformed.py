@@ -122,6 +122,12 @@ MALFORMED = [
     # /v1/responses
     ("responses without input", "POST", "/v1/responses", {"model": "MODEL"}, 400, "input"),
     ("responses empty input", "POST", "/v1/responses", {"model": "MODEL", "input": []}, 400, "input"),
+    ("responses function_call_output of no call", "POST", "/v1/responses",  # was served, answering nothing
+     {"model": "MODEL", "input": [{"type": "message", "role": "user", "content": "x"},
+                                  {"type": "function_call_output", "call_id": "call_nope", "output": "1"}]},
+     400, "input"),
+    ("responses conversation", "POST", "/v1/responses",  # was ignored
+     {"model": "MODEL", "input": "x", "conversation": "conv_123"}, 400, "conversation"),
     ("responses unknown model", "POST", "/v1/responses", {"model": "no-such-model", "input": "x"}, 404, "model"),
     ("responses image input", "POST", "/v1/responses", {"model": "MODEL", "input": [
         {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]}, 400, "input"),
