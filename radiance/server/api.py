@@ -183,7 +183,7 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     # and a 401 carries the CORS headers the page needs to read it
     app.add_middleware(CORSMiddleware, **cors_options(state.config.allowed_origins))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime checkers' probe
     async def health():
         if state.ready and not state.engine_failed():
             return Response(status_code=200)

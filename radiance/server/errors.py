@@ -147,7 +147,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             return error_response(unknown_url(_request.method, _request.url.path))
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        return error_response(OpenAIError(exc.status_code, message))
+        response = error_response(OpenAIError(exc.status_code, message))
+        response.headers.update(exc.headers or {})  # a 405's Allow: the methods the route takes
+        return response
 
     @app.exception_handler(RadianceError)
     async def _radiance_error(_request: Request, exc: RadianceError):

@@ -1,5 +1,5 @@
 """vLLM's `priority` (0 served, any other value a 400, as vLLM answers without priority scheduling; was ignored),
-and /tokenize's bound on a text too long for the context."""
+/tokenize's bound on a text too long for the context, and a 405's Allow header."""
 
 import httpx
 import pytest
@@ -32,3 +32,10 @@ def test_tokenize_refuses_a_text_too_long_for_the_context_before_tokenizing(body
         assert r.json()["error"]["param"] == next(iter(body))
         ok = httpx.post(f"{url}/tokenize", json={"prompt": "x" * 10}, timeout=30)
         assert ok.status_code == 200 and ok.json()["count"] == 11  # BOS + 10 bytes
+
+
+def test_a_wrong_method_says_which_are_allowed_and_health_answers_head():
+    with serve_engine(FakeEngine()) as url:
+        r = httpx.get(f"{url}/v1/chat/completions", timeout=10)
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
+        assert httpx.head(f"{url}/health", timeout=10).status_code == 200  # was a 405
