@@ -55,6 +55,7 @@ class _Linear:
     modules: tuple[str, ...]  # checkpoint projections, partition order
     formats: tuple[str, ...]  # stored format of each projection
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")  # a decoder layer (not a vision tower's)
 # a tokenizer's own files (tokenizer_config.json alone is settings, not a vocabulary); Kimi's: *.tiktoken
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -105,6 +106,16 @@ class HfCheckpoint(Checkpoint):
             return self._shapes.get(f"experts.{leaf(module)}")
         return None
 
+    def _check_layer_exists(self, module: str) -> None:
+        """A linear of a layer past num_hidden_layers is a tensor the model has no place for (it was reported as its
+        q / k / v siblings missing, naming the directory)."""
+        layer = _LAYER_INDEX.search(module)
+        layers = self.config.get("num_hidden_layers")
+        if layer and isinstance(layers, int) and int(layer.group(1)) >= layers:
+            tensor = next(t for t in self.index.meta if t.startswith(module + "."))
+            raise CheckpointError(f"tensor of layer {layer.group(1)}, but config.json has num_hidden_layers "
+                                  f"{layers}: not used by the model", file=self.file_of(tensor), tensor=tensor)
+
     def _plan(self):
         parts: dict[str, dict[int, str]] = {}
         plain, biases = [], {}
@@ -135,6 +146,7 @@ class HfCheckpoint(Checkpoint):
         mismatches: dict[tuple[str, str, str], list[str]] = {}
         linears = []
         for canonical, found in parts.items():
+            self._check_layer_exists(next(iter(found.values())))
             # a checkpoint may already store the merged module (one partition)
             modules = (canonical,) if found.get(0) == canonical else partition_modules(canonical)
             formats = []

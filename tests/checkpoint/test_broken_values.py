@@ -204,3 +204,14 @@ def test_convert_refuses_a_nan_it_would_copy(tmp_path, capsys, tensor):
     err = _one_error_line(capsys, "convert")
     assert "1 NaN or inf value(s): refusing to write them" in err and f"tensor {tensor})" in err
     assert "model.safetensors" in err and not (dst / "config.json").exists()
+
+
+def test_a_linear_of_a_layer_past_the_config_is_named_as_unused(tmp_path, capsys):
+    """One extra q_proj for layer 2 of a 2-layer config was reported as its k_proj missing, naming the directory."""
+    tensors = dense_state_dict()
+    tensors["model.layers.2.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"].clone()
+    path = write_dir(str(tmp_path / "m"), tensors, TINY, tokenizer=True)
+    assert main(["inspect", path]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert "tensor of layer 2, but config.json has num_hidden_layers 2: not used by the model" in err
+    assert "model.safetensors, tensor model.layers.2.self_attn.q_proj.weight)" in err
