@@ -173,9 +173,10 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
     shapes = {
         "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
         "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
-        "lm_head": (config.get("vocab_size") or 0, hidden),
         "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden),  # Phi-3 stores them merged
     }
+    if config.get("vocab_size"):  # without it the model config names the missing key (not an [0, K] shape)
+        shapes["lm_head"] = (config["vocab_size"], hidden)
     expert = config.get("moe_intermediate_size")
     if expert:  # a sparse MLP's experts, keyed "experts.<leaf>" (hf_reader.HfCheckpoint._expected)
         shapes.update({"experts.gate_proj": (expert, hidden), "experts.up_proj": (expert, hidden),

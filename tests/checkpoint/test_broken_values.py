@@ -215,3 +215,11 @@ def test_a_linear_of_a_layer_past_the_config_is_named_as_unused(tmp_path, capsys
     err = _one_error_line(capsys, "inspect")
     assert "tensor of layer 2, but config.json has num_hidden_layers 2: not used by the model" in err
     assert "model.safetensors, tensor model.layers.2.self_attn.q_proj.weight)" in err
+
+
+def test_a_config_without_vocab_size_names_the_key(tmp_path, capsys):
+    """Was "wrong shape [128, 64] for a 16-bit linear weight, expected [0, 64] (tensor lm_head.weight)"."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), {k: v for k, v in TINY.items() if k != "vocab_size"})
+    assert main(["inspect", path]) == 0  # inspect reports; --strict would exit 1 on it
+    out = capsys.readouterr().out
+    assert "servable   NO: config.json of a LlamaForCausalLM model lacks 'vocab_size'" in out
