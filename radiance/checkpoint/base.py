@@ -39,6 +39,10 @@ class Checkpoint(ABC):
     def names(self) -> list[str]:
         return [e.name for e in self.describe()]
 
+    def stored_name(self, name: str) -> str:
+        """The checkpoint's own name of entry `name` (describe's names merge q / k / v): the reader's to map."""
+        return name
+
     def file_of(self, name: str) -> str:
         """The file holding tensor `name`, for error messages: the checkpoint's path unless a reader knows better."""
         return self.path

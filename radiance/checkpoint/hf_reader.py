@@ -252,6 +252,13 @@ class HfCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ interface
 
+    def stored_name(self, name: str) -> str:
+        """A merged linear's bias (qkv_proj.bias) by the first part's name the checkpoint holds (q_proj.bias)."""
+        if name in self.index.meta or not name.endswith(".bias"):
+            return name
+        parts = [f"{m}.bias" for m in partition_modules(name.removesuffix(".bias"))]
+        return next((p for p in parts if p in self.index.meta), name)
+
     def file_of(self, name: str) -> str:
         """The shard holding tensor `name`; for a linear (a projection or a merged qkv_proj / gate_up_proj, in
         any stored format) the shard holding all its tensors; the directory when they lie in several shards."""

@@ -77,8 +77,9 @@ def check_servable(ckpt: Checkpoint) -> None:
     found = fit(ckpt)
     if found.unused:
         count = "1 tensor" if len(found.unused) == 1 else f"{len(found.unused)} tensors, the first"
-        raise CheckpointError(f"{count} not used by the {found.architecture} model",
-                              file=ckpt.file_of(found.unused[0]), tensor=found.unused[0])
+        tensor = ckpt.stored_name(found.unused[0])
+        raise CheckpointError(f"{count} not used by the {found.architecture} model", file=ckpt.file_of(tensor),
+                              tensor=tensor)
     if found.missing:
         raise CheckpointError(f"the checkpoint lacks {len(found.missing)} weight(s) the {found.architecture} "
                               f"model needs, e.g. {found.missing[0]}", file=ckpt.path)

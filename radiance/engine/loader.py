@@ -137,8 +137,10 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
                 name, item = "lm_head", DenseWeight(item)  # served like any other linear below
             else:
                 param = params.get(target)
-                if param is None:
-                    raise CheckpointError("tensor not used by the model", file=_file_of(checkpoint, name), tensor=name)
+                if param is None:  # by the checkpoint's own name (q_proj.bias, not the merged qkv_proj.bias)
+                    stored = getattr(checkpoint, "stored_name", lambda n: n)(name)
+                    raise CheckpointError("tensor not used by the model", file=_file_of(checkpoint, stored),
+                                          tensor=stored)
                 if tuple(param.shape) != tuple(item.shape):
                     raise CheckpointError(f"shape {tuple(item.shape)} does not match the model's {tuple(param.shape)}",
                                           file=_file_of(checkpoint, name), tensor=name)

@@ -223,3 +223,19 @@ def test_a_config_without_vocab_size_names_the_key(tmp_path, capsys):
     assert main(["inspect", path]) == 0  # inspect reports; --strict would exit 1 on it
     out = capsys.readouterr().out
     assert "servable   NO: config.json of a LlamaForCausalLM model lacks 'vocab_size'" in out
+
+
+@pytest.mark.parametrize("command", ["inspect", "generate"])
+def test_an_unexpected_bias_is_named_as_the_checkpoint_stores_it(tmp_path, capsys, command):
+    """Was named by the merged module radiance builds (qkv_proj.bias), with the directory as the file."""
+    tensors = dense_state_dict()
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(tensors["model.layers.0.self_attn.q_proj.weight"]
+                                                                  .shape[0])
+    path = write_dir(str(tmp_path / "m"), tensors, TINY, tokenizer=True)
+    named = f"(file {path}/model.safetensors, tensor model.layers.0.self_attn.q_proj.bias)"
+    if command == "inspect":
+        assert main(["inspect", path, "--strict"]) == 1
+        assert named in capsys.readouterr().out
+    else:
+        assert main(["generate", "w3", "--model", path, "--device", "cpu", "--no-progress"]) == 2
+        assert named in _one_error_line(capsys, "generate")
