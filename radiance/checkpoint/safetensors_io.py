@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -172,6 +173,30 @@ def _diagnose(path: str) -> tuple[str | None, str | None]:
     for end, name in ends:
         if end > data:
             return f"the header places this tensor's data up to byte {end}, past the {data} bytes held", name
+    return _header_entry_problem(header)
+
+
+# bytes per element of the safetensors dtypes
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _header_entry_problem(header: dict) -> tuple[str | None, str | None]:
+    """An entry whose dtype safetensors does not know, or whose shape does not fill its bytes (safetensors says
+    "invalid shape, data type, or offset for tensor" without naming it)."""
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            count = math.prod(int(d) for d in shape)
+        except (TypeError, KeyError, ValueError):
+            return "the header entry is not {dtype, shape, data_offsets}", name
+        if dtype not in _ITEM_BYTES:
+            return f"dtype {dtype!r} is not one safetensors reads", name
+        if count * _ITEM_BYTES[dtype] != end - begin:
+            return (f"shape {list(shape)} of {dtype} needs {count * _ITEM_BYTES[dtype]} bytes, the header gives it "
+                    f"{end - begin}"), name
     return None, None
 
 

@@ -239,3 +239,31 @@ def test_an_unexpected_bias_is_named_as_the_checkpoint_stores_it(tmp_path, capsy
     else:
         assert main(["generate", "w3", "--model", path, "--device", "cpu", "--no-progress"]) == 2
         assert named in _one_error_line(capsys, "generate")
+
+
+@pytest.mark.parametrize("dtype, shape, message", [
+    ("F4", None, "dtype 'F4' is not one safetensors reads"),
+    ("I64", None, "shape [32, 64] of I64 needs 16384 bytes, the header gives it 4096"),
+    (None, [16, 64], "shape [16, 64] of BF16 needs 2048 bytes, the header gives it 4096"),
+])
+def test_a_header_entry_safetensors_refuses_is_named(tmp_path, capsys, dtype, shape, message):
+    """safetensors says "invalid shape, data type, or offset for tensor" and names none."""
+    import struct
+
+    tensors = {k: v.to(torch.bfloat16) for k, v in dense_state_dict().items()}
+    path = write_dir(str(tmp_path / "m"), tensors, TINY, tokenizer=True)
+    file = os.path.join(path, "model.safetensors")
+    raw = open(file, "rb").read()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + length])
+    name = "model.layers.1.self_attn.k_proj.weight"
+    assert header[name]["dtype"] == "BF16" and header[name]["shape"] == [32, 64]
+    header[name].update({k: v for k, v in (("dtype", dtype), ("shape", shape)) if v is not None})
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (length - len(text))  # same length: the data stays where it was
+    assert len(text) == length
+    with open(file, "wb") as handle:
+        handle.write(raw[:8] + text + raw[8 + length:])
+    assert main(["inspect", path]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert message in err and f"(file {file}, tensor {name})" in err
