@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.hf_config import (chat_template, chat_templates, eos_token_ids, expected_shapes,
-                                           language_model, load_config, modelopt_quant_file, quantization_config,
-                                           tensor_renames)
+                                           language_model, load_config, load_json, modelopt_quant_file,
+                                           quantization_config, tensor_renames)
 from radiance.checkpoint.layout import FLOAT_DTYPES, check_linear, detect_format, read_linear, required_tensors
 from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
                                        leaf, partition_modules, sort_key, split_tensor_name)
@@ -58,6 +58,7 @@ class _Linear:
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")  # a decoder layer (not a vision tower's)
 # a tokenizer's own files (tokenizer_config.json alone is settings, not a vocabulary); Kimi's: *.tiktoken
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 class HfCheckpoint(Checkpoint):
@@ -360,8 +361,16 @@ class HfCheckpoint(Checkpoint):
             try:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
+                self._check_tokenizer_json()  # a file that is not JSON is named (transformers names none)
                 raise CheckpointError(f"cannot load the tokenizer: {exc}", file=self.path) from None
         return self._tokenizer
+
+    def _check_tokenizer_json(self) -> None:
+        """A tokenizer JSON file that does not parse, as a CheckpointError naming it."""
+        for name in _TOKENIZER_JSON:
+            path = os.path.join(self.path, name)
+            if os.path.isfile(path):
+                load_json(path, name)
 
     @property
     def chat_template(self) -> str | None:

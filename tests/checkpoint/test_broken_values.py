@@ -267,3 +267,15 @@ def test_a_header_entry_safetensors_refuses_is_named(tmp_path, capsys, dtype, sh
     assert main(["inspect", path]) == 2
     err = _one_error_line(capsys, "inspect")
     assert message in err and f"(file {file}, tensor {name})" in err
+
+
+@pytest.mark.parametrize("name, text", [("tokenizer.json", '{"version": "1.0", "model": {'),
+                                        ("special_tokens_map.json", '{"bos_token": ')])
+def test_a_tokenizer_file_that_is_not_json_is_named(tmp_path, capsys, name, text):
+    """Was "cannot load the tokenizer: Expecting value: line 1 column 4 (file <the directory>)"."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), TINY, tokenizer=True)
+    with open(os.path.join(path, name), "w") as handle:
+        handle.write(text)
+    assert main(["inspect", path, "--tokenizer"]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert f"{name} is not valid JSON" in err and f"(file {os.path.join(path, name)})" in err
