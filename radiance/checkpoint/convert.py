@@ -90,8 +90,8 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
     def refuse_non_finite(values: torch.Tensor, culprit: str) -> None:
         """Norms, embeddings and linears kept 16-bit are written as they are: a NaN there made a checkpoint that
         loading refuses (naming the new file, not the source)."""
-        if values.is_floating_point() and not torch.isfinite(values).all():
-            count = int((~torch.isfinite(values)).sum())
+        count = int((~torch.isfinite(values)).sum()) if values.is_floating_point() else 0
+        if count:
             raise CheckpointError(f"{count} NaN or inf value(s): refusing to write them",
                                   file=file_of(culprit) if file_of is not None else None, tensor=culprit)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from radiance.checkpoint.names import canonical_linear, partition_modules
+
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 BLOCK_NAMES = {
@@ -203,6 +205,22 @@ def gguf_name(hf_tensor: str, arch: str = "llama") -> str | None:
         for suffix, block in known.all_block_names.items():
             if block == parts[3] and known.block_name(suffix) == block:
                 return f"blk.{parts[2]}.{suffix}"
+    return None
+
+
+def missing_part(module: str, leaf: str, indices: set[int], written_as: str, arch: str
+                 ) -> tuple[str, str, str] | None:
+    """(HF name, GGUF name, the parts needed) of the first part of merged linear `module` (qkv_proj, gate_up_proj)
+    whose `leaf` tensor the file lacks, given the partition `indices` it holds and one GGUF tensor `written_as` of
+    it; None when whole, or when the file stores it fused (Phi-3's attn_qkv) or as stacked experts."""
+    stored = (hf_name(written_as, arch) or "").rpartition(".")[0]
+    projections = partition_modules(module)
+    if canonical_linear(stored)[0] == stored or len(projections) < 2:
+        return None
+    for index, projection in enumerate(projections):
+        if index not in indices:
+            hf = f"{projection}{leaf}"
+            return hf, gguf_name(hf, arch) or hf, ", ".join(p.rpartition(".")[2] for p in projections)
     return None
 
 

@@ -30,12 +30,12 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
-from radiance.checkpoint.gguf_arch import ARCHITECTURES, gguf_name, hf_name
+from radiance.checkpoint.gguf_arch import ARCHITECTURES, hf_name, missing_part
 from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.gguf_rope import LONGROPE_FACTORS, ROPE_FREQS, GgufRope
 from radiance.checkpoint.gguf_vocab import GgufVocabulary
 from radiance.checkpoint.hf_config import expected_shapes
-from radiance.checkpoint.names import canonical_linear, partition_modules, sort_key
+from radiance.checkpoint.names import canonical_linear, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight, Int4Weight, Mxfp4Weight, concat_partitions, dequantize, pack_e2m1
@@ -366,17 +366,12 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             else:
                 module, leaf = canonical, ".weight"
             first = next(iter(parts.values()))
-            written = hf_name(first if isinstance(first, str) else first[0], self.arch) or ""
-            if canonical_linear(written.rpartition(".")[0])[0] == written.rpartition(".")[0]:
-                continue  # stored fused (Phi-3's attn_qkv, its ffn_up of gate and up), or stacked experts
-            projections = partition_modules(module)
-            for index, projection in enumerate(projections):
-                if len(projections) > 1 and index not in parts:
-                    hf = f"{projection}{leaf}"
-                    raise CheckpointError(f"tensor missing from the GGUF file ({hf} in transformers' names): the "
-                                          f"model's {module.rpartition('.')[2]} needs all of "
-                                          f"{', '.join(p.rpartition('.')[2] for p in projections)}",
-                                          file=self.path, tensor=gguf_name(hf, self.arch) or hf)
+            missing = missing_part(module, leaf, set(parts), first if isinstance(first, str) else first[0], self.arch)
+            if missing is not None:
+                hf, gguf_tensor, needed = missing
+                raise CheckpointError(f"tensor missing from the GGUF file ({hf} in transformers' names): the model's "
+                                      f"{module.rpartition('.')[2]} needs all of {needed}", file=self.path,
+                                      tensor=gguf_tensor)
 
     def describe(self) -> list[EntryInfo]:
         out = []
