@@ -149,6 +149,7 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop
         self.text = ""
         self.ended = False
+        self.matched_stop: str | None = None  # the stop string that ended the text
 
     def visible_text(self) -> str:
         """Text safe to stream while generating: a tail that could still grow into a stop string is held
@@ -175,10 +176,10 @@ class IncrementalDetokenizer:
         if not check_stop:
             return False
         # a stop string counts where it ends in the new text (it may start in the old)
-        hits = [(at, -len(s)) for s in self.stop
+        hits = [(at, -len(s), s) for s in self.stop
                 if s and (at := self.text.find(s, max(0, old_length - len(s) + 1))) >= 0]
         if hits:
-            at, minus_length = min(hits)  # of two starting at once, the longer
+            at, minus_length, self.matched_stop = min(hits)  # of two starting at once, the longer
             self.text = self.text[:at - minus_length if self.include_stop else at]
             self.ended = True
             return True

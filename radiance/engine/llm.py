@@ -23,6 +23,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
 
 
 @dataclass
@@ -120,7 +121,7 @@ class LLM:
                 if out.finished and out.request_id in request_slots:
                     i, j = request_slots[out.request_id]
                     results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason, out.logprobs,
-                                                             out.cumulative_logprob)
+                                                             out.cumulative_logprob, out.stop_reason)
                     results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
                     if out.prompt_logprobs is not None:
                         results[i].prompt_logprobs = out.prompt_logprobs

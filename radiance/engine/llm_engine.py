@@ -368,6 +368,7 @@ class LLMEngine:
         if reason:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
+            seq.stop_reason = self._stop_reason(seq, token_id, stops, detokenizer)
 
     def _stops(self, seq: Sequence, token_id: int) -> bool:
         """Whether the token just appended ends the output: EOS (unless ignore_eos) or a stop_token_ids one,
@@ -378,6 +379,12 @@ class LLMEngine:
         ends = (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids
         return ends and seq.num_output_tokens >= p.min_tokens
 
+    def _stop_reason(self, seq: Sequence, token_id: int, stopped_by_token: bool, detokenizer) -> int | str | None:
+        """vLLM's order: EOS (None) before a stop_token_ids id, then the stop string matched."""
+        if stopped_by_token:
+            return None if not seq.params.ignore_eos and token_id in self.eos_token_ids else token_id
+        return detokenizer.matched_stop
+
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
         return RequestOutput(
@@ -385,7 +392,7 @@ class LLMEngine:
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             finish_reason=seq.finish_reason, finished=seq.is_finished, num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
-            cumulative_logprob=seq.cumulative_logprob)
+            cumulative_logprob=seq.cumulative_logprob, stop_reason=seq.stop_reason)
 
     def stats(self) -> EngineStats:
         return EngineStats(

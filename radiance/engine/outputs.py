@@ -25,6 +25,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
     cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
 
 
 @dataclass

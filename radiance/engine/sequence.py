@@ -37,6 +37,8 @@ class Sequence:
         # SamplingParams.prompt_logprobs: one entry per prompt position scored so far (the first token has none)
         self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop string or stop_token_ids id that ended the output (None for EOS, length)
+        self.stop_reason: int | str | None = None
         self.text = ""
         self.admitted = False
         self.output_counts = None  # the sampler's device-side token counts, when penalties need them

@@ -148,6 +148,9 @@ class ChoiceStream:
         reason = self.output.finish_reason if self.output is not None else None
         return "tool_calls" if reason == "stop" and self.num_tool_calls and not self.named_tool else reason
 
+    def stop_reason(self) -> int | str | None:
+        return self.output.stop_reason if self.output is not None else None
+
 
 def _messages(req: ChatCompletionRequest) -> list[dict]:
     out = []
@@ -366,7 +369,7 @@ def _response(request_id: str, model: str, choices: list[ChoiceStream], deltas: 
             message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in delta["tool_calls"]]
         body_choices.append({"index": choice.index, "message": message,
                              "logprobs": None if lp is None else {"content": lp},
-                             "finish_reason": choice.finish_reason()})
+                             "finish_reason": choice.finish_reason(), "stop_reason": choice.stop_reason()})
     return {"id": request_id, "object": "chat.completion", "created": now(), "model": model,
             "choices": body_choices, "usage": _usage(choices, prompt_len)}
 
@@ -383,9 +386,10 @@ def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[C
             stream_usage: StreamUsage, echoed: str = "") -> AsyncIterator[str]:
     created = now()
 
-    def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
+    def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                             "stop_reason": stop_reason}]}
         return stream_usage.add_to_chunk(body, prompt_len, choices[index].output)
 
     async def events() -> AsyncIterator[str]:
@@ -399,7 +403,7 @@ def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[C
             if delta or logprobs:
                 yield sse(chunk(index, delta, logprobs))
             if out.finished:
-                yield sse(chunk(index, {}, None, choice.finish_reason()))
+                yield sse(chunk(index, {}, None, choice.finish_reason(), choice.stop_reason()))
         if stream_usage.final:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": _usage(choices, prompt_len)})

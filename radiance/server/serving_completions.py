@@ -127,7 +127,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
     await collect_until_disconnect(request, outputs, on_output)
     body_choices = [{"index": c.index, "text": texts[c.index], "logprobs": logprobs[c.index],
-                     "finish_reason": c.output.finish_reason} for c in choices]
+                     "finish_reason": c.output.finish_reason, "stop_reason": c.output.stop_reason} for c in choices]
     if req.prompt_logprobs is not None:  # vLLM's field of each choice
         for body, c in zip(body_choices, choices):
             body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, c.output.prompt_logprobs,
@@ -141,16 +141,18 @@ def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[C
             prompt_tokens: int, stream_usage: StreamUsage) -> AsyncIterator[str]:
     created = now()
 
-    def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> dict:
+    def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                             "stop_reason": stop_reason}]}
         return stream_usage.add_to_chunk(body, choices[index].prompt_tokens, choices[index].output)
 
     async def events() -> AsyncIterator[str]:
         async for index, out in outputs:
             text, logprobs = choices[index].step(out)
             if text or logprobs or out.finished:
-                yield sse(chunk(index, text, logprobs, out.finish_reason if out.finished else None))
+                ending = (out.finish_reason, out.stop_reason) if out.finished else ()
+                yield sse(chunk(index, text, logprobs, *ending))
         if stream_usage.final:
             completion_tokens = sum(len(c.output.token_ids) for c in choices if c.output is not None)
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,

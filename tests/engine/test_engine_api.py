@@ -94,9 +94,12 @@ def test_stop_strings_across_tokens_are_cut_before_or_after_as_asked(tiny_text_l
                                                           stop=[stop], include_stop_str_in_output=include))
         assert outs[-1].text == text and outs[-1].finish_reason == "stop" and outs[-1].token_ids == ids[:k + 1]
         assert all(text.startswith(o.text) for o in outs)
+        assert outs[-1].stop_reason == stop and all(o.stop_reason is None for o in outs[:-1])  # vLLM's field
     with_token = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[ids[k]],
                                 include_stop_str_in_output=True)
-    assert llm.generate([prompt], with_token)[0].outputs[0].text == texts[k]
+    by_token = llm.generate([prompt], with_token)[0].outputs[0]
+    assert by_token.text == texts[k] and by_token.stop_reason == ids[k]
+    assert _greedy(llm, prompt, 8).stop_reason is None  # ended by length
 
 
 def test_the_eos_text_joins_the_text_only_with_include_stop_str_in_output(tiny_text_llm):

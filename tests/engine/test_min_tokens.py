@@ -66,6 +66,7 @@ def test_eos_forced_early_waits_for_the_minimum(tiny_llm, options):
     forced = dict(max_tokens=30, temperature=0.0, logit_bias={eos: 100.0})
     early = _generate(llm, PROMPTS, SamplingParams(**forced))
     assert all(o.token_ids == [eos] and o.finish_reason == "stop" for o in early)  # not vacuous
+    assert all(o.stop_reason is None for o in early)  # vLLM's stop_reason: None for EOS
     # each request its own minimum (0: no ban), in one batch
     params = [SamplingParams(**forced, min_tokens=m) for m in (9, 0, 4)]
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
@@ -104,6 +105,11 @@ def test_stop_token_ids_are_banned_until_the_minimum_and_eos_stays_ignored(tiny_
                             logit_bias={7: 100.0, eos: 50.0}, min_tokens=3)
     out = _generate(llm, PROMPTS[:1], params)[0]
     assert out.token_ids == [eos, eos, eos, 7] and out.finish_reason == "stop"  # EOS ignored: neither banned nor a stop
+    assert out.stop_reason == 7
+    # EOS listed in stop_token_ids too: EOS is looked at first, as in vLLM
+    both = _generate(llm, PROMPTS[:1], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[eos],
+                                                      logit_bias={eos: 100.0}))[0]
+    assert both.token_ids == [eos] and both.stop_reason is None
 
 
 def test_speculative_rows_count_the_drafts_before_them(tiny_llm):

@@ -71,6 +71,7 @@ def test_completions_stop_logprobs_echo(client):
     r = client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0, stop=["."], logprobs=2)
     choice = r.choices[0]
     assert "Paris" in choice.text and "." not in choice.text and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == "."  # vLLM's field: the stop string that fired
     assert "".join(choice.logprobs.tokens).startswith(choice.text)
     assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
@@ -79,12 +80,26 @@ def test_completions_stop_logprobs_echo(client):
                for top, lp in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs))
     r = client.completions.create(model="smol", prompt=prompt, max_tokens=3, temperature=0, echo=True)
     assert r.choices[0].text.startswith(prompt) and len(r.choices[0].text) > len(prompt)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="smol", prompt=prompt, max_tokens=8, temperature=0, stop=["."], stream=True) if c.choices)
-    assert streamed == choice.text
+    chunks = [c for c in client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0,
+                                                   stop=["."], stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["."]
     kept = client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0, stop=["."],
                                      extra_body={"include_stop_str_in_output": True}).choices[0]
     assert kept.text == choice.text + "." and kept.finish_reason == "stop"
+    assert kept.model_extra["stop_reason"] == "."
+
+
+def test_chat_stop_reason_names_the_stop_or_is_null(client):
+    """vLLM's stop_reason on chat choices: the stop string that fired, null for EOS (and for length)."""
+    asked = dict(model="smol", messages=QUESTION, max_tokens=30, temperature=0)
+    by_eos = client.chat.completions.create(**asked).choices[0]
+    assert by_eos.finish_reason == "stop" and by_eos.model_extra["stop_reason"] is None
+    by_stop = client.chat.completions.create(**asked, stop=["Paris"]).choices[0]
+    assert by_stop.finish_reason == "stop" and by_stop.model_extra["stop_reason"] == "Paris"
+    finals = [c.choices[0] for c in client.chat.completions.create(**asked, stop=["Paris"], stream=True)
+              if c.choices and c.choices[0].finish_reason]
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in finals] == [("stop", "Paris")]
 
 
 def test_echo_logprobs_score_the_prompt(client, server):
