@@ -25,7 +25,7 @@ from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       TokenizeRequest, model_card)
 from radiance.server.protocol_responses import ResponsesRequest
 from radiance.server.serving_chat import create_chat_completion, render_prompt
-from radiance.server.serving_common import check_token_ids, check_unicode, encode_prompt
+from radiance.server.serving_common import check_token_ids, check_unicode, encode_prompt, vocabulary_strings
 from radiance.server.serving_completions import create_completion
 from radiance.server.serving_responses import create_response, stored_input_items, stored_response
 from radiance.server.state import ServerState
@@ -71,7 +71,7 @@ class ApiKeyMiddleware:
 
     async def _answer(self, scope, receive, send):
         if not self._authorized(scope):
-            self.state.metrics.http_errors.labels(status="401").inc()
+            self.state.metrics.http_error(401)
             response = error_response(OpenAIError(401, "Incorrect or missing API key "
                                                        "(send Authorization: Bearer KEY)", code="invalid_api_key"))
             return await response(scope, receive, send)
@@ -81,7 +81,7 @@ class ApiKeyMiddleware:
     def _served_request(scope) -> ServedRequest:
         for name, value in scope.get("headers") or ():
             if name == b"x-request-id" and value:
-                return ServedRequest(value.decode("latin-1"), from_client=True)
+                return ServedRequest(value.decode("latin-1"))
         return ServedRequest(uuid.uuid4().hex)
 
     @staticmethod
@@ -119,7 +119,7 @@ class ApiKeyMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 if status >= 400:
-                    self.state.metrics.http_errors.labels(status=str(status)).inc()
+                    self.state.metrics.http_error(status)
             sent_all = sent_all or message["type"] == "http.response.body" and not message.get("more_body", False)
             await send(message)
 
@@ -146,7 +146,7 @@ class ApiKeyMiddleware:
         a non-streaming request whose client left is answered."""
         in_band = current_request.get().stream_error_status
         if status is not None and status < 400 and in_band is not None:
-            self.state.metrics.http_errors.labels(status="499" if client_left else str(in_band)).inc()
+            self.state.metrics.http_error(499 if client_left else in_band)
 
 
 def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAPI:
@@ -252,11 +252,15 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
         # before tokenizing (a 6 MB one held the whole server for 9 s)
         if body.messages is not None:  # rendered exactly as /v1/chat/completions would render it
             chat = body.chat_request()
-            text = render_prompt(state, chat, use_tools=bool(chat.tools))
-            tokens = encode_prompt(state, text, "messages", add_special_tokens=False)
+            text = await state.off_loop(render_prompt, state, chat, use_tools=bool(chat.tools))
+            tokens = await state.off_loop(encode_prompt, state, text, "messages", add_special_tokens=False)
         else:
-            tokens = encode_prompt(state, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+            tokens = await state.off_loop(encode_prompt, state, body.prompt, "prompt",
+                                          add_special_tokens=body.add_special_tokens)
+        answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            answer["token_strs"] = vocabulary_strings(state.tokenizer, tokens)
+        return answer
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

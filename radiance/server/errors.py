@@ -161,5 +161,5 @@ def install_error_handlers(app: FastAPI) -> None:
         # this handler runs outside the middleware that counts error statuses, so count here
         state = getattr(request.app.state, "radiance", None)
         if state is not None:
-            state.metrics.http_errors.labels(status="500").inc()
+            state.metrics.http_error(500)
         return error_response(internal_error(exc))

@@ -12,8 +12,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# no `*_created` timestamp series beside each counter and histogram (vLLM turns them off too): they doubled
+# the families a scraper sees and no dashboard reads them. The switch is prometheus_client's, process-wide.
+disable_created_metrics()
 
 PREFIX = "radiance_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -34,7 +38,6 @@ class ServedRequest:
     request_errors counts as it counts an error answer."""
 
     request_id: str
-    from_client: bool = False  # the id is the client's own X-Request-Id (response body ids derive from it)
     stream_error_status: int | None = None
 
 
@@ -77,29 +80,49 @@ class _EngineCollector:
 
 
 class ServerMetrics:
+    """Every series carries the served model's name (`model_name`, as vLLM's), read when it is recorded: the
+    name can change once the model loads (the embedded model's, a checkpoint's own)."""
+
     def __init__(self, stats: Callable[[], object | None], model_name: Callable[[], str]):
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, model_name))
-        self.time_to_first_token = Histogram(
+        self._time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first output token.",
-            registry=self.registry, buckets=_LATENCY_BUCKETS)
-        self.time_per_output_token = Histogram(
+            ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self._time_per_output_token = Histogram(
             PREFIX + "time_per_output_token_seconds", "Mean time between output tokens of a request, after the first.",
-            registry=self.registry, buckets=_TOKEN_BUCKETS)
-        self.e2e_latency = Histogram(
+            ["model_name"], registry=self.registry, buckets=_TOKEN_BUCKETS)
+        self._e2e_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "Time from request arrival to its end (last output token, abort or error).",
-            registry=self.registry, buckets=_LATENCY_BUCKETS)
-        self.request_success = Counter(
+            ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self._request_success = Counter(
             PREFIX + "request_success", "Ended engine requests by finish reason (abort: client gone or server "
-            "stopping; error: the engine failed).", ["finished_reason"], registry=self.registry)
-        for reason in FINISHED_REASONS:  # every label shows from the start (0), as vLLM's do
-            self.request_success.labels(finished_reason=reason)
-        self.http_errors = Counter(
-            PREFIX + "request_errors", "Requests answered with an error, by HTTP status.", ["status"],
+            "stopping; error: the engine failed).", ["model_name", "finished_reason"], registry=self.registry)
+        self._http_errors = Counter(
+            PREFIX + "request_errors", "Requests answered with an error, by HTTP status.", ["model_name", "status"],
             registry=self.registry)
 
+    def first_token(self, seconds: float) -> None:
+        self._time_to_first_token.labels(model_name=self.model_name()).observe(seconds)
+
+    def time_per_output_token(self, seconds: float) -> None:
+        self._time_per_output_token.labels(model_name=self.model_name()).observe(seconds)
+
+    def request_ended(self, seconds: float, reason: str) -> None:
+        self._e2e_latency.labels(model_name=self.model_name()).observe(seconds)
+        self._request_success.labels(model_name=self.model_name(), finished_reason=reason).inc()
+
+    def http_error(self, status: int | str) -> None:
+        self._http_errors.labels(model_name=self.model_name(), status=str(status)).inc()
+
     def render(self) -> bytes:
+        name = self.model_name()
+        for reason in FINISHED_REASONS:  # every reason shows from the start (0), as vLLM's do
+            self._request_success.labels(model_name=name, finished_reason=reason)
+        for histogram in (self._time_to_first_token, self._time_per_output_token, self._e2e_latency):
+            histogram.labels(model_name=name)  # an empty histogram shows too, as it did before labels
         return generate_latest(self.registry)
 
 
@@ -117,7 +140,7 @@ class RequestTimer:
     def tokens(self, total: int) -> None:
         if total > 0 and self.first_token is None:
             self.first_token = time.monotonic()
-            self.metrics.time_to_first_token.observe(self.first_token - self.arrival)
+            self.metrics.first_token(self.first_token - self.arrival)
         self.num_tokens = total
 
     def discard(self) -> None:
@@ -130,7 +153,6 @@ class RequestTimer:
             return
         self.ended = True
         end = time.monotonic()
-        self.metrics.e2e_latency.observe(end - self.arrival)
         if self.first_token is not None and self.num_tokens > 1:
-            self.metrics.time_per_output_token.observe((end - self.first_token) / (self.num_tokens - 1))
-        self.metrics.request_success.labels(finished_reason=reason or "unknown").inc()
+            self.metrics.time_per_output_token((end - self.first_token) / (self.num_tokens - 1))
+        self.metrics.request_ended(end - self.arrival, reason or "unknown")

@@ -383,6 +383,7 @@ class TokenizeRequest(_Model):
     chat_template_kwargs: TemplateKwargs = None
     chat_template: str | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
+    return_token_strs: bool = False  # vLLM's: the tokens' vocabulary strings beside their ids
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -275,7 +275,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     await check_limits(state, req)
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
-    prompt = render_prompt(state, req, use_tools)
+    prompt = await state.off_loop(render_prompt, state, req, use_tools)
     forced_prefix = forced_tool_call_prefix(state, req) if use_tools else ""
     last_content = req.messages[-1].text() if req.messages else ""
     opens_thinking = prompt_opens_thinking(prompt, last_content, req.continue_final_message)
@@ -305,7 +305,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     if thinking is not None:
         forced_prefix = ""  # the model writes the call's opening after its reasoning: the parsers read it there
     prompt += forced_prefix
-    prompt_ids = encode_prompt(state, prompt, "messages", add_special_tokens=False)
+    prompt_ids = await state.off_loop(encode_prompt, state, prompt, "messages", add_special_tokens=False)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                     "messages")

@@ -43,10 +43,11 @@ class EngineJob:
 
 
 def response_id(prefix: str) -> str:
-    """A response body's id: `<prefix>-<X-Request-Id>` when the client sent that header (vLLM's
-    _base_request_id, so a client finds its request by its own id), else a new random one."""
+    """A response body's id: `<prefix>-<X-Request-Id>`, the client's header (vLLM's _base_request_id, so a client
+    finds its request by its own id) or the one the server made and sent back in that header, which tags the
+    request's log lines; a new random one outside a request."""
     served = current_request.get()
-    if served is not None and served.from_client:
+    if served is not None:
         return f"{prefix}-{served.request_id}"
     return new_id(prefix)
 
@@ -94,6 +95,15 @@ def encode_prompt(state: ServerState, text: str, param: str, **encode_kw: Any) -
     if state.tokenizer is None:  # a 400 naming why there is none, not an AttributeError's 500
         state.require_tokenizer(param)
     return state.tokenizer.encode(text, **encode_kw)
+
+
+def vocabulary_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """Each token as its vocabulary names it (vLLM's /tokenize token_strs: "Ġthe" for " the" in byte-level
+    vocabularies); a tokenizer without names gives each token's decoded text."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if convert is not None:
+        return list(convert(token_ids))
+    return [tokenizer.decode([token]) for token in token_ids]
 
 
 def check_unicode(text: str, param: str) -> None:

@@ -24,7 +24,7 @@ from radiance.server.state import ServerState
 logger = logging.getLogger(__name__)
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+async def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:
     """(prompt text, token ids) per prompt."""
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
@@ -37,7 +37,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
         if isinstance(item, str):
             if not item:
                 raise invalid("prompt must not be empty", param=param)
-            prompts.append((item, encode_prompt(state, item, param)))
+            prompts.append((item, await state.off_loop(encode_prompt, state, item, param)))
         else:
             if not item:
                 raise invalid("prompt must not be empty", param=param)
@@ -93,7 +93,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     engine = state.require_engine()
     model = state.check_model(req.model)
     await check_limits(state, req)
-    prompts = _prompts(state, req)
+    prompts = await _prompts(state, req)
     if req.logprobs is not None:  # logprobs carry each token's text: refused before generating, not a 500 after
         state.require_tokenizer("logprobs", hint="logprobs need it for the tokens' texts")
     request_id = response_id("cmpl")

@@ -9,9 +9,11 @@ are looked up on the async engine first and on its inner `.engine` otherwise.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from radiance.config import ServerConfig
@@ -60,6 +62,8 @@ class ServerState:
         self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0])
         self.responses = ResponseStore(config.responses_store)  # /v1/responses answers, for follow-ups
         self._load_thread: threading.Thread | None = None
+        # one thread, as vLLM's tokenizer executor: the tokenizer is never entered twice at once
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radiance-tokenize")
 
     # ------------------------------------------------------------ loading
 
@@ -110,8 +114,16 @@ class ServerState:
         """The load thread still runs (it cannot be interrupted; Ctrl+C leaves it behind)."""
         return self._load_thread is not None and self._load_thread.is_alive()
 
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) on the tokenizer thread. Rendering and tokenizing a long prompt (~1 s for 600k
+        characters on a 2-core CPU) on the event loop held up every other request's stream and /health; the
+        Rust tokenizer lets go of the GIL while it encodes."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                functools.partial(fn, *args, **kwargs))
+
     async def shutdown(self) -> None:
         """The server stops: the engine's loop and threads stop (an engine without `shutdown` has nothing to stop)."""
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             await shutdown()

@@ -256,7 +256,7 @@ def test_stream_failure_midway_sends_error_then_done(server, client):
     check_error_shape(r, 500, None)
     assert "scripted engine failure" not in r.text
     metrics = http(server, "GET", "/metrics").text
-    assert 'radiance_request_errors_total{status="500"}' in metrics  # counted although outside the middleware
+    assert 'radiance_request_errors_total{model_name="fake",status="500"}' in metrics  # though outside the middleware
 
 
 def test_metrics_and_tokenize(server, client):

@@ -117,7 +117,7 @@ def test_an_internal_error_keeps_the_connection_and_logs_once(caplog):
         assert r.json()["error"]["message"] == "internal server error (RuntimeError)"
         assert client.get("/health").status_code == 200  # the same connection still serves
         metrics = client.get("/metrics").text
-    assert 'radiance_request_errors_total{status="500"} 1.0' in metrics  # counted once
+    assert 'radiance_request_errors_total{model_name="fake",status="500"} 1.0' in metrics  # counted once
     assert not asgi_errors(logged), logged
     assert len([r for r in caplog.records if "internal error while serving" in r.getMessage()]) == 1
 

@@ -93,7 +93,7 @@ def data_lines(text: str) -> list[str]:
 
 
 def error_count(metrics_text: str, status: str) -> float:
-    found = re.search(rf'radiance_request_errors_total{{status="{status}"}} (\S+)', metrics_text)
+    found = re.search(rf'radiance_request_errors_total{{model_name="[^"]*",status="{status}"}} (\S+)', metrics_text)
     return float(found.group(1)) if found else 0.0
 
 

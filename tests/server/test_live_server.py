@@ -123,6 +123,12 @@ def test_echo_logprobs_score_the_prompt(client, server):
     assert lp.token_logprobs[len(ids)] == pytest.approx(paris.token_logprobs[0], abs=0.05)
     info = httpx.get(server[0] + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert info["eos_token"] == "<|im_end|>" and "<|im_start|>" in info["chat_template"]
+    named = httpx.post(server[0] + "/tokenize", json={"prompt": "The capital of France is", "return_token_strs": True},
+                       headers={"Authorization": f"Bearer {KEY}"}).json()
+    # vLLM's token_strs: the byte-level vocabulary's own strings ("Ġ" for a leading space)
+    assert named["tokens"] == ids and named["token_strs"][:3] == ["The", "Ġcapital", "Ġof"]
+    assert len(named["token_strs"]) == len(ids) and "token_strs" not in httpx.post(
+        server[0] + "/tokenize", json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}"}).json()
 
 
 def test_prompt_logprobs_score_and_rank_every_prompt_token(server):

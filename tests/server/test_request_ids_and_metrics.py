@@ -7,6 +7,7 @@ import re
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radiance.config import ServerConfig
 from radiance.server.api import build_app
-from radiance.server.metrics import ServerMetrics
+from radiance.server.metrics import RequestTimer, ServerMetrics
 from radiance.server.serving_common import EngineJob, merged_outputs
 from radiance.server.state import ServerState
 from tests.server.fake_engine import FakeEngine, free_port, serve_engine
@@ -65,10 +66,14 @@ def test_the_body_id_is_the_clients_x_request_id_with_vllms_prefix(server, path,
 
 @pytest.mark.parametrize("path,body,prefix", [(CHAT, chat_body("hi"), "chatcmpl-"),
                                               (COMPLETIONS, {"prompt": "SAY:hi"}, "cmpl-")])
-def test_without_the_header_ids_are_new_each_time(server, path, body, prefix):
-    ids = [httpx.post(server[0] + path, json=body, timeout=30).json()["id"] for _ in range(2)]
-    assert all(re.fullmatch(re.escape(prefix) + "[0-9a-f]{24}", i) for i in ids), ids
+def test_without_the_header_ids_are_new_each_time_and_the_header_names_the_body(server, path, body, prefix):
+    """The X-Request-Id the server makes (sent back, tagging the log lines) is the body id's own, so a client can
+    find its answer in the log (they were two unrelated random ids)."""
+    answers = [httpx.post(server[0] + path, json=body, timeout=30) for _ in range(2)]
+    ids = [r.json()["id"] for r in answers]
+    assert all(re.fullmatch(re.escape(prefix) + "[0-9a-f]{32}", i) for i in ids), ids
     assert ids[0] != ids[1]
+    assert [prefix + r.headers["x-request-id"] for r in answers] == ids
 
 
 def test_engine_request_ids_carry_the_body_id_and_stay_unique(server):
@@ -137,7 +142,32 @@ def wait_for(condition, timeout: float = 10.0):
 def test_reason_labels_show_from_the_start():
     metrics = ServerMetrics(lambda: None, lambda: "m").render().decode()
     for reason in ("stop", "length", "abort", "error"):
-        assert f'radiance_request_success_total{{finished_reason="{reason}"}} 0.0' in metrics
+        assert f'radiance_request_success_total{{finished_reason="{reason}",model_name="m"}} 0.0' in metrics
+
+
+def test_every_series_names_the_model_and_none_is_a_created_timestamp():
+    """vLLM's model_name label on every series (the histograms and request counters had none), read when
+    recorded (the served name can change once the model loads), and no `*_created` series (vLLM turns them off)."""
+    name = ["before-load"]
+    metrics = ServerMetrics(lambda: SimpleNamespace(num_running=1, num_waiting=0, kv_cache_usage=0.5,
+                                                    num_preemptions=0, prompt_tokens_total=3,
+                                                    generation_tokens_total=4, draft_tokens_total=0,
+                                                    accepted_draft_tokens_total=0), lambda: name[0])
+    name[0] = "smol"
+    timer = RequestTimer(metrics)
+    timer.tokens(1)
+    timer.tokens(3)
+    timer.finished("stop")
+    metrics.http_error(400)
+    families = list(text_string_to_metric_families(metrics.render().decode()))
+    samples = [s for f in families for s in f.samples]
+    assert samples and all(s.labels.get("model_name") == "smol" for s in samples), samples
+    assert not [s.name for s in samples if s.name.endswith("_created")]
+    value = {(s.name, s.labels.get("finished_reason"), s.labels.get("status")): s.value for s in samples}
+    assert value["radiance_request_success_total", "stop", None] == 1
+    assert value["radiance_request_errors_total", None, "400"] == 1
+    assert value["radiance_time_to_first_token_seconds_count", None, None] == 1
+    assert value["radiance_time_per_output_token_seconds_count", None, None] == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -256,8 +286,8 @@ def test_merged_outputs_cancelled_mid_way_records_each_job_once():
 
     asyncio.run(run())
     sample = metrics.registry.get_sample_value
-    assert sample("radiance_request_success_total", {"finished_reason": "abort"}) == 2
-    assert sample(E2E) == 2 and sorted(engine.aborted) == ["job-0", "job-1"]
+    assert sample("radiance_request_success_total", {"model_name": "m", "finished_reason": "abort"}) == 2
+    assert sample(E2E, {"model_name": "m"}) == 2 and sorted(engine.aborted) == ["job-0", "job-1"]
 
 
 def _params():
