@@ -22,11 +22,19 @@ from radiance.formats import (DenseWeight, Fp8Weight, Nvfp4Weight, dequantize, q
 TARGETS = ("mxfp4", "nvfp4", "fp8", "dense")
 
 
+_REL_RMS_CHUNK = 1 << 22  # elements squared in float64 at a time: 32 MiB per copy, whatever the tensor
+
+
 def rel_rms(approx: torch.Tensor, ref: torch.Tensor) -> float:
-    """||approx - ref|| / ||ref|| in float64 accumulation (0 for an all-zero reference)."""
-    err = (approx.float() - ref.float()).square().sum(dtype=torch.float64)
-    norm = ref.float().square().sum(dtype=torch.float64)
-    return float((err / norm).sqrt()) if float(norm) > 0 else 0.0
+    """||approx - ref|| / ||ref|| (0 for an all-zero reference), squared in float64 chunk by chunk: fp32 squares
+    of weights near 1e20 overflowed (a nan report), near 1e-25 underflowed (0)."""
+    approx, ref = approx.reshape(-1), ref.reshape(-1)
+    err = norm = 0.0
+    for start in range(0, ref.numel(), _REL_RMS_CHUNK):
+        a, r = approx[start:start + _REL_RMS_CHUNK].double(), ref[start:start + _REL_RMS_CHUNK].double()
+        err += float((a - r).square().sum())
+        norm += float(r.square().sum())
+    return (err / norm) ** 0.5 if norm > 0 else 0.0
 
 
 def convert_linear(weight, target: str, rule: str = "mse", chunk_rows: int | None = None,

@@ -43,8 +43,9 @@ def requant_rows_to_mxfp4(dequant_rows: Callable[[int, int], torch.Tensor], n: i
         check_finite(rows, "the dequantized weight", row_offset=start)  # a NaN source value, named by its row
         p, s = quantize_mxfp4(rows, rule)
         packed[start:stop], scale[start:stop] = p, s
-        err += (rows - dequantize_mxfp4(p, s)).square().sum(dtype=torch.float64)
-        ref += rows.square().sum(dtype=torch.float64)
+        # squared in float64: fp32 squares of weights near 1e20 overflowed (a nan report), near 1e-25 underflowed
+        err += (rows.double() - dequantize_mxfp4(p, s).double()).square().sum()
+        ref += rows.double().square().sum()
     rel_rms = float((err / ref).sqrt()) if float(ref) > 0 else 0.0
     return packed, scale, rel_rms
 

@@ -105,3 +105,18 @@ def test_mxfp4_pair_is_the_head_then_its_residual(rule):
     assert rel < rel1 / 5
     chunked = dense_to_mxfp4_pair(w, rule, chunk_rows=7)
     assert torch.equal(chunked[0], packed) and torch.equal(chunked[1], scale) and chunked[2] == pytest.approx(rel)
+
+
+@pytest.mark.parametrize("magnitude", [2.0 ** -84, 2.0 ** 66])  # powers of two: the same codes, scaled exactly
+def test_the_relrms_report_holds_for_weights_far_from_one(magnitude):
+    """relRMS is scale-free: fp32 squares of weights near 1e20 overflowed (nan) and near 1e-25 underflowed (0)."""
+    from radiance.checkpoint.convert import rel_rms
+    from radiance.formats import dense_to_mxfp4
+
+    torch.manual_seed(3)
+    w = torch.randn(8, 64)
+    _, _, unit = dense_to_mxfp4(w)
+    _, _, scaled = dense_to_mxfp4(w * magnitude)
+    assert 0.05 < unit < 0.2 and scaled == pytest.approx(unit, rel=1e-6)
+    assert rel_rms(torch.full((5,), 1.1 * magnitude), torch.full((5,), magnitude)) == pytest.approx(0.1, rel=1e-6)
+    assert rel_rms(torch.zeros(3), torch.zeros(3)) == 0.0
