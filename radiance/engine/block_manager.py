@@ -5,8 +5,9 @@ map to equal digest chains. Freed blocks keep their contents and hash until they
 order), so a later request with the same prefix reuses them without recomputing.
 
 With `prefer_in_order` (the CPU engine), a growing sequence takes the block right after its last one
-when that block is free, ahead of LRU order: its blocks then run in order, and the CPU attention reads
-the cache in place instead of gathering the context every step (AttentionMetadata.kv_first_blocks).
+when that block is free and holds no cached prefix, ahead of LRU order: its blocks then run in order, and the
+CPU attention reads the cache in place instead of gathering the context every step
+(AttentionMetadata.kv_first_blocks).
 """
 
 from __future__ import annotations
@@ -110,8 +111,10 @@ class BlockManager:
             seq.block_table.append(self._take_fresh_block(following))
 
     def _take_fresh_block(self, wanted: int | None = None) -> int:
-        """`wanted` when it is free, else the least recently freed block."""
-        if wanted is not None and wanted in self.free_blocks:
+        """`wanted` when it is free and caches nothing, else the least recently freed block. A cached block is not
+        taken out of turn: after a prompt sharing a system prompt with another, the block after the shared one is
+        the other prompt's cached continuation, and taking it evicted that while hundreds of blocks were unused."""
+        if wanted is not None and wanted in self.free_blocks and self.hash_of_block[wanted] is None:
             del self.free_blocks[wanted]
             block = wanted
         else:

@@ -74,6 +74,27 @@ def test_block_manager_extends_a_sequence_in_order_when_asked():
     assert run(prefer=False) == ([0, 3], [2, 4], [5])
 
 
+def test_in_order_extension_keeps_another_prompts_cached_block():
+    """Two prompts sharing their first block (a system prompt): the second one's next block came right after the
+    shared one, which was the first prompt's cached continuation, so each evicted the other's with free blocks
+    to spare."""
+    bm = BlockManager(num_blocks=16, block_size=4, prefer_in_order=True)
+    shared = [1, 2, 3, 4]
+    a = _seq(shared + [10, 11, 12, 13, 14])
+    bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    bm.commit(a)
+    bm.free(a)  # blocks 0 (shared) and 1 (a's own) stay cached
+    b = _seq(shared + [20, 21, 22, 23, 24], "b")
+    assert bm.match_prefix(b) == 4 and b.block_table == [0]
+    bm.allocate(b, 5)
+    assert b.block_table[1] != 1  # not a's cached block, though it follows the shared one
+    b.num_computed_tokens = 9
+    bm.commit(b)
+    bm.free(b)
+    assert bm.match_prefix(_seq(shared + [10, 11, 12, 13, 14], "again")) == 8  # a's two blocks are still cached
+
+
 def test_sampler_filters():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
