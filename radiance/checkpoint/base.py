@@ -43,6 +43,21 @@ class Checkpoint(ABC):
         """The checkpoint's own name of entry `name` (describe's names merge q / k / v): the reader's to map."""
         return name
 
+    def resolve_architecture(self):
+        """(model class, ArchConfig) for this checkpoint's config, or the registry's ConfigError in the
+        checkpoint's own words (a GGUF has no config.json: its metadata keys are named)."""
+        from radiance.errors import ConfigError
+        from radiance.models.registry import resolve_architecture
+
+        try:
+            return resolve_architecture(self.config)
+        except ConfigError as exc:
+            raise self.config_error(exc) from None
+
+    def config_error(self, exc: Exception) -> Exception:
+        """`exc`, a fault of the config dict, as this checkpoint stores that config: config.json as it is."""
+        return exc
+
     def file_of(self, name: str) -> str:
         """The file holding tensor `name`, for error messages: the checkpoint's path unless a reader knows better."""
         return self.path

@@ -7,6 +7,7 @@ scale) or spells its own way (Phi-3's pretraining context and window; OLMo 3, an
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -233,3 +234,26 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and known.block_name(parts[2]) is not None:
         return f"model.layers.{parts[1]}.{known.block_name(parts[2])}"
     return None
+
+
+# the config fields a GGUF's metadata gives (gguf_reader._synthesize_config): "{arch}" is general.architecture
+_CONFIG_KEYS = {
+    "hidden_size": "{arch}.embedding_length", "intermediate_size": "{arch}.feed_forward_length",
+    "num_hidden_layers": "{arch}.block_count", "num_attention_heads": "{arch}.attention.head_count",
+    "num_key_value_heads": "{arch}.attention.head_count_kv", "head_dim": "{arch}.attention.key_length",
+    "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon", "rope_theta": "{arch}.rope.freq_base",
+    "max_position_embeddings": "{arch}.context_length", "num_local_experts": "{arch}.expert_count",
+    "num_experts_per_tok": "{arch}.expert_used_count", "sliding_window": "{arch}.attention.sliding_window",
+}
+
+
+def in_gguf_words(message: str, arch: str) -> str:
+    """A config fault worded for config.json ("config.json field 'rope_theta' ...") in a GGUF's terms: the metadata
+    keys the fields it names come from."""
+    keys = {name: key.format(arch=arch) for name, key in _CONFIG_KEYS.items()}
+    message = re.sub(r"config\.json field '(\w+)'",
+                     lambda m: f"GGUF metadata {keys[m[1]]}" if m[1] in keys else f"GGUF metadata for {m[1]!r}",
+                     message)
+    message = message.replace("config.json of a", "GGUF metadata of a")
+    named = [f"{name} is {key}" for name, key in keys.items() if re.search(rf"\b{name}\b", message)]
+    return f"{message} ({', '.join(named)})" if named else message

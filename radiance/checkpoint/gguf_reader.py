@@ -30,14 +30,14 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
-from radiance.checkpoint.gguf_arch import ARCHITECTURES, hf_name, missing_part
+from radiance.checkpoint.gguf_arch import ARCHITECTURES, hf_name, in_gguf_words, missing_part
 from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.gguf_rope import LONGROPE_FACTORS, ROPE_FREQS, GgufRope
 from radiance.checkpoint.gguf_vocab import GgufVocabulary
 from radiance.checkpoint.hf_config import expected_shapes
 from radiance.checkpoint.names import canonical_linear, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
-from radiance.errors import CheckpointError
+from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight, Int4Weight, Mxfp4Weight, concat_partitions, dequantize, pack_e2m1
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,26 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             self._check_shapes()
         self._tokenizer = None
         self._eos_token_ids = self._end_of_generation_ids()  # at open: inspect lists its warning
+
+    def stored_name(self, name: str) -> str:
+        """The GGUF tensor a transformers-named weight or part of one (model.layers.0.self_attn.k_proj.weight, as the
+        loader names a NaN) is read from: blk.0.attn_k.weight; an expert of a stacked tensor names its index."""
+        plan = self._plan()
+        module, _, leafname = name.rpartition(".")
+        merged, index = canonical_linear(module)
+        candidates = [(name, 0), (merged if leafname == "weight" else f"{merged}.{leafname}", index)]
+        for key, part in candidates:
+            found = plan.get(key, {}).get(part)
+            if found is not None:
+                return found if isinstance(found, str) else f"{found[0]} (expert {found[1]})"
+        return name
+
+    def config_error(self, exc: Exception) -> Exception:
+        """A fault the registry finds in the config this file's metadata maps to, named by its GGUF keys and file
+        (it read "config.json field 'rope_theta' ..." of a file that has no config.json)."""
+        if "config.json" not in str(exc):
+            return exc
+        return ConfigError(f"{in_gguf_words(str(exc), self.arch)} (file {self.file.path})")
 
     # ------------------------------------------------------------------ metadata
 

@@ -20,7 +20,8 @@ from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.hf_config import (chat_template, chat_templates, eos_token_ids, expected_shapes,
                                            language_model, load_config, load_json, modelopt_quant_file,
                                            quantization_config, tensor_renames)
-from radiance.checkpoint.layout import FLOAT_DTYPES, check_linear, detect_format, read_linear, required_tensors
+from radiance.checkpoint.layout import (FLOAT_DTYPES, check_linear, check_no_stray_tensors, detect_format, read_linear,
+                                        required_tensors)
 from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
                                        leaf, partition_modules, sort_key, split_tensor_name)
 from radiance.checkpoint.quant_config import parse_quantization_config
@@ -119,6 +120,7 @@ class HfCheckpoint(Checkpoint):
 
     def _plan(self):
         parts: dict[str, dict[int, str]] = {}
+        stored: dict[str, list[str]] = {}  # each linear module's tensors
         plain, biases = [], {}
         attention_scales = []
         stacked = {name for group in self._stacked.values() for name in group.tensor_names()}
@@ -142,6 +144,7 @@ class HfCheckpoint(Checkpoint):
                         plain.append(name)
                     continue
                 parts.setdefault(canonical, {})[index] = module
+                stored.setdefault(module, []).append(name)
             else:
                 plain.append(name)
         mismatches: dict[tuple[str, str, str], list[str]] = {}
@@ -160,7 +163,8 @@ class HfCheckpoint(Checkpoint):
                                           tensor=(missing or [f"{module}.weight"])[0])
                 if detected != scheme.format:
                     mismatches.setdefault((scheme.format, detected, leaf(module)), []).append(module)
-                check_linear(module, detected, self.index, self._expected(module))
+                slots = check_linear(module, detected, self.index, self._expected(module))
+                check_no_stray_tensors(module, detected, slots, stored.get(module, []), self.index)
                 formats.append(detected)
             linears.append(_Linear(canonical, modules, tuple(formats)))
         for (said, stored, kind), modules in mismatches.items():

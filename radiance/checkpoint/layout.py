@@ -156,6 +156,22 @@ def check_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, 
     return slots
 
 
+# leaves a linear may carry besides those its format reads: the bias (read on its own), activation scales and zero
+# points of schemes served with dynamic activations, compressed-tensors' weight_shape
+_SIDE_LEAVES = ("bias", "input_scale", "input_global_scale", "weight_zero_point", "input_zero_point", "weight_shape")
+
+
+def check_no_stray_tensors(module: str, fmt: str, slots: dict[str, _Slot], names: list[str], src: TensorSource) -> None:
+    """Each of the module's stored tensors `names` is one its format reads or a side leaf: any other one (a typo'd
+    leaf, a 16-bit `weight` left beside MXFP4 packed codes) was dropped without a word."""
+    read = {slot.name for slot in slots.values()}
+    for name in names:
+        if name not in read and name.rpartition(".")[2] not in _SIDE_LEAVES:
+            leaves = ", ".join(sorted(n.rpartition(".")[2] for n in read))
+            raise CheckpointError(f"tensor not used by the model: {module} is read as {fmt} from {leaves}",
+                                  file=_file_of(src, name), tensor=name)
+
+
 def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None = None):
     """Read one projection's tensors into a Weight, validating every dtype and shape first."""
     slots = check_linear(module, fmt, src, expected)

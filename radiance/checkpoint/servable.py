@@ -16,12 +16,10 @@ from radiance.checkpoint.base import Checkpoint
 from radiance.errors import CheckpointError, ConfigError
 
 
-def architecture_problem(config: dict) -> str | None:
-    """Why the model registry refuses this config.json (the message loading would fail with), or None."""
-    from radiance.models.registry import resolve_architecture
-
+def architecture_problem(ckpt: Checkpoint) -> str | None:
+    """Why the model registry refuses this checkpoint's config (the message loading would fail with), or None."""
     try:
-        resolve_architecture(config)
+        ckpt.resolve_architecture()
     except ConfigError as exc:
         return str(exc)
     return None
@@ -71,7 +69,7 @@ def servability_problem(ckpt: Checkpoint) -> str | None:
 
 def check_servable(ckpt: Checkpoint) -> None:
     """Raise what loading would: ConfigError for the architecture, CheckpointError naming the tensor at fault."""
-    problem = architecture_problem(ckpt.config)
+    problem = architecture_problem(ckpt)
     if problem is not None:
         raise ConfigError(problem)
     found = fit(ckpt)

@@ -24,7 +24,7 @@ from radiance.engine.linears import Overflow16Bit, build_linear, build_lm_head, 
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight
 from radiance.layers.linear import DenseLinear, UnloadedLinear
-from radiance.models.registry import parameter_name, resolve_architecture
+from radiance.models.registry import parameter_name
 
 logger = logging.getLogger(__name__)
 
@@ -138,12 +138,12 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
             else:
                 param = params.get(target)
                 if param is None:  # by the checkpoint's own name (q_proj.bias, not the merged qkv_proj.bias)
-                    stored = getattr(checkpoint, "stored_name", lambda n: n)(name)
+                    stored = _stored_name(checkpoint, name)
                     raise CheckpointError("tensor not used by the model", file=_file_of(checkpoint, stored),
                                           tensor=stored)
                 if tuple(param.shape) != tuple(item.shape):
                     raise CheckpointError(f"shape {tuple(item.shape)} does not match the model's {tuple(param.shape)}",
-                                          file=_file_of(checkpoint, name), tensor=name)
+                                          file=_file_of(checkpoint, name), tensor=_stored_name(checkpoint, name))
                 param.data.copy_(_cast_named(item, param.dtype, name, checkpoint))
                 bad = _nonfinite_count(param.data)  # on the device: nearly free on a GPU
                 if bad:
@@ -204,7 +204,7 @@ def open_for_loading(model_config: ModelConfig, cache_config: CacheConfig | None
     if checkpoint is None:
         from radiance.checkpoint import open_checkpoint
         checkpoint = open_checkpoint(model_config.model)
-    model_class, arch = resolve_architecture(checkpoint.config)
+    model_class, arch = checkpoint.resolve_architecture()
     check_max_model_len(model_config.max_model_len, arch.context_length, _context_source(checkpoint, arch))
     if cache_config is not None:
         device = resolve_device(model_config.device)
@@ -305,6 +305,12 @@ def _file_of(checkpoint, name: str) -> str | None:
     return file_of(name) if file_of is not None else getattr(checkpoint, "path", None)
 
 
+def _stored_name(checkpoint, name: str) -> str:
+    """The checkpoint's own name of a weight the loader names in transformers' terms (a GGUF's blk.0.attn_k.weight)."""
+    stored_name = getattr(checkpoint, "stored_name", None)
+    return stored_name(name) if stored_name is not None else name
+
+
 def _overflow_message(exc: ValueError, dtype: torch.dtype) -> str:
     return f"cannot load it in {str(dtype).removeprefix('torch.')}: {exc} (--dtype bfloat16 holds it)"
 
@@ -318,7 +324,8 @@ def _cast_named(tensor: torch.Tensor, dtype: torch.dtype, name: str, checkpoint)
     try:
         return to_serving_dtype(tensor, dtype)
     except Overflow16Bit as exc:
-        raise CheckpointError(_overflow_message(exc, dtype), file=_file_of(checkpoint, name), tensor=name) from None
+        raise CheckpointError(_overflow_message(exc, dtype), file=_file_of(checkpoint, name),
+                              tensor=_stored_name(checkpoint, name)) from None
 
 
 def _nonfinite_count(tensor: torch.Tensor) -> int:
@@ -334,7 +341,7 @@ def _nonfinite_count(tensor: torch.Tensor) -> int:
 def _nonfinite_error(count: int, name: str, checkpoint) -> CheckpointError:
     """A NaN or inf in a 16-bit weight: named at load, not a model that answers garbage."""
     return CheckpointError(f"{count} NaN or inf value(s) in the weight (a corrupt file or a broken conversion)",
-                           file=_file_of(checkpoint, name), tensor=name)
+                           file=_file_of(checkpoint, name), tensor=_stored_name(checkpoint, name))
 
 
 def _model_name(requested: str | None, path: str | None) -> str:
@@ -367,11 +374,11 @@ def _install_linear(model, name, weight, model_config, kernel_config, dtype, dev
     except Overflow16Bit as exc:  # a 16-bit linear's value beyond float16: the partition holding it, named
         culprit = culprit_tensor(name, DenseWeight(dequantize(weight).to(dtype), weight.partition_sizes))
         raise CheckpointError(_overflow_message(exc, dtype), file=_file_of(checkpoint, culprit),
-                              tensor=culprit) from None
+                              tensor=_stored_name(checkpoint, culprit)) from None
     except ValueError as exc:  # the codecs know no names (a NaN weight quantized at load): add them
         culprit = culprit_tensor(name, weight)
         raise CheckpointError(f"cannot load {name}: {exc}", file=_file_of(checkpoint, culprit),
-                              tensor=culprit) from None
+                              tensor=_stored_name(checkpoint, culprit)) from None
     bad = _nonfinite_count(module.weight) if isinstance(module, DenseLinear) else 0
     if bad:  # served as 16-bit values (a quantizer refuses NaN itself): the partition holding the first, named
         culprit = culprit_tensor(name, DenseWeight(module.weight, weight.partition_sizes))

@@ -11,8 +11,9 @@ import torch
 from radiance.cli import main
 from radiance.engine.llm import LLM
 from radiance.engine.sampling_params import SamplingParams
+from radiance.errors import CheckpointError, ConfigError
 from radiance.layers.rotary import EAGER_TABLE_POSITIONS, RotaryEmbedding
-from tests.checkpoint.factory import TINY, dense_state_dict, write_dir
+from tests.checkpoint.factory import CT_NVFP4_CONFIG, TINY, ct_nvfp4_tensors, dense_state_dict, linear_modules, write_dir
 
 
 def _rotaries(llm):
@@ -120,7 +121,39 @@ def test_a_nan_gguf_epsilon_is_refused(tmp_path, capsys):
     path = tmp_path / "m.gguf"
     write_gguf(path, overrides={"llama.attention.layer_norm_rms_epsilon": float("nan")})
     assert main(["inspect", str(path), "--strict"]) == 1
-    assert "servable   NO: config.json field 'rms_norm_eps' must be a positive number, got nan" in capsys.readouterr().out
+    assert ("servable   NO: GGUF metadata llama.attention.layer_norm_rms_epsilon must be a positive number, got nan "
+            f"(file {path})") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"llama.rope.freq_base": 0.0}, "GGUF metadata llama.rope.freq_base must be a positive number, got 0.0"),
+    ({"llama.attention.head_count_kv": 3}, "GGUF metadata of a LlamaForCausalLM model: num_attention_heads 4 is not a "
+     "multiple of num_key_value_heads 3 (num_attention_heads is llama.attention.head_count, num_key_value_heads is "
+     "llama.attention.head_count_kv)"),
+])
+@pytest.mark.parametrize("command", ["inspect", "generate"])
+def test_a_gguf_metadata_fault_names_its_key_and_file(tmp_path, capsys, overrides, message, command):
+    """Was worded for a config.json the GGUF does not have ("config.json field 'rope_theta' ...") and named no file."""
+    from tests.checkpoint.test_gguf_metadata import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", overrides=overrides)
+    if command == "inspect":
+        assert main(["inspect", path, "--strict"]) == 1
+        assert f"servable   NO: {message} (file {path})" in capsys.readouterr().out
+    else:  # loading for serving (the file has no tokenizer: the engine API, on token ids)
+        with pytest.raises(ConfigError) as err:
+            LLM(model=path, device="cpu")
+        assert str(err.value) == f"{message} (file {path})"
+
+
+def test_a_nan_in_a_gguf_tensor_names_the_gguf_tensor(tmp_path):
+    """Was named by its transformers name (model.layers.0.self_attn.k_proj.weight), which the file does not hold."""
+    from tests.checkpoint.test_gguf_metadata import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", nan_in="blk.0.attn_k.weight")
+    with pytest.raises(CheckpointError) as err:
+        LLM(model=path, device="cpu")
+    assert str(err.value).endswith(f"(file {path}, tensor blk.0.attn_k.weight)") and "1 NaN" in str(err.value)
 
 
 @pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias"])
@@ -279,3 +312,42 @@ def test_a_tokenizer_file_that_is_not_json_is_named(tmp_path, capsys, name, text
     assert main(["inspect", path, "--tokenizer"]) == 2
     err = _one_error_line(capsys, "inspect")
     assert f"{name} is not valid JSON" in err and f"(file {os.path.join(path, name)})" in err
+
+
+K_PROJ = "model.layers.1.self_attn.k_proj"
+
+
+@pytest.mark.parametrize("case", ["unknown leaf", "16-bit weight beside nvfp4"])
+@pytest.mark.parametrize("command", ["inspect", "generate"])
+def test_a_linear_tensor_its_format_does_not_read_is_named(tmp_path, capsys, case, command):
+    """An unknown leaf of a linear (k_proj.weight_foo), or a 16-bit `weight` left beside packed codes, was dropped
+    without a word (every other unused tensor was refused)."""
+    tensors = dense_state_dict()
+    quantization_config = None
+    if case == "unknown leaf":
+        stray, read = f"{K_PROJ}.weight_foo", "dense from weight"
+        tensors[stray] = torch.zeros(4)
+    else:
+        stray, read = f"{K_PROJ}.weight", "nvfp4 from weight_global_scale, weight_packed, weight_scale"
+        dense = tensors[stray].clone()
+        tensors = ct_nvfp4_tensors(tensors, linear_modules())
+        tensors[stray] = dense
+        quantization_config = CT_NVFP4_CONFIG
+    path = write_dir(str(tmp_path / "m"), tensors, TINY, quantization_config, tokenizer=True)
+    args = ["inspect", path] if command == "inspect" else ["generate", "w3", "--model", path, "--device", "cpu",
+                                                           "--no-progress"]
+    assert main(args) == 2
+    line = _one_error_line(capsys, command)
+    assert f"tensor not used by the model: {K_PROJ} is read as {read}" in line
+    assert f"(file {path}/model.safetensors, tensor {stray})" in line
+
+
+def test_side_leaves_of_a_linear_stay_accepted(tmp_path, capsys):
+    """Activation scales and zero points of a scheme served with dynamic activations, and compressed-tensors'
+    weight_shape, are not the weight: they load as before."""
+    tensors = ct_nvfp4_tensors(dense_state_dict(), linear_modules())
+    tensors[f"{K_PROJ}.input_global_scale"] = torch.ones(1)
+    tensors[f"{K_PROJ}.weight_shape"] = torch.tensor([32, 64])
+    path = write_dir(str(tmp_path / "m"), tensors, TINY, CT_NVFP4_CONFIG, tokenizer=True)
+    assert main(["inspect", path]) == 0
+    assert "servable   yes" in capsys.readouterr().out

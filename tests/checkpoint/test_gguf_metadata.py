@@ -20,9 +20,9 @@ HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 128, 4, 2, 96
 
 
 def write_gguf(path, arch="llama", metadata=None, extra_tensors=None, types=None, head_dim=HIDDEN // HEADS,
-               overrides=None):
+               overrides=None, nan_in=None):
     """A one-layer model, no tokenizer metadata; `types` {gguf name: GGML type} for the linears, `overrides`
-    metadata replacing the sizes the tensors are written with."""
+    metadata replacing the sizes the tensors are written with, `nan_in` an F32 tensor given one NaN."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     sizes = {f"{arch}.block_count": 1, f"{arch}.context_length": 4096, f"{arch}.embedding_length": HIDDEN,
@@ -44,6 +44,8 @@ def write_gguf(path, arch="llama", metadata=None, extra_tensors=None, types=None
               "blk.0.ffn_down.weight": (HIDDEN, FFN)}
     for name, shape in shapes.items():
         values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        if name == nan_in:
+            values.flat[3] = np.nan
         qtype = (types or {}).get(name, T.F32)
         if qtype == T.F32:
             writer.add_tensor(name, values)
@@ -73,7 +75,7 @@ def test_an_unread_architecture_is_the_registrys_one_line(tmp_path, arch):
     ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", arch=arch))  # opens, so inspect can report it
     with pytest.raises(ConfigError) as err:
         check_servable(ckpt)
-    assert str(err.value) == architecture_problem({"architectures": [arch]})
+    assert str(err.value) == architecture_problem(ckpt)
     assert str(err.value).startswith(f"unsupported model architecture {arch}; radiance serves ")
 
 
