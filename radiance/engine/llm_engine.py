@@ -16,7 +16,7 @@ from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
 from radiance.engine.ngram import may_find_drafts, propose_ngram_drafts
 from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
-from radiance.engine.sampling_params import SamplingParams
+from radiance.engine.sampling_params import SamplingParams, generator_seed
 from radiance.engine.scheduler import ScheduledSequence, Scheduler
 from radiance.engine.sequence import Sequence, SequenceStatus
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError
@@ -144,7 +144,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(int(params.seed) % 2**64)  # torch's seeds are 64-bit (it wraps negative ones)
+            generator.manual_seed(generator_seed(int(params.seed)))
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, generator)
         if params.structured_output is not None:
             seq.grammar = self.grammar_backend().matcher(params.structured_output)

@@ -128,3 +128,13 @@ class SamplingParams:
 def _is_sequence(value, kind) -> bool:
     """None, or a list / tuple / set of `kind` items."""
     return value is None or isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, kind) for v in value)
+
+
+def generator_seed(seed: int) -> int:
+    """The torch generator seed of a request's `seed` (any int, wrapped into 64 bits): splitmix64's finalizer,
+    a one-to-one mix, so the low 32 bits depend on all 64. torch's CPU generator (mt19937) keeps only the low 32
+    bits of its seed: seeds -1 and 2**63 - 1, or 1 and 2**32 + 1, drew the same tokens."""
+    z = seed % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return z ^ (z >> 31)
