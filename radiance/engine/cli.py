@@ -28,6 +28,12 @@ def register(subparsers) -> None:
                         help="sample from the smallest set of tokens whose probability reaches this; 1 = off (default)")
     parser.add_argument("--top-k", type=int, default=-1,
                         help="sample from the k most likely tokens only; -1 = off (default)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than this fraction of the most likely one; 0 = off (default)")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="end the output where this text appears (cut before it); repeat for several")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="go on past the model's end-of-sequence token, to --max-tokens (benchmarks)")
     parser.add_argument("--sampling-seed", type=int, default=None,
                         help="seed of the sampler, for reproducible runs: a 64-bit signed integer, as a request's "
                              "seed; a negative one is a seed of its own (default: none: the engine's RNG, see --seed)")
@@ -47,7 +53,9 @@ def register(subparsers) -> None:
                      help="a JSON schema, as JSON text or the path of a .json file")
     one.add_argument("--json", dest="json_object", action="store_true", help="any JSON object")
     one.add_argument("--regex", default=None, help="a regular expression the whole output matches")
-    one.add_argument("--choice", nargs="+", default=None, help="the output is exactly one of these strings")
+    one.add_argument("--choice", nargs="+", default=None,
+                     help="the output is exactly one of these strings (give the prompt first, or end the list with "
+                          "--: the strings take every word after --choice)")
     one.add_argument("--grammar", metavar="FILE", default=None, help="an EBNF (GBNF) grammar file with a root rule")
     parser.add_argument("--chat", dest="chat", action=argparse.BooleanOptionalAction, default=None,
                         help="wrap the prompt in the model's chat template; --chat on a model without one is an "
@@ -68,7 +76,8 @@ def run(args) -> int:
     if args.sampling_seed is not None:  # the engine wraps any int into 64 bits: 2**64 + 1 would sample as 1
         check_seed(args.sampling_seed, "--sampling-seed")
     params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+                            stop=args.stop or [], ignore_eos=args.ignore_eos,
                             repetition_penalty=args.repetition_penalty,
                             frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                             structured_output=structured_output_from_args(args))

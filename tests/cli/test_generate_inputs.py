@@ -122,3 +122,20 @@ def test_a_constrained_output_cut_by_max_tokens_says_it_is_not_valid(fake, capsy
     caplog.clear()
     assert main(["generate", "hi", "--no-chat", "--max-tokens", "4"]) == 0
     assert not [r for r in caplog.records if "constraint" in r.getMessage()]
+
+
+def test_stop_min_p_and_ignore_eos_reach_the_engine(fake, capsys):
+    """The engine's and the server's stop strings, min_p and ignore_eos had no generate flags."""
+    assert main(["generate", "hi", "--no-chat", "--stop", "Blue", "--stop", "\n\n", "--min-p", "0.1",
+                 "--ignore-eos"]) == 0
+    params = fake.engine.params
+    assert params.stop == ("Blue", "\n\n") and params.min_p == 0.1 and params.ignore_eos
+    fake.engine.steps = [[_Output("x", "stop")]]
+    assert main(["generate", "hi", "--no-chat"]) == 0
+    assert fake.engine.params.stop == () and fake.engine.params.min_p == 0.0 and not fake.engine.params.ignore_eos
+
+
+def test_the_choice_flag_says_how_to_give_the_prompt(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "end the list with --" in " ".join(capsys.readouterr().out.split())
