@@ -201,17 +201,25 @@ def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, i
 
 def check_scales(scale: torch.Tensor, what: str, file: str | None, tensor: str) -> None:
     """A NaN or negative scale is a broken checkpoint: say so here, naming it, not later in a codec or kernel
-    that knows no names. Checked on the bytes for the 8-bit kinds (cheap: one scale per 16 or 32 weights)."""
+    that knows no names; so are scales that are all zero (the linear would serve as zeros: an FP8 k_proj whose
+    weight_scale was all 0 loaded silently). Checked on the bytes for the 8-bit kinds (cheap: one scale per 16 or
+    32 weights); e8m0 has no zero."""
+    zero = None
     if scale.dtype == torch.uint8 or scale.dtype in E8M0_DTYPES:  # e8m0: 0xFF is NaN
         bad = scale.view(torch.uint8) == 0xFF
     elif scale.dtype == torch.float8_e4m3fn:  # e4m3fn: S1111111 is NaN, a set sign bit a negative scale
         raw = scale.view(torch.uint8)
         bad = ((raw & 0x7F) == 0x7F) | ((raw & 0x80) != 0) & ((raw & 0x7F) != 0)
+        zero = (raw & 0x7F) == 0
     else:
         bad = ~torch.isfinite(scale) | (scale < 0)
+        zero = scale == 0
     if bool(bad.any()):
         where = bad.nonzero()[0].tolist()
         raise CheckpointError(f"{what} hold a NaN, inf or negative value (first at index {where})",
+                              file=file, tensor=tensor)
+    if zero is not None and scale.numel() and bool(zero.all()):
+        raise CheckpointError(f"{what} are all zero: the linear would serve as zeros (a broken conversion)",
                               file=file, tensor=tensor)
 
 

@@ -184,12 +184,23 @@ def _negative_fp8_scale(t):
     t[f"{K}.weight_scale"] = -t[f"{K}.weight_scale"]
 
 
+def _zero_fp8_scale(t):  # loaded silently: the k_proj served as zeros
+    t[f"{K}.weight_scale"] = torch.zeros_like(t[f"{K}.weight_scale"])
+
+
+def _zero_nvfp4_block_scales(t):
+    t[f"{K}.weight_scale"] = torch.zeros_like(t[f"{K}.weight_scale"].view(torch.uint8)).view(torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("tensors, qc, corrupt", [
     (lambda: ct_nvfp4_tensors(dense_state_dict(), linear_modules()), CT_NVFP4_CONFIG, _nan_nvfp4_block_scale),
     (_mxfp4_tensors, MXFP4_CONFIG, _nan_mxfp4_scale),
     (_fp8_tensors, FP8_CONFIG, _nan_fp8_scale),
     (_fp8_tensors, FP8_CONFIG, _negative_fp8_scale),
-], ids=["nvfp4-nan-block-scale", "mxfp4-scale-0xff", "fp8-nan-scale", "fp8-negative-scale"])
+    (_fp8_tensors, FP8_CONFIG, _zero_fp8_scale),
+    (lambda: ct_nvfp4_tensors(dense_state_dict(), linear_modules()), CT_NVFP4_CONFIG, _zero_nvfp4_block_scales),
+], ids=["nvfp4-nan-block-scale", "mxfp4-scale-0xff", "fp8-nan-scale", "fp8-negative-scale", "fp8-all-zero-scale",
+        "nvfp4-all-zero-block-scales"])
 def test_a_bad_scale_is_named_when_read(tmp_path, tensors, qc, corrupt):
     sd = tensors()
     corrupt(sd)
