@@ -77,8 +77,12 @@ def _with_untied_head(items: Iterator, quantize_lm_head: bool, tied: bool) -> It
 
 def _source_tokenizer(ckpt: Checkpoint):
     """A GGUF's tokenizer, built before any tensor is read (broken tokenizer metadata fails first). A GGUF without
-    tokenizer metadata converts weights-only, with a warning, as an HF directory without tokenizer files does."""
+    tokenizer metadata converts weights-only, with a warning, as an HF directory without tokenizer files does.
+    An HF directory's tokenizer files are copied as they are, once they load: a corrupt tokenizer.json was
+    copied without a word, to fail at DST."""
     if ckpt.kind == "hf":
+        if ckpt.has_tokenizer:
+            ckpt.tokenizer()
         return None
     if not getattr(ckpt, "has_tokenizer", True):
         logger.warning("%s has no tokenizer metadata; the converted checkpoint has no tokenizer either "

@@ -312,6 +312,11 @@ def test_a_tokenizer_file_that_is_not_json_is_named(tmp_path, capsys, name, text
     assert main(["inspect", path, "--tokenizer"]) == 2
     err = _one_error_line(capsys, "inspect")
     assert f"{name} is not valid JSON" in err and f"(file {os.path.join(path, name)})" in err
+    # convert copied it to DST without a word (and DST then failed to load)
+    dst = tmp_path / "out"
+    assert main(["convert", path, str(dst), "--no-progress"]) == 2
+    err = _one_error_line(capsys, "convert")
+    assert f"{name} is not valid JSON" in err and not dst.exists()
 
 
 K_PROJ = "model.layers.1.self_attn.k_proj"
