@@ -366,8 +366,25 @@ class HfCheckpoint(Checkpoint):
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
                 self._check_tokenizer_json()  # a file that is not JSON is named (transformers names none)
+                refused = self._tokenizer_json_refusal()
+                if refused is not None:
+                    raise CheckpointError(f"cannot load the tokenizer: tokenizer.json is JSON but not a tokenizer "
+                                          f"({refused})", file=os.path.join(self.path, "tokenizer.json")) from None
                 raise CheckpointError(f"cannot load the tokenizer: {exc}", file=self.path) from None
         return self._tokenizer
+
+    def _tokenizer_json_refusal(self) -> str | None:
+        """Why the tokenizers library refuses tokenizer.json (JSON of another shape), or None: transformers' own
+        message ("'added_tokens'") named no file."""
+        path = os.path.join(self.path, "tokenizer.json")
+        if not os.path.isfile(path):
+            return None
+        from tokenizers import Tokenizer
+        try:
+            Tokenizer.from_file(path)
+        except Exception as exc:  # noqa: BLE001 - the library raises a bare Exception
+            return str(exc)
+        return None
 
     def _check_tokenizer_json(self) -> None:
         """A tokenizer JSON file that does not parse, as a CheckpointError naming it."""

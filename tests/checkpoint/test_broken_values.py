@@ -356,3 +356,14 @@ def test_side_leaves_of_a_linear_stay_accepted(tmp_path, capsys):
     path = write_dir(str(tmp_path / "m"), tensors, TINY, CT_NVFP4_CONFIG, tokenizer=True)
     assert main(["inspect", path]) == 0
     assert "servable   yes" in capsys.readouterr().out
+
+
+def test_a_tokenizer_json_of_another_shape_is_named(tmp_path, capsys):
+    """JSON that is no tokenizer ({"hello": 1}) read "cannot load the tokenizer: 'added_tokens' (file <the directory>)"."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), TINY, tokenizer=True)
+    with open(os.path.join(path, "tokenizer.json"), "w") as handle:
+        handle.write('{"hello": 1}')
+    assert main(["inspect", path, "--tokenizer"]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert "tokenizer.json is JSON but not a tokenizer" in err
+    assert err.endswith(f"(file {os.path.join(path, 'tokenizer.json')})")
