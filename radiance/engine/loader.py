@@ -24,7 +24,7 @@ from radiance.engine.linears import Overflow16Bit, build_linear, build_lm_head, 
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight
 from radiance.layers.linear import DenseLinear, UnloadedLinear
-from radiance.models.registry import parameter_name
+from radiance.models.registry import parameter_name, resolve_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def open_for_loading(model_config: ModelConfig, cache_config: CacheConfig | None
     if checkpoint is None:
         from radiance.checkpoint import open_checkpoint
         checkpoint = open_checkpoint(model_config.model)
-    model_class, arch = checkpoint.resolve_architecture()
+    model_class, arch = _resolve_architecture(checkpoint)
     check_max_model_len(model_config.max_model_len, arch.context_length, _context_source(checkpoint, arch))
     if cache_config is not None:
         device = resolve_device(model_config.device)
@@ -303,6 +303,13 @@ def _file_of(checkpoint, name: str) -> str | None:
     """The file holding a checkpoint tensor, for an error (a synthetic checkpoint has neither file nor path)."""
     file_of = getattr(checkpoint, "file_of", None)
     return file_of(name) if file_of is not None else getattr(checkpoint, "path", None)
+
+
+def _resolve_architecture(checkpoint):
+    """(model class, ArchConfig), a config fault in the checkpoint's words where it has its own (a GGUF's metadata
+    keys); a synthetic checkpoint (bench) is only a config."""
+    resolve = getattr(checkpoint, "resolve_architecture", None)
+    return resolve() if resolve is not None else resolve_architecture(checkpoint.config)
 
 
 def _stored_name(checkpoint, name: str) -> str:
