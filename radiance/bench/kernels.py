@@ -296,7 +296,7 @@ def run_requant(device, layers: int = 32) -> list[str]:
 # ---------------------------------------------------------------- activation error on a real model
 
 
-def run_activation_error(layers=(0, 14, 29), prompt: str | None = None) -> list[str]:
+def run_activation_error(layers=(0, 14, 29), prompt: str | None = None, progress: bool = True) -> list[str]:
     """W4A8 vs W4A16 vs W4A4 output error against the bf16 layer, on SmolLM2 activations captured
     from the 16-bit model (any device; the CPU is enough). Same MXFP4 weights in all three."""
     from radiance.engine.llm import LLM
@@ -304,7 +304,10 @@ def run_activation_error(layers=(0, 14, 29), prompt: str | None = None) -> list[
     from radiance.formats import dequantize_mxfp4, quantize_mxfp4
     from radiance.layers.linear import DenseLinear
 
-    llm = LLM(quantization="none", device="cpu", dtype="float32", enforce_eager=True)
+    from radiance.config import EngineConfig
+
+    config = EngineConfig.from_flat(quantization="none", device="cpu", dtype="float32", enforce_eager=True)
+    llm = LLM.from_engine_config(config, progress=progress)
     captured = {}
     hooks = []
     for name, module in llm.engine.model.named_modules():
@@ -338,7 +341,7 @@ def run_activation_error(layers=(0, 14, 29), prompt: str | None = None) -> list[
 
 def run_kernels_bench(args: argparse.Namespace) -> int:
     if args.activation_error and args.no_table and not (args.check or args.sweep or args.requant):
-        return _finish(run_activation_error(), args.out, printed=False, failures=0)
+        return _finish(run_activation_error(progress=not args.no_progress), args.out, printed=False, failures=0)
     if not torch.cuda.is_available():
         from radiance.errors import ConfigError
         raise ConfigError("radiance bench kernels needs a CUDA GPU (the CPU runs only the reference path); "
@@ -360,7 +363,7 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
     if args.requant:
         sections.append((lambda: run_requant(device), False))
     if args.activation_error:
-        sections.append((run_activation_error, False))
+        sections.append((lambda: run_activation_error(progress=not args.no_progress), False))
     failures = 0
     for section, is_check in sections:
         try:

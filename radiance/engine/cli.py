@@ -55,7 +55,7 @@ def register(subparsers) -> None:
     one.add_argument("--regex", default=None, help="a regular expression the whole output matches")
     one.add_argument("--choice", nargs="+", default=None,
                      help="the output is exactly one of these strings (give the prompt first, or end the list with "
-                          "--: the strings take every word after --choice)")
+                          "-- and put the other options before --choice: the strings take every word after it)")
     one.add_argument("--grammar", metavar="FILE", default=None, help="an EBNF (GBNF) grammar file with a root rule")
     parser.add_argument("--chat", dest="chat", action=argparse.BooleanOptionalAction, default=None,
                         help="wrap the prompt in the model's chat template; --chat on a model without one is an "

@@ -61,12 +61,17 @@ def test_a_directory_as_text_is_named_as_such(tmp_path):
 
 
 def test_activation_error_on_the_cpu_writes_out(monkeypatch, tmp_path, capsys):
-    """--out was ignored on the one path that runs on a CPU (--activation-error --no-table)."""
-    monkeypatch.setattr(kernels, "run_activation_error", lambda: ["| layer | err |", "| l0 | 0.07 |"])
+    """--out was ignored on the one path that runs on a CPU (--activation-error --no-table); --no-progress did not
+    reach its model load (the bar showed)."""
+    asked = []
+    monkeypatch.setattr(kernels, "run_activation_error",
+                        lambda progress: asked.append(progress) or ["| layer | err |", "| l0 | 0.07 |"])
     out = tmp_path / "ae.txt"
     assert main(["bench", "kernels", "--activation-error", "--no-table", "--out", str(out)]) == 0
     assert out.read_text() == "| layer | err |\n| l0 | 0.07 |\n"
     assert "| l0 | 0.07 |" in capsys.readouterr().out
+    assert main(["--no-progress", "bench", "kernels", "--activation-error", "--no-table"]) == 0
+    assert asked == [True, False]
 
 
 def test_without_a_gpu_the_error_names_what_runs_on_a_cpu(monkeypatch, capsys):
