@@ -120,7 +120,7 @@ class HfCheckpoint(Checkpoint):
 
     def _plan(self):
         parts: dict[str, dict[int, str]] = {}
-        stored: dict[str, list[str]] = {}  # each linear module's tensors
+        module_tensors: dict[str, list[str]] = {}  # each linear module's tensors
         plain, biases = [], {}
         attention_scales = []
         stacked = {name for group in self._stacked.values() for name in group.tensor_names()}
@@ -144,7 +144,7 @@ class HfCheckpoint(Checkpoint):
                         plain.append(name)
                     continue
                 parts.setdefault(canonical, {})[index] = module
-                stored.setdefault(module, []).append(name)
+                module_tensors.setdefault(module, []).append(name)
             else:
                 plain.append(name)
         mismatches: dict[tuple[str, str, str], list[str]] = {}
@@ -164,10 +164,14 @@ class HfCheckpoint(Checkpoint):
                 if detected != scheme.format:
                     mismatches.setdefault((scheme.format, detected, leaf(module)), []).append(module)
                 slots = check_linear(module, detected, self.index, self._expected(module))
-                check_no_stray_tensors(module, detected, slots, stored.get(module, []), self.index)
+                check_no_stray_tensors(module, detected, slots, module_tensors.get(module, []), self.index)
                 formats.append(detected)
             linears.append(_Linear(canonical, modules, tuple(formats)))
         for (said, stored, kind), modules in mismatches.items():
+            if self.quant.method == "none":  # no quantization_config: nothing said they were dense
+                self.quant._warn(f"config.json has no quantization_config, but {len(modules)} {kind} module(s) (e.g. "
+                                 f"{modules[0]}) are stored as {stored}; reading them as stored")
+                continue
             fix = (f"add {kind!r} modules to quantization_config ignore" if stored == "dense"
                    else "check the quantization_config targets")
             self.quant._warn(f"quantization_config says {len(modules)} {kind} module(s) (e.g. {modules[0]}) are "

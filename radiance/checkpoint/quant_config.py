@@ -223,7 +223,10 @@ def _ct_format(weights: dict | None, group: str, source: str) -> str:
 def _parse_compressed_tensors(qc: dict, source: str) -> QuantSpec:
     storage = str(qc.get("format") or "")
     groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
+    if groups is not None and not isinstance(groups, dict):
+        raise CheckpointError(f"compressed-tensors config_groups must be an object of named groups, got "
+                              f"{type(groups).__name__}", file=source)
+    if not groups:
         raise CheckpointError("compressed-tensors quantization_config has no config_groups", file=source)
     schemes = []
     for name, group in groups.items():
@@ -242,7 +245,10 @@ def _parse_compressed_tensors(qc: dict, source: str) -> QuantSpec:
         elif fmt != "dense" and group_storage not in ("", "mixed-precision") + _CT_STORAGE[fmt]:
             raise CheckpointError(f"config group {name!r} holds {fmt} weights but its storage format is "
                                   f"{group_storage!r} (expected {' or '.join(_CT_STORAGE[fmt])})", file=source)
-        if not isinstance(targets, list) or not targets:
+        if not isinstance(targets, list):
+            raise CheckpointError(f"config group {name!r}: targets must be a list of module names or patterns, got "
+                                  f"{type(targets).__name__}", file=source)
+        if not targets:
             raise CheckpointError(f"config group {name!r} has no targets", file=source)
         schemes.append(QuantScheme(fmt, "compressed-tensors", tuple(targets), name))
     return QuantSpec(method="compressed-tensors", storage=storage, schemes=tuple(schemes), source=source)

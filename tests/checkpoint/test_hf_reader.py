@@ -101,6 +101,15 @@ def test_config_tensor_disagreement_is_warned_and_read_as_stored(tmp_path):
     assert isinstance(dict(ckpt.iter_weights(progress=False))["model.layers.0.self_attn.o_proj"], DenseWeight)
 
 
+def test_quantized_tensors_without_a_quantization_config_are_worded_so(tmp_path):
+    """Was "quantization_config says ... are dense" of a config.json that has no quantization_config."""
+    quant = ct_nvfp4_tensors(dense_state_dict(), linear_modules())
+    ckpt = open_checkpoint(write_dir(str(tmp_path), quant, TINY))
+    said = [w for w in ckpt.warnings if "stored as nvfp4" in w]
+    assert said and all(w.startswith("config.json has no quantization_config, but ") for w in said), ckpt.warnings
+    assert isinstance(dict(ckpt.iter_weights(progress=False))["model.layers.0.self_attn.o_proj"], Nvfp4Weight)
+
+
 def test_quark_ocp_mx_layout(tmp_path):
     sd = dense_state_dict()
     expected = {}

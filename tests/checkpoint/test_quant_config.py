@@ -103,6 +103,12 @@ def test_quark_mxfp4_with_glob_exclude():
      "unsupported Quark weight scheme"),
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "unsupported ModelOpt quant_algo 'W4A8_AWQ'"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "group_size 32"),
+    # were "has no config_groups" / "has no targets": both given, of the wrong type
+    ({"quant_method": "compressed-tensors", "config_groups": [1]},
+     "config_groups must be an object of named groups, got list"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "targets": "Linear", "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}},
+     "config group 'group_0': targets must be a list of module names or patterns, got str"),
 ])
 def test_unsupported_configs_name_the_problem(qc, needle):
     with pytest.raises(CheckpointError, match="config.json") as info:
