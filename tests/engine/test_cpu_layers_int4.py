@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from radiance.checkpoint.gguf_reader import int4_from_blocks
+from radiance.checkpoint.gguf_blocks import int4_from_blocks
 from radiance.formats import INT4_GROUP, Int4Weight
 from radiance.layers.int4_linear import Int4Linear
 

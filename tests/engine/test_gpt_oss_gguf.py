@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from radiance.checkpoint import open_checkpoint
-from radiance.checkpoint.gguf_reader import mxfp4_from_blocks
+from radiance.checkpoint.gguf_blocks import mxfp4_from_blocks
 from radiance.config import ModelConfig
 from radiance.engine.loader import load_model
 from radiance.formats import Mxfp4Weight, dequantize, quantize_mxfp4

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from radiance.checkpoint.gguf_reader import int4_from_blocks
+from radiance.checkpoint.gguf_blocks import int4_from_blocks
 from radiance.formats import (DenseWeight, Int4Weight, concat_partitions, dense_to_mxfp4, dequantize, nbytes,
                               to_mxfp4)
 
