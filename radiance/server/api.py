@@ -25,7 +25,7 @@ from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       TokenizeRequest, model_card)
 from radiance.server.protocol_responses import ResponsesRequest
 from radiance.server.serving_chat import create_chat_completion, render_prompt
-from radiance.server.serving_common import check_token_ids, check_unicode, encode_prompt, vocabulary_strings
+from radiance.server.serving_common import check_token_ids, encode_prompt, vocabulary_strings
 from radiance.server.serving_completions import create_completion
 from radiance.server.serving_responses import create_response, stored_input_items, stored_response
 from radiance.server.state import ServerState
