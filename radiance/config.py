@@ -57,7 +57,7 @@ class ModelConfig:
     model: str | None = None  # path to an HF directory / GGUF file, or a Hugging Face Hub id (org/name[:TAG]); default: the embedded SmolLM2
     quantization: str = "auto"  # auto: as the checkpoint says (NVFP4/FP8 requantized to MXFP4); mxfp4: also quantize 16-bit linears; nvfp4: quantize 16-bit linears to NVFP4, then serve per --rule; none: dequantize everything to 16 bit
     rule: str = "mse"  # block-exponent rule for any conversion to MXFP4 (mse, noclip, ocp; none = serve NVFP4 dequantized)
-    dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on a CPU (bfloat16 is ~20% faster there but its greedy answers differ between CPUs)
+    dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on a CPU (bfloat16 is up to ~20% faster on some x86 CPUs, none on others, and its greedy answers differ between CPUs)
     device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
     max_model_len: int | None = None  # tokens of a sequence (prompt and output) at most; default: the model's context (max_position_embeddings, a GGUF's context_length; with YaRN rope scaling its original_max_position_embeddings x factor, as vLLM); a value above the context is refused (no rotary angles past it, so there is no override), one above what the KV cache holds (blocks x block_size) is refused too (raise gpu_memory_utilization / cpu_kv_cache_bytes / num_gpu_blocks_override, or kv_cache_dtype fp8); unset, the context is lowered to the KV cache's capacity with a warning
     ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
