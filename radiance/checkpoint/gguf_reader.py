@@ -3,8 +3,8 @@
 Q4_0 / Q4_1 / Q4_K linears are read as `Int4Weight` (their codes, scales and offsets, no rounding), so a
 CPU can serve them from 4-bit codes; MXFP4 ones (gpt-oss's experts) as `Mxfp4Weight`, served as they are (both in
 gguf_blocks); the `gguf` package dequantizes every other tensor (Q8_0, ...) to float32. llama.cpp's converter
-permutes the q/k rows of Llama models into its rotary layout; they are permuted back to the HF layout here, so one model implementation serves both. The config is synthesized
-from the GGUF metadata as an HF config.json dict (rope scaling included, gguf_rope: {arch}.rope.scaling.*, Llama 3's
+permutes the q/k rows of Llama models into its rotary layout; they are permuted back to the HF layout here, so
+one model implementation serves both. The config is synthesized from the GGUF metadata as an HF config.json dict (rope scaling included, gguf_rope: {arch}.rope.scaling.*, Llama 3's
 rope_freqs tensor read back into its llama3 parameters, Phi-3's LongRoPE factor tensors), and every tensor's shape
 checked against it at open;
 the tokenizer comes from transformers' GGUF support, the chat templates from the metadata (the default and
