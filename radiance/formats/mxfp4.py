@@ -4,7 +4,9 @@ Block exponent rules (DESIGN.md section 3), e unbiased, block scale 2^e:
   noclip  e = ceil(log2(amax / 6))    never clips
   ocp     e = floor(log2(amax)) - 2   the OCP spec's rule; clips values above 6 * 2^e
   mse     whichever of noclip and noclip - 1 gives the lower squared error (ties: noclip)
-amax == 0 gives e = 0; e is clamped to [-127, 127] and stored biased (byte = e + 127).
+amax == 0 gives e = 0; e is clamped to [-127, 125] and stored biased (byte = e + 127). The top, 125,
+saturates rather than overflows: 6 * 2^125 is the largest block whose every code decodes finite in fp32
+(noclip's 126 would round values from 1.75 * 2^127 up to 2^128 = inf).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from radiance.formats.e2m1 import E2M1_MAX, e2m1_to_float, pack_e2m1, round_to_e
 MX_BLOCK = 32
 RULES = ("mse", "noclip", "ocp")
 E8M0_BIAS = 127
+E_MIN, E_MAX = -127, 125  # quantizers' block exponents; e8m0 itself stores up to 127
 
 
 def scale_by_pow2(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -65,10 +68,10 @@ def quantize_blocks(blocks: torch.Tensor, rule: str) -> tuple[torch.Tensor, torc
         raise ValueError(f"unknown MXFP4 rule {rule!r}; expected one of {RULES}")
     amax = blocks.abs().amax(dim=-1)
     e = ocp_exponent(amax) if rule == "ocp" else noclip_exponent(amax)
-    e = torch.clamp(torch.where(amax > 0, e, torch.zeros_like(e)), -127, 127)
+    e = torch.clamp(torch.where(amax > 0, e, torch.zeros_like(e)), E_MIN, E_MAX)
     codes, error = _quantize_blocks(blocks, e)
     if rule == "mse":  # also try one exponent lower (clips the max, finer grid); keep the better block
-        e_lo = torch.clamp(e - 1, -127, 127)
+        e_lo = torch.clamp(e - 1, E_MIN, E_MAX)
         codes_lo, error_lo = _quantize_blocks(blocks, e_lo)
         # error_lo is in units of 4^e_lo: a quarter of e's unit when e_lo = e - 1 (equal when clamped)
         error_lo = torch.where(e_lo < e, error_lo * 0.25, error_lo)
@@ -79,7 +82,7 @@ def quantize_blocks(blocks: torch.Tensor, rule: str) -> tuple[torch.Tensor, torc
 
 
 def block_exponents(blocks: torch.Tensor, rule: str) -> torch.Tensor:
-    """Unbiased int32 exponents [...] for fp32 blocks [..., 32] under `rule`, clamped to [-127, 127]."""
+    """Unbiased int32 exponents [...] for fp32 blocks [..., 32] under `rule`, clamped to [E_MIN, E_MAX]."""
     return quantize_blocks(blocks, rule)[0]
 
 

@@ -31,8 +31,10 @@ def slow_exponent(block: list[float], rule: str) -> int:
     else:
         def err(e):
             return sum((v - math.copysign(GRID[slow_code(v / 2.0 ** e) & 7], v) * 2.0 ** e) ** 2 for v in block)
-        e = noclip - 1 if err(max(noclip - 1, -127)) < err(max(noclip, -127)) else noclip
-    return max(-127, min(127, e))
+        top = min(noclip, 125)
+        e = top - 1 if err(max(top - 1, -127)) < err(max(top, -127)) else top
+    # 125 at most: 6 * 2^125 is the largest block max whose codes all decode finite in fp32
+    return max(-127, min(125, e))
 
 
 def slow_quantize_mxfp4(w: torch.Tensor, rule: str):
@@ -107,7 +109,18 @@ def test_scale_boundaries_tiny_and_huge_exponents(amax):
         _, scale_ref = slow_quantize_mxfp4(w, rule)
         assert scale.tolist() == scale_ref.tolist(), rule
         if rule == "noclip":  # noclip never clips: the max maps to at most 6 * 2^e
-            assert amax <= 6 * 2.0 ** (int(scale[0, 0]) - 127) or int(scale[0, 0]) == 254
+            assert amax <= 6 * 2.0 ** (int(scale[0, 0]) - 127) or int(scale[0, 0]) == 252
+
+
+@pytest.mark.parametrize("rule", ["noclip", "ocp", "mse"])
+def test_the_largest_finite_weights_saturate_instead_of_decoding_to_inf(rule):
+    big = torch.finfo(torch.float32).max
+    w = torch.tensor([[big, -big, 3.0e38, 2.98e38, 1.75 * 2.0 ** 127, 1.5 * 2.0 ** 127] + [1.0] * 26])
+    packed, scale = quantize_mxfp4(w, rule)
+    out = dequantize_mxfp4(packed, scale)
+    assert torch.isfinite(out).all(), out[0, :6]
+    assert int(scale[0, 0]) == 125 + 127
+    assert out[0, 0].item() == 6 * 2.0 ** 125 and out[0, 1].item() == -6 * 2.0 ** 125  # saturated, sign kept
 
 
 def test_noclip_exponent_exact_at_boundary():
