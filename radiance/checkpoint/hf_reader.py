@@ -366,6 +366,9 @@ class HfCheckpoint(Checkpoint):
     def tokenizer(self):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
+            if not self.has_tokenizer and not os.path.isfile(os.path.join(self.path, "tokenizer_config.json")):
+                raise CheckpointError(f"no tokenizer files (none of {', '.join(TOKENIZER_FILES)}, *.tiktoken or "
+                                      "tokenizer_config.json)", file=self.path)
             try:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
@@ -374,8 +377,23 @@ class HfCheckpoint(Checkpoint):
                 if refused is not None:
                     raise CheckpointError(f"cannot load the tokenizer: tokenizer.json is JSON but not a tokenizer "
                                           f"({refused})", file=os.path.join(self.path, "tokenizer.json")) from None
-                raise CheckpointError(f"cannot load the tokenizer: {exc}", file=self.path) from None
+                config_fault = self._transformers_config_fault()
+                if config_fault is not None:  # transformers reads config.json to pick the tokenizer class
+                    raise CheckpointError(f"cannot load the tokenizer: transformers, which reads config.json to "
+                                          f"choose the tokenizer, cannot read it ({config_fault})",
+                                          file=os.path.join(self.path, "config.json")) from None
+                one_line = " ".join(str(exc).split())  # transformers' messages span lines
+                raise CheckpointError(f"cannot load the tokenizer: {one_line}", file=self.path) from None
         return self._tokenizer
+
+    def _transformers_config_fault(self) -> str | None:
+        """Why transformers cannot read this config.json (a `torch_dtype` torch lacks, say), or None."""
+        from transformers import AutoConfig
+        try:
+            AutoConfig.from_pretrained(self.path)
+        except Exception as exc:  # noqa: BLE001 - any refusal is the answer
+            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None
 
     def _tokenizer_json_refusal(self) -> str | None:
         """Why the tokenizers library refuses tokenizer.json (JSON of another shape), or None: transformers' own

@@ -367,3 +367,21 @@ def test_a_tokenizer_json_of_another_shape_is_named(tmp_path, capsys):
     err = _one_error_line(capsys, "inspect")
     assert "tokenizer.json is JSON but not a tokenizer" in err
     assert err.endswith(f"(file {os.path.join(path, 'tokenizer.json')})")
+
+
+def test_a_config_fault_met_while_loading_the_tokenizer_names_config_json(tmp_path, capsys):
+    """transformers reads config.json to choose a tokenizer: a `torch_dtype` torch lacks read "cannot load the
+    tokenizer: module 'torch' has no attribute 'float128' (file <the directory>)", a tokenizer fault."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), {**TINY, "torch_dtype": "float128"}, tokenizer=True)
+    assert main(["inspect", path, "--tokenizer"]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert "cannot read it (module 'torch' has no attribute 'float128')" in err
+    assert f"(file {path}/config.json)" in err
+
+
+def test_a_directory_with_no_tokenizer_files_says_so(tmp_path, capsys):
+    """Was transformers' five-line "Couldn't instantiate the backend tokenizer ... install sentencepiece"."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), TINY, tokenizer=False)
+    assert main(["generate", "hi", "--model", path, "--device", "cpu", "--no-progress"]) == 2
+    err = _one_error_line(capsys, "generate")
+    assert "no tokenizer files (none of tokenizer.json" in err and f"(file {path})" in err
