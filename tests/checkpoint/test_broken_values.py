@@ -385,3 +385,38 @@ def test_a_directory_with_no_tokenizer_files_says_so(tmp_path, capsys):
     assert main(["generate", "hi", "--model", path, "--device", "cpu", "--no-progress"]) == 2
     err = _one_error_line(capsys, "generate")
     assert "no tokenizer files (none of tokenizer.json" in err and f"(file {path})" in err
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("scores", "GGUF metadata tokenizer.ggml.scores has 5 entries for the 96 tokens of tokenizer.ggml.tokens"),
+    ("token_type", "GGUF metadata tokenizer.ggml.token_type has 5 entries for the 96 tokens of tokenizer.ggml.tokens"),
+    ("merges", "GGUF metadata tokenizer.ggml.merges is missing or empty: a gpt2 (BPE) tokenizer cannot be built"),
+])
+def test_gguf_token_lists_that_do_not_fit_are_refused(tmp_path, capsys, fault, message):
+    """Were accepted: scores / token types shorter than the token list, and a gpt2 vocabulary without merges
+    (transformers then split every text into single characters; llama.cpp refuses that file)."""
+    from tests.checkpoint.test_gguf_chat_templates import spm_tokenizer
+    from tests.checkpoint.test_gguf_metadata import VOCAB, write_gguf
+    from tests.checkpoint.test_models_followups import bpe_tokenizer
+
+    assert VOCAB == 96  # the count the messages name
+    if fault == "merges":
+        metadata = {**bpe_tokenizer(["<|endoftext|>"], eos=0), "tokenizer.ggml.merges": []}
+    else:
+        metadata = spm_tokenizer()
+        metadata[f"tokenizer.ggml.{fault}"] = metadata[f"tokenizer.ggml.{fault}"][:5]
+    path = write_gguf(tmp_path / "m.gguf", metadata=metadata)
+    assert main(["inspect", path, "--tokenizer"]) == 2
+    err = _one_error_line(capsys, "inspect")
+    assert message in err and err.endswith(f"(file {path})"), err
+
+
+def test_a_gguf_without_context_length_warns(tmp_path, capsys):
+    """llama.cpp refuses such a file; radiance serves it at 2048 tokens, and now says so."""
+    from tests.checkpoint.test_gguf_metadata import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", without=("llama.context_length",))
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF metadata llama.context_length is missing: the context is taken to be 2048 tokens" in out
+    assert "max len 2048" in out

@@ -20,9 +20,10 @@ HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 128, 4, 2, 96
 
 
 def write_gguf(path, arch="llama", metadata=None, extra_tensors=None, types=None, head_dim=HIDDEN // HEADS,
-               overrides=None, nan_in=None):
+               overrides=None, nan_in=None, without=()):
     """A one-layer model, no tokenizer metadata; `types` {gguf name: GGML type} for the linears, `overrides`
-    metadata replacing the sizes the tensors are written with, `nan_in` an F32 tensor given one NaN."""
+    metadata replacing the sizes the tensors are written with, `nan_in` an F32 tensor given one NaN, `without`
+    metadata keys left out."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     sizes = {f"{arch}.block_count": 1, f"{arch}.context_length": 4096, f"{arch}.embedding_length": HIDDEN,
@@ -32,6 +33,8 @@ def write_gguf(path, arch="llama", metadata=None, extra_tensors=None, types=None
         sizes.update({f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim})
     metadata = {**sizes, f"{arch}.rope.freq_base": 10000.0, f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
                 **(metadata or {}), **(overrides or {})}
+    for key in without:
+        del metadata[key]
     for key, value in metadata.items():
         {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32, bool: writer.add_bool,
          list: writer.add_array}[type(value)](key, value)
