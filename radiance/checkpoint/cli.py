@@ -58,7 +58,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from radiance.checkpoint.inspect import inspect_report
 
     ckpt = open_checkpoint(_source(args.path))
-    lines, warnings = inspect_report(ckpt, with_tokenizer=args.tokenizer)
+    lines, warnings = inspect_report(ckpt, with_tokenizer=args.tokenizer, with_values=args.values,
+                                     progress=not args.no_progress)
     print("\n".join(lines))
     return 1 if (args.strict and warnings) else 0
 
@@ -76,10 +77,13 @@ def register(subparsers) -> None:
 
     inspect = subparsers.add_parser(
         "inspect", help="print a checkpoint's layers, formats, shapes, bytes and sanity warnings",
-        description="Describe a checkpoint from its headers (no tensor data is read).")
+        description="Describe a checkpoint from its headers (no tensor data is read unless --values).")
     inspect.add_argument("path", nargs="?", default=None,
                          help="HF directory, .gguf file or Hugging Face Hub id (default: the embedded SmolLM2)")
     inspect.add_argument("--tokenizer", action="store_true", help="also load the tokenizer and report it")
+    inspect.add_argument("--values", action="store_true",
+                         help="also read every weight and list each one holding NaN or inf values, or a scale a load "
+                              "refuses (reads the whole checkpoint, as a load does)")
     inspect.add_argument("--strict", action="store_true",
                          help="exit 1 when there are sanity warnings (a model radiance cannot serve included)")
     inspect.set_defaults(func=_run_inspect)

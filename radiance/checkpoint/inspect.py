@@ -1,4 +1,5 @@
-"""`radiance inspect`: what a checkpoint holds, per layer class, from its headers alone."""
+"""`radiance inspect`: what a checkpoint holds, per layer class, from its headers alone (with --values, also
+every weight's values: values.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import OrderedDict
 from radiance.checkpoint.base import Checkpoint
 from radiance.checkpoint.names import layer_kind
 from radiance.checkpoint.servable import servability_problem
+from radiance.checkpoint.values import value_warnings
 
 _LAYER = re.compile(r"\.layers\.\d+\.")
 
@@ -145,12 +147,20 @@ def inspect_lines(ckpt: Checkpoint, with_tokenizer: bool = False) -> list[str]:
     return inspect_report(ckpt, with_tokenizer)[0]
 
 
-def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list[str], list[str]]:
-    """(the lines `radiance inspect` prints, its warnings: first of all why radiance cannot serve the model)."""
+def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False, with_values: bool = False,
+                   progress: bool = True) -> tuple[list[str], list[str]]:
+    """(the lines `radiance inspect` prints, its warnings: first of all why radiance cannot serve the model);
+    `with_values` reads every weight too (values.py)."""
     problem = servability_problem(ckpt)
     warnings = ([f"not servable: {problem}"] if problem else []) + list(ckpt.warnings)
     if not ckpt.has_tokenizer:
         warnings.append("no tokenizer: only token-id prompts can be served (no text, no chat)")
+    values_line = None
+    if with_values and not problem:  # an unservable layout is not read: its reader may not know its tensors
+        read, faults = value_warnings(ckpt, progress)
+        warnings += faults
+        values_line = f"values     {read} weights read: " + (f"{len(faults)} faulty (warnings)" if faults
+                                                               else "all finite")
     entries = ckpt.describe()
     served_from = ckpt.config.get("served_from")  # a vision-language model: its language model alone
     kind = f"{ckpt.kind}, {ckpt.architecture}" + (f" (the language model of {served_from})" if served_from else "")
@@ -173,6 +183,8 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False) -> tuple[list
     if with_tokenizer and ckpt.has_tokenizer:
         tok = ckpt.tokenizer()
         lines.append(f"tokenizer  {type(tok).__name__}, {len(tok)} tokens")
+    if values_line:
+        lines.append(values_line)
 
     linears: OrderedDict[tuple, list] = OrderedDict()
     others: OrderedDict[tuple, list] = OrderedDict()

@@ -1,0 +1,50 @@
+"""`radiance inspect --values`: read every weight and name the ones a load would refuse (NaN / inf values, bad scales).
+
+The rest of `inspect` reads headers only; this reads the whole checkpoint, as a load would, but lists every faulty
+tensor instead of stopping at the first, and builds no model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radiance.checkpoint.base import Checkpoint
+from radiance.errors import CheckpointError
+from radiance.formats import DenseWeight, dequantize
+
+
+def nonfinite_count(tensor: torch.Tensor) -> int:
+    """How many NaN / inf values `tensor` holds. Its sum is non-finite exactly when some value is (or, rarely,
+    when finite values add up past the dtype's range: the exact count then decides). One read pass, a tenth of
+    isfinite().all() on a CPU."""
+    if not tensor.is_floating_point():
+        return 0
+    if tensor.element_size() == 1:  # torch sums no fp8 dtypes
+        tensor = tensor.float()
+    if bool(torch.isfinite(tensor.sum())):
+        return 0
+    return int((~torch.isfinite(tensor)).sum())
+
+
+def _faulty_partition(name: str, weight) -> str:
+    from radiance.checkpoint.convert import culprit_tensor
+    return culprit_tensor(name, weight)
+
+
+def value_warnings(ckpt: Checkpoint, progress: bool = True) -> tuple[int, list[str]]:
+    """(tensors read, one warning per tensor holding NaN / inf values, or the read fault that stopped the pass)."""
+    warnings, read = [], 0
+    try:
+        for name, item in ckpt.iter_weights(progress=progress):
+            read += 1
+            if isinstance(item, torch.Tensor):
+                bad, culprit = nonfinite_count(item), name
+            else:  # a linear in any format: its values as the model would multiply them
+                bad = nonfinite_count(item.tensor if isinstance(item, DenseWeight) else dequantize(item))
+                culprit = _faulty_partition(name, item) if bad else name
+            if bad:
+                warnings.append(f"{bad} NaN or inf value(s) (file {ckpt.file_of(culprit)}, tensor "
+                                f"{ckpt.stored_name(culprit)})")
+    except CheckpointError as exc:  # a scale or layout fault the reader refuses: nothing after it can be read
+        warnings.append(f"reading stopped: {exc}")
+    return read, warnings

@@ -1,0 +1,76 @@
+"""`radiance inspect --values` reads every weight and names each one a load would refuse (the rest of inspect reads
+headers only, so a NaN weight passed --strict and was refused by the next generate)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from radiance.checkpoint import open_checkpoint
+from radiance.checkpoint.values import nonfinite_count, value_warnings
+from radiance.cli import main
+from tests.checkpoint.factory import CT_NVFP4_CONFIG, TINY, ct_nvfp4_tensors, dense_state_dict, linear_modules, write_dir
+
+V_PROJ = "model.layers.1.self_attn.v_proj.weight"  # served merged as qkv_proj: named as stored
+NORM = "model.layers.0.post_attention_layernorm.weight"
+
+
+def _model(tmp_path, nan_in=(), inf_in=()) -> str:
+    tensors = dense_state_dict()
+    for name in nan_in:
+        tensors[name].view(-1)[3] = float("nan")
+    for name in inf_in:
+        tensors[name].view(-1)[:2] = float("inf")
+    return write_dir(str(tmp_path / "m"), tensors, TINY, tokenizer=True)
+
+
+def test_a_clean_checkpoint_reads_all_finite(tmp_path, capsys):
+    path = _model(tmp_path)
+    assert main(["inspect", path, "--values", "--strict", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "values     15 weights read: all finite" in out and "warnings   none" in out
+
+
+def test_every_faulty_tensor_is_named_as_stored_and_strict_fails(tmp_path, capsys):
+    path = _model(tmp_path, nan_in=[V_PROJ], inf_in=[NORM])
+    assert main(["inspect", path, "--values", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "values     15 weights read: 2 faulty (warnings)" in out
+    shard = os.path.join(path, "model.safetensors")
+    assert f"  - 1 NaN or inf value(s) (file {shard}, tensor {V_PROJ})" in out
+    assert f"  - 2 NaN or inf value(s) (file {shard}, tensor {NORM})" in out
+    assert main(["inspect", path, "--values", "--strict", "--no-progress"]) == 1
+    capsys.readouterr()
+    assert main(["inspect", path, "--strict"]) == 0  # headers alone see nothing: why --values exists
+
+
+def test_a_quantized_checkpoint_is_read_in_its_format(tmp_path):
+    tensors = ct_nvfp4_tensors(dense_state_dict(), linear_modules())
+    tensors["model.norm.weight"][5] = float("nan")
+    path = write_dir(str(tmp_path / "m"), tensors, TINY, CT_NVFP4_CONFIG, tokenizer=True)
+    read, warnings = value_warnings(open_checkpoint(path), progress=False)
+    assert read == 15 and len(warnings) == 1 and "tensor model.norm.weight)" in warnings[0], warnings
+
+
+def test_a_scale_the_reader_refuses_stops_the_pass_with_its_words(tmp_path):
+    tensors = ct_nvfp4_tensors(dense_state_dict(), linear_modules())
+    scale = "model.layers.0.mlp.down_proj.weight_scale"
+    tensors[scale] = tensors[scale].view(torch.uint8).clone().fill_(0xFF).view(torch.float8_e4m3fn)  # NaN scales
+    path = write_dir(str(tmp_path / "m"), tensors, TINY, CT_NVFP4_CONFIG, tokenizer=True)
+    _, warnings = value_warnings(open_checkpoint(path), progress=False)
+    assert len(warnings) == 1 and warnings[0].startswith("reading stopped: ") and "down_proj" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_nonfinite_count(dtype):
+    t = torch.zeros(100).to(dtype)
+    assert nonfinite_count(t) == 0
+    t = torch.zeros(100)
+    t[[1, 7, 9]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    t = t.to(dtype)
+    expected = 1 if dtype == torch.float8_e4m3fn else 3  # e4m3fn has no inf: torch saturates them to +-448
+    assert nonfinite_count(t) == expected
+    big = torch.full((4,), torch.finfo(dtype).max).to(dtype)  # finite values whose sum overflows: counted exactly
+    assert nonfinite_count(big) == 0
