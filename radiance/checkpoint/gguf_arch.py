@@ -236,7 +236,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-# the config fields a GGUF's metadata gives (gguf_reader._synthesize_config): "{arch}" is general.architecture
+# the config fields a GGUF's metadata gives: gguf_reader._synthesize_config reads them through config_key, and
+# in_gguf_words names them back in a fault; "{arch}" is general.architecture
 _CONFIG_KEYS = {
     "hidden_size": "{arch}.embedding_length", "intermediate_size": "{arch}.feed_forward_length",
     "num_hidden_layers": "{arch}.block_count", "num_attention_heads": "{arch}.attention.head_count",
@@ -247,10 +248,15 @@ _CONFIG_KEYS = {
 }
 
 
+def config_key(field: str, arch: str) -> str:
+    """The GGUF metadata key config field `field` is read from (hidden_size: llama.embedding_length)."""
+    return _CONFIG_KEYS[field].format(arch=arch)
+
+
 def in_gguf_words(message: str, arch: str) -> str:
     """A config fault worded for config.json ("config.json field 'rope_theta' ...") in a GGUF's terms: the metadata
     keys the fields it names come from."""
-    keys = {name: key.format(arch=arch) for name, key in _CONFIG_KEYS.items()}
+    keys = {name: config_key(name, arch) for name in _CONFIG_KEYS}
     message = re.sub(r"config\.json field '(\w+)'",
                      lambda m: f"GGUF metadata {keys[m[1]]}" if m[1] in keys else f"GGUF metadata for {m[1]!r}",
                      message)

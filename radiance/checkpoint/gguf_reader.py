@@ -16,6 +16,7 @@ The file itself is read by gguf_file (gguf-py's reader takes seconds on a large 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import math
@@ -29,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
-from radiance.checkpoint.gguf_arch import ARCHITECTURES, hf_name, in_gguf_words, missing_part
+from radiance.checkpoint.gguf_arch import ARCHITECTURES, config_key, hf_name, in_gguf_words, missing_part
 from radiance.checkpoint.gguf_blocks import INT4_TYPES, int4_from_blocks, mxfp4_from_blocks, readable_types
 from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.gguf_rope import LONGROPE_FACTORS, ROPE_FREQS, GgufRope
@@ -85,9 +86,10 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         if self.arch in ARCHITECTURES:
             self._check_tensor_types()
             self._check_shapes()
-            if f"{self.arch}.context_length" not in self.file.metadata:  # llama.cpp refuses such a file
-                self.warnings.append(f"GGUF metadata {self.arch}.context_length is missing: the context is taken "
-                                     f"to be {DEFAULT_CONTEXT_LENGTH} tokens")
+            context_key = config_key("max_position_embeddings", self.arch)
+            if context_key not in self.file.metadata:  # llama.cpp refuses such a file
+                self.warnings.append(f"GGUF metadata {context_key} is missing: the context is taken to be "
+                                     f"{DEFAULT_CONTEXT_LENGTH} tokens")
         self._tokenizer = None
         self._eos_token_ids = self._end_of_generation_ids()  # at open: inspect lists its warning
 
@@ -246,24 +248,25 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
 
     def _synthesize_config(self) -> dict:
         a = self.arch
-        hidden = self._required(f"{a}.embedding_length")
-        heads = self._required(f"{a}.attention.head_count")
+        key = functools.partial(config_key, arch=a)  # a config field's metadata key, as in_gguf_words names it
+        hidden = self._required(key("hidden_size"))
+        heads = self._required(key("num_attention_heads"))
         known = ARCHITECTURES[a]
         eos = self._field("tokenizer.ggml.eos_token_id")
-        rope_theta = float(self._field(f"{a}.rope.freq_base", 10000.0))
-        head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads))
+        rope_theta = float(self._field(key("rope_theta"), 10000.0))
+        head_dim = int(self._field(key("head_dim"), hidden // heads))
         rope_dims = int(self._field(f"{a}.rope.dimension_count", head_dim))
         rope = self._rope_parameters(rope_theta, rope_dims)
         config = {
             "architectures": [known.architecture], "model_type": known.model_type,
-            "hidden_size": hidden, "intermediate_size": self._required(f"{a}.feed_forward_length"),
-            "num_hidden_layers": self._required(f"{a}.block_count"),
+            "hidden_size": hidden, "intermediate_size": self._required(key("intermediate_size")),
+            "num_hidden_layers": self._required(key("num_hidden_layers")),
             "num_attention_heads": heads,
-            "num_key_value_heads": self._one_for_all_layers(f"{a}.attention.head_count_kv", heads),
+            "num_key_value_heads": self._one_for_all_layers(key("num_key_value_heads"), heads),
             "head_dim": head_dim, "partial_rotary_factor": rope_dims / head_dim,
-            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rms_norm_eps": float(self._field(key("rms_norm_eps"), 1e-6)),
             "rope_theta": rope_theta, "rope_parameters": rope,
-            "max_position_embeddings": int(self._field(f"{a}.context_length", DEFAULT_CONTEXT_LENGTH)),
+            "max_position_embeddings": int(self._field(key("max_position_embeddings"), DEFAULT_CONTEXT_LENGTH)),
             "vocab_size": self._vocab_size(),
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
@@ -271,7 +274,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             "hidden_act": known.hidden_act, "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             # a llama file with experts is a Mixtral (gguf_arch._llama_config); an architecture radiance serves
             # without experts has the model registry refuse them in one line
-            "num_local_experts": self._field(f"{a}.expert_count"),
+            "num_local_experts": self._field(key("num_local_experts")),
             "torch_dtype": "float32",  # what the dequantized tensors are
             "gguf_file_type": self._field("general.file_type"),
         }
