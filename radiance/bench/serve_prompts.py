@@ -122,8 +122,8 @@ def _prompt_row(row, output_len: int, where: str) -> PromptSpec:
 
 
 def prompts_for_level(opts: ServeBenchOptions, n: int, level_seed: int,
-                      pool: list[PromptSpec] | None = None) -> list[PromptSpec]:
-    """The dataset's prompts in order (cycled), else n random prompts."""
+                      pool: list[PromptSpec] | None = None, start: int = 0) -> list[PromptSpec]:
+    """The dataset's prompts in order from its `start`-th (cycled), else n random prompts."""
     if pool:
-        return [pool[i % len(pool)] for i in range(n)]
+        return [pool[(start + i) % len(pool)] for i in range(n)]
     return random_prompts(n, opts.input_len, opts.output_len, level_seed)

@@ -76,9 +76,10 @@ class Stream:
             self.chunk_usage.append(completion)
         if choice is not None and choice.get("finish_reason"):
             self.finished = True
-        if usage:
+        if usage:  # a later usage without a count keeps the earlier one
             self.completion_tokens = completion if completion is not None else self.completion_tokens
-            self.prompt_tokens = _usage_count(usage, "prompt_tokens")
+            prompt = _usage_count(usage, "prompt_tokens")
+            self.prompt_tokens = prompt if prompt is not None else self.prompt_tokens
 
     @property
     def output_tokens(self) -> int:

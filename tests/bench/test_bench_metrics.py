@@ -24,9 +24,14 @@ def test_percentile_interpolates_between_ranks():
 def test_rates():
     assert metrics.tokens_per_second(300, 1.5) == 200.0
     assert math.isnan(metrics.tokens_per_second(10, 0.0))
-    # 11 tokens: first at 0.2 s, last at 1.2 s -> 10 tokens in 1.0 s
-    assert metrics.decode_tokens_per_second(11, 0.2, 1.2) == pytest.approx(10.0)
-    assert math.isnan(metrics.decode_tokens_per_second(1, 0.2, 1.2))
+    # 11 tokens one a chunk: first at 0.2 s, last at 1.2 s -> 10 tokens in 1.0 s
+    times = [0.2 + 0.1 * i for i in range(11)]
+    assert metrics.decode_tokens_per_second(metrics.inter_token_latencies(times)) == pytest.approx(10.0)
+    assert math.isnan(metrics.decode_tokens_per_second(metrics.inter_token_latencies([0.2])))
+    # 10 tokens five a chunk at a true 20 tok/s (a token every 50 ms): the first chunk's 5 are the prefill's,
+    # the second's 5 took 250 ms. (tokens - 1) / (e2e - ttft) said 36 tok/s.
+    gaps = metrics.inter_token_latencies([0.2, 0.45], [5, 5])
+    assert metrics.decode_tokens_per_second(gaps) == pytest.approx(20.0)
     assert metrics.inter_token_latencies([1.0, 1.5, 1.75]) == [0.5, 0.25]
     s = metrics.LatencySummary.of([1.0, 2.0, 3.0])
     assert (s.p50, s.mean) == (2.0, 2.0)
@@ -92,3 +97,14 @@ def test_perplexity_past_float_range_is_inf():
     """exp(800) overflows a float: a garbage variant's perplexity is inf, not an OverflowError ending the run."""
     assert metrics.perplexity(800.0 * 3, 3) == math.inf
     assert metrics.perplexity(709.0, 1) == pytest.approx(math.exp(709.0))
+
+
+def test_a_later_usage_without_prompt_tokens_keeps_the_count():
+    """A first usage with prompt_tokens 5, then a final one with completion_tokens only: the count was reset to
+    None, which biased the level's mean prompt length."""
+    from radiance.bench.serve_stream import Stream
+
+    stream = Stream()
+    stream.add({"choices": [{"index": 0, "text": "a"}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}, 0.1)
+    stream.add({"choices": [], "usage": {"completion_tokens": 2}}, 0.2)
+    assert (stream.prompt_tokens, stream.completion_tokens) == (5, 2)
