@@ -80,11 +80,23 @@ class LatencySummary:
 # ------------------------------------------------------------------------ quality arithmetic
 
 
+# positions scored at a time: the fp64 [rows, V] temporaries stay ~100 MB for a 49k vocabulary (all of a 2048-token
+# chunk at once took `eval kl` to 7.3 GB, and an 8192-token one past this 24 GB machine)
+SCORE_ROWS = 256
+
+
+def _row_slices(n: int):
+    return (slice(start, min(n, start + SCORE_ROWS)) for start in range(0, n, SCORE_ROWS))
+
+
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Negative log-likelihood (nats) of `targets` [..., T] under `logits` [..., T, V], in fp64
     so sums over tens of thousands of tokens do not drift."""
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    return -logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    flat, ids = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1).long()
+    out = torch.empty(ids.shape[0], dtype=torch.float64, device=logits.device)
+    for rows in _row_slices(ids.shape[0]):
+        out[rows] = -torch.log_softmax(flat[rows].double(), dim=-1).gather(-1, ids[rows]).squeeze(-1)
+    return out.reshape(targets.shape)
 
 
 def perplexity(total_nll: float, num_tokens: int) -> float:
@@ -103,12 +115,16 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tenso
     Shapes [..., V] -> [...]. Zero-probability reference entries contribute nothing (0 log 0 = 0)."""
     if ref_logits.shape != logits.shape:
         raise ValueError(f"KL needs logits of the same shape, got {tuple(ref_logits.shape)} and {tuple(logits.shape)}")
-    ref_logp = torch.log_softmax(ref_logits.double(), dim=-1)
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    ref_p = ref_logp.exp()
-    terms = torch.where(ref_p > 0, ref_p * (ref_logp - logp), torch.zeros_like(ref_p))
+    ref_flat, flat = ref_logits.reshape(-1, ref_logits.shape[-1]), logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float64, device=logits.device)
+    for rows in _row_slices(flat.shape[0]):
+        ref_logp = torch.log_softmax(ref_flat[rows].double(), dim=-1)
+        logp = torch.log_softmax(flat[rows].double(), dim=-1)
+        ref_p = ref_logp.exp()
+        terms = torch.where(ref_p > 0, ref_p * (ref_logp - logp), torch.zeros_like(ref_p))
+        out[rows] = terms.sum(dim=-1)
     # clamp: rounding can leave a -1e-17 for identical distributions
-    return terms.sum(dim=-1).clamp_min(0.0)
+    return out.clamp_min(0.0).reshape(logits.shape[:-1])
 
 
 def top1_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

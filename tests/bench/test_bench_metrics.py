@@ -108,3 +108,20 @@ def test_a_later_usage_without_prompt_tokens_keeps_the_count():
     stream.add({"choices": [{"index": 0, "text": "a"}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}, 0.1)
     stream.add({"choices": [], "usage": {"completion_tokens": 2}}, 0.2)
     assert (stream.prompt_tokens, stream.completion_tokens) == (5, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_scores_by_slices_of_positions_equal_the_whole(monkeypatch, rows):
+    """NLL and KL are computed SCORE_ROWS positions at a time (bounded fp64 temporaries); any slicing gives the
+    whole computation's numbers, in the input's shape."""
+    monkeypatch.setattr(metrics, "SCORE_ROWS", rows)
+    gen = torch.Generator().manual_seed(0)
+    ref, model = torch.randn(2, 33, 50, generator=gen) * 3, torch.randn(2, 33, 50, generator=gen) * 3
+    targets = torch.randint(0, 50, (2, 33), generator=gen)
+    logp, ref_logp = torch.log_softmax(model.double(), -1), torch.log_softmax(ref.double(), -1)
+    nll = metrics.token_nll(model, targets)
+    assert nll.shape == (2, 33)
+    assert torch.allclose(nll, -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), rtol=0, atol=1e-12)
+    kl = metrics.kl_divergence(ref, model)
+    assert kl.shape == (2, 33)
+    assert torch.allclose(kl, (ref_logp.exp() * (ref_logp - logp)).sum(-1), rtol=0, atol=1e-12)
