@@ -71,8 +71,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)")
     p.add_argument("--input-len", type=int, default=256, help="prompt length in words (~tokens; default: 256)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default: 128)")
-    p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len'), a JSON array of those or of "
-                                     "ShareGPT conversations (their first human turn), or one prompt per line")
+    p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or ShareGPT conversations (their "
+                                     "first human turn), a JSON array of either, or one prompt per line; the levels "
+                                     "walk through it in order, each prompt sent once while it lasts")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="/v1/completions with raw prompts (default) or /v1/chat/completions with one user message")

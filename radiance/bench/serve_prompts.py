@@ -93,19 +93,21 @@ def _dataset_lines(text: str, output_len: int, path: str) -> list[PromptSpec]:
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        if line.lstrip().startswith("{"):
-            specs.append(_dataset_row(line, output_len, f"dataset {path} line {lineno}"))
+        if line.lstrip().startswith("{"):  # {"prompt", "output_len"?}, or a ShareGPT conversation a line
+            spec = _dataset_row(line, output_len, f"dataset {path} line {lineno}")
+            if spec is not None:
+                specs.append(spec)
         else:
             specs.append(PromptSpec(line, output_len))
     return specs
 
 
-def _dataset_row(line: str, output_len: int, where: str) -> PromptSpec:
+def _dataset_row(line: str, output_len: int, where: str) -> PromptSpec | None:
     try:
         row = json.loads(line)
     except ValueError as exc:
         raise ConfigError(f"{where}: expected JSON with a 'prompt' field ({exc})") from None
-    return _prompt_row(row, output_len, where)
+    return _array_item(row, output_len, where)
 
 
 def _prompt_row(row, output_len: int, where: str) -> PromptSpec:
@@ -116,6 +118,8 @@ def _prompt_row(row, output_len: int, where: str) -> PromptSpec:
     prompt, n = row["prompt"], row.get("output_len", output_len)
     if not isinstance(prompt, str):
         raise ConfigError(f"{where}: 'prompt' must be a string, got {prompt!r}")
+    if not prompt.strip():  # blank text lines are skipped; an empty prompt is a request no server answers alike
+        raise ConfigError(f"{where}: 'prompt' is empty")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"{where}: 'output_len' must be a positive integer, got {n!r}")
     return PromptSpec(prompt, n)

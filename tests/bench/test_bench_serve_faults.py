@@ -469,3 +469,14 @@ def test_the_table_says_which_level_was_cut_short():
     assert "concurrency 8: interrupted (Ctrl-C) after 3 request(s)" in table
     # without ignore_eos an early stop is the model's EOS, not a server ignoring the option
     assert "2 of 3 requests stopped before their max_tokens;" in table
+
+
+def test_sharegpt_conversations_as_jsonl_lines_and_empty_prompts(tmp_path):
+    """ShareGPT rows one a line were refused ("expected JSON with a 'prompt' field"); an empty prompt was sent."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in SHAREGPT) + '\n{"prompt": "plain", "output_len": 3}\n')
+    specs = serve_prompts.load_dataset(str(data), 4)
+    assert [(s.prompt, s.output_len) for s in specs] == [("What is a cat?", 4), ("Hi", 4), ("plain", 3)]
+    data.write_text('{"prompt": "fine"}\n{"prompt": "  "}\n')
+    with pytest.raises(ConfigError, match=r"line 2: 'prompt' is empty"):
+        serve_prompts.load_dataset(str(data), 4)
