@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from radiance.checkpoint import open_checkpoint
 from radiance.config import ModelConfig
-from radiance.engine.loader import _nonfinite_count, load_model
+from radiance.checkpoint.values import nonfinite_count
+from radiance.engine.loader import load_model
 from radiance.errors import CheckpointError
 from tests.checkpoint.factory import TINY, dense_state_dict, linear_modules
 
@@ -85,11 +86,21 @@ def test_finite_weights_whose_sum_overflows_load(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_nonfinite_count(dtype):
+def testnonfinite_count(dtype):
     t = torch.randn(1000, 333).to(dtype)
-    assert _nonfinite_count(t) == 0
+    assert nonfinite_count(t) == 0
     t[-1, -1], t[500, 7], t[0, 0] = float("nan"), float("inf"), float("-inf")
-    assert _nonfinite_count(t) == 3
+    assert nonfinite_count(t) == 3
     t[500, 7] = float("-inf")  # +inf and -inf sum to NaN: still found
-    assert _nonfinite_count(t) == 3
-    assert _nonfinite_count(torch.tensor([1, 2])) == 0  # integer tensors hold no NaN
+    assert nonfinite_count(t) == 3
+    assert nonfinite_count(torch.tensor([1, 2])) == 0  # integer tensors hold no NaN
+    big = torch.full((4,), torch.finfo(dtype).max).to(dtype)  # finite values whose sum overflows: counted exactly
+    assert nonfinite_count(big) == 0
+
+
+def test_nonfinite_count_of_fp8():
+    """torch sums no fp8 dtype: counted in float32 (inspect --values reads FP8 checkpoints' codes)."""
+    t = torch.zeros(100).to(torch.float8_e4m3fn)
+    assert nonfinite_count(t) == 0
+    t.view(torch.uint8)[[3, 50]] = 0x7F  # e4m3fn's NaN (it has no inf)
+    assert nonfinite_count(t) == 2
