@@ -33,6 +33,7 @@ from radiance.server.state import ServerState
 logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = ("/health", "/metrics", "/version", "/ping")
+PROBE_PATHS = ("/health", "/ping")  # their 503 says "not ready" (loading): no failed request for the error counts
 
 # the web pages a browser lets call the API when no --allowed-origins are given: this machine's own (a local chat
 # UI), not any site the user happens to visit (a local server is otherwise open to every page, as Ollama found)
@@ -118,7 +119,7 @@ class ApiKeyMiddleware:
             nonlocal status, sent_all
             if message["type"] == "http.response.start":
                 status = message["status"]
-                if status >= 400:
+                if status >= 400 and scope["path"] not in PROBE_PATHS:
                     self.state.metrics.http_error(status)
             sent_all = sent_all or message["type"] == "http.response.body" and not message.get("more_body", False)
             await send(message)
@@ -146,6 +147,8 @@ class ApiKeyMiddleware:
         a non-streaming request whose client left is answered."""
         in_band = current_request.get().stream_error_status
         if status is not None and status < 400 and in_band is not None:
+            if client_left:  # as a non-streaming request's disconnect is logged (collect_until_disconnect)
+                logger.info("client disconnected; stream aborted")
             self.state.metrics.http_error(499 if client_left else in_band)
 
 

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -156,6 +157,16 @@ def request_ids_in_logs(loggers=("", "uvicorn", "uvicorn.access", "uvicorn.error
             handler.removeFilter(log_filter)
 
 
+def _force_quit() -> None:
+    """A second Ctrl+C during uvicorn's graceful wait (its "CTRL+C to force quit"): the streams still open are cut
+    and the process ends here with one line. Left to uvicorn, the re-raised signal met the lifespan task and two
+    tracebacks were logged."""
+    print("radiance serve: forced to quit (Ctrl+C twice); requests still running were cut", file=sys.stderr,
+          flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
 def _exit_while_loading() -> None:
     """Ctrl+C while the weights load: the load thread cannot be interrupted, and the interpreter's exit would
     end it mid-way in native code (an abort), so the process ends here, at once, with one line."""
@@ -200,8 +211,14 @@ def run_serve(args: argparse.Namespace) -> int:
     def on_load_failure(_state: ServerState) -> None:
         server.should_exit = True  # nothing to serve: stop and report the error below
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if self.should_exit and sig == signal.SIGINT:
+                _force_quit()
+            super().handle_exit(sig, frame)
+
     app = build_app(state, on_ready=on_ready, on_load_failure=on_load_failure)
-    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
+    server = Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
                                            ssl_keyfile=server_config.ssl_keyfile,
                                            ssl_certfile=server_config.ssl_certfile))

@@ -1,6 +1,8 @@
 """The HTTP layer against a scripted engine: shapes, streaming, parsers, errors, auth, disconnects."""
 
 import json
+import logging
+import re
 import socket
 import threading
 import time
@@ -296,6 +298,7 @@ def raw_post(url, path, body, key=KEY):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_request(server, stream, caplog):
+    caplog.set_level(logging.INFO, logger="radiance.server")
     engine = server[1]
     body = {"model": "fake", "stream": stream, "messages": [{"role": "user", "content": "SAY:SLOW" + "z" * 200}]}
     sock = raw_post(server[0], "/v1/chat/completions", body)
@@ -309,6 +312,9 @@ def test_client_disconnect_aborts_request(server, stream, caplog):
     assert engine.aborted and engine.aborted[-1].startswith("chatcmpl-")
     time.sleep(0.5)  # the handler finishes after the abort; a hang-up is not an internal error
     assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+    # logged alike for both (a dropped stream left no line at INFO)
+    what = "stream" if stream else "request"
+    assert _wait(lambda: [r for r in caplog.records if r.getMessage() == f"client disconnected; {what} aborted"])
 
 
 def test_health_is_503_while_loading():
@@ -323,12 +329,18 @@ def test_health_is_503_while_loading():
     with serve_in_thread(build_app(state)) as url:
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and r.json()["error"]["message"] == "model loading"
+        assert [httpx.get(url + path).status_code for path in ("/health", "/ping", "/health")] == [503] * 3
         r = httpx.post(url + "/v1/completions", json={"prompt": "SAY:x"})
         check_error_shape(r, 503, None)
         gate.set()
         assert _wait(lambda: httpx.get(url + "/health").status_code == 200)
         r = httpx.post(url + "/v1/completions", json={"prompt": "SAY:x"})
         assert r.json()["choices"][0]["text"] == "x" and r.json()["model"] == "fake-model"
+        # a readiness probe's "not yet" is no failed request: the completion's 503 alone is counted (every probe
+        # of a deploy was an error before)
+        metrics = httpx.get(url + "/metrics").text
+        counts = re.findall(r'radiance_request_errors_total\{model_name="[^"]*",status="503"\} (\S+)', metrics)
+        assert sum(map(float, counts)) == 1.0, metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -100,3 +100,22 @@ def test_sigterm_during_a_stream_ends_it_stops_the_engine_and_exits():
     assert proc.returncode == -signal.SIGTERM and elapsed < 10, (proc.returncode, elapsed)
     assert "engine stopped" in text and "Traceback" not in text, text
     assert '[sigterm-stream] 127.0.0.1' in text and '"POST /v1/completions HTTP/1.1" 200' in text, text
+
+
+def test_a_second_ctrl_c_during_the_graceful_wait_quits_with_one_line():
+    """uvicorn's "CTRL+C to force quit": the re-raised signal met the lifespan task, and two tracebacks
+    (KeyboardInterrupt, then a CancelledError in Starlette's lifespan) were logged."""
+    proc, url, log = start("steps", health=200)
+    with log:
+        body = {"prompt": "x", "max_tokens": 400, "stream": True}  # 20 s of steps
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()  # kept: a collected iterator closes the stream
+            next(lines)
+            proc.send_signal(signal.SIGINT)  # the graceful wait begins: the stream runs on
+            time.sleep(0.5)
+            stopped_within(proc, signal.SIGINT, 10)
+        text = open(log.name).read()
+    assert proc.returncode == 130, text
+    assert text.rstrip().splitlines()[-1] == ("radiance serve: forced to quit (Ctrl+C twice); requests still "
+                                              "running were cut"), text
+    assert "Traceback" not in text, text
