@@ -201,6 +201,8 @@ class _SamplingFields(_Request):
     # vLLM's: a request's place in a priority-scheduled queue; the scheduler is first-come first-served, so only 0
     # (vLLM's answer without --scheduling-policy priority)
     priority: int = 0
+    # vLLM's beam search: refused when true (answering it with sampling was a different output, silently)
+    use_beam_search: bool = False
     user: str | None = None
     # the output held to a constraint: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
     # older guided_* fields (at most one of them)
@@ -218,6 +220,13 @@ class _SamplingFields(_Request):
         validator below, it named none."""
         if value is not None:
             StructuredOutput(**{_GUIDED_FIELDS[info.field_name]: value})
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("beam search is not supported: leave use_beam_search out or false")
         return value
 
     @field_validator("priority")

@@ -96,6 +96,8 @@ MALFORMED = [
     ("tokenize no messages", "POST", "/tokenize", {"messages": []}, 400, "messages"),  # was a 500
     ("priority without priority scheduling", "POST", "/v1/chat/completions",
      {"model": "MODEL", "messages": MSG, "priority": 3}, 400, "priority"),  # was ignored, logged
+    ("beam search", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "use_beam_search": True}, 400,
+     "use_beam_search"),  # was ignored: sampled instead
     ("chat_template in a request to a server that does not trust them", "POST", "/v1/chat/completions",
      {"model": "MODEL", "messages": MSG, "chat_template": "{{ messages }}"}, 400, "chat_template"),
     ("stop with an empty string", "POST", "/v1/completions", {"model": "MODEL", "prompt": "x", "stop": [""]},
