@@ -71,7 +71,8 @@ class _EngineCollector:
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", stats.kv_cache_usage)
         yield counter("num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", stats.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
+        yield counter("prompt_tokens", "Prompt tokens processed (an n>1 request's once per choice).",
+                      stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
         yield counter("spec_decode_num_draft_tokens", "Speculative (n-gram) draft tokens proposed.",
                       stats.draft_tokens_total)
