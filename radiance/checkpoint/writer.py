@@ -65,8 +65,9 @@ def quantization_config_for(fmt: str, ignore: list[str], rule: str | None = None
 def _with_untied_head(items: Iterator, quantize_lm_head: bool, tied: bool) -> Iterator:
     """A tied lm_head that is to be quantized needs its own tensor: emit a copy of the embeddings.
 
-    A 16-bit lm_head.weight stored beside tied embeddings is dropped: the served model (like transformers' and
-    vLLM's) reads the embeddings instead, and written out it would replace the quantized copy of them."""
+    A 16-bit lm_head.weight stored beside tied embeddings is dropped: the served model (like vLLM's) reads the
+    embeddings instead (transformers 5 serves a stored head that differs; radiance's load warns of one), and written
+    out it would replace the quantized copy of them."""
     for name, obj in items:
         if tied and name == "lm_head.weight":
             continue

@@ -128,11 +128,12 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
         else:
             report.keep(name, source_format if how != "nvfp4-dequant" else "nvfp4 (dequantized)")
 
+    stored_head = None  # a tied model's lm_head.weight: compared with the embeddings once they are in
     for name, item in checkpoint.iter_weights(progress=progress):
         if isinstance(item, torch.Tensor):
             target = parameter_name(name)
             if target == "lm_head.weight" and model.config.tie_word_embeddings:
-                logger.debug("ignoring lm_head.weight of a model with tied embeddings")
+                stored_head = item
                 continue
             if target == "lm_head.weight" and model_config.quantize_lm_head:
                 name, item = "lm_head", DenseWeight(item)  # served like any other linear below
@@ -160,6 +161,8 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
             loaded.add("lm_head.weight")
             model.lm_head.weight = None
         record(name, item.format, how, err)
+    if stored_head is not None:
+        _warn_if_the_stored_head_differs(stored_head, model, checkpoint)
     if model_config.quantize_lm_head and model.lm_head.tied_to is not None and model.lm_head.linear is None:
         # the head gets its own quantized copy; token lookups keep the 16-bit embedding
         tied = DenseWeight(model.lm_head.tied_to.weight.detach())
@@ -334,6 +337,19 @@ def _cast_named(tensor: torch.Tensor, dtype: torch.dtype, name: str, checkpoint)
     except Overflow16Bit as exc:
         raise CheckpointError(_overflow_message(exc, dtype), file=_file_of(checkpoint, name),
                               tensor=_stored_name(checkpoint, name)) from None
+
+
+def _warn_if_the_stored_head_differs(stored: torch.Tensor, model, checkpoint) -> None:
+    """tie_word_embeddings with an lm_head.weight stored beside the embeddings: the embeddings serve as the head, as
+    vLLM serves them. transformers 5 serves the stored head when it differs (a tie flag set wrongly), so say so."""
+    embedding = model.lm_head.tied_to.weight
+    if tuple(stored.shape) == tuple(embedding.shape) and torch.equal(stored.to(embedding.device, embedding.dtype),
+                                                                     embedding):
+        return
+    logger.warning("config.json sets tie_word_embeddings, but %s also stores an lm_head.weight that differs from the "
+                   "embeddings: the embeddings serve as the head (as in vLLM; transformers 5 serves the stored head). "
+                   "If the tie flag is wrong, set \"tie_word_embeddings\": false",
+                   _file_of(checkpoint, "lm_head.weight"))
 
 
 def _nonfinite_error(count: int, name: str, checkpoint) -> CheckpointError:

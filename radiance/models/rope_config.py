@@ -36,7 +36,8 @@ def read_rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[fl
     if rope is None and scaling is None:
         scaling = defaults.rope_parameters
     rope = dict(rope or {})
-    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): the full-attention layers' rope
+    nested = isinstance(rope.get("full_attention"), dict)
+    if nested:  # per layer type (Gemma 3): the full-attention layers' rope
         rope = dict(rope["full_attention"])
     theta = float(positive(rope if rope.get("rope_theta") is not None else config, "rope_theta",
                             defaults.rope_theta))
@@ -50,6 +51,11 @@ def read_rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[fl
         kind = "longrope"
     if kind not in ROPE_TYPES:
         raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    top = config.get("original_max_position_embeddings")
+    if kind in ("llama3", "yarn") and top is not None and not nested:
+        # transformers' standardize_rope_params gives config.json's top-level value priority over the scaling's
+        # own (Phi-3-style configs keep it outside); LongRoPE reads it first in longrope() below
+        scaling = {**scaling, "original_max_position_embeddings": top}
     for key in ROPE_TYPES[kind]:
         value = scaling.get(key)
         if not is_positive_number(value):

@@ -249,3 +249,58 @@ def test_inspect_says_what_is_unusual_about_the_rotary(tiny_model_dir, arch, rot
     lines = [line[len("rotary     "):] for line in inspect_lines(open_checkpoint(tiny_model_dir(arch)[0]))
              if line.startswith("rotary ")]
     assert lines == ([rotary] if rotary else [])
+
+
+@pytest.mark.parametrize("rope", [
+    None,  # the llama3 rope of the tiny model (original 64 in the scaling)
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 5000.0},
+], ids=["llama3", "yarn"])
+def test_a_top_level_original_context_takes_priority_as_in_transformers(tiny_model_dir, tmp_path, rope):
+    """transformers gives config.json's top-level original_max_position_embeddings priority over the rope scaling's
+    own for llama3 / yarn (as radiance already did for longrope); radiance used the scaling's: logprobs 3.5-4 off."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    source, _ = tiny_model_dir("llama3")
+    path = tmp_path / "m"
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    if rope is not None:
+        config["rope_parameters"] = rope
+    config["original_max_position_embeddings"] = 32  # not the scaling's 64 / 256
+    (path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 32  # transformers' reading
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=open_checkpoint(str(path)),
+                        progress=False)
+    ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(3))  # inside yarn's 32 x 4
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert _rel(loaded.model.forward_logits(ids), ref) <= 1e-3
+
+
+@pytest.mark.parametrize("differs", [True, False])
+def test_a_tied_model_s_stored_head_is_named_when_it_differs(tiny_model_dir, tmp_path, caplog, differs):
+    """tie_word_embeddings with an lm_head.weight stored too: the embeddings serve (as vLLM); a stored head that
+    differs (a wrong tie flag: transformers 5 serves it instead) was dropped with a debug line only."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, _ = tiny_model_dir("qwen2")  # tied
+    path = tmp_path / "m"
+    shutil.copytree(source, path)
+    tensors = load_file(path / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embedding + 0.5 if differs else embedding.clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="radiance.engine.loader"):
+        loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=open_checkpoint(str(path)),
+                            progress=False)
+    warned = [r.getMessage() for r in caplog.records if "tie_word_embeddings" in r.getMessage()]
+    assert len(warned) == int(differs), warned
+    if differs:
+        assert "also stores an lm_head.weight that differs from the embeddings" in warned[0]
+    assert loaded.model.lm_head.tied_to is loaded.model.model.embed_tokens  # served tied either way
