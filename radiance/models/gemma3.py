@@ -11,7 +11,9 @@ below, as its Gemma2Model does):
   rope_theta and rope_scaling (linear x8 on the 4B and up);
 - a GeGLU MLP (gelu_pytorch_tanh), embeddings times sqrt(hidden_size) in the model's dtype, a tied head.
 
-Refused at load: a Gemma 3 config with Gemma 2's soft-capping, bidirectional attention (EmbeddingGemma).
+Attention biases and Gemma 2's final-logit soft-capping are served when a Gemma 3 config sets them, as transformers'
+Gemma 3 serves them (its attention never applies attn_logit_softcapping: neither does radiance's). Refused at load:
+bidirectional attention (EmbeddingGemma).
 """
 
 from __future__ import annotations
@@ -57,15 +59,21 @@ class Gemma3Body(LlamaBody):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     body_class = Gemma3Body
-    arch_overrides = {"qkv_bias": False, "o_bias": False, "qk_norm": True, "mlp_activation": GELU_TANH}
+    # attention_bias is read as for Llama (q, k, v and o), as transformers' Gemma attention reads it
+    arch_overrides = {"qk_norm": True, "mlp_activation": GELU_TANH}
+    default_softcaps = (None, None)  # transformers' Gemma3TextConfig: no soft-capping unless config.json sets it
 
     @classmethod
     def overrides(cls, hf_config: dict) -> dict:
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if hf_config.get(key) is not None:
-                raise ConfigError(f"config.json gives {key} {hf_config[key]!r}: Gemma 3 has no soft-capped logits")
-        return {**gemma_overrides(cls, hf_config),
+        # transformers' Gemma3Attention keeps attn_logit_softcapping but never applies it; the final cap it applies
+        caps = {**softcaps(hf_config, cls.default_softcaps), "attn_softcap": None}
+        return {**gemma_overrides(cls, hf_config), **caps,
                 "sliding_rope_theta": sliding_rope_theta(hf_config, 10000.0, legacy_key="rope_local_base_freq")}
+
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden, fp32)
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def finish_loading(self) -> None:
         """Gemma's RMSNorm scales by 1 + weight (computed in fp32, then rounded, in transformers): the weight
@@ -82,21 +90,24 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     attn_logit_softcapping (50), each output logit likewise with final_logit_softcapping (30)."""
 
     arch_overrides = {**Gemma3ForCausalLM.arch_overrides, "qk_norm": False}
+    default_softcaps = (50.0, 30.0)  # transformers' Gemma2Config
 
     @classmethod
     def overrides(cls, hf_config: dict) -> dict:
-        caps = {}
-        for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
-            value = hf_config.get(key, 50.0 if key.startswith("attn") else 30.0)  # transformers' Gemma2Config
-            if value is not None and not is_positive_number(value):
-                raise ConfigError(f"config.json field {key!r} must be a positive number or null, got {value!r}")
-            caps[field] = None if value is None else float(value)
-        return {**gemma_overrides(cls, hf_config), **caps}
+        return {**gemma_overrides(cls, hf_config), **softcaps(hf_config, cls.default_softcaps)}
 
-    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-        logits = self.lm_head(hidden, fp32)
-        cap = self.config.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+def softcaps(hf_config: dict, defaults: tuple[float | None, float | None]) -> dict:
+    """attn_softcap / final_softcap from config.json's attn_logit_softcapping / final_logit_softcapping (absent: the
+    architecture's defaults; null: none)."""
+    caps = {}
+    for (key, field), default in zip((("attn_logit_softcapping", "attn_softcap"),
+                                      ("final_logit_softcapping", "final_softcap")), defaults):
+        value = hf_config.get(key, default)
+        if value is not None and not is_positive_number(value):
+            raise ConfigError(f"config.json field {key!r} must be a positive number or null, got {value!r}")
+        caps[field] = None if value is None else float(value)
+    return caps
 
 
 def gemma_overrides(cls, hf_config: dict) -> dict:

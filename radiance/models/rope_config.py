@@ -93,8 +93,8 @@ def rotary_dim_of(config: dict, architecture: str, head_dim: int) -> int | None:
     if partial is None or partial == 1:
         return None
     if architecture not in PARTIAL_ROTARY:
-        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported for {architecture} (radiance rotates "
-                          f"whole heads there, as transformers does)")
+        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported for {architecture}: radiance rotates "
+                          f"whole heads there (partial rotary: {', '.join(sorted(PARTIAL_ROTARY))})")
     if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial < 1:
         raise ConfigError(f"config.json partial_rotary_factor must be a number in (0, 1], got {partial!r}")
     dims = int(head_dim * partial)  # transformers' rounding

@@ -80,6 +80,12 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
+    randomize(model)
+    return model
+
+
+def randomize(model) -> None:
+    """Every parameter random (biases and norms too, from the global generator), so that a missing piece shows."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -88,7 +94,6 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
                 p.copy_(2.0 + torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
-    return model
 
 
 @pytest.fixture(scope="session")

@@ -38,8 +38,7 @@ def test_config_as_transformers_reads_it():
 
 
 @pytest.mark.parametrize("change, refusal", [
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),  # Gemma 2
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"final_logit_softcapping": -3.0}, "final_logit_softcapping"),
     ({"use_bidirectional_attention": True}, "bidirectional"),  # EmbeddingGemma
     ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
     ({"rope_local_base_freq": -1}, "positive"),
@@ -47,6 +46,33 @@ def test_config_as_transformers_reads_it():
 def test_what_radiance_cannot_serve_is_refused_in_one_line(change, refusal):
     with pytest.raises(ConfigError, match=refusal):
         resolve_architecture({**HUB_STYLE, **change})
+
+
+@pytest.mark.parametrize("change", [
+    {"attention_bias": True},
+    {"final_logit_softcapping": 3.0},
+    {"attn_logit_softcapping": 2.0},  # kept by transformers' Gemma 3 config, never applied by its attention
+], ids=["attention_bias", "final_softcap", "attn_softcap"])
+def test_what_transformers_gemma3_serves_beyond_the_published_configs(tmp_path, change):
+    """Were refused: an attention bias ("tensor not used by the model (... o_proj.bias)") and the soft caps
+    ("Gemma 3 has no soft-capped logits"), which transformers' Gemma 3 reads."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from tests.engine.conftest import randomize
+
+    config = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16, **change)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    randomize(hf)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ours = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=open_checkpoint(str(tmp_path)),
+                      progress=False).model.forward_logits(ids)
+    assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5
 
 
 def test_each_piece_is_applied(tiny_model_dir):
