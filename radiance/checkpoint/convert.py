@@ -46,7 +46,8 @@ def convert_linear(weight, target: str, rule: str = "mse", chunk_rows: int | Non
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target format {target!r}; expected one of {TARGETS}")
-    if weight.format == target and not (target == "dense" and weight.tensor.dtype != dense_dtype):
+    if weight.format == target and not (target == "dense" and weight.tensor.dtype != dense_dtype) \
+            and not getattr(weight, "block_k", 0):  # block-scaled FP8 is written per channel: requantized
         return weight, 0.0
     if target == "mxfp4":
         return to_mxfp4(weight, rule=rule, chunk_rows=chunk_rows)

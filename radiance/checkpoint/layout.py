@@ -2,7 +2,9 @@
 
 compressed-tensors: nvfp4 `weight_packed` u8 [N,K/2] + `weight_scale` e4m3 [N,K/16] + `weight_global_scale`
 f32 [1]; mxfp4 `weight_packed` + `weight_scale` u8 e8m0 [N,K/32]; fp8 `weight` e4m3 [N,K] + `weight_scale`
-f32 [N,1]. Quark OCP MX fp4 keeps the packed codes under `weight` (u8) with a u8 e8m0 `weight_scale`.
+f32 [N,1], or per 128 x 128 block [ceil(N/128), ceil(K/128)] (compressed-tensors' strategy block; transformers'
+`fp8` quant_method names it `weight_scale_inv`, a multiplier all the same). Quark OCP MX fp4 keeps the packed codes
+under `weight` (u8) with a u8 e8m0 `weight_scale`.
 ModelOpt nvfp4 keeps them under `weight` (u8) with an e4m3 `weight_scale` and `weight_scale_2`, the
 reciprocal of compressed-tensors' global scale (W = e2m1 * weight_scale * weight_scale_2).
 Reading validates dtype and shape of every tensor and raises CheckpointError naming the tensor.
@@ -57,8 +59,31 @@ def required_tensors(module: str, fmt: str, layout: str = "compressed-tensors") 
         main = "weight" if layout == "quark" else "weight_packed"
         return [f"{module}.{main}", f"{module}.weight_scale"]
     if fmt == "fp8":
-        return [f"{module}.weight", f"{module}.weight_scale"]
+        return [f"{module}.weight", f"{module}.weight_scale_inv" if layout == "hf-fp8" else f"{module}.weight_scale"]
     return [f"{module}.weight"]
+
+
+def fp8_scale_name(module: str, src: TensorSource) -> str:
+    """transformers' `fp8` checkpoints store their block scales as `weight_scale_inv`, the others `weight_scale`."""
+    inverse = f"{module}.weight_scale_inv"
+    return inverse if inverse in src.meta else f"{module}.weight_scale"
+
+
+def fp8_block_of(scale_shape, n: int, k: int) -> tuple[int, int] | None:
+    """(rows, K) per scale of a block-scaled FP8 weight [N, K] from its scale's shape; None for per-channel or
+    per-tensor scales. Blocks are powers of two (128 x 128 in every published checkpoint), the last ones cut short."""
+    shape = tuple(scale_shape)
+    if len(shape) != 2 or (shape[1] == 1 and shape[0] in (1, n)):
+        return None
+
+    def block(size: int, count: int) -> int | None:
+        if count < 1:
+            return None
+        b = 1 << (-(-size // count) - 1).bit_length()  # the power of two at or above size / count
+        return b if -(-size // b) == count else None
+
+    rows, cols = block(n, shape[0]), block(k, shape[1])
+    return (rows, cols) if rows and cols else None
 
 
 def _file_of(src: TensorSource, name: str) -> str | None:
@@ -127,9 +152,16 @@ def _slots(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] |
         return slots
     if fmt == "fp8":
         n, k = _dims(src, f"{module}.weight", expected, 1)
-        return {"w8": _Slot(f"{module}.weight", (torch.float8_e4m3fn,), (n, k), "an fp8 e4m3 weight"),
-                "scale": _Slot(f"{module}.weight_scale", FLOAT_DTYPES, None, "fp8 weight scales "
-                               f"(per-channel [{n}, 1] or per-tensor)", (1, n))}
+        w8 = _Slot(f"{module}.weight", (torch.float8_e4m3fn,), (n, k), "an fp8 e4m3 weight")
+        name = fp8_scale_name(module, src)
+        meta = src.meta.get(name)
+        blocks = fp8_block_of(meta.shape, n, k) if meta is not None else None
+        if blocks is not None or name.endswith("_inv"):
+            rows, cols = blocks or (128, 128)
+            return {"w8": w8, "scale": _Slot(name, FLOAT_DTYPES, (-(-n // rows), -(-k // cols)),
+                                             f"fp8 block scales ({rows} x {cols} blocks)")}
+        return {"w8": w8, "scale": _Slot(name, FLOAT_DTYPES, None, "fp8 weight scales "
+                                         f"(per-channel [{n}, 1], per-tensor or per block)", (1, n))}
     raise CheckpointError(f"unknown weight format {fmt!r}", tensor=module)
 
 
@@ -190,7 +222,11 @@ def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, i
                 raise CheckpointError(f"{slots[role].what} must be finite and positive, got {float(value)}",
                                       file=_file_of(src, slots[role].name), tensor=slots[role].name)
             return Nvfp4Weight(t["packed"], t["scale"], value if role == "global" else 1.0 / value)
-        n = t["w8"].shape[0]
+        n, k = t["w8"].shape
+        blocks = fp8_block_of(t["scale"].shape, n, k)
+        if blocks is not None:  # one scale per row and block of K: each block row's scales repeated on its rows
+            rows, cols = blocks
+            return Fp8Weight(t["w8"], t["scale"].float().repeat_interleave(rows, dim=0)[:n], block_k=cols)
         scale = t["scale"].float().reshape(-1, 1)
         return Fp8Weight(t["w8"], scale.expand(n, 1).contiguous() if scale.numel() == 1 else scale)
     except CheckpointError:
@@ -241,7 +277,7 @@ def split_partitions(weight) -> list:
             parts.append(Mxfp4Weight(weight.packed[a:b], weight.scale[a:b]))
         elif isinstance(weight, Fp8Weight):
             scale = weight.scale[a:b] if weight.scale.numel() > 1 else weight.scale
-            parts.append(Fp8Weight(weight.w8[a:b], scale))
+            parts.append(Fp8Weight(weight.w8[a:b], scale, block_k=weight.block_k))
         else:
             parts.append(DenseWeight(weight.tensor[a:b]))
     return parts
@@ -259,6 +295,8 @@ def weight_tensors(module: str, weight, dense_dtype: torch.dtype = torch.bfloat1
     if isinstance(weight, Mxfp4Weight):
         return {f"{module}.weight_packed": weight.packed, f"{module}.weight_scale": weight.scale}
     if isinstance(weight, Fp8Weight):
+        if weight.block_k:  # convert requantizes these per row (convert_linear): the layout written has no blocks
+            raise ValueError("a block-scaled FP8 weight is written per channel: requantize it first")
         n = weight.shape[0]
         scale = weight.scale.float().reshape(-1, 1)
         return {f"{module}.weight": weight.w8, f"{module}.weight_scale": scale.expand(n, 1).contiguous()}

@@ -23,8 +23,8 @@ SINGLE_LINEARS = ("o_proj", "down_proj")
 LINEAR_LEAVES = tuple(PARTITION_OF) + SINGLE_LINEARS + tuple(MERGES)
 
 # per-module tensors a quantized linear may carry besides `weight`
-QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2", "input_scale",
-                  "input_global_scale", "weight_zero_point", "input_zero_point", "weight_shape")
+QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2", "weight_scale_inv",
+                  "input_scale", "input_global_scale", "weight_zero_point", "input_zero_point", "weight_shape")
 TENSOR_SUFFIXES = ("weight", "bias") + QUANT_SUFFIXES
 # calibrated attention scales (compressed-tensors' kv_cache_scheme on self_attn, ModelOpt's on k_proj / v_proj):
 # one scalar per layer for an fp8 KV cache (and fp8 attention), which radiance's cache does not apply

@@ -1,6 +1,6 @@
 """quantization_config parsing: which format each linear is stored in, and which modules are ignored.
 
-Two producers are understood:
+Five producers are understood:
 - compressed-tensors (`quant_method: compressed-tensors`): `config_groups` of schemes with `targets`
   ("Linear", exact module names or "re:" regexes), an `ignore` list, a storage `format`
   (nvfp4-pack-quantized, mxfp4-pack-quantized, float-quantized, naive-quantized, dense, mixed-precision);
@@ -10,7 +10,9 @@ Two producers are understood:
   for every linear (NVFP4: `weight` packed + e4m3 `weight_scale` + fp32 `weight_scale_2`; FP8) and an
   `exclude_modules` list of globs;
 - OpenAI's MXFP4 (`quant_method: mxfp4`, gpt-oss): only the stacked experts are MXFP4 (`*_blocks` /
-  `*_scales`, read by stacked_experts.py), every linear is 16-bit; `modules_to_not_convert` lists them.
+  `*_scales`, read by stacked_experts.py), every linear is 16-bit; `modules_to_not_convert` lists them;
+- transformers' FP8 (`quant_method: fp8`, Qwen3-*-FP8, DeepSeek-style): every linear fp8 e4m3 `weight` with one
+  `weight_scale_inv` per `weight_block_size` block (128 x 128), `modules_to_not_convert` left 16-bit.
 
 Exclusion lists must name MODULES. An entry naming a tensor (`mtp.fc.weight`) silently matches nothing
 in other loaders and the load dies later on a shape mismatch; here it is detected, a warning says how to
@@ -29,7 +31,7 @@ from radiance.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("none", "compressed-tensors", "quark", "modelopt", "mxfp4")
+METHODS = ("none", "compressed-tensors", "quark", "modelopt", "mxfp4", "fp8")
 # storage format strings of compressed-tensors that hold each of our formats
 _CT_STORAGE = {
     "nvfp4": ("nvfp4-pack-quantized",),
@@ -46,7 +48,7 @@ class QuantScheme:
     """How the linears a scheme targets are stored."""
 
     format: str  # "mxfp4" | "nvfp4" | "fp8" | "dense"
-    layout: str  # "compressed-tensors" | "quark" | "modelopt": decides the tensor names
+    layout: str  # "compressed-tensors" | "quark" | "modelopt" | "hf-fp8": decides the tensor names
     targets: tuple[str, ...] = ()
     group: str = ""
 
@@ -163,14 +165,18 @@ def parse_quantization_config(qc: dict | None, source: str = "config.json") -> Q
         spec = _parse_modelopt(qc, source)
     elif method == "mxfp4":  # the experts' format is in their tensor names; no linear is quantized
         spec = QuantSpec(method="mxfp4", storage="mxfp4 (experts)", source=source)
+    elif method == "fp8":
+        spec = _parse_hf_fp8(qc, source)
     else:
         what = (f"unsupported quantization_config.quant_method {qc['quant_method']!r}" if qc.get("quant_method")
                 else "quantization_config has no quant_method")
         raise CheckpointError(f"{what}; radiance reads {', '.join(METHODS[1:])} checkpoints (or unquantized ones)",
                               file=source)
     exclusions = {"compressed-tensors": "ignore", "quark": "exclude", "modelopt": "exclude_modules",
-                  "mxfp4": "modules_to_not_convert"}[method]
-    _resolve_ignore(spec, qc.get(exclusions) or [])
+                  "mxfp4": "modules_to_not_convert", "fp8": "modules_to_not_convert"}[method]
+    # transformers' fp8 quantizer never converts the head, whether modules_to_not_convert says so or not
+    implicit = ["lm_head"] if method == "fp8" and "lm_head" not in (qc.get(exclusions) or []) else []
+    _resolve_ignore(spec, [*(qc.get(exclusions) or []), *implicit])
     _check_regexes([*spec.ignore_as_written, *(t for scheme in spec.schemes for t in scheme.targets)], source)
     return spec
 
@@ -212,12 +218,12 @@ def _ct_format(weights: dict | None, group: str, source: str) -> str:
         return "nvfp4"
     if kind == "float" and bits == 4 and group_size == 32:
         return "mxfp4"
-    if kind == "float" and bits == 8 and strategy in ("channel", "tensor", ""):
-        return "fp8"
+    if kind == "float" and bits == 8 and strategy in ("channel", "tensor", "block", ""):
+        return "fp8"  # a block's scales: their shape says the block (layout.fp8_block_of)
     raise CheckpointError(
         f"unsupported compressed-tensors weight scheme in config group {group!r} (num_bits={bits}, "
         f"type={kind}, strategy={strategy or None}, group_size={group_size}); radiance reads nvfp4 "
-        "(fp4, group 16), mxfp4 (fp4, group 32) and fp8 per-channel/per-tensor", file=source)
+        "(fp4, group 16), mxfp4 (fp4, group 32) and fp8 per-channel/per-tensor/per-block", file=source)
 
 
 def _parse_compressed_tensors(qc: dict, source: str) -> QuantSpec:
@@ -281,6 +287,19 @@ def _parse_quark(qc: dict, source: str) -> QuantSpec:
                      if global_cfg else None)
     return QuantSpec(method="quark", storage="quark", schemes=schemes, type_schemes=types,
                      global_scheme=global_scheme, source=source)
+
+
+def _parse_hf_fp8(qc: dict, source: str) -> QuantSpec:
+    """transformers' FineGrainedFP8 layout: every linear e4m3 with a `weight_scale_inv` per weight_block_size block
+    (activations quantized per token at run time, as radiance does them anyway)."""
+    block = qc.get("weight_block_size")
+    if block is None or not (isinstance(block, list) and len(block) == 2
+                             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointError(f"fp8 quantization_config weight_block_size must be two positive integers (rows, K), "
+                              f"got {block!r}", file=source)
+    scheme = QuantScheme("fp8", "hf-fp8", ("Linear",), f"fp8 {block[0]}x{block[1]}")
+    return QuantSpec(method="fp8", storage=f"fp8 (blocks of {block[0]} x {block[1]})", schemes=(scheme,),
+                     source=source)
 
 
 # ModelOpt quant_algo -> (our format, the group size it must declare, None: any)

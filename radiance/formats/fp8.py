@@ -1,4 +1,6 @@
-"""FP8 e4m3 per-output-channel weights (compressed-tensors `float-quantized`, strategy channel)."""
+"""FP8 e4m3 weights: per output channel or per tensor (compressed-tensors `float-quantized`, strategy channel /
+tensor), or per block of rows and K (transformers' `fp8` quant_method with weight_block_size, compressed-tensors'
+strategy block): their scales are kept expanded to one row each, [N, ceil(K / block_k)]."""
 
 from __future__ import annotations
 
@@ -27,13 +29,20 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return w8, scale
 
 
-def dequantize_fp8_per_channel(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_fp8_per_channel(w8: torch.Tensor, scale: torch.Tensor, block_k: int = 0) -> torch.Tensor:
+    """w8 * scale; with `block_k`, scale [N, ceil(K / block_k)] holds one scale per row and block of K."""
     check_matrix(w8, "w8")
     if w8.dtype != torch.float8_e4m3fn:
         raise ValueError(f"FP8 weight must be float8_e4m3fn, got {w8.dtype}")
     scale = torch.as_tensor(scale, device=w8.device).float()
-    if scale.numel() == w8.shape[0]:
+    n, k = w8.shape
+    if block_k:
+        if tuple(scale.shape) != (n, -(-k // block_k)):
+            raise ValueError(f"FP8 block scales must be [{n}, {-(-k // block_k)}] for K={k} in blocks of {block_k}, "
+                             f"got {tuple(scale.shape)}")
+        return w8.float() * scale.repeat_interleave(block_k, dim=1)[:, :k]
+    if scale.numel() == n:
         scale = scale.reshape(-1, 1)
     elif scale.numel() != 1:
-        raise ValueError(f"FP8 scale must be per-channel [{w8.shape[0]}, 1] or per-tensor, got {tuple(scale.shape)}")
+        raise ValueError(f"FP8 scale must be per-channel [{n}, 1] or per-tensor, got {tuple(scale.shape)}")
     return w8.float() * scale

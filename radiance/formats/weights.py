@@ -94,17 +94,24 @@ class Nvfp4Weight:
 @dataclass
 class Fp8Weight:
     w8: torch.Tensor  # float8_e4m3fn [N, K]
-    scale: torch.Tensor  # fp32 [N, 1]
+    scale: torch.Tensor  # fp32 [N, 1], or with block_k [N, ceil(K / block_k)] (a block's scale on each of its rows)
     partition_sizes: tuple[int, ...] = field(default=None)  # type: ignore[assignment]
+    block_k: int = 0  # K per scale of a block-scaled weight (128 in the published checkpoints); 0: one per row
     format = "fp8"
 
     def __post_init__(self):
         if self.w8.dtype != torch.float8_e4m3fn or self.w8.dim() != 2:
             raise ValueError(f"FP8 weight must be 2-D float8_e4m3fn, got {self.w8.dtype} {tuple(self.w8.shape)}")
-        self.scale = self.scale.float().reshape(-1, 1) if self.scale.numel() == self.w8.shape[0] else self.scale.float()
-        if self.scale.numel() not in (1, self.w8.shape[0]):
-            raise ValueError(f"FP8 scale must be per-channel or per-tensor, got {tuple(self.scale.shape)}")
-        self.partition_sizes = _sizes(self.partition_sizes, self.w8.shape[0])
+        n, k = self.w8.shape
+        if self.block_k:
+            self.scale = self.scale.float()
+            if tuple(self.scale.shape) != (n, -(-k // self.block_k)):
+                raise ValueError(f"FP8 block scales must be [{n}, {-(-k // self.block_k)}], got {tuple(self.scale.shape)}")
+        else:
+            self.scale = self.scale.float().reshape(-1, 1) if self.scale.numel() == n else self.scale.float()
+            if self.scale.numel() not in (1, n):
+                raise ValueError(f"FP8 scale must be per-channel or per-tensor, got {tuple(self.scale.shape)}")
+        self.partition_sizes = _sizes(self.partition_sizes, n)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -170,6 +177,14 @@ def concat_partitions(weights: list[Weight]) -> Weight:
         raise ValueError(f"cannot merge weights of formats {sorted(fmt)} and K {sorted(ks)}")
     sizes = tuple(p for w in weights for p in w.partition_sizes)
     first = weights[0]
+    blocks = {w.block_k for w in weights if isinstance(w, Fp8Weight) and w.block_k}
+    if len(blocks) > 1:
+        raise ValueError(f"cannot merge FP8 weights of K blocks {sorted(blocks)}")
+    if blocks:  # a part small enough for one block reads as per-tensor: its scale repeats over the K blocks
+        block_k = blocks.pop()
+        groups = -(-first.shape[1] // block_k)
+        scales = [w.scale if w.block_k else w.scale.expand(w.shape[0], 1).expand(w.shape[0], groups) for w in weights]
+        return Fp8Weight(torch.cat([w.w8 for w in weights]), torch.cat(scales), sizes, block_k)
     if isinstance(first, Fp8Weight) and any(w.scale.numel() == 1 for w in weights):
         # per-tensor scales become per-channel so the merged weight still has one scale per row
         scales = [w.scale.expand(w.shape[0], 1) if w.scale.numel() == 1 else w.scale for w in weights]
@@ -210,7 +225,7 @@ def dequantize(weight: Weight) -> torch.Tensor:
     if isinstance(weight, Nvfp4Weight):
         return dequantize_nvfp4(weight.packed, weight.scale, weight.global_scale, weight.partition_sizes)
     if isinstance(weight, Fp8Weight):
-        return dequantize_fp8_per_channel(weight.w8, weight.scale)
+        return dequantize_fp8_per_channel(weight.w8, weight.scale, weight.block_k)
     if isinstance(weight, Int4Weight):
         return dequantize_int4(weight.packed, weight.scale, weight.offset)
     raise ValueError(f"not a weight: {type(weight).__name__}")
@@ -228,7 +243,8 @@ def to_mxfp4(weight: Weight, rule: str = "mse", chunk_rows: int | None = None) -
         per_row = weight.scale.numel() > 1
 
         def rows(a: int, b: int) -> torch.Tensor:
-            return dequantize_fp8_per_channel(weight.w8[a:b], weight.scale[a:b] if per_row else weight.scale)
+            return dequantize_fp8_per_channel(weight.w8[a:b], weight.scale[a:b] if per_row else weight.scale,
+                                              weight.block_k)
 
         p, s, err = requant_rows_to_mxfp4(rows, n, k, weight.w8.device, rule, chunk_rows)
     elif isinstance(weight, DenseWeight):
