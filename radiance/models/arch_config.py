@@ -224,7 +224,9 @@ def _heads(config: dict, architecture: str, hidden: int, heads: int) -> tuple[in
 _READS_MLP_BIAS = {"LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM"}
 
 # architectures that name their MLP activation otherwise (Gemma: hidden_activation) and check it themselves
-_OWN_ACTIVATION = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+# architectures whose MLP activation is not hidden_act's: Gemma reads hidden_activation (gemma_overrides), gpt-oss's
+# experts always use its clamped SwiGLU (transformers' gpt-oss never reads hidden_act)
+_OWN_ACTIVATION = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"}
 
 def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     """sliding_window and the layers that use it, as transformers reads them: Llama has none; Qwen2, Qwen3 and

@@ -214,3 +214,13 @@ def test_attention_biases_are_added_by_their_linears(tiny_model_dir, ids, quanti
         saved, linear.bias = linear.bias, None
         assert _rel(model.forward_logits(ids[:, :40]), ref) > 1e-3
         linear.bias = saved
+
+
+def test_hidden_act_is_not_read_as_transformers_does_not_read_it(tiny_model_dir):
+    """gpt-oss's experts use their clamped SwiGLU whatever hidden_act says; a config naming another was refused."""
+    from radiance.models.registry import resolve_architecture
+
+    path, _ = tiny_model_dir("gptoss")
+    with open(os.path.join(path, "config.json")) as handle:
+        config = {**json.load(handle), "hidden_act": "gelu"}
+    assert resolve_architecture(config)[0].__name__ == "GptOssForCausalLM"
