@@ -105,8 +105,9 @@ class Fp8Weight:
         n, k = self.w8.shape
         if self.block_k:
             self.scale = self.scale.float()
-            if tuple(self.scale.shape) != (n, -(-k // self.block_k)):
-                raise ValueError(f"FP8 block scales must be [{n}, {-(-k // self.block_k)}], got {tuple(self.scale.shape)}")
+            groups = -(-k // self.block_k)
+            if tuple(self.scale.shape) != (n, groups):
+                raise ValueError(f"FP8 block scales must be [{n}, {groups}], got {tuple(self.scale.shape)}")
         else:
             self.scale = self.scale.float().reshape(-1, 1) if self.scale.numel() == n else self.scale.float()
             if self.scale.numel() not in (1, n):
