@@ -125,3 +125,33 @@ def test_scales_that_do_not_tile_the_weight_are_named(tmp_path):
     with pytest.raises(CheckpointError) as err:
         dict(open_checkpoint(fp8_dir).iter_weights(progress=False))
     assert "fp8 block scales" in str(err.value) and name in str(err.value)
+
+
+def test_a_mixture_of_experts_checkpoint_in_fp8_blocks(tmp_path):
+    """Qwen3-30B-A3B-FP8's layout: every expert's projections e4m3 with their own block scales, the router 16-bit."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.engine.conftest import tiny_hf_model
+
+    tiny_hf_model("qwen3moe").save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    dense, fp8 = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):  # attention and experts; mlp.gate (the router) stays 16-bit
+            codes, scales = fp8_blocks(w, (32, 32))
+            fp8[name], fp8[name.replace(".weight", ".weight_scale_inv")] = codes, scales
+            dense[name] = block_dequantized(codes, scales, (32, 32))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    qc = {"quant_method": "fp8", "weight_block_size": [32, 32], "activation_scheme": "dynamic",
+          "modules_to_not_convert": ["re:.*mlp\\.gate$"]}
+    paths = {}
+    for kind, state, quant in (("dense", dense, None), ("fp8", fp8, qc)):
+        paths[kind] = write_dir(str(tmp_path / kind), state, config, quant)
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(0))
+    for quantization in ("none", "mxfp4"):
+        config = ModelConfig(device="cpu", dtype="float32", quantization=quantization)
+        logits = [load_model(config, checkpoint=open_checkpoint(paths[kind]), progress=False).model.forward_logits(ids)
+                  for kind in ("fp8", "dense")]
+        assert torch.allclose(*logits, rtol=0, atol=1e-5), quantization
