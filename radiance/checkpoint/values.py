@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from radiance.checkpoint.base import Checkpoint
+from radiance.checkpoint.convert import culprit_tensor
 from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight, dequantize
 
@@ -26,11 +27,6 @@ def nonfinite_count(tensor: torch.Tensor) -> int:
     return int((~torch.isfinite(tensor)).sum())
 
 
-def _faulty_partition(name: str, weight) -> str:
-    from radiance.checkpoint.convert import culprit_tensor
-    return culprit_tensor(name, weight)
-
-
 def value_warnings(ckpt: Checkpoint, progress: bool = True) -> tuple[int, list[str]]:
     """(tensors read, one warning per tensor holding NaN / inf values, or the read fault that stopped the pass)."""
     warnings, read = [], 0
@@ -41,7 +37,7 @@ def value_warnings(ckpt: Checkpoint, progress: bool = True) -> tuple[int, list[s
                 bad, culprit = nonfinite_count(item), name
             else:  # a linear in any format: its values as the model would multiply them
                 bad = nonfinite_count(item.tensor if isinstance(item, DenseWeight) else dequantize(item))
-                culprit = _faulty_partition(name, item) if bad else name
+                culprit = culprit_tensor(name, item) if bad else name
             if bad:
                 warnings.append(f"{bad} NaN or inf value(s) (file {ckpt.file_of(culprit)}, tensor "
                                 f"{ckpt.stored_name(culprit)})")
