@@ -110,7 +110,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     outputs = merged_outputs(engine, jobs, state.metrics)
     if req.stream:
-        stream = _stream(request_id, model, outputs, choices, prompt_tokens, StreamUsage(req.stream_options))
+        stream = _stream(request_id, model, outputs, choices, prompt_tokens, req.n, StreamUsage(req.stream_options))
         return StreamingResponse(stream, media_type="text/event-stream")
 
     texts = ["" for _ in choices]
@@ -132,13 +132,22 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         for body, c in zip(body_choices, choices):
             body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, c.output.prompt_logprobs,
                                                            req.return_tokens_as_token_ids)
-    completion_tokens = sum(len(c.output.token_ids) for c in choices)
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now(), "model": model,
-                         "choices": body_choices, "usage": usage(prompt_tokens, completion_tokens)})
+                         "choices": body_choices, "usage": _usage(choices, prompt_tokens, req.n)})
+
+
+def _usage(choices: list[CompletionChoice], prompt_tokens: int, n: int) -> dict:
+    """The request's usage, the same whether it streamed or not. Cached prompt tokens count once per prompt
+    (its n choices share it: the most any of them found in the prefix cache), as the prompt tokens do."""
+    finals = [c.output for c in choices if c.output is not None]
+    completion_tokens = sum(len(f.token_ids) for f in finals)
+    cached = sum(max((c.output.num_cached_tokens for c in choices[p:p + n] if c.output is not None), default=0)
+                 for p in range(0, len(choices), n))
+    return usage(prompt_tokens, completion_tokens, cached)
 
 
 def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[CompletionChoice],
-            prompt_tokens: int, stream_usage: StreamUsage) -> AsyncIterator[str]:
+            prompt_tokens: int, n: int, stream_usage: StreamUsage) -> AsyncIterator[str]:
     created = now()
 
     def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
@@ -154,8 +163,7 @@ def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[C
                 ending = (out.finish_reason, out.stop_reason) if out.finished else ()
                 yield sse(chunk(index, text, logprobs, *ending))
         if stream_usage.final:
-            completion_tokens = sum(len(c.output.token_ids) for c in choices if c.output is not None)
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                       "choices": [], "usage": _usage(choices, prompt_tokens, n)})
 
     return guarded_sse(events(), outputs, f"completion stream {request_id}")

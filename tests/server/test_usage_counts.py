@@ -52,6 +52,14 @@ def test_chat_stream_usage_matches_the_non_streaming_usage(url):
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+def test_completions_count_cached_prompt_tokens_once_per_prompt(url):
+    body = {"prompt": ["SAY:hello", "SAY:bye"], "n": 2}
+    whole = post(url, "/v1/completions", body).json()["usage"]
+    assert whole["prompt_tokens_details"] == {"cached_tokens": 2 * CACHED}  # two prompts, each cached once
+    chunks = events(post(url, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole
+
+
 @pytest.mark.parametrize("path,body,piece", [("/v1/chat/completions", CHAT, lambda c: c["delta"].get("content")),
                                              ("/v1/completions", COMPLETION, lambda c: c["text"])])
 def test_continuous_usage_stats_count_each_choice_as_it_goes(url, path, body, piece):
