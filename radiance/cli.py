@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`radiance generate ... | head -1`): no traceback
         _silence_stdout()
         return 141  # 128 + SIGPIPE: what a tool killed by the signal reports to the shell
-    except (RadianceError, ValueError) as exc:  # config / sampling validation: the user's to fix
+    # radiance's own errors, and the ValueErrors libraries raise over the user's input (a tokenizer's chat template)
+    except (RadianceError, ValueError) as exc:
         logging.getLogger("radiance").debug("error details", exc_info=True)
         print(f"radiance {_command_path(args)}: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2

@@ -17,6 +17,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from radiance.errors import ConfigError
+
 QUANTIZATIONS = ("auto", "mxfp4", "nvfp4", "none")
 RULES = ("mse", "noclip", "ocp")
 # "none" only with quantization="nvfp4": serve the NVFP4 weights dequantized (W4A16), no requant
@@ -28,7 +30,7 @@ LM_HEAD_FORMATS = ("mxfp4", "mxfp4x2")
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
-        raise ValueError(msg)
+        raise ConfigError(msg)
 
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.long's, as the server's request `seed` (and vLLM's) takes
@@ -47,7 +49,7 @@ def _check_regexes(patterns: tuple[str, ...], name: str) -> None:
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise ValueError(f"{name}: {pattern!r} is not a regular expression: {exc}") from None
+            raise ConfigError(f"{name}: {pattern!r} is not a regular expression: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,7 @@ class EngineConfig:
             names = {g.name for g in dataclasses.fields(sub)}
             parts[f.name] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if kwargs:
-            raise ValueError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
+            raise ConfigError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
         return cls(**{name: dataclasses.fields(cls)[i].default_factory(**vals)  # type: ignore[misc]
                       for i, (name, vals) in enumerate(parts.items())})
 

@@ -31,10 +31,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     _not_empty(args.src, "SRC", f"an HF model directory, a .gguf file, or '{EMBEDDED}'")
     _not_empty(args.dst, "DST", "the directory to write the converted checkpoint to")
-    try:
-        config = ConvertConfig(**dataclass_kwargs(args, ConvertConfig))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    config = ConvertConfig(**dataclass_kwargs(args, ConvertConfig))
     _check_mxfp4_options(config)
     report = convert_checkpoint(_source(args.src), args.dst, config, progress=not args.no_progress)
     print(report.summary())  # the result on stdout; the log lines (stderr) say what was read and written

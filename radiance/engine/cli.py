@@ -8,6 +8,7 @@ import logging
 import sys
 
 from radiance.config import add_engine_args, check_seed, engine_config_from_args
+from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def run(args) -> int:
                             frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                             structured_output=structured_output_from_args(args))
     if args.system is not None and args.chat is False:
-        raise ValueError("--system goes into the chat template, which --no-chat turns off")
+        raise ConfigError("--system goes into the chat template, which --no-chat turns off")
     if args.system is not None:
         utf8_text(args.system, "--system")
     # after the options' checks: a bad one must not wait for stdin
@@ -90,7 +91,7 @@ def run(args) -> int:
     llm = LLM.from_engine_config(config, progress=not args.no_progress)
     has_template = bool(llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None))
     if args.chat and not has_template:  # was ignored: the raw prompt went in without a word
-        raise ValueError("--chat: the model has no chat template (--no-chat sends the prompt as raw text)")
+        raise ConfigError("--chat: the model has no chat template (--no-chat sends the prompt as raw text)")
     if args.chat is not False and has_template:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt_text})
@@ -109,7 +110,7 @@ def read_prompt(prompt: str) -> str:
         return prompt
     text = sys.stdin.read()
     if not text.strip():
-        raise ValueError("the prompt is -, but stdin holds no text")
+        raise ConfigError("the prompt is -, but stdin holds no text")
     return text.rstrip("\n")  # the newline `echo` and editors end a file with is not part of the message
 
 
@@ -136,7 +137,7 @@ def _json_schema_text(value: str) -> str:
     try:
         json.loads(text)
     except ValueError as exc:
-        raise ValueError(f"--json-schema is not valid JSON: {exc}") from None
+        raise ConfigError(f"--json-schema is not valid JSON: {exc}") from None
     return text
 
 
@@ -145,18 +146,18 @@ def _read(path: str, option: str) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as exc:
-        raise ValueError(f"{option}: cannot read {path}: {exc.strerror}") from None
+        raise ConfigError(f"{option}: cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError:  # named neither the file nor the option
-        raise ValueError(f"{option}: {path} is not UTF-8 text") from None
+        raise ConfigError(f"{option}: {path} is not UTF-8 text") from None
 
 
 def utf8_text(text: str, what: str) -> str:
-    """`text` as given, or a ValueError naming `what`: Python hands on bytes that are not UTF-8 (an argument, a
+    """`text` as given, or a ConfigError naming `what`: Python hands on bytes that are not UTF-8 (an argument, a
     pipe) as lone surrogates, which the tokenizer met with a TypeError and a traceback."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid UTF-8 text (a byte at character {exc.start} is not UTF-8)") from None
+        raise ConfigError(f"{what} is not valid UTF-8 text (a byte at character {exc.start} is not UTF-8)") from None
     return text
 
 
@@ -167,7 +168,7 @@ def check_fits_context(prompt_len: int, max_tokens: int, context: int) -> None:
     room = context - prompt_len
     if 0 < room < max_tokens:
         tokens = f"{prompt_len} token" + ("s" if prompt_len != 1 else "")
-        raise ValueError(f"--max-tokens {max_tokens} does not fit the model's context of {context} tokens "
+        raise ConfigError(f"--max-tokens {max_tokens} does not fit the model's context of {context} tokens "
                          f"(max_model_len) after a prompt of {tokens}: use --max-tokens {room} or less")
 
 

@@ -41,13 +41,8 @@ def configs_from_args(args: argparse.Namespace):
     given_model = getattr(args, "model", None)
     if args.model_path and given_model and args.model_path != given_model:
         raise ConfigError(f"two models given: positional {args.model_path!r} and --model {given_model!r}")
-    try:
-        engine_config = engine_config_from_args(args, model=args.model_path)
-        server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    engine_config = engine_config_from_args(args, model=args.model_path)
+    server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
     _check_before_loading(engine_config, server_config)
     return engine_config, server_config
 
