@@ -121,11 +121,14 @@ def _cached(model: HubModel, where: str, why: Exception) -> str:
     """The model as the Hub's cache already holds it, when the Hub cannot be asked."""
     from huggingface_hub import snapshot_download
 
+    reason = f"{type(why).__name__}: {str(why).splitlines()[0] if str(why) else ''}"
     try:
         folder = snapshot_download(model.repo, revision=model.revision, local_files_only=True)
     except Exception:  # noqa: BLE001 - not cached either
         raise CheckpointError(f"{where}: no such local path, and the Hugging Face Hub could not be reached to fetch "
-                              f"it ({type(why).__name__}: {str(why).splitlines()[0] if str(why) else ''})") from None
+                              f"it ({reason})") from None
+    # said, so that a stale copy served because of a token or proxy problem is not a mystery
+    logger.warning("%s: the Hugging Face Hub could not be asked (%s): serving the copy in its cache", where, reason)
     files = [os.path.relpath(os.path.join(root, name), folder)
              for root, _, names in os.walk(folder) for name in names]
     gguf = pick_gguf(model, files, where)

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from radiance.checkpoint.hf_config import load_json
 from radiance.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -99,11 +100,7 @@ class SafetensorsIndex:
 
     @staticmethod
     def _read_index(path: str) -> dict[str, str]:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                weight_map = json.load(handle).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-            raise CheckpointError(f"safetensors index is not valid JSON: {exc}", file=path) from None
+        weight_map = load_json(path, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError("safetensors index has no weight_map", file=path)
         for name, file in weight_map.items():  # each value is joined to the directory as a file name

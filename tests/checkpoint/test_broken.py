@@ -97,6 +97,17 @@ def test_an_index_with_non_string_files_is_a_checkpoint_error(tmp_path):
     assert info.value.file.endswith("model.safetensors.index.json") and info.value.tensor == "lm_head.weight"
 
 
+@pytest.mark.parametrize("content,says", [("[1, 2]", "must hold a JSON object"), ("{not json", "not valid JSON"),
+                                          ("", "not valid JSON")])
+def test_an_index_that_is_no_json_object_names_its_file(tmp_path, content, says):
+    path = write_dir(str(tmp_path), dense_state_dict(), TINY)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as handle:
+        handle.write(content)
+    with pytest.raises(CheckpointError, match=f"safetensors index .*{says}") as info:
+        _read_all(path)
+    assert info.value.file.endswith("model.safetensors.index.json")
+
+
 # ---------------------------------------------------------------- config.json and friends
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 
 import huggingface_hub
@@ -122,10 +123,14 @@ def test_a_transformers_repo_is_fetched_without_its_other_copies_and_served_unde
 
 
 @pytest.mark.parametrize("cut", ["hub down", "no network"])
-def test_offline_the_cache_serves_what_it_holds_and_says_so_when_it_holds_nothing(hub, transformers_repo, cut):
+def test_offline_the_cache_serves_what_it_holds_and_says_so_when_it_holds_nothing(hub, transformers_repo, cut,
+                                                                                   caplog):
     open_checkpoint("org/tiny")  # cached
     hub.online, hub.dns = False, cut == "hub down"  # without DNS the Hub is not asked (its retries took ~25 s)
-    assert open_checkpoint("org/tiny").architecture == "LlamaForCausalLM"
+    with caplog.at_level("WARNING", logger="radiance.checkpoint.hub"):
+        assert open_checkpoint("org/tiny").architecture == "LlamaForCausalLM"
+    assert re.search(r"org/tiny: the Hugging Face Hub could not be asked \((ConnectionError|OSError).*serving the "
+                     r"copy in its cache", caplog.text)
     with pytest.raises(CheckpointError, match=r"org/other: no such local path, and the Hugging Face Hub could not "
                                               r"be reached .*(ConnectionError|OSError)"):
         open_checkpoint("org/other")
