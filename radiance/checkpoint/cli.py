@@ -15,10 +15,6 @@ from radiance.config import ConvertConfig, add_dataclass_args, dataclass_kwargs
 from radiance.errors import ConfigError
 
 
-def _source(path: str | None) -> str | None:
-    return None if path in (None, EMBEDDED) else path
-
-
 def _not_empty(value: str, name: str, wanted: str) -> None:
     """An empty argument ("" from an unset shell variable) said so: as a path it named no file, or the current
     directory."""
@@ -33,7 +29,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     _not_empty(args.dst, "DST", "the directory to write the converted checkpoint to")
     config = ConvertConfig(**dataclass_kwargs(args, ConvertConfig))
     _check_mxfp4_options(config)
-    report = convert_checkpoint(_source(args.src), args.dst, config, progress=not args.no_progress)
+    report = convert_checkpoint(args.src, args.dst, config, progress=not args.no_progress)
     print(report.summary())  # the result on stdout; the log lines (stderr) say what was read and written
     return 0
 
@@ -54,7 +50,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from radiance.checkpoint import open_checkpoint
     from radiance.checkpoint.inspect import inspect_report
 
-    ckpt = open_checkpoint(_source(args.path))
+    ckpt = open_checkpoint(args.path)
     lines, warnings = inspect_report(ckpt, with_tokenizer=args.tokenizer, with_values=args.values,
                                      progress=not args.no_progress)
     print("\n".join(lines))

@@ -72,3 +72,15 @@ def test_a_broken_source_is_one_line_naming_the_file(capsys, tmp_path, command, 
     err = _error_line(capsys, command[0])
     assert message in err and str(src.name) in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_a_local_directory_named_embedded_is_read_as_that_path(capsys, tmp_path, monkeypatch, command):
+    """`embedded` names the embedded model only when no such local path exists (as every other command reads it);
+    inspect and convert took the embedded model even then."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "embedded").mkdir()
+    (tmp_path / "embedded" / "config.json").write_text("{not json")
+    argv = ["inspect", "embedded"] if command == "inspect" else ["convert", "embedded", "out"]
+    assert main(argv) == 2
+    assert "config.json is not valid JSON" in _error_line(capsys, command)
