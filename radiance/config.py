@@ -2,7 +2,7 @@
 
 Each area owns one dataclass; `EngineConfig` bundles the ones the engine needs. Validation lives
 in `__post_init__` so a bad value fails where it is built, with the field's name in the message.
-`add_dataclass_args` / `dataclass_from_args` turn any of these into argparse flags, so every field
+`add_dataclass_args` / `dataclass_kwargs` turn any of these into argparse flags and back, so every field
 is reachable from the command line without a hand-written flag per field.
 """
 

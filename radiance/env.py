@@ -1,4 +1,5 @@
-"""The one module that reads environment variables (standard ones only: HF_HOME, log level)."""
+"""The one module that reads environment variables: the log level's default and Triton's own interpreter switch
+(huggingface_hub reads HF_HOME / HF_TOKEN itself). Everything else is configured through radiance.config."""
 
 import os
 

@@ -1,6 +1,5 @@
-"""Loading models for the measuring commands, through the engine's loader (so `eval` measures
-exactly what the engine would serve). Synthetic names (`synthetic:llama-3.1-8b`) build random
-weights on the device instead of opening a checkpoint."""
+"""Loading models for `eval`, through the engine's loader, so it measures exactly what the engine would serve.
+(`bench engine` builds synthetic models itself: they have no tokenizer to evaluate with.)"""
 
 from __future__ import annotations
 
@@ -9,21 +8,11 @@ import logging
 import torch
 
 from radiance.bench.quality import Variant
-from radiance.bench.synthetic import SyntheticCheckpoint, is_synthetic
+from radiance.bench.synthetic import is_synthetic
 from radiance.config import KernelConfig, ModelConfig
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-
-def open_model_source(model: str | None, device: str | None, dtype: str | None):
-    """A SyntheticCheckpoint for synthetic names, else None (the loader opens the path itself)."""
-    if not is_synthetic(model):
-        return None
-    from radiance.engine.loader import resolve_device, resolve_dtype
-
-    dev = resolve_device(device)
-    return SyntheticCheckpoint(model, device=dev, dtype=resolve_dtype(dtype, dev))
 
 
 def load_eval_model(model: str | None, variant: Variant, device: str | None, dtype: str | None,

@@ -280,7 +280,7 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
     async with httpx.AsyncClient(base_url=server_root(opts.url), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(opts.timeout_s)) as client:
         model = opts.model or await discover_model(client)
-        await warm_up(client, opts, model, pool)
+        await warm_up(client, opts, model)
         levels, interrupted, sent = [], False, 0
         for i, conc in enumerate(opts.concurrency):
             # a dataset is walked through across the levels: a prompt an earlier level sent would be a
@@ -309,8 +309,7 @@ def _warn_if_prompts_repeat(opts: ServeBenchOptions, pool: list[PromptSpec] | No
                        "prefix cache serves the repeats faster", len(pool), total)
 
 
-async def warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str,
-                  pool: list[PromptSpec] | None) -> None:
+async def warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str) -> None:
     """The uncounted first requests. One that fails (a wrong --url or --model, a server that is down) would fail
     every measured request the same way, so the run stops here with its error."""
     # random prompts from a seed no level uses, with a dataset too: a prompt the warmup sent is in the prefix cache

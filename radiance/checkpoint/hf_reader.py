@@ -287,7 +287,7 @@ class HfCheckpoint(Checkpoint):
         out = []
         for e in self._linears:
             tensors = [n for m in e.modules for n in self._module_tensors.get(m, ()) if not n.endswith(".bias")]
-            shapes = [self._stored_shape(m, f) for m, f in zip(e.modules, e.formats)]
+            shapes = [self._stored_shape(m) for m in e.modules]
             fmt = e.formats[0] if len(set(e.formats)) == 1 else "dense"
             name = "lm_head.weight" if e.canonical == "lm_head" and fmt == "dense" else e.canonical
             if name == "lm_head.weight":
@@ -322,7 +322,7 @@ class HfCheckpoint(Checkpoint):
                                      bias.nbytes // group.num_experts))
         return out
 
-    def _stored_shape(self, module: str, fmt: str) -> tuple[int, int]:
+    def _stored_shape(self, module: str) -> tuple[int, int]:
         main = self.index.meta.get(f"{module}.weight_packed") or self.index.meta[f"{module}.weight"]
         n, k = main.shape[0], main.shape[-1]
         return (n, k * 2) if main.dtype == torch.uint8 else (n, k)

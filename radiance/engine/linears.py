@@ -14,11 +14,11 @@ on a CPU `radiance.layers.int4_linear.Int4Linear`. Apart from that one path, an 
 from __future__ import annotations
 
 import logging
-import re
 
 import torch
 from torch import nn
 
+from radiance.checkpoint.convert import selects
 from radiance.checkpoint.layout import cast_16bit
 from radiance.config import KernelConfig, ModelConfig
 from radiance.formats import DenseWeight, Nvfp4Weight, dense_to_mxfp4_pair, dequantize, quantize_nvfp4
@@ -43,20 +43,11 @@ def to_serving_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise Overflow16Bit(str(exc)) from None
 
 
-def dense_linear(tensor: torch.Tensor, dtype: torch.dtype, kernel_config: KernelConfig, name: str = "") -> nn.Module:
-    return DenseLinear(to_serving_dtype(tensor, dtype), name=name)
-
-
-def mxfp4_linear(weight, rule: str, dtype: torch.dtype, kernel_config: KernelConfig,
-                 name: str = "") -> tuple[nn.Module, float]:
-    return Mxfp4Linear.from_weight(weight, rule, kernel_config, name=name)
-
-
 def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: KernelConfig,
                  dtype: torch.dtype) -> tuple[nn.Module, str, float]:
     """(module, how it is served: "dense" | "mxfp4" | "nvfp4-dequant" | "int4", requant relRMS or 0)."""
     quant = model_config.quantization
-    keep_16bit = any(re.search(p, name) for p in model_config.ignore)
+    keep_16bit = selects(model_config.ignore, name)
     if weight.format == "int4":
         if quant == "auto" and not keep_16bit and kernel_config.cpu_int4:
             why_not = int4_cpu_unsupported(weight, weight.packed.device)
@@ -67,15 +58,15 @@ def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: Ke
         weight = DenseWeight(dequantize(weight), weight.partition_sizes)
     if quant == "none":
         tensor = dequantize(weight) if weight.format != "dense" else weight.tensor
-        return dense_linear(tensor, dtype, kernel_config, name), "dense", 0.0
+        return DenseLinear(to_serving_dtype(tensor, dtype), name=name), "dense", 0.0
     if weight.format == "dense" and (quant == "auto" or keep_16bit):
-        return dense_linear(weight.tensor, dtype, kernel_config, name), "dense", 0.0
+        return DenseLinear(to_serving_dtype(weight.tensor, dtype), name=name), "dense", 0.0
     if weight.format == "dense" and quant == "nvfp4":
         packed, scale, global_scale = quantize_nvfp4(weight.tensor.float(), weight.partition_sizes)
         weight = Nvfp4Weight(packed, scale, global_scale, weight.partition_sizes)
     if model_config.rule == "none":  # only valid with nvfp4 (config checks): serve the NVFP4 values in 16 bit
-        return dense_linear(dequantize(weight), dtype, kernel_config, name), "nvfp4-dequant", 0.0
-    module, err = mxfp4_linear(weight, model_config.rule, dtype, kernel_config, name)
+        return DenseLinear(to_serving_dtype(dequantize(weight), dtype), name=name), "nvfp4-dequant", 0.0
+    module, err = Mxfp4Linear.from_weight(weight, model_config.rule, kernel_config, name=name)
     return module, "mxfp4", float(err)
 
 

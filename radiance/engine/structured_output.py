@@ -180,7 +180,7 @@ def _pattern_repeats(pattern: str) -> int:
 
 
 def _check_servable(spec: StructuredOutput) -> None:
-    """What xgrammar would compile but not enforce, or compile too slowly (check_json_schema)."""
+    """What xgrammar would compile but not enforce, or compile too slowly (check_json_schemas)."""
     if spec.choice is not None and len(spec.choice) > MAX_ENUM_VALUES:
         raise StructuredOutputError(f"invalid choice constraint: {len(spec.choice)} choices, more than the "
                                     f"{MAX_ENUM_VALUES} allowed")

@@ -81,11 +81,6 @@ def quantize_blocks(blocks: torch.Tensor, rule: str) -> tuple[torch.Tensor, torc
     return e, codes
 
 
-def block_exponents(blocks: torch.Tensor, rule: str) -> torch.Tensor:
-    """Unbiased int32 exponents [...] for fp32 blocks [..., 32] under `rule`, clamped to [E_MIN, E_MAX]."""
-    return quantize_blocks(blocks, rule)[0]
-
-
 def quantize_mxfp4(w: torch.Tensor, rule: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (packed uint8 [N, K/2], scale uint8 e8m0 [N, K/32])."""
     check_matrix(w, "w")

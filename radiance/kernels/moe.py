@@ -156,8 +156,8 @@ def _check_operands(x_q, x_scale, experts: PreparedExperts, routing: ExpertRouti
     if bias is not None and bias.shape != (num_experts, n):
         raise ValueError(f"w4a8_moe_gemm: bias must be [{num_experts}, {n}] (experts, rows), not {list(bias.shape)}")
     if not triton_serves(x_q):
-        raise ValueError("w4a8_moe_gemm: no Triton on this device (CUDA or the interpreter); "
-                         "w4a8_moe_reference serves the CPU")
+        raise ValueError("w4a8_moe_gemm: no Triton on this device (CUDA or the interpreter); on the CPU the "
+                         "MoE layer runs its experts one by one")
 
 
 def w4a8_moe_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, experts: PreparedExperts, routing: ExpertRouting, *,
@@ -231,7 +231,7 @@ def w4a8_moe_reference(x_q: torch.Tensor, x_scale: torch.Tensor, experts: Prepar
     """What w4a8_moe_gemm computes, exactly (fp32 math, fp64 on CUDA; reference.w4a8_matmul_reference per
     expert on its dequantized weight, its bias row added before the rounding to out_dtype), with glu
     glu_reference(gate_up, activation) rounded as torch does in out_dtype, then quantize_activations_reference.
-    Syncs with the host (tests and the CPU path)."""
+    Syncs with the host: the tests' oracle (the CPU MoE layer runs its experts one by one instead)."""
     tokens, top_k = topk_ids.shape
     rows_div = _rows_div(rows_per_pair_source, top_k)
     expert_of_pair = topk_ids.reshape(-1).to(torch.int64)

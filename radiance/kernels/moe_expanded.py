@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from radiance.kernels.device_info import capability
 from radiance.kernels.moe import PreparedExperts
 from radiance.kernels.tuning import moe_expand_listed
 from radiance.kernels.w4a8 import expand_scratch, launch_expand
@@ -25,7 +26,7 @@ def expand_serves(x: torch.Tensor, num_pairs: int, experts: PreparedExperts) -> 
     num_experts, n, k = experts.shape
     return (num_pairs >= EXPAND_PAIRS_PER_EXPERT * num_experts  # first: decode steps stop here
             and x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) == (9, 0) and moe_expand_listed(n, k, x.device))
+            and capability(x.device) == (9, 0) and moe_expand_listed(n, k, x.device))
 
 
 def expand_experts_fp8(experts: PreparedExperts, out: torch.Tensor | None = None,

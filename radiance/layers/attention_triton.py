@@ -304,7 +304,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         cos = sin = positions = k_new = v_new = slots = q  # unused
     else:
         cos, sin, positions, k_new, v_new, slots = rotary
-        assert dim == d_pad and cos.dtype == torch.float32, "rotary decode: D a power of 2, fp32 tables"
+        if dim != d_pad or cos.dtype != torch.float32:
+            raise ValueError(f"rotary decode: the head size must be a power of 2 ({dim}) and the tables fp32 "
+                             f"({cos.dtype})")
         q, k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_new, v_new))
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, acc, lse, block_tables, context_lens, scale * kv_scales.k * _LOG2E, kv_scales.v,

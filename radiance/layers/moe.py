@@ -193,9 +193,10 @@ class SparseMoeBlock(nn.Module):
         return self.grouped is not None or self.grouped_16bit is not None
 
     def finish_loading(self) -> None:
-        """After the loader installed every expert linear: stack the experts' prepared MXFP4 weights for the
-        grouped kernel when all of them run the W4A8 kernel (no bias, no numerics monitor). The experts keep
-        views into the stacked tensors, so the weights are held once."""
+        """After the loader installed every expert linear: stack the experts' weights for one grouped call, the
+        16-bit ones for torch._grouped_mm, or the prepared MXFP4 ones for the grouped kernel when all of them run
+        the W4A8 kernel (no bias, no numerics monitor). The experts keep views into the stacked tensors, so the
+        weights are held once."""
         self._stack_biases()
         pairs = [(e.gate_up_proj, e.down_proj) for e in self.experts]
         linears = [lin for pair in pairs for lin in pair]

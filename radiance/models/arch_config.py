@@ -27,7 +27,7 @@ class ArchConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False   # Qwen2
     qk_norm: bool = False    # Qwen3
-    moe: "MoeConfig | None" = None  # mixture-of-experts MLPs (Qwen3-MoE)
+    moe: "MoeConfig | None" = None  # mixture-of-experts MLPs (Qwen2/3-MoE, Mixtral, gpt-oss)
     o_bias: bool = False     # gpt-oss: o_proj has a bias too
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit joins each softmax denominator
     sliding_window: int | None = None  # tokens a sliding-window layer attends to (itself included)

@@ -1,7 +1,7 @@
 """The FastAPI app: routes, API-key check, background model loading.
 
 `build_app(state)` returns an app whose lifespan starts loading the engine in a worker thread, so
-the port is open (and `/health` answers 503) while weights load. /health, /metrics and /version
+the port is open (and `/health` answers 503) while weights load. /health, /ping, /metrics and /version
 stay public when an API key is set; everything else needs `Authorization: Bearer KEY`.
 """
 

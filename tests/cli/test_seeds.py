@@ -85,7 +85,7 @@ def test_the_warmup_prompts_are_no_level_s(monkeypatch):
 
     monkeypatch.setattr(serve_bench, "send_request", send_request)
     opts = serve_bench.ServeBenchOptions(url="http://x", concurrency=(1, 2, 4), warmup=2, input_len=8, progress=False)
-    asyncio.run(serve_bench.warm_up(None, opts, "m", None))
+    asyncio.run(serve_bench.warm_up(None, opts, "m"))
     measured = {spec.prompt for i, conc in enumerate(opts.concurrency)
                 for spec in serve_prompts.prompts_for_level(opts, opts.prompts_for(conc), opts.seed + i)}
     assert len(sent) == 2 and not measured & set(sent)

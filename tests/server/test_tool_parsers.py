@@ -212,3 +212,13 @@ def test_calls_say_whether_max_tokens_cut_their_arguments():
     llama = parse_tool_calls(Llama3JsonToolParser([WEATHER_TOOL]), '{"name": "get_weather", "parameters": {"ci',
                              truncated=True)
     assert [(c.arguments, c.complete) for c in llama.tool_calls] == [('{"ci', False)]
+
+
+def test_the_parser_options_name_every_registered_parser_and_no_other():
+    """--tool-call-parser / --reasoning-parser choices (config) and the parser registries are written apart."""
+    from radiance.config import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from radiance.server import reasoning_parser, tool_parsers
+
+    assert set(TOOL_CALL_PARSERS) == set(tool_parsers.PARSERS) | {"auto", "none"}
+    assert set(REASONING_PARSERS) == set(reasoning_parser.PARSERS) | {"auto", "none"}
+

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from radiance import config
 from radiance.cli import build_parser
 from radiance.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, RunnerConfig, SchedulerConfig,
                              add_engine_args, engine_config_from_args, field_help)
@@ -113,3 +114,10 @@ def test_piecewise_graph_buckets_default_by_model_kind():
     assert RunnerConfig(piecewise_graph_tokens=(48,)).piecewise_graph_buckets(sparse_moe=True) == (48,)
     with pytest.raises(ValueError, match="piecewise_graph_tokens"):
         RunnerConfig(piecewise_graph_tokens=(-1,))
+
+
+def test_the_rule_names_of_the_options_are_the_codec_s():
+    """config stays importable without torch (the CLI's --help), so it spells the MXFP4 rules itself."""
+    from radiance import formats
+
+    assert config.RULES == formats.RULES

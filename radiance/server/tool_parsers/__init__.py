@@ -7,8 +7,8 @@ that is `{"name": ..., "parameters": {...}}`, Llama3JsonToolParser) and Mistral 
 message of its own, which the harmony reasoning parser hands over whole (HarmonyToolParser). One module per format;
 `base` holds the scanner the tagged formats share.
 
-One incremental scanner serves both streaming and non-streaming requests (non-streaming feeds the
-whole text at once), so both give the same result by construction. Text outside calls streams out
+One incremental scanner serves both streaming and non-streaming requests (both feed it each engine output
+as it arrives; a non-streaming answer is the sum of the pieces), so both give the same result by construction. Text outside calls streams out
 as content; a possible start tag at a chunk's end is held back until the next chunk decides; a call
 is emitted whole when its end tag arrives. A call cut off by max_tokens is parsed at `finish()` from
 what was generated, its markup never reaching the content. Whitespace that only separates content from
