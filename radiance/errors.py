@@ -18,3 +18,8 @@ class CheckpointError(RadianceError, ValueError):
 
 class ConfigError(RadianceError, ValueError):
     """An option or model configuration is invalid or unsupported."""
+
+
+class StructuredOutputError(RadianceError, ValueError):
+    """A structured-output constraint that cannot be served (it does not compile, would not be enforced, or the
+    model has no tokenizer): a 400."""

@@ -16,26 +16,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from radiance.engine.json_schema_rules import (MAX_ENUM_VALUES, check_json_schemas, compile_json_schema, json_schema_ebnf,
+                                               patched_ebnf)
+from radiance.errors import StructuredOutputError
+
+__all__ = ["StructuredOutput", "StructuredOutputError", "GrammarBackend", "GrammarState", "REASONING_BEFORE",
+           "MAX_ENUM_VALUES", "check_syntax", "after_reasoning", "fill_allowed_token_words"]
+
 # compiled grammars kept per engine, least recently used dropped first (a JSON schema is ~0.1-1 MB)
 GRAMMAR_CACHE_BYTES = 256 << 20
-# xgrammar's compile time grows with these faster than linearly, on a thread no request can cancel (xgrammar
-# 0.2.9, 2-core host: 20,000 string enum values 27 s, 100,000 7 min; a pattern "^a{50000}$" 2 min; 20,000 choices
-# 13 s). OpenAI allows 1,000 enum values per schema; a pattern's repetition counts are bounded in all.
-MAX_ENUM_VALUES = 1000
-MAX_PATTERN_REPEATS = 4096
-MAX_SCHEMA_DEPTH = 100  # subschemas nested in one another: 300 took 1 s to compile, 600 9 s, 2,000 minutes
-# keywords xgrammar 0.2.9 compiles but does not enforce (its grammar would let through text the schema refuses)
-_UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependencies", "$dynamicRef",
-                        "$recursiveRef")
-# keywords whose value is one subschema, a list of them, or a map of name to subschema
-_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
-              "contains", "propertyNames")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-
-
-class StructuredOutputError(ValueError):
-    """A constraint that cannot be served (it does not compile, or the model has no tokenizer): a 400."""
 
 
 # gpt-oss's markers other than <|end|>: an analysis message leaves only by <|end|>, so the grammar and the
@@ -110,73 +99,6 @@ class StructuredOutput:
         if self.json_object:
             return "json_object"
         return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
-
-
-def check_json_schemas(schemas: dict[str, Any], what: str, keywords: bool = True) -> None:
-    """StructuredOutputError when `schemas` (parsed JSON, by the name of their root in messages: "#" for a
-    request's schema) are too large to compile in reasonable time together (MAX_ENUM_VALUES,
-    MAX_PATTERN_REPEATS) or, with `keywords`, use a keyword the grammar would not enforce (named with its place)."""
-    budget = {"enum values": 0, "pattern repeats": 0}
-    for root, schema in schemas.items():
-        _check_subschema(schema, root, budget, what, keywords, 0)
-    if budget["enum values"] > MAX_ENUM_VALUES:
-        raise StructuredOutputError(f"{what}: {budget['enum values']} enum and const values in all, more than "
-                                    f"the {MAX_ENUM_VALUES} allowed")
-    if budget["pattern repeats"] > MAX_PATTERN_REPEATS:
-        raise StructuredOutputError(f"{what}: pattern repetition counts ({{n,m}}) of {budget['pattern repeats']} "
-                                    f"in all, more than the {MAX_PATTERN_REPEATS} allowed")
-
-
-def _check_subschema(schema: Any, where: str, budget: dict, what: str, keywords: bool, depth: int) -> None:
-    if not isinstance(schema, dict):
-        return  # true / false, or a malformed value xgrammar names itself
-    if depth > MAX_SCHEMA_DEPTH:
-        raise StructuredOutputError(f"{what}: subschemas nested more than {MAX_SCHEMA_DEPTH} deep")
-    if keywords:
-        _check_enforceable(schema, where, what)
-    budget["enum values"] += len(schema["enum"]) if isinstance(schema.get("enum"), list) else 0
-    budget["enum values"] += "const" in schema
-    if isinstance(schema.get("pattern"), str):
-        budget["pattern repeats"] += _pattern_repeats(schema["pattern"])
-    for keyword in _SUBSCHEMA:
-        if isinstance(schema.get(keyword), dict):
-            _check_subschema(schema[keyword], f"{where}/{keyword}", budget, what, keywords, depth + 1)
-    for keyword in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(keyword), list):
-            for i, sub in enumerate(schema[keyword]):
-                _check_subschema(sub, f"{where}/{keyword}/{i}", budget, what, keywords, depth + 1)
-    for keyword in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(keyword), dict):
-            for name, sub in schema[keyword].items():
-                _check_subschema(sub, f"{where}/{keyword}/{name}", budget, what, keywords, depth + 1)
-
-
-def _check_enforceable(schema: dict, where: str, what: str) -> None:
-    """Keywords xgrammar ignores (_UNENFORCED_KEYWORDS) or enforces only in some uses: allOf of one schema (not
-    an intersection of several), multipleOf on integers, `required` of properties the schema lists."""
-    for keyword in _UNENFORCED_KEYWORDS:
-        if keyword in schema:
-            raise StructuredOutputError(f"{what}: '{keyword}' (at {where}) cannot be enforced by structured "
-                                        f"output; remove it")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        raise StructuredOutputError(f"{what}: 'allOf' of {len(schema['allOf'])} schemas (at {where}) cannot be "
-                                    f"enforced by structured output; merge them into one schema")
-    multiple = schema.get("multipleOf")
-    integral = isinstance(multiple, int) or isinstance(multiple, float) and multiple.is_integer()
-    if multiple is not None and not (schema.get("type") == "integer" and integral):
-        raise StructuredOutputError(f"{what}: 'multipleOf' (at {where}) cannot be enforced by structured output "
-                                    f"but as an integer multiple on type integer")
-    required, listed = schema.get("required"), schema.get("properties")
-    if isinstance(required, list) and "$ref" not in schema and "allOf" not in schema:  # those may list them
-        missing = [name for name in required if not isinstance(listed, dict) or name not in listed]
-        if missing:
-            raise StructuredOutputError(f"{what}: 'required' names {missing[0]!r} (at {where}), which is not in "
-                                        f"'properties', so structured output cannot generate it")
-
-
-def _pattern_repeats(pattern: str) -> int:
-    """The repetition counts ({n}, {n,}, {n,m}) written in a pattern, summed: a bound on what it costs."""
-    return sum(max(int(low), int(high or 0)) for low, high in re.findall(r"\{(\d+)(?:,(\d*))?\}", pattern))
 
 
 def _check_servable(spec: StructuredOutput) -> None:
@@ -257,7 +179,7 @@ class GrammarBackend:
             if spec.after_reasoning is not None:
                 return c.compile_grammar(after_reasoning(_grammar(spec), spec.after_reasoning))
             if spec.json is not None:
-                return c.compile_json_schema(spec.json, any_whitespace=False)
+                return compile_json_schema(c, spec.json)
             if spec.json_object:
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.regex is not None:
@@ -288,10 +210,12 @@ def _grammar(spec: StructuredOutput) -> str:
     """The constraint alone as EBNF (what _compile compiles directly), to be placed after the reasoning."""
     import xgrammar as xgr
 
-    if spec.json is not None or spec.json_object:
-        return str(xgr.Grammar.from_json_schema(spec.json or '{"type": "object"}', any_whitespace=False))
+    if spec.json is not None:
+        return json_schema_ebnf(spec.json)
+    if spec.json_object:
+        return str(xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False))
     if spec.regex is not None:
-        return str(xgr.Grammar.from_regex(spec.regex))
+        return patched_ebnf(str(xgr.Grammar.from_regex(spec.regex)))
     return _choice_ebnf(spec.choice) if spec.choice is not None else spec.grammar
 
 
@@ -301,7 +225,7 @@ def after_reasoning(grammar: str, reasoning: str) -> str:
 
     tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
         REASONING_BEFORE[reasoning], {"type": "grammar", "grammar": grammar}]}}
-    return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
+    return patched_ebnf(str(xgr.Grammar.from_structural_tag(json.dumps(tag))))
 
 
 class GrammarState:

@@ -25,7 +25,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from radiance.engine.structured_output import StructuredOutputError, _reason, check_json_schemas
+from radiance.engine.json_schema_rules import check_json_schemas, patched_ebnf, served_schema
+from radiance.engine.structured_output import StructuredOutputError, _reason
 
 CALL_START = "<tool_call>"
 MAX_WHITESPACE = 2  # consecutive whitespace characters between a call's JSON / XML parts
@@ -125,7 +126,8 @@ def call_markup(parser: str | None, template: str) -> ToolCallMarkup | None:
 
 
 def _parameters(fn: dict) -> dict:
-    return fn.get("parameters") or {"type": "object"}
+    """A function's parameters as the grammar serves them (json_schema_rules.served_schema for tools)."""
+    return served_schema(fn.get("parameters") or {"type": "object"}, for_tools=True)
 
 
 def _check_size(fns: list[dict], what: str) -> None:
@@ -135,13 +137,15 @@ def _check_size(fns: list[dict], what: str) -> None:
     check_json_schemas({f"#{i}": _parameters(fn) for i, fn in enumerate(fns)}, what, keywords=False)
 
 
-def _compile(tag_format: dict, what: str):
+def _compile(tag_format: dict, what: str) -> str:
+    """The EBNF of a structural tag, as it must be read back (json_schema_rules.patched_ebnf)."""
     import xgrammar as xgr
 
     try:
-        return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": tag_format}))
+        grammar = xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": tag_format}))
     except (RuntimeError, ValueError, TypeError) as exc:
         raise StructuredOutputError(f"{what} are not a usable JSON schema: {_reason(exc)}") from exc
+    return patched_ebnf(str(grammar))
 
 
 def _call_tag(markup: ToolCallMarkup, fn: dict, schema: dict, skip: str = "") -> dict:
@@ -189,7 +193,7 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
                                                                                           markup.group_closing)]}
         if with_opening:
             call["elements"].insert(0, _const(markup.forced_opening(name)))
-        return str(_compile(call, "a tool's parameters"))
+        return _compile(call, "a tool's parameters")
     # the prompt ends with required_prefix (the group's opening, then the start of the first call's), or with none
     lead = markup.group_opening if with_opening else ""
     skip = "" if with_opening else markup.required_prefix[len(markup.group_opening):]
@@ -205,7 +209,7 @@ def tool_call_grammar(tools: list[dict], markup: ToolCallMarkup, name: str | Non
     if parallel:  # a model may end its last call with a newline before it stops: that is no call to force
         elements.append({"type": "regex", "pattern": r"\s{0,2}"})
     call = elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
-    return str(_compile(call, "a tool's parameters"))
+    return _compile(call, "a tool's parameters")
 
 
 def _const(text: str) -> dict:
@@ -220,10 +224,10 @@ def strict_tools_grammar(tools: list[dict], markup: ToolCallMarkup, parallel: bo
     further calls are held) or text that does not open with "{"."""
     _check_size([t["function"] for t in tools if t["function"].get("strict")], "the tools' parameters")
     if not markup.calls_open_answer:
-        return str(_compile(_triggered_calls(tools, markup, strict_only=True, stop_after_first=not parallel),
-                            "the tools' parameters"))
+        return _compile(_triggered_calls(tools, markup, strict_only=True, stop_after_first=not parallel),
+                        "the tools' parameters")
     first = {"type": "or", "elements": _call_tags(tools, markup, strict_only=True)}
     if parallel:
         first = {"type": "sequence", "elements": [first, _triggered_calls(tools, markup, strict_only=True,
                                                                             stop_after_first=False)]}
-    return str(_compile({"type": "or", "elements": [first, _TEXT_NOT_A_CALL]}, "the tools' parameters"))
+    return _compile({"type": "or", "elements": [first, _TEXT_NOT_A_CALL]}, "the tools' parameters")

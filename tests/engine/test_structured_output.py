@@ -14,7 +14,6 @@ from radiance.engine.structured_output import GrammarBackend, StructuredOutput, 
 from radiance.layers.sampler import LogitAdjustment, SamplingRow, adjust_logits, apply_token_masks, sample
 from tests.engine.conftest import tiny_byte_bpe_tokenizer
 
-# a pattern rather than maxLength: xgrammar 0.2.9 lets a string with maxLength hold raw control characters
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
                                            "likes_tea": {"type": "boolean"}},
