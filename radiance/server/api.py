@@ -49,9 +49,10 @@ def cors_options(allowed_origins: tuple[str, ...]) -> dict:
             "expose_headers": ["X-Request-Id"], "allow_credentials": False}
 
 
-class ApiKeyMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass through
-    untouched; also counts error statuses for /metrics, and answers what a route left unanswered (a bug: 500;
+class RequestMiddleware:
+    """What every request passes through: the API-key check, the request id, the error counts, the last-resort
+    answer. Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass through
+    untouched; counts error statuses for /metrics, and answers what a route left unanswered (a bug: 500;
     cancelled by the server's shutdown: 503) as an OpenAI-shaped error. Every answer carries X-Request-Id: the
     client's own (as vLLM honours it) or a new one; log lines written while serving the request are tagged
     with it (cli.RequestIdLogFilter)."""
@@ -181,7 +182,7 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     app.state.radiance = state
     install_error_handlers(app)
 
-    app.add_middleware(ApiKeyMiddleware, state=state)
+    app.add_middleware(RequestMiddleware, state=state)
     # added last, so outermost: a browser's preflight (no Authorization header) is answered before the key check,
     # and a 401 carries the CORS headers the page needs to read it
     app.add_middleware(CORSMiddleware, **cors_options(state.config.allowed_origins))
