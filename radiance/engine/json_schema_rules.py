@@ -18,7 +18,7 @@ import functools
 import json
 import math
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 from radiance.errors import StructuredOutputError
 
@@ -95,7 +95,7 @@ def _subschemas(schema: dict, where: str):
                 yield keyword, sub, f"{where}/{keyword}/{name}"
 
 
-def _refuse(what: str, message: str) -> None:
+def _refuse(what: str, message: str) -> NoReturn:
     raise StructuredOutputError(f"{what}: {message}")
 
 

@@ -256,7 +256,8 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
         # before tokenizing (a 6 MB one held the whole server for 9 s)
         if body.messages is not None:  # rendered exactly as /v1/chat/completions would render it
             chat = body.chat_request()
-            text = await state.off_loop(render_prompt, state, chat, use_tools=bool(chat.tools))
+            text = await state.off_loop(render_prompt, state, chat,
+                                        use_tools=bool(chat.tools) and chat.tool_choice != "none")
             tokens = await state.off_loop(encode_prompt, state, text, "messages", add_special_tokens=False)
         else:
             tokens = await state.off_loop(encode_prompt, state, body.prompt, "prompt",

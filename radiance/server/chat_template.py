@@ -83,10 +83,16 @@ def load_template(value: str | None) -> str | None:
 
 def _template_message(message: dict) -> dict:
     """Tool-call arguments arrive as JSON strings; templates want mappings. A null content (an assistant
-    turn that only calls tools, as OpenAI clients send it back) becomes "": many templates concatenate it."""
+    turn that only calls tools, as OpenAI clients send it back) becomes "": many templates concatenate it.
+    Reasoning (`reasoning_content`, vLLM's field; `reasoning`, OpenAI's; `thinking`, gpt-oss's) fills all three."""
     out = dict(message)
     if out.get("content") is None:
         out["content"] = ""
+    # reasoning sent back under any of its names reaches templates under all of them, as transformers passes it
+    reasoning = next((out[key] for key in ("reasoning_content", "thinking", "reasoning") if out.get(key) is not None),
+                     None)
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     calls = out.get("tool_calls")
     if calls:
         fixed = []

@@ -7,6 +7,7 @@ ignored, as OpenAI clients send some we do not use. Responses are plain dicts in
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -65,6 +66,13 @@ class FunctionCall(_Model):
     name: str
     arguments: str
 
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _object_as_json(cls, value: Any) -> Any:
+        """OpenAI's arguments are a JSON string; a client that sends back the object it parsed is read as that
+        JSON (templates get the object either way), not refused."""
+        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
+
 
 class ToolCall(_Model):
     id: str | None = None
@@ -107,8 +115,9 @@ class ChatMessage(_Model):
         return self
 
     def text(self) -> str | None:
+        """The content as one text: parts joined by newlines, as vLLM joins them (one part: its text)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content
 
 
@@ -392,6 +401,9 @@ class TokenizeRequest(_Model):
     chat_template_kwargs: TemplateKwargs = None
     chat_template: str | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
+    # "none" leaves the tools out of the prompt, as a chat completion does (the opening of a forced call, which a
+    # chat completion appends for "required" or a named function, is not counted)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     return_token_strs: bool = False  # vLLM's: the tokens' vocabulary strings beside their ids
 
     @model_validator(mode="after")
@@ -406,7 +418,7 @@ class TokenizeRequest(_Model):
         return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
                                      continue_final_message=self.continue_final_message,
                                      chat_template_kwargs=self.chat_template_kwargs,
-                                     chat_template=self.chat_template, tools=self.tools)
+                                     chat_template=self.chat_template, tools=self.tools, tool_choice=self.tool_choice)
 
 
 class DetokenizeRequest(_Model):

@@ -172,6 +172,11 @@ def _request_template(state: ServerState, req: ChatCompletionRequest) -> str | N
     return req.chat_template
 
 
+# appended to a message to be continued, to find where the template wrote its end (transformers' tag: a template
+# sees what it sees under transformers, and the text it writes after the message can never be mistaken for it)
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: bool, **template_kwargs: Any) -> str:
     """The request's prompt; `template_kwargs` over the request's own (thinking_before_answer's probe)."""
     template = _request_template(state, req) or (state.tool_chat_template if use_tools else None) or state.chat_template
@@ -183,6 +188,8 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
     kwargs.setdefault("bos_token", getattr(tok, "bos_token", None) or "")
     kwargs.setdefault("eos_token", getattr(tok, "eos_token", None) or "")
     messages = _messages(req)
+    if req.continue_final_message:  # marked, to cut the prompt where the template wrote the message's end
+        messages[-1]["content"] = (messages[-1].get("content") or "") + CONTINUE_TAG
     try:
         prompt = render_chat(template, messages,
                              tools=[t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None,
@@ -192,12 +199,12 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
     except ConfigError as exc:  # only a request's own template can fail to parse here: the server's was checked
         raise invalid(str(exc), param="chat_template") from exc
     if req.continue_final_message:
-        last = messages[-1].get("content") or ""
-        cut = prompt.rfind(last)
-        if not last or cut < 0:
-            raise invalid("continue_final_message: the final message is not in the rendered prompt",
+        cut = prompt.rfind(CONTINUE_TAG.strip())
+        if cut < 0:
+            raise invalid("continue_final_message: the chat template does not write the final message's content",
                           param="messages")
-        prompt = prompt[:cut + len(last)]
+        # a template that trimmed the message trimmed the tag's space too: the message's own trailing space with it
+        prompt = prompt[:cut] if prompt.startswith(CONTINUE_TAG, cut) else prompt[:cut].rstrip()
     return prompt
 
 

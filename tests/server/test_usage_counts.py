@@ -87,7 +87,7 @@ def test_continuous_usage_stats_without_include_usage_adds_nothing(url):
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
-@pytest.mark.parametrize("extra", [{"tools": TOOLS}, {"chat_template_kwargs": {"enable_thinking": True}},
+@pytest.mark.parametrize("extra", [{"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "none"}, {"chat_template_kwargs": {"enable_thinking": True}},
                                    {"messages": [{"role": "user", "content": "SAY:hi"},
                                                  {"role": "assistant", "content": "Hel"}],
                                     "add_generation_prompt": False, "continue_final_message": True}])
