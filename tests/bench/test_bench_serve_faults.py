@@ -210,7 +210,9 @@ def test_the_decode_rate_leaves_out_the_first_chunk_s_tokens(faulty, tmp_path, e
     lv = serve_bench.run_serve_bench(opts)["levels"][0]
     itl_rate = 1e3 / lv["itl_ms"]["mean"]
     assert lv["output_tok_s"] == pytest.approx(itl_rate, rel=1e-9)
-    assert lv["output_tok_s"] <= 2 / GAP_S  # never faster than the server streamed
+    # never faster than the server streamed, but for the client's timing: on a loaded CI machine a late first
+    # chunk shortened the measured span (33.7 tok/s against 33.3); counting the first chunk's token is +17%
+    assert lv["output_tok_s"] <= 1.08 * 2 / GAP_S
 
 
 def test_a_server_without_usage_is_said_so_and_not_blamed_for_short_answers(faulty, tmp_path):
