@@ -23,11 +23,10 @@ from radiance.server.chat_tools import forced_tool_call_constraint, forced_tool_
 from radiance.server.errors import OpenAIError, invalid
 from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, now, usage
 from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASONING_PARSERS, FunctionMessage
-from radiance.server.serving_common import (EngineJob, chat_logprobs, check_limits, collect_until_disconnect,
-                                            encode_prompt, engine_request_id, guarded_sse, merged_outputs,
-                                            resolve_max_tokens, response_id, sampling_params, sse, StreamUsage,
-                                            prompt_logprobs_json, token_chars, token_texts, tokens_sent,
-                                            tokens_started)
+from radiance.server.serving_common import (EngineJob, LogprobCursor, chat_logprobs, check_limits,
+                                            collect_until_disconnect, encode_prompt, engine_request_id, guarded_sse,
+                                            merged_outputs, resolve_max_tokens, response_id, sampling_params, sse,
+                                            StreamUsage, prompt_logprobs_json)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, ParseDelta
 
@@ -56,8 +55,7 @@ class ChoiceStream:
         if forced_prefix:  # the call markup we put at the end of the prompt is part of what we parse
             (self.reasoning if harmony_forced else self.tools).feed(forced_prefix)
         self.sent_chars = 0
-        self.sent_logprobs = 0
-        self.logprob_chars = 0  # characters of the tokens whose logprobs went out
+        self.logprob_cursor = LogprobCursor(state.tokenizer)
         self.num_tool_calls = 0
         self.cut_call_ids: set[str] = set()  # calls max_tokens cut off before their arguments were whole
         self.content_sent = False
@@ -132,16 +130,9 @@ class ChoiceStream:
         if out.finished:
             if self.tools is not None:
                 self._take(self.tools.finish(truncated=truncated), delta)
-        logprobs = None
-        if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
-            waiting = out.logprobs[self.sent_logprobs:]
-            texts = token_texts(self.tokenizer, waiting)
-            tokens = [texts[e.token_id] for e in waiting]
-            ready = (tokens_started if out.finished else tokens_sent)(tokens, self.logprob_chars, self.sent_chars)
-            if ready:
-                logprobs = chat_logprobs(self.tokenizer, waiting[:ready], self.token_ids_as_names, texts)
-                self.sent_logprobs += ready
-                self.logprob_chars += sum(token_chars(token) for token in tokens[:ready])
+        released = self.logprob_cursor.release(out, self.sent_chars)
+        logprobs = None if released is None else chat_logprobs(self.tokenizer, released[0], self.token_ids_as_names,
+                                                                released[1])
         return delta, logprobs
 
     def finish_reason(self) -> str | None:

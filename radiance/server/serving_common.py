@@ -315,6 +315,32 @@ def token_chars(token: str) -> int:
     return len(token) - token.count("\ufffd")
 
 
+class LogprobCursor:
+    """Which of a choice's token logprobs went out: a token's goes out once its text has (tokens_sent), the rest
+    when the choice finishes (tokens_started). Chat and completions release them alike."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.sent = 0  # logprob entries sent
+        self.chars = 0  # characters of their tokens: the text offset of the next
+
+    def release(self, out: Any, sent_chars: int) -> tuple[list, dict, int] | None:
+        """(entries, their token texts, the text offset of the first) of `out`'s logprobs whose text is among the
+        `sent_chars` characters sent so far; None when no new one is."""
+        if out.logprobs is None or len(out.logprobs) <= self.sent:
+            return None
+        waiting = out.logprobs[self.sent:]
+        texts = token_texts(self.tokenizer, waiting)
+        tokens = [texts[e.token_id] for e in waiting]
+        ready = (tokens_started if out.finished else tokens_sent)(tokens, self.chars, sent_chars)
+        if not ready:
+            return None
+        offset = self.chars
+        self.sent += ready
+        self.chars += sum(token_chars(token) for token in tokens[:ready])
+        return waiting[:ready], texts, offset
+
+
 def tokens_sent(tokens: list[str], before: int, sent: int) -> int:
     """How many of `tokens` (the texts of tokens whose logprobs wait, starting `before` characters into the
     output, token_chars) lie within the first `sent` characters that went out: a token's logprob goes out

@@ -14,11 +14,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from radiance.engine.outputs import TokenLogprob
 from radiance.server.errors import invalid
 from radiance.server.protocol import CompletionRequest, now, usage
-from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
-                                            completion_logprobs, encode_prompt, engine_request_id, merged_outputs,
-                                            prompt_logprobs_json, resolve_max_tokens, guarded_sse, response_id,
-                                            sampling_params, sse, StreamUsage, token_chars, token_texts,
-                                            tokens_sent, tokens_started)
+from radiance.server.serving_common import (EngineJob, LogprobCursor, check_limits, check_token_ids,
+                                            collect_until_disconnect, completion_logprobs, encode_prompt,
+                                            engine_request_id, merged_outputs, prompt_logprobs_json,
+                                            resolve_max_tokens, guarded_sse, response_id, sampling_params, sse,
+                                            StreamUsage)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,7 @@ class CompletionChoice:
         self.prefix = prompt_text if echo else ""
         self.sent_chars = 0
         self.echoed = False
-        self.sent_logprobs = 0
-        self.logprob_chars = 0  # characters of the tokens whose logprobs went out: their text_offset
+        self.logprob_cursor = LogprobCursor(state.tokenizer)
         self.output: Any = None
 
     def step(self, out: Any) -> tuple[str, dict | None]:
@@ -75,16 +74,11 @@ class CompletionChoice:
                     TokenLogprob(e.token_id, e.logprob, e.top[:self.logprobs]) for e in out.prompt_logprobs[1:]]
                 parts.append(completion_logprobs(self.tokenizer, prompt, 0, self.token_ids_as_names))
         self.sent_chars = len(out.text)
-        if out.logprobs is not None and len(out.logprobs) > self.sent_logprobs:
-            waiting = out.logprobs[self.sent_logprobs:]
-            texts = token_texts(self.tokenizer, waiting)
-            tokens = [texts[e.token_id] for e in waiting]
-            ready = (tokens_started if out.finished else tokens_sent)(tokens, self.logprob_chars, self.sent_chars)
-            if ready:
-                parts.append(completion_logprobs(self.tokenizer, waiting[:ready], len(self.prefix) + self.logprob_chars,
-                                                 self.token_ids_as_names, texts))
-                self.sent_logprobs += ready
-                self.logprob_chars += sum(token_chars(token) for token in tokens[:ready])
+        released = self.logprob_cursor.release(out, self.sent_chars)
+        if released is not None:
+            entries, texts, offset = released
+            parts.append(completion_logprobs(self.tokenizer, entries, len(self.prefix) + offset,
+                                             self.token_ids_as_names, texts))
         logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]} if parts else None
         return text, logprobs
 
