@@ -116,3 +116,26 @@ def test_eval_dtype_help_states_the_engine_default(capsys):
         main(["eval", "ppl", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "float32 on a CPU" in help_text and "AVX2" not in help_text
+
+
+def test_bench_serve_flags_default_to_the_options_dataclass(monkeypatch):
+    """The flags are written by hand (their help says more than a field's comment): their defaults must still be
+    ServeBenchOptions', which the Python API uses."""
+    import dataclasses
+
+    from radiance.bench import cli as bench_cli, serve_bench
+
+    built = {}
+
+    def run_serve_bench(opts):
+        built["opts"] = opts
+        return {"levels": []}
+
+    monkeypatch.setattr(serve_bench, "run_serve_bench", run_serve_bench)
+    monkeypatch.setattr(serve_bench, "serve_table", lambda result: "")
+    args = build_parser().parse_args(["bench", "serve", "--url", "http://127.0.0.1:1"])
+    bench_cli.run_serve(args)
+    given = built["opts"]
+    for field in dataclasses.fields(serve_bench.ServeBenchOptions):
+        if field.name not in ("url", "progress"):
+            assert getattr(given, field.name) == field.default, field.name
