@@ -31,10 +31,13 @@ MAX_SCHEMA_DEPTH = 100  # subschemas nested in one another: 300 took 1 s to comp
 # keywords xgrammar 0.2.9 compiles but does not enforce (its grammar would let through text the schema refuses)
 _UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependencies", "$dynamicRef",
                         "$recursiveRef", "contains", "minContains", "maxContains", "dependentRequired")
-# keywords that only annotate (or hold definitions): they may stand beside $ref, anyOf and oneOf, which xgrammar
-# serves alone, ignoring every other keyword next to them
-_ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-                          "writeOnly", "$schema", "$id", "$anchor", "$defs", "definitions", "discriminator"))
+# keywords that constrain a value: xgrammar serves $ref, anyOf and oneOf alone, ignoring any of these beside them
+# (annotations, definitions, vendor `x-` keys and OpenAPI's `nullable` constrain nothing and may stand there)
+_ASSERTIONS = frozenset(("type", "enum", "const", "properties", "required", "additionalProperties",
+                         "patternProperties", "propertyNames", "minProperties", "maxProperties", "items", "prefixItems",
+                         "additionalItems", "minItems", "maxItems", "uniqueItems", "minLength", "maxLength", "pattern",
+                         "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                         "allOf", "anyOf", "oneOf", "$ref", "unevaluatedItems", "unevaluatedProperties"))
 # keywords xgrammar reads only with the "type" they belong to (without it, "maxLength": 2 let 923 through)
 _TYPED_KEYWORDS = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
                    "exclusiveMaximum", "multipleOf")
@@ -113,8 +116,10 @@ def _check_enforceable(schema: dict, where: str, what: str, root: Any) -> None:
         _refuse(what, f"'allOf' of {len(schema['allOf'])} schemas (at {where}) cannot be enforced by structured "
                       f"output; merge them into one schema")
     for keyword in ("$ref", "anyOf", "oneOf"):
-        beside = sorted(set(schema) - _ANNOTATIONS - {keyword})
-        if keyword in schema and beside:
+        beside = sorted(set(schema) & _ASSERTIONS - {keyword}) if keyword in schema else []
+        if keyword != "$ref" and "type" in beside and _types_cover(schema, keyword, root):
+            beside.remove("type")  # it repeats what every branch says
+        if beside:
             _refuse(what, f"'{beside[0]}' beside '{keyword}' (at {where}) cannot be enforced by structured output "
                           f"(only the {keyword} is); move it into the schema{'s' if keyword != '$ref' else ''} "
                           f"that {keyword} names")
@@ -155,17 +160,21 @@ def _check_typed(schema: dict, where: str, what: str) -> None:
                           f"'\"type\": \"{'string' if typed[0] in _TYPED_KEYWORDS[:4] else 'number'}\"'")
     pattern = schema.get("pattern")
     if isinstance(pattern, str):
-        if "minLength" in schema or "maxLength" in schema:
+        if not _pattern_within_lengths(pattern, schema.get("minLength", 0), schema.get("maxLength")):
             _refuse(what, f"'pattern' with 'minLength' / 'maxLength' (at {where}): structured output enforces "
-                          f"the pattern alone; write the length into the pattern (e.g. '^[a-z]{{2,4}}$')")
+                          f"the pattern alone, and it allows other lengths; write the length into the pattern "
+                          f"(e.g. '^[a-z]{{2,4}}$')")
         if "format" in schema:
             _refuse(what, f"'pattern' with 'format' (at {where}): structured output enforces one of them only; "
                           f"keep one")
         _check_pattern(pattern, where, what)
-    if schema.get("type") == "integer":
+    elif isinstance(schema.get("format"), str) and _binding_lengths(schema):
+        _refuse(what, f"'format' with 'minLength' / 'maxLength' (at {where}): structured output enforces the "
+                      f"format alone; remove the length bounds (or the format)")
+    if _integer_typed(schema):
         for keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
             value = schema.get(keyword)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= 2**63:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
                 _refuse(what, f"'{keyword}' {value} (at {where}) is beyond the 64-bit integers structured output "
                               f"generates")
     if isinstance(schema.get("enum"), list) and isinstance(schema.get("type"), (str, list)):
@@ -173,7 +182,31 @@ def _check_typed(schema: dict, where: str, what: str) -> None:
             _refuse(what, f"no value of 'enum' (at {where}) is of its type {json.dumps(schema['type'])}")
 
 
+def _pattern_within_lengths(pattern: str, min_length: Any, max_length: Any) -> bool:
+    """Whether every text the pattern matches (whole: xgrammar anchors it) already has a length the bounds allow."""
+    if not min_length and max_length is None:
+        return True
+    tree = _parse_pattern(pattern)
+    if tree is None:
+        return False
+    from re import _constants  # noqa: PLC0415 - the stdlib's parser's own bound for an unbounded width
+
+    shortest, longest = tree.getwidth()
+    return (not isinstance(min_length, int) or shortest >= min_length) and (
+        max_length is None or isinstance(max_length, int) and longest < _constants.MAXREPEAT and longest <= max_length)
+
+
+def _binding_lengths(schema: dict) -> bool:
+    """Whether a format's string has length bounds that can bind: every format's value is at least 1 long, and a
+    maximum of 2048 or more (pydantic's HttpUrl: 2083) is far past what a format's value takes."""
+    min_length, max_length = schema.get("minLength", 0), schema.get("maxLength")
+    return (isinstance(min_length, int) and min_length > 1) or (isinstance(max_length, int) and max_length < 2048)
+
+
 def _check_pattern(pattern: str, where: str, what: str) -> None:
+    if _parse_pattern(pattern) is None and re.search(r"\\[pPc]|\(\?<?[=!]", pattern):
+        _refuse(what, f"'pattern' {pattern!r} (at {where}) uses a Unicode property class (\\p), a control escape "
+                      f"(\\c) or a lookaround, which structured output does not enforce")
     unsafe, lookaround = _pattern_risks(pattern)
     if lookaround:
         _refuse(what, f"'pattern' {pattern!r} (at {where}) has a lookahead or lookbehind, which structured output "
@@ -181,17 +214,28 @@ def _check_pattern(pattern: str, where: str, what: str) -> None:
     if unsafe:
         _refuse(what, f"'pattern' {pattern!r} (at {where}) can match '\"', '\\' or a control character, which a "
                       f"JSON string must escape: structured output would write them unescaped (not JSON); leave them out of "
-                      f"its literals and character classes (e.g. [^\"\\\\] or [ !#-\\[\\]-~] for printable ASCII)")
+                      f"its literals (a class of other characters too, as [ -~], is served without them)")
 
 
-def _pattern_risks(pattern: str) -> tuple[bool, bool]:
-    """(whether it can match a character JSON must escape by naming it, whether it has a lookaround), read with
-    Python's regex parser; (False, False) for what Python cannot parse (xgrammar then judges it)."""
+def _parse_pattern(pattern: str) -> Any:
+    """The pattern's tree from Python's regex parser (ECMA's named groups read as Python's), None when Python cannot
+    read it (xgrammar then judges it)."""
     from re import _parser  # noqa: PLC0415 - the stdlib's parser: the tree names every literal, range and assertion
 
     try:
-        tree = _parser.parse(pattern)
+        return _parser.parse(re.sub(r"\(\?<(?=[A-Za-z_])", "(?P<", pattern))
     except (re.error, RecursionError, OverflowError):
+        return None
+
+
+def _pattern_risks(pattern: str) -> tuple[bool, bool]:
+    """(whether it can match a character JSON must escape, whether it has a lookaround). xgrammar leaves '"', '\\'
+    and control characters out of a class that holds other characters too ([ -~] is served as printable ASCII
+    but those two), but writes them unescaped where nothing else may stand: a literal, or a class of only them."""
+    from re import _parser  # noqa: PLC0415
+
+    tree = _parse_pattern(pattern)
+    if tree is None:
         return False, False
     unsafe = lookaround = False
     stack = [tree]
@@ -202,8 +246,9 @@ def _pattern_risks(pattern: str) -> tuple[bool, bool]:
             if name == "LITERAL" and arg in _MUST_ESCAPE:
                 unsafe = True
             elif name == "IN" and not any(str(o) == "NEGATE" for o, _ in arg):
-                unsafe |= any(str(o) == "LITERAL" and a in _MUST_ESCAPE or
-                              str(o) == "RANGE" and any(a[0] <= c <= a[1] for c in _MUST_ESCAPE) for o, a in arg)
+                unsafe |= all(str(o) == "LITERAL" and a in _MUST_ESCAPE or
+                              str(o) == "RANGE" and all(c in _MUST_ESCAPE for c in range(a[0], a[1] + 1))
+                              for o, a in arg)
             elif name in ("ASSERT", "ASSERT_NOT"):
                 lookaround = True
             for value in (arg if isinstance(arg, (tuple, list)) else (arg,)):
@@ -212,6 +257,18 @@ def _pattern_risks(pattern: str) -> tuple[bool, bool]:
                 elif isinstance(value, list):  # a branch's alternatives
                     stack.extend(v for v in value if isinstance(v, _parser.SubPattern))
     return unsafe, lookaround
+
+
+def _types_cover(schema: dict, keyword: str, root: Any) -> bool:
+    """Whether `type` beside anyOf / oneOf admits every type each of its branches does (it then adds nothing)."""
+    declared = schema["type"]
+    wanted = frozenset((declared,) if isinstance(declared, str) else declared if isinstance(declared, list) else ())
+    branches = [_types(b, root) for b in schema[keyword]] if isinstance(schema[keyword], list) else [None]
+    return all(b is not None and all(_of_types_name(t, wanted) for t in b) for b in branches)
+
+
+def _of_types_name(kind: str, wanted: frozenset) -> bool:
+    return kind in wanted or kind == "integer" and "number" in wanted
 
 
 def _json_type(value: Any) -> str:
@@ -273,8 +330,27 @@ def _tags(schema: Any, root: Any) -> dict[str, frozenset]:
         prop = _resolve(schema["properties"].get(name), root)
         if isinstance(prop, dict) and ("const" in prop or isinstance(prop.get("enum"), list)):
             values = [prop["const"]] if "const" in prop else prop["enum"]
-            tags[name] = frozenset(json.dumps(v, sort_keys=True) for v in values)
+            tags[name] = frozenset(_comparable(v) for v in values)
     return tags
+
+
+def _comparable(value: Any) -> str:
+    """A JSON value as a key that equal values share (1 and 1.0 are one number to JSON Schema; true is not 1)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(float(value))
+    return json.dumps(value, sort_keys=True)
+
+
+def _emits_only_listed(schema: Any, root: Any) -> tuple[frozenset, frozenset] | None:
+    """(its properties, the required ones) of an object schema whose values xgrammar writes with listed properties
+    only (additionalProperties false, or absent: xgrammar's strict mode adds none), else None."""
+    schema = _resolve(schema, root)
+    if not isinstance(schema, dict) or _types(schema, root) != frozenset(("object",)):
+        return None
+    if schema.get("additionalProperties", False) is not False or schema.get("patternProperties"):
+        return None
+    listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    return frozenset(listed), frozenset(r for r in schema.get("required") or () if isinstance(r, str))
 
 
 def _overlap(a: frozenset, b: frozenset) -> bool:
@@ -283,14 +359,20 @@ def _overlap(a: frozenset, b: frozenset) -> bool:
 
 
 def _disjoint(branches: list, root: Any) -> bool:
-    """Whether no value can match two of `branches` (so anyOf serves oneOf exactly): told apart pairwise by their
-    types, or by a required property whose constants differ."""
-    info = [(_types(b, root), _tags(b, root)) for b in branches]
-    for i, (types_a, tags_a) in enumerate(info):
-        for types_b, tags_b in info[i + 1:]:
+    """Whether no value the grammar writes can match two of `branches` (so anyOf serves oneOf exactly): told apart
+    pairwise by their types, by a required property whose constants differ, or, for objects written with their
+    listed properties only, by a property each requires that the other does not list."""
+    objects = frozenset(("object",))
+    info = [(_types(b, root), _tags(b, root), _emits_only_listed(b, root)) for b in branches]
+    for i, (types_a, tags_a, shape_a) in enumerate(info):
+        for types_b, tags_b, shape_b in info[i + 1:]:
             by_type = types_a is not None and types_b is not None and not _overlap(types_a, types_b)
-            by_tag = any(not tags_a[name] & tags_b[name] for name in tags_a.keys() & tags_b.keys())
-            if not (by_type or by_tag):
+            by_tag = types_a == types_b == objects and any(not tags_a[name] & tags_b[name]
+                                                            for name in tags_a.keys() & tags_b.keys())
+            # each writes a property the other requires not (pydantic's tag with a default is not required)
+            by_shape = shape_a is not None and shape_b is not None and bool(shape_a[1] - shape_b[0]) \
+                and bool(shape_b[1] - shape_a[0])
+            if not (by_type or by_tag or by_shape):
                 return False
     return True
 
@@ -315,10 +397,15 @@ def served_schema(schema: Any, for_tools: bool = False) -> Any:
             node["enum"] = [v for v in node["enum"] if _of_types(v, node["type"])] or node["enum"]
         if for_tools and isinstance(node.get("pattern"), str) and _pattern_risks(node["pattern"])[0]:
             del node["pattern"]
-        if node.get("type") == "integer":
+        if _integer_typed(node):
             _round_integer_bounds(node)
         stack.extend(sub for _, sub, _ in _subschemas(node, ""))
     return schema
+
+
+def _integer_typed(schema: dict) -> bool:
+    declared = schema.get("type")
+    return declared == "integer" or isinstance(declared, list) and "integer" in declared and "number" not in declared
 
 
 def _round_integer_bounds(node: dict) -> None:
@@ -335,25 +422,29 @@ def _round_integer_bounds(node: dict) -> None:
             node[keyword] = int(value)
 
 
-# xgrammar's characters of a length-bounded JSON string: any but '"', '\' and line ends, so raw control
-# characters (not JSON) and no escapes; served instead as JSON allows them, one decoded character each (a \u
-# escape of a surrogate half would count two for one character: left out)
-_LENGTH_CHARACTERS = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
-_JSON_ESCAPE_RULE = "radiance_json_escape"
-_JSON_CHARACTER = r'(([^\0-\x1f\"\\]) | ("\\" ' + _JSON_ESCAPE_RULE + "))"
-_JSON_ESCAPE = (f'{_JSON_ESCAPE_RULE} ::= (([\\"\\\\/bfnrt]) | ("u" (([0-9A-Ca-c] [0-9A-Fa-f] [0-9A-Fa-f] '
-                '[0-9A-Fa-f]) | ([Dd] [0-7] [0-9A-Fa-f] [0-9A-Fa-f]) | ([EFef] [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f]))))')
+# xgrammar's characters of a length-bounded JSON string (rules it names NAME_characters): any but '"', '\' and line
+# ends, so raw control characters (not JSON) and no escapes; served instead as JSON allows them, one decoded
+# character each (a \u escape of a surrogate half would count two for one character: left out), all through one
+# shared rule (a rule each compiled 10x slower with 100 such strings)
+_LENGTH_CHARACTERS = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+_JSON_CHARACTER_RULE = "radiance_json_character"
+_JSON_CHARACTER = (f'{_JSON_CHARACTER_RULE} ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" radiance_json_escape))\n'
+                   'radiance_json_escape ::= (([\\"\\\\/bfnrt]) | ("u" (([0-9A-Ca-c] [0-9A-Fa-f] [0-9A-Fa-f] '
+                   '[0-9A-Fa-f]) | ([Dd] [0-7] [0-9A-Fa-f] [0-9A-Fa-f]) | ([EFef] [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f]))))')
 # xgrammar prints a character below U+0100 as \xHH, which its parser reads on past two digits ([\xe9\xe8a-z] read
 # back as \xe8a, "lower bound larger than upper bound"); \u00HH reads back as printed
 _HEX_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9A-Fa-f]{2})")
 
 
-def patched_ebnf(ebnf: str) -> str:
-    """An EBNF grammar xgrammar printed, as it must be read back: its length-bounded JSON strings' characters made
-    JSON's, its two-digit hex escapes written as four-digit ones."""
-    ebnf, count = _LENGTH_CHARACTERS.subn(lambda m: f"{m.group(1)} ::= {_JSON_CHARACTER}", ebnf)
+def patched_ebnf(ebnf: str, json_strings: bool = True) -> str:
+    """An EBNF grammar xgrammar printed, as it must be read back: its two-digit hex escapes written as four-digit
+    ones and, for a grammar it built from JSON schemas (`json_strings`; not a request's own regex or EBNF, whose
+    rules may look alike), its length-bounded JSON strings' characters made JSON's."""
+    count = 0
+    if json_strings:
+        ebnf, count = _LENGTH_CHARACTERS.subn(lambda m: f"{m.group(1)} ::= (({_JSON_CHARACTER_RULE}))", ebnf)
     ebnf = _HEX_ESCAPE.sub(lambda m: f"{m.group(1)}\\u00{m.group(2)}", ebnf)
-    return f"{ebnf}\n{_JSON_ESCAPE}\n" if count else ebnf
+    return f"{ebnf}\n{_JSON_CHARACTER}\n" if count else ebnf
 
 
 @functools.lru_cache(maxsize=256)
@@ -378,6 +469,6 @@ def compile_json_schema(compiler: Any, schema_text: str) -> Any:
     """The schema compiled by xgrammar's GrammarCompiler `compiler`: from its patched grammar where it has
     length-bounded strings, else by xgrammar's own JSON-schema compile (which reads no printed grammar back)."""
     ebnf = json_schema_ebnf(schema_text)
-    if _JSON_ESCAPE_RULE in ebnf:
+    if _JSON_CHARACTER_RULE in ebnf:
         return compiler.compile_grammar(ebnf)
     return compiler.compile_json_schema(served_schema_text(schema_text), any_whitespace=False)

@@ -215,7 +215,7 @@ def _grammar(spec: StructuredOutput) -> str:
     if spec.json_object:
         return str(xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False))
     if spec.regex is not None:
-        return patched_ebnf(str(xgr.Grammar.from_regex(spec.regex)))
+        return patched_ebnf(str(xgr.Grammar.from_regex(spec.regex)), json_strings=False)
     return _choice_ebnf(spec.choice) if spec.choice is not None else spec.grammar
 
 
@@ -225,7 +225,7 @@ def after_reasoning(grammar: str, reasoning: str) -> str:
 
     tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
         REASONING_BEFORE[reasoning], {"type": "grammar", "grammar": grammar}]}}
-    return patched_ebnf(str(xgr.Grammar.from_structural_tag(json.dumps(tag))))
+    return patched_ebnf(str(xgr.Grammar.from_structural_tag(json.dumps(tag))), json_strings=False)
 
 
 class GrammarState:

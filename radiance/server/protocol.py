@@ -337,17 +337,22 @@ class ChatCompletionRequest(_SamplingFields):
                 kwargs.setdefault("enable_thinking", False)
         return kwargs
 
+    @staticmethod
+    def check_tool_choice(tool_choice: Any, tools: list | None) -> None:
+        """ValueError for a tool_choice the tools cannot serve (none given, or not the function it names)."""
+        if tool_choice is not None and tool_choice != "none" and not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(tool_choice, NamedToolChoice):
+            names = [t.function.name for t in tools or ()]
+            if tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {tool_choice.function.name!r}, "
+                                 f"which is not among the tools ({', '.join(names)})")
+
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise ValueError("tool_choice needs tools")
-        if isinstance(self.tool_choice, NamedToolChoice):
-            names = [t.function.name for t in self.tools or ()]
-            if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, "
-                                 f"which is not among the tools ({', '.join(names)})")
+        self.check_tool_choice(self.tool_choice, self.tools)
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt set to false")
         return self
@@ -412,6 +417,7 @@ class TokenizeRequest(_Model):
             raise ValueError("give exactly one of prompt or messages")
         if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt set to false")
+        ChatCompletionRequest.check_tool_choice(self.tool_choice, self.tools)  # as chat checks it: a 400, not a 500
         return self
 
     def chat_request(self) -> ChatCompletionRequest:

@@ -289,7 +289,7 @@ def _text(content: Any, where: str) -> str:
         if not isinstance(part.get(key), str):
             raise ValueError(f"{where}[{j}] needs a string {key}")
         texts.append(part[key])
-    return "".join(texts)
+    return "\n".join(texts)  # as chat joins its text parts (vLLM)
 
 
 def _field(item: dict, name: str, where: str) -> str:

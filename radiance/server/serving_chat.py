@@ -191,7 +191,8 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
         raise invalid(str(exc), param="chat_template") from exc
     if req.continue_final_message:
         cut = prompt.rfind(CONTINUE_TAG.strip())
-        if cut < 0:
+        final = (req.messages[-1].text() or "").strip()
+        if cut < 0 or final not in prompt[:cut]:  # the tag alone could come from another message's text
             raise invalid("continue_final_message: the chat template does not write the final message's content",
                           param="messages")
         # a template that trimmed the message trimmed the tag's space too: the message's own trailing space with it

@@ -9,15 +9,36 @@ from __future__ import annotations
 import json
 import random
 
+from typing import Literal, Optional, Union
+
 import pytest
 import torch
 import xgrammar as xgr
 from jsonschema import Draft202012Validator
+from pydantic import BaseModel, Field, HttpUrl, constr
 
 from radiance.engine.json_schema_rules import check_json_schemas, compile_json_schema, served_schema
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError, after_reasoning, _grammar
 from radiance.engine.tool_grammars import HERMES, tool_call_grammar
 from tests.engine.conftest import tiny_byte_bpe_tokenizer
+
+class Cat(BaseModel):
+    kind: Literal["cat"] = "cat"  # a tag with a default: pydantic leaves it out of `required`
+    lives: int
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"] = "dog"
+    name: str
+
+
+class Owner(BaseModel):
+    pet: Union[Cat, Dog] = Field(discriminator="kind")
+    code: constr(pattern=r"^[A-Z]{3}$", max_length=3)
+    slug: str = Field(pattern=r"^[a-z0-9-]+$", min_length=1)
+    site: HttpUrl  # format uri, 1 to 2083 characters
+    nick: Optional[str] = Field(None, max_length=8)
+
 
 # printable ASCII, the characters JSON must escape, and a few beyond ASCII
 CHARS = [chr(c) for c in range(0x20, 0x7f)] + ["\t", "\n", "\x01", "\x1f", "é", "名", "😀"]
@@ -65,6 +86,8 @@ SERVED = {  # schemas served exactly; the hunt's invalid outputs came from the f
     "min length only": obj(v={"type": "string", "minLength": 3}),
     "length in a nested array": obj(v={"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3}),
     "pattern of printable ASCII without the escapes": obj(v={"type": "string", "pattern": r"^[ !#-\[\]-~]{1,8}$"}),
+    "pattern of printable ASCII": obj(v={"type": "string", "pattern": r"^[ -~]{1,8}$"}),  # '"' and '\' left out
+    "pattern that implies its length bounds": obj(v={"type": "string", "pattern": "^[A-Z]{3}$", "maxLength": 3}),
     "enum beside its type": obj(v={"type": "string", "enum": ["a", 1, None, "b"]}),
     "integer with fractional bounds": obj(v={"type": "integer", "minimum": 1.5, "exclusiveMaximum": 4.5}),
     "oneOf told apart by type": obj(v={"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 4}]}),
@@ -78,6 +101,7 @@ SERVED = {  # schemas served exactly; the hunt's invalid outputs came from the f
                                                    "default": None, "title": "V"}),
     "propertyNames with a length": {"type": "object", "propertyNames": {"maxLength": 2},
                                     "additionalProperties": {"type": "integer"}, "maxProperties": 2},
+    "pydantic model": Owner.model_json_schema(),
 }
 
 
@@ -111,8 +135,12 @@ def test_a_length_bounded_string_takes_json_escapes_and_refuses_raw_control_char
 
 @pytest.mark.parametrize("schema, says", [
     (obj(v={"type": "string", "pattern": r"^a\\b$"}), "can match '\"', '\\' or a control character"),
-    (obj(v={"type": "string", "pattern": '^["x]+$'}), "can match '\"'"),
+    (obj(v={"type": "string", "pattern": r'^["\\]+$'}), "can match '\"'"),
     (obj(v={"type": "string", "pattern": r"^\t$"}), "control character"),
+    (obj(v={"type": "string", "pattern": r'^[\p{L}"]+$'}), "Unicode property class"),  # Python cannot parse it
+    (obj(v={"type": "string", "pattern": r"^(?<y>\d{4})(?=-)"}), "lookahead"),  # ECMA's named group
+    (obj(v={"type": "string", "format": "email", "maxLength": 10}), "'format' with 'minLength' / 'maxLength'"),
+    (obj(v={"type": "string", "pattern": "^[A-Z]{3,5}$", "maxLength": 4}), "it allows other lengths"),
     (obj(v={"type": "string", "pattern": r"^(?=.*\d)[a-z0-9]{3}$"}), "lookahead or lookbehind"),
     (obj(v={"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}), "'pattern' with 'minLength' / 'maxLength'"),
     (obj(v={"type": "string", "format": "email", "pattern": "^a"}), "'pattern' with 'format'"),
@@ -158,6 +186,16 @@ def test_a_tool_pattern_that_names_json_escapes_is_dropped_and_its_call_stays_js
     assert accepts(r'{"path": "C:\\tmp", "note": "a\tb"}')
     assert not accepts(r'{"path": "C:\qx", "note": "ab"}')  # a backslash that escapes nothing JSON knows
     assert not accepts('{"path": "x", "note": "a\tb"}')  # a raw tab
+
+
+def test_a_request_s_own_regex_keeps_its_meaning_after_reasoning():
+    """Only grammars built from JSON schemas get JSON's string characters: a regex whose rule looks like one was
+    patched too once it followed a reasoning block, flipping what it took."""
+    backend = GrammarBackend(tiny_byte_bpe_tokenizer(), 320, [0])
+    for reasoning in (None, "think"):
+        matcher = backend.matcher(StructuredOutput(regex=r'[^"\\\r\n]{1,3}', after_reasoning=reasoning)).matcher
+        lead = "</think>\n\n" if reasoning else ""
+        assert matcher.accept_string(lead + "a\tb") and matcher.is_completed(), reasoning
 
 
 def test_a_pattern_with_latin_1_characters_compiles_after_reasoning():

@@ -76,3 +76,21 @@ def test_tool_call_arguments_sent_back_as_an_object_render_as_their_json_string_
     history = lambda c: [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None,  # noqa: E731
                                                                   "tool_calls": [c]}]
     assert prompt_text(url, {"messages": history(call)}) == prompt_text(url, {"messages": history(as_string)})
+
+
+def test_a_tag_in_another_message_is_no_place_to_cut(url):
+    """A template that drops the assistant's content: only the user's text holds the tag's words."""
+    r = httpx.post(url + "/tokenize", json={
+        "messages": [{"role": "user", "content": "say CONTINUE_FINAL_MESSAGE_TAG now"},
+                     {"role": "assistant", "content": "Sure"}],
+        "chat_template": "{% for m in messages %}<|{{ m.role }}|>{% if m.role == 'user' %}{{ m.content }}{% endif %}"
+                         "{% endfor %}", "add_generation_prompt": False, "continue_final_message": True}, timeout=30)
+    assert r.status_code == 400 and "does not write the final message's content" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "nowhere"}}])
+def test_tokenize_refuses_a_tool_choice_its_tools_cannot_serve(url, tool_choice):
+    """As the chat route answers it (was a 500 from the chat request built inside the route)."""
+    r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                            "tool_choice": tool_choice}, timeout=30)
+    assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
