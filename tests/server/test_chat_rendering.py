@@ -94,3 +94,12 @@ def test_tokenize_refuses_a_tool_choice_its_tools_cannot_serve(url, tool_choice)
     r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
                                             "tool_choice": tool_choice}, timeout=30)
     assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
+
+
+def test_responses_input_parts_are_joined_as_chat_joins_them():
+    """The same conversation renders alike through /v1/responses and /v1/chat/completions."""
+    from radiance.server.protocol_responses import input_messages
+
+    parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "world"}]
+    (message,) = input_messages([{"type": "message", "role": "user", "content": parts}])
+    assert message["content"] == "Hello\nworld"
