@@ -23,10 +23,10 @@ from radiance.server.chat_tools import forced_tool_call_constraint, forced_tool_
 from radiance.server.errors import OpenAIError, invalid
 from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, now, usage
 from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASONING_PARSERS, FunctionMessage
-from radiance.server.serving_common import (EngineJob, LogprobCursor, chat_logprobs, check_limits,
-                                            collect_until_disconnect, encode_prompt, engine_request_id, guarded_sse,
-                                            merged_outputs, resolve_max_tokens, response_id, sampling_params, sse,
-                                            StreamUsage, prompt_logprobs_json)
+from radiance.server.logprobs_json import LogprobCursor, chat_logprobs, prompt_logprobs_json
+from radiance.server.serving_common import (EngineJob, check_limits, collect_until_disconnect, encode_prompt,
+                                            engine_request_id, guarded_sse, merged_outputs, resolve_max_tokens,
+                                            response_id, sampling_params, sse, StreamUsage)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, ParseDelta
 

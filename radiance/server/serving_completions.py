@@ -14,11 +14,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from radiance.engine.outputs import TokenLogprob
 from radiance.server.errors import invalid
 from radiance.server.protocol import CompletionRequest, now, usage
-from radiance.server.serving_common import (EngineJob, LogprobCursor, check_limits, check_token_ids,
-                                            collect_until_disconnect, completion_logprobs, encode_prompt,
-                                            engine_request_id, merged_outputs, prompt_logprobs_json,
-                                            resolve_max_tokens, guarded_sse, response_id, sampling_params, sse,
-                                            StreamUsage)
+from radiance.server.logprobs_json import LogprobCursor, completion_logprobs, prompt_logprobs_json
+from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
+                                            encode_prompt, engine_request_id, merged_outputs, resolve_max_tokens,
+                                            guarded_sse, response_id, sampling_params, sse, StreamUsage)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ from radiance.server.protocol_responses import (ReasoningConfig, ResponsesReques
                                                 input_messages, listed_input_items)
 from radiance.server.response_store import StoredResponse
 from radiance.server.serving_chat import ChoiceStream, prepare_chat
-from radiance.server.serving_common import (check_unicode, collect_until_disconnect, guarded_sse, merged_outputs,
-                                            token_chars)
+from radiance.server.logprobs_json import token_chars
+from radiance.server.serving_common import check_unicode, collect_until_disconnect, guarded_sse, merged_outputs
 from radiance.server.state import ServerState
 
 def item_id(prefix: str) -> str:

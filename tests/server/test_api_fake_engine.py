@@ -563,7 +563,7 @@ def test_a_token_the_stop_string_cuts_keeps_its_logprob(client, stream):
 
 
 def test_tokens_sent_counts_the_text_that_went_out():
-    from radiance.server.serving_common import token_chars, tokens_sent
+    from radiance.server.logprobs_json import token_chars, tokens_sent
 
     assert tokens_sent(["1", ",", " 2", ","], before=0, sent=3) == 2  # " 2" ends at 4 > 3: held
     assert tokens_sent([" 2", ","], before=2, sent=5) == 2

@@ -8,7 +8,7 @@ import pytest
 from radiance.checkpoint import open_checkpoint
 from radiance.checkpoint.gguf_reader import embedded_model_path
 from radiance.engine.outputs import TokenLogprob
-from radiance.server.serving_common import chat_logprobs
+from radiance.server.logprobs_json import chat_logprobs
 from radiance.server.token_bytes import token_bytes
 from tests.engine.conftest import tiny_byte_bpe_tokenizer
 from tests.engine.test_detok_families import SPLIT_TEXT, byte_ids, sentencepiece_tokenizer
