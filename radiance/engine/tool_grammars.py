@@ -132,9 +132,13 @@ def _parameters(fn: dict) -> dict:
 
 def _check_size(fns: list[dict], what: str) -> None:
     """Schemas xgrammar would take long to compile are refused (20,000 enum values: 19 s on the server's compile
-    thread, which other structured requests wait for); keywords it does not enforce are let through, as tools'
-    schemas are written for models, not grammars (a strict function's arguments are held to the rest)."""
-    check_json_schemas({f"#{i}": _parameters(fn) for i, fn in enumerate(fns)}, what, keywords=False)
+    thread, which other structured requests wait for). Keywords it does not enforce are let through, as tools'
+    schemas are written for models, not grammars, except in a `strict` function's, which promise the arguments
+    follow them (OpenAI refuses what its strict mode cannot hold, too)."""
+    check_json_schemas({f"#{i}": _parameters(fn) for i, fn in enumerate(fns) if not fn.get("strict")}, what,
+                       keywords=False)
+    check_json_schemas({f"functions[{fn['name']!r}].parameters#": fn.get("parameters") or {"type": "object"}
+                        for fn in fns if fn.get("strict")}, what)
 
 
 def _compile(tag_format: dict, what: str) -> str:

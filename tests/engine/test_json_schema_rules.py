@@ -206,3 +206,16 @@ def test_a_pattern_with_latin_1_characters_compiles_after_reasoning():
     backend = GrammarBackend(tiny_byte_bpe_tokenizer(), 320, [0])
     matcher = backend.matcher(StructuredOutput(json=spec.json, after_reasoning="think")).matcher
     assert matcher.accept_string('</think>\n\n{"v": "été"}') and matcher.is_completed()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_strict_function_s_unenforced_keywords_are_refused_and_others_let_through(strict):
+    """A strict function promises arguments that follow its schema (OpenAI's strict mode refuses what it cannot
+    hold); other tools' schemas are written for models and only their size is checked."""
+    tools = [{"type": "function", "function": {"name": "pick", "strict": strict, "parameters": obj(
+        ids={"type": "array", "items": {"type": "integer"}, "uniqueItems": True})}}]
+    if strict:
+        with pytest.raises(StructuredOutputError, match=r"'uniqueItems' \(at functions\['pick'\]\.parameters#"):
+            tool_call_grammar(tools, HERMES, name="pick")
+    else:
+        assert "root" in tool_call_grammar(tools, HERMES, name="pick")
