@@ -7,8 +7,8 @@ through two steps here:
     answer that breaks the schema with finish_reason "stop"), and what would take minutes to compile;
   - `served_schema` and `patched_ebnf`: rewrite what can be served exactly another way (the schema before
     xgrammar reads it, its grammar after); `compile_json_schema` compiles a schema through both.
-Tools' parameters are schemas written for models, not grammars: they are not refused for unenforced keywords,
-but are rewritten, so that a forced call's arguments are always JSON.
+Tools' parameters are schemas written for models, not grammars: they are not refused for unenforced keywords
+(but for a `strict` function's), but are rewritten, so that a forced call's arguments are always JSON.
 """
 
 from __future__ import annotations
@@ -261,13 +261,13 @@ def _pattern_risks(pattern: str) -> tuple[bool, bool]:
 
 def _types_cover(schema: dict, keyword: str, root: Any) -> bool:
     """Whether `type` beside anyOf / oneOf admits every type each of its branches does (it then adds nothing)."""
-    declared = schema["type"]
-    wanted = frozenset((declared,) if isinstance(declared, str) else declared if isinstance(declared, list) else ())
     branches = [_types(b, root) for b in schema[keyword]] if isinstance(schema[keyword], list) else [None]
-    return all(b is not None and all(_of_types_name(t, wanted) for t in b) for b in branches)
+    return all(b is not None and all(_type_within(t, schema["type"]) for t in b) for b in branches)
 
 
-def _of_types_name(kind: str, wanted: frozenset) -> bool:
+def _type_within(kind: str, types: Any) -> bool:
+    """Whether JSON type `kind` is among `types` (a "type" keyword's value: a name or a list); integers are numbers."""
+    wanted = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
     return kind in wanted or kind == "integer" and "number" in wanted
 
 
@@ -282,9 +282,7 @@ def _json_type(value: Any) -> str:
 
 
 def _of_types(value: Any, types: str | list) -> bool:
-    kind = _json_type(value)
-    wanted = {types} if isinstance(types, str) else set(types)
-    return kind in wanted or kind == "integer" and "number" in wanted
+    return _type_within(_json_type(value), types)
 
 
 def _resolve(schema: Any, root: Any, hops: int = 0) -> Any:
@@ -355,7 +353,7 @@ def _emits_only_listed(schema: Any, root: Any) -> tuple[frozenset, frozenset] | 
 
 def _overlap(a: frozenset, b: frozenset) -> bool:
     widen = lambda types: types | {"number"} if "integer" in types else types  # noqa: E731 - integers are numbers
-    return bool(widen(a) & widen(b)) or bool(a & b)
+    return bool(widen(a) & widen(b))
 
 
 def _disjoint(branches: list, root: Any) -> bool:
@@ -369,7 +367,7 @@ def _disjoint(branches: list, root: Any) -> bool:
             by_type = types_a is not None and types_b is not None and not _overlap(types_a, types_b)
             by_tag = types_a == types_b == objects and any(not tags_a[name] & tags_b[name]
                                                             for name in tags_a.keys() & tags_b.keys())
-            # each writes a property the other requires not (pydantic's tag with a default is not required)
+            # each requires a property the other never writes (pydantic's tags have defaults: not required)
             by_shape = shape_a is not None and shape_b is not None and bool(shape_a[1] - shape_b[0]) \
                 and bool(shape_b[1] - shape_a[0])
             if not (by_type or by_tag or by_shape):

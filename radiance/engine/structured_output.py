@@ -5,7 +5,8 @@ The grammar engine is xgrammar (what vLLM and SGLang use): it compiles a constra
 tokenizer's vocabulary once (cached), and per sequence a matcher tracks the tokens accepted so far and
 fills a bitmask of the allowed next tokens (bit j of word i is token 32 i + j). The engine still queues
 such sequences' next forward ahead (overlapped decode) but samples it only once the host has accepted
-the token before it, which the next mask depends on.
+the token before it, which the next mask depends on. What of a JSON schema xgrammar enforces, and how the rest
+is refused or rewritten: json_schema_rules.
 """
 
 from __future__ import annotations
