@@ -1,5 +1,8 @@
 """The `radiance` dispatcher and `radiance generate`: the user's mistakes are one line, found before a model loads."""
 
+import subprocess
+import sys
+
 import pytest
 
 from radiance.cli import main
@@ -72,3 +75,8 @@ def test_generate_draws_the_loading_bar_unless_told_not_to(capsys, flags, bar):
     assert main(["--log-level", "ERROR", "generate", "hi", "--max-tokens", "1", "--device", "cpu", *flags]) == 0
     err = capsys.readouterr().err
     assert ("tensor/s" in err) == bar, err[-500:]
+
+
+def test_python_dash_m_radiance_is_the_radiance_command():
+    done = subprocess.run([sys.executable, "-m", "radiance", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: radiance ")
