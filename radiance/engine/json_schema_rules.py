@@ -5,8 +5,8 @@ something weaker, and some constructs it turns into text that is not JSON. A req
 through two steps here:
   - `check_json_schemas`: refuses, naming the place, what would be compiled but not enforced (a 400 beats an
     answer that breaks the schema with finish_reason "stop"), and what would take minutes to compile;
-  - `served_schema` and `patched_ebnf`: rewrite what can be served exactly another way (the schema before
-    xgrammar reads it, its grammar after); `compile_json_schema` compiles a schema through both.
+  - `served_schema`: rewrites what can be served exactly another way, before xgrammar reads the schema
+    (json_schema_grammar mends the grammar xgrammar makes of it, and compiles it).
 Tools' parameters are schemas written for models, not grammars: they are not refused for unenforced keywords
 (but for a `strict` function's), but are rewritten, so that a forced call's arguments are always JSON.
 """
@@ -14,7 +14,6 @@ Tools' parameters are schemas written for models, not grammars: they are not ref
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import math
 import re
@@ -213,8 +212,8 @@ def _check_pattern(pattern: str, where: str, what: str) -> None:
                       f"does not enforce")
     if unsafe:
         _refuse(what, f"'pattern' {pattern!r} (at {where}) can match '\"', '\\' or a control character, which a "
-                      f"JSON string must escape: structured output would write them unescaped (not JSON); leave them out of "
-                      f"its literals (a class of other characters too, as [ -~], is served without them)")
+                      f"JSON string must escape: structured output would write them unescaped (not JSON); leave them "
+                      f"out of its literals (a class of other characters too, as [ -~], is served without them)")
 
 
 def _parse_pattern(pattern: str) -> Any:
@@ -418,55 +417,3 @@ def _round_integer_bounds(node: dict) -> None:
             node[bound] = rounded if bound not in node else (max if bound == "minimum" else min)(node[bound], rounded)
         elif exclusive and isinstance(value, float) and value.is_integer():
             node[keyword] = int(value)
-
-
-# xgrammar's characters of a length-bounded JSON string (rules it names NAME_characters): any but '"', '\' and line
-# ends, so raw control characters (not JSON) and no escapes; served instead as JSON allows them, one decoded
-# character each (a \u escape of a surrogate half would count two for one character: left out), all through one
-# shared rule (a rule each compiled 10x slower with 100 such strings)
-_LENGTH_CHARACTERS = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
-_JSON_CHARACTER_RULE = "radiance_json_character"
-_JSON_CHARACTER = (f'{_JSON_CHARACTER_RULE} ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" radiance_json_escape))\n'
-                   'radiance_json_escape ::= (([\\"\\\\/bfnrt]) | ("u" (([0-9A-Ca-c] [0-9A-Fa-f] [0-9A-Fa-f] '
-                   '[0-9A-Fa-f]) | ([Dd] [0-7] [0-9A-Fa-f] [0-9A-Fa-f]) | ([EFef] [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f]))))')
-# xgrammar prints a character below U+0100 as \xHH, which its parser reads on past two digits ([\xe9\xe8a-z] read
-# back as \xe8a, "lower bound larger than upper bound"); \u00HH reads back as printed
-_HEX_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9A-Fa-f]{2})")
-
-
-def patched_ebnf(ebnf: str, json_strings: bool = True) -> str:
-    """An EBNF grammar xgrammar printed, as it must be read back: its two-digit hex escapes written as four-digit
-    ones and, for a grammar it built from JSON schemas (`json_strings`; not a request's own regex or EBNF, whose
-    rules may look alike), its length-bounded JSON strings' characters made JSON's."""
-    count = 0
-    if json_strings:
-        ebnf, count = _LENGTH_CHARACTERS.subn(lambda m: f"{m.group(1)} ::= (({_JSON_CHARACTER_RULE}))", ebnf)
-    ebnf = _HEX_ESCAPE.sub(lambda m: f"{m.group(1)}\\u00{m.group(2)}", ebnf)
-    return f"{ebnf}\n{_JSON_CHARACTER}\n" if count else ebnf
-
-
-@functools.lru_cache(maxsize=256)
-def served_schema_text(schema_text: str) -> str:
-    """The JSON text of served_schema(schema); text that is not JSON unchanged (xgrammar's error names the place)."""
-    try:
-        return json.dumps(served_schema(json.loads(schema_text)))
-    except (ValueError, RecursionError):
-        return schema_text
-
-
-@functools.lru_cache(maxsize=256)
-def json_schema_ebnf(schema_text: str) -> str:
-    """The EBNF grammar that holds text to the JSON schema as served (JSON written compactly), patched_ebnf. Raises
-    xgrammar's error for a schema it cannot read."""
-    import xgrammar as xgr
-
-    return patched_ebnf(str(xgr.Grammar.from_json_schema(served_schema_text(schema_text), any_whitespace=False)))
-
-
-def compile_json_schema(compiler: Any, schema_text: str) -> Any:
-    """The schema compiled by xgrammar's GrammarCompiler `compiler`: from its patched grammar where it has
-    length-bounded strings, else by xgrammar's own JSON-schema compile (which reads no printed grammar back)."""
-    ebnf = json_schema_ebnf(schema_text)
-    if _JSON_CHARACTER_RULE in ebnf:
-        return compiler.compile_grammar(ebnf)
-    return compiler.compile_json_schema(served_schema_text(schema_text), any_whitespace=False)

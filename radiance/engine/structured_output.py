@@ -6,7 +6,7 @@ tokenizer's vocabulary once (cached), and per sequence a matcher tracks the toke
 fills a bitmask of the allowed next tokens (bit j of word i is token 32 i + j). The engine still queues
 such sequences' next forward ahead (overlapped decode) but samples it only once the host has accepted
 the token before it, which the next mask depends on. What of a JSON schema xgrammar enforces, and how the rest
-is refused or rewritten: json_schema_rules.
+is refused or rewritten: json_schema_rules; the grammar made of it: json_schema_grammar.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from radiance.engine.json_schema_rules import (MAX_ENUM_VALUES, check_json_schemas, compile_json_schema, json_schema_ebnf,
-                                               patched_ebnf)
+from radiance.engine.json_schema_grammar import compile_json_schema, json_schema_ebnf, patched_ebnf
+from radiance.engine.json_schema_rules import MAX_ENUM_VALUES, check_json_schemas
 from radiance.errors import StructuredOutputError
 
 __all__ = ["StructuredOutput", "StructuredOutputError", "GrammarBackend", "GrammarState", "REASONING_BEFORE",

@@ -25,7 +25,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from radiance.engine.json_schema_rules import check_json_schemas, patched_ebnf, served_schema
+from radiance.engine.json_schema_grammar import patched_ebnf
+from radiance.engine.json_schema_rules import check_json_schemas, served_schema
 from radiance.engine.structured_output import StructuredOutputError, _reason
 
 CALL_START = "<tool_call>"
@@ -142,7 +143,7 @@ def _check_size(fns: list[dict], what: str) -> None:
 
 
 def _compile(tag_format: dict, what: str) -> str:
-    """The EBNF of a structural tag, as it must be read back (json_schema_rules.patched_ebnf)."""
+    """The EBNF of a structural tag, as it must be read back (json_schema_grammar.patched_ebnf)."""
     import xgrammar as xgr
 
     try:

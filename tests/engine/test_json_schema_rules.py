@@ -17,7 +17,8 @@ import xgrammar as xgr
 from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field, HttpUrl, constr
 
-from radiance.engine.json_schema_rules import check_json_schemas, compile_json_schema, served_schema
+from radiance.engine.json_schema_grammar import compile_json_schema
+from radiance.engine.json_schema_rules import check_json_schemas, served_schema
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError, after_reasoning, _grammar
 from radiance.engine.tool_grammars import HERMES, tool_call_grammar
 from tests.engine.conftest import tiny_byte_bpe_tokenizer
