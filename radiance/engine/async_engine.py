@@ -60,6 +60,14 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def tokenizer_error(self) -> str | None:
+        return self.engine.tokenizer_error
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

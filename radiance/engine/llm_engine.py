@@ -41,6 +41,7 @@ class LLMEngine:
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.runner = ModelRunner(self.model, self.config, self.device, self.dtype)
         self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.model.config.vocab_size  # the logits' width: prompt and bias ids are checked against it
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
                                           self.config.cache.enable_prefix_caching,
                                           prefer_in_order=self.device.type == "cpu")
@@ -78,7 +79,7 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
                              f"{self.max_model_len} tokens including the output (max_model_len)")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, Integral) or isinstance(t, bool)]
         if bad:  # 2.5 passed the range check below and failed inside the step, stopping the async engine
             raise ValueError(f"prompt token ids must be integers, got {bad[0]!r}")
@@ -104,7 +105,7 @@ class LLMEngine:
                 if self.tokenizer is None:
                     raise StructuredOutputError("structured output needs the model's tokenizer, and this "
                                                 "checkpoint has none")
-                self._grammar_backend = GrammarBackend(self.tokenizer, self.model.config.vocab_size,
+                self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size,
                                                        sorted(self.eos_token_ids))
             return self._grammar_backend
 
@@ -163,7 +164,7 @@ class LLMEngine:
         """The tokens that end an output (min_tokens bans them): the stop_token_ids, and EOS unless ignored; one
         outside the vocabulary can never be sampled, so it needs no ban (and would not index the logits)."""
         ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        return tuple(sorted(t for t in ids if 0 <= t < self.model.config.vocab_size))
+        return tuple(sorted(t for t in ids if 0 <= t < self.vocab_size))
 
     def abort_request(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from radiance.config import ServerConfig
 from radiance.errors import ConfigError, RadianceError
@@ -28,17 +28,32 @@ from radiance.server.response_store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
-def engine_attr(engine: Any, name: str, default: Any = None) -> Any:
-    for obj in (engine, getattr(engine, "engine", None)):
-        if obj is not None and hasattr(obj, name):
-            return getattr(obj, name)
-    return default
+class ServedEngine(Protocol):
+    """What the server reads of its engine: AsyncLLMEngine, or a test's scripted stand-in."""
+
+    tokenizer: Any
+    tokenizer_error: str | None  # why there is no tokenizer (None when there is one)
+    vocab_size: int
+    max_model_len: int
+    chat_template: str | None
+    chat_templates: dict[str, str]  # named templates; "tool_use" serves requests with tools
+    model_name: str
+    load_summary: list[str]
+    errored: BaseException | None  # the engine loop stopped after this error
+
+    def stats(self) -> Any: ...
+
+    async def check_structured_output(self, spec: Any) -> None: ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> Any: ...
+
+    def abort(self, request_id: str) -> None: ...
 
 
 def default_model_name(model_path: str | None, engine: Any = None) -> str:
     if model_path:
         return model_name(model_path)
-    return engine_attr(engine, "model_name") or model_name(None)
+    return (engine.model_name if engine is not None else None) or model_name(None)
 
 
 class ServerState:
@@ -46,7 +61,7 @@ class ServerState:
         self.config = config
         self.engine_factory = engine_factory
         self.model_path = model_path
-        self.engine: Any = None
+        self.engine: ServedEngine | None = None
         self.load_error: BaseException | None = None
         self.created = int(time.time())
         self.served_names: tuple[str, ...] = config.served_model_name or (default_model_name(model_path),)
@@ -128,14 +143,14 @@ class ServerState:
         if shutdown is not None:
             await shutdown()
 
-    def attach(self, engine: Any) -> None:
-        self.tokenizer = engine_attr(engine, "tokenizer")
-        self.tokenizer_error = engine_attr(engine, "tokenizer_error")
+    def attach(self, engine: ServedEngine) -> None:
+        self.tokenizer = engine.tokenizer
+        self.tokenizer_error = engine.tokenizer_error
         self.max_token_chars = longest_token_chars(self.tokenizer)
-        self.max_model_len = int(engine_attr(engine, "max_model_len"))
-        self.chat_template = load_template(self.config.chat_template) or engine_attr(engine, "chat_template")
+        self.max_model_len = int(engine.max_model_len)
+        self.chat_template = load_template(self.config.chat_template) or engine.chat_template
         # a model's named tool_use template serves requests with tools, unless --chat-template replaced them all
-        named = {} if self.config.chat_template else (engine_attr(engine, "chat_templates") or {})
+        named = {} if self.config.chat_template else engine.chat_templates
         self.tool_chat_template = named.get("tool_use")
         if not self.config.served_model_name:
             self.served_names = (default_model_name(self.model_path, engine),)
@@ -188,9 +203,9 @@ class ServerState:
 
     def engine_failed(self) -> bool:
         """The engine loop stopped after an error (AsyncLLMEngine.errored): requests cannot succeed."""
-        return self.engine is not None and engine_attr(self.engine, "errored", None) is not None
+        return self.engine is not None and self.engine.errored is not None
 
-    def require_engine(self) -> Any:
+    def require_engine(self) -> ServedEngine:
         if self.engine is None:
             message = "the model failed to load" if self.load_error else "the model is still loading"
             raise OpenAIError(503, message)
@@ -217,16 +232,11 @@ class ServerState:
     def stats(self):
         if self.engine is None:
             return None
-        stats = engine_attr(self.engine, "stats")
-        return stats() if callable(stats) else None
+        return self.engine.stats()
 
     def vocab_size(self) -> int:
         """The model's vocabulary (the engine checks prompt ids against the same number)."""
-        engine = engine_attr(self.engine, "engine", self.engine)
-        model = getattr(engine, "model", None)
-        if model is not None:
-            return model.config.vocab_size
-        return len(self.tokenizer)
+        return self.engine.vocab_size
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:

@@ -71,9 +71,13 @@ class ByteTokenizer:
 class FakeEngine:
     def __init__(self, max_model_len=512, chat_template=TEMPLATE, special_tokens: tuple[str, ...] = ()):
         self.tokenizer = ByteTokenizer(special_tokens)
+        self.tokenizer_error = None
+        self.vocab_size = len(self.tokenizer)
+        self.errored = None  # AsyncLLMEngine's: set when its loop stopped after an error
         self.reply: str | None = None  # when set, every request's reply (one with markup the prompt cannot carry)
         self.max_model_len = max_model_len
         self.chat_template = chat_template
+        self.chat_templates: dict[str, str] = {}
         self.model_name = "fake-model"
         self.load_summary = ["model: fake-model (scripted test engine)"]
         self.active: set[str] = set()

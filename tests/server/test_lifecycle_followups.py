@@ -36,6 +36,8 @@ class StepEngine:
     def __init__(self, step_s: float = 0.02):
         self.step_s = step_s
         self.tokenizer = ByteTokenizer()
+        self.tokenizer_error = None
+        self.vocab_size = len(self.tokenizer)
         self.max_model_len = 512
         self.chat_template = TEMPLATE
         self.chat_templates: dict = {}
