@@ -128,8 +128,10 @@ class Mxfp4Linear(nn.Module):
             if self.monitor is not None and self.monitor.due():
                 self.monitor.check(*quantize_activations(x2), self.dequantized_weight(), self.bias, out)
         elif self.path == PATH_W4A16:
+            if self.w_dense.dtype != x.dtype:  # a float16 / float32 model: convert once, not on every call
+                self.w_dense = self.w_dense.to(x.dtype)
             bias = self.bias.to(x.dtype) if self.bias is not None else None
-            out = F.linear(x2, self.w_dense.to(x.dtype), bias)
+            out = F.linear(x2, self.w_dense, bias)
         else:
             out = reference.w4a8_matmul_reference(*reference.quantize_activations_reference(x2), self.w_dense,
                                                   self.bias, x.dtype)

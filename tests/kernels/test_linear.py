@@ -63,6 +63,10 @@ def test_paths_and_summary():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     exact = x.float() @ dequantize_mxfp4(packed, scale).t()
     assert relative_error(w4a16(x), exact) < 1e-2
+    # a float32 caller: the weight is converted once (bf16 values, exact in fp32), not on every call
+    out32 = w4a16(x.float())
+    assert out32.dtype == torch.float32 and w4a16.w_dense.dtype == torch.float32
+    assert relative_error(out32, exact) < 1e-5
     assert choose_path(torch.device("cpu"), KernelConfig(use_triton=False))[1] == "use_triton=False"
     model = torch.nn.ModuleList([ref_layer, w4a16, DenseLinear(torch.randn(8, 64))])
     line = linear_summary(model)
