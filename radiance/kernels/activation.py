@@ -16,6 +16,7 @@ from radiance.kernels._triton import act_quant as _act
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import sm_count, supports_pdl
 from radiance.kernels.glu import SILU, GluActivation, glu_reference
+from radiance.kernels.tuning import next_pow2
 
 MAX_ROW = 65536  # one row lives in registers
 CHUNK = 1024  # elements per program when a row is spread over several (silu_mul at decode)
@@ -30,7 +31,7 @@ def triton_serves(t: torch.Tensor) -> bool:
 
 def _row_launch(k: int, m: int = 1) -> tuple[int, int]:
     """(BLOCK, num_warps) of a one-program-per-row kernel over m rows of k elements."""
-    block = max(triton_next_pow2(k), 16)
+    block = max(next_pow2(k), 16)
     if m >= MANY_ROWS:
         # many programs per SM: small ones overlap one another's load, reduce and store phases
         # (H200, 4096 x 4096: 19.4 -> 14.8 us; bench/RESULTS.md, eighth session)
@@ -56,10 +57,6 @@ def row_barrier_buffers(device: torch.device, rows: int, parties: int) -> tuple[
     rows = max(rows, 1024)
     return (device_buffer(f"row-amax-slots-{parties}", device, rows * parties, torch.int32, zeroed=True),
             device_buffer(f"row-arrivals-{parties}", device, rows, torch.int64, zeroed=True))
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +234,7 @@ def glu_mul(gate_up: torch.Tensor, activation: GluActivation, quantize: bool = F
         operands.update(act)
         _act.silu_mul_quant_chunks_kernel[(chunks, m)](g2, x_q, x_scale, slots, count, I=inter,
                                                        stride_m=g2.stride(0), BLOCK=CHUNK,
-                                                       C_PAD=triton_next_pow2(chunks), PDL=pdl, launch_pdl=pdl,
+                                                       C_PAD=next_pow2(chunks), PDL=pdl, launch_pdl=pdl,
                                                        num_warps=4, **operands)
         return Fp8Activations(x_q, x_scale, gate_up.dtype, lead)
     y = g2.new_empty((0,)) if quantize else g2.new_empty((m, inter))
@@ -263,7 +260,7 @@ def quantize_rows_from_parts(y: torch.Tensor, amax_parts: torch.Tensor,
     pdl = supports_pdl(y.device)
     parts = amax_parts.shape[1]
     _act.quantize_rows_from_parts_kernel[(m * -(-k // CHUNK),)](
-        y, amax_parts, x_q, x_scale, k, parts, y.stride(0), BLOCK=CHUNK, P_PAD=max(2, triton_next_pow2(parts)),
+        y, amax_parts, x_q, x_scale, k, parts, y.stride(0), BLOCK=CHUNK, P_PAD=max(2, next_pow2(parts)),
         INTERPRETER=not y.is_cuda, PDL=pdl, EARLY_RELEASE=releases_early(launch, pdl),
         launch_pdl=pdl, num_warps=4)
     return x_q, x_scale

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from radiance.kernels._triton import argmax as _argmax
-from radiance.kernels.activation import triton_next_pow2, triton_serves
+from radiance.kernels.activation import triton_serves
+from radiance.kernels.tuning import next_pow2
 
 CHUNK = 4096  # elements per program: a 128k vocabulary is 32 programs per row
 
@@ -23,6 +24,6 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     _argmax.argmax_chunks_kernel[(chunks, batch)](logits, vals, idx, vocab, logits.stride(0), BLOCK=CHUNK,
                                                   num_warps=8)
-    _argmax.argmax_merge_kernel[(batch,)](vals, idx, out, chunks, C_PAD=max(2, triton_next_pow2(chunks)),
+    _argmax.argmax_merge_kernel[(batch,)](vals, idx, out, chunks, C_PAD=max(2, next_pow2(chunks)),
                                           num_warps=1)
     return out

@@ -20,7 +20,8 @@ import torch
 from radiance.kernels._triton import moe_combine as _combine
 from radiance.kernels._triton import moe_route as _route
 from radiance.kernels._triton import moe_router as _router
-from radiance.kernels.activation import triton_next_pow2, triton_serves
+from radiance.kernels.activation import triton_serves
+from radiance.kernels.tuning import next_pow2
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import supports_pdl
 
@@ -106,11 +107,11 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     num_experts = weight.shape[0]
     out = torch.empty((tokens, num_experts), dtype=x.dtype, device=x.device)
     # one expert row per program, read in at most a few wide chunks: the loads are all in flight at once
-    block_t = max(2, min(4, triton_next_pow2(tokens)))
+    block_t = max(2, min(4, next_pow2(tokens)))
     pdl = supports_pdl(x.device)
     _router.moe_router_kernel[(num_experts, -(-tokens // block_t))](
         x, weight, bias if bias is not None else weight, out, tokens, num_experts, hidden, x.stride(0),
-        weight.stride(0), out.stride(0), BT=block_t, BE=1, BH=min(2048, triton_next_pow2(hidden)),
+        weight.stride(0), out.stride(0), BT=block_t, BE=1, BH=min(2048, next_pow2(hidden)),
         HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
 
@@ -139,7 +140,7 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, blo
     device = router_logits.device
     num_pairs = tokens * top_k
     slots = max_slots(num_pairs, num_experts, block_m)
-    e_pad = max(16, triton_next_pow2(num_experts))
+    e_pad = max(16, next_pow2(num_experts))
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(slots, dtype=torch.int32, device=device)
@@ -151,17 +152,17 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, blo
     # tiles no larger than the work (one compile per power of two of the token count): a one-token routing's token
     # tile is one row and its tile owners are found over next_pow2(tiles) tiles, not 64 (H200, 128 experts top 8,
     # one token: 4.7 -> 2.8 us with the packed argmax, bench/RESULTS.md thirtieth session)
-    token_tile = min(4096 // e_pad, triton_next_pow2(tokens))
-    pair_block = max(16, min(64, triton_next_pow2(num_pairs)))
+    token_tile = min(4096 // e_pad, next_pow2(tokens))
+    pair_block = max(16, min(64, next_pow2(num_pairs)))
     num_tiles = slots // block_m
     _route.moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, tile_expert, group_ends, next_slot,
         valid_rows if valid_rows is not None else group_ends, tokens, num_experts, logits.stride(0), slots,
         num_tiles, HAS_VALID=valid_rows is not None,
-        TOP_K=top_k, K_PAD=triton_next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
+        TOP_K=top_k, K_PAD=next_pow2(top_k), NORM=renormalize, BM=block_m, E_PAD=e_pad,
         TB=token_tile, PB=pair_block, SB=64, PDL=pdl, launch_pdl=pdl,
         ONE_BLOCK=ROUTE_ONE_BLOCK and tokens <= token_tile and num_pairs <= pair_block,
-        OB=min(64, triton_next_pow2(num_tiles)),
+        OB=min(64, next_pow2(num_tiles)),
         num_warps=1 if tokens <= ROUTE_ONE_WARP_MAX_TOKENS else 4)
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
 
@@ -189,7 +190,7 @@ def combine_experts(h: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dty
             out = torch.where(real[:, None], out, 0.0)
         return out.to(out_dtype)
     out = torch.empty((tokens, width), dtype=out_dtype, device=h.device)
-    block = min(1024, triton_next_pow2(width))
+    block = min(1024, next_pow2(width))
     placeholder = weights  # any pointer for the operands a constexpr switches off
     pdl = supports_pdl(h.device)
     _combine.moe_combine_kernel[(tokens, -(-width // block))](

@@ -66,7 +66,8 @@ def load_table(name: str) -> dict:
         return json.load(f)
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): block sizes and padded widths of the launchers."""
     return 1 << (max(1, n) - 1).bit_length()
 
 
@@ -100,7 +101,7 @@ def serving_entry_index(entries: list[dict], shape: str, m: int) -> int | None:
 
 def swap_ab_block_m(m: int) -> int:
     """The token tile of a swap-AB launch at M = m: M's power of two, 16 to 256 (the MMA's N dimension)."""
-    return min(256, max(16, _next_pow2(m)))
+    return min(256, max(16, next_pow2(m)))
 
 
 def select_config(m: int, n: int, k: int, decode_band: int, device: torch.device) -> GemmConfig:

@@ -56,6 +56,22 @@ def default_model_name(model_path: str | None, engine: Any = None) -> str:
     return (engine.model_name if engine is not None else None) or model_name(None)
 
 
+# "auto" parsers: the first whose template feature (chat_template.template_features) the model's templates show.
+# Reasoning: harmony and Magistral's [THINK] first, since their markers are the models' own tokens, while <think>
+# could appear in any template's text. Every parser of the two registries is listed (tests/unit check it).
+AUTO_REASONING_PARSERS = (("harmony", "harmony"), ("mistral", "mistral_think"), ("think", "think"))
+AUTO_TOOL_PARSERS = (("harmony", "harmony"), ("qwen3_coder", "qwen3_coder"), ("hermes", "hermes"),
+                     ("mistral", "mistral"), ("llama3_json", "llama3_json"))
+
+
+def auto_parsers(templates: str) -> tuple[str | None, str | None]:
+    """(reasoning parser, tool-call parser) that "auto" picks for these chat templates (None: none fits)."""
+    features = template_features(templates)
+    reasoning = next((parser for parser, feature in AUTO_REASONING_PARSERS if features[feature]), None)
+    tools = next((parser for parser, feature in AUTO_TOOL_PARSERS if features[feature]), None)
+    return reasoning, tools
+
+
 class ServerState:
     def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any], model_path: str | None = None):
         self.config = config
@@ -155,14 +171,8 @@ class ServerState:
         if not self.config.served_model_name:
             self.served_names = (default_model_name(self.model_path, engine),)
         templates = "\n".join(filter(None, (self.chat_template, self.tool_chat_template)))
-        features = template_features(templates)
-        # harmony and Magistral's [THINK] first: their markers are the models' own tokens, while <think> could
-        # appear in any template's text
-        reasoning = next((parser for parser, feature in (("harmony", "harmony"), ("mistral", "mistral_think"),
-                                                         ("think", "think")) if features[feature]), None)
+        reasoning, markup = auto_parsers(templates)
         self.reasoning_parser_name = self._pick(self.config.reasoning_parser, reasoning)
-        markup = next((name for name in ("harmony", "qwen3_coder", "hermes", "mistral", "llama3_json")
-                       if features[name]), None)
         self.tool_parser_name = self._pick(self.config.tool_call_parser, markup)
         self._check_harmony_calls()
         self.tool_call_markup = call_markup(self.tool_parser_name, templates)

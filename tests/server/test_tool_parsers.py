@@ -222,3 +222,18 @@ def test_the_parser_options_name_every_registered_parser_and_no_other():
     assert set(TOOL_CALL_PARSERS) == set(tool_parsers.PARSERS) | {"auto", "none"}
     assert set(REASONING_PARSERS) == set(reasoning_parser.PARSERS) | {"auto", "none"}
 
+
+
+def test_auto_picks_from_every_registered_parser_by_a_known_template_feature():
+    """The "auto" order (server.state) is a third list of the same names: each names a registered parser and a
+    feature template_features reports, and every registered parser can be picked."""
+    from radiance.server import reasoning_parser, tool_parsers
+    from radiance.server.chat_template import template_features
+    from radiance.server.state import AUTO_REASONING_PARSERS, AUTO_TOOL_PARSERS, auto_parsers
+
+    features = set(template_features(""))
+    for order, registry in ((AUTO_REASONING_PARSERS, reasoning_parser.PARSERS), (AUTO_TOOL_PARSERS, tool_parsers.PARSERS)):
+        assert {parser for parser, _ in order} == set(registry)
+        assert {feature for _, feature in order} <= features
+    assert auto_parsers("{{ messages }}") == (None, None)
+    assert auto_parsers("<think>{{ m }}</think><tool_call>{{ t }}</tool_call>") == ("think", "hermes")
