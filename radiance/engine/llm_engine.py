@@ -14,16 +14,15 @@ from radiance.engine.block_manager import BlockManager
 from radiance.engine.detokenizer import IncrementalDetokenizer
 from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
-from radiance.engine.ngram import may_find_drafts, propose_ngram_drafts
+from radiance.engine.overlap import DecodeAhead
 from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from radiance.engine.sampling_params import SamplingParams, generator_seed
-from radiance.engine.scheduler import ScheduledSequence, Scheduler
+from radiance.engine.scheduler import Scheduler
+from radiance.engine.speculation import NgramSpeculator
 from radiance.engine.sequence import Sequence, SequenceStatus
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError
 
 logger = logging.getLogger(__name__)
-
-MAX_DRAFT_BACKOFF = 16  # plain decode steps at most between draft lookups of a sequence whose drafts miss
 
 
 class LLMEngine:
@@ -48,12 +47,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         overlap = self.config.runner.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
-        self._ahead = None  # (queued decode step, each sequence's position in it): see _launch_ahead
-        self.overlapped_steps = 0  # steps served by a step queued ahead
+        self.speculator = NgramSpeculator(self.config, self.scheduler, self.block_manager, self.max_model_len)
+        self.ahead = DecodeAhead(self.runner, self.scheduler, self.block_manager, self.speculator, self.max_model_len)
         self._grammar_backend: GrammarBackend | None = None  # built on the first structured-output request
         self._grammar_lock = threading.Lock()  # the server compiles on its own thread (warm_grammar_backend)
-        self.draft_tokens = 0  # n-gram drafts proposed (SpeculativeConfig)
-        self.accepted_draft_tokens = 0  # ... and kept
         self.sequences: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._aborted: deque[RequestOutput] = deque()
@@ -184,16 +181,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = list(self._aborted)
         self._aborted.clear()
-        self._propose_drafts()
+        self.speculator.propose()
         scheduled = self.scheduler.schedule()
-        ahead, self._ahead = self._ahead, None
+        handle = self.ahead.take(scheduled)
         if not scheduled:
             return outputs
-        handle = self._match_ahead(ahead, scheduled)
         if handle is None:
             handle = self.runner.launch(scheduled)
-        else:
-            self.overlapped_steps += 1
         if handle.sampled and handle.token_ids is None:
             # structured output: the masks needed the tokens the host read since the forward was queued
             self.runner.sample(handle)
@@ -202,15 +196,15 @@ class LLMEngine:
             if not s.seq.num_draft_tokens:  # a speculative step commits once its drafts are checked
                 self.block_manager.commit(s.seq)
         if self.overlap_decode:
-            self._ahead = self._launch_ahead(handle, scheduled)
+            self.ahead.launch(handle, scheduled)
         sampled, result = self.runner.finish(handle)
         row = 0
         for s in sampled:
             seq = s.seq
             if seq.num_draft_tokens:
-                self._verify_drafts(seq, result.token_ids[row:row + 1 + seq.num_draft_tokens])
-                row += 1 + seq.num_draft_tokens
-                seq.num_draft_tokens = 0
+                drafted = seq.num_draft_tokens
+                self.speculator.verify(seq, result.token_ids[row:row + 1 + drafted], self._append)
+                row += 1 + drafted
             else:
                 logprob = None
                 if result.logprobs[row] is not None:
@@ -224,122 +218,6 @@ class LLMEngine:
                 self.sequences.pop(seq.request_id, None)
                 self.detokenizers.pop(seq.request_id, None)
         return outputs
-
-    # ---------------------------------------------------------------- speculative decoding
-    # A lone decoding sequence may get n-gram drafts appended to its tokens; the scheduler then computes
-    # them with its last token in one step, each position samples as a plain decode would, and the drafts
-    # are kept up to the first one that differs from what was sampled before it (then that sample follows).
-
-    def _speculates(self, seq: Sequence) -> bool:
-        """Whether a lone decoding sequence may get drafts (not rows whose outputs depend on one draw or
-        one set of counts per step)."""
-        p = seq.params
-        return (bool(self.config.speculative.ngram_draft_tokens) and seq.generator is None and p.logprobs is None
-                and not p.adjusts_logits)
-
-    def _propose_drafts(self) -> None:
-        spec = self.config.speculative
-        if not spec.ngram_draft_tokens or len(self.scheduler.running) != 1 or self.scheduler.waiting:
-            return
-        seq = self.scheduler.running[0]
-        if seq.num_computed_tokens != seq.num_tokens - 1 or not self._speculates(seq):
-            return
-        if seq.draft_backoff:
-            seq.draft_backoff -= 1
-            return
-        p = seq.params
-        room = min(spec.ngram_draft_tokens, self.max_model_len - seq.num_tokens - 1,
-                   self.config.scheduler.max_num_batched_tokens - 1)  # one step computes them all
-        if p.max_tokens is not None:
-            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-        drafts = propose_ngram_drafts(seq.token_ids, room, spec.ngram_max, spec.ngram_min)
-        if not drafts and room > 0:
-            self._draft_missed(seq)  # this step gave up the overlap for nothing
-        if drafts and self.block_manager.can_allocate(seq, 1 + len(drafts)):
-            seq.token_ids.extend(drafts)
-            seq.num_draft_tokens = len(drafts)
-            self.draft_tokens += len(drafts)
-
-    @staticmethod
-    def _draft_missed(seq: Sequence) -> None:
-        """A lookup found nothing or its drafts were all refused: text that does not repeat itself is looked
-        up less often (1, 2, 4 .. MAX_DRAFT_BACKOFF plain, overlapped steps after each miss in a row)."""
-        seq.draft_misses += 1
-        seq.draft_backoff = min(1 << (seq.draft_misses - 1), MAX_DRAFT_BACKOFF)
-
-    def _verify_drafts(self, seq: Sequence, sampled: list[int]) -> None:
-        """Keeps the drafts that match what was sampled at the position before each, then the first sample
-        that differs (or the one after the last draft); K/V past the kept tokens is rewritten later."""
-        drafts = seq.token_ids[-seq.num_draft_tokens:]
-        del seq.token_ids[-seq.num_draft_tokens:]
-        kept = 0
-        while kept < len(drafts) and sampled[kept] == drafts[kept]:
-            kept += 1
-        self.accepted_draft_tokens += kept
-        if kept:
-            seq.draft_misses = 0
-        else:
-            self._draft_missed(seq)
-        seq.num_computed_tokens -= len(drafts) - kept
-        for token in sampled[:kept + 1]:
-            self._append(seq, token, None)
-            if seq.is_finished:
-                break
-        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-        self.block_manager.commit(seq)
-
-    # ---------------------------------------------------------------- overlapped decode
-    # While the host reads step n's tokens and does its bookkeeping, step n+1 (same sequences, each
-    # advanced by its step-n token, taken from the device) is already queued. The next schedule()
-    # uses it when it asks for those sequences' decodes, or a subset of them (some finished); anything
-    # else (a new admission, a preemption) discards it. A discarded step only wrote K/V at each
-    # sequence's next slot, which the step that replaces it rewrites, or which belonged to a sequence
-    # that is gone; its partial block is never in the prefix cache.
-
-    def _launch_ahead(self, handle, scheduled):
-        """Queue the decode step after `handle` when it is likely to be the next step, else None."""
-        decode_only = all(s.num_new_tokens == 1 for s in scheduled)
-        if not handle.sampled or len(handle.sampled) != len(scheduled) or not decode_only:
-            return None  # only decode steps, where every sequence sampled
-        lone = scheduled[0].seq
-        if (len(scheduled) == 1 and self._speculates(lone) and not lone.draft_backoff
-                and may_find_drafts(lone.token_ids, self.config.speculative.ngram_min)):
-            return None  # the next step may speculate, which needs this step's token to look up drafts
-        keep, leaving = [], []
-        for i, s in enumerate(handle.sampled):
-            seq, p = s.seq, s.seq.params
-            if seq.generator is not None or p.logprobs is not None:
-                return None  # a seeded draw or logprobs must not be spent on a step that may be dropped
-            out_after = seq.num_output_tokens + 1
-            if (p.max_tokens is not None and out_after >= p.max_tokens) or seq.num_tokens + 1 >= self.max_model_len:
-                leaving.append(seq)  # finishes with this step's token
-                continue
-            if not self.block_manager.can_allocate(seq, 1):
-                return None  # the scheduler will preempt
-            self.block_manager.allocate(seq, 1)
-            keep.append(i)
-        # asked once the step's blocks are taken, as the next schedule takes them before admitting: a request
-        # waiting for blocks it cannot get yet does not cost every step its overlap
-        if not keep or self.scheduler.admits_next(leaving):
-            return None
-        prev = handle.select(keep)
-        step = self.runner.launch([ScheduledSequence(s.seq, 1) for s in prev.sampled], next_tokens=prev.token_ids)
-        return step, [s.seq.num_computed_tokens for s in prev.sampled]
-
-    @staticmethod
-    def _match_ahead(ahead, scheduled):
-        """The queued step restricted to `scheduled` when it computes exactly these decodes, else None."""
-        if ahead is None:
-            return None
-        handle, positions = ahead
-        row = {id(s.seq): (i, pos) for i, (s, pos) in enumerate(zip(handle.sampled, positions))}
-        keep = []
-        for s in scheduled:
-            hit = row.get(id(s.seq))
-            if s.num_new_tokens != 1 or hit is None or hit[1] != s.seq.num_computed_tokens:
-                return None
-            keep.append(hit[0])
-        return handle.select(keep)
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         seq.append_token(token_id, logprob)
@@ -401,3 +279,16 @@ class LLMEngine:
             kv_cache_usage=self.block_manager.usage(), num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             draft_tokens_total=self.draft_tokens, accepted_draft_tokens_total=self.accepted_draft_tokens)
+
+    # counters the stats and tests read, kept by the parts that count them
+    @property
+    def overlapped_steps(self) -> int:
+        return self.ahead.overlapped_steps
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.speculator.draft_tokens
+
+    @property
+    def accepted_draft_tokens(self) -> int:
+        return self.speculator.accepted_draft_tokens

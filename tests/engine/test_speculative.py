@@ -134,12 +134,12 @@ def test_embedded_model_copying_text_keeps_most_drafts():
 def test_misses_back_off_the_lookups():
     from types import SimpleNamespace
 
-    from radiance.engine.llm_engine import MAX_DRAFT_BACKOFF, LLMEngine
+    from radiance.engine.speculation import MAX_DRAFT_BACKOFF, NgramSpeculator
 
     seq = SimpleNamespace(draft_misses=0, draft_backoff=0)
     waits = []
     for _ in range(7):
-        LLMEngine._draft_missed(seq)
+        NgramSpeculator.missed(seq)
         waits.append(seq.draft_backoff)
     assert waits == [1, 2, 4, 8, 16, 16, 16] and MAX_DRAFT_BACKOFF == 16
 
