@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from tqdm import tqdm
 
+from radiance.checkpoint.base import Checkpoint, EntryInfo
+from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import ConfigError
 from radiance.models.arch_config import MoeConfig
 
@@ -124,29 +126,43 @@ def synthetic_config(name: str, overrides: dict | None = None) -> dict:
     return config
 
 
-class SyntheticCheckpoint:
-    """Random weights with a real model's shapes, generated one tensor at a time on `device`."""
-
-    kind = "synthetic"
-    quant = None
-    chat_template = None
-    eos_token_ids: list[int] = []
+class SyntheticCheckpoint(Checkpoint):
+    """Random weights with a real model's shapes, generated one tensor at a time on `device`: a checkpoint without
+    files, tokenizer or chat template (token-id prompts only)."""
 
     def __init__(self, name: str, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
                  weight_format: str = "dense", rule: str = "mse", seed: int = 0, overrides: dict | None = None):
         if weight_format not in WEIGHT_FORMATS:
             raise ConfigError(f"synthetic weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
-        self.config = synthetic_config(name, overrides)
-        self.path = name if name.startswith(PREFIX) else PREFIX + name
+        super().__init__(path=name if name.startswith(PREFIX) else PREFIX + name, kind="synthetic",
+                         config=synthetic_config(name, overrides), quant=QuantSpec())
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype
         self.weight_format = weight_format
         self.rule = rule
         self.seed = seed
-        self.eos_token_ids = []
 
     def tokenizer(self):
         return None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return False
+
+    @property
+    def chat_template(self) -> str | None:
+        return None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return []
+
+    def describe(self) -> list[EntryInfo]:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return [EntryInfo(name, is_linear=partitions is not None,
+                          format=self.weight_format if partitions is not None else dtype, shape=shape,
+                          partition_sizes=partitions or ())
+                for name, shape, partitions in self._entries()]
 
     # ------------------------------------------------------------------ shapes
 
@@ -205,9 +221,6 @@ class SyntheticCheckpoint:
         if not c.get("tie_word_embeddings", False):
             out.append(("lm_head.weight", (c["vocab_size"], d["hidden"]), None))
         return out
-
-    def names(self) -> list[str]:
-        return [name for name, _, _ in self._entries()]
 
     def num_parameters(self) -> int:
         total = 0

@@ -176,7 +176,7 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False, with_values: 
     lines.append(f"quant      {quant}")
     lines.append(f"servable   {'NO: ' + problem if problem else 'yes'}")
     template = ckpt.chat_template
-    named = [name for name in getattr(ckpt, "chat_templates", {}) if name != "default"]  # tool_use, ...
+    named = [name for name in ckpt.chat_templates if name != "default"]  # tool_use, ...
     lines.append(f"generation eos ids {ckpt.eos_token_ids}, chat template {'yes' if template else 'no'}"
                  + (f" (named: {', '.join(named)})" if named else "")
                  + ("" if ckpt.has_tokenizer else ", no tokenizer"))

@@ -1,9 +1,6 @@
-"""Loads a model from any checkpoint-like object into the engine's module tree.
-
-A checkpoint-like object has `.config` (HF config.json dict), `.iter_weights()` yielding canonical
-(name, Weight | Tensor) pairs, `.tokenizer()` (may return None: token-id prompts only), `.chat_template`
-and `.eos_token_ids`. `radiance.checkpoint.open_checkpoint` returns one; benchmarks pass synthetic ones.
-"""
+"""Loads a model from a checkpoint (radiance.checkpoint.base.Checkpoint: `open_checkpoint`'s readers, or the
+benchmarks' synthetic one) into the engine's module tree. `.tokenizer()` may return None (a synthetic checkpoint:
+token-id prompts only) or raise CheckpointError (a reader that cannot build one)."""
 
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ from radiance.engine.linears import Overflow16Bit, build_linear, build_lm_head, 
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight
 from radiance.layers.linear import DenseLinear, UnloadedLinear
-from radiance.models.registry import parameter_name, resolve_architecture
+from radiance.models.registry import parameter_name
 
 logger = logging.getLogger(__name__)
 
@@ -140,12 +137,12 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
             else:
                 param = params.get(target)
                 if param is None:  # by the checkpoint's own name (q_proj.bias, not the merged qkv_proj.bias)
-                    stored = _stored_name(checkpoint, name)
-                    raise CheckpointError("tensor not used by the model", file=_file_of(checkpoint, stored),
+                    stored = checkpoint.stored_name(name)
+                    raise CheckpointError("tensor not used by the model", file=checkpoint.file_of(stored),
                                           tensor=stored)
                 if tuple(param.shape) != tuple(item.shape):
                     raise CheckpointError(f"shape {tuple(item.shape)} does not match the model's {tuple(param.shape)}",
-                                          file=_file_of(checkpoint, name), tensor=_stored_name(checkpoint, name))
+                                          file=checkpoint.file_of(name), tensor=checkpoint.stored_name(name))
                 param.data.copy_(_cast_named(item, param.dtype, name, checkpoint))
                 bad = nonfinite_count(param.data)  # on the device: nearly free on a GPU
                 if bad:
@@ -155,7 +152,7 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
         try:
             item = model.checkpoint_linear(name, item)
         except ValueError as exc:
-            raise CheckpointError(str(exc), file=_file_of(checkpoint, name), tensor=name) from None
+            raise CheckpointError(str(exc), file=checkpoint.file_of(name), tensor=name) from None
         module, how, err = _install_linear(model, name, item, model_config, kernel_config, dtype, device, checkpoint)
         if name == "lm_head":  # a quantized head replaces the 16-bit weight slot
             loaded.add("lm_head.weight")
@@ -168,19 +165,19 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
         tied = DenseWeight(model.lm_head.tied_to.weight.detach())
         _, how, err = _install_linear(model, "lm_head", tied, model_config, kernel_config, dtype, device, checkpoint)
         record("lm_head", "dense", how, err)
-    kv_scales_note = _install_kv_scales(model, getattr(checkpoint, "attention_scales", None) or {}, checkpoint)
+    kv_scales_note = _install_kv_scales(model, checkpoint.attention_scales, checkpoint)
     missing = [n for n in params if n not in loaded]
     missing += [n for n, m in model.named_modules() if isinstance(m, UnloadedLinear)]
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} weight(s) the model needs, e.g. {missing[:3]}",
-                              file=getattr(checkpoint, "path", None))
+                              file=checkpoint.path)
     for module in model.modules():  # e.g. a sparse MLP stacks its experts for the grouped kernel
         if hasattr(module, "finish_loading"):
             module.finish_loading()
     tokenizer, tokenizer_error = _load_tokenizer(checkpoint)
-    name = _model_name(model_config.model, getattr(checkpoint, "path", None))
+    name = _model_name(model_config.model, checkpoint.path)
     summary = [
-        f"model: {getattr(checkpoint, 'path', None) or name} ({model.config.architecture}, {model.config.num_layers} layers, hidden {model.config.hidden_size}) "
+        f"model: {checkpoint.path or name} ({model.config.architecture}, {model.config.num_layers} layers, hidden {model.config.hidden_size}) "
         f"on {device} in {str(dtype).replace('torch.', '')}, loaded in {time.perf_counter() - started:.1f} s",
         "linears: " + ", ".join(f"{n} {how}" for how, n in sorted(served.items()))
         + f" (quantization={model_config.quantization})",
@@ -192,11 +189,11 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     summary += _kernel_summary(model)
     for line in summary:
         logger.info(line)
-    eos = list(getattr(checkpoint, "eos_token_ids", None) or [])
+    eos = list(checkpoint.eos_token_ids)
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    return LoadedModel(model, tokenizer, getattr(checkpoint, "chat_template", None), eos, str(name),
-                       device, dtype, summary, dict(getattr(checkpoint, "chat_templates", None) or {}),
+    return LoadedModel(model, tokenizer, checkpoint.chat_template, eos, str(name),
+                       device, dtype, summary, dict(checkpoint.chat_templates),
                        tokenizer_error)
 
 
@@ -208,7 +205,7 @@ def open_for_loading(model_config: ModelConfig, cache_config: CacheConfig | None
     if checkpoint is None:
         from radiance.checkpoint import open_checkpoint
         checkpoint = open_checkpoint(model_config.model)
-    model_class, arch = _resolve_architecture(checkpoint)
+    model_class, arch = checkpoint.resolve_architecture()
     check_max_model_len(model_config.max_model_len, arch.context_length, _context_source(checkpoint, arch))
     if cache_config is not None:
         device = resolve_device(model_config.device)
@@ -258,7 +255,7 @@ def _context_source(checkpoint, arch) -> str:
     """Where the model's context (ArchConfig.context_length) comes from, for the error that names it."""
     if arch.context_length != arch.max_position_embeddings:
         return "YaRN's original_max_position_embeddings x factor"
-    if str(getattr(checkpoint, "path", "") or "").endswith(".gguf"):
+    if checkpoint.kind == "gguf":
         return "the GGUF's context_length"
     if checkpoint.config.get("max_position_embeddings") is None:
         return "transformers' default max_position_embeddings: config.json gives none"
@@ -294,32 +291,13 @@ def _install_kv_scales(model, scales: dict[str, float], checkpoint) -> str | Non
             attn = next(m for m in model.get_submodule(module).modules() if isinstance(m, Attention))
         except (AttributeError, StopIteration):
             raise CheckpointError("attention scale of no attention layer of the model",
-                                  file=getattr(checkpoint, "path", None),
+                                  file=checkpoint.path,
                                   tensor=f"{module}.{next(iter(found))}") from None
         attn.fp8_kv_scales = KvScales(found.get("k_scale", 1.0), found.get("v_scale", 1.0))
     if not layers:
         return None
     return (f"fp8 KV-cache scales: {len(layers)} of {model.config.num_layers} layers from the checkpoint "
             "(applied with --kv-cache-dtype fp8)")
-
-
-def _file_of(checkpoint, name: str) -> str | None:
-    """The file holding a checkpoint tensor, for an error (a synthetic checkpoint has neither file nor path)."""
-    file_of = getattr(checkpoint, "file_of", None)
-    return file_of(name) if file_of is not None else getattr(checkpoint, "path", None)
-
-
-def _resolve_architecture(checkpoint):
-    """(model class, ArchConfig), a config fault in the checkpoint's words where it has its own (a GGUF's metadata
-    keys); a synthetic checkpoint (bench) is only a config."""
-    resolve = getattr(checkpoint, "resolve_architecture", None)
-    return resolve() if resolve is not None else resolve_architecture(checkpoint.config)
-
-
-def _stored_name(checkpoint, name: str) -> str:
-    """The checkpoint's own name of a weight the loader names in transformers' terms (a GGUF's blk.0.attn_k.weight)."""
-    stored_name = getattr(checkpoint, "stored_name", None)
-    return stored_name(name) if stored_name is not None else name
 
 
 def _overflow_message(exc: ValueError, dtype: torch.dtype) -> str:
@@ -335,8 +313,8 @@ def _cast_named(tensor: torch.Tensor, dtype: torch.dtype, name: str, checkpoint)
     try:
         return to_serving_dtype(tensor, dtype)
     except Overflow16Bit as exc:
-        raise CheckpointError(_overflow_message(exc, dtype), file=_file_of(checkpoint, name),
-                              tensor=_stored_name(checkpoint, name)) from None
+        raise CheckpointError(_overflow_message(exc, dtype), file=checkpoint.file_of(name),
+                              tensor=checkpoint.stored_name(name)) from None
 
 
 def _warn_if_the_stored_head_differs(stored: torch.Tensor, model, checkpoint) -> None:
@@ -349,13 +327,13 @@ def _warn_if_the_stored_head_differs(stored: torch.Tensor, model, checkpoint) ->
     logger.warning("config.json sets tie_word_embeddings, but %s also stores an lm_head.weight that differs from the "
                    "embeddings: the embeddings serve as the head (as in vLLM; transformers 5 serves the stored head). "
                    "If the tie flag is wrong, set \"tie_word_embeddings\": false",
-                   _file_of(checkpoint, "lm_head.weight"))
+                   checkpoint.file_of("lm_head.weight"))
 
 
 def _nonfinite_error(count: int, name: str, checkpoint) -> CheckpointError:
     """A NaN or inf in a 16-bit weight: named at load, not a model that answers garbage."""
     return CheckpointError(f"{count} NaN or inf value(s) in the weight (a corrupt file or a broken conversion)",
-                           file=_file_of(checkpoint, name), tensor=_stored_name(checkpoint, name))
+                           file=checkpoint.file_of(name), tensor=checkpoint.stored_name(name))
 
 
 def _model_name(requested: str | None, path: str | None) -> str:
@@ -375,24 +353,24 @@ def _install_linear(model, name, weight, model_config, kernel_config, dtype, dev
             parent = None
         slot = getattr(parent, leaf, None) if parent is not None else None
         if not isinstance(slot, UnloadedLinear):
-            raise CheckpointError("linear not used by the model", file=_file_of(checkpoint, name), tensor=name)
+            raise CheckpointError("linear not used by the model", file=checkpoint.file_of(name), tensor=name)
         expected = (slot.out_features, slot.in_features)
         build = functools.partial(build_linear, name)
     if tuple(weight.shape) != expected:
         raise CheckpointError(f"linear shape {tuple(weight.shape)} does not match the model's {expected}",
-                              file=_file_of(checkpoint, name), tensor=name)
+                              file=checkpoint.file_of(name), tensor=name)
     from radiance.checkpoint.convert import culprit_tensor
     from radiance.formats import dequantize, weight_to
     try:
         module, how, err = build(weight_to(weight, device), model_config, kernel_config, dtype)
     except Overflow16Bit as exc:  # a 16-bit linear's value beyond float16: the partition holding it, named
         culprit = culprit_tensor(name, DenseWeight(dequantize(weight).to(dtype), weight.partition_sizes))
-        raise CheckpointError(_overflow_message(exc, dtype), file=_file_of(checkpoint, culprit),
-                              tensor=_stored_name(checkpoint, culprit)) from None
+        raise CheckpointError(_overflow_message(exc, dtype), file=checkpoint.file_of(culprit),
+                              tensor=checkpoint.stored_name(culprit)) from None
     except ValueError as exc:  # the codecs know no names (a NaN weight quantized at load): add them
         culprit = culprit_tensor(name, weight)
-        raise CheckpointError(f"cannot load {name}: {exc}", file=_file_of(checkpoint, culprit),
-                              tensor=_stored_name(checkpoint, culprit)) from None
+        raise CheckpointError(f"cannot load {name}: {exc}", file=checkpoint.file_of(culprit),
+                              tensor=checkpoint.stored_name(culprit)) from None
     bad = nonfinite_count(module.weight) if isinstance(module, DenseLinear) else 0
     if bad:  # served as 16-bit values (a quantizer refuses NaN itself): the partition holding the first, named
         culprit = culprit_tensor(name, DenseWeight(module.weight, weight.partition_sizes))
