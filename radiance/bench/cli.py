@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int
+from radiance.config import DTYPES, MODEL_RULES
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def _add_eval_mode(sub, mode: str) -> None:
     p.add_argument("--quantization", choices=("none", "mxfp4", "nvfp4"), default=defaults["quantization"],
                    help="nvfp4: quantize to NVFP4, then serve as the engine would (requantized with --rule) "
                         f"(default: {defaults['quantization']})")
-    p.add_argument("--rule", choices=("mse", "noclip", "ocp", "none"), default=defaults["rule"],
+    p.add_argument("--rule", choices=MODEL_RULES, default=defaults["rule"],
                    help="block-exponent rule of the conversion to MXFP4; none (with nvfp4): NVFP4 as W4A16 (default: mse)")
     p.add_argument("--activations", choices=("fp8", "bf16"), default=defaults["activations"], help="fp8 = W4A8, bf16 = W4A16 (default: fp8)")
     p.add_argument("--variants", nargs="+", metavar="QUANT[/RULE[/ACT]][+head|+head2][+fp8kv]",
@@ -186,7 +187,7 @@ def _add_eval_mode(sub, mode: str) -> None:
     p.add_argument("--chunk-len", type=int, default=512, help="tokens per chunk, each scored on its own (default: 512)")
     p.add_argument("--first-chunk", type=int, default=0, help="skip this many chunks (evaluate a later slice; default: 0)")
     p.add_argument("--device", help="cuda, cpu, cuda:1 (default: cuda when available)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", choices=DTYPES,
                    help="16-bit path dtype (default: the engine's: bfloat16 on CUDA, float32 on a CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_eval_command, eval_mode=mode)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radiance.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
+from radiance.config import DTYPES, CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
 from radiance.checkpoint.values import nonfinite_count
@@ -27,7 +27,7 @@ from radiance.models.registry import parameter_name
 logger = logging.getLogger(__name__)
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES, the names ModelConfig accepts
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from radiance.config import RULES  # one list for the formats and the config (which imports no torch)
 from radiance.formats._checks import check_finite, check_k_multiple, check_matrix, check_mxfp4_pair
 from radiance.formats.e2m1 import E2M1_MAX, e2m1_to_float, pack_e2m1, round_to_e2m1, unpack_e2m1
 
 MX_BLOCK = 32
-RULES = ("mse", "noclip", "ocp")
 E8M0_BIAS = 127
 E_MIN, E_MAX = -127, 125  # quantizers' block exponents; e8m0 itself stores up to 127
 
