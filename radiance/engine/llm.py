@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from numbers import Integral
 
 from tqdm import tqdm
@@ -110,7 +110,7 @@ class LLM:
             for j in range(p.n):
                 request_id = f"llm-{self._counter}"
                 self._counter += 1
-                sub = p if p.n == 1 else replace(p, n=1, best_of=None, seed=None if p.seed is None else p.seed + j)
+                sub = p if p.n == 1 else p.for_choice(j)
                 self.engine.add_request(request_id, ids, sub)
                 request_slots[request_id] = (i, j)
 

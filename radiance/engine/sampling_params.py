@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral, Real
 
 import numpy
@@ -110,6 +110,11 @@ class SamplingParams:
             check(token >= 0, f"logit_bias token ids must be non-negative, got {token}")
             check(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
+    def for_choice(self, choice: int) -> "SamplingParams":
+        """The one-sequence parameters of choice `choice` of an n > 1 request: n=1, the seed advanced by the
+        choice (seed + choice; the engine serves one sequence per request, LLM.generate and the server expand n)."""
+        return replace(self, n=1, best_of=None, seed=choice_seed(self.seed, choice))
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
@@ -128,6 +133,11 @@ class SamplingParams:
 def _is_sequence(value, kind) -> bool:
     """None, or a list / tuple / set of `kind` items."""
     return value is None or isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, kind) for v in value)
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of a seeded n > 1 request (None stays None): choices draw apart, reproducibly."""
+    return None if seed is None else seed + choice
 
 
 def generator_seed(seed: int) -> int:

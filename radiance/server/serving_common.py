@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 
 from radiance.engine.async_engine import EngineDeadError
-from radiance.engine.sampling_params import SamplingParams
+from radiance.engine.sampling_params import SamplingParams, choice_seed
 from radiance.engine.structured_output import StructuredOutput
 from radiance.server.errors import OpenAIError, internal_error, invalid, sse_error
 from radiance.server.metrics import ABORT, ERROR, RequestTimer, ServerMetrics, current_request
@@ -140,7 +140,7 @@ def sampling_params(req: Any, max_tokens: int, choice: int, constraint: Structur
     """The engine's parameters for choice `choice` of a request, its output held to `constraint` (the
     request's own structured output, or a forced tool call's); `keep_special_tokens` overrides the
     request's skip_special_tokens for a parser that reads special-token markup."""
-    seed = None if req.seed is None else req.seed + choice
+    seed = choice_seed(req.seed, choice)
     return SamplingParams(
         n=1, max_tokens=max_tokens, min_tokens=req.min_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,

@@ -207,3 +207,12 @@ def test_sampling_params_take_numpy_scalars():
     params = SamplingParams(temperature=numpy.float32(0.5), top_k=numpy.int64(3), ignore_eos=numpy.bool_(True),
                             skip_special_tokens=0)
     assert params.ignore_eos is True and params.skip_special_tokens is False and params.top_k == 3
+
+
+def test_a_choice_of_an_n_request_is_one_sequence_with_its_own_seed():
+    from radiance.engine.sampling_params import SamplingParams
+
+    p = SamplingParams(n=3, temperature=0.7, seed=41, max_tokens=9, stop=["x"])
+    second = p.for_choice(2)
+    assert (second.n, second.seed, second.temperature, second.max_tokens, second.stop) == (1, 43, 0.7, 9, p.stop)
+    assert SamplingParams(n=2, temperature=0.7).for_choice(1).seed is None  # unseeded stays unseeded
