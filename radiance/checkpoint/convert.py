@@ -18,6 +18,7 @@ from radiance.checkpoint.report import RequantReport
 from radiance.errors import CheckpointError
 from radiance.formats import (DenseWeight, Fp8Weight, Nvfp4Weight, dequantize, quantize_fp8_per_channel,
                               quantize_nvfp4, to_mxfp4)
+from radiance.formats._checks import nonfinite_count
 
 TARGETS = ("mxfp4", "nvfp4", "fp8", "dense")
 
@@ -99,7 +100,7 @@ def convert_weights(items: Iterator[tuple[str, object]], target: str, rule: str 
     def refuse_non_finite(values: torch.Tensor, culprit: str) -> None:
         """Norms, embeddings and linears kept 16-bit are written as they are: a NaN there made a checkpoint that
         loading refuses (naming the new file, not the source)."""
-        count = int((~torch.isfinite(values)).sum()) if values.is_floating_point() else 0
+        count = nonfinite_count(values)
         if count:
             raise CheckpointError(f"{count} NaN or inf value(s): refusing to write them",
                                   file=file_of(culprit) if file_of is not None else None, tensor=culprit)

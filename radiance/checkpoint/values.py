@@ -12,19 +12,7 @@ from radiance.checkpoint.base import Checkpoint
 from radiance.checkpoint.convert import culprit_tensor
 from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight, dequantize
-
-
-def nonfinite_count(tensor: torch.Tensor) -> int:
-    """How many NaN / inf values `tensor` holds. Its sum is non-finite exactly when some value is (or, rarely,
-    when finite values add up past the dtype's range: the exact count then decides). One read pass, a tenth of
-    isfinite().all() on a CPU."""
-    if not tensor.is_floating_point():
-        return 0
-    if tensor.element_size() == 1:  # torch sums no fp8 dtypes
-        tensor = tensor.float()
-    if bool(torch.isfinite(tensor.sum())):
-        return 0
-    return int((~torch.isfinite(tensor)).sum())
+from radiance.formats._checks import nonfinite_count
 
 
 def value_warnings(ckpt: Checkpoint, progress: bool = True) -> tuple[int, list[str]]:

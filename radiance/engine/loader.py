@@ -16,7 +16,7 @@ import torch
 from radiance.config import DTYPES, CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
-from radiance.checkpoint.values import nonfinite_count
+from radiance.formats._checks import nonfinite_count
 from radiance.engine.kv_cache import blocks_known_before_load, kv_cache_dtype
 from radiance.engine.linears import Overflow16Bit, build_linear, build_lm_head, to_serving_dtype
 from radiance.errors import CheckpointError, ConfigError

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from radiance.checkpoint import open_checkpoint
 from radiance.config import ModelConfig
-from radiance.checkpoint.values import nonfinite_count
+from radiance.formats._checks import nonfinite_count
 from radiance.engine.loader import load_model
 from radiance.errors import CheckpointError
 from tests.checkpoint.factory import TINY, dense_state_dict, linear_modules
@@ -86,7 +86,7 @@ def test_finite_weights_whose_sum_overflows_load(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def testnonfinite_count(dtype):
+def test_nonfinite_count(dtype):
     t = torch.randn(1000, 333).to(dtype)
     assert nonfinite_count(t) == 0
     t[-1, -1], t[500, 7], t[0, 0] = float("nan"), float("inf"), float("-inf")
