@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -9,6 +10,8 @@ from typing import Iterator
 import torch
 
 from radiance.checkpoint.quant_config import QuantSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,12 @@ class Checkpoint(ABC):
     warnings: list[str] = field(default_factory=list)
     # calibrated fp8 KV-cache scales, "model.layers.{i}.self_attn.k_scale" / "...v_scale" -> value
     attention_scales: dict[str, float] = field(default_factory=dict)
+
+    def warn(self, message: str) -> None:
+        """A fault the checkpoint is served despite: logged once, and kept for `inspect` to list."""
+        if message not in self.warnings:
+            self.warnings.append(message)
+            logger.warning(message)
 
     def names(self) -> list[str]:
         return [e.name for e in self.describe()]

@@ -88,8 +88,8 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             self._check_shapes()
             context_key = config_key("max_position_embeddings", self.arch)
             if context_key not in self.file.metadata:  # llama.cpp refuses such a file
-                self.warnings.append(f"GGUF metadata {context_key} is missing: the context is taken to be "
-                                     f"{DEFAULT_CONTEXT_LENGTH} tokens")
+                self.warn(f"GGUF metadata {context_key} is missing: the context is taken to be "
+                          f"{DEFAULT_CONTEXT_LENGTH} tokens")
         self._tokenizer = None
         self._eos_token_ids = self._end_of_generation_ids()  # at open: inspect lists its warning
 

@@ -93,11 +93,7 @@ class HfCheckpoint(Checkpoint):
         skipped = sorted({split_tensor_name(name)[0] for name in self.index.skipped})  # exclusions may name them
         self.quant.check_modules(sorted(self._stored_module.values()) + skipped + virtual)
         self._tokenizer = None
-        self._eos_token_ids = eos_token_ids(path, config, self._warn)  # at open: inspect lists its warning
-
-    def _warn(self, message: str) -> None:
-        self.warnings.append(message)
-        logger.warning(message)
+        self._eos_token_ids = eos_token_ids(path, config, self.warn)  # at open: inspect lists its warning
 
     # ------------------------------------------------------------------ planning (headers only)
 
@@ -169,12 +165,12 @@ class HfCheckpoint(Checkpoint):
             linears.append(_Linear(canonical, modules, tuple(formats)))
         for (said, stored, kind), modules in mismatches.items():
             if self.quant.method == "none":  # no quantization_config: nothing said they were dense
-                self.quant._warn(f"config.json has no quantization_config, but {len(modules)} {kind} module(s) (e.g. "
+                self.warn(f"config.json has no quantization_config, but {len(modules)} {kind} module(s) (e.g. "
                                  f"{modules[0]}) are stored as {stored}; reading them as stored")
                 continue
             fix = (f"add {kind!r} modules to quantization_config ignore" if stored == "dense"
                    else "check the quantization_config targets")
-            self.quant._warn(f"quantization_config says {len(modules)} {kind} module(s) (e.g. {modules[0]}) are "
+            self.warn(f"quantization_config says {len(modules)} {kind} module(s) (e.g. {modules[0]}) are "
                              f"{said} but they are stored as {stored}; reading them as stored ({fix})")
         if derived:
             logger.info("skipping %d rotary buffer(s) the model computes itself (e.g. %s)", len(derived), derived[0])
@@ -203,7 +199,7 @@ class HfCheckpoint(Checkpoint):
             for kind in (("k", "v") if leafname == "kv_scale" else (leafname[0],)):
                 self.attention_scales[f"{attn}.{kind}_scale"] = value.max().item()
         if unused:
-            self.quant._warn(f"{len(unused)} attention scale tensor(s) for fp8 attention math (e.g. {unused[0]}) are "
+            self.warn(f"{len(unused)} attention scale tensor(s) for fp8 attention math (e.g. {unused[0]}) are "
                              "not used: attention runs in 16 bits")
 
     def _check_plain(self, plain: list[str]) -> None:
@@ -353,7 +349,7 @@ class HfCheckpoint(Checkpoint):
             return weights[0]
         if len(set(entry.formats)) > 1:
             # partitions stored in different formats cannot share one kernel: serve them 16-bit
-            self.quant._warn(f"{entry.canonical}: partitions stored as {', '.join(entry.formats)}; "
+            self.warn(f"{entry.canonical}: partitions stored as {', '.join(entry.formats)}; "
                              "merged as 16-bit (bfloat16)")
             return concat_partitions([DenseWeight(dequantize(w).to(torch.bfloat16)) for w in weights])
         return concat_partitions(weights)
