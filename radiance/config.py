@@ -1,20 +1,15 @@
-"""Every knob of radiance as frozen dataclasses, plus the glue that exposes them on the CLI.
+"""Every knob of radiance as frozen dataclasses.
 
 Each area owns one dataclass; `EngineConfig` bundles the ones the engine needs. Validation lives
 in `__post_init__` so a bad value fails where it is built, with the field's name in the message.
-`add_dataclass_args` / `dataclass_kwargs` turn any of these into argparse flags and back, so every field
-is reachable from the command line without a hand-written flag per field.
+radiance.config_cli turns any of these into argparse flags and back, so every field is reachable from the
+command line without a hand-written flag per field.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import functools
-import inspect
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 
 from radiance.errors import ConfigError
@@ -323,101 +318,3 @@ class ConvertConfig:
         _check(self.max_shard_bytes > 0, "max_shard_bytes must be positive")
         _check(self.chunk_rows is None or self.chunk_rows > 0, "chunk_rows must be positive")
         _check_regexes(self.ignore, "ignore")
-
-
-# ---------------------------------------------------------------- argparse glue
-
-
-def _base_type(tp):
-    """(python type, is_optional, is_tuple) of a dataclass field annotation."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        base, _, is_tuple = _base_type(args[0])
-        return base, True, is_tuple
-    if origin is tuple:
-        return typing.get_args(tp)[0], False, True
-    return tp, False, False
-
-
-def _parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-@functools.lru_cache(maxsize=None)
-def field_help(cls) -> dict[str, str]:
-    """Each field's explanation in the class source, the one place a field is explained: its trailing `# comment`,
-    else the block of `#` lines right above it (for a field whose reason takes several lines)."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    helps, block = {}, []
-    for line in source.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            block.append(stripped.lstrip("#").strip())
-            continue
-        field = re.match(r"^\s+(\w+):[^#]*?(?:#\s*(.+))?$", line)
-        if field and (field.group(2) or block):
-            helps[field.group(1)] = (field.group(2) or " ".join(block)).strip()
-        block = []
-    return helps
-
-
-def _help_with_default(text: str, default) -> str:
-    """A field's help with its default; an unset default (None, empty) is the comment's to explain, since
-    "(default: None)" tells a user nothing."""
-    if default is None or default == ():
-        return text if "default" in text else f"{text} (default: none)".lstrip()
-    return f"{text} (default: {default})".lstrip()
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), group: str | None = None) -> None:
-    """Add a `--field-name` flag for every field of dataclass `cls` (defaults stay in the class)."""
-    hints = typing.get_type_hints(cls)
-    helps = field_help(cls)
-    target = parser.add_argument_group(group or cls.__name__) if group is not False else parser
-    for f in dataclasses.fields(cls):
-        if f.name in skip or dataclasses.is_dataclass(hints[f.name]):
-            continue
-        base, optional, is_tuple = _base_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        # argparse %-formats help strings: a comment's "20%" would break --help
-        help_text = _help_with_default(helps.get(f.name, ""), default).replace("%", "%%")
-        if base is bool:
-            target.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=argparse.SUPPRESS,
-                                metavar="BOOL", help=help_text)
-        elif is_tuple:
-            target.add_argument(flag, type=base, nargs="+", default=argparse.SUPPRESS, help=help_text)
-        else:
-            target.add_argument(flag, type=base, default=argparse.SUPPRESS, help=help_text)
-
-
-def dataclass_kwargs(args: argparse.Namespace, cls) -> dict:
-    """The fields of `cls` that were given on the command line."""
-    out = {}
-    for f in dataclasses.fields(cls):
-        if hasattr(args, f.name):
-            value = getattr(args, f.name)
-            out[f.name] = tuple(value) if isinstance(value, list) else value
-    return out
-
-
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    for f in dataclasses.fields(EngineConfig):
-        add_dataclass_args(parser, f.default_factory, skip=skip, group=f"{f.name} options")  # type: ignore[misc]
-
-
-def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
-    flat = {}
-    for f in dataclasses.fields(EngineConfig):
-        flat.update(dataclass_kwargs(args, f.default_factory))  # type: ignore[misc]
-    flat.update({k: v for k, v in overrides.items() if v is not None})
-    return EngineConfig.from_flat(**flat)

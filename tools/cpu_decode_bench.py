@@ -13,7 +13,7 @@ import argparse
 import time
 
 from radiance import LLM, SamplingParams
-from radiance.config import add_engine_args, engine_config_from_args
+from radiance.config_cli import add_engine_args, engine_config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:

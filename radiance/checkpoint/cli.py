@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 
 from radiance.checkpoint import EMBEDDED
-from radiance.config import ConvertConfig, add_dataclass_args, dataclass_kwargs
+from radiance.config import ConvertConfig
+from radiance.config_cli import add_dataclass_args, dataclass_kwargs
 from radiance.errors import ConfigError
 
 

@@ -7,7 +7,8 @@ import json
 import logging
 import sys
 
-from radiance.config import add_engine_args, check_seed, engine_config_from_args
+from radiance.config import check_seed
+from radiance.config_cli import add_engine_args, engine_config_from_args
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)

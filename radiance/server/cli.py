@@ -1,6 +1,6 @@
 """`radiance serve [MODEL]`: the OpenAI-compatible server on FastAPI + uvicorn.
 
-Every engine config field is a flag (`radiance.config.add_engine_args`), as is every ServerConfig
+Every engine config field is a flag (`radiance.config_cli.add_engine_args`), as is every ServerConfig
 field. The port opens at once; the model loads in the background (`/health` says 503 until it is
 ready), then the startup summary is logged: model, quantization, kernels, KV cache size, URL.
 """
@@ -15,8 +15,8 @@ import signal
 import socket
 import sys
 
-from radiance.config import (ServerConfig, add_dataclass_args, add_engine_args, dataclass_kwargs,
-                             engine_config_from_args)
+from radiance.config import ServerConfig
+from radiance.config_cli import add_dataclass_args, add_engine_args, dataclass_kwargs, engine_config_from_args
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)

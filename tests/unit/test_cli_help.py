@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from radiance.cli import build_parser, main
-from radiance.config import add_dataclass_args
+from radiance.config_cli import add_dataclass_args
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str = "radiance"):

@@ -7,8 +7,8 @@ import pytest
 
 from radiance import config
 from radiance.cli import build_parser
-from radiance.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, RunnerConfig, SchedulerConfig,
-                             add_engine_args, engine_config_from_args, field_help)
+from radiance.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from radiance.config_cli import add_engine_args, engine_config_from_args, field_help
 
 
 def test_configs_are_frozen():
