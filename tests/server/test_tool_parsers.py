@@ -61,6 +61,12 @@ HERMES_CASES = [
      [("get_weather", {"city": "Oslo"})]),
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "Köln"}}</tool_call>', False, "",
      [("get_weather", {"city": "Köln"})]),
+    # an argument that writes the end tag: inside a JSON string it does not end the call
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}</tool_call> ok', False, "ok",
+     [("get_weather", {"city": "a</tool_call>b"})]),
+    # markup that is no call stays text, and the call after it is still read
+    ('<tool_call>oops</tool_call> then <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', False,
+     "<tool_call>oops</tool_call> then", [("get_weather", {})]),
 ]
 
 
@@ -73,7 +79,8 @@ def check(result, content, calls):
             assert json.loads(got_args) == want_args
         else:
             assert got_args == want_args
-    assert "<tool_call>" not in got_content and "</tool_call>" not in got_content
+    if "tool_call>" not in content:  # markup reaches content only where the case says it is text
+        assert "<tool_call>" not in got_content and "</tool_call>" not in got_content
 
 
 @pytest.mark.parametrize("text,truncated,content,calls", HERMES_CASES)
@@ -100,6 +107,12 @@ QWEN3_CASES = [
     ("<tool_call><function=get_weather><parameter=city>Bern<parameter=days>4</function></tool_call>", False, "",
      [("get_weather", {"city": "Bern", "days": 4})]),
     ("No call, but a literal <tool> tag.", False, "No call, but a literal <tool> tag.", []),
+    # a parameter value that writes the end tag: the call goes on to its </function>, whole
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nx = '</tool_call>'\n</parameter>\n</function>\n"
+     "</tool_call> ok", False, "ok", [("get_weather", {"city": "x = '</tool_call>'"})]),
+    # no </function> before </tool_call>: the model wrote no whole call, so it is text (was a complete, empty call)
+    ("<tool_call>\n<function=get_weather>\nKöln</tool_call>", False,
+     "<tool_call>\n<function=get_weather>\nKöln</tool_call>", []),
 ]
 
 

@@ -20,7 +20,9 @@ before it stopped) is the model's text, and goes out as content unchanged, as vL
 model stopped in (its end tag never came, and max_tokens did not cut it) is a call only when it is whole
 (`stopped_call_whole`: its JSON parses; a Qwen3-coder call has its `</function>`), as a harmony message
 the model stopped in is; otherwise it is text. (vLLM's qwen3_coder parser also takes a `<function=` left
-open as a call, parameters and all; a call cut short is no call its client can trust.)
+open as a call, parameters and all; a call cut short is no call its client can trust.) The same holds when the end
+tag comes. An end tag the call writes inside itself (a JSON string, a Qwen3-coder parameter value quoting the
+markup) does not end it (`end_tag_closes`).
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ class ToolParser:
         self.tools = {t["function"]["name"]: t["function"] for t in tools or ()}
         self._buffer = ""
         self._in_call = False
+        self._end_search_from = 0  # in a call: where the search for its end tag goes on
         self._held_space = ""  # trailing whitespace of content, dropped if a call follows
         self._space_before_call = ""  # that whitespace, given back if the call turns out to be text
         self._after_call = LeadingSpaceEater()
@@ -97,13 +98,16 @@ class ToolParser:
         self._buffer += delta
         while self._buffer:
             if self._in_call:
-                end = self._buffer.find(END_TAG)
-                if end < 0:
+                end = self._buffer.find(END_TAG, self._end_search_from)
+                while end >= 0 and not self.end_tag_closes(self._buffer[:end]):
+                    end = self._buffer.find(END_TAG, end + 1)  # the end tag is written inside the call
+                if end < 0:  # searched up to here: a long call is not rescanned from its start on every piece
+                    self._end_search_from = max(self._end_search_from, len(self._buffer) - len(END_TAG) + 1)
                     break
                 body = self._buffer[:end]
                 self._buffer = self._buffer[end + len(END_TAG):]
                 self._in_call = False
-                if self._call(out, body, cut=False):
+                if self.stopped_call_whole(body) and self._call(out, body, cut=False):  # whole, or text
                     self._after_call.active = True
                 else:
                     self._not_a_call(out, START_TAG + body + END_TAG)
@@ -114,12 +118,18 @@ class ToolParser:
                 self._space_before_call, self._held_space = self._held_space, ""
                 self._buffer = self._buffer[start + len(START_TAG):]
                 self._in_call = True
+                self._end_search_from = 0
                 continue
             keep = partial_tag_start(self._buffer, START_TAG)
             self._content(out, self._buffer[:keep])
             self._buffer = self._buffer[keep:]
             break
         return out
+
+    def end_tag_closes(self, body: str) -> bool:
+        """Whether an end tag after `body` ends the call; a format says no where the tag sits inside the call (a
+        JSON string, a parameter value that quotes the markup), and the scan goes on to the next one."""
+        return True
 
     def stopped_call_whole(self, body: str) -> bool:
         """Whether a call the model stopped in (no end tag, not cut by max_tokens) is whole as written; a

@@ -8,6 +8,19 @@ import re
 
 from radiance.server.tool_parsers.base import ParseDelta, ParsedToolCall, ToolParser, _loads, _object_text, _reject_non_finite
 
+def in_json_string(text: str) -> bool:
+    """Whether JSON text ends inside a string literal (an odd count of unescaped quotes)."""
+    inside, escaped = False, False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = inside
+        elif char == '"':
+            inside = not inside
+    return inside
+
+
 class HermesToolParser(ToolParser):
     name = "hermes"
     _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -19,6 +32,10 @@ class HermesToolParser(ToolParser):
         except ValueError:  # cut off by max_tokens (a partial call), or broken (no call)
             return self._partial_call(body) if cut else None
         return self._call_of(obj)
+
+    def end_tag_closes(self, body: str) -> bool:
+        """A </tool_call> inside a JSON string (an argument that writes the markup) does not end the call."""
+        return not in_json_string(body)
 
     def _call_of(self, obj) -> ParsedToolCall | None:
         """`{"name": NAME, "arguments": {...}}` ("parameters" also read), NAME one of the tools."""

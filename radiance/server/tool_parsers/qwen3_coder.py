@@ -33,6 +33,12 @@ class Qwen3CoderToolParser(ToolParser):
         # a cut after </function> (in the end tag) left the call whole
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False), not cut or self.stopped_call_whole(body))
 
+    def end_tag_closes(self, body: str) -> bool:
+        """A </tool_call> inside an open parameter value (code that writes the markup) does not end the call:
+        taking it as the end made a call of a cut value, marked complete."""
+        opened = [m.end() for m in self._PARAMETER.finditer(body)]
+        return not opened or self._VALUE_END.search(body, opened[-1]) is not None
+
     def stopped_call_whole(self, body: str) -> bool:
         """A call ends with </function> (the grammar's and the template's markup): without it, the model stopped
         mid-call, perhaps before further parameters, so the markup is text, not a call."""
