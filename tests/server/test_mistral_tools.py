@@ -29,7 +29,7 @@ CASES = [
     (f"[TOOL_CALLS][{OSLO}]", False, "", [("get_weather", {"city": "Oslo"})]),  # Nemo's
     # text before and after, a second call, an "id" the model added
     ('Let me look. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "a1b2c3d4e"}, '
-     '{"name": "get_weather", "arguments": {"city": "Bern", "days": 2}}] Done.', False, "Let me look.Done.",
+     '{"name": "get_weather", "arguments": {"city": "Bern", "days": 2}}] Done.', False, "Let me look. Done.",
      [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Bern", "days": 2})]),
     # v11: a marker per call, [CALL_ID] in some templates, [ARGS] dropped by a detokenizer that skipped it
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_weather[CALL_ID]x1y2z3w4v[ARGS]{"city": "Bern"}',

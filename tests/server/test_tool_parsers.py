@@ -64,6 +64,9 @@ HERMES_CASES = [
     # an argument that writes the end tag: inside a JSON string it does not end the call
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}</tool_call> ok', False, "ok",
      [("get_weather", {"city": "a</tool_call>b"})]),
+    # text on both sides of a call stays apart, by the whitespace after the call
+    ('Hi <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>\n\nbye', False, "Hi\n\nbye",
+     [("get_weather", {})]),
     # markup that is no call stays text, and the call after it is still read
     ('<tool_call>oops</tool_call> then <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', False,
      "<tool_call>oops</tool_call> then", [("get_weather", {})]),

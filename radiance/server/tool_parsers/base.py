@@ -55,6 +55,8 @@ class ToolParser:
         self._held_space = ""  # trailing whitespace of content, dropped if a call follows
         self._space_before_call = ""  # that whitespace, given back if the call turns out to be text
         self._after_call = LeadingSpaceEater()
+        self._space_after_call = ""  # whitespace after a call, given back if content follows content
+        self._content_sent = False
         self.num_calls = 0
 
     def parse_call(self, body: str, cut: bool) -> ParsedToolCall | None:
@@ -71,13 +73,21 @@ class ToolParser:
         return isinstance(name, str) and (not self.tools or name in self.tools)
 
     def _content(self, out: ParseDelta, text: str) -> None:
-        text = self._after_call(text)
+        if self._after_call.active:
+            kept = self._after_call(text)
+            self._space_after_call += text[:len(text) - len(kept)]
+            if not kept:
+                return
+            if self._content_sent:  # text on both sides of the calls: keep them apart ("Hi\n\nbye", not "Hibye")
+                kept = (self._space_after_call or self._space_before_call) + kept
+            self._space_after_call, text = "", kept
         if not text:
             return
         text = self._held_space + text
         body = text.rstrip()
         self._held_space = text[len(body):]
         out.content += body
+        self._content_sent = self._content_sent or bool(body)
 
     def _call(self, out: ParseDelta, body: str, cut: bool) -> bool:
         """Parses one call into `out`; False when the body is no usable call."""
@@ -116,6 +126,7 @@ class ToolParser:
             if start >= 0:
                 self._content(out, self._buffer[:start])
                 self._space_before_call, self._held_space = self._held_space, ""
+                self._space_after_call = ""
                 self._buffer = self._buffer[start + len(START_TAG):]
                 self._in_call = True
                 self._end_search_from = 0
