@@ -143,6 +143,10 @@ LLAMA3_CASES = [
     (LLAMA_CALL + " Done. It is sunny.", False, "Done. It is sunny.", [("get_weather", {"city": "Oslo", "days": 2})]),
     # cut off by max_tokens: the name and the arguments so far
     ('{"name": "get_weather", "parameters": {"city": "Os', True, "", [("get_weather", '{"city": "Os')]),
+    # a JSON object that is no call, then text: content as written, spacing kept
+    ('{"a": 1}\n\nThat is JSON.', False, '{"a": 1}\n\nThat is JSON.', []),
+    # braces that are no JSON: text (released as soon as the syntax breaks, not held to the end)
+    ("{x} is a set, {y} another.", False, "{x} is a set, {y} another.", []),
     ("", False, "", []),
 ]
 
@@ -153,6 +157,15 @@ def test_llama3_json_same_result_at_every_chunk_boundary(text, truncated, conten
     check(whole, content, calls)
     for chunks in chunkings(text) if text else [[""]]:
         assert as_tuple(stream_tools(Llama3JsonToolParser, chunks, truncated)) == as_tuple(whole), chunks
+
+
+def test_llama3_json_releases_text_that_cannot_become_json_at_once():
+    """An answer that opens with '{' but breaks JSON syntax streams as it comes (it was held to the end)."""
+    parser = Llama3JsonToolParser([WEATHER_TOOL])
+    assert parser.feed("{x") == ParseDelta(content="{x")
+    assert parser.feed("} is a set.") == ParseDelta(content="} is a set.")
+    unfinished = Llama3JsonToolParser([WEATHER_TOOL])
+    assert unfinished.feed('{"name": "get_weather", "parameters": {"city": "Os') == ParseDelta()  # may be a call
 
 
 def test_llama3_json_emits_a_call_as_soon_as_it_closes():

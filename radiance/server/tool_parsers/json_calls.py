@@ -63,11 +63,20 @@ class HermesToolParser(ToolParser):
 _CALL_SEPARATORS = " \t\r\n;"  # between Llama 3.x calls
 
 
+def _broken_json(exc: ValueError, text: str) -> bool:
+    """Whether JSON `text` failed to parse before its end (a syntax error no continuation fixes), not because
+    it is unfinished: an unterminated string, or an error at the end of the text, may still become an object."""
+    if not isinstance(exc, json.JSONDecodeError) or exc.msg.startswith("Unterminated string"):
+        return False
+    return exc.pos < len(text.rstrip())
+
+
 class Llama3JsonToolParser(HermesToolParser):
     """Llama 3.x JSON calls: an answer that starts with a JSON object (after an optional `<|python_tag|>`) is
     one or more calls `{"name": ..., "parameters": {...}}`, separated by ';' or whitespace; any other answer
     is text (calls are read only where the answer starts, as the template teaches). A call is emitted as
-    soon as its object closes; a JSON object without a name, and text after the calls, stay content."""
+    soon as its object closes; a JSON object that is no call, and the text after it or after the calls, stay
+    content; an opening '{' whose JSON breaks is text at once (not held to the end of the answer)."""
 
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
@@ -115,14 +124,19 @@ class Llama3JsonToolParser(HermesToolParser):
                 return
             try:
                 _, end = self._decoder.raw_decode(rest)
-            except ValueError:
+            except ValueError as exc:
                 if final:  # cut off: the name and arguments so far; broken, or no name yet: text
                     if not self._call(out, rest, cut=truncated):
                         out.content += rest
                     self._buffer = ""
+                elif _broken_json(exc, rest):  # no more text makes it a call: release it now, not at the end
+                    out.content += rest
+                    self._buffer, self._mode = "", "text"
                 return
-            if not self._call(out, rest[:end], cut=False):  # JSON, but no call to one of the tools: text
-                out.content += rest[:end]
+            if not self._call(out, rest[:end], cut=False):  # JSON, but no call to one of the tools: text, and so
+                out.content += rest                         # is the rest of the answer, its spacing kept
+                self._buffer, self._mode = "", "text"
+                return
             self._buffer = rest[end:]
 
     def finish(self, truncated: bool = False) -> ParseDelta:
