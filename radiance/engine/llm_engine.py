@@ -14,12 +14,12 @@ from radiance.engine.block_manager import BlockManager
 from radiance.engine.detokenizer import IncrementalDetokenizer
 from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
-from radiance.engine.overlap import DecodeAhead
 from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from radiance.engine.overlap import DecodeAhead
 from radiance.engine.sampling_params import SamplingParams, generator_seed
 from radiance.engine.scheduler import Scheduler
-from radiance.engine.speculation import NgramSpeculator
 from radiance.engine.sequence import Sequence, SequenceStatus
+from radiance.engine.speculation import NgramSpeculator
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError
 
 logger = logging.getLogger(__name__)
