@@ -113,6 +113,10 @@ QWEN3_CASES = [
     # a parameter value that writes the end tag: the call goes on to its </function>, whole
     ("<tool_call>\n<function=get_weather>\n<parameter=city>\nx = '</tool_call>'\n</parameter>\n</function>\n"
      "</tool_call> ok", False, "ok", [("get_weather", {"city": "x = '</tool_call>'"})]),
+    # a value that writes </parameter> itself: the value ends at the </parameter> the next markup follows
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nx = '</parameter>'\nprint(x)\n</parameter>\n"
+     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", False, "",
+     [("get_weather", {"city": "x = '</parameter>'\nprint(x)", "days": 3})]),
     # no </function> before </tool_call>: the model wrote no whole call, so it is text (was a complete, empty call)
     ("<tool_call>\n<function=get_weather>\nKöln</tool_call>", False,
      "<tool_call>\n<function=get_weather>\nKöln</tool_call>", []),

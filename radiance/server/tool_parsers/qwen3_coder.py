@@ -23,7 +23,7 @@ class Qwen3CoderToolParser(ToolParser):
         args: dict = {}
         pos = fn.end()
         while (param := self._PARAMETER.search(body, pos)) is not None:
-            end = self._VALUE_END.search(body, param.end())
+            end = self._value_end(body, param.end())
             if end is None and cut:
                 break  # value cut off by max_tokens: keep only whole parameters
             stop = end.start() if end else len(body)
@@ -32,6 +32,20 @@ class Qwen3CoderToolParser(ToolParser):
             pos = end.end() if end and end.group(0) == "</parameter>" else stop
         # a cut after </function> (in the end tag) left the call whole
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False), not cut or self.stopped_call_whole(body))
+
+    def _value_end(self, body: str, start: int) -> re.Match | None:
+        """Where the value starting at `start` ends: the first </parameter> that the next parameter, the
+        </function> or the end of the body follows (one inside the value, code that writes the markup, is part of
+        it); else the first end found, as a model that forgot a </parameter> writes."""
+        first = None
+        for match in self._VALUE_END.finditer(body, start):
+            first = first or match
+            if match.group(0) != "</parameter>":
+                return first
+            rest = body[match.end():].lstrip()
+            if not rest or rest.startswith(("<parameter=", "</function>")):
+                return match
+        return first
 
     def end_tag_closes(self, body: str) -> bool:
         """A </tool_call> inside an open parameter value (code that writes the markup) does not end the call:
