@@ -103,11 +103,14 @@ class Llama3JsonToolParser(HermesToolParser):
                 out.content, self._buffer = self._buffer, ""
                 return out
             self._buffer = head
-        self._take_calls(out, final=False)
+        # decoding the whole buffer again on every piece is quadratic in a long call: past a few KB, only a '}'
+        # (an object may close) is worth it, so broken JSON that long is told at its next '}'
+        self._take_calls(out, final=False, decode="}" in delta or len(self._buffer) < 4096)
         return out
 
-    def _take_calls(self, out: ParseDelta, final: bool, truncated: bool = False) -> None:
-        """Calls from the buffer; `final`: the output ended (`truncated`: by max_tokens, inside a call)."""
+    def _take_calls(self, out: ParseDelta, final: bool, truncated: bool = False, decode: bool = True) -> None:
+        """Calls from the buffer; `final`: the output ended (`truncated`: by max_tokens, inside a call); `decode`:
+        whether an unfinished object is worth decoding again."""
         while True:
             rest = self._buffer.lstrip(_CALL_SEPARATORS)  # any run of them, however it was chunked
             if rest.startswith(self.PYTHON_TAG):
@@ -121,6 +124,8 @@ class Llama3JsonToolParser(HermesToolParser):
                 if final or not self.PYTHON_TAG.startswith(rest):
                     out.content += rest
                     self._buffer, self._mode = "", "text"
+                return
+            if not (final or decode):
                 return
             try:
                 _, end = self._decoder.raw_decode(rest)

@@ -42,6 +42,7 @@ class MistralToolParser(HermesToolParser):
         self._group_calls = 0  # calls the current array gave
         self._function = ""  # the v11 call's function name, once read
         self._decoder = json.JSONDecoder(parse_constant=_reject_non_finite)
+        self._may_close = False  # the piece being read has a '}': an object may have closed (feed)
         self._steps = {"text": self._in_text, "opened": self._in_opened, "array": self._in_array,
                        "name": self._in_name, "arguments": self._in_arguments}
 
@@ -51,6 +52,9 @@ class MistralToolParser(HermesToolParser):
     def feed(self, delta: str) -> ParseDelta:
         out = ParseDelta()
         self._buffer += delta
+        # a JSON object can only close with a '}': without one, decoding the buffer again is wasted (a long call
+        # streamed token by token was decoded from its start on every piece: quadratic)
+        self._may_close = "}" in delta
         while self._steps[self._state](out):
             pass
         return out
@@ -97,6 +101,8 @@ class MistralToolParser(HermesToolParser):
             return True
         if not rest.startswith("{"):  # no call list after all: the rest is text
             return self._back_to_text(out)
+        if not self._may_close:
+            return False
         try:
             obj, end = self._decoder.raw_decode(rest)
         except ValueError:
@@ -133,6 +139,8 @@ class MistralToolParser(HermesToolParser):
             return False
         if not rest.startswith("{"):
             return self._back_to_text(out)
+        if not self._may_close:
+            return False
         try:
             obj, end = self._decoder.raw_decode(rest)
         except ValueError:
