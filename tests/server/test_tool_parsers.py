@@ -168,8 +168,10 @@ def test_llama3_json_releases_text_that_cannot_become_json_at_once():
     parser = Llama3JsonToolParser([WEATHER_TOOL])
     assert parser.feed("{x") == ParseDelta(content="{x")
     assert parser.feed("} is a set.") == ParseDelta(content="} is a set.")
-    unfinished = Llama3JsonToolParser([WEATHER_TOOL])
-    assert unfinished.feed('{"name": "get_weather", "parameters": {"city": "Os') == ParseDelta()  # may be a call
+    for unfinished in ('{"name": "get_weather", "parameters": {"city": "Os', '{"name": "get_weather", "parameters": '
+                       '{"days": -', '{"name": "get_weather", "parameters": {"days": 1.', '{"name": "get_weather", '
+                       '"parameters": {"metric": tr', '{"name": "get_weather", "parameters": {"extra": nu'):
+        assert Llama3JsonToolParser([WEATHER_TOOL]).feed(unfinished) == ParseDelta(), unfinished  # may be a call
 
 
 def test_llama3_json_emits_a_call_as_soon_as_it_closes():

@@ -63,12 +63,18 @@ class HermesToolParser(ToolParser):
 _CALL_SEPARATORS = " \t\r\n;"  # between Llama 3.x calls
 
 
+# characters at which a JSON decode error may only mean "unfinished": a literal or number still being written
+# (`tr` of true, `1.` of 1.5, `-` of -2)
+_MAY_CONTINUE = frozenset("truefalsn0123456789+-.eE")
+
+
 def _broken_json(exc: ValueError, text: str) -> bool:
     """Whether JSON `text` failed to parse before its end (a syntax error no continuation fixes), not because
-    it is unfinished: an unterminated string, or an error at the end of the text, may still become an object."""
+    it is unfinished: an unterminated string, an error at the end of the text, or one at a literal or number
+    being written may still become an object."""
     if not isinstance(exc, json.JSONDecodeError) or exc.msg.startswith("Unterminated string"):
         return False
-    return exc.pos < len(text.rstrip())
+    return exc.pos < len(text.rstrip()) and text[exc.pos] not in _MAY_CONTINUE
 
 
 class Llama3JsonToolParser(HermesToolParser):
