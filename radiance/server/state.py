@@ -58,7 +58,7 @@ def default_model_name(model_path: str | None, engine: Any = None) -> str:
 
 # "auto" parsers: the first whose template feature (chat_template.template_features) the model's templates show.
 # Reasoning: harmony and Magistral's [THINK] first, since their markers are the models' own tokens, while <think>
-# could appear in any template's text. Every parser of the two registries is listed (tests/unit check it).
+# could appear in any template's text. Every parser of the two registries is listed (tests/server/test_tool_parsers).
 AUTO_REASONING_PARSERS = (("harmony", "harmony"), ("mistral", "mistral_think"), ("think", "think"))
 AUTO_TOOL_PARSERS = (("harmony", "harmony"), ("qwen3_coder", "qwen3_coder"), ("hermes", "hermes"),
                      ("mistral", "mistral"), ("llama3_json", "llama3_json"))
