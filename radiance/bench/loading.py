@@ -19,7 +19,8 @@ def load_eval_model(model: str | None, variant: Variant, device: str | None, dty
                     progress: bool = True):
     """(model with forward_logits, tokenizer) for one variant; the signature quality.run_eval expects. The bar
     shows the load: quantizing at load takes minutes on a CPU (the embedded model's 120 linears to MXFP4)."""
-    from radiance.engine.loader import load_model, resolve_device
+    from radiance.engine.devices import resolve_device
+    from radiance.engine.loader import load_model
 
     resolve_device(device)  # a bad --device: one line before the model loads (not a torch traceback)
     if is_synthetic(model):

@@ -1,4 +1,5 @@
-"""Sizing and allocating the paged KV cache: from free GPU memory on CUDA, from a byte budget on the CPU."""
+"""Sizing and allocating the paged KV cache (from free GPU memory on CUDA, from a byte budget on the CPU), and the
+max_model_len checks against the model's context and the cache's capacity."""
 
 from __future__ import annotations
 
@@ -91,3 +92,32 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, device: torch.dev
         attn.k_cache = cache[0, i]
         attn.v_cache = cache[1, i]
     return cache
+
+
+def check_max_model_len(requested: int | None, context: int, source: str = "max_position_embeddings") -> None:
+    """Refuses a max_model_len above the model's context, as vLLM does (it was lowered with a warning that
+    scrolled away). vLLM's override (VLLM_ALLOW_LONG_MAX_MODEL_LEN) has no counterpart: the rotary table ends at
+    the context, and a position past it is an IndexError on the CPU, an out-of-bounds read on CUDA."""
+    if requested is not None and requested > context:
+        raise ConfigError(f"max_model_len {requested} exceeds the model's context of {context} tokens ({source}): "
+                          f"use --max-model-len {context} or less")
+
+
+def check_kv_capacity(requested: int | None, num_blocks: int, block_size: int, cache, device_type: str) -> None:
+    """Refuses an explicit max_model_len above what the KV cache holds (num_blocks x block_size tokens), as vLLM
+    does ("The model's max seq len (X) is larger than the maximum number of tokens that can be stored in KV
+    cache (Y)"): one line naming both numbers and the settings that raise the capacity on this device. None
+    (not set: the model's context) is not checked here; the runner lowers it to the capacity with a warning."""
+    capacity = num_blocks * block_size
+    if requested is None or requested <= capacity:
+        return
+    if cache.num_gpu_blocks_override is not None:
+        knobs = f"raise --num-gpu-blocks-override (now {cache.num_gpu_blocks_override})"
+    elif device_type == "cuda":
+        knobs = f"raise --gpu-memory-utilization (now {cache.gpu_memory_utilization})"
+    else:
+        knobs = f"raise --cpu-kv-cache-bytes (now {cache.cpu_kv_cache_bytes})"
+    if cache.num_gpu_blocks_override is None and cache.kv_cache_dtype != "fp8":
+        knobs += " or use --kv-cache-dtype fp8"
+    raise ConfigError(f"max_model_len {requested} is larger than the KV cache holds: {capacity} tokens "
+                      f"({num_blocks} blocks of {block_size}): {knobs}, or use --max-model-len {capacity} or less")

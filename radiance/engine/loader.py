@@ -13,65 +13,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radiance.config import DTYPES, CacheConfig, EngineConfig, KernelConfig, ModelConfig
+from radiance.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
 from radiance.formats._checks import nonfinite_count
-from radiance.engine.kv_cache import blocks_known_before_load, kv_cache_dtype
+from radiance.engine.devices import resolve_device, resolve_dtype
+from radiance.engine.kv_cache import blocks_known_before_load, check_kv_capacity, check_max_model_len, kv_cache_dtype
 from radiance.engine.linears import Overflow16Bit, build_linear, build_lm_head, to_serving_dtype
-from radiance.errors import CheckpointError, ConfigError
+from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight
 from radiance.layers.linear import DenseLinear, UnloadedLinear
 from radiance.models.registry import parameter_name
 
 logger = logging.getLogger(__name__)
-
-
-_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES, the names ModelConfig accepts
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The torch device to run on (default: cuda when available, else cpu); one that cannot run here is a
-    ConfigError of one line, checked before any loading (torch's own answers are tracebacks)."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = _parse_device(device)
-    if dev.type == "cuda":
-        _check_cuda_index(device, dev.index)
-    return dev
-
-
-def _parse_device(device: str | torch.device) -> torch.device:
-    """cpu or cuda[:N]: the device types the engine has kernels for."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {str(device)!r} is not one radiance runs on (cpu, cuda, cuda:1, ...)")
-    return dev
-
-
-def _check_cuda_index(device, index: int | None) -> None:
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device {str(device)!r}: torch sees no CUDA GPU here (use cpu)")
-    count = torch.cuda.device_count()
-    if index is not None and index >= count:
-        raise ConfigError(f"device {str(device)!r}: torch sees {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
-
-
-def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """The dtype asked for, else bfloat16 on CUDA and float32 on a CPU.
-
-    bfloat16 decoded faster on some x86 CPUs (the embedded model: 20 against 25 ms per token on an AVX-512-BF16 CPU,
-    44 against 56 on an AVX2-only one; 25.8 either way on a Xeon with AVX-512-BF16; bench/RESULTS.md), but its
-    arithmetic differs between CPUs with native bf16 dot products and those that widen to fp32, enough to change
-    greedy answers: on a Xeon with AVX-512-BF16 the embedded model answered "What is the capital of France?" with
-    "L'Étoile, la Marseillaise," where float32 (and bf16 on an AVX2 EPYC) says Paris (thirty-fifth session).
-    `--dtype bfloat16` keeps the bf16 path."""
-    if dtype is not None:
-        return _DTYPES[dtype]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 @dataclass
@@ -212,35 +166,6 @@ def open_for_loading(model_config: ModelConfig, cache_config: CacheConfig | None
         _check_known_kv_capacity(model_config.max_model_len, arch, cache_config, device,
                                  resolve_dtype(model_config.dtype, device))
     return checkpoint, model_class, arch
-
-
-def check_max_model_len(requested: int | None, context: int, source: str = "max_position_embeddings") -> None:
-    """Refuses a max_model_len above the model's context, as vLLM does (it was lowered with a warning that
-    scrolled away). vLLM's override (VLLM_ALLOW_LONG_MAX_MODEL_LEN) has no counterpart: the rotary table ends at
-    the context, and a position past it is an IndexError on the CPU, an out-of-bounds read on CUDA."""
-    if requested is not None and requested > context:
-        raise ConfigError(f"max_model_len {requested} exceeds the model's context of {context} tokens ({source}): "
-                          f"use --max-model-len {context} or less")
-
-
-def check_kv_capacity(requested: int | None, num_blocks: int, block_size: int, cache, device_type: str) -> None:
-    """Refuses an explicit max_model_len above what the KV cache holds (num_blocks x block_size tokens), as vLLM
-    does ("The model's max seq len (X) is larger than the maximum number of tokens that can be stored in KV
-    cache (Y)"): one line naming both numbers and the settings that raise the capacity on this device. None
-    (not set: the model's context) is not checked here; the runner lowers it to the capacity with a warning."""
-    capacity = num_blocks * block_size
-    if requested is None or requested <= capacity:
-        return
-    if cache.num_gpu_blocks_override is not None:
-        knobs = f"raise --num-gpu-blocks-override (now {cache.num_gpu_blocks_override})"
-    elif device_type == "cuda":
-        knobs = f"raise --gpu-memory-utilization (now {cache.gpu_memory_utilization})"
-    else:
-        knobs = f"raise --cpu-kv-cache-bytes (now {cache.cpu_kv_cache_bytes})"
-    if cache.num_gpu_blocks_override is None and cache.kv_cache_dtype != "fp8":
-        knobs += " or use --kv-cache-dtype fp8"
-    raise ConfigError(f"max_model_len {requested} is larger than the KV cache holds: {capacity} tokens "
-                      f"({num_blocks} blocks of {block_size}): {knobs}, or use --max-model-len {capacity} or less")
 
 
 def _check_known_kv_capacity(requested: int | None, arch, cache, device: torch.device, dtype: torch.dtype) -> None:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from radiance.config import EngineConfig
-from radiance.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks
-from radiance.engine.loader import check_kv_capacity, check_max_model_len
+from radiance.engine.kv_cache import (allocate_kv_cache, check_kv_capacity, check_max_model_len, kv_cache_dtype,
+                                      num_kv_blocks)
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence

@@ -49,7 +49,7 @@ def configs_from_args(args: argparse.Namespace):
 
 def _check_before_loading(engine_config, server_config: ServerConfig) -> None:
     """What can be checked without the model: otherwise the mistake surfaces after a load that may take minutes."""
-    from radiance.engine.loader import resolve_device
+    from radiance.engine.devices import resolve_device
 
     resolve_device(engine_config.model.device)
     _check_chat_template(server_config.chat_template)

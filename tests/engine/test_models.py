@@ -228,7 +228,7 @@ def test_quantize_lm_head_needs_quantization():
 def test_default_dtype():
     """float32 on a CPU (bf16 greedy answers differ between CPUs with and without native bf16), bfloat16 on CUDA;
     an explicit dtype always wins."""
-    from radiance.engine.loader import resolve_dtype
+    from radiance.engine.devices import resolve_dtype
 
     assert resolve_dtype(None, torch.device("cpu")) == torch.float32
     assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16

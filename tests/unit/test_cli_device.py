@@ -1,4 +1,4 @@
-"""A --device radiance cannot run on is one error line from every entry point (engine.loader.resolve_device),
+"""A --device radiance cannot run on is one error line from every entry point (engine.devices.resolve_device),
 before anything loads: `generate`, `serve`, `eval` and the `radiance.LLM` API."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import radiance.checkpoint
 from radiance import LLM
 from radiance.cli import main
-from radiance.engine.loader import resolve_device
+from radiance.engine.devices import resolve_device
 from radiance.errors import ConfigError
 
 
