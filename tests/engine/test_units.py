@@ -210,8 +210,6 @@ def test_sampling_params_take_numpy_scalars():
 
 
 def test_a_choice_of_an_n_request_is_one_sequence_with_its_own_seed():
-    from radiance.engine.sampling_params import SamplingParams
-
     p = SamplingParams(n=3, temperature=0.7, seed=41, max_tokens=9, stop=["x"])
     second = p.for_choice(2)
     assert (second.n, second.seed, second.temperature, second.max_tokens, second.stop) == (1, 43, 0.7, 9, p.stop)
