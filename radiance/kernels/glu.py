@@ -51,6 +51,7 @@ class GluActivation:
 
 SILU = GluActivation()
 GELU_TANH = GluActivation("gelu_tanh")
+GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")  # config.json's names of it (transformers' ACT2FN, Gemma's)
 
 
 def glu_reference(gate_up: torch.Tensor, act: GluActivation) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radiance.errors import ConfigError
-from radiance.kernels.glu import SILU, GluActivation
+from radiance.kernels.glu import GELU_TANH, GELU_TANH_NAMES, SILU, GluActivation
 from radiance.models.config_fields import given, positive
 from radiance.models.rope_config import longrope, read_rope, rotary_dim_of
 
@@ -82,8 +82,6 @@ class ArchConfig:
         defaults = hf_defaults(architecture)
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        if architecture not in _OWN_ACTIVATION and config.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")  # swish is silu
         if config.get("mlp_bias") and architecture in _READS_MLP_BIAS:
             raise ConfigError("mlp_bias true is not supported (the MLP projections have no bias in radiance)")
         kv_heads, head_dim = _heads(config, architecture, hidden, heads)
@@ -95,7 +93,10 @@ class ArchConfig:
             scaling = longrope(config, scaling, defaults, rotary_dim or head_dim, max_positions)
         # attention_bias: q, k, v and o all carry a bias (as in transformers' Llama, Qwen3 and gpt-oss)
         bias = bool(given(config, "attention_bias", defaults.attention_bias))
+        moe = MoeConfig.from_hf(config, architecture, need("num_hidden_layers"))
         flags = {"qkv_bias": bias, "o_bias": bias}
+        if architecture not in _OWN_ACTIVATION:
+            flags["mlp_activation"] = _hidden_act(config, moe is not None)
         flags.update(overrides)
         return cls(
             architecture=architecture,
@@ -112,7 +113,7 @@ class ArchConfig:
             max_position_embeddings=max_positions,
             rotary_dim=rotary_dim,
             tie_word_embeddings=bool(given(config, "tie_word_embeddings", defaults.tie_word_embeddings)),
-            moe=MoeConfig.from_hf(config, architecture, need("num_hidden_layers")),
+            moe=moe,
             **_sliding_window(config, architecture, need("num_hidden_layers")),
             **flags,
         )
@@ -223,10 +224,22 @@ def _heads(config: dict, architecture: str, hidden: int, heads: int) -> tuple[in
 # architectures whose transformers MLP takes config.json's mlp_bias (radiance's MLPs have no bias)
 _READS_MLP_BIAS = {"LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM"}
 
-# architectures that name their MLP activation otherwise (Gemma: hidden_activation) and check it themselves
 # architectures whose MLP activation is not hidden_act's: Gemma reads hidden_activation (gemma_overrides), gpt-oss's
 # experts always use its clamped SwiGLU (transformers' gpt-oss never reads hidden_act)
 _OWN_ACTIVATION = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"}
+
+def _hidden_act(config: dict, moe: bool) -> GluActivation:
+    """config.json's hidden_act as the dense MLP's GLU: silu (swish is its old name) or, on dense MLPs only,
+    transformers' gelu_pytorch_tanh (a GeGLU, as Gemma's); the experts' kernels take silu only here."""
+    act = config.get("hidden_act", "silu")
+    if act in ("silu", "swish"):
+        return SILU
+    if act in GELU_TANH_NAMES and not moe:
+        return GELU_TANH
+    only = "silu" if moe else "silu or gelu_pytorch_tanh"
+    raise ConfigError(f"hidden_act {act!r} is not supported{' for a mixture-of-experts model' if moe else ''} "
+                      f"(only {only})")
+
 
 def _sliding_window(config: dict, architecture: str, num_layers: int) -> dict:
     """sliding_window and the layers that use it, as transformers reads them: Llama has none; Qwen2, Qwen3 and
@@ -369,9 +382,13 @@ class MoeConfig:
         step = int(config.get("decoder_sparse_step") or 1)
         dense = set(config.get("mlp_only_layers") or ())
         layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        shared = config.get("shared_expert_intermediate_size")
+        if shared == 0 and architecture == "Qwen2MoeForCausalLM":
+            # transformers still builds a 0-wide shared expert (it adds zeros) and saves its gate
+            raise ConfigError("shared_expert_intermediate_size 0 is not supported for Qwen2-MoE (a shared expert "
+                              "of no rows; radiance serves one of at least one row)")
         return cls(int(experts), top_k, int(config["moe_intermediate_size"]),
-                   bool(config.get("norm_topk_prob", False)), layers,
-                   int(config.get("shared_expert_intermediate_size") or 0))
+                   bool(config.get("norm_topk_prob", False)), layers, int(shared or 0))
 
     @classmethod
     def _mixtral(cls, config: dict, experts: int, num_layers: int) -> "MoeConfig":

@@ -23,15 +23,13 @@ from torch import nn
 
 from radiance.errors import ConfigError
 from radiance.models.config_fields import is_positive_number
-from radiance.kernels.glu import GELU_TANH
+from radiance.kernels.glu import GELU_TANH, GELU_TANH_NAMES
 from radiance.layers.linear import takes_fp8
 from radiance.layers.norm import RMSNorm
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.models.arch_config import ArchConfig
 from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP, input_norm
 from radiance.models.rope_config import sliding_rope_theta
-
-_GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -116,7 +114,7 @@ def gemma_overrides(cls, hf_config: dict) -> dict:
     if hf_config.get("use_bidirectional_attention"):
         raise ConfigError("config.json asks for bidirectional attention (an embedding model): not supported")
     activation = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "gelu_pytorch_tanh"
-    if activation not in _GELU_TANH_NAMES:
+    if activation not in GELU_TANH_NAMES:
         raise ConfigError(f"hidden_activation {activation!r} is not supported for Gemma (only gelu_pytorch_tanh)")
     hidden = hf_config.get("hidden_size") or 0
     scalar = hf_config.get("query_pre_attn_scalar", 256)

@@ -13,6 +13,7 @@ from radiance.cli import main
 from radiance.config import ConvertConfig, ModelConfig
 from radiance.engine.loader import load_model
 from radiance.errors import CheckpointError, ConfigError
+from radiance.kernels.glu import GELU_TANH, SILU
 from radiance.models.registry import MODEL_CLASSES, resolve_architecture
 from tests.checkpoint.factory import TINY, dense_state_dict, write_dir
 
@@ -309,7 +310,25 @@ def test_attention_bias_gives_the_biases_each_class_has(cls, qkv, o):
 
 def test_swish_is_silu():
     """transformers' ACT2FN["swish"] is SiLU; it was refused as an unsupported activation."""
-    assert resolve_architecture(dict(TINY, hidden_act="swish"))[1].hidden_size == 64
+    assert resolve_architecture(dict(TINY, hidden_act="swish"))[1].mlp_activation == SILU
+
+
+def test_gelu_pytorch_tanh_is_a_geglu_on_dense_mlps():
+    """A Llama-family hidden_act of gelu_pytorch_tanh is served as Gemma's GeGLU (it was refused); the logits
+    against transformers: tests/engine/test_models.py's llama_gelu."""
+    assert resolve_architecture(dict(TINY, hidden_act="gelu_pytorch_tanh"))[1].mlp_activation == GELU_TANH
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported \\(only silu or gelu_pytorch_tanh\\)"),
+    ({"hidden_act": "gelu_pytorch_tanh", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+      "num_experts_per_tok": 2, "moe_intermediate_size": 32}, "mixture-of-experts model \\(only silu\\)"),
+    ({"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 32, "shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size 0"),
+])
+def test_unservable_mlps_are_named(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_architecture(dict(TINY, **changes))
 
 
 def test_mlp_bias_is_refused():

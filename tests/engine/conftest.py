@@ -26,6 +26,8 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512)
     if arch == "llama3":
         config = LlamaConfig(**common, rope_scaling=dict(LLAMA3_ROPE), rope_theta=5000.0)
+    elif arch == "llama_gelu":  # a GeGLU MLP through hidden_act
+        config = LlamaConfig(**common, hidden_act="gelu_pytorch_tanh")
     elif arch == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=True)
     elif arch == "qwen3":

@@ -16,7 +16,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-ARCHS = ["llama3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gptoss", "mistral", "phi3", "phi3longrope", "gemma3",
+ARCHS = ["llama3", "llama_gelu", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gptoss", "mistral", "phi3", "phi3longrope", "gemma3",
          "smollm3", "olmo2", "olmo3", "granite", "mixtral", "gemma2"]
 
 
