@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import traceback
+from typing import NamedTuple
 
 import torch
 
@@ -53,9 +54,15 @@ def _fmt(v: float, digits: int = 1) -> str:
 # ---------------------------------------------------------------- correctness
 
 
-def run_check(device, m_list=CHECK_M, shapes=CHECK_SHAPES, config: GemmConfig | None = None) -> list[str]:
+class Checked(NamedTuple):
+    """A --check section's report lines and how many of its checks failed (the exit code reads this)."""
+    lines: list[str]
+    failures: int
+
+
+def run_check(device, m_list=CHECK_M, shapes=CHECK_SHAPES, config: GemmConfig | None = None) -> Checked:
     """Kernel vs exact reference at every M (fresh inputs, poisoned outputs, bias on odd rows)."""
-    lines, worst = [], 0.0
+    lines, worst, failures = [], 0.0, 0
     for n, k in shapes:
         for i, m in enumerate(m_list):
             packed, scale = random_mxfp4(n, k, device)
@@ -68,13 +75,14 @@ def run_check(device, m_list=CHECK_M, shapes=CHECK_SHAPES, config: GemmConfig | 
             ref = reference.w4a8_reference(x, packed, scale, bias)  # bf16, like the kernel
             err = reference.relative_error(out, ref)
             worst = max(worst, err) if err == err else float("inf")
-            status = "ok" if err <= 2e-3 else "FAIL"
-            lines.append(f"check N={n} K={k} M={m} bias={bias is not None}: rel={err:.2e} {status}")
-    lines.append(f"check worst rel error {worst:.2e} ({'PASS' if worst <= 2e-3 else 'FAIL'}, gate 2e-3)")
-    return lines
+            ok = err <= 2e-3  # False for NaN too
+            failures += not ok
+            lines.append(f"check N={n} K={k} M={m} bias={bias is not None}: rel={err:.2e} {'ok' if ok else 'FAIL'}")
+    lines.append(f"check worst rel error {worst:.2e} ({'FAIL' if failures else 'PASS'}, gate 2e-3)")
+    return Checked(lines, failures)
 
 
-def run_convert_check(device) -> list[str]:
+def run_convert_check(device) -> Checked:
     """prmt (inline asm) and arithmetic expansion give identical bytes; both equal the exact weight."""
     packed, scale = random_mxfp4(640, 4096, device, spread=14)  # wide spread: exercises shifts and underflow
     pw = prepare_mxfp4(packed, scale)
@@ -83,20 +91,21 @@ def run_convert_check(device) -> list[str]:
     exact = dequantize_prepared(pw) / pw.w_scale[:, None]
     same = torch.equal(a, b)
     value_ok = torch.equal(a.view(torch.float8_e4m3fn).float(), exact)
-    return [f"convert prmt == arithmetic bytes: {same}; equals exact weight: {value_ok}; "
-            f"underflow blocks {pw.underflow_blocks}"]
+    return Checked([f"convert prmt == arithmetic bytes: {same}; equals exact weight: {value_ok}; "
+                    f"underflow blocks {pw.underflow_blocks}"], (not same) + (not value_ok))
 
 
-def run_ptx_check(device) -> list[str]:
-    lines = []
+def run_ptx_check(device) -> Checked:
+    lines, failures = [], 0
     for m in (16, 4096):
         packed, scale = random_mxfp4(4096, 4096, device)
         pw = prepare_mxfp4(packed, scale)
         x_q, x_scale = quantize_activations(torch.randn(m, 4096, device=device))
         ptx = gemm_ptx(x_q, x_scale, pw)
         has = "wgmma" in ptx and "e4m3" in ptx and any("wgmma" in ln and "e4m3" in ln for ln in ptx.splitlines())
+        failures += not has  # a missing prmt is reported, not failed: the arithmetic expansion is still right
         lines.append(f"ptx M={m}: fp8 e4m3 wgmma {'present' if has else 'ABSENT'}; prmt {'present' if 'prmt' in ptx else 'ABSENT'}")
-    return lines
+    return Checked(lines, failures)
 
 
 # ---------------------------------------------------------------- timing
@@ -256,7 +265,7 @@ def run_precision_probe(device) -> list[str]:
     ops = ShapeOperands(28672, 4096, device, with_reference=False)
     for cfg in PREFILL_CANDIDATES:
         try:
-            check = run_check(device, m_list=(1024,), shapes=((1024, 14336),), config=cfg)[0]
+            check = run_check(device, m_list=(1024,), shapes=((1024, 14336),), config=cfg).lines[0]
             t = time_shape(ops, 4096, device, 64, cfg, variants=("gemm",))["gemm"]
             lines.append(f"probe {cfg.as_dict()}: {check.split(': ', 1)[1]}; 28672x4096 M=4096 {t:.0f} us "
                          f"{2 * 4096 * 28672 * 4096 / t / 1e6:.0f} TFLOP/s")
@@ -349,39 +358,34 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     lines = [f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}"]
     print(lines[0], flush=True)
-    sections = []  # (section, whether it is a pass/fail check)
+    sections = []  # each gives report lines, or Checked(lines, failures)
     if args.check:
-        sections += [(lambda: run_convert_check(device), True), (lambda: run_ptx_check(device), True),
-                     (lambda: run_check(device, config=args.config), True)]
+        sections += [lambda: run_convert_check(device), lambda: run_ptx_check(device),
+                     lambda: run_check(device, config=args.config)]
     if args.precision_probe:
-        sections.append((lambda: run_precision_probe(device), False))
+        sections.append(lambda: run_precision_probe(device))
     if args.sweep:
-        sections.append((lambda: run_sweep(args.shapes, args.m, device, args.decode_band), False))
+        sections.append(lambda: run_sweep(args.shapes, args.m, device, args.decode_band))
     if not args.no_table:
-        sections.append((lambda: bench_table(args.shapes, args.m, device, args.decode_band, not args.no_reference,
-                                             args.config), False))
+        sections.append(lambda: bench_table(args.shapes, args.m, device, args.decode_band, not args.no_reference,
+                                            args.config))
     if args.requant:
-        sections.append((lambda: run_requant(device), False))
+        sections.append(lambda: run_requant(device))
     if args.activation_error:
-        sections.append((lambda: run_activation_error(progress=not args.no_progress), False))
+        sections.append(lambda: run_activation_error(progress=not args.no_progress))
     failures = 0
-    for section, is_check in sections:
+    for section in sections:
         try:
             out = section()
         except Exception:  # noqa: BLE001 - report and go on: one broken section must not hide the others
             out = ["section failed:\n" + traceback.format_exc()]
             failures += 1
-        else:
-            failures += sum(map(reports_failure, out)) if is_check else 0
+        if isinstance(out, Checked):
+            failures += out.failures
+            out = out.lines
         lines += out
         print("\n".join(ln for ln in out if not ln.startswith(("sweep", "| "))), flush=True)
     return _finish(lines, args.out, printed=True, failures=failures)
-
-
-def reports_failure(line: str) -> bool:
-    """A --check line that reports a failed check: a kernel past the error gate, prmt and arithmetic bytes
-    that differ, an fp8 wgmma missing from the PTX."""
-    return "FAIL" in line or ": False" in line or "wgmma ABSENT" in line
 
 
 def _finish(lines: list[str], out: str | None, printed: bool, failures: int) -> int:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from radiance.bench import kernels, quality
+from radiance.bench.kernels import Checked
 from radiance.bench.quality import Variant
 from radiance.cli import main
 from radiance.errors import ConfigError
@@ -82,17 +83,18 @@ def test_without_a_gpu_the_error_names_what_runs_on_a_cpu(monkeypatch, capsys):
 
 @pytest.fixture
 def fake_gpu_checks(monkeypatch):
-    """`bench kernels --check` without a GPU: each check section returns the lines given in `lines`."""
-    lines = {"convert": ["convert prmt == arithmetic bytes: True; equals exact weight: True; underflow blocks 0"],
-             "ptx": ["ptx M=16: fp8 e4m3 wgmma present; prmt present"],
-             "check": ["check N=48 K=96 M=1 bias=False: rel=1.00e-04 ok",
-                       "check worst rel error 1.00e-04 (PASS, gate 2e-3)"]}
+    """`bench kernels --check` without a GPU: each check section returns what `results` gives."""
+    results = {"convert": Checked(["convert prmt == arithmetic bytes: True; equals exact weight: True; "
+                                   "underflow blocks 0"], 0),
+               "ptx": Checked(["ptx M=16: fp8 e4m3 wgmma present; prmt present"], 0),
+               "check": Checked(["check N=48 K=96 M=1 bias=False: rel=1.00e-04 ok",
+                                 "check worst rel error 1.00e-04 (PASS, gate 2e-3)"], 0)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
-    monkeypatch.setattr(kernels, "run_convert_check", lambda device: lines["convert"])
-    monkeypatch.setattr(kernels, "run_ptx_check", lambda device: lines["ptx"])
-    monkeypatch.setattr(kernels, "run_check", lambda device, config=None: lines["check"])
-    return lines
+    monkeypatch.setattr(kernels, "run_convert_check", lambda device: results["convert"])
+    monkeypatch.setattr(kernels, "run_ptx_check", lambda device: results["ptx"])
+    monkeypatch.setattr(kernels, "run_check", lambda device, config=None: results["check"])
+    return results
 
 
 def test_checks_that_pass_exit_0(fake_gpu_checks):
@@ -106,7 +108,7 @@ def test_checks_that_pass_exit_0(fake_gpu_checks):
 ])
 def test_a_failed_check_exits_1(fake_gpu_checks, tmp_path, capsys, section, line):
     """`--check` printed FAIL and exited 0, so CI and scripts took a broken kernel for a good one."""
-    fake_gpu_checks[section] = [line]
+    fake_gpu_checks[section] = Checked([line], 1)
     out = tmp_path / "check.txt"
     assert main(["bench", "kernels", "--check", "--no-table", "--out", str(out)]) == 1
     assert "1 check(s) or section(s) failed" in capsys.readouterr().out
@@ -133,3 +135,19 @@ def test_kernel_sizes_that_cannot_run_are_refused_by_the_parser(capsys, argv, me
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "kernels", *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("factor, failures", [(1.0, 0), (1.01, 2)])
+def test_run_check_counts_the_rows_past_the_gate(monkeypatch, factor, failures):
+    """The exit code reads run_check's count (it used to grep the report for "FAIL"): a kernel 1% off fails each
+    M it runs at, the exact answer none."""
+    from radiance.kernels import reference
+    from radiance.kernels.prepare import dequantize_prepared
+
+    def fake_gemm(x_q, x_scale, pw, bias, out, config=None):
+        out.copy_(reference.w4a8_matmul_reference(x_q, x_scale, dequantize_prepared(pw), bias, out.dtype) * factor)
+
+    monkeypatch.setattr(kernels, "w4a8_gemm", fake_gemm)
+    result = kernels.run_check(torch.device("cpu"), m_list=(1, 3), shapes=((48, 96),))
+    assert result.failures == failures
+    assert ("FAIL" in result.lines[-1]) == bool(failures)
