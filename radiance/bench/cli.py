@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 from functools import partial
 from pathlib import Path
 
 from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int
+from radiance.bench.serve_options import SERVE_DEFAULTS, ServeBenchOptions
 from radiance.config import DTYPES, MODEL_RULES
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-SERVE_LEVELS = (1, 8, 32, 128)  # bench serve's default concurrency levels
+SERVE_LEVELS = SERVE_DEFAULTS["concurrency"]  # bench serve's default concurrency levels
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -70,24 +70,29 @@ def _add_serve(sub) -> None:
     p.add_argument("--concurrency", type=_int_list, nargs="+",
                    help=f"levels, comma- or space-separated (default: {','.join(map(str, SERVE_LEVELS))})")
     p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)")
-    p.add_argument("--input-len", type=int, default=256, help="prompt length in words (~tokens; default: 256)")
-    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default: 128)")
+    p.add_argument("--input-len", type=int, default=SERVE_DEFAULTS["input_len"],
+                   help="prompt length in words (~tokens; default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=SERVE_DEFAULTS["output_len"],
+                   help="max_tokens of each request (default: %(default)s)")
     p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or ShareGPT conversations (their "
                                      "first human turn), a JSON array of either, or one prompt per line; the levels "
                                      "walk through it in order, each prompt sent once while it lasts")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+    p.add_argument("--request-rate", type=float, default=SERVE_DEFAULTS["request_rate"],
+                   help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default=SERVE_DEFAULTS["endpoint"],
                    help="/v1/completions with raw prompts (default) or /v1/chat/completions with one user message")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="send OpenAI's fields only, not vLLM's ignore_eos, min_tokens and "
                         "stream_options.continuous_usage_stats (for servers that reject unknown fields)")
     p.add_argument("--api-key", help="sent as `Authorization: Bearer KEY` (a server started with --api-key)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds to wait to connect and for each streamed chunk, not the whole answer (default: 600)")
-    p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level (default: 1)")
-    p.add_argument("--seed", type=non_negative_int, default=0,
+    p.add_argument("--timeout", type=float, default=SERVE_DEFAULTS["timeout_s"],
+                   help="seconds to wait to connect and for each streamed chunk, not the whole answer "
+                        "(default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=SERVE_DEFAULTS["warmup"],
+                   help="uncounted requests before the first level (default: %(default)s)")
+    p.add_argument("--seed", type=non_negative_int, default=SERVE_DEFAULTS["seed"],
                    help="seed of the random prompts and arrival times; level i uses SEED + i. Not negative: Python's "
-                        "random takes -3 as 3, so levels would repeat prompts (default: 0)")
+                        "random takes -3 as 3, so levels would repeat prompts (default: %(default)s)")
     p.add_argument("--label", help="name of this configuration in --json and --plot")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="aggregate tok/s against concurrency")
@@ -102,13 +107,7 @@ def run_serve(args) -> int:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the table
     earlier = _checked_plot_inputs(args)
-    opts = serve_bench.ServeBenchOptions(
-        url=args.url, model=args.model, concurrency=serve_levels(args), num_prompts=args.num_prompts,
-        input_len=args.input_len, output_len=args.output_len, dataset=args.dataset,
-        request_rate=args.request_rate, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
-        api_key=args.api_key, timeout_s=args.timeout, warmup=args.warmup, seed=args.seed,
-        progress=not args.no_progress)
-    result = serve_bench.run_serve_bench(opts)
+    result = serve_bench.run_serve_bench(serve_options(args))
     if result.get("interrupted") and not result["levels"]:
         return 130  # Ctrl-C before any request finished: nothing to report
     if args.label:
@@ -121,6 +120,16 @@ def run_serve(args) -> int:
         return 130
     failed = sum(lv["failed"] for lv in result["levels"])
     return 1 if failed and not any(lv["ok"] for lv in result["levels"]) else 0
+
+
+def serve_options(args) -> ServeBenchOptions:
+    """The parsed `bench serve` flags as its options (the flags' defaults are the dataclass's)."""
+    return ServeBenchOptions(
+        url=args.url, model=args.model, concurrency=serve_levels(args), num_prompts=args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len, dataset=args.dataset,
+        request_rate=args.request_rate, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
+        api_key=args.api_key, timeout_s=args.timeout, warmup=args.warmup, seed=args.seed,
+        progress=not args.no_progress)
 
 
 def serve_levels(args) -> tuple[int, ...]:

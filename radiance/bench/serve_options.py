@@ -1,0 +1,66 @@
+"""The options of `radiance bench serve`, apart from the load generator so that the CLI reads their defaults without
+importing httpx and torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from radiance.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServeBenchOptions:
+    url: str
+    model: str | None = None  # None: the first model the server lists
+    concurrency: tuple[int, ...] = (1, 8, 32, 128)
+    num_prompts: int | None = None  # per level; None: 4 x concurrency, at least 8
+    input_len: int = 256
+    output_len: int = 128
+    dataset: str | None = None  # JSONL ({"prompt", "output_len"?}) or plain text, one prompt a line
+    request_rate: float = math.inf  # requests/s per level; inf: all at once (bounded by concurrency)
+    endpoint: str = "completions"  # or "chat"
+    ignore_eos: bool = True  # send vLLM's extensions (ignore_eos, min_tokens: exactly output_len tokens;
+    # continuous_usage_stats: the tokens of each chunk); False: OpenAI's fields only
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    warmup: int = 1  # requests sent (and not counted) before the first level
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        _check_url(self.url)
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ConfigError("concurrency levels must be positive integers")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ConfigError("num_prompts must be positive")
+        if self.input_len < 1 or self.output_len < 1:
+            raise ConfigError("input_len and output_len must be positive")
+        if not self.request_rate > 0:
+            raise ConfigError("request_rate must be positive (omit it to send all at once)")
+        if not self.timeout_s > 0:  # 0 or less would fail every request as a "timeout" of the server
+            raise ConfigError(f"timeout must be positive seconds, got {self.timeout_s}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be 0 or more requests, got {self.warmup}")
+        if self.endpoint not in ("completions", "chat"):
+            raise ConfigError(f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}")
+
+    def prompts_for(self, concurrency: int) -> int:
+        return self.num_prompts if self.num_prompts is not None else max(8, 4 * concurrency)
+
+
+def _check_url(url: str) -> None:
+    """http(s)://HOST[:PORT], checked before any request: a port past 65535 was an OverflowError traceback, and a
+    URL without its scheme failed every request as an 'unsupported protocol'."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        raise ConfigError(f"--url {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--url must be http://HOST[:PORT] or https://..., got {url!r}")
+
+
+SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeBenchOptions)}  # what the CLI flags show and use
