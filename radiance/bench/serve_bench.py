@@ -245,7 +245,9 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
                 break
     return {"url": opts.url, "model": model, "endpoint": opts.endpoint,
             "input_len": None if opts.dataset else opts.input_len, "output_len": opts.output_len,
-            "dataset": opts.dataset, "request_rate": opts.request_rate, "ignore_eos": opts.ignore_eos,
+            "dataset": opts.dataset, "ignore_eos": opts.ignore_eos,
+            # JSON has no infinity (it became null); "inf" as vLLM's benchmark writes it
+            "request_rate": opts.request_rate if math.isfinite(opts.request_rate) else "inf",
             "interrupted": interrupted,
             "levels": [lv.as_dict() for lv in levels]}
 

@@ -13,6 +13,7 @@ def test_bench_serve_cli_json_and_plot(fake_server, tmp_path, capsys):
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["label"] == "fake"
+    assert result["request_rate"] == "inf"  # all at once (it was written as null)
     assert [(lv["concurrency"], lv["ok"], lv["output_tokens"]) for lv in result["levels"]] == [(1, 2, 6), (2, 2, 6)]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a second run drawn together with the first one's JSON
