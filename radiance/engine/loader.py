@@ -67,6 +67,32 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     with _default_dtype_and_device(dtype, device):
         model = model_class(arch)
     model.eval()
+    served, report, kv_scales_note = _load_weights(model, checkpoint, model_config, kernel_config, dtype, device,
+                                                   progress)
+    tokenizer, tokenizer_error = _load_tokenizer(checkpoint)
+    name = _model_name(model_config.model, checkpoint.path)
+    summary = [
+        f"model: {checkpoint.path or name} ({model.config.architecture}, {model.config.num_layers} layers, hidden "
+        f"{model.config.hidden_size}) on {device} in {str(dtype).replace('torch.', '')}, loaded in "
+        f"{time.perf_counter() - started:.1f} s",
+        *_served_summary(served, report, kv_scales_note, model_config.quantization),
+        *_kernel_summary(model),
+    ]
+    for line in summary:
+        logger.info(line)
+    eos = list(checkpoint.eos_token_ids)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return LoadedModel(model, tokenizer, checkpoint.chat_template, eos, str(name),
+                       device, dtype, summary, dict(checkpoint.chat_templates),
+                       tokenizer_error)
+
+
+def _load_weights(model, checkpoint, model_config: ModelConfig, kernel_config: KernelConfig, dtype: torch.dtype,
+                  device: torch.device, progress: bool) -> tuple[Counter, RequantReport, str | None]:
+    """Every checkpoint tensor into `model`: 16-bit parameters copied, linears built in their serving format; then
+    a tied head's stored copy compared, a quantized head's own copy, the KV scales, and what the checkpoint lacks.
+    Gives how many linears each format serves, the requantization report and the KV scales' note."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     served = Counter()
@@ -89,25 +115,14 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
             if target == "lm_head.weight" and model_config.quantize_lm_head:
                 name, item = "lm_head", DenseWeight(item)  # served like any other linear below
             else:
-                param = params.get(target)
-                if param is None:  # by the checkpoint's own name (q_proj.bias, not the merged qkv_proj.bias)
-                    stored = checkpoint.stored_name(name)
-                    raise CheckpointError("tensor not used by the model", file=checkpoint.file_of(stored),
-                                          tensor=stored)
-                if tuple(param.shape) != tuple(item.shape):
-                    raise CheckpointError(f"shape {tuple(item.shape)} does not match the model's {tuple(param.shape)}",
-                                          file=checkpoint.file_of(name), tensor=checkpoint.stored_name(name))
-                param.data.copy_(_cast_named(item, param.dtype, name, checkpoint))
-                bad = nonfinite_count(param.data)  # on the device: nearly free on a GPU
-                if bad:
-                    raise _nonfinite_error(bad, name, checkpoint)
+                _copy_parameter(params.get(target), name, item, checkpoint)
                 loaded.add(target)
                 continue
         try:
             item = model.checkpoint_linear(name, item)
         except ValueError as exc:
             raise CheckpointError(str(exc), file=checkpoint.file_of(name), tensor=name) from None
-        module, how, err = _install_linear(model, name, item, model_config, kernel_config, dtype, device, checkpoint)
+        _, how, err = _install_linear(model, name, item, model_config, kernel_config, dtype, device, checkpoint)
         if name == "lm_head":  # a quantized head replaces the 16-bit weight slot
             loaded.add("lm_head.weight")
             model.lm_head.weight = None
@@ -128,27 +143,33 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
     for module in model.modules():  # e.g. a sparse MLP stacks its experts for the grouped kernel
         if hasattr(module, "finish_loading"):
             module.finish_loading()
-    tokenizer, tokenizer_error = _load_tokenizer(checkpoint)
-    name = _model_name(model_config.model, checkpoint.path)
-    summary = [
-        f"model: {checkpoint.path or name} ({model.config.architecture}, {model.config.num_layers} layers, hidden {model.config.hidden_size}) "
-        f"on {device} in {str(dtype).replace('torch.', '')}, loaded in {time.perf_counter() - started:.1f} s",
-        "linears: " + ", ".join(f"{n} {how}" for how, n in sorted(served.items()))
-        + f" (quantization={model_config.quantization})",
-    ]
+    return served, report, kv_scales_note
+
+
+def _served_summary(served: Counter, report: RequantReport, kv_scales_note: str | None, quantization: str) -> list[str]:
+    """The load summary's lines on how the weights are served: linears per format, requantization, KV scales."""
+    lines = ["linears: " + ", ".join(f"{n} {how}" for how, n in sorted(served.items()))
+             + f" (quantization={quantization})"]
     if report.entries:
-        summary.append("requant: " + report.summary())
+        lines.append("requant: " + report.summary())
     if kv_scales_note:
-        summary.append(kv_scales_note)
-    summary += _kernel_summary(model)
-    for line in summary:
-        logger.info(line)
-    eos = list(checkpoint.eos_token_ids)
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    return LoadedModel(model, tokenizer, checkpoint.chat_template, eos, str(name),
-                       device, dtype, summary, dict(checkpoint.chat_templates),
-                       tokenizer_error)
+        lines.append(kv_scales_note)
+    return lines
+
+
+def _copy_parameter(param: torch.nn.Parameter | None, name: str, item: torch.Tensor, checkpoint) -> None:
+    """A 16-bit tensor into its parameter, refused where the model has no such parameter, its shape differs or a
+    value is not finite."""
+    if param is None:  # by the checkpoint's own name (q_proj.bias, not the merged qkv_proj.bias)
+        stored = checkpoint.stored_name(name)
+        raise CheckpointError("tensor not used by the model", file=checkpoint.file_of(stored), tensor=stored)
+    if tuple(param.shape) != tuple(item.shape):
+        raise CheckpointError(f"shape {tuple(item.shape)} does not match the model's {tuple(param.shape)}",
+                              file=checkpoint.file_of(name), tensor=checkpoint.stored_name(name))
+    param.data.copy_(_cast_named(item, param.dtype, name, checkpoint))
+    bad = nonfinite_count(param.data)  # on the device: nearly free on a GPU
+    if bad:
+        raise _nonfinite_error(bad, name, checkpoint)
 
 
 def open_for_loading(model_config: ModelConfig, cache_config: CacheConfig | None = None, checkpoint=None):
