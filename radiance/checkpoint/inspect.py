@@ -162,6 +162,17 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False, with_values: 
         values_line = f"values     {read} weights read: " + (f"{len(faults)} faulty (warnings)" if faults
                                                                else "all finite")
     entries = ckpt.describe()
+    lines = _header_lines(ckpt, entries, problem, with_tokenizer)
+    if values_line:
+        lines.append(values_line)
+    lines += _linear_table(entries) + _other_table(entries) + _kv_scale_lines(ckpt.attention_scales)
+    lines += ["", f"total      {len(entries)} entries, {_mib(sum(e.nbytes for e in entries))}"]
+    lines += ["", f"warnings   {len(warnings) or 'none'}"] + [f"  - {w}" for w in warnings]
+    return lines, warnings
+
+
+def _header_lines(ckpt: Checkpoint, entries, problem: str | None, with_tokenizer: bool) -> list[str]:
+    """What the model is: path, kind, config, attention and rotary, quantization, servability, generation."""
     served_from = ckpt.config.get("served_from")  # a vision-language model: its language model alone
     kind = f"{ckpt.kind}, {ckpt.architecture}" + (f" (the language model of {served_from})" if served_from else "")
     lines = [f"model      {ckpt.path}", f"kind       {kind}",
@@ -175,50 +186,56 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False, with_values: 
     quant = (_gguf_quant(entries) if ckpt.kind == "gguf" else None) or ckpt.quant.describe()
     lines.append(f"quant      {quant}")
     lines.append(f"servable   {'NO: ' + problem if problem else 'yes'}")
-    template = ckpt.chat_template
     named = [name for name in ckpt.chat_templates if name != "default"]  # tool_use, ...
-    lines.append(f"generation eos ids {ckpt.eos_token_ids}, chat template {'yes' if template else 'no'}"
+    lines.append(f"generation eos ids {ckpt.eos_token_ids}, chat template {'yes' if ckpt.chat_template else 'no'}"
                  + (f" (named: {', '.join(named)})" if named else "")
                  + ("" if ckpt.has_tokenizer else ", no tokenizer"))
     if with_tokenizer and ckpt.has_tokenizer:
         tok = ckpt.tokenizer()
         lines.append(f"tokenizer  {type(tok).__name__}, {len(tok)} tokens")
-    if values_line:
-        lines.append(values_line)
+    return lines
 
+
+def _linear_table(entries) -> list[str]:
+    """The linears grouped by layer class, format, shape and partitions."""
     linears: OrderedDict[tuple, list] = OrderedDict()
-    others: OrderedDict[tuple, list] = OrderedDict()
     for e in entries:
         if e.is_linear:
-            key = (layer_kind(e.name), e.format, e.shape, e.partition_sizes, e.source_format)
-            linears.setdefault(key, []).append(e)
-        else:
-            key = (_LAYER.sub(".layers.*.", e.name), e.format, e.shape, e.source_format)
-            others.setdefault(key, []).append(e)
+            linears.setdefault((layer_kind(e.name), e.format, e.shape, e.partition_sizes, e.source_format), []).append(e)
     width = max([14] + [len(kind) + 1 for kind, *_ in linears])  # experts.gate_up_proj: 21
-    lines += ["", "linears (per layer class)",
-              f"  {'class':<{width}}{'count':>6}  {'format':<8}{'shape [N, K] (partitions)':<32}{'bytes':>11}"]
+    lines = ["", "linears (per layer class)",
+             f"  {'class':<{width}}{'count':>6}  {'format':<8}{'shape [N, K] (partitions)':<32}{'bytes':>11}"]
     for (kind, fmt, shape, parts, source), group in linears.items():
         note = f"  stored {source}" if source else ""
         lines.append(f"  {kind:<{width}}{len(group):>6}  {fmt:<8}{_shape(shape, parts):<32}"
                      f"{_mib(sum(e.nbytes for e in group)):>11}{note}")
     if not linears:
         lines.append("  (none)")
+    return lines
+
+
+def _other_table(entries) -> list[str]:
+    """The other tensors (embeddings, norms, biases, ...), each layer's copy counted under one name."""
+    others: OrderedDict[tuple, list] = OrderedDict()
+    for e in entries:
+        if not e.is_linear:
+            others.setdefault((_LAYER.sub(".layers.*.", e.name), e.format, e.shape, e.source_format), []).append(e)
     name_width = max([46] + [len(name) + 1 for name, *_ in others])  # Gemma 3's pre_feedforward_layernorm: 52
     shape_width = max([16] + [len(_shape(shape)) + 1 for _, _, shape, _ in others])
-    lines += ["", "other tensors",
-              f"  {'name':<{name_width}}{'count':>6}  {'dtype':<10}{'shape':<{shape_width}}{'bytes':>11}"]
+    lines = ["", "other tensors",
+             f"  {'name':<{name_width}}{'count':>6}  {'dtype':<10}{'shape':<{shape_width}}{'bytes':>11}"]
     for (name, fmt, shape, source), group in others.items():
         note = f"  stored {source}" if source else ""
         lines.append(f"  {name:<{name_width}}{len(group):>6}  {fmt:<10}{_shape(shape):<{shape_width}}"
                      f"{_mib(sum(e.nbytes for e in group)):>11}{note}")
-    if ckpt.attention_scales:  # calibrated fp8 KV-cache scales (applied with --kv-cache-dtype fp8)
-        for kind in ("k_scale", "v_scale"):
-            values = [v for n, v in ckpt.attention_scales.items() if n.endswith(kind)]
-            if values:
-                lines.append(f"  fp8 KV-cache {kind:<8} {len(values):>4} layers, "
-                             f"{min(values):.4g} .. {max(values):.4g}")
-    total = sum(e.nbytes for e in entries)
-    lines += ["", f"total      {len(entries)} entries, {_mib(total)}"]
-    lines += ["", f"warnings   {len(warnings) or 'none'}"] + [f"  - {w}" for w in warnings]
-    return lines, warnings
+    return lines
+
+
+def _kv_scale_lines(attention_scales: dict) -> list[str]:
+    """Calibrated fp8 KV-cache scales (applied with --kv-cache-dtype fp8): their range per kind."""
+    lines = []
+    for kind in ("k_scale", "v_scale"):
+        values = [v for n, v in attention_scales.items() if n.endswith(kind)]
+        if values:
+            lines.append(f"  fp8 KV-cache {kind:<8} {len(values):>4} layers, {min(values):.4g} .. {max(values):.4g}")
+    return lines
