@@ -1,4 +1,5 @@
-"""The FastAPI app: routes, API-key check, background model loading.
+"""The FastAPI app: the middleware every request passes through, background model loading, and the routes
+(routes_ops, routes_openai, routes_tokenizer) assembled.
 
 `build_app(state)` returns an app whose lifespan starts loading the engine in a worker thread, so
 the port is open (and `/health` answers 503) while weights load. /health, /ping, /metrics and /version
@@ -13,21 +14,14 @@ import hmac
 import logging
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
 
 from radiance import __version__
 
+from radiance.server import routes_openai, routes_ops, routes_tokenizer
 from radiance.server.errors import OpenAIError, error_response, install_error_handlers, internal_error
-from radiance.server.metrics import CONTENT_TYPE, ServedRequest, current_request
-from radiance.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      TokenizeRequest, model_card)
-from radiance.server.protocol_responses import ResponsesRequest
-from radiance.server.serving_chat import create_chat_completion, render_prompt
-from radiance.server.serving_common import check_token_ids, encode_prompt, vocabulary_strings
-from radiance.server.serving_completions import create_completion
-from radiance.server.serving_responses import create_response, stored_input_items, stored_response
+from radiance.server.metrics import ServedRequest, current_request
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -67,17 +61,16 @@ class RequestMiddleware:
         served = self._served_request(scope)
         token = current_request.set(served)
         try:
-            await self._answer(scope, receive, self._sending_request_id(send, served.request_id))
+            await self._serve(scope, receive, self._sending_request_id(send, served.request_id))
         finally:
             current_request.reset(token)
 
     async def _answer(self, scope, receive, send):
-        if not self._authorized(scope):
-            self.state.metrics.http_error(401)
+        if not self._authorized(scope):  # a 401, counted by _serve as every error status
             response = error_response(OpenAIError(401, "Incorrect or missing API key "
                                                        "(send Authorization: Bearer KEY)", code="invalid_api_key"))
             return await response(scope, receive, send)
-        await self._serve(scope, receive, send)
+        await self.app(scope, receive, send)
 
     @staticmethod
     def _served_request(scope) -> ServedRequest:
@@ -126,7 +119,7 @@ class RequestMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, watching_receive, counting_send)
+            await self._answer(scope, watching_receive, counting_send)
         except asyncio.CancelledError:
             # uvicorn cancels what still runs once its graceful-shutdown timeout is over (and awaits it no more):
             # the client gets a 503 (not uvicorn's text/plain 500), the log no "Exception in ASGI application"
@@ -134,8 +127,9 @@ class RequestMiddleware:
             if status is None:
                 await error_response(OpenAIError(503, "the server is shutting down"))(scope, receive, counting_send)
         except Exception as exc:
-            # answered here, not by Starlette's outermost handler: that one re-raises, so uvicorn logged the
-            # traceback a second time and closed the client's keep-alive connection
+            # the one place a bug is answered (errors.py has no Exception handler): Starlette's sits outside this
+            # middleware and re-raises, so uvicorn logged the traceback a second time and closed the keep-alive
+            # connection (test_an_unexpected_exception_is_answered_by_the_middleware_alone)
             logger.exception("internal error while serving %s", scope["path"])
             if status is None:
                 await error_response(internal_error(exc))(scope, receive, counting_send)
@@ -153,33 +147,39 @@ class RequestMiddleware:
             self.state.metrics.http_error(499 if client_left else in_band)
 
 
-def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAPI:
-    """`on_ready(state)` runs once the engine is loaded (the CLI logs the startup summary there);
-    `on_load_failure(state)` when loading raised (the CLI shuts the server down and reports it)."""
+def _lifespan(on_ready, on_load_failure):
+    """Loads the engine in the background while the server runs (the port is open meanwhile), stops it after."""
+
+    async def load(state: ServerState):
+        try:
+            await state.load()
+        except asyncio.CancelledError:  # stopped while loading (Ctrl+C): nothing failed
+            return
+        except BaseException:  # noqa: BLE001 - logged by state.load; /health reports it
+            if on_load_failure is not None:
+                on_load_failure(state)
+            return
+        if on_ready is not None:
+            on_ready(state)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        async def load():
-            try:
-                await state.load()
-            except asyncio.CancelledError:  # stopped while loading (Ctrl+C): nothing failed
-                return
-            except BaseException:  # noqa: BLE001 - logged by state.load; /health reports it
-                if on_load_failure is not None:
-                    on_load_failure(state)
-                return
-            if on_ready is not None:
-                on_ready(state)
-
-        task = asyncio.create_task(load()) if not state.ready else None
+    async def lifespan(app: FastAPI):
+        state = app.state.radiance
+        task = asyncio.create_task(load(state)) if not state.ready else None
         yield
         if task is not None and not task.done():
             task.cancel()
         # the engine's loop and threads stop with the server: a stream still waiting ends instead of hanging
         await state.shutdown()
 
-    app = FastAPI(title="radiance", version=__version__, lifespan=lifespan)
-    app.state.radiance = state
+    return lifespan
+
+
+def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAPI:
+    """`on_ready(state)` runs once the engine is loaded (the CLI logs the startup summary there);
+    `on_load_failure(state)` when loading raised (the CLI shuts the server down and reports it)."""
+    app = FastAPI(title="radiance", version=__version__, lifespan=_lifespan(on_ready, on_load_failure))
+    app.state.radiance = state  # the routes' State dependency (routes_common) reads it
     install_error_handlers(app)
 
     app.add_middleware(RequestMiddleware, state=state)
@@ -187,101 +187,6 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
     # and a 401 carries the CORS headers the page needs to read it
     app.add_middleware(CORSMiddleware, **cors_options(state.config.allowed_origins))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime checkers' probe
-    async def health():
-        if state.ready and not state.engine_failed():
-            return Response(status_code=200)
-        status = "failed" if state.load_error or state.engine_failed() else "loading"
-        return JSONResponse(OpenAIError(503, f"model {status}").body(), status_code=503)
-
-    @app.get("/ping")
-    async def ping():
-        return await health()
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    def card(name: str) -> dict:
-        root = state.model_path or state.served_names[0]
-        return dict(model_card(name, root, state.created), max_model_len=state.max_model_len or None)
-
-    @app.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": [card(name) for name in state.served_names]}
-
-    @app.get("/v1/models/{name:path}")
-    async def get_model(name: str):
-        return card(state.check_model(name))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(state, body, request)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await create_completion(state, body, request)
-
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request):
-        return await create_response(state, body, request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        return stored_response(state, response_id)
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def list_input_items(response_id: str, request: Request, order: str = "desc", after: str | None = None,
-                               limit: int = 20):
-        query = request.query_params  # the openai client sends a list as include[]=...
-        include = query.getlist("include") + query.getlist("include[]")
-        return stored_input_items(state, response_id, order, after, limit, include)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        stored_response(state, response_id)  # 404 when unknown
-        state.responses.delete(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        state.require_engine()
-        state.check_model(body.model)
-        state.require_tokenizer()
-        # encode_prompt, as the completion routes: a text too long for the context by its length alone is a 400
-        # before tokenizing (a 6 MB one held the whole server for 9 s)
-        if body.messages is not None:  # rendered exactly as /v1/chat/completions would render it
-            chat = body.chat_request()
-            text = await state.off_loop(render_prompt, state, chat,
-                                        use_tools=bool(chat.tools) and chat.tool_choice != "none")
-            tokens = await state.off_loop(encode_prompt, state, text, "messages", add_special_tokens=False)
-        else:
-            tokens = await state.off_loop(encode_prompt, state, body.prompt, "prompt",
-                                          add_special_tokens=body.add_special_tokens)
-        answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
-        if body.return_token_strs:
-            answer["token_strs"] = vocabulary_strings(state.tokenizer, tokens)
-        return answer
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        """The special tokens and chat template, as vLLM serves them: lm-evaluation-harness's remote
-        tokenizer reads this, then /tokenize and /detokenize, instead of downloading the tokenizer."""
-        state.require_engine()
-        tok = state.require_tokenizer()
-        special = {name: getattr(tok, name, None) for name in ("eos_token", "bos_token", "pad_token", "unk_token")}
-        return {"tokenizer_class": type(tok).__name__, **special, "chat_template": state.chat_template,
-                "model_max_length": state.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        state.require_engine()
-        state.check_model(body.model)
-        check_token_ids(state, body.tokens, "tokens")
-        return {"prompt": state.require_tokenizer("tokens").decode(body.tokens)}
-
+    for router in (routes_ops.router, routes_openai.router, routes_tokenizer.router):
+        app.include_router(router)
     return app

@@ -2,13 +2,14 @@
 
 FastAPI's own validation answer (422 with a list of pydantic errors) is replaced by a 400 whose
 `param` names the offending field, as OpenAI clients expect. Unexpected exceptions become a 500
-whose body carries no traceback (the traceback goes to the server log only).
+whose body carries no traceback (the traceback goes to the server log only): api.RequestMiddleware
+answers them with `internal_error`, as no exception handler here could (Starlette's for Exception runs
+outside that middleware, so it never sees a route's exception).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +18,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radiance.errors import RadianceError
 from radiance.server.metrics import current_request
-
-logger = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -120,16 +119,17 @@ def _validation_message(exc: RequestValidationError, content_type: str | None = 
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
         if param is None:  # a whole-request check: its message starts with the field it is about
-            word = msg.split(" ", 1)[0]
-            param = word if word.isidentifier() and word in _request_fields() else None
+            from radiance.server.protocol import ChatCompletionRequest, CompletionRequest
+            param = field_named_first(msg, ChatCompletionRequest, CompletionRequest)
         return msg, param
     return (f"{param}: {msg}" if param else msg), param
 
 
-def _request_fields() -> set[str]:
-    from radiance.server import protocol
-    return {name for model in (protocol.ChatCompletionRequest, protocol.CompletionRequest)
-            for name in model.model_fields}
+def field_named_first(message: str, *models: type) -> str | None:
+    """OpenAI's `param` for a message about one field that names it first ("top_logprobs needs logprobs"): its
+    first word when that is a field of one of the pydantic `models`, else None."""
+    word = message.split(" ", 1)[0]
+    return word if any(word in model.model_fields for model in models) else None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -154,12 +154,3 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RadianceError)
     async def _radiance_error(_request: Request, exc: RadianceError):
         return error_response(OpenAIError(400, str(exc)))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        logger.exception("internal error while serving %s", request.url.path)
-        # this handler runs outside the middleware that counts error statuses, so count here
-        state = getattr(request.app.state, "radiance", None)
-        if state is not None:
-            state.metrics.http_error(500)
-        return error_response(internal_error(exc))

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from radiance.engine.sampling_params import SamplingParamsError
-from radiance.server.errors import OpenAIError, invalid
+from radiance.server.errors import OpenAIError, field_named_first, invalid
 from radiance.server.protocol_responses import (ReasoningConfig, ResponsesRequest, check_includes, conversation_units,
                                                 input_messages, listed_input_items)
 from radiance.server.response_store import StoredResponse
@@ -217,8 +217,7 @@ class ResponseRun:
             raise
         except SamplingParamsError as exc:  # e.g. min_tokens over the room the context leaves for output
             message = _responses_names(str(exc))
-            field = message.split(" ", 1)[0]
-            raise invalid(message, param=field if field in ResponsesRequest.model_fields else None) from None
+            raise invalid(message, param=field_named_first(message, ResponsesRequest)) from None
 
     async def _prepare_truncated(self):
         """truncation "auto" (OpenAI's): when the prompt and max_output_tokens overflow the context, the oldest

@@ -270,7 +270,7 @@ def test_mistral_v11_and_call_id_templates_through_the_server():
         assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Rome"}
         assert sent_prompt(engine).endswith("[/INST][TOOL_CALLS]get_weather[ARGS]")
         client.chat.completions.create(model="fake", messages=history("call_abc"))
-        assert f'[TOOL_CALLS]get_weather[ARGS]{{"city": "Oslo"}}' in sent_prompt(engine)
+        assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}' in sent_prompt(engine)
 
     engine = mistral_engine(MISTRAL_CALL_ID_LIKE, 'Sure.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}')
     with serve_engine(engine) as url:

@@ -15,9 +15,12 @@ from radiance.server.serving_chat import ChoiceStream
 from radiance.server.tool_parsers import Qwen3CoderToolParser, parse_tool_calls
 from tests.engine.conftest import TINY_TOKENIZER_VOCAB, tiny_byte_bpe_tokenizer
 from tests.server.fake_engine import FakeEngine, serve_engine
-from tests.server.test_chat_followups import SCHEMA, THINKING, chat, harmony_server  # noqa: F401 (fixture)
+from tests.server import test_chat_followups
+from tests.server.test_chat_followups import SCHEMA, THINKING, chat
 from tests.server.test_harmony_tools import ANALYSIS, TOOLS
 from tests.server.test_tool_parsers import WEATHER_TOOL
+
+harmony_server = test_chat_followups.harmony_server  # the fixture, shared
 
 
 @functools.cache
