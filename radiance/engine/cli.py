@@ -9,6 +9,7 @@ import sys
 
 from radiance.config import check_seed
 from radiance.config_cli import add_engine_args, engine_config_from_args
+from radiance.engine.request_checks import check_fits_context, check_utf8
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -85,10 +86,12 @@ def run(args) -> int:
                             structured_output=structured_output_from_args(args))
     if args.system is not None and args.chat is False:
         raise ConfigError("--system goes into the chat template, which --no-chat turns off")
+    # text that is not UTF-8 reaches Python as lone surrogates, which the tokenizer met with a traceback
     if args.system is not None:
-        utf8_text(args.system, "--system")
+        check_utf8(args.system, "--system")
     # after the options' checks: a bad one must not wait for stdin
-    prompt_text = utf8_text(read_prompt(args.prompt), "the prompt")
+    prompt_text = read_prompt(args.prompt)
+    check_utf8(prompt_text, "the prompt")
     llm = LLM.from_engine_config(config, progress=not args.no_progress)
     has_template = bool(llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None))
     if args.chat and not has_template:  # was ignored: the raw prompt went in without a word
@@ -152,31 +155,11 @@ def _read(path: str, option: str) -> str:
         raise ConfigError(f"{option}: {path} is not UTF-8 text") from None
 
 
-def utf8_text(text: str, what: str) -> str:
-    """`text` as given, or a ConfigError naming `what`: Python hands on bytes that are not UTF-8 (an argument, a
-    pipe) as lone surrogates, which the tokenizer met with a TypeError and a traceback."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ConfigError(f"{what} is not valid UTF-8 text (a byte at character {exc.start} is not UTF-8)") from None
-    return text
-
-
-def check_fits_context(prompt_len: int, max_tokens: int, context: int) -> None:
-    """Refuses --max-tokens the context cannot hold after the prompt, as the server's context_length_exceeded
-    does: a silent cut at the context would look like the model's own stop. A prompt alone too long for the
-    context is left to the engine's own message."""
-    room = context - prompt_len
-    if 0 < room < max_tokens:
-        tokens = f"{prompt_len} token" + ("s" if prompt_len != 1 else "")
-        raise ConfigError(f"--max-tokens {max_tokens} does not fit the model's context of {context} tokens "
-                         f"(max_model_len) after a prompt of {tokens}: use --max-tokens {room} or less")
-
-
 def _stream(llm, prompt, params) -> None:
     engine = llm.engine
     _, ids = llm._tokenize(prompt)
-    check_fits_context(len(ids), params.max_tokens, engine.max_model_len)
+    # before generating, as the server's context_length_exceeded: a cut at the context looked like a stop
+    check_fits_context(len(ids), engine.max_model_len, "the prompt", params.max_tokens, "--max-tokens")
     engine.add_request("cli", ids, params)
     printed, last = 0, None
     while engine.has_unfinished_requests():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from numbers import Integral
 
 import torch
 
@@ -16,6 +15,7 @@ from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
 from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from radiance.engine.overlap import DecodeAhead
+from radiance.engine.request_checks import check_fits_context, check_token_ids
 from radiance.engine.sampling_params import SamplingParams, generator_seed
 from radiance.engine.scheduler import Scheduler
 from radiance.engine.sequence import Sequence, SequenceStatus
@@ -70,22 +70,13 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError (a 400 for the server) when a request cannot be served."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
-                             f"{self.max_model_len} tokens including the output (max_model_len)")
+        """Raises ValueError (a 400 for the server) when a request cannot be served: a RequestError naming the
+        field for the checks the CLI and the server share."""
+        # no max_tokens here: an output that reaches the context ends there (finish_reason "length")
+        check_fits_context(len(prompt_token_ids), self.max_model_len, "prompt_token_ids")
         vocab = self.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, Integral) or isinstance(t, bool)]
-        if bad:  # 2.5 passed the range check below and failed inside the step, stopping the async engine
-            raise ValueError(f"prompt token ids must be integers, got {bad[0]!r}")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {vocab})")
+        check_token_ids(prompt_token_ids, vocab, "prompt_token_ids")
+        check_token_ids([t for t, _ in params.logit_bias], vocab, "logit_bias")
         for name in ("logprobs", "prompt_logprobs"):  # more alternatives than tokens failed inside the step
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} is {getattr(params, name)}; the vocabulary has {vocab} tokens")

@@ -9,14 +9,10 @@ from numbers import Integral, Real
 
 import numpy
 
+# SamplingParamsError lives with the request checks (one of them raises it); importable from here as before
+from radiance.engine.request_checks import SamplingParamsError, check_logit_bias_value
 from radiance.engine.structured_output import StructuredOutput
-from radiance.errors import RadianceError
 from radiance.layers.sampler import GREEDY_BELOW
-
-
-class SamplingParamsError(RadianceError, ValueError):
-    """A sampling parameter out of range or of the wrong type; the message names it. A RadianceError, so the
-    server answers a value its request schema let through (repetition_penalty Infinity) with a 400, not a 500."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +104,7 @@ class SamplingParams:
             check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}")
         for token, bias in self.logit_bias:
             check(token >= 0, f"logit_bias token ids must be non-negative, got {token}")
-            check(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+            check_logit_bias_value(token, bias)
 
     def for_choice(self, choice: int) -> "SamplingParams":
         """The one-sequence parameters of choice `choice` of an n > 1 request: n=1, the seed advanced by the

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from radiance.engine.request_checks import check_logit_bias_value
 from radiance.engine.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -255,8 +256,7 @@ class _SamplingFields(_Request):
         for token, bias in (self.logit_bias or {}).items():
             if not token.strip().isdecimal():  # isdigit() takes "²", which int() refuses
                 raise ValueError(f"logit_bias keys are token ids, got {token!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+            check_logit_bias_value(token, bias)  # a ValueError: pydantic's 400, its param logit_bias
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
         self.structured_output()  # one constraint at most, and a well-formed one

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 
+from radiance.engine import request_checks
 from radiance.engine.async_engine import EngineDeadError
 from radiance.engine.sampling_params import SamplingParams, choice_seed
 from radiance.engine.structured_output import StructuredOutput
@@ -73,11 +74,31 @@ async def check_limits(state: ServerState, req: Any) -> None:
             raise invalid(str(exc), param=req.constraint_field()) from None
 
 
+@contextlib.contextmanager
+def request_checked():
+    """The engine's RequestError as a 400 whose param is its field (the app's RadianceError handler names
+    none); a context overflow in OpenAI's words, with its code context_length_exceeded."""
+    try:
+        yield
+    except request_checks.ContextLengthError as exc:
+        raise invalid(_context_length_message(exc), param=exc.field, code="context_length_exceeded") from None
+    except request_checks.RequestError as exc:
+        raise invalid(str(exc), param=exc.field) from None
+
+
+def _context_length_message(exc: request_checks.ContextLengthError) -> str:
+    limit, prompt = exc.context, exc.prompt_tokens
+    if exc.max_tokens is None:
+        return (f"This model's maximum context length is {limit} tokens, but the prompt has {prompt} tokens, "
+                "which leaves no room for output.")
+    return (f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt + exc.max_tokens} tokens ({prompt} in the prompt, {exc.max_tokens} for the completion). "
+            f"Please reduce the prompt or {exc.field}.")
+
+
 def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
-    vocab = state.vocab_size()
-    bad = [t for t in ids if t < 0 or t >= vocab]
-    if bad:
-        raise invalid(f"{param} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}", param=param)
+    with request_checked():
+        request_checks.check_token_ids(ids, state.vocab_size(), param)
 
 
 def encode_prompt(state: ServerState, text: str, param: str, **encode_kw: Any) -> list[int]:
@@ -106,33 +127,20 @@ def vocabulary_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
 
 def check_unicode(text: str, param: str) -> None:
     """A lone UTF-16 surrogate (JSON's "\\ud800") parses into a Python str but is no Unicode text: tokenizers
-    raise on it (TypeError, UnicodeEncodeError), which was a 500."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid(f"{param} holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}), which is not "
-                      "valid Unicode text", param=param) from None
+    raise on it (TypeError, UnicodeEncodeError), which was a 500. Worded for JSON, where it comes from."""
+    at = request_checks.lone_surrogate_at(text)
+    if at is not None:
+        raise invalid(f"{param} holds a lone UTF-16 surrogate (\\u{ord(text[at]):04x}), which is not valid "
+                      "Unicode text", param=param)
 
 
 def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, param: str,
                        prompt_param: str) -> int:
     """Output budget; prompt + max_tokens must fit the context, and the message gives both numbers. `param`
     names the request's output limit, `prompt_param` its prompt (messages, prompt, prompt[i])."""
-    limit = state.max_model_len
-    if prompt_len == 0:
-        raise invalid("the prompt is empty", param=prompt_param)
-    if prompt_len >= limit:
-        raise invalid(f"This model's maximum context length is {limit} tokens, but the prompt has "
-                      f"{prompt_len} tokens, which leaves no room for output.",
-                      param=prompt_param, code="context_length_exceeded")
-    if requested is None:
-        return limit - prompt_len
-    if prompt_len + requested > limit:
-        raise invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
-                      f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                      f"completion). Please reduce the prompt or {param}.", param=param,
-                      code="context_length_exceeded")
-    return requested
+    with request_checked():
+        request_checks.check_fits_context(prompt_len, state.max_model_len, prompt_param, requested, param)
+    return state.max_model_len - prompt_len if requested is None else requested
 
 
 def sampling_params(req: Any, max_tokens: int, choice: int, constraint: StructuredOutput | None,

@@ -12,12 +12,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radiance.engine.outputs import TokenLogprob
-from radiance.server.errors import invalid
+from radiance.engine.request_checks import check_not_empty
 from radiance.server.protocol import CompletionRequest, now, usage
 from radiance.server.logprobs_json import LogprobCursor, completion_logprobs, prompt_logprobs_json
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
-                                            encode_prompt, engine_request_id, merged_outputs, resolve_max_tokens,
-                                            guarded_sse, response_id, sampling_params, sse, StreamUsage)
+                                            encode_prompt, engine_request_id, merged_outputs, request_checked,
+                                            resolve_max_tokens, guarded_sse, response_id, sampling_params, sse,
+                                            StreamUsage)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -28,21 +29,18 @@ async def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # one prompt
-    if not raw:
-        raise invalid("prompt must not be empty", param="prompt")
     prompts = []
-    for i, item in enumerate(raw):
-        param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
-        if isinstance(item, str):
-            if not item:
-                raise invalid("prompt must not be empty", param=param)
-            prompts.append((item, await state.off_loop(encode_prompt, state, item, param)))
-        else:
-            if not item:
-                raise invalid("prompt must not be empty", param=param)
-            check_token_ids(state, item, param)
-            text = state.tokenizer.decode(item) if state.tokenizer is not None else ""
-            prompts.append((text, list(item)))
+    with request_checked():  # the shared checks' errors as 400s naming prompt / prompt[i]
+        check_not_empty(raw, "prompt")
+        for i, item in enumerate(raw):
+            param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+            check_not_empty(item, param)  # an empty text too, before it is tokenized
+            if isinstance(item, str):
+                prompts.append((item, await state.off_loop(encode_prompt, state, item, param)))
+            else:
+                check_token_ids(state, item, param)
+                text = state.tokenizer.decode(item) if state.tokenizer is not None else ""
+                prompts.append((text, list(item)))
     return prompts
 
 

@@ -185,6 +185,6 @@ def test_prompt_token_ids_must_be_integers(tiny_llm):
     """A float id passed the vocabulary range check and was served as some token (2.5 as 2)."""
     engine = tiny_llm(max_num_seqs=4).engine
     for bad in ([1, 2.5, 3], [True, 4]):
-        with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        with pytest.raises(ValueError, match="prompt_token_ids must be integer token ids"):
             engine.add_request("r", bad, SamplingParams(max_tokens=2))
     assert not engine.has_unfinished_requests()

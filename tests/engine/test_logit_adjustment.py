@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from radiance import SamplingParams
+from radiance.engine.request_checks import RequestError
 from radiance.layers.sampler import LogitAdjustment, OutputCounts, SamplingRow, adjust_logits, sample
 
 
@@ -139,5 +140,7 @@ def test_engine_greedy_tokens_follow_the_reference(tiny_llm, options):
 
 def test_engine_refuses_a_bias_outside_the_vocabulary(tiny_llm):
     llm = tiny_llm()
-    with pytest.raises(ValueError, match="logit_bias token id 256 is outside the vocabulary"):
+    message = r"^logit_bias has token id\(s\) outside the vocabulary \[0, 256\): \[256\]$"
+    with pytest.raises(RequestError, match=message) as err:
         llm.engine.add_request("r", [1, 2, 3], SamplingParams(logit_bias={256: 1.0}))
+    assert err.value.field == "logit_bias"

@@ -1,0 +1,98 @@
+"""The checks of a request that the engine, `radiance generate` and the server share, each written once: prompt
+size against the context, token ids against the vocabulary, text that is not UTF-8, logit_bias values.
+
+Each raises a RequestError naming the offending field: the engine raises it as is, the CLI prints it as one
+line, the server answers a 400 with the field as `param` (in OpenAI's wording where OpenAI has one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Sized
+from numbers import Integral
+
+from radiance.errors import RadianceError
+
+
+class RequestError(RadianceError, ValueError):
+    """A request that cannot be served as given; `field` names the offending field. A ValueError too, as the
+    engine's request errors were before."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class SamplingParamsError(RequestError):
+    """A sampling parameter out of range or of the wrong type; the message names it. A RadianceError, so the
+    server answers a value its request schema let through (repetition_penalty Infinity) with a 400, not a 500."""
+
+
+class ContextLengthError(RequestError):
+    """The prompt, or the prompt and max_tokens, exceed the context. The numbers are kept so that the server can
+    answer in OpenAI's wording (code context_length_exceeded). `max_tokens` is None when the prompt alone
+    leaves no room."""
+
+    def __init__(self, message: str, field: str, prompt_tokens: int, context: int, max_tokens: int | None):
+        super().__init__(message, field)
+        self.prompt_tokens = prompt_tokens
+        self.context = context
+        self.max_tokens = max_tokens
+
+
+def check_not_empty(prompt: Sized, field: str) -> None:
+    """A prompt (text, token ids or a list of prompts) with nothing in it."""
+    if len(prompt) == 0:
+        raise RequestError(f"{field} must not be empty", field)
+
+
+def check_fits_context(prompt_tokens: int, context: int, prompt_field: str, max_tokens: int | None = None,
+                       max_tokens_field: str = "max_tokens") -> None:
+    """The prompt leaves room for output in a context of `context` tokens and, when `max_tokens` is given,
+    prompt + max_tokens fit it: a silent cut at the context looked like the model's own stop."""
+    check_not_empty(range(prompt_tokens), prompt_field)  # a range: the count as a Sized
+    if prompt_tokens >= context:
+        raise ContextLengthError(f"{prompt_field} has {prompt_tokens} tokens; this model serves at most {context} "
+                                 "tokens including the output (max_model_len)",
+                                 prompt_field, prompt_tokens, context, None)
+    room = context - prompt_tokens
+    if max_tokens is not None and max_tokens > room:
+        tokens = f"{prompt_tokens} token" + ("s" if prompt_tokens != 1 else "")
+        raise ContextLengthError(f"{max_tokens_field} {max_tokens} does not fit the model's context of {context} "
+                                 f"tokens (max_model_len) after a prompt of {tokens}: use {max_tokens_field} {room} "
+                                 "or less", max_tokens_field, prompt_tokens, context, max_tokens)
+
+
+def check_token_ids(token_ids: Sequence, vocab_size: int, field: str) -> None:
+    """Integer ids in [0, vocab_size): 2.5 passed a range check and failed inside the engine's step (stopping
+    the async engine); an id outside the vocabulary indexed past the embedding."""
+    bad = [t for t in token_ids if not isinstance(t, Integral) or isinstance(t, bool)]
+    if bad:
+        raise RequestError(f"{field} must be integer token ids, got {bad[0]!r}", field)
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"{field} has token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}", field)
+
+
+def lone_surrogate_at(text: str) -> int | None:
+    """Where `text` holds a character UTF-8 cannot encode (a lone surrogate), or None. Python hands on bytes that
+    are not UTF-8 (an argument, a pipe) as such, and JSON's "\\ud800" parses into one; tokenizers raise on it
+    (TypeError, UnicodeEncodeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def check_utf8(text: str, field: str) -> None:
+    """The CLI's wording: there a lone surrogate is a byte of the argument or pipe that is not UTF-8."""
+    at = lone_surrogate_at(text)
+    if at is not None:
+        raise RequestError(f"{field} is not valid UTF-8 text (a byte at character {at} is not UTF-8)", field)
+
+
+def check_logit_bias_value(token: int | str, bias: float) -> None:
+    """OpenAI's range: -100 bans a token, 100 all but forces it (NaN compares false: refused too)."""
+    if not -100.0 <= bias <= 100.0:
+        raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
+                                  "logit_bias")
