@@ -9,7 +9,6 @@ import torch
 
 from radiance.bench.quality import Variant
 from radiance.bench.synthetic import is_synthetic
-from radiance.config import KernelConfig, ModelConfig
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -25,10 +24,7 @@ def load_eval_model(model: str | None, variant: Variant, device: str | None, dty
     resolve_device(device)  # a bad --device: one line before the model loads (not a torch traceback)
     if is_synthetic(model):
         raise ConfigError("synthetic models have no tokenizer; evaluate a real checkpoint (or omit MODEL)")
-    model_config = ModelConfig(model=model, quantization=variant.quantization, rule=variant.rule,
-                               quantize_lm_head=variant.lm_head is not None,
-                               lm_head_format=variant.lm_head or "mxfp4", device=device, dtype=dtype)
-    loaded = load_model(model_config, KernelConfig(activations=variant.activations), progress=progress)
+    loaded = load_model(variant.model_config(model, device, dtype), variant.kernel_config(), progress=progress)
     if variant.kv_cache == "fp8":  # eval runs without a cache: attention reads K/V rounded as one would store them
         for attn in loaded.model.attention_layers():
             attn.kv_storage_dtype = torch.float8_e4m3fn

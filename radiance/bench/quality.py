@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from radiance.bench import metrics
-from radiance.config import KV_CACHE_DTYPES, LM_HEAD_FORMATS, MODEL_RULES
+from radiance.config import LM_HEAD_FORMATS, CacheConfig, KernelConfig, ModelConfig
 from radiance.errors import ConfigError
 from radiance.layers.rotary import RotaryEmbedding
 
@@ -59,22 +59,22 @@ class Variant:
     kv_cache: str = "auto"  # "fp8" (spec suffix "+fp8kv"): attention reads K/V as an fp8 cache holds them
 
     def __post_init__(self):
-        if self.quantization not in ("none", "mxfp4", "nvfp4"):
+        if self.quantization not in ("none", "mxfp4", "nvfp4"):  # ModelConfig takes "auto" too: not a variant
             raise ConfigError(f"quantization must be none, mxfp4 or nvfp4, got {self.quantization!r}")
-        if self.rule not in MODEL_RULES:
-            raise ConfigError(f"rule must be one of {MODEL_RULES}, got {self.rule!r}")
-        if self.rule == "none" and self.quantization != "nvfp4":
-            raise ConfigError("rule 'none' only applies to quantization 'nvfp4' (NVFP4 served as W4A16)")
-        if self.activations not in ("fp8", "bf16"):
-            raise ConfigError(f"activations must be fp8 or bf16, got {self.activations!r}")
-        if self.lm_head is not None and self.lm_head not in LM_HEAD_FORMATS:
+        if self.lm_head is not None and self.lm_head not in LM_HEAD_FORMATS:  # ModelConfig has no None
             raise ConfigError(f"lm_head must be one of {LM_HEAD_FORMATS} or None, got {self.lm_head!r}")
-        if self.lm_head is not None and self.quantization == "none":
-            raise ConfigError("+head quantizes the lm_head: it needs quantization mxfp4 or nvfp4")
-        if self.lm_head == "mxfp4x2" and self.rule == "none":
-            raise ConfigError("+head2 quantizes the lm_head to MXFP4: it needs a rule other than none")
-        if self.kv_cache not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache must be one of {KV_CACHE_DTYPES}, got {self.kv_cache!r}")
+        # the rest is what serving it would refuse: the configs' own checks, run once here
+        self.model_config(model=None, device=None, dtype=None)
+        self.kernel_config()
+        CacheConfig(kv_cache_dtype=self.kv_cache)
+
+    def model_config(self, model: str | None, device: str | None, dtype: str | None) -> ModelConfig:
+        return ModelConfig(model=model, quantization=self.quantization, rule=self.rule,
+                           quantize_lm_head=self.lm_head is not None, lm_head_format=self.lm_head or "mxfp4",
+                           device=device, dtype=dtype)
+
+    def kernel_config(self) -> KernelConfig:
+        return KernelConfig(activations=self.activations)
 
     @property
     def changes_numerics(self) -> bool:
@@ -89,7 +89,10 @@ class Variant:
         parts = body.split("/")
         if not 1 <= len(parts) <= 3:
             raise ConfigError(f"variant {spec!r}: expected QUANT[/RULE[/ACTIVATIONS]][+head|+head2][{KV_SUFFIX}]")
-        variant = cls(*parts, lm_head=head, kv_cache=kv)
+        try:
+            variant = cls(*parts, lm_head=head, kv_cache=kv)
+        except ConfigError as exc:
+            raise ConfigError(f"variant {spec!r}: {exc}") from None
         unused = variant.unused_parts(rule_given=len(parts) > 1, activations_given=len(parts) > 2)
         if unused:  # was dropped without a word: 'none/ocp' evaluated the 16-bit model
             raise ConfigError(f"variant {spec!r}: {unused}")
