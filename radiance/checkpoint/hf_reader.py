@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -55,6 +55,18 @@ class _Linear:
     canonical: str
     modules: tuple[str, ...]  # checkpoint projections, partition order
     formats: tuple[str, ...]  # stored format of each projection
+
+
+@dataclass
+class _Classified:
+    """The stored tensors by role (HfCheckpoint._classify_tensors)."""
+    parts: dict[str, dict[int, str]] = field(default_factory=dict)  # linear -> partition index -> stored module
+    module_tensors: dict[str, list[str]] = field(default_factory=dict)  # each stored linear module's tensors
+    biases: dict[str, dict[int, str]] = field(default_factory=dict)  # a merged linear's bias -> partition -> tensor
+    plain: list[str] = field(default_factory=list)  # embeddings, norms, a linear's own bias, ...
+    attention_scales: list[str] = field(default_factory=list)
+    derived: list[str] = field(default_factory=list)  # rotary buffers the model computes itself
+
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")  # a decoder layer (not a vision tower's)
 # a tokenizer's own files (tokenizer_config.json alone is settings, not a vocabulary); Kimi's: *.tiktoken
@@ -115,70 +127,84 @@ class HfCheckpoint(Checkpoint):
                                   f"{layers}: not used by the model", file=self.file_of(tensor), tensor=tensor)
 
     def _plan(self):
-        parts: dict[str, dict[int, str]] = {}
-        module_tensors: dict[str, list[str]] = {}  # each linear module's tensors
-        plain, biases = [], {}
-        attention_scales = []
+        """(the linears with their stored partitions and formats, the plain tensors, the biases of merged linears),
+        each linear's tensors checked from the headers; also warns where quantization_config and the stored
+        formats disagree, and reads the calibrated attention scales."""
+        tensors = self._classify_tensors()
+        mismatches: dict[tuple[str, str, str], list[str]] = {}
+        linears = [self._plan_linear(canonical, found, tensors.module_tensors, mismatches)
+                   for canonical, found in tensors.parts.items()]
+        self._warn_format_mismatches(mismatches)
+        if tensors.derived:
+            logger.info("skipping %d rotary buffer(s) the model computes itself (e.g. %s)", len(tensors.derived),
+                        tensors.derived[0])
+        self._check_plain(tensors.plain)
+        self._check_complete(linears, tensors.plain)
+        if tensors.attention_scales:
+            self._read_attention_scales(tensors.attention_scales)
+        return (sorted(linears, key=lambda e: sort_key(e.canonical)), sorted(tensors.plain, key=sort_key),
+                tensors.biases)
+
+    def _classify_tensors(self) -> "_Classified":
+        """Every stored tensor by role: a linear's part, a merged linear's bias, a plain tensor, an attention
+        scale, or a buffer the model derives itself (stacked experts are read by their own plan)."""
+        out = _Classified()
         stacked = {name for group in self._stacked.values() for name in group.tensor_names()}
-        derived = []
         for name in self.index.meta:
             if name in stacked:
                 continue
             module, leafname = split_tensor_name(name)
             if _is_derived_buffer(module, leafname):
-                derived.append(name)
-                continue
-            if leafname in ATTENTION_SCALE_SUFFIXES:
-                attention_scales.append(name)
-                continue
-            if is_linear_module(module) or leafname in QUANT_SUFFIXES:
+                out.derived.append(name)
+            elif leafname in ATTENTION_SCALE_SUFFIXES:
+                out.attention_scales.append(name)
+            elif is_linear_module(module) or leafname in QUANT_SUFFIXES:
                 canonical, index = canonical_linear(module)
-                if leafname == "bias":
-                    if canonical != module:
-                        biases.setdefault(f"{canonical}.bias", {})[index] = name
-                    else:
-                        plain.append(name)
-                    continue
-                parts.setdefault(canonical, {})[index] = module
-                module_tensors.setdefault(module, []).append(name)
+                if leafname != "bias":
+                    out.parts.setdefault(canonical, {})[index] = module
+                    out.module_tensors.setdefault(module, []).append(name)
+                elif canonical != module:
+                    out.biases.setdefault(f"{canonical}.bias", {})[index] = name
+                else:
+                    out.plain.append(name)
             else:
-                plain.append(name)
-        mismatches: dict[tuple[str, str, str], list[str]] = {}
-        linears = []
-        for canonical, found in parts.items():
-            self._check_layer_exists(next(iter(found.values())))
-            # a checkpoint may already store the merged module (one partition)
-            modules = (canonical,) if found.get(0) == canonical else partition_modules(canonical)
-            formats = []
-            for module in modules:
-                scheme = self.quant.scheme_for(self._stored_module.get(module, module), linear=True)
-                detected = detect_format(module, self.index)
-                if detected is None:
-                    missing = [t for t in required_tensors(module, scheme.format, scheme.layout) if t not in self.index]
-                    raise CheckpointError("tensor missing from the checkpoint", file=self.path,
-                                          tensor=(missing or [f"{module}.weight"])[0])
-                if detected != scheme.format:
-                    mismatches.setdefault((scheme.format, detected, leaf(module)), []).append(module)
-                slots = check_linear(module, detected, self.index, self._expected(module))
-                check_no_stray_tensors(module, detected, slots, module_tensors.get(module, []), self.index)
-                formats.append(detected)
-            linears.append(_Linear(canonical, modules, tuple(formats)))
+                out.plain.append(name)
+        return out
+
+    def _plan_linear(self, canonical: str, found: dict[int, str], module_tensors: dict[str, list[str]],
+                     mismatches: dict[tuple[str, str, str], list[str]]) -> "_Linear":
+        """One linear: its stored modules (the partitions, or the merged module itself), each one's format as
+        stored, checked complete and free of stray tensors; a format quantization_config did not say goes into
+        `mismatches`."""
+        self._check_layer_exists(next(iter(found.values())))
+        # a checkpoint may already store the merged module (one partition)
+        modules = (canonical,) if found.get(0) == canonical else partition_modules(canonical)
+        formats = []
+        for module in modules:
+            scheme = self.quant.scheme_for(self._stored_module.get(module, module), linear=True)
+            detected = detect_format(module, self.index)
+            if detected is None:
+                missing = [t for t in required_tensors(module, scheme.format, scheme.layout) if t not in self.index]
+                raise CheckpointError("tensor missing from the checkpoint", file=self.path,
+                                      tensor=(missing or [f"{module}.weight"])[0])
+            if detected != scheme.format:
+                mismatches.setdefault((scheme.format, detected, leaf(module)), []).append(module)
+            slots = check_linear(module, detected, self.index, self._expected(module))
+            check_no_stray_tensors(module, detected, slots, module_tensors.get(module, []), self.index)
+            formats.append(detected)
+        return _Linear(canonical, modules, tuple(formats))
+
+    def _warn_format_mismatches(self, mismatches: dict[tuple[str, str, str], list[str]]) -> None:
+        """Modules stored in another format than quantization_config says: read as stored, said once per kind."""
         for (said, stored, kind), modules in mismatches.items():
             if self.quant.method == "none":  # no quantization_config: nothing said they were dense
                 self.warn(f"config.json has no quantization_config, but {len(modules)} {kind} module(s) (e.g. "
-                                 f"{modules[0]}) are stored as {stored}; reading them as stored")
+                          f"{modules[0]}) are stored as {stored}; reading them as stored")
                 continue
             fix = (f"add {kind!r} modules to quantization_config ignore" if stored == "dense"
                    else "check the quantization_config targets")
             self.warn(f"quantization_config says {len(modules)} {kind} module(s) (e.g. {modules[0]}) are "
-                             f"{said} but they are stored as {stored}; reading them as stored ({fix})")
-        if derived:
-            logger.info("skipping %d rotary buffer(s) the model computes itself (e.g. %s)", len(derived), derived[0])
-        self._check_plain(plain)
-        self._check_complete(linears, plain)
-        if attention_scales:
-            self._read_attention_scales(attention_scales)
-        return sorted(linears, key=lambda e: sort_key(e.canonical)), sorted(plain, key=sort_key), biases
+                      f"{said} but they are stored as {stored}; reading them as stored ({fix})")
 
     def _read_attention_scales(self, names: list[str]) -> None:
         """Calibrated attention scales: k_scale / v_scale (compressed-tensors on self_attn, ModelOpt on k_proj /
