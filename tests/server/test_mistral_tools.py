@@ -52,6 +52,16 @@ CASES = [
     ("Checking [TOOL_CA", True, "Checking", []),
     ("[TOOL_CALLS]get_wea", True, "", []),
     ("see [1] and [TOOL] [2]", False, "see [1] and [TOOL] [2]", []),
+    # an array mixing calls and objects that are no call: each such object is content alone, without the array's
+    # separators or markup (was "Sure , {...}" and "[TOOL_CALLS][{...} done"), wherever it stands
+    (f'Sure [TOOL_CALLS][{OSLO}, {{"name": "nope", "arguments": {{}}}}]', False,
+     'Sure {"name": "nope", "arguments": {}}', [("get_weather", {"city": "Oslo"})]),
+    (f'[TOOL_CALLS][{{"name": "nope", "arguments": {{}}}}, {OSLO}] done', False,
+     '{"name": "nope", "arguments": {}} done', [("get_weather", {"city": "Oslo"})]),
+    (f'A [TOOL_CALLS][{OSLO}, {{"name": "nope", "arguments": {{}}}}, {OSLO}] B', False,
+     'A {"name": "nope", "arguments": {}} B', [("get_weather", {"city": "Oslo"})] * 2),
+    ('[TOOL_CALLS] [{"name": "nope", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Os', True,
+     '{"name": "nope", "arguments": {}}', [("get_weather", '{"city": "Os')]),
 ]
 
 

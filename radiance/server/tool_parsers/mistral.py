@@ -7,7 +7,8 @@ The markers are special tokens, so the server keeps special tokens in the text t
 (`needs_special_tokens`). Text before a marker is content, each call is emitted as soon as its JSON object closes,
 and text after the calls is content again. Markup that gives no usable call (broken JSON, a function the request did
 not offer, a name with a space in it) is the model's text, as with the other formats: it goes out as content, the
-markup read before it included. Calls get 9-character alphanumeric ids, the only ones Mistral's templates take back.
+markup read before it included; in an array that gives calls, an object that is no call is content alone (held
+until the array gives its first call or ends). Calls get 9-character alphanumeric ids, the only ones Mistral's templates take back.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class MistralToolParser(HermesToolParser):
         self._state = "text"  # text | opened (right after a marker) | array | name | arguments
         self._markup = ""  # markup read since the marker that has given no call yet: text if none comes
         self._group_calls = 0  # calls the current array gave
+        self._rejected: list[str] = []  # objects of the current array that are no call, held while none was one
         self._function = ""  # the v11 call's function name, once read
         self._decoder = json.JSONDecoder(parse_constant=_reject_non_finite)
         self._may_close = False  # the piece being read has a '}': an object may have closed (feed)
@@ -71,7 +73,7 @@ class MistralToolParser(HermesToolParser):
         self._content(out, self._buffer[:start])
         self._space_before_call, self._held_space = self._held_space, ""
         self._markup, self._buffer, self._state = MARKER, self._buffer[start + len(MARKER):], "opened"
-        self._group_calls = 0
+        self._group_calls, self._rejected = 0, []
         return True
 
     def _in_opened(self, out: ParseDelta) -> bool:
@@ -108,9 +110,18 @@ class MistralToolParser(HermesToolParser):
         except ValueError:
             return False  # not whole yet (finish decides about an object that never closes)
         call = self._call_of(obj)
-        if call is None:
+        if call is None and not self._group_calls:
+            # held: text with the whole array if no item is a call, the object alone if one is
+            self._markup += rest[:end]
+            self._rejected.append(rest[:end])
+        elif call is None:  # an array of calls: the object is the model's text, its separators are not
+            self._markup = ""
             self._text_instead(out, rest[:end])
         else:
+            if self._rejected:  # the objects before the first call, without the array's markup
+                self._markup = ""
+                self._text_instead(out, " ".join(self._rejected))
+                self._rejected = []
             self._emit(out, call)
             self._group_calls += 1
         self._buffer = rest[end:]
@@ -182,8 +193,11 @@ class MistralToolParser(HermesToolParser):
                 self._held_space = ""
             else:
                 self._content(out, self._buffer)
-        elif self._state == "array" and rest and truncated:
-            call = self._partial_call(rest)
+        elif self._state == "array" and truncated:
+            call = self._partial_call(rest) if rest else None
+            if self._rejected:  # objects no call, held: text as where a call follows them
+                self._markup = ""
+                self._text_instead(out, " ".join(self._rejected))
             if call is not None:
                 self._emit(out, call)
         elif self._state == "arguments" and truncated:
@@ -191,7 +205,7 @@ class MistralToolParser(HermesToolParser):
                 self._emit(out, ParsedToolCall(self._function, rest, complete=False))
         elif self._state != "text" and not truncated and (rest or not self._group_calls):
             self._text_instead(out, self._buffer)  # a call the model stopped in, or a marker with no call
-        self._buffer, self._state, self._markup = "", "text", ""
+        self._buffer, self._state, self._markup, self._rejected = "", "text", "", []
         if self._held_space and not self._after_call.active:
             out.content += self._held_space
         self._held_space = ""
