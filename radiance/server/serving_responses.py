@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -42,10 +43,13 @@ _TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reason
 _CONTEXT_EXCEEDED = "context_length_exceeded"  # the code of the 400 for a prompt too long for the context
 
 
+_CHAT_FIELD = re.compile(r"\b(" + "|".join(map(re.escape, _FIELD_NAMES)) + r")\b")  # whole words only
+
+
 def _responses_names(message: str) -> str:
-    for chat_name, name in _FIELD_NAMES.items():
-        message = message.replace(chat_name, name)
-    return message
+    """A chat-completions error message in this API's field names ("messages[0]" -> "input[0]"); whole words
+    only, so a quoted value that contains a field's name ("max_tokens_x") keeps it."""
+    return _CHAT_FIELD.sub(lambda m: _FIELD_NAMES[m[1]], message)
 
 
 class OutputItems:

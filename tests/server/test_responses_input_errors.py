@@ -99,3 +99,16 @@ def test_a_lone_surrogate_is_blamed_on_the_field_holding_it(server):
         r = http(server, "POST", "/v1/responses", body.encode(), key=None)
         check_error_shape(r, 400, param)
         assert r.json()["error"]["message"].startswith(f"{param} holds a lone UTF-16 surrogate"), r.json()
+
+
+@pytest.mark.parametrize("chat_message, message", [
+    ("messages[0].content must be a string", "input[0].content must be a string"),
+    ("max_tokens 9 does not fit; use max_tokens 4 or less", "max_output_tokens 9 does not fit; use max_output_tokens 4 or less"),
+    # a value quoted in the message keeps a field name it merely contains (it was rewritten: "max_output_tokens_x")
+    ("stop string 'max_tokens_x' is too long", "stop string 'max_tokens_x' is too long"),
+    ("unknown key 'all_messages'", "unknown key 'all_messages'"),
+])
+def test_chat_field_names_become_the_responses_names_as_whole_words(chat_message, message):
+    from radiance.server.serving_responses import _responses_names
+
+    assert _responses_names(chat_message) == message
