@@ -140,13 +140,3 @@ def test_bench_serve_flags_default_to_the_options_dataclass(monkeypatch):
     for field in dataclasses.fields(serve_bench.ServeBenchOptions):
         if field.name not in ("url", "progress"):
             assert getattr(given, field.name) == field.default, field.name
-
-
-def test_bench_serve_flags_default_to_the_options_dataclass():
-    """The flags took their defaults from hand-written copies of ServeBenchOptions' (review #26): with no flag
-    given, the options built are exactly the dataclass's defaults."""
-    from radiance.bench.cli import serve_options
-    from radiance.bench.serve_options import ServeBenchOptions
-
-    parsed = build_parser().parse_args(["bench", "serve", "--url", "http://127.0.0.1:1"])
-    assert serve_options(parsed) == ServeBenchOptions(url="http://127.0.0.1:1")

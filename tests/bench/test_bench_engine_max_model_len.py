@@ -52,3 +52,4 @@ def test_the_deepest_depths_that_fit_are_measured(asked):
     rows = engine_bench.run(MODEL, variants=("none",), contexts=(125,), prefills=(159,), concurrencies=(1,),
                             with_hf=False, device="cpu", overrides=SMALL)
     assert "error" not in rows[0], rows[0].get("error")
+    assert asked == [160] and rows[0]["decode_ms@125"] > 0 and rows[0]["prefill_tok_s@159"] > 0

@@ -17,7 +17,7 @@ def test_percentile_interpolates_between_ranks():
     assert metrics.percentile([5.0], 99) == 5.0
     assert metrics.percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
     assert math.isnan(metrics.percentile([], 50))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"q must be in \[0, 100\], got 101"):
         metrics.percentile(data, 101)
 
 
@@ -51,7 +51,7 @@ def test_kl_against_hand_computed_case():
     # a reference with zero mass on a token: 0 log 0 = 0, no NaN
     p_zero = torch.tensor([[0.0, float("-inf")]])
     assert metrics.kl_divergence(p_zero, torch.zeros(1, 2)).item() == pytest.approx(math.log(2.0))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"same shape, got \(2, 3\) and \(2, 4\)"):
         metrics.kl_divergence(torch.zeros(2, 3), torch.zeros(2, 4))
 
 
@@ -67,7 +67,7 @@ def test_nll_and_perplexity():
     sharp = torch.full((1, 1, 4), -1e4)
     sharp[0, 0, 2] = 0.0
     assert metrics.token_nll(sharp, torch.tensor([[2]])).item() == pytest.approx(0.0, abs=1e-9)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at least one token"):
         metrics.perplexity(1.0, 0)
 
 
@@ -82,7 +82,7 @@ def test_inter_token_latencies_count_the_tokens_of_each_chunk():
     # time; the second chunk's 0.4 s made two tokens, 0.2 s each
     assert metrics.inter_token_latencies([1.0, 1.4, 1.5], [2, 2, 1]) == pytest.approx([0.2, 0.2, 0.1])
     assert metrics.inter_token_latencies([1.0]) == []
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="2 chunk times but 1 token counts"):
         metrics.inter_token_latencies([1.0, 2.0], [1])
 
 

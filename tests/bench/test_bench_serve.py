@@ -72,9 +72,9 @@ def test_unreachable_server_counts_failures():
 
 
 def test_options_validation(tmp_path):
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="concurrency levels must be positive"):
         ServeBenchOptions(url="http://x", concurrency=(0,))
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="endpoint must be 'completions' or 'chat'"):
         ServeBenchOptions(url="http://x", endpoint="embeddings")
     with pytest.raises(ConfigError, match="not found"):
         serve_prompts.load_dataset(str(tmp_path / "missing.jsonl"), 4)
@@ -107,7 +107,7 @@ def test_dataset_rows_are_checked(tmp_path, line, message):
 
 def test_timeout_and_warmup_are_checked():
     for bad in ({"timeout_s": 0.0}, {"timeout_s": -1.0}, {"timeout_s": math.nan}, {"warmup": -1}):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=f"^{next(iter(bad)).removesuffix('_s')} must be"):
             ServeBenchOptions(url="http://x", **bad)
 
 

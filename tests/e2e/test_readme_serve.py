@@ -14,8 +14,6 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def readme_serve_args() -> list[str]:
     """Arguments after `radiance` of the first `radiance serve` line in the README's code blocks."""
-    if not README.exists():
-        return ["serve"]  # the README is not written yet: the command it is meant to show
     blocks = re.findall(r"```[a-z]*\n(.*?)```", README.read_text(), flags=re.S)
     for block in blocks:
         for line in block.splitlines():

@@ -124,7 +124,7 @@ def test_abort_and_stats(tiny_llm):
             if out.finished:
                 finished[out.request_id] = out.finish_reason
     assert finished == {"a": "abort", "b": "length"}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="prompt_token_ids must not be empty"):
         engine.add_request("c", [], SamplingParams())
 
 
@@ -134,7 +134,7 @@ def test_generate_rejects_a_bad_prompt_before_queueing_any(tiny_llm):
     llm = tiny_llm(max_num_seqs=4)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     too_long = [1] * (llm.engine.max_model_len + 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"has {len(too_long)} tokens; this model serves at most"):
         llm.generate([[1, 2, 3], too_long], params)
     assert not llm.engine.has_unfinished_requests()  # nothing left behind for the next call
     out = llm.generate([[1, 2, 3]], params)

@@ -166,9 +166,12 @@ def test_extreme_parameters_through_the_engine(tiny_llm):
     params = [SamplingParams(max_tokens=4, seed=1, ignore_eos=True, **extreme) for extreme in (
         dict(repetition_penalty=1e-308), dict(repetition_penalty=1e308), dict(temperature=1e308),
         dict(frequency_penalty=2.0, presence_penalty=-2.0), dict(top_p=1e-300, min_p=1.0))]
-    for out in llm.generate([PROMPT] * len(params), params):
+    outs = llm.generate([PROMPT] * len(params), params)
+    for out in outs:
         ids = out.outputs[0].token_ids
         assert len(ids) == 4 and all(0 <= t < vocab for t in ids)
+    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert outs[-1].outputs[0].token_ids == greedy.outputs[0].token_ids  # the tightest filters leave the best token
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(tiny_llm):

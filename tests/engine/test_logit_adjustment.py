@@ -97,7 +97,7 @@ def test_bias_steers_greedy_choice_and_logprobs_stay_the_models():
 @pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
                                  dict(logit_bias={3: 101}), dict(logit_bias={-1: 1})])
 def test_sampling_params_reject_out_of_range_adjustments(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"^{next(iter(bad))} "):  # the message names the parameter
         SamplingParams(**bad)
 
 

@@ -126,7 +126,7 @@ def test_defaults_of_a_bare_config_are_transformers(model_type):
     cfg = resolve_architecture(config)[1]
     hf = _transformers_config(config)
     rope = dict(hf.rope_parameters)
-    assert cfg.head_dim == getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert cfg.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert cfg.rms_norm_eps == hf.rms_norm_eps
     assert cfg.max_position_embeddings == hf.max_position_embeddings
     assert cfg.rope_theta == rope.pop("rope_theta")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
-import pytest
 import torch
 
 from radiance.checkpoint import open_checkpoint

@@ -159,7 +159,7 @@ def test_logprobs_rows():
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-2),
                                  dict(min_p=2), dict(n=0)])
 def test_sampling_params_validation(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"^{next(iter(bad))} "):  # the message names the parameter
         SamplingParams(**bad)
 
 

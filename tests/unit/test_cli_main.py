@@ -20,11 +20,16 @@ def test_a_bad_log_level_from_the_environment_is_one_line(monkeypatch, capsys):
     assert "RADIANCE_LOG_LEVEL=CHATTY is not one of DEBUG, INFO, WARNING, ERROR" in _one_error_line(capsys, "radiance:")
 
 
-def test_the_log_level_flag_overrides_a_bad_environment(monkeypatch, capsys):
+def test_the_log_level_flag_overrides_a_bad_environment(monkeypatch, capsys, tmp_path):
+    """--version exits before the log level is read: a command that gets past it (to a missing path) shows the
+    flag wins, where the same command without it stops at the environment's value."""
     monkeypatch.setenv("RADIANCE_LOG_LEVEL", "chatty")
-    with pytest.raises(SystemExit):
-        main(["--log-level", "ERROR", "--version"])
-    assert "radiance" in capsys.readouterr().out
+    missing = str(tmp_path / "nope")
+    assert main(["--log-level", "ERROR", "inspect", missing]) == 2
+    err = capsys.readouterr().err
+    assert "RADIANCE_LOG_LEVEL" not in err and "nope" in err
+    assert main(["inspect", missing]) == 2
+    assert "RADIANCE_LOG_LEVEL=CHATTY" in capsys.readouterr().err
 
 
 @pytest.fixture

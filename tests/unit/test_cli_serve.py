@@ -155,7 +155,11 @@ def test_the_bound_socket_takes_connections_before_uvicorn_starts():
     so once)."""
     server = listening_socket("127.0.0.1", 0)
     try:
-        with socket.create_connection(server.getsockname(), timeout=2):
-            pass  # queued in the backlog, accepted once uvicorn serves
+        with socket.create_connection(server.getsockname(), timeout=2) as client:
+            server.settimeout(2)
+            accepted, _ = server.accept()  # queued in the backlog until then (uvicorn accepts it later)
+            with accepted:
+                client.sendall(b"ping")
+                assert accepted.recv(4) == b"ping"
     finally:
         server.close()

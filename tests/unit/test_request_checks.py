@@ -35,13 +35,17 @@ def test_an_empty_prompt_is_refused_by_name(prompt):
 
 @pytest.mark.parametrize("prompt", ["x", [0], [[]]])
 def test_a_prompt_with_something_in_it_passes(prompt):
-    check_not_empty(prompt, "prompt")
+    assert check_not_empty(prompt, "prompt") is None
+    _refused(check_not_empty, prompt[:0], "prompt")  # the same kind, empty: refused
 
 
 def test_a_prompt_that_fits_passes():
-    check_fits_context(5, 32, "prompt")  # no max_tokens: the output ends at the context
-    check_fits_context(5, 32, "prompt", 27)  # exactly the room left
-    check_fits_context(31, 32, "prompt")
+    """Each boundary from both sides: what fits passes, one token more is refused."""
+    assert check_fits_context(5, 32, "prompt") is None  # no max_tokens: the output ends at the context
+    assert check_fits_context(5, 32, "prompt", 27) is None  # exactly the room left
+    _refused(check_fits_context, 5, 32, "prompt", 28)
+    assert check_fits_context(31, 32, "prompt") is None
+    _refused(check_fits_context, 32, 32, "prompt")
 
 
 def test_a_prompt_without_tokens_is_refused():
@@ -69,8 +73,9 @@ def test_max_tokens_beyond_the_room_left_names_max_tokens_and_the_room():
 
 
 def test_token_ids_inside_the_vocabulary_pass():
-    check_token_ids([0, 5, 9], 10, "prompt")
-    check_token_ids([], 10, "logit_bias")
+    assert check_token_ids([0, 5, 9], 10, "prompt") is None
+    assert check_token_ids([], 10, "logit_bias") is None
+    _refused(check_token_ids, [0, 5, 10], 10, "prompt")  # one past the last id
 
 
 @pytest.mark.parametrize("ids, bad", [([1, 10, 3], [10]), ([-1, 2], [-1]), (list(range(20)), [10, 11, 12, 13, 14])])
@@ -89,7 +94,7 @@ def test_token_ids_that_are_not_integers_are_refused(bad):
 
 
 def test_utf8_text_passes_and_a_lone_surrogate_is_found():
-    check_utf8("東京 🙂", "--system")
+    assert check_utf8("東京 🙂", "--system") is None
     assert lone_surrogate_at("東京 🙂") is None
     assert lone_surrogate_at("ab\udcffc") == 2 and lone_surrogate_at("\ud800") == 0
 
@@ -102,7 +107,8 @@ def test_text_that_is_not_utf8_is_refused_by_name():
 
 @pytest.mark.parametrize("bias", [-100.0, 0.0, 100.0, 2.5])
 def test_logit_bias_values_in_range_pass(bias):
-    check_logit_bias_value(5, bias)
+    assert check_logit_bias_value(5, bias) is None
+    assert SamplingParams(logit_bias={5: bias}).logit_bias == ((5, bias),)
 
 
 @pytest.mark.parametrize("bias", [-100.5, 101.0, float("inf"), float("nan")])
@@ -141,3 +147,4 @@ def test_the_server_words_a_context_overflow_as_openai_does():
 def test_the_server_lets_what_passes_through():
     with request_checked():
         check_fits_context(10, 32, "messages", 22, "max_tokens")
+    assert _server_error(check_fits_context, 10, 32, "messages", 23, "max_tokens").param == "max_tokens"
