@@ -24,8 +24,11 @@ from radiance.errors import StructuredOutputError
 __all__ = ["StructuredOutput", "StructuredOutputError", "GrammarBackend", "GrammarState", "REASONING_BEFORE",
            "MAX_ENUM_VALUES", "check_syntax", "after_reasoning", "fill_allowed_token_words"]
 
-# compiled grammars kept per engine, least recently used dropped first (a JSON schema is ~0.1-1 MB)
-GRAMMAR_CACHE_BYTES = 256 << 20
+# compiled grammars kept per engine, least recently used dropped first, by xgrammar's own count of their bytes. It
+# counts about a fifth of what they hold: 32,000 distinct random schemas on SmolLM2's vocabulary were 206 MB to it
+# and +987 MB of server RSS under a 256 MB limit (never reached); a 16 MB limit levels off at +160 MB
+# (scratch/s49/soak/REPORT.md, forty-ninth session). A compile takes ~2 ms there: a miss is cheap.
+GRAMMAR_CACHE_BYTES = 16 << 20
 
 
 # gpt-oss's markers other than <|end|>: an analysis message leaves only by <|end|>, so the grammar and the
