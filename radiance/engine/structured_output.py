@@ -27,7 +27,7 @@ __all__ = ["StructuredOutput", "StructuredOutputError", "GrammarBackend", "Gramm
 # compiled grammars kept per engine, least recently used dropped first, by xgrammar's own count of their bytes. It
 # counts about a fifth of what they hold: 32,000 distinct random schemas on SmolLM2's vocabulary were 206 MB to it
 # and +987 MB of server RSS under a 256 MB limit (never reached); a 16 MB limit levels off at +160 MB
-# (scratch/s49/soak/REPORT.md, forty-ninth session). A compile takes ~2 ms there: a miss is cheap.
+# (bench/RESULTS.md, forty-ninth session). A compile takes ~2 ms there: a miss is cheap.
 GRAMMAR_CACHE_BYTES = 16 << 20
 
 
