@@ -1,9 +1,9 @@
 """Drives an `LLMEngine` from an asyncio task without ever blocking the event loop.
 
 Engine steps run in one worker thread; requests and aborts are queued and applied by that thread between
-steps, so the engine is only ever touched from one thread. Each request gets an asyncio queue its
-`generate` iterator reads; abandoning the iterator (client disconnect) aborts the request. Outputs are
-routed to the queue of the `generate` call whose request produced them, not by request id alone: an id
+steps, so the engine is only ever touched from one thread. Each request gets an OutputSlot its `generate`
+iterator reads (the newest output: a slow reader skips to it); abandoning the iterator (client disconnect) aborts
+the request. Outputs are routed to the slot of the `generate` call whose request produced them, not by request id alone: an id
 can be reused as soon as its request is aborted, while the engine still holds (and steps) the old one.
 A step that raises stops the loop: the engine's requests are aborted and every `generate` call, waiting or
 later, raises EngineDeadError. `shutdown()` (the server stopping) stops the loop and joins its threads; a call
@@ -27,6 +27,28 @@ from radiance.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class OutputSlot:
+    """What a `generate` call has not read yet: the newest output only (each holds all the request's tokens, text
+    and logprobs so far, so a reader that fell behind skips to it and loses nothing), or an error, which ends the
+    call and is never replaced. A queue of every step's output grew with the square of the output length for a
+    client that stayed connected but stopped reading (bench/RESULTS.md, forty-ninth session)."""
+
+    def __init__(self):
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self._item, BaseException):
+            self._item = item
+            self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._item = self._item, None
+        return item
+
+
 class EngineDeadError(RuntimeError):
     """An engine step raised: the engine's state is unknown, so every request in flight fails with this and
     later ones are refused (the server answers 500 / 503 and /health turns unhealthy, as vLLM does)."""
@@ -47,8 +69,8 @@ class AsyncLLMEngine:
         self.engine.warm_grammar_backend()
         self._lock = threading.Lock()
         self._pending: list[tuple] = []
-        self._queues: dict[str, asyncio.Queue] = {}  # the live generate calls
-        self._serving: dict[str, asyncio.Queue] = {}  # engine request id -> its generate call's queue (thread side)
+        self._queues: dict[str, OutputSlot] = {}  # the live generate calls
+        self._serving: dict[str, OutputSlot] = {}  # engine request id -> its generate call's queue (thread side)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.errored: BaseException | None = None
@@ -115,7 +137,7 @@ class AsyncLLMEngine:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = OutputSlot()
         self._queues[request_id] = queue
         with self._lock:
             self._pending.append(("add", request_id, queue, list(prompt_token_ids), params))
@@ -172,14 +194,14 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------------- the loop
 
-    def _step_in_thread(self) -> list[tuple[str, asyncio.Queue, RequestOutput | BaseException]]:
+    def _step_in_thread(self) -> list[tuple[str, OutputSlot, RequestOutput | BaseException]]:
         try:
             return self._apply_and_step()
         except Exception:
             self._abort_all_in_thread()
             raise
 
-    def _apply_and_step(self) -> list[tuple[str, asyncio.Queue, RequestOutput | BaseException]]:
+    def _apply_and_step(self) -> list[tuple[str, OutputSlot, RequestOutput | BaseException]]:
         """Applies the queued adds and aborts, runs one step; returns (request id, queue, output or error)."""
         with self._lock:
             pending, self._pending = self._pending, []

@@ -188,7 +188,9 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob],
     """(job index, RequestOutput) from all jobs as they come; aborts unfinished jobs on exit. Each job ends
     once in `metrics`: its finish reason; `error` when the engine failed it; `abort` when the request ended
     first (client gone, server stopping, a sibling choice's failure)."""
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: a client that stops reading stops the pumps too, and the engine's OutputSlot keeps only the
+    # newest output of each job meanwhile (an unbounded queue held a cumulative copy per step)
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(jobs))
     finished: set[int] = set()
     failures: dict[int, str] = {}  # job index -> how its failure ends it in the metrics
     timers = [RequestTimer(metrics) for _ in jobs]
