@@ -3,8 +3,9 @@
 Engine steps run in one worker thread; requests and aborts are queued and applied by that thread between
 steps, so the engine is only ever touched from one thread. Each request gets an OutputSlot its `generate`
 iterator reads (the newest output: a slow reader skips to it); abandoning the iterator (client disconnect) aborts
-the request. Outputs are routed to the slot of the `generate` call whose request produced them, not by request id alone: an id
-can be reused as soon as its request is aborted, while the engine still holds (and steps) the old one.
+the request. Outputs are routed to the slot of the `generate` call whose request produced them, not by request
+id alone: an id can be reused as soon as its request is aborted, while the engine still holds (and steps) the
+old one.
 A step that raises stops the loop: the engine's requests are aborted and every `generate` call, waiting or
 later, raises EngineDeadError. `shutdown()` (the server stopping) stops the loop and joins its threads; a call
 still waiting then raises EngineStoppedError.
@@ -70,7 +71,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self._pending: list[tuple] = []
         self._queues: dict[str, OutputSlot] = {}  # the live generate calls
-        self._serving: dict[str, OutputSlot] = {}  # engine request id -> its generate call's queue (thread side)
+        self._serving: dict[str, OutputSlot] = {}  # engine request id -> its generate call's slot (thread side)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.errored: BaseException | None = None
@@ -202,7 +203,7 @@ class AsyncLLMEngine:
             raise
 
     def _apply_and_step(self) -> list[tuple[str, OutputSlot, RequestOutput | BaseException]]:
-        """Applies the queued adds and aborts, runs one step; returns (request id, queue, output or error)."""
+        """Applies the queued adds and aborts, runs one step; returns (request id, slot, output or error)."""
         with self._lock:
             pending, self._pending = self._pending, []
         results, aborted = [], set()
