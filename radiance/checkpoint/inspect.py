@@ -201,7 +201,8 @@ def _linear_table(entries) -> list[str]:
     linears: OrderedDict[tuple, list] = OrderedDict()
     for e in entries:
         if e.is_linear:
-            linears.setdefault((layer_kind(e.name), e.format, e.shape, e.partition_sizes, e.source_format), []).append(e)
+            key = (layer_kind(e.name), e.format, e.shape, e.partition_sizes, e.source_format)
+            linears.setdefault(key, []).append(e)
     width = max([14] + [len(kind) + 1 for kind, *_ in linears])  # experts.gate_up_proj: 21
     lines = ["", "linears (per layer class)",
              f"  {'class':<{width}}{'count':>6}  {'format':<8}{'shape [N, K] (partitions)':<32}{'bytes':>11}"]

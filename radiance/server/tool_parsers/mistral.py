@@ -8,7 +8,8 @@ The markers are special tokens, so the server keeps special tokens in the text t
 and text after the calls is content again. Markup that gives no usable call (broken JSON, a function the request did
 not offer, a name with a space in it) is the model's text, as with the other formats: it goes out as content, the
 markup read before it included; in an array that gives calls, an object that is no call is content alone (held
-until the array gives its first call or ends). Calls get 9-character alphanumeric ids, the only ones Mistral's templates take back.
+until the array gives its first call or ends). Calls get 9-character alphanumeric ids, the only ones Mistral's
+templates take back.
 """
 
 from __future__ import annotations
