@@ -259,6 +259,9 @@ class ServerConfig:
     max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for, in [0, 20] (OpenAI's limit: it only lowers it)
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)
     responses_store: int = 1000  # /v1/responses kept in memory for previous_response_id and GET; 0 = none
+    # the most bytes (as JSON) the stored /v1/responses take, oldest dropped first, one larger not kept; 0 = none.
+    # Each keeps its whole input history: under the count alone a previous_response_id chain grows without end
+    responses_store_bytes: int = 256 << 20
     uvicorn_log_level: str = "warning"  # log level of uvicorn's own access and error logs: critical, error, warning, info, debug, trace
     allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS), e.g. https://chat.example.com, or * for any; default: pages of localhost / 127.0.0.1 / [::1] on any port
     ssl_keyfile: str | None = None  # serve HTTPS: the private key (PEM), with ssl_certfile
@@ -275,6 +278,7 @@ class ServerConfig:
         _check(0 <= self.max_logprobs <= 20, "max_logprobs must be in [0, 20]")
         _check(self.max_n >= 1, "max_n must be positive")
         _check(self.responses_store >= 0, "responses_store must be >= 0")
+        _check(self.responses_store_bytes >= 0, "responses_store_bytes must be >= 0")
         _check(all(name for name in self.served_model_name), "served_model_name entries must be non-empty")
         _check_distinct(self.served_model_name, "served_model_name")
         _check((self.ssl_keyfile is None) == (self.ssl_certfile is None),

@@ -11,9 +11,29 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 from radiance.engine.json_schema_rules import served_schema
+
+# the longest text (a schema, a constraint's) whose results are cached: the caches are bounded by entry count, so
+# large schemas could pin ~1000x their size; a longer one is rare and redone each time (xgrammar's compile cache,
+# bounded in bytes, still keeps its compiled grammar)
+MAX_CACHED_TEXT = 64 << 10
+
+
+def cache_small(maxsize: int, text_size: Callable[[Any], int] = len) -> Callable:
+    """functools.lru_cache of a one-argument function, for arguments of text_size(arg) <= MAX_CACHED_TEXT only:
+    larger ones are computed uncached (the same result). cache_info and cache_clear are the cache's."""
+    def wrap(fn: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(arg):
+            return cached(arg) if text_size(arg) <= MAX_CACHED_TEXT else fn(arg)
+
+        call.cache_info, call.cache_clear = cached.cache_info, cached.cache_clear
+        return call
+    return wrap
 
 # xgrammar's characters of a length-bounded JSON string (rules it names NAME_characters): any but '"', '\' and line
 # ends, so raw control characters (not JSON) and no escapes; served instead as JSON allows them, one decoded
@@ -41,7 +61,7 @@ def patched_ebnf(ebnf: str, json_strings: bool = True) -> str:
     return f"{ebnf}\n{_JSON_CHARACTER}\n" if count else ebnf
 
 
-@functools.lru_cache(maxsize=256)
+@cache_small(maxsize=256)
 def served_schema_text(schema_text: str) -> str:
     """The JSON text of served_schema(schema); text that is not JSON unchanged (xgrammar's error names the place)."""
     try:
@@ -50,7 +70,7 @@ def served_schema_text(schema_text: str) -> str:
         return schema_text
 
 
-@functools.lru_cache(maxsize=256)
+@cache_small(maxsize=256)
 def json_schema_ebnf(schema_text: str) -> str:
     """The EBNF grammar that holds text to the JSON schema as served (JSON written compactly), patched_ebnf. Raises
     xgrammar's error for a schema it cannot read."""

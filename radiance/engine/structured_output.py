@@ -11,13 +11,12 @@ is refused or rewritten: json_schema_rules; the grammar made of it: json_schema_
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from radiance.engine.json_schema_grammar import compile_json_schema, json_schema_ebnf, patched_ebnf
+from radiance.engine.json_schema_grammar import cache_small, compile_json_schema, json_schema_ebnf, patched_ebnf
 from radiance.engine.json_schema_rules import MAX_ENUM_VALUES, check_json_schemas
 from radiance.errors import StructuredOutputError
 
@@ -162,7 +161,7 @@ class GrammarBackend:
         self.batch = xgr.BatchGrammarMatcher()
         # a request compiles its constraint up to three times (the server's check, add_request's, its matcher's):
         # xgrammar caches the compile, this the checks around it (only passes are cached: a failure raises)
-        self._check_once = functools.lru_cache(maxsize=1024)(self._check)
+        self._check_once = cache_small(maxsize=1024, text_size=_spec_text_size)(self._check)
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled constraint (cached by its text); StructuredOutputError when it does not compile, could
@@ -204,6 +203,13 @@ class GrammarBackend:
 
     def matcher(self, spec: StructuredOutput) -> "GrammarState":
         return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self)
+
+
+def _spec_text_size(spec: StructuredOutput) -> int:
+    """The length of the text a spec holds (what its cache entry keeps); 0 for json not text (unhashable: the
+    cache refuses it)."""
+    texts = (spec.json, spec.regex, spec.grammar, *(spec.choice or ()))
+    return sum(len(text) for text in texts if isinstance(text, str))
 
 
 def _choice_ebnf(choice: tuple[str, ...]) -> str:

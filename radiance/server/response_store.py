@@ -1,9 +1,11 @@
 """Responses kept in memory so a follow-up can name one (`previous_response_id`) and a client can read it
 back (`GET /v1/responses/{id}`, its input items from `GET /v1/responses/{id}/input_items`): the last
-`capacity` stored, oldest dropped first. Nothing survives a restart, as in vLLM's in-memory store."""
+`capacity` stored within `max_bytes`, oldest dropped first. Nothing survives a restart, as in vLLM's in-memory store.
+"""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -37,29 +39,74 @@ class StoredResponse:
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
+def stored_bytes(stored: StoredResponse) -> int:
+    """What `stored` counts against the store's byte budget: the UTF-8 length of the JSON text of its body,
+    conversation and input items. Each keeps a chain's whole history, so this is what grows; the C encoder makes
+    it cheap. Python holds such objects in a few times that, and a chain's links share the dicts they have in
+    common: memory stays within a small factor of the budget."""
+    try:
+        text = json.dumps([stored.body, stored.conversation, stored.input_items], ensure_ascii=False, default=str)
+    except (ValueError, RecursionError):  # a cycle, or nested deeper than JSON parsing allows: not kept
+        return 1 << 62
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
 class ResponseStore:
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+    """The last `capacity` responses whose stored_bytes add up to `max_bytes` at most, the oldest dropped first
+    (the count alone let long chains pin unbounded memory). A response over `max_bytes` alone is not kept: a
+    follow-up naming it finds no response, as for one dropped."""
+
+    def __init__(self, capacity: int, max_bytes: int):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # with its stored_bytes
+        self.bytes = 0  # stored_bytes of the responses kept, summed
         self._lock = threading.Lock()
 
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        if self.capacity <= 0:
-            return
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0 and self.max_bytes > 0
+
+    def limits(self) -> str:
+        """The limits as a 404 tells them."""
+        size = f"{self.max_bytes / (1 << 20):g} MiB" if self.max_bytes >= 1 << 20 else f"{self.max_bytes} bytes"
+        return f"the last {self.capacity} responses within {size}"
+
+    def put(self, response_id: str, stored: StoredResponse) -> bool:
+        """Keeps `stored` under `response_id`, in place of what it had; False when `stored` alone is over
+        max_bytes: not kept, and what the id had dropped (a stale in-progress body must not stay)."""
+        if not self.enabled:
+            return False
+        size = stored_bytes(stored)  # outside the lock: it takes a while for a long history
         with self._lock:
-            self._items[response_id] = stored
-            self._items.move_to_end(response_id)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            self._pop(response_id)
+            if size > self.max_bytes:
+                return False
+            self._items[response_id] = (stored, size)
+            self.bytes += size
+            while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+                self._pop(next(iter(self._items)))
+        return True
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
-            return self._items.get(response_id)
+            kept = self._items.get(response_id)
+        return kept[0] if kept is not None else None
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            stored = self._items.pop(response_id, None)
+            stored = self._pop(response_id)
         if stored is None:
             return False
         stored.deleted = True
         return True
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _pop(self, response_id: str) -> StoredResponse | None:
+        """Drops `response_id` (the lock held)."""
+        kept = self._items.pop(response_id, None)
+        if kept is None:
+            return None
+        self.bytes -= kept[1]
+        return kept[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import time
 import uuid
@@ -30,6 +31,9 @@ from radiance.server.serving_chat import ChoiceStream, prepare_chat
 from radiance.server.logprobs_json import token_chars
 from radiance.server.serving_common import check_unicode, collect_until_disconnect, guarded_sse, merged_outputs
 from radiance.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
 
 def item_id(prefix: str) -> str:
     """OpenAI's id style for responses and their items: resp_..., msg_..., fc_..., rs_..."""
@@ -191,8 +195,8 @@ class ResponseRun:
             self.previous = self.state.responses.get(req.previous_response_id)
             if self.previous is None:
                 # OpenAI's code, which clients (Codex CLI) read to send the whole conversation instead
-                raise invalid(f"no stored response has id {req.previous_response_id!r} (this server keeps the last "
-                              f"{self.state.responses.capacity} in memory)", param="previous_response_id",
+                raise invalid(f"no stored response has id {req.previous_response_id!r} (this server keeps "
+                              f"{self.state.responses.limits()} in memory)", param="previous_response_id",
                               code="previous_response_not_found")
             if self.previous.in_progress:  # its answer is not there yet to continue from
                 raise invalid(f"previous response {req.previous_response_id!r} is still in progress: wait for it "
@@ -287,7 +291,7 @@ class ResponseRun:
         }
 
     def _stores(self) -> bool:
-        return self.req.store and self.state.responses.capacity > 0
+        return self.req.store and self.state.responses.enabled
 
     def store(self, body: dict) -> None:
         """Stores `body` (store true): an in-progress one while a stream runs (GET reads it as OpenAI's does), then
@@ -299,7 +303,9 @@ class ResponseRun:
         # instructions do not carry over to a follow-up (OpenAI's rule)
         conversation = self.history + input_messages(self.req.input) + [_answer_message(self.items)]
         self.stored = StoredResponse(body, conversation, self._input_items())
-        self.state.responses.put(self.id, self.stored)
+        if not self.state.responses.put(self.id, self.stored) and self.finalized:  # told once, not per body
+            logger.warning("response %s not stored: larger than --responses-store-bytes %d by itself", self.id,
+                           self.state.responses.max_bytes)
 
     def _input_items(self) -> list[dict]:
         """What input_items lists: the context previous_response_id brought (its input items and output), then
@@ -405,7 +411,7 @@ def stored_input_items(state: ServerState, response_id: str, order: str, after: 
 def _stored(state: ServerState, response_id: str) -> StoredResponse:
     stored = state.responses.get(response_id)
     if stored is None:  # OpenAI's (and vLLM's) 404 for a response it does not have: an invalid_request_error
-        raise OpenAIError(404, f"Response with id {response_id!r} not found (this server keeps the last "
-                          f"{state.responses.capacity} stored in memory).", param="response_id",
+        raise OpenAIError(404, f"Response with id {response_id!r} not found (this server keeps "
+                          f"{state.responses.limits()} in memory).", param="response_id",
                           code="not_found", type="invalid_request_error")
     return stored

@@ -91,7 +91,8 @@ class ServerState:
         self.tool_call_markup: ToolCallMarkup | None = None  # how the template writes calls (forced and strict)
         self.reasoning_parser_name: str | None = None
         self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0])
-        self.responses = ResponseStore(config.responses_store)  # /v1/responses answers, for follow-ups
+        # /v1/responses answers, for follow-ups
+        self.responses = ResponseStore(config.responses_store, config.responses_store_bytes)
         self._load_thread: threading.Thread | None = None
         # one thread, as vLLM's tokenizer executor: the tokenizer is never entered twice at once
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radiance-tokenize")
