@@ -127,7 +127,8 @@ MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")
 HARMONY_MARKERS = (START, MESSAGE, CHANNEL, CONSTRAIN, *MESSAGE_ENDS)
 _MARKER = re.compile("|".join(re.escape(marker) for marker in HARMONY_MARKERS))
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
-# the recipient, before or after the channel: `to=functions.get_weather<|channel|>...`, `... to=functions.f <|constrain|>`
+# the recipient, before or after the channel: `to=functions.get_weather<|channel|>...`,
+# `... to=functions.f <|constrain|>`
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 FUNCTIONS = "functions."  # the namespace of the developer's functions; other recipients are built-in tools
 # Text outside messages that may still be the start of a header: the prompt ends with `<|start|>assistant`,
@@ -139,7 +140,8 @@ MESSAGE_SEPARATOR = "\n\n"  # between two messages that land in the same field (
 
 class HarmonyReasoningParser:
     """Message bodies go to their channel's field; headers and markers are dropped. Text outside any
-    message (a model that ignores the format) is content; a message cut off is flushed to its field.
+    message (a model that ignores the format) is content, set apart like a message (_stray_text); a message cut
+    off is flushed to its field.
     A message to a function is held until it ends, then handed on whole (ReasoningDelta.function_messages)."""
 
     name = "harmony"
@@ -154,6 +156,9 @@ class HarmonyReasoningParser:
         self._function: FunctionMessage | None = None  # the function message being read
         self._body_started = False
         self._filled = {"reasoning": False, "content": False}
+        self._after_message = False  # a message (or a marker that ends one) came: outside text is between messages
+        self._stray_started = False  # outside text of the current stretch went out as content
+        self._stray_space = ""  # trailing whitespace of that text, dropped if a message follows
 
     def feed(self, delta: str) -> ReasoningDelta:
         out = ReasoningDelta()
@@ -172,6 +177,8 @@ class HarmonyReasoningParser:
         self._text(self._buffer, out)  # the start of a marker that never came is text
         self._buffer = ""
         self._leave_message(out, complete=False)  # held outside text is content; an unfinished header is dropped
+        self._emit("content", self._stray_space, out)  # outside text that ends the output keeps its spacing
+        self._stray_space = ""
         return out
 
     def _text(self, text: str, out: ReasoningDelta) -> None:
@@ -201,6 +208,7 @@ class HarmonyReasoningParser:
 
     def _open_header(self, text: str) -> None:
         self._mode, self._header = "header", text
+        self._stray_started, self._stray_space = False, ""  # a header began: outside text before it has ended
 
     def _header_marker(self, marker: str) -> None:
         if marker != MESSAGE:
@@ -218,8 +226,8 @@ class HarmonyReasoningParser:
 
     def _leave_message(self, out: ReasoningDelta, complete: bool = True) -> None:
         """`complete`: the message ended with a marker, not with the output."""
-        if self._mode == "outside" and self._header_guess:  # it never became a header
-            self._emit("content", self._header_guess, out)
+        if self._mode == "outside" and self._header_guess and not self._header_guess.isspace():
+            self._stray_text(self._header_guess, out)  # it never became a header
         if self._mode == "body" and self._function is not None:
             self._function.arguments = self._function.arguments.strip()
             self._function.complete = complete
@@ -227,7 +235,9 @@ class HarmonyReasoningParser:
             self._function.content_before = self._filled["content"]
             out.function_messages.append(self._function)
             self._function = None
-        self._mode, self._header_guess = "outside", ""
+        if complete:  # finish() gives back the trailing space of outside text that ends the output
+            self._stray_started, self._stray_space = False, ""
+        self._mode, self._header_guess, self._after_message = "outside", "", True
 
     def _outside_text(self, text: str, out: ReasoningDelta) -> None:
         if self._header_guess is not None:
@@ -235,7 +245,27 @@ class HarmonyReasoningParser:
             if _HEADER_START.fullmatch(self._header_guess):
                 return
             text, self._header_guess = self._header_guess, None
-        self._emit("content", text, out)
+        self._stray_text(text, out)
+
+    def _stray_text(self, text: str, out: ReasoningDelta) -> None:
+        """Text outside any message. Harmony has none: after a message's end only <|start|> may come (openai-harmony's
+        parser fails on anything else, and vLLM with it). Rather than fail or lose the model's words, such text is
+        content, set apart like a message of its own (MESSAGE_SEPARATOR after earlier content; it was glued on:
+        "Hi" + "to" gave "Hito"); the whitespace between it and a message is formatting, dropped, as is outside text
+        that is only whitespace (it gave content " " beside a call). An output that ignores the format (no message
+        before its text) keeps its text as written."""
+        if not self._stray_started:
+            if self._after_message:
+                text = text.lstrip()
+            if not text:
+                return
+            self._stray_started = True
+            if self._filled["content"]:
+                text = MESSAGE_SEPARATOR + text
+        text = self._stray_space + text
+        kept = text.rstrip()
+        self._stray_space = text[len(kept):]
+        self._emit("content", kept, out)
 
     def _body_text(self, text: str, out: ReasoningDelta) -> None:
         if self._function is not None:

@@ -49,6 +49,20 @@ CASES = [  # output text, reasoning, content
     pytest.param("<|channel|>analysis<|message|>Done thinking.<|end|><|start|>assistant<|channel|>fin",
                  "Done thinking.", "", id="cut-mid-header"),
     pytest.param("<|channel|>final<|message|>a <| b ends in <|", "", "a <| b ends in <|", id="marker-like-text"),
+    # text outside messages (harmony has none: only <|start|> may follow a message's end) is content set apart
+    # like a message of its own, the whitespace around it dropped (was glued on: "Hito")
+    pytest.param("<|channel|>final<|message|>Hi<|end|>to", "", "Hi\n\nto", id="text-after-a-message"),
+    pytest.param("<|channel|>final<|message|>A<|end|> stray \n<|start|>assistant<|channel|>final<|message|>B<|return|>",
+                 "", "A\n\nstray\n\nB", id="text-between-messages"),
+    pytest.param("<|channel|>analysis<|message|>x<|end|>\n to go", "x", "to go", id="text-after-reasoning"),
+    # whitespace outside messages is no text (was content " ")
+    pytest.param("<|channel|>final<|message|>A<|end|> \n <|start|>assistant<|channel|>final<|message|>B<|return|>",
+                 "", "A\n\nB", id="blank-between-messages"),
+    pytest.param("<|channel|>analysis<|message|>x<|end|> ", "x", "", id="blank-after-a-message"),
+    pytest.param("Stray text first. <|channel|>final<|message|>Answer.<|return|>", "",
+                 "Stray text first.\n\nAnswer.", id="text-before-a-header-loses-its-trailing-space"),
+    pytest.param("  A model that ignores the format.\n", "", "  A model that ignores the format.\n",
+                 id="no-markup-keeps-its-spacing"),
 ]
 
 

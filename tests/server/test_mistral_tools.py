@@ -62,6 +62,15 @@ CASES = [
      'A {"name": "nope", "arguments": {}} B', [("get_weather", {"city": "Oslo"})] * 2),
     ('[TOOL_CALLS] [{"name": "nope", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Os', True,
      '{"name": "nope", "arguments": {}}', [("get_weather", '{"city": "Os')]),
+    # JSON that breaks before its end: text, and so is the rest of the output, markers and all (streamed as soon as
+    # it breaks: test_tool_parsers.test_text_no_call_can_be_made_of_streams_as_it_comes)
+    ('See [TOOL_CALLS][{"name": "get_weather", "arguments": {city: 1}}] then [TOOL_CALLS][' + OSLO + "]", False,
+     'See [TOOL_CALLS][{"name": "get_weather", "arguments": {city: 1}}] then [TOOL_CALLS][' + OSLO + "]", []),
+    ("[TOOL_CALLS]get_weather[ARGS]{city: 1} done", False, "[TOOL_CALLS]get_weather[ARGS]{city: 1} done", []),
+    # ... cut by max_tokens too (was a call of get_weather with '{city: 1}}] and' for arguments)
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {city: 1}}] and', True,
+     '[TOOL_CALLS][{"name": "get_weather", "arguments": {city: 1}}] and', []),
+    ('Hi [TOOL_CALLS] [{Note', True, 'Hi [TOOL_CALLS] [{Note', []),  # was "Hi", the rest dropped as markup
 ]
 
 
@@ -84,7 +93,8 @@ def test_mistral_any_chunking_agrees():
     output is chunked, every call to an offered tool with an object for arguments."""
     pieces = ["Sure. ", f"[TOOL_CALLS] [{OSLO}]", f'[TOOL_CALLS][{OSLO}, {{"name": "get_time", "arguments": {{}}}}]',
               '[TOOL_CALLS]get_weather[ARGS]{"city": "Rom"}', "[TOOL_CALLS] oops ", '[TOOL_CALLS] [{"x": 1}]',
-              "日本 🙂", " [1] ", "[TOOL_CALLS]rm[ARGS]{}", "{", "]"]
+              "日本 🙂", " [1] ", "[TOOL_CALLS]rm[ARGS]{}", "{", "]",
+              '[TOOL_CALLS] [{"name": "get_weather", {city: 1}}]', "[TOOL_CALLS]get_weather[ARGS]{Note} "]
     rng = random.Random(11)
     for _ in range(200):
         output = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 5)))

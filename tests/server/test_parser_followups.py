@@ -160,6 +160,32 @@ def test_a_call_between_messages_keeps_the_answer_joined():
         assert run_choice(chunks, TOOLS) == ("Checking.\n\nSunny.", ["get_weather"]), chunks
 
 
+WEATHER_CALL = f"<|start|>assistant<|channel|>commentary to=functions.get_weather json<|message|>{CALL_BODY}<|call|>"
+OUTSIDE_CASES = [  # output, content: text outside messages (harmony has none) is content set apart, blanks are none
+    pytest.param(ANALYSIS + " " + WEATHER_CALL, "", id="blank-before-a-call"),  # was content " " beside the call
+    pytest.param(ANALYSIS + "\n \n" + WEATHER_CALL, "", id="blank-lines-before-a-call"),
+    pytest.param("<|channel|>final<|message|>Here.<|end|>" + WEATHER_CALL + " oops", "Here.\n\noops",
+                 id="text-after-a-call"),
+    pytest.param("<|channel|>final<|message|>Hi<|end|>to", "Hi\n\nto", id="glued-on"),  # was "Hito"
+]
+
+
+@pytest.mark.parametrize("text,content", OUTSIDE_CASES)
+def test_text_outside_messages_is_a_message_of_its_own(text, content):
+    for chunks in splits(text):
+        choice, sent, deltas = choice_stream(TOOLS), "", []
+        for i, chunk in enumerate(chunks):
+            sent += chunk
+            last = i == len(chunks) - 1
+            deltas.append(choice.step(SimpleNamespace(text=sent, finished=last, finish_reason="stop" if last else None,
+                                                      logprobs=None))[0])
+        assert "".join(d.get("content", "") for d in deltas) == content, chunks
+        if not content:  # no content at all (null), not an empty or blank one
+            assert not any("content" in d for d in deltas), chunks
+        calls = [c["function"]["name"] for d in deltas for c in d.get("tool_calls", ())]
+        assert calls == (["get_weather"] if "get_weather" in text else []), chunks
+
+
 def test_split_reasoning_keeps_a_function_message_in_its_place():
     out = split_reasoning(HarmonyReasoningParser(), "<|channel|>final<|message|>A<|end|><|start|>assistant"
                           "<|channel|>commentary to=functions.f json<|message|>{}<|end|><|start|>assistant"

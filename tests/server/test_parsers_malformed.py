@@ -1,7 +1,8 @@
 """Model output that is no usable tool call (broken JSON, a name the request did not offer, arguments that are
 no object, a call left open when the model stopped) is the model's text: it comes back as content, markup and
 all, as vLLM returns it, never as a call clients cannot run nor as lost text. Only a cut by max_tokens keeps
-its partial call (or drops its markup). Also: a `<think>` the model writes again after the prompt opened one."""
+its partial call (or drops its markup), unless its JSON had already broken (then it is text, streamed as it came).
+Also: a `<think>` the model writes again after the prompt opened one."""
 
 import json
 

@@ -24,7 +24,10 @@ GOOD = {  # parser -> calls to get_weather, each with its arguments
 }
 BROKEN = {  # markup that is no usable call: text
     "hermes": ["<tool_call>oops</tool_call>", '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
-               '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>'],
+               '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',
+               # JSON that breaks before its end: text as soon as it breaks
+               "<tool_call>{Note} x</tool_call>", "<tool_call> a tag. </tool_call>",
+               '<tool_call>{"name": "get_weather", "arguments": {city: 1}}</tool_call>'],
     "qwen3_coder": ["<tool_call>oops</tool_call>", "<tool_call><function=rm></function></tool_call>"],
 }
 PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser}
@@ -108,12 +111,14 @@ HARMONY_MESSAGES = [
     '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Oslo"}<|call|>',
     "<|start|>assistant<|channel|>final<|message|>Sunny 🙂.<|return|>",
 ]
+HARMONY_OUTSIDE = [" ", "\n\n", "to", " to=functions.get_weather", "stray text "]  # text outside messages
 
 
 def test_harmony_any_chunking_agrees():
     rng = random.Random(5)
     for _ in range(200):
-        output = "".join(rng.choice(HARMONY_MESSAGES) for _ in range(rng.randint(1, 4)))
+        output = "".join(rng.choice(HARMONY_MESSAGES if rng.random() < 0.7 else HARMONY_OUTSIDE)
+                         for _ in range(rng.randint(1, 5)))
         if rng.random() < 0.3:  # cut off by max_tokens, between tokens: a marker is one (special) token
             tokens = [t for t in re.split("(" + "|".join(map(re.escape, HARMONY_MARKERS)) + ")", output) if t]
             output = "".join(tokens[:rng.randint(1, len(tokens))])

@@ -70,6 +70,20 @@ HERMES_CASES = [
     # markup that is no call stays text, and the call after it is still read
     ('<tool_call>oops</tool_call> then <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', False,
      "<tool_call>oops</tool_call> then", [("get_weather", {})]),
+    # a stray tag in prose, or JSON that broke: text (streamed as it comes, test_text_no_call_can_be_made_of_...)
+    ("Use the <tool_call> tag. Then more.", False, "Use the <tool_call> tag. Then more.", []),
+    ("<tool_call>{Note} x</tool_call> then", False, "<tool_call>{Note} x</tool_call> then", []),
+    ('Hi <tool_call>{"name": "get_weather", "arguments": {city: 1}}</tool_call> <tool_call>{"name": "get_weather", '
+     '"arguments": {}}</tool_call>', False, 'Hi <tool_call>{"name": "get_weather", "arguments": {city: 1}}</tool_call>',
+     [("get_weather", {})]),
+    # ... even when max_tokens cuts it: no call (was the markup dropped, or a call of what followed a "name")
+    ("Use the <tool_call> tag. Then", True, "Use the <tool_call> tag. Then", []),
+    ('<tool_call>{"name": "get_weather", "arguments": {city: 1}} and', True,
+     '<tool_call>{"name": "get_weather", "arguments": {city: 1}} and', []),
+    # JSON that may still be whole is held: its end tag decides, or the cut reads its partial call
+    ('<tool_call>{ "name": "get_weather", "arguments": {"days": 1', True, "", [("get_weather", '{"days": 1')]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Ba\\qz"}}</tool_c', True, "",
+     [("get_weather", '{"city": "Ba\\qz"}}')]),  # an error inside a string breaks no structure: the cut reads it
 ]
 
 
@@ -172,6 +186,85 @@ def test_llama3_json_releases_text_that_cannot_become_json_at_once():
                        '{"days": -', '{"name": "get_weather", "parameters": {"days": 1.', '{"name": "get_weather", '
                        '"parameters": {"metric": tr', '{"name": "get_weather", "parameters": {"extra": nu'):
         assert Llama3JsonToolParser([WEATHER_TOOL]).feed(unfinished) == ParseDelta(), unfinished  # may be a call
+
+
+NOT_CALLS_THEN_PROSE = [  # (parser, markup that no further text can make a call), "word " * 200 after each
+    (Llama3JsonToolParser, "{Note} "),
+    (HermesToolParser, "Use the <tool_call> tag. "),
+    (HermesToolParser, "<tool_call>{Note} "),
+    (HermesToolParser, '<tool_call>\n{"name": "get_weather", "arguments": {city: 1}} '),
+    (MistralToolParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {city: 1}}] '),
+    (MistralToolParser, "[TOOL_CALLS]get_weather[ARGS]{city: 1} "),
+]
+
+
+@pytest.mark.parametrize("parser_cls,opening", NOT_CALLS_THEN_PROSE)
+def test_text_no_call_can_be_made_of_streams_as_it_comes(parser_cls, opening):
+    """Markup whose JSON broke (or a stray tag in prose) is text whatever follows: streamed token by token it goes
+    out soon after it breaks, not all at finish() (the prose after it came in one final chunk); same result."""
+    text = opening + "word " * 200
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]  # about a token each
+    parser, sent = parser_cls([WEATHER_TOOL]), []
+    for piece in pieces:
+        sent.append(parser.feed(piece).content)
+    last = parser.finish().content
+    assert "".join(sent) + last == text == parse_tool_calls(parser_cls([WEATHER_TOOL]), text).content
+    assert len(last) <= 5  # at most a held trailing space
+    # out by the time as much text follows the break as came before it (a call's body is looked at again only
+    # once it has doubled), then on as it comes
+    out_by = 2 * len(opening) + 8
+    assert all(len("".join(sent[:i])) >= 4 * i - 8 for i in range(out_by // 4, len(sent) + 1))
+
+
+# prefixes of these are JSON that may still be whole: never taken for broken (every feature a call's JSON may use)
+VALID_CALL_BODIES = [
+    '\n{"name": "get_weather", "arguments": {"city": "Z\\u00fcrich \\ud83d\\ude00 \\"q\\" \\\\ \\/ \\n", '
+    '"days": -12.5e+3, "n": 0, "f": 1E-2, "metric": true, "x": false, "extra": {"a": [1, 2.0, null, [], {}], "b": '
+    '"}{][,:"}}}\n',
+    '{ "name" : "get_weather" , "arguments" : { } }',
+    '{"name":"get_weather","parameters":{"days":[ -0.0 , 1 ],"s":"</tool_call>"}}',
+]
+
+
+@pytest.mark.parametrize("body", VALID_CALL_BODIES)
+def test_json_that_may_still_be_whole_is_never_taken_for_broken(body):
+    from radiance.server.tool_parsers.json_calls import _broken_json, _broken_structure
+    hermes = HermesToolParser([WEATHER_TOOL])
+    for end in range(len(body) + 1):
+        prefix = body[:end]
+        assert not hermes.body_broken(prefix), prefix
+        start = len(prefix) - len(prefix.lstrip())
+        if prefix.strip():
+            try:
+                json.JSONDecoder().raw_decode(prefix, start)
+            except ValueError as exc:
+                assert not _broken_structure(exc, prefix) and not _broken_json(exc, prefix), prefix
+
+
+@pytest.mark.parametrize("body", ["{Note} x", ' tag. {"name": 1}', '{"name": "get_weather" "arguments": {}}',
+                                  '{"name": "get_weather", "arguments": {city: 1}}', '{"a": 1,}', "{ x}", "\xa0{}"])
+def test_json_that_broke_stays_broken_whatever_follows(body):
+    """Once broken, always: so a body released as text early is text at its end tag, stop or cut too."""
+    hermes = HermesToolParser([WEATHER_TOOL])
+    broken = [hermes.body_broken(body[:end]) for end in range(len(body) + 1)]
+    assert broken[-1] and broken == sorted(broken), broken
+
+
+def test_hermes_looks_at_a_long_call_body_a_logarithmic_number_of_times():
+    """Telling broken JSON decodes the body: again only once it has doubled, so a long call streamed piece by piece
+    costs linear time (decoding it on every piece, or at every '}' its code writes, was quadratic)."""
+    parser = HermesToolParser([WEATHER_TOOL])
+    decodes = []
+    raw_decode = parser._decoder.raw_decode
+    parser._decoder.raw_decode = lambda text, *a: decodes.append(len(text)) or raw_decode(text, *a)
+    value = "x = {}; " * 5000
+    out = parser.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "')
+    for i in range(0, len(value), 4):
+        out += parser.feed(value[i:i + 4])
+    out += parser.feed('"}}</tool_call>')
+    out += parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": value})]
+    assert sum(decodes) < 3 * len(value) and len(decodes) < 20
 
 
 def test_llama3_json_emits_a_call_as_soon_as_it_closes():

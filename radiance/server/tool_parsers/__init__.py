@@ -8,10 +8,12 @@ message of its own, which the harmony reasoning parser hands over whole (Harmony
 `base` holds the scanner the tagged formats share.
 
 One incremental scanner serves both streaming and non-streaming requests (both feed it each engine output
-as it arrives; a non-streaming answer is the sum of the pieces), so both give the same result by construction. Text outside calls streams out
-as content; a possible start tag at a chunk's end is held back until the next chunk decides; a call
-is emitted whole when its end tag arrives. A call cut off by max_tokens is parsed at `finish()` from
-what was generated, its markup never reaching the content. Whitespace that only separates content from
+as it arrives; a non-streaming answer is the sum of the pieces), so both give the same result by construction.
+Text outside calls streams out as content; a possible start tag at a chunk's end is held back until the next
+chunk decides; a call is emitted whole when its end tag arrives. Markup that no further text can make a call
+(JSON whose syntax broke before its end: `{Note} ...`, a stray `<tool_call>` in prose) streams out as content as
+it comes, not at its end tag or the end of the output. A call cut off by max_tokens is parsed at `finish()`
+from what was generated, its markup never reaching the content. Whitespace that only separates content from
 calls is dropped.
 
 A call must be usable: it names one of the request's tools and its arguments are a JSON object. Markup that

@@ -52,6 +52,8 @@ class ToolParser:
         self._buffer = ""
         self._in_call = False
         self._end_search_from = 0  # in a call: where the search for its end tag goes on
+        self._body_sent: int | None = None  # in a call that can never be one: how much of the buffer went out as text
+        self._body_looked = 0  # in a call: how long its body was when body_broken last looked at it
         self._held_space = ""  # trailing whitespace of content, dropped if a call follows
         self._space_before_call = ""  # that whitespace, given back if the call turns out to be text
         self._after_call = LeadingSpaceEater()
@@ -113,11 +115,15 @@ class ToolParser:
                     end = self._buffer.find(END_TAG, end + 1)  # the end tag is written inside the call
                 if end < 0:  # searched up to here: a long call is not rescanned from its start on every piece
                     self._end_search_from = max(self._end_search_from, len(self._buffer) - len(END_TAG) + 1)
+                    self._release_text_body(out, final=False)
                     break
-                body = self._buffer[:end]
-                self._buffer = self._buffer[end + len(END_TAG):]
+                body, markup_end = self._buffer[:end], end + len(END_TAG)
+                text_from, self._body_sent = self._body_sent, None
+                self._buffer, rest = self._buffer[markup_end:], self._buffer
                 self._in_call = False
-                if self.stopped_call_whole(body) and self._call(out, body, cut=False):  # whole, or text
+                if text_from is not None:  # text already: the rest of it, end tag and all, is too
+                    self._content(out, rest[text_from:markup_end])
+                elif self.stopped_call_whole(body) and self._call(out, body, cut=False):  # whole, or text
                     self._after_call.active = True
                 else:
                     self._not_a_call(out, START_TAG + body + END_TAG)
@@ -129,13 +135,38 @@ class ToolParser:
                 self._space_after_call = ""
                 self._buffer = self._buffer[start + len(START_TAG):]
                 self._in_call = True
-                self._end_search_from = 0
+                self._end_search_from, self._body_sent, self._body_looked = 0, None, 0
                 continue
             keep = partial_tag_start(self._buffer, START_TAG)
             self._content(out, self._buffer[:keep])
             self._buffer = self._buffer[keep:]
             break
         return out
+
+    def _release_text_body(self, out: ParseDelta, final: bool) -> bool:
+        """A call's body that can never be a call (`body_broken`) is text already: it goes out as it comes, not at
+        its end tag or at finish() (the same content, only sooner). Whether it went. Until `final`, a body is looked
+        at again only once it has doubled: linear in all however long the call (a long one was decoded on every
+        piece), and a body that breaks goes out by the time as much text follows the break as came before it."""
+        if self._body_sent is None:
+            if not final and len(self._buffer) < 2 * self._body_looked:
+                return False
+            self._body_looked = len(self._buffer)
+            keep = partial_tag_start(self._buffer, END_TAG)  # a partial end tag is no part of the body
+            if not self.body_broken(self._buffer[:keep] if keep < len(self._buffer) else self._buffer):
+                return False
+            self._not_a_call(out, START_TAG)
+            self._body_sent = 0
+        # all of it: its end tag, when it comes, is text too (the tag is only looked for, to leave the call there)
+        self._content(out, self._buffer[self._body_sent:])
+        self._body_sent = len(self._buffer)
+        return True
+
+    def body_broken(self, body: str) -> bool:
+        """Whether no text after `body`, the start of a call's body, can make it a call, however the call ends (end
+        tag, stop, or a cut by max_tokens, whose partial call needs a body that may still become one). A format
+        that cannot tell says False: the body is held until its call ends."""
+        return False
 
     def end_tag_closes(self, body: str) -> bool:
         """Whether an end tag after `body` ends the call; a format says no where the tag sits inside the call (a
@@ -157,7 +188,9 @@ class ToolParser:
         out = ParseDelta()
         if self._in_call:  # the output ended inside a call; a partial end tag is markup, not arguments
             body = self._buffer[:partial_tag_start(self._buffer, END_TAG)]
-            if truncated:
+            if self._release_text_body(out, final=True):
+                pass  # a body no call can be made of: text, cut or not (all of it, as it streamed)
+            elif truncated:
                 self._call(out, body.rstrip(), cut=True)  # nothing usable yet: the markup is dropped
             elif not (self.stopped_call_whole(body) and self._call(out, body, cut=False)):  # stopped: whole, or text
                 self._not_a_call(out, START_TAG + self._buffer)
@@ -166,7 +199,7 @@ class ToolParser:
         elif self._buffer:  # a start tag cut off by max_tokens: markup, like the space before it
             self._held_space = ""
         self._buffer = ""
-        self._in_call = False
+        self._in_call, self._body_sent = False, None
         if self._held_space and not self._after_call.active:
             out.content += self._held_space
         self._held_space = ""

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import re
 
-from radiance.server.tool_parsers.base import ParseDelta, ParsedToolCall, ToolParser, _loads, _object_text, _reject_non_finite
+from radiance.server.tool_parsers.base import (ParseDelta, ParsedToolCall, ToolParser, _loads, _object_text,
+                                               _reject_non_finite)
 
 def in_json_string(text: str) -> bool:
     """Whether JSON text ends inside a string literal (an odd count of unescaped quotes)."""
@@ -26,6 +27,10 @@ class HermesToolParser(ToolParser):
     _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
     _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._decoder = json.JSONDecoder(parse_constant=_reject_non_finite)
+
     def parse_call(self, body: str, cut: bool) -> ParsedToolCall | None:
         try:
             obj = _loads(body)
@@ -36,6 +41,20 @@ class HermesToolParser(ToolParser):
     def end_tag_closes(self, body: str) -> bool:
         """A </tool_call> inside a JSON string (an argument that writes the markup) does not end the call."""
         return not in_json_string(body)
+
+    def body_broken(self, body: str) -> bool:
+        """No JSON object (a stray <tool_call> in prose: " tag. ..."), or one whose syntax broke before its end
+        ("{Note} ..."): text whatever follows, released as it comes rather than held to its end tag or the end."""
+        start = _JSON_SPACE.match(body).end()
+        if start == len(body):
+            return False
+        if body[start] != "{":
+            return True
+        try:
+            self._decoder.raw_decode(body, start)
+        except ValueError as exc:
+            return _broken_structure(exc, body)
+        return False  # a whole object: text after it is the end tag's or finish()'s to judge, as before
 
     def _call_of(self, obj) -> ParsedToolCall | None:
         """`{"name": NAME, "arguments": {...}}` ("parameters" also read), NAME one of the tools."""
@@ -60,6 +79,8 @@ class HermesToolParser(ToolParser):
         return ParsedToolCall(fn_name, body[args.end():].rstrip() if args else "", complete=False)
 
 
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")  # the whitespace JSON allows around values
+_SHORT_JSON = 4096  # a JSON call shorter than this is decoded on every piece (broken JSON is told at once)
 _CALL_SEPARATORS = " \t\r\n;"  # between Llama 3.x calls
 
 
@@ -77,6 +98,13 @@ def _broken_json(exc: ValueError, text: str) -> bool:
     return exc.pos < len(text.rstrip()) and text[exc.pos] not in _MAY_CONTINUE
 
 
+def _broken_structure(exc: ValueError, text: str) -> bool:
+    """_broken_json where the syntax between the values broke ("Expecting ..."), the break prose makes. An error
+    inside a string (an invalid escape, a raw newline) is no such break: a cut by max_tokens still reads the
+    partial call such a body writes, so it is held."""
+    return _broken_json(exc, text) and exc.msg.startswith(("Expecting", "Illegal trailing comma"))
+
+
 class Llama3JsonToolParser(HermesToolParser):
     """Llama 3.x JSON calls: an answer that starts with a JSON object (after an optional `<|python_tag|>`) is
     one or more calls `{"name": ..., "parameters": {...}}`, separated by ';' or whitespace; any other answer
@@ -90,7 +118,6 @@ class Llama3JsonToolParser(HermesToolParser):
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
         self._mode: str | None = None  # None until the answer's first characters decide: "text" | "calls"
-        self._decoder = json.JSONDecoder(parse_constant=_reject_non_finite)
 
     def feed(self, delta: str) -> ParseDelta:
         out = ParseDelta()
@@ -111,7 +138,7 @@ class Llama3JsonToolParser(HermesToolParser):
             self._buffer = head
         # decoding the whole buffer again on every piece is quadratic in a long call: past a few KB, only a '}'
         # (an object may close) is worth it, so broken JSON that long is told at its next '}'
-        self._take_calls(out, final=False, decode="}" in delta or len(self._buffer) < 4096)
+        self._take_calls(out, final=False, decode="}" in delta or len(self._buffer) < _SHORT_JSON)
         return out
 
     def _take_calls(self, out: ParseDelta, final: bool, truncated: bool = False, decode: bool = True) -> None:

@@ -8,20 +8,20 @@ The markers are special tokens, so the server keeps special tokens in the text t
 and text after the calls is content again. Markup that gives no usable call (broken JSON, a function the request did
 not offer, a name with a space in it) is the model's text, as with the other formats: it goes out as content, the
 markup read before it included; in an array that gives calls, an object that is no call is content alone (held
-until the array gives its first call or ends). Calls get 9-character alphanumeric ids, the only ones Mistral's
-templates take back.
+until the array gives its first call or ends). An object whose JSON syntax breaks is text as soon as it does, and so
+is the rest of the output (both went out at the end before). Calls get 9-character alphanumeric ids, the only ones
+Mistral's templates take back.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import string
 
 from radiance.server.streaming_text import partial_tag_start
-from radiance.server.tool_parsers.base import ParseDelta, ParsedToolCall, _object_text, _reject_non_finite
-from radiance.server.tool_parsers.json_calls import HermesToolParser
+from radiance.server.tool_parsers.base import ParseDelta, ParsedToolCall, _object_text
+from radiance.server.tool_parsers.json_calls import _SHORT_JSON, HermesToolParser, _broken_structure
 
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -39,15 +39,15 @@ class MistralToolParser(HermesToolParser):
 
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
-        self._state = "text"  # text | opened (right after a marker) | array | name | arguments
+        # text | opened (right after a marker) | array | name | arguments | broken (the rest is text)
+        self._state = "text"
         self._markup = ""  # markup read since the marker that has given no call yet: text if none comes
         self._group_calls = 0  # calls the current array gave
         self._rejected: list[str] = []  # objects of the current array that are no call, held while none was one
         self._function = ""  # the v11 call's function name, once read
-        self._decoder = json.JSONDecoder(parse_constant=_reject_non_finite)
         self._may_close = False  # the piece being read has a '}': an object may have closed (feed)
         self._steps = {"text": self._in_text, "opened": self._in_opened, "array": self._in_array,
-                       "name": self._in_name, "arguments": self._in_arguments}
+                       "name": self._in_name, "arguments": self._in_arguments, "broken": self._in_broken}
 
     def new_call_id(self) -> str:
         return "".join(secrets.choice(ID_ALPHABET) for _ in range(ID_LENGTH))
@@ -104,12 +104,12 @@ class MistralToolParser(HermesToolParser):
             return True
         if not rest.startswith("{"):  # no call list after all: the rest is text
             return self._back_to_text(out)
-        if not self._may_close:
+        if not (self._may_close or len(rest) < _SHORT_JSON):
             return False
         try:
             obj, end = self._decoder.raw_decode(rest)
-        except ValueError:
-            return False  # not whole yet (finish decides about an object that never closes)
+        except ValueError as exc:  # not whole yet (finish decides about an object that never closes), or broken
+            return self._broken(out, exc, rest)
         call = self._call_of(obj)
         if call is None and not self._group_calls:
             # held: text with the whole array if no item is a call, the object alone if one is
@@ -151,12 +151,12 @@ class MistralToolParser(HermesToolParser):
             return False
         if not rest.startswith("{"):
             return self._back_to_text(out)
-        if not self._may_close:
+        if not (self._may_close or len(rest) < _SHORT_JSON):
             return False
         try:
             obj, end = self._decoder.raw_decode(rest)
-        except ValueError:
-            return False
+        except ValueError as exc:
+            return self._broken(out, exc, rest)
         arguments = _object_text(obj) if self.offers(self._function) and isinstance(obj, dict) else None
         if arguments is None:
             self._text_instead(out, rest[:end])
@@ -164,6 +164,20 @@ class MistralToolParser(HermesToolParser):
             self._emit(out, ParsedToolCall(self._function, arguments))
         self._buffer, self._state = rest[end:], "text"
         return True
+
+    def _broken(self, out: ParseDelta, exc: ValueError, rest: str) -> bool:
+        """An object whose JSON syntax broke before its end is no call, whatever follows: it is text now, with the
+        markup before it and the rest of the output (all held to finish() before, which made them text)."""
+        if not _broken_structure(exc, rest):
+            return False  # not whole yet
+        self._text_instead(out, self._buffer)
+        self._buffer, self._state = "", "broken"
+        return True
+
+    def _in_broken(self, out: ParseDelta) -> bool:
+        self._content(out, self._buffer)
+        self._buffer = ""
+        return False
 
     def _emit(self, out: ParseDelta, call: ParsedToolCall) -> None:
         out.tool_calls.append(call)
@@ -204,7 +218,7 @@ class MistralToolParser(HermesToolParser):
         elif self._state == "arguments" and truncated:
             if self.offers(self._function):
                 self._emit(out, ParsedToolCall(self._function, rest, complete=False))
-        elif self._state != "text" and not truncated and (rest or not self._group_calls):
+        elif self._state not in ("text", "broken") and not truncated and (rest or not self._group_calls):
             self._text_instead(out, self._buffer)  # a call the model stopped in, or a marker with no call
         self._buffer, self._state, self._markup, self._rejected = "", "text", "", []
         if self._held_space and not self._after_call.active:
