@@ -29,7 +29,8 @@ import radiance.layers.norm as norm_module
 import radiance.models.llama as llama_module
 from radiance.bench.engine_bench import _engine, _random_ids, _sync
 from radiance.engine.sampling_params import SamplingParams
-from radiance.kernels.activation import Fp8Activations, PartialSums, fp8_outputs
+from radiance.kernels.activation import Fp8Activations, fp8_outputs
+from radiance.kernels.norm import PartialSums
 from radiance.layers.attention import Attention
 from radiance.layers.rotary import RotaryEmbedding
 

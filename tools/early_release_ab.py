@@ -1,4 +1,4 @@
-"""Early PDL release (`activation.PDL_EARLY_RELEASE`) A/B'd inside the engine's decode step: a launch named there
+"""Early PDL release (`triton_support.PDL_EARLY_RELEASE`) A/B'd inside the engine's decode step: a launch named there
 lets the GEMM after it launch before it waits for the GEMM before it, so that the GEMM is resident and prefetching
 while the GEMM before runs. The launches: the residual-add norms before qkv ("attn_norm") and before the MLP
 ("mlp_norm"), other norms ("norm"), the quantize between gate_up and down ("parts_quantize", production;
@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 
 import decode_ablation  # tools/, next to this script
-import radiance.kernels.activation as activation
+import radiance.kernels.triton_support as triton_support
 
-RELEASABLE = activation.EARLY_RELEASE_LAUNCHES
+RELEASABLE = triton_support.EARLY_RELEASE_LAUNCHES
 
 
 def parse_variant(text: str) -> frozenset[str]:
@@ -42,7 +42,7 @@ def run(model: str, variants, quantization: str = "mxfp4", batches=(1, 8), repea
     """[(early-release set, [best-of-2 ms per decode step for each batch])] in run order."""
     engine = decode_ablation.ab_engine(model, quantization, batches, device, overrides)
     return decode_ablation.alternate(
-        engine, activation, "PDL_EARLY_RELEASE", list(variants), batches, repeats, steps,
+        engine, triton_support, "PDL_EARLY_RELEASE", list(variants), batches, repeats, steps,
         lambda names, times: log(f"{label(names)}: " + "  ".join(f"batch {b} {ms:.3f} ms"
                                                                  for b, ms in zip(batches, times))))
 

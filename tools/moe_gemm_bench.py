@@ -31,8 +31,8 @@ from radiance import env
 from radiance.bench.kernels import random_mxfp4
 from radiance.bench.synthetic import synthetic_config
 from radiance.kernels import moe as grouped
-from radiance.kernels.activation import glu_mul, quantize_activations
-from radiance.kernels.glu import SILU, GluActivation, glu_reference
+from radiance.kernels.activation import quantize_activations
+from radiance.kernels.glu import SILU, GluActivation, glu_mul, glu_reference
 from radiance.kernels.moe_routing import route_to_experts
 from radiance.kernels.prepare import prepare_mxfp4
 from radiance.kernels.reference import relative_error

@@ -3,7 +3,8 @@
 Launchers live next to the references; the Triton jit bodies are in `radiance.kernels._triton`.
 """
 
-from radiance.kernels.activation import quantize_activations, rmsnorm_quant
+from radiance.kernels.activation import quantize_activations
+from radiance.kernels.norm import rmsnorm_quant
 from radiance.kernels.prepare import PreparedMxfp4, dequantize_prepared, prepare_mxfp4, unprepare_mxfp4
 from radiance.kernels.reference import (quantize_activations_reference, relative_error, rmsnorm_quant_reference,
                                         w4a8_matmul_reference, w4a8_reference)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from radiance.kernels._triton import argmax as _argmax
-from radiance.kernels.activation import triton_serves
-from radiance.kernels.tuning import next_pow2
+from radiance.kernels.triton_support import next_pow2, triton_serves
 
 CHUNK = 4096  # elements per program: a 128k vocabulary is 32 programs per row
 

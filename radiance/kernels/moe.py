@@ -10,12 +10,13 @@ from typing import NamedTuple
 import torch
 
 from radiance.kernels._triton import moe_gemm as _moe
-from radiance.kernels.activation import quantize_rows_from_parts, triton_serves
+from radiance.kernels.activation import quantize_rows_from_parts
 from radiance.kernels.device_info import sm_count, supports_pdl
 from radiance.kernels.glu import SILU, GluActivation, glu_reference
 from radiance.kernels.moe_routing import ExpertRouting
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, dequantize_prepared, padded_k
 from radiance.kernels.reference import quantize_activations_reference, w4a8_matmul_reference
+from radiance.kernels.triton_support import triton_serves
 
 ROW_SOURCES = ("token", "pair")
 

@@ -20,10 +20,9 @@ import torch
 from radiance.kernels._triton import moe_combine as _combine
 from radiance.kernels._triton import moe_route as _route
 from radiance.kernels._triton import moe_router as _router
-from radiance.kernels.activation import triton_serves
-from radiance.kernels.tuning import next_pow2
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import supports_pdl
+from radiance.kernels.triton_support import next_pow2, triton_serves
 
 
 class ExpertRouting(NamedTuple):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from radiance.kernels.device_info import capability
+from radiance.kernels.triton_support import next_pow2
 
 TUNING_DIR = Path(__file__).parent / "tuning"
 
@@ -64,11 +65,6 @@ def load_table(name: str) -> dict:
         return {}
     with open(path) as f:
         return json.load(f)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1): block sizes and padded widths of the launchers."""
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 def expand_min_m(device: torch.device) -> int | None:

@@ -6,10 +6,11 @@ import torch
 
 from radiance.kernels._triton import convert as _convert
 from radiance.kernels._triton import gemm as _gemm
-from radiance.kernels.activation import PartialSums, glu_mul, quantize_rows_from_parts
+from radiance.kernels.activation import quantize_rows_from_parts
 from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import sm_count, supports_pdl
-from radiance.kernels.glu import SILU, GluActivation
+from radiance.kernels.glu import SILU, GluActivation, glu_mul
+from radiance.kernels.norm import PartialSums
 from radiance.kernels.occupancy import ctas_per_sm_at_most
 from radiance.kernels.prepare import WORD_K, PreparedMxfp4, padded_k
 from radiance.kernels.tuning import GemmConfig, expand_min_m, glu_epilogue_serves, select_config
@@ -45,8 +46,8 @@ DENSE_GLU_KINDS = ("silu", "gelu_tanh")
 # 2.508 ms (deeper prefetches hold the CTA before its wait; bench/RESULTS.md, thirteenth session)
 PDL_PREFETCH_TILES = 1
 # Per-shape depths {(n, k): tiles} that replace PDL_PREFETCH_TILES for one GEMM shape (tools/pdl_prefetch_sweep.py
-# --shape): since the dense down GEMM launches while gate_up still runs (activation.PDL_EARLY_RELEASE), it has that
-# whole GEMM to prefetch in. None measured yet.
+# --shape): since the dense down GEMM launches while gate_up still runs (triton_support.PDL_EARLY_RELEASE), it has
+# that whole GEMM to prefetch in. None measured yet.
 PDL_PREFETCH_TILES_BY_SHAPE: dict[tuple[int, int], int] = {}
 
 

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 from radiance.kernels._triton.act_quant import _row_scale, _to_e4m3, pdl_handoff, shared_row_scale
-from radiance.kernels.activation import fp8_outputs, row_barrier_buffers
+from radiance.kernels.activation import fp8_outputs
 from radiance.kernels.device_info import sm_count
+from radiance.kernels.triton_support import row_barrier_buffers
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 

@@ -20,9 +20,10 @@ from radiance.config import KernelConfig
 from radiance.formats import MX_BLOCK, dequantize_mxfp4, to_mxfp4
 from radiance.kernels import ops  # noqa: F401 - registers torch.ops.radiance.*
 from radiance.kernels import reference
-from radiance.kernels.activation import Fp8Activations, PartialSums, quantize_activations
+from radiance.kernels.activation import Fp8Activations, quantize_activations
 from radiance.kernels.device_info import capability
 from radiance.kernels.glu import SILU, GluActivation
+from radiance.kernels.norm import PartialSums
 from radiance.kernels.numerics import NumericsMonitor
 from radiance.kernels.prepare import PreparedMxfp4, dequantize_prepared, prepare_mxfp4
 from radiance.kernels.w4a8 import deferring_pays, w4a8_gemm_partials

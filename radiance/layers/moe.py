@@ -19,8 +19,8 @@ from torch import nn
 
 from radiance.kernels import moe as grouped_kernels
 from radiance.kernels import moe_expanded, moe_routing
-from radiance.kernels.activation import Fp8Activations, glu_mul, quantize_activations, silu_mul
-from radiance.kernels.glu import SILU, GluActivation, glu_reference
+from radiance.kernels.activation import Fp8Activations, quantize_activations
+from radiance.kernels.glu import SILU, GluActivation, glu_mul, glu_reference, silu_mul
 from radiance.layers.linear import DenseLinear, UnloadedLinear, takes_fp8
 from radiance.models.arch_config import MoeConfig
 

@@ -1,7 +1,7 @@
 """RMSNorm as the HF Llama/Qwen models compute it (fp32 statistics, weight applied in the input dtype).
 
 On CUDA the residual add, the norm and (for a W4A8 linear next) the fp8 quantization run as one
-Triton kernel (`kernels.activation.add_rmsnorm`); on the CPU the torch code below.
+Triton kernel (`kernels.norm.add_rmsnorm`); on the CPU the torch code below.
 """
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radiance.kernels.activation import MAX_ROW, Fp8Activations, PartialSums, add_rmsnorm
+from radiance.kernels.activation import Fp8Activations
+from radiance.kernels.norm import PartialSums, add_rmsnorm
 from radiance.kernels.reference import quantize_activations_reference
+from radiance.kernels.triton_support import MAX_ROW
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,7 +26,7 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6, launch: str = "norm"):
         super().__init__()
         self.eps = eps
-        self.launch = launch  # which norm of the layer it is, for activation.PDL_EARLY_RELEASE
+        self.launch = launch  # which norm of the layer it is, for triton_support.PDL_EARLY_RELEASE
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None, fp8: bool = False,

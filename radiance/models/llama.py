@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from radiance.kernels.activation import glu_mul
+from radiance.kernels.glu import glu_mul
 from radiance.layers.attention import Attention, AttentionMetadata
 from radiance.layers.embedding import LMHead, VocabEmbedding
 from radiance.layers.linear import DenseLinear, Mxfp4Linear, UnloadedLinear, takes_fp8

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import radiance.kernels.w4a8 as w4a8_module
-from radiance.kernels.activation import PartialSums
+from radiance.kernels.norm import PartialSums
 import radiance.layers.norm as norm_module
 import radiance.models.llama as llama_module
 from radiance.layers.attention import Attention

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import radiance.kernels.activation as activation
+import radiance.kernels.triton_support as triton_support
 from tests.bench.test_bench_synthetic import TINY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -24,10 +24,10 @@ def test_parse_variant():
 def test_dry_run_on_the_cpu():
     lines = []
     variants = [frozenset(), frozenset({"norm"})]
-    before = activation.PDL_EARLY_RELEASE
+    before = triton_support.PDL_EARLY_RELEASE
     rows = ab.run("synthetic:llama-3.1-8b", variants, batches=[1, 2], repeats=1, device="cpu",
                   overrides={**TINY, "vocab_size": 512}, steps=2, log=lines.append)
     assert [names for names, _ in rows] == variants
     assert all(len(t) == 2 and all(math.isfinite(ms) and ms > 0 for ms in t) for _, t in rows)
     assert lines[1].startswith("norm: batch 1 ")
-    assert activation.PDL_EARLY_RELEASE == before  # restored
+    assert triton_support.PDL_EARLY_RELEASE == before  # restored

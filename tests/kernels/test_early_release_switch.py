@@ -1,4 +1,4 @@
-"""Which launches release their PDL dependents early (activation.PDL_EARLY_RELEASE): the dense quantize after
+"""Which launches release their PDL dependents early (triton_support.PDL_EARLY_RELEASE): the dense quantize after
 gate_up only (bench/RESULTS.md, thirty-fourth session: the same release before an expert GEMM cost gpt-oss-20b
 200 us per step), never without PDL, and a misspelt launch name fails loudly instead of silently never releasing."""
 
@@ -8,19 +8,20 @@ import pytest
 import torch
 
 import radiance.kernels.activation as activation
+import radiance.kernels.triton_support as triton_support
 
 
 def test_production_releases_the_dense_quantize_only():
-    assert activation.releases_early("parts_quantize", pdl=True)
-    assert not activation.releases_early("moe_parts_quantize", pdl=True)
-    assert not any(activation.releases_early(norm, pdl=True) for norm in ("attn_norm", "mlp_norm", "norm"))
+    assert triton_support.releases_early("parts_quantize", pdl=True)
+    assert not triton_support.releases_early("moe_parts_quantize", pdl=True)
+    assert not any(triton_support.releases_early(norm, pdl=True) for norm in ("attn_norm", "mlp_norm", "norm"))
 
 
-@pytest.mark.parametrize("launch", activation.EARLY_RELEASE_LAUNCHES)
+@pytest.mark.parametrize("launch", triton_support.EARLY_RELEASE_LAUNCHES)
 def test_no_release_without_pdl(launch, monkeypatch):
-    monkeypatch.setattr(activation, "PDL_EARLY_RELEASE", frozenset(activation.EARLY_RELEASE_LAUNCHES))
-    assert not activation.releases_early(launch, pdl=False)
-    assert activation.releases_early(launch, pdl=True)
+    monkeypatch.setattr(triton_support, "PDL_EARLY_RELEASE", frozenset(triton_support.EARLY_RELEASE_LAUNCHES))
+    assert not triton_support.releases_early(launch, pdl=False)
+    assert triton_support.releases_early(launch, pdl=True)
 
 
 def test_the_layer_norms_are_named_apart():
@@ -33,7 +34,7 @@ def test_the_layer_norms_are_named_apart():
                      rope_scaling=None, max_position_embeddings=128, tie_word_embeddings=False)
     layer = LlamaDecoderLayer(cfg, RotaryEmbedding(16, 128, 10000.0), 0)
     assert (layer.input_layernorm.launch, layer.post_attention_layernorm.launch) == ("attn_norm", "mlp_norm")
-    assert all(name in activation.EARLY_RELEASE_LAUNCHES
+    assert all(name in triton_support.EARLY_RELEASE_LAUNCHES
                for name in (layer.input_layernorm.launch, layer.post_attention_layernorm.launch))
 
 

@@ -89,7 +89,7 @@ def test_layer_under_cuda_graph_and_compile():
 def _silu_mul_one_program_per_row(gate_up):
     """The row kernel, forced (silu_mul spreads small-M rows over several programs on CUDA)."""
     from radiance.kernels._triton.act_quant import silu_mul_rows_kernel
-    from radiance.kernels.activation import _row_launch
+    from radiance.kernels.triton_support import _row_launch
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
     x_q = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device="cuda")
     x_s = torch.empty(m, 1, dtype=torch.float32, device="cuda")
@@ -101,7 +101,7 @@ def _silu_mul_one_program_per_row(gate_up):
 
 @pytest.mark.parametrize("m,inter", [(1, 14336), (3, 3000), (6, 18944)])
 def test_silu_mul_spread_over_programs_matches_row_kernel(m, inter):
-    from radiance.kernels.activation import _spread_rows, silu_mul
+    from radiance.kernels.glu import _spread_rows, silu_mul
     gate_up = (torch.randn(m, 2 * inter, device="cuda") * 4).to(torch.bfloat16)
     assert _spread_rows(gate_up, m, inter)
     r_q, r_s = _silu_mul_one_program_per_row(gate_up)
@@ -176,7 +176,7 @@ def test_large_activation_quantization_matches_reference_bytes():
 def test_glu_epilogue_at_the_8b_mlp_shape(m):
     """w4a8_glu on the 8B's gate_up (I = 14336, K = 4096) with the tuning table's tilings: the bytes of
     the GEMM, silu_mul and quantize as separate launches (bf16 output rounding included)."""
-    from radiance.kernels.activation import silu_mul
+    from radiance.kernels.glu import silu_mul
     from radiance.kernels.w4a8 import w4a8_glu
 
     pw = prepare_mxfp4(*random_mxfp4(2 * 14336, 4096, "cuda"))

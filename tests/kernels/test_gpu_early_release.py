@@ -1,12 +1,13 @@
-"""Early PDL release (activation.PDL_EARLY_RELEASE) changes when the GEMM after a norm launches, never what it
+"""Early PDL release (triton_support.PDL_EARLY_RELEASE) changes when the GEMM after a norm launches, never what it
 reads: a captured GEMM -> norm -> GEMM chain (deferred partials, the norm quantizing) with the norm releasing
 early replays to the bytes of the eager chain without it. GPU only (the interpreter has no PDL)."""
 
 import pytest
 import torch
 
-import radiance.kernels.activation as activation
-from radiance.kernels.activation import add_rmsnorm, quantize_activations
+import radiance.kernels.triton_support as triton_support
+from radiance.kernels.activation import quantize_activations
+from radiance.kernels.norm import add_rmsnorm
 from radiance.kernels.prepare import prepare_mxfp4
 from radiance.kernels.w4a8 import w4a8_gemm, w4a8_gemm_partials
 from tests.kernels.conftest import random_mxfp4
@@ -28,12 +29,12 @@ def test_early_released_norm_in_a_graph_gives_the_eager_bytes(m, monkeypatch):
     norm_w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
     static_x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     static_r = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setattr(activation, "PDL_EARLY_RELEASE", frozenset({"norm", "parts_quantize"}))
+    monkeypatch.setattr(triton_support, "PDL_EARLY_RELEASE", frozenset({"norm", "parts_quantize"}))
     _chain(static_x, static_r, norm_w, w_o, w_qkv)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out, static_sum = _chain(static_x, static_r, norm_w, w_o, w_qkv)
-    monkeypatch.setattr(activation, "PDL_EARLY_RELEASE", frozenset())
+    monkeypatch.setattr(triton_support, "PDL_EARLY_RELEASE", frozenset())
     for _ in range(3):
         x, r = torch.randn_like(static_x), torch.randn_like(static_r)
         static_x.copy_(x)

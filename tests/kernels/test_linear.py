@@ -91,7 +91,8 @@ def test_numerics_monitor_reports_bad_outputs(caplog):
 def test_norm_hands_fp8_activations_to_the_layer_unchanged():
     """The model's fused path (RMSNorm emitting Fp8Activations, the layer consuming them) computes what
     norm -> layer does; on the CPU both sides are the torch reference, so they agree exactly."""
-    from radiance.kernels.activation import Fp8Activations, silu_mul
+    from radiance.kernels.activation import Fp8Activations
+    from radiance.kernels.glu import silu_mul
     from radiance.layers.linear import takes_fp8
     from radiance.layers.norm import RMSNorm
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radiance.kernels.activation import (Fp8Activations, add_rmsnorm, glu_mul, quantize_activations,
-                                         quantize_rows_from_parts, rmsnorm_quant, silu_mul)
-from radiance.kernels.glu import GluActivation, glu_reference
+from radiance.kernels.activation import Fp8Activations, quantize_activations, quantize_rows_from_parts
+from radiance.kernels.glu import GluActivation, glu_mul, glu_reference, silu_mul
+from radiance.kernels.norm import add_rmsnorm, rmsnorm_quant
 from radiance.kernels.reference import quantize_activations_reference, rms_normalize_reference, rmsnorm_quant_reference
 
 
@@ -16,11 +16,11 @@ from radiance.kernels.reference import quantize_activations_reference, rms_norma
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [32, 200, 576, 5000])  # 5000: the two-pass kernel (8192 would waste 39%)
 def test_triton_quant_matches_reference_bytes(device, dtype, k, many_rows, monkeypatch):
-    """Both launch shapes (fewer warps and, two-pass, smaller chunks from activation.MANY_ROWS rows on),
+    """Both launch shapes (fewer warps and, two-pass, smaller chunks from triton_support.MANY_ROWS rows on),
     lowered to 7 rows here, give the reference's bytes."""
-    from radiance.kernels import activation
+    from radiance.kernels import triton_support
     if many_rows:
-        monkeypatch.setattr(activation, "MANY_ROWS", 7)
+        monkeypatch.setattr(triton_support, "MANY_ROWS", 7)
     x = (torch.randn(7, k, device=device) * torch.logspace(-3, 3, 7, device=device)[:, None]).to(dtype)
     x[3] = 0  # an all-zero token
     x_q, x_scale = quantize_activations(x)

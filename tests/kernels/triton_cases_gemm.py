@@ -6,9 +6,9 @@ import torch
 
 from radiance.formats import dequantize_mxfp4
 from radiance.kernels import ops  # also registers torch.ops.radiance.*
-from radiance.kernels.activation import (Fp8Activations, PartialSums, add_rmsnorm, glu_mul, quantize_activations,
-                                         silu_mul)
-from radiance.kernels.glu import GELU_TANH, SILU, GluActivation
+from radiance.kernels.activation import Fp8Activations, quantize_activations
+from radiance.kernels.glu import GELU_TANH, SILU, GluActivation, glu_mul, silu_mul
+from radiance.kernels.norm import PartialSums, add_rmsnorm
 from radiance.kernels.prepare import dequantize_prepared, prepare_mxfp4
 from radiance.kernels.reference import quantize_activations_reference, relative_error, w4a8_matmul_reference
 from radiance.kernels.tuning import GemmConfig

@@ -139,7 +139,7 @@ def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr,
     fp32, rounded to x's dtype, multiplied by the weight in x's dtype); then y is written (out) or
     quantized per token to e4m3 (xq, scale) for a W4A8 linear, or with KEEP_VALUES both (a sparse MLP: its
     router reads y, its experts the e4m3 codes). With PARTS > 0, x is a W4A8 GEMM's fp32
-    split-K partials [PARTS, M, stride_xm] (activation.PartialSums), summed here in split order and
+    split-K partials [PARTS, M, stride_xm] (norm.PartialSums), summed here in split order and
     rounded to res_out's dtype as the GEMM would have; unrolled, so that all their loads are in flight
     at once (a loop over them waited an L2 round trip per partial: the 32B's decode step +145 us)."""
     pdl_handoff(PDL, EARLY_RELEASE)
@@ -245,7 +245,7 @@ def shared_row_scale(slots_ptr, count_ptr, row, part, local_amax, has_nan, parti
     bits, and a NaN, 0x7FC00000, beats every amax, so a row holding one gets a NaN scale as in
     _quantize_row), counts itself in, waits until the count reaches the next multiple of `parties`,
     and takes the max of the row's slots (arrive_and_wait: one counter array per party count,
-    activation.row_barrier_buffers)."""
+    triton_support.row_barrier_buffers)."""
     bits = tl.where(has_nan, 0x7FC00000, local_amax.to(tl.int32, bitcast=True))
     tl.store(slots_ptr + row * parties + part, bits)
     arrive_and_wait(count_ptr + row, parties)  # its arrival releases the slot store

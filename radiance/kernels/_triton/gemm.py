@@ -227,7 +227,7 @@ def w4a8_gemm_tile(pid, pid_k, x_ptr, xs_ptr, w_ptr, shift_ptr, ws_ptr, bias_ptr
         if not DEFER_SUM:
             # the split that arrives last sums all partials, in split order (deterministic), and re-arms
             # the tile's counter for the next launch; no second kernel. With DEFER_SUM the consumer of the
-            # output sums them as it reads (activation.PartialSums): the CTA ends here, without the
+            # output sums them as it reads (norm.PartialSums): the CTA ends here, without the
             # fence, atomic and reload of the last arrival (~1 us per GEMM at decode)
             tl.debug_barrier()  # every thread's partial is written before the release below
             arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
