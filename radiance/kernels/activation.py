@@ -15,22 +15,22 @@ import torch
 from radiance.kernels import reference, triton_support
 from radiance.kernels._triton import act_quant as _act
 from radiance.kernels.device_info import supports_pdl
-from radiance.kernels.triton_support import (CHUNK, MAX_ROW, _as_rows, _row_launch, next_pow2, releases_early,
+from radiance.kernels.triton_support import (CHUNK, MAX_ROW, as_rows, next_pow2, releases_early, row_launch,
                                              triton_serves)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (x_q e4m3 [M, K], x_scale fp32 [M, 1]) with M the product of the leading dims."""
-    x2 = _as_rows(x)
+    x2 = as_rows(x)
     m, k = x2.shape
     if not triton_serves(x2) or k > MAX_ROW or m == 0:
         return reference.quantize_activations_reference(x2)
     x_q, x_scale = fp8_outputs(m, k, x2.device)
-    block, warps = _row_launch(k, m)
+    block, warps = row_launch(k, m)
     pdl = supports_pdl(x2.device)
     if block > 4096 and 4 * block > 5 * k:  # padding to a power of two would waste over 20%
-        # MANY_ROWS read through its module, as _row_launch reads it: one setting for both (tests lower it)
-        chunk, warps = (2048, warps) if m >= triton_support.MANY_ROWS else (4096, 16)  # many rows: _row_launch's warps
+        # MANY_ROWS read through its module, as row_launch reads it: one setting for both (tests lower it)
+        chunk, warps = (2048, warps) if m >= triton_support.MANY_ROWS else (4096, 16)  # many rows: row_launch's warps
         _act.quantize_rows_chunked_kernel[(m,)](x2, x_q, x_scale, k, x2.stride(0), BLOCK=chunk,
                                                 INTERPRETER=not x2.is_cuda, PDL=pdl, launch_pdl=pdl,
                                                 num_warps=warps)

@@ -26,7 +26,7 @@ from radiance.kernels import reference
 from radiance.kernels._triton import act_quant as _act
 from radiance.kernels.activation import Fp8Activations, fp8_outputs
 from radiance.kernels.device_info import sm_count, supports_pdl
-from radiance.kernels.triton_support import (CHUNK, MAX_ROW, _as_rows, _row_launch, next_pow2, row_barrier_buffers,
+from radiance.kernels.triton_support import (CHUNK, MAX_ROW, as_rows, next_pow2, row_barrier_buffers, row_launch,
                                              triton_serves)
 
 # the kernels' ACT code of each kind is its index here
@@ -96,7 +96,7 @@ def glu_mul(gate_up: torch.Tensor, activation: GluActivation, quantize: bool = F
     Triton kernel on CUDA (the activation's kernel_constexprs); torch elsewhere. `bias` [E, 2I] with
     `row_expert` (int [M]): row r's gate and up get bias[row_expert[r]] added first, in gate_up's dtype (the
     expert biases of expert-sorted rows, without a [M, 2I] bias tensor)."""
-    g2 = _as_rows(gate_up)
+    g2 = as_rows(gate_up)
     m, two_i = g2.shape
     inter = two_i // 2
     lead = tuple(gate_up.shape[:-1])
@@ -126,7 +126,7 @@ def glu_mul(gate_up: torch.Tensor, activation: GluActivation, quantize: bool = F
         return Fp8Activations(x_q, x_scale, gate_up.dtype, lead)
     y = g2.new_empty((0,)) if quantize else g2.new_empty((m, inter))
     x_q, x_scale = fp8_outputs(m, inter, g2.device) if quantize else (y, y)
-    block, warps = _row_launch(inter)
+    block, warps = row_launch(inter)
     _act.silu_mul_rows_kernel[(m,)](g2, y, x_q, x_scale, inter, g2.stride(0), QUANT=quantize, BLOCK=block,
                                     INTERPRETER=not g2.is_cuda, PDL=pdl, launch_pdl=pdl,
                                     num_warps=warps, **act)

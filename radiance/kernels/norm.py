@@ -16,7 +16,7 @@ from radiance.kernels import reference
 from radiance.kernels._triton import act_quant as _act
 from radiance.kernels.activation import Fp8Activations, fp8_outputs
 from radiance.kernels.device_info import supports_pdl
-from radiance.kernels.triton_support import MAX_ROW, _as_rows, _row_launch, releases_early, triton_serves
+from radiance.kernels.triton_support import MAX_ROW, as_rows, releases_early, row_launch, triton_serves
 
 FEW_ROWS = 8  # up to this many rows the norm summing split-K partials runs 32 warps per row
 
@@ -59,11 +59,11 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
     if parts is not None:  # the kernel reads [S, M, W] fp32 rows
         x2, (m, k), dtype, lead = parts.parts, (parts.parts.shape[1], parts.width), parts.dtype, parts.lead
     else:
-        x2 = _as_rows(x)
+        x2 = as_rows(x)
         (m, k), dtype, lead = x2.shape, x.dtype, tuple(x.shape[:-1])
     if weight.shape != (k,):
         raise ValueError(f"add_rmsnorm: weight shape {tuple(weight.shape)} does not match hidden size {k}")
-    r2 = _as_rows(residual) if residual is not None else None
+    r2 = as_rows(residual) if residual is not None else None
     if parts is None and (not triton_serves(x2) or k > MAX_ROW or m == 0):
         s = x2 + r2 if r2 is not None else x2
         y = reference.rms_normalize_reference(s, weight, eps)
@@ -78,7 +78,7 @@ def add_rmsnorm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, we
     keep_values = quantize and keep_values
     y = s.new_empty((0,)) if quantize and not keep_values else torch.empty((m, k), dtype=dtype, device=x2.device)
     x_q, x_scale = fp8_outputs(m, k, x2.device) if quantize else (y, y)
-    block, warps = _row_launch(k)
+    block, warps = row_launch(k)
     if parts is not None and m <= FEW_ROWS:
         warps = 32  # one SM reads all of a row's partials: the most loads in flight (8B decode step -17 us)
     pdl = supports_pdl(x2.device)

@@ -26,7 +26,7 @@ def next_pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
 
-def _row_launch(k: int, m: int = 1) -> tuple[int, int]:
+def row_launch(k: int, m: int = 1) -> tuple[int, int]:
     """(BLOCK, num_warps) of a one-program-per-row kernel over m rows of k elements."""
     block = max(next_pow2(k), 16)
     if m >= MANY_ROWS:
@@ -47,7 +47,7 @@ def row_barrier_buffers(device: torch.device, rows: int, parties: int) -> tuple[
             device_buffer(f"row-arrivals-{parties}", device, rows, torch.int64, zeroed=True))
 
 
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 

@@ -89,11 +89,11 @@ def test_layer_under_cuda_graph_and_compile():
 def _silu_mul_one_program_per_row(gate_up):
     """The row kernel, forced (silu_mul spreads small-M rows over several programs on CUDA)."""
     from radiance.kernels._triton.act_quant import silu_mul_rows_kernel
-    from radiance.kernels.triton_support import _row_launch
+    from radiance.kernels.triton_support import row_launch
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
     x_q = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device="cuda")
     x_s = torch.empty(m, 1, dtype=torch.float32, device="cuda")
-    block, warps = _row_launch(inter)
+    block, warps = row_launch(inter)
     silu_mul_rows_kernel[(m,)](gate_up, x_q, x_q, x_s, inter, gate_up.stride(0), QUANT=True, BLOCK=block,
                                INTERPRETER=False, num_warps=warps)
     return x_q, x_s
