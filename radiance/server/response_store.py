@@ -51,15 +51,26 @@ def stored_bytes(stored: StoredResponse) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
+@dataclass
+class _Kept:
+    stored: StoredResponse
+    size: int  # stored_bytes(stored)
+    charge: int  # what it counts against the budget: `size`, or what it adds to its kept previous response
+    previous_id: str | None  # the kept response it continues (shares the history of), if any
+    followers: set[str] = field(default_factory=set)  # kept responses that continue it
+
+
 class ResponseStore:
-    """The last `capacity` responses whose stored_bytes add up to `max_bytes` at most, the oldest dropped first
-    (the count alone let long chains pin unbounded memory). A response over `max_bytes` alone is not kept: a
+    """The last `capacity` responses within `max_bytes`, the oldest dropped first (the count alone let long chains
+    pin unbounded memory). A follow-up (previous_response_id) holds its predecessor's history by reference, so it
+    is charged only what it adds while the predecessor is kept, and its whole stored_bytes once that is dropped (a
+    chain of n links would otherwise count its history n times). A response over `max_bytes` alone is not kept: a
     follow-up naming it finds no response, as for one dropped."""
 
     def __init__(self, capacity: int, max_bytes: int):
         self.capacity, self.max_bytes = capacity, max_bytes
-        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # with its stored_bytes
-        self.bytes = 0  # stored_bytes of the responses kept, summed
+        self._items: OrderedDict[str, _Kept] = OrderedDict()
+        self.bytes = 0  # the charges of the responses kept, summed
         self._lock = threading.Lock()
 
     @property
@@ -71,9 +82,10 @@ class ResponseStore:
         size = f"{self.max_bytes / (1 << 20):g} MiB" if self.max_bytes >= 1 << 20 else f"{self.max_bytes} bytes"
         return f"the last {self.capacity} responses within {size}"
 
-    def put(self, response_id: str, stored: StoredResponse) -> bool:
-        """Keeps `stored` under `response_id`, in place of what it had; False when `stored` alone is over
-        max_bytes: not kept, and what the id had dropped (a stale in-progress body must not stay)."""
+    def put(self, response_id: str, stored: StoredResponse, previous_id: str | None = None) -> bool:
+        """Keeps `stored` under `response_id`, in place of what it had; `previous_id`: the response it continues.
+        False when `stored` alone is over max_bytes: not kept, and what the id had dropped (a stale in-progress
+        body must not stay)."""
         if not self.enabled:
             return False
         size = stored_bytes(stored)  # outside the lock: it takes a while for a long history
@@ -81,8 +93,14 @@ class ResponseStore:
             self._pop(response_id)
             if size > self.max_bytes:
                 return False
-            self._items[response_id] = (stored, size)
-            self.bytes += size
+            previous = self._items.get(previous_id) if previous_id is not None else None
+            if previous is not None:
+                previous.followers.add(response_id)
+                charge = max(size - previous.size, 0)
+            else:
+                previous_id, charge = None, size
+            self._items[response_id] = _Kept(stored, size, charge, previous_id)
+            self.bytes += charge
             while len(self._items) > self.capacity or self.bytes > self.max_bytes:
                 self._pop(next(iter(self._items)))
         return True
@@ -90,7 +108,7 @@ class ResponseStore:
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
             kept = self._items.get(response_id)
-        return kept[0] if kept is not None else None
+        return kept.stored if kept is not None else None
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
@@ -104,9 +122,17 @@ class ResponseStore:
         return len(self._items)
 
     def _pop(self, response_id: str) -> StoredResponse | None:
-        """Drops `response_id` (the lock held)."""
+        """Drops `response_id` (the lock held): the responses that continue it now hold its history alone, and
+        are charged their whole size."""
         kept = self._items.pop(response_id, None)
         if kept is None:
             return None
-        self.bytes -= kept[1]
-        return kept[0]
+        self.bytes -= kept.charge
+        if kept.previous_id in self._items:
+            self._items[kept.previous_id].followers.discard(response_id)
+        for follower_id in kept.followers:
+            follower = self._items.get(follower_id)
+            if follower is not None and follower.previous_id == response_id:
+                self.bytes += follower.size - follower.charge
+                follower.charge, follower.previous_id = follower.size, None
+        return kept.stored

@@ -303,7 +303,8 @@ class ResponseRun:
         # instructions do not carry over to a follow-up (OpenAI's rule)
         conversation = self.history + input_messages(self.req.input) + [_answer_message(self.items)]
         self.stored = StoredResponse(body, conversation, self._input_items())
-        if not self.state.responses.put(self.id, self.stored) and self.finalized:  # told once, not per body
+        previous_id = self.req.previous_response_id if self.previous is not None else None
+        if not self.state.responses.put(self.id, self.stored, previous_id) and self.finalized:  # told once
             logger.warning("response %s not stored: larger than --responses-store-bytes %d by itself", self.id,
                            self.state.responses.max_bytes)
 

@@ -117,9 +117,38 @@ def test_a_response_over_the_budget_is_not_kept_and_a_follow_up_is_told_so(serve
     assert "the last 100 responses within 20000 bytes" in error["message"]
 
 
-def test_big_responses_drop_the_oldest_and_a_chain_goes_on(server):
-    first = _respond(server, input="SAY:" + "a" * 2000)["id"]
-    second = _respond(server, input="SAY:" + "b" * 2000, previous_response_id=first)["id"]
-    assert not _kept(server, first) and _kept(server, second)  # ~9 kB, then ~17 kB (its history): the two do not fit
-    third = _respond(server, input="SAY:c", previous_response_id=second)
-    assert third["output"][0]["content"][0]["text"] == "c" and _kept(server, third["id"])
+@pytest.fixture
+def fresh_server():
+    """A server whose store starts empty (the byte sums below leave no room for other tests' responses)."""
+    with serve_engine(FakeEngine(max_model_len=32768), responses_store=100, responses_store_bytes=BUDGET) as url:
+        yield url, None
+
+
+def test_a_chain_counts_its_history_once_and_goes_whole(fresh_server):
+    first = _respond(fresh_server, input="SAY:" + "a" * 2000)["id"]
+    second = _respond(fresh_server, input="SAY:" + "b" * 2000, previous_response_id=first)["id"]
+    third = _respond(fresh_server, input="SAY:c", previous_response_id=second)
+    assert third["output"][0]["content"][0]["text"] == "c"
+    # ~9 kB, then ~8 and ~1 kB more: each link is charged what it adds (charged its whole history, ~9 + 17 + 18
+    # kB, the first two would have been dropped)
+    assert all(_kept(fresh_server, i) for i in (first, second, third["id"]))
+    other = _respond(fresh_server, input="SAY:" + "d" * 2000)["id"]
+    # the chain's last link alone holds its ~18 kB of history: beside ~9 kB more, none of the chain fits
+    assert _kept(fresh_server, other) and not any(_kept(fresh_server, i) for i in (first, second, third["id"]))
+
+
+def test_a_follow_up_is_charged_what_it_adds_until_its_predecessor_goes():
+    store = ResponseStore(capacity=10, max_bytes=1 << 20)
+    a = response("x" * 1000)
+    b = StoredResponse({"status": "completed", "output": []}, a.conversation + [{"role": "user", "content": "y"}])
+    store.put("a", a)
+    store.put("b", b, previous_id="a")
+    assert store.bytes == stored_bytes(b)  # a, then what b adds to it
+    assert store.delete("a") and store.get("b") is b
+    assert store.bytes == stored_bytes(b)  # b holds the history alone now: charged all of it
+    store.put("c", response("z"), previous_id="a")  # a predecessor not kept: charged whole
+    assert store.bytes == stored_bytes(b) + stored_bytes(response("z"))
+    store.put("d", response("w"), previous_id="b")
+    store.delete("d")
+    assert store.bytes == stored_bytes(b) + stored_bytes(response("z")) and store.delete("b")
+    assert store.bytes == stored_bytes(response("z"))
