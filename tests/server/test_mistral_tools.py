@@ -111,6 +111,20 @@ def test_mistral_any_chunking_agrees():
                 assert got == whole, chunks
 
 
+@pytest.mark.parametrize("opening", ['[TOOL_CALLS]get_weather[ARGS]{"city": "x" Note: ',
+                                     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "x" Note: '])
+def test_a_long_call_that_broke_is_text_however_it_was_chunked(opening):
+    """Past 4 KB an object is decoded only at a '}': a break no '}' followed was seen by finish() alone, which made a
+    cut call of it when the output came whole (or the break came in a long piece) but text when it came token by
+    token. The break makes it text both ways, stopped or cut, as it does in a shorter call."""
+    text = opening + "y" * 5000
+    long_piece = [text[:20], text[20:4110], text[4110:]]  # the break arrives with the buffer past 4 KB
+    rng = random.Random(5)
+    for truncated in (False, True):
+        for chunks in [[text], list(text), long_piece] + [random_chunks(rng, text) for _ in range(5)]:
+            assert as_tuple(stream_tools(MistralToolParser, chunks, truncated)) == (text, []), (truncated, len(chunks))
+
+
 def test_call_ids_are_nine_alphanumerics():
     ids = {MistralToolParser().new_call_id() for _ in range(50)}
     assert len(ids) == 50 and all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids)

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from radiance.server.reasoning_parser import ThinkReasoningParser, split_reasoning
-from radiance.server.tool_parsers import (HermesToolParser, Llama3JsonToolParser, MistralToolParser, ParseDelta,
-                                          Qwen3CoderToolParser, parse_tool_calls)
+from radiance.server.reasoning_parser import FunctionMessage, ThinkReasoningParser, split_reasoning
+from radiance.server.tool_parsers import (HarmonyToolParser, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                                          ParseDelta, Qwen3CoderToolParser, parse_tool_calls)
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -388,3 +388,60 @@ def test_a_long_call_streamed_piece_by_piece_is_not_decoded_again_on_every_piece
     # short buffers are still decoded on every piece (llama3_json tells broken JSON at once there); past that,
     # only at a '}'. It was every piece: ~10_000 pieces x 20_000 characters on average
     assert sum(decodes) < 4096 * 4096 // 4 + 3 * len(value)
+
+
+def some_chunkings(text):
+    """Whole, one char at a time, and a few random splits (a long text's every 2-way split is too many)."""
+    yield [text]
+    yield list(text)
+    rng = random.Random(len(text))
+    for _ in range(3):
+        cuts = sorted(rng.sample(range(1, len(text)), 12))
+        yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+# a call's arguments nested deeper than json reads: the decoder raised RecursionError, which escaped mid-stream
+DEEP = "[" * 3000
+DEEP_BODIES = [  # (parser, opening, closing of a whole call)
+    (HermesToolParser, '<tool_call>{"name": "get_weather", "arguments": {"extra": ', "}}</tool_call>"),
+    (MistralToolParser, '[TOOL_CALLS]get_weather[ARGS]{"extra": ', "}"),
+    (MistralToolParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"extra": ', "}}]"),
+    (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {"extra": ', "}}"),
+]
+
+
+@pytest.mark.parametrize("parser_cls,opening,closing", DEEP_BODIES)
+def test_arguments_nested_too_deep_to_read_are_text(parser_cls, opening, closing):
+    """No call can be read from them: the model's text, whole or streamed, stopped or cut, never an exception."""
+    for text in (opening + DEEP, opening + DEEP + "]" * len(DEEP) + closing, opening + DEEP + " and so on"):
+        for truncated in (False, True):
+            for chunks in some_chunkings(text):
+                assert as_tuple(stream_tools(parser_cls, chunks, truncated)) == (text, []), (truncated, len(chunks))
+
+
+def test_arguments_too_deep_for_json_are_no_call():
+    """Arguments written as a string too deep to read, or read a few frames up and too deep for json to write
+    again: no call, the text is content (each was a RecursionError); a typed qwen3_coder value stays a string."""
+    from radiance.server.tool_parsers.base import _object_text
+    arguments: dict = {}
+    for _ in range(5000):
+        arguments = {"a": arguments}
+    assert _object_text(arguments) is None
+    deep = "[" * 5000 + "]" * 5000
+    text = '<tool_call>{"name": "get_weather", "arguments": "{\\"extra\\": ' + deep + '}"}</tool_call>'
+    for chunks in some_chunkings(text):
+        assert as_tuple(stream_tools(HermesToolParser, chunks)) == (text, [])
+    message = FunctionMessage("get_weather", '{"extra": ' + deep + "}")
+    assert HarmonyToolParser([WEATHER_TOOL]).function_message(message) == ParseDelta(content=message.arguments)
+    parsed = parse_tool_calls(Qwen3CoderToolParser([WEATHER_TOOL]), "<tool_call><function=get_weather><parameter="
+                              f"extra>{deep}</parameter></function></tool_call>")
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"extra": deep})]
+
+
+def test_llama3_json_long_call_that_broke_is_text_however_it_was_chunked():
+    """Past a few KB the answer is decoded only at a '}': a break no '}' followed was seen by finish() alone, which
+    made a cut call of it when it came whole but text when it came token by token. Text both ways."""
+    text = '{"name": "get_weather", "parameters": {"city": "x" Note: ' + "y" * 5000
+    for truncated in (False, True):
+        for chunks in some_chunkings(text):
+            assert as_tuple(stream_tools(Llama3JsonToolParser, chunks, truncated)) == (text, []), len(chunks)

@@ -211,11 +211,11 @@ def _object_text(arguments) -> str | None:
     them); missing or null is no arguments. None for anything else, which no client can call with."""
     if arguments is None:
         return "{}"
-    if isinstance(arguments, dict):
-        return json.dumps(arguments, ensure_ascii=False)
-    if isinstance(arguments, str):
-        try:
+    try:
+        if isinstance(arguments, dict):
+            return json.dumps(arguments, ensure_ascii=False)
+        if isinstance(arguments, str):
             return arguments if isinstance(_loads(arguments), dict) else None
-        except ValueError:
-            return None
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than json reads or writes (a 500 otherwise)
+        return None
     return None

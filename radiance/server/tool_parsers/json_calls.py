@@ -34,6 +34,8 @@ class HermesToolParser(ToolParser):
     def parse_call(self, body: str, cut: bool) -> ParsedToolCall | None:
         try:
             obj = _loads(body)
+        except RecursionError:  # nested too deep to read: no call, cut or not (body_broken says so too)
+            return None
         except ValueError:  # cut off by max_tokens (a partial call), or broken (no call)
             return self._partial_call(body) if cut else None
         return self._call_of(obj)
@@ -52,7 +54,7 @@ class HermesToolParser(ToolParser):
             return True
         try:
             self._decoder.raw_decode(body, start)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             return _broken_structure(exc, body)
         return False  # a whole object: text after it is the end tag's or finish()'s to judge, as before
 
@@ -89,19 +91,23 @@ _CALL_SEPARATORS = " \t\r\n;"  # between Llama 3.x calls
 _MAY_CONTINUE = frozenset("truefalsn0123456789+-.eE")
 
 
-def _broken_json(exc: ValueError, text: str) -> bool:
+def _broken_json(exc: Exception, text: str) -> bool:
     """Whether JSON `text` failed to parse before its end (a syntax error no continuation fixes), not because
     it is unfinished: an unterminated string, an error at the end of the text, or one at a literal or number
     being written may still become an object."""
+    if isinstance(exc, RecursionError):  # nested deeper than the decoder reads: no continuation makes it a call
+        return True
     if not isinstance(exc, json.JSONDecodeError) or exc.msg.startswith("Unterminated string"):
         return False
     return exc.pos < len(text.rstrip()) and text[exc.pos] not in _MAY_CONTINUE
 
 
-def _broken_structure(exc: ValueError, text: str) -> bool:
+def _broken_structure(exc: Exception, text: str) -> bool:
     """_broken_json where the syntax between the values broke ("Expecting ..."), the break prose makes. An error
     inside a string (an invalid escape, a raw newline) is no such break: a cut by max_tokens still reads the
     partial call such a body writes, so it is held."""
+    if isinstance(exc, RecursionError):  # too deep to read, as in _broken_json (a RecursionError has no .msg)
+        return True
     return _broken_json(exc, text) and exc.msg.startswith(("Expecting", "Illegal trailing comma"))
 
 
@@ -162,9 +168,9 @@ class Llama3JsonToolParser(HermesToolParser):
                 return
             try:
                 _, end = self._decoder.raw_decode(rest)
-            except ValueError as exc:
-                if final:  # cut off: the name and arguments so far; broken, or no name yet: text
-                    if not self._call(out, rest, cut=truncated):
+            except (ValueError, RecursionError) as exc:
+                if final:  # cut off: the name and arguments so far; broken (as feed tells it), or no name yet: text
+                    if _broken_json(exc, rest) or not self._call(out, rest, cut=truncated):
                         out.content += rest
                     self._buffer = ""
                 elif _broken_json(exc, rest):  # no more text makes it a call: release it now, not at the end

@@ -108,7 +108,7 @@ class MistralToolParser(HermesToolParser):
             return False
         try:
             obj, end = self._decoder.raw_decode(rest)
-        except ValueError as exc:  # not whole yet (finish decides about an object that never closes), or broken
+        except (ValueError, RecursionError) as exc:  # not whole yet (finish decides if it never closes), or broken
             return self._broken(out, exc, rest)
         call = self._call_of(obj)
         if call is None and not self._group_calls:
@@ -155,7 +155,7 @@ class MistralToolParser(HermesToolParser):
             return False
         try:
             obj, end = self._decoder.raw_decode(rest)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             return self._broken(out, exc, rest)
         arguments = _object_text(obj) if self.offers(self._function) and isinstance(obj, dict) else None
         if arguments is None:
@@ -165,7 +165,7 @@ class MistralToolParser(HermesToolParser):
         self._buffer, self._state = rest[end:], "text"
         return True
 
-    def _broken(self, out: ParseDelta, exc: ValueError, rest: str) -> bool:
+    def _broken(self, out: ParseDelta, exc: Exception, rest: str) -> bool:
         """An object whose JSON syntax broke before its end is no call, whatever follows: it is text now, with the
         markup before it and the rest of the output (all held to finish() before, which made them text)."""
         if not _broken_structure(exc, rest):
@@ -203,6 +203,13 @@ class MistralToolParser(HermesToolParser):
         name and arguments so far) and a cut marker is markup; otherwise markup that gave no call is text."""
         out = ParseDelta()
         rest = self._buffer.strip()
+        if self._state in ("array", "arguments") and rest.startswith("{"):
+            # feed decodes a long object only at a '}', so a break it has not seen is told here: the same result
+            # however the output was chunked (a cut read the broken object as a partial call)
+            try:
+                self._decoder.raw_decode(rest)
+            except (ValueError, RecursionError) as exc:
+                self._broken(out, exc, rest)
         if self._state == "text" and self._buffer:  # a partial marker: text, or markup a cut ended (and its space)
             if truncated:
                 self._held_space = ""

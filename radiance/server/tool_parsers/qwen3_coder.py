@@ -30,8 +30,12 @@ class Qwen3CoderToolParser(ToolParser):
             key = param.group(1).strip()
             args[key] = _convert(_strip_newline(body[param.end():stop]), schema.get(key))
             pos = end.end() if end and end.group(0) == "</parameter>" else stop
+        try:
+            arguments = json.dumps(args, ensure_ascii=False)
+        except RecursionError:  # a value read nested deeper than json writes it: no call
+            return None
         # a cut after </function> (in the end tag) left the call whole
-        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False), not cut or self.stopped_call_whole(body))
+        return ParsedToolCall(name, arguments, not cut or self.stopped_call_whole(body))
 
     def _value_end(self, body: str, start: int) -> re.Match | None:
         """Where the value starting at `start` ends: the first </parameter> that the next parameter, the
@@ -88,5 +92,5 @@ def _convert(value: str, schema: dict | None):
         if kind == "boolean":
             return {"true": True, "false": False}[value.strip().lower()]
         return _loads(value)
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, RecursionError):  # RecursionError: nested too deep to read, kept as text
         return value
