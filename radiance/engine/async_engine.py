@@ -103,6 +103,10 @@ class AsyncLLMEngine:
         return self.engine.chat_templates
 
     @property
+    def sampling_defaults(self):
+        return self.engine.sampling_defaults
+
+    @property
     def model_name(self) -> str:
         return self.engine.model_name
 

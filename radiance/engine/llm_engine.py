@@ -34,6 +34,7 @@ class LLMEngine:
         self.tokenizer_error = loaded.tokenizer_error  # why there is none: for the errors of text prompts
         self.chat_template = loaded.chat_template
         self.chat_templates = loaded.chat_templates  # by name; "tool_use" serves requests with tools
+        self.sampling_defaults = loaded.sampling_defaults  # generation_config.json's, for the server
         self.model_name = loaded.name
         self.device = loaded.device
         self.dtype = loaded.dtype

@@ -16,6 +16,7 @@ import torch
 from radiance.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
+from radiance.checkpoint.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from radiance.formats._checks import nonfinite_count
 from radiance.engine.devices import resolve_device, resolve_dtype
 from radiance.engine.kv_cache import blocks_known_before_load, check_kv_capacity, check_max_model_len, kv_cache_dtype
@@ -40,6 +41,7 @@ class LoadedModel:
     summary: list[str] = field(default_factory=list)
     chat_templates: dict[str, str] = field(default_factory=dict)  # by name: "default", "tool_use", ...
     tokenizer_error: str | None = None  # why `tokenizer` is None (file and field), for the errors of text prompts
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # its generation_config.json's
 
 
 @contextlib.contextmanager
@@ -85,7 +87,7 @@ def load_model(config: EngineConfig | ModelConfig, kernel_config: KernelConfig |
         eos.append(tokenizer.eos_token_id)
     return LoadedModel(model, tokenizer, checkpoint.chat_template, eos, str(name),
                        device, dtype, summary, dict(checkpoint.chat_templates),
-                       tokenizer_error)
+                       tokenizer_error, read_sampling_defaults(checkpoint.path))
 
 
 def _load_weights(model, checkpoint, model_config: ModelConfig, kernel_config: KernelConfig, dtype: torch.dtype,

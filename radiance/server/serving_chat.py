@@ -312,7 +312,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix, named_tool,
                             req.return_tokens_as_token_ids, req.parallel_tool_calls) for i in range(req.n)]
     jobs = [EngineJob(engine_request_id(request_id, i), prompt_ids,
-                      sampling_params(req, max_tokens, i, constraint, keep_special_tokens=choice.needs_special_tokens))
+                      sampling_params(req, max_tokens, i, constraint, state.sampling_defaults,
+                                      keep_special_tokens=choice.needs_special_tokens))
             for i, choice in enumerate(choices)]
     return PreparedChat(prompt_ids, jobs, choices)
 

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 
+from radiance.checkpoint.sampling_defaults import SamplingDefaults
 from radiance.engine import request_checks
 from radiance.engine.async_engine import EngineDeadError
 from radiance.engine.sampling_params import SamplingParams, choice_seed
@@ -144,24 +145,30 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | Non
 
 
 def sampling_params(req: Any, max_tokens: int, choice: int, constraint: StructuredOutput | None,
-                    keep_special_tokens: bool = False) -> SamplingParams:
+                    defaults: SamplingDefaults, keep_special_tokens: bool = False) -> SamplingParams:
     """The engine's parameters for choice `choice` of a request, its output held to `constraint` (the
-    request's own structured output, or a forced tool call's); `keep_special_tokens` overrides the
+    request's own structured output, or a forced tool call's); a sampling field the request leaves out takes
+    `defaults` (the model's generation_config.json), then OpenAI's; `keep_special_tokens` overrides the
     request's skip_special_tokens for a parser that reads special-token markup."""
     seed = choice_seed(req.seed, choice)
+
+    def given(name: str, openai_default):
+        value = getattr(req, name)
+        value = getattr(defaults, name) if value is None else value
+        return openai_default if value is None else value
+
+    top_k = given("top_k", -1)
     return SamplingParams(
         n=1, max_tokens=max_tokens, min_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k in (None, 0) else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=-1 if top_k == 0 else top_k,
+        min_p=given("min_p", 0.0),
         seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, logprobs=req.num_logprobs(),
         skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
         prompt_logprobs=scored_prompt_logprobs(req),
         logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=given("repetition_penalty", 1.0),
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
         structured_output=constraint,
     )

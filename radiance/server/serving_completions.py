@@ -95,7 +95,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         for i in range(req.n):
             index = p * req.n + i
             jobs.append(EngineJob(engine_request_id(request_id, index), ids,
-                                  sampling_params(req, max_tokens, i, req.structured_output())))
+                                  sampling_params(req, max_tokens, i, req.structured_output(),
+                                                  state.sampling_defaults)))
             choices.append(CompletionChoice(state, index, text, req.echo, len(ids), req.logprobs,
                                             req.return_tokens_as_token_ids))
     prompt_tokens = sum(len(ids) for _, ids in prompts)

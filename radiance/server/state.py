@@ -21,6 +21,7 @@ from radiance.errors import ConfigError, RadianceError
 from radiance.engine.tool_grammars import ToolCallMarkup, call_markup
 from radiance.server.chat_template import load_template, template_features
 from radiance.checkpoint import model_name
+from radiance.checkpoint.sampling_defaults import SamplingDefaults
 from radiance.engine.loader import no_tokenizer_message
 from radiance.server.errors import OpenAIError
 from radiance.server.metrics import ServerMetrics
@@ -89,6 +90,8 @@ class ServerState:
         self.tool_chat_template: str | None = None  # the model's "tool_use" template, for requests with tools
         self.tool_parser_name: str | None = None
         self.tool_call_markup: ToolCallMarkup | None = None  # how the template writes calls (forced and strict)
+        # what a request's omitted sampling fields take (--generation-config auto: the model's recommendation)
+        self.sampling_defaults = SamplingDefaults()
         self.reasoning_parser_name: str | None = None
         self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0])
         # /v1/responses answers, for follow-ups
@@ -177,6 +180,8 @@ class ServerState:
         self.tool_parser_name = self._pick(self.config.tool_call_parser, markup)
         self._check_harmony_calls()
         self.tool_call_markup = call_markup(self.tool_parser_name, templates)
+        if self.config.generation_config == "auto":
+            self.sampling_defaults = getattr(engine, "sampling_defaults", SamplingDefaults())
         self.engine = engine  # last: `ready` flips only once everything above is set
 
     def _check_harmony_calls(self) -> None:
@@ -208,6 +213,10 @@ class ServerState:
         lines.append(f"tool-call parser: {self.tool_parser_name or 'none'}; "
                      f"reasoning parser: {self.reasoning_parser_name or 'none'}; "
                      f"chat template: {'yes' if self.chat_template else 'none (chat completions unavailable)'}")
+        if self.sampling_defaults.given():
+            lines.append(f"sampling defaults from the model's generation_config.json: "
+                         f"{self.sampling_defaults.describe()} (where a request gives none; --generation-config none: "
+                         f"OpenAI's)")
         return lines
 
     # ------------------------------------------------------------ per request

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from radiance import SamplingParams
+from radiance.checkpoint.sampling_defaults import SamplingDefaults
 from radiance.engine.async_engine import AsyncLLMEngine
 from radiance.server.protocol import ChatCompletionRequest
 from radiance.server.serving_common import sampling_params
@@ -94,7 +95,7 @@ def _chat(llm, **fields) -> ChatCompletionRequest:
 def test_kept_special_tokens_still_hide_the_eos_text(llm, prompt, two_tokens):
     """serving_chat keeps special tokens for the harmony parser (keep_special_tokens), not the EOS text: a
     client's stop strings stay out of the text as they should."""
-    params = sampling_params(_chat(llm), 6, 0, None, keep_special_tokens=True)
+    params = sampling_params(_chat(llm), 6, 0, None, SamplingDefaults(), keep_special_tokens=True)
     assert params.include_stop_str_in_output is False and params.skip_special_tokens is False
     out = llm.generate([prompt], params)[0].outputs[0]
     assert out.token_ids[-1] == llm.tokenizer.eos_token_id
@@ -103,6 +104,7 @@ def test_kept_special_tokens_still_hide_the_eos_text(llm, prompt, two_tokens):
 
 def test_a_request_keeps_its_own_include_stop_str(llm):
     """Outside harmony, the client's include_stop_str_in_output and skip_special_tokens go through as sent."""
-    params = sampling_params(_chat(llm, include_stop_str_in_output=True, skip_special_tokens=False), 6, 0, None)
+    params = sampling_params(_chat(llm, include_stop_str_in_output=True, skip_special_tokens=False), 6, 0, None,
+                             SamplingDefaults())
     assert params.include_stop_str_in_output is True and params.skip_special_tokens is False
-    assert sampling_params(_chat(llm), 6, 0, None).include_stop_str_in_output is False
+    assert sampling_params(_chat(llm), 6, 0, None, SamplingDefaults()).include_stop_str_in_output is False
