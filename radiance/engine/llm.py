@@ -7,6 +7,7 @@ from numbers import Integral
 
 from tqdm import tqdm
 
+from radiance.checkpoint.sampling_defaults import SamplingDefaults
 from radiance.config import EngineConfig
 from radiance.engine.llm_engine import LLMEngine
 from radiance.engine.loader import no_tokenizer_message
@@ -75,6 +76,11 @@ class LLM:
             raise ValueError(f"a prompt must be a string or a list of token ids, got {_short(prompt)}")
         return None, [int(t) for t in prompt]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat sample with when given no SamplingParams: the sampling defaults of the model's
+        generation_config.json over SamplingParams' own (vLLM's LLM does the same)."""
+        return SamplingParams(**getattr(self.engine, "sampling_defaults", SamplingDefaults()).given())
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
         """prompts: a string, a list (or tuple, or 1-D array) of token ids, or a list of either."""
@@ -83,7 +89,8 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a list of token ids or a list of either, "
                              f"got {_short(prompts)}")
-        params = SamplingParams() if sampling_params is None else sampling_params  # [] is not the default
+        # [] is not the default
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")

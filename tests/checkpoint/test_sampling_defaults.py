@@ -66,3 +66,16 @@ def test_the_loaded_model_carries_its_checkpoints_defaults(tmp_path):
     _write(tmp_path, {"temperature": 0.7, "top_k": 40})
     loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=open_checkpoint(path), progress=False)
     assert loaded.sampling_defaults == SamplingDefaults(temperature=0.7, top_k=40)
+
+
+def test_llm_generate_without_params_samples_with_the_models_defaults(tmp_path):
+    from radiance import LLM
+
+    path = write_dir(str(tmp_path), dense_state_dict(), TINY)
+    _write(tmp_path, {"temperature": 0.0, "top_k": 7})
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=64)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_k, params.top_p) == (0.0, 7, 1.0)  # top_p: SamplingParams' own
+    # greedy by the file's temperature 0: two runs give the same tokens (temperature 1 would sample)
+    first, second = (llm.generate([[1, 2, 3]])[0].outputs[0].token_ids for _ in range(2))
+    assert first == second
