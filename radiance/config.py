@@ -257,7 +257,8 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony, none; auto: the template's markup
     reasoning_parser: str = "auto"  # think, mistral, harmony, none; auto: from the template (<|channel|>: harmony, [THINK]: mistral, <think>: think)
     # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,
-    # repetition_penalty) fill what a request leaves out, as vLLM does; none: OpenAI's defaults (temperature 1 ...)
+    # repetition_penalty) fill what a request leaves out and its max_new_tokens caps the output, as vLLM does;
+    # none (or vllm, vLLM's name for it): OpenAI's defaults (temperature 1 ...)
     generation_config: str = "auto"
     max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for, in [0, 20] (OpenAI's limit: it only lowers it)
     max_n: int = 16  # upper bound of `n` (each choice is one engine request)
@@ -280,7 +281,7 @@ class ServerConfig:
         _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         _check(0 <= self.max_logprobs <= 20, "max_logprobs must be in [0, 20]")
         _check(self.max_n >= 1, "max_n must be positive")
-        _check(self.generation_config in ("auto", "none"), "generation_config must be auto or none")
+        _check(self.generation_config in ("auto", "none", "vllm"), "generation_config must be auto or none")
         _check(self.responses_store >= 0, "responses_store must be >= 0")
         _check(self.responses_store_bytes >= 0, "responses_store_bytes must be >= 0")
         _check(all(name for name in self.served_model_name), "served_model_name entries must be non-empty")

@@ -3,7 +3,9 @@
 vLLM does by default (`--generation-config auto`), so that a client that sends none gets the model's recommended
 sampling rather than OpenAI's temperature 1.0. Only the keys the file gives count (not transformers' own
 defaults, such as its top_k 50), and `do_sample` is not read (vLLM neither): a file that names a temperature
-recommends it."""
+recommends it. As vLLM reads the file (transformers' GenerationConfig.to_diff_dict), a value equal to
+transformers' own default is no recommendation: a file's top_k 50 leaves top_k off. `max_new_tokens` caps every
+request's output (vLLM: "a server-wide limit on the number of output tokens")."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class SamplingDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_tokens: int | None = None  # the file's max_new_tokens: the most output tokens a request gets
 
     def given(self) -> dict[str, float | int]:
         """The fields set, by name."""
@@ -44,7 +47,10 @@ _VALID = {
     "top_k": lambda v: float(v).is_integer() and v >= -1,
     "min_p": lambda v: 0.0 <= v <= 1.0,
     "repetition_penalty": lambda v: v > 0.0,
+    "max_new_tokens": lambda v: float(v).is_integer() and v >= 1,
 }
+# transformers' GenerationConfig defaults: a file that repeats one recommends nothing (vLLM drops them)
+_TRANSFORMERS_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 def read_sampling_defaults(path: str | None) -> SamplingDefaults:
@@ -74,5 +80,10 @@ def read_sampling_defaults(path: str | None) -> SamplingDefaults:
         if not number or not valid(value):
             logger.warning("%s: %s %r is no value a request may ask for; left out", source, key, value)
             continue
-        values[key] = int(value) if key == "top_k" else float(value)
+        if value == _TRANSFORMERS_DEFAULTS.get(key):
+            continue
+        if key == "max_new_tokens":
+            values["max_tokens"] = int(value)
+        else:
+            values[key] = int(value) if key == "top_k" else float(value)
     return SamplingDefaults(**values)

@@ -138,10 +138,13 @@ def check_unicode(text: str, param: str) -> None:
 def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, param: str,
                        prompt_param: str) -> int:
     """Output budget; prompt + max_tokens must fit the context, and the message gives both numbers. `param`
-    names the request's output limit, `prompt_param` its prompt (messages, prompt, prompt[i])."""
+    names the request's output limit, `prompt_param` its prompt (messages, prompt, prompt[i]). The model's
+    generation_config max_new_tokens (under --generation-config auto) caps it, as in vLLM."""
     with request_checked():
         request_checks.check_fits_context(prompt_len, state.max_model_len, prompt_param, requested, param)
-    return state.max_model_len - prompt_len if requested is None else requested
+    budget = state.max_model_len - prompt_len if requested is None else requested
+    cap = state.sampling_defaults.max_tokens
+    return budget if cap is None else min(budget, cap)
 
 
 def sampling_params(req: Any, max_tokens: int, choice: int, constraint: StructuredOutput | None,

@@ -23,12 +23,20 @@ def _write(tmp_path, content) -> str:
 
 def test_the_sampling_keys_are_read_and_the_rest_ignored(tmp_path):
     path = _write(tmp_path, {"bos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
-                             "min_p": 0, "repetition_penalty": 1.05, "max_new_tokens": 99})
+                             "min_p": 0, "repetition_penalty": 1.05, "max_length": 99})
     got = read_sampling_defaults(path)
     assert got == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, repetition_penalty=1.05)
     assert isinstance(got.top_k, int)
     assert got.describe() == "temperature 0.6, top_p 0.95, top_k 20, min_p 0, repetition_penalty 1.05"
     assert read_sampling_defaults(str(tmp_path / "generation_config.json")) == got  # the file itself
+
+
+def test_transformers_own_defaults_recommend_nothing_and_max_new_tokens_is_the_cap(tmp_path):
+    """As vLLM reads the file (GenerationConfig.to_diff_dict): top_k 50 is transformers' default, not a choice."""
+    got = read_sampling_defaults(_write(tmp_path, {"top_k": 50, "temperature": 1.0, "top_p": 0.8,
+                                                   "max_new_tokens": 2048}))
+    assert got == SamplingDefaults(top_p=0.8, max_tokens=2048)
+    assert got.describe() == "top_p 0.8, max_tokens 2048"
 
 
 def test_no_file_or_no_path_gives_none(tmp_path):
@@ -44,6 +52,7 @@ def test_no_file_or_no_path_gives_none(tmp_path):
     ({"temperature": "0.7"}, "temperature"),
     ({"temperature": True}, "temperature"),
     ({"repetition_penalty": -1}, "repetition_penalty"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
 ])
 def test_a_value_no_request_may_ask_for_is_left_out_with_a_warning(tmp_path, caplog, content, key):
     path = _write(tmp_path, content)

@@ -73,5 +73,20 @@ def test_the_startup_lines_name_the_defaults_and_a_model_without_them_says_nothi
 
 
 def test_the_flag_takes_auto_or_none():
+    assert ServerConfig(generation_config="vllm").generation_config == "vllm"  # vLLM's name for none
     with pytest.raises(ConfigError, match="generation_config"):
-        ServerConfig(generation_config="vllm")
+        ServerConfig(generation_config="bogus")
+
+
+def test_max_new_tokens_caps_every_request():
+    engine = FakeEngine(max_model_len=512)
+    engine.sampling_defaults = SamplingDefaults(max_tokens=3)
+    with serve_engine(engine) as url:
+        server = (url, engine)
+        path, body = ROUTES["chat"]
+        r = http(server, "POST", path, {"model": "fake", **body}, key=None)  # no max_tokens: the rest, capped
+        assert r.status_code == 200 and engine.requests[-1][2].max_tokens == 3
+        assert _sent(server, "completions", max_tokens=100).max_tokens == 3  # vLLM caps a request's own too
+        assert _sent(server, "completions", max_tokens=2).max_tokens == 2
+    with serve_engine(engine, generation_config="vllm") as url:
+        assert _sent((url, engine), "completions", max_tokens=100).max_tokens == 100
