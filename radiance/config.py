@@ -241,6 +241,9 @@ class EngineConfig:
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "none")
 REASONING_PARSERS = ("auto", "think", "mistral", "harmony", "none")
+# vLLM's names of the same parsers, so that a `vllm serve` command line's flags serve as they are
+VLLM_TOOL_CALL_PARSERS = {"openai": "harmony"}
+VLLM_REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think", "openai_gptoss": "harmony", "gpt_oss": "harmony"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -254,8 +257,8 @@ class ServerConfig:
     api_key: str | None = None  # when set, every route but /health, /metrics, /version and /ping needs `Authorization: Bearer KEY` (printable ASCII)
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
     trust_request_chat_template: bool = False  # render a request's own `chat_template` (vLLM's field); off: such a request is a 400, since a template is code the server runs
-    tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony, none; auto: the template's markup
-    reasoning_parser: str = "auto"  # think, mistral, harmony, none; auto: from the template (<|channel|>: harmony, [THINK]: mistral, <think>: think)
+    tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony (vLLM's openai), none; auto: the template's markup
+    reasoning_parser: str = "auto"  # think (vLLM's qwen3, deepseek_r1), mistral, harmony (openai_gptoss), none; auto: from the template (<|channel|>: harmony, [THINK]: mistral, <think>: think)
     # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty) fill what a request leaves out and its max_new_tokens caps the output, as vLLM does;
     # none (or vllm, vLLM's name for it): OpenAI's defaults (temperature 1 ...)
@@ -277,6 +280,11 @@ class ServerConfig:
         _check(0 <= self.port <= 65535, "port must be in [0, 65535]")
         _check(self.uvicorn_log_level.lower() in UVICORN_LOG_LEVELS,
                f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, got {self.uvicorn_log_level!r}")
+        # frozen: the vLLM name becomes ours as the dataclass is made
+        object.__setattr__(self, "tool_call_parser", VLLM_TOOL_CALL_PARSERS.get(self.tool_call_parser,
+                                                                                self.tool_call_parser))
+        object.__setattr__(self, "reasoning_parser", VLLM_REASONING_PARSERS.get(self.reasoning_parser,
+                                                                                self.reasoning_parser))
         _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         _check(0 <= self.max_logprobs <= 20, "max_logprobs must be in [0, 20]")

@@ -33,7 +33,22 @@ def register(subparsers) -> None:
                              "cache once; default: the embedded SmolLM2)")
     add_engine_args(parser)
     add_dataclass_args(parser, ServerConfig, group="server options")
+    _add_vllm_flags(parser)
     parser.set_defaults(func=run_serve)
+
+
+def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags that a `vllm serve` command line carries and radiance needs no setting for, so that such a
+    command line runs as it is (each would be "unrecognized arguments" otherwise)."""
+    group = parser.add_argument_group("vLLM flags accepted for its command lines")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="no effect: tool calls are parsed whenever a tool-call parser serves (--tool-call-parser)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="no effect: radiance runs no code that a checkpoint ships")
+    group.add_argument("--disable-log-requests", "--no-enable-log-requests", action="store_true",
+                       help="no effect: requests are not logged one by one")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="1 only: radiance serves a model on one device")
 
 
 def configs_from_args(args: argparse.Namespace):
@@ -41,6 +56,9 @@ def configs_from_args(args: argparse.Namespace):
     given_model = getattr(args, "model", None)
     if args.model_path and given_model and args.model_path != given_model:
         raise ConfigError(f"two models given: positional {args.model_path!r} and --model {given_model!r}")
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: radiance serves a model on one "
+                          "device (leave it out or 1)")
     engine_config = engine_config_from_args(args, model=args.model_path)
     server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
     _check_before_loading(engine_config, server_config)
