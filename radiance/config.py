@@ -9,6 +9,7 @@ command line without a hand-written flag per field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -239,6 +240,20 @@ class EngineConfig:
 
 
 
+def _json_list_form(values: tuple[str, ...], name: str) -> tuple[str, ...]:
+    """vLLM's form of a list flag, one JSON list (`--allowed-origins '["*"]'`), as the values it lists; taken as
+    one literal value, it would match nothing."""
+    if len(values) != 1 or not values[0].lstrip().startswith("["):
+        return values
+    try:
+        listed = json.loads(values[0])
+    except ValueError:
+        raise ConfigError(f"{name}: {values[0]!r} is neither a value nor a JSON list of strings") from None
+    _check(isinstance(listed, list) and all(isinstance(v, str) for v in listed),
+           f"{name}: {values[0]!r} is no JSON list of strings")
+    return tuple(listed)
+
+
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "none")
 REASONING_PARSERS = ("auto", "think", "mistral", "harmony", "none")
 # vLLM's names of the same parsers, so that a `vllm serve` command line's flags serve as they are
@@ -296,6 +311,7 @@ class ServerConfig:
         _check_distinct(self.served_model_name, "served_model_name")
         _check((self.ssl_keyfile is None) == (self.ssl_certfile is None),
                "HTTPS needs both ssl_keyfile and ssl_certfile (or neither, for HTTP)")
+        object.__setattr__(self, "allowed_origins", _json_list_form(self.allowed_origins, "allowed_origins"))
         _check(all(origin for origin in self.allowed_origins), "allowed_origins entries must be non-empty")
         _check(self.api_key is None or self.api_key != "", "api_key must be non-empty when given")
         _check(self.api_key is None or _HEADER_TOKEN.fullmatch(self.api_key) is not None,

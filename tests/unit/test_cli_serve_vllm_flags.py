@@ -43,3 +43,16 @@ def test_tensor_parallelism_above_one_is_refused_before_loading():
 def test_an_unknown_parser_name_still_fails():
     with pytest.raises(ConfigError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="granite")
+
+
+@pytest.mark.parametrize("flag, want", [('["*"]', ("*",)),
+                                        ('["https://a.example", "http://localhost:3000"]',
+                                         ("https://a.example", "http://localhost:3000"))])
+def test_allowed_origins_take_vllms_json_list(flag, want):
+    assert configs_from_args(parse(["m", "--allowed-origins", flag]))[1].allowed_origins == want
+
+
+@pytest.mark.parametrize("flag", ['["*"', "[1, 2]"])
+def test_a_broken_json_list_of_origins_is_refused(flag):
+    with pytest.raises(ConfigError, match="allowed_origins"):
+        ServerConfig(allowed_origins=(flag,))
