@@ -284,6 +284,9 @@ class ServerConfig:
     # the most bytes (as JSON) the stored /v1/responses take, oldest dropped first, one larger not kept; 0 = none.
     # Each keeps its whole input history: under the count alone a previous_response_id chain grows without end
     responses_store_bytes: int = 256 << 20
+    # the start of every /metrics name: "vllm:" exports vLLM's names (vllm:num_requests_waiting, ...), which its
+    # Grafana dashboard and autoscaling rules read
+    metrics_prefix: str = "radiance_"
     uvicorn_log_level: str = "warning"  # log level of uvicorn's own access and error logs: critical, error, warning, info, debug, trace
     allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS), e.g. https://chat.example.com, or * for any; default: pages of localhost / 127.0.0.1 / [::1] on any port
     ssl_keyfile: str | None = None  # serve HTTPS: the private key (PEM), with ssl_certfile
@@ -304,6 +307,9 @@ class ServerConfig:
         _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         _check(0 <= self.max_logprobs <= 20, "max_logprobs must be in [0, 20]")
         _check(self.max_n >= 1, "max_n must be positive")
+        _check(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", self.metrics_prefix) is not None,
+               f"metrics_prefix must start a Prometheus metric name (letters, digits, _ and :), got "
+               f"{self.metrics_prefix!r}")
         _check(self.generation_config in ("auto", "none", "vllm"), "generation_config must be auto or none")
         _check(self.responses_store >= 0, "responses_store must be >= 0")
         _check(self.responses_store_bytes >= 0, "responses_store_bytes must be >= 0")

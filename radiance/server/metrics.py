@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 # the families a scraper sees and no dashboard reads them. The switch is prometheus_client's, process-wide.
 disable_created_metrics()
 
-PREFIX = "radiance_"
+PREFIX = "radiance_"  # the names' default start; ServerConfig.metrics_prefix "vllm:" gives vLLM's names
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -47,9 +47,10 @@ current_request: ContextVar[ServedRequest | None] = ContextVar("radiance_current
 class _EngineCollector:
     """Reads EngineStats when Prometheus scrapes."""
 
-    def __init__(self, stats: Callable[[], object | None], model_name: Callable[[], str]):
+    def __init__(self, stats: Callable[[], object | None], model_name: Callable[[], str], prefix: str):
         self._stats = stats
         self._model_name = model_name
+        self._prefix = prefix
 
     def collect(self):
         stats = self._stats()
@@ -58,12 +59,12 @@ class _EngineCollector:
         label = [self._model_name()]
 
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(self._prefix + name, doc, labels=["model_name"])
             g.add_metric(label, float(value))
             return g
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(self._prefix + name, doc, labels=["model_name"])
             c.add_metric(label, float(value))
             return c
 
@@ -82,27 +83,29 @@ class _EngineCollector:
 
 class ServerMetrics:
     """Every series carries the served model's name (`model_name`, as vLLM's), read when it is recorded: the
-    name can change once the model loads (the embedded model's, a checkpoint's own)."""
+    name can change once the model loads (the embedded model's, a checkpoint's own). Names start with `prefix`:
+    with "vllm:" they are vLLM's (vllm:num_requests_waiting, vllm:time_to_first_token_seconds, ...), which its
+    dashboards and autoscaling rules read."""
 
-    def __init__(self, stats: Callable[[], object | None], model_name: Callable[[], str]):
+    def __init__(self, stats: Callable[[], object | None], model_name: Callable[[], str], prefix: str = PREFIX):
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, model_name, prefix))
         self._time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first output token.",
+            prefix + "time_to_first_token_seconds", "Time from request arrival to its first output token.",
             ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)
         self._time_per_output_token = Histogram(
-            PREFIX + "time_per_output_token_seconds", "Mean time between output tokens of a request, after the first.",
+            prefix + "time_per_output_token_seconds", "Mean time between output tokens of a request, after the first.",
             ["model_name"], registry=self.registry, buckets=_TOKEN_BUCKETS)
         self._e2e_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+            prefix + "e2e_request_latency_seconds",
             "Time from request arrival to its end (last output token, abort or error).",
             ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)
         self._request_success = Counter(
-            PREFIX + "request_success", "Ended engine requests by finish reason (abort: client gone or server "
+            prefix + "request_success", "Ended engine requests by finish reason (abort: client gone or server "
             "stopping; error: the engine failed).", ["model_name", "finished_reason"], registry=self.registry)
         self._http_errors = Counter(
-            PREFIX + "request_errors", "Requests answered with an error, by HTTP status.", ["model_name", "status"],
+            prefix + "request_errors", "Requests answered with an error, by HTTP status.", ["model_name", "status"],
             registry=self.registry)
 
     def first_token(self, seconds: float) -> None:

@@ -14,13 +14,14 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from radiance.config import ServerConfig
+from radiance.config import ConfigError, ServerConfig
 from radiance.server.api import build_app
 from radiance.server.metrics import RequestTimer, ServerMetrics
 from radiance.server.serving_common import EngineJob, merged_outputs
 from radiance.server.state import ServerState
 from tests.server.fake_engine import FakeEngine, free_port, serve_engine
 from tests.server.malformed import check_error_shape
+from tests.server.test_api_fake_engine import http
 
 SLOW = "SAY:SLOW" + "z" * 200  # 10 s of tokens: still running when the test ends it
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -315,3 +316,26 @@ def test_an_unknown_route_is_openais_unknown_url(server):
     err = r.json()["error"]
     assert (err["type"], err["code"]) == ("invalid_request_error", "unknown_url")
     assert "POST /v1/nowhere" in err["message"]
+
+
+VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+              "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+              "vllm:e2e_request_latency_seconds_count", 'vllm:request_success_total{finished_reason="stop"')
+
+
+def test_the_vllm_prefix_gives_vllms_names_on_the_server():
+    """--metrics-prefix vllm: serves the families under the names vLLM's dashboards and autoscalers read."""
+    engine = FakeEngine()
+    with serve_engine(engine, metrics_prefix="vllm:") as url:
+        assert http((url, engine), "POST", "/v1/completions", {"model": "fake", "prompt": "SAY:hi"},
+                    key=None).status_code == 200
+        text = http((url, engine), "GET", "/metrics", key=None).text
+    for name in VLLM_NAMES:
+        assert name in text, name
+    assert "radiance_" not in text
+
+
+@pytest.mark.parametrize("prefix", ["", "9x", "vllm-"])
+def test_a_prefix_no_metric_name_starts_with_is_refused(prefix):
+    with pytest.raises(ConfigError, match="metrics_prefix"):
+        ServerConfig(metrics_prefix=prefix)
