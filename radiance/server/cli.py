@@ -48,7 +48,7 @@ def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-log-requests", "--no-enable-log-requests", action="store_true",
                        help="no effect: requests are not logged one by one")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                       help="1 only: radiance serves a model on one device")
+                       help="only 1, the default: radiance serves a model on one device")
 
 
 def configs_from_args(args: argparse.Namespace):
