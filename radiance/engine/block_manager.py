@@ -26,6 +26,13 @@ def block_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
     return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
+def salt_digest(seq: Sequence) -> bytes | None:
+    """The parent digest of a sequence's first block: None, or one derived from its SamplingParams.cache_salt
+    (vLLM's), so salted requests share cached blocks only with requests of the same salt."""
+    salt = seq.params.cache_salt
+    return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  prefer_in_order: bool = False):
@@ -56,7 +63,7 @@ class BlockManager:
         anything. At least one token is left to compute (its logits start generation)."""
         if not self.enable_prefix_caching:
             return []
-        found, parent = [], None
+        found, parent = [], salt_digest(seq)
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             parent = block_hash(parent, tokens)
@@ -87,7 +94,7 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else salt_digest(seq), tokens)
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self.block_of_hash:

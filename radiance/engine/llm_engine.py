@@ -78,6 +78,7 @@ class LLMEngine:
         vocab = self.vocab_size
         check_token_ids(prompt_token_ids, vocab, "prompt_token_ids")
         check_token_ids([t for t, _ in params.logit_bias], vocab, "logit_bias")
+        check_token_ids(params.allowed_token_ids or (), vocab, "allowed_token_ids")
         for name in ("logprobs", "prompt_logprobs"):  # more alternatives than tokens failed inside the step
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} is {getattr(params, name)}; the vocabulary has {vocab} tokens")

@@ -39,16 +39,19 @@ PROMPT_SCORE_ROWS = 512  # prompt positions per logits slice when scoring prompt
 
 
 def logit_adjustment(seq, vocab: int, device: torch.device, banned: tuple[int, ...] = ()) -> LogitAdjustment:
-    """A sequence's logit bias, penalties and `banned` tokens, its output counts brought up to the tokens the
-    host has."""
+    """A sequence's logit bias, penalties, `banned` tokens and allowed_token_ids mask, its output counts brought up
+    to the tokens the host has."""
     p = seq.params
     if p.penalizes:
         if seq.output_counts is None:
             seq.output_counts = OutputCounts(vocab, device,
                                              seq.prompt_token_ids if p.repetition_penalty != 1.0 else None)
         seq.output_counts.catch_up(seq.token_ids[seq.num_prompt_tokens + seq.output_counts.counted:])
+    if p.allowed_token_ids is not None and seq.disallowed is None:  # built once per sequence, kept on the device
+        seq.disallowed = torch.ones(vocab, dtype=torch.bool, device=device)
+        seq.disallowed[small_tensor_to(list(p.allowed_token_ids), device)] = False
     return LogitAdjustment(p.logit_bias, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-                           seq.output_counts if p.penalizes else None, banned=banned)
+                           seq.output_counts if p.penalizes else None, banned=banned, disallowed=seq.disallowed)
 
 
 def sampling_rows(sampled: list[ScheduledSequence], vocab: int, device: torch.device,

@@ -45,6 +45,11 @@ class SamplingParams:
     min_tokens: int = 0
     # vLLM v0's "n best of best_of samples"; v1 dropped it, and so does this engine: only unset or n is accepted
     best_of: int | None = None
+    # vLLM's: only these token ids may be chosen (every other logit -inf, before the bias); None: any
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt (None: the unsalted pool),
+    # so a tenant cannot time another's cached prompt
+    cache_salt: str | None = None
 
     def __post_init__(self):
         def check(cond, msg):
@@ -75,6 +80,13 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        check(self.allowed_token_ids is None or _is_sequence(self.allowed_token_ids, Integral)
+              and not any(isinstance(t, bool) for t in self.allowed_token_ids),
+              f"allowed_token_ids must be a list of integers, got {self.allowed_token_ids!r}")
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in self.allowed_token_ids})))
+        check(self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt != "",
+              f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
 
@@ -105,6 +117,10 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             check(token >= 0, f"logit_bias token ids must be non-negative, got {token}")
             check_logit_bias_value(token, bias)
+        if self.allowed_token_ids is not None:  # an empty list would leave nothing to choose
+            check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
+            check(self.allowed_token_ids[0] >= 0,
+                  f"allowed_token_ids must be non-negative, got {self.allowed_token_ids[0]}")
 
     def for_choice(self, choice: int) -> "SamplingParams":
         """The one-sequence parameters of choice `choice` of an n > 1 request: n=1, the seed advanced by the
@@ -122,8 +138,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits change before the choice (bias, penalties or a structured output)."""
-        return bool(self.logit_bias) or self.penalizes or self.structured_output is not None
+        """Whether the logits change before the choice (bias, penalties, allowed tokens or a structured output)."""
+        return (bool(self.logit_bias) or self.penalizes or self.structured_output is not None
+                or self.allowed_token_ids is not None)
 
 
 def _is_sequence(value, kind) -> bool:

@@ -42,6 +42,7 @@ class Sequence:
         self.text = ""
         self.admitted = False
         self.output_counts = None  # the sampler's device-side token counts, when penalties need them
+        self.disallowed = None  # the sampler's device mask of the tokens params.allowed_token_ids leaves out
         self.grammar = None  # structured_output.GrammarState, when params.structured_output is set
         self.num_draft_tokens = 0  # speculative tokens at the end of token_ids, until their step is verified
         self.draft_misses = 0  # speculative steps in a row that kept no draft

@@ -1,7 +1,7 @@
 """Token sampling for a batch of rows, each with its own settings.
 
-First a row's structured-output mask, min_tokens ban, logit bias and repetition / frequency / presence
-penalties change its logits (fp32).
+First a row's structured-output and allowed_token_ids masks, min_tokens ban, logit bias and repetition /
+frequency / presence penalties change its logits (fp32).
 Greedy rows take the argmax. The others are scaled by temperature, filtered by top-k, top-p and min-p,
 and sampled by the exponential race (argmax of p / E, E ~ Exp(1)), which needs no cumulative sum and
 lets a seeded row draw its noise from its own generator: the same seed gives the same tokens however
@@ -51,7 +51,8 @@ class LogitAdjustment:
     """A row's logit bias and penalties; `output` holds the output tokens the host knows (one still on the
     device comes as adjust_logits' `pending`), and the prompt's for a repetition penalty. `allowed`: the
     tokens a structured output allows next, as int32 words on the logits' device (xgrammar's bitmask:
-    token 32 i + j is allowed when bit j of word i is set). `banned`: tokens set to -inf, whatever the rest."""
+    token 32 i + j is allowed when bit j of word i is set). `banned`: tokens set to -inf, whatever the rest.
+    `disallowed`: a bool [V] on the logits' device, True for the tokens SamplingParams.allowed_token_ids leaves out."""
 
     bias: tuple[tuple[int, float], ...] = ()
     repetition: float = 1.0
@@ -60,6 +61,7 @@ class LogitAdjustment:
     output: OutputCounts | None = None
     allowed: torch.Tensor | None = None
     banned: tuple[int, ...] = ()  # set to -inf (SamplingParams.min_tokens: the tokens that would end the output)
+    disallowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -101,10 +103,10 @@ def apply_token_masks(logits: torch.Tensor, adj: list[LogitAdjustment]) -> None:
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] with each row's structured-output mask (-inf where a token is not allowed), bans, bias, then
-    repetition, frequency and presence penalties applied (vLLM's order and formulas), fp32; unchanged (same
-    tensor) when no row asks. `pending` [B]: each row's newest output token where it is still on the
-    device (an overlapped decode step), counted as output."""
+    """logits [B, V] with each row's structured-output and allowed_token_ids masks (-inf where a token is not
+    allowed), bans, bias, then repetition, frequency and presence penalties applied (vLLM's order and formulas),
+    fp32; unchanged (same tensor) when no row asks. `pending` [B]: each row's newest output token where it is
+    still on the device (an overlapped decode step), counted as output."""
     picked = [i for i, r in enumerate(rows) if r.adjust is not None]
     if not picked:
         return logits
@@ -114,7 +116,8 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
     bias = [(j, t, b) for j, a in enumerate(adj) for t, b in a.bias] + \
         [(j, t, float("-inf")) for j, a in enumerate(adj) for t in a.banned]
     penalized = [j for j, a in enumerate(adj) if a.output is not None]
-    if len(picked) == len(rows) and not bias and not penalized:  # structured output only: no row indexing
+    limited = any(a.disallowed is not None for a in adj)
+    if len(picked) == len(rows) and not bias and not penalized and not limited:  # structured output only
         out = _fp32_copy(logits)
         apply_token_masks(out, adj)
         return out
@@ -129,10 +132,15 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
     sub = logits[idx].float()
     if any(a.allowed is not None for a in adj):
         apply_token_masks(sub, adj)
+    if limited:  # allowed_token_ids: one masked_fill over the rows (a row without a list masks nothing)
+        free = torch.zeros(vocab, dtype=torch.bool, device=device)
+        sub.masked_fill_(torch.stack([a.disallowed if a.disallowed is not None else free for a in adj]),
+                         float("-inf"))
     if bias:
-        # a structured output that allows only tokens min_tokens bans (its end) keeps its own mask: with every
-        # logit -inf the choice was token 0, text the constraint then refused
-        masked = sub.clone() if any(a.allowed is not None and a.banned for a in adj) else None
+        # a structured output (or allowed_token_ids) that allows only tokens min_tokens bans (its end) keeps its
+        # own mask: with every logit -inf the choice was token 0, text the constraint then refused
+        masked = sub.clone() if any((a.allowed is not None or a.disallowed is not None) and a.banned
+                                    for a in adj) else None
         sub.index_put_((rows_b, toks_b), vals_b.squeeze(1), accumulate=True)
         if masked is not None:
             sub = torch.where(torch.isneginf(sub).all(-1, keepdim=True), masked, sub)

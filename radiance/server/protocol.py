@@ -222,6 +222,40 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
+    # vLLM's: only these token ids may be sampled (checked against the vocabulary)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    # vLLM's: only the last k prompt tokens are kept (left truncation) before the context check; -1: as many as
+    # leave room for max_tokens (one token without it)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM's: prefix-cache blocks are shared only with requests of the same salt
+    cache_salt: str | None = Field(None, min_length=1)
+    # vLLM extensions that change the output and are not implemented: refused when used (each validator
+    # below) rather than ignored, which answered as if they had not been sent
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    structural_tag: Any = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_not_zero(cls, value: int | None) -> int | None:
+        if value == 0:  # an empty prompt: nothing to continue
+            raise ValueError("truncate_prompt_tokens must be at least 1, or -1 (as many as fit the context)")
+        return value
+
+    @field_validator("bad_words", "logits_processors")
+    @classmethod
+    def _unsupported_list(cls, value: list | None, info: ValidationInfo) -> list | None:
+        if value:  # vLLM's default is [] / None: an empty list asks for nothing
+            raise ValueError(f"{info.field_name} is not supported by this server: leave it out or empty")
+        return value
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _no_structural_tag(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("structural_tag is not supported: use response_format, structured_outputs or "
+                             "guided_* for constrained output")
+        return value
 
     @field_validator(*_GUIDED_FIELDS)
     @classmethod
@@ -327,10 +361,18 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's reasoning effort: "none" / "minimal" turn a thinking template's thinking off (enable_thinking,
     # as Qwen3's templates read it); every value also reaches the template as `reasoning_effort`
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's: false leaves reasoning_content (and reasoning) out of the answer; the model still reasons
+    include_reasoning: bool = True
+    # vLLM's: special tokens (BOS) added on top of the rendered template, which writes its own: off by default
+    add_special_tokens: bool = False
+    # vLLM's: retrieval documents handed to the template as `documents` (a template without RAG ignores them)
+    documents: list[dict[str, str]] | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs, with what reasoning_effort implies where the request did not say it."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            kwargs.setdefault("documents", self.documents)
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
             if self.reasoning_effort in ("none", "minimal"):
@@ -377,6 +419,16 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) around a text prompt; false for a prompt already templated
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None  # vLLM's embeddings input: refused (ignoring it answered the text prompt instead)
+
+    @field_validator("prompt_embeds")
+    @classmethod
+    def _no_prompt_embeds(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("prompt_embeds is not supported: send the prompt as text or token ids")
+        return value
 
     @model_validator(mode="after")
     def _check_completion(self):

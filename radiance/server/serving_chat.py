@@ -26,7 +26,7 @@ from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASO
 from radiance.server.logprobs_json import LogprobCursor, chat_logprobs, prompt_logprobs_json
 from radiance.server.serving_common import (EngineJob, check_limits, collect_until_disconnect, encode_prompt,
                                             engine_request_id, guarded_sse, merged_outputs, resolve_max_tokens,
-                                            response_id, sampling_params, sse, StreamUsage)
+                                            response_id, sampling_params, sse, StreamUsage, truncate_prompt)
 from radiance.server.state import ServerState
 from radiance.server.tool_parsers import PARSERS as TOOL_PARSERS, ParseDelta
 
@@ -38,8 +38,9 @@ class ChoiceStream:
 
     def __init__(self, state: ServerState, index: int, tools: list[dict] | None, opens_thinking: bool,
                  forced_prefix: str = "", named_tool: bool = False, token_ids_as_names: bool = False,
-                 parallel_tool_calls: bool = True):
+                 parallel_tool_calls: bool = True, include_reasoning: bool = True):
         self.index = index
+        self.include_reasoning = include_reasoning  # vLLM's: false drops the reasoning (still parsed out)
         # false: one call at most, as OpenAI answers (strict tools' grammar ends the answer after it; a model writing
         # free markup may go on: its further calls are dropped)
         self.parallel_tool_calls = parallel_tool_calls
@@ -118,7 +119,7 @@ class ChoiceStream:
             r = self.reasoning.feed(new_text)
             if out.finished:
                 r.extend(self.reasoning.finish())
-            if r.reasoning:
+            if r.reasoning and self.include_reasoning:
                 delta["reasoning_content"] = r.reasoning
                 delta["reasoning"] = r.reasoning
             start = 0
@@ -304,13 +305,16 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     if thinking is not None:
         forced_prefix = ""  # the model writes the call's opening after its reasoning: the parsers read it there
     prompt += forced_prefix
-    prompt_ids = await state.off_loop(encode_prompt, state, prompt, "messages", add_special_tokens=False)
+    prompt_ids = await state.off_loop(encode_prompt, state, prompt, "messages", req.truncate_prompt_tokens is not None,
+                                      add_special_tokens=req.add_special_tokens)  # the template writes its own
+    prompt_ids = truncate_prompt(state, prompt_ids, req)
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.output_limit(),
                                     "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                     "messages")
     named_tool = forced and isinstance(req.tool_choice, NamedToolChoice)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix, named_tool,
-                            req.return_tokens_as_token_ids, req.parallel_tool_calls) for i in range(req.n)]
+                            req.return_tokens_as_token_ids, req.parallel_tool_calls, req.include_reasoning)
+               for i in range(req.n)]
     jobs = [EngineJob(engine_request_id(request_id, i), prompt_ids,
                       sampling_params(req, max_tokens, i, constraint, state.sampling_defaults,
                                       keep_special_tokens=choice.needs_special_tokens))

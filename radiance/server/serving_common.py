@@ -67,6 +67,8 @@ async def check_limits(state: ServerState, req: Any) -> None:
         raise invalid(f"{name} must be at most {state.config.max_logprobs}, got {wanted}", param=name)
     if req.logit_bias:
         check_token_ids(state, [int(t) for t in req.logit_bias], "logit_bias")
+    if req.allowed_token_ids:
+        check_token_ids(state, req.allowed_token_ids, "allowed_token_ids")
     spec = req.structured_output()
     if spec is not None:
         try:
@@ -102,12 +104,13 @@ def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
         request_checks.check_token_ids(ids, state.vocab_size(), param)
 
 
-def encode_prompt(state: ServerState, text: str, param: str, **encode_kw: Any) -> list[int]:
+def encode_prompt(state: ServerState, text: str, param: str, truncating: bool = False, **encode_kw: Any) -> list[int]:
     """A prompt's token ids. A text too long for the context by its length alone (each token spans at most
     state.max_token_chars characters) is a 400 before tokenizing: a 10 MB message took 13 s to tokenize on a
-    2-core CPU, and the server answered nothing else meanwhile."""
+    2-core CPU, and the server answered nothing else meanwhile. Not when `truncating` (truncate_prompt_tokens):
+    there a prompt longer than the context is what the client asked to be cut."""
     chars, limit = len(text), state.max_model_len
-    if state.max_token_chars and chars > limit * state.max_token_chars:
+    if state.max_token_chars and chars > limit * state.max_token_chars and not truncating:
         raise invalid(f"This model's maximum context length is {limit} tokens, but the prompt has {chars} "
                       f"characters: more than {chars // state.max_token_chars} tokens.", param=param,
                       code="context_length_exceeded")
@@ -115,6 +118,23 @@ def encode_prompt(state: ServerState, text: str, param: str, **encode_kw: Any) -
     if state.tokenizer is None:  # a 400 naming why there is none, not an AttributeError's 500
         state.require_tokenizer(param)
     return state.tokenizer.encode(text, **encode_kw)
+
+
+def truncate_prompt(state: ServerState, ids: list[int], req: Any) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last k prompt tokens (left truncation, so a long chat keeps its newest
+    turns), before the context check; -1 keeps as many as leave room for the output limit (or one token). A k
+    past the room the output limit leaves (vLLM's max_input_tokens) is a 400, as in vLLM."""
+    keep, requested = req.truncate_prompt_tokens, req.output_limit()
+    if keep is None:
+        return ids
+    room = state.max_model_len - (requested or 0)
+    if keep == -1:
+        keep = max(1, state.max_model_len - (requested or 1))  # too little room: the context check says so
+    elif keep > room > 0:  # no room at all: the context check names max_tokens instead
+        limit = f"max_model_len {state.max_model_len}" + (f" - max_tokens {requested}" if requested else "")
+        raise invalid(f"truncate_prompt_tokens {keep} is more than the prompt may have ({limit} = {room})",
+                      param="truncate_prompt_tokens")
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def vocabulary_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
@@ -171,6 +191,8 @@ def sampling_params(req: Any, max_tokens: int, choice: int, constraint: Structur
         skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
         prompt_logprobs=scored_prompt_logprobs(req),
         logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
+        allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
+        cache_salt=req.cache_salt,
         repetition_penalty=given("repetition_penalty", 1.0),
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
         structured_output=constraint,

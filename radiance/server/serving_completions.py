@@ -18,7 +18,7 @@ from radiance.server.logprobs_json import LogprobCursor, completion_logprobs, pr
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             encode_prompt, engine_request_id, merged_outputs, request_checked,
                                             resolve_max_tokens, guarded_sse, response_id, sampling_params, sse,
-                                            StreamUsage)
+                                            StreamUsage, truncate_prompt)
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -35,12 +35,17 @@ async def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str
         for i, item in enumerate(raw):
             param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
             check_not_empty(item, param)  # an empty text too, before it is tokenized
+            truncating = req.truncate_prompt_tokens is not None
             if isinstance(item, str):
-                prompts.append((item, await state.off_loop(encode_prompt, state, item, param)))
+                ids = await state.off_loop(encode_prompt, state, item, param, truncating,
+                                           add_special_tokens=req.add_special_tokens)
             else:
                 check_token_ids(state, item, param)
-                text = state.tokenizer.decode(item) if state.tokenizer is not None else ""
-                prompts.append((text, list(item)))
+                ids, item = list(item), None
+            kept = truncate_prompt(state, ids, req)
+            if item is None or len(kept) < len(ids):  # echo gives the prompt the model saw
+                item = state.tokenizer.decode(kept) if state.tokenizer is not None else ""
+            prompts.append((item, kept))
     return prompts
 
 

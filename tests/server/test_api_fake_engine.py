@@ -618,16 +618,16 @@ def test_an_image_part_is_refused_by_name(server):
 
 
 def test_unknown_request_fields_are_ignored_and_logged(server, caplog):
-    """vLLM's extensions radiance lacks (`documents`, `mm_processor_kwargs`) were ignored without a word: still
+    """vLLM's extensions radiance lacks (`vllm_xargs`, `mm_processor_kwargs`) were ignored without a word: still
     served (as vLLM serves unknown fields), now with one warning naming them."""
     body = {"model": "fake", "messages": [{"role": "user", "content": "SAY:ok"}], "mm_processor_kwargs": {},
-            "documents": []}
+            "vllm_xargs": {}}
     with caplog.at_level("WARNING", logger="radiance.server.protocol"):
         r = http(server, "POST", "/v1/chat/completions", body)
         known = http(server, "POST", "/v1/completions", {"model": "fake", "prompt": "SAY:ok"})
     assert r.status_code == 200 and known.status_code == 200
     warned = [rec.getMessage() for rec in caplog.records if "ignored request fields" in rec.getMessage()]
-    assert warned == ["ChatCompletionRequest: ignored request fields documents, mm_processor_kwargs (not supported)"]
+    assert warned == ["ChatCompletionRequest: ignored request fields mm_processor_kwargs, vllm_xargs (not supported)"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
