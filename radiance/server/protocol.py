@@ -414,7 +414,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's (and vLLM's) default for completions; chat: the context
+    # OpenAI's (and vLLM's) default for completions; chat: the context. 0 with echo: the prompt scored, nothing
+    # generated (vLLM's; what prompt-scoring clients such as lm-evaluation-harness send)
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
@@ -436,7 +438,13 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (must equal n)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is for scoring a prompt: it needs echo true (or ask for at least 1 token)")
         return self
+
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt (with its logprobs), no generated token."""
+        return self.echo and self.max_tokens == 0
 
     def output_limit(self) -> int | None:
         return self.max_tokens

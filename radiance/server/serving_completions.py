@@ -5,6 +5,7 @@ Choice index = prompt index * n + choice number, as OpenAI numbers them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, AsyncIterator
 
@@ -51,8 +52,9 @@ async def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str
 
 class CompletionChoice:
     def __init__(self, state: ServerState, index: int, prompt_text: str, echo: bool, prompt_tokens: int = 0,
-                 logprobs: int | None = None, token_ids_as_names: bool = False):
+                 logprobs: int | None = None, token_ids_as_names: bool = False, scores_only: bool = False):
         self.index = index
+        self.scores_only = scores_only  # echo with max_tokens 0: the token generated to score the prompt is dropped
         self.logprobs = logprobs  # the request's: an echoed prompt's alternatives too
         self.token_ids_as_names = token_ids_as_names  # vLLM's return_tokens_as_token_ids
         self.prompt_tokens = prompt_tokens
@@ -64,6 +66,10 @@ class CompletionChoice:
         self.output: Any = None
 
     def step(self, out: Any) -> tuple[str, dict | None]:
+        if self.scores_only:  # as vLLM answers it: the prompt, its logprobs, finish_reason length, no output tokens
+            out = dataclasses.replace(out, text="", token_ids=[], logprobs=[] if out.logprobs is not None else None,
+                                      cumulative_logprob=None, stop_reason=None,
+                                      finish_reason="length" if out.finished else None)
         self.output = out
         text = out.text[self.sent_chars:]
         parts = []
@@ -95,7 +101,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     request_id = response_id("cmpl")
     jobs, choices = [], []
     for p, (text, ids) in enumerate(prompts):
-        max_tokens = resolve_max_tokens(state, len(ids), req.output_limit(), "max_tokens",
+        max_tokens = resolve_max_tokens(state, len(ids), 1 if req.scores_only() else req.output_limit(), "max_tokens",
                                         "prompt" if len(prompts) == 1 else f"prompt[{p}]")
         for i in range(req.n):
             index = p * req.n + i
@@ -103,7 +109,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                                   sampling_params(req, max_tokens, i, req.structured_output(),
                                                   state.sampling_defaults)))
             choices.append(CompletionChoice(state, index, text, req.echo, len(ids), req.logprobs,
-                                            req.return_tokens_as_token_ids))
+                                            req.return_tokens_as_token_ids, req.scores_only()))
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     outputs = merged_outputs(engine, jobs, state.metrics)
     if req.stream:
