@@ -453,45 +453,6 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
-class TokenizeRequest(_Model):
-    """A prompt, or chat messages with the chat request's fields that change how they render (vLLM's
-    /tokenize takes the same), so the count is the prompt_tokens a chat completion would report."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)  # [] was a 500 (the chat request refused it)
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: TemplateKwargs = None
-    chat_template: str | None = Field(None, min_length=1)
-    tools: list[Tool] | None = None
-    # "none" leaves the tools out of the prompt, as a chat completion does (the opening of a forced call, which a
-    # chat completion appends for "required" or a named function, is not counted)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    return_token_strs: bool = False  # vLLM's: the tokens' vocabulary strings beside their ids
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt set to false")
-        ChatCompletionRequest.check_tool_choice(self.tool_choice, self.tools)  # as chat checks it: a 400, not a 500
-        return self
-
-    def chat_request(self) -> ChatCompletionRequest:
-        return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
-                                     continue_final_message=self.continue_final_message,
-                                     chat_template_kwargs=self.chat_template_kwargs,
-                                     chat_template=self.chat_template, tools=self.tools, tool_choice=self.tool_choice)
-
-
-class DetokenizeRequest(_Model):
-    model: str | None = None
-    tokens: list[int]
-
-
 # ---------------------------------------------------------------- response helpers
 
 

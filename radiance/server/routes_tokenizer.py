@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from radiance.server.protocol import DetokenizeRequest, TokenizeRequest
+from radiance.server.protocol_tokenizer import DetokenizeRequest, TokenizeRequest
 from radiance.server.routes_common import State
 from radiance.server.serving_chat import render_prompt
 from radiance.server.serving_common import check_token_ids, encode_prompt, vocabulary_strings
