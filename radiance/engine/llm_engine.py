@@ -271,7 +271,9 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage(), num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            draft_tokens_total=self.draft_tokens, accepted_draft_tokens_total=self.accepted_draft_tokens)
+            draft_tokens_total=self.draft_tokens, accepted_draft_tokens_total=self.accepted_draft_tokens,
+            prefix_cache_queries_total=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits_total=self.scheduler.prefix_cache_hits)
 
     # counters the stats and tests read, kept by the parts that count them
     @property

@@ -38,3 +38,5 @@ class EngineStats:
     generation_tokens_total: int
     draft_tokens_total: int = 0  # speculative (n-gram) tokens proposed
     accepted_draft_tokens_total: int = 0  # ... and kept
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_cache_hits_total: int = 0  # ... and found there

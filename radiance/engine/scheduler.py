@@ -46,6 +46,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # vLLM's prefix-cache counters: prompt tokens looked up at a request's first admission, and those found
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.watermark_blocks = max(1, int(WATERMARK_FRACTION * block_manager.num_blocks))
 
     def add(self, seq: Sequence) -> None:
@@ -162,6 +165,9 @@ class Scheduler:
             bm.allocate(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if not seq.admitted and bm.enable_prefix_caching and seq.params.prompt_logprobs is None:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_cached_tokens
             seq.admitted = True
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))

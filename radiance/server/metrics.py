@@ -79,6 +79,10 @@ class _EngineCollector:
                       stats.draft_tokens_total)
         yield counter("spec_decode_num_accepted_tokens", "Speculative draft tokens kept.",
                       stats.accepted_draft_tokens_total)
+        # vLLM's names: a dashboard's hit rate is hits / queries
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prefix_cache_queries_total)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits_total)
 
 
 class ServerMetrics:

@@ -69,6 +69,21 @@ def test_prefix_caching_off_reuses_nothing(tiny_llm):
     prompts = _prompts(2, seed=3, shared_prefix=48)
     llm.generate(prompts[0], GREEDY)
     assert llm.generate(prompts[1], GREEDY)[0].num_cached_tokens == 0
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_queries_total == stats.prefix_cache_hits_total == 0  # no cache: nothing looked up
+
+
+def test_prefix_cache_counters_count_each_requests_lookup_once(tiny_llm):
+    """vLLM's prefix_cache_queries / hits (tokens): every prompt token at a request's first admission, and the
+    cached ones among them."""
+    llm = tiny_llm()
+    prompts = _prompts(2, seed=3, shared_prefix=48)
+    llm.generate(prompts[0], GREEDY)
+    second = llm.generate(prompts[1], GREEDY)[0]
+    stats = llm.engine.stats()
+    assert second.num_cached_tokens >= 32
+    assert stats.prefix_cache_queries_total == len(prompts[0]) + len(prompts[1])
+    assert stats.prefix_cache_hits_total == second.num_cached_tokens
 
 
 def test_seeded_sampling_is_reproducible(tiny_llm):

@@ -153,7 +153,8 @@ def test_every_series_names_the_model_and_none_is_a_created_timestamp():
     metrics = ServerMetrics(lambda: SimpleNamespace(num_running=1, num_waiting=0, kv_cache_usage=0.5,
                                                     num_preemptions=0, prompt_tokens_total=3,
                                                     generation_tokens_total=4, draft_tokens_total=0,
-                                                    accepted_draft_tokens_total=0), lambda: name[0])
+                                                    accepted_draft_tokens_total=0, prefix_cache_queries_total=8,
+                                                    prefix_cache_hits_total=4), lambda: name[0])
     name[0] = "smol"
     timer = RequestTimer(metrics)
     timer.tokens(1)
@@ -320,7 +321,8 @@ def test_an_unknown_route_is_openais_unknown_url(server):
 
 VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
               "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
-              "vllm:e2e_request_latency_seconds_count", 'vllm:request_success_total{finished_reason="stop"')
+              "vllm:e2e_request_latency_seconds_count", 'vllm:request_success_total{finished_reason="stop"',
+              "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 
 
 def test_the_vllm_prefix_gives_vllms_names_on_the_server():
