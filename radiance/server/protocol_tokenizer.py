@@ -17,7 +17,9 @@ class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)  # [] was a 500 (the chat request refused it)
-    add_special_tokens: bool = True
+    # the tokenizer's special tokens (BOS) around the text; unset: true for a prompt, false for messages (the
+    # template writes its own), as vLLM's and as the chat route encodes
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs = None

@@ -23,10 +23,11 @@ async def tokenize(body: TokenizeRequest, state: State):
         chat = body.chat_request()
         text = await state.off_loop(render_prompt, state, chat,
                                     use_tools=bool(chat.tools) and chat.tool_choice != "none")
-        tokens = await state.off_loop(encode_prompt, state, text, "messages", add_special_tokens=False)
+        tokens = await state.off_loop(encode_prompt, state, text, "messages",
+                                      add_special_tokens=bool(body.add_special_tokens))
     else:
         tokens = await state.off_loop(encode_prompt, state, body.prompt, "prompt",
-                                      add_special_tokens=body.add_special_tokens)
+                                      add_special_tokens=body.add_special_tokens is not False)
     answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
     if body.return_token_strs:
         answer["token_strs"] = vocabulary_strings(state.tokenizer, tokens)

@@ -201,3 +201,19 @@ def test_documents_reach_the_template():
         assert r.status_code == 200, r.text
         assert bytes(engine.requests[-1][1]).startswith(b"[Doc1]SAY:hi")
         check_error_shape(_chat((url, engine), documents=[{"title": 1}]), 400, None)
+
+
+def test_tokenize_add_special_tokens_defaults_by_input_and_is_honoured():
+    """/tokenize counts what the completion routes send: a prompt gets BOS unless asked not to, messages get none
+    unless asked (the template writes its own), as vLLM's tokenize requests default."""
+    engine = FakeEngine()
+    with serve_engine(engine) as url:
+        def tokens(**body):
+            r = http((url, engine), "POST", "/tokenize", {"model": "fake", **body}, key=None)
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"]
+
+        assert tokens(prompt="hi") == [BOS, 104, 105] and tokens(prompt="hi", add_special_tokens=False) == [104, 105]
+        messages = [{"role": "user", "content": "hi"}]
+        plain = tokens(messages=messages)
+        assert plain[0] != BOS and tokens(messages=messages, add_special_tokens=True) == [BOS] + plain
