@@ -262,3 +262,23 @@ def test_gemma3_matches_cpu(tmp_path, head_dim):
     assert re.search(r"\b8/8 linears on the W4A8 kernel", "\n".join(loaded.summary)), loaded.summary
     rel = ((logits["cuda"] - logits["cpu"]).norm() / logits["cpu"].norm()).item()
     assert rel < 0.1, rel
+
+
+def test_allowed_token_ids_and_cache_salt_on_the_gpu(tiny_llm):
+    """vLLM's allowed_token_ids masks logits on the device (graphs, overlapped decode) for its own rows only, at
+    greedy and random temperature; a cache_salt changes which blocks are shared, never the tokens."""
+    llm = tiny_llm(device="cuda", num_gpu_blocks_override=256, max_num_seqs=4, cuda_graph_max_batch=4)
+    assert llm.engine.runner.decode_graphs.graphs and llm.engine.overlap_decode
+    prompts = [[3, 17, 17, 9, 40, 22, 5], list(range(60, 100))]
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, free)]
+    allowed = (7, 8, 9, 10)
+    assert not all(t in allowed for out in plain for t in out)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=12, temperature=temperature, ignore_eos=True, seed=1,
+                                allowed_token_ids=allowed)
+        outs = llm.generate(prompts + [prompts[0]], [params, params, free])
+        assert all(t in allowed for o in outs[:2] for t in o.outputs[0].token_ids)
+        assert outs[2].outputs[0].token_ids == plain[0]
+    salted = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, cache_salt=salt) for salt in "ab"]
+    assert [llm.generate(prompts[1], p)[0].outputs[0].token_ids for p in salted] == [plain[1], plain[1]]
