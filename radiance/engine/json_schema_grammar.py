@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 from typing import Any, Callable
 
 from radiance.engine.json_schema_rules import served_schema
@@ -19,17 +20,57 @@ from radiance.engine.json_schema_rules import served_schema
 # large schemas could pin ~1000x their size; a longer one is rare and redone each time (xgrammar's compile cache,
 # bounded in bytes, still keeps its compiled grammar)
 MAX_CACHED_TEXT = 64 << 10
+# the largest result cached: a small text can give a large one (a schema's grammar is ~1-5x its size, more where
+# served_schema expands it), so a cache's entries are bounded both ways, maxsize x (64 KiB + 256 KiB) at most; 4x
+# the text's bound keeps the grammars of schemas under it cached in the usual case, a larger result is redone each
+# time as a large text is
+MAX_CACHED_RESULT = 4 * MAX_CACHED_TEXT
 
 
-def cache_small(maxsize: int, text_size: Callable[[Any], int] = len) -> Callable:
-    """functools.lru_cache of a one-argument function, for arguments of text_size(arg) <= MAX_CACHED_TEXT only:
-    larger ones are computed uncached (the same result). cache_info and cache_clear are the cache's."""
+def result_size(value: Any) -> int:
+    """The size a cached result holds, as MAX_CACHED_RESULT counts it: the length of text (str, bytes), 0 for None or
+    a number, the sum over a tuple, list, set or dict's items, and sys.getsizeof for anything else."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return 0
+    if isinstance(value, (str, bytes, bytearray, memoryview)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(result_size(k) + result_size(v) for k, v in value.items())
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return sum(result_size(item) for item in value)
+    return sys.getsizeof(value)
+
+
+class _TooBigToCache(Exception):
+    """Carries a result over MAX_CACHED_RESULT out through lru_cache, which caches no call that raises."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self.result = result
+
+
+def cache_small(maxsize: int, text_size: Callable[[Any], int] = len,
+                size_of_result: Callable[[Any], int] = result_size) -> Callable:
+    """functools.lru_cache of a one-argument function, for arguments of text_size(arg) <= MAX_CACHED_TEXT only, and
+    of those only results of size_of_result(result) <= MAX_CACHED_RESULT: others are computed uncached (the same
+    result, computed again on each call). cache_info and cache_clear are the cache's."""
     def wrap(fn: Callable) -> Callable:
-        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        def bounded(arg):
+            result = fn(arg)
+            if size_of_result(result) > MAX_CACHED_RESULT:
+                raise _TooBigToCache(result)
+            return result
+
+        cached = functools.lru_cache(maxsize=maxsize)(bounded)
 
         @functools.wraps(fn)
         def call(arg):
-            return cached(arg) if text_size(arg) <= MAX_CACHED_TEXT else fn(arg)
+            if text_size(arg) > MAX_CACHED_TEXT:
+                return fn(arg)
+            try:
+                return cached(arg)
+            except _TooBigToCache as too_big:
+                return too_big.result
 
         call.cache_info, call.cache_clear = cached.cache_info, cached.cache_clear
         return call

@@ -1,5 +1,6 @@
 """The caches of schema grammars and constraint checks hold a count of entries of any size (soak report F4): a
-text over MAX_CACHED_TEXT is computed uncached instead, with the same result."""
+text over MAX_CACHED_TEXT is computed uncached instead, with the same result, and so is a result over
+MAX_CACHED_RESULT (a small text can give a large one: review finding)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,47 @@ def test_cache_small_caches_only_small_arguments():
     assert calls == ["a", big, big] and upper.cache_info().currsize == 1
     upper.cache_clear()
     assert upper.cache_info().currsize == 0
+
+
+def test_cache_small_does_not_cache_a_large_result_of_a_small_argument():
+    """The input's bound alone let maxsize small inputs pin maxsize large outputs (a small schema, a large grammar):
+    a result over MAX_CACHED_RESULT is returned uncached, computed again on each call."""
+    calls = []
+
+    @cache_small(maxsize=4)
+    def expand(text: str) -> str:
+        calls.append(text)
+        return text * (16 << 20) if text == "x" else text.upper()  # 1 character in, 16 MiB out
+
+    big = expand("x")
+    assert len(big) == 16 << 20 and expand.cache_info().currsize == 0
+    assert expand("x") == big and calls == ["x", "x"]
+    assert [expand("a"), expand("a")] == ["A", "A"] and calls == ["x", "x", "a"]
+    assert expand.cache_info().currsize == 1
+
+
+def test_cache_small_bounds_results_at_max_cached_result(monkeypatch):
+    monkeypatch.setattr(json_schema_grammar, "MAX_CACHED_RESULT", 10)
+
+    @cache_small(maxsize=8, text_size=lambda n: 0)
+    def repeat(n: int):
+        return {"ab": [b"c" * n, None, 3]}  # result_size: 2 + n
+
+    assert [repeat(8), repeat(9)] == [{"ab": [b"c" * 8, None, 3]}, {"ab": [b"c" * 9, None, 3]}]
+    assert repeat.cache_info().currsize == 1  # 10 is cached, 11 is not
+    assert json_schema_grammar.result_size(None) == 0 and json_schema_grammar.result_size(("ab", "c")) == 3
+
+
+@pytest.mark.parametrize("cached", [json_schema_ebnf, served_schema_text])
+def test_a_large_grammar_or_served_schema_is_not_cached_and_gives_what_the_cache_would(cached, monkeypatch):
+    small = schema(10)
+    expected = cached.__wrapped__(small)
+    monkeypatch.setattr(json_schema_grammar, "MAX_CACHED_RESULT", len(expected) - 1)  # its result is now too large
+    cached.cache_clear()
+    assert cached(small) == expected and cached(small) == expected
+    assert cached.cache_info().currsize == 0
+    monkeypatch.setattr(json_schema_grammar, "MAX_CACHED_RESULT", len(expected))
+    assert cached(small) == expected and cached.cache_info().currsize == 1
 
 
 @pytest.mark.parametrize("cached", [json_schema_ebnf, served_schema_text])

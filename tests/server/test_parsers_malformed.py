@@ -80,6 +80,25 @@ def test_hermes_cut_by_max_tokens_still_gives_the_partial_call():
     assert calls_of(whole) == [("get_weather", '{"ci')] and not whole.tool_calls[0].complete
 
 
+@pytest.mark.parametrize("after", [" junk", "}", ' {"name": "get_weather", "arguments": {}}', "\n</tool_callx"])
+@pytest.mark.parametrize("truncated", [True, False])
+def test_hermes_a_whole_object_then_more_than_whitespace_is_text_cut_or_not(after, truncated):
+    """A cut output whose markup broke is text: a whole object with junk after it (the output ending there, no
+    end tag) is no call, whether max_tokens cut it or the model stopped (a cut read it as a partial call of
+    arguments `{"city": "Oslo"}} junk`)."""
+    text = 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}' + after
+    whole = same_in_every_chunking(HermesToolParser, text, truncated)
+    assert (whole.content, whole.tool_calls) == (text, [])
+
+
+@pytest.mark.parametrize("after", ["", " ", "\n\t ", "\n</tool_", "\n</tool_call"])
+def test_hermes_a_whole_object_then_only_whitespace_cut_is_a_whole_call(after):
+    text = 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}' + after
+    whole = same_in_every_chunking(HermesToolParser, text, truncated=True)
+    assert whole.content == "Hi"
+    assert calls_of(whole) == [("get_weather", '{"city": "Oslo"}')] and whole.tool_calls[0].complete
+
+
 QWEN3_NOT_CALLS = [
     "<tool_call>garbage</tool_call>",
     "<tool_call>\n<function=delete_all>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",

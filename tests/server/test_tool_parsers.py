@@ -84,6 +84,25 @@ HERMES_CASES = [
     ('<tool_call>{ "name": "get_weather", "arguments": {"days": 1', True, "", [("get_weather", '{"days": 1')]),
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "Ba\\qz"}}</tool_c', True, "",
      [("get_weather", '{"city": "Ba\\qz"}}')]),  # an error inside a string breaks no structure: the cut reads it
+    # a whole object with more than whitespace after it is no JSON document: text, cut or not (the cut read it as a
+    # partial call whose arguments ran on into what followed the object)
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} junk', True,
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} junk', []),
+    ('Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}}', True,
+     'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}}', []),
+    ('<tool_call>{"name": "get_weather", "arguments": {}}\n{"name": "get_weather", "arguments": {"ci', True,
+     '<tool_call>{"name": "get_weather", "arguments": {}}\n{"name": "get_weather", "arguments": {"ci', []),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} </tool_callx', True,
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} </tool_callx', []),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} junk', False,
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} junk', []),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} junk</tool_call> ok', False,
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} junk</tool_call> ok', []),
+    # ... but a whole object with only whitespace after it, then cut, is a whole call (a partial end tag too)
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} \n ', True, "",
+     [("get_weather", {"city": "Paris"})]),
+    ('Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_ca', True, "Hi",
+     [("get_weather", {"city": "Paris"})]),
 ]
 
 
@@ -193,6 +212,7 @@ NOT_CALLS_THEN_PROSE = [  # (parser, markup that no further text can make a call
     (HermesToolParser, "Use the <tool_call> tag. "),
     (HermesToolParser, "<tool_call>{Note} "),
     (HermesToolParser, '<tool_call>\n{"name": "get_weather", "arguments": {city: 1}} '),
+    (HermesToolParser, '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} and '),
     (MistralToolParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {city: 1}}] '),
     (MistralToolParser, "[TOOL_CALLS]get_weather[ARGS]{city: 1} "),
 ]
@@ -242,7 +262,8 @@ def test_json_that_may_still_be_whole_is_never_taken_for_broken(body):
 
 
 @pytest.mark.parametrize("body", ["{Note} x", ' tag. {"name": 1}', '{"name": "get_weather" "arguments": {}}',
-                                  '{"name": "get_weather", "arguments": {city: 1}}', '{"a": 1,}', "{ x}", "\xa0{}"])
+                                  '{"name": "get_weather", "arguments": {city: 1}}', '{"a": 1,}', "{ x}", "\xa0{}",
+                                  '{"name": "get_weather", "arguments": {}} x', '{"name": "get_weather"}}'])
 def test_json_that_broke_stays_broken_whatever_follows(body):
     """Once broken, always: so a body released as text early is text at its end tag, stop or cut too."""
     hermes = HermesToolParser([WEATHER_TOOL])

@@ -11,8 +11,9 @@ One incremental scanner serves both streaming and non-streaming requests (both f
 as it arrives; a non-streaming answer is the sum of the pieces), so both give the same result by construction.
 Text outside calls streams out as content; a possible start tag at a chunk's end is held back until the next
 chunk decides; a call is emitted whole when its end tag arrives. Markup that no further text can make a call
-(JSON whose syntax broke before its end: `{Note} ...`, a stray `<tool_call>` in prose) streams out as content as
-it comes, not at its end tag or the end of the output. A call cut off by max_tokens is parsed at `finish()`
+(JSON whose syntax broke before its end: `{Note} ...`, a whole object with more than whitespace after it:
+`{...} junk`, a stray `<tool_call>` in prose) streams out as content as it comes, not at its end tag or the end
+of the output. A call cut off by max_tokens is parsed at `finish()`
 from what was generated, its markup never reaching the content. Whitespace that only separates content from
 calls is dropped.
 

@@ -45,18 +45,23 @@ class HermesToolParser(ToolParser):
         return not in_json_string(body)
 
     def body_broken(self, body: str) -> bool:
-        """No JSON object (a stray <tool_call> in prose: " tag. ..."), or one whose syntax broke before its end
-        ("{Note} ..."): text whatever follows, released as it comes rather than held to its end tag or the end."""
+        """No JSON object (a stray <tool_call> in prose: " tag. ..."), one whose syntax broke before its end
+        ("{Note} ..."), or a whole object with more than whitespace after it (`{...} junk`, `{...}}`, a second
+        object): text whatever follows, released as it comes rather than held to its end tag or the end. Such a
+        body is no call at its end tag or a stop either (it is no JSON document); a cut by max_tokens read it as
+        a partial call whose arguments ran on into the junk."""
         start = _JSON_SPACE.match(body).end()
         if start == len(body):
             return False
         if body[start] != "{":
             return True
         try:
-            self._decoder.raw_decode(body, start)
+            _, end = self._decoder.raw_decode(body, start)
         except (ValueError, RecursionError) as exc:
             return _broken_structure(exc, body)
-        return False  # a whole object: text after it is the end tag's or finish()'s to judge, as before
+        # a whole object: a call if only (JSON) whitespace follows it, whatever ends the call; json.loads, which
+        # reads the body at its end tag or a stop, refuses anything else after it
+        return _JSON_SPACE.match(body, end).end() < len(body)
 
     def _call_of(self, obj) -> ParsedToolCall | None:
         """`{"name": NAME, "arguments": {...}}` ("parameters" also read), NAME one of the tools."""
