@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 
 import torch
@@ -13,14 +14,16 @@ from radiance.engine.block_manager import BlockManager
 from radiance.engine.detokenizer import IncrementalDetokenizer
 from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
-from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from radiance.engine.outputs import (INTER_TOKEN_BUCKETS, ITERATION_TOKEN_BUCKETS, EngineStats, StepHistogram,
+                                     RequestOutput, RequestTimes, TokenLogprob)
 from radiance.engine.overlap import DecodeAhead
 from radiance.engine.request_checks import check_fits_context, check_token_ids
-from radiance.engine.sampling_params import SamplingParams, generator_seed
-from radiance.engine.scheduler import Scheduler
+from radiance.engine.sampling_params import SamplingParams, generator_seed, tokenized_bad_words
+from radiance.engine.scheduler import ScheduledSequence, Scheduler
 from radiance.engine.sequence import Sequence, SequenceStatus
 from radiance.engine.speculation import NgramSpeculator
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError
+from radiance.layers.sampler import BadWords
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,16 @@ class LLMEngine:
         self._arrivals = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.iteration_tokens = StepHistogram(ITERATION_TOKEN_BUCKETS)  # for /metrics, as EngineStats
+        self.inter_token_latency = StepHistogram(INTER_TOKEN_BUCKETS)
+        cache = self.config.cache
+        # vLLM's cache_config_info labels (its CacheConfig's fields, as strings) that this engine has
+        self.cache_config_info = {
+            "block_size": str(cache.block_size), "cache_dtype": cache.kv_cache_dtype,
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "num_gpu_blocks": str(self.runner.num_blocks),
+            "num_gpu_blocks_override": str(cache.num_gpu_blocks_override)}
         kv_tokens = self.runner.num_blocks * self.config.cache.block_size
         graphs = self.runner.decode_graphs.buckets if self.runner.decode_graphs else "off"
         self.load_summary = loaded.summary + [
@@ -79,6 +92,7 @@ class LLMEngine:
         check_token_ids(prompt_token_ids, vocab, "prompt_token_ids")
         check_token_ids([t for t, _ in params.logit_bias], vocab, "logit_bias")
         check_token_ids(params.allowed_token_ids or (), vocab, "allowed_token_ids")
+        tokenized_bad_words(params, self.tokenizer, vocab)
         for name in ("logprobs", "prompt_logprobs"):  # more alternatives than tokens failed inside the step
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} is {getattr(params, name)}; the vocabulary has {vocab} tokens")
@@ -141,6 +155,8 @@ class LLMEngine:
             seq.grammar = self.grammar_backend().matcher(params.structured_output)
         if params.min_tokens:
             seq.min_tokens_bans = self._ending_tokens(params)
+        if params.has_bad_words:
+            seq.bad_words = BadWords(tokenized_bad_words(params, self.tokenizer, self.vocab_size))
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens,
                                              params.stop, include_stop=params.include_stop_str_in_output)
         # registered only once nothing can fail: a half-added request kept its id in use
@@ -179,6 +195,7 @@ class LLMEngine:
         handle = self.ahead.take(scheduled)
         if not scheduled:
             return outputs
+        self._note_scheduled(scheduled)
         if handle is None:
             handle = self.runner.launch(scheduled)
         if handle.sampled and handle.token_ids is None:
@@ -191,6 +208,8 @@ class LLMEngine:
         if self.overlap_decode:
             self.ahead.launch(handle, scheduled)
         sampled, result = self.runner.finish(handle)
+        now = time.monotonic()  # this step's tokens are on the host
+        gaps = []
         row = 0
         for s in sampled:
             seq = s.seq
@@ -205,12 +224,33 @@ class LLMEngine:
                     logprob = TokenLogprob(result.token_ids[row], chosen, top)
                 self._append(seq, result.token_ids[row], logprob)
                 row += 1
+            self._note_tokens(seq, now, gaps)
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self.scheduler.remove(seq)
                 self.sequences.pop(seq.request_id, None)
                 self.detokenizers.pop(seq.request_id, None)
+        self.inter_token_latency.observe_many(gaps)
         return outputs
+
+    def _note_scheduled(self, scheduled: list[ScheduledSequence]) -> None:
+        """The step's statistics: the tokens it computes, and the first scheduling of each sequence (a preempted
+        one, scheduled again, keeps its first: its wait in the queue ended then)."""
+        self.iteration_tokens.observe(sum(s.num_new_tokens for s in scheduled))
+        now = time.monotonic()
+        for s in scheduled:
+            if s.seq.times.first_scheduled is None:
+                s.seq.times = RequestTimes(first_scheduled=now)
+
+    @staticmethod
+    def _note_tokens(seq: Sequence, now: float, gaps: list[float]) -> None:
+        """A step gave `seq` its next token(s) at `now`: one inter-token gap per step (into `gaps`), as vLLM's (a
+        speculative step's several tokens are one gap; a preempted request's recompute is in its gap, as its client
+        sees). Per sequence per step: the constructor, not dataclasses.replace (half the host time)."""
+        times = seq.times
+        if times.last_token is not None:
+            gaps.append(now - times.last_token)
+        seq.times = RequestTimes(times.first_scheduled, now if times.first_token is None else times.first_token, now)
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         seq.append_token(token_id, logprob)
@@ -264,7 +304,7 @@ class LLMEngine:
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             finish_reason=seq.finish_reason, finished=seq.is_finished, num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
-            cumulative_logprob=seq.cumulative_logprob, stop_reason=seq.stop_reason)
+            cumulative_logprob=seq.cumulative_logprob, stop_reason=seq.stop_reason, times=seq.times)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -273,7 +313,9 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             draft_tokens_total=self.draft_tokens, accepted_draft_tokens_total=self.accepted_draft_tokens,
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries,
-            prefix_cache_hits_total=self.scheduler.prefix_cache_hits)
+            prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
+            iteration_tokens=self.iteration_tokens.snapshot(),
+            inter_token_latency=self.inter_token_latency.snapshot(), cache_config=dict(self.cache_config_info))
 
     # counters the stats and tests read, kept by the parts that count them
     @property

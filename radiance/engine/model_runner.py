@@ -65,7 +65,7 @@ def sampling_rows(sampled: list[ScheduledSequence], vocab: int, device: torch.de
         seq, p = s.seq, s.seq.params
         before = seq.num_output_tokens - seq.num_draft_tokens + pending
         for j in range(1 + seq.num_draft_tokens):
-            banned = seq.bans_after(before + j) if p.min_tokens else ()
+            banned = seq.bans_after(before + j) if p.min_tokens or seq.bad_words is not None else ()
             adjust = logit_adjustment(seq, vocab, device, banned) if p.adjusts_logits or banned else None
             rows.append(SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs, adjust))
     return rows
@@ -257,8 +257,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSequence], next_tokens: torch.Tensor | None = None) -> StepHandle:
         """Queues one step on the device, sampling included, without waiting for it (`finish` waits). A step
-        with a structured-output sequence comes back unsampled (token_ids None): the caller runs `sample`
-        once the host has accepted every earlier token into the sequences' grammars.
+        with a structured-output sequence (any Sequence.samples_after_host) comes back unsampled (token_ids None):
+        the caller runs `sample` once the host has accepted every earlier token into the sequences' grammars.
 
         `next_tokens` (device, one per sequence) makes it the decode step that follows a launched one
         whose tokens the host has not read yet: each sequence advances by that token at position
@@ -300,8 +300,8 @@ class ModelRunner:
             rows = [r for i in sampling for r in range(last_rows[i] - scheduled[i].seq.num_draft_tokens, last_rows[i] + 1)]
             logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=self.device)], fp32=False)
         handle = StepHandle([scheduled[i] for i in sampling], [], logits)
-        if any(s.seq.grammar is not None for s in handle.sampled):
-            return handle  # the engine samples it once the host has every token before it (the masks need them)
+        if any(s.seq.samples_after_host for s in handle.sampled):
+            return handle  # the engine samples it once the host has every token before it (masks, bad words need them)
         return self.sample(handle, pending=next_tokens)
 
     @torch.inference_mode()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import threading
 from dataclasses import dataclass, field
 
 
@@ -11,6 +13,17 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
     rank: int | None = None  # 1 + the tokens more likely than it (scored prompt tokens; None for sampled ones)
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """When the engine first scheduled a request and when its first and latest tokens came out of a step, on
+    time.monotonic() (the clock the server's RequestTimer reads); None until then. Frozen: a step replaces it, so
+    an output already handed to another thread never changes."""
+
+    first_scheduled: float | None = None  # a preempted request, scheduled again, keeps its first
+    first_token: float | None = None
+    last_token: float | None = None
 
 
 @dataclass
@@ -26,6 +39,50 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
     cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
+    times: RequestTimes | None = None  # for the server's queue / prefill / decode metrics
+
+
+# vLLM's buckets of iteration_tokens_total
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# the server's time_per_output_token buckets (vLLM's start at 10 ms, above most decode steps on a GPU)
+INTER_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass(frozen=True)
+class HistogramCounts:
+    """A histogram's state: the observations at most each bound (not cumulative), then those above every bound."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]  # len(bounds) + 1
+    sum: float
+
+
+class StepHistogram:
+    """A distribution the engine observes per step (tokens per step, gaps between a request's tokens), kept as
+    bucket counts for /metrics: the engine needs no Prometheus, and nothing is lost between scrapes. The lock makes
+    a snapshot (read from the server's thread) consistent with the step thread's observations."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = tuple(bounds)
+        self._counts = [0] * (len(self.bounds) + 1)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        self.observe_many((value,))
+
+    def observe_many(self, values) -> None:
+        """Several observations under one lock (a step's gaps, one per sequence)."""
+        # a value equal to a bound is in its bucket (le)
+        buckets = [bisect.bisect_left(self.bounds, value) for value in values]
+        with self._lock:
+            for bucket in buckets:
+                self._counts[bucket] += 1
+            self._sum += sum(values)
+
+    def snapshot(self) -> HistogramCounts:
+        with self._lock:
+            return HistogramCounts(self.bounds, tuple(self._counts), self._sum)
 
 
 @dataclass
@@ -40,3 +97,6 @@ class EngineStats:
     accepted_draft_tokens_total: int = 0  # ... and kept
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     prefix_cache_hits_total: int = 0  # ... and found there
+    iteration_tokens: HistogramCounts | None = None  # tokens each step computed (prompt chunks, decodes, drafts)
+    inter_token_latency: HistogramCounts | None = None  # seconds between a request's steps that gave it tokens
+    cache_config: dict[str, str] = field(default_factory=dict)  # the KV cache's settings, as vLLM's labels name them

@@ -1,5 +1,6 @@
 """The checks of a request that the engine, `radiance generate` and the server share, each written once: prompt
-size against the context, token ids against the vocabulary, text that is not UTF-8, logit_bias values.
+size against the context, token ids against the vocabulary, text that is not UTF-8, logit_bias values, bad words
+(tokenized here).
 
 Each raises a RequestError naming the offending field: the engine raises it as is, the CLI prints it as one
 line, the server answers a 400 with the field as `param` (in OpenAI's wording where OpenAI has one).
@@ -7,6 +8,8 @@ line, the server answers a 400 with the field as `param` (in OpenAI's wording wh
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence, Sized
 from numbers import Integral
 
@@ -96,3 +99,62 @@ def check_logit_bias_value(token: int | str, bias: float) -> None:
     if not -100.0 <= bias <= 100.0:
         raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
                                   "logit_bias")
+
+
+# a request's bad words, as token-id sequences (both spellings of each word count): vLLM's limits, so that the
+# per-step matching on the host stays small
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 1024
+# tokenized bad-word lists kept per tokenizer (the server's check, the engine's check and add_request each ask)
+_BAD_WORDS_CACHED = 256
+_bad_words_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_bad_words_lock = threading.Lock()
+
+
+def tokenize_bad_words(words: Sequence[str], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of SamplingParams.bad_words: each word without its leading whitespace, encoded without
+    special tokens, and again after one space (the word inside a text) when that gives as many tokens and another
+    first token. A word of whitespace only (vLLM fails on it) is encoded as it is. RequestError naming bad_words
+    for more than MAX_BAD_WORDS words, one that is not UTF-8 or encodes to nothing."""
+    words = tuple(words)
+    if len(words) > MAX_BAD_WORDS:  # each gives one sequence or two: refused before tokenizing
+        raise RequestError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are allowed", "bad_words")
+    try:
+        with _bad_words_lock:
+            cache = _bad_words_cache.setdefault(tokenizer, {})
+            hit = cache.get(words)
+    except TypeError:  # a tokenizer without weak references or a hash: not cached
+        cache, hit = None, None
+    if hit is not None:
+        return hit
+    sequences: list[tuple[int, ...]] = []
+    for i, word in enumerate(words):
+        check_utf8(word, "bad_words")
+        stripped = word.lstrip()
+        first = tuple(tokenizer.encode(stripped or word, add_special_tokens=False))
+        if not first:
+            raise RequestError(f"bad_words[{i}] {word!r} encodes to no tokens", "bad_words")
+        sequences.append(first)
+        if stripped:
+            spaced = tuple(tokenizer.encode(" " + stripped, add_special_tokens=False))
+            if len(spaced) == len(first) and spaced[0] != first[0]:
+                sequences.append(spaced)
+    result = tuple(sequences)
+    if cache is not None:
+        with _bad_words_lock:
+            if len(cache) >= _BAD_WORDS_CACHED:
+                cache.clear()
+            cache[words] = result
+    return result
+
+
+def check_bad_words_token_ids(sequences: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Each id in the vocabulary (a tokenizer may count more ids than the logits have), within vLLM's limits."""
+    check_token_ids([t for word in sequences for t in word], vocab_size, "bad_words")
+    if len(sequences) > MAX_BAD_WORDS:
+        raise RequestError(f"bad_words give {len(sequences)} token sequences (each word once or twice: with and "
+                           f"without a leading space); at most {MAX_BAD_WORDS} are allowed", "bad_words")
+    total = sum(len(word) for word in sequences)
+    if total > MAX_BAD_WORD_TOKENS:
+        raise RequestError(f"bad_words tokenize to {total} tokens; at most {MAX_BAD_WORD_TOKENS} are allowed",
+                           "bad_words")

@@ -10,7 +10,8 @@ from numbers import Integral, Real
 import numpy
 
 # SamplingParamsError lives with the request checks (one of them raises it); importable from here as before
-from radiance.engine.request_checks import SamplingParamsError, check_logit_bias_value
+from radiance.engine.request_checks import (RequestError, SamplingParamsError, check_bad_words_token_ids,
+                                            check_logit_bias_value, tokenize_bad_words)
 from radiance.engine.structured_output import StructuredOutput
 from radiance.layers.sampler import GREEDY_BELOW
 
@@ -50,6 +51,12 @@ class SamplingParams:
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt (None: the unsalted pool),
     # so a tenant cannot time another's cached prompt
     cache_salt: str | None = None
+    # vLLM's: words never to write. Each is tokenized as vLLM does (bad_words_token_ids): a one-token word is
+    # banned outright; a longer one bans its last token wherever the output so far ends with its other tokens
+    bad_words: tuple[str, ...] = ()
+    # the token-id sequences of bad_words (vLLM's property of this name): None until the engine tokenizes
+    # bad_words with the model's tokenizer; given, they are used as they are (e.g. a model without a tokenizer)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         def check(cond, msg):
@@ -87,6 +94,17 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in self.allowed_token_ids})))
         check(self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt != "",
               f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        check(_is_sequence(self.bad_words, str), f"bad_words must be a list of strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        check(all(self.bad_words), "bad_words must be non-empty strings")
+        ids = self.bad_words_token_ids
+        check(_is_sequence(ids, (list, tuple)) and all(_is_sequence(word, Integral) and word is not None
+                                                      and not isinstance(word, (set, frozenset))
+                                                      and not any(isinstance(t, bool) for t in word)
+                                                      for word in ids or ()),
+              f"bad_words_token_ids must be a list of lists of integers, got {ids!r}")
+        if ids is not None:
+            object.__setattr__(self, "bad_words_token_ids", tuple(tuple(int(t) for t in word) for word in ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
 
@@ -121,6 +139,9 @@ class SamplingParams:
             check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
             check(self.allowed_token_ids[0] >= 0,
                   f"allowed_token_ids must be non-negative, got {self.allowed_token_ids[0]}")
+        for word in self.bad_words_token_ids or ():
+            check(len(word) > 0, "bad_words_token_ids must not hold an empty list")
+            check(min(word) >= 0, f"bad_words_token_ids must be non-negative, got {min(word)}")
 
     def for_choice(self, choice: int) -> "SamplingParams":
         """The one-sequence parameters of choice `choice` of an n > 1 request: n=1, the seed advanced by the
@@ -138,14 +159,32 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits change before the choice (bias, penalties, allowed tokens or a structured output)."""
+        """Whether the logits change before the choice (bias, penalties, allowed tokens, bad words or a structured
+        output)."""
         return (bool(self.logit_bias) or self.penalizes or self.structured_output is not None
-                or self.allowed_token_ids is not None)
+                or self.allowed_token_ids is not None or self.has_bad_words)
+
+    @property
+    def has_bad_words(self) -> bool:
+        return bool(self.bad_words) or bool(self.bad_words_token_ids)
 
 
 def _is_sequence(value, kind) -> bool:
     """None, or a list / tuple / set of `kind` items."""
     return value is None or isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, kind) for v in value)
+
+
+def tokenized_bad_words(params: SamplingParams, tokenizer, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """The token-id sequences the sampler bans for `params` (its bad_words_token_ids, or its bad_words tokenized
+    with `tokenizer`), checked against the vocabulary; () without bad words. A RequestError names bad_words."""
+    ids = params.bad_words_token_ids
+    if ids is None and params.bad_words:
+        if tokenizer is None:
+            raise RequestError("bad_words need the model's tokenizer, and this checkpoint has none: give "
+                               "bad_words_token_ids", "bad_words")
+        ids = tokenize_bad_words(params.bad_words, tokenizer)
+    check_bad_words_token_ids(ids or (), vocab_size)
+    return ids or ()
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:

@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from radiance.engine.outputs import TokenLogprob
+from radiance.engine.outputs import RequestTimes, TokenLogprob
 from radiance.engine.sampling_params import SamplingParams
 
 
@@ -41,6 +41,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.text = ""
         self.admitted = False
+        self.times = RequestTimes()  # set by the engine's steps, for the server's metrics
         self.output_counts = None  # the sampler's device-side token counts, when penalties need them
         self.disallowed = None  # the sampler's device mask of the tokens params.allowed_token_ids leaves out
         self.grammar = None  # structured_output.GrammarState, when params.structured_output is set
@@ -50,6 +51,7 @@ class Sequence:
         # the tokens that would end the output (EOS, stop_token_ids), banned while it is shorter than
         # params.min_tokens; set by the engine, which knows the EOS ids
         self.min_tokens_bans: tuple[int, ...] = ()
+        self.bad_words = None  # sampler.BadWords of params' bad words; set by the engine, which tokenizes them
 
     @property
     def num_tokens(self) -> int:
@@ -71,9 +73,26 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    @property
+    def samples_after_host(self) -> bool:
+        """Whether its next token's logits depend on the tokens before it as the host has them (a structured
+        output's grammar, a bad word of several tokens): the engine may queue its forward ahead (overlapped
+        decode) but samples it only once the host has the token before."""
+        return self.grammar is not None or self.bad_words is not None and self.bad_words.needs_output
+
     def bans_after(self, num_output: int) -> tuple[int, ...]:
-        """The tokens banned for the output token that follows `num_output` output tokens (min_tokens)."""
-        return self.min_tokens_bans if num_output < self.params.min_tokens else ()
+        """The tokens banned for the output token that follows `num_output` output tokens (min_tokens, bad
+        words). A bad word of several tokens reads those output tokens: the host must have them."""
+        bans = self.min_tokens_bans if num_output < self.params.min_tokens else ()
+        if self.bad_words is None:
+            return bans
+        end = self.num_prompt_tokens + num_output
+        if self.bad_words.needs_output and end > self.num_tokens:
+            raise RuntimeError(f"request {self.request_id}: sampled before the host had its previous token, which "
+                               "its bad words need")
+        tail = self.token_ids[max(self.num_prompt_tokens, end - self.bad_words.context):end]
+        words = self.bad_words.banned(tail)
+        return bans + words if bans else words
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.token_ids.append(token_id)

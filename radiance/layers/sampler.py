@@ -1,7 +1,7 @@
 """Token sampling for a batch of rows, each with its own settings.
 
-First a row's structured-output and allowed_token_ids masks, min_tokens ban, logit bias and repetition /
-frequency / presence penalties change its logits (fp32).
+First a row's structured-output and allowed_token_ids masks, bans (min_tokens', bad words': BadWords), logit bias
+and repetition / frequency / presence penalties change its logits (fp32).
 Greedy rows take the argmax. The others are scaled by temperature, filtered by top-k, top-p and min-p,
 and sampled by the exponential race (argmax of p / E, E ~ Exp(1)), which needs no cumulative sum and
 lets a seeded row draw its noise from its own generator: the same seed gives the same tokens however
@@ -46,6 +46,35 @@ class OutputCounts:
             self.counted += len(new_ids)
 
 
+class BadWords:
+    """A request's bad words as token-id sequences (SamplingParams.bad_words_token_ids) and the tokens they ban
+    next, as vLLM's: a one-token word always; a longer word its last token, where the output so far (not the
+    prompt) ends with its other tokens. Only the longer words need the output, so only they make the engine
+    sample a sequence once the host has its previous token."""
+
+    def __init__(self, sequences):
+        self.always = tuple(sorted({word[0] for word in sequences if len(word) == 1}))
+        # the longer words by the last token of their prefix: a step looks up the newest output token only
+        self.after: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        for word in {tuple(word) for word in sequences if len(word) > 1}:
+            self.after.setdefault(word[-2], []).append((word[:-1], word[-1]))
+        # the most output tokens a ban reads (the longest prefix)
+        self.context = max((len(prefix) for words in self.after.values() for prefix, _ in words), default=0)
+
+    @property
+    def needs_output(self) -> bool:
+        """Whether a ban depends on the output so far (a word of more than one token)."""
+        return bool(self.after)
+
+    def banned(self, output) -> tuple[int, ...]:
+        """The tokens banned after `output`: the output token ids so far, or their last `context` at least."""
+        if not output or not self.after:
+            return self.always
+        hits = {last for prefix, last in self.after.get(output[-1], ())
+                if len(prefix) <= len(output) and tuple(output[len(output) - len(prefix):]) == prefix}
+        return tuple(sorted(hits.union(self.always))) if hits else self.always
+
+
 @dataclass
 class LogitAdjustment:
     """A row's logit bias and penalties; `output` holds the output tokens the host knows (one still on the
@@ -60,7 +89,8 @@ class LogitAdjustment:
     presence: float = 0.0
     output: OutputCounts | None = None
     allowed: torch.Tensor | None = None
-    banned: tuple[int, ...] = ()  # set to -inf (SamplingParams.min_tokens: the tokens that would end the output)
+    # set to -inf: SamplingParams.min_tokens' (the tokens that would end the output), bad words' (BadWords)
+    banned: tuple[int, ...] = ()
     disallowed: torch.Tensor | None = None
 
 

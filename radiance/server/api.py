@@ -3,7 +3,7 @@
 
 `build_app(state)` returns an app whose lifespan starts loading the engine in a worker thread, so
 the port is open (and `/health` answers 503) while weights load. /health, /ping, /metrics and /version
-stay public when an API key is set; everything else needs `Authorization: Bearer KEY`.
+stay public when an API key is set; everything else (SageMaker's /invocations too) needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
+# public: the probes and the operator's read-outs. Everything else needs the key, SageMaker's /invocations too (it
+# generates as /v1/chat/completions does); vLLM checks the key on /v1 paths only, which left /invocations open to
+# anyone who can reach the port. SageMaker authenticates its callers itself (IAM) and sends the container no bearer
+# key: a server behind it runs without --api-key.
 PUBLIC_PATHS = ("/health", "/metrics", "/version", "/ping")
 PROBE_PATHS = ("/health", "/ping")  # their 503 says "not ready" (loading): no failed request for the error counts
 

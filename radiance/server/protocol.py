@@ -7,13 +7,15 @@ ignored, as OpenAI clients send some we do not use. Responses are plain dicts in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator,
+                      model_validator)
 
 from radiance.engine.request_checks import check_logit_bias_value
 from radiance.engine.structured_output import StructuredOutput
@@ -87,11 +89,13 @@ class ContentPart(_Model):
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": OpenAI's deprecated function calling (a function's result, named by `name`), read as a tool message
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: FunctionCall | None = None  # the deprecated API's one call of an assistant turn: read as tool_calls
     reasoning_content: str | None = None  # an earlier turn's reasoning sent back (vLLM's field; ours too)
     reasoning: str | None = None  # the same, as other servers name it (we send both)
     thinking: str | None = None  # the same, as gpt-oss's chat template reads it (harmony clients send it so)
@@ -109,6 +113,27 @@ class ChatMessage(_Model):
                                  f"(a string, or parts of type 'text')")
         return data
 
+    # set by _legacy_function_calling: the message was a function message / an assistant's function_call
+    _function_result: bool = PrivateAttr(False)
+    _function_call: bool = PrivateAttr(False)
+
+    @model_validator(mode="after")
+    def _legacy_function_calling(self):
+        """OpenAI's deprecated function calling in tool-calling terms, as chat templates know only those: a `function`
+        message is a `tool` message (its `name` kept; OpenAI allows a null content: ""), an assistant's
+        `function_call` its one tool call (not when it sends tool_calls too). vLLM hands the template role
+        "function" as sent (Qwen's templates drop such a message, Llama 3's print a "function" header) and drops
+        function_call. pair_function_calls gives a call and its result one id."""
+        if self.role == "function":
+            self.role, self._function_result = "tool", True
+            if self.content is None:
+                self.content = ""
+        if self.function_call is not None:
+            if self.role == "assistant" and not self.tool_calls:
+                self.tool_calls, self._function_call = [ToolCall(function=self.function_call)], True
+            self.function_call = None
+        return self
+
     @model_validator(mode="after")
     def _content_needed(self):
         if self.content is None and self.role != "assistant":
@@ -120,6 +145,22 @@ class ChatMessage(_Model):
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content
+
+
+def pair_function_calls(messages: list[ChatMessage]) -> None:
+    """The deprecated API's calls and results carry no ids; templates that match a result to its call by id (Mistral's,
+    gpt-oss's) need them: an assistant's function_call gets `call_fn<its message index>`, and the function message
+    after it that answers it (its name, or none) that id as tool_call_id. Idempotent (a message keeps an id it has)."""
+    pending: tuple[str, str] | None = None  # the latest call not yet answered: (its function's name, its id)
+    for index, message in enumerate(messages):
+        if message._function_call and message.tool_calls[0].id is None:
+            message.tool_calls[0].id = f"call_fn{index}"
+        if message._function_call:
+            pending = (message.tool_calls[0].function.name, message.tool_calls[0].id)
+        elif message._function_result and pending is not None and message.name in (None, pending[0]):
+            if message.tool_call_id is None:
+                message.tool_call_id = pending[1]
+            pending = None
 
 
 class JsonSchemaFormat(_Model):
@@ -229,9 +270,11 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # vLLM's: prefix-cache blocks are shared only with requests of the same salt
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: words never to write (each with and without a leading space; a word of several tokens bans its
+    # last token after the others)
+    bad_words: list[str] | None = None
     # vLLM extensions that change the output and are not implemented: refused when used (each validator
     # below) rather than ignored, which answered as if they had not been sent
-    bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
     structural_tag: Any = None
 
@@ -242,7 +285,14 @@ class _SamplingFields(_Request):
             raise ValueError("truncate_prompt_tokens must be at least 1, or -1 (as many as fit the context)")
         return value
 
-    @field_validator("bad_words", "logits_processors")
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, value: list[str] | None) -> list[str] | None:
+        if value and not all(value):
+            raise ValueError("bad_words must be non-empty strings")
+        return value
+
+    @field_validator("logits_processors")
     @classmethod
     def _unsupported_list(cls, value: list | None, info: ValidationInfo) -> list | None:
         if value:  # vLLM's default is [] / None: an empty list asks for nothing
@@ -392,6 +442,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_chat(self):
+        pair_function_calls(self.messages)
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         self.check_tool_choice(self.tool_choice, self.tools)
@@ -472,5 +523,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return body
 
 
-def model_card(name: str, root: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "radiance", "root": root}
+def model_card(name: str, root: str, created: int, max_model_len: int | None) -> dict:
+    """A /v1/models entry in vLLM's shape: `root` the model served (its path or hub id), `parent` null (a base
+    model, not an adapter), the context length, and one permission object (OpenAI's old shape, which clients of
+    vLLM may read). The permission's id and time are the card's own, so every answer gives the same card."""
+    permission = {"id": f"modelperm-{hashlib.sha256(f'{name}:{created}'.encode()).hexdigest()[:32]}",
+                  "object": "model_permission", "created": created, "allow_create_engine": False,
+                  "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                  "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
+    return {"id": name, "object": "model", "created": created, "owned_by": "radiance", "root": root, "parent": None,
+            "max_model_len": max_model_len, "permission": [permission]}

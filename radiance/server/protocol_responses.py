@@ -33,7 +33,7 @@ INAPPLICABLE_INCLUDES = {
 # the chat request's sampling fields beyond OpenAI's Responses fields, passed on as they are
 CHAT_SAMPLING_FIELDS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "repetition_penalty", "presence_penalty",
                         "frequency_penalty", "logit_bias", "min_tokens", "include_stop_str_in_output", "ignore_eos",
-                        "skip_special_tokens")
+                        "skip_special_tokens", "bad_words")
 
 
 class TextFormat(_Model):
@@ -111,6 +111,7 @@ class ResponsesRequest(_Request):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
 
     @field_validator("background")
     @classmethod

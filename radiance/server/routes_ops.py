@@ -1,4 +1,5 @@
-"""The operator's routes, public when an API key is set (api.PUBLIC_PATHS): /health and /ping, /version, /metrics."""
+"""The operator's routes, public when an API key is set (api.PUBLIC_PATHS): /health and /ping (SageMaker's name for it),
+/version, /metrics."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ async def health(state: State):
     return JSONResponse(OpenAIError(503, f"model {status}").body(), status_code=503)
 
 
-@router.get("/ping")
+@router.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check (it sends GET; vLLM takes POST too)
 async def ping(state: State):
     return await health(state)
 

@@ -328,7 +328,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     request_id = response_id("chatcmpl")
     chat = await prepare_chat(state, req, request_id)
     choices = chat.choices
-    outputs = merged_outputs(engine, chat.jobs, state.metrics)
+    outputs = merged_outputs(engine, chat.jobs, state.metrics, n=req.n)
     echoed = req.echoed_text()
     if req.stream:
         stream = _stream(request_id, model, outputs, choices, len(chat.prompt_ids), StreamUsage(req.stream_options),

@@ -69,6 +69,11 @@ async def check_limits(state: ServerState, req: Any) -> None:
         check_token_ids(state, [int(t) for t in req.logit_bias], "logit_bias")
     if req.allowed_token_ids:
         check_token_ids(state, req.allowed_token_ids, "allowed_token_ids")
+    if req.bad_words:  # tokenized as the engine will (cached): a 400 before a stream starts, not an error event
+        tokenizer = state.require_tokenizer("bad_words", hint="bad_words are tokenized with it")
+        with request_checked():
+            request_checks.check_bad_words_token_ids(request_checks.tokenize_bad_words(req.bad_words, tokenizer),
+                                                     state.vocab_size())
     spec = req.structured_output()
     if spec is not None:
         try:
@@ -192,7 +197,7 @@ def sampling_params(req: Any, max_tokens: int, choice: int, constraint: Structur
         prompt_logprobs=scored_prompt_logprobs(req),
         logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
         allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
-        cache_salt=req.cache_salt,
+        cache_salt=req.cache_salt, bad_words=tuple(req.bad_words or ()),
         repetition_penalty=given("repetition_penalty", 1.0),
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
         structured_output=constraint,
@@ -215,17 +220,19 @@ async def _maybe_await(value: Any) -> None:
 _REFUSED = "refused"  # a job's failure that is no end in the metrics: the engine refused it up front
 
 
-async def merged_outputs(engine: Any, jobs: list[EngineJob],
-                         metrics: ServerMetrics) -> AsyncIterator[tuple[int, Any]]:
+async def merged_outputs(engine: Any, jobs: list[EngineJob], metrics: ServerMetrics,
+                         n: int = 1) -> AsyncIterator[tuple[int, Any]]:
     """(job index, RequestOutput) from all jobs as they come; aborts unfinished jobs on exit. Each job ends
     once in `metrics`: its finish reason; `error` when the engine failed it; `abort` when the request ended
-    first (client gone, server stopping, a sibling choice's failure)."""
+    first (client gone, server stopping, a sibling choice's failure). Each run of `n` jobs are one prompt's
+    choices, which its per-prompt metrics (n, the longest choice) count once they all ended."""
     # bounded: a client that stops reading stops the pumps too, and the engine's OutputSlot keeps only the
     # newest output of each job meanwhile (an unbounded queue held a cumulative copy per step)
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(jobs))
     finished: set[int] = set()
     failures: dict[int, str] = {}  # job index -> how its failure ends it in the metrics
-    timers = [RequestTimer(metrics) for _ in jobs]
+    timers = [RequestTimer(metrics, num_prompt_tokens=len(job.prompt_token_ids), max_tokens=job.params.max_tokens)
+              for job in jobs]
     done_marker = object()
 
     async def pump(index: int, job: EngineJob) -> None:
@@ -257,7 +264,7 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob],
                 continue
             if isinstance(item, BaseException):
                 raise item
-            timers[index].tokens(len(item.token_ids))
+            timers[index].tokens(len(item.token_ids), item.times)
             if item.finished:
                 finished.add(index)
                 timers[index].finished(item.finish_reason)
@@ -265,13 +272,15 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob],
     finally:
         for task in tasks:
             task.cancel()
-        for index, job in enumerate(jobs):
-            if index not in finished:
-                _end_unfinished(timers[index], failures.get(index, ABORT))
-                try:
-                    await _maybe_await(engine.abort(job.request_id))
-                except Exception:  # noqa: BLE001 - aborting is best effort; never mask the real error
-                    logger.exception("abort of %s failed", job.request_id)
+        unfinished = [index for index in range(len(jobs)) if index not in finished]
+        for index in unfinished:
+            _end_unfinished(timers[index], failures.get(index, ABORT))
+        _prompts_ended(metrics, timers, n)
+        for index in unfinished:
+            try:
+                await _maybe_await(engine.abort(jobs[index].request_id))
+            except Exception:  # noqa: BLE001 - aborting is best effort; never mask the real error
+                logger.exception("abort of %s failed", jobs[index].request_id)
 
 
 def _end_unfinished(timer: RequestTimer, reason: str) -> None:
@@ -280,6 +289,14 @@ def _end_unfinished(timer: RequestTimer, reason: str) -> None:
         timer.discard()
     else:
         timer.finished(reason)
+
+
+def _prompts_ended(metrics: ServerMetrics, timers: list[RequestTimer], n: int) -> None:
+    """vLLM's per-prompt metrics, once every choice ended; none for a prompt the engine refused (it never ran)."""
+    for start in range(0, len(timers), n):
+        choices = timers[start:start + n]
+        if not any(timer.refused for timer in choices):
+            metrics.prompt_ended(len(choices), max(timer.num_tokens for timer in choices))
 
 
 def engine_dead(exc: EngineDeadError) -> OpenAIError:

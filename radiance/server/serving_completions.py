@@ -111,7 +111,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             choices.append(CompletionChoice(state, index, text, req.echo, len(ids), req.logprobs,
                                             req.return_tokens_as_token_ids, req.scores_only()))
     prompt_tokens = sum(len(ids) for _, ids in prompts)
-    outputs = merged_outputs(engine, jobs, state.metrics)
+    outputs = merged_outputs(engine, jobs, state.metrics, n=req.n)
     if req.stream:
         stream = _stream(request_id, model, outputs, choices, prompt_tokens, req.n, StreamUsage(req.stream_options))
         return StreamingResponse(stream, media_type="text/event-stream")

@@ -93,7 +93,8 @@ class ServerState:
         # what a request's omitted sampling fields take (--generation-config auto: the model's recommendation)
         self.sampling_defaults = SamplingDefaults()
         self.reasoning_parser_name: str | None = None
-        self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0], config.metrics_prefix)
+        self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0], config.metrics_prefix,
+                                     lambda: self.max_model_len)
         # /v1/responses answers, for follow-ups
         self.responses = ResponseStore(config.responses_store, config.responses_store_bytes)
         self._load_thread: threading.Thread | None = None

@@ -282,3 +282,33 @@ def test_allowed_token_ids_and_cache_salt_on_the_gpu(tiny_llm):
         assert outs[2].outputs[0].token_ids == plain[0]
     salted = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, cache_salt=salt) for salt in "ab"]
     assert [llm.generate(prompts[1], p)[0].outputs[0].token_ids for p in salted] == [plain[1], plain[1]]
+
+
+def test_bad_words_on_the_gpu(tiny_llm):
+    """vLLM's bad_words ban on the device (graphs, overlapped decode) for their own rows only: a one-token word
+    never, a two-token word's last token only after its first; the forward of a sequence with a word of several
+    tokens is still queued ahead, its sampling waits for the host's previous token, so overlapped and in-order
+    decode give the same tokens, at greedy and random temperature."""
+    from tests.engine.test_bad_words import _occurs, _words_from
+
+    common = dict(device="cuda", num_gpu_blocks_override=256, max_num_seqs=4, cuda_graph_max_batch=4)
+    llm = tiny_llm(**common)
+    in_order = tiny_llm(overlap_decode=False, **common)
+    assert llm.engine.runner.decode_graphs.graphs and llm.engine.overlap_decode
+    prompts = [[3, 17, 17, 9, 40, 22, 5], list(range(60, 100))]
+    free = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, free)]
+    words = _words_from(plain[0])
+    assert all(_occurs(w, plain[0]) for w in words)  # not vacuous: the free output writes them
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, seed=1,
+                                bad_words_token_ids=words)
+        steps = llm.engine.overlapped_steps
+        outs = llm.generate(prompts + [prompts[0]], [params, params, free])
+        got = [o.outputs[0].token_ids for o in outs]
+        assert not any(_occurs(w, out) for w in words for out in got[:2]), (words, got)
+        assert got[2] == plain[0]  # batched beside them, a free request keeps its own tokens
+        assert got == [o.outputs[0].token_ids for o in in_order.generate(prompts + [prompts[0]],
+                                                                         [params, params, free])]
+        if temperature == 0.0:  # greedy rows are queued ahead (a seeded draw is not)
+            assert llm.engine.overlapped_steps > steps

@@ -15,7 +15,8 @@ from tests.server.fake_engine import FakeEngine
 from tests.server.malformed import check_error_shape
 
 ROUTES = {
-    "/health": {"get", "head"}, "/ping": {"get"}, "/version": {"get"}, "/metrics": {"get"},
+    "/health": {"get", "head"}, "/ping": {"get", "post"}, "/version": {"get"}, "/metrics": {"get"},
+    "/invocations": {"post"},
     "/v1/models": {"get"}, "/v1/models/{name}": {"get"},
     "/v1/chat/completions": {"post"}, "/v1/completions": {"post"}, "/v1/responses": {"post"},
     "/v1/responses/{response_id}": {"get", "delete"}, "/v1/responses/{response_id}/input_items": {"get"},

@@ -15,6 +15,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from radiance.config import ConfigError, ServerConfig
+from radiance.engine.outputs import EngineStats, HistogramCounts, RequestTimes, StepHistogram
 from radiance.server.api import build_app
 from radiance.server.metrics import RequestTimer, ServerMetrics
 from radiance.server.serving_common import EngineJob, merged_outputs
@@ -170,6 +171,70 @@ def test_every_series_names_the_model_and_none_is_a_created_timestamp():
     assert value["radiance_request_errors_total", None, "400"] == 1
     assert value["radiance_time_to_first_token_seconds_count", None, None] == 1
     assert value["radiance_time_per_output_token_seconds_count", None, None] == 1
+
+
+def _values(metrics: ServerMetrics) -> dict[tuple, float]:
+    """(sample name, its labels but model_name, sorted) -> value."""
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+
+
+def test_request_phases_and_sizes_come_from_the_engines_times():
+    """vLLM's phases: queue (arrival to first scheduling), prefill (to the first token), decode (to the last),
+    inference (first scheduling to last token), from the times on the engine's latest output; a request that
+    never reached a token has no phases, but its sizes count as its e2e does."""
+    metrics = ServerMetrics(lambda: None, lambda: "m", max_model_len=lambda: 100)
+    timer = RequestTimer(metrics, arrival=10.0, num_prompt_tokens=7, max_tokens=20)
+    timer.tokens(1, RequestTimes(first_scheduled=11.0, first_token=13.5, last_token=13.5))
+    timer.tokens(4, RequestTimes(first_scheduled=11.0, first_token=13.5, last_token=17.25))
+    timer.finished("length")
+    RequestTimer(metrics, num_prompt_tokens=3, max_tokens=5).finished("abort")  # gone before its first token
+    refused = RequestTimer(metrics, num_prompt_tokens=3)
+    refused.discard()
+    refused.finished("abort")
+    value = _values(metrics)
+    for name, seconds in (("queue", 1.0), ("prefill", 2.5), ("decode", 3.75), ("inference", 6.25)):
+        assert value[f"radiance_request_{name}_time_seconds_sum", ()] == seconds
+        assert value[f"radiance_request_{name}_time_seconds_count", ()] == 1
+    assert value["radiance_request_prompt_tokens_sum", ()] == 10
+    assert value["radiance_request_prompt_tokens_count", ()] == 2
+    assert value["radiance_request_generation_tokens_sum", ()] == 4
+    assert value["radiance_request_params_max_tokens_sum", ()] == 25
+    les = [dict(labels)["le"] for name, labels in value if name == "radiance_request_prompt_tokens_bucket"]
+    assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]  # 1-2-5 up to max_model_len
+
+
+def test_the_engines_step_histograms_and_cache_info_render_as_vllms():
+    steps = StepHistogram((1, 8))
+    for tokens in (1, 1, 8, 9, 30):  # a value on a bound is in its bucket (le)
+        steps.observe(tokens)
+    assert steps.snapshot() == HistogramCounts((1, 8), (2, 1, 2), 49.0)
+    stats = EngineStats(1, 0, 0.5, 0, 3, 4, iteration_tokens=steps.snapshot(),
+                        inter_token_latency=HistogramCounts((0.01, 0.1), (0, 3, 1), 0.5),
+                        cache_config={"block_size": "16", "num_gpu_blocks": "99"})
+    value = _values(ServerMetrics(lambda: stats, lambda: "m", "vllm:"))
+    assert [value["vllm:iteration_tokens_total_bucket", (("le", le),)] for le in ("1.0", "8.0", "+Inf")] == [2, 3, 5]
+    assert value["vllm:iteration_tokens_total_count", ()] == 5 and value["vllm:iteration_tokens_total_sum", ()] == 49
+    assert [value["vllm:inter_token_latency_seconds_bucket", (("le", le),)] for le in ("0.01", "0.1", "+Inf")] == [
+        0, 3, 4]
+    assert value["vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "99"))] == 1
+
+
+def test_each_prompt_counts_its_n_and_longest_choice_once(server):
+    """vLLM's request_params_n and request_max_num_generation_tokens: once per prompt (a completion's prompt
+    list has several), once all its choices ended; none for a request the engine refused."""
+    url = server[0]
+    before = scrape(url)
+    httpx.post(url + CHAT, json=chat_body("done", n=2), timeout=30)
+    httpx.post(url + COMPLETIONS, json={"prompt": ["SAY:abc", "SAY:abcdefg"], "n": 2, "max_tokens": 5}, timeout=30)
+    httpx.post(url + CHAT, json=chat_body("REFUSE", n=2), timeout=30)
+    after = scrape(url)
+    grew = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert grew["radiance_request_params_n_count"] == 3 and grew["radiance_request_params_n_sum"] == 6
+    # each prompt's longest choice: "done", "abc", "abcde" (max_tokens 5), a byte a token
+    assert grew["radiance_request_max_num_generation_tokens_sum"] == 4 + 3 + 5
+    assert grew["radiance_request_generation_tokens_count"] == 6
+    assert grew["radiance_request_generation_tokens_sum"] == 2 * (4 + 3 + 5)
 
 
 @pytest.mark.parametrize("stream", [False, True])

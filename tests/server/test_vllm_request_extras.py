@@ -1,5 +1,5 @@
 """vLLM's request extras that change the output: allowed_token_ids, truncate_prompt_tokens, add_special_tokens,
-cache_salt and include_reasoning are applied; bad_words, logits_processors, structural_tag and prompt_embeds are
+cache_salt, include_reasoning and bad_words are applied; logits_processors, structural_tag and prompt_embeds are
 400s naming the field (they were logged as ignored and answered as if not sent)."""
 
 import pytest
@@ -166,11 +166,45 @@ def test_include_reasoning_false_drops_the_reasoning(thinking_server, stream):
     assert "reasoning_content" not in message and "reasoning" not in message
 
 
+# ---------------------------------------------------------------- bad_words
+
+
+@pytest.mark.parametrize("send", [_chat, _complete])
+def test_bad_words_reach_the_engine(server, send):
+    r = send(server, bad_words=["the", " cat"])
+    assert r.status_code == 200, r.text
+    params = _sent(server)[1]
+    assert params.bad_words == ("the", " cat") and params.adjusts_logits
+    assert send(server, bad_words=[]).status_code == 200  # vLLM's default: nothing banned
+    assert _sent(server)[1].bad_words == ()
+    assert send(server).status_code == 200
+    assert _sent(server)[1].bad_words == ()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("send", [_chat, _complete])
+@pytest.mark.parametrize("bad", ["the", [""], [3], ["ok", None], {"a": 1}, [f"w{i}" for i in range(129)],
+                                 ["a\ud800"]])
+def test_bad_bad_words_are_a_400_naming_the_field(server, send, stream, bad):
+    """Before a stream starts (tokenized and checked as the engine will), not an error event inside it."""
+    r = send(server, bad_words=bad, stream=stream)
+    check_error_shape(r, 400, None)
+    assert r.json()["error"]["param"] in ("bad_words", "bad_words[0]", "bad_words[1]"), r.text
+
+
+def test_bad_words_need_a_tokenizer():
+    engine = FakeEngine()
+    engine.tokenizer = None
+    with serve_engine(engine) as url:
+        r = _complete((url, engine), prompt=[104, 105], bad_words=["x"])
+        check_error_shape(r, 400, "bad_words")
+
+
 # ---------------------------------------------------------------- refused
 
 
 @pytest.mark.parametrize("send", [_chat, _complete])
-@pytest.mark.parametrize("field, value", [("bad_words", ["the"]), ("logits_processors", ["my.Proc"]),
+@pytest.mark.parametrize("field, value", [("logits_processors", ["my.Proc"]),
                                           ("structural_tag", '{"type": "structural_tag"}')])
 def test_unsupported_extras_are_refused_by_name(server, send, field, value):
     r = send(server, **{field: value})
@@ -180,7 +214,7 @@ def test_unsupported_extras_are_refused_by_name(server, send, field, value):
 
 @pytest.mark.parametrize("send", [_chat, _complete])
 def test_empty_unsupported_lists_ask_for_nothing(server, send):
-    assert send(server, bad_words=[], logits_processors=[]).status_code == 200
+    assert send(server, logits_processors=[]).status_code == 200
 
 
 def test_prompt_embeds_is_refused_by_name(server):
