@@ -20,6 +20,8 @@ class StoredResponse:
     input_items: list[dict] = field(default_factory=list)
     # set when DELETE removed it: a stream still running (it stored an in-progress body) must not put it back
     deleted: bool = False
+    # the JSON sizes of conversation's and input_items' items, set by stored_bytes (a follow-up reuses them)
+    _item_sizes: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def in_progress(self) -> bool:
@@ -39,16 +41,39 @@ class StoredResponse:
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
-def stored_bytes(stored: StoredResponse) -> int:
+def stored_bytes(stored: StoredResponse, previous: StoredResponse | None = None) -> int:
     """What `stored` counts against the store's byte budget: the UTF-8 length of the JSON text of its body,
-    conversation and input items. Each keeps a chain's whole history, so this is what grows; the C encoder makes
-    it cheap. Python holds such objects in a few times that, and a chain's links share the dicts they have in
-    common: memory stays within a small factor of the budget."""
+    conversation and input items, `json.dumps([body, conversation, input_items])`. Each keeps a chain's whole
+    history, so this is what grows; Python holds such objects in a few times that, and a chain's links share the
+    dicts they have in common: memory stays within a small factor of the budget.
+
+    Measured item by item: a conversation or input item that is `previous`'s own (the same object: a follow-up's
+    history) counts at the size measured for it there, so a link costs the time of what it adds. Encoding a whole
+    128 MB history held the event loop 0.4-1 s per link (json's C encoder keeps the GIL, so a thread did not help)."""
+    known = previous._item_sizes if previous is not None and previous._item_sizes is not None else None
     try:
-        text = json.dumps([stored.body, stored.conversation, stored.input_items], ensure_ascii=False, default=str)
+        body = _json_size(stored.body)
+        conversation = _sizes(stored.conversation, previous.conversation if known else [], known[0] if known else [])
+        items = _sizes(stored.input_items, previous.input_items if known else [], known[1] if known else [])
     except (ValueError, RecursionError):  # a cycle, or nested deeper than JSON parsing allows: not kept
         return 1 << 62
-    return len(text.encode("utf-8", "surrogatepass"))
+    stored._item_sizes = (conversation, items)
+    return 2 + body + 2 + _list_size(conversation) + 2 + _list_size(items)  # "[" body ", " [...] ", " [...] "]"
+
+
+def _json_size(value) -> int:
+    return len(json.dumps(value, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
+
+
+def _sizes(items: list, known_items: list, known_sizes: list[int]) -> list[int]:
+    """Each item's JSON size: known_sizes[i] where the item is known_items[i] itself, else measured."""
+    return [known_sizes[i] if i < len(known_sizes) and item is known_items[i] else _json_size(item)
+            for i, item in enumerate(items)]
+
+
+def _list_size(sizes: list[int]) -> int:
+    """The JSON size of a list whose items have these sizes: brackets and ", " between items."""
+    return 2 + sum(sizes) + 2 * max(len(sizes) - 1, 0)
 
 
 @dataclass
@@ -88,7 +113,8 @@ class ResponseStore:
         body must not stay)."""
         if not self.enabled:
             return False
-        size = stored_bytes(stored)  # outside the lock: it takes a while for a long history
+        previous = self.get(previous_id) if previous_id is not None else None
+        size = stored_bytes(stored, previous)  # outside the lock: it measures what `stored` adds to `previous`
         with self._lock:
             self._pop(response_id)
             if size > self.max_bytes:

@@ -152,3 +152,37 @@ def test_a_follow_up_is_charged_what_it_adds_until_its_predecessor_goes():
     store.delete("d")
     assert store.bytes == stored_bytes(b) + stored_bytes(response("z")) and store.delete("b")
     assert store.bytes == stored_bytes(response("z"))
+
+
+def _json_length(stored: StoredResponse) -> int:
+    text = json.dumps([stored.body, stored.conversation, stored.input_items], ensure_ascii=False, default=str)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def test_a_follow_up_measures_only_what_it_adds_and_gets_the_whole_length(monkeypatch):
+    """A chain's history is measured once, where it was added: encoding a 128 MB history again for every link held
+    the event loop ~1 s a link. The sizes reused are exact: the total is still json.dumps' length."""
+    from radiance.server import response_store
+
+    a = StoredResponse({"status": "completed", "output": [{"type": "message", "text": "é🙂" * 50}]},
+                       [{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "\ud800 ok"}],
+                       [{"id": "i1", "content": "x" * 5000}])
+    assert stored_bytes(a) == _json_length(a)
+    encoded = []
+    dumps = json.dumps
+    monkeypatch.setattr(response_store.json, "dumps", lambda value, **kw: encoded.append(value) or dumps(value, **kw))
+    new_message = {"role": "user", "content": "and then?"}
+    b = StoredResponse({"status": "completed", "output": []}, a.conversation + [new_message],
+                       a.input_items + a.body["output"] + [{"id": "i2", "content": "and then?"}])
+    store = ResponseStore(capacity=10, max_bytes=1 << 20)
+    store.put("a", a)
+    encoded.clear()
+    store.put("b", b, previous_id="a")
+    assert store.get("b") is b and store.bytes == _json_length(b)  # a's length plus what b adds, exactly
+    assert not any(item is a.conversation[0] or item is a.input_items[0] for item in encoded)  # reused
+    assert any(item is new_message for item in encoded)
+    # without the predecessor (or with one that is not its history) everything is measured
+    assert stored_bytes(b) == _json_length(b)
+    other = response("unrelated")
+    stored_bytes(other)
+    assert stored_bytes(b, other) == _json_length(b)
