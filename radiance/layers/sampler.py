@@ -147,6 +147,8 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.
         [(j, t, float("-inf")) for j, a in enumerate(adj) for t in a.banned]
     penalized = [j for j, a in enumerate(adj) if a.output is not None]
     limited = any(a.disallowed is not None for a in adj)
+    if not bias and not penalized and not limited and all(a.allowed is None for a in adj):
+        return logits  # nothing to apply this step (bad words of several tokens whose prefixes are not written)
     if len(picked) == len(rows) and not bias and not penalized and not limited:  # structured output only
         out = _fp32_copy(logits)
         apply_token_masks(out, adj)
