@@ -13,7 +13,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from radiance.server.protocol import ChatCompletionRequest, TemplateKwargs, _Model, _Request, _SamplingFields
+from radiance.server.protocol import ChatCompletionRequest, TemplateKwargs, _Request, _SamplingFields
+from radiance.server.protocol_messages import _Model
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

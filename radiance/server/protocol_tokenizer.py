@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from radiance.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, TemplateKwargs, Tool, _Model
+from radiance.server.protocol import ChatCompletionRequest, TemplateKwargs
+from radiance.server.protocol_messages import ChatMessage, NamedToolChoice, Tool, _Model
 
 
 class TokenizeRequest(_Model):

@@ -1,0 +1,146 @@
+"""The parts of OpenAI's chat requests that describe a conversation: messages (text content parts, tool calls, the
+deprecated function role read as tools) and the tools offered; and the strict pydantic base every request model
+of the API uses (protocol.py, protocol_responses.py, protocol_tokenizer.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+class _Model(BaseModel):
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's API documents its optional fields as nullable ("n": null means n = 1) and some clients
+        send the nulls: a null where the default is not None gives the default. A required field stays required."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].default is None or fields[key].is_required()}
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _object_as_json(cls, value: Any) -> Any:
+        """OpenAI's arguments are a JSON string; a client that sends back the object it parsed is read as that
+        JSON (templates get the object either way), not refused."""
+        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Model):
+    # "function": OpenAI's deprecated function calling (a function's result, named by `name`), read as a tool message
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    function_call: FunctionCall | None = None  # the deprecated API's one call of an assistant turn: read as tool_calls
+    reasoning_content: str | None = None  # an earlier turn's reasoning sent back (vLLM's field; ours too)
+    reasoning: str | None = None  # the same, as other servers name it (we send both)
+    thinking: str | None = None  # the same, as gpt-oss's chat template reads it (harmony clients send it so)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """An image or audio part is refused by name (the union with str reported "Input should be a valid
+        string", which told the client nothing)."""
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only "
+                                 f"(a string, or parts of type 'text')")
+        return data
+
+    # set by _legacy_function_calling: the message was a function message / an assistant's function_call
+    _function_result: bool = PrivateAttr(False)
+    _function_call: bool = PrivateAttr(False)
+
+    @model_validator(mode="after")
+    def _legacy_function_calling(self):
+        """OpenAI's deprecated function calling in tool-calling terms, as chat templates know only those: a `function`
+        message is a `tool` message (its `name` kept; OpenAI allows a null content: ""), an assistant's
+        `function_call` its one tool call (not when it sends tool_calls too). vLLM hands the template role
+        "function" as sent (Qwen's templates drop such a message, Llama 3's print a "function" header) and drops
+        function_call. pair_function_calls gives a call and its result one id."""
+        if self.role == "function":
+            self.role, self._function_result = "tool", True
+            if self.content is None:
+                self.content = ""
+        if self.function_call is not None:
+            if self.role == "assistant" and not self.tool_calls:
+                self.tool_calls, self._function_call = [ToolCall(function=self.function_call)], True
+            self.function_call = None
+        return self
+
+    @model_validator(mode="after")
+    def _content_needed(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str | None:
+        """The content as one text: parts joined by newlines, as vLLM joins them (one part: its text)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content
+
+
+def pair_function_calls(messages: list[ChatMessage]) -> None:
+    """The deprecated API's calls and results carry no ids; templates that match a result to its call by id (Mistral's,
+    gpt-oss's) need them: an assistant's function_call gets `call_fn<its message index>`, and the function message
+    after it that answers it (its name, or none) that id as tool_call_id. Idempotent (a message keeps an id it has)."""
+    pending: tuple[str, str] | None = None  # the latest call not yet answered: (its function's name, its id)
+    for index, message in enumerate(messages):
+        if message._function_call and message.tool_calls[0].id is None:
+            message.tool_calls[0].id = f"call_fn{index}"
+        if message._function_call:
+            pending = (message.tool_calls[0].function.name, message.tool_calls[0].id)
+        elif message._function_result and pending is not None and message.name in (None, pending[0]):
+            if message.tool_call_id is None:
+                message.tool_call_id = pending[1]
+            pending = None
