@@ -152,10 +152,9 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            cached = None
             if not seq.block_table and seq.params.prompt_logprobs is None:  # those score every prompt token
                 cached = bm.match_prefix(seq)
-                if not seq.admitted:
-                    seq.num_cached_tokens = cached
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, not scheduled)
             if n == 0 or not self._can_admit(seq, n):
                 if not scheduled and not self.running and not bm.can_allocate(seq, n):
@@ -165,6 +164,8 @@ class Scheduler:
             bm.allocate(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if cached is not None and not seq.admitted:  # set once admitted: one aborted while waiting used none
+                seq.num_cached_tokens = cached
             if not seq.admitted and bm.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += seq.num_cached_tokens

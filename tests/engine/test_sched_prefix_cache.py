@@ -107,3 +107,24 @@ def test_aborts_in_every_state_leave_the_others_exact(tiny_llm, alone):
             assert out.token_ids == alone[int(rid)].token_ids
     assert len(finished) == len(PROMPTS)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_request_aborted_while_waiting_reports_no_cached_tokens(tiny_llm):
+    """num_cached_tokens is set at admission: a request whose prefix matched while it waited for KV blocks, then
+    aborted before it ran, used no cached token (it reported the match, which the prefix-cache counters never saw)."""
+    from radiance import SamplingParams
+
+    llm = tiny_llm(num_gpu_blocks_override=5, block_size=16, max_num_seqs=4)
+    engine = llm.engine
+    shared = [(3 * i + 1) % 256 for i in range(32)]
+    engine.add_request("first", shared, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()  # its two prompt blocks are computed (cached) and it decodes in a third
+    engine.add_request("waits", shared + [7] * 40, SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()  # the 40 new tokens need 3 blocks more than are free: it waits, its prefix matched
+    waiting = engine.sequences["waits"]
+    assert waiting.status.name == "WAITING" and not waiting.admitted
+    engine.abort_request("waits")
+    outs = [o for o in engine.step() if o.request_id == "waits"]
+    assert outs and outs[-1].finish_reason == "abort" and outs[-1].num_cached_tokens == 0
+    assert engine.stats().prefix_cache_hits_total == 0
