@@ -111,14 +111,23 @@ _bad_words_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _bad_words_lock = threading.Lock()
 
 
-def tokenize_bad_words(words: Sequence[str], tokenizer) -> tuple[tuple[int, ...], ...]:
+def tokenize_bad_words(words: Sequence[str], tokenizer,
+                       max_token_chars: int | None = None) -> tuple[tuple[int, ...], ...]:
     """vLLM's tokenization of SamplingParams.bad_words: each word without its leading whitespace, encoded without
     special tokens, and again after one space (the word inside a text) when that gives as many tokens and another
     first token. A word of whitespace only (vLLM fails on it) is encoded as it is. RequestError naming bad_words
-    for more than MAX_BAD_WORDS words, one that is not UTF-8 or encodes to nothing."""
+    for more than MAX_BAD_WORDS words or sequences, MAX_BAD_WORD_TOKENS tokens (as vLLM, tokenizing stops there;
+    with `max_token_chars`, the longest token's text, words too long for that are refused before any tokenizing:
+    128 words of 22 kB held the server's event loop 1.6 s), a word that is not UTF-8 or encodes to nothing.
+    What is refused is not cached."""
     words = tuple(words)
     if len(words) > MAX_BAD_WORDS:  # each gives one sequence or two: refused before tokenizing
         raise RequestError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are allowed", "bad_words")
+    if max_token_chars:  # a token spans at most max_token_chars characters: fewer tokens than this are impossible
+        chars = sum(len(word.lstrip() or word) for word in words)
+        if chars > MAX_BAD_WORD_TOKENS * max_token_chars:
+            raise RequestError(f"bad_words have {chars} characters: more than the {MAX_BAD_WORD_TOKENS} tokens "
+                               "allowed", "bad_words")
     try:
         with _bad_words_lock:
             cache = _bad_words_cache.setdefault(tokenizer, {})
@@ -139,6 +148,7 @@ def tokenize_bad_words(words: Sequence[str], tokenizer) -> tuple[tuple[int, ...]
             spaced = tuple(tokenizer.encode(" " + stripped, add_special_tokens=False))
             if len(spaced) == len(first) and spaced[0] != first[0]:
                 sequences.append(spaced)
+        _check_bad_word_limits(sequences)  # as vLLM: the words after the limit are not tokenized
     result = tuple(sequences)
     if cache is not None:
         with _bad_words_lock:
@@ -151,6 +161,10 @@ def tokenize_bad_words(words: Sequence[str], tokenizer) -> tuple[tuple[int, ...]
 def check_bad_words_token_ids(sequences: Sequence[Sequence[int]], vocab_size: int) -> None:
     """Each id in the vocabulary (a tokenizer may count more ids than the logits have), within vLLM's limits."""
     check_token_ids([t for word in sequences for t in word], vocab_size, "bad_words")
+    _check_bad_word_limits(sequences)
+
+
+def _check_bad_word_limits(sequences: Sequence[Sequence[int]]) -> None:
     if len(sequences) > MAX_BAD_WORDS:
         raise RequestError(f"bad_words give {len(sequences)} token sequences (each word once or twice: with and "
                            f"without a leading space); at most {MAX_BAD_WORDS} are allowed", "bad_words")

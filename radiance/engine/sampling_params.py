@@ -178,7 +178,7 @@ def tokenized_bad_words(params: SamplingParams, tokenizer, vocab_size: int) -> t
     """The token-id sequences the sampler bans for `params` (its bad_words_token_ids, or its bad_words tokenized
     with `tokenizer`), checked against the vocabulary; () without bad words. A RequestError names bad_words."""
     ids = params.bad_words_token_ids
-    if ids is None and params.bad_words:
+    if not ids and params.bad_words:  # an empty list given beside the words: the words count
         if tokenizer is None:
             raise RequestError("bad_words need the model's tokenizer, and this checkpoint has none: give "
                                "bad_words_token_ids", "bad_words")

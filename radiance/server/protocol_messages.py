@@ -103,17 +103,20 @@ class ChatMessage(_Model):
     @model_validator(mode="after")
     def _legacy_function_calling(self):
         """OpenAI's deprecated function calling in tool-calling terms, as chat templates know only those: a `function`
-        message is a `tool` message (its `name` kept; OpenAI allows a null content: ""), an assistant's
-        `function_call` its one tool call (not when it sends tool_calls too). vLLM hands the template role
-        "function" as sent (Qwen's templates drop such a message, Llama 3's print a "function" header) and drops
-        function_call. pair_function_calls gives a call and its result one id."""
+        message is a `tool` message (its `name` kept, and required as OpenAI does; a null content: ""), an
+        assistant's `function_call` its one tool call (a 400 on another role or beside tool_calls). vLLM hands the
+        template role "function" as sent (Qwen's templates drop such a message, Llama 3's print a "function"
+        header) and drops function_call. pair_function_calls gives a call and its result one id."""
         if self.role == "function":
+            if not self.name:  # OpenAI's 400 too: the name is what says which function answered
+                raise ValueError("a function message needs the name of the function it answers")
             self.role, self._function_result = "tool", True
             if self.content is None:
                 self.content = ""
         if self.function_call is not None:
-            if self.role == "assistant" and not self.tool_calls:
-                self.tool_calls, self._function_call = [ToolCall(function=self.function_call)], True
+            if self.role != "assistant" or self.tool_calls:
+                raise ValueError("function_call is an assistant message's field, and not one beside tool_calls")
+            self.tool_calls, self._function_call = [ToolCall(function=self.function_call)], True
             self.function_call = None
         return self
 

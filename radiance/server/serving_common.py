@@ -72,8 +72,9 @@ async def check_limits(state: ServerState, req: Any) -> None:
     if req.bad_words:  # tokenized as the engine will (cached): a 400 before a stream starts, not an error event
         tokenizer = state.require_tokenizer("bad_words", hint="bad_words are tokenized with it")
         with request_checked():
-            request_checks.check_bad_words_token_ids(request_checks.tokenize_bad_words(req.bad_words, tokenizer),
-                                                     state.vocab_size())
+            ids = await state.off_loop(request_checks.tokenize_bad_words, req.bad_words, tokenizer,
+                                       state.max_token_chars)
+            request_checks.check_bad_words_token_ids(ids, state.vocab_size())
     spec = req.structured_output()
     if spec is not None:
         try:

@@ -77,6 +77,36 @@ def test_bad_words_errors_name_the_field():
     assert tokenized_bad_words(SamplingParams(), None, 10) == ()
 
 
+class CountingTokenizer(WordTokenizer):
+    def __init__(self):
+        super().__init__()
+        self.encoded: list[str] = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.encoded.append(text)
+        return super().encode(text, add_special_tokens)
+
+
+def test_over_the_limits_is_refused_early_and_not_cached():
+    """128 words of 22 kB each took 2 s to tokenize on the server's event loop (the 400 came after it), and each
+    refused list was cached (142 MiB for four): now a list too long for the longest token is refused before any
+    tokenizing, tokenizing stops once past the limits (as vLLM's), and nothing refused is cached."""
+    tokenizer = CountingTokenizer()
+    with pytest.raises(RequestError, match="bad_words have 4100 characters: more than the 1024 tokens"):
+        tokenize_bad_words(["x" * 2050, "y" * 2050], tokenizer, max_token_chars=4)
+    assert tokenizer.encoded == []
+    words = [" ".join(f"w{i}_{j}" for j in range(20)) for i in range(100)]  # 20 tokens a spelling, two spellings
+    for _ in range(2):  # refused both times: the first refusal was not cached
+        tokenizer.encoded.clear()
+        with pytest.raises(RequestError, match="tokenize to 1040 tokens; at most 1024"):
+            tokenize_bad_words(words, tokenizer, max_token_chars=16)
+        assert len(tokenizer.encoded) == 2 * 26  # stopped at the 26th word, where the sum passed 1024
+    within = words[:20]
+    assert tokenize_bad_words(within, tokenizer, max_token_chars=16) == tokenize_bad_words(within, tokenizer)
+    # words given beside an empty list of ids are tokenized (the empty list banned nothing)
+    assert tokenized_bad_words(SamplingParams(bad_words=["hi"], bad_words_token_ids=[]), WordTokenizer(), 10)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(bad_words="hi"), "bad_words must be a list of strings"),
     (dict(bad_words=["hi", 3]), "bad_words must be a list of strings"),

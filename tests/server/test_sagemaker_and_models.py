@@ -5,6 +5,7 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from radiance.config import ServerConfig
 from radiance.server import api
@@ -224,16 +225,23 @@ def test_function_call_details():
     call = {"role": "assistant", "function_call": {"name": "f", "arguments": {"x": 1}}}
     assert roles([call, {"role": "function", "name": "g", "content": "r"}])[1] == \
         {"role": "tool", "content": "r", "name": "g"}
-    # a nameless result answers the latest call; a call's arguments sent as an object are its JSON
-    assert roles([call, {"role": "function", "content": "r"}]) == [
+    # the result of the latest call gets its id; a call's arguments sent as an object are its JSON
+    assert roles([call, {"role": "function", "name": "f", "content": "r"}]) == [
         {"role": "assistant", "tool_calls": [{"id": "call_fn0", "type": "function",
                                               "function": {"name": "f", "arguments": '{"x": 1}'}}]},
-        {"role": "tool", "content": "r", "tool_call_id": "call_fn0"}]
-    # tool_calls sent as well win; a client's own tool_call_id is kept
-    both = {**call, "tool_calls": [{"id": "c1", "function": {"name": "h", "arguments": "{}"}}]}
-    assert [c["function"]["name"] for c in roles([both])[0]["tool_calls"]] == ["h"]
+        {"role": "tool", "content": "r", "name": "f", "tool_call_id": "call_fn0"}]
+    # a client's own tool_call_id is kept
     assert roles([call, {"role": "function", "name": "f", "content": "r", "tool_call_id": "mine"}])[1][
         "tool_call_id"] == "mine"
+    # refused, as OpenAI refuses them, rather than read one way or dropped: a function message without its name,
+    # function_call beside tool_calls or on another role's message
+    both = {**call, "tool_calls": [{"id": "c1", "function": {"name": "h", "arguments": "{}"}}]}
+    for messages, says in (([call, {"role": "function", "content": "r"}], "needs the name"),
+                           ([both], "function_call is an assistant message's field"),
+                           ([{"role": "user", "content": "hi", "function_call": call["function_call"]}],
+                            "function_call is an assistant message's field")):
+        with pytest.raises(ValidationError, match=says):
+            roles(messages)
 
 
 def test_a_function_message_is_no_longer_a_400(client):
