@@ -20,7 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from radiance import __version__
 
 from radiance.server import routes_openai, routes_ops, routes_tokenizer
-from radiance.server.errors import OpenAIError, error_response, install_error_handlers, internal_error
+from radiance.server.errors import JSONAnswer, OpenAIError, error_response, install_error_handlers, internal_error
 from radiance.server.metrics import ServedRequest, current_request
 from radiance.server.state import ServerState
 
@@ -182,7 +182,8 @@ def _lifespan(on_ready, on_load_failure):
 def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAPI:
     """`on_ready(state)` runs once the engine is loaded (the CLI logs the startup summary there);
     `on_load_failure(state)` when loading raised (the CLI shuts the server down and reports it)."""
-    app = FastAPI(title="radiance", version=__version__, lifespan=_lifespan(on_ready, on_load_failure))
+    app = FastAPI(title="radiance", version=__version__, lifespan=_lifespan(on_ready, on_load_failure),
+                  default_response_class=JSONAnswer)  # the routes that answer a dict (a stored response, ...)
     app.state.radiance = state  # the routes' State dependency (routes_common) reads it
     install_error_handlers(app)
 

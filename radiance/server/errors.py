@@ -57,8 +57,30 @@ def unknown_url(method: str, path: str) -> OpenAIError:
                        code="unknown_url")
 
 
+class JSONAnswer(JSONResponse):
+    """Starlette's JSONResponse (UTF-8, non-ASCII text as it is), but a string UTF-8 cannot encode, a lone UTF-16
+    surrogate that a request sent ("\\ud800") and the answer echoes (a model name, metadata, user, an input item id),
+    is escaped as JSON writes it, where encoding the answer raised UnicodeEncodeError: a 500 after the work was done."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def json_text(value) -> str:
+    """JSON text of an event that goes out as UTF-8: non-ASCII as it is, a lone surrogate escaped (JSONAnswer)."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
+
+
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONAnswer(err.body(), status_code=err.status)
 
 
 def internal_error(exc: BaseException) -> OpenAIError:

@@ -57,8 +57,10 @@ class LogprobCursor:
     """Which of a choice's token logprobs went out: a token's goes out once its text has (tokens_sent), the rest
     when the choice finishes (tokens_started). Chat and completions release them alike."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        # tokens the detokenizer leaves out of the text (EOS let through by ignore_eos, ...): they add no characters
+        self.textless = textless_tokens(tokenizer, skip_special_tokens)
         self.sent = 0  # logprob entries sent
         self.chars = 0  # characters of their tokens: the text offset of the next
 
@@ -69,14 +71,22 @@ class LogprobCursor:
             return None
         waiting = out.logprobs[self.sent:]
         texts = token_texts(self.tokenizer, waiting)
-        tokens = [texts[e.token_id] for e in waiting]
-        ready = (tokens_started if out.finished else tokens_sent)(tokens, self.chars, sent_chars)
+        tokens = ["" if e.token_id in self.textless else texts[e.token_id] for e in waiting]
+        if out.finished and out.finish_reason == "length":  # nothing was cut from the text: every token's
+            ready = len(waiting)
+        else:
+            ready = (tokens_started if out.finished else tokens_sent)(tokens, self.chars, sent_chars)
         if not ready:
             return None
         offset = self.chars
         self.sent += ready
         self.chars += sum(token_chars(token) for token in tokens[:ready])
         return waiting[:ready], texts, offset
+
+
+def textless_tokens(tokenizer: Any, skip_special_tokens: bool) -> frozenset[int]:
+    """The ids whose text the output leaves out: the special tokens, when the request skips them."""
+    return frozenset(getattr(tokenizer, "all_special_ids", None) or ()) if skip_special_tokens else frozenset()
 
 
 def tokens_sent(tokens: list[str], before: int, sent: int) -> int:
@@ -128,7 +138,7 @@ def chat_logprobs(tokenizer: Any, entries: list, as_ids: bool = False, texts: di
 
 
 def completion_logprobs(tokenizer: Any, entries: list, offset: int, as_ids: bool = False,
-                        texts: dict[int, str] | None = None) -> dict:
+                        texts: dict[int, str] | None = None, textless: frozenset[int] = frozenset()) -> dict:
     """The legacy completions `logprobs` object; an entry with logprob None (an echoed prompt's first
     token, which nothing scores) gets null logprobs, as OpenAI's API gives it. text_offset counts the tokens'
     texts whatever names them (`as_ids`)."""
@@ -140,5 +150,5 @@ def completion_logprobs(tokenizer: Any, entries: list, offset: int, as_ids: bool
         token_logprobs.append(None if entry.logprob is None else safe_logprob(entry.logprob))
         top.append({name(tid): safe_logprob(lp) for tid, lp in entry.top} if entry.top else None)
         offsets.append(offset)
-        offset += token_chars(texts[entry.token_id])
+        offset += 0 if entry.token_id in textless else token_chars(texts[entry.token_id])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -13,14 +13,14 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from radiance.engine.structured_output import StructuredOutput
 from radiance.errors import ConfigError
 from radiance.server.chat_template import (TemplateError, close_thinking, prompt_closes_thinking,
                                            prompt_opens_thinking, render_chat)
 from radiance.server.chat_tools import forced_tool_call_constraint, forced_tool_call_prefix, strict_tools_constraint
-from radiance.server.errors import OpenAIError, invalid
+from radiance.server.errors import JSONAnswer, OpenAIError, invalid
 from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, now, usage
 from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASONING_PARSERS, FunctionMessage
 from radiance.server.logprobs_json import LogprobCursor, chat_logprobs, prompt_logprobs_json
@@ -38,7 +38,7 @@ class ChoiceStream:
 
     def __init__(self, state: ServerState, index: int, tools: list[dict] | None, opens_thinking: bool,
                  forced_prefix: str = "", named_tool: bool = False, token_ids_as_names: bool = False,
-                 parallel_tool_calls: bool = True, include_reasoning: bool = True):
+                 parallel_tool_calls: bool = True, include_reasoning: bool = True, skip_special_tokens: bool = True):
         self.index = index
         self.include_reasoning = include_reasoning  # vLLM's: false drops the reasoning (still parsed out)
         # false: one call at most, as OpenAI answers (strict tools' grammar ends the answer after it; a model writing
@@ -56,7 +56,8 @@ class ChoiceStream:
         if forced_prefix:  # the call markup we put at the end of the prompt is part of what we parse
             (self.reasoning if harmony_forced else self.tools).feed(forced_prefix)
         self.sent_chars = 0
-        self.logprob_cursor = LogprobCursor(state.tokenizer)
+        # the text keeps the special tokens a parser reads (needs_special_tokens): they count there
+        self.logprob_cursor = LogprobCursor(state.tokenizer, skip_special_tokens and not self.needs_special_tokens)
         self.num_tool_calls = 0
         self.cut_call_ids: set[str] = set()  # calls max_tokens cut off before their arguments were whole
         self.content_sent = False
@@ -313,7 +314,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
                                     "messages")
     named_tool = forced and isinstance(req.tool_choice, NamedToolChoice)
     choices = [ChoiceStream(state, i, tools, opens_thinking, forced_prefix, named_tool,
-                            req.return_tokens_as_token_ids, req.parallel_tool_calls, req.include_reasoning)
+                            req.return_tokens_as_token_ids, req.parallel_tool_calls, req.include_reasoning,
+                            req.skip_special_tokens)
                for i in range(req.n)]
     jobs = [EngineJob(engine_request_id(request_id, i), prompt_ids,
                       sampling_params(req, max_tokens, i, constraint, state.sampling_defaults,
@@ -350,7 +352,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         first = choices[0].output
         body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, first.prompt_logprobs if first else None,
                                                        req.return_tokens_as_token_ids)
-    return JSONResponse(body)
+    return JSONAnswer(body)
 
 
 def _merge_delta(total: dict, delta: dict) -> None:

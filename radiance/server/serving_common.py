@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from radiance.engine import request_checks
 from radiance.engine.async_engine import EngineDeadError
 from radiance.engine.sampling_params import SamplingParams, choice_seed
 from radiance.engine.structured_output import StructuredOutput
-from radiance.server.errors import OpenAIError, internal_error, invalid, sse_error
+from radiance.server.errors import OpenAIError, internal_error, invalid, json_text, sse_error
 from radiance.server.metrics import ABORT, ERROR, RequestTimer, ServerMetrics, current_request
 from radiance.server.protocol import new_id, usage
 from radiance.server.state import ServerState
@@ -377,4 +376,4 @@ class StreamUsage:
 
 
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else json_text(data)}\n\n"

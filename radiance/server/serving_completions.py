@@ -10,10 +10,11 @@ import logging
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.request_checks import check_not_empty
+from radiance.server.errors import JSONAnswer
 from radiance.server.protocol import CompletionRequest, now, usage
 from radiance.server.logprobs_json import LogprobCursor, completion_logprobs, prompt_logprobs_json
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
@@ -52,7 +53,8 @@ async def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str
 
 class CompletionChoice:
     def __init__(self, state: ServerState, index: int, prompt_text: str, echo: bool, prompt_tokens: int = 0,
-                 logprobs: int | None = None, token_ids_as_names: bool = False, scores_only: bool = False):
+                 logprobs: int | None = None, token_ids_as_names: bool = False, scores_only: bool = False,
+                 skip_special_tokens: bool = True):
         self.index = index
         self.scores_only = scores_only  # echo with max_tokens 0: the token generated to score the prompt is dropped
         self.logprobs = logprobs  # the request's: an echoed prompt's alternatives too
@@ -62,7 +64,7 @@ class CompletionChoice:
         self.prefix = prompt_text if echo else ""
         self.sent_chars = 0
         self.echoed = False
-        self.logprob_cursor = LogprobCursor(state.tokenizer)
+        self.logprob_cursor = LogprobCursor(state.tokenizer, skip_special_tokens)
         self.output: Any = None
 
     def step(self, out: Any) -> tuple[str, dict | None]:
@@ -86,7 +88,7 @@ class CompletionChoice:
         if released is not None:
             entries, texts, offset = released
             parts.append(completion_logprobs(self.tokenizer, entries, len(self.prefix) + offset,
-                                             self.token_ids_as_names, texts))
+                                             self.token_ids_as_names, texts, self.logprob_cursor.textless))
         logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]} if parts else None
         return text, logprobs
 
@@ -109,7 +111,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                                   sampling_params(req, max_tokens, i, req.structured_output(),
                                                   state.sampling_defaults)))
             choices.append(CompletionChoice(state, index, text, req.echo, len(ids), req.logprobs,
-                                            req.return_tokens_as_token_ids, req.scores_only()))
+                                            req.return_tokens_as_token_ids, req.scores_only(),
+                                            req.skip_special_tokens))
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     outputs = merged_outputs(engine, jobs, state.metrics, n=req.n)
     if req.stream:
@@ -135,7 +138,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         for body, c in zip(body_choices, choices):
             body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, c.output.prompt_logprobs,
                                                            req.return_tokens_as_token_ids)
-    return JSONResponse({"id": request_id, "object": "text_completion", "created": now(), "model": model,
+    return JSONAnswer({"id": request_id, "object": "text_completion", "created": now(), "model": model,
                          "choices": body_choices, "usage": _usage(choices, prompt_tokens, req.n)})
 
 

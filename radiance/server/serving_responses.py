@@ -11,7 +11,6 @@ GET / DELETE and GET .../input_items.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import re
 import time
@@ -19,11 +18,11 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from radiance.engine.sampling_params import SamplingParamsError
-from radiance.server.errors import OpenAIError, field_named_first, invalid
+from radiance.server.errors import JSONAnswer, OpenAIError, field_named_first, invalid, json_text
 from radiance.server.protocol_responses import (ReasoningConfig, ResponsesRequest, check_includes, conversation_units,
                                                 input_messages, listed_input_items)
 from radiance.server.response_store import StoredResponse
@@ -350,7 +349,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, request: Re
     await collect_until_disconnect(request, outputs, lambda _index, out: run.step(out))
     body = run.body("completed")
     run.store(body)
-    return JSONResponse(body)
+    return JSONAnswer(body)
 
 
 def _stream(run: ResponseRun, outputs: AsyncIterator) -> AsyncIterator[str]:
@@ -358,7 +357,7 @@ def _stream(run: ResponseRun, outputs: AsyncIterator) -> AsyncIterator[str]:
 
     def event(body: dict) -> str:
         body = {**body, "sequence_number": next(counter)}
-        return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"event: {body['type']}\ndata: {json_text(body)}\n\n"
 
     def failed_events(exc: OpenAIError) -> str:  # a stream that started ends as a response: response.failed
         return "".join(event(body) for body in run.fail(exc))
