@@ -34,7 +34,7 @@ INAPPLICABLE_INCLUDES = {
 # the chat request's sampling fields beyond OpenAI's Responses fields, passed on as they are
 CHAT_SAMPLING_FIELDS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "repetition_penalty", "presence_penalty",
                         "frequency_penalty", "logit_bias", "min_tokens", "include_stop_str_in_output", "ignore_eos",
-                        "skip_special_tokens", "bad_words")
+                        "skip_special_tokens", "bad_words", "allowed_token_ids", "cache_salt")
 
 
 class TextFormat(_Model):
@@ -113,6 +113,8 @@ class ResponsesRequest(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    cache_salt: str | None = Field(None, min_length=1)
 
     @field_validator("background")
     @classmethod

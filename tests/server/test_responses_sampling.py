@@ -69,6 +69,8 @@ EXTRA_FIELDS = [
     ("frequency_penalty", -0.5, "frequency_penalty", -0.5),
     ("logit_bias", {"65": 3.0}, "logit_bias", ((65, 3.0),)),
     ("bad_words", ["zz", " hi"], "bad_words", ("zz", " hi")),
+    ("allowed_token_ids", [66, 65], "allowed_token_ids", (65, 66)),
+    ("cache_salt", "tenant-a", "cache_salt", "tenant-a"),
 ]
 
 
@@ -94,6 +96,8 @@ def test_skip_special_tokens_reaches_the_engine(server):
     ("ignore_eos", "yes", "ignore_eos"), ("include_stop_str_in_output", 1, "include_stop_str_in_output"),
     ("top_k", -5, "top_k"), ("min_p", 2.0, "min_p"), ("repetition_penalty", 0.0, "repetition_penalty"),
     ("bad_words", "zz", "bad_words"), ("bad_words", [""], "bad_words"),
+    ("allowed_token_ids", [], "allowed_token_ids"), ("allowed_token_ids", [1.5], "allowed_token_ids[0]"),
+    ("cache_salt", "", "cache_salt"),
 ])
 def test_a_bad_extra_field_is_a_400_naming_it(server, field, bad, param):
     """As chat answers it; stop and logit_bias were refused by the chat request built from this one, which
