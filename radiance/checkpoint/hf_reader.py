@@ -2,7 +2,7 @@
 
 Everything that can be checked from the headers is checked when the checkpoint is opened (missing
 tensors, wrong shapes and dtypes, config/tensor disagreements), so a broken checkpoint fails in a
-second with a message naming file and tensor, not minutes into a load.
+second with a message naming file and tensor, not minutes into a load. The tokenizer is hf_tokenizer's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.hf_config import (chat_template, chat_templates, eos_token_ids, expected_shapes,
-                                           language_model, load_config, load_json, modelopt_quant_file,
-                                           quantization_config, tensor_renames)
+                                           language_model, load_config, modelopt_quant_file, quantization_config,
+                                           tensor_renames)
+from radiance.checkpoint.hf_tokenizer import has_tokenizer_files, load_tokenizer
 from radiance.checkpoint.layout import (FLOAT_DTYPES, check_linear, check_no_stray_tensors, detect_format, read_linear,
                                         required_tensors)
 from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
@@ -55,6 +56,7 @@ class _Linear:
     canonical: str
     modules: tuple[str, ...]  # checkpoint projections, partition order
     formats: tuple[str, ...]  # stored format of each projection
+    schemes: tuple = ()  # what quantization_config says of each (QuantScheme)
 
 
 @dataclass
@@ -69,9 +71,6 @@ class _Classified:
 
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")  # a decoder layer (not a vision tower's)
-# a tokenizer's own files (tokenizer_config.json alone is settings, not a vocabulary); Kimi's: *.tiktoken
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 class HfCheckpoint(Checkpoint):
@@ -107,6 +106,12 @@ class HfCheckpoint(Checkpoint):
         self._tokenizer = None
         self._eos_token_ids = eos_token_ids(path, config, self.warn)  # at open: inspect lists its warning
 
+    def config_error(self, exc: Exception) -> Exception:
+        """A fault the model registry finds in config.json, with the file named (the registry sees only the dict)."""
+        if self.config_file in str(exc):
+            return exc
+        return type(exc)(f"{exc} (file {self.config_file})")
+
     # ------------------------------------------------------------------ planning (headers only)
 
     def _expected(self, module: str) -> tuple[int, int] | None:
@@ -138,7 +143,7 @@ class HfCheckpoint(Checkpoint):
         if tensors.derived:
             logger.info("skipping %d rotary buffer(s) the model computes itself (e.g. %s)", len(tensors.derived),
                         tensors.derived[0])
-        self._check_plain(tensors.plain)
+        self._check_plain(tensors.plain + [part for parts in tensors.biases.values() for part in parts.values()])
         self._check_complete(linears, tensors.plain)
         if tensors.attention_scales:
             self._read_attention_scales(tensors.attention_scales)
@@ -179,20 +184,25 @@ class HfCheckpoint(Checkpoint):
         self._check_layer_exists(next(iter(found.values())))
         # a checkpoint may already store the merged module (one partition)
         modules = (canonical,) if found.get(0) == canonical else partition_modules(canonical)
-        formats = []
+        formats, schemes = [], []
         for module in modules:
             scheme = self.quant.scheme_for(self._stored_module.get(module, module), linear=True)
             detected = detect_format(module, self.index)
-            if detected is None:
-                missing = [t for t in required_tensors(module, scheme.format, scheme.layout) if t not in self.index]
+            missing = [t for t in required_tensors(module, scheme.format, scheme.layout) if t not in self.index]
+            if detected is None or (detected == "dense" and missing and not self._holds_floats(f"{module}.weight")):
+                # Quark / ModelOpt keep packed codes under `weight`: without their scale they looked 16-bit
                 raise CheckpointError("tensor missing from the checkpoint", file=self.path,
                                       tensor=(missing or [f"{module}.weight"])[0])
             if detected != scheme.format:
                 mismatches.setdefault((scheme.format, detected, leaf(module)), []).append(module)
-            slots = check_linear(module, detected, self.index, self._expected(module))
+            slots = check_linear(module, detected, self.index, self._expected(module), scheme)
             check_no_stray_tensors(module, detected, slots, module_tensors.get(module, []), self.index)
             formats.append(detected)
-        return _Linear(canonical, modules, tuple(formats))
+            schemes.append(scheme)
+        return _Linear(canonical, modules, tuple(formats), tuple(schemes))
+
+    def _holds_floats(self, name: str) -> bool:
+        return self.index.meta[name].dtype in FLOAT_DTYPES
 
     def _warn_format_mismatches(self, mismatches: dict[tuple[str, str, str], list[str]]) -> None:
         """Modules stored in another format than quantization_config says: read as stored, said once per kind."""
@@ -229,20 +239,29 @@ class HfCheckpoint(Checkpoint):
                              "not used: attention runs in 16 bits")
 
     def _check_plain(self, plain: list[str]) -> None:
-        hidden, vocab = self.config.get("hidden_size"), self.config.get("vocab_size")
+        """Every plain tensor (and each part of a merged linear's bias) is a float, of the shape config.json implies
+        where it implies one: an integer one was copied into a float parameter, a merged bias of the wrong length
+        was refused without naming its part."""
         for name in plain:
             meta = self.index.meta[name]
-            expected = None
-            if name.endswith("norm.weight") and ("layernorm" in name or name == "model.norm.weight") and hidden:
-                expected = (hidden,)
-            elif name in ("model.embed_tokens.weight", "lm_head.weight") and hidden and vocab:
-                expected = (vocab, hidden)
+            expected = self._plain_shape(name)
             if expected and tuple(meta.shape) != expected:
                 raise CheckpointError(f"wrong shape {list(meta.shape)}, expected {list(expected)}",
                                       file=meta.file, tensor=name)
-            if expected and meta.dtype not in FLOAT_DTYPES:
-                raise CheckpointError(f"wrong dtype {meta.dtype}, expected a 16/32-bit float",
-                                      file=meta.file, tensor=name)
+            if meta.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"wrong dtype {str(meta.dtype).replace('torch.', '')}, expected a 16/32-bit "
+                                      "float", file=meta.file, tensor=name)
+
+    def _plain_shape(self, name: str) -> tuple[int, ...] | None:
+        hidden, vocab = self.config.get("hidden_size"), self.config.get("vocab_size")
+        if name.endswith("norm.weight") and ("layernorm" in name or name == "model.norm.weight") and hidden:
+            return (hidden,)
+        if name in ("model.embed_tokens.weight", "lm_head.weight") and hidden and vocab:
+            return (vocab, hidden)
+        if name.endswith(".bias"):  # a projection's: one value per output row
+            shape = self._expected(name.removesuffix(".bias"))
+            return shape[:1] if shape else None
+        return None
 
     def _check_complete(self, linears: list[_Linear], plain: list[str]) -> None:
         """Llama/Qwen-style decoders: every layer must have all its linears and norms."""
@@ -293,7 +312,7 @@ class HfCheckpoint(Checkpoint):
     def file_of(self, name: str) -> str:
         """The shard holding tensor `name`; for a linear (a projection or a merged qkv_proj / gate_up_proj, in
         any stored format) the shard holding all its tensors; the directory when they lie in several shards."""
-        meta = self.index.meta.get(name)
+        meta = self.index.meta.get(name) or self.index.meta.get(self.stored_name(name))  # a merged bias: its part's
         if meta is not None:
             return meta.file
         files = {self.index.meta[t].file for t in self._tensors_of_linear(name.removesuffix(".weight"))}
@@ -370,7 +389,8 @@ class HfCheckpoint(Checkpoint):
                     yield item.canonical, weight
 
     def _read_linear(self, entry: _Linear):
-        weights = [read_linear(m, f, self.index, self._expected(m)) for m, f in zip(entry.modules, entry.formats)]
+        weights = [read_linear(m, f, self.index, self._expected(m), scheme)
+                   for m, f, scheme in zip(entry.modules, entry.formats, entry.schemes)]
         if len(weights) == 1:
             return weights[0]
         if len(set(entry.formats)) > 1:
@@ -382,60 +402,12 @@ class HfCheckpoint(Checkpoint):
 
     @property
     def has_tokenizer(self) -> bool:
-        names = os.listdir(self.path)
-        return any(name in TOKENIZER_FILES or name.endswith(".tiktoken") for name in names)
+        return has_tokenizer_files(self.path)
 
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-            if not self.has_tokenizer and not os.path.isfile(os.path.join(self.path, "tokenizer_config.json")):
-                raise CheckpointError(f"no tokenizer files (none of {', '.join(TOKENIZER_FILES)}, *.tiktoken or "
-                                      "tokenizer_config.json)", file=self.path)
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.path)
-            except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
-                self._check_tokenizer_json()  # a file that is not JSON is named (transformers names none)
-                refused = self._tokenizer_json_refusal()
-                if refused is not None:
-                    raise CheckpointError(f"cannot load the tokenizer: tokenizer.json is JSON but not a tokenizer "
-                                          f"({refused})", file=os.path.join(self.path, "tokenizer.json")) from None
-                config_fault = self._transformers_config_fault()
-                if config_fault is not None:  # transformers reads config.json to pick the tokenizer class
-                    raise CheckpointError(f"cannot load the tokenizer: transformers, which reads config.json to "
-                                          f"choose the tokenizer, cannot read it ({config_fault})",
-                                          file=os.path.join(self.path, "config.json")) from None
-                one_line = " ".join(str(exc).split())  # transformers' messages span lines
-                raise CheckpointError(f"cannot load the tokenizer: {one_line}", file=self.path) from None
+            self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
-
-    def _transformers_config_fault(self) -> str | None:
-        """Why transformers cannot read this config.json (a `torch_dtype` torch lacks, say), or None."""
-        from transformers import AutoConfig
-        try:
-            AutoConfig.from_pretrained(self.path)
-        except Exception as exc:  # noqa: BLE001 - any refusal is the answer
-            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return None
-
-    def _tokenizer_json_refusal(self) -> str | None:
-        """Why the tokenizers library refuses tokenizer.json (JSON of another shape), or None: transformers' own
-        message ("'added_tokens'") named no file."""
-        path = os.path.join(self.path, "tokenizer.json")
-        if not os.path.isfile(path):
-            return None
-        from tokenizers import Tokenizer
-        try:
-            Tokenizer.from_file(path)
-        except Exception as exc:  # noqa: BLE001 - the library raises a bare Exception
-            return str(exc)
-        return None
-
-    def _check_tokenizer_json(self) -> None:
-        """A tokenizer JSON file that does not parse, as a CheckpointError naming it."""
-        for name in _TOKENIZER_JSON:
-            path = os.path.join(self.path, name)
-            if os.path.isfile(path):
-                load_json(path, name)
 
     @property
     def chat_template(self) -> str | None:

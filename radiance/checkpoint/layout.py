@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from radiance.checkpoint.quant_config import QuantScheme
 from radiance.errors import CheckpointError
 from radiance.formats import MX_BLOCK, NV_BLOCK, DenseWeight, Fp8Weight, Mxfp4Weight, Nvfp4Weight
 
@@ -100,6 +101,8 @@ class _Slot:
     shape: tuple | None
     what: str
     numel: tuple[int, ...] | None = None  # allowed element counts when the shape is free
+    block: tuple[int, int] | None = None  # fp8 block scales: (rows, K) per scale
+    rows_first: bool = False  # one value per row: [N, 1] or [N], not [1, N]
 
 
 def _dims(src: TensorSource, name: str, expected: tuple[int, int] | None, k_per_elem: int) -> tuple[int, int]:
@@ -124,7 +127,8 @@ def _global_is_a_divisor(module: str, main: str, src: TensorSource) -> bool:
     return main.endswith(".weight_packed")  # ModelOpt keeps its codes under `weight`
 
 
-def _slots(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None) -> dict[str, _Slot]:
+def _slots(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None,
+           scheme: QuantScheme | None = None) -> dict[str, _Slot]:
     if fmt == "dense":
         n, k = _dims(src, f"{module}.weight", expected, 1)
         return {"w": _Slot(f"{module}.weight", FLOAT_DTYPES, (n, k), "a 16-bit linear weight")}
@@ -155,19 +159,24 @@ def _slots(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] |
         w8 = _Slot(f"{module}.weight", (torch.float8_e4m3fn,), (n, k), "an fp8 e4m3 weight")
         name = fp8_scale_name(module, src)
         meta = src.meta.get(name)
-        blocks = fp8_block_of(meta.shape, n, k) if meta is not None else None
-        if blocks is not None or name.endswith("_inv"):
+        said = scheme.scales if scheme is not None and scheme.format == "fp8" else ""
+        blocks = fp8_block_of(meta.shape, n, k) if meta is not None and said != "rows" else None
+        if said == "block" and scheme.block is not None:
+            blocks = scheme.block  # the config's block: the scale's shape is checked against it
+        if blocks is not None or name.endswith("_inv") or said == "block":
             rows, cols = blocks or (128, 128)
             return {"w8": w8, "scale": _Slot(name, FLOAT_DTYPES, (-(-n // rows), -(-k // cols)),
-                                             f"fp8 block scales ({rows} x {cols} blocks)")}
+                                             f"fp8 block scales ({rows} x {cols} blocks)", block=(rows, cols))}
         return {"w8": w8, "scale": _Slot(name, FLOAT_DTYPES, None, "fp8 weight scales "
-                                         f"(per-channel [{n}, 1], per-tensor or per block)", (1, n))}
+                                         f"(per-channel [{n}, 1], per-tensor or per block)", (1, n), rows_first=True)}
     raise CheckpointError(f"unknown weight format {fmt!r}", tensor=module)
 
 
-def check_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None = None) -> dict:
-    """Validate names, dtypes and shapes of one projection's tensors from the headers alone."""
-    slots = _slots(module, fmt, src, expected)
+def check_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None = None,
+                 scheme: QuantScheme | None = None) -> dict:
+    """Validate names, dtypes and shapes of one projection's tensors from the headers alone (`scheme`: what
+    quantization_config says of them, where it says how the fp8 scales go)."""
+    slots = _slots(module, fmt, src, expected, scheme)
     for slot in slots.values():
         meta = src.meta.get(slot.name)
         if meta is None:
@@ -183,7 +192,8 @@ def check_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, 
         numel = 1
         for dim in meta.shape:
             numel *= dim
-        if slot.numel is not None and numel not in slot.numel:
+        rows_last = slot.rows_first and numel > 1 and meta.shape[0] != numel  # a transposed per-channel scale
+        if (slot.numel is not None and numel not in slot.numel) or rows_last:
             raise CheckpointError(f"wrong shape {list(meta.shape)} for {slot.what}", file=meta.file, tensor=slot.name)
     return slots
 
@@ -204,9 +214,10 @@ def check_no_stray_tensors(module: str, fmt: str, slots: dict[str, _Slot], names
                                   file=_file_of(src, name), tensor=name)
 
 
-def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None = None):
+def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, int] | None = None,
+                scheme: QuantScheme | None = None):
     """Read one projection's tensors into a Weight, validating every dtype and shape first."""
-    slots = check_linear(module, fmt, src, expected)
+    slots = check_linear(module, fmt, src, expected, scheme)
     t = {role: src.get(slot.name) for role, slot in slots.items()}
     if "scale" in slots:
         check_scales(t["scale"], slots["scale"].what, _file_of(src, slots["scale"].name), slots["scale"].name)
@@ -223,7 +234,7 @@ def read_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, i
                                       file=_file_of(src, slots[role].name), tensor=slots[role].name)
             return Nvfp4Weight(t["packed"], t["scale"], value if role == "global" else 1.0 / value)
         n, k = t["w8"].shape
-        blocks = fp8_block_of(t["scale"].shape, n, k)
+        blocks = slots["scale"].block
         if blocks is not None:  # one scale per row and block of K: each block row's scales repeated on its rows
             rows, cols = blocks
             return Fp8Weight(t["w8"], t["scale"].float().repeat_interleave(rows, dim=0)[:n], block_k=cols)

@@ -51,6 +51,11 @@ class QuantScheme:
     layout: str  # "compressed-tensors" | "quark" | "modelopt" | "hf-fp8": decides the tensor names
     targets: tuple[str, ...] = ()
     group: str = ""
+    # fp8: how the config says its scales go ("rows": per channel or per tensor; "block": per block of `block`
+    # (rows, K) where the config gives it; "": the scale's shape says), so a transposed per-channel scale is not
+    # read as blocks
+    scales: str = ""
+    block: tuple[int, int] | None = None
 
 
 DENSE = QuantScheme("dense", "none")
@@ -226,6 +231,24 @@ def _ct_format(weights: dict | None, group: str, source: str) -> str:
         "(fp4, group 16), mxfp4 (fp4, group 32) and fp8 per-channel/per-tensor/per-block", file=source)
 
 
+def _ct_fp8_scales(weights, fmt: str) -> tuple[str, tuple[int, int] | None]:
+    """(QuantScheme.scales, .block) of a compressed-tensors fp8 weight scheme."""
+    if fmt != "fp8" or not isinstance(weights, dict):
+        return "", None
+    strategy = str(weights.get("strategy") or "").lower()
+    if strategy in ("channel", "tensor"):
+        return "rows", None
+    block = weights.get("block_structure")
+    if strategy == "block" and _is_block(block):
+        return "block", (block[0], block[1])
+    return ("block" if strategy == "block" else ""), None
+
+
+def _is_block(block) -> bool:
+    return (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block))
+
+
 def _parse_compressed_tensors(qc: dict, source: str) -> QuantSpec:
     storage = str(qc.get("format") or "")
     groups = qc.get("config_groups")
@@ -256,7 +279,8 @@ def _parse_compressed_tensors(qc: dict, source: str) -> QuantSpec:
                                   f"{type(targets).__name__}", file=source)
         if not targets:
             raise CheckpointError(f"config group {name!r} has no targets", file=source)
-        schemes.append(QuantScheme(fmt, "compressed-tensors", tuple(targets), name))
+        scales, block = _ct_fp8_scales(group.get("weights") if isinstance(group, dict) else None, fmt)
+        schemes.append(QuantScheme(fmt, "compressed-tensors", tuple(targets), name, scales, block))
     return QuantSpec(method="compressed-tensors", storage=storage, schemes=tuple(schemes), source=source)
 
 
@@ -279,12 +303,14 @@ def _parse_quark(qc: dict, source: str) -> QuantSpec:
     global_cfg = qc.get("global_quant_config")
     layer_cfg = qc.get("layer_quant_config") or {}
     type_cfg = qc.get("layer_type_quant_config") or {}
-    schemes = tuple(QuantScheme(_quark_format(cfg, f"layer_quant_config[{pattern!r}]", source), "quark",
-                                (pattern,), pattern) for pattern, cfg in layer_cfg.items())
-    types = {name: QuantScheme(_quark_format(cfg, f"layer_type_quant_config[{name!r}]", source), "quark",
-                               (), name) for name, cfg in type_cfg.items()}
-    global_scheme = (QuantScheme(_quark_format(global_cfg, "global_quant_config", source), "quark", (), "global")
-                     if global_cfg else None)
+    def scheme(cfg, where: str, targets: tuple, group: str) -> QuantScheme:
+        fmt = _quark_format(cfg, where, source)
+        return QuantScheme(fmt, "quark", targets, group, "rows" if fmt == "fp8" else "")  # per channel / tensor
+
+    schemes = tuple(scheme(cfg, f"layer_quant_config[{pattern!r}]", (pattern,), pattern)
+                    for pattern, cfg in layer_cfg.items())
+    types = {name: scheme(cfg, f"layer_type_quant_config[{name!r}]", (), name) for name, cfg in type_cfg.items()}
+    global_scheme = scheme(global_cfg, "global_quant_config", (), "global") if global_cfg else None
     return QuantSpec(method="quark", storage="quark", schemes=schemes, type_schemes=types,
                      global_scheme=global_scheme, source=source)
 
@@ -293,11 +319,10 @@ def _parse_hf_fp8(qc: dict, source: str) -> QuantSpec:
     """transformers' FineGrainedFP8 layout: every linear e4m3 with a `weight_scale_inv` per weight_block_size block
     (activations quantized per token at run time, as radiance does them anyway)."""
     block = qc.get("weight_block_size")
-    if block is None or not (isinstance(block, list) and len(block) == 2
-                             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    if not _is_block(block):
         raise CheckpointError(f"fp8 quantization_config weight_block_size must be two positive integers (rows, K), "
                               f"got {block!r}", file=source)
-    scheme = QuantScheme("fp8", "hf-fp8", ("Linear",), f"fp8 {block[0]}x{block[1]}")
+    scheme = QuantScheme("fp8", "hf-fp8", ("Linear",), f"fp8 {block[0]}x{block[1]}", "block", (block[0], block[1]))
     return QuantSpec(method="fp8", storage=f"fp8 (blocks of {block[0]} x {block[1]})", schemes=(scheme,),
                      source=source)
 
@@ -315,5 +340,5 @@ def _parse_modelopt(qc: dict, source: str) -> QuantSpec:
     if group is not None and qc.get("group_size", group) != group:
         raise CheckpointError(f"ModelOpt {algo} with group_size {qc.get('group_size')} (expected {group})",
                               file=source)
-    scheme = QuantScheme(fmt, "modelopt", ("Linear",), algo)
+    scheme = QuantScheme(fmt, "modelopt", ("Linear",), algo, "rows" if fmt == "fp8" else "")
     return QuantSpec(method="modelopt", storage=algo, schemes=(scheme,), source=source)

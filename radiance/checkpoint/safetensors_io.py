@@ -153,8 +153,9 @@ def _diagnose(path: str) -> tuple[str | None, str | None]:
     """(what is wrong, the tensor at fault) of a file safetensors refused, from its header; (None, None) when
     the header itself is unreadable or looks sound (safetensors' own message then stands).
 
-    safetensors says "file not fully covered" or "invalid offset" without naming a tensor, and a truncated
-    download is the usual cause: name the first tensor whose bytes the file does not hold.
+    safetensors says "file not fully covered", "invalid offset" or "invalid JSON in header: ... at column 3871"
+    without naming a tensor (or names it in its own words only), and a truncated download is the usual cause: name
+    the first tensor whose bytes the file does not hold, else the first entry that is malformed or misplaced.
     """
     try:
         size = os.path.getsize(path)
@@ -163,14 +164,20 @@ def _diagnose(path: str) -> tuple[str | None, str | None]:
             if header_len <= 0 or 8 + header_len > size:
                 return None, None
             header = json.loads(handle.read(header_len))
-        data = size - 8 - header_len
-        ends = sorted((int(v["data_offsets"][1]), k) for k, v in header.items() if k != "__metadata__")
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+    except (OSError, ValueError):
         return None, None
-    for end, name in ends:
+    if not isinstance(header, dict):
+        return None, None
+    entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    for name, entry in entries.items():
+        problem = _entry_structure_problem(entry)
+        if problem is not None:
+            return problem, name
+    data = size - 8 - header_len
+    for end, name in sorted((entry["data_offsets"][1], name) for name, entry in entries.items()):
         if end > data:
             return f"the header places this tensor's data up to byte {end}, past the {data} bytes held", name
-    return _header_entry_problem(header)
+    return _header_entry_problem(entries) or _layout_problem(entries, data)
 
 
 # bytes per element of the safetensors dtypes
@@ -178,22 +185,48 @@ _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
-def _header_entry_problem(header: dict) -> tuple[str | None, str | None]:
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_structure_problem(entry) -> str | None:
+    """Why a header entry is not {dtype: str, shape: [counts], data_offsets: [begin, end]} with begin <= end."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        return "the header entry is not {dtype, shape, data_offsets}"
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        return f"the header gives shape {shape!r}, not a list of sizes"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        return f"the header gives data_offsets {offsets!r}, not [begin, end] byte positions"
+    if offsets[0] > offsets[1]:
+        return f"the header gives data_offsets {offsets}: the data ends before it begins"
+    return None
+
+
+def _header_entry_problem(entries: dict) -> tuple[str, str] | None:
     """An entry whose dtype safetensors does not know, or whose shape does not fill its bytes (safetensors says
     "invalid shape, data type, or offset for tensor" without naming it)."""
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            count = math.prod(int(d) for d in shape)
-        except (TypeError, KeyError, ValueError):
-            return "the header entry is not {dtype, shape, data_offsets}", name
+    for name, entry in entries.items():
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in _ITEM_BYTES:
             return f"dtype {dtype!r} is not one safetensors reads", name
-        if count * _ITEM_BYTES[dtype] != end - begin:
-            return (f"shape {list(shape)} of {dtype} needs {count * _ITEM_BYTES[dtype]} bytes, the header gives it "
-                    f"{end - begin}"), name
+        if math.prod(shape) * _ITEM_BYTES[dtype] != end - begin:
+            return (f"shape {list(shape)} of {dtype} needs {math.prod(shape) * _ITEM_BYTES[dtype]} bytes, the header "
+                    f"gives it {end - begin}"), name
+    return None
+
+
+def _layout_problem(entries: dict, data: int) -> tuple[str | None, str | None]:
+    """The first tensor whose data does not start where the previous one's ends (an overlap or a gap: safetensors
+    keeps the data area packed), or bytes left over after the last one."""
+    expected = 0
+    for begin, end, name in sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in entries.items()):
+        if begin != expected:
+            how = "overlaps the previous tensor's" if begin < expected else "leaves a gap after the previous tensor's"
+            return f"the header places this tensor's data at byte {begin}, which {how} (ending at {expected})", name
+        expected = end
+    if expected != data:
+        return f"the header's tensors cover {expected} bytes of data, the file holds {data}", None
     return None, None
 
 

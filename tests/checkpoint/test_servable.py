@@ -50,7 +50,7 @@ def _inspect(capsys, path, *options) -> tuple[int, str]:
 ], ids=["architectures", "model_type", "neither"])
 def test_an_unknown_architecture_is_shown_refused_and_not_loaded_with_one_message(tmp_path, capsys, changes, named):
     path = _dir(tmp_path, changes, tokenizer=True)
-    message = f"; radiance serves {SUPPORTED}"
+    message = f"; radiance serves {SUPPORTED} (file {os.path.join(path, 'config.json')})"  # the file named too
 
     code, out = _inspect(capsys, path)  # the tensors are still shown
     assert code == 0 and "qkv_proj" in out and "model.embed_tokens.weight" in out
