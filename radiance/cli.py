@@ -8,6 +8,7 @@ user's (bad path, broken checkpoint, bad option) print one line and exit 2 witho
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
@@ -28,8 +29,25 @@ _AREAS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too: they take the class of their parent), but a mistake is answered
+    with a short usage line and the error: argparse printed the whole usage first, 50 lines for `serve`, which
+    pushed the one line that says what is wrong out of sight."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.short_usage()}\n{self.prog}: error: {message}\n")
+
+    def short_usage(self) -> str:
+        formatter = self._get_formatter()
+        words = [self.prog, "[options]"]
+        for action in self._get_positional_actions():
+            metavar = formatter._get_default_metavar_for_positional(action)
+            words.append(formatter._format_args(action, metavar))
+        return f"usage: {' '.join(words)}  ('{self.prog} --help' explains each option)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="radiance",
         description="Serve 4-bit MXFP4 / NVFP4 LLM checkpoints on GPUs without FP4 tensor cores "
                     "(and on the CPU through reference kernels).",
@@ -47,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_global_options(parser: argparse.ArgumentParser, top: bool) -> None:
     """The options of every command, taken before the command or after it (`radiance generate ... --log-level
     DEBUG`). Below the top their default is SUPPRESS, so an option not given there keeps the top's value."""
-    parser.add_argument("--log-level", default=log_level() if top else argparse.SUPPRESS, choices=LOG_LEVELS,
+    # any case, as RADIANCE_LOG_LEVEL and uvicorn's --log-level take it (`--log-level debug`)
+    parser.add_argument("--log-level", type=str.upper, default=log_level() if top else argparse.SUPPRESS,
+                        choices=LOG_LEVELS,
                         help="level of the log lines on stderr (default: $RADIANCE_LOG_LEVEL or INFO)")
     parser.add_argument("--no-progress", action="store_true", default=False if top else argparse.SUPPRESS,
                         help="no progress bars on stderr (loading, downloading, converting, eval, bench serve)")
@@ -62,9 +82,39 @@ def _subparsers(parser: argparse.ArgumentParser):
                 yield from _subparsers(subparser)
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, but an unknown option is refused by the command it was given to, with the usage of that command
+    and the option it most likely meant: argparse's top parser answered `radiance generate hi --temprature 0.5`
+    with radiance's own usage and "radiance: error: unrecognized arguments"."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = _command_parser(parser, args)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(command, unknown)}")
+    return args
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the words typed ("bench serve"), or the top one before any command."""
+    for word in _command_path(args).split() if getattr(args, "command", None) else ():
+        parser = next(action.choices[word] for action in parser._actions
+                      if isinstance(action, argparse._SubParsersAction))
+    return parser
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """" (did you mean --temperature?)" for the first unknown option close to one the command takes."""
+    options = [name for action in parser._actions for name in action.option_strings]
+    for word in unknown:
+        if word.startswith("--") and word.split("=", 1)[0] not in options:  # one it takes came after "--"
+            close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.log_level not in LOG_LEVELS:  # argparse checks the flag, not a default from the environment
         print(f"radiance: error: RADIANCE_LOG_LEVEL={args.log_level} is not one of {', '.join(LOG_LEVELS)}",
               file=sys.stderr)

@@ -8,9 +8,10 @@ import logging
 from functools import partial
 from pathlib import Path
 
-from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int
+from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int, positive_int
 from radiance.bench.serve_options import SERVE_DEFAULTS, ServeBenchOptions
 from radiance.config import DTYPES, MODEL_RULES
+from radiance.config_cli import DTYPE_ALIASES, errors_in_flag_words, parse_dtype
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,27 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas or spaces, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
+    if min(values) < 1:  # a level of 0 requests at a time would never send one
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _positive_float(text: str) -> float:
+    """Seconds or a rate: above 0 (inf allowed), refused at once rather than after the imports of a run."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:  # NaN included
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def _chunk_len(text: str) -> int:
+    value = non_negative_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 tokens (one predicts the next), got {value}")
+    return value
 
 
 # ------------------------------------------------------------------------------ bench
@@ -69,15 +90,15 @@ def _add_serve(sub) -> None:
     p.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
     p.add_argument("--concurrency", type=_int_list, nargs="+",
                    help=f"levels, comma- or space-separated (default: {','.join(map(str, SERVE_LEVELS))})")
-    p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)")
-    p.add_argument("--input-len", type=int, default=SERVE_DEFAULTS["input_len"],
+    p.add_argument("--num-prompts", type=positive_int, help="requests per level (default: 4 x concurrency, at least 8)")
+    p.add_argument("--input-len", type=positive_int, default=SERVE_DEFAULTS["input_len"],
                    help="prompt length in words (~tokens; default: %(default)s)")
-    p.add_argument("--output-len", type=int, default=SERVE_DEFAULTS["output_len"],
+    p.add_argument("--output-len", type=positive_int, default=SERVE_DEFAULTS["output_len"],
                    help="max_tokens of each request (default: %(default)s)")
     p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or ShareGPT conversations (their "
                                      "first human turn), a JSON array of either, or one prompt per line; the levels "
                                      "walk through it in order, each prompt sent once while it lasts")
-    p.add_argument("--request-rate", type=float, default=SERVE_DEFAULTS["request_rate"],
+    p.add_argument("--request-rate", type=_positive_float, default=SERVE_DEFAULTS["request_rate"],
                    help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default=SERVE_DEFAULTS["endpoint"],
                    help="/v1/completions with raw prompts (default) or /v1/chat/completions with one user message")
@@ -85,10 +106,10 @@ def _add_serve(sub) -> None:
                    help="send OpenAI's fields only, not vLLM's ignore_eos, min_tokens and "
                         "stream_options.continuous_usage_stats (for servers that reject unknown fields)")
     p.add_argument("--api-key", help="sent as `Authorization: Bearer KEY` (a server started with --api-key)")
-    p.add_argument("--timeout", type=float, default=SERVE_DEFAULTS["timeout_s"],
+    p.add_argument("--timeout", type=_positive_float, default=SERVE_DEFAULTS["timeout_s"],
                    help="seconds to wait to connect and for each streamed chunk, not the whole answer "
                         "(default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=SERVE_DEFAULTS["warmup"],
+    p.add_argument("--warmup", type=non_negative_int, default=SERVE_DEFAULTS["warmup"],
                    help="uncounted requests before the first level (default: %(default)s)")
     p.add_argument("--seed", type=non_negative_int, default=SERVE_DEFAULTS["seed"],
                    help="seed of the random prompts and arrival times; level i uses SEED + i. Not negative: Python's "
@@ -192,12 +213,13 @@ def _add_eval_mode(sub, mode: str) -> None:
                         "quantized too; +head2: as two MXFP4 terms; +fp8kv: K/V as an fp8 KV cache stores "
                         "them, e.g. none+fp8kv); replaces --quantization/--rule/--activations")
     p.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext2-test.txt")
-    p.add_argument("--chunks", type=int, default=64, help="chunks of the text evaluated (default: 64)")
-    p.add_argument("--chunk-len", type=int, default=512, help="tokens per chunk, each scored on its own (default: 512)")
-    p.add_argument("--first-chunk", type=int, default=0, help="skip this many chunks (evaluate a later slice; default: 0)")
+    p.add_argument("--chunks", type=positive_int, default=64, help="chunks of the text evaluated (default: 64)")
+    p.add_argument("--chunk-len", type=_chunk_len, default=512, help="tokens per chunk, each scored on its own (default: 512)")
+    p.add_argument("--first-chunk", type=non_negative_int, default=0, help="skip this many chunks (evaluate a later slice; default: 0)")
     p.add_argument("--device", help="cuda, cpu, cuda:1 (default: cuda when available)")
-    p.add_argument("--dtype", choices=DTYPES,
-                   help="16-bit path dtype (default: the engine's: bfloat16 on CUDA, float32 on a CPU)")
+    p.add_argument("--dtype", type=parse_dtype, metavar="{" + ",".join((*DTYPES, *DTYPE_ALIASES)) + "}",
+                   help="16-bit path dtype; vLLM's half, float and auto are taken too (default: auto, the "
+                        "engine's: bfloat16 on CUDA, float32 on a CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_eval_command, eval_mode=mode)
 
@@ -234,7 +256,9 @@ def run_eval_command(args) -> int:
     req = quality.EvalRequest(args.eval_mode, args.model, variants, args.text, args.chunks, args.chunk_len,
                               args.device, args.dtype, args.first_chunk)
     progress = not args.no_progress
-    result = quality.run_eval(req, partial(load_eval_model, progress=progress), progress=progress)
+    # its errors name the request's fields (chunk_len), which are flags here
+    with errors_in_flag_words({}, fields=("chunk_len", "first_chunk")):
+        result = quality.run_eval(req, partial(load_eval_model, progress=progress), progress=progress)
     if args.json:
         print(to_json(result))
         return 0

@@ -150,7 +150,8 @@ def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len:
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     available = ids.numel() // chunk_len - first
     if available <= 0:
-        raise ConfigError(f"the text has {ids.numel()} tokens, fewer than {first + 1} chunk(s) of {chunk_len}")
+        raise ConfigError(f"the text has {ids.numel()} tokens, fewer than {first + 1} chunk(s) of {chunk_len}: give a "
+                          "longer text, or fewer tokens per chunk (chunk_len) or chunks to skip (first_chunk)")
     if available < chunks:
         logger.warning("text holds only %d chunks of %d tokens from chunk %d (asked for %d)",
                        available, chunk_len, first, chunks)

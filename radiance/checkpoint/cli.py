@@ -9,10 +9,12 @@ SRC may be `embedded` for the built-in SmolLM2 GGUF.
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 
 from radiance.checkpoint import EMBEDDED
 from radiance.config import ConvertConfig
-from radiance.config_cli import add_dataclass_args, dataclass_kwargs
+from radiance.config_cli import add_dataclass_args, config_from_args
 from radiance.errors import ConfigError
 
 
@@ -28,8 +30,9 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     _not_empty(args.src, "SRC", f"an HF model directory, a .gguf file, or '{EMBEDDED}'")
     _not_empty(args.dst, "DST", "the directory to write the converted checkpoint to")
-    config = ConvertConfig(**dataclass_kwargs(args, ConvertConfig))
+    config = config_from_args(args, ConvertConfig)
     _check_mxfp4_options(config)
+    _check_destination(args.dst)
     report = convert_checkpoint(args.src, args.dst, config, progress=not args.no_progress)
     print(report.summary())  # the result on stdout; the log lines (stderr) say what was read and written
     return 0
@@ -45,6 +48,48 @@ def _check_mxfp4_options(config: ConvertConfig) -> None:
     if config.chunk_rows is not None:
         raise ConfigError(f"--chunk-rows bounds the memory of the conversion to mxfp4 only, not to --format "
                           f"{config.format} (leave it out)")
+
+
+def _check_destination(dst: str) -> None:
+    """DST can take the checkpoint: checked before SRC is opened, since a Hub id is downloaded first (gigabytes) and
+    the writer refused a DST it cannot use only after that."""
+    path = os.path.abspath(dst)
+    if os.path.exists(path):
+        if not os.path.isdir(path) or _entries(path):
+            raise ConfigError(f"DST {dst} exists and is not an empty directory: give a new or empty one")
+        writable = path
+    else:
+        writable = _nearest_existing(path)
+        if not os.path.isdir(writable):
+            raise ConfigError(f"DST {dst}: {writable} is not a directory, so nothing can be written below it")
+    _probe_writable(writable, dst)
+
+
+def _probe_writable(directory: str, dst: str) -> None:
+    """A directory made and removed in `directory`: a read-only mount or /proc fails it even for root, whom
+    os.access lets through."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".radiance-probe-", dir=directory))
+    except OSError as exc:
+        raise ConfigError(f"DST {dst}: cannot write in {directory} ({exc.strerror}): give a directory you can "
+                          "write to") from None
+
+
+def _entries(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError as exc:  # no permission to read it: it cannot be checked empty, nor written
+        raise ConfigError(f"DST {path}: cannot read it: {exc.strerror}") from None
+
+
+def _nearest_existing(path: str) -> str:
+    """The deepest existing directory (or file) above `path`: where writing `path` creates its first directory."""
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
 
 
 def _run_inspect(args: argparse.Namespace) -> int:

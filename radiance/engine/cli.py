@@ -8,7 +8,7 @@ import logging
 import sys
 
 from radiance.config import check_seed
-from radiance.config_cli import add_engine_args, engine_config_from_args
+from radiance.config_cli import add_engine_args, engine_config_from_args, errors_in_flag_words
 from radiance.engine.request_checks import check_fits_context, check_utf8
 from radiance.errors import ConfigError
 
@@ -71,19 +71,13 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from radiance.engine.llm import LLM
-    from radiance.engine.sampling_params import SamplingParams
 
     # the sampling options are checked before the model loads (a large one takes minutes); the loader checks
     # --device before anything else
     config = engine_config_from_args(args)
     if args.sampling_seed is not None:  # the engine wraps any int into 64 bits: 2**64 + 1 would sample as 1
         check_seed(args.sampling_seed, "--sampling-seed")
-    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
-                            stop=args.stop or [], ignore_eos=args.ignore_eos,
-                            repetition_penalty=args.repetition_penalty,
-                            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                            structured_output=structured_output_from_args(args))
+    params = sampling_params_from_args(args)
     if args.system is not None and args.chat is False:
         raise ConfigError("--system goes into the chat template, which --no-chat turns off")
     # text that is not UTF-8 reaches Python as lone surrogates, which the tokenizer met with a traceback
@@ -108,10 +102,27 @@ def run(args) -> int:
     return 0
 
 
+def sampling_params_from_args(args):
+    """The SamplingParams of the flags; an out-of-range value is named by its flag (--top-p, not top_p)."""
+    from radiance.engine.sampling_params import SamplingParams
+
+    given = dict(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+                 stop=args.stop or [], ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+                 frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+    structured_output = structured_output_from_args(args)
+    with errors_in_flag_words(given, flags={"seed": "--sampling-seed"}):
+        return SamplingParams(**given, structured_output=structured_output)
+
+
 def read_prompt(prompt: str) -> str:
     """The prompt argument, or stdin's text for "-" (a long or multi-line prompt from a file or a pipe)."""
     if prompt != "-":
         return prompt
+    if sys.stdin is None:  # closed (`<&-`): Python leaves no stream to read
+        raise ConfigError("the prompt is -, but stdin is closed: pipe the prompt in, or give it as the argument")
+    if sys.stdin.isatty():  # typed at the terminal: without a word the command looked hung
+        print("radiance generate: reading the prompt from stdin; end it with Ctrl-D", file=sys.stderr, flush=True)
     text = sys.stdin.read()
     if not text.strip():
         raise ConfigError("the prompt is -, but stdin holds no text")

@@ -16,7 +16,7 @@ import socket
 import sys
 
 from radiance.config import ServerConfig
-from radiance.config_cli import add_dataclass_args, add_engine_args, dataclass_kwargs, engine_config_from_args
+from radiance.config_cli import add_dataclass_args, add_engine_args, config_from_args, engine_config_from_args
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def configs_from_args(args: argparse.Namespace):
         raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: radiance serves a model on one "
                           "device (leave it out or 1)")
     engine_config = engine_config_from_args(args, model=args.model_path)
-    server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
+    server_config = config_from_args(args, ServerConfig)
     _check_before_loading(engine_config, server_config)
     return engine_config, server_config
 
@@ -244,6 +244,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise
     finally:
         sock.close()
+    if state.loading:
+        # stopped by a signal that raised nothing: a SIGINT Python ignores (`radiance serve &` in a script starts
+        # with it ignored, and uvicorn hands it back to that) stopped uvicorn; returning let the interpreter's exit
+        # end the load thread in native code: "terminate called without an active exception", an abort
+        _exit_while_loading()
     return _load_failure_exit(state.load_error)
 
 

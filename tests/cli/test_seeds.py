@@ -30,7 +30,7 @@ def no_loading(monkeypatch):
 
 
 @pytest.mark.parametrize("flag, value, name", [
-    ("--seed", 2**63, "seed"), ("--seed", -(2**63) - 1, "seed"), ("--seed", 2**64, "seed"),
+    ("--seed", 2**63, "--seed"), ("--seed", -(2**63) - 1, "--seed"), ("--seed", 2**64, "--seed"),
     ("--sampling-seed", 2**63, "--sampling-seed"), ("--sampling-seed", 2**64 + 1, "--sampling-seed"),
     ("--sampling-seed", -(2**63) - 1, "--sampling-seed"),
 ])

@@ -161,7 +161,7 @@ def test_cli_bad_option_is_one_line_and_exit_code_2(capsys):
 
     assert main(["generate", "hi", "--max-num-seqs", "0", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "max_num_seqs must be positive" in err and "Traceback" not in err
+    assert "--max-num-seqs must be positive, got 0" in err and "Traceback" not in err
 
 
 def test_overlapped_decode_survives_stops_aborts_and_sampling(tiny_llm, reference):

@@ -124,9 +124,9 @@ def test_serve_flags_reach_both_configs():
 def test_serve_defaults_and_bad_values():
     engine, server = configs_from_args(parse(["serve"]))
     assert engine.model.model is None and server.port == 8000
-    with pytest.raises(ConfigError, match="tool_call_parser"):
+    with pytest.raises(ConfigError, match="--tool-call-parser must be one of"):
         configs_from_args(parse(["serve", "--tool-call-parser", "pythonic"]))
-    with pytest.raises(ConfigError, match="max_num_seqs"):
+    with pytest.raises(ConfigError, match="--max-num-seqs must be positive, got 0"):
         configs_from_args(parse(["serve", "--max-num-seqs", "0"]))
     with pytest.raises(ConfigError, match="two models"):
         configs_from_args(parse(["serve", "a.gguf", "--model", "b.gguf"]))

@@ -50,7 +50,7 @@ def _must_not_load(*args, **kwargs):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--ssl-certfile", CERT], "HTTPS needs both ssl_keyfile and ssl_certfile"),
+    (["--ssl-certfile", CERT], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
     (["--ssl-certfile", CERT, "--ssl-keyfile", "/nonexistent.key"], "--ssl-keyfile /nonexistent.key: cannot read it"),
     (["--ssl-certfile", KEY, "--ssl-keyfile", CERT], "are not a PEM certificate (chain) and its private key"),
 ])

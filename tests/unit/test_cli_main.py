@@ -43,14 +43,18 @@ def no_loading(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-tokens", "0"], "max_tokens must be at least 1"),
-    (["--temperature", "-1"], "temperature must be non-negative"),
-    (["--temperature", "nan"], "temperature must be a number, got nan"),  # was "must be non-negative, got nan"
-    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
-    (["--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2]"),
+    # each names the flag typed, not the field behind it ("max_tokens must be at least 1" before)
+    (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["--max-tokens", "-1"], "--max-tokens must be at least 1, got -1"),
+    (["--temperature", "-1"], "--temperature must be non-negative"),
+    (["--temperature", "nan"], "--temperature must be a number, got nan"),  # was "must be non-negative, got nan"
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--frequency-penalty", "3"], "--frequency-penalty must be in [-2, 2]"),
     (["--grammar", "/nonexistent.gbnf"], "--grammar: cannot read /nonexistent.gbnf"),
-    (["--dtype", "float8"], "dtype must be one of"),
-    (["--min-tokens", "65"], "min_tokens must be at most max_tokens, got min_tokens 65 > max_tokens 64"),
+    (["--min-tokens", "65"], "--min-tokens must be at most --max-tokens, got --min-tokens 65 > --max-tokens 64"),
+    (["--quantization", "mxfp5"], "--quantization must be one of ('auto', 'mxfp4', 'nvfp4', 'none'), got 'mxfp5'"),
+    (["--max-model-len", "0"], "--max-model-len must be positive, got 0"),
+    (["--quantize-lm-head"], "--quantize-lm-head needs --quantization mxfp4 or nvfp4"),
 ])
 def test_generate_checks_its_options_before_loading(no_loading, capsys, argv, message):
     assert main(["generate", "hi", *argv]) == 2
