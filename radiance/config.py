@@ -25,6 +25,8 @@ LM_HEAD_FORMATS = ("mxfp4", "mxfp4x2")
 
 
 def _check(cond: bool, msg: str) -> None:
+    """Every message names the field, what it takes and the value given (`got ...`): the CLI words it in flags
+    (config_cli.in_flag_words), which adds no value of its own to a message that says one."""
     if not cond:
         raise ConfigError(msg)
 
@@ -66,22 +68,28 @@ class ModelConfig:
     def __post_init__(self):
         _check(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _check(self.rule in MODEL_RULES, f"rule must be one of {MODEL_RULES}, got {self.rule!r}")
-        _check(self.rule != "none" or self.quantization == "nvfp4", "rule 'none' only applies to quantization 'nvfp4'")
+        _check(self.rule != "none" or self.quantization == "nvfp4",
+               f"rule 'none' only applies to quantization 'nvfp4', got quantization {self.quantization!r}")
         _check(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        _check(self.max_model_len is None or self.max_model_len > 0,
+               f"max_model_len must be positive, got {self.max_model_len!r}")
         check_seed(self.seed, "seed")
         _check_regexes(self.ignore, "ignore")
         _check(not self.quantize_lm_head or self.quantization in ("mxfp4", "nvfp4"),
-               "quantize_lm_head needs quantization mxfp4 or nvfp4 (it quantizes a 16-bit head at load)")
+               "quantize_lm_head needs quantization mxfp4 or nvfp4 (it quantizes a 16-bit head at load), got "
+               f"quantization {self.quantization!r}")
         _check(self.lm_head_format in LM_HEAD_FORMATS,
                f"lm_head_format must be one of {LM_HEAD_FORMATS}, got {self.lm_head_format!r}")
         _check(self.lm_head_format == "mxfp4" or self.quantize_lm_head,
-               f"lm_head_format {self.lm_head_format!r} applies to a quantized lm_head: add quantize_lm_head")
+               f"lm_head_format {self.lm_head_format!r} applies to a quantized lm_head, got quantize_lm_head off: "
+               "add quantize_lm_head")
         _check(self.lm_head_format == "mxfp4" or self.rule != "none",
-               "lm_head_format 'mxfp4x2' quantizes to MXFP4: it needs a rule other than 'none'")
+               "lm_head_format 'mxfp4x2' quantizes to MXFP4: it needs a rule other than 'none' ('mse', 'noclip' or "
+               "'ocp'), got rule 'none'")
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+ACTIVATIONS = ("fp8", "bf16")
 
 
 @dataclass(frozen=True)
@@ -96,12 +104,15 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype; float32 on CPU) | fp8 (e4m3, scale 1: half a 16-bit cache's bytes)
 
     def __post_init__(self):
-        _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two")
+        _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+               f"block_size must be a power of two, got {self.block_size!r}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
-        _check(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes must be positive")
-        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override must be positive")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check(self.cpu_kv_cache_bytes > 0, f"cpu_kv_cache_bytes must be positive, got {self.cpu_kv_cache_bytes!r}")
+        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
+               f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override!r}")
 
 
 @dataclass(frozen=True)
@@ -113,8 +124,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True  # split long prompts across steps so decodes keep running
 
     def __post_init__(self):
-        _check(self.max_num_seqs > 0, "max_num_seqs must be positive")
-        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
+        _check(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs!r}")
+        _check(self.max_num_batched_tokens > 0,
+               f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -135,9 +147,15 @@ class KernelConfig:
     cpu_int4: bool = True  # 4-bit GGUF linears (Q4_0/Q4_1/Q4_K) on a CPU run torch's int4 kernel from their codes (bf16 activations); False: dequantized to the model dtype
 
     def __post_init__(self):
-        _check(1 <= self.decode_band <= 256, "decode_band must be in [1, 256]")
-        _check(self.activations in ("fp8", "bf16"), "activations must be fp8 or bf16")
-        _check(self.numerics_check_every > 0, "numerics_check_every must be positive")
+        _check(1 <= self.decode_band <= 256, f"decode_band must be in [1, 256], got {self.decode_band!r}")
+        _check(self.activations in ACTIVATIONS, f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        _check(self.numerics_check_every > 0,
+               f"numerics_check_every must be positive, got {self.numerics_check_every!r}")
+
+
+def _check_token_counts(counts: tuple[int, ...] | None, name: str, graphs: str) -> None:
+    _check(counts is None or all(isinstance(t, int) and t >= 0 for t in counts),
+           f"{name} must be token counts, integers >= 0 (0 alone: no {graphs} graphs), got {counts!r}")
 
 
 DENSE_PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024)
@@ -178,13 +196,10 @@ class RunnerConfig:
     overlap_decode: bool | None = None
 
     def __post_init__(self):
-        _check(self.cuda_graph_max_batch > 0, "cuda_graph_max_batch must be positive")
-        _check(self.prefill_graph_tokens is None
-               or all(isinstance(t, int) and t >= 0 for t in self.prefill_graph_tokens),
-               "prefill_graph_tokens must be token counts (0 alone: no prefill graphs)")
-        _check(self.piecewise_graph_tokens is None
-               or all(isinstance(t, int) and t >= 0 for t in self.piecewise_graph_tokens),
-               "piecewise_graph_tokens must be token counts (0 alone: no piecewise graphs)")
+        _check(self.cuda_graph_max_batch > 0,
+               f"cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch!r}")
+        _check_token_counts(self.prefill_graph_tokens, "prefill_graph_tokens", "prefill")
+        _check_token_counts(self.piecewise_graph_tokens, "piecewise_graph_tokens", "piecewise")
 
     def prefill_graph_buckets(self, sparse_moe: bool) -> tuple[int, ...]:
         """The prefill graph buckets for a model (with or without sparse MoE layers)."""
@@ -211,8 +226,11 @@ class SpeculativeConfig:
     ngram_min: int = 2  # shortest suffix n-gram that may match
 
     def __post_init__(self):
-        _check(0 <= self.ngram_draft_tokens <= 32, "ngram_draft_tokens must be in [0, 32]")
-        _check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
+        _check(0 <= self.ngram_draft_tokens <= 32,
+               f"ngram_draft_tokens must be in [0, 32], got {self.ngram_draft_tokens!r}")
+        _check(1 <= self.ngram_min <= self.ngram_max,
+               f"ngram_min must be in [1, ngram_max], got ngram_min {self.ngram_min!r} with ngram_max "
+               f"{self.ngram_max!r}")
 
 
 @dataclass(frozen=True)
@@ -260,6 +278,7 @@ REASONING_PARSERS = ("auto", "think", "mistral", "harmony", "none")
 VLLM_TOOL_CALL_PARSERS = {"openai": "harmony"}
 VLLM_REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think", "openai_gptoss": "harmony", "gpt_oss": "harmony"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+GENERATION_CONFIGS = ("auto", "none", "vllm")  # vllm: vLLM's name for none
 
 
 @dataclass(frozen=True)
@@ -294,8 +313,9 @@ class ServerConfig:
 
     def __post_init__(self):
         # an empty host (an unset shell variable) would listen on every interface
-        _check(self.host.strip() != "", "host must be non-empty (0.0.0.0 listens on every interface)")
-        _check(0 <= self.port <= 65535, "port must be in [0, 65535]")
+        _check(self.host.strip() != "",
+               f"host must be non-empty (0.0.0.0 listens on every interface), got {self.host!r}")
+        _check(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port!r}")
         _check(self.uvicorn_log_level.lower() in UVICORN_LOG_LEVELS,
                f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, got {self.uvicorn_log_level!r}")
         # frozen: the vLLM name becomes ours as the dataclass is made
@@ -305,28 +325,49 @@ class ServerConfig:
                                                                                 self.reasoning_parser))
         _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
-        _check(0 <= self.max_logprobs <= 20, "max_logprobs must be in [0, 20]")
-        _check(self.max_n >= 1, "max_n must be positive")
+        _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in [0, 20], got {self.max_logprobs!r}")
+        _check(self.max_n >= 1, f"max_n must be positive, got {self.max_n!r}")
         _check(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", self.metrics_prefix) is not None,
                f"metrics_prefix must start a Prometheus metric name (letters, digits, _ and :), got "
                f"{self.metrics_prefix!r}")
-        _check(self.generation_config in ("auto", "none", "vllm"), "generation_config must be auto or none")
-        _check(self.responses_store >= 0, "responses_store must be >= 0")
-        _check(self.responses_store_bytes >= 0, "responses_store_bytes must be >= 0")
-        _check(all(name for name in self.served_model_name), "served_model_name entries must be non-empty")
+        _check(self.generation_config in GENERATION_CONFIGS,
+               f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
+        _check(self.responses_store >= 0, f"responses_store must be >= 0, got {self.responses_store!r}")
+        _check(self.responses_store_bytes >= 0,
+               f"responses_store_bytes must be >= 0, got {self.responses_store_bytes!r}")
+        _check(all(name for name in self.served_model_name),
+               f"served_model_name entries must be non-empty, got {self.served_model_name!r}")
         _check_distinct(self.served_model_name, "served_model_name")
         _check((self.ssl_keyfile is None) == (self.ssl_certfile is None),
-               "HTTPS needs both ssl_keyfile and ssl_certfile (or neither, for HTTP)")
+               f"HTTPS needs both ssl_keyfile and ssl_certfile (or neither, for HTTP), got {_lone_ssl_file(self)}")
         object.__setattr__(self, "allowed_origins", _json_list_form(self.allowed_origins, "allowed_origins"))
-        _check(all(origin for origin in self.allowed_origins), "allowed_origins entries must be non-empty")
-        _check(self.api_key is None or self.api_key != "", "api_key must be non-empty when given")
+        _check(all(origin for origin in self.allowed_origins),
+               f"allowed_origins entries must be non-empty, got {self.allowed_origins!r}")
+        _check(self.api_key is None or self.api_key != "", "api_key must be non-empty when given, got ''")
         _check(self.api_key is None or _HEADER_TOKEN.fullmatch(self.api_key) is not None,
                "api_key must be printable ASCII without leading or trailing spaces: the Authorization header "
-               "carries it, and clients strip the spaces (a key of spaces or a newline could never match)")
+               "carries it, and clients strip the spaces (a key of spaces or a newline could never match), got "
+               f"{_api_key_fault(self.api_key or '')}")
 
 
 # printable ASCII, inner spaces allowed: what an HTTP header value carries unchanged
 _HEADER_TOKEN = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
+def _api_key_fault(key: str) -> str:
+    """What is wrong with an API key, without the key: a message may reach a log others read."""
+    odd = next((i for i, ch in enumerate(key) if not "\x20" <= ch <= "\x7e"), None)
+    if odd is not None:
+        return f"a key of {len(key)} characters whose character {odd + 1} is {_char_name(key[odd])}"
+    return f"a key of {len(key)} characters with a leading or trailing space"
+
+
+def _char_name(ch: str) -> str:
+    return f"U+{ord(ch):04X}" + (" (a control character)" if ord(ch) < 0x20 or ord(ch) == 0x7f else "")
+
+
+def _lone_ssl_file(config: ServerConfig) -> str:
+    return "ssl_keyfile without ssl_certfile" if config.ssl_certfile is None else "ssl_certfile without ssl_keyfile"
 
 
 def _check_distinct(values: tuple[str, ...], name: str) -> None:
@@ -336,6 +377,7 @@ def _check_distinct(values: tuple[str, ...], name: str) -> None:
 
 
 CONVERT_FORMATS = ("mxfp4", "nvfp4", "fp8")
+DENSE_DTYPES = ("bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -353,7 +395,7 @@ class ConvertConfig:
     def __post_init__(self):
         _check(self.format in CONVERT_FORMATS, f"format must be one of {CONVERT_FORMATS}, got {self.format!r}")
         _check(self.rule in RULES, f"rule must be one of {RULES}, got {self.rule!r}")
-        _check(self.dense_dtype in ("bfloat16", "float16"), "dense_dtype must be bfloat16 or float16")
-        _check(self.max_shard_bytes > 0, "max_shard_bytes must be positive")
-        _check(self.chunk_rows is None or self.chunk_rows > 0, "chunk_rows must be positive")
+        _check(self.dense_dtype in DENSE_DTYPES, f"dense_dtype must be one of {DENSE_DTYPES}, got {self.dense_dtype!r}")
+        _check(self.max_shard_bytes > 0, f"max_shard_bytes must be positive, got {self.max_shard_bytes!r}")
+        _check(self.chunk_rows is None or self.chunk_rows > 0, f"chunk_rows must be positive, got {self.chunk_rows!r}")
         _check_regexes(self.ignore, "ignore")

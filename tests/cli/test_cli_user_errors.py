@@ -50,10 +50,12 @@ def test_a_config_message_in_flag_words(message, given, worded):
 
 @pytest.mark.parametrize("argv, command, error", [
     (["generate", "hi", "--block-size", "3"], "generate", "--block-size must be a power of two, got 3"),
-    (["generate", "hi", "--ngram-min", "5", "--ngram-max", "2"], "generate", "need 1 <= --ngram-min <= --ngram-max"),
+    (["generate", "hi", "--ngram-min", "5", "--ngram-max", "2"], "generate",
+     "--ngram-min must be in [1, --ngram-max], got --ngram-min 5 with --ngram-max 2"),
     (["generate", "hi", "--top-k", "-2"], "generate", "--top-k must be -1 (off) or non-negative, got -2"),
     (["serve", "--ssl-keyfile", "k.pem"], "serve",
-     "HTTPS needs both --ssl-keyfile and --ssl-certfile (or neither, for HTTP)"),
+     "HTTPS needs both --ssl-keyfile and --ssl-certfile (or neither, for HTTP), got --ssl-keyfile without "
+     "--ssl-certfile"),
     (["serve", "--gpu-memory-utilization", "1.5"], "serve", "--gpu-memory-utilization must be in (0, 1], got 1.5"),
     (["convert", "embedded", "/nonexistent/out", "--format", "fp3"], "convert",
      "--format must be one of ('mxfp4', 'nvfp4', 'fp8'), got 'fp3'"),
