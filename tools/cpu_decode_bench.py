@@ -35,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - started
 
     run(8)
-    best = min((run(8 + args.tokens) - run(8)) / args.tokens for _ in range(args.repeats))
+    # the best of each length, then their difference: a difference per repeat went negative on a busy machine
+    longer = min(run(8 + args.tokens) for _ in range(args.repeats))
+    shorter = min(run(8) for _ in range(args.repeats))
+    best = (longer - shorter) / args.tokens
+    if best <= 0:
+        raise SystemExit(f"timings too noisy ({longer:.3f} s for {8 + args.tokens} tokens, {shorter:.3f} s for 8): "
+                         "raise --tokens or --repeats on a quieter machine")
     print("\n".join(llm.engine.load_summary))
     print(f"decode {best * 1e3:.2f} ms/token = {1 / best:.1f} tok/s (best of {args.repeats}, {args.tokens} tokens"
           f"{f' after {args.context} prompt tokens' if args.context else ''})")

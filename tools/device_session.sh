@@ -29,7 +29,7 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, keep the log, p
 }
 case "${1:-quick}" in
 quick)
-    step 380 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine
+    step 380 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine tests/formats
     step 200 engine-8b python3 -m radiance.bench.engine_bench synthetic:llama-3.1-8b --quantization none mxfp4 \
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 64 128 --no-hf --json "$OUT/engine-8b.json"
     ;;
