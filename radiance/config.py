@@ -20,6 +20,9 @@ RULES = ("mse", "noclip", "ocp")
 # "none" only with quantization="nvfp4": serve the NVFP4 weights dequantized (W4A16), no requant
 MODEL_RULES = RULES + ("none",)
 DTYPES = ("float32", "bfloat16", "float16")
+# vLLM's names of the dtypes (`vllm serve ... --dtype half`, LLM(dtype="half")), so that its command lines and calls
+# run as they are; auto: the default (bfloat16 on CUDA, float32 on a CPU)
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "auto": None}
 # a quantized lm_head: one MXFP4 term (4.25 bits per weight) or two (the head, then its residual: 8.5 bits)
 LM_HEAD_FORMATS = ("mxfp4", "mxfp4x2")
 

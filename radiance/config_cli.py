@@ -13,7 +13,7 @@ import re
 import types
 import typing
 
-from radiance.config import DTYPES, EngineConfig
+from radiance.config import DTYPE_ALIASES, DTYPES, EngineConfig
 from radiance.errors import RadianceError
 
 
@@ -29,9 +29,6 @@ def _base_type(tp):
     return tp, False, False
 
 
-# vLLM's names of the dtypes (`vllm serve ... --dtype half`), so that its command lines run as they are; auto: the
-# default (bfloat16 on CUDA, float32 on a CPU)
-DTYPE_ALIASES = {"half": "float16", "float": "float32", "auto": None}
 
 
 def parse_dtype(text: str) -> str | None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int, positive_int
 from radiance.bench.serve_options import SERVE_DEFAULTS, ServeBenchOptions
-from radiance.config import DTYPES, MODEL_RULES
-from radiance.config_cli import DTYPE_ALIASES, errors_in_flag_words, parse_dtype
+from radiance.config import DTYPE_ALIASES, DTYPES, MODEL_RULES
+from radiance.config_cli import errors_in_flag_words, parse_dtype
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from numbers import Integral
 
+import torch
 from tqdm import tqdm
 
 from radiance.checkpoint.sampling_defaults import SamplingDefaults
-from radiance.config import EngineConfig
+from radiance.config import DTYPE_ALIASES, DTYPES, EngineConfig
 from radiance.engine.llm_engine import LLMEngine
 from radiance.engine.loader import no_tokenizer_message
-from radiance.engine.outputs import TokenLogprob
+from radiance.engine.outputs import RequestTimes, TokenLogprob
+from radiance.engine.request_checks import SamplingParamsError
 from radiance.engine.sampling_params import SamplingParams
 from radiance.errors import ConfigError
 
@@ -26,23 +29,58 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
 
+    def finished(self) -> bool:
+        """vLLM's method: whether the output has ended (always, in what LLM.generate returns)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class GenerationOutput:
+    """One prompt's result: vLLM's RequestOutput."""
+
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs
+    request_id: str = ""  # "0", "1", ... per prompt over the LLM's life, as vLLM numbers them
+    finished: bool = True  # LLM.generate returns finished requests only
+    # when the engine first scheduled it and its first and last tokens came (time.monotonic()); of the choice
+    # that finished last when n > 1
+    metrics: RequestTimes | None = None
+
+
+# vLLM's LLM(...) arguments that change nothing here: radiance runs no code of a model's own (trust_remote_code),
+# keeps no stats log, recomputes preempted sequences rather than swapping them, and names no model (the server does)
+VLLM_NO_EFFECT_ARGS = ("trust_remote_code", "disable_log_stats", "swap_space", "served_model_name",
+                       "disable_custom_all_reduce", "max_seq_len_to_capture")
+# vLLM's arguments radiance takes only at the value that means what it does anyway: name -> (value, why)
+VLLM_DEFAULT_ONLY_ARGS = {
+    "tensor_parallel_size": (1, "radiance serves a model on one device"),
+    "pipeline_parallel_size": (1, "radiance serves a model on one device"),
+    "tokenizer_mode": ("auto", "the tokenizer is the model's own"),
+    "skip_tokenizer_init": (False, "the model's tokenizer is loaded with it (one without takes token-id prompts)"),
+    "cpu_offload_gb": (0, "weights are not offloaded"),
+}
+TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# vLLM's TextPrompt / TokensPrompt keys (a prompt given as a dict)
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 class LLM:
-    def __init__(self, model: str | None = None, quantization: str = "auto", device: str | None = None,
-                 dtype: str | None = None, checkpoint=None, **config):
-        """`config`: any field of the engine's config dataclasses (max_num_seqs=8, enforce_eager=True, ...).
-        `checkpoint`: a checkpoint-like object to serve instead of opening `model`."""
-        engine_config = EngineConfig.from_flat(model=model, quantization=quantization, device=device, dtype=dtype,
-                                               **config)
+    def __init__(self, model: str | None = None, quantization: str | None = "auto", device: str | None = None,
+                 dtype: str | torch.dtype | None = None, checkpoint=None, max_logprobs: int | None = None,
+                 **config):
+        """`config`: any field of the engine's config dataclasses (max_num_seqs=8, enforce_eager=True, ...), and
+        vLLM's arguments (VLLM_NO_EFFECT_ARGS, VLLM_DEFAULT_ONLY_ARGS, tokenizer, revision) as they apply here.
+        `checkpoint`: a checkpoint-like object to serve instead of opening `model`. `max_logprobs`: the most
+        logprobs / prompt_logprobs a request may ask for (vLLM's; default: the vocabulary; -1: the same)."""
+        model = _vllm_model_args(model, config)
+        if "seed" in config and config["seed"] is None:  # vLLM's "not seeded": a fresh seed each run
+            config["seed"] = int.from_bytes(os.urandom(8), "little", signed=True)
+        engine_config = EngineConfig.from_flat(model=model, quantization=quantization or "auto", device=device,
+                                               dtype=_dtype_name(dtype), **config)
+        self.max_logprobs = _max_logprobs(max_logprobs)
         self.engine = LLMEngine(engine_config, checkpoint=checkpoint)
         self._counter = 0
 
@@ -52,10 +90,15 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(config, checkpoint=checkpoint, progress=progress)
         llm._counter = 0
+        llm.max_logprobs = None
         return llm
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's accessor); None for a checkpoint without one."""
         return self.engine.tokenizer
 
     def _no_tokenizer(self, hint: str) -> ConfigError:
@@ -70,11 +113,31 @@ class LLM:
         return self.tokenizer(text, **kwargs).input_ids
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            return self._tokenize_dict(prompt)
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if not _is_token_ids(prompt):  # int() took 1.7 as token 1; a tuple of ids failed as "int not iterable"
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {_short(prompt)}")
+            raise ValueError(f"a prompt must be a string, a list of token ids or a {{'prompt': ...}} / "
+                             f"{{'prompt_token_ids': [...]}} dict, got {_short(prompt)}")
         return None, [int(t) for t in prompt]
+
+    def _tokenize_dict(self, prompt: dict) -> tuple[str | None, list[int]]:
+        """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids} (its text, if it gives
+        one too, is kept as the output's prompt). cache_salt is read by generate."""
+        unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+        if unknown:  # multi_modal_data and the like: text only here
+            raise ValueError(f"a prompt must be text or token ids: a prompt dict's keys are {', '.join(PROMPT_KEYS)}, "
+                             f"got {', '.join(map(repr, unknown))}")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not _is_token_ids(ids):
+                raise ValueError(f"prompt_token_ids must be a list of token ids, got {_short(ids)}")
+            return prompt.get("prompt"), [int(t) for t in ids]
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError(f"a prompt dict needs 'prompt' (a string) or 'prompt_token_ids', got {_short(prompt)}")
+        return text, self._encode(text)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate and chat sample with when given no SamplingParams: the sampling defaults of the model's
@@ -83,83 +146,209 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
-        """prompts: a string, a list (or tuple, or 1-D array) of token ids, or a list of either."""
-        if isinstance(prompts, str) or _is_token_ids(prompts) and len(prompts):
+        """prompts: a string, a list (or tuple, or 1-D array) of token ids, a vLLM prompt dict ({"prompt": text}
+        or {"prompt_token_ids": ids}), or a list of these. sampling_params: one for all, or a list with one per
+        prompt. Every prompt and parameter is checked before any is queued."""
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) and len(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a string, a list of token ids or a list of either, "
+            raise ValueError(f"prompts must be a string, a list of token ids, a prompt dict or a list of these, "
                              f"got {_short(prompts)}")
-        # [] is not the default
-        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        bad = [p for p in params_list if not isinstance(p, SamplingParams)]
-        if bad:  # a dict failed deep in the engine as "'dict' object has no attribute 'logit_bias'"
-            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {_short(bad[0])}")
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        params_list = [_with_prompt_salt(prompt, p) for prompt, p in zip(prompts, params_list)]
         results: list[GenerationOutput] = []
         request_slots: dict[str, tuple[int, int]] = {}
         tokenized = [self._tokenize(prompt) for prompt in prompts]
+        tokenized = [(text, self._truncate(ids, p)) for (text, ids), p in zip(tokenized, params_list)]
         for (_, ids), p in zip(tokenized, params_list):  # reject a bad prompt before queueing any
+            self._check_logprobs(p)
             self.engine.check_request(ids, p)
         try:
             self._add_all(tokenized, params_list, results, request_slots)
-            self._run(results, request_slots, use_tqdm)
+            self._run(results, request_slots, params_list, use_tqdm)
         except BaseException:  # Ctrl-C or an error: leave nothing queued for the next call
             for request_id in request_slots:
                 self.engine.abort_request(request_id)
             raise
         return results
 
+    def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+        # [] is not the default
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * num_prompts
+        if len(params_list) != num_prompts:
+            raise ValueError(f"{len(params_list)} sampling params for {num_prompts} prompts")
+        bad = [p for p in params_list if not isinstance(p, SamplingParams)]
+        if bad:  # a dict failed deep in the engine as "'dict' object has no attribute 'logit_bias'"
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {_short(bad[0])}")
+        return params_list
+
+    def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """truncate_prompt_tokens: the last k prompt tokens (-1: as many as leave room for max_tokens), as the
+        server and vLLM cut them; a k past that room is refused, naming both."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        context = self.engine.max_model_len
+        room = context - (params.max_tokens or 0)
+        if keep == -1:
+            keep = max(1, context - (params.max_tokens or 1))  # too little room: the context check says so
+        elif keep > room > 0:
+            raise SamplingParamsError(f"truncate_prompt_tokens {keep} is more than the prompt may have "
+                                      f"(max_model_len {context} - max_tokens {params.max_tokens} = {room})",
+                                      "truncate_prompt_tokens")
+        return ids[-keep:] if len(ids) > keep else ids
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """max_logprobs, as vLLM's LLM refuses a request over it."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if self.max_logprobs is not None and value is not None and value > self.max_logprobs:
+                raise SamplingParamsError(f"{name} is {value}, more than max_logprobs {self.max_logprobs}", name)
+
     def _add_all(self, tokenized, params_list, results, request_slots) -> None:
         for i, ((text, ids), p) in enumerate(zip(tokenized, params_list)):
-            results.append(GenerationOutput(text, ids, [None] * p.n))  # type: ignore[list-item]
+            prompt_id = str(self._counter)  # vLLM's request ids, and its "{choice}_{id}" for n > 1
+            self._counter += 1
+            results.append(GenerationOutput(text, ids, [None] * p.n, request_id=prompt_id))  # type: ignore[list-item]
             for j in range(p.n):
-                request_id = f"llm-{self._counter}"
-                self._counter += 1
+                request_id = prompt_id if p.n == 1 else f"{j}_{prompt_id}"
                 sub = p if p.n == 1 else p.for_choice(j)
                 self.engine.add_request(request_id, ids, sub)
                 request_slots[request_id] = (i, j)
 
-    def _run(self, results, request_slots, use_tqdm: bool) -> None:
+    def _run(self, results, request_slots, params_list, use_tqdm: bool) -> None:
         bar = tqdm(total=len(request_slots), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished and out.request_id in request_slots:
                     i, j = request_slots[out.request_id]
-                    results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason, out.logprobs,
+                    text = out.text if params_list[i].detokenize else ""  # vLLM's detokenize=False: ids only
+                    results[i].outputs[j] = CompletionOutput(j, text, out.token_ids, out.finish_reason, out.logprobs,
                                                              out.cumulative_logprob, out.stop_reason)
                     results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
+                    results[i].metrics = out.times  # outputs come in finishing order: the last is the latest
                     if out.prompt_logprobs is not None:
                         results[i].prompt_logprobs = out.prompt_logprobs
                     bar.update(1)
         bar.close()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """The prompt text; with `tools`, the model's "tool_use" template where it ships one (as transformers)."""
-        template = self.engine.chat_template
-        if kwargs.get("tools"):
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **kwargs) -> str:
+        """The prompt text; with `tools`, the model's "tool_use" template where it ships one (as transformers).
+        `chat_template` renders in place of the model's; `continue_final_message` ends the prompt inside the last
+        message (its end cut off), for the model to go on with it; `kwargs` reach the template as variables."""
+        if continue_final_message and add_generation_prompt:  # transformers' and vLLM's rule
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        messages = [_template_message(m) for m in messages]
+        template = chat_template or self.engine.chat_template
+        if kwargs.get("tools") and not chat_template:
             template = (getattr(self.engine, "chat_templates", None) or {}).get("tool_use") or template
-        from radiance.server.chat_template import render_chat
-        if template:
+        from radiance.server.chat_template import cut_at_continue_tag, render_chat, tag_final_message
+        if not template:
+            if self.tokenizer is None:
+                raise self._no_tokenizer("it has no chat template either")
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **kwargs)
+        # the server passes them too: Llama 3's template starts with {{ bos_token }}, and chat encodes the text
+        # without special tokens, so a prompt without them lost its BOS
+        kwargs.setdefault("bos_token", getattr(self.tokenizer, "bos_token", None) or "")
+        kwargs.setdefault("eos_token", getattr(self.tokenizer, "eos_token", None) or "")
+        if not continue_final_message:
             return render_chat(template, messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        if self.tokenizer is None:
-            raise self._no_tokenizer("it has no chat template either")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  chat_template=template, **kwargs)
+        prompt = cut_at_continue_tag(render_chat(template, tag_final_message(messages), add_generation_prompt=False,
+                                                 **kwargs), messages[-1].get("content") or "")
+        if prompt is None:
+            raise ValueError("continue_final_message: the chat template does not write the final message's content")
+        return prompt
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
-             **template_kwargs) -> list[GenerationOutput]:
-        """messages: one conversation (list of {"role", "content"} dicts) or a list of conversations."""
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, **template_kwargs) -> list[GenerationOutput]:
+        """messages: one conversation (list of {"role", "content"} dicts; content a string or text parts) or a
+        list of conversations. vLLM's arguments; `chat_template_kwargs` (and any other keyword) reach the
+        template as variables ({"enable_thinking": False} for Qwen3)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not isinstance(conversations, list) or not all(_is_conversation(c) for c in conversations):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {_short(chat_template_kwargs)}")
+        variables = {**template_kwargs, **(chat_template_kwargs or {})}
+        if tools is not None:
+            variables["tools"] = tools
         prompts = []
         for conversation in conversations:
-            text = self.apply_chat_template(conversation, **template_kwargs)
+            text = self.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message,
+                                            chat_template=chat_template, **variables)
             prompts.append(self._encode(text, add_special_tokens=False))
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-        return outputs
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _template_message(message: dict) -> dict:
+    """A message as templates take it: content given as OpenAI's text parts joined by newlines (vLLM's reading;
+    the template failed on the list). Other parts (images, audio) are refused: text only here."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError(f"message content parts must be {{'type': 'text', 'text': ...}} (text only), "
+                             f"got {_short(part)}")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
+def _vllm_model_args(model: str | None, config: dict) -> str | None:
+    """Takes vLLM's LLM(...) arguments out of `config`: those that change nothing here are dropped, the others
+    refused by name unless they say what radiance does anyway; `revision` is folded into the Hub id
+    (org/name@revision). Returns the model."""
+    for name in VLLM_NO_EFFECT_ARGS:
+        config.pop(name, None)
+    for name, (value, why) in VLLM_DEFAULT_ONLY_ARGS.items():
+        if name in config and config.pop(name) != value:
+            raise ConfigError(f"{name} must be {value!r} here: {why}")
+    tokenizer = config.pop("tokenizer", None)
+    if tokenizer is not None and tokenizer != model:
+        raise ConfigError(f"tokenizer {tokenizer!r}: radiance reads the tokenizer of the model itself (its "
+                          "directory or GGUF file); a separate one is not supported")
+    revision = config.pop("revision", None)
+    if revision is None:
+        return model
+    if model is None or os.path.exists(model) or "@" in model:
+        raise ConfigError(f"revision {revision!r} applies to a Hugging Face Hub id without one, got model {model!r}")
+    return f"{model}@{revision}"
+
+
+def _dtype_name(dtype) -> str | None:
+    """The engine's name of `dtype`: one of DTYPES, vLLM's half / float / auto, or a torch dtype of those."""
+    if isinstance(dtype, torch.dtype) and dtype in TORCH_DTYPE_NAMES:
+        return TORCH_DTYPE_NAMES[dtype]
+    if dtype is None or isinstance(dtype, str) and dtype in DTYPES:
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPE_ALIASES:
+        return DTYPE_ALIASES[dtype]
+    raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, vLLM's {', '.join(DTYPE_ALIASES)} or a torch "
+                      f"dtype of those, got {dtype!r}")
+
+
+def _max_logprobs(value) -> int | None:
+    if value is None or value == -1:  # vLLM's -1: no limit but the vocabulary
+        return None
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"max_logprobs must be a non-negative integer or -1, got {value!r}")
+    return int(value)
+
+
+def _with_prompt_salt(prompt, params: SamplingParams) -> SamplingParams:
+    """A prompt dict's cache_salt (vLLM's place for it) over its SamplingParams' own."""
+    if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+        return replace(params, cache_salt=prompt["cache_salt"])
+    return params
 
 
 def _is_token_ids(prompt) -> bool:

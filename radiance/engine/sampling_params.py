@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from numbers import Integral, Real
 
 import numpy
@@ -57,6 +58,12 @@ class SamplingParams:
     # the token-id sequences of bad_words (vLLM's property of this name): None until the engine tokenizes
     # bad_words with the model's tokenizer; given, they are used as they are (e.g. a model without a tokenizer)
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # vLLM's: False leaves each output's text empty (its token_ids only); stop strings need the text, so they
+    # are refused then. The engine still detokenizes (LLM drops the text)
+    detokenize: bool = True
+    # vLLM's: keep only the last k prompt tokens (left truncation) before the context check; -1: as many as
+    # leave room for max_tokens. Applied by LLM.generate (the server reads the request field of this name)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         def check(cond, msg):
@@ -65,7 +72,8 @@ class SamplingParams:
 
         # types first: a float seed or a None stop string failed later, inside the engine's loop
         # (a bool is an Integral, but True for n or temperature is a mistake, and "no" for ignore_eos was true)
-        for name in ("n", "max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", "best_of"):
+        for name in ("n", "max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", "best_of",
+                     "truncate_prompt_tokens"):
             value = getattr(self, name)
             optional = name not in ("n", "top_k", "min_tokens")
             check(isinstance(value, Integral) and not isinstance(value, bool) or optional and value is None,
@@ -73,15 +81,18 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             value = getattr(self, name)  # a string or None failed below as a TypeError
             check(isinstance(value, Real) and not isinstance(value, bool), f"{name} must be a number, got {value!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):  # numpy's bools and 0 / 1 pass
+        # numpy's bools and 0 / 1 pass
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             value = getattr(self, name)
             check(isinstance(value, (Integral, numpy.bool_)) and value in (True, False),
                   f"{name} must be true or false, got {value!r}")
             object.__setattr__(self, name, bool(value))
         check(isinstance(self.stop, str) or _is_sequence(self.stop, str),
               f"stop must be a string or a list of strings, got {self.stop!r}")
-        check(_is_sequence(self.stop_token_ids, Integral),
-              f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        # True was taken as token 1, and a negative id matched nothing: the request ran on past its stop
+        check(_is_sequence(self.stop_token_ids, Integral) and not any(isinstance(t, bool) or t < 0
+                                                                     for t in self.stop_token_ids or ()),
+              f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -105,10 +116,15 @@ class SamplingParams:
               f"bad_words_token_ids must be a list of lists of integers, got {ids!r}")
         if ids is not None:
             object.__setattr__(self, "bad_words_token_ids", tuple(tuple(int(t) for t in word) for word in ids))
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
-        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
 
         check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+              or self.truncate_prompt_tokens >= 1,
+              f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
+        check(self.detokenize or not self.stop,  # vLLM's rule: a stop string is looked for in the text
+              f"stop strings need detokenize=True (got stop {list(self.stop)!r} with detokenize=False); "
+              "use stop_token_ids")
         check(self.best_of is None or self.best_of == self.n,
               f"best_of is not supported (got {self.best_of} with n {self.n}; vLLM v1 removed it too): leave it "
               f"unset, or ask for n samples with logprobs and pick by cumulative_logprob")
@@ -143,6 +159,10 @@ class SamplingParams:
             check(len(word) > 0, "bad_words_token_ids must not hold an empty list")
             check(min(word) >= 0, f"bad_words_token_ids must be non-negative, got {min(word)}")
 
+    def clone(self) -> "SamplingParams":
+        """vLLM's deep copy; these parameters are frozen, so a shallow one is as safe."""
+        return replace(self)
+
     def for_choice(self, choice: int) -> "SamplingParams":
         """The one-sequence parameters of choice `choice` of an n > 1 request: n=1, the seed advanced by the
         choice (seed + choice; the engine serves one sequence per request, LLM.generate and the server expand n)."""
@@ -167,6 +187,51 @@ class SamplingParams:
     @property
     def has_bad_words(self) -> bool:
         return bool(self.bad_words) or bool(self.bad_words_token_ids)
+
+
+# vLLM's SamplingParams fields radiance takes under another name or not at all: what to write instead
+VLLM_FIELD_HINTS = {
+    "guided_decoding": "use structured_output=StructuredOutput(json=..., regex=..., choice=..., grammar=...) "
+                       "from radiance.engine.structured_output",
+    "output_kind": "LLM.generate returns finished outputs only",
+    "logits_processors": "custom logits processors are not supported",
+    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer writes them",
+}
+VLLM_FIELD_HINTS["structured_outputs"] = VLLM_FIELD_HINTS["guided_decoding"]
+
+
+def _reject_unknown_fields(init):
+    """The dataclass __init__, raising a SamplingParamsError that names an unknown keyword (a bare TypeError
+    before) and says what radiance takes instead of vLLM's fields it lacks."""
+    known = frozenset(f.name for f in fields(SamplingParams))
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        for name in kwargs:
+            if name not in known:
+                hint = VLLM_FIELD_HINTS.get(name, "not a sampling parameter radiance knows")
+                raise SamplingParamsError(f"SamplingParams got an unknown field {name!r}: {hint}", name)
+        init(self, *args, **kwargs)
+    return checked_init
+
+
+SamplingParams.__init__ = _reject_unknown_fields(SamplingParams.__init__)  # type: ignore[method-assign]
+
+
+def _logit_bias_pairs(logit_bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias (a mapping or (id, bias) pairs) as sorted (int, float) pairs. A key must read as an integer
+    (OpenAI's JSON gives "50256") and a value as a number: int("x") / float("x") failed unnamed before."""
+    pairs = logit_bias.items() if isinstance(logit_bias, Mapping) else logit_bias or ()
+    try:
+        out = []
+        for token, bias in pairs:
+            if isinstance(token, (bool, float)) or isinstance(bias, (bool, str)):
+                raise ValueError
+            out.append((int(token), float(bias)))
+    except (TypeError, ValueError):
+        raise SamplingParamsError(f"logit_bias must map token ids to numbers, got {logit_bias!r}",
+                                  "logit_bias") from None
+    return tuple(sorted(out))
 
 
 def _is_sequence(value, kind) -> bool:

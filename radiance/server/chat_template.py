@@ -250,3 +250,25 @@ def prompt_opens_thinking(prompt: str, last_content: str = "", continuing: bool 
     if continuing and prompt.rfind(last_content) <= start:
         return True  # the continued message opened it (the prompt ends with that message)
     return prompt.rfind(last_content, 0, start) >= 0  # the whole last message comes before the opening
+
+
+# appended to a message to be continued (continue_final_message), to find where the template wrote its end
+# (transformers' tag: a template sees what it sees under transformers, and the text it writes after the message
+# can never be mistaken for it)
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tag_final_message(messages: list[dict]) -> list[dict]:
+    """The messages with CONTINUE_TAG after the last one's content (copies: the caller's stay as they are)."""
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": (last.get("content") or "") + CONTINUE_TAG}]
+
+
+def cut_at_continue_tag(prompt: str, final: str) -> str | None:
+    """The prompt rendered from tag_final_message's messages, up to where the template wrote the final message's
+    end (`final`: its content); None when the template does not write that content."""
+    cut = prompt.rfind(CONTINUE_TAG.strip())
+    if cut < 0 or final.strip() not in prompt[:cut]:  # the tag alone could come from another message's text
+        return None
+    # a template that trimmed the message trimmed the tag's space too: the message's own trailing space with it
+    return prompt[:cut] if prompt.startswith(CONTINUE_TAG, cut) else prompt[:cut].rstrip()

@@ -17,8 +17,8 @@ from fastapi.responses import StreamingResponse
 
 from radiance.engine.structured_output import StructuredOutput
 from radiance.errors import ConfigError
-from radiance.server.chat_template import (TemplateError, close_thinking, prompt_closes_thinking,
-                                           prompt_opens_thinking, render_chat)
+from radiance.server.chat_template import (TemplateError, close_thinking, cut_at_continue_tag, prompt_closes_thinking,
+                                           prompt_opens_thinking, render_chat, tag_final_message)
 from radiance.server.chat_tools import forced_tool_call_constraint, forced_tool_call_prefix, strict_tools_constraint
 from radiance.server.errors import JSONAnswer, OpenAIError, invalid
 from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, now, usage
@@ -165,11 +165,6 @@ def _request_template(state: ServerState, req: ChatCompletionRequest) -> str | N
     return req.chat_template
 
 
-# appended to a message to be continued, to find where the template wrote its end (transformers' tag: a template
-# sees what it sees under transformers, and the text it writes after the message can never be mistaken for it)
-CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-
-
 def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: bool, **template_kwargs: Any) -> str:
     """The request's prompt; `template_kwargs` over the request's own (thinking_before_answer's probe)."""
     template = _request_template(state, req) or (state.tool_chat_template if use_tools else None) or state.chat_template
@@ -182,7 +177,7 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
     kwargs.setdefault("eos_token", getattr(tok, "eos_token", None) or "")
     messages = _messages(req)
     if req.continue_final_message:  # marked, to cut the prompt where the template wrote the message's end
-        messages[-1]["content"] = (messages[-1].get("content") or "") + CONTINUE_TAG
+        messages = tag_final_message(messages)
     try:
         prompt = render_chat(template, messages,
                              tools=[t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None,
@@ -192,13 +187,10 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
     except ConfigError as exc:  # only a request's own template can fail to parse here: the server's was checked
         raise invalid(str(exc), param="chat_template") from exc
     if req.continue_final_message:
-        cut = prompt.rfind(CONTINUE_TAG.strip())
-        final = (req.messages[-1].text() or "").strip()
-        if cut < 0 or final not in prompt[:cut]:  # the tag alone could come from another message's text
+        prompt = cut_at_continue_tag(prompt, req.messages[-1].text() or "")
+        if prompt is None:
             raise invalid("continue_final_message: the chat template does not write the final message's content",
                           param="messages")
-        # a template that trimmed the message trimmed the tag's space too: the message's own trailing space with it
-        prompt = prompt[:cut] if prompt.startswith(CONTINUE_TAG, cut) else prompt[:cut].rstrip()
     return prompt
 
 

@@ -30,7 +30,7 @@ def test_whether_the_next_lookup_can_match(ids, n_min, want):
 
 
 def test_speculative_config_is_checked():
-    with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
+    with pytest.raises(ValueError, match=r"ngram_min must be in \[1, ngram_max\], got ngram_min 3 with ngram_max 2"):
         SpeculativeConfig(ngram_min=3, ngram_max=2)
     with pytest.raises(ValueError, match="ngram_draft_tokens must be in"):
         SpeculativeConfig(ngram_draft_tokens=-1)
