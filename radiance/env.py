@@ -1,5 +1,6 @@
-"""The one module that reads environment variables: the log level's default and Triton's own interpreter switch
-(huggingface_hub reads HF_HOME / HF_TOKEN itself). Everything else is configured through radiance.config."""
+"""The one module that reads environment variables: the log level's default, Triton's own interpreter switch and,
+for its messages, which variable turned huggingface_hub's offline mode on (huggingface_hub reads HF_HOME / HF_TOKEN /
+HF_HUB_OFFLINE itself). Everything else is configured through radiance.config."""
 
 import os
 
@@ -11,3 +12,12 @@ def log_level(default: str = "INFO") -> str:
 def triton_interpret() -> bool:
     """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def hub_offline_setting() -> str | None:
+    """"HF_HUB_OFFLINE=1" or "TRANSFORMERS_OFFLINE=1", whichever is set (both turn huggingface_hub's offline mode on),
+    to name it in a message; None when neither is."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]}"
+    return None

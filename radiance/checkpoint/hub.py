@@ -20,6 +20,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from radiance.env import hub_offline_setting
 from radiance.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -243,10 +244,7 @@ def _offline_mode() -> str | None:
 
     if not constants.HF_HUB_OFFLINE:
         return None
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(name):
-            return f"{name}={os.environ[name]}"
-    return "HF_HUB_OFFLINE"
+    return hub_offline_setting() or "HF_HUB_OFFLINE"
 
 
 def _unresolvable_endpoint() -> OSError | None:
