@@ -2,7 +2,11 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["CompletionOutput", "GenerationOutput", "LLM", "RequestOutput", "SamplingParams", "__version__"]
+
+# LLM.generate's output classes under vLLM's names too (`from vllm import RequestOutput, CompletionOutput`)
+_OUTPUT_CLASSES = {"RequestOutput": "GenerationOutput", "GenerationOutput": "GenerationOutput",
+                   "CompletionOutput": "CompletionOutput"}
 
 
 def __getattr__(name):  # lazy: `import radiance` stays cheap (no torch import for --help)
@@ -12,4 +16,7 @@ def __getattr__(name):  # lazy: `import radiance` stays cheap (no torch import f
     if name == "SamplingParams":
         from radiance.engine.sampling_params import SamplingParams
         return SamplingParams
+    if name in _OUTPUT_CLASSES:
+        from radiance.engine import outputs
+        return getattr(outputs, _OUTPUT_CLASSES[name])
     raise AttributeError(f"module 'radiance' has no attribute {name!r}")

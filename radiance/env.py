@@ -14,10 +14,7 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def hub_offline_setting() -> str | None:
-    """"HF_HUB_OFFLINE=1" or "TRANSFORMERS_OFFLINE=1", whichever is set (both turn huggingface_hub's offline mode on),
-    to name it in a message; None when neither is."""
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(name):
-            return f"{name}={os.environ[name]}"
-    return None
+def hub_offline_settings() -> list[str]:
+    """["HF_HUB_OFFLINE=1"], ["TRANSFORMERS_OFFLINE=1"] or both: the variables set that turn huggingface_hub's offline
+    mode on (it reads the first that is set, so both must go for it to go online), to name them in a message."""
+    return [f"{name}={os.environ[name]}" for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if os.environ.get(name)]

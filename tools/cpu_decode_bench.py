@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(tokens: int) -> float:
         started = time.perf_counter()
-        llm.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        llm.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - started
 
     run(8)

@@ -326,7 +326,7 @@ def run_activation_error(layers=(0, 14, 29), prompt: str | None = None, progress
             hooks.append(module.register_forward_hook(grab))
     text = prompt or ("The quick brown fox jumps over the lazy dog. Quantization maps weights to four bits, and "
                       "activations to eight bits, so the tensor cores of a Hopper GPU can run the product in fp8.")
-    llm.generate([text], SamplingParams(max_tokens=1, temperature=0.0))
+    llm.generate([text], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     for h in hooks:
         h.remove()
     lines = ["| layer | tokens | W4A8 rel err | W4A16 rel err | W4A4 rel err | fp8 act. alone (W4A8 vs W4A16) "

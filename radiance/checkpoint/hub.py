@@ -20,7 +20,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from radiance.env import hub_offline_setting
+from radiance.env import hub_offline_settings
 from radiance.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -125,8 +125,15 @@ def pick_gguf(model: HubModel, files: list[str]) -> str | None:
         raise CheckpointError(_no_match(model, files))
     names = _some(os.path.basename(f) for f in ggufs)
     if all(_SPLIT_GGUF.search(f) for f in matches):
-        what = f"{model.tag!r} names" if model.tag is not None else "its one GGUF model is"
-        raise CheckpointError(f"{model}: {what} a split GGUF, which radiance does not read ({_MERGE_SPLIT})")
+        # the parts of one model share a name but for "-0000N-of-0000M": count models, not files
+        models = {_SPLIT_GGUF.sub("", f) for f in matches}
+        if len(models) == 1:
+            what = f"{model.tag!r} names" if model.tag is not None else "its one GGUF model is"
+            raise CheckpointError(f"{model}: {what} a split GGUF, which radiance does not read ({_MERGE_SPLIT})")
+        what = f"the {len(models)} GGUF models {model.tag!r} names" if model.tag is not None else \
+            f"all {len(models)} of its GGUF models"
+        raise CheckpointError(f"{model}: {what} are split GGUFs ({_some(os.path.basename(m) for m in models)}), "
+                              f"which radiance does not read (pick one and {_MERGE_SPLIT})")
     if model.tag is not None:
         raise CheckpointError(f"{model}: several GGUF files match {model.tag!r} (its GGUF files: {names}): name one "
                               f"by a longer part of its name")
@@ -237,14 +244,14 @@ def _first_line(exc: BaseException) -> str:
 # ------------------------------------------------------------------------------ the Hub's cache
 
 
-def _offline_mode() -> str | None:
-    """The variable that turned huggingface_hub's offline mode on (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1), None
-    when off. huggingface_hub reads it once, at import: its constant is what it acts on."""
+def _offline_mode() -> list[str] | None:
+    """The variables that turned huggingface_hub's offline mode on (["HF_HUB_OFFLINE=1"], ["TRANSFORMERS_OFFLINE=1"]
+    or both), None when off. huggingface_hub reads them once, at import: its constant is what it acts on."""
     from huggingface_hub import constants
 
     if not constants.HF_HUB_OFFLINE:
         return None
-    return hub_offline_setting() or "HF_HUB_OFFLINE"
+    return hub_offline_settings() or ["HF_HUB_OFFLINE=1"]
 
 
 def _unresolvable_endpoint() -> OSError | None:
@@ -275,7 +282,7 @@ def _cached(model: HubModel, why: Exception | None) -> str:
     if path is None:
         raise CheckpointError(_not_cached(model, why, files))
     if why is None:
-        logger.info("%s: served from the Hugging Face cache (offline mode: %s)", model, _offline_mode())
+        logger.info("%s: served from the Hugging Face cache (offline mode: %s)", model, " and ".join(_offline_mode()))
     else:  # said, so that a stale copy served because of a token or proxy problem is not a mystery
         logger.warning("%s: the Hugging Face Hub could not be asked (%s): serving the copy in its cache", model,
                        _reason(why))
@@ -330,11 +337,12 @@ def _not_cached(model: HubModel, why: Exception | None, files: list[str]) -> str
     held = f" (of it the cache holds: {_some(files)})" if files else ""
     cache = f"the Hugging Face cache ({_hub_cache()})"
     if why is None:
-        flag = _offline_mode()
-        name = flag.split("=")[0]
-        return (f"{model}: no such local path, and Hugging Face offline mode is on ({flag}) while {cache} does not "
-                f"hold this model{held}: unset {name} so that radiance downloads it, or download it first where the "
-                f"Hub is reachable (e.g. `{name}=0 radiance inspect {model}`)")
+        flags = _offline_mode()
+        names = " and ".join(flag.split("=")[0] for flag in flags)
+        # HF_HUB_OFFLINE=0 turns it off whichever is set: huggingface_hub reads HF_HUB_OFFLINE first
+        return (f"{model}: no such local path, and Hugging Face offline mode is on ({' and '.join(flags)}) while "
+                f"{cache} does not hold this model{held}: unset {names} so that radiance downloads it, or download "
+                f"it first where the Hub is reachable (e.g. `HF_HUB_OFFLINE=0 radiance inspect {model}`)")
     return (f"{model}: no such local path, and the Hugging Face Hub could not be reached to fetch it "
             f"({_reason(why)}) while {cache} does not hold it{held}: check the network (or HF_ENDPOINT, a proxy) "
             "and retry")

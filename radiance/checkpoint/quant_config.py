@@ -38,8 +38,16 @@ _CT_STORAGE = {
     "mxfp4": ("mxfp4-pack-quantized",),
     "fp8": ("float-quantized", "naive-quantized"),
 }
-_CT_PRESETS = {"NVFP4": "nvfp4", "NVFP4A16": "nvfp4", "MXFP4": "mxfp4", "MXFP4A16": "mxfp4",
-               "FP8": "fp8", "FP8_DYNAMIC": "fp8"}
+# the weight schemes of the compressed-tensors presets radiance reads (a config group `{"FP8_DYNAMIC": ["Linear"]}`),
+# as compressed-tensors defines them: parsed like a written-out group, so the fp8 ones say how their scales go
+_NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+_MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}
+_CT_PRESET_WEIGHTS = {
+    "NVFP4": _NVFP4, "NVFP4A16": _NVFP4, "MXFP4": _MXFP4, "MXFP4A16": _MXFP4,
+    "FP8": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+    "FP8_DYNAMIC": {"num_bits": 8, "type": "float", "strategy": "channel"},
+    "FP8_BLOCK": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+}
 _TENSOR_LEAF_RE = re.compile(r"\\?\.(" + "|".join(TENSOR_SUFFIXES) + r")(\$?)$")
 
 
@@ -260,15 +268,17 @@ def _parse_compressed_tensors(qc: dict, source: str) -> QuantSpec:
     schemes = []
     for name, group in groups.items():
         if isinstance(group, list):  # preset name -> targets
-            fmt = _CT_PRESETS.get(name.upper())
-            if fmt is None:
-                raise CheckpointError(f"unsupported compressed-tensors preset scheme {name!r}", file=source)
+            weights = _CT_PRESET_WEIGHTS.get(name.upper())
+            if weights is None:
+                raise CheckpointError(f"unsupported compressed-tensors preset scheme {name!r}; radiance reads "
+                                      f"{', '.join(_CT_PRESET_WEIGHTS)}", file=source)
             targets, group_storage = group, storage
         elif isinstance(group, dict):
-            fmt = _ct_format(group.get("weights"), name, source)
+            weights = group.get("weights")
             targets, group_storage = group.get("targets") or [], str(group.get("format") or storage)
         else:
             raise CheckpointError(f"config group {name!r} must be an object", file=source)
+        fmt = _ct_format(weights, name, source)
         if group_storage == "dense":
             fmt = "dense"  # quantization parameters present but weights saved decompressed
         elif fmt != "dense" and group_storage not in ("", "mixed-precision") + _CT_STORAGE[fmt]:
@@ -279,7 +289,7 @@ def _parse_compressed_tensors(qc: dict, source: str) -> QuantSpec:
                                   f"{type(targets).__name__}", file=source)
         if not targets:
             raise CheckpointError(f"config group {name!r} has no targets", file=source)
-        scales, block = _ct_fp8_scales(group.get("weights") if isinstance(group, dict) else None, fmt)
+        scales, block = _ct_fp8_scales(weights, fmt)
         schemes.append(QuantScheme(fmt, "compressed-tensors", tuple(targets), name, scales, block))
     return QuantSpec(method="compressed-tensors", storage=storage, schemes=tuple(schemes), source=source)
 

@@ -142,7 +142,8 @@ def _context(decode, prompt_token_ids: list[int]) -> list[int]:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: tuple[str, ...] = (), stream: bool = True, include_stop: bool = False):
-        """`stream`: use DecodeStream when the tokenizer has a Rust backend (False: always the window).
+        """`tokenizer` None (a checkpoint without one, or SamplingParams(detokenize=False)): no decoding, the text
+        stays "". `stream`: use DecodeStream when the tokenizer has a Rust backend (False: always the window).
         `include_stop`: the text is cut after the stop string that ends it, not before."""
         self.decoder = None if tokenizer is None else _decoder(tokenizer, prompt_token_ids, skip_special_tokens, stream)
         self.stop = stop

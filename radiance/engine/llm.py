@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from numbers import Integral
 
 import torch
@@ -13,41 +14,11 @@ from radiance.checkpoint.sampling_defaults import SamplingDefaults
 from radiance.config import DTYPE_ALIASES, DTYPES, EngineConfig
 from radiance.engine.llm_engine import LLMEngine
 from radiance.engine.loader import no_tokenizer_message
-from radiance.engine.outputs import RequestTimes, TokenLogprob
-from radiance.engine.request_checks import SamplingParamsError
+# CompletionOutput and GenerationOutput are importable from here as before
+from radiance.engine.outputs import CompletionOutput, GenerationOutput
+from radiance.engine.request_checks import SamplingParamsError, truncate_prompt
 from radiance.engine.sampling_params import SamplingParams
 from radiance.errors import ConfigError
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
-    cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
-
-    def finished(self) -> bool:
-        """vLLM's method: whether the output has ended (always, in what LLM.generate returns)."""
-        return self.finish_reason is not None
-
-
-@dataclass
-class GenerationOutput:
-    """One prompt's result: vLLM's RequestOutput."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs
-    request_id: str = ""  # "0", "1", ... per prompt over the LLM's life, as vLLM numbers them
-    finished: bool = True  # LLM.generate returns finished requests only
-    # when the engine first scheduled it and its first and last tokens came (time.monotonic()); of the choice
-    # that finished last when n > 1
-    metrics: RequestTimes | None = None
 
 
 # vLLM's LLM(...) arguments that change nothing here: radiance runs no code of a model's own (trust_remote_code),
@@ -63,18 +34,21 @@ VLLM_DEFAULT_ONLY_ARGS = {
     "cpu_offload_gb": (0, "weights are not offloaded"),
 }
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# vLLM's default of LLM(max_logprobs=...): the most logprobs / prompt_logprobs a request may ask for
+DEFAULT_MAX_LOGPROBS = 20
 # vLLM's TextPrompt / TokensPrompt keys (a prompt given as a dict)
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 class LLM:
     def __init__(self, model: str | None = None, quantization: str | None = "auto", device: str | None = None,
-                 dtype: str | torch.dtype | None = None, checkpoint=None, max_logprobs: int | None = None,
-                 **config):
+                 dtype: str | torch.dtype | None = None, checkpoint=None,
+                 max_logprobs: int | None = DEFAULT_MAX_LOGPROBS, **config):
         """`config`: any field of the engine's config dataclasses (max_num_seqs=8, enforce_eager=True, ...), and
         vLLM's arguments (VLLM_NO_EFFECT_ARGS, VLLM_DEFAULT_ONLY_ARGS, tokenizer, revision) as they apply here.
         `checkpoint`: a checkpoint-like object to serve instead of opening `model`. `max_logprobs`: the most
-        logprobs / prompt_logprobs a request may ask for (vLLM's; default: the vocabulary; -1: the same)."""
+        logprobs / prompt_logprobs a request may ask for (vLLM's, and its default 20; -1 or None: up to the
+        vocabulary)."""
         model = _vllm_model_args(model, config)
         if "seed" in config and config["seed"] is None:  # vLLM's "not seeded": a fresh seed each run
             config["seed"] = int.from_bytes(os.urandom(8), "little", signed=True)
@@ -83,14 +57,17 @@ class LLM:
         self.max_logprobs = _max_logprobs(max_logprobs)
         self.engine = LLMEngine(engine_config, checkpoint=checkpoint)
         self._counter = 0
+        self.progress = True  # progress bars on stderr: generate's use_tqdm shows one only while this is set
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, checkpoint=None, progress: bool = True) -> "LLM":
-        """`progress`: the weight-loading bar on stderr."""
+    def from_engine_config(cls, config: EngineConfig, checkpoint=None, progress: bool = True,
+                           max_logprobs: int | None = DEFAULT_MAX_LOGPROBS) -> "LLM":
+        """`progress`: progress bars on stderr (weight loading, generate's use_tqdm); False for --no-progress."""
         llm = cls.__new__(cls)
+        llm.max_logprobs = _max_logprobs(max_logprobs)
         llm.engine = LLMEngine(config, checkpoint=checkpoint, progress=progress)
         llm._counter = 0
-        llm.max_logprobs = None
+        llm.progress = progress
         return llm
 
     @property
@@ -145,10 +122,12 @@ class LLM:
         return SamplingParams(**getattr(self.engine, "sampling_defaults", SamplingDefaults()).given())
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[GenerationOutput]:
+                 use_tqdm: bool | Callable = True) -> list[GenerationOutput]:
         """prompts: a string, a list (or tuple, or 1-D array) of token ids, a vLLM prompt dict ({"prompt": text}
         or {"prompt_token_ids": ids}), or a list of these. sampling_params: one for all, or a list with one per
-        prompt. Every prompt and parameter is checked before any is queued."""
+        prompt. use_tqdm (vLLM's): a progress bar on stderr, or a tqdm-like factory to make it; none where the
+        LLM was made without progress bars. Every prompt and parameter is checked before any is queued."""
+        _check_use_tqdm(use_tqdm)
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) and len(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -159,13 +138,14 @@ class LLM:
         results: list[GenerationOutput] = []
         request_slots: dict[str, tuple[int, int]] = {}
         tokenized = [self._tokenize(prompt) for prompt in prompts]
-        tokenized = [(text, self._truncate(ids, p)) for (text, ids), p in zip(tokenized, params_list)]
+        tokenized = [(text, truncate_prompt(ids, p.truncate_prompt_tokens, self.engine.max_model_len, p.max_tokens))
+                     for (text, ids), p in zip(tokenized, params_list)]
         for (_, ids), p in zip(tokenized, params_list):  # reject a bad prompt before queueing any
             self._check_logprobs(p)
             self.engine.check_request(ids, p)
         try:
             self._add_all(tokenized, params_list, results, request_slots)
-            self._run(results, request_slots, params_list, use_tqdm)
+            self._run(results, request_slots, use_tqdm)
         except BaseException:  # Ctrl-C or an error: leave nothing queued for the next call
             for request_id in request_slots:
                 self.engine.abort_request(request_id)
@@ -183,28 +163,13 @@ class LLM:
             raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {_short(bad[0])}")
         return params_list
 
-    def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
-        """truncate_prompt_tokens: the last k prompt tokens (-1: as many as leave room for max_tokens), as the
-        server and vLLM cut them; a k past that room is refused, naming both."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return ids
-        context = self.engine.max_model_len
-        room = context - (params.max_tokens or 0)
-        if keep == -1:
-            keep = max(1, context - (params.max_tokens or 1))  # too little room: the context check says so
-        elif keep > room > 0:
-            raise SamplingParamsError(f"truncate_prompt_tokens {keep} is more than the prompt may have "
-                                      f"(max_model_len {context} - max_tokens {params.max_tokens} = {room})",
-                                      "truncate_prompt_tokens")
-        return ids[-keep:] if len(ids) > keep else ids
-
     def _check_logprobs(self, params: SamplingParams) -> None:
         """max_logprobs, as vLLM's LLM refuses a request over it."""
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if self.max_logprobs is not None and value is not None and value > self.max_logprobs:
-                raise SamplingParamsError(f"{name} is {value}, more than max_logprobs {self.max_logprobs}", name)
+                raise SamplingParamsError(f"{name} is {value}, more than max_logprobs {self.max_logprobs} (raise "
+                                          "it with LLM(max_logprobs=...); -1: up to the vocabulary)", name)
 
     def _add_all(self, tokenized, params_list, results, request_slots) -> None:
         for i, ((text, ids), p) in enumerate(zip(tokenized, params_list)):
@@ -217,21 +182,36 @@ class LLM:
                 self.engine.add_request(request_id, ids, sub)
                 request_slots[request_id] = (i, j)
 
-    def _run(self, results, request_slots, params_list, use_tqdm: bool) -> None:
-        bar = tqdm(total=len(request_slots), desc="generating", disable=not use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in request_slots:
-                    i, j = request_slots[out.request_id]
-                    text = out.text if params_list[i].detokenize else ""  # vLLM's detokenize=False: ids only
-                    results[i].outputs[j] = CompletionOutput(j, text, out.token_ids, out.finish_reason, out.logprobs,
-                                                             out.cumulative_logprob, out.stop_reason)
-                    results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
-                    results[i].metrics = out.times  # outputs come in finishing order: the last is the latest
-                    if out.prompt_logprobs is not None:
-                        results[i].prompt_logprobs = out.prompt_logprobs
-                    bar.update(1)
-        bar.close()
+    def _progress_bar(self, use_tqdm: bool | Callable, total: int):
+        """The bar counting finished outputs: tqdm's, transient (leave=False) as radiance's other bars, or
+        the factory's; a disabled one where none is wanted (use_tqdm False, or no progress bars: --no-progress)."""
+        if use_tqdm and self.progress and callable(use_tqdm):
+            return use_tqdm(total=total, desc="generating")
+        return tqdm(total=total, desc="generating", unit="output", leave=False,
+                    disable=not (use_tqdm and self.progress))
+
+    def _run(self, results, request_slots, use_tqdm: bool | Callable) -> None:
+        bar = self._progress_bar(use_tqdm, len(request_slots))
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in request_slots:
+                        self._collect(results, request_slots[out.request_id], out)
+                        bar.update(1)
+        finally:  # an interrupted call leaves no bar half drawn
+            bar.close()
+
+    @staticmethod
+    def _collect(results: list[GenerationOutput], slot: tuple[int, int], out) -> None:
+        """A finished engine output into choice j of prompt i's result."""
+        i, j = slot
+        # the engine leaves the text "" for SamplingParams(detokenize=False): vLLM's ids only
+        results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason, out.logprobs,
+                                                 out.cumulative_logprob, out.stop_reason)
+        results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
+        results[i].metrics = out.times  # outputs come in finishing order: the last is the latest
+        if out.prompt_logprobs is not None:
+            results[i].prompt_logprobs = out.prompt_logprobs
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None,
@@ -241,7 +221,7 @@ class LLM:
         message (its end cut off), for the model to go on with it; `kwargs` reach the template as variables."""
         if continue_final_message and add_generation_prompt:  # transformers' and vLLM's rule
             raise ValueError("continue_final_message needs add_generation_prompt=False")
-        messages = [_template_message(m) for m in messages]
+        messages = [_with_text_content(m) for m in messages]
         template = chat_template or self.engine.chat_template
         if kwargs.get("tools") and not chat_template:
             template = (getattr(self.engine, "chat_templates", None) or {}).get("tool_use") or template
@@ -265,30 +245,41 @@ class LLM:
         return prompt
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, **template_kwargs) -> list[GenerationOutput]:
         """messages: one conversation (list of {"role", "content"} dicts; content a string or text parts) or a
         list of conversations. vLLM's arguments; `chat_template_kwargs` (and any other keyword) reach the
-        template as variables ({"enable_thinking": False} for Qwen3)."""
+        template as variables ({"enable_thinking": False} for Qwen3), and, as in vLLM, its add_generation_prompt,
+        continue_final_message, chat_template or tools override those arguments."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not isinstance(conversations, list) or not all(_is_conversation(c) for c in conversations):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict, got {_short(chat_template_kwargs)}")
         variables = {**template_kwargs, **(chat_template_kwargs or {})}
+        for key, use in _TEMPLATE_OWN_ARGS.items():
+            if key in variables:  # was a bare "got multiple values for argument" TypeError
+                raise ValueError(f"chat_template_kwargs may not set {key!r}: {use}")
+        # as vLLM's LLM.chat, chat_template_kwargs override chat()'s own template arguments (its tools too)
         if tools is not None:
-            variables["tools"] = tools
+            variables = {"tools": tools, **variables}
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "chat_template": chat_template}
+        options = {key: variables.pop(key, value) for key, value in options.items()}
         prompts = []
         for conversation in conversations:
-            text = self.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message,
-                                            chat_template=chat_template, **variables)
+            text = self.apply_chat_template(conversation, **options, **variables)
             prompts.append(self._encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
-def _template_message(message: dict) -> dict:
+# template variables chat() sets itself and no keyword may: what to pass instead
+_TEMPLATE_OWN_ARGS = {"messages": "pass the conversation as chat()'s messages",
+                      "template": "pass a template as chat()'s chat_template"}
+
+
+def _with_text_content(message: dict) -> dict:
     """A message as templates take it: content given as OpenAI's text parts joined by newlines (vLLM's reading;
     the template failed on the list). Other parts (images, audio) are refused: text only here."""
     content = message.get("content")
@@ -342,6 +333,14 @@ def _max_logprobs(value) -> int | None:
     if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"max_logprobs must be a non-negative integer or -1, got {value!r}")
     return int(value)
+
+
+def _check_use_tqdm(use_tqdm) -> None:
+    """vLLM's use_tqdm: a bool, or a callable returning a tqdm-like bar (update, close); checked before anything
+    is queued ("no" was a truthy string)."""
+    if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+        raise ValueError(f"use_tqdm must be True, False or a tqdm-like factory (a callable taking total=, desc=), "
+                         f"got {_short(use_tqdm)}")
 
 
 def _with_prompt_salt(prompt, params: SamplingParams) -> SamplingParams:

@@ -157,8 +157,10 @@ class LLMEngine:
             seq.min_tokens_bans = self._ending_tokens(params)
         if params.has_bad_words:
             seq.bad_words = BadWords(tokenized_bad_words(params, self.tokenizer, self.vocab_size))
-        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens,
-                                             params.stop, include_stop=params.include_stop_str_in_output)
+        # detokenize=False (vLLM's; no stop strings then): no decoding per token, the text stays ""
+        detokenizer = IncrementalDetokenizer(self.tokenizer if params.detokenize else None, seq.prompt_token_ids,
+                                             params.skip_special_tokens, params.stop,
+                                             include_stop=params.include_stop_str_in_output)
         # registered only once nothing can fail: a half-added request kept its id in use
         self._arrivals += 1
         self.sequences[request_id] = seq

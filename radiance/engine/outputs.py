@@ -1,4 +1,4 @@
-"""What the engine hands back per step (see docs/ARCHITECTURE.md)."""
+"""What the engine hands back per step (see docs/ARCHITECTURE.md), and what LLM.generate returns."""
 
 from __future__ import annotations
 
@@ -40,6 +40,40 @@ class RequestOutput:
     cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
     times: RequestTimes | None = None  # for the server's queue / prefill / decode metrics
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of an LLM.generate / LLM.chat result (vLLM's CompletionOutput, under the same name)."""
+
+    index: int
+    text: str  # "" with SamplingParams(detokenize=False)
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
+
+    def finished(self) -> bool:
+        """vLLM's method: whether the output has ended (always, in what LLM.generate returns)."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationOutput:
+    """One prompt's result of LLM.generate / LLM.chat: vLLM's RequestOutput, which `radiance.RequestOutput` names
+    (this module's RequestOutput is the engine's per-step output, a different class)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs
+    request_id: str = ""  # "0", "1", ... per prompt over the LLM's life, as vLLM numbers them
+    finished: bool = True  # LLM.generate returns finished requests only
+    # when the engine first scheduled it and its first and last tokens came (time.monotonic()); of the choice
+    # that finished last when n > 1
+    metrics: RequestTimes | None = None
 
 
 # vLLM's buckets of iteration_tokens_total

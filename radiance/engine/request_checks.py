@@ -65,6 +65,22 @@ def check_fits_context(prompt_tokens: int, context: int, prompt_field: str, max_
                                  "or less", max_tokens_field, prompt_tokens, context, max_tokens)
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, context: int, max_tokens: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens, for the engine's LLM and the server alike: the last `keep` prompt tokens (left
+    truncation, so a long chat keeps its newest turns), before the context check; -1 keeps as many as leave room for
+    max_tokens (or one token). A `keep` past the room max_tokens leaves (vLLM's max_input_tokens) is refused."""
+    if keep is None:
+        return token_ids
+    room = context - (max_tokens or 0)
+    if keep == -1:
+        keep = max(1, context - (max_tokens or 1))  # too little room: the context check says so
+    elif keep > room > 0:  # no room at all: the context check names max_tokens instead
+        limit = f"max_model_len {context}" + (f" - max_tokens {max_tokens}" if max_tokens else "")
+        raise SamplingParamsError(f"truncate_prompt_tokens {keep} is more than the prompt may have ({limit} = {room})",
+                                  "truncate_prompt_tokens")
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
 def check_token_ids(token_ids: Sequence, vocab_size: int, field: str) -> None:
     """Integer ids in [0, vocab_size): 2.5 passed a range check and failed inside the engine's step (stopping
     the async engine); an id outside the vocabulary indexed past the embedding."""

@@ -58,8 +58,8 @@ class SamplingParams:
     # the token-id sequences of bad_words (vLLM's property of this name): None until the engine tokenizes
     # bad_words with the model's tokenizer; given, they are used as they are (e.g. a model without a tokenizer)
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
-    # vLLM's: False leaves each output's text empty (its token_ids only); stop strings need the text, so they
-    # are refused then. The engine still detokenizes (LLM drops the text)
+    # vLLM's: False leaves each output's text empty (its token_ids only) and spares the engine the decoding; stop
+    # strings need the text, so they are refused then
     detokenize: bool = True
     # vLLM's: keep only the last k prompt tokens (left truncation) before the context check; -1: as many as
     # leave room for max_tokens. Applied by LLM.generate (the server reads the request field of this name)
@@ -98,6 +98,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        # vLLM refuses it too: it would end every output at once (it matched nothing here, silently)
+        check(all(self.stop), f"stop strings must not be empty, got stop {list(self.stop)!r}")
         check(self.allowed_token_ids is None or _is_sequence(self.allowed_token_ids, Integral)
               and not any(isinstance(t, bool) for t in self.allowed_token_ids),
               f"allowed_token_ids must be a list of integers, got {self.allowed_token_ids!r}")

@@ -126,20 +126,11 @@ def encode_prompt(state: ServerState, text: str, param: str, truncating: bool = 
 
 
 def truncate_prompt(state: ServerState, ids: list[int], req: Any) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the last k prompt tokens (left truncation, so a long chat keeps its newest
-    turns), before the context check; -1 keeps as many as leave room for the output limit (or one token). A k
-    past the room the output limit leaves (vLLM's max_input_tokens) is a 400, as in vLLM."""
-    keep, requested = req.truncate_prompt_tokens, req.output_limit()
-    if keep is None:
-        return ids
-    room = state.max_model_len - (requested or 0)
-    if keep == -1:
-        keep = max(1, state.max_model_len - (requested or 1))  # too little room: the context check says so
-    elif keep > room > 0:  # no room at all: the context check names max_tokens instead
-        limit = f"max_model_len {state.max_model_len}" + (f" - max_tokens {requested}" if requested else "")
-        raise invalid(f"truncate_prompt_tokens {keep} is more than the prompt may have ({limit} = {room})",
-                      param="truncate_prompt_tokens")
-    return ids[-keep:] if len(ids) > keep else ids
+    """The request's truncate_prompt_tokens (request_checks.truncate_prompt); a k past the room the output limit
+    leaves is a 400, as in vLLM."""
+    with request_checked():
+        return request_checks.truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len,
+                                              req.output_limit())
 
 
 def vocabulary_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
@@ -264,7 +255,7 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob], metrics: ServerMetr
                 continue
             if isinstance(item, BaseException):
                 raise item
-            timers[index].tokens(len(item.token_ids), item.times)
+            timers[index].tokens(len(item.token_ids), item.times, item.num_cached_tokens)
             if item.finished:
                 finished.add(index)
                 timers[index].finished(item.finish_reason)

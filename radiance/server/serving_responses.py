@@ -156,6 +156,16 @@ class OutputItems:
                          {"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)}]
 
 
+def _text_logprobs(logprobs: dict, released: list, textless: frozenset[int]) -> dict:
+    """The chat logprobs of `released` (the engine's entries they were made of, in order) less those of the
+    tokens the text leaves out (EOS let through by ignore_eos, with skip_special_tokens): such a token makes no
+    text, so it has no place in a message's logprobs, and OutputItems, which counts a token by its own text
+    ("<eos>": 5 characters), would let it stand for text that other tokens made."""
+    kept = [entry for entry, engine_entry in zip(logprobs["content"], released)
+            if engine_entry.token_id not in textless]
+    return {**logprobs, "content": kept}
+
+
 def _answer_message(items: OutputItems) -> dict:
     """The model's turn as the chat message a follow-up (previous_response_id) renders."""
     calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
@@ -252,7 +262,11 @@ class ResponseRun:
         return fitting
 
     def step(self, out: Any) -> list[dict]:
+        cursor = self.choice.logprob_cursor
+        sent = cursor.sent
         delta, logprobs = self.choice.step(out)
+        if logprobs is not None:
+            logprobs = _text_logprobs(logprobs, out.logprobs[sent:cursor.sent], cursor.textless)
         events = self.items.feed(delta, logprobs, self.choice.cut_call_ids)
         if out.finished:
             events += self.items.finish(complete=out.finish_reason != "length")

@@ -143,6 +143,17 @@ def test_transformers_offline_is_named_when_it_is_the_one_set(offline, monkeypat
         open_checkpoint("foo/bar")
 
 
+def test_both_offline_variables_are_named_when_both_are_set(offline, monkeypatch):
+    """Was "unset HF_HUB_OFFLINE" alone: huggingface_hub then reads TRANSFORMERS_OFFLINE=1 and stays offline."""
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint("foo/bar")
+    message = str(err.value)
+    assert "offline mode is on (HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1)" in message
+    assert "unset HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE so that" in message
+    assert "`HF_HUB_OFFLINE=0 radiance inspect foo/bar`" in message
+
+
 def test_no_network_and_an_uncached_model_says_unreachable_and_not_cached(cache):
     with pytest.raises(CheckpointError) as err:
         open_checkpoint("foo/bar@v2")

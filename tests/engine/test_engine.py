@@ -268,7 +268,7 @@ def test_eval_variant_with_fp8_kv_matches_the_served_cache(tiny_llm):
 def test_logprobs_past_the_vocabulary_are_refused_up_front(tiny_llm):
     """logprobs or prompt_logprobs above the vocabulary size failed inside the step (topk out of range) with a
     RuntimeError, which stopped the async engine for every request."""
-    llm = tiny_llm(max_num_seqs=4)
+    llm = tiny_llm(max_num_seqs=4, max_logprobs=-1)
     vocab = llm.engine.model.config.vocab_size
     for field in ("logprobs", "prompt_logprobs"):
         with pytest.raises(ValueError, match=field):
