@@ -2,11 +2,12 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["CompletionOutput", "GenerationOutput", "LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["CompletionOutput", "GenerationOutput", "LLM", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
 
-# LLM.generate's output classes under vLLM's names too (`from vllm import RequestOutput, CompletionOutput`)
+# LLM.generate's output classes under vLLM's names too (`from vllm import RequestOutput, CompletionOutput`;
+# vLLM's Logprob lives in vllm.logprobs)
 _OUTPUT_CLASSES = {"RequestOutput": "GenerationOutput", "GenerationOutput": "GenerationOutput",
-                   "CompletionOutput": "CompletionOutput"}
+                   "CompletionOutput": "CompletionOutput", "Logprob": "Logprob"}
 
 
 def __getattr__(name):  # lazy: `import radiance` stays cheap (no torch import for --help)

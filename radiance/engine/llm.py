@@ -18,6 +18,7 @@ from radiance.engine.loader import no_tokenizer_message
 from radiance.engine.outputs import CompletionOutput, GenerationOutput
 from radiance.engine.request_checks import SamplingParamsError, truncate_prompt
 from radiance.engine.sampling_params import SamplingParams
+from radiance.engine.vllm_logprobs import TokenTexts, vllm_logprobs
 from radiance.errors import ConfigError
 
 
@@ -142,10 +143,14 @@ class LLM:
                      for (text, ids), p in zip(tokenized, params_list)]
         for (_, ids), p in zip(tokenized, params_list):  # reject a bad prompt before queueing any
             self._check_logprobs(p)
+        # the engine takes a count of alternatives: vLLM's -1 (all of them) is the vocabulary's size
+        params_list = [_whole_vocabulary(p, self.engine.vocab_size) for p in params_list]
+        for (_, ids), p in zip(tokenized, params_list):
             self.engine.check_request(ids, p)
         try:
             self._add_all(tokenized, params_list, results, request_slots)
-            self._run(results, request_slots, use_tqdm)
+            self._run(results, request_slots, use_tqdm, TokenTexts(self.tokenizer),
+                      [p.detokenize for p in params_list])
         except BaseException:  # Ctrl-C or an error: leave nothing queued for the next call
             for request_id in request_slots:
                 self.engine.abort_request(request_id)
@@ -164,10 +169,16 @@ class LLM:
         return params_list
 
     def _check_logprobs(self, params: SamplingParams) -> None:
-        """max_logprobs, as vLLM's LLM refuses a request over it."""
+        """max_logprobs, as vLLM's LLM refuses a request over it (-1, the whole vocabulary, counts as its size)."""
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if self.max_logprobs is not None and value is not None and value > self.max_logprobs:
+            if self.max_logprobs is None or value is None:
+                continue
+            if value == -1 and self.engine.vocab_size > self.max_logprobs:
+                raise SamplingParamsError(f"{name} is -1, the whole vocabulary ({self.engine.vocab_size} tokens), "
+                                          f"more than max_logprobs {self.max_logprobs} (allow it with "
+                                          "LLM(max_logprobs=-1))", name)
+            if value > self.max_logprobs:
                 raise SamplingParamsError(f"{name} is {value}, more than max_logprobs {self.max_logprobs} (raise "
                                           "it with LLM(max_logprobs=...); -1: up to the vocabulary)", name)
 
@@ -190,28 +201,33 @@ class LLM:
         return tqdm(total=total, desc="generating", unit="output", leave=False,
                     disable=not (use_tqdm and self.progress))
 
-    def _run(self, results, request_slots, use_tqdm: bool | Callable) -> None:
+    def _run(self, results, request_slots, use_tqdm: bool | Callable, texts: TokenTexts,
+             detokenize: list[bool]) -> None:
+        """`detokenize`: per prompt, whether its logprobs name their tokens' texts."""
         bar = self._progress_bar(use_tqdm, len(request_slots))
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished and out.request_id in request_slots:
-                        self._collect(results, request_slots[out.request_id], out)
+                        slot = request_slots[out.request_id]
+                        self._collect(results, slot, out, texts if detokenize[slot[0]] else None)
                         bar.update(1)
         finally:  # an interrupted call leaves no bar half drawn
             bar.close()
 
     @staticmethod
-    def _collect(results: list[GenerationOutput], slot: tuple[int, int], out) -> None:
-        """A finished engine output into choice j of prompt i's result."""
+    def _collect(results: list[GenerationOutput], slot: tuple[int, int], out, texts: TokenTexts | None) -> None:
+        """A finished engine output into choice j of prompt i's result, its logprobs in vLLM's shape (the engine's
+        TokenLogprob entries stay the server's). `texts`: None for detokenize=False (no decoded_token)."""
         i, j = slot
         # the engine leaves the text "" for SamplingParams(detokenize=False): vLLM's ids only
-        results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason, out.logprobs,
-                                                 out.cumulative_logprob, out.stop_reason)
+        results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason,
+                                                 vllm_logprobs(out.logprobs, texts), out.cumulative_logprob,
+                                                 out.stop_reason)
         results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
         results[i].metrics = out.times  # outputs come in finishing order: the last is the latest
-        if out.prompt_logprobs is not None:
-            results[i].prompt_logprobs = out.prompt_logprobs
+        if out.prompt_logprobs is not None and results[i].prompt_logprobs is None:  # every choice scores the same
+            results[i].prompt_logprobs = vllm_logprobs(out.prompt_logprobs, texts)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None,
@@ -325,6 +341,12 @@ def _dtype_name(dtype) -> str | None:
         return DTYPE_ALIASES[dtype]
     raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, vLLM's {', '.join(DTYPE_ALIASES)} or a torch "
                       f"dtype of those, got {dtype!r}")
+
+
+def _whole_vocabulary(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """`params` with vLLM's logprobs / prompt_logprobs -1 as the vocabulary's size."""
+    whole = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+    return replace(params, **whole) if whole else params
 
 
 def _max_logprobs(value) -> int | None:

@@ -96,6 +96,9 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):  # more alternatives than tokens failed inside the step
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} is {getattr(params, name)}; the vocabulary has {vocab} tokens")
+            if (getattr(params, name) or 0) < 0:  # vLLM's -1 (LLM turns it into the vocabulary's size): topk(-1) failed
+                raise ValueError(f"{name} is {getattr(params, name)}: the engine takes a count (LLM.generate reads -1 "
+                                 f"as the whole vocabulary, {vocab} tokens)")
         if params.stop and self.tokenizer is None:  # they match text, which such a model has none of
             raise ValueError("stop strings need the model's tokenizer, and this checkpoint has none: "
                              "use stop_token_ids")

@@ -15,6 +15,24 @@ class TokenLogprob:
     rank: int | None = None  # 1 + the tokens more likely than it (scored prompt tokens; None for sampled ones)
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """vLLM's Logprob: one token's entry in what LLM.generate returns as logprobs (per output token
+    {token id: Logprob} for the token and its top alternatives) and prompt_logprobs (the same per prompt token,
+    None for the first)."""
+
+    logprob: float
+    # 1-based, 1 + the tokens more likely; None for a sampled token ranked below every alternative returned
+    # (the engine ranks only scored prompt tokens, so there the alternatives cannot tell)
+    rank: int | None = None
+    decoded_token: str | None = None  # the token's text decoded alone; None with detokenize=False or no tokenizer
+
+
+# vLLM's names of the two shapes
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass(frozen=True)
 class RequestTimes:
     """When the engine first scheduled a request and when its first and latest tokens came out of a step, on
@@ -50,7 +68,7 @@ class CompletionOutput:
     text: str  # "" with SamplingParams(detokenize=False)
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: SampleLogprobs | None = None  # SamplingParams.logprobs
     cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
 
@@ -68,7 +86,7 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs
     request_id: str = ""  # "0", "1", ... per prompt over the LLM's life, as vLLM numbers them
     finished: bool = True  # LLM.generate returns finished requests only
     # when the engine first scheduled it and its first and last tokens came (time.monotonic()); of the choice

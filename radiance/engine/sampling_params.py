@@ -29,7 +29,9 @@ class SamplingParams:
     stop: tuple[str, ...] | str = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None  # number of top alternatives to return with each sampled token
+    # number of top alternatives to return with each sampled token; -1 (vLLM's): the whole vocabulary, which
+    # LLM.generate turns into the vocabulary's size (its max_logprobs must allow it; the engine takes a count)
+    logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (no prefix cache reuse)
     skip_special_tokens: bool = True
     # applied to the logits before greedy choice or sampling, in this order (as vLLM does); logprobs
@@ -143,9 +145,10 @@ class SamplingParams:
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or non-negative, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}")
-        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or value >= -1,
+                  f"{name} must be non-negative or -1 (the whole vocabulary), got {value}")
         check(self.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)

@@ -24,7 +24,8 @@ def test_cumulative_logprob_sums_the_sampled_tokens_logprobs(tiny_llm):
     assert len(outs) == 3
     for out in outs:
         assert len(out.logprobs) == 6
-        assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs), abs=1e-5)
+        sampled = [step[token].logprob for token, step in zip(out.token_ids, out.logprobs)]
+        assert out.cumulative_logprob == pytest.approx(sum(sampled), abs=1e-5)
         assert out.cumulative_logprob < 0
     # vLLM v1: None when logprobs are not requested
     plain = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0))[0].outputs[0]

@@ -117,12 +117,13 @@ def test_logprobs_are_consistent(tiny_llm):
     llm = tiny_llm()
     out = llm.generate(_prompts(1, seed=7)[0], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == 5
-    for token, lp in zip(out.token_ids, out.logprobs):
-        assert lp.token_id == token
-        assert len(lp.top) == 3
-        assert lp.top[0][0] == token and lp.top[0][1] == pytest.approx(lp.logprob)  # greedy = top-1
-        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
-        assert lp.logprob <= 0
+    for token, step in zip(out.token_ids, out.logprobs):  # vLLM's {token id: Logprob}, the token first
+        assert list(step)[0] == token
+        assert len(step) == 3  # greedy: the token is the first of its 3 alternatives
+        assert [e.rank for e in step.values()] == [1, 2, 3]
+        first, second, third = (e.logprob for e in step.values())
+        assert first >= second >= third
+        assert first <= 0
 
 
 def test_abort_and_stats(tiny_llm):
@@ -204,8 +205,9 @@ def test_fp8_kv_cache(tiny_llm):
     assert fp8.engine.runner.num_blocks == 4 * exact.engine.runner.num_blocks
     prompts = [list(range(30, 70)), [5, 9, 9, 200, 17, 3, 3, 3, 41, 250, 7, 100, 64, 2, 88, 91, 12, 12, 0, 77]]
     scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    diffs = [abs(a.logprob - b.logprob) for o8, o32 in zip(fp8.generate(prompts, scored), exact.generate(prompts, scored))
-             for a, b in zip(o8.prompt_logprobs[1:], o32.prompt_logprobs[1:])]
+    diffs = [abs(a[t].logprob - b[t].logprob)
+             for p, o8, o32 in zip(prompts, fp8.generate(prompts, scored), exact.generate(prompts, scored))
+             for t, a, b in zip(p[1:], o8.prompt_logprobs[1:], o32.prompt_logprobs[1:])]
     # a random tiny model reads e4m3 K/V (6% relative steps) with logprobs off by 0.06 on average here
     assert 0 < max(diffs) < 0.6 and sum(diffs) / len(diffs) < 0.15, (max(diffs), sum(diffs) / len(diffs))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -233,7 +235,7 @@ def test_fp8_kv_cache_with_calibrated_scales(tiny_llm):
         llm = tiny_llm(kv_cache_dtype="fp8")
         for attn in llm.engine.runner.model.attention_layers():
             attn.fp8_kv_scales = scales
-        return llm, [e.logprob for e in llm.generate(prompt, scored)[0].prompt_logprobs[1:]]
+        return llm, [e[t].logprob for t, e in zip(prompt[1:], llm.generate(prompt, scored)[0].prompt_logprobs[1:])]
 
     _, unscaled = served(KvScales())
     llm, halves = served(KvScales(0.5, 0.5))
@@ -261,7 +263,7 @@ def test_eval_variant_with_fp8_kv_matches_the_served_cache(tiny_llm):
         attn.kv_storage_dtype = torch.float8_e4m3fn
     rounded = model.forward_logits(torch.tensor([prompt]))[0].float().log_softmax(-1)
     want = [rounded[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
-    assert [e.logprob for e in served[1:]] == pytest.approx(want, abs=1e-4)
+    assert [e[t].logprob for t, e in zip(prompt[1:], served[1:])] == pytest.approx(want, abs=1e-4)
     assert max(abs(a - plain[p - 1, prompt[p]].item()) for p, a in enumerate(want, start=1)) > 1e-3
 
 
@@ -275,7 +277,7 @@ def test_logprobs_past_the_vocabulary_are_refused_up_front(tiny_llm):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **{field: vocab + 1}))
     every = SamplingParams(max_tokens=2, temperature=0.0, logprobs=vocab, prompt_logprobs=vocab)
     out = llm.generate([[1, 2, 3]], every)[0]
-    assert len(out.outputs[0].logprobs[0].top) == vocab and len(out.prompt_logprobs[1].top) == vocab
+    assert len(out.outputs[0].logprobs[0]) == vocab and len(out.prompt_logprobs[1]) == vocab
 
 
 def test_any_integer_seed_is_served(tiny_llm):

@@ -13,9 +13,9 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from radiance.engine.outputs import RequestTimes
+from tests.engine.test_metrics_vllm_parity import _samples
 from tests.server.fake_engine import FakeEngine, serve_engine
 
 STEP = 0.125  # scripted seconds between a request's tokens, per token of its prompt (exact in binary)
@@ -38,16 +38,6 @@ class TimedEngine(FakeEngine):
             out = dataclasses.replace(out, times=times, num_cached_tokens=cached)
             self.final[request_id] = (len(prompt_token_ids), cached, n, times)
             yield out
-
-
-def _samples(text: str) -> dict[tuple, float]:
-    """(sample name, its labels but model_name, sorted) -> value; every series names the served model."""
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            assert s.labels.get("model_name") == "fake", s
-            samples[s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))] = s.value
-    return samples
 
 
 @pytest.mark.parametrize("prefix", ["radiance_", "vllm:"])
