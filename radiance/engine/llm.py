@@ -266,8 +266,9 @@ class LLM:
              chat_template_kwargs: dict | None = None, **template_kwargs) -> list[GenerationOutput]:
         """messages: one conversation (list of {"role", "content"} dicts; content a string or text parts) or a
         list of conversations. vLLM's arguments; `chat_template_kwargs` (and any other keyword) reach the
-        template as variables ({"enable_thinking": False} for Qwen3), and, as in vLLM, its add_generation_prompt,
-        continue_final_message, chat_template or tools override those arguments."""
+        template as variables ({"enable_thinking": False} for Qwen3); as in vLLM, chat()'s own arguments win over
+        kwargs of their names (add_generation_prompt and continue_final_message there change nothing; tools and
+        chat_template there are used where chat() is given none)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not isinstance(conversations, list) or not all(_is_conversation(c) for c in conversations):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
@@ -277,12 +278,16 @@ class LLM:
         for key, use in _TEMPLATE_OWN_ARGS.items():
             if key in variables:  # was a bare "got multiple values for argument" TypeError
                 raise ValueError(f"chat_template_kwargs may not set {key!r}: {use}")
-        # as vLLM's LLM.chat, chat_template_kwargs override chat()'s own template arguments (its tools too)
+        # as vLLM's LLM.chat merges its own arguments over chat_template_kwargs: add_generation_prompt and
+        # continue_final_message are chat()'s alone; tools and chat_template there count only where chat() has none
+        for key in ("add_generation_prompt", "continue_final_message"):
+            variables.pop(key, None)
         if tools is not None:
-            variables = {"tools": tools, **variables}
+            variables["tools"] = tools
+        chat_template = chat_template if chat_template is not None else variables.pop("chat_template", None)
+        variables.pop("chat_template", None)
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template": chat_template}
-        options = {key: variables.pop(key, value) for key, value in options.items()}
         prompts = []
         for conversation in conversations:
             text = self.apply_chat_template(conversation, **options, **variables)

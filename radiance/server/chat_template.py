@@ -133,9 +133,10 @@ def _mistral_call_ids(messages: list[dict]) -> list[dict]:
 
 
 def _harmony_tools(tools: list[dict]) -> list[dict]:
-    """gpt-oss's template writes `"// " + tool.description`: a function without one gets "" (an empty line)."""
+    """gpt-oss's template writes `"// " + tool.description`: a function without one gets "" (an empty line).
+    Tools from chat_template_kwargs are any objects: one whose function is not an object is left to the template."""
     return [{**tool, "function": {**tool["function"], "description": tool["function"].get("description") or ""}}
-            if "function" in tool else tool for tool in tools]
+            if isinstance(tool.get("function"), dict) else tool for tool in tools]
 
 
 def _harmony_messages(messages: list[dict]) -> list[dict]:

@@ -239,18 +239,29 @@ class _SamplingFields(_Request):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-# what the server itself hands the chat template: chat_template_kwargs may not set these (a key of the request
-# has its own field; a second value reached render_chat as a TypeError, a 500)
-_RESERVED_TEMPLATE_KWARGS = {"messages": "messages", "tools": "tools",
-                             "add_generation_prompt": "add_generation_prompt", "template": None}
+# render_chat's own arguments: a second value from chat_template_kwargs broke the render (a TypeError, a 500; vLLM's
+# renderer fails on `messages` too). The other keys the server sets are read from the kwargs (SERVER_TEMPLATE_KEYS).
+_RESERVED_TEMPLATE_KWARGS = {"messages": "messages", "template": None}
+# keys of chat_template_kwargs the server reads itself, not template variables (vLLM's reading): the request's
+# add_generation_prompt / continue_final_message fields decide those (vLLM merges its fields over the kwargs, so a
+# kwarg of that name changes nothing); `tools` replaces the tools the template renders, not those the parsers read;
+# `chat_template` is a template of the request's (serving_chat: --trust-request-chat-template gates it)
+SERVER_TEMPLATE_KEYS = ("add_generation_prompt", "continue_final_message", "tools", "chat_template")
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-    """chat_template_kwargs without the variables the server sets itself."""
+    """chat_template_kwargs without the variables the renderer takes itself; its tools a list of objects and its
+    chat_template a template (another value failed inside the renderer)."""
     for key in sorted(set(kwargs or ()) & set(_RESERVED_TEMPLATE_KWARGS)):
         field = _RESERVED_TEMPLATE_KWARGS[key]
         raise ValueError(f"chat_template_kwargs may not set {key!r}"
                          + (f": use the request's {field!r} field" if field else ": the server passes the template"))
+    tools = (kwargs or {}).get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError("chat_template_kwargs' tools must be a list of tool objects")
+    template = (kwargs or {}).get("chat_template")
+    if template is not None and not (isinstance(template, str) and template):
+        raise ValueError("chat_template_kwargs' chat_template must be a non-empty string")
     return kwargs
 
 
@@ -281,15 +292,27 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, str]] | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
-        """chat_template_kwargs, with what reasoning_effort implies where the request did not say it."""
-        kwargs = dict(self.chat_template_kwargs or {})
+        """The template's variables from chat_template_kwargs, as vLLM merges them: the keys the server reads
+        itself (SERVER_TEMPLATE_KEYS) left out, a null value left unset, the documents and reasoning_effort fields
+        over the kwargs of those names, and what reasoning_effort implies where the kwargs did not say it."""
+        given = self.chat_template_kwargs or {}
+        kwargs = {k: v for k, v in given.items() if v is not None and k not in SERVER_TEMPLATE_KEYS}
         if self.documents is not None:
-            kwargs.setdefault("documents", self.documents)
+            kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
-            if self.reasoning_effort in ("none", "minimal"):
-                kwargs.setdefault("enable_thinking", False)
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            if self.reasoning_effort in ("none", "minimal") and "enable_thinking" not in given:
+                kwargs["enable_thinking"] = False
         return kwargs
+
+    def template_tools(self, use_tools: bool) -> list[dict] | None:
+        """The tools the template renders: chat_template_kwargs' tools where given (vLLM renders those over the
+        request's), else the request's where they are used (`use_tools`). Parsers and tool_choice read the
+        request's tools whatever this says."""
+        given = (self.chat_template_kwargs or {}).get("tools")
+        if given is not None:
+            return given
+        return [t.model_dump(exclude_none=True) for t in self.tools] if use_tools and self.tools else None
 
     @staticmethod
     def check_tool_choice(tool_choice: Any, tools: list | None) -> None:

@@ -154,20 +154,29 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def _request_template(state: ServerState, req: ChatCompletionRequest) -> str | None:
-    """The request's own chat_template where the server trusts them (as vLLM's --trust-request-chat-template)."""
-    if req.chat_template is None:
-        return None
+def _request_template(state: ServerState, req: ChatCompletionRequest) -> tuple[str | None, str]:
+    """The request's own template where the server trusts them (vLLM's --trust-request-chat-template gates both
+    its chat_template field and a chat_template in its chat_template_kwargs), and the parameter it came in. As
+    vLLM: the field, else the server's --chat-template, over the kwargs' template (which is over the model's)."""
+    in_kwargs = (req.chat_template_kwargs or {}).get("chat_template")
+    if req.chat_template is None and in_kwargs is None:
+        return None, "chat_template"
+    param = "chat_template" if req.chat_template is not None else "chat_template_kwargs"
     if not state.config.trust_request_chat_template:
-        raise invalid("a request's own chat_template is refused: a template is code the server runs (start it "
-                      "with --trust-request-chat-template to allow them, or --chat-template for one of its own)",
-                      param="chat_template")
-    return req.chat_template
+        raise invalid(f"a request's own chat template ({param}) is refused: a template is code the server runs "
+                      "(start it with --trust-request-chat-template to allow them, or --chat-template for one of "
+                      "its own)", param=param)
+    if req.chat_template is not None:
+        return req.chat_template, param
+    return (None if state.config.chat_template else in_kwargs), param
 
 
 def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: bool, **template_kwargs: Any) -> str:
     """The request's prompt; `template_kwargs` over the request's own (thinking_before_answer's probe)."""
-    template = _request_template(state, req) or (state.tool_chat_template if use_tools else None) or state.chat_template
+    own, template_param = _request_template(state, req)
+    tools = req.template_tools(use_tools)
+    # the model's "tool_use" template for a render with tools (transformers' pick), the kwargs' tools included
+    template = own or (state.tool_chat_template if tools is not None else None) or state.chat_template
     if not template:
         raise invalid("this model has no chat template; pass one with --chat-template or use /v1/completions",
                       param="messages")
@@ -179,13 +188,12 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: boo
     if req.continue_final_message:  # marked, to cut the prompt where the template wrote the message's end
         messages = tag_final_message(messages)
     try:
-        prompt = render_chat(template, messages,
-                             tools=[t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None,
-                             add_generation_prompt=req.add_generation_prompt, **kwargs)
+        prompt = render_chat(template, messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                             **kwargs)
     except TemplateError as exc:
         raise invalid(str(exc), param="messages") from exc
     except ConfigError as exc:  # only a request's own template can fail to parse here: the server's was checked
-        raise invalid(str(exc), param="chat_template") from exc
+        raise invalid(str(exc), param=template_param) from exc
     if req.continue_final_message:
         prompt = cut_at_continue_tag(prompt, req.messages[-1].text() or "")
         if prompt is None:

@@ -1,4 +1,4 @@
-"""Review follow-ups on the offline API: chat_template_kwargs that name chat()'s own template arguments override them
+"""Review follow-ups on the offline API: chat_template_kwargs that name chat()'s own template arguments yield to them
 as in vLLM's LLM.chat (the conversation and the template are refused by name, not a bare TypeError), and
 truncate_prompt_tokens is refused in the server's words by both (no "max_tokens None")."""
 
@@ -31,29 +31,23 @@ def prompt_of(llm, *args, **kwargs) -> str:
     return llm.get_tokenizer().decode(llm.chat(HI, GREEDY, *args, use_tqdm=False, **kwargs)[0].prompt_token_ids)
 
 
-@pytest.mark.parametrize("key, value, argument", [
-    ("add_generation_prompt", False, {}),
-    ("chat_template", "{{ messages[0]['content'] }}!", {"chat_template": TEMPLATE}),
-    ("tools", [{"type": "function"}] * 2, {"chat_template": TEMPLATE, "tools": [{"type": "function"}]}),
-])
-def test_chat_template_kwargs_override_chat_s_own_arguments(llm, key, value, argument):
-    """vLLM's LLM.chat update()s its own template arguments with chat_template_kwargs; here they were passed twice:
+@pytest.mark.parametrize("key, value", [("add_generation_prompt", False), ("continue_final_message", True)])
+def test_chat_s_own_flags_win_over_kwargs_of_their_names(llm, key, value):
+    """As vLLM's LLM.chat merges its arguments over chat_template_kwargs; here they were passed twice:
     "apply_chat_template() got multiple values for keyword argument"."""
-    options = {"chat_template": TEMPLATE, **argument}
-    expected = prompt_of(llm, **{**options, key: value})
-    assert expected != prompt_of(llm, **options)  # the override changes the prompt
-    assert prompt_of(llm, **options, chat_template_kwargs={key: value}) == expected
+    assert prompt_of(llm, chat_template=TEMPLATE, chat_template_kwargs={key: value}) == \
+        prompt_of(llm, chat_template=TEMPLATE)
 
 
-def test_continue_final_message_in_chat_template_kwargs(llm):
-    messages = [*HI, {"role": "assistant", "content": "Hel"}]
-    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
-    options = {"chat_template": template, "add_generation_prompt": False}
-    as_argument = llm.chat(messages, GREEDY, continue_final_message=True, use_tqdm=False, **options)[0]
-    as_kwarg = llm.chat(messages, GREEDY, chat_template_kwargs={"continue_final_message": True}, use_tqdm=False,
-                        **options)[0]
-    assert llm.get_tokenizer().decode(as_kwarg.prompt_token_ids).endswith("<assistant>Hel")
-    assert as_kwarg.prompt_token_ids == as_argument.prompt_token_ids
+@pytest.mark.parametrize("key, value", [("chat_template", "{{ messages[0]['content'] }}!"),
+                                        ("tools", [{"type": "function"}] * 2)])
+def test_tools_and_template_in_kwargs_count_where_chat_has_none(llm, key, value):
+    base = {"chat_template": TEMPLATE} if key == "tools" else {}
+    from_kwargs = prompt_of(llm, **base, chat_template_kwargs={key: value})
+    assert from_kwargs == prompt_of(llm, **base, **{key: value})
+    assert from_kwargs != prompt_of(llm, chat_template=TEMPLATE)
+    own = {"chat_template": TEMPLATE, "tools": [{"type": "function"}]}
+    assert prompt_of(llm, **own, chat_template_kwargs={key: value}) == prompt_of(llm, **own)  # chat()'s win
 
 
 @pytest.mark.parametrize("key, says", [("messages", "pass the conversation as chat()'s messages"),

@@ -88,8 +88,8 @@ MALFORMED = [
      {"model": "MODEL", "prompt": "x", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
     ("temperature not a number", "POST", "/v1/chat/completions",
      {"model": "MODEL", "messages": MSG, "temperature": float("nan")}, 400, "temperature"),
-    ("chat_template_kwargs setting add_generation_prompt", "POST", "/v1/chat/completions",
-     {"model": "MODEL", "messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}}, 400,
+    ("chat_template_kwargs setting messages", "POST", "/v1/chat/completions",
+     {"model": "MODEL", "messages": MSG, "chat_template_kwargs": {"messages": []}}, 400,
      "chat_template_kwargs"),  # a second value for render_chat's own argument: a TypeError, a 500
     ("chat_template_kwargs setting messages to tokenize", "POST", "/tokenize",
      {"messages": MSG, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
@@ -155,8 +155,8 @@ MALFORMED = [
      {"model": "MODEL", "input": "x", "max_output_tokens": "BIG"}, 400, "max_output_tokens"),
     ("responses input over the context", "POST", "/v1/responses", {"model": "MODEL", "input": "hello " * 600},
      400, "input"),
-    ("responses chat_template_kwargs setting tools", "POST", "/v1/responses",
-     {"model": "MODEL", "input": "x", "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
+    ("responses chat_template_kwargs tools not a list", "POST", "/v1/responses",
+     {"model": "MODEL", "input": "x", "chat_template_kwargs": {"tools": "f"}}, 400, "chat_template_kwargs"),
     ("responses unknown stored id", "GET", "/v1/responses/resp_nope", None, 404, None),
 ]
 
