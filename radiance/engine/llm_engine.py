@@ -225,8 +225,8 @@ class LLMEngine:
             else:
                 logprob = None
                 if result.logprobs[row] is not None:
-                    chosen, top = result.logprobs[row]
-                    logprob = TokenLogprob(result.token_ids[row], chosen, top)
+                    chosen, top, rank = result.logprobs[row]
+                    logprob = TokenLogprob(result.token_ids[row], chosen, top, rank)
                 self._append(seq, result.token_ids[row], logprob)
                 row += 1
             self._note_tokens(seq, now, gaps)

@@ -12,7 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
-    rank: int | None = None  # 1 + the tokens more likely than it (scored prompt tokens; None for sampled ones)
+    rank: int | None = None  # 1 + the tokens more likely than it (vLLM's rank)
 
 
 @dataclass(frozen=True, slots=True)

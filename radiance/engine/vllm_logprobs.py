@@ -39,18 +39,8 @@ def vllm_logprobs(entries: list[TokenLogprob | None] | None,
 def _logprob_dict(entry: TokenLogprob, text: Callable[[int], str | None]) -> dict[int, Logprob]:
     """The token first, then its alternatives most likely first with ranks 1, 2, ..., as the server's
     prompt_logprobs: a token among its own alternatives keeps its own rank (they differ only on a tie)."""
-    out = {entry.token_id: Logprob(entry.logprob, _own_rank(entry), text(entry.token_id))}
+    out = {entry.token_id: Logprob(entry.logprob, entry.rank, text(entry.token_id))}
     for rank, (tid, logprob) in enumerate(entry.top, 1):
         if tid not in out:
             out[tid] = Logprob(logprob, rank, text(tid))
     return out
-
-
-def _own_rank(entry: TokenLogprob) -> int | None:
-    """The engine's rank (a scored prompt token's); a sampled token's is read off its alternatives, exact where
-    it ranks among them (they hold every token more likely than it), else unknown (None)."""
-    if entry.rank is not None:
-        return entry.rank
-    if entry.top and entry.logprob >= entry.top[-1][1]:
-        return 1 + sum(logprob > entry.logprob for _, logprob in entry.top)
-    return None

@@ -108,8 +108,8 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # per row: None or (logprob of the sampled token, [(token id, logprob), ...] top alternatives)
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # per row: None or (logprob of the sampled token, [(token id, logprob), ...] top alternatives, its rank)
+    logprobs: list[tuple[float, list[tuple[int, float]], int] | None]
 
 
 def small_tensor_to(values: list, device: torch.device) -> torch.Tensor:
@@ -283,11 +283,14 @@ def token_ranks(logits: torch.Tensor, ids: list[int]) -> list[int]:
 
 
 def read_samples(logits: torch.Tensor, ids: list[int], rows: list[SamplingRow]) -> SamplerOutput:
-    """The sampler output for ids already read back, with the logprobs asked for."""
+    """The sampler output for ids already read back, with the logprobs asked for: per such row (logprob of the
+    token, its alternatives, its rank), the rank from the same logits (vLLM gives every sampled token one)."""
     logprobs: list = [None] * len(rows)
     wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
     if wanted:
         k = max(rows[i].num_logprobs for i in wanted)
-        for i, (chosen, top) in zip(wanted, token_logprobs(logits[wanted], [ids[i] for i in wanted], k)):
-            logprobs[i] = (chosen, top[:rows[i].num_logprobs])
+        chosen_ids = [ids[i] for i in wanted]
+        scored = zip(wanted, token_logprobs(logits[wanted], chosen_ids, k), token_ranks(logits[wanted], chosen_ids))
+        for i, (chosen, top), rank in scored:
+            logprobs[i] = (chosen, top[:rows[i].num_logprobs], rank)
     return SamplerOutput(ids, logprobs)

@@ -71,9 +71,8 @@ def test_output_logprobs_are_vllm_dicts_of_the_token_and_its_alternatives(text_l
 
 
 def test_a_sampled_token_ranks_among_its_alternatives_or_is_added_beside_them(text_llm):
-    """vLLM always returns the sampled token, the (k + 1)-th entry when it is not among the top k. Its rank is
-    exact where the alternatives hold every token more likely than it; below them the engine's entry cannot tell
-    (None)."""
+    """vLLM always returns the sampled token, the (k + 1)-th entry when it is not among the top k, with its rank
+    (the engine ranks it from the same logits: below the alternatives the rank was None)."""
     prompt = text_llm.tokenizer("Paris is").input_ids
     params = SamplingParams(n=4, max_tokens=12, temperature=2.0, seed=11, ignore_eos=True, logprobs=2)
     outs = text_llm.generate(prompt, params, use_tqdm=False)[0].outputs
@@ -89,7 +88,7 @@ def test_a_sampled_token_ranks_among_its_alternatives_or_is_added_beside_them(te
                 assert len(step) == 2 and lo <= step[token].rank <= hi
             elif lo > 2:
                 outside += 1
-                assert len(step) == 3 and step[token].rank is None
+                assert len(step) == 3 and lo <= step[token].rank <= hi
     assert inside and outside  # both cases met at temperature 2
 
 

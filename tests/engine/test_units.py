@@ -150,10 +150,22 @@ def test_seeded_rows_are_reproducible():
 def test_logprobs_rows():
     logits = torch.randn(2, 30)
     out = sample(logits, [SamplingRow(0.0, num_logprobs=2), SamplingRow(0.0)])
-    chosen, top = out.logprobs[0]
+    chosen, top, rank = out.logprobs[0]
     assert out.logprobs[1] is None
     assert chosen == pytest.approx(logits[0].log_softmax(-1).max().item(), abs=1e-5)
     assert [t for t, _ in top] == logits[0].topk(2).indices.tolist()
+    assert rank == 1  # greedy: nothing is more likely
+
+
+def test_a_sampled_token_s_rank_counts_the_tokens_more_likely_than_it():
+    """vLLM ranks every sampled token; the engine left a sampled token's rank None, so LLM.generate could name it
+    only when it ranked among the returned alternatives."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50)
+    out = sample(logits, [SamplingRow(5.0, num_logprobs=1) for _ in range(64)])  # hot: many tokens below the top 1
+    for row, (token, (_, _, rank)) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert rank == 1 + int((logits[row] > logits[row, token]).sum())
+    assert max(rank for _, _, rank in out.logprobs) > 2
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-2),
