@@ -14,7 +14,11 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
 def hub_offline_settings() -> list[str]:
     """["HF_HUB_OFFLINE=1"], ["TRANSFORMERS_OFFLINE=1"] or both: the variables set that turn huggingface_hub's offline
     mode on (it reads the first that is set, so both must go for it to go online), to name them in a message."""
-    return [f"{name}={os.environ[name]}" for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if os.environ.get(name)]
+    return [f"{name}={os.environ[name]}" for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+            if os.environ.get(name, "").upper() in _TRUE]  # huggingface_hub's reading: "0" is off

@@ -239,7 +239,7 @@ class LLM:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         messages = [_with_text_content(m) for m in messages]
         template = chat_template or self.engine.chat_template
-        if kwargs.get("tools") and not chat_template:
+        if kwargs.get("tools") is not None and not chat_template:  # transformers' pick: tools given, even []
             template = (getattr(self.engine, "chat_templates", None) or {}).get("tool_use") or template
         from radiance.server.chat_template import cut_at_continue_tag, render_chat, tag_final_message
         if not template:
@@ -274,7 +274,8 @@ class LLM:
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict, got {_short(chat_template_kwargs)}")
-        variables = {**template_kwargs, **(chat_template_kwargs or {})}
+        # a null value leaves the variable unset, as the server reads chat_template_kwargs ({% if x is defined %})
+        variables = {k: v for k, v in {**template_kwargs, **(chat_template_kwargs or {})}.items() if v is not None}
         for key, use in _TEMPLATE_OWN_ARGS.items():
             if key in variables:  # was a bare "got multiple values for argument" TypeError
                 raise ValueError(f"chat_template_kwargs may not set {key!r}: {use}")

@@ -31,7 +31,7 @@ from radiance.engine.structured_output import fill_allowed_token_words
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
-                                    sample_on_device, small_tensor_to, token_logprobs, token_ranks)
+                                    sample_on_device, small_tensor_to, ranked_token_logprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -358,8 +358,7 @@ class ModelRunner:
                     b = min(a + PROMPT_SCORE_ROWS, end)
                     logits = self.model.compute_logits(hidden[first_row + a - start:first_row + b - start])
                     targets = seq.token_ids[a + 1:b + 1]
-                    scored = zip(targets, token_logprobs(logits, targets, want), token_ranks(logits, targets))
-                    for token, (chosen, top), rank in scored:
+                    for token, (chosen, top, rank) in zip(targets, ranked_token_logprobs(logits, targets, want)):
                         seq.prompt_logprobs.append(TokenLogprob(token, chosen, top, rank))
             first_row += n
 

@@ -264,22 +264,19 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], pending: tor
     return token_ids
 
 
-def token_logprobs(logits: torch.Tensor, ids: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Per row of logits [R, V]: (log-probability of ids[row], its k most likely (token, logprob)), from
-    the fp32 log-softmax."""
+def ranked_token_logprobs(logits: torch.Tensor, ids: list[int],
+                          k: int) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """Per row of logits [R, V]: (log-probability of ids[row], its k most likely (token, logprob), its rank: 1 + the
+    tokens more likely than it, vLLM's, counted on the same fp32 log-softmax), read back together."""
     lp = logits.float().log_softmax(-1)
-    chosen = lp.gather(1, torch.tensor(ids, device=lp.device)[:, None])[:, 0].tolist()
+    picked = torch.tensor(ids, device=lp.device)[:, None]
+    chosen = lp.gather(1, picked)
+    ranks = (lp > chosen).sum(-1) + 1
     if k == 0:
-        return [(c, []) for c in chosen]
+        return [(c, [], r) for c, r in zip(chosen[:, 0].tolist(), ranks.tolist())]
     top_vals, top_ids = lp.topk(k, dim=-1)
-    return [(c, list(zip(t, v))) for c, t, v in zip(chosen, top_ids.tolist(), top_vals.tolist())]
-
-
-def token_ranks(logits: torch.Tensor, ids: list[int]) -> list[int]:
-    """Per row of logits [R, V]: 1 + how many tokens are more likely than ids[row] (vLLM's rank)."""
-    logits = logits.float()
-    chosen = logits.gather(1, torch.tensor(ids, device=logits.device)[:, None])
-    return ((logits > chosen).sum(-1) + 1).tolist()
+    return list(zip(chosen[:, 0].tolist(), [list(zip(t, v)) for t, v in zip(top_ids.tolist(), top_vals.tolist())],
+                    ranks.tolist()))
 
 
 def read_samples(logits: torch.Tensor, ids: list[int], rows: list[SamplingRow]) -> SamplerOutput:
@@ -290,7 +287,6 @@ def read_samples(logits: torch.Tensor, ids: list[int], rows: list[SamplingRow]) 
     if wanted:
         k = max(rows[i].num_logprobs for i in wanted)
         chosen_ids = [ids[i] for i in wanted]
-        scored = zip(wanted, token_logprobs(logits[wanted], chosen_ids, k), token_ranks(logits[wanted], chosen_ids))
-        for i, (chosen, top), rank in scored:
+        for i, (chosen, top, rank) in zip(wanted, ranked_token_logprobs(logits[wanted], chosen_ids, k)):
             logprobs[i] = (chosen, top[:rows[i].num_logprobs], rank)
     return SamplerOutput(ids, logprobs)

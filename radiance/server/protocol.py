@@ -301,7 +301,7 @@ class ChatCompletionRequest(_SamplingFields):
             kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
-            if self.reasoning_effort in ("none", "minimal") and "enable_thinking" not in given:
+            if self.reasoning_effort in ("none", "minimal") and given.get("enable_thinking") is None:
                 kwargs["enable_thinking"] = False
         return kwargs
 

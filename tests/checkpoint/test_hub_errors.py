@@ -154,6 +154,15 @@ def test_both_offline_variables_are_named_when_both_are_set(offline, monkeypatch
     assert "`HF_HUB_OFFLINE=0 radiance inspect foo/bar`" in message
 
 
+def test_an_offline_variable_set_to_0_is_not_named(offline, monkeypatch):
+    """huggingface_hub reads "0" as off; the message told the user to unset TRANSFORMERS_OFFLINE=0 too."""
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint("foo/bar")
+    assert "offline mode is on (HF_HUB_OFFLINE=1) while" in str(err.value)
+    assert "TRANSFORMERS_OFFLINE" not in str(err.value)
+
+
 def test_no_network_and_an_uncached_model_says_unreachable_and_not_cached(cache):
     with pytest.raises(CheckpointError) as err:
         open_checkpoint("foo/bar@v2")

@@ -164,7 +164,8 @@ def test_a_sampled_token_s_rank_counts_the_tokens_more_likely_than_it():
     logits = torch.randn(64, 50)
     out = sample(logits, [SamplingRow(5.0, num_logprobs=1) for _ in range(64)])  # hot: many tokens below the top 1
     for row, (token, (_, _, rank)) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert rank == 1 + int((logits[row] > logits[row, token]).sum())
+        lp = logits[row].log_softmax(-1)  # vLLM counts on the logprobs
+        assert rank == 1 + int((lp > lp[token]).sum())
     assert max(rank for _, _, rank in out.logprobs) > 2
 
 
