@@ -161,6 +161,21 @@ class AsyncLLMEngine:
             if not finished and self._queues.get(request_id) is queue:  # not a later call's with this id
                 self.abort(request_id)
 
+    def num_cached_tokens(self, request_id: str) -> int | None:
+        """The prefix-cache hits the engine counted when it admitted this live generate call's request, or None
+        where it was not admitted (still pending or waiting, or no longer held). The server reads it for a
+        request that ends before its first output, which would carry it (request_prefill_kv_computed_tokens).
+
+        Read on the event loop while the engine thread may step, which is safe: dict lookups and attribute reads
+        are atomic under the GIL, and the scheduler sets num_cached_tokens once, before `admitted` (read first
+        here), so an admitted sequence's count is final. The slot check keeps a reused id's other request out.
+        The one stale answer: None while the step then running admits it (its schedule is that short window)."""
+        queue = self._queues.get(request_id)
+        seq = self.engine.sequences.get(request_id)
+        if queue is None or seq is None or self._serving.get(request_id) is not queue or not seq.admitted:
+            return None
+        return seq.num_cached_tokens
+
     def abort(self, request_id: str) -> None:
         queue = self._queues.pop(request_id, None)
         if queue is None:

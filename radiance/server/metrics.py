@@ -269,11 +269,16 @@ class RequestTimer:
         """The engine refused the request up front (a 400): it never ran, so it ends in no metric."""
         self.ended = self.refused = True
 
-    def finished(self, reason: str | None) -> None:
-        """Records the end (a later call is ignored); e2e and TPOT cover aborted and failed requests too."""
+    def finished(self, reason: str | None, num_cached_tokens: int | None = None) -> None:
+        """Records the end (a later call is ignored); e2e and TPOT cover aborted and failed requests too.
+        `num_cached_tokens`: the engine's count for a request that ends before an output told it (None: unknown,
+        or never admitted: then no hits, its whole prompt counts as to compute, vLLM's formula for a request
+        not scheduled yet, which keeps prompt tokens less computed ones equal to the engine's prefix-cache hits)."""
         if self.ended:
             return
         self.ended = True
+        if num_cached_tokens is not None:
+            self.num_cached_tokens = max(self.num_cached_tokens, num_cached_tokens)
         end = time.monotonic()
         if self.first_token is not None and self.num_tokens > 1:
             self.metrics.time_per_output_token((end - self.first_token) / (self.num_tokens - 1))

@@ -281,8 +281,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: TemplateKwargs = None
     chat_template: str | None = Field(None, min_length=1)  # vLLM's: this request's own template (a trusted server's)
     echo: bool = False  # vLLM's: the answer starts with the last message's content when that is the assistant's
-    # OpenAI's reasoning effort: "none" / "minimal" turn a thinking template's thinking off (enable_thinking,
-    # as Qwen3's templates read it); every value also reaches the template as `reasoning_effort`
+    # OpenAI's reasoning effort: "none" / "minimal" turn a thinking template's thinking off, "low" / "medium" /
+    # "high" on (enable_thinking, as Qwen3's and Gemma 4's templates read it) where the kwargs do not say it;
+    # every value also reaches the template as `reasoning_effort`
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM's: false leaves reasoning_content (and reasoning) out of the answer; the model still reasons
     include_reasoning: bool = True
@@ -301,8 +302,11 @@ class ChatCompletionRequest(_SamplingFields):
             kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
-            if self.reasoning_effort in ("none", "minimal") and given.get("enable_thinking") is None:
-                kwargs["enable_thinking"] = False
+            if given.get("enable_thinking") is None:
+                # vLLM's rule (enable_thinking = effort != "none"): asking for reasoning turns it on where a
+                # template's thinking is opt-in. "minimal" stays off here, unlike vLLM: OpenAI's minimal means
+                # (almost) no reasoning, which a thinking template cannot do by degrees
+                kwargs["enable_thinking"] = self.reasoning_effort not in ("none", "minimal")
         return kwargs
 
     def template_tools(self, use_tools: bool) -> list[dict] | None:
@@ -313,6 +317,14 @@ class ChatCompletionRequest(_SamplingFields):
         if given is not None:
             return given
         return [t.model_dump(exclude_none=True) for t in self.tools] if use_tools and self.tools else None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_not_empty(cls, tools):
+        # vLLM's and OpenAI's 400: an empty list is neither "no tools" nor a render with tools (the tool_use template)
+        if tools is not None and not tools:
+            raise ValueError("`tools` must not be an empty array: give at least one tool or leave the field out")
+        return tools
 
     @staticmethod
     def check_tool_choice(tool_choice: Any, tools: list | None) -> None:

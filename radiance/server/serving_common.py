@@ -265,7 +265,7 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob], metrics: ServerMetr
             task.cancel()
         unfinished = [index for index in range(len(jobs)) if index not in finished]
         for index in unfinished:
-            _end_unfinished(timers[index], failures.get(index, ABORT))
+            _end_unfinished(engine, jobs[index].request_id, timers[index], failures.get(index, ABORT))
         _prompts_ended(metrics, timers, n)
         for index in unfinished:
             try:
@@ -274,12 +274,19 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob], metrics: ServerMetr
                 logger.exception("abort of %s failed", jobs[index].request_id)
 
 
-def _end_unfinished(timer: RequestTimer, reason: str) -> None:
-    """Recorded before the engine's abort, so the metrics are there once the engine is idle."""
+def _end_unfinished(engine: Any, request_id: str, timer: RequestTimer, reason: str) -> None:
+    """Recorded before the engine's abort, so the metrics are there once the engine is idle. A request admitted
+    but ended before its first output has prefix-cache hits no output told: asked of the engine (an engine
+    without the method, a test's, leaves them unknown)."""
     if reason == _REFUSED:
         timer.discard()
-    else:
-        timer.finished(reason)
+        return
+    lookup, cached = getattr(engine, "num_cached_tokens", None), None
+    try:
+        cached = lookup(request_id) if callable(lookup) else None
+    except Exception:  # noqa: BLE001 - it runs while unwinding: the end and the abort must still happen
+        logger.debug("cached tokens of %s unknown", request_id, exc_info=True)
+    timer.finished(reason, num_cached_tokens=cached)
 
 
 def _prompts_ended(metrics: ServerMetrics, timers: list[RequestTimer], n: int) -> None:
