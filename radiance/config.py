@@ -294,6 +294,10 @@ class ServerConfig:
     api_key: str | None = None  # when set, every route but /health, /metrics, /version and /ping needs `Authorization: Bearer KEY` (printable ASCII)
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
     trust_request_chat_template: bool = False  # render a request's own `chat_template` (vLLM's field); off: such a request is a 400, since a template is code the server runs
+    # a request's tools stay out of its prompt when its tool_choice is "none" (the model's default template, not its
+    # tool_use one: the rendering before vLLM's flag of this name); off: rendered, as vLLM and OpenAI do (the model
+    # knows its tools and calls none: no call is parsed out of its answer)
+    exclude_tools_when_tool_choice_none: bool = False
     tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony (vLLM's openai), none; auto: the template's markup
     reasoning_parser: str = "auto"  # think (vLLM's qwen3, deepseek_r1), mistral, harmony (openai_gptoss), none; auto: from the template (<|channel|>: harmony, [THINK]: mistral, <think>: think)
     # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,

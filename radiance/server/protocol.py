@@ -309,14 +309,26 @@ class ChatCompletionRequest(_SamplingFields):
                 kwargs["enable_thinking"] = self.reasoning_effort not in ("none", "minimal")
         return kwargs
 
-    def template_tools(self, use_tools: bool) -> list[dict] | None:
+    def calls_tools(self) -> bool:
+        """Tool calls are parsed out of the answer (and forced or held by a grammar): tools given and tool_choice
+        other than "none", which OpenAI defines as "the model will not call any tool and instead generates a
+        message": a call the model writes anyway comes back as content, as vLLM returns it."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def renders_tools(self, exclude_when_none: bool) -> bool:
+        """The request's tools go into the prompt: with tool_choice "none" too (vLLM's default: the model knows
+        they exist, it is only not to call them), unless `exclude_when_none` (--exclude-tools-when-tool-choice-none,
+        vLLM's flag) leaves them out then."""
+        return bool(self.tools) and (self.tool_choice != "none" or not exclude_when_none)
+
+    def template_tools(self, with_tools: bool) -> list[dict] | None:
         """The tools the template renders: chat_template_kwargs' tools where given (vLLM renders those over the
-        request's), else the request's where they are used (`use_tools`). Parsers and tool_choice read the
-        request's tools whatever this says."""
+        request's), else the request's where they are rendered (`with_tools`: renders_tools). Parsers and
+        tool_choice read the request's tools whatever this says."""
         given = (self.chat_template_kwargs or {}).get("tools")
         if given is not None:
             return given
-        return [t.model_dump(exclude_none=True) for t in self.tools] if use_tools and self.tools else None
+        return [t.model_dump(exclude_none=True) for t in self.tools] if with_tools and self.tools else None
 
     @field_validator("tools")
     @classmethod

@@ -26,8 +26,9 @@ class TokenizeRequest(_Model):
     chat_template_kwargs: TemplateKwargs = None
     chat_template: str | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
-    # "none" leaves the tools out of the prompt, as a chat completion does (the opening of a forced call, which a
-    # chat completion appends for "required" or a named function, is not counted)
+    # rendered as a chat completion renders them, "none" included (in the prompt unless the server runs with
+    # --exclude-tools-when-tool-choice-none); the opening of a forced call, which a chat completion appends for
+    # "required" or a named function, is not counted
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     return_token_strs: bool = False  # vLLM's: the tokens' vocabulary strings beside their ids
 

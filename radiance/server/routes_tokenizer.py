@@ -22,7 +22,7 @@ async def tokenize(body: TokenizeRequest, state: State):
     if body.messages is not None:  # rendered exactly as /v1/chat/completions would render it
         chat = body.chat_request()
         text = await state.off_loop(render_prompt, state, chat,
-                                    use_tools=bool(chat.tools) and chat.tool_choice != "none")
+                                    with_tools=chat.renders_tools(state.config.exclude_tools_when_tool_choice_none))
         tokens = await state.off_loop(encode_prompt, state, text, "messages",
                                       add_special_tokens=bool(body.add_special_tokens))
     else:

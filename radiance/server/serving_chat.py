@@ -171,10 +171,11 @@ def _request_template(state: ServerState, req: ChatCompletionRequest) -> tuple[s
     return (None if state.config.chat_template else in_kwargs), param
 
 
-def render_prompt(state: ServerState, req: ChatCompletionRequest, use_tools: bool, **template_kwargs: Any) -> str:
-    """The request's prompt; `template_kwargs` over the request's own (thinking_before_answer's probe)."""
+def render_prompt(state: ServerState, req: ChatCompletionRequest, with_tools: bool, **template_kwargs: Any) -> str:
+    """The request's prompt, its tools in it where `with_tools` (req.renders_tools); `template_kwargs` over the
+    request's own (thinking_before_answer's probe)."""
     own, template_param = _request_template(state, req)
-    tools = req.template_tools(use_tools)
+    tools = req.template_tools(with_tools)
     # the model's "tool_use" template for a render with tools (transformers' pick), the kwargs' tools included
     template = own or (state.tool_chat_template if tools is not None else None) or state.chat_template
     if not template:
@@ -226,7 +227,7 @@ async def answer_constraint(state: ServerState, req: ChatCompletionRequest, cons
 
 
 def thinking_before_answer(state: ServerState, req: ChatCompletionRequest, prompt: str, opens_thinking: bool,
-                           use_tools: bool) -> str | None:
+                           with_tools: bool) -> str | None:
     """The <think> block a constraint lets run free before the text it holds (structured_output.REASONING_BEFORE),
     with the think reasoning parser to set it apart: "think" when the prompt opened it; "optional_think" when the
     model may open one as its first text (the prompt opened none and thinking is on: Qwen3's hybrid template,
@@ -250,7 +251,7 @@ def thinking_before_answer(state: ServerState, req: ChatCompletionRequest, promp
     if "enable_thinking" not in kwargs:  # a template that thinks only when asked has thinking off by default
         last_content = req.messages[-1].text() if req.messages else ""
         try:
-            asked = render_prompt(state, req, use_tools, enable_thinking=True)
+            asked = render_prompt(state, req, with_tools, enable_thinking=True)
         except OpenAIError:
             asked = prompt
         if prompt_opens_thinking(asked, last_content):
@@ -274,9 +275,12 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     # is the one to name, not the "no chat template" that rendering would answer first
     state.require_tokenizer("messages")
     await check_limits(state, req)
-    use_tools = bool(req.tools) and req.tool_choice != "none"
+    # tool_choice "none": the tools are in the prompt (unless the server excludes them) but no call is parsed,
+    # forced or held by a grammar: `tools` (the parsers' and grammars') stays None
+    use_tools = req.calls_tools()
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
-    prompt = await state.off_loop(render_prompt, state, req, use_tools)
+    with_tools = req.renders_tools(state.config.exclude_tools_when_tool_choice_none)
+    prompt = await state.off_loop(render_prompt, state, req, with_tools)
     forced_prefix = forced_tool_call_prefix(state, req) if use_tools else ""
     last_content = req.messages[-1].text() if req.messages else ""
     opens_thinking = prompt_opens_thinking(prompt, last_content, req.continue_final_message)
@@ -287,7 +291,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
     # A block the model may open itself (thinking_before_answer) is optional before the constraint, the same way.
     constrained = bool(forced_prefix) or req.structured_output() is not None or (
         use_tools and any(t.function.strict for t in req.tools))
-    thinking = thinking_before_answer(state, req, prompt, opens_thinking, use_tools) if constrained else None
+    thinking = thinking_before_answer(state, req, prompt, opens_thinking, with_tools) if constrained else None
     think_first = thinking == "think"
     forced = bool(forced_prefix)
     if forced:

@@ -185,8 +185,9 @@ def test_an_empty_tools_field_is_a_400_while_empty_kwargs_tools_pick_the_tool_us
         # the kwargs' tools: [] is a render with tools (transformers' `tools is not None`), as before
         r = post(chat_template_kwargs={"tools": []})
         assert r.json()["choices"][0]["message"]["content"] == "tool_use template", r.text
-        r = post(tools=[TOOL], tool_choice="none")  # tools given but unused: the default template
-        assert r.json()["choices"][0]["message"]["content"] == "default template", r.text
+        # tools given with tool_choice "none": still rendered (vLLM's default), so the tool_use template
+        r = post(tools=[TOOL], tool_choice="none")
+        assert r.json()["choices"][0]["message"]["content"] == "tool_use template", r.text
         # a Responses request's tools: [] is OpenAI's "no tools" there, never sent on as chat's tools
         r = httpx.post(url + "/v1/responses", json={"model": "fake", "input": "SAY:no tools", "tools": []},
                        timeout=30)
