@@ -9,7 +9,8 @@ from functools import partial
 from pathlib import Path
 
 from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int, positive_int
-from radiance.bench.serve_options import SERVE_DEFAULTS, ServeBenchOptions
+from radiance.bench.serve_options import DEFAULT_URL, SERVE_DEFAULTS, ServeBenchOptions
+from radiance.bench.vllm_serve_args import VLLM_FORM, add_vllm_flags, one_of, vllm_dataset, vllm_endpoint, vllm_url
 from radiance.config import DTYPE_ALIASES, DTYPES, MODEL_RULES
 from radiance.config_cli import errors_in_flag_words, parse_dtype
 from radiance.errors import ConfigError
@@ -86,7 +87,8 @@ def _add_serve(sub) -> None:
                        description="Load-test a running OpenAI-compatible server (radiance serve, vLLM, ...) with "
                                    "streamed requests at each concurrency level: throughput, time to first token "
                                    "and inter-token latency.")
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", help=f"server base URL (default: {DEFAULT_URL}, vLLM's; or vLLM's --base-url, "
+                                 "--host / --port)")
     p.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
     p.add_argument("--concurrency", type=_int_list, nargs="+",
                    help=f"levels, comma- or space-separated (default: {','.join(map(str, SERVE_LEVELS))})")
@@ -100,8 +102,9 @@ def _add_serve(sub) -> None:
                                      "walk through it in order, each prompt sent once while it lasts")
     p.add_argument("--request-rate", type=_positive_float, default=SERVE_DEFAULTS["request_rate"],
                    help="Poisson arrivals per second (default: all at once)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default=SERVE_DEFAULTS["endpoint"],
-                   help="/v1/completions with raw prompts (default) or /v1/chat/completions with one user message")
+    p.add_argument("--endpoint", type=_endpoint, metavar="{completions,chat}",
+                   help="/v1/completions with raw prompts (default) or /v1/chat/completions with one user message; "
+                        "vLLM's paths /v1/completions and /v1/chat/completions are taken too")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="send OpenAI's fields only, not vLLM's ignore_eos, min_tokens and "
                         "stream_options.continuous_usage_stats (for servers that reject unknown fields)")
@@ -119,21 +122,65 @@ def _add_serve(sub) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="aggregate tok/s against concurrency")
     p.add_argument("--plot-with", nargs="+", default=(), metavar="RESULT.json",
                    help="earlier --json outputs to draw as extra lines in --plot")
+    p.add_argument("--percentile-metrics", type=_metric_list, default=SERVE_DEFAULTS["percentile_metrics"],
+                   help="latencies whose percentiles the table and JSON report, vLLM's names: ttft (time to first "
+                        "token), tpot (per request: (end-to-end - TTFT) / (output tokens - 1)), itl (between "
+                        f"tokens), e2el (end to end) (default: {','.join(SERVE_DEFAULTS['percentile_metrics'])})")
+    p.add_argument("--metric-percentiles", type=_percentile_list, default=SERVE_DEFAULTS["metric_percentiles"],
+                   help="which percentiles, e.g. 50,90,99 (default: "
+                        f"{','.join(f'{q:g}' for q in SERVE_DEFAULTS['metric_percentiles'])})")
+    add_vllm_flags(p)
     p.set_defaults(func=run_serve)
 
 
+def _endpoint(text: str) -> str:
+    """radiance's names, or vLLM's --endpoint paths (any prefix belongs in --base-url, as in vLLM)."""
+    kind = {"completions": "completions", "chat": "chat", "/v1/completions": "completions",
+            "/v1/chat/completions": "chat"}.get(text)
+    if kind is None:
+        raise argparse.ArgumentTypeError(f"expected completions, chat, /v1/completions or /v1/chat/completions, "
+                                         f"got {text!r} (a path prefix belongs in --url / --base-url)")
+    return kind
+
+
+def _metric_list(text: str) -> tuple[str, ...]:
+    from radiance.bench.serve_options import PERCENTILE_METRICS
+
+    names = tuple(v for v in text.replace(",", " ").split())
+    if not names or any(n not in PERCENTILE_METRICS for n in names):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(PERCENTILE_METRICS)}, got {text!r}")
+    return names
+
+
+def _percentile_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.replace(",", " ").split())
+    except ValueError:
+        values = ()
+    if not values or not all(0 < q <= 100 for q in values):
+        raise argparse.ArgumentTypeError(f"expected percentiles in (0, 100] separated by commas, got {text!r}")
+    return values
+
+
+# vLLM `bench serve` flags radiance cannot honour, and why; each is an error, never a silent change of what is measured
 def run_serve(args) -> int:
     from radiance.bench import serve_bench
     from radiance.bench.report import to_json
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the table
     earlier = _checked_plot_inputs(args)
-    result = serve_bench.run_serve_bench(serve_options(args))
+    opts = serve_options(args)
+    save_to = _result_path(args, opts)  # checked before the run: a bad --result-dir costs an error line, not the run
+    result = serve_bench.run_serve_bench(opts)
     if result.get("interrupted") and not result["levels"]:
         return 130  # Ctrl-C before any request finished: nothing to report
     if args.label:
         result["label"] = args.label
     print(to_json(result) if args.json else serve_bench.serve_table(result))
+    if save_to:
+        path = Path(save_to.format(model=result["model"].rstrip("/").split("/")[-1]))
+        path.write_text(to_json(result) + "\n")
+        logger.info("result saved to %s", path)
     if args.plot:
         from radiance.bench.plot import plot_serve_results
         plot_serve_results(args.plot, earlier + [result])
@@ -143,14 +190,69 @@ def run_serve(args) -> int:
     return 1 if failed and not any(lv["ok"] for lv in result["levels"]) else 0
 
 
+def _result_path(args, opts: ServeBenchOptions) -> str | None:
+    """vLLM's --save-result file: --result-filename in --result-dir (made if missing), by default vLLM's name
+    LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json ({model} is filled in once the server named it)."""
+    if not args.save_result:
+        if args.result_dir or args.result_filename:  # vLLM writes nothing without --save-result: say so, not drop it
+            raise ConfigError("--result-dir / --result-filename name the file of --save-result, which is not given")
+        return None
+    from datetime import datetime
+
+    from radiance.bench.report import check_output_path
+
+    name = args.result_filename
+    if not name:
+        conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        name = (f"{args.label or args.backend or 'openai'}-{opts.request_rate}qps{conc}-{{model}}-"
+                f"{datetime.now():%Y%m%d-%H%M%S}.json")
+    folder = Path(args.result_dir or ".")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--result-dir {folder}: {exc}") from None
+    path = folder / name
+    check_output_path(str(path).replace("{model}", "m"), "--result-filename")
+    return str(path).replace("{", "{{").replace("}", "}}").replace("{{model}}", "{model}")
+
+
 def serve_options(args) -> ServeBenchOptions:
-    """The parsed `bench serve` flags as its options (the flags' defaults are the dataclass's)."""
+    """The parsed `bench serve` flags as its options (the flags' defaults are the dataclass's); a vLLM command line
+    (any of its own flags) with vLLM's meaning."""
+    vllm = any(getattr(args, name, None) not in (None, False) for name in VLLM_FORM)
+    d = SERVE_DEFAULTS
+    dataset = vllm_dataset(args)
+    endpoint = vllm_endpoint(args)
+    if args.concurrency and args.max_concurrency:
+        raise ConfigError("--max-concurrency N is vLLM's one level of --concurrency N: give one of them")
+    if args.num_warmups is not None and args.warmup != d["warmup"]:
+        raise ConfigError("--num-warmups N is --warmup 1+N (vLLM's test request and N more): give one of them")
+    if args.vllm_ignore_eos and not args.ignore_eos:
+        raise ConfigError("--ignore-eos and --no-ignore-eos contradict each other")
+    input_len = one_of(args, "input_len", "random_input_len", d["input_len"], 1024 if vllm else None)
+    output_len = one_of(args, "output_len", "random_output_len", d["output_len"], None)
+    if args.sharegpt_output_len:
+        output_len = args.sharegpt_output_len
+    num_prompts = args.num_prompts or (1000 if vllm else None)  # vLLM's default --num-prompts
+    if args.max_concurrency:
+        levels = (args.max_concurrency,)
+    elif vllm and not args.concurrency:  # vLLM's default: no limit, every request may be in flight at once
+        levels = (num_prompts,)
+    else:
+        levels = serve_levels(args)
+    # vLLM sends ignore_eos for random prompts or with --ignore-eos; a ShareGPT run stops at the model's EOS
+    ignore_eos = args.ignore_eos and (not vllm or bool(args.vllm_ignore_eos) or dataset is None)
+    sharegpt_lengths = bool(vllm and dataset and not args.sharegpt_output_len
+                            and args.output_len == d["output_len"] and args.random_output_len is None)
     return ServeBenchOptions(
-        url=args.url, model=args.model, concurrency=serve_levels(args), num_prompts=args.num_prompts,
-        input_len=args.input_len, output_len=args.output_len, dataset=args.dataset,
-        request_rate=args.request_rate, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
-        api_key=args.api_key, timeout_s=args.timeout, warmup=args.warmup, seed=args.seed,
-        progress=not args.no_progress)
+        url=vllm_url(args), model=args.model, concurrency=levels, num_prompts=num_prompts,
+        input_len=input_len, output_len=output_len, dataset=dataset,
+        request_rate=args.request_rate, endpoint=endpoint, ignore_eos=ignore_eos,
+        api_key=args.api_key, timeout_s=args.timeout,
+        warmup=1 + args.num_warmups if args.num_warmups is not None else args.warmup, seed=args.seed,
+        progress=not (args.no_progress or args.disable_tqdm), percentile_metrics=args.percentile_metrics,
+        metric_percentiles=args.metric_percentiles, exact_input_len=vllm and dataset is None,
+        output_len_from_dataset=sharegpt_lengths)
 
 
 def serve_levels(args) -> tuple[int, ...]:

@@ -66,15 +66,31 @@ def tokens_per_chunk(total_tokens: int, chunks: int) -> list[int]:
     return [(i + 1) * total // chunks - i * total // chunks for i in range(chunks)]
 
 
+def std(values: Sequence[float]) -> float:
+    """Population standard deviation (numpy's default, as vLLM's benchmark reports it); NaN when empty."""
+    if not values:
+        return math.nan
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
+
+
+def percentile_key(q: float) -> str:
+    """'p99', 'p99.9': vLLM's names of a percentile in its result keys and summary lines."""
+    return f"p{int(q)}" if float(q).is_integer() else f"p{q:g}"
+
+
 @dataclass(frozen=True)
 class LatencySummary:
     p50: float
     p99: float
     mean: float
+    std: float = math.nan
+    percentiles: dict[str, float] | None = None  # the percentiles asked for, by percentile_key
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> "LatencySummary":
-        return cls(p50=percentile(values, 50), p99=percentile(values, 99), mean=mean(values))
+    def of(cls, values: Sequence[float], percentiles: Sequence[float] = (50.0, 99.0)) -> "LatencySummary":
+        return cls(p50=percentile(values, 50), p99=percentile(values, 99), mean=mean(values), std=std(values),
+                   percentiles={percentile_key(q): percentile(values, q) for q in percentiles})
 
 
 # ------------------------------------------------------------------------ quality arithmetic

@@ -18,6 +18,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import httpx
 from tqdm import tqdm
@@ -25,7 +26,8 @@ from tqdm import tqdm
 from radiance.bench import metrics
 from radiance.bench.report import format_table
 from radiance.bench.serve_options import ServeBenchOptions
-from radiance.bench.serve_prompts import PromptSpec, load_dataset, prompts_for_level
+from radiance.bench.serve_prompts import (PromptSpec, fit_to_tokens, load_dataset, prompts_for_level,
+                                          sharegpt_lengths)
 from radiance.bench.serve_stream import Stream, read_stream, stream_problem
 from radiance.errors import ConfigError
 
@@ -43,6 +45,11 @@ class RequestResult:
     prompt_tokens: int | None = None
     requested_tokens: int = 0  # max_tokens asked for
     counted_from_chunks: bool = False  # the server reported no usage: one token per streamed chunk
+
+    @property
+    def tpot_s(self) -> float:
+        """vLLM's time per output token: (end-to-end - first token) / (output tokens - 1); NaN for one token."""
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
 
     @property
     def short(self) -> bool:
@@ -70,9 +77,41 @@ class LevelSummary:
     short_outputs: int = 0  # finished with fewer tokens than output_len (the server stopped early)
     counted_from_chunks: int = 0  # requests whose server reported no usage (tokens counted as chunks)
     interrupted: bool = False  # Ctrl-C: the requests that finished before it
+    tpot_ms: metrics.LatencySummary | None = None  # per request, vLLM's TPOT
+    input_tokens: int = 0  # prompt tokens of the finished requests, by the server's usage
+    total_tok_s: float = math.nan  # (input + output tokens) / the level's wall time: vLLM's total token throughput
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def vllm_metrics(lv: dict, percentile_metrics=("ttft", "tpot", "itl"), percentiles=(99.0,)) -> dict:
+    """One level's numbers under the keys of vLLM's `bench serve` result file (mean/median/std/pNN in ms of the
+    chosen metrics, as vLLM writes them)."""
+    out = {"duration": lv["duration_s"], "completed": lv["ok"], "failed": lv["failed"],
+           "max_concurrency": lv["concurrency"], "total_input_tokens": lv.get("input_tokens", 0),
+           "total_output_tokens": lv["output_tokens"], "request_throughput": lv["request_throughput"],
+           "output_throughput": lv["aggregate_tok_s"], "total_token_throughput": lv.get("total_tok_s", math.nan)}
+    for name in percentile_metrics:
+        summary, scale = _metric_summary(lv, name)
+        if summary is None:
+            continue
+        pcts = summary.get("percentiles") or {}
+        out[f"mean_{name}_ms"] = summary["mean"] * scale
+        out[f"median_{name}_ms"] = summary["p50"] * scale
+        out[f"std_{name}_ms"] = summary.get("std", math.nan) * scale
+        for q in percentiles:
+            key = metrics.percentile_key(q)
+            value = pcts.get(key, summary.get(key, math.nan))
+            out[f"{key}_{name}_ms"] = value * scale if value is not None else math.nan
+    return out
+
+
+def _metric_summary(lv: dict, name: str) -> tuple[dict | None, float]:
+    """The level's summary of a vLLM metric name and the factor to milliseconds (E2E is kept in seconds)."""
+    key, scale = {"ttft": ("ttft_ms", 1.0), "tpot": ("tpot_ms", 1.0), "itl": ("itl_ms", 1.0),
+                  "e2el": ("e2e_s", 1e3)}[name]
+    return lv.get(key), scale
 
 
 # --------------------------------------------------------------------------- one request
@@ -128,19 +167,20 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
 
 
 def summarize_level(concurrency: int, results: list[RequestResult], duration_s: float,
-                    interrupted: bool = False) -> LevelSummary:
+                    interrupted: bool = False, percentiles=(50.0, 99.0)) -> LevelSummary:
     good = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in good)
     prompt_counts = [r.prompt_tokens for r in good if r.prompt_tokens is not None]
+    summary = partial(metrics.LatencySummary.of, percentiles=percentiles)
     return LevelSummary(
         concurrency=concurrency,
         requests=len(results),
         ok=len(good),
         failed=len(results) - len(good),
         duration_s=duration_s,
-        ttft_ms=metrics.LatencySummary.of([r.ttft_s * 1e3 for r in good]),
-        itl_ms=metrics.LatencySummary.of([gap * 1e3 for r in good for gap in r.itl_s]),
-        e2e_s=metrics.LatencySummary.of([r.e2e_s for r in good]),
+        ttft_ms=summary([r.ttft_s * 1e3 for r in good]),
+        itl_ms=summary([gap * 1e3 for r in good for gap in r.itl_s]),
+        e2e_s=summary([r.e2e_s for r in good]),
         output_tok_s=metrics.mean([v for r in good if not math.isnan(v := metrics.decode_tokens_per_second(r.itl_s))]),
         aggregate_tok_s=metrics.tokens_per_second(out_tokens, duration_s),
         request_throughput=metrics.tokens_per_second(len(good), duration_s),
@@ -150,6 +190,9 @@ def summarize_level(concurrency: int, results: list[RequestResult], duration_s: 
         short_outputs=sum(r.short for r in results),
         counted_from_chunks=sum(r.counted_from_chunks for r in good),
         interrupted=interrupted,
+        tpot_ms=summary([r.tpot_s * 1e3 for r in good if r.output_tokens > 1]),  # vLLM leaves one-token answers out
+        input_tokens=sum(prompt_counts),
+        total_tok_s=metrics.tokens_per_second(sum(prompt_counts) + out_tokens, duration_s),
     )
 
 
@@ -189,7 +232,7 @@ async def run_level(client: httpx.AsyncClient, opts: ServeBenchOptions, model: s
         interrupted = True
     duration = time.perf_counter() - start
     bar.close()
-    return summarize_level(concurrency, results, duration, interrupted)
+    return summarize_level(concurrency, results, duration, interrupted, opts.metric_percentiles)
 
 
 def server_root(url: str) -> str:
@@ -228,12 +271,25 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
     async with httpx.AsyncClient(base_url=server_root(opts.url), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(opts.timeout_s)) as client:
         model = opts.model or await discover_model(client)
+        if pool and opts.output_len_from_dataset:
+            try:
+                pool = await sharegpt_lengths(client, model, pool, sum(opts.prompts_for(c) for c in opts.concurrency))
+            except ConfigError as exc:
+                raise ConfigError(f"{exc} (or give --sharegpt-output-len N: every request N tokens)") from None
+        fit = opts.exact_input_len
         await warm_up(client, opts, model)
         levels, interrupted, sent = [], False, 0
         for i, conc in enumerate(opts.concurrency):
             # a dataset is walked through across the levels: a prompt an earlier level sent would be a
             # prefix-cache hit (5.1 s against 66 ms time to first token on the embedded model)
             specs = prompts_for_level(opts, opts.prompts_for(conc), opts.seed + i, pool, start=sent)
+            if fit and not pool:  # before the level's clock starts
+                try:
+                    specs = await fit_to_tokens(client, model, specs, opts.input_len, opts.seed + i)
+                except ConfigError as exc:  # a server without vLLM's /tokenize: words, each about one token
+                    logger.warning("%s: the prompts are %d words (~tokens), not exactly %d tokens",
+                                   exc, opts.input_len, opts.input_len)
+                    fit = False
             sent += len(specs)
             summary = await run_level(client, opts, model, conc, specs, opts.seed + i)
             logger.info("concurrency %d: %d ok, %d failed, %.1f output tok/s aggregate",
@@ -243,13 +299,22 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
             if summary.interrupted:
                 interrupted = True
                 break
-    return {"url": opts.url, "model": model, "endpoint": opts.endpoint,
+    result = {"url": opts.url, "model": model, "endpoint": opts.endpoint,
             "input_len": None if opts.dataset else opts.input_len, "output_len": opts.output_len,
             "dataset": opts.dataset, "ignore_eos": opts.ignore_eos,
+            "percentile_metrics": list(opts.percentile_metrics), "metric_percentiles": list(opts.metric_percentiles),
             # JSON has no infinity (it became null); "inf" as vLLM's benchmark writes it
             "request_rate": opts.request_rate if math.isfinite(opts.request_rate) else "inf",
             "interrupted": interrupted,
-            "levels": [lv.as_dict() for lv in levels]}
+            "levels": [_with_vllm_keys(lv.as_dict(), opts) for lv in levels]}
+    if len(result["levels"]) == 1:  # one level is one vLLM run: its keys where vLLM's result file has them
+        result.update(result["levels"][0]["vllm"], model_id=model, num_prompts=result["levels"][0]["requests"])
+    return result
+
+
+def _with_vllm_keys(lv: dict, opts: ServeBenchOptions) -> dict:
+    lv["vllm"] = vllm_metrics(lv, opts.percentile_metrics, opts.metric_percentiles)
+    return lv
 
 
 def _warn_if_prompts_repeat(opts: ServeBenchOptions, pool: list[PromptSpec] | None) -> None:
@@ -275,17 +340,62 @@ def run_serve_bench(opts: ServeBenchOptions) -> dict:
     return asyncio.run(run_serve_bench_async(opts))
 
 
+_COLUMN = {"ttft": ("TTFT", "ms", "ttft_ms", 1), "tpot": ("TPOT", "ms", "tpot_ms", 2),
+           "itl": ("ITL", "ms", "itl_ms", 2), "e2el": ("E2E", "s", "e2e_s", 2)}
+
+
 def serve_table(result: dict) -> str:
-    headers = ("conc", "ok", "failed", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-               "E2E p50 s", "E2E p99 s", "out tok/s", "agg tok/s")
-    rows = [(lv["concurrency"], lv["ok"], lv["failed"], lv["ttft_ms"]["p50"], lv["ttft_ms"]["p99"],
-             lv["itl_ms"]["p50"], lv["itl_ms"]["p99"], lv["e2e_s"]["p50"], lv["e2e_s"]["p99"],
+    """One row a level: the chosen percentiles of the chosen latencies (--percentile-metrics, --metric-percentiles),
+    then the rates; a run of one level adds vLLM's summary block, to compare line by line."""
+    names = result.get("percentile_metrics") or ("ttft", "itl", "e2el")  # results written before the option
+    qs = result.get("metric_percentiles") or (50.0, 99.0)
+    cols = [(name, metrics.percentile_key(q)) for name in names for q in qs]
+    headers = ("conc", "ok", "failed", *(f"{_COLUMN[n][0]} {k} {_COLUMN[n][1]}" for n, k in cols),
+               "out tok/s", "agg tok/s")
+    rows = [(lv["concurrency"], lv["ok"], lv["failed"], *(_level_percentile(lv, n, k) for n, k in cols),
              lv["output_tok_s"], lv["aggregate_tok_s"]) for lv in result["levels"]]
     lines = [f"{result['model']} at {result['url']} ({result['endpoint']})",
-             format_table(headers, rows, digits=(0, 0, 0, 1, 1, 2, 2, 2, 2, 1, 1))]
+             format_table(headers, rows, digits=(0, 0, 0, *(_COLUMN[n][3] for n, _ in cols), 1, 1))]
     for lv in result["levels"]:
         lines += _level_notes(lv, result.get("ignore_eos", True))
+    if len(result["levels"]) == 1 and "vllm" in result["levels"][0]:
+        lines += ["", vllm_summary(result["levels"][0]["vllm"], names, qs, result.get("request_rate"))]
     return "\n".join(lines)
+
+
+def _level_percentile(lv: dict, name: str, key: str) -> float:
+    summary = lv.get(_COLUMN[name][2]) or {}
+    value = (summary.get("percentiles") or {}).get(key, summary.get(key))
+    return math.nan if value is None else value
+
+
+def vllm_summary(v: dict, names, qs, request_rate=None) -> str:
+    """vLLM's "Serving Benchmark Result" block, its lines and labels, from vllm_metrics' keys."""
+    def line(label, value, fmt=".2f"):
+        text = "nan" if isinstance(value, float) and math.isnan(value) else format(value, fmt)
+        return f"{label:<40} {text:<10}".rstrip()
+
+    out = [" Serving Benchmark Result ".center(50, "="), line("Successful requests:", v["completed"], "d"),
+           line("Failed requests:", v["failed"], "d"), line("Maximum request concurrency:", v["max_concurrency"], "d")]
+    if request_rate not in (None, "inf"):
+        out.append(line("Request rate configured (RPS):", request_rate))
+    out += [line("Benchmark duration (s):", v["duration"]), line("Total input tokens:", v["total_input_tokens"], "d"),
+            line("Total generated tokens:", v["total_output_tokens"], "d"),
+            line("Request throughput (req/s):", v["request_throughput"]),
+            line("Output token throughput (tok/s):", v["output_throughput"]),
+            line("Total token throughput (tok/s):", v["total_token_throughput"])]
+    headers = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+               "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for name in names:
+        if f"mean_{name}_ms" not in v:
+            continue
+        label = name.upper()
+        out += [headers[name].center(50, "-"), line(f"Mean {label} (ms):", v[f"mean_{name}_ms"]),
+                line(f"Median {label} (ms):", v[f"median_{name}_ms"])]
+        out += [line(f"{key.upper()} {label} (ms):", v[f"{key}_{name}_ms"])
+                for key in (metrics.percentile_key(q) for q in qs)]
+    out.append("=" * 50)
+    return "\n".join(out)
 
 
 def _level_notes(lv: dict, ignore_eos: bool) -> list[str]:

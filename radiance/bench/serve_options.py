@@ -10,10 +10,14 @@ from urllib.parse import urlsplit
 
 from radiance.errors import ConfigError
 
+DEFAULT_URL = "http://127.0.0.1:8000"  # vLLM's bench serve default (--host 127.0.0.1 --port 8000)
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's names: time to first token, time per output token
+# after the first (per request), inter-token latency, end-to-end latency
+
 
 @dataclass(frozen=True)
 class ServeBenchOptions:
-    url: str
+    url: str = DEFAULT_URL
     model: str | None = None  # None: the first model the server lists
     concurrency: tuple[int, ...] = (1, 8, 32, 128)
     num_prompts: int | None = None  # per level; None: 4 x concurrency, at least 8
@@ -29,6 +33,11 @@ class ServeBenchOptions:
     warmup: int = 1  # requests sent (and not counted) before the first level
     seed: int = 0
     progress: bool = True
+    percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS  # the latencies whose percentiles are reported
+    metric_percentiles: tuple[float, ...] = (50.0, 99.0)  # which percentiles (the table shows each)
+    exact_input_len: bool = False  # random prompts fitted to input_len tokens with the server's /tokenize
+    output_len_from_dataset: bool = False  # ShareGPT: each request's max_tokens is its reply's token count
+    # (vLLM's sharegpt), counted with the server's /tokenize
 
     def __post_init__(self):
         _check_url(self.url)
@@ -46,6 +55,12 @@ class ServeBenchOptions:
             raise ConfigError(f"warmup must be 0 or more requests, got {self.warmup}")
         if self.endpoint not in ("completions", "chat"):
             raise ConfigError(f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}")
+        unknown = [m for m in self.percentile_metrics if m not in PERCENTILE_METRICS]
+        if not self.percentile_metrics or unknown:
+            raise ConfigError(f"percentile metrics must be some of {','.join(PERCENTILE_METRICS)}, "
+                              f"got {','.join(self.percentile_metrics) or 'none'}")
+        if not self.metric_percentiles or not all(0 < q <= 100 for q in self.metric_percentiles):
+            raise ConfigError(f"metric percentiles must be numbers in (0, 100], got {self.metric_percentiles}")
 
     def prompts_for(self, concurrency: int) -> int:
         return self.num_prompts if self.num_prompts is not None else max(8, 4 * concurrency)

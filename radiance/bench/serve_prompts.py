@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from radiance.errors import ConfigError
 
 if TYPE_CHECKING:
+    import httpx
+
     from radiance.bench.serve_bench import ServeBenchOptions
 
 
@@ -28,6 +30,8 @@ _WORDS = (
 class PromptSpec:
     prompt: str
     output_len: int
+    # a ShareGPT conversation's answer (vLLM sizes max_tokens by it); not part of the request sent
+    reply: str | None = field(default=None, compare=False)
 
 
 def random_prompts(n: int, input_len: int, output_len: int, seed: int) -> list[PromptSpec]:
@@ -81,10 +85,13 @@ def _array_item(item, output_len: int, where: str) -> PromptSpec | None:
         turns = item["conversations"]
         if not isinstance(turns, list):
             raise ConfigError(f"{where}: 'conversations' must be a list of turns")
-        first = next((t for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
+        at = next((i for i, t in enumerate(turns) if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
+        first = turns[at] if at is not None else None
         if first is None or not isinstance(first.get("value"), str) or not first["value"].strip():
             return None
-        return PromptSpec(first["value"], output_len)
+        after = turns[at + 1] if at + 1 < len(turns) else None
+        reply = after.get("value") if isinstance(after, dict) and isinstance(after.get("value"), str) else None
+        return PromptSpec(first["value"], output_len, reply)
     return _prompt_row(item, output_len, where)
 
 
@@ -131,3 +138,79 @@ def prompts_for_level(opts: ServeBenchOptions, n: int, level_seed: int,
     if pool:
         return [pool[(start + i) % len(pool)] for i in range(n)]
     return random_prompts(n, opts.input_len, opts.output_len, level_seed)
+
+
+# ------------------------------------------------------------------ token counts from the server (vLLM's lengths)
+
+# vLLM's ShareGPT sampling keeps a conversation when its prompt and reply have 4 tokens or more, the prompt at most
+# 1024 and both together at most 2048
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
+async def count_tokens(client: httpx.AsyncClient, model: str, text: str) -> int:
+    """The text's token count by the server's tokenizer (vLLM's /tokenize, radiance serve's too), without special
+    tokens: vLLM's benchmark counts a prompt's own tokens."""
+    resp = await client.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+    if resp.status_code != 200:
+        raise ConfigError(f"the server's /tokenize answered HTTP {resp.status_code} "
+                          f"({' '.join(resp.text.split())[:120]}); it counts the tokens of vLLM's lengths")
+    try:
+        count = resp.json()["count"]
+    except (KeyError, TypeError, ValueError):
+        count = None
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise ConfigError(f"the server's /tokenize answer has no token count: {' '.join(resp.text.split())[:120]}")
+    return count
+
+
+async def fit_to_tokens(client: httpx.AsyncClient, model: str, specs: list[PromptSpec], input_len: int,
+                        seed: int) -> list[PromptSpec]:
+    """Each random prompt made input_len tokens long (as vLLM's random dataset makes them): its words are about one
+    token each, so one step of the difference usually lands; else the longest run of words within input_len tokens
+    (a binary search; exact unless a word of several tokens straddles the length)."""
+    rng = random.Random(seed)
+    out = []
+    for spec in specs:
+        words = spec.prompt.split()
+        n = await count_tokens(client, model, spec.prompt)
+        if n != input_len:
+            words = words[:max(1, len(words) - (n - input_len))] if n > input_len else \
+                words + [rng.choice(_WORDS) for _ in range(input_len - n)]
+            n = await count_tokens(client, model, " ".join(words))
+        if n != input_len:
+            while n < input_len:  # enough words to search within
+                words += [rng.choice(_WORDS) for _ in range(input_len)]
+                n = await count_tokens(client, model, " ".join(words))
+            lo, hi = 1, len(words)  # the longest prefix of at most input_len tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if await count_tokens(client, model, " ".join(words[:mid])) <= input_len:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            words = words[:lo]
+        out.append(PromptSpec(" ".join(words), spec.output_len))
+    return out
+
+
+async def sharegpt_lengths(client: httpx.AsyncClient, model: str, pool: list[PromptSpec],
+                           needed: int) -> list[PromptSpec]:
+    """vLLM's sharegpt: each conversation's max_tokens is its reply's token count, and the conversations vLLM
+    drops (no reply, too short or too long) are left out; counted only until `needed` are found (ShareGPT holds
+    90k conversations)."""
+    out = []
+    for spec in pool:
+        if len(out) >= needed:
+            break
+        if not spec.reply:
+            continue
+        prompt_len = await count_tokens(client, model, spec.prompt)
+        output_len = await count_tokens(client, model, spec.reply)
+        if min(prompt_len, output_len) < SHAREGPT_MIN_LEN or prompt_len > SHAREGPT_MAX_PROMPT \
+                or prompt_len + output_len > SHAREGPT_MAX_TOTAL:
+            continue
+        out.append(PromptSpec(spec.prompt, output_len))
+    if not out:
+        raise ConfigError("the dataset has no conversation vLLM's sharegpt would send (a prompt and a reply of 4 to "
+                          "1024 tokens, 2048 together)")
+    return out

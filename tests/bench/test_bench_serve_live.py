@@ -64,3 +64,21 @@ def test_bench_serve_against_radiance_server(radiance_server, capsys):
                "--input-len", "8", "--output-len", "4", "--endpoint", "chat", "--warmup", "0", "--json"])
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["levels"][0]["ok"] == 1
+
+
+def test_a_vllm_bench_serve_line_against_radiance_server(radiance_server, tmp_path, capsys):
+    """vLLM's command line as it is: its prompts fitted to exactly --random-input-len tokens with /tokenize (the
+    server's usage then reports them), and the saved result file carries vLLM's keys for the percentiles chosen."""
+    rc = main(["bench", "serve", "--backend", "openai", "--base-url", radiance_server, "--endpoint", "/v1/completions",
+               "--dataset-name", "random", "--random-input-len", "12", "--random-output-len", "4",
+               "--num-prompts", "2", "--max-concurrency", "2", "--request-rate", "inf", "--ignore-eos", "--seed", "0",
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm"])
+    assert rc == 0
+    assert "Median TPOT (ms):" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert (saved["completed"], saved["failed"], saved["total_output_tokens"]) == (2, 0, 2 * 4)
+    assert saved["total_input_tokens"] == 2 * 12  # exactly, not 12 words
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert all(saved[f"{k}_{name}_ms"] > 0 for k in ("mean", "median", "p50", "p90", "p99")), name
+    assert saved["total_token_throughput"] > saved["output_throughput"] > 0
