@@ -93,10 +93,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--concurrency", type=_int_list, nargs="+",
                    help=f"levels, comma- or space-separated (default: {','.join(map(str, SERVE_LEVELS))})")
     p.add_argument("--num-prompts", type=positive_int, help="requests per level (default: 4 x concurrency, at least 8)")
-    p.add_argument("--input-len", type=positive_int, default=SERVE_DEFAULTS["input_len"],
-                   help="prompt length in words (~tokens; default: %(default)s)")
-    p.add_argument("--output-len", type=positive_int, default=SERVE_DEFAULTS["output_len"],
-                   help="max_tokens of each request (default: %(default)s)")
+    # None unless given: a vLLM line's own defaults (1024 tokens) apply only where neither form's flag is given
+    p.add_argument("--input-len", type=positive_int,
+                   help=f"prompt length in words (~tokens; default: {SERVE_DEFAULTS['input_len']})")
+    p.add_argument("--output-len", type=positive_int,
+                   help=f"max_tokens of each request (default: {SERVE_DEFAULTS['output_len']})")
     p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or ShareGPT conversations (their "
                                      "first human turn), a JSON array of either, or one prompt per line; the levels "
                                      "walk through it in order, each prompt sent once while it lasts")
@@ -240,10 +241,12 @@ def serve_options(args) -> ServeBenchOptions:
         levels = (num_prompts,)
     else:
         levels = serve_levels(args)
-    # vLLM sends ignore_eos for random prompts or with --ignore-eos; a ShareGPT run stops at the model's EOS
-    ignore_eos = args.ignore_eos and (not vllm or bool(args.vllm_ignore_eos) or dataset is None)
-    sharegpt_lengths = bool(vllm and dataset and not args.sharegpt_output_len
-                            and args.output_len == d["output_len"] and args.random_output_len is None)
+    # vLLM passes its --ignore-eos through as given (its requests stop at EOS without it); radiance's own lines
+    # send it unless --no-ignore-eos
+    ignore_eos = args.ignore_eos and (not vllm or bool(args.vllm_ignore_eos))
+    # vLLM's sharegpt sizes each request by its reply; radiance's --dataset rows keep their own output_len
+    sharegpt_lengths = bool(args.dataset_name == "sharegpt" and dataset and not args.sharegpt_output_len
+                            and args.output_len is None and args.random_output_len is None)
     return ServeBenchOptions(
         url=vllm_url(args), model=args.model, concurrency=levels, num_prompts=num_prompts,
         input_len=input_len, output_len=output_len, dataset=dataset,

@@ -276,6 +276,7 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
                 pool = await sharegpt_lengths(client, model, pool, sum(opts.prompts_for(c) for c in opts.concurrency))
             except ConfigError as exc:
                 raise ConfigError(f"{exc} (or give --sharegpt-output-len N: every request N tokens)") from None
+            _warn_if_prompts_repeat(opts, pool)  # the filter may have left fewer prompts than requests
         fit = opts.exact_input_len
         await warm_up(client, opts, model)
         levels, interrupted, sent = [], False, 0

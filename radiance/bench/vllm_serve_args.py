@@ -106,7 +106,7 @@ def add_vllm_flags(p) -> None:
 def one_of(args, ours: str, theirs: str, default, vllm_default):
     """radiance's flag or vLLM's dataset-specific one (vLLM's general --input-len wins over --random-input-len)."""
     given = getattr(args, ours)
-    if given != default:
+    if given is not None:
         return given
     if getattr(args, theirs) is not None:
         return getattr(args, theirs)

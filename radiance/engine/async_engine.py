@@ -171,8 +171,10 @@ class AsyncLLMEngine:
         here), so an admitted sequence's count is final. The slot check keeps a reused id's other request out.
         The one stale answer: None while the step then running admits it (its schedule is that short window)."""
         queue = self._queues.get(request_id)
+        if queue is None or self._serving.get(request_id) is not queue:  # first: a reused id's sequence is not ours
+            return None
         seq = self.engine.sequences.get(request_id)
-        if queue is None or seq is None or self._serving.get(request_id) is not queue or not seq.admitted:
+        if seq is None or not seq.admitted:
             return None
         return seq.num_cached_tokens
 

@@ -249,6 +249,13 @@ _RESERVED_TEMPLATE_KWARGS = {"messages": "messages", "template": None}
 SERVER_TEMPLATE_KEYS = ("add_generation_prompt", "continue_final_message", "tools", "chat_template")
 
 
+def tools_not_empty(tools: list | None) -> list | None:
+    """vLLM's and OpenAI's 400: an empty list is neither "no tools" nor a render with tools (the tool_use template)."""
+    if tools is not None and not tools:
+        raise ValueError("`tools` must not be an empty array: give at least one tool or leave the field out")
+    return tools
+
+
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     """chat_template_kwargs without the variables the renderer takes itself; its tools a list of objects and its
     chat_template a template (another value failed inside the renderer)."""
@@ -333,10 +340,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("tools")
     @classmethod
     def _tools_not_empty(cls, tools):
-        # vLLM's and OpenAI's 400: an empty list is neither "no tools" nor a render with tools (the tool_use template)
-        if tools is not None and not tools:
-            raise ValueError("`tools` must not be an empty array: give at least one tool or leave the field out")
-        return tools
+        return tools_not_empty(tools)
 
     @staticmethod
     def check_tool_choice(tool_choice: Any, tools: list | None) -> None:

@@ -33,12 +33,34 @@ def test_vllm_defaults_apply_to_a_vllm_line_only():
     opts = options(["--host", "10.0.0.2", "--port", "9000", "--dataset-name", "random"])
     assert opts.url == "http://10.0.0.2:9000"
     assert (opts.concurrency, opts.num_prompts, opts.input_len, opts.output_len) == ((1000,), 1000, 1024, 128)
-    assert opts.endpoint == "completions" and opts.ignore_eos
+    assert opts.endpoint == "completions" and not opts.ignore_eos  # vLLM passes --ignore-eos as given
+    assert options(["--dataset-name", "random", "--ignore-eos"]).ignore_eos
     # radiance's own line keeps its levels and lengths, at vLLM's default URL
     opts = options([])
     assert (opts.url, opts.concurrency, opts.num_prompts, opts.input_len) == (
         "http://127.0.0.1:8000", (1, 8, 32, 128), None, 256)
     assert not opts.exact_input_len
+
+
+@pytest.mark.parametrize("argv, lengths", [
+    (["--max-concurrency", "2", "--input-len", "256"], (256, 128)),  # radiance's default value, given: kept
+    (["--random-input-len", "300", "--input-len", "256", "--output-len", "128", "--random-output-len", "9"],
+     (256, 128)),  # vLLM's general --input-len / --output-len win over the random dataset's
+    (["--max-concurrency", "2"], (1024, 128)),
+])
+def test_a_given_input_len_is_kept_even_at_radiance_s_default_value(argv, lengths):
+    """--input-len 256 beside a vLLM flag read as "not given" (it equals radiance's default): 1024 tokens were sent."""
+    opts = options(argv)
+    assert (opts.input_len, opts.output_len) == lengths
+
+
+def test_radiance_s_own_dataset_beside_a_vllm_flag_keeps_its_rows_lengths(tmp_path):
+    """A --dataset JSONL with a vLLM flag (--max-concurrency) was sized as ShareGPT: every row without a reply
+    dropped, then "the dataset has no conversation vLLM's sharegpt would send"."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "a", "output_len": 5}\n')
+    opts = options(["--dataset", str(data), "--max-concurrency", "1"])
+    assert not opts.output_len_from_dataset
 
 
 def test_a_sharegpt_line_sizes_requests_by_the_replies_without_ignore_eos(tmp_path):
@@ -167,3 +189,23 @@ def test_sharegpt_requests_take_their_replies_token_counts(tmp_path):
     assert [(s.prompt, s.output_len) for s in asyncio.run(lengths(10))] == [
         ("one two three four", 6), ("five six seven eight", 8), ("nine ten eleven twelve", 5)]
     assert len(asyncio.run(lengths(2))) == 2  # counted only as far as needed
+
+
+def test_prompts_left_by_the_sharegpt_filter_warn_when_they_repeat(fake_server, tmp_path, monkeypatch, caplog):
+    """The repeat warning looked at the file before vLLM's length filter: 4 conversations, 1 left, 3 requests sent
+    that one prompt 3 times without a word."""
+    from radiance.bench.serve_options import ServeBenchOptions
+    from radiance.bench.serve_prompts import PromptSpec
+
+    data = tmp_path / "sg.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "output_len": 2}) + "\n" for i in range(4)))
+
+    async def one_left(client, model, pool, needed):
+        return [PromptSpec(pool[0].prompt, 2)]
+
+    monkeypatch.setattr(serve_bench, "sharegpt_lengths", one_left)
+    opts = ServeBenchOptions(url=fake_server.url, concurrency=(1,), num_prompts=3, dataset=str(data), warmup=0,
+                             progress=False, output_len_from_dataset=True)
+    with caplog.at_level("WARNING", logger="radiance.bench.serve_bench"):
+        serve_bench.run_serve_bench(opts)
+    assert "the dataset has 1 prompts for the run's 3 requests" in caplog.text

@@ -192,6 +192,9 @@ def test_an_empty_tools_field_is_a_400_while_empty_kwargs_tools_pick_the_tool_us
         r = httpx.post(url + "/v1/responses", json={"model": "fake", "input": "SAY:no tools", "tools": []},
                        timeout=30)
         assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == "no tools", r.text
+        # /tokenize renders as chat: the same 400 (it built a chat request from its fields: a 500)
+        r = httpx.post(url + "/tokenize", json={"model": "fake", "messages": MSG, "tools": []}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
 # ---------------------------------------------------------------- 3. reasoning_effort -> enable_thinking
