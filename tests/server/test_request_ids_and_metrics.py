@@ -329,14 +329,8 @@ def _post_quietly(url: str, body: dict) -> None:
         pass
 
 
-def test_merged_outputs_cancelled_mid_way_records_each_job_once():
-    """The consumer cancelled while it waits (the server stopping): each unfinished job ends once as abort,
-    and closing the generator again records nothing more."""
-    engine = FakeEngine()
-    metrics = ServerMetrics(lambda: None, lambda: "m")
-    prompt = engine.tokenizer.encode(SLOW)
-    jobs = [EngineJob(f"job-{i}", prompt, _params()) for i in range(2)]
-
+def cancel_consumer_midway(engine, jobs: list[EngineJob], metrics: ServerMetrics) -> None:
+    """merged_outputs' consumer cancelled 0.2 s in (the server stopping), then the generator closed."""
     async def run():
         outputs = merged_outputs(engine, jobs, metrics)
 
@@ -352,6 +346,17 @@ def test_merged_outputs_cancelled_mid_way_records_each_job_once():
         await outputs.aclose()
 
     asyncio.run(run())
+
+
+def test_merged_outputs_cancelled_mid_way_records_each_job_once():
+    """The consumer cancelled while it waits (the server stopping): each unfinished job ends once as abort,
+    and closing the generator again records nothing more."""
+    engine = FakeEngine()
+    metrics = ServerMetrics(lambda: None, lambda: "m")
+    prompt = engine.tokenizer.encode(SLOW)
+    jobs = [EngineJob(f"job-{i}", prompt, _params()) for i in range(2)]
+
+    cancel_consumer_midway(engine, jobs, metrics)
     sample = metrics.registry.get_sample_value
     assert sample("radiance_request_success_total", {"model_name": "m", "finished_reason": "abort"}) == 2
     assert sample(E2E, {"model_name": "m"}) == 2 and sorted(engine.aborted) == ["job-0", "job-1"]

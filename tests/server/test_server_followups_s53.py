@@ -24,24 +24,18 @@ from radiance.server.metrics import ServerMetrics
 from radiance.server.serving_common import EngineJob, merged_outputs
 from tests.server.fake_engine import FakeEngine, serve_engine
 from tests.server.test_chat_followups import chat
+from tests.server.test_request_ids_and_metrics import cancel_consumer_midway
+from tests.server.test_server_churn import model_path  # noqa: F401 - a fixture
 from tests.server.test_template_kwargs_parity import PROBE
 from tests.server.test_thinking_then_constraint import ASK, PLAN, prompt_of, spec_of
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory):
-    """The tiny random Llama 3 with a real byte-level BPE tokenizer, prefix caching on."""
+def tiny_engine(model_path):
+    """The tiny random Llama 3 with a real byte-level BPE tokenizer (the churn suite's), prefix caching on."""
     from radiance import LLM
-    from tests.engine.conftest import TINY_TOKENIZER_VOCAB, tiny_byte_bpe_tokenizer, tiny_hf_model
 
-    path = tmp_path_factory.mktemp("s53-llama3")
-    tokenizer = tiny_byte_bpe_tokenizer()
-    model = tiny_hf_model("llama3", seed=1, vocab_size=TINY_TOKENIZER_VOCAB)
-    for config in (model.config, model.generation_config):
-        config.bos_token_id, config.eos_token_id = None, tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return LLM(str(path), device="cpu", dtype="float32", enable_prefix_caching=True).engine
+    return LLM(model_path, device="cpu", dtype="float32", enable_prefix_caching=True).engine
 
 
 def test_a_request_aborted_before_its_first_output_counts_its_prefix_cache_hits(tiny_engine):
@@ -142,21 +136,7 @@ def test_an_engines_failing_cached_tokens_lookup_still_ends_and_aborts_each_job(
     prompt = engine.tokenizer.encode("SAY:SLOW" + "z" * 200)  # still running when the consumer leaves
     jobs = [EngineJob(f"job-{i}", prompt, SamplingParams(max_tokens=500)) for i in range(2)]
 
-    async def run():
-        outputs = merged_outputs(engine, jobs, metrics)
-
-        async def consume():
-            async for _ in outputs:
-                pass
-
-        task = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await outputs.aclose()
-
-    asyncio.run(run())
+    cancel_consumer_midway(engine, jobs, metrics)
     sample = metrics.registry.get_sample_value
     assert sample("radiance_request_success_total", {"model_name": "m", "finished_reason": "abort"}) == 2
     assert sorted(engine.aborted) == ["job-0", "job-1"]
