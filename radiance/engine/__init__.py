@@ -3,7 +3,8 @@
 Imports are lazy so `radiance.engine.cli` (argparse registration) does not pull in torch.
 """
 
-__all__ = ["AsyncLLMEngine", "EngineStats", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "TokenLogprob"]
+__all__ = ["AsyncLLMEngine", "EngineStats", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StepOutput",
+           "TokenLogprob"]
 
 
 def __getattr__(name):
@@ -19,7 +20,10 @@ def __getattr__(name):
     if name == "SamplingParams":
         from radiance.engine.sampling_params import SamplingParams
         return SamplingParams
-    if name in ("RequestOutput", "TokenLogprob", "EngineStats"):
+    if name in ("StepOutput", "TokenLogprob", "EngineStats"):
         from radiance.engine import outputs
         return getattr(outputs, name)
+    if name == "RequestOutput":  # vLLM's name for LLM.generate's result, as `radiance.RequestOutput`
+        from radiance.engine.outputs import GenerationOutput
+        return GenerationOutput
     raise AttributeError(f"module 'radiance.engine' has no attribute {name!r}")

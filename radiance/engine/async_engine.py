@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from radiance.config import EngineConfig
 from radiance.engine.llm_engine import LLMEngine
-from radiance.engine.outputs import RequestOutput
+from radiance.engine.outputs import StepOutput
 from radiance.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,15 +35,15 @@ class OutputSlot:
     client that stayed connected but stopped reading (bench/RESULTS.md, forty-ninth session)."""
 
     def __init__(self):
-        self._item: RequestOutput | BaseException | None = None
+        self._item: StepOutput | BaseException | None = None
         self._ready = asyncio.Event()
 
-    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+    def put_nowait(self, item: StepOutput | BaseException) -> None:
         if not isinstance(self._item, BaseException):
             self._item = item
             self._ready.set()
 
-    async def get(self) -> RequestOutput | BaseException:
+    async def get(self) -> StepOutput | BaseException:
         await self._ready.wait()
         self._ready.clear()
         item, self._item = self._item, None
@@ -131,7 +131,7 @@ class AsyncLLMEngine:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams | None = None) -> AsyncIterator[StepOutput]:
         params = params or SamplingParams()
         if self.stopped:
             raise EngineStoppedError("the engine was shut down")
@@ -216,14 +216,14 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------------- the loop
 
-    def _step_in_thread(self) -> list[tuple[str, OutputSlot, RequestOutput | BaseException]]:
+    def _step_in_thread(self) -> list[tuple[str, OutputSlot, StepOutput | BaseException]]:
         try:
             return self._apply_and_step()
         except Exception:
             self._abort_all_in_thread()
             raise
 
-    def _apply_and_step(self) -> list[tuple[str, OutputSlot, RequestOutput | BaseException]]:
+    def _apply_and_step(self) -> list[tuple[str, OutputSlot, StepOutput | BaseException]]:
         """Applies the queued adds and aborts, runs one step; returns (request id, slot, output or error)."""
         with self._lock:
             pending, self._pending = self._pending, []

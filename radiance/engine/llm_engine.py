@@ -15,7 +15,7 @@ from radiance.engine.detokenizer import IncrementalDetokenizer
 from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
 from radiance.engine.outputs import (INTER_TOKEN_BUCKETS, ITERATION_TOKEN_BUCKETS, EngineStats, StepHistogram,
-                                     RequestOutput, RequestTimes, TokenLogprob)
+                                     StepOutput, RequestTimes, TokenLogprob)
 from radiance.engine.overlap import DecodeAhead
 from radiance.engine.request_checks import check_fits_context, check_token_ids
 from radiance.engine.sampling_params import SamplingParams, generator_seed, tokenized_bad_words
@@ -57,7 +57,7 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()  # the server compiles on its own thread (warm_grammar_backend)
         self.sequences: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._aborted: deque[RequestOutput] = deque()
+        self._aborted: deque[StepOutput] = deque()
         self._arrivals = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -192,7 +192,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- stepping
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         outputs = list(self._aborted)
         self._aborted.clear()
         self.speculator.propose()
@@ -303,8 +303,8 @@ class LLMEngine:
         return detokenizer.matched_stop
 
     @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
-        return RequestOutput(
+    def _output(seq: Sequence) -> StepOutput:
+        return StepOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             finish_reason=seq.finish_reason, finished=seq.is_finished, num_cached_tokens=seq.num_cached_tokens,

@@ -45,7 +45,10 @@ class RequestTimes:
 
 
 @dataclass
-class RequestOutput:
+class StepOutput:
+    """One request's state after an engine step (LLMEngine.step, AsyncLLMEngine.generate): cumulative text and
+    tokens, the finish reason once it ended."""
+
     request_id: str
     prompt_token_ids: list[int]
     text: str                    # cumulative
@@ -79,8 +82,8 @@ class CompletionOutput:
 
 @dataclass
 class GenerationOutput:
-    """One prompt's result of LLM.generate / LLM.chat: vLLM's RequestOutput, which `radiance.RequestOutput` names
-    (this module's RequestOutput is the engine's per-step output, a different class)."""
+    """One prompt's result of LLM.generate / LLM.chat: vLLM's RequestOutput, which `radiance.RequestOutput` and
+    `radiance.engine.RequestOutput` name (the engine's own per-step output is StepOutput)."""
 
     prompt: str | None
     prompt_token_ids: list[int]

@@ -213,7 +213,7 @@ _REFUSED = "refused"  # a job's failure that is no end in the metrics: the engin
 
 async def merged_outputs(engine: Any, jobs: list[EngineJob], metrics: ServerMetrics,
                          n: int = 1) -> AsyncIterator[tuple[int, Any]]:
-    """(job index, RequestOutput) from all jobs as they come; aborts unfinished jobs on exit. Each job ends
+    """(job index, StepOutput) from all jobs as they come; aborts unfinished jobs on exit. Each job ends
     once in `metrics`: its finish reason; `error` when the engine failed it; `abort` when the request ended
     first (client gone, server stopping, a sibling choice's failure). Each run of `n` jobs are one prompt's
     choices, which its per-prompt metrics (n, the longest choice) count once they all ended."""

@@ -34,7 +34,7 @@ import torch
 
 from radiance import SamplingParams
 from radiance.engine.async_engine import AsyncLLMEngine
-from radiance.engine.outputs import RequestOutput
+from radiance.engine.outputs import StepOutput
 from radiance.engine.sequence import Sequence, SequenceStatus
 from radiance.engine.structured_output import StructuredOutput
 
@@ -69,7 +69,7 @@ def reference(tiny_text_llm):
 
 
 def make_reference(tiny_text_llm, max_model_len: int | None = None):
-    """reference(prompt, params): the final RequestOutput of the request served alone on a roomy engine
+    """reference(prompt, params): the final StepOutput of the request served alone on a roomy engine
     (no prefix cache, no chunking, no overlap, no speculation, one sequence at a time), memoized."""
     engine = tiny_text_llm(max_num_seqs=1, enable_prefix_caching=False, enable_chunked_prefill=False,
                            num_gpu_blocks_override=64, overlap_decode=False, max_model_len=max_model_len).engine
@@ -290,7 +290,7 @@ def check_accounting(engine) -> None:
         assert bm.hash_of_block[block] == h and bm.tokens_of_block[block] is not None
 
 
-def check_idle(engine, ended: list[tuple[Sequence, RequestOutput]]) -> None:
+def check_idle(engine, ended: list[tuple[Sequence, StepOutput]]) -> None:
     """Everything finished or aborted (each engine request with its final output): nothing held, nothing queued,
     the counters add up."""
     check_accounting(engine)
@@ -428,8 +428,8 @@ class _Recorder:
         self.engine = engine
         self.steps = 0
         self.seqs: list[Sequence] = []
-        self.outputs: dict[int, list[RequestOutput]] = {}  # id(seq) -> its outputs
-        self.aborted: list[RequestOutput] = []  # the abort outputs queued for the next step
+        self.outputs: dict[int, list[StepOutput]] = {}  # id(seq) -> its outputs
+        self.aborted: list[StepOutput] = []  # the abort outputs queued for the next step
         self._add, self._step, self._abort = engine.add_request, engine.step, engine.abort_request
         engine.add_request, engine.step, engine.abort_request = self.add, self.step, self.abort
 
@@ -463,7 +463,7 @@ class _Recorder:
         self.steps += 1
         return outs
 
-    def ended(self) -> list[tuple[Sequence, RequestOutput]]:
+    def ended(self) -> list[tuple[Sequence, StepOutput]]:
         """Each engine request with its final output, checked to be its only finished one."""
         for seq in self.seqs:
             outs = self.outputs[id(seq)]

@@ -174,6 +174,7 @@ def test_vllm_output_names_are_the_same_classes(llm):
     from radiance import CompletionOutput, GenerationOutput, RequestOutput
 
     assert RequestOutput is GenerationOutput is llm_module.GenerationOutput is outputs_module.GenerationOutput
+    assert radiance.engine.RequestOutput is RequestOutput  # one class under vLLM's name, the engine's is StepOutput
     assert CompletionOutput is llm_module.CompletionOutput is outputs_module.CompletionOutput
     out = llm.generate(PROMPT, GREEDY)[0]
     assert isinstance(out, RequestOutput) and isinstance(out.outputs[0], CompletionOutput)

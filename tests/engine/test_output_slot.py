@@ -7,11 +7,11 @@ import asyncio
 
 from radiance import SamplingParams
 from radiance.engine.async_engine import AsyncLLMEngine, OutputSlot
-from radiance.engine.outputs import RequestOutput
+from radiance.engine.outputs import StepOutput
 
 
-def _output(n: int, finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", [1], "x" * n, list(range(n)), None, "length" if finished else None, finished)
+def _output(n: int, finished: bool = False) -> StepOutput:
+    return StepOutput("r", [1], "x" * n, list(range(n)), None, "length" if finished else None, finished)
 
 
 def test_the_slot_keeps_the_newest_output_and_never_replaces_an_error():

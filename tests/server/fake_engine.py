@@ -18,7 +18,7 @@ import time
 import uvicorn
 
 from radiance.server.streaming_text import partial_tag_start
-from radiance.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from radiance.engine.outputs import EngineStats, StepOutput, TokenLogprob
 
 BOS, EOS = 256, 257
 
@@ -127,7 +127,7 @@ class FakeEngine:
                 stop = next((s for s in params.stop if s in text), None)
                 if stop is not None:
                     text = text[:text.index(stop)]
-                    yield RequestOutput(request_id, list(prompt_token_ids), text, list(token_ids), logprobs,
+                    yield StepOutput(request_id, list(prompt_token_ids), text, list(token_ids), logprobs,
                                         "stop", True, prompt_logprobs=prompt_logprobs)
                     return
                 cut = len(token_ids) >= params.max_tokens
@@ -136,7 +136,7 @@ class FakeEngine:
                 if not done:  # hold back a possible start of a stop string, as a real engine does
                     text = text[:min([partial_tag_start(text, s) for s in params.stop] or [len(text)])]
                     text = text.rstrip("\ufffd")  # and a character whose bytes are not all generated yet
-                yield RequestOutput(request_id, list(prompt_token_ids), text, list(token_ids),
+                yield StepOutput(request_id, list(prompt_token_ids), text, list(token_ids),
                                     None if logprobs is None else list(logprobs), reason, done,
                                     prompt_logprobs=prompt_logprobs)
                 if done:

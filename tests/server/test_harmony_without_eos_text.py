@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from radiance.engine.outputs import RequestOutput
+from radiance.engine.outputs import StepOutput
 from radiance.server.serving_chat import ChoiceStream
 
 CALL_ID, RETURN_ID, WORD_ID = 200012, 200002, 17
@@ -26,8 +26,8 @@ def _stream(tools=TOOLS) -> ChoiceStream:
     return ChoiceStream(state, 0, tools, opens_thinking=False)
 
 
-def _finished(text: str, last_id: int, reason: str = "stop") -> RequestOutput:
-    return RequestOutput("r", [1], text, [WORD_ID, last_id], None, reason, True)
+def _finished(text: str, last_id: int, reason: str = "stop") -> StepOutput:
+    return StepOutput("r", [1], text, [WORD_ID, last_id], None, reason, True)
 
 
 def test_a_call_ended_by_the_hidden_call_token_is_whole():

@@ -18,7 +18,7 @@ import pytest
 
 from radiance.config import ServerConfig
 from radiance.engine.async_engine import AsyncLLMEngine, EngineStoppedError
-from radiance.engine.outputs import EngineStats, RequestOutput
+from radiance.engine.outputs import EngineStats, StepOutput
 from radiance.engine.sampling_params import SamplingParams
 from radiance.server.api import build_app
 from radiance.server.cli import RequestIdLogFilter
@@ -72,7 +72,7 @@ class StepEngine:
         for request_id, (prompt, params, tokens) in list(self.running.items()):
             tokens.append(ord("a"))
             done = len(tokens) >= params.max_tokens
-            outputs.append(RequestOutput(request_id, prompt, "a" * len(tokens), list(tokens), None,
+            outputs.append(StepOutput(request_id, prompt, "a" * len(tokens), list(tokens), None,
                                          "length" if done else None, done))
             if done:
                 del self.running[request_id]

@@ -136,7 +136,7 @@ class Recorded:
     def __init__(self, engine):
         self.engine = engine
         self.prompts: dict[str, int] = {}  # request id -> prompt tokens
-        self.finals: dict[str, object] = {}  # request id -> its last RequestOutput (finished)
+        self.finals: dict[str, object] = {}  # request id -> its last StepOutput (finished)
         add, step = engine.add_request, engine.step
 
         def add_request(request_id, prompt_token_ids, params=None):
