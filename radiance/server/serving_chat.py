@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -402,18 +402,28 @@ def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[C
                              "stop_reason": stop_reason}]}
         return stream_usage.add_to_chunk(body, prompt_len, choices[index].output)
 
-    async def events() -> AsyncIterator[str]:
+    def opening() -> Iterator[str]:
         for choice in choices:
             yield sse(chunk(choice.index, {"role": "assistant", "content": ""}))
             if echoed:
                 yield sse(chunk(choice.index, {"content": echoed}))
+
+    async def events() -> AsyncIterator[str]:
+        opened = False
         async for index, out in outputs:
+            if not opened:  # vLLM's order: the role chunks come with the first output, so a client's first
+                opened = True  # chunk times the prefill (a benchmark's TTFT), not the request's arrival
+                for event in opening():
+                    yield event
             choice = choices[index]
             delta, logprobs = choice.step(out)
             if delta or logprobs:
                 yield sse(chunk(index, delta, logprobs))
             if out.finished:
                 yield sse(chunk(index, {}, None, choice.finish_reason(), choice.stop_reason()))
+        if not opened:
+            for event in opening():
+                yield event
         if stream_usage.final:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": _usage(choices, prompt_len)})
