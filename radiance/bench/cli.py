@@ -10,7 +10,7 @@ from pathlib import Path
 
 from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int, positive_int
 from radiance.bench.serve_options import DEFAULT_URL, SERVE_DEFAULTS, ServeBenchOptions
-from radiance.bench.vllm_serve_args import VLLM_FORM, add_vllm_flags, one_of, vllm_dataset, vllm_endpoint, vllm_url
+from radiance.bench.vllm_serve_args import add_vllm_flags, is_vllm_command_line, one_of, vllm_dataset, vllm_endpoint, vllm_url
 from radiance.config import DTYPE_ALIASES, DTYPES, MODEL_RULES
 from radiance.config_cli import errors_in_flag_words, parse_dtype
 from radiance.errors import ConfigError
@@ -100,7 +100,8 @@ def _add_serve(sub) -> None:
                    help=f"max_tokens of each request (default: {SERVE_DEFAULTS['output_len']})")
     p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or ShareGPT conversations (their "
                                      "first human turn), a JSON array of either, or one prompt per line; the levels "
-                                     "walk through it in order, each prompt sent once while it lasts")
+                                     "walk through it in order, each prompt sent once while it lasts (a vLLM "
+                                     "command line shuffles it with --seed first, as vLLM does)")
     p.add_argument("--request-rate", type=_positive_float, default=SERVE_DEFAULTS["request_rate"],
                    help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--endpoint", type=_endpoint, metavar="{completions,chat}",
@@ -116,7 +117,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--warmup", type=non_negative_int, default=SERVE_DEFAULTS["warmup"],
                    help="uncounted requests before the first level (default: %(default)s)")
     p.add_argument("--seed", type=non_negative_int, default=SERVE_DEFAULTS["seed"],
-                   help="seed of the random prompts and arrival times; level i uses SEED + i. Not negative: Python's "
+                   help="seed of the random prompts and arrival times (and of a vLLM line's dataset shuffle); level i uses "
+                        "SEED + i. Not negative: Python's "
                         "random takes -3 as 3, so levels would repeat prompts (default: %(default)s)")
     p.add_argument("--label", help="name of this configuration in --json and --plot")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -220,7 +222,7 @@ def _result_path(args, opts: ServeBenchOptions) -> str | None:
 def serve_options(args) -> ServeBenchOptions:
     """The parsed `bench serve` flags as its options (the flags' defaults are the dataclass's); a vLLM command line
     (any of its own flags) with vLLM's meaning."""
-    vllm = any(getattr(args, name, None) not in (None, False) for name in VLLM_FORM)
+    vllm = is_vllm_command_line(args)
     d = SERVE_DEFAULTS
     dataset = vllm_dataset(args)
     endpoint = vllm_endpoint(args)
@@ -255,7 +257,7 @@ def serve_options(args) -> ServeBenchOptions:
         warmup=1 + args.num_warmups if args.num_warmups is not None else args.warmup, seed=args.seed,
         progress=not (args.no_progress or args.disable_tqdm), percentile_metrics=args.percentile_metrics,
         metric_percentiles=args.metric_percentiles, exact_input_len=vllm and dataset is None,
-        output_len_from_dataset=sharegpt_lengths)
+        output_len_from_dataset=sharegpt_lengths, vllm_form=vllm)
 
 
 def serve_levels(args) -> tuple[int, ...]:

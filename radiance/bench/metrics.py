@@ -66,6 +66,45 @@ def tokens_per_chunk(total_tokens: int, chunks: int) -> list[int]:
     return [(i + 1) * total // chunks - i * total // chunks for i in range(chunks)]
 
 
+def _second_buckets(starts: Sequence[float], latencies: Sequence[float]) -> tuple[float, int]:
+    """vLLM's per-second buckets of a run: from the first request's send, ceil(span) + 1 of them."""
+    origin = min(starts)
+    span = max(s + lat for s, lat in zip(starts, latencies)) - origin
+    return origin, math.ceil(span) + 1
+
+
+def peak_output_tokens_per_second(starts: Sequence[float], ttfts: Sequence[float], itls: Sequence[Sequence[float]],
+                                  latencies: Sequence[float]) -> float:
+    """vLLM's "Peak output token throughput": the fullest one-second bucket of token arrival times, a request's
+    tokens coming at send + TTFT and then after each of its inter-token latencies (one token per entry). 0.0
+    without requests, as vLLM reports it."""
+    if not starts:
+        return 0.0
+    origin, n = _second_buckets(starts, latencies)
+    buckets = [0] * n
+    for start, ttft, gaps in zip(starts, ttfts, itls):
+        t = start + ttft
+        for gap in (0.0, *gaps):
+            t += gap
+            if 0 <= (b := int(t - origin)) < n:
+                buckets[b] += 1
+    return float(max(buckets))
+
+
+def peak_concurrent_requests(starts: Sequence[float], latencies: Sequence[float]) -> int:
+    """vLLM's "Peak concurrent requests": the fullest one-second bucket, a request counting in every second from the
+    one it was sent in to the one it ended in, both included (so two requests that follow each other within a
+    second count as two). 0 without requests."""
+    if not starts:
+        return 0
+    origin, n = _second_buckets(starts, latencies)
+    buckets = [0] * n
+    for start, latency in zip(starts, latencies):
+        for b in range(int(start - origin), min(int(start + latency - origin), n - 1) + 1):
+            buckets[b] += 1
+    return max(buckets)
+
+
 def std(values: Sequence[float]) -> float:
     """Population standard deviation (numpy's default, as vLLM's benchmark reports it); NaN when empty."""
     if not values:

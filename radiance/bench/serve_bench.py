@@ -2,12 +2,14 @@
 
 For each concurrency level it sends `num_prompts` streaming requests with at most `concurrency` in
 flight (optionally arriving as a Poisson process at `request_rate` per second) and records, per
-request, the time to the first token, the gaps between streamed tokens and the end-to-end latency.
+request, the time to the first token, the gaps between streamed tokens and the end-to-end latency (to the
+last event with a choice, where vLLM's benchmark ends it, not to `[DONE]`).
 Each streamed chunk that carries text counts as one token; when the server reports usage
 (`stream_options.include_usage`), its completion token count wins, and a chunk of several tokens
 stands for as many inter-token gaps (the server's count of each chunk with vLLM's
-`continuous_usage_stats`, else the total spread evenly). A stream that ends without a finish_reason
-or `[DONE]`, or with malformed events, fails its request only.
+`continuous_usage_stats`, else the total spread evenly). A `vllm bench serve` line (opts.vllm_form) times as
+vLLM does instead: from the first event with a choice, one gap per such event. A stream that ends without a
+finish_reason or `[DONE]`, or with malformed events, fails its request only.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     requested_tokens: int = 0  # max_tokens asked for
     counted_from_chunks: bool = False  # the server reported no usage: one token per streamed chunk
+    start_s: float = math.nan  # perf_counter at the send: places the request in vLLM's per-second peaks
 
     @property
     def tpot_s(self) -> float:
@@ -78,8 +81,10 @@ class LevelSummary:
     counted_from_chunks: int = 0  # requests whose server reported no usage (tokens counted as chunks)
     interrupted: bool = False  # Ctrl-C: the requests that finished before it
     tpot_ms: metrics.LatencySummary | None = None  # per request, vLLM's TPOT
-    input_tokens: int = 0  # prompt tokens of the finished requests, by the server's usage
+    input_tokens: int = 0  # prompt tokens of the finished requests, by the server's usage (else the client's count)
     total_tok_s: float = math.nan  # (input + output tokens) / the level's wall time: vLLM's total token throughput
+    peak_output_tok_s: float = 0.0  # vLLM's peak: output tokens of the fullest one-second bucket
+    peak_concurrency: int = 0  # vLLM's peak: requests in flight in the fullest one-second bucket
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -91,7 +96,9 @@ def vllm_metrics(lv: dict, percentile_metrics=("ttft", "tpot", "itl"), percentil
     out = {"duration": lv["duration_s"], "completed": lv["ok"], "failed": lv["failed"],
            "max_concurrency": lv["concurrency"], "total_input_tokens": lv.get("input_tokens", 0),
            "total_output_tokens": lv["output_tokens"], "request_throughput": lv["request_throughput"],
-           "output_throughput": lv["aggregate_tok_s"], "total_token_throughput": lv.get("total_tok_s", math.nan)}
+           "output_throughput": lv["aggregate_tok_s"], "total_token_throughput": lv.get("total_tok_s", math.nan),
+           "max_output_tokens_per_s": lv.get("peak_output_tok_s", math.nan),
+           "max_concurrent_requests": lv.get("peak_concurrency")}
     for name in percentile_metrics:
         summary, scale = _metric_summary(lv, name)
         if summary is None:
@@ -148,17 +155,17 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
         result.error = f"{type(exc).__name__}: nothing from the server for {opts.timeout_s:g} s (--timeout)"
     except (httpx.HTTPError, ValueError, OSError) as exc:  # ValueError: JSONDecodeError, malformed events
         result.error = f"{type(exc).__name__}: {exc}"[:200]
-    end = time.perf_counter()
     if result.error is None:
         result.error = stream_problem(stream)
     if result.error is not None:
         return result
     result.ok = True
-    result.ttft_s = stream.chunk_times[0] - start
-    result.e2e_s = end - start
-    result.itl_s = metrics.inter_token_latencies(stream.chunk_times, stream.tokens_per_chunk())
+    result.start_s = start
+    timings = stream.vllm_timings if opts.vllm_form else stream.token_timings
+    result.ttft_s, result.itl_s, result.e2e_s = timings(start)
     result.output_tokens = stream.output_tokens
-    result.prompt_tokens = stream.prompt_tokens
+    # vLLM's input tokens: the server's usage (its chat template included), else the client's count of the prompt
+    result.prompt_tokens = stream.prompt_tokens if stream.prompt_tokens is not None else spec.prompt_len
     result.counted_from_chunks = stream.completion_tokens is None
     return result
 
@@ -172,6 +179,7 @@ def summarize_level(concurrency: int, results: list[RequestResult], duration_s: 
     out_tokens = sum(r.output_tokens for r in good)
     prompt_counts = [r.prompt_tokens for r in good if r.prompt_tokens is not None]
     summary = partial(metrics.LatencySummary.of, percentiles=percentiles)
+    timed = [r for r in good if not math.isnan(r.start_s)]  # a result built without its send time has no place
     return LevelSummary(
         concurrency=concurrency,
         requests=len(results),
@@ -193,6 +201,9 @@ def summarize_level(concurrency: int, results: list[RequestResult], duration_s: 
         tpot_ms=summary([r.tpot_s * 1e3 for r in good if r.output_tokens > 1]),  # vLLM leaves one-token answers out
         input_tokens=sum(prompt_counts),
         total_tok_s=metrics.tokens_per_second(sum(prompt_counts) + out_tokens, duration_s),
+        peak_output_tok_s=metrics.peak_output_tokens_per_second(
+            [r.start_s for r in timed], [r.ttft_s for r in timed], [r.itl_s for r in timed], [r.e2e_s for r in timed]),
+        peak_concurrency=metrics.peak_concurrent_requests([r.start_s for r in timed], [r.e2e_s for r in timed]),
     )
 
 
@@ -264,7 +275,8 @@ async def discover_model(client: httpx.AsyncClient) -> str:
 
 
 async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
-    pool = load_dataset(opts.dataset, opts.output_len) if opts.dataset else None  # fail before any request
+    # fail before any request; vLLM shuffles a dataset with its --seed before sampling, radiance walks it in order
+    pool = load_dataset(opts.dataset, opts.output_len, opts.seed if opts.vllm_form else None) if opts.dataset else None
     _warn_if_prompts_repeat(opts, pool)
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4)
@@ -383,8 +395,11 @@ def vllm_summary(v: dict, names, qs, request_rate=None) -> str:
     out += [line("Benchmark duration (s):", v["duration"]), line("Total input tokens:", v["total_input_tokens"], "d"),
             line("Total generated tokens:", v["total_output_tokens"], "d"),
             line("Request throughput (req/s):", v["request_throughput"]),
-            line("Output token throughput (tok/s):", v["output_throughput"]),
-            line("Total token throughput (tok/s):", v["total_token_throughput"])]
+            line("Output token throughput (tok/s):", v["output_throughput"])]
+    if v.get("max_concurrent_requests") is not None:  # results written before the peaks have none
+        out += [line("Peak output token throughput (tok/s):", v["max_output_tokens_per_s"]),
+                line("Peak concurrent requests:", v["max_concurrent_requests"])]  # vLLM prints it as 8.00
+    out.append(line("Total token throughput (tok/s):", v["total_token_throughput"]))
     headers = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
     for name in names:

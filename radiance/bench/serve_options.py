@@ -38,6 +38,8 @@ class ServeBenchOptions:
     exact_input_len: bool = False  # random prompts fitted to input_len tokens with the server's /tokenize
     output_len_from_dataset: bool = False  # ShareGPT: each request's max_tokens is its reply's token count
     # (vLLM's sharegpt), counted with the server's /tokenize
+    vllm_form: bool = False  # a `vllm bench serve` line (vllm_serve_args.is_vllm_command_line): vLLM's sampling of a
+    # dataset (shuffled by the seed) and its timing (one inter-token gap per streamed chunk, whatever it carries)
 
     def __post_init__(self):
         _check_url(self.url)

@@ -32,6 +32,8 @@ class PromptSpec:
     output_len: int
     # a ShareGPT conversation's answer (vLLM sizes max_tokens by it); not part of the request sent
     reply: str | None = field(default=None, compare=False)
+    # the prompt's tokens by the server's /tokenize, where counted: vLLM's input tokens when no usage comes back
+    prompt_len: int | None = field(default=None, compare=False)
 
 
 def random_prompts(n: int, input_len: int, output_len: int, seed: int) -> list[PromptSpec]:
@@ -40,19 +42,62 @@ def random_prompts(n: int, input_len: int, output_len: int, seed: int) -> list[P
     return [PromptSpec(" ".join(rng.choice(_WORDS) for _ in range(input_len)), output_len) for _ in range(n)]
 
 
-def load_dataset(path: str, output_len: int) -> list[PromptSpec]:
+def load_dataset(path: str, output_len: int, shuffle_seed: int | None = None) -> list[PromptSpec]:
     """A JSON array (ShareGPT's {"conversations": [...]} or {"prompt", "output_len"?} objects), JSONL lines
-    {"prompt": str, "output_len": int?} or plain text lines (one prompt each)."""
-    text = _dataset_text(path)
-    array = _json_array(text, path)
-    if array is not None:
-        items = (_array_item(item, output_len, f"dataset {path} item {i}") for i, item in enumerate(array))
-        specs = [spec for spec in items if spec is not None]
-    else:
-        specs = _dataset_lines(text, output_len, path)
+    {"prompt": str, "output_len": int?} or plain text lines (one prompt each), in the file's order.
+
+    With `shuffle_seed` (a vLLM line), as vLLM's ShareGPT loader: conversations of fewer than two turns dropped,
+    the rows shuffled as `random.seed(seed); random.shuffle(rows)` does, and a conversation's first two turns
+    taken as prompt and reply whoever speaks them; so the same file and --seed send vLLM's prompts."""
+    rows = _dataset_rows(path, output_len)
+    vllm = shuffle_seed is not None
+    if vllm:
+        rows = [(row, where) for row, where in rows if not _short_conversation(row)]
+        random.Random(shuffle_seed).shuffle(rows)
+    specs = [spec for row, where in rows if (spec := _row_spec(row, output_len, where, vllm)) is not None]
     if not specs:
         raise ConfigError(f"dataset {path} has no prompts")
     return specs
+
+
+def _dataset_rows(path: str, output_len: int) -> list[tuple[object, str]]:
+    """The file's rows, each with where it is: a JSON array's items, else its non-blank lines (JSON objects parsed,
+    any other line a prompt)."""
+    text = _dataset_text(path)
+    array = _json_array(text, path)
+    if array is not None:
+        return [(item, f"dataset {path} item {i}") for i, item in enumerate(array)]
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"dataset {path} line {lineno}"
+        # {"prompt", "output_len"?}, or a ShareGPT conversation a line
+        rows.append((_json_line(line, where) if line.lstrip().startswith("{") else PromptSpec(line, output_len), where))
+    return rows
+
+
+def _short_conversation(row) -> bool:
+    """A conversation vLLM's ShareGPT loader drops before its shuffle: fewer than two turns."""
+    return isinstance(row, dict) and "conversations" in row and not (
+        isinstance(row["conversations"], list) and len(row["conversations"]) >= 2)
+
+
+def _row_spec(row, output_len: int, where: str, first_two_turns: bool) -> PromptSpec | None:
+    if isinstance(row, PromptSpec):  # a text line
+        return row
+    if first_two_turns and isinstance(row, dict) and "conversations" in row:
+        return _first_two_turns(row["conversations"], output_len)
+    return _array_item(row, output_len, where)
+
+
+def _first_two_turns(turns: list, output_len: int) -> PromptSpec | None:
+    """vLLM's ShareGPT request: turn 0 is the prompt and turn 1 the reply, whoever speaks them (None when a turn
+    holds no text)."""
+    prompt, reply = (t.get("value") if isinstance(t, dict) else None for t in turns[:2])
+    if not isinstance(prompt, str) or not prompt.strip() or not isinstance(reply, str):
+        return None
+    return PromptSpec(prompt, output_len, reply)
 
 
 def _dataset_text(path: str) -> str:
@@ -95,26 +140,11 @@ def _array_item(item, output_len: int, where: str) -> PromptSpec | None:
     return _prompt_row(item, output_len, where)
 
 
-def _dataset_lines(text: str, output_len: int, path: str) -> list[PromptSpec]:
-    specs = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):  # {"prompt", "output_len"?}, or a ShareGPT conversation a line
-            spec = _dataset_row(line, output_len, f"dataset {path} line {lineno}")
-            if spec is not None:
-                specs.append(spec)
-        else:
-            specs.append(PromptSpec(line, output_len))
-    return specs
-
-
-def _dataset_row(line: str, output_len: int, where: str) -> PromptSpec | None:
+def _json_line(line: str, where: str):
     try:
-        row = json.loads(line)
+        return json.loads(line)
     except ValueError as exc:
         raise ConfigError(f"{where}: expected JSON with a 'prompt' field ({exc})") from None
-    return _array_item(row, output_len, where)
 
 
 def _prompt_row(row, output_len: int, where: str) -> PromptSpec:
@@ -189,7 +219,8 @@ async def fit_to_tokens(client: httpx.AsyncClient, model: str, specs: list[Promp
                 else:
                     hi = mid - 1
             words = words[:lo]
-        out.append(PromptSpec(" ".join(words), spec.output_len))
+            n = await count_tokens(client, model, " ".join(words))  # exact only unless a word straddled the length
+        out.append(PromptSpec(" ".join(words), spec.output_len, prompt_len=n))
     return out
 
 
@@ -209,7 +240,7 @@ async def sharegpt_lengths(client: httpx.AsyncClient, model: str, pool: list[Pro
         if min(prompt_len, output_len) < SHAREGPT_MIN_LEN or prompt_len > SHAREGPT_MAX_PROMPT \
                 or prompt_len + output_len > SHAREGPT_MAX_TOTAL:
             continue
-        out.append(PromptSpec(spec.prompt, output_len))
+        out.append(PromptSpec(spec.prompt, output_len, prompt_len=prompt_len))
     if not out:
         raise ConfigError("the dataset has no conversation vLLM's sharegpt would send (a prompt and a reply of 4 to "
                           "1024 tokens, 2048 together)")

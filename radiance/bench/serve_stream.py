@@ -59,6 +59,9 @@ class Stream:
     """What one streamed answer delivered: when each chunk with text came and the usage the server reported."""
 
     chunk_times: list[float] = field(default_factory=list)
+    # every event with a choice, text or not (a role-only delta, a finish_reason alone): vLLM's benchmark times
+    # these, and its end-to-end latency ends at the last of them, not at [DONE] or the usage chunk after it
+    choice_times: list[float] = field(default_factory=list)
     chunk_usage: list[int | None] = field(default_factory=list)  # completion_tokens so far, sent with each text chunk
     completion_tokens: int | None = None  # the last usage's
     prompt_tokens: int | None = None
@@ -71,6 +74,8 @@ class Stream:
         if usage is not None and not isinstance(usage, dict):
             raise ValueError(f"stream event usage is not an object: {str(usage)[:80]}")
         completion = _usage_count(usage, "completion_tokens") if usage else None
+        if choice is not None:
+            self.choice_times.append(now)
         if _chunk_text(choice):
             self.chunk_times.append(now)
             self.chunk_usage.append(completion)
@@ -80,6 +85,19 @@ class Stream:
             self.completion_tokens = completion if completion is not None else self.completion_tokens
             prompt = _usage_count(usage, "prompt_tokens")
             self.prompt_tokens = prompt if prompt is not None else self.prompt_tokens
+
+    def vllm_timings(self, start: float) -> tuple[float, list[float], float]:
+        """vLLM's time to first token, inter-token latencies and end-to-end latency: from the send to the first
+        event with a choice, one gap per such event after it (whatever it carries), and to the last of them."""
+        times = self.choice_times
+        return times[0] - start, [b - a for a, b in zip(times, times[1:])], times[-1] - start
+
+    def token_timings(self, start: float) -> tuple[float, list[float], float]:
+        """radiance's: to the first text, k gaps of g / k for a chunk of k tokens that came g after the one before
+        (metrics.inter_token_latencies), and vLLM's end (the last event with a choice)."""
+        ttft = self.chunk_times[0] - start
+        return ttft, metrics.inter_token_latencies(self.chunk_times, self.tokens_per_chunk()), \
+            self.choice_times[-1] - start
 
     @property
     def output_tokens(self) -> int:

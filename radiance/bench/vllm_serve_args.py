@@ -51,6 +51,12 @@ VLLM_FORM = ("base_url", "host", "port", "backend", "dataset_name", "dataset_pat
               "save_result", "result_dir", "result_filename", "disable_tqdm", "vllm_ignore_eos")
 
 
+def is_vllm_command_line(args) -> bool:
+    """Whether the parsed line is vLLM's (any flag of VLLM_FORM given): it then runs with vLLM's defaults, sampling
+    and timing (ServeBenchOptions.vllm_form)."""
+    return any(getattr(args, name, None) not in (None, False) for name in VLLM_FORM)
+
+
 class _Refused(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         default = _VLLM_AT_DEFAULT.get(option_string)

@@ -209,3 +209,15 @@ def test_prompts_left_by_the_sharegpt_filter_warn_when_they_repeat(fake_server, 
     with caplog.at_level("WARNING", logger="radiance.bench.serve_bench"):
         serve_bench.run_serve_bench(opts)
     assert "the dataset has 1 prompts for the run's 3 requests" in caplog.text
+
+
+@pytest.mark.parametrize("argv, vllm", [
+    ([], False), (["--concurrency", "4", "--seed", "3"], False), (["--max-concurrency", "4"], True),
+    (["--dataset-name", "random"], True), (["--ignore-eos"], True), (["--port", "9000"], True),
+])
+def test_the_vllm_form_of_a_line_is_decided_by_its_vllm_flags(argv, vllm):
+    """The options' vllm_form (vLLM's sampling and timing) follows from the same flags as vLLM's defaults."""
+    from radiance.bench.vllm_serve_args import is_vllm_command_line
+
+    assert is_vllm_command_line(build_parser().parse_args(["bench", "serve", *argv])) is vllm
+    assert options(argv).vllm_form is vllm
