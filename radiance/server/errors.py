@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radiance.engine.request_checks import SamplingParamsError
 from radiance.errors import RadianceError
 from radiance.server.metrics import current_request
 
@@ -169,10 +170,16 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             return error_response(unknown_url(_request.method, _request.url.path))
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if message == "There was an error parsing the body":  # FastAPI's, for a body that is not UTF-8
+            message = "the request body could not be read as JSON: send UTF-8 JSON with Content-Type: application/json"
         response = error_response(OpenAIError(exc.status_code, message))
         response.headers.update(exc.headers or {})  # a 405's Allow: the methods the route takes
         return response
 
     @app.exception_handler(RadianceError)
     async def _radiance_error(_request: Request, exc: RadianceError):
-        return error_response(OpenAIError(400, str(exc)))
+        param = None
+        if isinstance(exc, SamplingParamsError):  # its message names the field first ("min_tokens must be ...")
+            from radiance.server.protocol import ChatCompletionRequest, CompletionRequest
+            param = field_named_first(str(exc), ChatCompletionRequest, CompletionRequest)
+        return error_response(OpenAIError(400, str(exc), param=param))

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
@@ -379,8 +379,10 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's (and vLLM's) default for completions; chat: the context. 0 with echo: the prompt scored, nothing
-    # generated (vLLM's; what prompt-scoring clients such as lm-evaluation-harness send)
+    # generated (vLLM's; what prompt-scoring clients such as lm-evaluation-harness send). An explicit null is the
+    # rest of the context, as in vLLM (its default is 16 only when the field is absent)
     max_tokens: int | None = Field(16, ge=0)
+    null_is_not_default: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None

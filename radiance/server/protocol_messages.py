@@ -5,7 +5,7 @@ of the API uses (protocol.py, protocol_responses.py, protocol_tokenizer.py)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -14,17 +14,21 @@ _STRICT = ConfigDict(extra="ignore", strict=True)
 
 class _Model(BaseModel):
     model_config = _STRICT
+    # fields whose explicit null means something of its own, not the default (see _null_is_default)
+    null_is_not_default: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         """OpenAI's API documents its optional fields as nullable ("n": null means n = 1) and some clients
-        send the nulls: a null where the default is not None gives the default. A required field stays required."""
+        send the nulls: a null where the default is not None gives the default. A required field stays required;
+        a field of `null_is_not_default` keeps its null."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
         return {key: value for key, value in data.items()
-                if value is not None or key not in fields or fields[key].default is None or fields[key].is_required()}
+                if value is not None or key not in fields or fields[key].default is None or fields[key].is_required()
+                or key in cls.null_is_not_default}
 
 
 class FunctionDefinition(_Model):
@@ -66,6 +70,10 @@ class ToolCall(_Model):
     function: FunctionCall
 
 
+# content part types that carry text under another name -> the field holding it (vLLM's chat_utils reads them as text)
+_TEXT_LIKE_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 class ContentPart(_Model):
     type: Literal["text"]
     text: str
@@ -86,15 +94,23 @@ class ChatMessage(_Model):
     @model_validator(mode="before")
     @classmethod
     def _text_parts_only(cls, data: Any) -> Any:
-        """An image or audio part is refused by name (the union with str reported "Input should be a valid
-        string", which told the client nothing)."""
+        """Parts that are text under another type are read as text parts, as vLLM reads them: the Responses API's
+        `input_text` / `output_text` (their `text`) and an assistant's `refusal` (its `refusal`). An image or audio
+        part is refused by name (the union with str reported "Input should be a valid string", which told the
+        client nothing)."""
         parts = data.get("content") if isinstance(data, dict) else None
-        for part in parts if isinstance(parts, list) else ():
+        if not isinstance(parts, list):
+            return data
+        read = []
+        for part in parts:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind is not None and kind != "text":
+            if kind in _TEXT_LIKE_PARTS:
+                part = {"type": "text", "text": part.get(_TEXT_LIKE_PARTS[kind])}
+            elif kind is not None and kind != "text":
                 raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only "
-                                 f"(a string, or parts of type 'text')")
-        return data
+                                 f"(a string, or parts of type 'text', 'input_text', 'output_text' or 'refusal')")
+            read.append(part)
+        return {**data, "content": read}
 
     # set by _legacy_function_calling: the message was a function message / an assistant's function_call
     _function_result: bool = PrivateAttr(False)

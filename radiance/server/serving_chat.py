@@ -402,11 +402,11 @@ def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[C
                              "stop_reason": stop_reason}]}
         return stream_usage.add_to_chunk(body, prompt_len, choices[index].output)
 
-    def opening() -> Iterator[str]:
+    def opening() -> Iterator[str]:  # vLLM's: every choice's role chunk, then every choice's echo
         for choice in choices:
             yield sse(chunk(choice.index, {"role": "assistant", "content": ""}))
-            if echoed:
-                yield sse(chunk(choice.index, {"content": echoed}))
+        for choice in choices if echoed else ():
+            yield sse(chunk(choice.index, {"content": echoed}))
 
     async def events() -> AsyncIterator[str]:
         opened = False
@@ -417,10 +417,10 @@ def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[C
                     yield event
             choice = choices[index]
             delta, logprobs = choice.step(out)
-            if delta or logprobs:
+            if out.finished:  # vLLM's: the last delta and the finish reason in one chunk
+                yield sse(chunk(index, delta, logprobs, choice.finish_reason(), choice.stop_reason()))
+            elif delta or logprobs:
                 yield sse(chunk(index, delta, logprobs))
-            if out.finished:
-                yield sse(chunk(index, {}, None, choice.finish_reason(), choice.stop_reason()))
         if not opened:
             for event in opening():
                 yield event

@@ -1,7 +1,10 @@
-"""Server follow-ups of the fifty-fourth session.
+"""Server follow-ups of the fifty-fourth session: a streamed chat answer's chunks in vLLM's order.
 
-A streamed chat answer sends its role chunks with the engine's first output (vLLM's order), not when the request
-arrives: a client's first chunk (`vllm bench serve`'s time to first token) then times the prefill.
+1. The role chunks come with the engine's first output, not when the request arrives: a client's first chunk
+   (`vllm bench serve`'s time to first token) then times the prefill.
+2. Every choice's role chunk, then every choice's echo (were interleaved per choice).
+3. The last delta carries the finish reason (was a separate empty-delta chunk, which a benchmark timing every chunk
+   with a choice counted as one more inter-token gap).
 """
 
 from __future__ import annotations
@@ -66,3 +69,75 @@ def test_the_role_chunk_comes_with_the_first_output_not_before_the_prefill():
                        if c["choices"][0]["index"] == index)
         assert text == "hi"
     assert got[-1] == "[DONE]"
+
+
+def _chunks(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+def test_role_chunks_then_echoes_then_answers_ending_with_the_finish_reason():
+    body = {"model": "fake", "stream": True, "n": 2, "echo": True, "add_generation_prompt": False,
+            "continue_final_message": True, "max_tokens": 32,
+            "messages": [{"role": "user", "content": "count"}, {"role": "assistant", "content": "SAY:ab"}]}
+    with serve_engine(FakeEngine()) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    choices = [c["choices"][0] for c in _chunks(r) if c["choices"]]
+    assert [(c["index"], c["delta"]) for c in choices[:4]] == [
+        (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
+        (0, {"content": "SAY:ab"}), (1, {"content": "SAY:ab"})]
+    for index in (0, 1):
+        answer = [c for c in choices[4:] if c["index"] == index]
+        assert [c["delta"].get("content") for c in answer] == ["a", "b"]  # one token a chunk, no empty last one
+        assert [c["finish_reason"] for c in answer] == [None, "stop"]
+
+
+# ---------------------------------------------------------------- request fields, from a first-time user's audit
+
+def test_an_explicit_null_max_tokens_on_completions_is_the_rest_of_the_context():
+    """vLLM's: the 16 default applies only when the field is absent; a null asks for the rest of the context."""
+    engine = FakeEngine(max_model_len=64)
+    with serve_engine(engine) as url:
+        base = {"model": "fake", "prompt": "SAY:hi"}
+        assert httpx.post(f"{url}/v1/completions", json=base, timeout=30).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json={**base, "max_tokens": None}, timeout=30).status_code == 200
+        long_prompt = {**base, "prompt": list(range(60))}  # 60 tokens of 64: no room for the default 16
+        null = httpx.post(f"{url}/v1/completions", json={**long_prompt, "max_tokens": None}, timeout=30)
+        absent = httpx.post(f"{url}/v1/completions", json=long_prompt, timeout=30)
+    assert [params.max_tokens for _, _, params in engine.requests] == [16, 64 - 7, 4]
+    assert null.status_code == 200, null.text
+    assert absent.status_code == 400 and "16" in absent.json()["error"]["message"]
+
+
+def test_text_like_content_parts_are_read_as_text():
+    """input_text / output_text (the Responses API's) and an assistant's refusal are text to vLLM too; an image is
+    still refused by name."""
+    messages = [{"role": "user", "content": [{"type": "input_text", "text": "SAY:"}, {"type": "text", "text": "x"}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"},
+                                                  {"type": "output_text", "text": "yes"}]},
+                {"role": "user", "content": [{"type": "input_text", "text": "SAY:ok"}]}]
+    engine = FakeEngine()
+    with serve_engine(engine) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "fake", "messages": messages}, timeout=30)
+        image = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"model": "fake", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "ok"
+    prompt = engine.tokenizer.decode(engine.requests[0][1])
+    assert "<|user|>SAY:\nx<|end|><|assistant|>no\nyes<|end|><|user|>SAY:ok" in prompt
+    assert image.status_code == 400 and "'image_url'" in image.json()["error"]["message"]
+
+
+def test_sampling_errors_name_their_field_and_a_non_utf8_body_says_so():
+    with serve_engine(FakeEngine()) as url:
+        chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+        bad_stop = httpx.post(f"{url}/v1/chat/completions", json={**chat, "stop_token_ids": [-1]}, timeout=30)
+        bad_min = httpx.post(f"{url}/v1/completions", timeout=30,
+                             json={"model": "fake", "prompt": "hi", "max_tokens": 2, "min_tokens": 5})
+        not_utf8 = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "\xff"}', timeout=30,
+                              headers={"Content-Type": "application/json"})
+        alive = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30)
+    assert (bad_stop.status_code, bad_stop.json()["error"]["param"]) == (400, "stop_token_ids")
+    assert (bad_min.status_code, bad_min.json()["error"]["param"]) == (400, "min_tokens")
+    assert not_utf8.status_code == 400 and "UTF-8" in not_utf8.json()["error"]["message"]
+    assert alive.status_code == 200
