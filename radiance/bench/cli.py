@@ -101,7 +101,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--dataset", help="JSONL with 'prompt' (and optional 'output_len') or ShareGPT conversations (their "
                                      "first human turn), a JSON array of either, or one prompt per line; the levels "
                                      "walk through it in order, each prompt sent once while it lasts (a vLLM "
-                                     "command line shuffles it with --seed first, as vLLM does)")
+                                     "command line shuffles it with --seed first, as vLLM does, unless "
+                                     "--disable-shuffle)")
     p.add_argument("--request-rate", type=_positive_float, default=SERVE_DEFAULTS["request_rate"],
                    help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--endpoint", type=_endpoint, metavar="{completions,chat}",
@@ -234,7 +235,7 @@ def serve_options(args) -> ServeBenchOptions:
         raise ConfigError("--ignore-eos and --no-ignore-eos contradict each other")
     input_len = one_of(args, "input_len", "random_input_len", d["input_len"], 1024 if vllm else None)
     output_len = one_of(args, "output_len", "random_output_len", d["output_len"], None)
-    if args.sharegpt_output_len:
+    if args.sharegpt_output_len and args.output_len is None:  # vLLM's general --output-len overrides it
         output_len = args.sharegpt_output_len
     num_prompts = args.num_prompts or (1000 if vllm else None)  # vLLM's default --num-prompts
     if args.max_concurrency:
@@ -246,9 +247,11 @@ def serve_options(args) -> ServeBenchOptions:
     # vLLM passes its --ignore-eos through as given (its requests stop at EOS without it); radiance's own lines
     # send it unless --no-ignore-eos
     ignore_eos = args.ignore_eos and (not vllm or bool(args.vllm_ignore_eos))
-    # vLLM's sharegpt sizes each request by its reply; radiance's --dataset rows keep their own output_len
-    sharegpt_lengths = bool(args.dataset_name == "sharegpt" and dataset and not args.sharegpt_output_len
-                            and args.output_len is None and args.random_output_len is None)
+    # vLLM's sharegpt sizes each request by its reply, or gives each --sharegpt-output-len (or --output-len) tokens,
+    # its length filter applied either way (--random-output-len is the random dataset's); radiance's --dataset rows
+    # keep their own output_len
+    sharegpt = bool(args.dataset_name == "sharegpt" and dataset)
+    fixed_len = args.sharegpt_output_len is not None or args.output_len is not None
     return ServeBenchOptions(
         url=vllm_url(args), model=args.model, concurrency=levels, num_prompts=num_prompts,
         input_len=input_len, output_len=output_len, dataset=dataset,
@@ -257,7 +260,8 @@ def serve_options(args) -> ServeBenchOptions:
         warmup=1 + args.num_warmups if args.num_warmups is not None else args.warmup, seed=args.seed,
         progress=not (args.no_progress or args.disable_tqdm), percentile_metrics=args.percentile_metrics,
         metric_percentiles=args.metric_percentiles, exact_input_len=vllm and dataset is None,
-        output_len_from_dataset=sharegpt_lengths, vllm_form=vllm)
+        output_len_from_dataset=sharegpt and not fixed_len, sharegpt_filter=sharegpt and fixed_len,
+        disable_shuffle=bool(args.disable_shuffle), vllm_form=vllm)
 
 
 def serve_levels(args) -> tuple[int, ...]:

@@ -92,17 +92,17 @@ def peak_output_tokens_per_second(starts: Sequence[float], ttfts: Sequence[float
 
 
 def peak_concurrent_requests(starts: Sequence[float], latencies: Sequence[float]) -> int:
-    """vLLM's "Peak concurrent requests": the fullest one-second bucket, a request counting in every second from the
-    one it was sent in to the one it ended in, both included (so two requests that follow each other within a
-    second count as two). 0 without requests."""
-    if not starts:
-        return 0
-    origin, n = _second_buckets(starts, latencies)
-    buckets = [0] * n
-    for start, latency in zip(starts, latencies):
-        for b in range(int(start - origin), min(int(start + latency - origin), n - 1) + 1):
-            buckets[b] += 1
-    return max(buckets)
+    """vLLM's "Peak concurrent requests" (vllm/benchmarks/serve.py, calculate_metrics): the most requests in flight
+    at any instant, each over [send, send + latency). A sweep over the sends (+1) and the ends (-1) sorted by time,
+    an end before a send at the same instant (a request that ends as the next one starts is not concurrent with
+    it), keeping the running maximum. vLLM counted every one-second bucket a request touched before (two requests
+    that followed each other within a second were "2"); only its plot still does. 0 without requests."""
+    events = sorted([(start, 1) for start in starts] + [(start + lat, -1) for start, lat in zip(starts, latencies)])
+    current = peak = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
 
 
 def std(values: Sequence[float]) -> float:

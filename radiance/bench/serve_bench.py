@@ -8,8 +8,9 @@ Each streamed chunk that carries text counts as one token; when the server repor
 (`stream_options.include_usage`), its completion token count wins, and a chunk of several tokens
 stands for as many inter-token gaps (the server's count of each chunk with vLLM's
 `continuous_usage_stats`, else the total spread evenly). A `vllm bench serve` line (opts.vllm_form) times as
-vLLM does instead: from the first event with a choice, one gap per such event. A stream that ends without a
-finish_reason or `[DONE]`, or with malformed events, fails its request only.
+vLLM does instead: from the first event with a choice, one gap per such event, and counts it once any event had a
+choice (an answer whose first token is EOS too). On radiance's lines a stream that ends without text or without a
+finish_reason or `[DONE]` fails its request only; on both, one with malformed events or a streamed error.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class LevelSummary:
     input_tokens: int = 0  # prompt tokens of the finished requests, by the server's usage (else the client's count)
     total_tok_s: float = math.nan  # (input + output tokens) / the level's wall time: vLLM's total token throughput
     peak_output_tok_s: float = 0.0  # vLLM's peak: output tokens of the fullest one-second bucket
-    peak_concurrency: int = 0  # vLLM's peak: requests in flight in the fullest one-second bucket
+    peak_concurrency: int = 0  # vLLM's peak: the most requests in flight at one instant
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -156,7 +157,7 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
     except (httpx.HTTPError, ValueError, OSError) as exc:  # ValueError: JSONDecodeError, malformed events
         result.error = f"{type(exc).__name__}: {exc}"[:200]
     if result.error is None:
-        result.error = stream_problem(stream)
+        result.error = stream_problem(stream, opts.vllm_form)
     if result.error is not None:
         return result
     result.ok = True
@@ -275,19 +276,26 @@ async def discover_model(client: httpx.AsyncClient) -> str:
 
 
 async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
-    # fail before any request; vLLM shuffles a dataset with its --seed before sampling, radiance walks it in order
-    pool = load_dataset(opts.dataset, opts.output_len, opts.seed if opts.vllm_form else None) if opts.dataset else None
+    # fail before any request; vLLM shuffles a dataset with its --seed before sampling (unless --disable-shuffle),
+    # radiance walks it in order
+    shuffle_seed = opts.seed if opts.vllm_form and not opts.disable_shuffle else None
+    pool = load_dataset(opts.dataset, opts.output_len, shuffle_seed, vllm=opts.vllm_form) if opts.dataset else None
     _warn_if_prompts_repeat(opts, pool)
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4)
     async with httpx.AsyncClient(base_url=server_root(opts.url), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(opts.timeout_s)) as client:
         model = opts.model or await discover_model(client)
-        if pool and opts.output_len_from_dataset:
+        if pool and (opts.output_len_from_dataset or opts.sharegpt_filter):
+            # vLLM's ShareGPT sampling; with --sharegpt-output-len N every request asks for N tokens, and vLLM's
+            # length filter still drops the prompts it would not send
+            fixed = None if opts.output_len_from_dataset else opts.output_len
+            needed = sum(opts.prompts_for(c) for c in opts.concurrency)
             try:
-                pool = await sharegpt_lengths(client, model, pool, sum(opts.prompts_for(c) for c in opts.concurrency))
+                pool = await sharegpt_lengths(client, model, pool, needed, output_len=fixed)
             except ConfigError as exc:
-                raise ConfigError(f"{exc} (or give --sharegpt-output-len N: every request N tokens)") from None
+                hint = " (or give --sharegpt-output-len N: every request N tokens, the replies' lengths unchecked)"
+                raise ConfigError(f"{exc}{hint if fixed is None else ''}") from None
             _warn_if_prompts_repeat(opts, pool)  # the filter may have left fewer prompts than requests
         fit = opts.exact_input_len
         await warm_up(client, opts, model)

@@ -37,7 +37,10 @@ class ServeBenchOptions:
     metric_percentiles: tuple[float, ...] = (50.0, 99.0)  # which percentiles (the table shows each)
     exact_input_len: bool = False  # random prompts fitted to input_len tokens with the server's /tokenize
     output_len_from_dataset: bool = False  # ShareGPT: each request's max_tokens is its reply's token count
-    # (vLLM's sharegpt), counted with the server's /tokenize
+    # (vLLM's sharegpt), counted with the server's /tokenize, and vLLM's length filter applied
+    sharegpt_filter: bool = False  # ShareGPT with vLLM's --sharegpt-output-len: every request output_len tokens,
+    # vLLM's length filter still applied to the prompts (4 to 1024 tokens, 2048 with output_len)
+    disable_shuffle: bool = False  # vLLM's --disable-shuffle: a vLLM line keeps the dataset's order
     vllm_form: bool = False  # a `vllm bench serve` line (vllm_serve_args.is_vllm_command_line): vLLM's sampling of a
     # dataset (shuffled by the seed) and its timing (one inter-token gap per streamed chunk, whatever it carries)
 

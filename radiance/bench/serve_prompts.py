@@ -42,18 +42,21 @@ def random_prompts(n: int, input_len: int, output_len: int, seed: int) -> list[P
     return [PromptSpec(" ".join(rng.choice(_WORDS) for _ in range(input_len)), output_len) for _ in range(n)]
 
 
-def load_dataset(path: str, output_len: int, shuffle_seed: int | None = None) -> list[PromptSpec]:
+def load_dataset(path: str, output_len: int, shuffle_seed: int | None = None,
+                 vllm: bool | None = None) -> list[PromptSpec]:
     """A JSON array (ShareGPT's {"conversations": [...]} or {"prompt", "output_len"?} objects), JSONL lines
     {"prompt": str, "output_len": int?} or plain text lines (one prompt each), in the file's order.
 
-    With `shuffle_seed` (a vLLM line), as vLLM's ShareGPT loader: conversations of fewer than two turns dropped,
-    the rows shuffled as `random.seed(seed); random.shuffle(rows)` does, and a conversation's first two turns
-    taken as prompt and reply whoever speaks them; so the same file and --seed send vLLM's prompts."""
+    `vllm` (a vLLM line; by default whenever there is a `shuffle_seed`), as vLLM's ShareGPT loader: conversations of
+    fewer than two turns dropped, the rows shuffled with `shuffle_seed` as `random.seed(seed); random.shuffle(rows)`
+    does (None: kept in the file's order, vLLM's --disable-shuffle), and a conversation's first two turns taken as
+    prompt and reply whoever speaks them; so the same file and --seed send vLLM's prompts."""
     rows = _dataset_rows(path, output_len)
-    vllm = shuffle_seed is not None
+    vllm = shuffle_seed is not None if vllm is None else vllm
     if vllm:
         rows = [(row, where) for row, where in rows if not _short_conversation(row)]
-        random.Random(shuffle_seed).shuffle(rows)
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(rows)
     specs = [spec for row, where in rows if (spec := _row_spec(row, output_len, where, vllm)) is not None]
     if not specs:
         raise ConfigError(f"dataset {path} has no prompts")
@@ -177,10 +180,11 @@ def prompts_for_level(opts: ServeBenchOptions, n: int, level_seed: int,
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 
 
-async def count_tokens(client: httpx.AsyncClient, model: str, text: str) -> int:
-    """The text's token count by the server's tokenizer (vLLM's /tokenize, radiance serve's too), without special
-    tokens: vLLM's benchmark counts a prompt's own tokens."""
-    resp = await client.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+async def count_tokens(client: httpx.AsyncClient, model: str, text: str, special_tokens: bool = False) -> int:
+    """The text's token count by the server's tokenizer (vLLM's /tokenize, radiance serve's too): without special
+    tokens (vLLM's random dataset counts a prompt's own tokens), or with them (`special_tokens`: a BOS for
+    Llama-style tokenizers, as vLLM's ShareGPT sampling counts `tokenizer(text).input_ids`)."""
+    resp = await client.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": special_tokens})
     if resp.status_code != 200:
         raise ConfigError(f"the server's /tokenize answered HTTP {resp.status_code} "
                           f"({' '.join(resp.text.split())[:120]}); it counts the tokens of vLLM's lengths")
@@ -195,11 +199,18 @@ async def count_tokens(client: httpx.AsyncClient, model: str, text: str) -> int:
 
 async def fit_to_tokens(client: httpx.AsyncClient, model: str, specs: list[PromptSpec], input_len: int,
                         seed: int) -> list[PromptSpec]:
-    """Each random prompt made input_len tokens long (as vLLM's random dataset makes them): its words are about one
-    token each, so one step of the difference usually lands; else the longest run of words within input_len tokens
-    (a binary search; exact unless a word of several tokens straddles the length)."""
+    """Each random prompt made input_len tokens long as vLLM's random dataset makes them: its own tokens (counted
+    without special tokens) are input_len less the special tokens the tokenizer adds (`num_special_tokens_to_add`,
+    a BOS for Llama-style tokenizers: the server then reads input_len tokens). Its words are about one token each,
+    so one step of the difference usually lands; else the longest run of words within that length (a binary
+    search; exact unless a word of several tokens straddles the length)."""
     rng = random.Random(seed)
     out = []
+    if specs:  # the special tokens the tokenizer adds: a text's count with them less its count without
+        probe = specs[0].prompt
+        specials = await count_tokens(client, model, probe, special_tokens=True) - await count_tokens(
+            client, model, probe)
+        input_len = max(1, input_len - max(0, specials))
     for spec in specs:
         words = spec.prompt.split()
         n = await count_tokens(client, model, spec.prompt)
@@ -224,24 +235,28 @@ async def fit_to_tokens(client: httpx.AsyncClient, model: str, specs: list[Promp
     return out
 
 
-async def sharegpt_lengths(client: httpx.AsyncClient, model: str, pool: list[PromptSpec],
-                           needed: int) -> list[PromptSpec]:
-    """vLLM's sharegpt: each conversation's max_tokens is its reply's token count, and the conversations vLLM
-    drops (no reply, too short or too long) are left out; counted only until `needed` are found (ShareGPT holds
-    90k conversations)."""
+async def sharegpt_lengths(client: httpx.AsyncClient, model: str, pool: list[PromptSpec], needed: int,
+                           output_len: int | None = None) -> list[PromptSpec]:
+    """vLLM's ShareGPTDataset.sample: each conversation's max_tokens is its reply's token count (else `output_len`,
+    vLLM's --sharegpt-output-len, for every request), and the conversations vLLM drops are left out: a prompt under
+    4 tokens or over 1024, a reply under 4 (not checked with `output_len`), prompt and max_tokens over 2048 together.
+    Prompt and reply are counted with the tokenizer's special tokens, as vLLM's `tokenizer(text).input_ids` counts
+    them; counted only until `needed` are found (ShareGPT holds 90k conversations)."""
     out = []
     for spec in pool:
         if len(out) >= needed:
             break
-        if not spec.reply:
+        if output_len is None and not spec.reply:  # no reply to size by (an empty one has too few tokens)
             continue
-        prompt_len = await count_tokens(client, model, spec.prompt)
-        output_len = await count_tokens(client, model, spec.reply)
-        if min(prompt_len, output_len) < SHAREGPT_MIN_LEN or prompt_len > SHAREGPT_MAX_PROMPT \
-                or prompt_len + output_len > SHAREGPT_MAX_TOTAL:
+        prompt_len = await count_tokens(client, model, spec.prompt, special_tokens=True)
+        max_tokens = output_len if output_len is not None else \
+            await count_tokens(client, model, spec.reply, special_tokens=True)
+        if prompt_len < SHAREGPT_MIN_LEN or (output_len is None and max_tokens < SHAREGPT_MIN_LEN) \
+                or prompt_len > SHAREGPT_MAX_PROMPT or prompt_len + max_tokens > SHAREGPT_MAX_TOTAL:
             continue
-        out.append(PromptSpec(spec.prompt, output_len, prompt_len=prompt_len))
+        out.append(PromptSpec(spec.prompt, max_tokens, prompt_len=prompt_len))
     if not out:
-        raise ConfigError("the dataset has no conversation vLLM's sharegpt would send (a prompt and a reply of 4 to "
-                          "1024 tokens, 2048 together)")
+        wanted = "a prompt and a reply of 4 to 1024 tokens, 2048 together" if output_len is None else \
+            f"a prompt of 4 to 1024 tokens, {SHAREGPT_MAX_TOTAL} with the {output_len} asked for"
+        raise ConfigError(f"the dataset has no conversation vLLM's sharegpt would send ({wanted})")
     return out

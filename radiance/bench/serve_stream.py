@@ -132,9 +132,15 @@ async def read_stream(resp: httpx.Response, stream: Stream) -> str | None:
     return None
 
 
-def stream_problem(stream: Stream) -> str | None:
+def stream_problem(stream: Stream, vllm_form: bool = False) -> str | None:
+    """Why the answer does not count, None when it does. radiance's lines want text and a finish_reason or [DONE];
+    a vLLM line (vLLM's request functions, vllm/benchmarks/lib/endpoint_request_func.py) counts a request once any
+    event had a choice, text or not: an answer whose first token is EOS (a role chunk, then the finish) is a
+    successful one-token request there, its tokens the usage's."""
     if not stream.events:  # e.g. one JSON answer from a server that ignores "stream": true
         return "the response is not an event stream (no `data:` lines)"
+    if vllm_form:
+        return None if stream.choice_times else "no event with a choice streamed (vLLM fails such a request too)"
     if not stream.chunk_times:
         return "no tokens streamed"
     if not stream.finished:  # the connection closed mid-answer: its numbers would flatter the server

@@ -36,7 +36,6 @@ _VLLM_REFUSED = {
     "--common-prefix-len": "random prompts share no prefix",
     "--no-oversample": "a dataset with fewer prompts than requests is cycled",
     "--skip-chat-template": "prompts are sent as the dataset has them",
-    "--disable-shuffle": "a dataset is walked in its order",
 }
 # ones radiance honours at vLLM's default value only (anything else would change the measurement)
 _VLLM_AT_DEFAULT = {"--burstiness": ("1", "arrivals are a Poisson process (vLLM's burstiness 1)"),
@@ -48,7 +47,7 @@ _VLLM_DATASETS = ("random", "sharegpt")
 # --num-prompts (vLLM's default 1000) random prompts of vLLM's 1024 tokens
 VLLM_FORM = ("base_url", "host", "port", "backend", "dataset_name", "dataset_path", "random_input_len",
               "random_output_len", "sharegpt_output_len", "max_concurrency", "num_warmups", "tokenizer",
-              "save_result", "result_dir", "result_filename", "disable_tqdm", "vllm_ignore_eos")
+              "save_result", "result_dir", "result_filename", "disable_tqdm", "vllm_ignore_eos", "disable_shuffle")
 
 
 def is_vllm_command_line(args) -> bool:
@@ -91,7 +90,11 @@ def add_vllm_flags(p) -> None:
     g.add_argument("--random-input-len", type=positive_int, help="as --input-len, in tokens (default: 1024)")
     g.add_argument("--random-output-len", type=positive_int, help="as --output-len (default: 128)")
     g.add_argument("--sharegpt-output-len", type=positive_int,
-                   help="max_tokens of every ShareGPT request (default: each reply's token count, by /tokenize)")
+                   help="max_tokens of every ShareGPT request; vLLM's length filter still drops prompts under 4 or "
+                        "over 1024 tokens, or over 2048 with it (default: each reply's token count, by /tokenize)")
+    g.add_argument("--disable-shuffle", action="store_true", default=None,
+                   help="keep the dataset file's order; conversations of fewer than two turns are still dropped "
+                        "(default: shuffled with --seed, as vLLM does)")
     g.add_argument("--num-warmups", type=non_negative_int,
                    help="uncounted requests after vLLM's one test request: --warmup 1+N (default: 0)")
     g.add_argument("--tokenizer", help="accepted: token counts come from the server's own tokenizer (/tokenize, usage)")

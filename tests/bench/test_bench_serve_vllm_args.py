@@ -73,6 +73,31 @@ def test_a_sharegpt_line_sizes_requests_by_the_replies_without_ignore_eos(tmp_pa
     opts = options(["--dataset-name", "sharegpt", "--dataset-path", str(data), "--sharegpt-output-len", "64",
                     "--ignore-eos"])
     assert (opts.output_len, opts.output_len_from_dataset, opts.ignore_eos) == (64, False, True)
+    assert opts.sharegpt_filter  # vLLM's length filter still runs on the prompts
+
+
+@pytest.mark.parametrize("argv, output_len, from_replies", [
+    (["--sharegpt-output-len", "64"], 64, False),
+    (["--output-len", "32", "--sharegpt-output-len", "64"], 32, False),  # vLLM: --output-len overrides it
+    (["--random-output-len", "9"], 9, True),  # the random dataset's: a ShareGPT sample is still sized by its replies
+])
+def test_sharegpt_output_lengths_as_vllm_maps_them(tmp_path, argv, output_len, from_replies):
+    data = tmp_path / "sg.json"
+    data.write_text("[]")
+    opts = options(["--dataset-name", "sharegpt", "--dataset-path", str(data), *argv])
+    assert (opts.output_len, opts.output_len_from_dataset, opts.sharegpt_filter) == (
+        output_len, from_replies, not from_replies)
+
+
+def test_disable_shuffle_is_honoured_not_refused(tmp_path):
+    """vLLM's --disable-shuffle was refused with "a dataset is walked in its order", the opposite of what a vLLM
+    line does (it shuffles with --seed): it now keeps the file's order."""
+    data = tmp_path / "sg.json"
+    data.write_text("[]")
+    opts = options(["--dataset-name", "sharegpt", "--dataset-path", str(data), "--disable-shuffle"])
+    assert opts.disable_shuffle and opts.vllm_form
+    assert not options(["--dataset-name", "sharegpt", "--dataset-path", str(data)]).disable_shuffle
+    assert options(["--disable-shuffle"]).vllm_form  # a flag of vLLM's: the line is vLLM's
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -200,7 +225,7 @@ def test_prompts_left_by_the_sharegpt_filter_warn_when_they_repeat(fake_server, 
     data = tmp_path / "sg.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "output_len": 2}) + "\n" for i in range(4)))
 
-    async def one_left(client, model, pool, needed):
+    async def one_left(client, model, pool, needed, output_len=None):
         return [PromptSpec(pool[0].prompt, 2)]
 
     monkeypatch.setattr(serve_bench, "sharegpt_lengths", one_left)
