@@ -170,8 +170,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             return error_response(unknown_url(_request.method, _request.url.path))
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        if message == "There was an error parsing the body":  # FastAPI's, for a body that is not UTF-8
-            message = "the request body could not be read as JSON: send UTF-8 JSON with Content-Type: application/json"
+        if message == "There was an error parsing the body":  # FastAPI's, for any body it could not decode
+            message = ("the request body is not UTF-8: send UTF-8 JSON"
+                       if isinstance(exc.__cause__, UnicodeDecodeError) else "the request body could not be read as JSON")
         response = error_response(OpenAIError(exc.status_code, message))
         response.headers.update(exc.headers or {})  # a 405's Allow: the methods the route takes
         return response

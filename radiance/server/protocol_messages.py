@@ -104,6 +104,8 @@ class ChatMessage(_Model):
         read = []
         for part in parts:
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and not isinstance(kind, str):
+                raise ValueError(f"a content part's type must be a string, got {kind!r}")
             if kind in _TEXT_LIKE_PARTS:
                 part = {"type": "text", "text": part.get(_TEXT_LIKE_PARTS[kind])}
             elif kind is not None and kind != "text":

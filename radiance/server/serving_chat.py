@@ -417,10 +417,15 @@ def _stream(request_id: str, model: str, outputs: AsyncIterator, choices: list[C
                     yield event
             choice = choices[index]
             delta, logprobs = choice.step(out)
-            if out.finished:  # vLLM's: the last delta and the finish reason in one chunk
+            # vLLM's: the last delta and the finish reason in one chunk; but a tool call first seen in the chunk
+            # that finishes gets no "arguments done" event from the openai client, so tool calls come before it
+            if out.finished and "tool_calls" not in delta:
                 yield sse(chunk(index, delta, logprobs, choice.finish_reason(), choice.stop_reason()))
-            elif delta or logprobs:
+                continue
+            if delta or logprobs:
                 yield sse(chunk(index, delta, logprobs))
+            if out.finished:
+                yield sse(chunk(index, {}, None, choice.finish_reason(), choice.stop_reason()))
         if not opened:
             for event in opening():
                 yield event

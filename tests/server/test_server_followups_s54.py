@@ -141,3 +141,31 @@ def test_sampling_errors_name_their_field_and_a_non_utf8_body_says_so():
     assert (bad_min.status_code, bad_min.json()["error"]["param"]) == (400, "min_tokens")
     assert not_utf8.status_code == 400 and "UTF-8" in not_utf8.json()["error"]["message"]
     assert alive.status_code == 200
+
+
+def test_a_tool_call_in_the_finishing_output_gets_the_openai_client_s_done_event():
+    """The finish reason rides on the last delta, except after tool calls: the openai client's stream helper fires
+    `tool_calls.function.arguments.done` only for calls seen before the chunk with the finish reason."""
+    import openai
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    engine = FakeEngine(max_model_len=2048)
+    engine.reply = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+                    '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    with serve_engine(engine, tool_call_parser="hermes") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with client.chat.completions.stream(model="fake", messages=[{"role": "user", "content": "w?"}],
+                                            tools=tools) as stream:
+            done = [(e.index, e.arguments) for e in stream if e.type == "tool_calls.function.arguments.done"]
+            final = stream.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert done == [(0, '{"city": "Paris"}'), (1, '{"city": "Rome"}')]
+
+
+def test_a_content_part_type_that_is_not_a_string_is_a_400():
+    with serve_engine(FakeEngine()) as url:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = httpx.post(f"{url}{path}", timeout=30, json={"model": "fake", "messages": [
+                {"role": "user", "content": [{"type": ["text"], "text": "hi"}]}]})
+            assert r.status_code == 400 and "must be a string" in r.json()["error"]["message"], (path, r.text)
