@@ -189,8 +189,34 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
                 f", rule {config.rule}" if config.format == "mxfp4" else "")
     writer = ShardWriter(dst, config.max_shard_bytes)
     kept_dense: list[str] = []
+    # closed on a failure too: its progress bar ends before the error is printed, not under it
+    with contextlib.closing(ckpt.iter_weights(progress=progress)) as weights:
+        _write_weights(ckpt, writer, config, report, dense_dtype, weights, kept_dense)
+    files = writer.finish()
+
+    out_config = {k: v for k, v in ckpt.config.items()
+                  if k not in ("quantization_config", "compression_config", "gguf_file_type", "served_from")}
+    out_config["torch_dtype"] = config.dense_dtype
+    if "dtype" in out_config:  # transformers 5's name, which it reads first: not the source's stale one
+        out_config["dtype"] = config.dense_dtype
+    if config.quantize_lm_head:
+        out_config["tie_word_embeddings"] = False
+    ignore = kept_dense if ("lm_head" in kept_dense or config.quantize_lm_head) else ["lm_head"] + kept_dense
+    out_config["quantization_config"] = quantization_config_for(config.format, ignore, config.rule)
+    _copy_side_files(ckpt, dst, tokenizer)
+    # config.json last: its presence marks a complete conversion
+    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(out_config, handle, indent=2)
+    logger.info("wrote %s (%d file(s), %.1f MiB)", dst, len(files), writer.total_bytes / 2**20)
+    return report
+
+
+def _write_weights(ckpt: Checkpoint, writer: ShardWriter, config: ConvertConfig, report: RequantReport, dense_dtype,
+                   weights, kept_dense: list[str]) -> None:
+    """Every tensor of `weights` converted to `config.format` and handed to `writer`; the linears kept 16-bit are
+    added to `kept_dense`."""
     written: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}  # linear -> (modules written, their rows)
-    items = _with_untied_head(ckpt.iter_weights(progress=progress), config.quantize_lm_head, ckpt.tie_word_embeddings)
+    items = _with_untied_head(weights, config.quantize_lm_head, ckpt.tie_word_embeddings)
     for name, obj in convert_weights(items, config.format, config.rule, config.ignore, config.quantize_lm_head,
                                      report, config.chunk_rows, dense_dtype, file_of=ckpt.file_of):
         if is_weight(obj):
@@ -215,20 +241,3 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
         else:
             with _naming(name, ckpt):
                 writer.add(name, plain_tensor(obj, dense_dtype))
-    files = writer.finish()
-
-    out_config = {k: v for k, v in ckpt.config.items()
-                  if k not in ("quantization_config", "compression_config", "gguf_file_type", "served_from")}
-    out_config["torch_dtype"] = config.dense_dtype
-    if "dtype" in out_config:  # transformers 5's name, which it reads first: not the source's stale one
-        out_config["dtype"] = config.dense_dtype
-    if config.quantize_lm_head:
-        out_config["tie_word_embeddings"] = False
-    ignore = kept_dense if ("lm_head" in kept_dense or config.quantize_lm_head) else ["lm_head"] + kept_dense
-    out_config["quantization_config"] = quantization_config_for(config.format, ignore, config.rule)
-    _copy_side_files(ckpt, dst, tokenizer)
-    # config.json last: its presence marks a complete conversion
-    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as handle:
-        json.dump(out_config, handle, indent=2)
-    logger.info("wrote %s (%d file(s), %.1f MiB)", dst, len(files), writer.total_bytes / 2**20)
-    return report

@@ -26,13 +26,16 @@ from radiance.errors import ConfigError
 # keeps no stats log, recomputes preempted sequences rather than swapping them, and names no model (the server does)
 VLLM_NO_EFFECT_ARGS = ("trust_remote_code", "disable_log_stats", "swap_space", "served_model_name",
                        "disable_custom_all_reduce", "max_seq_len_to_capture")
-# vLLM's arguments radiance takes only at the value that means what it does anyway: name -> (value, why)
+# vLLM's arguments radiance takes only at the values that mean what it does anyway: name -> (values, why)
 VLLM_DEFAULT_ONLY_ARGS = {
-    "tensor_parallel_size": (1, "radiance serves a model on one device"),
-    "pipeline_parallel_size": (1, "radiance serves a model on one device"),
-    "tokenizer_mode": ("auto", "the tokenizer is the model's own"),
-    "skip_tokenizer_init": (False, "the model's tokenizer is loaded with it (one without takes token-id prompts)"),
-    "cpu_offload_gb": (0, "weights are not offloaded"),
+    "tensor_parallel_size": ((1,), "radiance serves a model on one device"),
+    "pipeline_parallel_size": ((1,), "radiance serves a model on one device"),
+    "tokenizer_mode": (("auto",), "the tokenizer is the model's own"),
+    "skip_tokenizer_init": ((False,), "the model's tokenizer is loaded with it (one without takes token-id prompts)"),
+    "cpu_offload_gb": ((0,), "weights are not offloaded"),
+    "load_format": (("auto", "safetensors", "gguf"), "weights are read from the checkpoint's own files"),
+    "task": (("auto", "generate"), "radiance generates text"),
+    "runner": (("auto", "generate"), "radiance generates text"),
 }
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # vLLM's default of LLM(max_logprobs=...): the most logprobs / prompt_logprobs a request may ask for
@@ -322,9 +325,10 @@ def _vllm_model_args(model: str | None, config: dict) -> str | None:
     (org/name@revision). Returns the model."""
     for name in VLLM_NO_EFFECT_ARGS:
         config.pop(name, None)
-    for name, (value, why) in VLLM_DEFAULT_ONLY_ARGS.items():
-        if name in config and config.pop(name) != value:
-            raise ConfigError(f"{name} must be {value!r} here: {why}")
+    for name, (values, why) in VLLM_DEFAULT_ONLY_ARGS.items():
+        if name in config and (given := config.pop(name)) not in values:
+            accepted = " or ".join(map(repr, values))
+            raise ConfigError(f"{name} must be {accepted} here: {why}; got {given!r}")
     tokenizer = config.pop("tokenizer", None)
     if tokenizer is not None and tokenizer != model:
         raise ConfigError(f"tokenizer {tokenizer!r}: radiance reads the tokenizer of the model itself (its "

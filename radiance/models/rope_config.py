@@ -35,6 +35,10 @@ def read_rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[fl
             raise ConfigError(f"config.json {key} must be an object, got {value!r}")
     if rope is None and scaling is None:
         scaling = defaults.rope_parameters
+    if rope is not None and scaling and not isinstance(rope.get("full_attention"), dict):
+        # both (a rope_scaling added to a transformers 5 config): as transformers' convert_rope_params_to_dict,
+        # rope_scaling replaces rope_parameters, and rope_theta comes from the top level or the default
+        rope = None
     rope = dict(rope or {})
     nested = isinstance(rope.get("full_attention"), dict)
     if nested:  # per layer type (Gemma 3): the full-attention layers' rope

@@ -209,3 +209,29 @@ def test_null_kv_heads_are_one_per_head(model_type):
     """As transformers' Llama, Qwen2 and Qwen3 read it (its MoE and gpt-oss configs refuse a null)."""
     config = dict(_config(model_type), num_attention_heads=64, hidden_size=512, num_key_value_heads=None)
     assert resolve_architecture(config)[1].num_kv_heads == 64
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    {"type": "linear", "factor": 2.0},
+])
+def test_a_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(scaling):
+    """A config with both (a user's YaRN rope_scaling added to a transformers 5 config): transformers reads
+    rope_scaling in place of rope_parameters, rope_theta then from the top level or its default; radiance ignored
+    rope_scaling."""
+    config = _config("qwen3", max_position_embeddings=4096,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_scaling=scaling)
+    cfg = resolve_architecture(config)[1]
+    hf = _transformers_config(config)
+    rope = dict(hf.rope_parameters)
+    assert cfg.rope_theta == rope.pop("rope_theta")
+    kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
+    assert kind == rope["rope_type"] == scaling.get("rope_type", scaling.get("type"))
+    assert cfg.rope_scaling["factor"] == rope["factor"]
+
+
+def test_an_unknown_rope_scaling_beside_rope_parameters_is_refused():
+    config = _config("llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                     rope_scaling={"rope_type": "bogus", "factor": 2.0})
+    with pytest.raises(ConfigError, match="'bogus' is not supported"):
+        resolve_architecture(config)
