@@ -7,19 +7,20 @@ second with a message naming file and tensor, not minutes into a load. The token
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.hf_config import (chat_template, chat_templates, eos_token_ids, expected_shapes,
-                                           language_model, load_config, modelopt_quant_file, quantization_config,
-                                           tensor_renames)
+                                           language_model, load_config, load_json, modelopt_quant_file,
+                                           quantization_config, tensor_renames)
 from radiance.checkpoint.hf_tokenizer import has_tokenizer_files, load_tokenizer
 from radiance.checkpoint.layout import (FLOAT_DTYPES, check_linear, check_no_stray_tensors, detect_format, read_linear,
                                         required_tensors)
@@ -45,6 +46,21 @@ _EXPERT_PROJ = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj$")
 # buffers older exports saved with the weights (transformers < 4.31 Llama: rotary_emb.inv_freq in every layer);
 # radiance computes them from config.json, as transformers and vLLM do when they skip them
 _DERIVED_LEAVES = ("inv_freq", "cos_cached", "sin_cached")
+
+
+def _named_template_files(model_dir: str) -> list[str]:
+    """additional_chat_templates/NAME.jinja, where transformers' save_pretrained writes named templates."""
+    extra = os.path.join(model_dir, "additional_chat_templates")
+    return [os.path.join(extra, f) for f in sorted(os.listdir(extra)) if f.endswith(".jinja")] \
+        if os.path.isdir(extra) else []
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _is_derived_buffer(module: str, leafname: str) -> bool:
@@ -97,8 +113,11 @@ class HfCheckpoint(Checkpoint):
             self._module_tensors.setdefault(module, []).append(name)
             self._stored_module[module] = split_tensor_name(meta.stored)[0]
         self._shapes = expected_shapes(config)
-        self._stacked = find_stacked_experts(self.index, config)  # gpt-oss: all experts in one tensor
-        self._linears, self._plain, self._biases = self._plan()
+        try:
+            self._stacked = find_stacked_experts(self.index, config)  # gpt-oss: all experts in one tensor
+            self._linears, self._plain, self._biases = self._plan()
+        except CheckpointError as exc:  # a tensor "missing" may be in a shard the index leaves out: named
+            raise self.index.unlisted_note(exc) from None
         # a tied lm_head is still a Linear module of the model, so naming it in ignore is right
         virtual = ["lm_head"] if self.tie_word_embeddings else []
         skipped = sorted({split_tensor_name(name)[0] for name in self.index.skipped})  # exclusions may name them
@@ -369,24 +388,34 @@ class HfCheckpoint(Checkpoint):
         return (n, k * 2) if main.dtype == torch.uint8 else (n, k)
 
     def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, object]]:
+        for read in self.weight_reads(progress):
+            yield from read()
+
+    def weight_reads(self, progress: bool = True) -> Iterator[Callable[[], Iterator[tuple[str, object]]]]:
+        """iter_weights one entry at a time: a function per entry (a linear, a plain tensor, a merged bias, a layer's
+        stacked experts) that reads it, yielding its (canonical name, Weight | torch.Tensor). A fault one entry's
+        read raises (a scale the reader refuses) leaves the rest readable: inspect --values records it and reads on."""
         items = [("linear", e) for e in self._linears] + [("plain", n) for n in self._plain] \
             + [("bias", n) for n in self._biases] + [("stacked", p) for p in self._stacked]
         items.sort(key=lambda item: sort_key(item[1].canonical if item[0] == "linear" else item[1]))
         for what, item in tqdm(items, desc=f"reading {os.path.basename(self.path)}", unit="tensor",
                                disable=not progress, leave=False):
-            if what == "stacked":
-                yield from read_stacked_experts(self._stacked[item], self.index)
-            elif what == "plain":
-                yield item, self.index.get(item)
-            elif what == "bias":
-                parts = self._biases[item]
-                yield item, torch.cat([self.index.get(parts[i]) for i in sorted(parts)])
+            yield functools.partial(self._read_entry, what, item)
+
+    def _read_entry(self, what: str, item) -> Iterator[tuple[str, object]]:
+        if what == "stacked":
+            yield from read_stacked_experts(self._stacked[item], self.index)
+        elif what == "plain":
+            yield item, self.index.get(item)
+        elif what == "bias":
+            parts = self._biases[item]
+            yield item, torch.cat([self.index.get(parts[i]) for i in sorted(parts)])
+        else:
+            weight = self._read_linear(item)
+            if item.canonical == "lm_head" and weight.format == "dense":
+                yield "lm_head.weight", weight.tensor
             else:
-                weight = self._read_linear(item)
-                if item.canonical == "lm_head" and weight.format == "dense":
-                    yield "lm_head.weight", weight.tensor
-                else:
-                    yield item.canonical, weight
+                yield item.canonical, weight
 
     def _read_linear(self, entry: _Linear):
         weights = [read_linear(m, f, self.index, self._expected(m), scheme)
@@ -411,11 +440,38 @@ class HfCheckpoint(Checkpoint):
 
     @property
     def chat_template(self) -> str | None:
-        return chat_template(self.path)
+        template = chat_template(self.path)
+        if template:
+            self._note_template_source(template)
+        return template
 
     @property
     def chat_templates(self) -> dict[str, str]:
-        return chat_templates(self.path)
+        templates = chat_templates(self.path)
+        for template in templates.values():
+            self._note_template_source(template)
+        return templates
+
+    def template_source(self, template: str) -> str:
+        """Where `template` (one of chat_templates) was read from: "file PATH" of chat_template.jinja,
+        chat_template.json, tokenizer_config.json or additional_chat_templates/NAME.jinja; the directory if none
+        holds it as it is."""
+        for path in [os.path.join(self.path, "chat_template.jinja")] + _named_template_files(self.path):
+            if os.path.exists(path) and _read_text(path) == template:
+                return f"file {path}"
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            path = os.path.join(self.path, name)
+            held = load_json(path, name).get("chat_template") if os.path.exists(path) else None
+            if held == template or (isinstance(held, list) and any(isinstance(t, dict) and t.get("template") ==
+                                                                   template for t in held)):
+                return f"file {path}"
+        return f"file {self.path}"
+
+    def _note_template_source(self, template: str) -> None:
+        """A parse error of the template, met when it is first rendered (generate, serve), names its file."""
+        from radiance.server.chat_template import note_source
+
+        note_source(template, self.template_source(template))
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -155,6 +155,7 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False, with_values: 
     warnings = ([f"not servable: {problem}"] if problem else []) + list(ckpt.warnings)
     if not ckpt.has_tokenizer:
         warnings.append("no tokenizer: only token-id prompts can be served (no text, no chat)")
+    warnings += _template_warnings(ckpt)
     values_line = None
     if with_values and not problem:  # an unservable layout is not read: its reader may not know its tensors
         read, faults = value_warnings(ckpt, progress)
@@ -169,6 +170,26 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False, with_values: 
     lines += ["", f"total      {len(entries)} entries, {_mib(sum(e.nbytes for e in entries))}"]
     lines += ["", f"warnings   {len(warnings) or 'none'}"] + [f"  - {w}" for w in warnings]
     return lines, warnings
+
+
+def _template_warnings(ckpt: Checkpoint) -> list[str]:
+    """One warning per chat template that does not parse (each is compiled as generate and serve compile it), naming
+    the file it was read from."""
+    from radiance.errors import ConfigError
+    from radiance.server.chat_template import check_template
+
+    out = []
+    for name, template in ckpt.chat_templates.items():
+        if hasattr(ckpt, "template_source"):  # a model directory: the file holding it
+            source = ckpt.template_source(template)
+        else:  # a GGUF: its metadata key
+            key = "tokenizer.chat_template" + ("" if name == "default" else f".{name}")
+            source = f"file {ckpt.path}, metadata {key}"
+        try:
+            check_template(template, source)
+        except ConfigError as exc:
+            out.append(str(exc) if name == "default" else f"{exc} (the {name!r} template)")
+    return out
 
 
 def _header_lines(ckpt: Checkpoint, entries, problem: str | None, with_tokenizer: bool) -> list[str]:

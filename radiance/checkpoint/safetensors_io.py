@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from radiance.checkpoint.hf_config import load_json
@@ -89,8 +89,13 @@ class SafetensorsIndex:
             for path in files:
                 if not os.path.exists(path):
                     raise CheckpointError("shard listed in the index is missing", file=path)
+            # shards the index leaves out are not read: a tensor only they hold is reported missing (unlisted_note)
+            listed = {os.path.normpath(f) for f in files}
+            self.unlisted = sorted(f for f in glob.glob(os.path.join(self.model_dir, "*.safetensors"))
+                                   if os.path.normpath(f) not in listed)
             return files
         self._weight_map = None
+        self.unlisted = []
         files = sorted(glob.glob(os.path.join(self.model_dir, "*.safetensors")))
         if not files:
             has_bin = glob.glob(os.path.join(self.model_dir, "*.bin"))
@@ -109,14 +114,27 @@ class SafetensorsIndex:
                                       tensor=name)
         return weight_map
 
+    def unlisted_note(self, exc: CheckpointError) -> CheckpointError:
+        """A missing-tensor error with the .safetensors files of the directory the index does not list named (a
+        stale or hand-edited index leaves a shard out, and its tensors are not read); `exc` itself where there are
+        none, or where it is about something else."""
+        if not self.unlisted or "missing" not in str(exc):
+            return exc
+        names = ", ".join(os.path.basename(f) for f in self.unlisted)
+        which = "which is" if len(self.unlisted) == 1 else "which are"
+        out = CheckpointError(f"{exc}: the index {INDEX_NAME} does not list {names}, {which} in the directory (its "
+                              "tensors are not read: add them to the index's weight_map)")
+        out.file, out.tensor = exc.file, exc.tensor
+        return out
+
     def _check_index(self) -> None:
         if self._weight_map is None:
             return
         stored = {meta.stored for meta in self.meta.values()} | set(self.skipped)
         for name, file in self._weight_map.items():
             if name not in stored:
-                raise CheckpointError("tensor listed in the index is missing from its shard",
-                                      file=os.path.join(self.model_dir, file), tensor=name)
+                raise self.unlisted_note(CheckpointError("tensor listed in the index is missing from its shard",
+                                                         file=os.path.join(self.model_dir, file), tensor=name))
 
     def _open(self, path: str):
         handle = self._handles.get(path)
@@ -139,7 +157,8 @@ class SafetensorsIndex:
     def get(self, name: str) -> torch.Tensor:
         meta = self.meta.get(name)
         if meta is None:
-            raise CheckpointError("tensor missing from the checkpoint", file=self.model_dir, tensor=name)
+            raise self.unlisted_note(CheckpointError("tensor missing from the checkpoint", file=self.model_dir,
+                                                     tensor=name))
         try:
             return self._open(meta.file).get_tensor(meta.stored)
         except Exception as exc:
@@ -256,7 +275,11 @@ class ShardWriter:
 
     def _flush(self) -> None:
         index = len(self._shards)
-        save_file(self._pending, os.path.join(self.out_dir, f"_shard_{index:05d}.tmp"), metadata={"format": "pt"})
+        path = os.path.join(self.out_dir, f"_shard_{index:05d}.tmp")
+        try:
+            save_file(self._pending, path, metadata={"format": "pt"})
+        except SafetensorError as exc:  # the library's own error for an I/O failure (no space left, ...)
+            raise OSError(f"cannot write a shard: {exc}") from None
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 

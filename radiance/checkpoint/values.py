@@ -16,19 +16,37 @@ from radiance.formats._checks import nonfinite_count
 
 
 def value_warnings(ckpt: Checkpoint, progress: bool = True) -> tuple[int, list[str]]:
-    """(tensors read, one warning per tensor holding NaN / inf values, or the read fault that stopped the pass)."""
+    """(tensors read, one warning per tensor holding NaN / inf values or refused by the reader (a bad scale)).
+    Entries are read one at a time where the checkpoint can (weight_reads), so a refused one is recorded and the
+    pass goes on; otherwise a refusal ends the pass ("reading stopped: ...")."""
     warnings, read = [], 0
-    try:
-        for name, item in ckpt.iter_weights(progress=progress):
+    reads = getattr(ckpt, "weight_reads", None)
+    if reads is None:  # one stream: a refusal ends it, nothing after it can be read
+        try:
+            for name, item in ckpt.iter_weights(progress=progress):
+                read += 1
+                _check_values(ckpt, name, item, warnings)
+        except CheckpointError as exc:
+            warnings.append(f"reading stopped: {exc}")
+        return read, warnings
+    for read_entry in reads(progress=progress):
+        try:
+            for name, item in read_entry():
+                read += 1
+                _check_values(ckpt, name, item, warnings)
+        except CheckpointError as exc:  # a scale or layout fault the reader refuses: this entry only
             read += 1
-            if isinstance(item, torch.Tensor):
-                bad, culprit = nonfinite_count(item), name
-            else:  # a linear in any format: its values as the model would multiply them
-                bad = nonfinite_count(item.tensor if isinstance(item, DenseWeight) else dequantize(item))
-                culprit = culprit_tensor(name, item) if bad else name
-            if bad:
-                warnings.append(f"{bad} NaN or inf value(s) (file {ckpt.file_of(culprit)}, tensor "
-                                f"{ckpt.stored_name(culprit)})")
-    except CheckpointError as exc:  # a scale or layout fault the reader refuses: nothing after it can be read
-        warnings.append(f"reading stopped: {exc}")
+            warnings.append(f"a load refuses it: {exc}")
     return read, warnings
+
+
+def _check_values(ckpt: Checkpoint, name: str, item: object, warnings: list[str]) -> None:
+    """A warning naming the stored tensor where `item` (one weight as read) holds NaN / inf values."""
+    if isinstance(item, torch.Tensor):
+        bad, culprit = nonfinite_count(item), name
+    else:  # a linear in any format: its values as the model would multiply them
+        bad = nonfinite_count(item.tensor if isinstance(item, DenseWeight) else dequantize(item))
+        culprit = culprit_tensor(name, item) if bad else name
+    if bad:
+        warnings.append(f"{bad} NaN or inf value(s) (file {ckpt.file_of(culprit)}, tensor "
+                        f"{ckpt.stored_name(culprit)})")

@@ -51,6 +51,16 @@ class _GenerationBlocks(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# where a model's templates were read from ("file DIR/chat_template.jinja"), by their text: a parse error found when
+# one is first rendered names it (checkpoint readers note it; --chat-template text has none)
+_SOURCES: dict[str, str] = {}
+
+
+def note_source(template: str, source: str) -> None:
+    """Remember that `template` was read from `source` ("file PATH[, metadata KEY]") for its parse errors."""
+    _SOURCES[template] = source
+
+
 @functools.lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -61,11 +71,16 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError(f"chat template does not parse: {exc.message} (line {exc.lineno})") from exc
+        source = _SOURCES.get(template)
+        raise ConfigError(f"chat template does not parse: {exc.message} (line {exc.lineno}"
+                          + (f", {source})" if source else ")")) from exc
 
 
-def check_template(template: str) -> None:
-    """A template that does not parse is a ConfigError naming the line (checked before a model loads)."""
+def check_template(template: str, source: str | None = None) -> None:
+    """A template that does not parse is a ConfigError naming the line, and `source` (or the one noted) where the
+    template was read from (checked before a model loads, and by inspect)."""
+    if source:
+        note_source(template, source)
     _compile(template)
 
 

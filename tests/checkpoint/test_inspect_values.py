@@ -53,10 +53,10 @@ def test_a_quantized_checkpoint_is_read_in_its_format(tmp_path):
     assert read == 15 and len(warnings) == 1 and "tensor model.norm.weight)" in warnings[0], warnings
 
 
-def test_a_scale_the_reader_refuses_stops_the_pass_with_its_words(tmp_path):
+def test_a_scale_the_reader_refuses_is_listed_with_its_words(tmp_path):
     tensors = ct_nvfp4_tensors(dense_state_dict(), linear_modules())
     scale = "model.layers.0.mlp.down_proj.weight_scale"
     tensors[scale] = tensors[scale].view(torch.uint8).clone().fill_(0xFF).view(torch.float8_e4m3fn)  # NaN scales
     path = write_dir(str(tmp_path / "m"), tensors, TINY, CT_NVFP4_CONFIG, tokenizer=True)
     _, warnings = value_warnings(open_checkpoint(path), progress=False)
-    assert len(warnings) == 1 and warnings[0].startswith("reading stopped: ") and "down_proj" in warnings[0], warnings
+    assert len(warnings) == 1 and warnings[0].startswith("a load refuses it: ") and "down_proj" in warnings[0], warnings
