@@ -118,10 +118,13 @@ class SafetensorsIndex:
         """A missing-tensor error with the .safetensors files of the directory the index does not list named (a
         stale or hand-edited index leaves a shard out, and its tensors are not read); `exc` itself where there are
         none, or where it is about something else."""
-        if not self.unlisted or "missing" not in str(exc):
+        if not self.unlisted or not str(exc).startswith(("tensor missing", "tensor listed in the index is missing")):
             return exc
-        names = ", ".join(os.path.basename(f) for f in self.unlisted)
-        which = "which is" if len(self.unlisted) == 1 else "which are"
+        holding = [f for f in self.unlisted if exc.tensor is None or _holds(f, exc.tensor)]
+        if not holding:  # the tensor is in none of them: they are not why it is missing
+            return exc
+        names = ", ".join(os.path.basename(f) for f in holding)
+        which = "which is" if len(holding) == 1 else "which are"
         out = CheckpointError(f"{exc}: the index {INDEX_NAME} does not list {names}, {which} in the directory (its "
                               "tensors are not read: add them to the index's weight_map)")
         out.file, out.tensor = exc.file, exc.tensor
@@ -299,3 +302,12 @@ class ShardWriter:
             with open(os.path.join(self.out_dir, INDEX_NAME), "w", encoding="utf-8") as handle:
                 json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, handle, indent=2)
         return names
+
+
+def _holds(path: str, tensor: str) -> bool:
+    """Whether the safetensors file at `path` stores `tensor` (its header only; an unreadable file: no)."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            return tensor in handle.keys()
+    except (OSError, SafetensorError):
+        return False

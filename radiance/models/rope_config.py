@@ -35,14 +35,16 @@ def read_rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[fl
             raise ConfigError(f"config.json {key} must be an object, got {value!r}")
     if rope is None and scaling is None:
         scaling = defaults.rope_parameters
-    if rope is not None and scaling and not isinstance(rope.get("full_attention"), dict):
+    if _scaling_replaces_parameters(config):
         # both (a rope_scaling added to a transformers 5 config): as transformers' convert_rope_params_to_dict,
-        # rope_scaling replaces rope_parameters, and rope_theta comes from the top level or the default
-        rope = None
+        # rope_scaling replaces rope_parameters; its own rope_theta first, then the top level's, then the default
+        rope = dict(scaling)
     rope = dict(rope or {})
     nested = isinstance(rope.get("full_attention"), dict)
     if nested:  # per layer type (Gemma 3): the full-attention layers' rope
         rope = dict(rope["full_attention"])
+        if scaling and not isinstance(scaling.get("full_attention"), dict):
+            rope.update(scaling)  # a flat rope_scaling beside it: transformers' Gemma 3 merges it into these layers'
     theta = float(positive(rope if rope.get("rope_theta") is not None else config, "rope_theta",
                             defaults.rope_theta))
     rope.pop("rope_theta", None)
@@ -86,11 +88,20 @@ def sliding_rope_theta(hf_config: dict, default: float, legacy_key: str | None =
     return float(theta)
 
 
+def _scaling_replaces_parameters(config: dict) -> bool:
+    """A config with both a flat rope_parameters and a rope_scaling: transformers 5 reads the rope_scaling in its
+    place (a nested, per layer type rope_parameters is not replaced here; transformers' Gemma 3 merges into it)."""
+    rope, scaling = config.get("rope_parameters"), config.get("rope_scaling")
+    return isinstance(rope, dict) and isinstance(scaling, dict) and bool(scaling) \
+        and not isinstance(rope.get("full_attention"), dict)
+
+
 def rotary_dim_of(config: dict, architecture: str, head_dim: int) -> int | None:
     """The dims of each head that rotate when config.json's partial_rotary_factor is below 1 (transformers 5 keeps
     it in rope_parameters, older configs at the top level or in rope_scaling), None when all do."""
     partial = None
-    for source in (config.get("rope_parameters"), config.get("rope_scaling"), config):
+    parameters = None if _scaling_replaces_parameters(config) else config.get("rope_parameters")
+    for source in (parameters, config.get("rope_scaling"), config):
         if isinstance(source, dict) and source.get("partial_rotary_factor") is not None:
             partial = source["partial_rotary_factor"]
             break

@@ -253,8 +253,8 @@ def test_radiance_s_line_walks_the_file_in_order(tmp_path):
         f"question {i}" for i in (3, 4)] + ["a reply"] + [f"question {i}" for i in (6, 7)]
 
 
-def test_a_vllm_run_sends_the_shuffled_prompts_and_reports_the_peaks(monkeypatch, tmp_path):
-    path, rows = _sharegpt(tmp_path)
+def _record_prompts(monkeypatch) -> list[str]:
+    """serve_bench.send_request replaced: each request's prompt recorded, answered ok with one token."""
     sent = []
 
     async def send_request(client, opts, model, spec):
@@ -262,6 +262,12 @@ def test_a_vllm_run_sends_the_shuffled_prompts_and_reports_the_peaks(monkeypatch
         return RequestResult(ok=True, requested_tokens=spec.output_len, output_tokens=1)
 
     monkeypatch.setattr(serve_bench, "send_request", send_request)
+    return sent
+
+
+def test_a_vllm_run_sends_the_shuffled_prompts_and_reports_the_peaks(monkeypatch, tmp_path):
+    path, rows = _sharegpt(tmp_path)
+    sent = _record_prompts(monkeypatch)
     opts = ServeBenchOptions(url="http://x", model=MODEL, concurrency=(4,), num_prompts=4, output_len=2,
                              dataset=str(path), progress=False, warmup=0, seed=3, vllm_form=True)
     result = serve_bench.run_serve_bench(opts)
@@ -276,13 +282,7 @@ def test_a_vllm_line_with_disable_shuffle_keeps_the_file_s_order(monkeypatch, tm
     from radiance.cli import build_parser
 
     path, rows = _sharegpt(tmp_path)
-    sent = []
-
-    async def send_request(client, opts, model, spec):
-        sent.append(spec.prompt)
-        return RequestResult(ok=True, requested_tokens=spec.output_len, output_tokens=1)
-
-    monkeypatch.setattr(serve_bench, "send_request", send_request)
+    sent = _record_prompts(monkeypatch)
     opts = serve_options(build_parser().parse_args(
         ["bench", "serve", "--url", "http://x", "--model", MODEL, "--dataset-path", str(path), "--disable-shuffle",
          "--output-len", "2", "--num-prompts", "7", "--max-concurrency", "1", "--seed", "3", "--warmup", "0"]))

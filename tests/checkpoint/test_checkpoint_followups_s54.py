@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from radiance.checkpoint import open_checkpoint
 from radiance.checkpoint.values import value_warnings
@@ -110,10 +111,15 @@ def test_a_shard_the_index_leaves_out_is_named(tmp_path):
             "the directory") in str(info.value)
 
 
-def test_a_tensor_missing_from_a_complete_index_has_no_such_note(tmp_path):
+@pytest.mark.parametrize("unrelated_file", [False, True])
+def test_a_tensor_missing_from_a_complete_index_has_no_such_note(tmp_path, unrelated_file):
+    """Nor when the directory holds another safetensors file the index does not list but which lacks the tensor too
+    (Mistral's repos ship consolidated.safetensors beside the indexed shards)."""
     tensors = dense_state_dict()
     del tensors["model.norm.weight"]
     path = write_sharded(str(tmp_path / "m"), tensors, TINY)
+    if unrelated_file:
+        save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, os.path.join(path, "consolidated.safetensors"))
     with pytest.raises(CheckpointError, match="tensor missing") as info:
         open_checkpoint(path)
     assert "does not list" not in str(info.value)

@@ -235,3 +235,39 @@ def test_an_unknown_rope_scaling_beside_rope_parameters_is_refused():
                      rope_scaling={"rope_type": "bogus", "factor": 2.0})
     with pytest.raises(ConfigError, match="'bogus' is not supported"):
         resolve_architecture(config)
+
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    # transformers 5 writes both, equal, the base inside only: it stays 500000 (a first fix read 10000)
+    ("llama", {"rope_parameters": _LLAMA31_ROPE, "rope_scaling": _LLAMA31_ROPE}),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+               "rope_scaling": {"rope_type": "default", "rope_theta": 500000.0}}),
+    # Gemma 3: a flat rope_scaling beside per layer type rope_parameters scales the full-attention layers
+    ("gemma3_text", {"head_dim": 16, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+])
+def test_both_rope_keys_give_transformers_base_and_scaling(model_type, extra):
+    arch = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[model_type]
+    config = dict(SMALL, architectures=[arch], model_type=model_type, max_position_embeddings=131072, **extra)
+    cfg = resolve_architecture(config)[1]
+    hf_rope = dict(_transformers_config(config).rope_parameters)
+    hf_rope = hf_rope.get("full_attention", hf_rope)
+    assert cfg.rope_theta == hf_rope["rope_theta"]
+    assert (cfg.rope_scaling or {}).get("rope_type", "default") == hf_rope["rope_type"]
+    assert (cfg.rope_scaling or {}).get("factor") == hf_rope.get("factor")
+
+
+def test_a_partial_rotary_factor_of_replaced_rope_parameters_is_not_read():
+    """transformers drops rope_parameters (its partial_rotary_factor too) when a rope_scaling replaces it."""
+    from radiance.models.rope_config import rotary_dim_of
+
+    config = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+              "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert rotary_dim_of(config, "Phi3ForCausalLM", 16) is None
+    assert rotary_dim_of({"rope_parameters": config["rope_parameters"]}, "Phi3ForCausalLM", 16) == 12
