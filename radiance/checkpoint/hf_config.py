@@ -224,11 +224,16 @@ def chat_templates(model_dir: str) -> dict[str, str]:
     tokenizer_config.json (a string there, or the "default" entry of a list of {name, template}), and named
     ones (tool_use, ...) from that list or from additional_chat_templates/NAME.jinja, where transformers'
     save_pretrained writes them."""
-    templates: dict[str, str] = {}
+    return {name: text for name, (text, _) in chat_template_files(model_dir).items()}
+
+
+def chat_template_files(model_dir: str) -> dict[str, tuple[str, str]]:
+    """chat_templates with the file each was read from: name -> (template, path)."""
+    templates: dict[str, tuple[str, str]] = {}
     jinja = os.path.join(model_dir, "chat_template.jinja")
     if os.path.exists(jinja):
         with open(jinja, encoding="utf-8") as handle:
-            templates["default"] = handle.read()
+            templates["default"] = (handle.read(), jinja)
     for name in ("chat_template.json", "tokenizer_config.json"):
         path = os.path.join(model_dir, name)
         if not os.path.exists(path):
@@ -241,10 +246,10 @@ def chat_templates(model_dir: str) -> dict[str, str]:
                                       "objects with text values", file=path)
             for entry in template:
                 if entry["template"]:
-                    templates.setdefault(entry["name"], entry["template"])
+                    templates.setdefault(entry["name"], (entry["template"], path))
         elif isinstance(template, str):
             if template:
-                templates.setdefault("default", template)
+                templates.setdefault("default", (template, path))
         elif template is not None:  # a number: transformers' tokenizer kept it, and jinja failed on it later
             raise CheckpointError(f"chat_template must be text (a jinja template) or a list of {{name, template}}, "
                                   f"got {type(template).__name__}", file=path)
@@ -252,6 +257,7 @@ def chat_templates(model_dir: str) -> dict[str, str]:
     if os.path.isdir(extra):
         for file in sorted(os.listdir(extra)):
             if file.endswith(".jinja"):
-                with open(os.path.join(extra, file), encoding="utf-8") as handle:
-                    templates.setdefault(file.removesuffix(".jinja"), handle.read())
+                path = os.path.join(extra, file)
+                with open(path, encoding="utf-8") as handle:
+                    templates.setdefault(file.removesuffix(".jinja"), (handle.read(), path))
     return templates

@@ -18,8 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
-from radiance.checkpoint.hf_config import (chat_template, chat_templates, eos_token_ids, expected_shapes,
-                                           language_model, load_config, load_json, modelopt_quant_file,
+from radiance.checkpoint.hf_config import (chat_template_files, eos_token_ids, expected_shapes,
+                                           language_model, load_config, modelopt_quant_file,
                                            quantization_config, tensor_renames)
 from radiance.checkpoint.hf_tokenizer import has_tokenizer_files, load_tokenizer
 from radiance.checkpoint.layout import (FLOAT_DTYPES, check_linear, check_no_stray_tensors, detect_format, read_linear,
@@ -46,21 +46,6 @@ _EXPERT_PROJ = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj$")
 # buffers older exports saved with the weights (transformers < 4.31 Llama: rotary_emb.inv_freq in every layer);
 # radiance computes them from config.json, as transformers and vLLM do when they skip them
 _DERIVED_LEAVES = ("inv_freq", "cos_cached", "sin_cached")
-
-
-def _named_template_files(model_dir: str) -> list[str]:
-    """additional_chat_templates/NAME.jinja, where transformers' save_pretrained writes named templates."""
-    extra = os.path.join(model_dir, "additional_chat_templates")
-    return [os.path.join(extra, f) for f in sorted(os.listdir(extra)) if f.endswith(".jinja")] \
-        if os.path.isdir(extra) else []
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
-    except (OSError, UnicodeDecodeError):
-        return None
 
 
 def _is_derived_buffer(module: str, leafname: str) -> bool:
@@ -440,38 +425,22 @@ class HfCheckpoint(Checkpoint):
 
     @property
     def chat_template(self) -> str | None:
-        template = chat_template(self.path)
-        if template:
-            self._note_template_source(template)
-        return template
+        templates = self.chat_templates
+        return templates.get("default") or next(iter(templates.values()), None)
 
     @property
     def chat_templates(self) -> dict[str, str]:
-        templates = chat_templates(self.path)
-        for template in templates.values():
-            self._note_template_source(template)
-        return templates
-
-    def template_source(self, template: str) -> str:
-        """Where `template` (one of chat_templates) was read from: "file PATH" of chat_template.jinja,
-        chat_template.json, tokenizer_config.json or additional_chat_templates/NAME.jinja; the directory if none
-        holds it as it is."""
-        for path in [os.path.join(self.path, "chat_template.jinja")] + _named_template_files(self.path):
-            if os.path.exists(path) and _read_text(path) == template:
-                return f"file {path}"
-        for name in ("chat_template.json", "tokenizer_config.json"):
-            path = os.path.join(self.path, name)
-            held = load_json(path, name).get("chat_template") if os.path.exists(path) else None
-            if held == template or (isinstance(held, list) and any(isinstance(t, dict) and t.get("template") ==
-                                                                   template for t in held)):
-                return f"file {path}"
-        return f"file {self.path}"
-
-    def _note_template_source(self, template: str) -> None:
-        """A parse error of the template, met when it is first rendered (generate, serve), names its file."""
         from radiance.server.chat_template import note_source
 
-        note_source(template, self.template_source(template))
+        files = chat_template_files(self.path)
+        for text, path in files.values():  # a parse error, met when first rendered (generate, serve), names its file
+            note_source(text, f"file {path}")
+        return {name: text for name, (text, _) in files.items()}
+
+    def template_source(self, template: str) -> str:
+        """Where `template` (one of chat_templates) was read from: "file PATH"."""
+        return next((f"file {path}" for text, path in chat_template_files(self.path).values() if text == template),
+                    f"file {self.path}")
 
     @property
     def eos_token_ids(self) -> list[int]:
