@@ -43,16 +43,15 @@ def random_prompts(n: int, input_len: int, output_len: int, seed: int) -> list[P
 
 
 def load_dataset(path: str, output_len: int, shuffle_seed: int | None = None,
-                 vllm: bool | None = None) -> list[PromptSpec]:
+                 vllm: bool = False) -> list[PromptSpec]:
     """A JSON array (ShareGPT's {"conversations": [...]} or {"prompt", "output_len"?} objects), JSONL lines
     {"prompt": str, "output_len": int?} or plain text lines (one prompt each), in the file's order.
 
-    `vllm` (a vLLM line; by default whenever there is a `shuffle_seed`), as vLLM's ShareGPT loader: conversations of
+    `vllm` (a vLLM line), as vLLM's ShareGPT loader: conversations of
     fewer than two turns dropped, the rows shuffled with `shuffle_seed` as `random.seed(seed); random.shuffle(rows)`
     does (None: kept in the file's order, vLLM's --disable-shuffle), and a conversation's first two turns taken as
     prompt and reply whoever speaks them; so the same file and --seed send vLLM's prompts."""
     rows = _dataset_rows(path, output_len)
-    vllm = shuffle_seed is not None if vllm is None else vllm
     if vllm:
         rows = [(row, where) for row, where in rows if not _short_conversation(row)]
         if shuffle_seed is not None:

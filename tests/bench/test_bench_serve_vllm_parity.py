@@ -241,7 +241,7 @@ def _vllm_order(rows, seed):
 @pytest.mark.parametrize("seed", [0, 1, 7])
 def test_a_vllm_line_samples_sharegpt_as_vllm_does(tmp_path, seed):
     path, rows = _sharegpt(tmp_path)
-    specs = serve_prompts.load_dataset(str(path), 128, shuffle_seed=seed)
+    specs = serve_prompts.load_dataset(str(path), 128, shuffle_seed=seed, vllm=True)
     assert [(s.prompt, s.reply) for s in specs] == _vllm_order(rows, seed)
 
 
