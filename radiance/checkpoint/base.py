@@ -100,6 +100,10 @@ class Checkpoint(ABC):
         """Every chat template by name ("default", and named ones such as "tool_use" where the model ships them)."""
         return {"default": self.chat_template} if self.chat_template else {}
 
+    def template_source(self, template: str) -> str:
+        """Where `template` (one of chat_templates) was read from, for its parse errors: "file PATH[, metadata KEY]"."""
+        return f"file {self.path}"
+
     @property
     @abstractmethod
     def eos_token_ids(self) -> list[int]:

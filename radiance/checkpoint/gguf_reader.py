@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 import gguf
 import numpy as np
@@ -405,17 +405,26 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         return self._rows_unpermuted(gguf_name, values) if unpermute else values
 
     def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, object]]:
+        for read in self.weight_reads(progress):
+            yield from read()
+
+    def weight_reads(self, progress: bool = True) -> Iterator[Callable[[], Iterator[tuple[str, object]]]]:
+        """iter_weights one entry (a canonical tensor, from its GGUF parts) at a time, as HfCheckpoint.weight_reads:
+        a tensor the reader refuses (malformed, a type gguf cannot dequantize) leaves the rest readable."""
         plan = self._plan()
         for canonical, parts in tqdm(plan.items(), desc=f"reading {os.path.basename(self.path)}", unit="tensor",
                                      disable=not progress, leave=False):
-            if canonical.endswith(_PLAIN_LEAVES):
-                tensors = [self._dequantize(parts[i]) for i in sorted(parts)]
-                shift = ARCHITECTURES[self.arch].norm_shift if self.arch in ARCHITECTURES else 0.0
-                if shift and canonical.endswith("norm.weight"):  # llama.cpp stored Gemma's 1 + weight
-                    tensors = [t - shift for t in tensors]
-                yield canonical, torch.cat(tensors) if len(tensors) > 1 else tensors[0]
-                continue
-            weights = [self._linear(parts[i]) for i in sorted(parts)]
-            if len({w.format for w in weights}) > 1:  # a merged linear of mixed GGUF types: serve it in float32
-                weights = [DenseWeight(dequantize(w)) for w in weights]
-            yield canonical, weights[0] if len(weights) == 1 else concat_partitions(weights)
+            yield functools.partial(self._read_entry, canonical, parts)
+
+    def _read_entry(self, canonical: str, parts: dict) -> Iterator[tuple[str, object]]:
+        if canonical.endswith(_PLAIN_LEAVES):
+            tensors = [self._dequantize(parts[i]) for i in sorted(parts)]
+            shift = ARCHITECTURES[self.arch].norm_shift if self.arch in ARCHITECTURES else 0.0
+            if shift and canonical.endswith("norm.weight"):  # llama.cpp stored Gemma's 1 + weight
+                tensors = [t - shift for t in tensors]
+            yield canonical, torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+            return
+        weights = [self._linear(parts[i]) for i in sorted(parts)]
+        if len({w.format for w in weights}) > 1:  # a merged linear of mixed GGUF types: serve it in float32
+            weights = [DenseWeight(dequantize(w)) for w in weights]
+        yield canonical, weights[0] if len(weights) == 1 else concat_partitions(weights)

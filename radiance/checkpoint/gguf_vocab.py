@@ -101,7 +101,20 @@ class GgufVocabulary:
         named = {key[len(prefix) + 1:]: value for key, value in self.file.metadata.items()
                  if key.startswith(prefix + ".") and value}
         default = self._field("tokenizer.chat_template")
-        return {"default": default, **named} if default else named
+        templates = {"default": default, **named} if default else named
+        from radiance.server.chat_template import note_source
+
+        for name, text in templates.items():  # a parse error, met when first rendered (generate, serve), names its key
+            note_source(text, self._template_key_source(name))
+        return templates
+
+    def template_source(self, template: str) -> str:
+        """Where `template` (one of chat_templates) was read from: "file PATH, metadata KEY"."""
+        name = next((name for name, text in self.chat_templates.items() if text == template), "default")
+        return self._template_key_source(name)
+
+    def _template_key_source(self, name: str) -> str:
+        return f"file {self.path}, metadata tokenizer.chat_template" + ("" if name == "default" else f".{name}")
 
     @property
     def chat_template(self) -> str | None:

@@ -180,13 +180,8 @@ def _template_warnings(ckpt: Checkpoint) -> list[str]:
 
     out = []
     for name, template in ckpt.chat_templates.items():
-        if hasattr(ckpt, "template_source"):  # a model directory: the file holding it
-            source = ckpt.template_source(template)
-        else:  # a GGUF: its metadata key
-            key = "tokenizer.chat_template" + ("" if name == "default" else f".{name}")
-            source = f"file {ckpt.path}, metadata {key}"
         try:
-            check_template(template, source)
+            check_template(template, ckpt.template_source(template))
         except ConfigError as exc:
             out.append(str(exc) if name == "default" else f"{exc} (the {name!r} template)")
     return out

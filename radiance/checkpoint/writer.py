@@ -202,13 +202,25 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
     if config.quantize_lm_head:
         out_config["tie_word_embeddings"] = False
     ignore = kept_dense if ("lm_head" in kept_dense or config.quantize_lm_head) else ["lm_head"] + kept_dense
-    out_config["quantization_config"] = quantization_config_for(config.format, ignore, config.rule)
+    out_config["quantization_config"] = quantization_config_for(config.format, ignore, _rule_applied(ckpt, config, report))
     _copy_side_files(ckpt, dst, tokenizer)
     # config.json last: its presence marks a complete conversion
     with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as handle:
         json.dump(out_config, handle, indent=2)
     logger.info("wrote %s (%d file(s), %.1f MiB)", dst, len(files), writer.total_bytes / 2**20)
     return report
+
+
+def _rule_applied(ckpt: Checkpoint, config: ConvertConfig, report: RequantReport) -> str | None:
+    """The MXFP4 rule to record as provenance: this conversion's when it requantized a linear to MXFP4; else the
+    source's own record (its MXFP4 linears were copied as they were, so --rule did nothing: said when one was given)."""
+    if any(entry.target_format == "mxfp4" for entry in report.entries):
+        return config.rule
+    source = ((ckpt.config.get("quantization_config") or {}).get("radiance") or {}).get("mxfp4_rule")
+    if config.format == "mxfp4" and config.rule != ConvertConfig.rule:
+        logger.warning("--rule %s did nothing: every quantized linear of %s already was MXFP4 and was copied as it "
+                       "was%s", config.rule, ckpt.path, f" (converted with rule {source})" if source else "")
+    return source
 
 
 def _write_weights(ckpt: Checkpoint, writer: ShardWriter, config: ConvertConfig, report: RequantReport, dense_dtype,

@@ -86,7 +86,8 @@ def run(args) -> int:
     # after the options' checks: a bad one must not wait for stdin
     prompt_text = read_prompt(args.prompt)
     check_utf8(prompt_text, "the prompt")
-    llm = LLM.from_engine_config(config, progress=not args.no_progress)
+    checkpoint = _open_with_a_template_that_parses(config, use_template=args.chat is not False)
+    llm = LLM.from_engine_config(config, checkpoint=checkpoint, progress=not args.no_progress)
     has_template = bool(llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None))
     if args.chat and not has_template:  # was ignored: the raw prompt went in without a word
         raise ConfigError("--chat: the model has no chat template (--no-chat sends the prompt as raw text)")
@@ -100,6 +101,19 @@ def run(args) -> int:
         prompt = prompt_text
     _stream(llm, prompt, params)
     return 0
+
+
+def _open_with_a_template_that_parses(config, use_template: bool):
+    """The checkpoint opened (headers) and, in chat mode, its chat template compiled: one that does not parse is
+    refused, naming its file, before the weights load (minutes on a large model), not after."""
+    from radiance.engine.loader import open_for_loading
+    from radiance.server.chat_template import check_template
+
+    checkpoint, _, _ = open_for_loading(config.model, config.cache)
+    template = checkpoint.chat_template if use_template else None
+    if template:
+        check_template(template, checkpoint.template_source(template))
+    return checkpoint
 
 
 def sampling_params_from_args(args):

@@ -75,6 +75,19 @@ def _check_before_loading(engine_config, server_config: ServerConfig) -> None:
     _check_tls(server_config)
 
 
+def _warn_of_templates_that_do_not_parse(checkpoint) -> None:
+    """The model's own templates are compiled before it loads: one that does not parse is said once at startup,
+    naming its file (chat requests then fail with the same words; completions still serve)."""
+    from radiance.server.chat_template import check_template
+
+    for name, template in checkpoint.chat_templates.items():
+        try:
+            check_template(template, checkpoint.template_source(template))
+        except ConfigError as exc:
+            which = "" if name == "default" else f" ({name!r} template)"
+            logger.warning("%s%s: chat requests using it will fail (--chat-template gives another)", exc, which)
+
+
 def _check_tls(server_config: ServerConfig) -> None:
     """The key and certificate load (uvicorn would fail on them only at startup, with a traceback)."""
     if server_config.ssl_certfile is None:
@@ -203,6 +216,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config, server_config = configs_from_args(args)
     # before the port is bound: a missing or unsupported model, or a --max-model-len past its context, is one line
     checkpoint, _, _ = open_for_loading(engine_config.model, engine_config.cache)
+    if server_config.chat_template is None:
+        _warn_of_templates_that_do_not_parse(checkpoint)
     sock = listening_socket(server_config.host, server_config.port)
 
     def make_engine():

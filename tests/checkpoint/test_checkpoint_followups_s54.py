@@ -1,10 +1,12 @@
 """Session 54 audit follow-ups: `inspect --values` lists every refused scale (it stopped at the first), a chat
 template that does not parse is an inspect warning and its parse error names the file holding it, and a tensor
-"missing" from a sharded checkpoint names the shard its index leaves out."""
+"missing" from a sharded checkpoint names the shard its index leaves out. Fifty-fifth session: a GGUF's broken template
+is named by generate too, generate refuses one before the weights load, and serve says so at startup."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -14,7 +16,7 @@ from safetensors.torch import save_file
 from radiance.checkpoint import open_checkpoint
 from radiance.checkpoint.values import value_warnings
 from radiance.cli import main
-from radiance.errors import CheckpointError
+from radiance.errors import CheckpointError, ConfigError
 from tests.checkpoint.factory import (CT_NVFP4_CONFIG, TINY, ct_nvfp4_tensors, dense_state_dict, linear_modules,
                                       write_dir, write_sharded)
 from tests.checkpoint.test_broken_values import _one_error_line
@@ -123,3 +125,52 @@ def test_a_tensor_missing_from_a_complete_index_has_no_such_note(tmp_path, unrel
     with pytest.raises(CheckpointError, match="tensor missing") as info:
         open_checkpoint(path)
     assert "does not list" not in str(info.value)
+
+
+def test_generate_names_the_gguf_file_and_key_of_a_template_that_does_not_parse(tmp_path, capsys):
+    """Was: "chat template does not parse: ... (line 1)": only inspect named a GGUF's metadata key (fifty-fifth
+    session)."""
+    path = str(write_gguf(tmp_path / "m.gguf", metadata={**spm_tokenizer(), **named_templates(default=BROKEN)}))
+    assert main(["generate", "w3 w4", "--model", path, "--device", "cpu", "--no-progress", "--max-tokens", "2"]) == 2
+    err = _one_error_line(capsys, "generate")
+    assert "chat template does not parse" in err and f"file {path}, metadata tokenizer.chat_template)" in err, err
+
+
+@pytest.mark.parametrize("form", ["directory", "gguf"])
+def test_generate_refuses_a_template_that_does_not_parse_before_loading_weights(tmp_path, capsys, monkeypatch, form):
+    """Was: found at the first render, after the weights loaded (minutes on a large model); --no-chat still runs."""
+    from radiance.engine import llm_engine
+
+    if form == "gguf":
+        path = str(write_gguf(tmp_path / "m.gguf", metadata={**spm_tokenizer(), **named_templates(default=BROKEN)}))
+    else:
+        path, _ = _with_template(tmp_path, "chat_template.jinja")
+    loads = []
+    real_load = llm_engine.load_model
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    assert main(["generate", "w3 w4", "--model", path, "--device", "cpu", "--no-progress", "--max-tokens", "2"]) == 2
+    assert "chat template does not parse" in _one_error_line(capsys, "generate") and loads == []
+    assert main(["generate", "w3 w4", "--model", path, "--device", "cpu", "--no-progress", "--max-tokens", "2",
+                 "--no-chat"]) == 0
+    assert loads == [1]
+
+
+def test_serve_says_at_startup_that_the_model_template_does_not_parse(tmp_path, caplog, monkeypatch):
+    """Before the model loads, naming the file (chat requests fail with the same words; completions still serve);
+    a --chat-template given replaces the model's, so then nothing is said."""
+    from radiance.server import cli as serve_cli
+
+    path, file = _with_template(tmp_path, "chat_template.jinja")
+
+    def stop(*args, **kwargs):  # the port would be bound next: the startup checks are done
+        raise ConfigError("stopped before binding")
+
+    monkeypatch.setattr(serve_cli, "listening_socket", stop)
+    with caplog.at_level(logging.WARNING, logger="radiance.server.cli"):
+        assert main(["serve", path, "--device", "cpu"]) == 2
+    assert "chat template does not parse" in caplog.text and f"file {file})" in caplog.text
+    assert "chat requests using it will fail" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="radiance.server.cli"):
+        assert main(["serve", path, "--device", "cpu", "--chat-template", "{{ messages[0]['content'] }}"]) == 2
+    assert "does not parse" not in caplog.text

@@ -60,3 +60,23 @@ def test_a_scale_the_reader_refuses_is_listed_with_its_words(tmp_path):
     path = write_dir(str(tmp_path / "m"), tensors, TINY, CT_NVFP4_CONFIG, tokenizer=True)
     _, warnings = value_warnings(open_checkpoint(path), progress=False)
     assert len(warnings) == 1 and warnings[0].startswith("a load refuses it: ") and "down_proj" in warnings[0], warnings
+
+
+def test_a_gguf_is_read_entry_by_entry_past_a_refused_tensor(tmp_path):
+    """A GGUF tensor the reader refuses (malformed blocks) is listed and the pass reads on to the end (it stopped at the
+    first, so later faults went unnamed)."""
+    import gguf
+
+    from tests.checkpoint.test_gguf_metadata import write_gguf
+
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    path = tmp_path / "m.gguf"
+    write_gguf(path, types={"blk.0.ffn_down.weight": q4, "blk.0.attn_v.weight": q4}, nan_in="blk.0.ffn_norm.weight")
+    ckpt = open_checkpoint(str(path))
+    for name in ("blk.0.ffn_down.weight", "blk.0.attn_v.weight"):  # truncated blocks, past the header checks
+        ckpt.tensors[name] = ckpt.tensors[name]._replace(data=ckpt.tensors[name].data[:, :10])
+    read, warnings = value_warnings(ckpt, progress=False)
+    assert read == len(list(ckpt._plan()))
+    refused = sorted(w.split("tensor ")[-1] for w in warnings if w.startswith("a load refuses it: malformed Q4_0"))
+    assert refused == ["blk.0.attn_v.weight)", "blk.0.ffn_down.weight)"], warnings
+    assert any("NaN" in w and "blk.0.ffn_norm.weight" in w for w in warnings), warnings
