@@ -2,7 +2,9 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["CompletionOutput", "GenerationOutput", "LLM", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "GenerationOutput",
+           "LLM", "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]
 
 # LLM.generate's output classes under vLLM's names too (`from vllm import RequestOutput, CompletionOutput`;
 # vLLM's Logprob lives in vllm.logprobs)
@@ -14,9 +16,15 @@ def __getattr__(name):  # lazy: `import radiance` stays cheap (no torch import f
     if name == "LLM":
         from radiance.engine.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from radiance.engine.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"):
+        from radiance.engine import beam_search
+        return getattr(beam_search, name)
+    if name in ("SamplingParams", "RequestOutputKind"):
+        from radiance.engine import sampling_params
+        return getattr(sampling_params, name)
+    if name == "StructuredOutputsParams":  # vLLM's name of the structured-output constraint
+        from radiance.engine.structured_output import StructuredOutput
+        return StructuredOutput
     if name in _OUTPUT_CLASSES:
         from radiance.engine import outputs
         return getattr(outputs, _OUTPUT_CLASSES[name])

@@ -34,6 +34,38 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+_PLAIN_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
+                "str": (str, "a string")}
+
+
+def _check_types(config) -> None:
+    """Each field holds a value of its annotated type (from Python a string for an int was a TypeError deep in a
+    comparison, or passed unseen); a list for a tuple field becomes the tuple. Annotations are strings here
+    (`from __future__ import annotations`): int, float, bool, str, tuple[T, ...], a config class, each `| None`."""
+    for f in dataclasses.fields(config):
+        value, kinds = getattr(config, f.name), f.type.split(" | ")
+        if value is None and "None" in kinds:
+            continue
+        kind = next(k for k in kinds if k != "None")
+        if kind.startswith("tuple["):
+            inner_type, inner_words = _PLAIN_TYPES[kind[len("tuple["):-len(", ...]")]]
+            ok = isinstance(value, (tuple, list)) and all(
+                isinstance(v, inner_type) and not _bool_for_number(v, inner_type) for v in value)
+            _check(ok, f"{f.name} must be a tuple of values each {inner_words}, got {value!r}")
+            object.__setattr__(config, f.name, tuple(value))
+        elif kind in _PLAIN_TYPES:
+            wanted, words = _PLAIN_TYPES[kind]
+            _check(isinstance(value, wanted) and not _bool_for_number(value, wanted),
+                   f"{f.name} must be {words}{' or None' if 'None' in kinds else ''}, got {value!r}")
+        else:  # a nested config: EngineConfig's parts
+            _check(type(value).__name__ == kind, f"{f.name} must be a {kind}, got {value!r}")
+
+
+def _bool_for_number(value, wanted) -> bool:
+    """True and False are ints to Python, not counts or fractions to a config."""
+    return isinstance(value, bool) and wanted is not bool
+
+
 SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.long's, as the server's request `seed` (and vLLM's) takes
 
 
@@ -69,6 +101,7 @@ class ModelConfig:
     seed: int = 0  # seed of the torch RNG (random weights, sampling without a per-request seed): a 64-bit signed integer, as a request's seed; a negative one is a seed of its own (torch takes -1 as 2**64 - 1)
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _check(self.rule in MODEL_RULES, f"rule must be one of {MODEL_RULES}, got {self.rule!r}")
         _check(self.rule != "none" or self.quantization == "nvfp4",
@@ -107,6 +140,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype; float32 on CPU) | fp8 (e4m3, scale 1: half a 16-bit cache's bytes)
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                f"block_size must be a power of two, got {self.block_size!r}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
@@ -127,6 +161,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True  # split long prompts across steps so decodes keep running
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs!r}")
         _check(self.max_num_batched_tokens > 0,
                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens!r}")
@@ -150,6 +185,7 @@ class KernelConfig:
     cpu_int4: bool = True  # 4-bit GGUF linears (Q4_0/Q4_1/Q4_K) on a CPU run torch's int4 kernel from their codes (bf16 activations); False: dequantized to the model dtype
 
     def __post_init__(self):
+        _check_types(self)
         _check(1 <= self.decode_band <= 256, f"decode_band must be in [1, 256], got {self.decode_band!r}")
         _check(self.activations in ACTIVATIONS, f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         _check(self.numerics_check_every > 0,
@@ -199,10 +235,12 @@ class RunnerConfig:
     overlap_decode: bool | None = None
 
     def __post_init__(self):
-        _check(self.cuda_graph_max_batch > 0,
-               f"cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch!r}")
+        # the token counts first: their own message says what they are
         _check_token_counts(self.prefill_graph_tokens, "prefill_graph_tokens", "prefill")
         _check_token_counts(self.piecewise_graph_tokens, "piecewise_graph_tokens", "piecewise")
+        _check_types(self)
+        _check(self.cuda_graph_max_batch > 0,
+               f"cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch!r}")
 
     def prefill_graph_buckets(self, sparse_moe: bool) -> tuple[int, ...]:
         """The prefill graph buckets for a model (with or without sparse MoE layers)."""
@@ -229,6 +267,7 @@ class SpeculativeConfig:
     ngram_min: int = 2  # shortest suffix n-gram that may match
 
     def __post_init__(self):
+        _check_types(self)
         _check(0 <= self.ngram_draft_tokens <= 32,
                f"ngram_draft_tokens must be in [0, 32], got {self.ngram_draft_tokens!r}")
         _check(1 <= self.ngram_min <= self.ngram_max,
@@ -244,6 +283,9 @@ class EngineConfig:
     kernel: KernelConfig = field(default_factory=KernelConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self):
+        _check_types(self)
 
     @classmethod
     def from_flat(cls, **kwargs) -> "EngineConfig":
@@ -319,6 +361,7 @@ class ServerConfig:
     ssl_certfile: str | None = None  # serve HTTPS: the certificate chain (PEM) of ssl_keyfile
 
     def __post_init__(self):
+        _check_types(self)
         # an empty host (an unset shell variable) would listen on every interface
         _check(self.host.strip() != "",
                f"host must be non-empty (0.0.0.0 listens on every interface), got {self.host!r}")
@@ -400,6 +443,7 @@ class ConvertConfig:
     chunk_rows: int | None = None  # rows per requant chunk (bounds the fp32 transient); default: automatic
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.format in CONVERT_FORMATS, f"format must be one of {CONVERT_FORMATS}, got {self.format!r}")
         _check(self.rule in RULES, f"rule must be one of {RULES}, got {self.rule!r}")
         _check(self.dense_dtype in DENSE_DTYPES, f"dense_dtype must be one of {DENSE_DTYPES}, got {self.dense_dtype!r}")

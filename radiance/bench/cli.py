@@ -312,12 +312,14 @@ def _add_eval_mode(sub, mode: str) -> None:
     p.add_argument("model", nargs="?",
                    help="HF directory, GGUF file or Hugging Face Hub id (default: the embedded SmolLM2)")
     defaults = _eval_defaults(mode)
-    p.add_argument("--quantization", choices=("none", "mxfp4", "nvfp4"), default=defaults["quantization"],
+    p.add_argument("--quantization", action=_Typed, choices=("none", "mxfp4", "nvfp4"),
+                   default=defaults["quantization"],
                    help="nvfp4: quantize to NVFP4, then serve as the engine would (requantized with --rule) "
                         f"(default: {defaults['quantization']})")
-    p.add_argument("--rule", choices=MODEL_RULES, default=defaults["rule"],
+    p.add_argument("--rule", action=_Typed, choices=MODEL_RULES, default=defaults["rule"],
                    help="block-exponent rule of the conversion to MXFP4; none (with nvfp4): NVFP4 as W4A16 (default: mse)")
-    p.add_argument("--activations", choices=("fp8", "bf16"), default=defaults["activations"], help="fp8 = W4A8, bf16 = W4A16 (default: fp8)")
+    p.add_argument("--activations", action=_Typed, choices=("fp8", "bf16"), default=defaults["activations"],
+                   help="fp8 = W4A8, bf16 = W4A16 (default: fp8)")
     p.add_argument("--variants", nargs="+", metavar="QUANT[/RULE[/ACT]][+head|+head2][+fp8kv]",
                    help="several configurations in one pass over the text (one reference pass for kl), "
                         "e.g. mxfp4/mse/fp8 mxfp4/mse/bf16 nvfp4/none mxfp4/mse/fp8+head (+head: the lm_head "
@@ -332,7 +334,17 @@ def _add_eval_mode(sub, mode: str) -> None:
                    help="16-bit path dtype; vLLM's half, float and auto are taken too (default: auto, the "
                         "engine's: bfloat16 on CUDA, float32 on a CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run_eval_command, eval_mode=mode)
+    p.set_defaults(func=run_eval_command, eval_mode=mode, typed=())
+
+
+class _Typed(argparse.Action):
+    """Stores the value and notes that it was typed: `--rule mse` (the default) given beside --variants, or with
+    --quantization none, is as unused as `--rule ocp`, and was let through when only a value unlike the default
+    counted as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.typed = {*getattr(namespace, "typed", ()), self.dest}
 
 
 def _eval_defaults(mode: str) -> dict[str, str]:
@@ -341,8 +353,8 @@ def _eval_defaults(mode: str) -> dict[str, str]:
 
 def _check_variants_alone(args) -> None:
     """--variants replaces --quantization / --rule / --activations: one given beside it did nothing, silently."""
-    for name, default in _eval_defaults(args.eval_mode).items():
-        if getattr(args, name) != default:
+    for name in _eval_defaults(args.eval_mode):
+        if name in getattr(args, "typed", ()):
             raise ConfigError(f"--{name} {getattr(args, name)} is left unused beside --variants, which names each "
                               f"configuration in full (e.g. nvfp4/none): give one or the other")
 
@@ -357,9 +369,8 @@ def run_eval_command(args) -> int:
         variants = tuple(quality.Variant.parse(v) for v in args.variants)
     else:
         variant = quality.Variant(args.quantization, args.rule, args.activations)
-        defaults = _eval_defaults(args.eval_mode)
-        unused = variant.unused_parts(rule_given=args.rule != defaults["rule"],
-                                      activations_given=args.activations != defaults["activations"])
+        typed = getattr(args, "typed", ())
+        unused = variant.unused_parts(rule_given="rule" in typed, activations_given="activations" in typed)
         if unused:
             raise ConfigError(f"--quantization {args.quantization} --rule {args.rule} --activations "
                               f"{args.activations}: {unused}")
@@ -369,7 +380,8 @@ def run_eval_command(args) -> int:
     progress = not args.no_progress
     # its errors name the request's fields (chunk_len), which are flags here
     with errors_in_flag_words({}, fields=("chunk_len", "first_chunk")):
-        result = quality.run_eval(req, partial(load_eval_model, progress=progress), progress=progress)
+        result = quality.run_eval(req, partial(load_eval_model, progress=progress), progress=progress,
+                                  tokenizer_loader=quality.load_eval_tokenizer)
     if args.json:
         print(to_json(result))
         return 0
@@ -377,7 +389,7 @@ def run_eval_command(args) -> int:
     print(f"{result['model']}: {chunks} of {result['chunk_len']} tokens "
           f"({result['tokens']} scored) from {result['text']}, {result['seconds']:.0f} s")
     if "reference_ppl" in result:
-        print(f"reference (16-bit) perplexity: {result['reference_ppl']:.4f}")
+        print(f"reference ({result['dtype'] or '16-bit'}) perplexity: {result['reference_ppl']:.4f}")
     if args.eval_mode == "kl":
         headers = ("configuration", "ppl", "KL mean", "KL p99", "top-1 agree")
         rows = [(r["label"], r["ppl"], r["kl"], r["kl_p99"], r["top1_agreement"]) for r in result["results"]]

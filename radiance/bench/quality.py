@@ -98,6 +98,22 @@ class Variant:
             raise ConfigError(f"variant {spec!r}: {unused}")
         return variant
 
+    def applied(self) -> dict:
+        """The knobs as --json reports them: None for a part this variant does not use (unused_parts), not the
+        default it was never served with (the 16-bit model's "mse" rule and "fp8" activations)."""
+        out = asdict(self)
+        if self.unused_parts(rule_given=True, activations_given=False):
+            out["rule"] = None
+        if self.unused_parts(rule_given=False, activations_given=True):
+            out["activations"] = None
+        return out
+
+    def label_in(self, dtype: str | None) -> str:
+        """The label, the unquantized model named by the dtype it ran in (a CPU runs it in float32, not 16-bit)."""
+        if self.quantization != "none" or not dtype:
+            return self.label
+        return dtype + self.label.removeprefix("16-bit")
+
     def unused_parts(self, rule_given: bool, activations_given: bool) -> str | None:
         """Why a rule or activations given would change nothing, or None."""
         if self.quantization == "none" and (rule_given or activations_given):
@@ -265,9 +281,11 @@ class EvalRequest:
     first_chunk: int = 0
 
 
-def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
+def run_eval(req: EvalRequest, loader, progress: bool = True, tokenizer_loader=None) -> dict:
     """Load the reference (for kl) and every variant with `loader(model, variant, device, dtype)`,
-    which returns (model with forward_logits, tokenizer), then score them on the same chunks."""
+    which returns (model with forward_logits, tokenizer), then score them on the same chunks. With
+    `tokenizer_loader(model, device)` the text is tokenized and chunked before any model loads, so a text too short
+    for the chunks asked is an error in seconds, not after minutes of loading and quantizing."""
     if req.mode not in ("ppl", "kl"):
         raise ConfigError(f"eval mode must be ppl or kl, got {req.mode!r}")
     if not req.variants or len({v.label for v in req.variants}) != len(req.variants):
@@ -279,6 +297,9 @@ def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
     check_chunking(req.chunks, req.chunk_len, req.first_chunk)
     text = read_text(req.text)
     start = time.perf_counter()
+    chunks = None
+    if tokenizer_loader is not None:
+        chunks = _chunked(tokenizer_loader(req.model, req.device), text, req)
     models, tokenizer = {}, None
     reference = None
     if req.mode == "kl":
@@ -288,22 +309,50 @@ def run_eval(req: EvalRequest, loader, progress: bool = True) -> dict:
         models[variant.label], tok = loader(req.model, variant, req.device, req.dtype)
         check_context(models[variant.label], req.chunk_len)
         tokenizer = tokenizer or tok
-    ids = tokenize_text(tokenizer, text, (req.first_chunk + req.chunks) * req.chunk_len)
-    chunks = chunk_token_ids(ids, req.chunks, req.chunk_len, req.first_chunk)
-    device = next(_model_device(m) for m in [*models.values(), reference] if m is not None)
+    if chunks is None:
+        chunks = _chunked(tokenizer, text, req)
+    loaded = [reference, *models.values()]
+    device = next(_model_device(m) for m in loaded if m is not None)
+    dtype = next((d for d in map(_model_dtype, loaded) if d is not None), None)
     scores = evaluate(chunks, models, reference, device=device, progress=progress)
     results = []
     for variant in req.variants:
-        row = {**asdict(variant), "label": variant.label, **scores[variant.label]}
+        row = {**variant.applied(), "label": variant.label_in(dtype), **scores[variant.label]}
         results.append(row)
     out = {"mode": req.mode, "model": req.model or "embedded SmolLM2", "text": req.text,
            "chunks": int(chunks.shape[0]), "first_chunk": req.first_chunk, "chunk_len": req.chunk_len, "tokens": results[0]["tokens"],
-           "seconds": time.perf_counter() - start, "results": results}
+           "dtype": dtype, "device": str(device), "seconds": time.perf_counter() - start, "results": results}
     if "reference" in scores:
         out["reference_ppl"] = scores["reference"]["ppl"]
     # the first variant's numbers at the top level: `--json | jq .ppl` works for the single case
     out.update({k: results[0][k] for k in ("ppl", "kl", "kl_p99", "top1_agreement") if k in results[0]})
     return out
+
+
+def _chunked(tokenizer, text: str, req: EvalRequest) -> torch.Tensor:
+    ids = tokenize_text(tokenizer, text, (req.first_chunk + req.chunks) * req.chunk_len)
+    return chunk_token_ids(ids, req.chunks, req.chunk_len, req.first_chunk)
+
+
+def load_eval_tokenizer(model: str | None, device: str | None):
+    """The checkpoint's tokenizer alone: its headers and vocabulary read, no weights (run_eval's tokenizer_loader)."""
+    from radiance.bench.synthetic import is_synthetic
+    from radiance.checkpoint import open_checkpoint
+    from radiance.engine.devices import resolve_device
+
+    resolve_device(device)  # a bad --device is still the first error, as when the model loaded first
+    if is_synthetic(model):
+        raise ConfigError("synthetic models have no tokenizer; evaluate a real checkpoint (or omit MODEL)")
+    return open_checkpoint(model).tokenizer()
+
+
+def _model_dtype(model) -> str | None:
+    """The dtype the 16-bit parts ran in ("float32" on a CPU by default), read off the loaded model."""
+    sizes = {}  # most of the 16-bit elements: the embedding's and norms' dtype, not a float32 scale's
+    for p in model.parameters() if isinstance(model, torch.nn.Module) else ():
+        if p.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return str(max(sizes, key=sizes.get)).removeprefix("torch.") if sizes else None
 
 
 def _model_device(model) -> torch.device:

@@ -80,7 +80,18 @@ def open_checkpoint(path: str | None = None) -> Checkpoint:
     if path.endswith(".safetensors"):  # a model's weights, read with the config.json beside them
         raise CheckpointError("a .safetensors file alone is no model: give the directory holding it and its "
                               "config.json", file=path)
+    name, folder = os.path.basename(path), os.path.dirname(path) or "."
+    if (name in _MODEL_FOLDER_FILES or name.endswith(".index.json")) and _is_hf_folder(folder):
+        raise CheckpointError(f"{name} alone is no model: give the directory holding it, {folder}", file=path)
     raise CheckpointError("not a model: expected an HF directory with config.json or a .gguf file", file=path)
+
+
+# the files of an HF model folder other than its weights, which a user may name in place of the folder
+_MODEL_FOLDER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def _is_hf_folder(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "config.json")) or bool(glob.glob(os.path.join(folder, "*.safetensors")))
 
 
 def convert_checkpoint(*args, **kwargs):

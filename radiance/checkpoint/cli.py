@@ -9,6 +9,7 @@ SRC may be `embedded` for the built-in SmolLM2 GGUF.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import tempfile
 
@@ -71,8 +72,13 @@ def _probe_writable(directory: str, dst: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".radiance-probe-", dir=directory))
     except OSError as exc:
-        raise ConfigError(f"DST {dst}: cannot write in {directory} ({exc.strerror}): give a directory you can "
+        # /proc says "No such file or directory" of the directory it holds: the errno's words only where they say why
+        why = f" ({exc.strerror})" if exc.errno in _TELLING_ERRNOS else ""
+        raise ConfigError(f"DST {dst}: cannot create a directory in {directory}{why}: give a directory you can "
                           "write to") from None
+
+
+_TELLING_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 
 
 def _entries(path: str) -> list[str]:

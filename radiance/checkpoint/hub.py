@@ -343,6 +343,10 @@ def _not_cached(model: HubModel, why: Exception | None, files: list[str]) -> str
         return (f"{model}: no such local path, and Hugging Face offline mode is on ({' and '.join(flags)}) while "
                 f"{cache} does not hold this model{held}: unset {names} so that radiance downloads it, or download "
                 f"it first where the Hub is reachable (e.g. `HF_HUB_OFFLINE=0 radiance inspect {model}`)")
+    status = getattr(getattr(why, "response", None), "status_code", None)
+    if isinstance(status, int) and status >= 500:  # the Hub was reached: the network is not the one to check
+        return (f"{model}: no such local path, and the Hugging Face Hub answered with a server error "
+                f"({_reason(why)}) while {cache} does not hold it{held}: the Hub is failing, retry later")
     return (f"{model}: no such local path, and the Hugging Face Hub could not be reached to fetch it "
             f"({_reason(why)}) while {cache} does not hold it{held}: check the network (or HF_ENDPOINT, a proxy) "
             "and retry")

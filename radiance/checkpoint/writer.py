@@ -202,7 +202,8 @@ def _convert(ckpt: Checkpoint, dst: str, config: ConvertConfig, progress: bool, 
     if config.quantize_lm_head:
         out_config["tie_word_embeddings"] = False
     ignore = kept_dense if ("lm_head" in kept_dense or config.quantize_lm_head) else ["lm_head"] + kept_dense
-    out_config["quantization_config"] = quantization_config_for(config.format, ignore, _rule_applied(ckpt, config, report))
+    rule = _rule_applied(ckpt, config, report)
+    out_config["quantization_config"] = quantization_config_for(config.format, ignore, rule)
     _copy_side_files(ckpt, dst, tokenizer)
     # config.json last: its presence marks a complete conversion
     with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as handle:

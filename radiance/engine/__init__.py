@@ -3,8 +3,9 @@
 Imports are lazy so `radiance.engine.cli` (argparse registration) does not pull in torch.
 """
 
-__all__ = ["AsyncLLMEngine", "EngineStats", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StepOutput",
-           "TokenLogprob"]
+__all__ = ["AsyncLLMEngine", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "EngineStats", "LLM",
+           "LLMEngine", "RequestOutput", "RequestOutputKind", "SamplingParams", "StepOutput",
+           "StructuredOutputsParams", "TokenLogprob"]
 
 
 def __getattr__(name):
@@ -17,9 +18,15 @@ def __getattr__(name):
     if name == "LLM":
         from radiance.engine.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from radiance.engine.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"):
+        from radiance.engine import beam_search
+        return getattr(beam_search, name)
+    if name in ("SamplingParams", "RequestOutputKind"):
+        from radiance.engine import sampling_params
+        return getattr(sampling_params, name)
+    if name == "StructuredOutputsParams":  # vLLM's name of the structured-output constraint
+        from radiance.engine.structured_output import StructuredOutput
+        return StructuredOutput
     if name in ("StepOutput", "TokenLogprob", "EngineStats"):
         from radiance.engine import outputs
         return getattr(outputs, name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -132,7 +133,8 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams | None = None) -> AsyncIterator[StepOutput]:
-        params = params or SamplingParams()
+        # the request's own copy, taken now: the loop adds it later, and the caller may change its object meanwhile
+        params = copy.copy(params) if params is not None else SamplingParams()
         if self.stopped:
             raise EngineStoppedError("the engine was shut down")
         if self.errored is not None:

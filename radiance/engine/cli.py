@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 
 from radiance.config import check_seed
 from radiance.config_cli import add_engine_args, engine_config_from_args, errors_in_flag_words
 from radiance.engine.request_checks import check_fits_context, check_utf8
-from radiance.errors import ConfigError
+from radiance.errors import ConfigError, StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ def register(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="sample from the smallest set of tokens whose probability reaches this; 1 = off (default)")
     parser.add_argument("--top-k", type=int, default=-1,
-                        help="sample from the k most likely tokens only; -1 = off (default)")
+                        help="sample from the k most likely tokens only; 0 or -1 = off (default: -1)")
     parser.add_argument("--min-p", type=float, default=0.0,
                         help="drop tokens less likely than this fraction of the most likely one; 0 = off (default)")
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -39,7 +41,8 @@ def register(subparsers) -> None:
                         help="go on past the model's end-of-sequence token, to --max-tokens (benchmarks)")
     parser.add_argument("--sampling-seed", type=int, default=None,
                         help="seed of the sampler, for reproducible runs: a 64-bit signed integer, as a request's "
-                             "seed; a negative one is a seed of its own (default: none: the engine's RNG, see --seed)")
+                             "seed; -1 is no seed (vLLM's), another negative one a seed of its own (default: none: the "
+                             "engine's RNG, see --seed)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="divides the positive logits (multiplies the negative ones) of tokens already in "
                              "the prompt or output; 1 = off (default), 1.1-1.3 curbs loops of small models")
@@ -50,10 +53,11 @@ def register(subparsers) -> None:
                         help="subtracted once from the logit of every token in the output, in [-2, 2] "
                              "(default: 0 = off)")
     constrain = parser.add_argument_group(
-        "structured output", "hold the output to one constraint (tokens that would break it are never sampled)")
+        "structured output", "hold the output to one constraint (tokens that would break it are never sampled); an "
+                             "output --max-tokens cuts before the constraint is complete is not valid: exit status 1")
     one = constrain.add_mutually_exclusive_group()
     one.add_argument("--json-schema", metavar="SCHEMA", default=None,
-                     help="a JSON schema, as JSON text or the path of a .json file")
+                     help="a JSON schema, as JSON text or the path of a .json file (true: any JSON value)")
     one.add_argument("--json", dest="json_object", action="store_true", help="any JSON object")
     one.add_argument("--regex", default=None, help="a regular expression the whole output matches")
     one.add_argument("--choice", nargs="+", default=None,
@@ -99,8 +103,7 @@ def run(args) -> int:
         if args.system is not None:
             logger.warning("the model has no chat template: --system is left out, the prompt goes in as raw text")
         prompt = prompt_text
-    _stream(llm, prompt, params)
-    return 0
+    return 0 if _stream(llm, prompt, params) else 1
 
 
 def _open_with_a_template_that_parses(config, use_template: bool):
@@ -143,31 +146,71 @@ def read_prompt(prompt: str) -> str:
     return text.rstrip("\n")  # the newline `echo` and editors end a file with is not part of the message
 
 
+# each constraint's StructuredOutput field and the flag that sets it
+_CONSTRAINT_FLAGS = {"json": "--json-schema", "json_object": "--json", "regex": "--regex", "choice": "--choice",
+                     "grammar": "--grammar"}
+
+
 def structured_output_from_args(args):
     """The StructuredOutput the constraint options ask for (checked: it parses), or None."""
     from radiance.engine.structured_output import StructuredOutput, check_syntax
 
-    if args.json_schema is not None:
-        spec = StructuredOutput(json=_json_schema_text(args.json_schema))
-    elif args.grammar is not None:
-        spec = StructuredOutput(grammar=_read(args.grammar, "--grammar"))
-    elif args.json_object or args.regex is not None or args.choice is not None:
-        spec = StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice)
-    else:
+    if args.regex == "":  # matches the empty output only: every answer would be blank
+        raise ConfigError("--regex is empty: it matches only an empty output; give a pattern")
+    kind = next((k for k in ("json_schema", "grammar", "json_object", "regex", "choice")
+                 if getattr(args, k) not in (None, False)), None)
+    if kind is None:
         return None
-    check_syntax(spec)
+    kind = "json" if kind == "json_schema" else kind
+    # the dataclass's messages name its fields ("choice needs ..."); the user typed flags
+    with _errors_naming(_CONSTRAINT_FLAGS[kind], kind):
+        if kind == "json":
+            spec = StructuredOutput(json=_json_schema_text(args.json_schema))
+        elif kind == "grammar":
+            spec = StructuredOutput(grammar=_read(args.grammar, "--grammar"))
+        else:
+            spec = StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice)
+        check_syntax(spec)
     return spec
+
+
+@contextlib.contextmanager
+def _errors_naming(flag: str, field: str):
+    """A constraint's error names its flag: the field it begins with as the flag ("--choice needs at least one
+    non-empty string"), else the flag before it ("--regex: invalid regex constraint: ...")."""
+    try:
+        yield
+    except StructuredOutputError as exc:
+        message = str(exc)
+        if message.startswith(field + " "):
+            message = flag + message[len(field):]
+        elif not message.startswith(flag):
+            message = f"{flag}: {message}"
+        raise StructuredOutputError(message) from None
 
 
 def _json_schema_text(value: str) -> str:
     """The schema as JSON text (given inline or as a file), parsed here: a typo is one line before the model
-    loads, not after it (the engine compiles the constraint only when the request is added)."""
-    text = value if value.lstrip().startswith("{") else _read(value, "--json-schema")
+    loads, not after it (the engine compiles the constraint only when the request is added). A value that names
+    no file is JSON text: `[1,2]` or `true` was read as a path ("cannot read [1,2]")."""
+    inline = not os.path.exists(value)
+    text = value if inline else _read(value, "--json-schema")
     try:
-        json.loads(text)
+        schema = json.loads(text)
     except ValueError as exc:
+        if inline and value.lstrip()[:1] not in ("{", "[", '"'):  # a file name with a typo, most likely
+            _read(value, "--json-schema")  # "cannot read X: No such file or directory"
         raise ConfigError(f"--json-schema is not valid JSON: {exc}") from None
+    # a schema is an object, or a boolean: true takes any JSON value (xgrammar compiles it), false none at all
+    if schema is False:
+        raise ConfigError("--json-schema false: no value matches it, so no output could be generated")
+    if not isinstance(schema, dict) and schema is not True:
+        raise ConfigError(f"--json-schema must be a JSON object (a schema) or true, got {_json_kind(schema)}")
     return text
+
+
+def _json_kind(value) -> str:
+    return {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(value), "a number")
 
 
 def _read(path: str, option: str) -> str:
@@ -180,7 +223,8 @@ def _read(path: str, option: str) -> str:
         raise ConfigError(f"{option}: {path} is not UTF-8 text") from None
 
 
-def _stream(llm, prompt, params) -> None:
+def _stream(llm, prompt, params) -> bool:
+    """Streams the answer to stdout; False when a constraint's output was cut before it was complete."""
     engine = llm.engine
     _, ids = llm._tokenize(prompt)
     # before generating, as the server's context_length_exceeded: a cut at the context looked like a stop
@@ -198,3 +242,5 @@ def _stream(llm, prompt, params) -> None:
         # written out): a cut one looked like a valid answer
         logger.warning("--max-tokens %d cut the output before the constraint was complete: it is not valid; raise "
                        "--max-tokens", params.max_tokens)
+        return False  # exit 1: a script reading stdout must not take it for a valid answer
+    return True

@@ -11,7 +11,13 @@ import torch
 from tqdm import tqdm
 
 from radiance.checkpoint.sampling_defaults import SamplingDefaults
-from radiance.config import DTYPE_ALIASES, DTYPES, EngineConfig
+from radiance.config import EngineConfig
+# vLLM's arguments: LLM(...)'s (VLLM_NO_EFFECT_ARGS, VLLM_DEFAULT_ONLY_ARGS there), generate's and chat's
+from radiance.engine.llm_args import (_dtype_name, _max_logprobs, _vllm_model_args, _with_text_content,
+                                      check_chat_args, check_lora_request, check_priority, conversations_of,
+                                      template_variables, tokenizer_kwargs)
+from radiance.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from radiance.engine.beam_search import beam_search as _beam_search
 from radiance.engine.llm_engine import LLMEngine
 from radiance.engine.loader import no_tokenizer_message
 # CompletionOutput and GenerationOutput are importable from here as before
@@ -22,22 +28,6 @@ from radiance.engine.vllm_logprobs import TokenTexts, vllm_logprobs
 from radiance.errors import ConfigError
 
 
-# vLLM's LLM(...) arguments that change nothing here: radiance runs no code of a model's own (trust_remote_code),
-# keeps no stats log, recomputes preempted sequences rather than swapping them, and names no model (the server does)
-VLLM_NO_EFFECT_ARGS = ("trust_remote_code", "disable_log_stats", "swap_space", "served_model_name",
-                       "disable_custom_all_reduce", "max_seq_len_to_capture")
-# vLLM's arguments radiance takes only at the values that mean what it does anyway: name -> (values, why)
-VLLM_DEFAULT_ONLY_ARGS = {
-    "tensor_parallel_size": ((1,), "radiance serves a model on one device"),
-    "pipeline_parallel_size": ((1,), "radiance serves a model on one device"),
-    "tokenizer_mode": (("auto",), "the tokenizer is the model's own"),
-    "skip_tokenizer_init": ((False,), "the model's tokenizer is loaded with it (one without takes token-id prompts)"),
-    "cpu_offload_gb": ((0,), "weights are not offloaded"),
-    "load_format": (("auto", "safetensors", "gguf"), "weights are read from the checkpoint's own files"),
-    "task": (("auto", "generate"), "radiance generates text"),
-    "runner": (("auto", "generate"), "radiance generates text"),
-}
-TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # vLLM's default of LLM(max_logprobs=...): the most logprobs / prompt_logprobs a request may ask for
 DEFAULT_MAX_LOGPROBS = 20
 # vLLM's TextPrompt / TokensPrompt keys (a prompt given as a dict)
@@ -78,6 +68,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name of the engine (LLM.engine)."""
+        return self.engine
+
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's accessor); None for a checkpoint without one."""
         return self.engine.tokenizer
@@ -93,17 +88,19 @@ class LLM:
             raise self._no_tokenizer("only lists of token ids can be prompts")
         return self.tokenizer(text, **kwargs).input_ids
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt, kwargs: dict | None = None) -> tuple[str | None, list[int]]:
+        """`kwargs`: the tokenizer's, for a text prompt (generate's tokenization_kwargs)."""
+        kwargs = kwargs or {}
         if isinstance(prompt, dict):
-            return self._tokenize_dict(prompt)
+            return self._tokenize_dict(prompt, kwargs)
         if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
+            return prompt, self._encode(prompt, **kwargs)
         if not _is_token_ids(prompt):  # int() took 1.7 as token 1; a tuple of ids failed as "int not iterable"
             raise ValueError(f"a prompt must be a string, a list of token ids or a {{'prompt': ...}} / "
                              f"{{'prompt_token_ids': [...]}} dict, got {_short(prompt)}")
         return None, [int(t) for t in prompt]
 
-    def _tokenize_dict(self, prompt: dict) -> tuple[str | None, list[int]]:
+    def _tokenize_dict(self, prompt: dict, kwargs: dict) -> tuple[str | None, list[int]]:
         """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids} (its text, if it gives
         one too, is kept as the output's prompt). cache_salt is read by generate."""
         unknown = sorted(set(prompt) - set(PROMPT_KEYS))
@@ -118,7 +115,7 @@ class LLM:
         text = prompt.get("prompt")
         if not isinstance(text, str):
             raise ValueError(f"a prompt dict needs 'prompt' (a string) or 'prompt_token_ids', got {_short(prompt)}")
-        return text, self._encode(text)
+        return text, self._encode(text, **kwargs)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate and chat sample with when given no SamplingParams: the sampling defaults of the model's
@@ -126,22 +123,28 @@ class LLM:
         return SamplingParams(**getattr(self.engine, "sampling_defaults", SamplingDefaults()).given())
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable = True) -> list[GenerationOutput]:
+                 use_tqdm: bool | Callable = True, lora_request=None, priority: list[int] | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[GenerationOutput]:
         """prompts: a string, a list (or tuple, or 1-D array) of token ids, a vLLM prompt dict ({"prompt": text}
         or {"prompt_token_ids": ids}), or a list of these. sampling_params: one for all, or a list with one per
         prompt. use_tqdm (vLLM's): a progress bar on stderr, or a tqdm-like factory to make it; none where the
-        LLM was made without progress bars. Every prompt and parameter is checked before any is queued."""
+        LLM was made without progress bars. vLLM's priority (all 0: requests are served first-come-first-served),
+        tokenization_kwargs (for text prompts: add_special_tokens, truncation, max_length) and lora_request (None).
+        Every prompt and parameter is checked before any is queued."""
         _check_use_tqdm(use_tqdm)
+        check_lora_request(lora_request)
+        encode_kwargs = tokenizer_kwargs(tokenization_kwargs)
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) and len(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a list of token ids, a prompt dict or a list of these, "
                              f"got {_short(prompts)}")
         params_list = self._params_per_prompt(sampling_params, len(prompts))
+        check_priority(priority, len(prompts))
         params_list = [_with_prompt_salt(prompt, p) for prompt, p in zip(prompts, params_list)]
         results: list[GenerationOutput] = []
         request_slots: dict[str, tuple[int, int]] = {}
-        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        tokenized = [self._tokenize(prompt, encode_kwargs) for prompt in prompts]
         tokenized = [(text, truncate_prompt(ids, p.truncate_prompt_tokens, self.engine.max_model_len, p.max_tokens))
                      for (text, ids), p in zip(tokenized, params_list)]
         for (_, ids), p in zip(tokenized, params_list):  # reject a bad prompt before queueing any
@@ -224,8 +227,8 @@ class LLM:
         TokenLogprob entries stay the server's). `texts`: None for detokenize=False (no decoded_token)."""
         i, j = slot
         # the engine leaves the text "" for SamplingParams(detokenize=False): vLLM's ids only
-        results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.finish_reason,
-                                                 vllm_logprobs(out.logprobs, texts), out.cumulative_logprob,
+        results[i].outputs[j] = CompletionOutput(j, out.text, out.token_ids, out.cumulative_logprob,
+                                                 vllm_logprobs(out.logprobs, texts), out.finish_reason,
                                                  out.stop_reason)
         results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
         results[i].metrics = out.times  # outputs come in finishing order: the last is the latest
@@ -266,22 +269,23 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, **template_kwargs) -> list[GenerationOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None, chat_template_content_format: str = "auto",
+             tokenization_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None,
+             **template_kwargs) -> list[GenerationOutput]:
         """messages: one conversation (list of {"role", "content"} dicts; content a string or text parts) or a
-        list of conversations. vLLM's arguments; `chat_template_kwargs` (and any other keyword) reach the
-        template as variables ({"enable_thinking": False} for Qwen3); as in vLLM, chat()'s own arguments win over
-        kwargs of their names (add_generation_prompt and continue_final_message there change nothing; tools and
-        chat_template there are used where chat() is given none)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not isinstance(conversations, list) or not all(_is_conversation(c) for c in conversations):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise ValueError(f"chat_template_kwargs must be a dict, got {_short(chat_template_kwargs)}")
-        # a null value leaves the variable unset, as the server reads chat_template_kwargs ({% if x is defined %})
-        variables = {k: v for k, v in {**template_kwargs, **(chat_template_kwargs or {})}.items() if v is not None}
-        for key, use in _TEMPLATE_OWN_ARGS.items():
-            if key in variables:  # was a bare "got multiple values for argument" TypeError
-                raise ValueError(f"chat_template_kwargs may not set {key!r}: {use}")
+        list (or tuple) of conversations. vLLM's arguments; `chat_template_kwargs` (and any other keyword) reach
+        the template as variables ({"enable_thinking": False} for Qwen3); as in vLLM, chat()'s own arguments win
+        over kwargs of their names (add_generation_prompt and continue_final_message there change nothing; tools
+        and chat_template there are used where chat() is given none). vLLM's chat_template_content_format ("auto"
+        or "string": text parts are joined), tokenization_kwargs (of the rendered prompt, which is encoded without
+        special tokens unless they say add_special_tokens), mm_processor_kwargs and lora_request (None). Each
+        output's prompt is the rendered template text, as vLLM's."""
+        conversations = conversations_of(messages)
+        check_lora_request(lora_request)
+        check_chat_args(chat_template_content_format, mm_processor_kwargs)
+        # the template writes its own special tokens
+        encode_kwargs = tokenizer_kwargs(tokenization_kwargs, {"add_special_tokens": False})
+        variables = template_variables(template_kwargs, chat_template_kwargs)
         # as vLLM's LLM.chat merges its own arguments over chat_template_kwargs: add_generation_prompt and
         # continue_final_message are chat()'s alone; tools and chat_template there count only where chat() has none
         for key in ("add_generation_prompt", "continue_final_message"):
@@ -295,76 +299,21 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = self.apply_chat_template(conversation, **options, **variables)
-            prompts.append(self._encode(text, add_special_tokens=False))
+            # text and ids: the output's prompt is the text (vLLM's), the ids are what the template encodes to
+            prompts.append({"prompt": text, "prompt_token_ids": self._encode(text, **encode_kwargs)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-
-# template variables chat() sets itself and no keyword may: what to pass instead
-_TEMPLATE_OWN_ARGS = {"messages": "pass the conversation as chat()'s messages",
-                      "template": "pass a template as chat()'s chat_template"}
-
-
-def _with_text_content(message: dict) -> dict:
-    """A message as templates take it: content given as OpenAI's text parts joined by newlines (vLLM's reading;
-    the template failed on the list). Other parts (images, audio) are refused: text only here."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise ValueError(f"message content parts must be {{'type': 'text', 'text': ...}} (text only), "
-                             f"got {_short(part)}")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
-
-
-def _vllm_model_args(model: str | None, config: dict) -> str | None:
-    """Takes vLLM's LLM(...) arguments out of `config`: those that change nothing here are dropped, the others
-    refused by name unless they say what radiance does anyway; `revision` is folded into the Hub id
-    (org/name@revision). Returns the model."""
-    for name in VLLM_NO_EFFECT_ARGS:
-        config.pop(name, None)
-    for name, (values, why) in VLLM_DEFAULT_ONLY_ARGS.items():
-        if name in config and (given := config.pop(name)) not in values:
-            accepted = " or ".join(map(repr, values))
-            raise ConfigError(f"{name} must be {accepted} here: {why}; got {given!r}")
-    tokenizer = config.pop("tokenizer", None)
-    if tokenizer is not None and tokenizer != model:
-        raise ConfigError(f"tokenizer {tokenizer!r}: radiance reads the tokenizer of the model itself (its "
-                          "directory or GGUF file); a separate one is not supported")
-    revision = config.pop("revision", None)
-    if revision is None:
-        return model
-    if model is None or os.path.exists(model) or "@" in model:
-        raise ConfigError(f"revision {revision!r} applies to a Hugging Face Hub id without one, got model {model!r}")
-    return f"{model}@{revision}"
-
-
-def _dtype_name(dtype) -> str | None:
-    """The engine's name of `dtype`: one of DTYPES, vLLM's half / float / auto, or a torch dtype of those."""
-    if isinstance(dtype, torch.dtype) and dtype in TORCH_DTYPE_NAMES:
-        return TORCH_DTYPE_NAMES[dtype]
-    if dtype is None or isinstance(dtype, str) and dtype in DTYPES:
-        return dtype
-    if isinstance(dtype, str) and dtype in DTYPE_ALIASES:
-        return DTYPE_ALIASES[dtype]
-    raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, vLLM's {', '.join(DTYPE_ALIASES)} or a torch "
-                      f"dtype of those, got {dtype!r}")
-
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: per prompt the beam_width best sequences by cumulative logprob /
+        length ** length_penalty, best first (radiance.engine.beam_search)."""
+        check_lora_request(lora_request)
+        return _beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)
 
 def _whole_vocabulary(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """`params` with vLLM's logprobs / prompt_logprobs -1 as the vocabulary's size."""
     whole = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
     return replace(params, **whole) if whole else params
-
-
-def _max_logprobs(value) -> int | None:
-    if value is None or value == -1:  # vLLM's -1: no limit but the vocabulary
-        return None
-    if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"max_logprobs must be a non-negative integer or -1, got {value!r}")
-    return int(value)
 
 
 def _check_use_tqdm(use_tqdm) -> None:
@@ -392,7 +341,3 @@ def _is_token_ids(prompt) -> bool:
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_conversation(messages) -> bool:
-    return isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -92,6 +93,8 @@ class LLMEngine:
         check_token_ids(prompt_token_ids, vocab, "prompt_token_ids")
         check_token_ids([t for t, _ in params.logit_bias], vocab, "logit_bias")
         check_token_ids(params.allowed_token_ids or (), vocab, "allowed_token_ids")
+        # vLLM's check too: an id past the logits can never be sampled, so the request ran on past its stop
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         tokenized_bad_words(params, self.tokenizer, vocab)
         for name in ("logprobs", "prompt_logprobs"):  # more alternatives than tokens failed inside the step
             if (getattr(params, name) or 0) > vocab:
@@ -144,7 +147,9 @@ class LLMEngine:
                              f"with n=1 (LLM.generate and the server expand n this way)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        params = params or SamplingParams()
+        # the request's own copy (vLLM's engine clones too): SamplingParams are mutable, and a caller that changes
+        # its object for the next request must not change this one (every field is immutable: a shallow copy)
+        params = copy.copy(params) if params is not None else SamplingParams()
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_one_sequence(params)

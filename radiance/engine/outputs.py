@@ -67,12 +67,13 @@ class StepOutput:
 class CompletionOutput:
     """One choice of an LLM.generate / LLM.chat result (vLLM's CompletionOutput, under the same name)."""
 
+    # vLLM's positional order (CompletionOutput(0, "text", ids, -1.5, None, "stop") reads as in vLLM)
     index: int
     text: str  # "" with SamplingParams(detokenize=False)
     token_ids: list[int]
-    finish_reason: str | None
-    logprobs: SampleLogprobs | None = None  # SamplingParams.logprobs
     cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs; None without logprobs
+    logprobs: SampleLogprobs | None = None  # SamplingParams.logprobs
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
 
     def finished(self) -> bool:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from enum import Enum, IntEnum
 from numbers import Integral, Real
 
 import numpy
@@ -16,12 +18,42 @@ from radiance.engine.request_checks import (RequestError, SamplingParamsError, c
 from radiance.engine.structured_output import StructuredOutput
 from radiance.layers.sampler import GREEDY_BELOW
 
+logger = logging.getLogger(__name__)
 
+# vLLM's bounds: a temperature in (0, 0.01) is raised to 0.01 (smaller ones overflow the scaled logits), and one
+# above 2 is refused
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
+
+
+class RequestOutputKind(Enum):
+    """vLLM's: what a streaming engine hands back per step. LLM.generate returns finished outputs only
+    (FINAL_ONLY, as vLLM's LLM forces), so SamplingParams takes any value and ignores it."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class SamplingType(IntEnum):
+    """vLLM's SamplingParams.sampling_type."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+# frozen only so that __init__ sets the fields directly (no checked __setattr__ per field): the __setattr__ set
+# after the class makes assignment work, checked
 @dataclass(frozen=True)
 class SamplingParams:
+    """vLLM's SamplingParams. Mutable as vLLM's (`sp.max_tokens = 64`): an assigned value is checked and normalised
+    as the constructor's (a bad one raises the same SamplingParamsError and leaves the object as it was). The
+    engine takes its own copy of the parameters of each request it is given."""
+
     n: int = 1
     max_tokens: int | None = 16  # None: up to max_model_len
-    temperature: float = 1.0     # 0 (or below sampler.GREEDY_BELOW) = greedy
+    temperature: float = 1.0     # 0 = greedy; in [0, 2], and one in (0, 0.01) is raised to 0.01 (vLLM's)
     top_p: float = 1.0
     top_k: int = -1              # -1 (or 0) = off
     min_p: float = 0.0
@@ -66,11 +98,20 @@ class SamplingParams:
     # vLLM's: keep only the last k prompt tokens (left truncation) before the context check; -1: as many as
     # leave room for max_tokens. Applied by LLM.generate (the server reads the request field of this name)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the tokenizer decodes special tokens without spaces between them either way (as vLLM's detokenizer
+    # of fast tokenizers, which ignores this), so both values are taken
+    spaces_between_special_tokens: bool = True
+    # vLLM's (a RequestOutputKind): taken and ignored, LLM.generate returning finished outputs only
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
-        def check(cond, msg):
+        def check(cond, msg, field=None):
             if not cond:
-                raise SamplingParamsError(msg)
+                raise SamplingParamsError(msg, field)
+
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True asks for one
+            if getattr(self, name) is True:
+                object.__setattr__(self, name, 1)
 
         # types first: a float seed or a None stop string failed later, inside the engine's loop
         # (a bool is an Integral, but True for n or temperature is a mistake, and "no" for ignore_eos was true)
@@ -84,7 +125,8 @@ class SamplingParams:
             value = getattr(self, name)  # a string or None failed below as a TypeError
             check(isinstance(value, Real) and not isinstance(value, bool), f"{name} must be a number, got {value!r}")
         # numpy's bools and 0 / 1 pass
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
             value = getattr(self, name)
             check(isinstance(value, (Integral, numpy.bool_)) and value in (True, False),
                   f"{name} must be true or false, got {value!r}")
@@ -99,7 +141,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        # vLLM de-duplicates them (and bad_words), keeping the first of each
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(int(t) for t in self.stop_token_ids or ())))
         # vLLM refuses it too: it would end every output at once (it matched nothing here, silently)
         check(all(self.stop), f"stop strings must not be empty, got stop {list(self.stop)!r}")
         check(self.allowed_token_ids is None or _is_sequence(self.allowed_token_ids, Integral)
@@ -110,7 +153,7 @@ class SamplingParams:
         check(self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt != "",
               f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         check(_is_sequence(self.bad_words, str), f"bad_words must be a list of strings, got {self.bad_words!r}")
-        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words or ())))
         check(all(self.bad_words), "bad_words must be non-empty strings")
         ids = self.bad_words_token_ids
         check(_is_sequence(ids, (list, tuple)) and all(_is_sequence(word, Integral) and word is not None
@@ -123,6 +166,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
 
         check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        if self.seed == -1:  # vLLM's "no seed"
+            object.__setattr__(self, "seed", None)
         check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
               or self.truncate_prompt_tokens >= 1,
               f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
@@ -142,6 +187,14 @@ class SamplingParams:
         # an infinite temperature or penalty turns a masked (-inf) or zero logit into NaN
         for name in ("temperature", "repetition_penalty"):
             check(math.isfinite(getattr(self, name)), f"{name} must be finite, got {getattr(self, name)}")
+        check(self.temperature <= MAX_TEMPERATURE, f"temperature must be in [0, 2], got {self.temperature}",
+              "temperature")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is less than %s, which may cause numerical errors (nan or inf); it is "
+                           "raised to %s (as vLLM does)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        # vLLM's rule: greedy choices would all be the same
+        check(self.n == 1 or not self.greedy, f"n must be 1 when using greedy sampling, got {self.n}", "n")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or non-negative, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
@@ -165,8 +218,27 @@ class SamplingParams:
             check(min(word) >= 0, f"bad_words_token_ids must be non-negative, got {min(word)}")
 
     def clone(self) -> "SamplingParams":
-        """vLLM's deep copy; these parameters are frozen, so a shallow one is as safe."""
+        """vLLM's deep copy: an independent, mutable copy (every field holds an immutable value, so a shallow
+        copy is as deep)."""
         return replace(self)
+
+    @property
+    def structured_outputs(self) -> StructuredOutput | None:
+        """vLLM's name of structured_output."""
+        return self.structured_output
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """vLLM's: greedy, sampled with a seed, or sampled."""
+        if self.greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """vLLM's: the stop_token_ids (vLLM's engine adds the EOS ids to its copy; radiance's engine keeps them
+        apart, LLMEngine.eos_token_ids)."""
+        return set(self.stop_token_ids)
 
     def for_choice(self, choice: int) -> "SamplingParams":
         """The one-sequence parameters of choice `choice` of an n > 1 request: n=1, the seed advanced by the
@@ -196,31 +268,56 @@ class SamplingParams:
 
 # vLLM's SamplingParams fields radiance takes under another name or not at all: what to write instead
 VLLM_FIELD_HINTS = {
-    "guided_decoding": "use structured_output=StructuredOutput(json=..., regex=..., choice=..., grammar=...) "
-                       "from radiance.engine.structured_output",
-    "output_kind": "LLM.generate returns finished outputs only",
+    "guided_decoding": "use structured_outputs= (or structured_output=) StructuredOutputsParams(json=..., regex=..., "
+                       "choice=..., grammar=...) (from radiance import StructuredOutputsParams)",
     "logits_processors": "custom logits processors are not supported",
-    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer writes them",
 }
-VLLM_FIELD_HINTS["structured_outputs"] = VLLM_FIELD_HINTS["guided_decoding"]
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+# vLLM's field names of radiance's fields: the constructor and assignment take them
+_FIELD_ALIASES = {"structured_outputs": "structured_output"}
+
+
+def _unknown_field_message(name: str) -> str:
+    hint = VLLM_FIELD_HINTS.get(name, "not a sampling parameter radiance knows")
+    return f"SamplingParams got an unknown field {name!r}: {hint}"
 
 
 def _reject_unknown_fields(init):
     """The dataclass __init__, raising a SamplingParamsError that names an unknown keyword (a bare TypeError
-    before) and says what radiance takes instead of vLLM's fields it lacks."""
-    known = frozenset(f.name for f in fields(SamplingParams))
+    before) and says what radiance takes instead of vLLM's fields it lacks; vLLM's names (_FIELD_ALIASES) are
+    taken for radiance's."""
 
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
+        for alias, name in _FIELD_ALIASES.items():
+            if alias in kwargs:
+                value = kwargs.pop(alias)
+                if kwargs.get(name) is not None and value is not None and kwargs[name] != value:
+                    raise SamplingParamsError(f"{alias} and {name} are the same field: give one", alias)
+                kwargs[name] = value if value is not None else kwargs.get(name)
         for name in kwargs:
-            if name not in known:
-                hint = VLLM_FIELD_HINTS.get(name, "not a sampling parameter radiance knows")
-                raise SamplingParamsError(f"SamplingParams got an unknown field {name!r}: {hint}", name)
+            if name not in _FIELD_NAMES:
+                raise SamplingParamsError(_unknown_field_message(name), name)
         init(self, *args, **kwargs)
     return checked_init
 
 
 SamplingParams.__init__ = _reject_unknown_fields(SamplingParams.__init__)  # type: ignore[method-assign]
+
+
+def _checked_setattr(self: SamplingParams, name: str, value) -> None:
+    """vLLM's `sp.max_tokens = 64`, checked and normalised as the constructor does, on a copy: a bad value raises
+    the constructor's SamplingParamsError and leaves the object as it was."""
+    name = _FIELD_ALIASES.get(name, name)
+    if name not in _FIELD_NAMES:  # a typo (sp.temprature = 0) was kept and never read
+        raise SamplingParamsError(_unknown_field_message(name), name)
+    checked = replace(self, **{name: value})
+    for f in fields(self):
+        object.__setattr__(self, f.name, getattr(checked, f.name))
+
+
+SamplingParams.__setattr__ = _checked_setattr  # type: ignore[method-assign, assignment]
+SamplingParams.__hash__ = None  # type: ignore[assignment]  # mutable, as vLLM's: not hashable
 
 
 def _logit_bias_pairs(logit_bias) -> tuple[tuple[int, float], ...]:

@@ -20,8 +20,8 @@ from radiance.engine.json_schema_grammar import cache_small, compile_json_schema
 from radiance.engine.json_schema_rules import MAX_ENUM_VALUES, check_json_schemas
 from radiance.errors import StructuredOutputError
 
-__all__ = ["StructuredOutput", "StructuredOutputError", "GrammarBackend", "GrammarState", "REASONING_BEFORE",
-           "MAX_ENUM_VALUES", "check_syntax", "after_reasoning", "fill_allowed_token_words"]
+__all__ = ["StructuredOutput", "StructuredOutputsParams", "StructuredOutputError", "GrammarBackend", "GrammarState",
+           "REASONING_BEFORE", "MAX_ENUM_VALUES", "check_syntax", "after_reasoning", "fill_allowed_token_words"]
 
 # compiled grammars kept per engine, least recently used dropped first, by xgrammar's own count of their bytes. It
 # counts about a fifth of what they hold: 32,000 distinct random schemas on SmolLM2's vocabulary were 206 MB to it
@@ -72,7 +72,7 @@ class StructuredOutput:
     space after ':' and ',', no other whitespace), so a model cannot loop on whitespace."""
 
     json: str | None = None              # a JSON schema (text, or a dict, kept in its key order)
-    json_object: bool = False            # any JSON object
+    json_object: bool | None = False     # any JSON object (None, vLLM's default, is False)
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # one of these strings, exactly
     grammar: str | None = None           # EBNF (GBNF dialect), with a `root` rule
@@ -81,6 +81,8 @@ class StructuredOutput:
     after_reasoning: str | None = None
 
     def __post_init__(self):
+        if self.json_object is None:
+            object.__setattr__(self, "json_object", False)
         if self.after_reasoning is not None and self.after_reasoning not in REASONING_BEFORE:
             raise StructuredOutputError(f"unknown reasoning format {self.after_reasoning!r}")
         if isinstance(self.json, dict):
@@ -102,6 +104,11 @@ class StructuredOutput:
         if self.json_object:
             return "json_object"
         return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
+# vLLM's name (SamplingParams(structured_outputs=StructuredOutputsParams(json=...))): the same fields by keyword
+# (json, regex, choice, grammar, json_object); vLLM's whitespace / structural_tag options are not taken
+StructuredOutputsParams = StructuredOutput
 
 
 def _check_servable(spec: StructuredOutput) -> None:

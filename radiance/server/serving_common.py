@@ -22,7 +22,7 @@ from fastapi import Request
 from radiance.checkpoint.sampling_defaults import SamplingDefaults
 from radiance.engine import request_checks
 from radiance.engine.async_engine import EngineDeadError
-from radiance.engine.sampling_params import SamplingParams, choice_seed
+from radiance.engine.sampling_params import SamplingParams
 from radiance.engine.structured_output import StructuredOutput
 from radiance.server.errors import OpenAIError, internal_error, invalid, json_text, sse_error
 from radiance.server.metrics import ABORT, ERROR, RequestTimer, ServerMetrics, current_request
@@ -68,6 +68,8 @@ async def check_limits(state: ServerState, req: Any) -> None:
         check_token_ids(state, [int(t) for t in req.logit_bias], "logit_bias")
     if req.allowed_token_ids:
         check_token_ids(state, req.allowed_token_ids, "allowed_token_ids")
+    if req.stop_token_ids:  # a 400 before a stream starts (the engine checks them too)
+        check_token_ids(state, req.stop_token_ids, "stop_token_ids")
     if req.bad_words:  # tokenized as the engine will (cached): a 400 before a stream starts, not an error event
         tokenizer = state.require_tokenizer("bad_words", hint="bad_words are tokenized with it")
         with request_checked():
@@ -169,19 +171,19 @@ def sampling_params(req: Any, max_tokens: int, choice: int, constraint: Structur
     request's own structured output, or a forced tool call's); a sampling field the request leaves out takes
     `defaults` (the model's generation_config.json), then OpenAI's; `keep_special_tokens` overrides the
     request's skip_special_tokens for a parser that reads special-token markup."""
-    seed = choice_seed(req.seed, choice)
-
     def given(name: str, openai_default):
         value = getattr(req, name)
         value = getattr(defaults, name) if value is None else value
         return openai_default if value is None else value
 
     top_k = given("top_k", -1)
+    # built with the request's n and seed, then taken to this choice: vLLM's checks of n (greedy needs n 1: a 400)
+    # and seed (-1 is none, for every choice) hold
     return SamplingParams(
-        n=1, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
         temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=-1 if top_k == 0 else top_k,
         min_p=given("min_p", 0.0),
-        seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
+        seed=req.seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, logprobs=req.num_logprobs(),
         skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
@@ -192,7 +194,7 @@ def sampling_params(req: Any, max_tokens: int, choice: int, constraint: Structur
         repetition_penalty=given("repetition_penalty", 1.0),
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
         structured_output=constraint,
-    )
+    ).for_choice(choice)
 
 
 def scored_prompt_logprobs(req: Any) -> int | None:

@@ -92,6 +92,7 @@ def test_a_constraint_that_does_not_parse_is_one_line_before_the_model_loads(fak
 
 
 def test_a_constraint_that_parses_reaches_the_engine(fake, capsys):
+    fake.engine.steps = [[_Output("ab", "stop")]]  # a finished output (one cut by --max-tokens exits 1)
     assert main(["generate", "hi", "--regex", "[ab]+", "--no-chat"]) == 0
     assert fake.engine.params.structured_output.regex == "[ab]+"
 
@@ -114,7 +115,7 @@ def test_chat_on_a_model_without_a_template_is_an_error_and_the_default_goes_raw
 
 def test_a_constrained_output_cut_by_max_tokens_says_it_is_not_valid(fake, capsys, caplog):
     with caplog.at_level("WARNING", logger="radiance.engine.cli"):
-        assert main(["generate", "hi", "--no-chat", "--json", "--max-tokens", "4"]) == 0
+        assert main(["generate", "hi", "--no-chat", "--json", "--max-tokens", "4"]) == 1  # not valid: exit 1
     assert capsys.readouterr().out == '{"a": 1\n'
     assert any("--max-tokens 4 cut the output before the constraint was complete" in r.getMessage()
                for r in caplog.records)

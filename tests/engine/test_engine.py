@@ -290,7 +290,7 @@ def test_any_integer_seed_is_served(tiny_llm):
         return [c.token_ids for c in llm.generate([[1, 2, 3]], params)[0].outputs]
 
     assert run(2**70) == run(2**70) == run(2**70 % 2**64)
-    assert run(-1) == run(2**64 - 1)
+    assert run(-2) == run(2**64 - 2)  # -1 is vLLM's "no seed"
     assert run(2**64 - 1, n=2) == run(2**64 - 1) + run(0)
 
 

@@ -61,7 +61,27 @@ MESSAGES = [
     (lambda: ConvertConfig(dense_dtype="float32"), "dense_dtype must be one of ('bfloat16', 'float16'), got 'float32'"),
     (lambda: ConvertConfig(max_shard_bytes=0), "max_shard_bytes must be positive, got 0"),
     (lambda: ConvertConfig(chunk_rows=0), "chunk_rows must be positive, got 0"),
+    # a value of the wrong type from Python (the CLI's parser converts its own): a TypeError in a comparison before
+    (lambda: ModelConfig(max_model_len="4096"), "max_model_len must be an integer or None, got '4096'"),
+    (lambda: CacheConfig(block_size="16"), "block_size must be an integer, got '16'"),
+    (lambda: SchedulerConfig(max_num_seqs=True), "max_num_seqs must be an integer, got True"),
+    (lambda: CacheConfig(enable_prefix_caching="false"), "enable_prefix_caching must be true or false, got 'false'"),
+    (lambda: ModelConfig(ignore=("lm_head", 3)), "ignore must be a tuple of values each a string, got ('lm_head', 3)"),
+    (lambda: KernelConfig(decode_band=16.0), "decode_band must be an integer, got 16.0"),
 ]
+
+
+def test_a_list_for_a_tuple_field_is_taken_as_the_tuple():
+    config = ModelConfig(ignore=["lm_head"])
+    assert config.ignore == ("lm_head",) and hash(config)  # still a frozen, hashable config
+    assert CacheConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1  # an int is a number
+
+
+def test_a_nested_config_of_the_wrong_class_is_named():
+    from radiance.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="^model must be a ModelConfig, got 'x'$"):
+        EngineConfig(model="x")
 
 
 @pytest.mark.parametrize("build, message", MESSAGES)
