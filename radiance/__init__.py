@@ -12,19 +12,15 @@ _OUTPUT_CLASSES = {"RequestOutput": "GenerationOutput", "GenerationOutput": "Gen
                    "CompletionOutput": "CompletionOutput", "Logprob": "Logprob"}
 
 
+# the rest come from radiance.engine, which imports each lazily under the same name
+_ENGINE_NAMES = ("LLM", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "SamplingParams",
+                 "RequestOutputKind", "StructuredOutputsParams")
+
+
 def __getattr__(name):  # lazy: `import radiance` stays cheap (no torch import for --help)
-    if name == "LLM":
-        from radiance.engine.llm import LLM
-        return LLM
-    if name in ("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"):
-        from radiance.engine import beam_search
-        return getattr(beam_search, name)
-    if name in ("SamplingParams", "RequestOutputKind"):
-        from radiance.engine import sampling_params
-        return getattr(sampling_params, name)
-    if name == "StructuredOutputsParams":  # vLLM's name of the structured-output constraint
-        from radiance.engine.structured_output import StructuredOutput
-        return StructuredOutput
+    if name in _ENGINE_NAMES:
+        from radiance import engine
+        return getattr(engine, name)
     if name in _OUTPUT_CLASSES:
         from radiance.engine import outputs
         return getattr(outputs, _OUTPUT_CLASSES[name])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -34,36 +36,57 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-_PLAIN_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
-                "str": (str, "a string")}
+def _as_int(value):
+    return int(value) if isinstance(value, numbers.Integral) and not _is_bool(value) else _WRONG
+
+
+def _as_float(value):
+    return float(value) if isinstance(value, numbers.Real) and not _is_bool(value) else _WRONG
+
+
+def _as_bool(value):  # numpy's bools and 0 / 1 too, as SamplingParams takes them
+    ok = _is_bool(value) or isinstance(value, numbers.Integral) and value in (0, 1)
+    return bool(value) if ok else _WRONG
+
+
+def _as_str(value):  # a pathlib.Path for a model or a file
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value
+    return value if isinstance(value, str) else _WRONG
+
+
+def _is_bool(value) -> bool:
+    """True and False (Python's or numpy's) are not counts or fractions to a config."""
+    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b"
+
+
+_WRONG = object()
+_PLAIN_TYPES = {"int": (_as_int, "an integer"), "float": (_as_float, "a number"), "bool": (_as_bool, "true or false"),
+                "str": (_as_str, "a string")}
 
 
 def _check_types(config) -> None:
     """Each field holds a value of its annotated type (from Python a string for an int was a TypeError deep in a
-    comparison, or passed unseen); a list for a tuple field becomes the tuple. Annotations are strings here
-    (`from __future__ import annotations`): int, float, bool, str, tuple[T, ...], a config class, each `| None`."""
+    comparison, or passed unseen), stored as the plain Python value (numpy's numbers and bools, a path as its
+    string, a list for a tuple field as the tuple). Annotations are strings here (`from __future__ import
+    annotations`): int, float, bool, str, tuple[T, ...], a config class, each `| None`."""
     for f in dataclasses.fields(config):
         value, kinds = getattr(config, f.name), f.type.split(" | ")
         if value is None and "None" in kinds:
             continue
         kind = next(k for k in kinds if k != "None")
         if kind.startswith("tuple["):
-            inner_type, inner_words = _PLAIN_TYPES[kind[len("tuple["):-len(", ...]")]]
-            ok = isinstance(value, (tuple, list)) and all(
-                isinstance(v, inner_type) and not _bool_for_number(v, inner_type) for v in value)
-            _check(ok, f"{f.name} must be a tuple of values each {inner_words}, got {value!r}")
-            object.__setattr__(config, f.name, tuple(value))
+            convert, words = _PLAIN_TYPES[kind[len("tuple["):-len(", ...]")]]
+            items = [convert(v) for v in value] if isinstance(value, (tuple, list)) else [_WRONG]
+            _check(_WRONG not in items, f"{f.name} must be a tuple of values each {words}, got {value!r}")
+            object.__setattr__(config, f.name, tuple(items))
         elif kind in _PLAIN_TYPES:
-            wanted, words = _PLAIN_TYPES[kind]
-            _check(isinstance(value, wanted) and not _bool_for_number(value, wanted),
+            convert, words = _PLAIN_TYPES[kind]
+            converted = convert(value)
+            _check(converted is not _WRONG,
                    f"{f.name} must be {words}{' or None' if 'None' in kinds else ''}, got {value!r}")
+            object.__setattr__(config, f.name, converted)
         else:  # a nested config: EngineConfig's parts
             _check(type(value).__name__ == kind, f"{f.name} must be a {kind}, got {value!r}")
-
-
-def _bool_for_number(value, wanted) -> bool:
-    """True and False are ints to Python, not counts or fractions to a config."""
-    return isinstance(value, bool) and wanted is not bool
 
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.long's, as the server's request `seed` (and vLLM's) takes
@@ -290,12 +313,14 @@ class EngineConfig:
     @classmethod
     def from_flat(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (`max_num_seqs=8, quantization="none"`), routing each
-        to the sub-config that owns it. Unknown names are an error, not silently dropped."""
+        to the sub-config that owns it. Unknown names are an error, not silently dropped. None for a field that
+        takes no None is its default, as vLLM's LLM(enable_prefix_caching=None) means."""
         parts = {}
         for f in dataclasses.fields(cls):
             sub = f.default_factory  # type: ignore[misc]
-            names = {g.name for g in dataclasses.fields(sub)}
-            parts[f.name] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+            names = {g.name: "None" in g.type.split(" | ") for g in dataclasses.fields(sub)}
+            parts[f.name] = {k: v for k in list(kwargs) if k in names
+                             for v in [kwargs.pop(k)] if v is not None or names[k]}
         if kwargs:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
         return cls(**{name: dataclasses.fields(cls)[i].default_factory(**vals)  # type: ignore[misc]

@@ -226,6 +226,8 @@ def _prompt_list(prompts) -> list:
     """vLLM takes a list; one prompt alone (a string, dict or token-id list) is taken too, as generate takes it."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if getattr(prompts, "ndim", None) == 1:  # one prompt as a 1-D array of token ids, as generate takes it
+        return [[int(t) for t in prompts]]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, Integral) and not isinstance(t, bool)
                                                               for t in prompts):
         return [prompts]

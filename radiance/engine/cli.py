@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 
 from radiance.config import check_seed
@@ -237,10 +238,32 @@ def _stream(llm, prompt, params) -> bool:
             sys.stdout.flush()
             printed, last = len(out.text), out
     sys.stdout.write("\n")
-    if params.structured_output is not None and last is not None and last.finish_reason == "length":
+    spec = params.structured_output
+    if spec is not None and last is not None and last.finish_reason == "length" \
+            and not _whole_under(spec, last.text):
         # the constraint holds every token, but only a finished output is whole (a JSON object closed, a choice
         # written out): a cut one looked like a valid answer
         logger.warning("--max-tokens %d cut the output before the constraint was complete: it is not valid; raise "
                        "--max-tokens", params.max_tokens)
         return False  # exit 1: a script reading stdout must not take it for a valid answer
     return True
+
+
+def _whole_under(spec, text: str) -> bool:
+    """Whether `text`, cut by --max-tokens, is already a whole answer under the constraint (`[0-9]+` cut after
+    "100" is one; the grammar only ends at the stop token, so the cut alone proves nothing). A grammar's answer
+    cannot be checked here: taken as cut."""
+    if spec.choice is not None:
+        return text in spec.choice
+    if spec.regex is not None:
+        try:
+            return re.fullmatch(spec.regex, text) is not None
+        except re.error:  # a pattern of xgrammar's dialect Python does not read
+            return False
+    if spec.json is not None or spec.json_object:
+        try:  # the grammar let no value close before the schema was met: one that parses is whole
+            value = json.loads(text)
+        except ValueError:
+            return False
+        return isinstance(value, dict) or not spec.json_object
+    return False

@@ -12,12 +12,12 @@ from tqdm import tqdm
 
 from radiance.checkpoint.sampling_defaults import SamplingDefaults
 from radiance.config import EngineConfig
-# vLLM's arguments: LLM(...)'s (VLLM_NO_EFFECT_ARGS, VLLM_DEFAULT_ONLY_ARGS there), generate's and chat's
-from radiance.engine.llm_args import (_dtype_name, _max_logprobs, _vllm_model_args, _with_text_content,
-                                      check_chat_args, check_lora_request, check_priority, conversations_of,
-                                      template_variables, tokenizer_kwargs)
 from radiance.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from radiance.engine.beam_search import beam_search as _beam_search
+# vLLM's arguments: LLM(...)'s (VLLM_NO_EFFECT_ARGS, VLLM_DEFAULT_ONLY_ARGS there), generate's and chat's
+from radiance.engine.llm_args import (_dtype_name, _max_logprobs, _short, _vllm_model_args, _with_text_content,
+                                      check_chat_args, check_lora_request, check_priority, conversations_of,
+                                      template_variables, tokenizer_kwargs)
 from radiance.engine.llm_engine import LLMEngine
 from radiance.engine.loader import no_tokenizer_message
 # CompletionOutput and GenerationOutput are importable from here as before
@@ -337,7 +337,3 @@ def _is_token_ids(prompt) -> bool:
         return all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt)
     return False
 
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -48,7 +48,8 @@ class SamplingType(IntEnum):
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM's SamplingParams. Mutable as vLLM's (`sp.max_tokens = 64`): an assigned value is checked and normalised
-    as the constructor's (a bad one raises the same SamplingParamsError and leaves the object as it was). The
+    as the constructor's (a bad one raises the same SamplingParamsError and leaves the object as it was; so with
+    n = 2, set temperature 0 only after n = 1). The
     engine takes its own copy of the parameters of each request it is given."""
 
     n: int = 1
@@ -109,9 +110,9 @@ class SamplingParams:
             if not cond:
                 raise SamplingParamsError(msg, field)
 
-        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True asks for one
-            if getattr(self, name) is True:
-                object.__setattr__(self, name, 1)
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True asks for one, False (not None) for none beside
+            if isinstance(getattr(self, name), bool):  # the sampled token
+                object.__setattr__(self, name, int(getattr(self, name)))
 
         # types first: a float seed or a None stop string failed later, inside the engine's loop
         # (a bool is an Integral, but True for n or temperature is a mistake, and "no" for ignore_eos was true)
@@ -290,11 +291,8 @@ def _reject_unknown_fields(init):
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
         for alias, name in _FIELD_ALIASES.items():
-            if alias in kwargs:
-                value = kwargs.pop(alias)
-                if kwargs.get(name) is not None and value is not None and kwargs[name] != value:
-                    raise SamplingParamsError(f"{alias} and {name} are the same field: give one", alias)
-                kwargs[name] = value if value is not None else kwargs.get(name)
+            if alias in kwargs:  # vLLM's name wins: dataclasses.replace(p, structured_outputs=x) passes both
+                kwargs[name] = kwargs.pop(alias)
         for name in kwargs:
             if name not in _FIELD_NAMES:
                 raise SamplingParamsError(_unknown_field_message(name), name)

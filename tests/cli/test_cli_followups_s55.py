@@ -15,6 +15,8 @@ from radiance.bench.quality import EvalRequest, Variant
 from radiance.cli import main
 from radiance.engine.llm import LLM
 from radiance.errors import ConfigError
+from tests.cli.test_generate_inputs import _FakeLLM as _GenerateFakeLLM
+from tests.cli.test_generate_inputs import _Output
 
 WIKITEXT = "/work/shared/data/wikitext2-test.txt"
 
@@ -193,35 +195,12 @@ def test_live_eval_json_says_float32_on_the_cpu(live_ppl):
 # ------------------------------------------------------------------------------ generate: fakes
 
 
-class _Output:
-    def __init__(self, text, finish_reason):
-        self.text, self.finish_reason = text, finish_reason
-
-
-class _Engine:
-    chat_template = None
-    max_model_len = 128
+class _FakeLLM(_GenerateFakeLLM):
+    """test_generate_inputs' fake LLM, counting the loads asked of it."""
 
     def __init__(self):
-        self.steps = [[_Output('{"a": 1', "length")]]
-        self.params = None
-
-    def add_request(self, request_id, ids, params):
-        self.params = params
-
-    def has_unfinished_requests(self):
-        return bool(self.steps)
-
-    def step(self):
-        return self.steps.pop(0)
-
-
-class _FakeLLM:
-    def __init__(self):
-        self.engine, self.tokenizer, self.loads = _Engine(), None, []
-
-    def _tokenize(self, prompt):
-        return prompt, [1, 2, 3]
+        super().__init__()
+        self.engine.params, self.loads = None, []
 
 
 @pytest.fixture
@@ -273,6 +252,17 @@ def test_a_constrained_output_cut_by_max_tokens_exits_1(fake, capsys, caplog):
     assert main(["generate", "hi", "--no-chat", "--json"]) == 0
     fake.engine.steps = [[_Output("plain", "length")]]  # no constraint: a cut is the usual end
     assert main(["generate", "hi", "--no-chat", "--max-tokens", "4"]) == 0
+
+
+@pytest.mark.parametrize("flags, text", [(["--regex", "[0-9]+"], "100"), (["--json"], '{"a": 1}'),
+                                         (["--choice", "yes", "no"], "yes")])
+def test_an_output_already_whole_when_cut_is_valid(fake, capsys, caplog, flags, text):
+    """A review's case: `--regex '[0-9]+' --max-tokens 3` printed "100", a full match, then said it was not valid and
+    exited 1 (the grammar ends only at the stop token, so a cut alone proves nothing)."""
+    fake.engine.steps = [[_Output(text, "length")]]
+    with caplog.at_level("WARNING", logger="radiance.engine.cli"):
+        assert main(["generate", "hi", "--no-chat", "--max-tokens", "3", *flags]) == 0
+    assert capsys.readouterr().out == text + "\n" and "cut the output" not in caplog.text
 
 
 def test_generate_help_says_a_cut_constrained_output_exits_1(capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import pytest
 
 from radiance import LLM, SamplingParams
@@ -175,6 +176,9 @@ def test_prompt_forms_batching_and_concurrency_limit_agree(tiny):
             assert x.cum_logprob == pytest.approx(y.cum_logprob, abs=1e-5)
     assert together[1].sequences[0].orig_prompt["prompt_token_ids"] == [5, 7, 3]
     assert beam_search(tiny, [], params) == []
+    # one prompt as a 1-D array, as generate takes it (it was refused as "got ndarray")
+    [array] = beam_search(tiny, numpy.array([5, 7, 3]), params)
+    assert [s.tokens for s in array.sequences] == [s.tokens for s in together[1].sequences]
 
 
 def test_output_stops_at_the_context(tiny):

@@ -255,10 +255,10 @@ def _scenario(rng: random.Random, profile: Profile, reference, num_requests: int
         if profile.max_model_len and rng.random() < 0.5:
             params = replace(params, max_tokens=None, min_tokens=0)  # up to the context
         n = rng.choice([2, 3]) if rng.random() < 0.1 else 1
-        if n > 1:
+        if n > 1 and not params.greedy:  # greedy choices are alike: n > 1 needs sampling (vLLM's rule)
             params = replace(params, n=n)
         for j in range(n):
-            sub = params if n == 1 else params.for_choice(j)
+            sub = params if params.n == 1 else params.for_choice(j)
             reqs.append(Req(f"q{i}" if n == 1 else f"q{i}-{j}", prompt, sub, arrival))
         arrival += rng.randint(0, profile.arrival_gap)
     return reqs

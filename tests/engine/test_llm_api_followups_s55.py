@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -182,8 +183,17 @@ def test_vllms_structured_outputs_field_and_class_are_taken(text_llm):
     assert sp.structured_output is spec and sp.structured_outputs is spec
     out = text_llm.generate("The quick brown", sp, use_tqdm=False)[0].outputs[0]
     assert out.text in ("fox", "dog")
-    with pytest.raises(SamplingParamsError, match="structured_outputs and structured_output"):
-        SamplingParams(structured_outputs=spec, structured_output=StructuredOutput(regex="x"))
+    # vLLM's name wins, so that dataclasses.replace (which passes the old structured_output too) takes it
+    other = StructuredOutput(regex="x")
+    assert SamplingParams(structured_outputs=spec, structured_output=other).structured_output is spec
+    assert replace(sp, structured_outputs=other).structured_output is other
+    assert replace(sp, structured_outputs=None).structured_output is None
+
+
+def test_logprobs_false_is_none_beside_the_sampled_token():
+    """vLLM's: False reads as 0 (True as 1); it was refused as "must be an integer"."""
+    sp = SamplingParams(logprobs=False, prompt_logprobs=True)
+    assert (sp.logprobs, sp.prompt_logprobs) == (0, 1) and type(sp.logprobs) is int
 
 
 @pytest.mark.parametrize("kind", ["CUMULATIVE", "DELTA", "FINAL_ONLY", 2])

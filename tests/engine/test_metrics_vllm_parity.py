@@ -112,9 +112,10 @@ def test_metrics_show_vllms_request_and_step_families(tiny_text_llm, prefix):
 
     async def send(url):
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            answers = await asyncio.gather(*[client.post("/v1/completions", json={**body, "ignore_eos": True,
-                                                                                   "temperature": 0})
-                                             for body, _, _ in bodies])
+            # n > 1 samples (with a seed): greedy choices are refused, as vLLM refuses them
+            answers = await asyncio.gather(*[client.post("/v1/completions", json={
+                **body, "ignore_eos": True, "temperature": 0 if body.get("n", 1) == 1 else 1.0, "seed": 0})
+                for body, _, _ in bodies])
         assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
 
     with serve_engine(async_engine, metrics_prefix=prefix) as url:

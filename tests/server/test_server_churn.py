@@ -219,9 +219,9 @@ def _text(rng: random.Random, lo: int, hi: int) -> str:
 def _sampling(rng: random.Random, body: dict, chat: bool) -> None:
     """Greedy mostly, seeded sampling sometimes, unseeded rarely; the options that end or shape an output."""
     roll = rng.random()
-    if roll < 0.75:
+    if roll < 0.75 and body.get("n", 1) == 1:
         body["temperature"] = 0
-    elif roll < 0.92:
+    elif roll < 0.92:  # n > 1 samples with a seed: greedy choices are refused (a 400), as vLLM refuses them
         body.update(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(1 << 20), top_k=rng.choice([-1, 20]))
     if rng.random() < 0.7:
         body["ignore_eos"] = True

@@ -77,6 +77,34 @@ def test_a_list_for_a_tuple_field_is_taken_as_the_tuple():
     assert CacheConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1  # an int is a number
 
 
+def test_numpy_values_and_paths_are_taken_as_plain_values():
+    """A review's case: LLM(model=Path(...)), max_model_len=np.int64(8), enforce_eager=1 ran before the type check
+    and were refused by its first form; they are stored as the plain Python values."""
+    import pathlib
+
+    import numpy as np
+
+    model = ModelConfig(model=pathlib.Path("/models/m"), max_model_len=np.int64(8), ignore=[np.str_("x")])
+    assert (model.model, model.max_model_len, model.ignore) == ("/models/m", 8, ("x",))
+    assert type(model.max_model_len) is int
+    cache = CacheConfig(gpu_memory_utilization=np.float32(0.5), enable_prefix_caching=np.False_)
+    assert (cache.gpu_memory_utilization, cache.enable_prefix_caching) == (0.5, False)
+    assert type(cache.gpu_memory_utilization) is float and type(cache.enable_prefix_caching) is bool
+    assert CacheConfig(enable_prefix_caching=1).enable_prefix_caching is True
+    with pytest.raises(ConfigError, match="enable_prefix_caching must be true or false, got 2"):
+        CacheConfig(enable_prefix_caching=2)
+
+
+def test_none_from_flat_keyword_arguments_is_the_default():
+    """vLLM's LLM(enable_prefix_caching=None, max_num_seqs=None) mean its defaults (None turned caching off before,
+    then was refused by the type check)."""
+    from radiance.config import EngineConfig
+
+    config = EngineConfig.from_flat(enable_prefix_caching=None, max_num_seqs=None, max_model_len=None)
+    assert config.cache.enable_prefix_caching is True and config.scheduler.max_num_seqs == 64
+    assert config.model.max_model_len is None
+
+
 def test_a_nested_config_of_the_wrong_class_is_named():
     from radiance.config import EngineConfig
 
