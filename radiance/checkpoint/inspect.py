@@ -175,16 +175,9 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False, with_values: 
 def _template_warnings(ckpt: Checkpoint) -> list[str]:
     """One warning per chat template that does not parse (each is compiled as generate and serve compile it), naming
     the file it was read from."""
-    from radiance.errors import ConfigError
-    from radiance.server.chat_template import check_template
+    from radiance.server.chat_template import template_errors
 
-    out = []
-    for name, template in ckpt.chat_templates.items():
-        try:
-            check_template(template, ckpt.template_source(template))
-        except ConfigError as exc:
-            out.append(str(exc) if name == "default" else f"{exc} (the {name!r} template)")
-    return out
+    return [str(exc) if name == "default" else f"{exc} (the {name!r} template)" for name, exc in template_errors(ckpt)]
 
 
 def _header_lines(ckpt: Checkpoint, entries, problem: str | None, with_tokenizer: bool) -> list[str]:

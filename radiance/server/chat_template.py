@@ -84,6 +84,18 @@ def check_template(template: str, source: str | None = None) -> None:
     _compile(template)
 
 
+def template_errors(checkpoint) -> list[tuple[str, ConfigError]]:
+    """(name, error) of each of `checkpoint`'s chat templates that does not parse, the error naming where it was read
+    (inspect lists them, serve warns of them at startup)."""
+    errors = []
+    for name, template in checkpoint.chat_templates.items():
+        try:
+            check_template(template, checkpoint.template_source(template))
+        except ConfigError as exc:
+            errors.append((name, exc))
+    return errors
+
+
 def load_template(value: str | None) -> str | None:
     """`--chat-template`: a path to a file, or the template text itself."""
     if value is None:

@@ -78,14 +78,11 @@ def _check_before_loading(engine_config, server_config: ServerConfig) -> None:
 def _warn_of_templates_that_do_not_parse(checkpoint) -> None:
     """The model's own templates are compiled before it loads: one that does not parse is said once at startup,
     naming its file (chat requests then fail with the same words; completions still serve)."""
-    from radiance.server.chat_template import check_template
+    from radiance.server.chat_template import template_errors
 
-    for name, template in checkpoint.chat_templates.items():
-        try:
-            check_template(template, checkpoint.template_source(template))
-        except ConfigError as exc:
-            which = "" if name == "default" else f" ({name!r} template)"
-            logger.warning("%s%s: chat requests using it will fail (--chat-template gives another)", exc, which)
+    for name, exc in template_errors(checkpoint):
+        which = "" if name == "default" else f" ({name!r} template)"
+        logger.warning("%s%s: chat requests using it will fail (--chat-template gives another)", exc, which)
 
 
 def _check_tls(server_config: ServerConfig) -> None:
