@@ -1,4 +1,5 @@
-"""RMSNorm as the HF Llama/Qwen models compute it (fp32 statistics, weight applied in the input dtype).
+"""RMSNorm as the HF Llama/Qwen models compute it (fp32 statistics, weight applied in the input dtype), or, with
+`fp32_weight`, as HF's Gemma and OLMo 2 do (the weight applied in fp32 and one rounding at the end).
 
 On CUDA the residual add, the norm and (for a W4A8 linear next) the fp8 quantization run as one
 Triton kernel (`kernels.norm.add_rmsnorm`); on the CPU the torch code below.
@@ -15,11 +16,20 @@ from radiance.kernels.reference import quantize_activations_reference
 from radiance.kernels.triton_support import MAX_ROW
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool = False) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    if fp32_weight:  # HF Gemma / OLMo 2: (x32 * w32).to(dtype), one rounding (in float32 both orders are one op)
+        return (x32 * weight.float()).to(dtype)
+    return weight * x32.to(dtype)  # HF Llama: rounded, then times the weight in the input dtype
+
+
+def weights_in_fp32(module: nn.Module) -> None:
+    """Every RMSNorm under `module` takes HF Gemma's / OLMo 2's order (`RMSNorm.fp32_weight`)."""
+    for norm in module.modules():
+        if isinstance(norm, RMSNorm):
+            norm.fp32_weight = True
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +38,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.launch = launch  # which norm of the layer it is, for triton_support.PDL_EARLY_RELEASE
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        # the weight applied in fp32 before the one rounding (HF Gemma, OLMo 2), not after it (HF Llama). Off the GPU
+        # only: the CUDA kernels (add_rmsnorm, the rotary's head norm) keep Llama's order
+        self.fp32_weight = False
 
     def forward(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None, fp8: bool = False,
                 keep_values: bool = False):
@@ -43,7 +56,7 @@ class RMSNorm(nn.Module):
             return y if residual is None else (y, summed)
         if residual is not None:
             x = x + residual
-        y = rms_norm(x, self.weight, self.eps)
+        y = rms_norm(x, self.weight, self.eps, self.fp32_weight)
         if fp8:
             x_q, x_scale = quantize_activations_reference(y.reshape(-1, y.shape[-1]))
             y = Fp8Activations(x_q, x_scale, y.dtype, tuple(y.shape[:-1]), y if keep_values else None)

@@ -2,7 +2,8 @@
 `Gemma3ForConditionalGeneration`), as transformers' Gemma3TextModel computes it (and Gemma 2, Gemma2ForCausalLM
 below, as its Gemma2Model does):
 
-- four RMSNorms per layer, each scaling by 1 + weight (folded into the weight at load): the input norm, a norm of the
+- four RMSNorms per layer, each scaling by 1 + weight (folded into an fp32 weight at load, applied before the one
+  rounding to the model's dtype, as transformers' Gemma3RMSNorm does: `fp32_weight`): the input norm, a norm of the
   attention output before its residual add (`post_attention_layernorm`), the norm before the MLP
   (`pre_feedforward_layernorm`) and one of the MLP output (`post_feedforward_layernorm`);
 - q and k normed per head (as Qwen3), attention scaled by query_pre_attn_scalar ** -0.5;
@@ -25,7 +26,7 @@ from radiance.errors import ConfigError
 from radiance.models.config_fields import is_positive_number
 from radiance.kernels.glu import GELU_TANH, GELU_TANH_NAMES
 from radiance.layers.linear import takes_fp8
-from radiance.layers.norm import RMSNorm
+from radiance.layers.norm import RMSNorm, weights_in_fp32
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.models.arch_config import ArchConfig
 from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP, input_norm
@@ -54,6 +55,10 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Body(LlamaBody):
     layer_class = Gemma3DecoderLayer
 
+    def __init__(self, cfg: ArchConfig):
+        super().__init__(cfg)
+        weights_in_fp32(self)  # every norm, q / k and the final one too: transformers' Gemma3RMSNorm
+
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     body_class = Gemma3Body
@@ -74,12 +79,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def finish_loading(self) -> None:
-        """Gemma's RMSNorm scales by 1 + weight (computed in fp32, then rounded, in transformers): the weight
-        becomes 1 + weight once, so every norm kernel serves it unchanged."""
+        """Gemma's RMSNorm scales by 1 + weight: the weight becomes 1 + weight once, so every norm kernel serves it
+        unchanged. Kept in fp32, as transformers computes it (1 + w rounded to bf16 loses w's low bits: a bf16 ulp
+        of the output); the CUDA kernels round it to the model's dtype as they load it, as before."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, RMSNorm):
-                    module.weight.copy_((module.weight.float() + 1.0).to(module.weight.dtype))
+                    module.weight = nn.Parameter(module.weight.float() + 1.0, requires_grad=False)
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):

@@ -1,16 +1,16 @@
 """OLMo 2 (`Olmo2ForCausalLM`: OLMo-2 1B / 7B / 13B / 32B) and OLMo 3 (the same layers, some with sliding windows),
 as transformers' Olmo2Model computes them: no norm opens the attention or the MLP; each output is normed
 (`post_attention_layernorm`, `post_feedforward_layernorm`) before its residual add, and q and k are normed over their
-whole width (every head at once, `q_norm` / `k_norm`) before the rotary. (transformers' Olmo2RMSNorm multiplies by the
-weight before rounding to the model's dtype, radiance's after, as for Llama: the same in float32, within a rounding in
-bfloat16.)"""
+whole width (every head at once, `q_norm` / `k_norm`) before the rotary. transformers' Olmo2RMSNorm multiplies by the
+weight in fp32 before rounding to the model's dtype (Llama's rounds first): every norm here does the same
+(RMSNorm.fp32_weight), which only bfloat16 can tell apart."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from radiance.layers.norm import RMSNorm
+from radiance.layers.norm import RMSNorm, weights_in_fp32
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.models.arch_config import ArchConfig
 from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP
@@ -45,6 +45,10 @@ class Olmo2DecoderLayer(nn.Module):
 
 class Olmo2Body(LlamaBody):
     layer_class = Olmo2DecoderLayer
+
+    def __init__(self, cfg: ArchConfig):
+        super().__init__(cfg)
+        weights_in_fp32(self)  # the layers' norms, q / k and the final one: all transformers' Olmo2RMSNorm
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

@@ -22,6 +22,10 @@ ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "origin
 # architectures whose transformers model rotates only the leading partial_rotary_factor of each head
 PARTIAL_ROTARY = {"Phi3ForCausalLM"}
 
+# architectures whose transformers config keeps the rope per layer type (sliding_attention / full_attention) even where
+# config.json gives a flat rope_scaling (merged into the full layers'): the scaling is then read as a nested one
+PER_LAYER_TYPE_ROPE = {"Gemma3ForCausalLM", "Olmo3ForCausalLM"}
+
 
 def read_rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[float, dict | None]:
     """(rope_theta, rope scaling or None) from transformers 5's `rope_parameters` or the older `rope_theta` +
@@ -58,6 +62,12 @@ def read_rope(config: dict, defaults: HfDefaults, architecture: str) -> tuple[fl
     if kind not in ROPE_TYPES:
         raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     top = config.get("original_max_position_embeddings")
+    nested = nested or architecture in PER_LAYER_TYPE_ROPE
+    if nested:
+        # transformers' _compute_yarn_parameters reads `truncate` from the top of rope_parameters, which holds the
+        # layer types here, never a layer type's own: it always truncates (OLMo 3 with truncate false: 13% of the
+        # logits apart)
+        scaling = {k: v for k, v in scaling.items() if k != "truncate"}
     if kind in ("llama3", "yarn") and top is not None and not nested:
         # transformers' standardize_rope_params gives config.json's top-level value priority over the scaling's
         # own (Phi-3-style configs keep it outside); LongRoPE reads it first in longrope() below
