@@ -10,7 +10,8 @@ from pathlib import Path
 
 from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int, positive_int
 from radiance.bench.serve_options import DEFAULT_URL, SERVE_DEFAULTS, ServeBenchOptions
-from radiance.bench.vllm_serve_args import add_vllm_flags, is_vllm_command_line, one_of, vllm_dataset, vllm_endpoint, vllm_url
+from radiance.bench.vllm_serve_args import (VLLM_PERCENTILE_METRICS, add_vllm_flags, is_vllm_command_line, one_of,
+                                            parse_goodput, vllm_dataset, vllm_endpoint, vllm_url)
 from radiance.config import DTYPE_ALIASES, DTYPES, MODEL_RULES
 from radiance.config_cli import errors_in_flag_words, parse_dtype
 from radiance.errors import ConfigError
@@ -102,7 +103,7 @@ def _add_serve(sub) -> None:
                                      "first human turn), a JSON array of either, or one prompt per line; the levels "
                                      "walk through it in order, each prompt sent once while it lasts (a vLLM "
                                      "command line shuffles it with --seed first, as vLLM does, unless "
-                                     "--disable-shuffle)")
+                                     "--disable-shuffle, and tops a short one up with random draws)")
     p.add_argument("--request-rate", type=_positive_float, default=SERVE_DEFAULTS["request_rate"],
                    help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--endpoint", type=_endpoint, metavar="{completions,chat}",
@@ -115,8 +116,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--timeout", type=_positive_float, default=SERVE_DEFAULTS["timeout_s"],
                    help="seconds to wait to connect and for each streamed chunk, not the whole answer "
                         "(default: %(default)s)")
-    p.add_argument("--warmup", type=non_negative_int, default=SERVE_DEFAULTS["warmup"],
-                   help="uncounted requests before the first level (default: %(default)s)")
+    p.add_argument("--warmup", type=non_negative_int,
+                   help="uncounted requests before the first level, checked: a failure ends the run (default: "
+                        f"{SERVE_DEFAULTS['warmup']}; a vLLM line's are its --num-warmups)")
     p.add_argument("--seed", type=non_negative_int, default=SERVE_DEFAULTS["seed"],
                    help="seed of the random prompts and arrival times (and of a vLLM line's dataset shuffle); level i uses "
                         "SEED + i. Not negative: Python's "
@@ -126,13 +128,15 @@ def _add_serve(sub) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="aggregate tok/s against concurrency")
     p.add_argument("--plot-with", nargs="+", default=(), metavar="RESULT.json",
                    help="earlier --json outputs to draw as extra lines in --plot")
-    p.add_argument("--percentile-metrics", type=_metric_list, default=SERVE_DEFAULTS["percentile_metrics"],
+    p.add_argument("--percentile-metrics", type=_metric_list,
                    help="latencies whose percentiles the table and JSON report, vLLM's names: ttft (time to first "
                         "token), tpot (per request: (end-to-end - TTFT) / (output tokens - 1)), itl (between "
-                        f"tokens), e2el (end to end) (default: {','.join(SERVE_DEFAULTS['percentile_metrics'])})")
-    p.add_argument("--metric-percentiles", type=_percentile_list, default=SERVE_DEFAULTS["metric_percentiles"],
+                        f"tokens), e2el (end to end) (default: {','.join(SERVE_DEFAULTS['percentile_metrics'])}; "
+                        f"a vLLM line's {','.join(VLLM_PERCENTILE_METRICS)}, vLLM's)")
+    p.add_argument("--metric-percentiles", type=_percentile_list,
                    help="which percentiles, e.g. 50,90,99 (default: "
-                        f"{','.join(f'{q:g}' for q in SERVE_DEFAULTS['metric_percentiles'])})")
+                        f"{','.join(f'{q:g}' for q in SERVE_DEFAULTS['metric_percentiles'])}; a vLLM line's 99, "
+                        "vLLM's)")
     add_vllm_flags(p)
     p.set_defaults(func=run_serve)
 
@@ -229,8 +233,10 @@ def serve_options(args) -> ServeBenchOptions:
     endpoint = vllm_endpoint(args)
     if args.concurrency and args.max_concurrency:
         raise ConfigError("--max-concurrency N is vLLM's one level of --concurrency N: give one of them")
-    if args.num_warmups is not None and args.warmup != d["warmup"]:
-        raise ConfigError("--num-warmups N is --warmup 1+N (vLLM's test request and N more): give one of them")
+    if args.num_warmups is not None and args.warmup is not None:
+        raise ConfigError("--num-warmups is vLLM's --warmup: give one of them")
+    # vLLM sends no test request since its PR 30975, and --num-warmups copies of its first request (default 0)
+    warmup = next((w for w in (args.num_warmups, args.warmup) if w is not None), 0 if vllm else d["warmup"])
     if args.vllm_ignore_eos and not args.ignore_eos:
         raise ConfigError("--ignore-eos and --no-ignore-eos contradict each other")
     input_len = one_of(args, "input_len", "random_input_len", d["input_len"], 1024 if vllm else None)
@@ -257,9 +263,11 @@ def serve_options(args) -> ServeBenchOptions:
         input_len=input_len, output_len=output_len, dataset=dataset,
         request_rate=args.request_rate, endpoint=endpoint, ignore_eos=ignore_eos,
         api_key=args.api_key, timeout_s=args.timeout,
-        warmup=1 + args.num_warmups if args.num_warmups is not None else args.warmup, seed=args.seed,
-        progress=not (args.no_progress or args.disable_tqdm), percentile_metrics=args.percentile_metrics,
-        metric_percentiles=args.metric_percentiles, exact_input_len=vllm and dataset is None,
+        warmup=warmup, ready_check_s=args.ready_check_timeout_sec or 0, goodput=parse_goodput(args.goodput),
+        seed=args.seed, progress=not (args.no_progress or args.disable_tqdm),
+        percentile_metrics=args.percentile_metrics or (VLLM_PERCENTILE_METRICS if vllm else d["percentile_metrics"]),
+        metric_percentiles=args.metric_percentiles or ((99.0,) if vllm else d["metric_percentiles"]),
+        unlimited=vllm and not (args.max_concurrency or args.concurrency), exact_input_len=vllm and dataset is None,
         output_len_from_dataset=sharegpt and not fixed_len, sharegpt_filter=sharegpt and fixed_len,
         disable_shuffle=bool(args.disable_shuffle), vllm_form=vllm)
 

@@ -105,6 +105,14 @@ def peak_concurrent_requests(starts: Sequence[float], latencies: Sequence[float]
     return peak
 
 
+def good_requests(latencies_s: dict[str, Sequence[float]], slos_ms: dict[str, float]) -> int:
+    """vLLM's goodput count (serve.py, calculate_metrics): the requests within every service-level objective given,
+    each latency (seconds, a list a metric, one entry a request) at most its objective (milliseconds). vLLM takes a
+    request's TPOT as 0 where it has one output token."""
+    chosen = [(latencies_s[name], slo / 1000.0) for name, slo in slos_ms.items()]
+    return sum(all(slo >= values[i] for values, slo in chosen) for i in range(len(chosen[0][0]))) if chosen else 0
+
+
 def std(values: Sequence[float]) -> float:
     """Population standard deviation (numpy's default, as vLLM's benchmark reports it); NaN when empty."""
     if not values:

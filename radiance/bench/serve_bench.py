@@ -4,8 +4,8 @@ For each concurrency level it sends `num_prompts` streaming requests with at mos
 flight (optionally arriving as a Poisson process at `request_rate` per second) and records, per
 request, the time to the first token, the gaps between streamed tokens and the end-to-end latency (to the
 last event with a choice, where vLLM's benchmark ends it, not to `[DONE]`).
-Each streamed chunk that carries text counts as one token; when the server reports usage
-(`stream_options.include_usage`), its completion token count wins, and a chunk of several tokens
+Output tokens are the server's usage (`stream_options.include_usage`), else, as vLLM counts them, the generated
+text's by the server's /tokenize after the level (else one a streamed chunk with text); a chunk of several tokens
 stands for as many inter-token gaps (the server's count of each chunk with vLLM's
 `continuous_usage_stats`, else the total spread evenly). A `vllm bench serve` line (opts.vllm_form) times as
 vLLM does instead: from the first event with a choice, one gap per such event, and counts it once any event had a
@@ -27,14 +27,17 @@ import httpx
 from tqdm import tqdm
 
 from radiance.bench import metrics
-from radiance.bench.report import format_table
+from radiance.bench import report
 from radiance.bench.serve_options import ServeBenchOptions
-from radiance.bench.serve_prompts import (PromptSpec, fit_to_tokens, load_dataset, prompts_for_level,
-                                          sharegpt_lengths)
-from radiance.bench.serve_stream import Stream, read_stream, stream_problem
+from radiance.bench.serve_prompts import (PromptSpec, check_random_input_len, fit_to_tokens,
+                                          load_dataset, oversample, prompts_for_level, sharegpt_lengths,
+                                          special_tokens)
+from radiance.bench.serve_stream import Stream, http_error, read_stream, stream_problem, tokenize_texts
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+# the result's vLLM keys and its table are report.py's; callers know them as serve_bench's
+serve_table, vllm_summary, vllm_metrics = report.serve_table, report.vllm_summary, report.vllm_metrics
 
 
 @dataclass
@@ -49,6 +52,7 @@ class RequestResult:
     requested_tokens: int = 0  # max_tokens asked for
     counted_from_chunks: bool = False  # the server reported no usage: one token per streamed chunk
     start_s: float = math.nan  # perf_counter at the send: places the request in vLLM's per-second peaks
+    stream: Stream | None = field(default=None, repr=False, compare=False)  # its text, counted after the level
 
     @property
     def tpot_s(self) -> float:
@@ -58,8 +62,9 @@ class RequestResult:
     @property
     def short(self) -> bool:
         """Finished with fewer tokens than asked: the server stopped early (it ignores ignore_eos and min_tokens).
-        Without usage the count is the chunks', which cannot tell."""
-        return self.ok and not self.counted_from_chunks and self.output_tokens < self.requested_tokens
+        Without usage the count is the chunks' or the retokenized text's, which cannot tell."""
+        by_usage = self.stream is None or self.stream.completion_tokens is not None  # a retokenized text may differ
+        return self.ok and not self.counted_from_chunks and by_usage and self.output_tokens < self.requested_tokens
 
 
 @dataclass(frozen=True)
@@ -80,46 +85,19 @@ class LevelSummary:
     errors: tuple[str, ...] = ()
     short_outputs: int = 0  # finished with fewer tokens than output_len (the server stopped early)
     counted_from_chunks: int = 0  # requests whose server reported no usage (tokens counted as chunks)
+    counted_from_text: int = 0  # requests without usage whose text /tokenize counted (vLLM's count)
+    text_tokens: int = 0  # those requests' output tokens, so counted
+    text_chunks: int = 0  # their streamed text chunks: the count without /tokenize
     interrupted: bool = False  # Ctrl-C: the requests that finished before it
     tpot_ms: metrics.LatencySummary | None = None  # per request, vLLM's TPOT
     input_tokens: int = 0  # prompt tokens of the finished requests, by the server's usage (else the client's count)
     total_tok_s: float = math.nan  # (input + output tokens) / the level's wall time: vLLM's total token throughput
     peak_output_tok_s: float = 0.0  # vLLM's peak: output tokens of the fullest one-second bucket
     peak_concurrency: int = 0  # vLLM's peak: the most requests in flight at one instant
+    request_goodput: float | None = None  # vLLM's: requests/s within every --goodput objective; None without one
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def vllm_metrics(lv: dict, percentile_metrics=("ttft", "tpot", "itl"), percentiles=(99.0,)) -> dict:
-    """One level's numbers under the keys of vLLM's `bench serve` result file (mean/median/std/pNN in ms of the
-    chosen metrics, as vLLM writes them)."""
-    out = {"duration": lv["duration_s"], "completed": lv["ok"], "failed": lv["failed"],
-           "max_concurrency": lv["concurrency"], "total_input_tokens": lv.get("input_tokens", 0),
-           "total_output_tokens": lv["output_tokens"], "request_throughput": lv["request_throughput"],
-           "output_throughput": lv["aggregate_tok_s"], "total_token_throughput": lv.get("total_tok_s", math.nan),
-           "max_output_tokens_per_s": lv.get("peak_output_tok_s", math.nan),
-           "max_concurrent_requests": lv.get("peak_concurrency")}
-    for name in percentile_metrics:
-        summary, scale = _metric_summary(lv, name)
-        if summary is None:
-            continue
-        pcts = summary.get("percentiles") or {}
-        out[f"mean_{name}_ms"] = summary["mean"] * scale
-        out[f"median_{name}_ms"] = summary["p50"] * scale
-        out[f"std_{name}_ms"] = summary.get("std", math.nan) * scale
-        for q in percentiles:
-            key = metrics.percentile_key(q)
-            value = pcts.get(key, summary.get(key, math.nan))
-            out[f"{key}_{name}_ms"] = value * scale if value is not None else math.nan
-    return out
-
-
-def _metric_summary(lv: dict, name: str) -> tuple[dict | None, float]:
-    """The level's summary of a vLLM metric name and the factor to milliseconds (E2E is kept in seconds)."""
-    key, scale = {"ttft": ("ttft_ms", 1.0), "tpot": ("tpot_ms", 1.0), "itl": ("itl_ms", 1.0),
-                  "e2el": ("e2e_s", 1e3)}[name]
-    return lv.get(key), scale
 
 
 # --------------------------------------------------------------------------- one request
@@ -148,8 +126,7 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
     try:
         async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {' '.join(text.split())[:200]}"
+                result.error = http_error(resp.status_code, (await resp.aread()).decode(errors="replace"))
                 return result
             result.error = await read_stream(resp, stream)
     except httpx.TimeoutException as exc:  # its text is empty
@@ -162,25 +139,47 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
         return result
     result.ok = True
     result.start_s = start
-    timings = stream.vllm_timings if opts.vllm_form else stream.token_timings
-    result.ttft_s, result.itl_s, result.e2e_s = timings(start)
-    result.output_tokens = stream.output_tokens
+    result.stream = stream
+    _set_timings(result, opts.vllm_form)
     # vLLM's input tokens: the server's usage (its chat template included), else the client's count of the prompt
     result.prompt_tokens = stream.prompt_tokens if stream.prompt_tokens is not None else spec.prompt_len
     result.counted_from_chunks = stream.completion_tokens is None
     return result
 
 
+def _set_timings(result: RequestResult, vllm_form: bool) -> None:
+    stream = result.stream
+    timings = stream.vllm_timings if vllm_form else stream.token_timings
+    result.ttft_s, result.itl_s, result.e2e_s = timings(result.start_s)
+    # vLLM takes the tokenized text's count as it is (calculate_metrics); radiance's lines no fewer than the chunks
+    text_only = vllm_form and stream.completion_tokens is None and stream.text_tokens is not None
+    result.output_tokens = stream.text_tokens if text_only else stream.output_tokens
+
+
+async def count_text_tokens(client: httpx.AsyncClient, model: str, results: list[RequestResult],
+                            vllm_form: bool) -> None:
+    """vLLM's output tokens of the requests whose server streamed no usage: their text's (tokenize_texts), counted
+    after the level's clock stopped; a server without /tokenize leaves them counted as chunks."""
+    todo = [r for r in results if r.ok and r.counted_from_chunks and r.stream is not None]
+    await tokenize_texts(client, model, [r.stream for r in todo])
+    for result in todo:
+        if result.stream.text_tokens is not None:
+            result.counted_from_chunks = False
+            _set_timings(result, vllm_form)
+
+
 # --------------------------------------------------------------------------- one level
 
 
 def summarize_level(concurrency: int, results: list[RequestResult], duration_s: float,
-                    interrupted: bool = False, percentiles=(50.0, 99.0)) -> LevelSummary:
+                    interrupted: bool = False, percentiles=(50.0, 99.0), goodput=()) -> LevelSummary:
     good = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in good)
     prompt_counts = [r.prompt_tokens for r in good if r.prompt_tokens is not None]
     summary = partial(metrics.LatencySummary.of, percentiles=percentiles)
     timed = [r for r in good if not math.isnan(r.start_s)]  # a result built without its send time has no place
+    by_text = [r for r in good if r.stream is not None and r.stream.text_tokens is not None
+               and r.stream.completion_tokens is None]
     return LevelSummary(
         concurrency=concurrency,
         requests=len(results),
@@ -198,6 +197,9 @@ def summarize_level(concurrency: int, results: list[RequestResult], duration_s: 
         errors=tuple(sorted({r.error for r in results if r.error}))[:5],
         short_outputs=sum(r.short for r in results),
         counted_from_chunks=sum(r.counted_from_chunks for r in good),
+        counted_from_text=len(by_text),
+        text_tokens=sum(r.output_tokens for r in by_text),
+        text_chunks=sum(len(r.stream.chunk_times) for r in by_text),
         interrupted=interrupted,
         tpot_ms=summary([r.tpot_s * 1e3 for r in good if r.output_tokens > 1]),  # vLLM leaves one-token answers out
         input_tokens=sum(prompt_counts),
@@ -205,6 +207,9 @@ def summarize_level(concurrency: int, results: list[RequestResult], duration_s: 
         peak_output_tok_s=metrics.peak_output_tokens_per_second(
             [r.start_s for r in timed], [r.ttft_s for r in timed], [r.itl_s for r in timed], [r.e2e_s for r in timed]),
         peak_concurrency=metrics.peak_concurrent_requests([r.start_s for r in timed], [r.e2e_s for r in timed]),
+        request_goodput=metrics.tokens_per_second(metrics.good_requests(
+            {"ttft": [r.ttft_s for r in good], "tpot": [0.0 if r.output_tokens <= 1 else r.tpot_s for r in good],
+             "e2el": [r.e2e_s for r in good]}, dict(goodput)), duration_s) if goodput else None,
     )
 
 
@@ -244,7 +249,8 @@ async def run_level(client: httpx.AsyncClient, opts: ServeBenchOptions, model: s
         interrupted = True
     duration = time.perf_counter() - start
     bar.close()
-    return summarize_level(concurrency, results, duration, interrupted, opts.metric_percentiles)
+    await count_text_tokens(client, model, results, opts.vllm_form)  # after the clock, as vLLM counts them
+    return summarize_level(concurrency, results, duration, interrupted, opts.metric_percentiles, opts.goodput)
 
 
 def server_root(url: str) -> str:
@@ -297,20 +303,24 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
                 hint = " (or give --sharegpt-output-len N: every request N tokens, the replies' lengths unchecked)"
                 raise ConfigError(f"{exc}{hint if fixed is None else ''}") from None
             _warn_if_prompts_repeat(opts, pool)  # the filter may have left fewer prompts than requests
-        fit = opts.exact_input_len
-        await warm_up(client, opts, model)
+        if pool and opts.vllm_form:  # vLLM tops a short dataset up with random draws, radiance cycles it
+            pool = oversample(pool, sum(opts.prompts_for(c) for c in opts.concurrency), opts.seed)
+        # vLLM's random prompts are fitted to the server's tokenizer (None: not fitted), its special tokens
+        # counted once and an input length they leave no room in refused, before any request
+        specials = await _special_tokens(client, opts, model) if opts.exact_input_len and not pool else None
         levels, interrupted, sent = [], False, 0
         for i, conc in enumerate(opts.concurrency):
             # a dataset is walked through across the levels: a prompt an earlier level sent would be a
             # prefix-cache hit (5.1 s against 66 ms time to first token on the embedded model)
             specs = prompts_for_level(opts, opts.prompts_for(conc), opts.seed + i, pool, start=sent)
-            if fit and not pool:  # before the level's clock starts
+            if specials is not None:  # before the level's clock starts
                 try:
-                    specs = await fit_to_tokens(client, model, specs, opts.input_len, opts.seed + i)
-                except ConfigError as exc:  # a server without vLLM's /tokenize: words, each about one token
-                    logger.warning("%s: the prompts are %d words (~tokens), not exactly %d tokens",
-                                   exc, opts.input_len, opts.input_len)
-                    fit = False
+                    specs = await fit_to_tokens(client, model, specs, opts.input_len, opts.seed + i, specials)
+                except ConfigError as exc:
+                    _not_fitted(exc, opts)
+                    specials = None
+            if i == 0:  # a vLLM line warms up with the run's first request
+                await warm_up(client, opts, model, specs[0], conc)
             sent += len(specs)
             summary = await run_level(client, opts, model, conc, specs, opts.seed + i)
             logger.info("concurrency %d: %d ok, %d failed, %.1f output tok/s aggregate",
@@ -329,13 +339,31 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
             "interrupted": interrupted,
             "levels": [_with_vllm_keys(lv.as_dict(), opts) for lv in levels]}
     if len(result["levels"]) == 1:  # one level is one vLLM run: its keys where vLLM's result file has them
-        result.update(result["levels"][0]["vllm"], model_id=model, num_prompts=result["levels"][0]["requests"])
+        result.update(report.vllm_run_keys(opts.endpoint, model), **result["levels"][0]["vllm"], model_id=model,
+                      num_prompts=result["levels"][0]["requests"])
     return result
 
 
 def _with_vllm_keys(lv: dict, opts: ServeBenchOptions) -> dict:
     lv["vllm"] = vllm_metrics(lv, opts.percentile_metrics, opts.metric_percentiles)
+    if opts.unlimited:  # vLLM writes its --max-concurrency as given, null without one
+        lv["vllm"]["max_concurrency"] = None
     return lv
+
+
+async def _special_tokens(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str) -> int | None:
+    try:
+        specials = await special_tokens(client, model)
+    except ConfigError as exc:
+        _not_fitted(exc, opts)
+        return None
+    check_random_input_len(opts.input_len, specials)
+    return specials
+
+
+def _not_fitted(exc: ConfigError, opts: ServeBenchOptions) -> None:
+    # a server without vLLM's /tokenize: the prompts stay words, each about one token
+    logger.warning("%s: the prompts are %d words (~tokens), not exactly %d tokens", exc, opts.input_len, opts.input_len)
 
 
 def _warn_if_prompts_repeat(opts: ServeBenchOptions, pool: list[PromptSpec] | None) -> None:
@@ -345,9 +373,14 @@ def _warn_if_prompts_repeat(opts: ServeBenchOptions, pool: list[PromptSpec] | No
                        "prefix cache serves the repeats faster", len(pool), total)
 
 
-async def warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str) -> None:
-    """The uncounted first requests. One that fails (a wrong --url or --model, a server that is down) would fail
-    every measured request the same way, so the run stops here with its error."""
+async def warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str, first: PromptSpec | None = None,
+                  concurrency: int = 1) -> None:
+    """The uncounted first requests. On radiance's lines, one that fails (a wrong --url or --model, a server that is
+    down) would fail every measured request the same way, so the run stops here with its error; a vLLM line warms
+    up as vLLM does (vllm_warm_up)."""
+    if opts.vllm_form and first is not None:
+        await vllm_warm_up(client, opts, model, first, concurrency)
+        return
     # random prompts from a seed no level uses, with a dataset too: a prompt the warmup sent is in the prefix cache
     # when a level sends it (seed - 1 was -1 for the default 0, which Python's random takes as 1)
     for spec in prompts_for_level(opts, opts.warmup, opts.seed + len(opts.concurrency)):
@@ -361,77 +394,46 @@ def run_serve_bench(opts: ServeBenchOptions) -> dict:
     return asyncio.run(run_serve_bench_async(opts))
 
 
-_COLUMN = {"ttft": ("TTFT", "ms", "ttft_ms", 1), "tpot": ("TPOT", "ms", "tpot_ms", 2),
-           "itl": ("ITL", "ms", "itl_ms", 2), "e2el": ("E2E", "s", "e2e_s", 2)}
+READY_RETRY_S = 5.0  # vLLM's wait_for_endpoint retries its test request this often
 
 
-def serve_table(result: dict) -> str:
-    """One row a level: the chosen percentiles of the chosen latencies (--percentile-metrics, --metric-percentiles),
-    then the rates; a run of one level adds vLLM's summary block, to compare line by line."""
-    names = result.get("percentile_metrics") or ("ttft", "itl", "e2el")  # results written before the option
-    qs = result.get("metric_percentiles") or (50.0, 99.0)
-    cols = [(name, metrics.percentile_key(q)) for name in names for q in qs]
-    headers = ("conc", "ok", "failed", *(f"{_COLUMN[n][0]} {k} {_COLUMN[n][1]}" for n, k in cols),
-               "out tok/s", "agg tok/s")
-    rows = [(lv["concurrency"], lv["ok"], lv["failed"], *(_level_percentile(lv, n, k) for n, k in cols),
-             lv["output_tok_s"], lv["aggregate_tok_s"]) for lv in result["levels"]]
-    lines = [f"{result['model']} at {result['url']} ({result['endpoint']})",
-             format_table(headers, rows, digits=(0, 0, 0, *(_COLUMN[n][3] for n, _ in cols), 1, 1))]
-    for lv in result["levels"]:
-        lines += _level_notes(lv, result.get("ignore_eos", True))
-    if len(result["levels"]) == 1 and "vllm" in result["levels"][0]:
-        lines += ["", vllm_summary(result["levels"][0]["vllm"], names, qs, result.get("request_rate"))]
-    return "\n".join(lines)
+async def vllm_warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str, first: PromptSpec,
+                       concurrency: int) -> None:
+    """vLLM's `benchmark()` before its clock starts, with the run's first request: the test request, sent until one
+    succeeds for up to --ready-check-timeout-sec (vLLM's default 0 sends none since vLLM PR 30975: it was an
+    unannounced warm-up), then `warmup` (--num-warmups) copies of it at once, at most `concurrency` in flight,
+    whose answers are not checked."""
+    if opts.ready_check_s > 0:
+        await _ready_check(client, opts, model, first)
+    if opts.warmup:
+        logger.info("Warming up with %d requests...", opts.warmup)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one() -> None:
+            async with gate:
+                await send_request(client, opts, model, first)
+        await asyncio.gather(*(one() for _ in range(opts.warmup)))
+        logger.info("Warmup run completed.")
 
 
-def _level_percentile(lv: dict, name: str, key: str) -> float:
-    summary = lv.get(_COLUMN[name][2]) or {}
-    value = (summary.get("percentiles") or {}).get(key, summary.get(key))
-    return math.nan if value is None else value
-
-
-def vllm_summary(v: dict, names, qs, request_rate=None) -> str:
-    """vLLM's "Serving Benchmark Result" block, its lines and labels, from vllm_metrics' keys."""
-    def line(label, value, fmt=".2f"):
-        text = "nan" if isinstance(value, float) and math.isnan(value) else format(value, fmt)
-        return f"{label:<40} {text:<10}".rstrip()
-
-    out = [" Serving Benchmark Result ".center(50, "="), line("Successful requests:", v["completed"], "d"),
-           line("Failed requests:", v["failed"], "d"), line("Maximum request concurrency:", v["max_concurrency"], "d")]
-    if request_rate not in (None, "inf"):
-        out.append(line("Request rate configured (RPS):", request_rate))
-    out += [line("Benchmark duration (s):", v["duration"]), line("Total input tokens:", v["total_input_tokens"], "d"),
-            line("Total generated tokens:", v["total_output_tokens"], "d"),
-            line("Request throughput (req/s):", v["request_throughput"]),
-            line("Output token throughput (tok/s):", v["output_throughput"])]
-    if v.get("max_concurrent_requests") is not None:  # results written before the peaks have none
-        out += [line("Peak output token throughput (tok/s):", v["max_output_tokens_per_s"]),
-                line("Peak concurrent requests:", v["max_concurrent_requests"])]  # vLLM prints it as 8.00
-    out.append(line("Total token throughput (tok/s):", v["total_token_throughput"]))
-    headers = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-               "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-    for name in names:
-        if f"mean_{name}_ms" not in v:
-            continue
-        label = name.upper()
-        out += [headers[name].center(50, "-"), line(f"Mean {label} (ms):", v[f"mean_{name}_ms"]),
-                line(f"Median {label} (ms):", v[f"median_{name}_ms"])]
-        out += [line(f"{key.upper()} {label} (ms):", v[f"{key}_{name}_ms"])
-                for key in (metrics.percentile_key(q) for q in qs)]
-    out.append("=" * 50)
-    return "\n".join(out)
-
-
-def _level_notes(lv: dict, ignore_eos: bool) -> list[str]:
-    where = f"concurrency {lv['concurrency']}"
-    notes = [f"{where}: error: {err}" for err in lv["errors"]]
-    if lv.get("counted_from_chunks"):
-        notes.append(f"{where}: {lv['counted_from_chunks']} of {lv['ok']} requests came without usage: their tokens "
-                     "are counted as streamed chunks (too few where a chunk carries several)")
-    if lv.get("short_outputs"):
-        why = " (the server may not honour ignore_eos / min_tokens)" if ignore_eos else ""
-        notes.append(f"{where}: {lv['short_outputs']} of {lv['ok']} requests stopped before their max_tokens{why}; "
-                     "tok/s counts the tokens sent")
-    if lv.get("interrupted"):
-        notes.append(f"{where}: interrupted (Ctrl-C) after {lv['requests']} request(s); its numbers cover those only")
-    return notes
+async def _ready_check(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str, first: PromptSpec) -> None:
+    """vLLM's wait_for_endpoint: the test request every READY_RETRY_S until it succeeds; none by the deadline ends
+    the run with vLLM's error."""
+    deadline, error = time.perf_counter() + opts.ready_check_s, None
+    while True:
+        try:
+            result = await asyncio.wait_for(send_request(client, opts, model, first),
+                                            max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:  # vLLM keeps the last answer's error, if one came
+            error = error or f"Endpoint readiness timed out after {opts.ready_check_s:g}s."
+            break
+        if result.ok:
+            logger.info("Initial test run completed.")
+            return
+        error = result.error
+        logger.warning("Endpoint is not ready. Error='%s'", error)
+        if (left := deadline - time.perf_counter()) <= 0:
+            break
+        await asyncio.sleep(min(READY_RETRY_S, left))
+    raise ConfigError(f"Initial test run failed - Please make sure benchmark arguments are correctly specified. "
+                      f"Error: {error}")

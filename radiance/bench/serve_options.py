@@ -13,6 +13,7 @@ from radiance.errors import ConfigError
 DEFAULT_URL = "http://127.0.0.1:8000"  # vLLM's bench serve default (--host 127.0.0.1 --port 8000)
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's names: time to first token, time per output token
 # after the first (per request), inter-token latency, end-to-end latency
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # the per-request latencies vLLM's --goodput takes objectives for
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class ServeBenchOptions:
     # continuous_usage_stats: the tokens of each chunk); False: OpenAI's fields only
     api_key: str | None = None
     timeout_s: float = 600.0
-    warmup: int = 1  # requests sent (and not counted) before the first level
+    warmup: int = 1  # requests sent (and not counted) before the first level: radiance's line checks them; a vLLM
+    # line sends vLLM's --num-warmups, copies of its first request, unchecked
+    ready_check_s: float = 0.0  # vLLM's --ready-check-timeout-sec: its first request sent until it succeeds, so long
     seed: int = 0
     progress: bool = True
     percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS  # the latencies whose percentiles are reported
@@ -40,7 +43,9 @@ class ServeBenchOptions:
     # (vLLM's sharegpt), counted with the server's /tokenize, and vLLM's length filter applied
     sharegpt_filter: bool = False  # ShareGPT with vLLM's --sharegpt-output-len: every request output_len tokens,
     # vLLM's length filter still applied to the prompts (4 to 1024 tokens, 2048 with output_len)
+    goodput: tuple[tuple[str, float], ...] = ()  # vLLM's --goodput: (ttft / tpot / e2el, ms) service-level objectives
     disable_shuffle: bool = False  # vLLM's --disable-shuffle: a vLLM line keeps the dataset's order
+    unlimited: bool = False  # a vLLM line without --max-concurrency: vLLM's max_concurrency is null, not the level's
     vllm_form: bool = False  # a `vllm bench serve` line (vllm_serve_args.is_vllm_command_line): vLLM's sampling of a
     # dataset (shuffled by the seed) and its timing (one inter-token gap per streamed chunk, whatever it carries)
 
@@ -58,6 +63,8 @@ class ServeBenchOptions:
             raise ConfigError(f"timeout must be positive seconds, got {self.timeout_s}")
         if self.warmup < 0:
             raise ConfigError(f"warmup must be 0 or more requests, got {self.warmup}")
+        if not self.ready_check_s >= 0:
+            raise ConfigError(f"the ready check must be 0 or more seconds, got {self.ready_check_s}")
         if self.endpoint not in ("completions", "chat"):
             raise ConfigError(f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}")
         unknown = [m for m in self.percentile_metrics if m not in PERCENTILE_METRICS]
@@ -66,6 +73,9 @@ class ServeBenchOptions:
                               f"got {','.join(self.percentile_metrics) or 'none'}")
         if not self.metric_percentiles or not all(0 < q <= 100 for q in self.metric_percentiles):
             raise ConfigError(f"metric percentiles must be numbers in (0, 100], got {self.metric_percentiles}")
+        bad = [f"{name}:{ms}" for name, ms in self.goodput if name not in GOODPUT_METRICS or not ms >= 0]
+        if bad:  # vLLM's check_goodput_args
+            raise ConfigError(f"goodput objectives are ttft, tpot or e2el with milliseconds >= 0, got {' '.join(bad)}")
 
     def prompts_for(self, concurrency: int) -> int:
         return self.num_prompts if self.num_prompts is not None else max(8, 4 * concurrency)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from radiance.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import httpx
@@ -164,6 +167,17 @@ def _prompt_row(row, output_len: int, where: str) -> PromptSpec:
     return PromptSpec(prompt, n)
 
 
+def oversample(pool: list[PromptSpec], n: int, seed: int) -> list[PromptSpec]:
+    """vLLM's BenchmarkDataset.maybe_oversample_requests: a dataset with fewer prompts than requests is topped up
+    with prompts drawn at random, with replacement, from `random.seed(seed)` (its --seed); the pool as it is when
+    it holds enough."""
+    if len(pool) >= n:
+        return pool
+    rng = random.Random(seed)  # random.seed(seed) then random.choice, as vLLM draws them
+    logger.info("Oversampled requests to reach %d total samples.", n)  # vLLM's line
+    return pool + [rng.choice(pool) for _ in range(n - len(pool))]
+
+
 def prompts_for_level(opts: ServeBenchOptions, n: int, level_seed: int,
                       pool: list[PromptSpec] | None = None, start: int = 0) -> list[PromptSpec]:
     """The dataset's prompts in order from its `start`-th (cycled), else n random prompts."""
@@ -196,20 +210,36 @@ async def count_tokens(client: httpx.AsyncClient, model: str, text: str, special
     return count
 
 
+async def special_tokens(client: httpx.AsyncClient, model: str) -> int:
+    """The special tokens the server's tokenizer adds to a prompt (vLLM's `num_special_tokens_to_add`, a BOS for
+    Llama-style tokenizers): a text's count with them less its count without."""
+    probe = " ".join(_WORDS[:8])
+    return max(0, await count_tokens(client, model, probe, special_tokens=True) - await count_tokens(client, model, probe))
+
+
+def check_random_input_len(input_len: int, specials: int) -> None:
+    """vLLM's RandomDataset refuses an input length that leaves no token of the prompt's own after the tokenizer's
+    special tokens (it would send empty prompts); radiance sent one-word prompts, longer than asked."""
+    if input_len - specials < 1:
+        raise ConfigError(f"--random-input-len {input_len} is too small: the server's tokenizer adds {specials} "
+                          f"special token(s), which leaves {input_len - specials} for the prompt's own; give at "
+                          f"least {specials + 1} (vLLM refuses it too)")
+
+
 async def fit_to_tokens(client: httpx.AsyncClient, model: str, specs: list[PromptSpec], input_len: int,
-                        seed: int) -> list[PromptSpec]:
+                        seed: int, specials: int | None = None) -> list[PromptSpec]:
     """Each random prompt made input_len tokens long as vLLM's random dataset makes them: its own tokens (counted
     without special tokens) are input_len less the special tokens the tokenizer adds (`num_special_tokens_to_add`,
     a BOS for Llama-style tokenizers: the server then reads input_len tokens). Its words are about one token each,
     so one step of the difference usually lands; else the longest run of words within that length (a binary
-    search; exact unless a word of several tokens straddles the length)."""
+    search; exact unless a word of several tokens straddles the length). An input_len of no more than the special
+    tokens is refused, as vLLM refuses it."""
     rng = random.Random(seed)
     out = []
-    if specs:  # the special tokens the tokenizer adds: a text's count with them less its count without
-        probe = specs[0].prompt
-        specials = await count_tokens(client, model, probe, special_tokens=True) - await count_tokens(
-            client, model, probe)
-        input_len = max(1, input_len - max(0, specials))
+    if specs:  # `specials`: counted once a run by the caller, else here
+        specials = await special_tokens(client, model) if specials is None else specials
+        check_random_input_len(input_len, specials)
+        input_len -= specials
     for spec in specs:
         words = spec.prompt.split()
         n = await count_tokens(client, model, spec.prompt)

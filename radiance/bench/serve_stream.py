@@ -3,13 +3,19 @@ whether the answer came whole."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
 from radiance.bench import metrics
+from radiance.bench.serve_prompts import count_tokens
+from radiance.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def _text_field(where: dict, key: str) -> str:
@@ -67,6 +73,8 @@ class Stream:
     prompt_tokens: int | None = None
     finished: bool = False  # a finish_reason or [DONE] came: the answer is whole
     events: int = 0  # `data:` lines read
+    text: list[str] = field(default_factory=list)  # the generated text: vLLM tokenizes it when no usage came
+    text_tokens: int | None = None  # that text's tokens by the server's /tokenize, where no usage came
 
     def add(self, obj: dict, now: float) -> None:
         choice = _first_choice(obj)
@@ -76,9 +84,10 @@ class Stream:
         completion = _usage_count(usage, "completion_tokens") if usage else None
         if choice is not None:
             self.choice_times.append(now)
-        if _chunk_text(choice):
+        if text := _chunk_text(choice):
             self.chunk_times.append(now)
             self.chunk_usage.append(completion)
+            self.text.append(text)
         if choice is not None and choice.get("finish_reason"):
             self.finished = True
         if usage:  # a later usage without a count keeps the earlier one
@@ -101,7 +110,9 @@ class Stream:
 
     @property
     def output_tokens(self) -> int:
-        return max(len(self.chunk_times), self.completion_tokens or 0)
+        """The usage's count, else the text's by /tokenize; at least one a text chunk (each carried a token)."""
+        counted = self.completion_tokens if self.completion_tokens is not None else self.text_tokens
+        return max(len(self.chunk_times), counted or 0)
 
     def tokens_per_chunk(self) -> list[int]:
         """The server's counts when every text chunk carried its usage (continuous_usage_stats) and they add up,
@@ -126,10 +137,27 @@ async def read_stream(resp: httpx.Response, stream: Stream) -> str | None:
             stream.finished = True
             return None
         obj = _stream_event(data)
-        if "error" in obj:
-            return f"stream error: {obj['error']}"[:200]
+        if (error := event_error(obj)) is not None:
+            return f"stream error: {error}"[:200]
         stream.add(obj, time.perf_counter())
     return None
+
+
+def event_error(obj: dict) -> str | None:
+    """The error an event (or an error answer's JSON body) carries, as its message: vLLM and SGLang stream
+    `{"error": {"message", "type", "code"}}`, older vLLM answers `{"object": "error", "message", ...}`, TGI
+    `{"error": "text"}`; None for an ordinary event (an `"error": null` beside the choices too)."""
+    error = obj.get("error")
+    if error is None and obj.get("object") == "error":
+        error = obj
+    if error is None:
+        return None
+    if not isinstance(error, dict):
+        return str(error)
+    message = error.get("message")
+    extra = ", ".join(f"{k} {error[k]}" for k in ("type", "code") if error.get(k) not in (None, ""))
+    text = message if isinstance(message, str) and message else json.dumps(error)
+    return f"{text} ({extra})" if extra else text
 
 
 def stream_problem(stream: Stream, vllm_form: bool = False) -> str | None:
@@ -146,3 +174,29 @@ def stream_problem(stream: Stream, vllm_form: bool = False) -> str | None:
     if not stream.finished:  # the connection closed mid-answer: its numbers would flatter the server
         return f"stream ended after {len(stream.chunk_times)} chunk(s) without a finish_reason or [DONE]"
     return None
+
+
+def http_error(status: int, body: str) -> str:
+    """An error answer as `HTTP 500: its message`, a JSON error reduced to its message, type and code."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    message = event_error(obj) if isinstance(obj, dict) else None
+    return f"HTTP {status}: {' '.join((message or body).split())[:200]}"
+
+
+async def tokenize_texts(client: httpx.AsyncClient, model: str, streams: list[Stream]) -> None:
+    """Sets each stream's text_tokens: vLLM counts a request whose server streamed no usage by tokenizing its
+    generated text without special tokens (calculate_metrics), here with the server's /tokenize. A server without
+    it (or one that fails) leaves them None, the chunks' count standing."""
+    texts = ["".join(stream.text) for stream in streams]
+    try:
+        counts = [await count_tokens(client, model, texts[0])] if texts else []  # one first: a missing /tokenize
+        counts += await asyncio.gather(*(count_tokens(client, model, text) for text in texts[1:]))
+    except (ConfigError, httpx.HTTPError) as exc:
+        logger.warning("no usage came and the server's /tokenize did not count the text (%s): output tokens are "
+                       "counted as streamed chunks", str(exc)[:160])
+        return
+    for stream, count in zip(streams, counts):
+        stream.text_tokens = count

@@ -11,7 +11,6 @@ from radiance.bench.serve_options import DEFAULT_URL, SERVE_DEFAULTS
 from radiance.errors import ConfigError
 
 _VLLM_REFUSED = {
-    "--goodput": "radiance reports no goodput (requests within service-level objectives)",
     "--ramp-up-strategy": "radiance sends at one --request-rate (or one per level), not a ramp",
     "--ramp-up-start-rps": "radiance sends at one --request-rate, not a ramp",
     "--ramp-up-end-rps": "radiance sends at one --request-rate, not a ramp",
@@ -26,7 +25,6 @@ _VLLM_REFUSED = {
     "--metadata": "name the run with --label",
     "--served-model-name": "the model requested is --model",
     "--request-id-prefix": "radiance sends no request ids",
-    "--ready-check-timeout-sec": "radiance's warmup request checks the server once (--warmup 0 skips it)",
     "--top-p": "requests are greedy (temperature 0), vLLM's default",
     "--top-k": "requests are greedy (temperature 0), vLLM's default",
     "--min-p": "requests are greedy (temperature 0), vLLM's default",
@@ -42,6 +40,7 @@ _VLLM_AT_DEFAULT = {"--burstiness": ("1", "arrivals are a Poisson process (vLLM'
                     "--temperature": ("0", "requests are greedy (temperature 0), vLLM's default"),
                     "--random-range-ratio": ("0", "random prompts have exactly --random-input-len tokens"),
                     "--random-prefix-len": ("0", "random prompts share no prefix")}
+VLLM_PERCENTILE_METRICS = ("ttft", "tpot", "itl")  # vLLM's default --percentile-metrics
 _VLLM_DATASETS = ("random", "sharegpt")
 # the vLLM flags below mark a command line as vLLM's: one level (--max-concurrency, or every request at once) of
 # --num-prompts (vLLM's default 1000) random prompts of vLLM's 1024 tokens
@@ -96,7 +95,14 @@ def add_vllm_flags(p) -> None:
                    help="keep the dataset file's order; conversations of fewer than two turns are still dropped "
                         "(default: shuffled with --seed, as vLLM does)")
     g.add_argument("--num-warmups", type=non_negative_int,
-                   help="uncounted requests after vLLM's one test request: --warmup 1+N (default: 0)")
+                   help="uncounted copies of the run's first request sent before it, at most --max-concurrency at "
+                        "once, their answers unchecked, as vLLM sends them (default: 0)")
+    g.add_argument("--ready-check-timeout-sec", type=non_negative_int,
+                   help="send the run's first request until it succeeds, for up to this many seconds, before the run "
+                        "(default: 0, none, vLLM's)")
+    g.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="service-level objectives in ms (ttft, tpot, e2el): request_goodput counts the requests "
+                        "within all of them a second (default: none, request_goodput null)")
     g.add_argument("--tokenizer", help="accepted: token counts come from the server's own tokenizer (/tokenize, usage)")
     g.add_argument("--tokenizer-mode", help="accepted, as --tokenizer")
     g.add_argument("--trust-remote-code", action="store_true", help="accepted, as --tokenizer")
@@ -110,6 +116,18 @@ def add_vllm_flags(p) -> None:
     g.add_argument("--result-filename", help="name of the --save-result file (default: vLLM's)")
     for flag in (*_VLLM_REFUSED, *_VLLM_AT_DEFAULT):
         g.add_argument(flag, nargs="*", action=_Refused, help=argparse.SUPPRESS)
+
+
+def parse_goodput(pairs) -> tuple[tuple[str, float], ...]:
+    """vLLM's --goodput KEY:MS pairs (ttft, tpot, e2el) as ServeBenchOptions.goodput."""
+    out = []
+    for pair in pairs or ():
+        name, _, ms = pair.partition(":")
+        try:
+            out.append((name, float(ms)))
+        except ValueError:
+            raise ConfigError(f"--goodput takes KEY:MILLISECONDS pairs (ttft, tpot, e2el), got {pair!r}") from None
+    return tuple(out)
 
 
 def one_of(args, ours: str, theirs: str, default, vllm_default):
