@@ -15,9 +15,9 @@ from radiance.config import EngineConfig
 from radiance.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from radiance.engine.beam_search import beam_search as _beam_search
 # vLLM's arguments: LLM(...)'s (VLLM_NO_EFFECT_ARGS, VLLM_DEFAULT_ONLY_ARGS there), generate's and chat's
-from radiance.engine.llm_args import (_dtype_name, _max_logprobs, _short, _vllm_model_args, _with_text_content,
-                                      check_chat_args, check_lora_request, check_priority, conversations_of,
-                                      template_variables, tokenizer_kwargs)
+from radiance.engine.llm_args import (_dtype_name, _max_logprobs, _short, _vllm_model_args, check_chat_args,
+                                      check_lora_request, check_priority, conversations_of, template_variables,
+                                      tokenizer_kwargs)
 from radiance.engine.llm_engine import LLMEngine
 from radiance.engine.loader import no_tokenizer_message
 # CompletionOutput and GenerationOutput are importable from here as before
@@ -172,6 +172,8 @@ class LLM:
         bad = [p for p in params_list if not isinstance(p, SamplingParams)]
         if bad:  # a dict failed deep in the engine as "'dict' object has no attribute 'logit_bias'"
             raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {_short(bad[0])}")
+        for p in {id(p): p for p in params_list}.values():  # assignment leaves the rules between fields to here
+            p.check_across_fields()
         return params_list
 
     def _check_logprobs(self, params: SamplingParams) -> None:
@@ -237,17 +239,22 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            **kwargs) -> str:
+                            chat_template_content_format: str = "auto", **kwargs) -> str:
         """The prompt text; with `tools`, the model's "tool_use" template where it ships one (as transformers).
         `chat_template` renders in place of the model's; `continue_final_message` ends the prompt inside the last
-        message (its end cut off), for the model to go on with it; `kwargs` reach the template as variables."""
+        message (its end cut off), for the model to go on with it; `chat_template_content_format` is vLLM's (see
+        chat); `kwargs` reach the template as variables."""
         if continue_final_message and add_generation_prompt:  # transformers' and vLLM's rule
             raise ValueError("continue_final_message needs add_generation_prompt=False")
-        messages = [_with_text_content(m) for m in messages]
         template = chat_template or self.engine.chat_template
         if kwargs.get("tools") is not None and not chat_template:  # transformers' pick: tools given, even []
             template = (getattr(self.engine, "chat_templates", None) or {}).get("tool_use") or template
-        from radiance.server.chat_template import cut_at_continue_tag, render_chat, tag_final_message
+        from radiance.server.chat_template import (content_format_of, cut_at_continue_tag, final_text, render_chat,
+                                                   tag_final_message, with_content_format)
+        # "auto" reads the template that renders (vLLM's detection), the tokenizer's own where radiance has none
+        own = getattr(self.tokenizer, "chat_template", None)
+        detected_in = template or (own if isinstance(own, str) else None)
+        messages = with_content_format(messages, content_format_of(detected_in, chat_template_content_format))
         if not template:
             if self.tokenizer is None:
                 raise self._no_tokenizer("it has no chat template either")
@@ -261,7 +268,7 @@ class LLM:
         if not continue_final_message:
             return render_chat(template, messages, add_generation_prompt=add_generation_prompt, **kwargs)
         prompt = cut_at_continue_tag(render_chat(template, tag_final_message(messages), add_generation_prompt=False,
-                                                 **kwargs), messages[-1].get("content") or "")
+                                                 **kwargs), final_text(messages[-1]))
         if prompt is None:
             raise ValueError("continue_final_message: the chat template does not write the final message's content")
         return prompt
@@ -276,10 +283,12 @@ class LLM:
         list (or tuple) of conversations. vLLM's arguments; `chat_template_kwargs` (and any other keyword) reach
         the template as variables ({"enable_thinking": False} for Qwen3); as in vLLM, chat()'s own arguments win
         over kwargs of their names (add_generation_prompt and continue_final_message there change nothing; tools
-        and chat_template there are used where chat() is given none). vLLM's chat_template_content_format ("auto"
-        or "string": text parts are joined), tokenization_kwargs (of the rendered prompt, which is encoded without
-        special tokens unless they say add_special_tokens), mm_processor_kwargs and lora_request (None). Each
-        output's prompt is the rendered template text, as vLLM's."""
+        and chat_template there are used where chat() is given none). vLLM's chat_template_content_format: "string"
+        (text parts joined by newlines), "openai" (content as a list of {"type": "text", "text": ...} parts, a string
+        as one) or "auto" ("openai" for a template that loops over a message's content, vLLM's detection, else
+        "string"); tokenization_kwargs (of the rendered prompt, which is encoded without special tokens unless they
+        say add_special_tokens), mm_processor_kwargs and lora_request (None). Each output's prompt is the rendered
+        template text, as vLLM's."""
         conversations = conversations_of(messages)
         check_lora_request(lora_request)
         check_chat_args(chat_template_content_format, mm_processor_kwargs)
@@ -295,7 +304,7 @@ class LLM:
         chat_template = chat_template if chat_template is not None else variables.pop("chat_template", None)
         variables.pop("chat_template", None)
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                   "chat_template": chat_template}
+                   "chat_template": chat_template, "chat_template_content_format": chat_template_content_format}
         prompts = []
         for conversation in conversations:
             text = self.apply_chat_template(conversation, **options, **variables)

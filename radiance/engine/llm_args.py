@@ -30,12 +30,10 @@ VLLM_DEFAULT_ONLY_ARGS = {
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # vLLM's tokenization_kwargs (generate's text prompts, chat's rendered template) that the tokenizer call honours
 TOKENIZATION_KWARGS = ("add_special_tokens", "truncation", "max_length")
-# vLLM's chat_template_content_format values taken: "string" (text parts joined into one string) is what radiance
-# does, and what vLLM's "auto" picks for a template that reads content as a string
-CONTENT_FORMATS = ("auto", "string")
 # template variables chat() sets itself and no keyword may: what to pass instead
 _TEMPLATE_OWN_ARGS = {"messages": "pass the conversation as chat()'s messages",
-                      "template": "pass a template as chat()'s chat_template"}
+                      "template": "pass a template as chat()'s chat_template",
+                      "chat_template_content_format": "pass it as chat()'s chat_template_content_format"}
 
 
 def _vllm_model_args(model: str | None, config: dict) -> str | None:
@@ -123,9 +121,9 @@ def tokenizer_kwargs(given, defaults: dict | None = None) -> dict:
 
 def check_chat_args(content_format, mm_processor_kwargs) -> None:
     """vLLM's chat() keywords that would otherwise reach the template as variables."""
-    if content_format not in CONTENT_FORMATS:
-        raise ValueError(f"chat_template_content_format must be 'auto' or 'string' (content parts are joined into "
-                         f"one string), got {content_format!r}")
+    from radiance.server.chat_template import content_format_of  # imported on use, as LLM.apply_chat_template does
+
+    content_format_of(None, content_format)  # "auto", "string" or "openai": refused before any render
     if mm_processor_kwargs is not None:
         raise ValueError(f"mm_processor_kwargs must be None: radiance serves text only (no multimodal inputs), got "
                          f"{_short(mm_processor_kwargs)}")
@@ -151,21 +149,6 @@ def conversations_of(messages) -> list:
     if not isinstance(conversations, (list, tuple)) or not all(_is_conversation(c) for c in conversations):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
     return [list(c) for c in conversations]
-
-
-def _with_text_content(message: dict) -> dict:
-    """A message as templates take it: content given as OpenAI's text parts joined by newlines (vLLM's reading;
-    the template failed on the list). Other parts (images, audio) are refused: text only here."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise ValueError(f"message content parts must be {{'type': 'text', 'text': ...}} (text only), "
-                             f"got {_short(part)}")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
 
 
 def _is_conversation(messages) -> bool:

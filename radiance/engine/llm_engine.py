@@ -87,6 +87,7 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError (a 400 for the server) when a request cannot be served: a RequestError naming the
         field for the checks the CLI and the server share."""
+        params.check_across_fields()  # assignment checks each field alone (n = 2 at temperature 0 is refused here)
         # no max_tokens here: an output that reaches the context ends there (finish_reason "length")
         check_fits_context(len(prompt_token_ids), self.max_model_len, "prompt_token_ids")
         vocab = self.vocab_size

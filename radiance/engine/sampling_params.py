@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
@@ -48,9 +49,11 @@ class SamplingType(IntEnum):
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM's SamplingParams. Mutable as vLLM's (`sp.max_tokens = 64`): an assigned value is checked and normalised
-    as the constructor's (a bad one raises the same SamplingParamsError and leaves the object as it was; so with
-    n = 2, set temperature 0 only after n = 1). The
-    engine takes its own copy of the parameters of each request it is given."""
+    as the constructor's (a bad one raises the same SamplingParamsError and leaves the object as it was). The rules
+    between fields (greedy needs n = 1, min_tokens <= max_tokens, best_of, stop strings need detokenize) wait for
+    the params' use (check_across_fields: LLM.generate, the engine's add_request), so assignments go in any order
+    (n = 2 at temperature 0 is refused there, with the constructor's message). The engine takes its own copy of the
+    parameters of each request it is given."""
 
     n: int = 1
     max_tokens: int | None = 16  # None: up to max_model_len
@@ -106,9 +109,31 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
+        self._check_and_normalise(across_fields=True)
+
+    def check_across_fields(self) -> None:
+        """The rules between fields (ACROSS_FIELDS), which assignment leaves to the params' use: the constructor's
+        SamplingParamsError (and message) where the fields as assigned break one."""
+        for rule in ACROSS_FIELDS:
+            self._check_rule(rule)
+
+    def _check_rule(self, rule: str) -> None:
+        holds, message, field = ACROSS_FIELDS[rule]
+        if not holds(self):
+            raise SamplingParamsError(message(self), field)
+
+    def _check_and_normalise(self, across_fields: bool) -> None:
+        """The constructor's checks and normalisations, in place (object.__setattr__: frozen). Without
+        `across_fields` (an assignment, on a copy) the rules between fields are left out: with n = 2,
+        `sp.temperature = 0` then `sp.n = 1` was refused at the first step, as vLLM checks nothing on
+        assignment."""
         def check(cond, msg, field=None):
             if not cond:
                 raise SamplingParamsError(msg, field)
+
+        def check_across(rule):
+            if across_fields:
+                self._check_rule(rule)
 
         for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True asks for one, False (not None) for none beside
             if isinstance(getattr(self, name), bool):  # the sampled token
@@ -172,16 +197,11 @@ class SamplingParams:
         check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
               or self.truncate_prompt_tokens >= 1,
               f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
-        check(self.detokenize or not self.stop,  # vLLM's rule: a stop string is looked for in the text
-              f"stop strings need detokenize=True (got stop {list(self.stop)!r} with detokenize=False); "
-              "use stop_token_ids")
-        check(self.best_of is None or self.best_of == self.n,
-              f"best_of is not supported (got {self.best_of} with n {self.n}; vLLM v1 removed it too): leave it "
-              f"unset, or ask for n samples with logprobs and pick by cumulative_logprob")
+        check_across("stop needs detokenize")
+        check_across("best_of")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-              f"min_tokens must be at most max_tokens, got min_tokens {self.min_tokens} > max_tokens {self.max_tokens}")
+        check_across("min_tokens")
         # NaN compares false: "must be non-negative, got nan" said the wrong thing
         check(not math.isnan(self.temperature), "temperature must be a number, got nan")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
@@ -194,8 +214,7 @@ class SamplingParams:
             logger.warning("temperature %s is less than %s, which may cause numerical errors (nan or inf); it is "
                            "raised to %s (as vLLM does)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             object.__setattr__(self, "temperature", MIN_TEMPERATURE)
-        # vLLM's rule: greedy choices would all be the same
-        check(self.n == 1 or not self.greedy, f"n must be 1 when using greedy sampling, got {self.n}", "n")
+        check_across("greedy needs n 1")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or non-negative, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
@@ -220,8 +239,8 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         """vLLM's deep copy: an independent, mutable copy (every field holds an immutable value, so a shallow
-        copy is as deep)."""
-        return replace(self)
+        copy is as deep). Not checked, as vLLM's is not: the params may be between assignments."""
+        return copy.copy(self)
 
     @property
     def structured_outputs(self) -> StructuredOutput | None:
@@ -267,6 +286,23 @@ class SamplingParams:
         return bool(self.bad_words) or bool(self.bad_words_token_ids)
 
 
+# the rules between fields: the constructor checks each in its place, check_across_fields all, assignment none (the
+# fields may be assigned in any order, as vLLM's). rule -> (holds, its message, the field it names)
+ACROSS_FIELDS = {
+    # vLLM's rule: a stop string is looked for in the text
+    "stop needs detokenize": (lambda p: p.detokenize or not p.stop,
+                              lambda p: f"stop strings need detokenize=True (got stop {list(p.stop)!r} with "
+                                        "detokenize=False); use stop_token_ids", None),
+    "best_of": (lambda p: p.best_of is None or p.best_of == p.n,
+                lambda p: f"best_of is not supported (got {p.best_of} with n {p.n}; vLLM v1 removed it too): leave it "
+                          "unset, or ask for n samples with logprobs and pick by cumulative_logprob", None),
+    "min_tokens": (lambda p: p.max_tokens is None or p.min_tokens <= p.max_tokens,
+                   lambda p: f"min_tokens must be at most max_tokens, got min_tokens {p.min_tokens} > max_tokens "
+                             f"{p.max_tokens}", None),
+    # vLLM's rule: greedy choices would all be the same
+    "greedy needs n 1": (lambda p: p.n == 1 or not p.greedy,
+                         lambda p: f"n must be 1 when using greedy sampling, got {p.n}", "n"),
+}
 # vLLM's SamplingParams fields radiance takes under another name or not at all: what to write instead
 VLLM_FIELD_HINTS = {
     "guided_decoding": "use structured_outputs= (or structured_output=) StructuredOutputsParams(json=..., regex=..., "
@@ -305,11 +341,14 @@ SamplingParams.__init__ = _reject_unknown_fields(SamplingParams.__init__)  # typ
 
 def _checked_setattr(self: SamplingParams, name: str, value) -> None:
     """vLLM's `sp.max_tokens = 64`, checked and normalised as the constructor does, on a copy: a bad value raises
-    the constructor's SamplingParamsError and leaves the object as it was."""
+    the constructor's SamplingParamsError and leaves the object as it was. The rules between fields wait for the
+    params' use (check_across_fields), as the fields may be assigned in any order."""
     name = _FIELD_ALIASES.get(name, name)
     if name not in _FIELD_NAMES:  # a typo (sp.temprature = 0) was kept and never read
         raise SamplingParamsError(_unknown_field_message(name), name)
-    checked = replace(self, **{name: value})
+    checked = copy.copy(self)
+    object.__setattr__(checked, name, value)
+    checked._check_and_normalise(across_fields=False)
     for f in fields(self):
         object.__setattr__(self, f.name, getattr(checked, f.name))
 

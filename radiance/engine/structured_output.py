@@ -66,6 +66,17 @@ REASONING_BEFORE = {
 }
 
 
+# vLLM's StructuredOutputsParams options refused, and why
+UNSUPPORTED_OPTIONS = {
+    "whitespace_pattern": "JSON is written with one space after ':' and ',' and no other whitespace (as "
+                          "disable_any_whitespace=True asks); another whitespace pattern cannot be set",
+    # a structural tag holds JSON schemas of its own, which would skip the checks of json_schema_rules (what xgrammar
+    # compiles for minutes, or compiles but does not enforce)
+    "structural_tag": "use json, regex, choice, grammar or json_object (a structural tag's schemas could not be "
+                      "checked as a json constraint's are)",
+}
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one constraint (vLLM's `structured_outputs` shape). JSON is generated compactly (one
@@ -79,10 +90,27 @@ class StructuredOutput:
     # set by the server, never by a request: the reasoning (REASONING_BEFORE) that runs free before the text held
     # to the constraint, so the constraint holds the answer, not the model's thinking
     after_reasoning: str | None = None
+    # vLLM's options, taken where the grammar already does what they ask (either value: vLLM's own xgrammar backend
+    # reads these from its engine config, not the request): JSON is written without free whitespace (what
+    # disable_any_whitespace=True asks), and an object schema without additionalProperties allows no other
+    # properties (xgrammar's strict mode; what disable_additional_properties=True asks). disable_fallback (older
+    # vLLM's): there is no other backend to fall back to
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    # vLLM's options that cannot be honoured here: refused, not ignored (UNSUPPORTED_OPTIONS says why)
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self):
         if self.json_object is None:
             object.__setattr__(self, "json_object", False)
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise StructuredOutputError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name, why in UNSUPPORTED_OPTIONS.items():
+            if getattr(self, name) is not None:
+                raise StructuredOutputError(f"{name} is not supported: {why}")
         if self.after_reasoning is not None and self.after_reasoning not in REASONING_BEFORE:
             raise StructuredOutputError(f"unknown reasoning format {self.after_reasoning!r}")
         if isinstance(self.json, dict):
@@ -107,7 +135,7 @@ class StructuredOutput:
 
 
 # vLLM's name (SamplingParams(structured_outputs=StructuredOutputsParams(json=...))): the same fields by keyword
-# (json, regex, choice, grammar, json_object); vLLM's whitespace / structural_tag options are not taken
+# (json, regex, choice, grammar, json_object and vLLM's options: whitespace_pattern and structural_tag refused)
 StructuredOutputsParams = StructuredOutput
 
 

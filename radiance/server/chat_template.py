@@ -18,8 +18,10 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from radiance.config import CONTENT_FORMATS
 from radiance.errors import ConfigError
 from radiance.server.tool_parsers.mistral import ID_ALPHABET, ID_LENGTH
 
@@ -206,6 +208,108 @@ def _harmony_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+# vLLM's chat_template_content_format: a message's content as the template gets it. "string": one text (text parts
+# joined by newlines); "openai": OpenAI's list of parts ([{"type": "text", "text": ...}]); "auto": "openai" for a
+# template that loops over a message's content (content_format_of), else "string"
+def content_format_of(template: str | None, given: str = "auto") -> str:
+    """`given` ("auto", "string" or "openai") resolved for `template`: "string" or "openai". A ValueError for
+    another value."""
+    if given not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {', '.join(map(repr, CONTENT_FORMATS))}, "
+                         f"got {given!r}")
+    if given != "auto":
+        return given
+    return "openai" if template and _loops_over_content(template) else "string"
+
+
+def _reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
+    """`node` is variable `name` (or its `key`: name[key], name.key), through filters, tests and slices: vLLM's
+    _is_var_or_elems_access."""
+    if isinstance(node, (nodes.Filter, nodes.Test)):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads(node.node, name, key)
+    if key is not None:
+        if isinstance(node, nodes.Getitem):
+            return _is_name(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+        return isinstance(node, nodes.Getattr) and _is_name(node.node, name) and node.attr == key
+    return _is_name(node, name)
+
+
+def _is_name(node: nodes.Node, name: str) -> bool:
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+
+class _NotDetected(Exception):
+    """A binding vLLM's detection does not follow (a tuple target): the default, "string"."""
+
+
+def _loop_targets(root: nodes.Template, names: set[str], key: str | None = None) -> set[str]:
+    """The variables of the `for` loops over one of `names` (or its `key`)."""
+    targets = set()
+    for loop in root.find_all(nodes.For):
+        if any(_reads(loop.iter, name, key) for name in names):
+            if not isinstance(loop.target, nodes.Name):
+                raise _NotDetected
+            targets.add(loop.target.name)
+    return targets
+
+
+@functools.lru_cache(maxsize=32)
+def _loops_over_content(template: str) -> bool:
+    """vLLM's "auto" detection: the template loops over a message's content (`{% for part in message['content']
+    %}`), the message being a loop variable over `messages` or over a variable set from it (`{% set msgs =
+    messages[1:] %}`). A template that does not parse: False (vLLM's default, "string"; rendering reports it)."""
+    try:
+        root = _compile(template).environment.parse(template)
+    except (ConfigError, jinja2.TemplateError):
+        return False
+    aliases, todo = {"messages"}, ["messages"]
+    try:
+        while todo:  # the variables set from `messages`, from those, and so on
+            name = todo.pop()
+            for assign in root.find_all(nodes.Assign):
+                if _reads(assign.node, name):
+                    if not isinstance(assign.target, nodes.Name):
+                        raise _NotDetected
+                    if assign.target.name not in aliases:
+                        aliases.add(assign.target.name)
+                        todo.append(assign.target.name)
+        return bool(_loop_targets(root, _loop_targets(root, aliases), "content"))
+    except _NotDetected:
+        return False
+
+
+def _text_parts(content: list) -> list[dict]:
+    """A list content's parts, each a {"type": "text", "text": ...} dict (text only here: another part is a
+    ValueError)."""
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            shown = repr(part)
+            raise ValueError(f"message content parts must be {{'type': 'text', 'text': ...}} (text only), got "
+                             f"{shown if len(shown) <= 60 else shown[:57] + '...'}")
+    return [dict(part) for part in content]
+
+
+def with_content_format(messages: list[dict], content_format: str) -> list[dict]:
+    """The messages (copies) with their content as vLLM hands it to a template of `content_format` ("string" or
+    "openai", content_format_of's): "string": text parts joined by newlines; "openai": a list of text parts, a
+    string as one part, no content as none, but a tool message's text parts joined into one string (vLLM's: most
+    templates print a tool result as a string)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        parts = _text_parts(content) if isinstance(content, list) else None
+        if content_format == "openai" and message.get("role") != "tool":
+            if parts is None:
+                parts = [] if content is None else [{"type": "text", "text": content}]
+            message = {**message, "content": parts}
+        elif parts is not None:
+            message = {**message, "content": "\n".join(part["text"] for part in parts)}
+        out.append(message)
+    return out
+
+
 def render_chat(template: str, messages: list[dict], tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, **kw: Any) -> str:
     """The prompt text for `messages`. `kw` reaches the template as variables (bos_token, eos_token,
@@ -287,9 +391,28 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def tag_final_message(messages: list[dict]) -> list[dict]:
-    """The messages with CONTINUE_TAG after the last one's content (copies: the caller's stay as they are)."""
+    """The messages with CONTINUE_TAG after the last one's content (copies: the caller's stay as they are); content
+    as OpenAI's parts (content format "openai") gets it after its last text part, or as a part of its own."""
     last = messages[-1]
-    return [*messages[:-1], {**last, "content": (last.get("content") or "") + CONTINUE_TAG}]
+    content = last.get("content")
+    if not isinstance(content, list):
+        return [*messages[:-1], {**last, "content": (content or "") + CONTINUE_TAG}]
+    texts = [i for i, part in enumerate(content) if isinstance(part, dict) and part.get("type") == "text"]
+    if not texts:
+        return [*messages[:-1], {**last, "content": [*content, {"type": "text", "text": CONTINUE_TAG}]}]
+    i = texts[-1]
+    tagged = {**content[i], "text": content[i]["text"] + CONTINUE_TAG}
+    return [*messages[:-1], {**last, "content": [*content[:i], tagged, *content[i + 1:]]}]
+
+
+def final_text(message: dict) -> str:
+    """The text of a message to be continued that cut_at_continue_tag looks for: its content, or the text of its
+    last text part (transformers' pick for content given as parts)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        return texts[-1] if texts else ""
+    return content or ""
 
 
 def cut_at_continue_tag(prompt: str, final: str) -> str | None:

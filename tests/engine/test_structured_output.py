@@ -105,8 +105,26 @@ def test_constraints_hold_greedy_and_sampled(smollm2):
         for params in (SamplingParams(max_tokens=128, temperature=0.0, structured_output=spec),
                        SamplingParams(max_tokens=128, temperature=1.0, seed=7, structured_output=spec)):
             out = smollm2.chat(ASK_PERSON, params)[0].outputs[0]
+            if name == "json_object" and out.finish_reason == "length":
+                # greedy SmolLM2 may write one string value forever (bfloat16 on an AVX2 CPU does): the cut text
+                # must still be a prefix that JSON's grammar accepts
+                assert out.text.startswith("{") and json_prefix(out.text), out.text
+                continue
             assert out.finish_reason == "stop", (name, out.text)
             assert valid(out.text), (name, out.text)
+
+
+def json_prefix(text: str) -> bool:
+    """Whether some JSON value starts with text (xgrammar's built-in JSON grammar, no termination asked)."""
+    import xgrammar
+
+    grammar = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"])).compile_builtin_json_grammar()
+    return xgrammar.GrammarMatcher(grammar).accept_string(text)
+
+
+def test_json_prefix_tells_a_cut_value_from_a_broken_one():
+    assert json_prefix('{"Ann": "A 31-year') and json_prefix('{"a": tru')
+    assert not json_prefix('{"a" 1') and not json_prefix("Ann")
 
 
 def valid_quietly(valid, text) -> bool:
