@@ -295,6 +295,7 @@ VLLM_TOOL_CALL_PARSERS = {"openai": "harmony"}
 VLLM_REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think", "openai_gptoss": "harmony", "gpt_oss": "harmony"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 GENERATION_CONFIGS = ("auto", "none", "vllm")  # vllm: vLLM's name for none
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format values
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,10 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases (each once); default from the model
     api_key: str | None = None  # when set, every route but /health, /metrics, /version and /ping needs `Authorization: Bearer KEY` (printable ASCII)
     chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
+    # how a message's content reaches the template (vLLM's --chat-template-content-format): string (text parts joined
+    # by newlines), openai (a list of {"type": "text", "text": ...} parts); auto: openai for a template that loops over a
+    # message's content, else string
+    chat_template_content_format: str = "auto"
     trust_request_chat_template: bool = False  # render a request's own `chat_template` (vLLM's field); off: such a request is a 400, since a template is code the server runs
     # a request's tools stay out of its prompt when its tool_choice is "none" (the model's default template, not its
     # tool_use one: the rendering before vLLM's flag of this name); off: rendered, as vLLM and OpenAI do (the model
@@ -351,6 +356,8 @@ class ServerConfig:
         _check(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", self.metrics_prefix) is not None,
                f"metrics_prefix must start a Prometheus metric name (letters, digits, _ and :), got "
                f"{self.metrics_prefix!r}")
+        _check(self.chat_template_content_format in CONTENT_FORMATS, f"chat_template_content_format must be one of "
+               f"{CONTENT_FORMATS}, got {self.chat_template_content_format!r}")
         _check(self.generation_config in GENERATION_CONFIGS,
                f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
         _check(self.responses_store >= 0, f"responses_store must be >= 0, got {self.responses_store!r}")

@@ -20,6 +20,8 @@ from radiance.engine.request_checks import SamplingParamsError
 from radiance.errors import RadianceError
 from radiance.server.metrics import current_request
 
+# OpenAI's error types (what its API sends and its SDK documents). vLLM names them after the status
+# (BadRequestError, NotFoundError); clients branch on the status, which both share
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -28,6 +30,7 @@ _TYPE_BY_STATUS = {
     413: "invalid_request_error",
     499: "client_closed_request",
     500: "internal_server_error",
+    501: "invalid_request_error",
     503: "service_unavailable",
 }
 
@@ -42,7 +45,8 @@ class OpenAIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error")
+        fallback = "internal_server_error" if status >= 500 else "invalid_request_error"
+        self.type = type or _TYPE_BY_STATUS.get(status, fallback)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -138,6 +142,8 @@ def _validation_message(exc: RequestValidationError, content_type: str | None = 
         return "the request body must be a JSON object", None
     param = param_from_loc(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid value")
+    if kind in ("literal_error", "enum"):  # "Input should be 'a' or 'b'" said nothing of what was sent
+        msg += f", got {_short_repr(first.get('input'))}"
     # strip pydantic's "Value error, " prefix from our own validators' messages
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
@@ -146,6 +152,11 @@ def _validation_message(exc: RequestValidationError, content_type: str | None = 
             param = field_named_first(msg, ChatCompletionRequest, CompletionRequest)
         return msg, param
     return (f"{param}: {msg}" if param else msg), param
+
+
+def _short_repr(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def field_named_first(message: str, *models: type) -> str | None:

@@ -1,22 +1,20 @@
-"""Request models of the OpenAI-compatible API (pydantic) and helpers that build response bodies.
+"""Request models of the OpenAI-compatible API (pydantic).
 
 Requests are validated strictly (a string is not an integer, a bool is not a number) so a malformed
 request fails with a 400 naming the field instead of being silently coerced. Unknown fields are
-ignored, as OpenAI clients send some we do not use. Responses are plain dicts in OpenAI's shape.
+ignored, as OpenAI clients send some we do not use. Responses are plain dicts in OpenAI's shape (response_bodies).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import time
-import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from radiance.engine.request_checks import check_logit_bias_value
-from radiance.server.protocol_messages import ChatMessage, NamedToolChoice, Tool, _Model, pair_function_calls
+from radiance.server.protocol_messages import (ChatMessage, NamedToolChoice, ReasoningEffort, Tool, _Model,
+                                               pair_function_calls)
 from radiance.engine.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -51,6 +49,13 @@ class StructuredOutputs(_Model):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # vLLM's options: taken where the grammar already does what they ask, whitespace_pattern and structural_tag
+    # refused by name (StructuredOutput's rules, as the offline API's)
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    disable_fallback: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     @model_validator(mode="after")
     def _one_constraint(self):
@@ -59,7 +64,11 @@ class StructuredOutputs(_Model):
 
     def spec(self) -> StructuredOutput:
         return StructuredOutput(json=self.json_, json_object=bool(self.json_object), regex=self.regex,
-                                choice=self.choice, grammar=self.grammar)
+                                choice=self.choice, grammar=self.grammar,
+                                disable_any_whitespace=bool(self.disable_any_whitespace),
+                                disable_additional_properties=bool(self.disable_additional_properties),
+                                disable_fallback=bool(self.disable_fallback),
+                                whitespace_pattern=self.whitespace_pattern, structural_tag=self.structural_tag)
 
 
 # vLLM's older request fields, each one constraint: the StructuredOutput field it gives
@@ -195,7 +204,9 @@ class _SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _check_common(self):
-        if self.stream_options is not None and not self.stream:
+        # vLLM's test (`if data.get("stream_options") and not data.get("stream")`): an empty object asks for nothing,
+        # so it passes without stream (an SDK or proxy that always sends one got a 400)
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
@@ -288,10 +299,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: TemplateKwargs = None
     chat_template: str | None = Field(None, min_length=1)  # vLLM's: this request's own template (a trusted server's)
     echo: bool = False  # vLLM's: the answer starts with the last message's content when that is the assistant's
-    # OpenAI's reasoning effort: "none" / "minimal" turn a thinking template's thinking off, "low" / "medium" /
-    # "high" on (enable_thinking, as Qwen3's and Gemma 4's templates read it) where the kwargs do not say it;
-    # every value also reaches the template as `reasoning_effort`
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # OpenAI's reasoning effort: "none" / "minimal" turn a thinking template's thinking off, "low" to "xhigh" (and
+    # vLLM's "max") on (enable_thinking, as Qwen3's and Gemma 4's templates read it) where the kwargs do not say
+    # it; every value also reaches the template as `reasoning_effort`
+    reasoning_effort: ReasoningEffort | None = None
     # vLLM's: false leaves reasoning_content (and reasoning) out of the answer; the model still reasons
     include_reasoning: bool = True
     # vLLM's: special tokens (BOS) added on top of the rendered template, which writes its own: off by default
@@ -417,34 +428,3 @@ class CompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
-
-
-# ---------------------------------------------------------------- response helpers
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens:
-        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return body
-
-
-def model_card(name: str, root: str, created: int, max_model_len: int | None) -> dict:
-    """A /v1/models entry in vLLM's shape: `root` the model served (its path or hub id), `parent` null (a base
-    model, not an adapter), the context length, and one permission object (OpenAI's old shape, which clients of
-    vLLM may read). The permission's id and time are the card's own, so every answer gives the same card."""
-    permission = {"id": f"modelperm-{hashlib.sha256(f'{name}:{created}'.encode()).hexdigest()[:32]}",
-                  "object": "model_permission", "created": created, "allow_create_engine": False,
-                  "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                  "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
-    return {"id": name, "object": "model", "created": created, "owned_by": "radiance", "root": root, "parent": None,
-            "max_model_len": max_model_len, "permission": [permission]}

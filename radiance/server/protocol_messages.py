@@ -31,6 +31,11 @@ class _Model(BaseModel):
                 or key in cls.null_is_not_default}
 
 
+# OpenAI's reasoning efforts ("xhigh" its newest) and vLLM's "max" (DeepSeek V4's), as vLLM takes them: chat's
+# reasoning_effort and the Responses API's reasoning.effort
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class FunctionDefinition(_Model):
     name: str = Field(min_length=1)
     description: str | None = None
@@ -113,6 +118,14 @@ class ChatMessage(_Model):
                                  f"(a string, or parts of type 'text', 'input_text', 'output_text' or 'refusal')")
             read.append(part)
         return {**data, "content": read}
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_calls_is_none(cls, calls: list[ToolCall] | None) -> list[ToolCall] | None:
+        """An empty list is no calls (vLLM drops it too): templates that test `'tool_calls' in message` (Llama 3.1's,
+        gpt-oss's) took a text answer sent back with `tool_calls: []` (older vLLM's answer shape, what an SDK's dump
+        of one gives) for a call turn, and refused it ("only supports single tool-calls") or dropped its content."""
+        return calls or None
 
     # set by _legacy_function_calling: the message was a function message / an assistant's function_call
     _function_result: bool = PrivateAttr(False)

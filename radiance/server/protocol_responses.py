@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from radiance.server.protocol import ChatCompletionRequest, TemplateKwargs, _Request, _SamplingFields
-from radiance.server.protocol_messages import _Model
+from radiance.server.protocol_messages import ReasoningEffort, _Model
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -65,7 +65,7 @@ class FunctionTool(_Model):
 
 
 class ReasoningConfig(_Model):
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # chat's reasoning_effort
+    effort: ReasoningEffort | None = None  # chat's reasoning_effort
     summary: str | None = None  # accepted and echoed: thinking comes back whole, as a reasoning item
 
 

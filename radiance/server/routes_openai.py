@@ -10,7 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from radiance.server.errors import invalid
-from radiance.server.protocol import ChatCompletionRequest, CompletionRequest, model_card
+from radiance.server.protocol import ChatCompletionRequest, CompletionRequest
+from radiance.server.response_bodies import model_card
 from radiance.server.protocol_responses import ResponsesRequest
 from radiance.server.routes_common import State
 from radiance.server.serving_chat import create_chat_completion

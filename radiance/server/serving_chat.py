@@ -17,11 +17,13 @@ from fastapi.responses import StreamingResponse
 
 from radiance.engine.structured_output import StructuredOutput
 from radiance.errors import ConfigError
-from radiance.server.chat_template import (TemplateError, close_thinking, cut_at_continue_tag, prompt_closes_thinking,
-                                           prompt_opens_thinking, render_chat, tag_final_message)
+from radiance.server.chat_template import (TemplateError, close_thinking, content_format_of, cut_at_continue_tag,
+                                           final_text, prompt_closes_thinking, prompt_opens_thinking, render_chat,
+                                           tag_final_message, with_content_format)
 from radiance.server.chat_tools import forced_tool_call_constraint, forced_tool_call_prefix, strict_tools_constraint
 from radiance.server.errors import JSONAnswer, OpenAIError, invalid
-from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice, now, usage
+from radiance.server.protocol import ChatCompletionRequest, NamedToolChoice
+from radiance.server.response_bodies import now, usage
 from radiance.server.reasoning_parser import MESSAGE_SEPARATOR, PARSERS as REASONING_PARSERS, FunctionMessage
 from radiance.server.logprobs_json import LogprobCursor, chat_logprobs, prompt_logprobs_json
 from radiance.server.serving_common import (EngineJob, check_limits, collect_until_disconnect, encode_prompt,
@@ -63,6 +65,12 @@ class ChoiceStream:
         self.content_sent = False
         self.separate_next = False  # the next content follows a harmony function message's body made text
         self.output: Any = None
+
+    @property
+    def hides_logprobs(self) -> bool:
+        """include_reasoning false: the tokens' logprobs name the reasoning's tokens, so none go out (vLLM's rule,
+        streamed or not: the answer's logprobs are null), as the reasoning itself does not."""
+        return self.reasoning is not None and not self.include_reasoning
 
     @property
     def needs_special_tokens(self) -> bool:
@@ -132,7 +140,7 @@ class ChoiceStream:
         if out.finished:
             if self.tools is not None:
                 self._take(self.tools.finish(truncated=truncated), delta)
-        released = self.logprob_cursor.release(out, self.sent_chars)
+        released = None if self.hides_logprobs else self.logprob_cursor.release(out, self.sent_chars)
         logprobs = None if released is None else chat_logprobs(self.tokenizer, released[0], self.token_ids_as_names,
                                                                 released[1])
         return delta, logprobs
@@ -145,13 +153,16 @@ class ChoiceStream:
         return self.output.stop_reason if self.output is not None else None
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict]:
+def _messages(req: ChatCompletionRequest, template: str, content_format: str) -> list[dict]:
+    """The request's messages as the template reads them: content as one string or as OpenAI's text parts
+    (ServerConfig.chat_template_content_format, resolved for this template as vLLM does)."""
     out = []
     for message in req.messages:
         item = message.model_dump(exclude_none=True)
-        item["content"] = message.text()
+        item["content"] = message.text() if not isinstance(message.content, list) else [
+            {"type": "text", "text": part.text} for part in message.content]
         out.append(item)
-    return out
+    return with_content_format(out, content_format_of(template, content_format))
 
 
 def _request_template(state: ServerState, req: ChatCompletionRequest) -> tuple[str | None, str]:
@@ -185,7 +196,8 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, with_tools: bo
     kwargs = {**req.template_kwargs(), **template_kwargs}
     kwargs.setdefault("bos_token", getattr(tok, "bos_token", None) or "")
     kwargs.setdefault("eos_token", getattr(tok, "eos_token", None) or "")
-    messages = _messages(req)
+    messages = _messages(req, template, state.config.chat_template_content_format)
+    final = final_text(messages[-1])
     if req.continue_final_message:  # marked, to cut the prompt where the template wrote the message's end
         messages = tag_final_message(messages)
     try:
@@ -196,7 +208,7 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, with_tools: bo
     except ConfigError as exc:  # only a request's own template can fail to parse here: the server's was checked
         raise invalid(str(exc), param=template_param) from exc
     if req.continue_final_message:
-        prompt = cut_at_continue_tag(prompt, req.messages[-1].text() or "")
+        prompt = cut_at_continue_tag(prompt, final)
         if prompt is None:
             raise invalid("continue_final_message: the chat template does not write the final message's content",
                           param="messages")
@@ -342,7 +354,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         return StreamingResponse(stream, media_type="text/event-stream")
     deltas: list[dict] = [{} for _ in choices]
     # asked for: a list even when no token's logprob goes out (a stop on the first token), as OpenAI answers
-    logprobs: list[list | None] = [[] if req.logprobs else None for _ in choices]
+    logprobs: list[list | None] = [[] if req.logprobs and not c.hides_logprobs else None for c in choices]
 
     def on_output(index: int, out: Any) -> None:
         delta, lp = choices[index].step(out)

@@ -26,7 +26,7 @@ from radiance.engine.sampling_params import SamplingParams
 from radiance.engine.structured_output import StructuredOutput
 from radiance.server.errors import OpenAIError, internal_error, invalid, json_text, sse_error
 from radiance.server.metrics import ABORT, ERROR, RequestTimer, ServerMetrics, current_request
-from radiance.server.protocol import new_id, usage
+from radiance.server.response_bodies import new_id, usage
 from radiance.server.state import ServerState
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ from fastapi.responses import StreamingResponse
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.request_checks import check_not_empty
 from radiance.server.errors import JSONAnswer
-from radiance.server.protocol import CompletionRequest, now, usage
+from radiance.server.protocol import CompletionRequest
+from radiance.server.response_bodies import now, usage
 from radiance.server.logprobs_json import LogprobCursor, completion_logprobs, prompt_logprobs_json
 from radiance.server.serving_common import (EngineJob, check_limits, check_token_ids, collect_until_disconnect,
                                             encode_prompt, engine_request_id, merged_outputs, request_checked,

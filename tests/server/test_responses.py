@@ -221,8 +221,8 @@ def test_reasoning_effort_reaches_the_template():
         assert last_prompt(server).endswith("[none]") and r.reasoning.effort == "none"
         client.responses.create(model="fake", input="SAY:hi")
         assert last_prompt(server).endswith("[]<think>")
-        for path, body, param in [("/v1/chat/completions", {"messages": messages, "reasoning_effort": "max"},
+        for path, body, param in [("/v1/chat/completions", {"messages": messages, "reasoning_effort": "extreme"},
                                    "reasoning_effort"),
-                                  ("/v1/responses", {"input": "hi", "reasoning": {"effort": "max"}}, "reasoning")]:
+                                  ("/v1/responses", {"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning")]:
             r = httpx.post(url + path, json={"model": "fake", **body})
             assert r.status_code == 400 and param in (r.json()["error"]["param"] or ""), r.text
