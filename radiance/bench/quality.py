@@ -150,13 +150,15 @@ def check_chunking(chunks: int, chunk_len: int, first: int = 0) -> None:
 
 def check_context(model: LogitsModel, chunk_len: int) -> None:
     """A chunk must fit the model's positions: past its context (ArchConfig.context_length) there are no rotary
-    angles (an IndexError on the CPU, out-of-bounds reads on CUDA)."""
+    angles (an IndexError on the CPU, out-of-bounds reads on CUDA). The rotary tables are sized to one chunk, each
+    chunk being one forward: LongRoPE then picks its factors by the chunk's length, as transformers does per
+    forward (the short ones for chunks within the pretraining context; the model's whole context took the long)."""
     limit = getattr(getattr(model, "config", None), "context_length", None)
     if limit is not None and chunk_len > limit:
         raise ConfigError(f"chunk_len {chunk_len} exceeds the model's context of {limit} tokens")
     for module in model.modules() if isinstance(model, torch.nn.Module) else ():
         if isinstance(module, RotaryEmbedding):  # built for the first EAGER_TABLE_POSITIONS positions only
-            module.cover(chunk_len)
+            module.serve_context(chunk_len)
 
 
 def chunk_token_ids(token_ids: list[int] | torch.Tensor, chunks: int, chunk_len: int, first: int = 0) -> torch.Tensor:

@@ -131,3 +131,18 @@ def test_transformers_recomputes_a_phi3_sequence_when_it_passes_the_pretraining_
         generated = hf.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16)
         fresh = [hf(generated[:, :n]).logits[0, -1].argmax().item() for n in range(20, 36)]
     assert generated[0, 20:].tolist() == fresh
+
+
+@pytest.mark.parametrize("tokens", [20, 100])
+def test_eval_chunks_pick_longrope_factors_as_transformers(tiny_model_dir, tokens):
+    """eval scores each chunk in one forward, as transformers does: its LongRoPE factors follow the chunk's length
+    (a 20-token chunk of a 32-token pretraining context took the long factors of the model's whole context)."""
+    from radiance.bench.quality import check_context
+
+    path, hf = tiny_model_dir("phi3longrope")
+    ours = _load(path)
+    check_context(ours, tokens)
+    ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert _rel(ours.forward_logits(ids), ref) <= 1e-5
