@@ -32,6 +32,7 @@ from radiance.bench.serve_options import ServeBenchOptions
 from radiance.bench.serve_prompts import (PromptSpec, check_random_input_len, fit_to_tokens,
                                           load_dataset, oversample, prompts_for_level, sharegpt_lengths,
                                           special_tokens)
+from radiance.bench.serve_server import READY_RETRY_S, discover_model, server_root, wait_until_healthy
 from radiance.bench.serve_stream import Stream, http_error, read_stream, stream_problem, tokenize_texts
 from radiance.errors import ConfigError
 
@@ -253,34 +254,6 @@ async def run_level(client: httpx.AsyncClient, opts: ServeBenchOptions, model: s
     return summarize_level(concurrency, results, duration, interrupted, opts.metric_percentiles, opts.goodput)
 
 
-def server_root(url: str) -> str:
-    """--url without a trailing slash or /v1 (the openai client's base_url, which users pass here too: the
-    requests went to .../v1/v1/...)."""
-    root = url.rstrip("/")
-    return root[:-len("/v1")] if root.endswith("/v1") else root
-
-
-async def discover_model(client: httpx.AsyncClient) -> str:
-    where = f"{str(client.base_url).rstrip('/')}/v1/models"  # httpx keeps a trailing slash on base_url
-    try:
-        resp = await client.get("/v1/models")
-    except httpx.HTTPError as exc:  # nothing listens there: --model would not help ("pass --model" said so)
-        raise ConfigError(f"could not reach the server at {where} ({type(exc).__name__}: {exc})") from None
-    if resp.status_code != 200:  # one line: httpx's own message adds a second with a link
-        hint = {401: "; pass its key with --api-key", 404: "; is --url an OpenAI-compatible server?"}.get(
-            resp.status_code, "; pass --model")
-        raise ConfigError(f"could not list the server's models at {where} (HTTP {resp.status_code}: "
-                          f"{' '.join(resp.text.split())[:200]}){hint}")
-    try:
-        model = resp.json()["data"][0]["id"]
-    except (KeyError, IndexError, TypeError, ValueError):
-        model = None
-    if not isinstance(model, str) or not model:
-        raise ConfigError(f"the server's model list at {where} names no model ({' '.join(resp.text.split())[:120]}); "
-                          "pass --model")
-    return model
-
-
 async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
     # fail before any request; vLLM shuffles a dataset with its --seed before sampling (unless --disable-shuffle),
     # radiance walks it in order
@@ -291,6 +264,8 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
     limits = httpx.Limits(max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4)
     async with httpx.AsyncClient(base_url=server_root(opts.url), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(opts.timeout_s)) as client:
+        if opts.ready_check_s > 0:  # a server still loading answers 503: the /tokenize counts below need it ready
+            await wait_until_healthy(client, opts.ready_check_s)
         model = opts.model or await discover_model(client)
         if pool and (opts.output_len_from_dataset or opts.sharegpt_filter):
             # vLLM's ShareGPT sampling; with --sharegpt-output-len N every request asks for N tokens, and vLLM's
@@ -383,7 +358,10 @@ async def warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str
         return
     # random prompts from a seed no level uses, with a dataset too: a prompt the warmup sent is in the prefix cache
     # when a level sends it (seed - 1 was -1 for the default 0, which Python's random takes as 1)
-    for spec in prompts_for_level(opts, opts.warmup, opts.seed + len(opts.concurrency)):
+    specs = prompts_for_level(opts, max(opts.warmup, 1), opts.seed + len(opts.concurrency))
+    if opts.ready_check_s > 0:  # --ready-check-timeout-sec on radiance's line too: retried until it answers
+        await _ready_check(client, opts, model, specs[0])
+    for spec in specs[:opts.warmup]:
         result = await send_request(client, opts, model, spec)
         if not result.ok:
             raise ConfigError(f"warmup request failed: {result.error} (check --url and --model; --warmup 0 "
@@ -392,9 +370,6 @@ async def warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str
 
 def run_serve_bench(opts: ServeBenchOptions) -> dict:
     return asyncio.run(run_serve_bench_async(opts))
-
-
-READY_RETRY_S = 5.0  # vLLM's wait_for_endpoint retries its test request this often
 
 
 async def vllm_warm_up(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str, first: PromptSpec,

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
+
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    import httpx
-
     from radiance.bench.serve_bench import ServeBenchOptions
 
 
@@ -197,7 +197,12 @@ async def count_tokens(client: httpx.AsyncClient, model: str, text: str, special
     """The text's token count by the server's tokenizer (vLLM's /tokenize, radiance serve's too): without special
     tokens (vLLM's random dataset counts a prompt's own tokens), or with them (`special_tokens`: a BOS for
     Llama-style tokenizers, as vLLM's ShareGPT sampling counts `tokenizer(text).input_ids`)."""
-    resp = await client.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": special_tokens})
+    try:
+        resp = await client.post("/tokenize", json={"model": model, "prompt": text,
+                                                    "add_special_tokens": special_tokens})
+    except httpx.HTTPError as exc:  # a traceback said no more than this
+        raise ConfigError(f"could not reach the server's /tokenize ({type(exc).__name__}: {exc}); "
+                          "check --url") from None
     if resp.status_code != 200:
         raise ConfigError(f"the server's /tokenize answered HTTP {resp.status_code} "
                           f"({' '.join(resp.text.split())[:120]}); it counts the tokens of vLLM's lengths")

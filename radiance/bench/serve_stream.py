@@ -33,7 +33,9 @@ def _first_choice(obj: dict) -> dict | None:
     return choices[0] if choices else None
 
 
-def _chunk_text(choice: dict | None) -> str:
+def _chunk_text(choice: dict | None, keys: tuple[str, ...] = ("content", "reasoning_content", "reasoning")) -> str:
+    """The chunk's generated text under `keys` of a chat delta (a token of reasoning counts as one of content for
+    the timings), a completion's `text`."""
     if choice is None:
         return ""
     if "delta" not in choice:
@@ -41,7 +43,7 @@ def _chunk_text(choice: dict | None) -> str:
     delta = choice["delta"] or {}
     if not isinstance(delta, dict):
         raise ValueError(f"stream event has a malformed delta: {str(delta)[:80]}")
-    return "".join(_text_field(delta, key) for key in ("content", "reasoning_content", "reasoning"))
+    return "".join(_text_field(delta, key) for key in keys)
 
 
 def _usage_count(usage: dict, key: str) -> int | None:
@@ -73,7 +75,7 @@ class Stream:
     prompt_tokens: int | None = None
     finished: bool = False  # a finish_reason or [DONE] came: the answer is whole
     events: int = 0  # `data:` lines read
-    text: list[str] = field(default_factory=list)  # the generated text: vLLM tokenizes it when no usage came
+    text: list[str] = field(default_factory=list)  # the generated content: vLLM tokenizes it when no usage came
     text_tokens: int | None = None  # that text's tokens by the server's /tokenize, where no usage came
 
     def add(self, obj: dict, now: float) -> None:
@@ -84,10 +86,11 @@ class Stream:
         completion = _usage_count(usage, "completion_tokens") if usage else None
         if choice is not None:
             self.choice_times.append(now)
-        if text := _chunk_text(choice):
+        if _chunk_text(choice):
             self.chunk_times.append(now)
             self.chunk_usage.append(completion)
-            self.text.append(text)
+            # the content alone, as vLLM's generated_text: servers send reasoning under both of its names
+            self.text.append(_chunk_text(choice, ("content",)))
         if choice is not None and choice.get("finish_reason"):
             self.finished = True
         if usage:  # a later usage without a count keeps the earlier one

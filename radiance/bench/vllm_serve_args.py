@@ -32,7 +32,7 @@ _VLLM_REFUSED = {
     "--presence-penalty": "requests carry no penalties",
     "--repetition-penalty": "requests carry no penalties",
     "--common-prefix-len": "random prompts share no prefix",
-    "--no-oversample": "a dataset with fewer prompts than requests is cycled",
+    "--no-oversample": "a dataset with fewer prompts than requests is topped up with random draws, as vLLM's default",
     "--skip-chat-template": "prompts are sent as the dataset has them",
 }
 # ones radiance honours at vLLM's default value only (anything else would change the measurement)

@@ -12,8 +12,10 @@ import random
 import httpx
 import pytest
 
-from radiance.bench import report, serve_bench
+from radiance.bench import report, serve_bench, serve_prompts
+from radiance.bench import serve_server as serve_bench_server
 from radiance.bench.serve_bench import ServeBenchOptions
+from radiance.bench.serve_stream import Stream
 from radiance.errors import ConfigError
 
 MODEL = "m"
@@ -28,14 +30,20 @@ class Server:
     add_special_tokens). Prompt words: ERRMID (an error event after the first chunk), OLDERR (old vLLM's
     `{"object": "error"}` event), NULLERR (`"error": null` beside the choices), ERR500 (HTTP 500), NOUSAGE."""
 
-    def __init__(self, specials: int = 1, tokenize: bool = True, fail_first: int = 0):
+    def __init__(self, specials: int = 1, tokenize: bool = True, fail_first: int = 0, loading: int = 0):
         self.specials, self.tokenize, self.fail_first = specials, tokenize, fail_first
+        self.loading = loading  # /health answers 503 (and /tokenize too) until asked this many times
         self.prompts: list[str] = []
         self.in_flight = self.max_in_flight = 0
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            self.loading -= self.loading > 0
+            return httpx.Response(503 if self.loading > 0 else 200)
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": MODEL}]})
+        if request.url.path == "/tokenize" and self.loading > 0:
+            return httpx.Response(503, json={"error": {"message": "the model is still loading"}})
         body = json.loads(request.content)
         if request.url.path == "/tokenize":
             if not self.tokenize:
@@ -194,6 +202,42 @@ def test_vllm_s_ready_check_retries_the_first_request_until_it_succeeds(serve, m
     assert server.prompts == ["p0"] * 3 + ["p0", "p1"]
     with pytest.raises(ConfigError, match="Initial test run failed .*Error: HTTP 500: engine died"):
         serve(Server(fail_first=100), ["p0"], vllm_form=True, ready_check_s=0.05)
+
+
+def test_the_ready_check_waits_for_a_loading_server_before_its_tokenize_counts(serve, monkeypatch):
+    """The review's case: the special tokens were counted (/tokenize: 503 while loading) before the ready check
+    waited, so the prompts went out unfitted (33 tokens for 32 asked)."""
+    monkeypatch.setattr(serve_bench_server, "READY_RETRY_S", 0.01)
+    server = Server(specials=1, loading=2)
+    serve(server, None, input_len=4, exact_input_len=True, vllm_form=True, ready_check_s=5.0)
+    assert server.prompts and {len(p.split()) for p in server.prompts} == {3}  # + the BOS: the 4 tokens asked for
+    with pytest.raises(ConfigError, match="not ready within --ready-check-timeout-sec 0.05 .*HTTP 503"):
+        serve(Server(loading=100), None, input_len=4, exact_input_len=True, vllm_form=True, ready_check_s=0.05)
+
+
+def test_radiance_s_line_takes_the_ready_check_too(serve, monkeypatch):
+    """--ready-check-timeout-sec was read by a vLLM line's warm-up only: radiance's stopped at the first 503."""
+    monkeypatch.setattr(serve_bench, "READY_RETRY_S", 0.01)
+    server = Server(fail_first=2)
+    serve(server, ["p0", "p1"], warmup=1, ready_check_s=5.0)
+    assert len(server.prompts) == 3 + 1 + 2  # two failed test requests, the one that answered, the warm-up, the run
+
+
+def test_an_unreachable_tokenize_is_a_one_line_error():
+    async def count():
+        async with httpx.AsyncClient(base_url="http://127.0.0.1:9") as client:
+            return await serve_prompts.count_tokens(client, MODEL, "a b")
+    with pytest.raises(ConfigError, match="could not reach the server's /tokenize .*check --url"):
+        asyncio.run(count())
+
+
+def test_the_text_counted_without_usage_is_the_content_alone():
+    """vLLM's generated_text holds the content: servers send reasoning under both its names, so joined it counted
+    twice."""
+    stream = Stream()
+    stream.add({"choices": [{"index": 0, "delta": {"reasoning_content": "hmm", "reasoning": "hmm"}}]}, 1.0)
+    stream.add({"choices": [{"index": 0, "delta": {"content": "Paris."}}]}, 2.0)
+    assert "".join(stream.text) == "Paris." and len(stream.chunk_times) == 2
 
 
 # ------------------------------------------------------------------ 5. --random-input-len within the special tokens
