@@ -31,6 +31,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 # vLLM v1's finish reasons (FINISH_REASON_STRINGS) that a request here can end with
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 ABORT, ERROR = "abort", "error"
+# vLLM's sources of prompt tokens (PromptTokenStats.ALL_SOURCES): computed here, found in the prefix cache, or
+# loaded from another instance (disaggregated prefill, which radiance has not: always 0, shown as vLLM shows it)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 _TOKEN_BUCKETS = INTER_TOKEN_BUCKETS  # the engine's inter_token_latency has the same: the two read alike
 _N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
@@ -177,6 +180,15 @@ class ServerMetrics:
             ["model_name"], registry=self.registry, buckets=_TOKEN_BUCKETS)
         self._params_n = Histogram(prefix + "request_params_n", "The n of each prompt (its choices).", ["model_name"],
                                    registry=self.registry, buckets=_N_BUCKETS)
+        # vLLM's prefix-cache split of the prompt tokens, per engine request once its prefill is done (dashboards
+        # read their rate beside prompt_tokens: the prefill actually computed); the same split as
+        # request_prefill_kv_computed_tokens, so by source they add up to request_prompt_tokens_sum
+        self._prompt_tokens_by_source = Counter(
+            prefix + "prompt_tokens_by_source", "Prompt tokens by source (computed, prefix-cache hit, transferred).",
+            ["model_name", "source"], registry=self.registry)
+        self._prompt_tokens_cached = Counter(
+            prefix + "prompt_tokens_cached", "Prompt tokens found in the prefix cache (local + external).",
+            ["model_name"], registry=self.registry)
         self._http_errors = Counter(
             prefix + "request_errors", "Requests answered with an error, by HTTP status.", ["model_name", "status"],
             registry=self.registry)
@@ -207,6 +219,13 @@ class ServerMetrics:
         if max_tokens is not None:
             counts["request_params_max_tokens"].labels(model_name=name).observe(max_tokens)
 
+    def prompt_sources(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """An engine request's prompt tokens by source, once: `cached_tokens` came from the prefix cache."""
+        name, cached = self.model_name(), min(max(cached_tokens, 0), prompt_tokens)
+        self._prompt_tokens_by_source.labels(model_name=name, source="local_compute").inc(prompt_tokens - cached)
+        self._prompt_tokens_by_source.labels(model_name=name, source="local_cache_hit").inc(cached)
+        self._prompt_tokens_cached.labels(model_name=name).inc(cached)
+
     def prompt_ended(self, n: int, max_generation_tokens: int) -> None:
         """A prompt's n choices all ended (vLLM's per-prompt metrics)."""
         name = self.model_name()
@@ -229,6 +248,9 @@ class ServerMetrics:
         name = self.model_name()
         for reason in FINISHED_REASONS:  # every reason shows from the start (0), as vLLM's do
             self._request_success.labels(model_name=name, finished_reason=reason)
+        for source in PROMPT_SOURCES:  # so does every source
+            self._prompt_tokens_by_source.labels(model_name=name, source=source)
+        self._prompt_tokens_cached.labels(model_name=name)
         histograms = [self._time_to_first_token, self._time_per_output_token, self._e2e_latency, self._params_n,
                       *self._phases.values(), self._request_time_per_output_token]
         if self._token_counts is not None or self._max_model_len() > 0:
@@ -252,6 +274,7 @@ class RequestTimer:
         self.num_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the engine found in its prefix cache
         self.times: RequestTimes | None = None  # the engine's, from its latest output
+        self.prompt_counted = False  # its prompt tokens by source went to the metrics (prompt_sources)
         self.ended = False
         self.refused = False
 
@@ -264,6 +287,9 @@ class RequestTimer:
         self.num_cached_tokens = num_cached_tokens
         if times is not None:
             self.times = times
+        # an output comes after the prefill, its hits final since admission: counted now, as vLLM counts them
+        # (not at the end: a long generation would leave a dashboard's hit rate behind)
+        self._count_prompt()
 
     def discard(self) -> None:
         """The engine refused the request up front (a 400): it never ran, so it ends in no metric."""
@@ -285,6 +311,7 @@ class RequestTimer:
         self.metrics.request_ended(end - self.arrival, reason or "unknown")
         self.metrics.request_sizes(self.num_prompt_tokens, self.num_tokens, self.max_tokens,
                                    computed_prompt_tokens=self.num_prompt_tokens - max(self.num_cached_tokens, 0))
+        self._count_prompt()  # one that ended before any output (the engine's count of its hits, or none)
         t = self.times
         if t is not None and t.first_token is not None:  # it reached a token: the engine timed each phase
             decode = t.last_token - t.first_token
@@ -292,3 +319,8 @@ class RequestTimer:
                 queue=t.first_scheduled - self.arrival, prefill=t.first_token - t.first_scheduled,
                 decode=decode, inference=t.last_token - t.first_scheduled,
                 time_per_output_token=decode / (self.num_tokens - 1) if self.num_tokens > 1 else 0.0)
+
+    def _count_prompt(self) -> None:
+        if not self.prompt_counted:
+            self.prompt_counted = True
+            self.metrics.prompt_sources(self.num_prompt_tokens, self.num_cached_tokens)

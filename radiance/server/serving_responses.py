@@ -191,6 +191,7 @@ class ResponseRun:
         self.previous: StoredResponse | None = None  # the stored response previous_response_id names
         self.history: list[dict] = []
         self.stored: StoredResponse | None = None  # what this run last put in the store (None: nothing yet)
+        self.input_items: list[dict] | None = None  # what its stored copies list as input items, with their ids
         self.finalized = False  # its final body (completed, incomplete or failed) is made
 
     async def prepare(self):
@@ -315,7 +316,9 @@ class ResponseRun:
             return
         # instructions do not carry over to a follow-up (OpenAI's rule)
         conversation = self.history + input_messages(self.req.input) + [_answer_message(self.items)]
-        self.stored = StoredResponse(body, conversation, self._input_items())
+        if self.input_items is None:  # listed once: each listing gives the items new ids (in progress, then final)
+            self.input_items = self._input_items()
+        self.stored = StoredResponse(body, conversation, self.input_items)
         previous_id = self.req.previous_response_id if self.previous is not None else None
         if not self.state.responses.put(self.id, self.stored, previous_id) and self.finalized:  # told once
             logger.warning("response %s not stored: larger than --responses-store-bytes %d by itself", self.id,
