@@ -938,8 +938,11 @@ def check_metrics(before: dict, after: dict, recorded: Recorded, calls: list[Cal
                if name == "request_errors_total"}
     counted = {k: v for k, v in counted.items() if v}
     left_count = counted.pop("499", 0)
-    assert counted == sent, (counted, sent)
-    assert left_count <= sum(1 for call in calls if call.left)
+    # a client that gave up before its answer saw no status: the server counted a 499, or (its refusal already
+    # decided when the disconnect was seen: a loaded CI machine takes more than the 5-100 ms a client waits) a 4xx
+    unseen = {k: counted.get(k, 0) - sent.get(k, 0) for k in {*counted, *sent}}
+    assert all(v >= 0 for v in unseen.values()), (counted, sent)  # every 4xx a client saw was counted
+    assert sum(unseen.values()) + left_count <= sum(1 for call in calls if call.left), (counted, sent, left_count)
 
 
 # ---------------------------------------------------------------- the churn
