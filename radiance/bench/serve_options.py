@@ -33,7 +33,7 @@ class ServeBenchOptions:
     timeout_s: float = 600.0
     warmup: int = 1  # requests sent (and not counted) before the first level: radiance's line checks them; a vLLM
     # line sends vLLM's --num-warmups, copies of its first request, unchecked
-    ready_check_s: float = 0.0  # vLLM's --ready-check-timeout-sec: its first request sent until it succeeds, so long
+    ready_check_s: float = 0.0  # vLLM's --ready-check-timeout-sec: the first request retried this long until it succeeds
     seed: int = 0
     progress: bool = True
     percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS  # the latencies whose percentiles are reported

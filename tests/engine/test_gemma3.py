@@ -97,8 +97,9 @@ def test_each_piece_is_applied(tiny_model_dir):
 
 
 def test_bf16_stays_near_transformers(tiny_model_dir):
-    """In bf16 the norms apply 1 + weight rounded to bf16, after rounding the normalized row (Llama's order; transformers
-    multiplies in fp32 first): the logits stay within bf16's own distance from fp32."""
+    """In bf16 the norms round as transformers' (1 + weight applied in fp32, one rounding); the rotary (fp32 here,
+    bf16 products there) and the sliding-window attention (fp32 here) still differ: the logits stay within bf16's own
+    distance from fp32."""
     from transformers import AutoModelForCausalLM
 
     path, hf = tiny_model_dir("gemma3")
