@@ -100,11 +100,9 @@ def test_both_show_empty_before_any_request():
     assert samples["radiance_request_prefill_kv_computed_tokens_count", ()] == 0
 
 
-def test_a_real_engines_prefix_cache_hits_are_what_the_prompts_did_not_compute(tmp_path):
-    """The tiny random Llama 3 with prefix caching, behind the server: the same prompt a second time finds its
-    full blocks cached, and request_prompt_tokens_sum less request_prefill_kv_computed_tokens_sum is the
-    engine's own prefix_cache_hits count; each request's TPOT times its tokens after the first gives back the
-    decode phase."""
+def caching_tiny_llama(tmp_path):
+    """The tiny random Llama 3 (no BOS) saved under tmp_path, on a CPU engine with prefix caching: (the engine, the
+    AsyncLLMEngine around it for serve_engine)."""
     from radiance import LLM
     from radiance.engine.async_engine import AsyncLLMEngine
     from tests.engine.conftest import TINY_TOKENIZER_VOCAB, tiny_byte_bpe_tokenizer, tiny_hf_model
@@ -116,9 +114,18 @@ def test_a_real_engines_prefix_cache_hits_are_what_the_prompts_did_not_compute(t
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     engine = LLM(str(tmp_path), device="cpu", dtype="float32", enable_prefix_caching=True).engine
+    return engine, AsyncLLMEngine(engine=engine)
+
+
+def test_a_real_engines_prefix_cache_hits_are_what_the_prompts_did_not_compute(tmp_path):
+    """The tiny random Llama 3 with prefix caching, behind the server: the same prompt a second time finds its
+    full blocks cached, and request_prompt_tokens_sum less request_prefill_kv_computed_tokens_sum is the
+    engine's own prefix_cache_hits count; each request's TPOT times its tokens after the first gives back the
+    decode phase."""
+    engine, served = caching_tiny_llama(tmp_path)
     shared = list(range(1, 41))  # 40 tokens: two and a half blocks of 16
     prompts = [shared, shared, shared[:20] + [7] * 9, list(range(100, 117))]
-    with serve_engine(AsyncLLMEngine(engine=engine)) as url:
+    with serve_engine(served) as url:
         for prompt in prompts:  # one at a time: each finds what the ones before left in the cache
             r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": prompt, "max_tokens": 4,
                                                           "ignore_eos": True, "temperature": 0}, timeout=120)

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from radiance.server.metrics import RequestTimer, ServerMetrics
 from tests.engine.test_metrics_vllm_parity import _samples
 from tests.server.fake_engine import FakeEngine, serve_engine
-from tests.server.test_metrics_followups import TimedEngine
+from tests.server.test_metrics_followups import TimedEngine, caching_tiny_llama
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
@@ -120,20 +120,10 @@ def test_a_request_ended_before_any_output_counts_the_engines_hits_once():
 def test_a_real_engines_hits_are_the_cached_prompt_tokens(tmp_path):
     """The tiny random Llama 3 with prefix caching: the same prompt again finds its full blocks cached, and
     prompt_tokens_cached is the engine's own prefix_cache_hits count."""
-    from radiance import LLM
-    from radiance.engine.async_engine import AsyncLLMEngine
-    from tests.engine.conftest import TINY_TOKENIZER_VOCAB, tiny_byte_bpe_tokenizer, tiny_hf_model
-
-    tokenizer = tiny_byte_bpe_tokenizer()
-    model = tiny_hf_model("llama3", seed=1, vocab_size=TINY_TOKENIZER_VOCAB)
-    for config in (model.config, model.generation_config):
-        config.bos_token_id, config.eos_token_id = None, tokenizer.eos_token_id
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    engine = LLM(str(tmp_path), device="cpu", dtype="float32", enable_prefix_caching=True).engine
+    engine, served = caching_tiny_llama(tmp_path)
     shared = list(range(1, 41))  # two full blocks of 16, and 8 more
     prompts = [shared, shared, shared[:20] + [7] * 9]
-    with serve_engine(AsyncLLMEngine(engine=engine), metrics_prefix="vllm:") as url:
+    with serve_engine(served, metrics_prefix="vllm:") as url:
         for prompt in prompts:  # one at a time: each finds what the ones before left in the cache
             r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": prompt, "max_tokens": 2,
                                                           "ignore_eos": True, "temperature": 0}, timeout=120)
