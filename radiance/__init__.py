@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "GenerationOutput",
-           "LLM", "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams",
+           "LLM", "LoRARequest", "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams",
            "__version__"]
 
 # LLM.generate's output classes under vLLM's names too (`from vllm import RequestOutput, CompletionOutput`;
@@ -21,6 +21,9 @@ def __getattr__(name):  # lazy: `import radiance` stays cheap (no torch import f
     if name in _ENGINE_NAMES:
         from radiance import engine
         return getattr(engine, name)
+    if name == "LoRARequest":  # vLLM's `from vllm.lora.request import LoRARequest`
+        from radiance.lora.request import LoRARequest
+        return LoRARequest
     if name in _OUTPUT_CLASSES:
         from radiance.engine import outputs
         return getattr(outputs, _OUTPUT_CLASSES[name])

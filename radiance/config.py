@@ -64,7 +64,7 @@ class ModelConfig:
     dtype: str | None = None  # activations/16-bit weights; default bfloat16 on CUDA, float32 on a CPU (bfloat16 is up to ~20% faster on some x86 CPUs, none on others, and its greedy answers differ between CPUs)
     device: str | None = None  # "cuda", "cpu", "cuda:1"; default cuda when available
     max_model_len: int | None = None  # tokens of a sequence (prompt and output) at most; default: the model's context (max_position_embeddings, a GGUF's context_length; with YaRN rope scaling its original_max_position_embeddings x factor, as vLLM); a value above the context is refused (no rotary angles past it, so there is no override), one above what the KV cache holds (blocks x block_size) is refused too (raise gpu_memory_utilization / cpu_kv_cache_bytes / num_gpu_blocks_override, or kv_cache_dtype fp8); unset, the context is lowered to the KV cache's capacity with a warning
-    ignore: tuple[str, ...] = ()  # regexes of linears to keep 16-bit when quantizing at load
+    ignore: tuple[str, ...] = ()  # regexes (re.search) of linears to keep 16-bit when quantizing at load: radiance's names (qkv_proj) or the checkpoint's (q_proj, k_proj, v_proj: a fused linear's parts all or none)
     quantize_lm_head: bool = False  # with quantization mxfp4/nvfp4, quantize a 16-bit lm_head too (a tied one gets a quantized copy; the embedding stays 16-bit)
     lm_head_format: str = "mxfp4"  # with quantize_lm_head: mxfp4 (4.25 bits per weight) or mxfp4x2 (two MXFP4 terms, the head and its residual: 8.5 bits, ~1/8 of the error, one GEMM)
     seed: int = 0  # seed of the torch RNG (random weights, sampling without a per-request seed): a 64-bit signed integer, as a request's seed; a negative one is a seed of its own (torch takes -1 as 2**64 - 1)
@@ -245,6 +245,50 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """PEFT LoRA adapters served on top of the base model, several in one batch (vLLM's multi-LoRA)."""
+
+    enable_lora: bool = False  # serve LoRA adapters (a request's lora_request, the server's adapter model names)
+    max_loras: int = 1  # adapters resident in one step's batch at most (requests for others wait)
+    max_lora_rank: int = 16  # highest adapter rank r served (larger adapters are refused)
+    max_cpu_loras: int | None = None  # adapters kept loaded in memory (least recently used dropped, read again when asked for); default: max_loras
+    lora_modules: tuple[str, ...] = ()  # adapters loaded at start, as name=path or vLLM's JSON {"name": ..., "path": ...}; their ids are 1, 2, ... in order; default none
+
+    def __post_init__(self):
+        _check_types(self)
+        _check(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras!r}")
+        _check(1 <= self.max_lora_rank <= 512, f"max_lora_rank must be in [1, 512], got {self.max_lora_rank!r}")
+        _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+               f"max_cpu_loras must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
+        modules = self.parsed_modules()  # each one checked here
+        _check(not modules or self.enable_lora,
+               f"lora_modules need enable_lora, got {len(modules)} module(s) with enable_lora off")
+        names = [name for name, _ in modules]
+        _check(len(set(names)) == len(names), f"lora_modules names must differ, got {names!r}")
+
+    def parsed_modules(self) -> tuple[tuple[str, str], ...]:
+        """lora_modules as (name, path) pairs, in order (adapter ids 1, 2, ...)."""
+        return tuple(_lora_module(spec) for spec in self.lora_modules)
+
+
+def _lora_module(spec: str) -> tuple[str, str]:
+    """One --lora-modules value: name=path, or vLLM's JSON form {"name": ..., "path": ...[, "base_model_name": ...]}."""
+    text = spec.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise ConfigError(f"lora_modules: {spec!r} is not valid JSON") from None
+        _check(isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("path"), str)
+               and value["name"] and value["path"],
+               f"lora_modules: a JSON module needs string \"name\" and \"path\", got {spec!r}")
+        return value["name"], value["path"]
+    name, sep, path = text.partition("=")
+    _check(bool(sep and name.strip() and path.strip()), f"lora_modules: expected name=path, got {spec!r}")
+    return name.strip(), path.strip()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -252,6 +296,7 @@ class EngineConfig:
     kernel: KernelConfig = field(default_factory=KernelConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         _check_types(self)
@@ -335,6 +380,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS), e.g. https://chat.example.com, or * for any; default: pages of localhost / 127.0.0.1 / [::1] on any port
     ssl_keyfile: str | None = None  # serve HTTPS: the private key (PEM), with ssl_certfile
     ssl_certfile: str | None = None  # serve HTTPS: the certificate chain (PEM) of ssl_keyfile
+    # serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), which
+    # load any adapter path the server can read; default off: the routes answer 404 as unknown routes do
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self):
         _check_types(self)
@@ -414,7 +462,7 @@ class ConvertConfig:
 
     format: str = "mxfp4"  # linears are written in this format (compressed-tensors layout): mxfp4, nvfp4 or fp8
     rule: str = "mse"  # block-exponent rule when converting to MXFP4: mse (least squared error), noclip or ocp
-    ignore: tuple[str, ...] = ()  # regexes (re.search) of linears to keep 16-bit, e.g. "layers\\.0\\."
+    ignore: tuple[str, ...] = ()  # regexes (re.search) of linears to keep 16-bit, e.g. "layers\\.0\\.": radiance's names (qkv_proj) or the checkpoint's (q_proj, k_proj, v_proj: a fused linear's parts all or none)
     quantize_lm_head: bool = False  # lm_head stays 16-bit unless set (a tied head is then untied)
     dense_dtype: str = "bfloat16"  # dtype of the 16-bit tensors written (embeddings, norms, kept linears): bfloat16 or float16
     max_shard_bytes: int = 2 << 30  # safetensors shard size

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from radiance.bench.options import add_engine_parser, add_kernels_parser, non_negative_int, positive_int
 from radiance.bench.serve_options import DEFAULT_URL, SERVE_DEFAULTS, ServeBenchOptions
+from radiance.bench.serve_vllm_extras import add_vllm_extra_flags, custom_dataset, vllm_extra_options
 from radiance.bench.vllm_serve_args import (VLLM_PERCENTILE_METRICS, add_vllm_flags, is_vllm_command_line, one_of,
-                                            parse_goodput, vllm_dataset, vllm_endpoint, vllm_url)
+                                            parse_goodput, vllm_dataset, vllm_url)
 from radiance.config import DTYPE_ALIASES, DTYPES, MODEL_RULES
 from radiance.config_cli import errors_in_flag_words, parse_dtype
 from radiance.errors import ConfigError
@@ -138,6 +139,7 @@ def _add_serve(sub) -> None:
                         f"{','.join(f'{q:g}' for q in SERVE_DEFAULTS['metric_percentiles'])}; a vLLM line's 99, "
                         "vLLM's)")
     add_vllm_flags(p)
+    add_vllm_extra_flags(p)
     p.set_defaults(func=run_serve)
 
 
@@ -229,8 +231,8 @@ def serve_options(args) -> ServeBenchOptions:
     (any of its own flags) with vLLM's meaning."""
     vllm = is_vllm_command_line(args)
     d = SERVE_DEFAULTS
-    dataset = vllm_dataset(args)
-    endpoint = vllm_endpoint(args)
+    dataset = custom_dataset(args) or vllm_dataset(args)
+    extras = vllm_extra_options(args, args.endpoint)  # --backend, the custom dataset's flags, --save-detailed
     if args.concurrency and args.max_concurrency:
         raise ConfigError("--max-concurrency N is vLLM's one level of --concurrency N: give one of them")
     if args.num_warmups is not None and args.warmup is not None:
@@ -261,7 +263,7 @@ def serve_options(args) -> ServeBenchOptions:
     return ServeBenchOptions(
         url=vllm_url(args), model=args.model, concurrency=levels, num_prompts=num_prompts,
         input_len=input_len, output_len=output_len, dataset=dataset,
-        request_rate=args.request_rate, endpoint=endpoint, ignore_eos=ignore_eos,
+        request_rate=args.request_rate, ignore_eos=ignore_eos,
         api_key=args.api_key, timeout_s=args.timeout,
         warmup=warmup, ready_check_s=args.ready_check_timeout_sec or 0, goodput=parse_goodput(args.goodput),
         seed=args.seed, progress=not (args.no_progress or args.disable_tqdm),
@@ -269,7 +271,8 @@ def serve_options(args) -> ServeBenchOptions:
         metric_percentiles=args.metric_percentiles or ((99.0,) if vllm else d["metric_percentiles"]),
         unlimited=vllm and not (args.max_concurrency or args.concurrency), exact_input_len=vllm and dataset is None,
         output_len_from_dataset=sharegpt and not fixed_len, sharegpt_filter=sharegpt and fixed_len,
-        disable_shuffle=bool(args.disable_shuffle), vllm_form=vllm)
+        disable_shuffle=bool(args.disable_shuffle), vllm_form=vllm, lora_modules=tuple(args.lora_modules or ()),
+        **extras)
 
 
 def serve_levels(args) -> tuple[int, ...]:
@@ -369,7 +372,7 @@ def _check_variants_alone(args) -> None:
 
 def run_eval_command(args) -> int:
     from radiance.bench import quality
-    from radiance.bench.loading import load_eval_model
+    from radiance.bench.loading import load_eval_model, shared_checkpoints
     from radiance.bench.report import format_table, to_json
 
     if args.variants:
@@ -387,7 +390,8 @@ def run_eval_command(args) -> int:
                               args.device, args.dtype, args.first_chunk)
     progress = not args.no_progress
     # its errors name the request's fields (chunk_len), which are flags here
-    with errors_in_flag_words({}, fields=("chunk_len", "first_chunk")):
+    # the checkpoint opened (and its tokenizer built) once, for the text and every model loaded
+    with errors_in_flag_words({}, fields=("chunk_len", "first_chunk")), shared_checkpoints():
         result = quality.run_eval(req, partial(load_eval_model, progress=progress), progress=progress,
                                   tokenizer_loader=quality.load_eval_tokenizer)
     if args.json:
@@ -397,7 +401,8 @@ def run_eval_command(args) -> int:
     print(f"{result['model']}: {chunks} of {result['chunk_len']} tokens "
           f"({result['tokens']} scored) from {result['text']}, {result['seconds']:.0f} s")
     if "reference_ppl" in result:
-        print(f"reference ({result['dtype'] or '16-bit'}) perplexity: {result['reference_ppl']:.4f}")
+        print(f"reference ({result.get('reference_label') or result['dtype'] or '16-bit'}) perplexity: "
+              f"{result['reference_ppl']:.4f}")
     if args.eval_mode == "kl":
         headers = ("configuration", "ppl", "KL mean", "KL p99", "top-1 agree")
         rows = [(r["label"], r["ppl"], r["kl"], r["kl_p99"], r["top1_agreement"]) for r in result["results"]]

@@ -108,11 +108,16 @@ class Variant:
             out["activations"] = None
         return out
 
-    def label_in(self, dtype: str | None) -> str:
-        """The label, the unquantized model named by the dtype it ran in (a CPU runs it in float32, not 16-bit)."""
-        if self.quantization != "none" or not dtype:
-            return self.label
-        return dtype + self.label.removeprefix("16-bit")
+    def label_in(self, dtype: str | None, stored: dict[str, str] | None = None) -> str:
+        """The label of what was served: the unquantized model named by the dtype it ran in (a CPU runs it in
+        float32, not 16-bit), and the weights by what the checkpoint stored (`stored`: stored_linear_formats; None
+        or all 16-bit: `label`). A pre-quantized checkpoint's linears are dequantized, or served as stored, or
+        requantized from their format: "float32 (dequantized mxfp4)", "mxfp4 as stored W4A8" (no rule applied),
+        "nvfp4->mxfp4 mse W4A8"; each was labelled as if quantized from 16 bit."""
+        weights = self._served_weights_label(stored or {})
+        if self.quantization == "none" and dtype:
+            weights = dtype + weights.removeprefix("16-bit")
+        return weights + self._suffixes
 
     def unused_parts(self, rule_given: bool, activations_given: bool) -> str | None:
         """Why a rule or activations given would change nothing, or None."""
@@ -124,8 +129,17 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return (self._weights_label + {None: "", "mxfp4": " +4-bit head", "mxfp4x2": " +2x4-bit head"}[self.lm_head]
+        """The label of this variant of a 16-bit checkpoint (run_eval's key; label_in is what a row shows)."""
+        return self._weights_label + self._suffixes
+
+    @property
+    def _suffixes(self) -> str:
+        return ({None: "", "mxfp4": " +4-bit head", "mxfp4x2": " +2x4-bit head"}[self.lm_head]
                 + (" +fp8 KV" if self.kv_cache == "fp8" else ""))
+
+    @property
+    def _scheme(self) -> str:
+        return "W4A8" if self.activations == "fp8" else "W4A16"
 
     @property
     def _weights_label(self) -> str:
@@ -133,9 +147,40 @@ class Variant:
             return "16-bit"
         if self.quantization == "nvfp4" and self.rule == "none":
             return "nvfp4 as W4A16"
-        scheme = "W4A8" if self.activations == "fp8" else "W4A16"
         source = "mxfp4" if self.quantization == "mxfp4" else "nvfp4->mxfp4"
-        return f"{source} {self.rule} {scheme}"
+        return f"{source} {self.rule} {self._scheme}"
+
+    def _served_weights_label(self, stored: dict[str, str]) -> str:
+        """_weights_label for linears stored in these formats (engine.linears.build_linear decides how each is
+        served): MXFP4 ones are served as stored, NVFP4 / FP8 ones requantized from theirs (or, as W4A16, dequantized
+        unless NVFP4), GGUF's quantized types from their values, as 16-bit weights are."""
+        formats = set(stored.values())
+        if self.lm_head is not None and "lm_head" not in stored:  # a 16-bit (or tied) head, quantized at load
+            formats.add(SIXTEEN_BIT)
+        quantized = sorted(formats - {SIXTEEN_BIT})
+        if not quantized:
+            return self._weights_label
+        if self.quantization == "none":
+            return f"16-bit (dequantized {', '.join(quantized)})"
+        values_path = "nvfp4" if self.quantization == "nvfp4" else None  # what 16-bit values are quantized to first
+        if self.rule == "none":  # NVFP4 values of 16-bit (and GGUF) weights served 16-bit; any other format dequantized
+            via = [f for f in quantized if f not in HF_QUANTIZED]
+            dequantized = [f for f in quantized if f in HF_QUANTIZED and f != "nvfp4"]
+            notes = ([f"from {', '.join(via)}"] if via else []) + \
+                ([f"dequantized {', '.join(dequantized)}"] if dequantized else [])
+            return self._weights_label + (f" ({'; '.join(notes)})" if notes else "")
+        sources = set()
+        for fmt in formats:
+            if fmt == SIXTEEN_BIT:
+                sources.add("mxfp4" if values_path is None else f"{values_path}->mxfp4")
+            elif fmt in HF_QUANTIZED:
+                if fmt != "mxfp4":  # MXFP4 linears are served as stored: no rule applied to them
+                    sources.add(f"{fmt}->mxfp4")
+            else:  # a GGUF type: its values, quantized like 16-bit ones
+                sources.add("->".join([fmt, *([values_path] if values_path else []), "mxfp4"]))
+        if not sources:
+            return f"mxfp4 as stored {self._scheme}"
+        return f"{'+'.join(sorted(sources))} {self.rule} {self._scheme}"
 
 
 # --------------------------------------------------------------------------- text
@@ -319,13 +364,16 @@ def run_eval(req: EvalRequest, loader, progress: bool = True, tokenizer_loader=N
     scores = evaluate(chunks, models, reference, device=device, progress=progress)
     results = []
     for variant in req.variants:
-        row = {**variant.applied(), "label": variant.label_in(dtype), **scores[variant.label]}
+        stored = getattr(models[variant.label], "stored_formats", None)  # loading.load_eval_model's
+        row = {**variant.applied(), "label": variant.label_in(dtype, stored), **scores[variant.label]}
         results.append(row)
     out = {"mode": req.mode, "model": req.model or "embedded SmolLM2", "text": req.text,
            "chunks": int(chunks.shape[0]), "first_chunk": req.first_chunk, "chunk_len": req.chunk_len, "tokens": results[0]["tokens"],
            "dtype": dtype, "device": str(device), "seconds": time.perf_counter() - start, "results": results}
     if "reference" in scores:
         out["reference_ppl"] = scores["reference"]["ppl"]
+        # the reference is the checkpoint served unquantized: a 4-bit one's values dequantized, not a 16-bit model
+        out["reference_label"] = Variant("none").label_in(dtype, getattr(reference, "stored_formats", None))
     # the first variant's numbers at the top level: `--json | jq .ppl` works for the single case
     out.update({k: results[0][k] for k in ("ppl", "kl", "kl_p99", "top1_agreement") if k in results[0]})
     return out
@@ -337,15 +385,37 @@ def _chunked(tokenizer, text: str, req: EvalRequest) -> torch.Tensor:
 
 
 def load_eval_tokenizer(model: str | None, device: str | None):
-    """The checkpoint's tokenizer alone: its headers and vocabulary read, no weights (run_eval's tokenizer_loader)."""
+    """The checkpoint's tokenizer alone: its headers and vocabulary read, no weights (run_eval's tokenizer_loader).
+    Within loading.shared_checkpoints() the models then load from the checkpoint opened here, with this tokenizer."""
+    from radiance.bench.loading import open_eval_checkpoint
     from radiance.bench.synthetic import is_synthetic
-    from radiance.checkpoint import open_checkpoint
     from radiance.engine.devices import resolve_device
 
     resolve_device(device)  # a bad --device is still the first error, as when the model loaded first
     if is_synthetic(model):
         raise ConfigError("synthetic models have no tokenizer; evaluate a real checkpoint (or omit MODEL)")
-    return open_checkpoint(model).tokenizer()
+    return open_eval_checkpoint(model).tokenizer()
+
+
+SIXTEEN_BIT = "16-bit"
+HF_QUANTIZED = ("mxfp4", "nvfp4", "fp8")  # linear formats a quantized HF checkpoint stores (and MXFP4 GGUF tensors)
+_GGUF_16BIT = ("F32", "F16", "BF16")
+
+
+def stored_linear_formats(checkpoint) -> dict[str, str]:
+    """{linear: its stored format} for the linears the loader builds from `checkpoint` (its describe(): no tensor
+    data read): "mxfp4", "nvfp4" or "fp8"; a GGUF's quantized type ("Q4_1", types joined by "/" where a merged
+    linear's parts differ); "16-bit" for the rest. A 16-bit lm_head is not among them (it is a plain tensor)."""
+    out = {}
+    for entry in checkpoint.describe():
+        if not entry.is_linear:
+            continue
+        if entry.format in HF_QUANTIZED:
+            out[entry.name] = entry.format
+            continue
+        types = [t for t in entry.source_format.split("/") if t and t not in _GGUF_16BIT]
+        out[entry.name] = "/".join(types) if types else SIXTEEN_BIT
+    return out
 
 
 def _model_dtype(model) -> str | None:

@@ -91,11 +91,10 @@ def vllm_metrics(lv: dict, percentile_metrics=("ttft", "tpot", "itl"), percentil
     return out
 
 
-def vllm_run_keys(endpoint: str, model: str) -> dict:
-    """The keys of vLLM's result file about the run: its backend named by the route (vLLM's openai and vllm backends
-    send the same completions requests), its tokenizer the server's (the model's, vLLM's default), Poisson
-    arrivals (burstiness 1) and no label (--label sets one)."""
-    backend = "openai-chat" if endpoint == "chat" else "openai"
+def vllm_run_keys(backend: str, model: str) -> dict:
+    """The keys of vLLM's result file about the run: its --backend (serve_backend.result_backend: the route's when
+    none was given), its tokenizer the server's (the model's, vLLM's default), Poisson arrivals (burstiness 1) and
+    no label (--label sets one)."""
     return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": backend, "backend": backend,
             "label": None, "tokenizer_id": model, "burstiness": 1.0}
 

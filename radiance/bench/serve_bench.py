@@ -20,7 +20,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 import httpx
@@ -28,12 +28,16 @@ from tqdm import tqdm
 
 from radiance.bench import metrics
 from radiance.bench import report
+from radiance.bench.serve_backend import result_backend
+from radiance.bench.serve_custom import CUSTOM_SHUFFLE_SEED, load_custom_dataset, prepare_custom_prompts
+from radiance.bench.serve_detailed import DETAILED_KEYS, kept_lists, per_request_lists
 from radiance.bench.serve_options import ServeBenchOptions
 from radiance.bench.serve_prompts import (PromptSpec, check_random_input_len, fit_to_tokens,
                                           load_dataset, oversample, prompts_for_level, sharegpt_lengths,
                                           special_tokens)
 from radiance.bench.serve_server import READY_RETRY_S, discover_model, server_root, wait_until_healthy
 from radiance.bench.serve_stream import Stream, http_error, read_stream, stream_problem, tokenize_texts
+from radiance.bench.vllm_serve_args import request_models
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,7 @@ class RequestResult:
     requested_tokens: int = 0  # max_tokens asked for
     counted_from_chunks: bool = False  # the server reported no usage: one token per streamed chunk
     start_s: float = math.nan  # perf_counter at the send: places the request in vLLM's per-second peaks
+    queue_s: float = math.nan  # the wait for a concurrency slot before the send (vLLM's client_queue_time)
     stream: Stream | None = field(default=None, repr=False, compare=False)  # its text, counted after the level
 
     @property
@@ -96,6 +101,9 @@ class LevelSummary:
     peak_output_tok_s: float = 0.0  # vLLM's peak: output tokens of the fullest one-second bucket
     peak_concurrency: int = 0  # vLLM's peak: the most requests in flight at one instant
     request_goodput: float | None = None  # vLLM's: requests/s within every --goodput objective; None without one
+    # vLLM's per-request lists (serve_detailed.per_request_lists); the result keeps those serve_detailed.kept_lists
+    # keeps
+    per_request: dict = field(default_factory=dict, compare=False)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -123,7 +131,7 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
     path, body = _request_body(opts, model, spec)
     result = RequestResult(ok=False, requested_tokens=spec.output_len)
     stream = Stream()
-    start = time.perf_counter()
+    result.start_s = time.perf_counter()
     try:
         async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
@@ -139,7 +147,6 @@ async def send_request(client: httpx.AsyncClient, opts: ServeBenchOptions, model
     if result.error is not None:
         return result
     result.ok = True
-    result.start_s = start
     result.stream = stream
     _set_timings(result, opts.vllm_form)
     # vLLM's input tokens: the server's usage (its chat template included), else the client's count of the prompt
@@ -231,34 +238,44 @@ async def run_level(client: httpx.AsyncClient, opts: ServeBenchOptions, model: s
     gate = asyncio.Semaphore(concurrency)
     offsets = arrival_offsets(len(specs), opts.request_rate, level_seed)
     bar = tqdm(total=len(specs), desc=f"concurrency {concurrency}", unit="req", disable=not opts.progress, leave=False)
-    results: list[RequestResult] = []
+    # in the order sent, as vLLM's per-request lists are; None: not finished before a Ctrl-C
+    slots: list[RequestResult | None] = [None] * len(specs)
+    models = request_models(opts.lora_modules, model, len(specs), level_seed)  # --lora-modules: adapters
     start = time.perf_counter()
 
-    async def one(spec: PromptSpec, offset: float) -> None:
+    async def one(i: int, spec: PromptSpec, offset: float) -> None:
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        arrival = time.perf_counter()
         async with gate:
-            results.append(await send_request(client, opts, model, spec))
+            queued = time.perf_counter() - arrival
+            slots[i] = await send_request(client, opts, models[i], spec)
+        slots[i].queue_s = queued
         bar.update(1)
 
     interrupted = False
     try:
-        await asyncio.gather(*(one(s, o) for s, o in zip(specs, offsets)))
+        await asyncio.gather(*(one(i, s, o) for i, (s, o) in enumerate(zip(specs, offsets))))
     except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels the main task): keep what finished
         asyncio.current_task().uncancel()  # handled here: closing the client afterwards must not be cancelled
         interrupted = True
     duration = time.perf_counter() - start
     bar.close()
+    results = [r for r in slots if r is not None]
     await count_text_tokens(client, model, results, opts.vllm_form)  # after the clock, as vLLM counts them
-    return summarize_level(concurrency, results, duration, interrupted, opts.metric_percentiles, opts.goodput)
+    summary = summarize_level(concurrency, results, duration, interrupted, opts.metric_percentiles, opts.goodput)
+    return replace(summary, per_request=per_request_lists(specs, slots))
 
 
 async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
     # fail before any request; vLLM shuffles a dataset with its --seed before sampling (unless --disable-shuffle),
     # radiance walks it in order
     shuffle_seed = opts.seed if opts.vllm_form and not opts.disable_shuffle else None
-    pool = load_dataset(opts.dataset, opts.output_len, shuffle_seed, vllm=opts.vllm_form) if opts.dataset else None
+    if opts.custom_dataset:  # vLLM's custom JSONL, shuffled as vLLM shuffles it (its seed 0, not --seed)
+        pool = load_custom_dataset(opts.dataset, opts.custom_output_len, shuffle=not opts.disable_shuffle)
+    else:
+        pool = load_dataset(opts.dataset, opts.output_len, shuffle_seed, vllm=opts.vllm_form) if opts.dataset else None
     _warn_if_prompts_repeat(opts, pool)
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4)
@@ -278,8 +295,11 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
                 hint = " (or give --sharegpt-output-len N: every request N tokens, the replies' lengths unchecked)"
                 raise ConfigError(f"{exc}{hint if fixed is None else ''}") from None
             _warn_if_prompts_repeat(opts, pool)  # the filter may have left fewer prompts than requests
+        if pool and opts.custom_dataset:
+            pool = await _custom_prompts(client, opts, model, pool)
         if pool and opts.vllm_form:  # vLLM tops a short dataset up with random draws, radiance cycles it
-            pool = oversample(pool, sum(opts.prompts_for(c) for c in opts.concurrency), opts.seed)
+            pool = oversample(pool, sum(opts.prompts_for(c) for c in opts.concurrency),
+                              CUSTOM_SHUFFLE_SEED if opts.custom_dataset else opts.seed)
         # vLLM's random prompts are fitted to the server's tokenizer (None: not fitted), its special tokens
         # counted once and an input length they leave no room in refused, before any request
         specials = await _special_tokens(client, opts, model) if opts.exact_input_len and not pool else None
@@ -306,7 +326,8 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
                 interrupted = True
                 break
     result = {"url": opts.url, "model": model, "endpoint": opts.endpoint,
-            "input_len": None if opts.dataset else opts.input_len, "output_len": opts.output_len,
+            "input_len": None if opts.dataset else opts.input_len,
+            "output_len": opts.custom_output_len if opts.custom_dataset else opts.output_len,
             "dataset": opts.dataset, "ignore_eos": opts.ignore_eos,
             "percentile_metrics": list(opts.percentile_metrics), "metric_percentiles": list(opts.metric_percentiles),
             # JSON has no infinity (it became null); "inf" as vLLM's benchmark writes it
@@ -314,8 +335,10 @@ async def run_serve_bench_async(opts: ServeBenchOptions) -> dict:
             "interrupted": interrupted,
             "levels": [_with_vllm_keys(lv.as_dict(), opts) for lv in levels]}
     if len(result["levels"]) == 1:  # one level is one vLLM run: its keys where vLLM's result file has them
-        result.update(report.vllm_run_keys(opts.endpoint, model), **result["levels"][0]["vllm"], model_id=model,
-                      num_prompts=result["levels"][0]["requests"])
+        result.update(report.vllm_run_keys(result_backend(opts.backend, opts.endpoint), model),
+                      **result["levels"][0]["vllm"], model_id=model, num_prompts=result["levels"][0]["requests"])
+        for key in DETAILED_KEYS:  # the per-request lists once, at the top as in vLLM's file
+            result["levels"][0]["vllm"].pop(key, None)
     return result
 
 
@@ -323,7 +346,19 @@ def _with_vllm_keys(lv: dict, opts: ServeBenchOptions) -> dict:
     lv["vllm"] = vllm_metrics(lv, opts.percentile_metrics, opts.metric_percentiles)
     if opts.unlimited:  # vLLM writes its --max-concurrency as given, null without one
         lv["vllm"]["max_concurrency"] = None
+    lv["vllm"].update(kept_lists(lv.pop("per_request"), opts.save_detailed, opts.vllm_form))
     return lv
+
+
+async def _custom_prompts(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str,
+                          pool: list[PromptSpec]) -> list[PromptSpec]:
+    """vLLM's custom sampling: the first rows the run sends, each in the model's chat template unless
+    --skip-chat-template (before any request is timed)."""
+    if not opts.skip_chat_template and opts.endpoint == "chat":
+        logger.warning("the custom prompts are put in the chat template here and again by the server's chat route, "
+                       "as vLLM does; --skip-chat-template sends them as written")
+    needed = sum(opts.prompts_for(c) for c in opts.concurrency)
+    return await prepare_custom_prompts(client, model, pool[:needed], chat_template=not opts.skip_chat_template)
 
 
 async def _special_tokens(client: httpx.AsyncClient, opts: ServeBenchOptions, model: str) -> int | None:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from radiance.bench.serve_backend import check_backend
 from radiance.errors import ConfigError
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # vLLM's bench serve default (--host 127.0.0.1 --port 8000)
@@ -46,8 +47,18 @@ class ServeBenchOptions:
     goodput: tuple[tuple[str, float], ...] = ()  # vLLM's --goodput: (ttft / tpot / e2el, ms) service-level objectives
     disable_shuffle: bool = False  # vLLM's --disable-shuffle: a vLLM line keeps the dataset's order
     unlimited: bool = False  # a vLLM line without --max-concurrency: vLLM's max_concurrency is null, not the level's
+    lora_modules: tuple[str, ...] = ()  # vLLM's --lora-modules: each measured request names one, drawn at random
     vllm_form: bool = False  # a `vllm bench serve` line (vllm_serve_args.is_vllm_command_line): vLLM's sampling of a
     # dataset (shuffled by the seed) and its timing (one inter-token gap per streamed chunk, whatever it carries)
+    backend: str | None = None  # vLLM's --backend (openai, vllm, openai-chat): the result's "backend"; None: named
+    # by the route (openai, or openai-chat for chat)
+    save_detailed: bool = False  # vLLM's --save-detailed: the result keeps its per-request lists (input_lens, ttfts,
+    # itls, generated_texts, errors, ...)
+    custom_dataset: bool = False  # vLLM's --dataset-name custom: `dataset` is a JSONL file of {"prompt"} objects
+    custom_output_len: int = 256  # vLLM's --custom-output-len: max_tokens of each custom request; -1: each line's
+    # "output_tokens"
+    skip_chat_template: bool = False  # vLLM's --skip-chat-template: custom prompts sent as written, not wrapped in
+    # the model's chat template first
 
     def __post_init__(self):
         _check_url(self.url)
@@ -76,6 +87,13 @@ class ServeBenchOptions:
         bad = [f"{name}:{ms}" for name, ms in self.goodput if name not in GOODPUT_METRICS or not ms >= 0]
         if bad:  # vLLM's check_goodput_args
             raise ConfigError(f"goodput objectives are ttft, tpot or e2el with milliseconds >= 0, got {' '.join(bad)}")
+        if self.backend is not None:
+            check_backend(self.backend, self.endpoint)
+        if self.custom_output_len != -1 and self.custom_output_len < 1:
+            raise ConfigError(f"custom_output_len must be a positive number of tokens or -1 (each line's "
+                              f"output_tokens), got {self.custom_output_len}")
+        if self.custom_dataset and not self.dataset:
+            raise ConfigError("the custom dataset needs its JSONL file (--dataset-path FILE.jsonl)")
 
     def prompts_for(self, concurrency: int) -> int:
         return self.num_prompts if self.num_prompts is not None else max(8, 4 * concurrency)

@@ -68,7 +68,7 @@ def load_dataset(path: str, output_len: int, shuffle_seed: int | None = None,
 def _dataset_rows(path: str, output_len: int) -> list[tuple[object, str]]:
     """The file's rows, each with where it is: a JSON array's items, else its non-blank lines (JSON objects parsed,
     any other line a prompt)."""
-    text = _dataset_text(path)
+    text = dataset_text(path)
     array = _json_array(text, path)
     if array is not None:
         return [(item, f"dataset {path} item {i}") for i, item in enumerate(array)]
@@ -105,7 +105,7 @@ def _first_two_turns(turns: list, output_len: int) -> PromptSpec | None:
     return PromptSpec(prompt, output_len, reply)
 
 
-def _dataset_text(path: str) -> str:
+def dataset_text(path: str) -> str:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"dataset file not found: {path}")

@@ -5,9 +5,10 @@ for a line written in its form."""
 from __future__ import annotations
 
 import argparse
+import random
 
 from radiance.bench.options import non_negative_int, positive_int
-from radiance.bench.serve_options import DEFAULT_URL, SERVE_DEFAULTS
+from radiance.bench.serve_options import DEFAULT_URL
 from radiance.errors import ConfigError
 
 _VLLM_REFUSED = {
@@ -15,11 +16,9 @@ _VLLM_REFUSED = {
     "--ramp-up-start-rps": "radiance sends at one --request-rate, not a ramp",
     "--ramp-up-end-rps": "radiance sends at one --request-rate, not a ramp",
     "--profile": "radiance serve has no /start_profile",
-    "--lora-modules": "radiance serves no LoRA adapters",
     "--use-beam-search": "radiance has no beam search",
     "--logprobs": "radiance's load requests ask for no logprobs",
     "--append-result": "the result file is written whole (--save-result)",
-    "--save-detailed": "radiance keeps no per-request lists in its result",
     "--extra-body": "the request bodies are radiance's (--no-ignore-eos sends OpenAI's fields only)",
     "--header": "only Authorization is sent (--api-key)",
     "--metadata": "name the run with --label",
@@ -33,7 +32,6 @@ _VLLM_REFUSED = {
     "--repetition-penalty": "requests carry no penalties",
     "--common-prefix-len": "random prompts share no prefix",
     "--no-oversample": "a dataset with fewer prompts than requests is topped up with random draws, as vLLM's default",
-    "--skip-chat-template": "prompts are sent as the dataset has them",
 }
 # ones radiance honours at vLLM's default value only (anything else would change the measurement)
 _VLLM_AT_DEFAULT = {"--burstiness": ("1", "arrivals are a Poisson process (vLLM's burstiness 1)"),
@@ -80,11 +78,9 @@ def add_vllm_flags(p) -> None:
     g.add_argument("--base-url", help="server URL, as --url")
     g.add_argument("--host", help="server host when no --base-url (default: 127.0.0.1)")
     g.add_argument("--port", type=positive_int, help="server port when no --base-url (default: 8000)")
-    g.add_argument("--backend", choices=("openai", "vllm", "openai-chat"),
-                   help="openai and vllm: --endpoint completions; openai-chat: chat (default: openai)")
     g.add_argument("--max-concurrency", type=positive_int, help="one level of this many requests at most in flight "
                                                                  "(default: no limit)")
-    g.add_argument("--dataset-name", help="random or sharegpt (with --dataset-path) (default: random)")
+    g.add_argument("--dataset-name", help="random, sharegpt or custom (with --dataset-path) (default: random)")
     g.add_argument("--dataset-path", help="the ShareGPT file, as --dataset")
     g.add_argument("--random-input-len", type=positive_int, help="as --input-len, in tokens (default: 1024)")
     g.add_argument("--random-output-len", type=positive_int, help="as --output-len (default: 128)")
@@ -114,8 +110,21 @@ def add_vllm_flags(p) -> None:
                         "LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json")
     g.add_argument("--result-dir", help="directory of the --save-result file, made if missing (default: .)")
     g.add_argument("--result-filename", help="name of the --save-result file (default: vLLM's)")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME",
+                   help="LoRA adapters the server serves (radiance serve --lora-modules, or loaded at runtime): each "
+                        "measured request names one of them, drawn at random, as its model (warmups use the base "
+                        "model, as vLLM's) (default: none, every request on --model)")
     for flag in (*_VLLM_REFUSED, *_VLLM_AT_DEFAULT):
         g.add_argument(flag, nargs="*", action=_Refused, help=argparse.SUPPRESS)
+
+
+def request_models(lora_modules: tuple[str, ...], model: str, count: int, seed: int) -> list[str]:
+    """The model each of `count` requests names: `model`, or with vLLM's --lora-modules one adapter of them per
+    request, drawn at random (vLLM's random.choice per request) from `seed`, so a run is repeatable."""
+    if not lora_modules:
+        return [model] * count
+    rng = random.Random(seed)
+    return [rng.choice(lora_modules) for _ in range(count)]
 
 
 def parse_goodput(pairs) -> tuple[tuple[str, float], ...]:
@@ -156,8 +165,9 @@ def vllm_url(args) -> str:
 def vllm_dataset(args) -> str | None:
     name = args.dataset_name
     if name is not None and name not in _VLLM_DATASETS:
-        raise ConfigError(f"vLLM's --dataset-name {name} is not supported: radiance sends random prompts or a "
-                          "ShareGPT / JSONL file (--dataset-name sharegpt --dataset-path FILE)")
+        raise ConfigError(f"vLLM's --dataset-name {name} is not supported: radiance sends random prompts, a "
+                          "ShareGPT file (--dataset-name sharegpt --dataset-path FILE) or a JSONL file of prompts "
+                          "(--dataset-name custom --dataset-path FILE.jsonl)")
     if args.dataset and args.dataset_path:
         raise ConfigError("--dataset and vLLM's --dataset-path name the file twice: give one")
     if name == "random" and args.dataset_path:  # vLLM refuses it too
@@ -165,12 +175,3 @@ def vllm_dataset(args) -> str | None:
     if name == "sharegpt" and not args.dataset_path and not args.dataset:
         raise ConfigError("--dataset-name sharegpt needs --dataset-path FILE (radiance downloads nothing)")
     return args.dataset or args.dataset_path
-
-
-def vllm_endpoint(args) -> str:
-    """radiance's --endpoint; vLLM's --backend picks it too (openai-chat: chat) and must agree with a path given."""
-    from_backend = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}.get(args.backend)
-    if from_backend and args.endpoint and args.endpoint != from_backend:
-        raise ConfigError(f"--backend {args.backend} sends {from_backend} requests, but --endpoint is the "
-                          f"{args.endpoint} route (vLLM fails every request so)")
-    return args.endpoint or from_backend or SERVE_DEFAULTS["endpoint"]

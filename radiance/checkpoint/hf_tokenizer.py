@@ -33,6 +33,10 @@ def load_tokenizer(model_dir: str):
         if refused is not None:
             raise CheckpointError(f"cannot load the tokenizer: tokenizer.json is JSON but not a tokenizer "
                                   f"({refused})", file=os.path.join(model_dir, "tokenizer.json")) from None
+        if not has_tokenizer_files(model_dir):  # transformers' answer: "install sentencepiece or tiktoken"
+            raise CheckpointError(f"cannot load the tokenizer: tokenizer_config.json is here, but no vocabulary "
+                                  f"(none of {', '.join(TOKENIZER_FILES)} or *.tiktoken): copy the tokenizer files "
+                                  "of the original model", file=model_dir) from None
         config_fault = _transformers_config_fault(model_dir)
         if config_fault is not None:  # transformers reads config.json to pick the tokenizer class
             raise CheckpointError(f"cannot load the tokenizer: transformers, which reads config.json to "

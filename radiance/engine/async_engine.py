@@ -118,6 +118,52 @@ class AsyncLLMEngine:
     def stats(self):
         return self.engine.stats()
 
+    # ---------------------------------------------------------------- LoRA adapters
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_enabled
+
+    def list_loras(self) -> list:
+        return self.engine.list_loras()
+
+    async def add_lora(self, lora_request) -> bool:
+        """Loads an adapter off the event loop (ValueError naming the file / tensor when it cannot be served) and
+        registers it; True if newly added, False if its id was already loaded."""
+        from radiance.lora import LoRARequest
+        manager = self.engine._lora_manager()  # ValueError when LoRA is off
+        if isinstance(lora_request, LoRARequest) and manager.has(lora_request.lora_int_id):
+            return False
+        adapter = await asyncio.get_running_loop().run_in_executor(self._compiler, manager.load, lora_request)
+        return manager.add(lora_request, adapter)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads an adapter between steps (requests already using it finish with it); False if unknown."""
+        manager = self.engine._lora_manager()
+        if not manager.has(lora_int_id):
+            return False
+        if self._task is None or self._task.done():  # no loop stepping: nothing runs beside this
+            return self.engine.remove_lora(lora_int_id)
+        done = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._pending.append(("call", None, done, lambda: self.engine.remove_lora(lora_int_id)))
+        self._wakeup.set()
+        return await done
+
+    async def _resolve_lora(self, lora_request):
+        """generate's adapter: checked (ValueError when LoRA is off, the adapter unknown or unloadable), one that is
+        not loaded yet loaded off the event loop."""
+        if lora_request is None:
+            return None
+        if not self.lora_enabled:
+            return self.engine.check_lora_request(lora_request)  # raises the engine's message
+        from radiance.lora import LoRARequest
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a radiance.LoRARequest, got {type(lora_request).__name__}")
+        if not self.engine.lora.has(lora_request.lora_int_id):
+            await self.add_lora(lora_request) if lora_request.lora_path else self.engine.check_lora_request(lora_request)
+        return lora_request
+
     async def check_structured_output(self, spec) -> None:
         """ValueError when the constraint cannot be served (compiled on a worker thread, cached for the
         engine's own use)."""
@@ -131,8 +177,8 @@ class AsyncLLMEngine:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams | None = None) -> AsyncIterator[StepOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                       lora_request=None) -> AsyncIterator[StepOutput]:
         # the request's own copy, taken now: the loop adds it later, and the caller may change its object meanwhile
         params = copy.copy(params) if params is not None else SamplingParams()
         if self.stopped:
@@ -143,11 +189,16 @@ class AsyncLLMEngine:
         self.engine.check_request(prompt_token_ids, params)  # ValueError before anything is queued
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lora_request = await self._resolve_lora(lora_request)  # ValueError before anything is queued
+        if request_id in self._queues:  # taken while the adapter loaded
+            raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_loop()
         queue = OutputSlot()
         self._queues[request_id] = queue
         with self._lock:
-            self._pending.append(("add", request_id, queue, list(prompt_token_ids), params))
+            # the adapter only where there is one: the engine's add_request takes it as a 4th argument
+            request = (list(prompt_token_ids), params) + ((lora_request,) if lora_request is not None else ())
+            self._pending.append(("add", request_id, queue, *request))
         self._wakeup.set()
         finished = False
         try:
@@ -231,6 +282,9 @@ class AsyncLLMEngine:
             pending, self._pending = self._pending, []
         results, aborted = [], set()
         for kind, request_id, queue, *request in pending:
+            if kind == "call":  # a function to run between steps; `queue` is the asyncio future of its result
+                self._run_between_steps(queue, request[0])
+                continue
             if kind == "add":
                 try:
                     self.engine.add_request(request_id, *request)
@@ -251,6 +305,16 @@ class AsyncLLMEngine:
                 del self._serving[out.request_id]
             results.append((out.request_id, queue, out))
         return results
+
+    def _run_between_steps(self, future: asyncio.Future, call) -> None:
+        loop = future.get_loop()
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 - the caller's to raise
+            error = exc
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
+            return
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 
     def _abort_all_in_thread(self) -> None:
         """After a failed step: every request the engine holds is aborted (best effort: its state is suspect),

@@ -69,7 +69,7 @@ class BeamSearchSequence:
     orig_prompt: dict  # {"prompt_token_ids": [...], "prompt": text or None[, "cache_salt": ...]}
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    lora_request: None = None  # vLLM's field; radiance serves no LoRA adapters
+    lora_request: object = None  # vLLM's field: the radiance.LoRARequest the beam runs with (None: the base)
     cum_logprob: float = 0.0
     text: str | None = None  # filled on return: the prompt and output decoded (None without a tokenizer)
     # vLLM's server fills these ("stop" and the EOS id, else "length"); here every returned sequence has them
@@ -124,10 +124,11 @@ class _Instance:
 
 
 def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
-                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+                concurrency_limit: int | None = None, lora_requests: list | None = None) -> list[BeamSearchOutput]:
     """vLLM's LLM.beam_search on `llm` (a radiance LLM). prompts: a list of strings, token-id lists or vLLM prompt
     dicts ({"prompt": text} / {"prompt_token_ids": ids}, with an optional cache_salt), or one of these. Returns
-    one BeamSearchOutput per prompt, in order. concurrency_limit: search that many prompts at a time (None: all)."""
+    one BeamSearchOutput per prompt, in order. concurrency_limit: search that many prompts at a time (None: all).
+    lora_requests: one radiance.LoRARequest or None per prompt (None: every prompt on the base)."""
     if not isinstance(params, BeamSearchParams):
         raise SamplingParamsError(f"params must be BeamSearchParams, got {type(params).__name__}", "params")
     if not isinstance(use_tqdm, (bool, numpy.bool_)):  # "no" was truthy
@@ -149,6 +150,9 @@ def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
                                   f"{llm.max_logprobs // 2} or less, or raise LLM(max_logprobs=...)", "beam_width")
 
     instances = [_new_instance(llm, prompt, params, step_params) for prompt in _prompt_list(prompts)]
+    for inst, lora in zip(instances, lora_requests or ()):
+        for beam in inst.beams:
+            beam.lora_request = lora
     if use_tqdm and concurrency_limit is not None:  # vLLM's rule: the bar counts steps of one batch of prompts
         logger.warning("beam_search: no progress bar with concurrency_limit")
         use_tqdm = False
@@ -184,7 +188,9 @@ def _step(llm, live: list[_Instance], step_params: SamplingParams, params: BeamS
           sort_key) -> None:
     """One token for every live beam of `live` in one generate call; each instance keeps its beam_width best."""
     beams = [beam for inst in live for beam in inst.beams]
-    results = llm.generate([_request(beam) for beam in beams], step_params, use_tqdm=False)
+    loras = [beam.lora_request for beam in beams]
+    results = llm.generate([_request(beam) for beam in beams], step_params, use_tqdm=False,
+                           lora_request=loras if any(lora is not None for lora in loras) else None)
     position = 0
     for inst in live:
         grown: list[BeamSearchSequence] = []
@@ -195,8 +201,8 @@ def _step(llm, live: list[_Instance], step_params: SamplingParams, params: BeamS
                 continue
             candidates = out.logprobs[0]  # the chosen token first, then the others most likely first
             for token_id, entry in candidates.items():
-                seq = BeamSearchSequence(beam.orig_prompt, beam.tokens + [token_id],
-                                         beam.logprobs + [candidates], cum_logprob=beam.cum_logprob + entry.logprob)
+                seq = BeamSearchSequence(beam.orig_prompt, beam.tokens + [token_id], beam.logprobs + [candidates],
+                                         lora_request=beam.lora_request, cum_logprob=beam.cum_logprob + entry.logprob)
                 if _is_eos(token_id, eos) and not params.ignore_eos:
                     seq.finish_reason, seq.stop_reason = "stop", token_id  # as vLLM's server marks them
                     inst.completed.append(seq)

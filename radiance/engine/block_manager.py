@@ -28,9 +28,14 @@ def block_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
 
 def salt_digest(seq: Sequence) -> bytes | None:
     """The parent digest of a sequence's first block: None, or one derived from its SamplingParams.cache_salt
-    (vLLM's), so salted requests share cached blocks only with requests of the same salt."""
+    (vLLM's), so salted requests share cached blocks only with requests of the same salt, and from its LoRA
+    adapter's fingerprint, so blocks written under one adapter serve neither another nor the base."""
     salt = seq.params.cache_salt
-    return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+    digest = None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+    lora = seq.lora_fingerprint
+    if lora is not None:
+        digest = hashlib.sha256(b"lora\0" + lora + (digest or b"")).digest()
+    return digest
 
 
 class BlockManager:

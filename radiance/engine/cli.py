@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import sys
 
 from radiance.config import check_seed
@@ -92,6 +91,7 @@ def run(args) -> int:
     prompt_text = read_prompt(args.prompt)
     check_utf8(prompt_text, "the prompt")
     checkpoint = _open_with_a_template_that_parses(config, use_template=args.chat is not False)
+    _check_tokenizer(checkpoint)
     llm = LLM.from_engine_config(config, checkpoint=checkpoint, progress=not args.no_progress)
     has_template = bool(llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None))
     if args.chat and not has_template:  # was ignored: the raw prompt went in without a word
@@ -118,6 +118,20 @@ def _open_with_a_template_that_parses(config, use_template: bool):
     if template:
         check_template(template, checkpoint.template_source(template))
     return checkpoint
+
+
+def _check_tokenizer(checkpoint) -> None:
+    """generate's prompt is text, so a model without a tokenizer is refused before the weights load (the error came
+    after every weight and the KV cache). The checkpoint keeps the tokenizer it builds: the load reuses it."""
+    from radiance.engine.loader import no_tokenizer_message
+    from radiance.errors import CheckpointError
+
+    try:
+        tokenizer, reason = checkpoint.tokenizer(), None
+    except CheckpointError as exc:
+        tokenizer, reason = None, str(exc)
+    if tokenizer is None:
+        raise ConfigError(no_tokenizer_message(reason, "radiance generate needs one to encode the prompt"))
 
 
 def sampling_params_from_args(args):
@@ -240,7 +254,7 @@ def _stream(llm, prompt, params) -> bool:
     sys.stdout.write("\n")
     spec = params.structured_output
     if spec is not None and last is not None and last.finish_reason == "length" \
-            and not _whole_under(spec, last.text):
+            and not _complete_under(engine, spec, last.token_ids):
         # the constraint holds every token, but only a finished output is whole (a JSON object closed, a choice
         # written out): a cut one looked like a valid answer
         logger.warning("--max-tokens %d cut the output before the constraint was complete: it is not valid; raise "
@@ -249,21 +263,12 @@ def _stream(llm, prompt, params) -> bool:
     return True
 
 
-def _whole_under(spec, text: str) -> bool:
-    """Whether `text`, cut by --max-tokens, is already a whole answer under the constraint (`[0-9]+` cut after
-    "100" is one; the grammar only ends at the stop token, so the cut alone proves nothing). A grammar's answer
-    cannot be checked here: taken as cut."""
-    if spec.choice is not None:
-        return text in spec.choice
-    if spec.regex is not None:
-        try:
-            return re.fullmatch(spec.regex, text) is not None
-        except re.error:  # a pattern of xgrammar's dialect Python does not read
-            return False
-    if spec.json is not None or spec.json_object:
-        try:  # the grammar let no value close before the schema was met: one that parses is whole
-            value = json.loads(text)
-        except ValueError:
-            return False
-        return isinstance(value, dict) or not spec.json_object
-    return False
+def _complete_under(engine, spec, token_ids: list[int]) -> bool:
+    """Whether the output `token_ids`, cut by --max-tokens, is already a whole answer under the constraint: a fresh
+    matcher of it (the compile is cached) fed the tokens can end there. The constraint's own matcher, not a guess
+    per kind: `root ::= "yes" | "no"` cut after "no" is whole, `{"type": "integer", "minimum": 1000}` cut after
+    "1" is not, though json.loads reads it."""
+    state = engine.grammar_backend().matcher(spec)
+    if not all(state.accept(token) for token in token_ids):  # a token the mask refused ends the request early
+        return False
+    return state.matcher.is_completed()

@@ -56,7 +56,8 @@ def blocks_known_before_load(arch, cache: CacheConfig, device: torch.device, dty
         return cache.num_gpu_blocks_override
     if device.type == "cuda":
         return None
-    return _blocks_of(cache.cpu_kv_cache_bytes, block_bytes(arch, cache.block_size, dtype))
+    return _blocks_of(cache.cpu_kv_cache_bytes, block_bytes(arch, cache.block_size, dtype),
+                      f"raise --cpu-kv-cache-bytes (now {cache.cpu_kv_cache_bytes}); in Python: cpu_kv_cache_bytes")
 
 
 def num_kv_blocks(model, cache: CacheConfig, scheduler: SchedulerConfig, device: torch.device,
@@ -71,15 +72,19 @@ def num_kv_blocks(model, cache: CacheConfig, scheduler: SchedulerConfig, device:
     budget = int(total * cache.gpu_memory_utilization) - used - peak
     logger.info("KV budget: %.2f GiB (total %.1f, in use %.1f, activation peak %.2f GiB, utilization %.2f)",
                 budget / 2**30, total / 2**30, used / 2**30, peak / 2**30, cache.gpu_memory_utilization)
-    return _blocks_of(budget, per_block)
+    return _blocks_of(budget, per_block,
+                      f"raise --gpu-memory-utilization (now {cache.gpu_memory_utilization}) or lower "
+                      f"--max-num-batched-tokens (now {scheduler.max_num_batched_tokens}); in Python: "
+                      "gpu_memory_utilization, max_num_batched_tokens")
 
 
-def _blocks_of(budget: int, per_block: int) -> int:
+def _blocks_of(budget: int, per_block: int, knobs: str) -> int:
+    """The blocks `budget` bytes hold; none is an error saying what raises it on this device (`knobs`), in the
+    flags' words and the fields' (the CLI's user typed flags, the LLM API's gives fields)."""
     blocks = budget // per_block
     if blocks < 1:
         raise ConfigError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB available, "
-                          f"{per_block / 2**20:.2f} MiB per block): raise gpu_memory_utilization / "
-                          "cpu_kv_cache_bytes or lower max_num_batched_tokens")
+                          f"{per_block / 2**20:.2f} MiB per block): {knobs}")
     return int(blocks)
 
 

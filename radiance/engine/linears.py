@@ -2,7 +2,8 @@
 
 auto:  MXFP4 as is; NVFP4 / FP8 requantized to MXFP4 (ModelConfig.rule); 16-bit stays 16-bit; 4-bit GGUF
        (Int4Weight) on a CPU runs from its codes (KernelConfig.cpu_int4), elsewhere dequantized to 16 bit.
-mxfp4: 16-bit linears are quantized to MXFP4 too (except those matching ModelConfig.ignore).
+mxfp4: 16-bit linears are quantized to MXFP4 too (except those ModelConfig.ignore selects: radiance's linear name
+       or the checkpoint modules it is made of, convert.IgnoreSelection).
 nvfp4: 16-bit linears are quantized to NVFP4, then requantized to MXFP4 with the rule, or with rule
        "none" served as the dequantized NVFP4 values in 16 bit (W4A16 emulation of an NVFP4 model).
 none:  everything dequantized to 16 bit.
@@ -47,7 +48,9 @@ def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: Ke
                  dtype: torch.dtype) -> tuple[nn.Module, str, float]:
     """(module, how it is served: "dense" | "mxfp4" | "nvfp4-dequant" | "int4", requant relRMS or 0)."""
     quant = model_config.quantization
-    keep_16bit = selects(model_config.ignore, name)
+    # a pattern selecting only some parts of a merged linear (q_proj of qkv_proj) is a ConfigError: the loader names
+    # the linear with it
+    keep_16bit = selects(model_config.ignore, name, len(weight.partition_sizes))
     if weight.format == "int4":
         if quant == "auto" and not keep_16bit and kernel_config.cpu_int4:
             why_not = int4_cpu_unsupported(weight, weight.packed.device)

@@ -129,16 +129,22 @@ class LLM:
         or {"prompt_token_ids": ids}), or a list of these. sampling_params: one for all, or a list with one per
         prompt. use_tqdm (vLLM's): a progress bar on stderr, or a tqdm-like factory to make it; none where the
         LLM was made without progress bars. vLLM's priority (all 0: requests are served first-come-first-served),
-        tokenization_kwargs (for text prompts: add_special_tokens, truncation, max_length) and lora_request (None).
+        tokenization_kwargs (for text prompts: add_special_tokens, truncation, max_length) and lora_request (with
+        LLM(enable_lora=True): a radiance.LoRARequest for every prompt, or a list of one LoRARequest or None per
+        prompt).
         Every prompt and parameter is checked before any is queued."""
         _check_use_tqdm(use_tqdm)
-        check_lora_request(lora_request)
+        if lora_request is not None and not getattr(self.engine, "lora_enabled", False):  # before the prompts
+            check_lora_request(lora_request, 1, False)
         encode_kwargs = tokenizer_kwargs(tokenization_kwargs)
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) and len(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a list of token ids, a prompt dict or a list of these, "
                              f"got {_short(prompts)}")
+        loras = check_lora_request(lora_request, len(prompts), getattr(self.engine, "lora_enabled", False))
+        # each adapter loaded (or refused) before any request is queued
+        loras = [None if lora is None else self.engine.check_lora_request(lora) for lora in loras]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         check_priority(priority, len(prompts))
         params_list = [_with_prompt_salt(prompt, p) for prompt, p in zip(prompts, params_list)]
@@ -154,7 +160,7 @@ class LLM:
         for (_, ids), p in zip(tokenized, params_list):
             self.engine.check_request(ids, p)
         try:
-            self._add_all(tokenized, params_list, results, request_slots)
+            self._add_all(tokenized, params_list, results, request_slots, loras)
             self._run(results, request_slots, use_tqdm, TokenTexts(self.tokenizer),
                       [p.detokenize for p in params_list])
         except BaseException:  # Ctrl-C or an error: leave nothing queued for the next call
@@ -190,15 +196,19 @@ class LLM:
                 raise SamplingParamsError(f"{name} is {value}, more than max_logprobs {self.max_logprobs} (raise "
                                           "it with LLM(max_logprobs=...); -1: up to the vocabulary)", name)
 
-    def _add_all(self, tokenized, params_list, results, request_slots) -> None:
-        for i, ((text, ids), p) in enumerate(zip(tokenized, params_list)):
+    def _add_all(self, tokenized, params_list, results, request_slots, loras=None) -> None:
+        loras = loras or [None] * len(tokenized)
+        for i, ((text, ids), p, lora) in enumerate(zip(tokenized, params_list, loras)):
             prompt_id = str(self._counter)  # vLLM's request ids, and its "{choice}_{id}" for n > 1
             self._counter += 1
             results.append(GenerationOutput(text, ids, [None] * p.n, request_id=prompt_id))  # type: ignore[list-item]
             for j in range(p.n):
                 request_id = prompt_id if p.n == 1 else f"{j}_{prompt_id}"
                 sub = p if p.n == 1 else p.for_choice(j)
-                self.engine.add_request(request_id, ids, sub)
+                if lora is None:
+                    self.engine.add_request(request_id, ids, sub)
+                else:
+                    self.engine.add_request(request_id, ids, sub, lora_request=lora)
                 request_slots[request_id] = (i, j)
 
     def _progress_bar(self, use_tqdm: bool | Callable, total: int):
@@ -287,10 +297,10 @@ class LLM:
         (text parts joined by newlines), "openai" (content as a list of {"type": "text", "text": ...} parts, a string
         as one) or "auto" ("openai" for a template that loops over a message's content, vLLM's detection, else
         "string"); tokenization_kwargs (of the rendered prompt, which is encoded without special tokens unless they
-        say add_special_tokens), mm_processor_kwargs and lora_request (None). Each output's prompt is the rendered
-        template text, as vLLM's."""
+        say add_special_tokens), mm_processor_kwargs and lora_request (as generate's, one per conversation). Each
+        output's prompt is the rendered template text, as vLLM's."""
         conversations = conversations_of(messages)
-        check_lora_request(lora_request)
+        loras = check_lora_request(lora_request, len(conversations), getattr(self.engine, "lora_enabled", False))
         check_chat_args(chat_template_content_format, mm_processor_kwargs)
         # the template writes its own special tokens
         encode_kwargs = tokenizer_kwargs(tokenization_kwargs, {"add_special_tokens": False})
@@ -310,14 +320,22 @@ class LLM:
             text = self.apply_chat_template(conversation, **options, **variables)
             # text and ids: the output's prompt is the text (vLLM's), the ids are what the template encodes to
             prompts.append({"prompt": text, "prompt_token_ids": self._encode(text, **encode_kwargs)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=None if lora_request is None else loras)
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: per prompt the beam_width best sequences by cumulative logprob /
         length ** length_penalty, best first (radiance.engine.beam_search)."""
-        check_lora_request(lora_request)
-        return _beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)
+        if lora_request is not None and not getattr(self.engine, "lora_enabled", False):
+            check_lora_request(lora_request, 1, False)
+        loras = None
+        if lora_request is not None:
+            from radiance.engine.beam_search import _prompt_list
+            loras = check_lora_request(lora_request, len(_prompt_list(prompts)), True)
+            loras = [None if lora is None else self.engine.check_lora_request(lora) for lora in loras]
+        return _beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit,
+                            lora_requests=loras)
 
 def _whole_vocabulary(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """`params` with vLLM's logprobs / prompt_logprobs -1 as the vocabulary's size."""

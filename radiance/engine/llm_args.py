@@ -93,9 +93,26 @@ def check_priority(priority, num_prompts: int) -> None:
                          f"scheduling), got {_short(list(priority))}")
 
 
-def check_lora_request(lora_request) -> None:
-    if lora_request is not None:
-        raise ValueError(f"lora_request must be None: LoRA adapters are not supported, got {_short(lora_request)}")
+def check_lora_request(lora_request, num_prompts: int, enabled: bool) -> list:
+    """vLLM's lora_request of generate / chat / beam_search as one entry per prompt: None (the base), one
+    LoRARequest for every prompt, or a list (or tuple) with one LoRARequest or None per prompt. Any adapter while
+    LoRA is not enabled is refused."""
+    from radiance.lora import LoRARequest
+
+    if lora_request is None:
+        return [None] * num_prompts
+    if not enabled:
+        raise ValueError(f"lora_request must be None unless LoRA is enabled (LLM(enable_lora=True), --enable-lora), "
+                         f"got {_short(lora_request)}")
+    if isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)) or not all(r is None or isinstance(r, LoRARequest)
+                                                             for r in lora_request):
+        raise ValueError(f"lora_request must be None, a LoRARequest or a list of them (one per prompt), "
+                         f"got {_short(lora_request)}")
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts; give one per prompt")
+    return list(lora_request)
 
 
 def tokenizer_kwargs(given, defaults: dict | None = None) -> dict:

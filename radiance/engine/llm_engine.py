@@ -13,6 +13,7 @@ import torch
 from radiance.config import EngineConfig
 from radiance.engine.block_manager import BlockManager
 from radiance.engine.detokenizer import IncrementalDetokenizer
+from radiance.engine.llm_args import _short
 from radiance.engine.loader import load_model
 from radiance.engine.model_runner import ModelRunner
 from radiance.engine.outputs import (INTER_TOKEN_BUCKETS, ITERATION_TOKEN_BUCKETS, EngineStats, StepHistogram,
@@ -25,6 +26,7 @@ from radiance.engine.sequence import Sequence, SequenceStatus
 from radiance.engine.speculation import NgramSpeculator
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError
 from radiance.layers.sampler import BadWords
+from radiance.lora import LoraManager, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +45,17 @@ class LLMEngine:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.eos_token_ids = set(loaded.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.config, self.device, self.dtype)
+        # LoRA: the model's linears wrapped before the runner captures its graphs with them
+        self.lora = (LoraManager(self.config.lora, self.model, self.device, self.dtype)
+                     if self.config.lora.enable_lora else None)
+        self.runner = ModelRunner(self.model, self.config, self.device, self.dtype,
+                                  lora_context=self.lora.context if self.lora is not None else None)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.model.config.vocab_size  # the logits' width: prompt and bias ids are checked against it
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
                                           self.config.cache.enable_prefix_caching,
                                           prefer_in_order=self.device.type == "cpu")
-        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, lora=self.lora)
         overlap = self.config.runner.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
         self.speculator = NgramSpeculator(self.config, self.scheduler, self.block_manager, self.max_model_len)
@@ -81,6 +87,48 @@ class LLMEngine:
             f"{'on' if self.config.cache.enable_prefix_caching else 'off'}; CUDA graphs {graphs}",
         ]
         logger.info(self.load_summary[-1])
+        if self.lora is not None:
+            for i, (name, path) in enumerate(self.config.lora.parsed_modules()):
+                self.add_lora(LoRARequest(name, i + 1, path))
+            lora = self.config.lora
+            self.load_summary.append(f"LoRA: up to {lora.max_loras} adapter(s) per step, rank <= {lora.max_lora_rank}, "
+                                     f"on {len(self.lora.layers)} linears; loaded: "
+                                     f"{', '.join(r.lora_name for r in self.lora.list()) or 'none'}")
+            logger.info(self.load_summary[-1])
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora is not None
+
+    def _lora_manager(self) -> LoraManager:
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora "
+                             "(LLM(enable_lora=True), --enable-lora)")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads and checks an adapter (ValueError naming the file / tensor for one that cannot be served); True if
+        newly added, False if its lora_int_id was already loaded."""
+        return self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads an adapter (requests already using it finish with it); False if no adapter has that id."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self._lora_manager().list() if self.lora is not None else []
+
+    def check_lora_request(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The registered adapter a request runs with (one not loaded yet is loaded from its lora_path), or None for
+        the base; ValueError when LoRA is off or the adapter is unknown or cannot be loaded."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"lora_request must be None unless LoRA is enabled (LLM(enable_lora=True), "
+                             f"--enable-lora), got {_short(lora_request)}")
+        return self.lora.resolve(lora_request)
 
     # ---------------------------------------------------------------- requests
 
@@ -147,7 +195,8 @@ class LLMEngine:
             raise ValueError(f"n is {params.n}, but the engine serves one completion per request: send n requests "
                              f"with n=1 (LLM.generate and the server expand n this way)")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         # the request's own copy (vLLM's engine clones too): SamplingParams are mutable, and a caller that changes
         # its object for the next request must not change this one (every field is immutable: a shallow copy)
         params = copy.copy(params) if params is not None else SamplingParams()
@@ -155,6 +204,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_one_sequence(params)
         self.check_request(prompt_token_ids, params)
+        lora_request = self.check_lora_request(lora_request)
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)
@@ -170,12 +220,21 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer if params.detokenize else None, seq.prompt_token_ids,
                                              params.skip_special_tokens, params.stop,
                                              include_stop=params.include_stop_str_in_output)
+        if lora_request is not None:
+            seq.lora_request, seq.lora_int_id = lora_request, lora_request.lora_int_id
         # registered only once nothing can fail: a half-added request kept its id in use
+        if lora_request is not None:
+            seq.lora_fingerprint = self.lora.acquire(lora_request.lora_int_id)
         self._arrivals += 1
         self.sequences[request_id] = seq
         self.detokenizers[request_id] = detokenizer
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(prompt_token_ids)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_int_id and self.lora is not None:
+            self.lora.release(seq.lora_int_id)
+            seq.lora_int_id = 0  # released once, whatever removes it next
 
     def _ending_tokens(self, params: SamplingParams) -> tuple[int, ...]:
         """The tokens that end an output (min_tokens bans them): the stop_token_ids, and EOS unless ignored; one
@@ -188,6 +247,7 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.remove(seq)
+        self._release_lora(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
         self._aborted.append(self._output(seq))
@@ -239,6 +299,7 @@ class LLMEngine:
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self.scheduler.remove(seq)
+                self._release_lora(seq)
                 self.sequences.pop(seq.request_id, None)
                 self.detokenizers.pop(seq.request_id, None)
         self.inter_token_latency.observe_many(gaps)
@@ -317,7 +378,20 @@ class LLMEngine:
             prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
             cumulative_logprob=seq.cumulative_logprob, stop_reason=seq.stop_reason, times=seq.times)
 
+    def _lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The adapter names of the running and of the waiting requests. The server reads stats() from its event loop
+        while this engine's thread changes the queues: each is copied in one C-level call first (a Python loop over a
+        deque being changed would raise)."""
+        def names(seqs) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(s.lora_request.lora_name for s in seqs if s.lora_request is not None))
+        return names(list(self.scheduler.running)), names(tuple(self.scheduler.waiting))
+
     def stats(self) -> EngineStats:
+        lora = {}
+        if self.lora is not None:
+            running, waiting = self._lora_adapters()
+            lora = dict(max_lora=self.config.lora.max_loras, running_lora_adapters=running,
+                        waiting_lora_adapters=waiting)
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage(), num_preemptions=self.scheduler.num_preemptions,
@@ -326,7 +400,7 @@ class LLMEngine:
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries,
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
             iteration_tokens=self.iteration_tokens.snapshot(),
-            inter_token_latency=self.inter_token_latency.snapshot(), cache_config=dict(self.cache_config_info))
+            inter_token_latency=self.inter_token_latency.snapshot(), cache_config=dict(self.cache_config_info), **lora)
 
     # counters the stats and tests read, kept by the parts that count them
     @property

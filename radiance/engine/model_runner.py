@@ -12,6 +12,7 @@ their forward can still be queued ahead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -69,6 +70,12 @@ def sampling_rows(sampled: list[ScheduledSequence], vocab: int, device: torch.de
             adjust = logit_adjustment(seq, vocab, device, banned) if p.adjusts_logits or banned else None
             rows.append(SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seq.generator, p.logprobs, adjust))
     return rows
+
+
+def _lora_row_slots(scheduled: list[ScheduledSequence], q_lens: list[int]) -> np.ndarray:
+    """The LoRA slot of each row of a step (Sequence.lora_slot, -1 for the base): one per sequence's new token."""
+    slots = np.fromiter((s.seq.lora_slot for s in scheduled), dtype=np.int64, count=len(scheduled))
+    return np.repeat(slots, q_lens) if any(n != 1 for n in q_lens) else slots
 
 
 @dataclass
@@ -152,7 +159,9 @@ def _serve_rotary_context(model, max_model_len: int) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype, lora_context=None):
+        """`lora_context`: the radiance.lora.LoraStepContext of the model's LoraLinears (LoRA on), whose per-row slot
+        buffer each step fills before its forward (eager or a graph replay)."""
         self.model = model
         self.config = config
         self.device = device
@@ -166,6 +175,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         _serve_rotary_context(model, self.max_model_len)
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, kv_dtype)
+        self.lora_context = lora_context
+        if lora_context is not None:  # rows of the largest step: a whole unchunked prompt, or every sequence's drafts
+            sched = config.scheduler
+            lora_context.allocate(max(sched.max_num_batched_tokens, self.max_model_len,
+                                      sched.max_num_seqs * (1 + config.speculative.ngram_draft_tokens)), device)
         # pinned landing buffers of the sampled ids, used in turn (like the graph inputs' staging sets)
         max_rows = max(config.scheduler.max_num_seqs, 1 + config.speculative.ngram_draft_tokens)  # sampled rows
         pin = device.type == "cuda"
@@ -267,6 +281,8 @@ class ModelRunner:
         tokens = next_tokens if next_tokens is not None else tokens
         is_decode = all(n == 1 for n in q_lens)
         batch = len(scheduled)
+        if self.lora_context is not None:  # before the forward, eager or replayed: its LoraLinears read the slots
+            self.lora_context.begin_step(_lora_row_slots(scheduled, q_lens))
         if is_decode and self.decode_graphs and self.decode_graphs.serves(batch):
             hidden = self.decode_graphs.replay(tokens, positions, slots, kv_lens, tables)
         elif (batch == 1 and not is_decode and next_tokens is None and self.prefill_graphs
@@ -288,6 +304,8 @@ class ModelRunner:
                 kv_first_blocks=self._first_blocks_in_order(tables, kv_lens))
             token_tensor = tokens if isinstance(tokens, torch.Tensor) else self._to_device(tokens, torch.long)
             hidden = self.model(token_tensor, self._to_device(positions, torch.long), meta)
+        if self.lora_context is not None:
+            self.lora_context.end_step()
         if next_tokens is None and any(s.seq.prompt_logprobs is not None for s in scheduled):
             self._score_prompts(scheduled, q_lens, hidden)
         sampling = list(range(batch)) if next_tokens is not None else [i for i, s in enumerate(scheduled) if s.samples]
@@ -371,12 +389,17 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- CUDA graphs
 
+    def _lora_capturing(self):
+        """LoRA deltas on while graphs are captured (a replay computes them for whatever adapters a step has)."""
+        return self.lora_context.capturing() if self.lora_context is not None else contextlib.nullcontext()
+
     def capture_decode_graphs(self) -> None:
         """(Re)capture the decode graphs (a re-capture bakes in changed kernel tilings: tools/)."""
         max_batch = min(self.config.runner.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
         self.decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, self.model.config.num_kv_heads,
                                           self.device)
-        self.decode_graphs.capture(self.model)
+        with self._lora_capturing():
+            self.decode_graphs.capture(self.model)
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode batches %s", self.decode_graphs.buckets)
 
@@ -391,7 +414,8 @@ class ModelRunner:
         if not sizes:
             return
         self.prefill_graphs = PrefillGraphs(sizes, self.max_blocks_per_seq, self.device)
-        self._pool = self.prefill_graphs.capture(self.model, self._pool)
+        with self._lora_capturing():
+            self._pool = self.prefill_graphs.capture(self.model, self._pool)
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for single-sequence prefills of up to %s tokens", sizes)
 
@@ -408,7 +432,8 @@ class ModelRunner:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(dev)
         self.piecewise = PiecewiseGraphs(sizes, seqs, self.max_blocks_per_seq, (arch.num_heads, arch.head_dim),
                                          self.dtype, dev)
-        self._pool = self.piecewise.capture(self.model, self._pool)
+        with self._lora_capturing():
+            self._pool = self.piecewise.capture(self.model, self._pool)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # the eager warm-ups' cached blocks (the graphs keep their own pool)
         logger.info("captured piecewise CUDA graphs for steps of up to %d sequences and %s tokens in %.1f s "

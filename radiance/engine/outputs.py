@@ -156,3 +156,6 @@ class EngineStats:
     iteration_tokens: HistogramCounts | None = None  # tokens each step computed (prompt chunks, decodes, drafts)
     inter_token_latency: HistogramCounts | None = None  # seconds between a request's steps that gave it tokens
     cache_config: dict[str, str] = field(default_factory=dict)  # the KV cache's settings, as vLLM's labels name them
+    max_lora: int | None = None  # LoRA on: adapters per step at most (None: LoRA off)
+    running_lora_adapters: tuple[str, ...] = ()  # the adapters of running requests, as of the last step
+    waiting_lora_adapters: tuple[str, ...] = ()  # ... and of waiting ones

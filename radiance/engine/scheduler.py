@@ -40,9 +40,10 @@ class ScheduledSequence:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lora=None):
         self.config = config
         self.block_manager = block_manager
+        self.lora = lora  # radiance.lora.LoraManager: at most max_loras adapters per step, slots at admission
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -150,8 +151,14 @@ class Scheduler:
             budget -= n
             i += 1
 
+        # LoRA: a sequence whose adapter would exceed max_loras in this step waits (skipped, keeping its place)
+        active = self.lora.step_adapters(self.running) if self.lora is not None else None
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if active is not None and not self.lora.admits(seq, active):
+                skipped.append(self.waiting.popleft())
+                continue
             cached = None
             if not seq.block_table and seq.params.prompt_logprobs is None:  # those score every prompt token
                 cached = bm.match_prefix(seq)
@@ -170,7 +177,12 @@ class Scheduler:
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += seq.num_cached_tokens
             seq.admitted = True
+            if active is not None:
+                self.lora.activate(seq, active)
+                if seq.lora_int_id:
+                    active.add(seq.lora_int_id)
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         return scheduled

@@ -52,6 +52,12 @@ class Sequence:
         # params.min_tokens; set by the engine, which knows the EOS ids
         self.min_tokens_bans: tuple[int, ...] = ()
         self.bad_words = None  # sampler.BadWords of params' bad words; set by the engine, which tokenizes them
+        # the LoRA adapter it runs with (engine-set): its request, id (0: the base), fingerprint (the prefix cache
+        # keys blocks by it) and the slot of the model's LoraLinears it was given at admission (-1: none)
+        self.lora_request = None
+        self.lora_int_id = 0
+        self.lora_fingerprint: bytes | None = None
+        self.lora_slot = -1
 
     @property
     def num_tokens(self) -> int:

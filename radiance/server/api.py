@@ -1,5 +1,5 @@
 """The FastAPI app: the middleware every request passes through, background model loading, and the routes
-(routes_ops, routes_openai, routes_tokenizer) assembled.
+(routes_ops, routes_openai, routes_tokenizer; routes_lora with --allow-runtime-lora-updating) assembled.
 
 `build_app(state)` returns an app whose lifespan starts loading the engine in a worker thread, so
 the port is open (and `/health` answers 503) while weights load. /health, /ping, /metrics and /version
@@ -19,7 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from radiance import __version__
 
-from radiance.server import routes_openai, routes_ops, routes_tokenizer
+from radiance.server import routes_lora, routes_openai, routes_ops, routes_tokenizer
 from radiance.server.errors import JSONAnswer, OpenAIError, error_response, install_error_handlers, internal_error
 from radiance.server.metrics import ServedRequest, current_request
 from radiance.server.state import ServerState
@@ -194,4 +194,8 @@ def build_app(state: ServerState, on_ready=None, on_load_failure=None) -> FastAP
 
     for router in (routes_ops.router, routes_openai.router, routes_tokenizer.router):
         app.include_router(router)
+    if state.config.allow_runtime_lora_updating:  # else unknown routes (404), as vLLM leaves them out
+        logger.warning("LoRA adapters can be loaded and unloaded at runtime (/v1/load_lora_adapter): this loads any "
+                       "adapter path the server can read, for anyone who may call the API")
+        app.include_router(routes_lora.router)
     return app

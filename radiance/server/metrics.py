@@ -121,12 +121,28 @@ class _EngineCollector:
         if gaps is not None:
             yield self._histogram("inter_token_latency_seconds",
                                   "Time between the engine steps that gave a request its tokens.", gaps, label)
+        lora = self._lora_info(stats)
+        if lora is not None:
+            yield lora
         cache = getattr(stats, "cache_config", None)
         if cache:
             info = GaugeMetricFamily(self._prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
                                      labels=["model_name", *cache])
             info.add_metric(label + list(cache.values()), 1.0)
             yield info
+
+    def _lora_info(self, stats) -> GaugeMetricFamily | None:
+        """vLLM's lora_requests_info, with LoRA on (the engine's stats give max_lora): the adapters of the running
+        and the waiting requests as comma-separated names, at the scrape's wall-clock time (vLLM's value: when it
+        was last set). Its labels are vLLM's alone (no model_name), as a LoRA-aware router reads them."""
+        max_lora = getattr(stats, "max_lora", None)
+        if max_lora is None:
+            return None
+        info = GaugeMetricFamily(self._prefix + "lora_requests_info", "Running stats on lora requests.",
+                                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        info.add_metric([str(max_lora), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)],
+                        time.time())
+        return info
 
     def _histogram(self, name: str, doc: str, counts: HistogramCounts, label: list[str]) -> HistogramMetricFamily:
         family = HistogramMetricFamily(self._prefix + name, doc, labels=["model_name"])

@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from radiance.engine.request_checks import check_logit_bias_value
-from radiance.server.protocol_messages import (ChatMessage, NamedToolChoice, ReasoningEffort, Tool, _Model,
+from radiance.server.protocol_messages import (ChatMessage, NamedToolChoice, ReasoningEffort, Tool, ToolChoice, _Model,
                                                pair_function_calls)
 from radiance.engine.structured_output import StructuredOutput
 
@@ -292,7 +292,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: ToolChoice = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -5,9 +5,10 @@ of the API uses (protocol.py, protocol_responses.py, protocol_tokenizer.py)."""
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
@@ -55,6 +56,30 @@ class NamedFunction(_Model):
 class NamedToolChoice(_Model):
     type: Literal["function"] = "function"
     function: NamedFunction
+
+
+def named_form_checked(model: type[BaseModel], form: str) -> BeforeValidator:
+    """A tool_choice object read as the named form `model` (`form` its JSON shape, for the message), its own error
+    telling what is wrong with it ("function.name is missing"), where the union's first error said the value
+    should be 'none', 'auto' or 'required'."""
+
+    def check(value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        try:
+            return model.model_validate(value)
+        except ValidationError as exc:
+            error = exc.errors(include_url=False)[0]
+            where = ".".join(str(part) for part in error["loc"])
+            fault = f"{where} is missing" if error["type"] == "missing" else f"{where}: {error['msg']}"
+            raise ValueError(f"tool_choice as an object names a function, {form}: {fault}") from None
+
+    return BeforeValidator(check)
+
+
+# chat's tool_choice (and /tokenize's): a string choice, or a function named
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
+                       named_form_checked(NamedToolChoice, '{"type": "function", "function": {"name": ...}}')]
 
 
 class FunctionCall(_Model):

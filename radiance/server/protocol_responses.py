@@ -9,12 +9,12 @@ text-only model can serve is accepted: images, files and built-in tools (web sea
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from radiance.server.protocol import ChatCompletionRequest, TemplateKwargs, _Request, _SamplingFields
-from radiance.server.protocol_messages import ReasoningEffort, _Model
+from radiance.server.protocol_messages import ReasoningEffort, _Model, named_form_checked
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -85,7 +85,8 @@ class ResponsesRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     include: list[str] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | FunctionToolChoice | None,
+                           named_form_checked(FunctionToolChoice, '{"type": "function", "name": ...}')] = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     stream: bool = False

@@ -3,12 +3,10 @@ whose chat fields /tokenize renders with."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, field_validator, model_validator
 
 from radiance.server.protocol import ChatCompletionRequest, TemplateKwargs, tools_not_empty
-from radiance.server.protocol_messages import ChatMessage, NamedToolChoice, Tool, _Model
+from radiance.server.protocol_messages import ChatMessage, Tool, ToolChoice, _Model
 
 
 class TokenizeRequest(_Model):
@@ -29,7 +27,7 @@ class TokenizeRequest(_Model):
     # rendered as a chat completion renders them, "none" included (in the prompt unless the server runs with
     # --exclude-tools-when-tool-choice-none); the opening of a forced call, which a chat completion appends for
     # "required" or a named function, is not counted
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: ToolChoice = None
     return_token_strs: bool = False  # vLLM's: the tokens' vocabulary strings beside their ids
 
     @field_validator("tools")

@@ -28,13 +28,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return body
 
 
-def model_card(name: str, root: str, created: int, max_model_len: int | None) -> dict:
-    """A /v1/models entry in vLLM's shape: `root` the model served (its path or hub id), `parent` null (a base
-    model, not an adapter), the context length, and one permission object (OpenAI's old shape, which clients of
-    vLLM may read). The permission's id and time are the card's own, so every answer gives the same card."""
+def model_card(name: str, root: str, created: int, max_model_len: int | None, parent: str | None = None) -> dict:
+    """A /v1/models entry in vLLM's shape: `root` the model served (its path or hub id; an adapter's path),
+    `parent` null for a base model (a LoRA adapter's: the base's served name), the context length, and one
+    permission object (OpenAI's old shape, which clients of vLLM may read). The permission's id and time are the
+    card's own, so every answer gives the same card."""
     permission = {"id": f"modelperm-{hashlib.sha256(f'{name}:{created}'.encode()).hexdigest()[:32]}",
                   "object": "model_permission", "created": created, "allow_create_engine": False,
                   "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                   "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
-    return {"id": name, "object": "model", "created": created, "owned_by": "radiance", "root": root, "parent": None,
+    return {"id": name, "object": "model", "created": created, "owned_by": "radiance", "root": root, "parent": parent,
             "max_model_len": max_model_len, "permission": [permission]}

@@ -23,6 +23,10 @@ router = APIRouter()
 
 
 def _card(state: ServerState, name: str) -> dict:
+    lora = None if name in state.served_names else state.adapters.get(name)
+    if lora is not None:  # vLLM's adapter card: root its path, parent the base's (first) served name
+        return model_card(name, lora.lora_path, state.adapters.created(name), state.max_model_len or None,
+                          parent=state.served_names[0])
     # the model served, whatever names it is served under (vLLM's root: its --model); while loading, no length yet
     root = state.model_path or default_model_name(None, state.engine)
     return model_card(name, root, state.created, state.max_model_len or None)
@@ -30,7 +34,9 @@ def _card(state: ServerState, name: str) -> dict:
 
 @router.get("/v1/models")
 async def list_models(state: State):
-    return {"object": "list", "data": [_card(state, name) for name in state.served_names]}
+    """The base model under each served name, then each LoRA adapter (vLLM's order)."""
+    names = [*state.served_names, *state.adapters.names()]
+    return {"object": "list", "data": [_card(state, name) for name in names]}
 
 
 @router.get("/v1/models/{name:path}")

@@ -343,10 +343,11 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_i
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     engine = state.require_engine()
     model = state.check_model(req.model)
+    lora_request = state.lora_request(model)  # read with the name, before any await: an unload cannot come between
     request_id = response_id("chatcmpl")
     chat = await prepare_chat(state, req, request_id)
     choices = chat.choices
-    outputs = merged_outputs(engine, chat.jobs, state.metrics, n=req.n)
+    outputs = merged_outputs(engine, chat.jobs, state.metrics, n=req.n, lora_request=lora_request)
     echoed = req.echoed_text()
     if req.stream:
         stream = _stream(request_id, model, outputs, choices, len(chat.prompt_ids), StreamUsage(req.stream_options),
@@ -384,7 +385,9 @@ def _response(request_id: str, model: str, choices: list[ChoiceStream], deltas: 
     body_choices = []
     for choice, delta, lp in zip(choices, deltas, logprobs):
         content = echoed + (delta.get("content") or "")
-        message = {"role": "assistant", "content": content or (None if delta.get("tool_calls") else "")}
+        # refusal: OpenAI's and vLLM's message carry it, null (the model's refusals are not told apart)
+        message = {"role": "assistant", "content": content or (None if delta.get("tool_calls") else ""),
+                   "refusal": None}
         if "reasoning_content" in delta:
             message["reasoning_content"] = message["reasoning"] = delta["reasoning_content"]
         if delta.get("tool_calls"):

@@ -213,12 +213,15 @@ async def _maybe_await(value: Any) -> None:
 _REFUSED = "refused"  # a job's failure that is no end in the metrics: the engine refused it up front
 
 
-async def merged_outputs(engine: Any, jobs: list[EngineJob], metrics: ServerMetrics,
-                         n: int = 1) -> AsyncIterator[tuple[int, Any]]:
+async def merged_outputs(engine: Any, jobs: list[EngineJob], metrics: ServerMetrics, n: int = 1,
+                         lora_request: Any = None) -> AsyncIterator[tuple[int, Any]]:
     """(job index, StepOutput) from all jobs as they come; aborts unfinished jobs on exit. Each job ends
     once in `metrics`: its finish reason; `error` when the engine failed it; `abort` when the request ended
     first (client gone, server stopping, a sibling choice's failure). Each run of `n` jobs are one prompt's
-    choices, which its per-prompt metrics (n, the longest choice) count once they all ended."""
+    choices, which its per-prompt metrics (n, the longest choice) count once they all ended. Every job runs
+    with `lora_request` (the adapter the request's model names; None: the base model)."""
+    # passed only when there is one: an engine without LoRA (a test's stand-in) takes no such argument
+    adapter = {} if lora_request is None else {"lora_request": lora_request}
     # bounded: a client that stops reading stops the pumps too, and the engine's OutputSlot keeps only the
     # newest output of each job meanwhile (an unbounded queue held a cumulative copy per step)
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(jobs))
@@ -231,7 +234,7 @@ async def merged_outputs(engine: Any, jobs: list[EngineJob], metrics: ServerMetr
     async def pump(index: int, job: EngineJob) -> None:
         produced = False
         try:
-            async for out in engine.generate(job.request_id, job.prompt_token_ids, job.params):
+            async for out in engine.generate(job.request_id, job.prompt_token_ids, job.params, **adapter):
                 produced = True
                 await queue.put((index, out))
             await queue.put((index, done_marker))

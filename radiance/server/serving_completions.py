@@ -97,6 +97,7 @@ class CompletionChoice:
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
     engine = state.require_engine()
     model = state.check_model(req.model)
+    lora_request = state.lora_request(model)  # read with the name, before any await: an unload cannot come between
     await check_limits(state, req)
     prompts = await _prompts(state, req)
     if req.logprobs is not None:  # logprobs carry each token's text: refused before generating, not a 500 after
@@ -115,7 +116,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                                             req.return_tokens_as_token_ids, req.scores_only(),
                                             req.skip_special_tokens))
     prompt_tokens = sum(len(ids) for _, ids in prompts)
-    outputs = merged_outputs(engine, jobs, state.metrics, n=req.n)
+    outputs = merged_outputs(engine, jobs, state.metrics, n=req.n, lora_request=lora_request)
     if req.stream:
         stream = _stream(request_id, model, outputs, choices, prompt_tokens, req.n, StreamUsage(req.stream_options))
         return StreamingResponse(stream, media_type="text/event-stream")

@@ -358,9 +358,10 @@ def _response_error(exc: OpenAIError) -> dict:
 async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
     engine = state.require_engine()
     model = state.check_model(req.model)
+    lora_request = state.lora_request(model)  # read with the name, before any await: an unload cannot come between
     run = ResponseRun(state, req, model)
     prepared = await run.prepare()
-    outputs = merged_outputs(engine, prepared.jobs, state.metrics)
+    outputs = merged_outputs(engine, prepared.jobs, state.metrics, lora_request=lora_request)
     if req.stream:
         return StreamingResponse(_stream(run, outputs), media_type="text/event-stream")
     await collect_until_disconnect(request, outputs, lambda _index, out: run.step(out))

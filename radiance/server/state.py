@@ -24,6 +24,7 @@ from radiance.checkpoint import model_name
 from radiance.checkpoint.sampling_defaults import SamplingDefaults
 from radiance.engine.loader import no_tokenizer_message
 from radiance.server.errors import OpenAIError
+from radiance.server.lora_adapters import ServedAdapters
 from radiance.server.metrics import ServerMetrics
 from radiance.server.response_store import ResponseStore
 
@@ -46,7 +47,9 @@ class ServedEngine(Protocol):
 
     async def check_structured_output(self, spec: Any) -> None: ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> Any: ...
+    # lora_request: passed only for a request that names an adapter (the engine's lora_enabled, list_loras,
+    # add_lora and remove_lora serve those; an engine without them serves no adapters)
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, **lora_request: Any) -> Any: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -93,6 +96,7 @@ class ServerState:
         # what a request's omitted sampling fields take (--generation-config auto: the model's recommendation)
         self.sampling_defaults = SamplingDefaults()
         self.reasoning_parser_name: str | None = None
+        self.adapters = ServedAdapters()  # the LoRA adapters served as models (lora_adapters)
         self.metrics = ServerMetrics(self.stats, lambda: self.served_names[0], config.metrics_prefix,
                                      lambda: self.max_model_len)
         # /v1/responses answers, for follow-ups
@@ -183,6 +187,11 @@ class ServerState:
         self.tool_call_markup = call_markup(self.tool_parser_name, templates)
         if self.config.generation_config == "auto":
             self.sampling_defaults = getattr(engine, "sampling_defaults", SamplingDefaults())
+        self.adapters.attach(engine)
+        shadowed = [name for name in self.adapters.names() if name in self.served_names]
+        if shadowed:  # check_model takes the base first: requests naming them never reach the adapter
+            logger.warning("LoRA adapter name(s) %s are served model names too: requests naming them run on the base "
+                           "model (give the adapters other names)", ", ".join(shadowed))
         self.engine = engine  # last: `ready` flips only once everything above is set
 
     def _check_harmony_calls(self) -> None:
@@ -211,6 +220,8 @@ class ServerState:
         lines = []
         names = ", ".join(self.served_names)
         lines.append(f"served model name(s): {names}; max_model_len {self.max_model_len}")
+        if self.adapters.names():
+            lines.append(f"LoRA adapters served as models: {', '.join(self.adapters.names())}")
         lines.append(f"tool-call parser: {self.tool_parser_name or 'none'}; "
                      f"reasoning parser: {self.reasoning_parser_name or 'none'}; "
                      f"chat template: {'yes' if self.chat_template else 'none (chat completions unavailable)'}")
@@ -243,12 +254,20 @@ class ServerState:
         return self.tokenizer
 
     def check_model(self, name: str | None) -> str:
-        """The served name a request addresses (None = the default); 404 for any other name."""
+        """The served name a request addresses (None = the default): the base model's or a LoRA adapter's (its
+        engine requests then carry lora_request(name)); 404 for any other name."""
         if name is None or name in self.served_names:
             return name or self.served_names[0]
+        if self.adapters.get(name) is not None:
+            return name
         # OpenAI's answer (404 invalid_request_error, code model_not_found), naming the served models too
+        served = [*self.served_names, *self.adapters.names()]
         raise OpenAIError(404, f"The model `{name}` does not exist or you do not have access to it. "
-                          f"Served: {', '.join(self.served_names)}", param="model", code="model_not_found")
+                          f"Served: {', '.join(served)}", param="model", code="model_not_found")
+
+    def lora_request(self, model: str) -> Any:
+        """The LoRARequest of the model a request addresses (check_model's answer); None for the base model."""
+        return None if model in self.served_names else self.adapters.for_engine(model)
 
     def stats(self):
         if self.engine is None:

@@ -30,7 +30,7 @@ def test_eval_kl_and_ppl_on_embedded_model(text_file, capsys):
     assert 3.0 < kl["reference_ppl"] < 300.0
     assert 0.0 < kl["kl"] < 3.0  # 4-bit weights move the distributions, but not to noise
     assert 0.3 < kl["top1_agreement"] < 1.0
-    assert kl["results"][0]["label"] == "mxfp4 noclip W4A16"
+    assert kl["results"][0]["label"] == "Q4_1->mxfp4 noclip W4A16"  # the embedded model is Q4_1 GGUF
     ppl, ppl_err = _run_json(capsys, ["eval", "ppl", "--text", text_file, "--chunks", "2", "--chunk-len", "48",
                                       "--device", "cpu", "--json", "--no-progress"])
     assert "tensor/s" in kl_err and "tensor/s" not in ppl_err  # the loading bars, drawn unless --no-progress

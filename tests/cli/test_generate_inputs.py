@@ -2,15 +2,39 @@
 a decoder message naming no file), `--chat` on a model without a template (silently raw), and a constrained output cut
 by --max-tokens (printed as if valid)."""
 
+import functools
+
 import pytest
 
 from radiance.cli import main
 from radiance.engine.llm import LLM
 
 
+@functools.cache
+def _text_tokenizer():
+    """A real tokenizer for the fakes' token ids: generate feeds a cut constrained output's to the constraint's
+    matcher."""
+    from tests.engine.conftest import tiny_byte_bpe_tokenizer
+
+    return tiny_byte_bpe_tokenizer()
+
+
+@functools.cache
+def _grammar_backend():
+    from radiance.engine.structured_output import GrammarBackend
+    from tests.engine.conftest import TINY_TOKENIZER_VOCAB
+
+    tokenizer = _text_tokenizer()
+    return GrammarBackend(tokenizer, TINY_TOKENIZER_VOCAB, [tokenizer.eos_token_id])
+
+
 class _Output:
     def __init__(self, text, finish_reason):
         self.text, self.finish_reason = text, finish_reason
+
+    @property
+    def token_ids(self):
+        return _text_tokenizer()(self.text, add_special_tokens=False).input_ids
 
 
 class _Engine:
@@ -19,6 +43,9 @@ class _Engine:
 
     def __init__(self):
         self.steps = [[_Output('{"a": 1', "length")]]
+
+    def grammar_backend(self):
+        return _grammar_backend()
 
     def add_request(self, request_id, ids, params):
         self.params = params

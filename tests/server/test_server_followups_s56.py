@@ -130,7 +130,7 @@ def test_hidden_reasoning_hides_the_logprobs_that_would_name_it(url):
     assert "".join(t["token"] for t in shown["logprobs"]["content"]) == "<think>secret</think>ab"
     body = {"messages": THINKING, "logprobs": True, "include_reasoning": False}
     hidden = post(url, "/v1/chat/completions", body).json()["choices"][0]
-    assert hidden["message"] == {"role": "assistant", "content": "ab"} and hidden["logprobs"] is None
+    assert hidden["message"] == {"role": "assistant", "content": "ab", "refusal": None} and hidden["logprobs"] is None
     choices = [c["choices"][0] for c in events(post(url, "/v1/chat/completions", {**body, "stream": True}))]
     assert [c["delta"] for c in choices] == [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}]
     assert all(c["logprobs"] is None for c in choices)

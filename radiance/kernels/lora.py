@@ -1,0 +1,237 @@
+"""The multi-LoRA delta of a wrapped linear in two Triton launches (radiance.lora.layers.LoraLinear), and their exact
+torch references:
+
+    lora_shrink:      shrunk[M, W] = x @ A_all^T, fp32, column c kept only in rows whose slot is c // slot_width
+    lora_expand_add:  out[M, N] += shrunk @ B_all^T, in place, fp32 accumulation and one rounding to out's dtype
+
+The slot of each row comes from a device tensor (token_slots, -1: no adapter) read inside the shrink, so neither
+launch syncs with the host or has a data-dependent shape: a CUDA graph captures them. x is 16-bit (or fp32), or
+e4m3 codes with a per-row fp32 scale (the fp8 activations a W4A8 base takes), read as they are: the codes convert
+exactly to 16 bits, the dot runs on them and the row's scale multiplies its fp32 sums.
+
+The shrink splits K over programs (grid [M tiles, W tiles, splits]): at decode sizes a single program per output
+tile would read all of A alone (128 to 460 KiB at the 8B's sizes), so the splits spread that read over the SMs;
+each writes its fp32 partial sums [splits, M, W] and the expand sums them as it loads them (no atomics, no zeroed
+buffer, deterministic). Prefill sizes tile M with tl.dot and split K only where the M tiles leave the SMs idle.
+The expand (grid [M tiles, N tiles]) multiplies the summed fp32 tile with a 16-bit B_all as two 16-bit dots (the
+value rounded to B's dtype, then what that rounding lost), so the tensor cores serve it at close to fp32 accuracy;
+an fp32 B_all takes one exact fp32 dot. Both launch as programmatic dependents where the GPU has PDL (wait for the
+kernel before, then let the next launch), as radiance's other kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radiance.kernels._triton.act_quant import pdl_handoff
+from radiance.kernels.device_info import sm_count, supports_pdl
+
+DECODE_ROWS = 64  # up to this many rows the shrink reads A in 16-row tiles split over K (decode steps)
+DECODE_BLOCK_M = 16  # tl.dot's smallest M
+PREFILL_BLOCK_M = 64
+BLOCK_K = 128
+MAX_BLOCK_W = 64
+MAX_SPLITS = 32  # the expand sums the partials unrolled: bounded so its loads stay in registers
+EXPAND_BLOCK_N = 64
+WAVES = 2  # shrink programs per SM aimed at when splitting K
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRETER: tl.constexpr):
+    """acc + a @ b with fp32 accumulation. The interpreter's bf16 dot returns garbage (Triton 3.9), so there both
+    16-bit operands go to fp32 first: exact, the same sums up to their order."""
+    if INTERPRETER:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, M, K, W, stride_x, stride_a, k_per_split,
+                       SLOT_WIDTH: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_DOT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                       INTERPRETER: tl.constexpr = False, PDL: tl.constexpr = False):
+    """part[split, m, c] = sum over this split's K range of x[m, k] * A[c, k] (times scale[m] with HAS_SCALE), kept
+    where slots[m] == c // SLOT_WIDTH and 0 elsewhere. x is 16/32-bit or e4m3 (converted exactly to A's dtype); with
+    FP32_DOT both are taken to fp32 and multiplied exactly. Grid [cdiv(M, BLOCK_M), cdiv(W, BLOCK_W), splits];
+    k_per_split a multiple of BLOCK_K."""
+    pdl_handoff(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    split = tl.program_id(2)
+    live_rows = rows < M
+    live_cols = cols < W
+    rows64 = rows.to(tl.int64)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        live_k = ks < k_end
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=live_rows[:, None] & live_k[None, :],
+                    other=0.0)
+        a = tl.load(a_ptr + cols.to(tl.int64)[:, None] * stride_a + ks[None, :],
+                    mask=live_cols[:, None] & live_k[None, :], other=0.0)
+        if FP32_DOT:
+            acc = tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = _dot(x.to(a.dtype), tl.trans(a), acc, INTERPRETER)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + rows64, mask=live_rows, other=0.0)[:, None]
+    slots = tl.load(slots_ptr + rows64, mask=live_rows, other=-1)
+    # selected, not multiplied by a 0/1 mask: a row without an adapter gets an exact zero whatever its x holds
+    keep = slots[:, None] == (cols // SLOT_WIDTH).to(slots.dtype)[None, :]
+    acc = tl.where(keep, acc, 0.0)
+    offs = split.to(tl.int64) * M * W + rows64[:, None] * W + cols[None, :]
+    tl.store(part_ptr + offs, acc, mask=live_rows[:, None] & live_cols[None, :])
+
+
+@triton.jit
+def lora_expand_add_kernel(part_ptr, b_ptr, out_ptr, M, N, W, stride_b, stride_out, SPLITS: tl.constexpr,
+                           FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_W: tl.constexpr, INTERPRETER: tl.constexpr = False, PDL: tl.constexpr = False):
+    """out[m, n] = round(out[m, n] + sum_c (sum_s part[s, m, c]) * B[n, c]), the sums in fp32 and one rounding to
+    out's dtype. A 16-bit B multiplies the fp32 sums as hi + lo, hi the sums rounded to B's dtype and lo what that
+    lost, in two 16-bit dots; with FP32_DOT one exact fp32 dot. Grid [cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)]."""
+    pdl_handoff(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_rows = rows < M
+    live_n = ns < N
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for w0 in range(0, W, BLOCK_W):
+        cs = w0 + tl.arange(0, BLOCK_W)
+        live_c = cs < W
+        shrunk = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
+        for s in tl.static_range(SPLITS):  # unrolled: every partial's load is issued before the sums wait on them
+            shrunk += tl.load(part_ptr + s * M * W + rows64[:, None] * W + cs[None, :],
+                              mask=live_rows[:, None] & live_c[None, :], other=0.0)
+        bt = tl.load(b_ptr + ns.to(tl.int64)[None, :] * stride_b + cs[:, None], mask=live_c[:, None] & live_n[None, :],
+                     other=0.0)  # B^T tile [BLOCK_W, BLOCK_N]
+        if FP32_DOT:
+            acc = tl.dot(shrunk, bt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            hi = shrunk.to(bt.dtype)
+            lo = (shrunk - hi.to(tl.float32)).to(bt.dtype)
+            acc = _dot(hi, bt, acc, INTERPRETER)
+            acc = _dot(lo, bt, acc, INTERPRETER)
+    ptrs = out_ptr + rows64[:, None] * stride_out + ns[None, :]
+    live = live_rows[:, None] & live_n[None, :]
+    out = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+    tl.store(ptrs, (out + acc).to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _block_w(w: int) -> int:
+    return min(MAX_BLOCK_W, max(16, triton.next_power_of_2(w)))
+
+
+def shrink_splits(m: int, k: int, w: int, device: torch.device) -> tuple[int, int]:
+    """(splits, K columns per split) of lora_shrink: enough programs for WAVES per SM, at most MAX_SPLITS, each
+    split a whole number of BLOCK_K tiles and none empty."""
+    block_m = DECODE_BLOCK_M if m <= DECODE_ROWS else PREFILL_BLOCK_M
+    tiles = max(1, -(-m // block_m) * -(-w // _block_w(w)))
+    k_tiles = max(1, -(-k // BLOCK_K))
+    want = -(-WAVES * sm_count(device) // tiles)
+    splits = max(1, min(want, k_tiles, MAX_SPLITS))
+    per = -(-k_tiles // splits)
+    return -(-k_tiles // per), per * BLOCK_K
+
+
+def _check_rows(name: str, t: torch.Tensor, what: str) -> None:
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name}: {what} must be a 2-D tensor with contiguous rows, got shape {tuple(t.shape)} "
+                         f"and strides {t.stride()}")
+
+
+def lora_shrink(x: torch.Tensor, a_all: torch.Tensor, token_slots: torch.Tensor, slot_width: int,
+                x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 partial sums [splits, M, W] of lora_shrink_reference(x, a_all, token_slots, slot_width, x_scale)
+    (their sum over the first dim is it; lora_expand_add sums them). x [M, K]: 16-bit or fp32, or e4m3 codes with
+    x_scale fp32 [M, 1]; a_all [W, K]; token_slots [>= M] integer, its first M read on the device."""
+    _check_rows("lora_shrink", x, "x")
+    _check_rows("lora_shrink", a_all, "a_all")
+    m, k = x.shape
+    w = a_all.shape[0]
+    if a_all.shape[1] != k:
+        raise ValueError(f"lora_shrink: x has K={k} but a_all has {a_all.shape[1]} columns")
+    if w % slot_width:
+        raise ValueError(f"lora_shrink: a_all's {w} rows are not whole slots of {slot_width}")
+    fp8 = x.dtype == torch.float8_e4m3fn
+    if fp8 != (x_scale is not None):
+        raise ValueError(f"lora_shrink: e4m3 x takes a per-row x_scale and other x none, got x {x.dtype} and "
+                         f"x_scale {None if x_scale is None else tuple(x_scale.shape)}")
+    if token_slots.dim() != 1 or token_slots.shape[0] < m:
+        raise ValueError(f"lora_shrink: token_slots needs a slot for each of the {m} rows, got shape "
+                         f"{tuple(token_slots.shape)}")
+    splits, k_per_split = shrink_splits(m, k, w, x.device)
+    part = torch.empty((splits, m, w), dtype=torch.float32, device=x.device)
+    if m == 0 or w == 0:
+        return part
+    if x_scale is not None and (x_scale.numel() != m or not x_scale.is_contiguous()):
+        raise ValueError(f"lora_shrink: x_scale holds one fp32 scale per row, got shape {tuple(x_scale.shape)}")
+    block_m = DECODE_BLOCK_M if m <= DECODE_ROWS else PREFILL_BLOCK_M
+    block_w = _block_w(w)
+    # e4m3 converts exactly to A's 16 bits; 16-bit x of A's dtype multiplies as it is; anything else in fp32
+    fp32_dot = a_all.dtype == torch.float32 or (not fp8 and x.dtype != a_all.dtype)
+    pdl = supports_pdl(x.device)
+    grid = (-(-m // block_m), -(-w // block_w), splits)
+    lora_shrink_kernel[grid](x, x_scale if fp8 else x, a_all, token_slots, part, m, k, w, x.stride(0),
+                             a_all.stride(0), k_per_split, SLOT_WIDTH=slot_width, HAS_SCALE=fp8, FP32_DOT=fp32_dot,
+                             BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_K=BLOCK_K,
+                             INTERPRETER=not x.is_cuda, PDL=pdl, launch_pdl=pdl,
+                             num_warps=4)
+    return part
+
+
+def lora_expand_add(out: torch.Tensor, shrunk: torch.Tensor, b_all: torch.Tensor) -> torch.Tensor:
+    """lora_expand_add_reference in one launch: out [M, N] += (shrunk summed over its splits) @ b_all^T, in place,
+    with fp32 sums and one rounding to out's dtype; shrunk fp32 [M, W] or lora_shrink's partials [splits, M, W],
+    b_all [N, W]. Returns out."""
+    _check_rows("lora_expand_add", out, "out")
+    _check_rows("lora_expand_add", b_all, "b_all")
+    parts = shrunk if shrunk.dim() == 3 else shrunk[None]
+    m, n = out.shape
+    w = b_all.shape[1]
+    if parts.dtype != torch.float32 or parts.shape[1:] != (m, w) or not parts.is_contiguous():
+        raise ValueError(f"lora_expand_add: shrunk must be contiguous fp32 [splits, {m}, {w}] or [{m}, {w}], got "
+                         f"{shrunk.dtype} {tuple(shrunk.shape)}")
+    if b_all.shape[0] != n:
+        raise ValueError(f"lora_expand_add: out has N={n} but b_all has {b_all.shape[0]} rows")
+    if not 1 <= parts.shape[0] <= MAX_SPLITS:
+        raise ValueError(f"lora_expand_add: at most {MAX_SPLITS} partials, got {parts.shape[0]}")
+    if m == 0 or n == 0 or w == 0:
+        return out
+    block_m = DECODE_BLOCK_M if m <= DECODE_ROWS else PREFILL_BLOCK_M
+    block_n = EXPAND_BLOCK_N if m <= DECODE_ROWS else 2 * EXPAND_BLOCK_N
+    pdl = supports_pdl(out.device)
+    grid = (-(-m // block_m), -(-n // block_n))
+    lora_expand_add_kernel[grid](parts, b_all, out, m, n, w, b_all.stride(0), out.stride(0), SPLITS=parts.shape[0],
+                                 FP32_DOT=b_all.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+                                 BLOCK_W=_block_w(w), INTERPRETER=not out.is_cuda, PDL=pdl, launch_pdl=pdl,
+                                 num_warps=4, num_stages=1)  # W is one or a few tiles: nothing to pipeline, and
+    # a pipelined loop staged every unrolled partial's tile in shared memory (270+ KiB at 32 splits, 64 rows)
+    return out
+
+
+def lora_shrink_reference(x: torch.Tensor, a_all: torch.Tensor, token_slots: torch.Tensor, slot_width: int,
+                          x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """shrunk fp32 [M, W] = (x, dequantized with x_scale where given) @ a_all^T in fp32, column c zeroed in the
+    rows whose slot (token_slots[:M]; -1: no adapter) is not c // slot_width."""
+    m = x.shape[0]
+    xf = x.float() * x_scale if x_scale is not None else x.float()
+    shrunk = xf @ a_all.float().t()
+    column_slots = torch.arange(a_all.shape[0], device=x.device) // slot_width
+    keep = token_slots[:m, None].to(column_slots.dtype) == column_slots[None, :]
+    return torch.where(keep, shrunk, torch.zeros((), device=x.device))
+
+
+def lora_expand_add_reference(out: torch.Tensor, shrunk: torch.Tensor, b_all: torch.Tensor) -> torch.Tensor:
+    """out [M, N] = round(out + shrunk @ b_all^T) in place, in fp32 with one rounding to out's dtype; shrunk fp32
+    [M, W] or partials [splits, M, W] (summed first). Returns out."""
+    total = shrunk.sum(0) if shrunk.dim() == 3 else shrunk
+    out.copy_((out.float() + total.float() @ b_all.float().t()).to(out.dtype))
+    return out
