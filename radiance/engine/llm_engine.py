@@ -220,11 +220,10 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer if params.detokenize else None, seq.prompt_token_ids,
                                              params.skip_special_tokens, params.stop,
                                              include_stop=params.include_stop_str_in_output)
-        if lora_request is not None:
+        if lora_request is not None:  # the last step that can fail (the adapter removed meanwhile)
+            seq.lora_fingerprint = self.lora.acquire(lora_request.lora_int_id)
             seq.lora_request, seq.lora_int_id = lora_request, lora_request.lora_int_id
         # registered only once nothing can fail: a half-added request kept its id in use
-        if lora_request is not None:
-            seq.lora_fingerprint = self.lora.acquire(lora_request.lora_int_id)
         self._arrivals += 1
         self.sequences[request_id] = seq
         self.detokenizers[request_id] = detokenizer

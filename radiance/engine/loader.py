@@ -108,6 +108,7 @@ def _load_weights(model, checkpoint, model_config: ModelConfig, kernel_config: K
             report.keep(name, source_format if how != "nvfp4-dequant" else "nvfp4 (dequantized)")
 
     stored_head = None  # a tied model's lm_head.weight: compared with the embeddings once they are in
+    linears: list[tuple[str, int]] = []  # (name, partitions) of the linears built, for the ignore patterns' check
     for name, item in checkpoint.iter_weights(progress=progress):
         if isinstance(item, torch.Tensor):
             target = parameter_name(name)
@@ -125,6 +126,7 @@ def _load_weights(model, checkpoint, model_config: ModelConfig, kernel_config: K
         except ValueError as exc:
             raise CheckpointError(str(exc), file=checkpoint.file_of(name), tensor=name) from None
         _, how, err = _install_linear(model, name, item, model_config, kernel_config, dtype, device, checkpoint)
+        linears.append((name, len(item.partition_sizes)))
         if name == "lm_head":  # a quantized head replaces the 16-bit weight slot
             loaded.add("lm_head.weight")
             model.lm_head.weight = None
@@ -136,6 +138,7 @@ def _load_weights(model, checkpoint, model_config: ModelConfig, kernel_config: K
         tied = DenseWeight(model.lm_head.tied_to.weight.detach())
         _, how, err = _install_linear(model, "lm_head", tied, model_config, kernel_config, dtype, device, checkpoint)
         record("lm_head", "dense", how, err)
+    _warn_unmatched_ignore(model_config.ignore, linears, checkpoint.path)
     kv_scales_note = _install_kv_scales(model, checkpoint.attention_scales, checkpoint)
     missing = [n for n in params if n not in loaded]
     missing += [n for n, m in model.named_modules() if isinstance(m, UnloadedLinear)]
@@ -146,6 +149,17 @@ def _load_weights(model, checkpoint, model_config: ModelConfig, kernel_config: K
         if hasattr(module, "finish_loading"):
             module.finish_loading()
     return served, report, kv_scales_note
+
+
+def _warn_unmatched_ignore(patterns: tuple[str, ...], linears: list[tuple[str, int]], path: str | None) -> None:
+    """A ModelConfig.ignore pattern that selected no linear did nothing: say so, as `radiance convert` does."""
+    if not patterns:
+        return
+    from radiance.checkpoint.convert import IgnoreSelection
+    selection = IgnoreSelection(patterns)
+    for name, partitions in linears:
+        selection(name, partitions)
+    selection.warn_unmatched(path or "the checkpoint")
 
 
 def _served_summary(served: Counter, report: RequantReport, kv_scales_note: str | None, quantization: str) -> list[str]:

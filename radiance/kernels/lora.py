@@ -34,7 +34,9 @@ PREFILL_BLOCK_M = 64
 BLOCK_K = 128
 MAX_BLOCK_W = 64
 MAX_SPLITS = 32  # the expand sums the partials unrolled: bounded so its loads stay in registers
-EXPAND_BLOCK_N = 64
+# the shrink's own bound: every N tile of the expand reads all the partials again, so splits cost expand traffic
+SHRINK_MAX_SPLITS = 8
+EXPAND_BLOCK_N = 64  # 128 above DECODE_ROWS
 WAVES = 2  # shrink programs per SM aimed at when splitting K
 
 
@@ -130,13 +132,13 @@ def _block_w(w: int) -> int:
 
 
 def shrink_splits(m: int, k: int, w: int, device: torch.device) -> tuple[int, int]:
-    """(splits, K columns per split) of lora_shrink: enough programs for WAVES per SM, at most MAX_SPLITS, each
+    """(splits, K columns per split) of lora_shrink: enough programs for WAVES per SM, at most SHRINK_MAX_SPLITS, each
     split a whole number of BLOCK_K tiles and none empty."""
     block_m = DECODE_BLOCK_M if m <= DECODE_ROWS else PREFILL_BLOCK_M
     tiles = max(1, -(-m // block_m) * -(-w // _block_w(w)))
     k_tiles = max(1, -(-k // BLOCK_K))
     want = -(-WAVES * sm_count(device) // tiles)
-    splits = max(1, min(want, k_tiles, MAX_SPLITS))
+    splits = max(1, min(want, k_tiles, SHRINK_MAX_SPLITS))
     per = -(-k_tiles // splits)
     return -(-k_tiles // per), per * BLOCK_K
 

@@ -134,6 +134,17 @@ def test_quantizing_at_load_takes_hf_names_and_refuses_a_split_fused_linear(tiny
     assert isinstance(mlp.down_proj, Mxfp4Linear) and isinstance(attn.qkv_proj, Mxfp4Linear)
 
 
+def test_quantizing_at_load_warns_of_an_ignore_pattern_that_matches_no_linear(tiny, caplog):
+    from radiance.engine.loader import load_model
+
+    config = ModelConfig(model=tiny, device="cpu", dtype="float32", quantization="mxfp4",
+                         ignore=("qproj", "down_proj"))
+    with caplog.at_level(logging.WARNING, logger="radiance.checkpoint.convert"):
+        load_model(config, progress=False)
+    warnings = [r.getMessage() for r in caplog.records if "matches no linear" in r.getMessage()]
+    assert len(warnings) == 1 and "ignore pattern 'qproj'" in warnings[0]
+
+
 # ------------------------------------------------------------------------------ 2. eval opens the checkpoint once
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 
-def staggered_outputs(llm, prompts, params, every: int = 3) -> dict:
+def staggered_outputs(llm, prompts, params, every: int = 3, loras=None) -> dict:
     """{request id: token ids} when prompt i arrives after every * i engine steps, so that its prefill
-    shares steps with the decodes of the prompts before it."""
+    shares steps with the decodes of the prompts before it; `loras`: prompt i's LoRA adapter (or None)."""
     engine, done, arrived, steps = llm.engine, {}, 0, 0
     while arrived < len(prompts) or engine.has_unfinished_requests():
         if arrived < len(prompts) and steps >= every * arrived:
-            engine.add_request(f"r{arrived}", prompts[arrived], params)
+            lora = {} if loras is None else {"lora_request": loras[arrived]}
+            engine.add_request(f"r{arrived}", prompts[arrived], params, **lora)
             arrived += 1
         steps += 1
         for out in engine.step():

@@ -18,13 +18,14 @@ SOURCES = sorted(p for p in ROOT.rglob("*.py") if "launch_pdl" in p.read_text() 
 
 
 def _jit_functions() -> dict[str, triton.runtime.JITFunction]:
+    from radiance.kernels import lora
     from radiance.kernels._triton import (act_quant, argmax, convert, gemm, moe_combine, moe_gemm, moe_route,
                                           moe_router, rotary)
     from radiance.layers import attention_merge, attention_triton
 
     found = {}
     for module in (act_quant, argmax, convert, gemm, moe_combine, moe_gemm, moe_route, moe_router, rotary,
-                   attention_triton, attention_merge):
+                   attention_triton, attention_merge, lora):
         for name, obj in vars(module).items():
             if isinstance(obj, triton.runtime.JITFunction):
                 found[name] = obj

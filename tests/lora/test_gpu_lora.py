@@ -12,6 +12,7 @@ from radiance import LLM, LoRARequest, SamplingParams
 from radiance.layers.linear import takes_fp8
 from radiance.lora import LoraLinear
 from tests.checkpoint.factory import TINY, dense_state_dict, write_dir
+from tests.engine.arrivals import staggered_outputs
 from tests.lora.adapters import adapter_tensors, merged_state_dict, write_adapter
 
 pytestmark = pytest.mark.gpu
@@ -44,21 +45,6 @@ def mixed_requests(paths) -> list:
     return [(a1, a2, None)[i % 3] for i in range(len(PROMPTS))]
 
 
-def staggered(llm, loras, every: int = 3) -> dict:
-    """{request id: tokens} when prompt i (with adapter loras[i]) arrives after every * i steps: its prefill shares
-    steps with the others' decodes (tests/engine/arrivals.py, with adapters)."""
-    engine, done, arrived, steps = llm.engine, {}, 0, 0
-    while arrived < len(PROMPTS) or engine.has_unfinished_requests():
-        if arrived < len(PROMPTS) and steps >= every * arrived:
-            engine.add_request(f"r{arrived}", PROMPTS[arrived], GREEDY, lora_request=loras[arrived])
-            arrived += 1
-        steps += 1
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
-
-
 def tokens(llm, prompts, lora) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)]
 
@@ -82,7 +68,8 @@ def test_graphs_replay_mixed_adapters_as_eager_steps(paths, quantization):
     for prompt, lora in zip(PROMPTS[:3], loras[:3]):
         assert tokens(graphs, [prompt], lora) == tokens(eager, [prompt], lora)
     # arrivals while others decode: prefill chunks next to decodes
-    assert staggered(graphs, loras) == staggered(eager, loras)
+    assert (staggered_outputs(graphs, PROMPTS, GREEDY, loras=loras)
+            == staggered_outputs(eager, PROMPTS, GREEDY, loras=loras))
     # the adapters change what the base says
     base = tokens(eager, PROMPTS[:2], None)
     assert tokens(eager, PROMPTS[:2], loras[0]) != base
