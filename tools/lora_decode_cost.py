@@ -1,6 +1,7 @@
 """What serving LoRA adapters costs a decode step on the GPU: a synthetic model's batch-1 (and batch-B) decode with
-LoRA off, with LoRA on and only base requests (the graphs compute the deltas anyway, and the wrapped linears give up
-the fused GLU and split-sum paths), and with every request on a rank-r adapter over all seven projections.
+LoRA off, with LoRA on and only base requests (the runner replays its decode graphs captured without the deltas,
+so this should match LoRA off), and with every request on a rank-r adapter over all seven projections (gate_up then
+gives up its fused GLU epilogue).
 
     python3 tools/lora_decode_cost.py [--model synthetic:llama-3.1-8b] [--quantization mxfp4] [--rank 16]
 """

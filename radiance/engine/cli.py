@@ -69,6 +69,9 @@ def register(subparsers) -> None:
                              "error (default: on when it has one)")
     parser.add_argument("--system", default=None,
                         help="a system message before the prompt, in chat mode (default: none)")
+    parser.add_argument("--lora", metavar="NAME", default=None,
+                        help="answer with this LoRA adapter of --lora-modules (name=path; needs --enable-lora) "
+                             "(default: none, the base model)")
     add_engine_args(parser)
     parser.set_defaults(func=run)
 
@@ -82,6 +85,7 @@ def run(args) -> int:
     if args.sampling_seed is not None:  # the engine wraps any int into 64 bits: 2**64 + 1 would sample as 1
         check_seed(args.sampling_seed, "--sampling-seed")
     params = sampling_params_from_args(args)
+    lora_request = chosen_adapter(config, args.lora)
     if args.system is not None and args.chat is False:
         raise ConfigError("--system goes into the chat template, which --no-chat turns off")
     # text that is not UTF-8 reaches Python as lone surrogates, which the tokenizer met with a traceback
@@ -104,7 +108,25 @@ def run(args) -> int:
         if args.system is not None:
             logger.warning("the model has no chat template: --system is left out, the prompt goes in as raw text")
         prompt = prompt_text
-    return 0 if _stream(llm, prompt, params) else 1
+    return 0 if _stream(llm, prompt, params, lora_request) else 1
+
+
+def chosen_adapter(config, name: str | None):
+    """The LoRARequest of --lora NAME: the engine loads --lora-modules at start with ids 1, 2, ... in order. Checked
+    before the model loads."""
+    if name is None:
+        return None
+    from radiance.lora import LoRARequest
+
+    modules = config.lora.parsed_modules()
+    for i, (module, path) in enumerate(modules):
+        if module == name:
+            return LoRARequest(module, i + 1, path)
+    if not modules:
+        raise ConfigError(f"--lora {name!r}: no adapter to choose from; load it with --enable-lora "
+                          f"--lora-modules {name}=PATH")
+    raise ConfigError(f"--lora {name!r} is not one of the --lora-modules adapters: "
+                      f"{', '.join(m for m, _ in modules)}")
 
 
 def _open_with_a_template_that_parses(config, use_template: bool):
@@ -238,13 +260,14 @@ def _read(path: str, option: str) -> str:
         raise ConfigError(f"{option}: {path} is not UTF-8 text") from None
 
 
-def _stream(llm, prompt, params) -> bool:
-    """Streams the answer to stdout; False when a constraint's output was cut before it was complete."""
+def _stream(llm, prompt, params, lora_request=None) -> bool:
+    """Streams the answer (with the LoRA adapter of `lora_request`, if any) to stdout; False when a constraint's
+    output was cut before it was complete."""
     engine = llm.engine
     _, ids = llm._tokenize(prompt)
     # before generating, as the server's context_length_exceeded: a cut at the context looked like a stop
     check_fits_context(len(ids), engine.max_model_len, "the prompt", params.max_tokens, "--max-tokens")
-    engine.add_request("cli", ids, params)
+    engine.add_request("cli", ids, params, lora_request=lora_request)
     printed, last = 0, None
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -188,6 +188,7 @@ class ModelRunner:
         self.h_masks: list[torch.Tensor] = []  # pinned structured-output masks, allocated on first use (_mask_words)
         self._mask_turn = 0
         self.decode_graphs: DecodeGraphs | None = None
+        self.base_decode_graphs: DecodeGraphs | None = None  # LoRA on: the decode graphs without the deltas
         self.prefill_graphs: PrefillGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self._pool = None  # the memory pool the prefill and piecewise graphs share (one forward runs at a time)
@@ -283,8 +284,9 @@ class ModelRunner:
         batch = len(scheduled)
         if self.lora_context is not None:  # before the forward, eager or replayed: its LoraLinears read the slots
             self.lora_context.begin_step(_lora_row_slots(scheduled, q_lens))
-        if is_decode and self.decode_graphs and self.decode_graphs.serves(batch):
-            hidden = self.decode_graphs.replay(tokens, positions, slots, kv_lens, tables)
+        decode_graphs = self._decode_graphs_for_step()
+        if is_decode and decode_graphs and decode_graphs.serves(batch):
+            hidden = decode_graphs.replay(tokens, positions, slots, kv_lens, tables)
         elif (batch == 1 and not is_decode and next_tokens is None and self.prefill_graphs
               and self.prefill_graphs.serves(q_lens[0])):
             hidden = self.prefill_graphs.replay(tokens, positions, slots, kv_lens[0], tables)
@@ -394,14 +396,27 @@ class ModelRunner:
         return self.lora_context.capturing() if self.lora_context is not None else contextlib.nullcontext()
 
     def capture_decode_graphs(self) -> None:
-        """(Re)capture the decode graphs (a re-capture bakes in changed kernel tilings: tools/)."""
+        """(Re)capture the decode graphs (a re-capture bakes in changed kernel tilings: tools/). With LoRA on, a
+        second set without the LoRA deltas serves the decode steps in which no sequence has an adapter, at the
+        base model's cost (the wrapped linears keep its fused GLU and split-sum paths there)."""
         max_batch = min(self.config.runner.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
-        self.decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, self.model.config.num_kv_heads,
-                                          self.device)
+        arch = self.model.config
+        self.decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, arch.num_kv_heads, self.device)
         with self._lora_capturing():
-            self.decode_graphs.capture(self.model)
+            pool = self.decode_graphs.capture(self.model)
+        if self.lora_context is not None:  # one forward runs at a time: both sets share the pool
+            self.base_decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, arch.num_kv_heads, self.device)
+            self.base_decode_graphs.capture(self.model, pool)
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for decode batches %s", self.decode_graphs.buckets)
+        logger.info("captured CUDA graphs for decode batches %s%s", self.decode_graphs.buckets,
+                    " (with and without LoRA deltas)" if self.lora_context is not None else "")
+
+    def _decode_graphs_for_step(self) -> DecodeGraphs | None:
+        """The decode graphs for the step whose LoRA slots were just written: without the deltas where no row has an
+        adapter (LoraStepContext.compute is off)."""
+        if self.base_decode_graphs is not None and not self.lora_context.compute:
+            return self.base_decode_graphs
+        return self.decode_graphs
 
     def _capture_prefill_graphs(self) -> None:
         """The single-sequence prefill graphs of `RunnerConfig.prefill_graph_tokens`, up to the step's token limit."""

@@ -77,11 +77,11 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
 
-    def capture(self, model) -> None:
-        """(Re)capture every bucket, largest first, in one pool (a re-capture picks up changed kernel tilings)."""
+    def capture(self, model, pool=None):
+        """(Re)capture every bucket, largest first, in `pool` (None: a new one; a re-capture picks up changed kernel
+        tilings); returns the pool."""
         self.slots.fill_(-1)
         self.context.fill_(1)
-        pool = None
         for batch in reversed(self.buckets):
             self.batch_row[0] = batch
             meta = AttentionMetadata(
@@ -92,6 +92,7 @@ class DecodeGraphs:
             self.graphs[batch], self.hidden[batch] = capture_forward(model, pool, self.tokens[:batch],
                                                                      self.positions[:batch], meta)
             pool = self.graphs[batch].pool()
+        return pool
 
     def serves(self, batch: int) -> bool:
         return bool(self.graphs) and batch <= self.buckets[-1]

@@ -10,9 +10,10 @@ e4m3 codes with a per-row fp32 scale (the fp8 activations a W4A8 base takes), re
 exactly to 16 bits, the dot runs on them and the row's scale multiplies its fp32 sums.
 
 The shrink splits K over programs (grid [M tiles, W tiles, splits]): at decode sizes a single program per output
-tile would read all of A alone (128 to 460 KiB at the 8B's sizes), so the splits spread that read over the SMs;
-each writes its fp32 partial sums [splits, M, W] and the expand sums them as it loads them (no atomics, no zeroed
-buffer, deterministic). Prefill sizes tile M with tl.dot and split K only where the M tiles leave the SMs idle.
+tile would read all of A alone (128 to 460 KiB at the 8B's sizes), a serial chain of loads, so the splits spread that
+read over the SMs; each writes its fp32 partial sums and the tile's last split to arrive (an atomic counter per tile,
+re-armed by it) adds them up in split order (deterministic), so the expand reads one [M, W] tile. Prefill sizes tile
+M with tl.dot and split K only where the M tiles leave the SMs idle (the counters are then few: at most 2 x SMs).
 The expand (grid [M tiles, N tiles]) multiplies the summed fp32 tile with a 16-bit B_all as two 16-bit dots (the
 value rounded to B's dtype, then what that rounding lost), so the tensor cores serve it at close to fp32 accuracy;
 an fp32 B_all takes one exact fp32 dot. Both launch as programmatic dependents where the GPU has PDL (wait for the
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from radiance.kernels._triton.act_quant import pdl_handoff
+from radiance.kernels.buffers import device_buffer
 from radiance.kernels.device_info import sm_count, supports_pdl
 
 DECODE_ROWS = 64  # up to this many rows the shrink reads A in 16-row tiles split over K (decode steps)
@@ -33,9 +35,11 @@ DECODE_BLOCK_M = 16  # tl.dot's smallest M
 PREFILL_BLOCK_M = 64
 BLOCK_K = 128
 MAX_BLOCK_W = 64
-MAX_SPLITS = 32  # the expand sums the partials unrolled: bounded so its loads stay in registers
-# the shrink's own bound: every N tile of the expand reads all the partials again, so splits cost expand traffic
-SHRINK_MAX_SPLITS = 8
+MAX_SPLITS = 32  # partials lora_expand_add takes (it sums them unrolled: bounded so its loads stay in registers)
+# K splits of the shrink (its last arrival sums them). Swept on the H100, shrink + expand of the 8B's four wrapped
+# linears in a graph (bench/RESULTS.md, fifty-eighth session): 4 / 8 / 16 / 32 / 64 splits 10.9 / 7.7 / 6.4 / 6.5 /
+# 6.6 us a pair at M 1 (the partials summed by the expand at 8 splits: 8.1)
+SHRINK_MAX_SPLITS = 16
 EXPAND_BLOCK_N = 64  # 128 above DECODE_ROWS
 WAVES = 2  # shrink programs per SM aimed at when splitting K
 
@@ -52,14 +56,16 @@ def _dot(a, b, acc, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, M, K, W, stride_x, stride_a, k_per_split,
-                       SLOT_WIDTH: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_DOT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRETER: tl.constexpr = False, PDL: tl.constexpr = False):
-    """part[split, m, c] = sum over this split's K range of x[m, k] * A[c, k] (times scale[m] with HAS_SCALE), kept
-    where slots[m] == c // SLOT_WIDTH and 0 elsewhere. x is 16/32-bit or e4m3 (converted exactly to A's dtype); with
-    FP32_DOT both are taken to fp32 and multiplied exactly. Grid [cdiv(M, BLOCK_M), cdiv(W, BLOCK_W), splits];
-    k_per_split a multiple of BLOCK_K."""
+def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, count_ptr, M, K, W, stride_x, stride_a,
+                       k_per_split, splits, SLOT_WIDTH: tl.constexpr, HAS_SCALE: tl.constexpr,
+                       FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SUM_UNROLL: tl.constexpr = 8, INTERPRETER: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
+    """out[m, c] = sum over k of x[m, k] * A[c, k] (times scale[m] with HAS_SCALE), kept where slots[m] ==
+    c // SLOT_WIDTH and 0 elsewhere. x is 16/32-bit or e4m3 (converted exactly to A's dtype); with FP32_DOT both
+    are taken to fp32 and multiplied exactly. Grid [cdiv(M, BLOCK_M), cdiv(W, BLOCK_W), splits]; k_per_split a
+    multiple of BLOCK_K. With SPLIT each program stores its K range's sums in part[split] and the tile's last to
+    arrive (count_ptr: one zeroed counter per tile, left at zero) adds them up in split order into out."""
     pdl_handoff(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -87,8 +93,24 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, M, K, W, st
     # selected, not multiplied by a 0/1 mask: a row without an adapter gets an exact zero whatever its x holds
     keep = slots[:, None] == (cols // SLOT_WIDTH).to(slots.dtype)[None, :]
     acc = tl.where(keep, acc, 0.0)
-    offs = split.to(tl.int64) * M * W + rows64[:, None] * W + cols[None, :]
-    tl.store(part_ptr + offs, acc, mask=live_rows[:, None] & live_cols[None, :])
+    tile_offs = rows64[:, None] * W + cols[None, :]
+    live = live_rows[:, None] & live_cols[None, :]
+    if SPLIT:
+        tl.store(part_ptr + split.to(tl.int64) * M * W + tile_offs, acc, mask=live)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:  # the last of the tile's splits: the sum, in split order (deterministic)
+            total = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
+            for s0 in range(0, splits, SUM_UNROLL):
+                for j in tl.static_range(SUM_UNROLL):  # loads issued together, not one round trip each
+                    split_offs = tile_offs + (s0 + j) * M * W  # a tensor: the interpreter masks with tensors only
+                    total += tl.load(part_ptr + split_offs, mask=live & (split_offs < splits * M * W), other=0.0,
+                                     cache_modifier=".cg")
+            tl.store(out_ptr + tile_offs, total, mask=live)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
+    else:
+        tl.store(out_ptr + tile_offs, acc, mask=live)
 
 
 @triton.jit
@@ -151,9 +173,9 @@ def _check_rows(name: str, t: torch.Tensor, what: str) -> None:
 
 def lora_shrink(x: torch.Tensor, a_all: torch.Tensor, token_slots: torch.Tensor, slot_width: int,
                 x_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp32 partial sums [splits, M, W] of lora_shrink_reference(x, a_all, token_slots, slot_width, x_scale)
-    (their sum over the first dim is it; lora_expand_add sums them). x [M, K]: 16-bit or fp32, or e4m3 codes with
-    x_scale fp32 [M, 1]; a_all [W, K]; token_slots [>= M] integer, its first M read on the device."""
+    """lora_shrink_reference(x, a_all, token_slots, slot_width, x_scale) in one launch: fp32 [M, W], summed in a
+    fixed order (deterministic). x [M, K]: 16-bit or fp32, or e4m3 codes with x_scale fp32 [M, 1]; a_all [W, K];
+    token_slots [>= M] integer, its first M read on the device."""
     _check_rows("lora_shrink", x, "x")
     _check_rows("lora_shrink", a_all, "a_all")
     m, k = x.shape
@@ -169,24 +191,26 @@ def lora_shrink(x: torch.Tensor, a_all: torch.Tensor, token_slots: torch.Tensor,
     if token_slots.dim() != 1 or token_slots.shape[0] < m:
         raise ValueError(f"lora_shrink: token_slots needs a slot for each of the {m} rows, got shape "
                          f"{tuple(token_slots.shape)}")
-    splits, k_per_split = shrink_splits(m, k, w, x.device)
-    part = torch.empty((splits, m, w), dtype=torch.float32, device=x.device)
+    out = torch.empty((m, w), dtype=torch.float32, device=x.device)
     if m == 0 or w == 0:
-        return part
+        return out
     if x_scale is not None and (x_scale.numel() != m or not x_scale.is_contiguous()):
         raise ValueError(f"lora_shrink: x_scale holds one fp32 scale per row, got shape {tuple(x_scale.shape)}")
+    splits, k_per_split = shrink_splits(m, k, w, x.device)
     block_m = DECODE_BLOCK_M if m <= DECODE_ROWS else PREFILL_BLOCK_M
     block_w = _block_w(w)
+    grid = (-(-m // block_m), -(-w // block_w), splits)
+    part = torch.empty((splits, m, w), dtype=torch.float32, device=x.device) if splits > 1 else out
+    counters = (device_buffer("lora-shrink-counters", x.device, max(grid[0] * grid[1], 1024), torch.int32, zeroed=True)
+                if splits > 1 else out)
     # e4m3 converts exactly to A's 16 bits; 16-bit x of A's dtype multiplies as it is; anything else in fp32
     fp32_dot = a_all.dtype == torch.float32 or (not fp8 and x.dtype != a_all.dtype)
     pdl = supports_pdl(x.device)
-    grid = (-(-m // block_m), -(-w // block_w), splits)
-    lora_shrink_kernel[grid](x, x_scale if fp8 else x, a_all, token_slots, part, m, k, w, x.stride(0),
-                             a_all.stride(0), k_per_split, SLOT_WIDTH=slot_width, HAS_SCALE=fp8, FP32_DOT=fp32_dot,
-                             BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_K=BLOCK_K,
-                             INTERPRETER=not x.is_cuda, PDL=pdl, launch_pdl=pdl,
-                             num_warps=4)
-    return part
+    lora_shrink_kernel[grid](x, x_scale if fp8 else x, a_all, token_slots, part, out, counters, m, k, w,
+                             x.stride(0), a_all.stride(0), k_per_split, splits, SLOT_WIDTH=slot_width, HAS_SCALE=fp8,
+                             FP32_DOT=fp32_dot, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_K=BLOCK_K,
+                             INTERPRETER=not x.is_cuda, PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return out
 
 
 def lora_expand_add(out: torch.Tensor, shrunk: torch.Tensor, b_all: torch.Tensor) -> torch.Tensor:

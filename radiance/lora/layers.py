@@ -18,8 +18,10 @@ Where the kernels serve, the wrapper exposes its base's `path`, so a W4A8 base g
 fused norms and GLU multiply (radiance.layers.linear.takes_fp8) and the shrink reads the same e4m3 codes and row
 scales; on the torch ops it exposes none, and the norms hand it 16-bit activations, which a W4A8 base quantizes
 itself (cheaper than three more torch ops dequantizing them for the delta: bench/RESULTS.md, fifty-seventh
-session). It never fuses the GLU into gate_up's GEMM (the delta joins gate_up's output before the activation) nor
-leaves the split-K sums to the norm (no forward_for_norm: the delta is added to the summed output).
+session). Where a base leaves its split-K partials to the next norm, the expand adds the delta into the first one.
+A step that computes no delta (`LoraStepContext.compute` off: no row has an adapter) runs the base as it is,
+fused GLU epilogue included; with deltas gate_up gives that up (the delta joins its output before the
+activation). The model runner captures its decode graphs both ways and replays the base set for base-only steps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from radiance.engine.step_graphs import StagingSets
 from radiance.kernels.activation import Fp8Activations
 from radiance.kernels.lora import lora_expand_add, lora_shrink
+from radiance.kernels.norm import PartialSums
 from radiance.kernels.triton_support import as_rows, triton_serves
 
 LORA_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -43,8 +46,9 @@ class LoraStepContext:
     captured graph; rows past the step's hold slot -1. `fused`: the LoraLinears add their deltas with the Triton
     kernels, which read the slots themselves; on the torch ops the context also keeps the 0/1 masks that pick each
     row's slot columns, one static buffer per mask width (computed once a step, outside any graph; rows past the
-    step's all zero). `compute` is off for eager steps without an adapter (the deltas are skipped) and on while
-    graphs are captured (a graph always computes them)."""
+    step's all zero). `compute` is off for steps without an adapter (eager ones skip the deltas and run the bases as
+    they are; the runner replays its decode graphs captured that way) and on while the graphs that compute the deltas
+    are captured (they compute them whatever a replayed step's adapters)."""
 
     def __init__(self, dtype: torch.dtype = torch.float32):
         self.dtype = dtype  # of the masks: the model's
@@ -145,17 +149,39 @@ class LoraLinear(nn.Module):
     @property
     def path(self) -> str | None:
         """The base's path where the delta runs on the Triton kernels, which read fp8 activations as they come, so
-        a W4A8 base takes them (takes_fp8); None on the torch ops: the norms hand it 16-bit activations."""
-        return getattr(self.base, "path", None) if self.context.fused else None
+        a W4A8 base takes them (takes_fp8), and wherever no delta is computed; None on the torch ops: the norms
+        hand it 16-bit activations."""
+        return getattr(self.base, "path", None) if self.context.fused or not self.context.compute else None
 
     def fuses_glu(self) -> bool:
-        """The delta joins gate_up's output before the activation: never the fused GLU epilogue."""
-        return False
+        """The delta joins gate_up's output before the activation, so only a step without deltas (a base-only
+        eager step, or the graphs captured for those) keeps the base's fused GLU epilogue."""
+        return not self.context.compute and getattr(self.base, "fuses_glu", lambda: False)()
+
+    def forward_glu(self, x, activation):
+        """The base's fused GEMM + GLU (only where fuses_glu says so: no delta is computed)."""
+        return self.base.forward_glu(x, activation)
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         out = self.base(x)
+        return self._add_delta(out, x) if self.context.compute else out
+
+    def forward_for_norm(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor | PartialSums:
+        """forward(x) for an output a residual-add norm reads next: where the base leaves its split-K partials to
+        the norm (Mxfp4Linear.forward_for_norm), the Triton expand adds the delta into the first partial, in fp32,
+        and the norm's sum rounds once."""
+        base_for_norm = getattr(self.base, "forward_for_norm", None)
+        if base_for_norm is None or (self.context.compute and not self.context.fused):
+            return self.forward(x)
+        out = base_for_norm(x)
         if not self.context.compute:
             return out
+        if isinstance(out, PartialSums):
+            self._add_delta_fused(out.parts[0, :, :out.width], x)
+            return out
+        return self._add_delta_fused(out, x)
+
+    def _add_delta(self, out: torch.Tensor, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         if self.context.fused:
             return self._add_delta_fused(out, x)
         if isinstance(x, Fp8Activations):  # quantized for a W4A8 base: the delta reads the values it multiplied
@@ -173,14 +199,19 @@ class LoraLinear(nn.Module):
         return out2.addmm_(shrunk, b.t()).reshape(out.shape)  # one GEMM adds the delta in place
 
     def _add_delta_fused(self, out: torch.Tensor, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
-        """out + the delta, added in place by the two Triton launches (the shrink reads e4m3 codes as they are)."""
+        """out + the delta, added in place by the two Triton launches (the shrink reads e4m3 codes as they are).
+        out: the linear's output, or an fp32 [M, N] view of its first split-K partial (rows may be strided)."""
         if isinstance(x, Fp8Activations):
             x2, x_scale = x.x_q, x.x_scale
         else:
             x2, x_scale = as_rows(x.reshape(-1, self.in_features)), None
-        out = out if out.is_contiguous() else out.contiguous()
+        if out.dim() == 2 and out.stride(1) == 1:
+            rows = out
+        else:
+            out = out if out.is_contiguous() else out.contiguous()
+            rows = out.view(-1, self.out_features)
         shrunk = lora_shrink(x2, self.lora_a, self.context.token_slots, self.slot_width, x_scale)
-        lora_expand_add(out.view(-1, self.out_features), shrunk, self.lora_b)
+        lora_expand_add(rows, shrunk, self.lora_b)
         return out
 
     @torch.no_grad()

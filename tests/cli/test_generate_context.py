@@ -15,7 +15,7 @@ class _Engine:
     def __init__(self):
         self.requests = []
 
-    def add_request(self, request_id, ids, params):
+    def add_request(self, request_id, ids, params, lora_request=None):
         self.requests.append(params)
 
     def has_unfinished_requests(self):

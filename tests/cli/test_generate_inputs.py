@@ -47,7 +47,7 @@ class _Engine:
     def grammar_backend(self):
         return _grammar_backend()
 
-    def add_request(self, request_id, ids, params):
+    def add_request(self, request_id, ids, params, lora_request=None):
         self.params = params
 
     def has_unfinished_requests(self):

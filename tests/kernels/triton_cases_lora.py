@@ -72,8 +72,10 @@ def test_lora_linear_on_the_kernels_matches_its_torch_ops(lora_pair, fp8):
     base, layers, device = lora_pair
     fused, torch_ops = layers[True], layers[False]
     assert fused.context.fused and not torch_ops.context.fused and not fused.context.masks
+    torch_ops.context.begin_step(np.array([0]))  # in a step with an adapter, the torch ops take 16-bit activations
     assert fused.path == getattr(base, "path", None) and torch_ops.path is None
     assert takes_fp8(fused) == takes_fp8(base) and not takes_fp8(torch_ops)
+    torch_ops.context.end_step()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 6, 128, generator=gen).to(device)
     if fp8:
@@ -112,8 +114,78 @@ def test_shrink_rejects_bad_arguments(device):
 
 def test_no_rows(device):
     from radiance.kernels.lora import lora_expand_add, lora_shrink
-    parts = lora_shrink(torch.empty(0, 64, device=device), torch.randn(32, 64, device=device),
+    shrunk = lora_shrink(torch.empty(0, 64, device=device), torch.randn(32, 64, device=device),
                         torch.zeros(4, dtype=torch.long, device=device), 16)
-    assert parts.shape[1:] == (0, 32)
+    assert shrunk.shape == (0, 32)
     out = torch.empty(0, 48, device=device)
-    assert lora_expand_add(out, parts, torch.randn(48, 32, device=device)) is out
+    assert lora_expand_add(out, shrunk, torch.randn(48, 32, device=device)) is out
+
+
+class PartialSumsBase(torch.nn.Module):
+    """A linear that leaves its output to the next norm as three fp32 split-K partials (as the W4A8 decode GEMM's
+    forward_for_norm does: rows wider than N) and has a fused GLU path of its own."""
+
+    path = None
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.glu_calls = 0
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+    def forward_for_norm(self, x):
+        from radiance.kernels.norm import PartialSums
+        full = self.forward(x.reshape(-1, self.in_features))
+        parts = torch.zeros(3, full.shape[0], self.out_features + 8, device=full.device)
+        for i, share in enumerate((0.5, 0.25, 0.25)):  # powers of two: the partials sum to full exactly
+            parts[i, :, :self.out_features] = full * share
+        return PartialSums(parts, self.out_features, torch.float32, tuple(x.shape[:-1]))
+
+    def fuses_glu(self):
+        return True
+
+    def forward_glu(self, x, activation):
+        self.glu_calls += 1
+        return self.forward(x)
+
+
+def test_a_delta_joins_the_first_partial_sum_and_base_only_steps_keep_the_base_paths(device):
+    """Where the base leaves split-K partials to the norm, the kernels add the delta into the first one (the sum is
+    base + delta; rows without an adapter sum to the base exactly); the torch ops return the summed output instead. A
+    step without adapters gets the base's partials and fused GLU untouched; one with adapters never the fused GLU."""
+    from radiance.kernels.norm import PartialSums
+    from radiance.lora import LoraLinear, LoraStepContext
+
+    gen = torch.Generator().manual_seed(4)
+    base = PartialSumsBase(torch.randn(96, 128, generator=gen).to(device))
+    parts = [(torch.randn(4, 128, generator=gen).to(device), torch.randn(64, 4, generator=gen).to(device)),
+             (torch.randn(3, 128, generator=gen).to(device), torch.randn(32, 3, generator=gen).to(device))]
+    layers = {}
+    for fused in (True, False):
+        context = LoraStepContext(torch.float32)
+        layers[fused] = LoraLinear(base, (64, 32), context, max_loras=2, max_rank=4, dtype=torch.float32,
+                                   device=device)
+        context.allocate(8, device, fused=fused)
+        layers[fused].set_slot(1, parts)
+    x = torch.randn(5, 128, generator=gen).to(device)
+    plain = base(x)
+    row_slots = np.array([1, -1, 1, 0, -1])
+    with_adapter = torch.from_numpy(row_slots == 1)
+    delta = torch.cat([x @ a.t() @ b.t() for a, b in parts], dim=-1)
+    for fused, layer in layers.items():
+        assert layer.fuses_glu() and layer.forward_glu(x, None) is not None  # no adapter in the step: the base's
+        untouched = layer.forward_for_norm(x)
+        assert isinstance(untouched, PartialSums) and torch.equal(untouched.total(), plain)
+        layer.context.begin_step(row_slots)
+        assert not layer.fuses_glu()
+        out = layer.forward_for_norm(x)
+        layer.context.end_step()
+        assert isinstance(out, PartialSums) == fused
+        total = out.total() if fused else out
+        assert torch.allclose(total[with_adapter], plain[with_adapter] + delta[with_adapter], rtol=1e-5,
+                              atol=1e-5 * float(delta.abs().max()))
+        assert torch.equal(total[~with_adapter], plain[~with_adapter])
+    assert base.glu_calls == 2

@@ -1,5 +1,6 @@
 """LoRA adapters on the GPU (run with -m gpu): CUDA graphs (decode, single-prefill and piecewise) replay the adapters'
-deltas from the slots each step writes, so graphs give the eager tokens for batches mixing adapters and the base; a
+deltas from the slots each step writes, so graphs give the eager tokens for batches mixing adapters and the base
+(decode steps without an adapter replay a second set, captured without the deltas, with the LoRA-off tokens); a
 W4A8 base takes adapters with the fp8 activations its norms hand it (the LoRA kernels read them too); the GPU serves
 the merged weights' tokens."""
 
@@ -73,6 +74,27 @@ def test_graphs_replay_mixed_adapters_as_eager_steps(paths, quantization):
     # the adapters change what the base says
     base = tokens(eager, PROMPTS[:2], None)
     assert tokens(eager, PROMPTS[:2], loras[0]) != base
+    # decode steps without an adapter replay the graphs captured without the deltas, steps with one the others
+    replays = count_decode_replays(runner)
+    assert tokens(graphs, PROMPTS[:2], None) == base == tokens(plain_llm(paths, quantization), PROMPTS[:2], None)
+    assert replays["base"] > 0 and replays["lora"] == 0
+    tokens(graphs, PROMPTS[:2], [loras[0], None])
+    assert replays["lora"] > 0
+
+
+def plain_llm(paths, quantization) -> LLM:
+    return LLM(paths["base"], dtype="float32", enforce_eager=False, quantization=quantization, **COMMON)
+
+
+def count_decode_replays(runner) -> dict[str, int]:
+    """Counts the replays of the runner's two decode graph sets from now on."""
+    counts = {"base": 0, "lora": 0}
+    for key, graphs in (("base", runner.base_decode_graphs), ("lora", runner.decode_graphs)):
+        def counted(*args, _replay=graphs.replay, _key=key):
+            counts[_key] += 1
+            return _replay(*args)
+        graphs.replay = counted
+    return counts
 
 
 def test_gpu_adapter_gives_the_merged_models_tokens(paths):
@@ -100,7 +122,7 @@ def test_a_lora_linear_on_a_w4a8_base_given_fp8_activations():
     context = LoraStepContext(torch.bfloat16)
     context.allocate(8, cuda)
     layer = LoraLinear(base, (64, 32), context, max_loras=2, max_rank=4, dtype=torch.bfloat16, device=cuda)
-    assert not layer.fuses_glu() and takes_fp8(layer) and context.fused
+    assert layer.fuses_glu() == base.fuses_glu() and takes_fp8(layer) and context.fused  # no adapter: the base's
     parts = [(torch.randn(3, 128, generator=gen), torch.randn(64, 3, generator=gen)),
              (torch.randn(2, 128, generator=gen), torch.randn(32, 2, generator=gen))]
     layer.set_slot(1, [(a.to(cuda, torch.bfloat16), b.to(cuda, torch.bfloat16)) for a, b in parts])
@@ -108,6 +130,7 @@ def test_a_lora_linear_on_a_w4a8_base_given_fp8_activations():
     x_q, x_scale = quantize_activations(x)
     fp8 = Fp8Activations(x_q, x_scale, torch.bfloat16, (5,))
     context.begin_step(np.array([1, -1, 1, 0, -1]))
+    assert not layer.fuses_glu()  # the delta joins the output before any activation
     out = layer(fp8).float()
     context.end_step()
     seen = x_q.float() * x_scale

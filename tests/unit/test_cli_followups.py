@@ -29,7 +29,7 @@ class _FakeLLM:
         chat_template = None
         max_model_len = 8192  # generate checks --max-tokens against it
 
-        def add_request(self, request_id, ids, params):
+        def add_request(self, request_id, ids, params, lora_request=None):
             pass
 
         def has_unfinished_requests(self):
