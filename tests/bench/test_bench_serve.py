@@ -28,9 +28,10 @@ def test_levels_against_fake_server(fake_server):
         assert lv["output_tok_s"] <= 1.0 / TOKEN_GAP_S * 1.1
         assert lv["aggregate_tok_s"] == pytest.approx(lv["output_tokens"] / lv["duration_s"])
     serial, parallel = result["levels"]
-    # 4 streams at once finish the same work faster than one at a time
-    assert parallel["aggregate_tok_s"] > 2.0 * serial["aggregate_tok_s"]
-    assert fake_server.max_in_flight[0] <= 4
+    # the level of 4 kept 4 requests in flight at once (never more), so it finished the same work faster; the ratio is
+    # bounded loosely (ideally ~4x: 1.85x was seen on a loaded 2-core machine, where 2x failed)
+    assert fake_server.max_in_flight[0] == 4
+    assert parallel["aggregate_tok_s"] > 1.5 * serial["aggregate_tok_s"]
     table = serve_bench.serve_table(result)
     assert "TTFT p50 ms" in table and MODEL in table
 
