@@ -18,6 +18,9 @@ The expand (grid [M tiles, N tiles]) multiplies the summed fp32 tile with a 16-b
 value rounded to B's dtype, then what that rounding lost), so the tensor cores serve it at close to fp32 accuracy;
 an fp32 B_all takes one exact fp32 dot. Both launch as programmatic dependents where the GPU has PDL (wait for the
 kernel before, then let the next launch), as radiance's other kernels do.
+
+Neither reads the weights of a slot that no row of its tile uses (masked loads: no memory traffic), so a step reads
+the adapters it serves, not all max_loras slots; the expand leaves the rows without a delta unread and unwritten.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, co
     c // SLOT_WIDTH and 0 elsewhere. x is 16/32-bit or e4m3 (converted exactly to A's dtype); with FP32_DOT both
     are taken to fp32 and multiplied exactly. Grid [cdiv(M, BLOCK_M), cdiv(W, BLOCK_W), splits]; k_per_split a
     multiple of BLOCK_K. With SPLIT each program stores its K range's sums in part[split] and the tile's last to
-    arrive (count_ptr: one zeroed counter per tile, left at zero) adds them up in split order into out."""
+    arrive (count_ptr: one zeroed counter per tile, left at zero) adds them up in split order into out. A's rows of
+    slots no row of the tile uses are not read."""
     pdl_handoff(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -75,6 +79,11 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, co
     rows64 = rows.to(tl.int64)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    slots = tl.load(slots_ptr + rows64, mask=live_rows, other=-1)
+    # selected, not multiplied by a 0/1 mask: a row without an adapter gets an exact zero whatever its x holds
+    keep = slots[:, None] == (cols // SLOT_WIDTH).to(slots.dtype)[None, :]
+    # A's rows of slots no row of the tile uses are never read: the step reads the adapters it serves, not all slots
+    needed = live_cols & (tl.max(keep.to(tl.int32), axis=0) > 0)
     acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -82,16 +91,13 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, co
         x = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=live_rows[:, None] & live_k[None, :],
                     other=0.0)
         a = tl.load(a_ptr + cols.to(tl.int64)[:, None] * stride_a + ks[None, :],
-                    mask=live_cols[:, None] & live_k[None, :], other=0.0)
+                    mask=needed[:, None] & live_k[None, :], other=0.0)
         if FP32_DOT:
             acc = tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = _dot(x.to(a.dtype), tl.trans(a), acc, INTERPRETER)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rows64, mask=live_rows, other=0.0)[:, None]
-    slots = tl.load(slots_ptr + rows64, mask=live_rows, other=-1)
-    # selected, not multiplied by a 0/1 mask: a row without an adapter gets an exact zero whatever its x holds
-    keep = slots[:, None] == (cols // SLOT_WIDTH).to(slots.dtype)[None, :]
     acc = tl.where(keep, acc, 0.0)
     tile_offs = rows64[:, None] * W + cols[None, :]
     live = live_rows[:, None] & live_cols[None, :]
@@ -127,6 +133,7 @@ def lora_expand_add_kernel(part_ptr, b_ptr, out_ptr, M, N, W, stride_b, stride_o
     live_n = ns < N
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    row_used = tl.zeros([BLOCK_M], dtype=tl.int32)
     for w0 in range(0, W, BLOCK_W):
         cs = w0 + tl.arange(0, BLOCK_W)
         live_c = cs < W
@@ -134,7 +141,11 @@ def lora_expand_add_kernel(part_ptr, b_ptr, out_ptr, M, N, W, stride_b, stride_o
         for s in tl.static_range(SPLITS):  # unrolled: every partial's load is issued before the sums wait on them
             shrunk += tl.load(part_ptr + s * M * W + rows64[:, None] * W + cs[None, :],
                               mask=live_rows[:, None] & live_c[None, :], other=0.0)
-        bt = tl.load(b_ptr + ns.to(tl.int64)[None, :] * stride_b + cs[:, None], mask=live_c[:, None] & live_n[None, :],
+        # columns no row of the tile has a value in (slots it does not use: the shrink's exact zeros) skip their B
+        nonzero = (shrunk != 0).to(tl.int32)
+        needed = live_c & (tl.max(nonzero, axis=0) > 0)
+        row_used = tl.maximum(row_used, tl.max(nonzero, axis=1))
+        bt = tl.load(b_ptr + ns.to(tl.int64)[None, :] * stride_b + cs[:, None], mask=needed[:, None] & live_n[None, :],
                      other=0.0)  # B^T tile [BLOCK_W, BLOCK_N]
         if FP32_DOT:
             acc = tl.dot(shrunk, bt.to(tl.float32), acc, input_precision="ieee")
@@ -144,7 +155,8 @@ def lora_expand_add_kernel(part_ptr, b_ptr, out_ptr, M, N, W, stride_b, stride_o
             acc = _dot(hi, bt, acc, INTERPRETER)
             acc = _dot(lo, bt, acc, INTERPRETER)
     ptrs = out_ptr + rows64[:, None] * stride_out + ns[None, :]
-    live = live_rows[:, None] & live_n[None, :]
+    # rows without a delta (no adapter: all their sums are exact zeros) keep out as it is, unread and unwritten
+    live = (live_rows & (row_used > 0))[:, None] & live_n[None, :]
     out = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
     tl.store(ptrs, (out + acc).to(out_ptr.dtype.element_ty), mask=live)
 

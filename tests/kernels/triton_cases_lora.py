@@ -189,3 +189,27 @@ def test_a_delta_joins_the_first_partial_sum_and_base_only_steps_keep_the_base_p
                               atol=1e-5 * float(delta.abs().max()))
         assert torch.equal(total[~with_adapter], plain[~with_adapter])
     assert base.glu_calls == 2
+
+
+@pytest.mark.parametrize("m", [1, 17, 70])
+def test_the_weights_of_slots_no_row_uses_are_not_read(device, m):
+    """A step's rows on slot 1 of 3 (and none): the other slots' A and B hold NaN, which a read would carry into the
+    output (0 * NaN); the kernels skip them, so the delta is the used slot's alone."""
+    from radiance.kernels.lora import (lora_expand_add, lora_expand_add_reference, lora_shrink,
+                                       lora_shrink_reference)
+
+    gen = torch.Generator().manual_seed(m)
+    k, n, width = 160, 96, 16
+    a = torch.randn(3 * width, k, generator=gen) / k ** 0.5
+    b = torch.randn(n, 3 * width, generator=gen) / width ** 0.5
+    used = slice(width, 2 * width)
+    poisoned_a, poisoned_b = torch.full_like(a, float("nan")), torch.full_like(b, float("nan"))
+    poisoned_a[used], poisoned_b[:, used] = a[used], b[:, used]
+    x = torch.randn(m, k, generator=gen)
+    slots = torch.where(torch.arange(m + 2) % 3 == 0, -1, 1)
+    out = torch.randn(m, n, generator=gen)
+    got = lora_expand_add(out.clone().to(device), lora_shrink(x.to(device), poisoned_a.to(device), slots.to(device),
+                                                             width), poisoned_b.to(device))
+    want = lora_expand_add_reference(out.clone(), lora_shrink_reference(x, a, slots, width), b)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.cpu(), want, rtol=1e-5, atol=1e-5)
