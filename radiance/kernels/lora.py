@@ -2,11 +2,12 @@
 torch references:
 
     lora_shrink:      shrunk[M, W] = x @ A_all^T, fp32, column c kept only in rows whose slot is c // slot_width
-    lora_expand_add:  out[M, N] += shrunk @ B_all^T, in place, fp32 accumulation and one rounding to out's dtype
+    lora_expand_add:  out[M, N] += shrunk @ B_all^T over each row's own slot's columns, in place, fp32 accumulation
+                      and one rounding to out's dtype; rows without an adapter untouched
 
-The slot of each row comes from a device tensor (token_slots, -1: no adapter) read inside the shrink, so neither
-launch syncs with the host or has a data-dependent shape: a CUDA graph captures them. x is 16-bit (or fp32), or
-e4m3 codes with a per-row fp32 scale (the fp8 activations a W4A8 base takes), read as they are: the codes convert
+The slot of each row comes from a device tensor (token_slots, -1: no adapter) read inside both launches, so neither
+syncs with the host or has a data-dependent shape: a CUDA graph captures them. x is 16-bit (or fp32), or e4m3
+codes with a per-row fp32 scale (the fp8 activations a W4A8 base takes), read as they are: the codes convert
 exactly to 16 bits, the dot runs on them and the row's scale multiplies its fp32 sums.
 
 The shrink splits K over programs (grid [M tiles, W tiles, splits]): at decode sizes a single program per output
@@ -14,13 +15,19 @@ tile would read all of A alone (128 to 460 KiB at the 8B's sizes), a serial chai
 read over the SMs; each writes its fp32 partial sums and the tile's last split to arrive (an atomic counter per tile,
 re-armed by it) adds them up in split order (deterministic), so the expand reads one [M, W] tile. Prefill sizes tile
 M with tl.dot and split K only where the M tiles leave the SMs idle (the counters are then few: at most 2 x SMs).
-The expand (grid [M tiles, N tiles]) multiplies the summed fp32 tile with a 16-bit B_all as two 16-bit dots (the
-value rounded to B's dtype, then what that rounding lost), so the tensor cores serve it at close to fp32 accuracy;
-an fp32 B_all takes one exact fp32 dot. Both launch as programmatic dependents where the GPU has PDL (wait for the
-kernel before, then let the next launch), as radiance's other kernels do.
+The expand (grid [M tiles, N tiles]) walks only the columns of the slots its rows use, and multiplies the fp32 sums
+with a 16-bit B_all as two 16-bit dots (the value rounded to B's dtype, then what that rounding lost), so the tensor
+cores serve it at close to fp32 accuracy; an fp32 B_all takes one exact fp32 dot.
 
 Neither reads the weights of a slot that no row of its tile uses (masked loads: no memory traffic), so a step reads
-the adapters it serves, not all max_loras slots; the expand leaves the rows without a delta unread and unwritten.
+the adapters it serves, not all max_loras slots.
+
+Both launch as programmatic dependents where the GPU has PDL, and unlike radiance's other kernels they read before
+their wait: what the kernel before them (the base GEMM, then the shrink) does not write. The shrink computes all its
+sums before it (x, its scales, A, the slots: x was complete before the base GEMM got past its own wait, A and the
+slots are written between steps), the expand loads its first B tile (B, the slots); every write, and every read of
+the shrunk sums or of out, follows the wait (tests/kernels/test_pdl_protocol.py checks it). So the weights' HBM
+latency, which dominates these small launches, runs under the base GEMM's tail.
 """
 
 from __future__ import annotations
@@ -38,7 +45,6 @@ DECODE_BLOCK_M = 16  # tl.dot's smallest M
 PREFILL_BLOCK_M = 64
 BLOCK_K = 128
 MAX_BLOCK_W = 64
-MAX_SPLITS = 32  # partials lora_expand_add takes (it sums them unrolled: bounded so its loads stay in registers)
 # K splits of the shrink (its last arrival sums them). Swept on the H100, shrink + expand of the 8B's four wrapped
 # linears in a graph (bench/RESULTS.md, fifty-eighth session): 4 / 8 / 16 / 32 / 64 splits 10.9 / 7.7 / 6.4 / 6.5 /
 # 6.6 us a pair at M 1 (the partials summed by the expand at 8 splits: 8.1)
@@ -69,21 +75,21 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, co
     are taken to fp32 and multiplied exactly. Grid [cdiv(M, BLOCK_M), cdiv(W, BLOCK_W), splits]; k_per_split a
     multiple of BLOCK_K. With SPLIT each program stores its K range's sums in part[split] and the tile's last to
     arrive (count_ptr: one zeroed counter per tile, left at zero) adds them up in split order into out. A's rows of
-    slots no row of the tile uses are not read."""
-    pdl_handoff(PDL)
+    slots no row of the tile uses are not read. The sums are computed before the PDL wait, the writes after it."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     split = tl.program_id(2)
     live_rows = rows < M
     live_cols = cols < W
     rows64 = rows.to(tl.int64)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     slots = tl.load(slots_ptr + rows64, mask=live_rows, other=-1)
     # selected, not multiplied by a 0/1 mask: a row without an adapter gets an exact zero whatever its x holds
     keep = slots[:, None] == (cols // SLOT_WIDTH).to(slots.dtype)[None, :]
     # A's rows of slots no row of the tile uses are never read: the step reads the adapters it serves, not all slots
     needed = live_cols & (tl.max(keep.to(tl.int32), axis=0) > 0)
+    k_start = split * k_per_split
+    # a tile without such a column reads nothing at all (its sums are zeros)
+    k_end = tl.where(tl.max(needed.to(tl.int32), axis=0) > 0, tl.minimum(k_start + k_per_split, K), k_start)
     acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -99,10 +105,12 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, co
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rows64, mask=live_rows, other=0.0)[:, None]
     acc = tl.where(keep, acc, 0.0)
+    pdl_handoff(PDL)  # every write follows the wait (module docstring)
     tile_offs = rows64[:, None] * W + cols[None, :]
     live = live_rows[:, None] & live_cols[None, :]
     if SPLIT:
-        tl.store(part_ptr + split.to(tl.int64) * M * W + tile_offs, acc, mask=live)
+        summed = live & needed[None, :]  # the other columns' sums are zeros: neither stored nor read back
+        tl.store(part_ptr + split.to(tl.int64) * M * W + tile_offs, acc, mask=summed)
         tl.debug_barrier()  # every thread's partial is written before the release below
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -111,7 +119,7 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, co
             for s0 in range(0, splits, SUM_UNROLL):
                 for j in tl.static_range(SUM_UNROLL):  # loads issued together, not one round trip each
                     split_offs = tile_offs + (s0 + j) * M * W  # a tensor: the interpreter masks with tensors only
-                    total += tl.load(part_ptr + split_offs, mask=live & (split_offs < splits * M * W), other=0.0,
+                    total += tl.load(part_ptr + split_offs, mask=summed & (split_offs < splits * M * W), other=0.0,
                                      cache_modifier=".cg")
             tl.store(out_ptr + tile_offs, total, mask=live)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
@@ -120,33 +128,43 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, co
 
 
 @triton.jit
-def lora_expand_add_kernel(part_ptr, b_ptr, out_ptr, M, N, W, stride_b, stride_out, SPLITS: tl.constexpr,
-                           FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_W: tl.constexpr, INTERPRETER: tl.constexpr = False, PDL: tl.constexpr = False):
-    """out[m, n] = round(out[m, n] + sum_c (sum_s part[s, m, c]) * B[n, c]), the sums in fp32 and one rounding to
-    out's dtype. A 16-bit B multiplies the fp32 sums as hi + lo, hi the sums rounded to B's dtype and lo what that
-    lost, in two 16-bit dots; with FP32_DOT one exact fp32 dot. Grid [cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)]."""
-    pdl_handoff(PDL)
+def _used_b_tile(b_ptr, ns, live_n, cs, slots, stride_b, W, SLOT_WIDTH: tl.constexpr):
+    """B^T [len(cs), len(ns)] for columns cs, loaded only where a row of the tile uses the column's slot (zeros
+    elsewhere: no memory traffic)."""
+    used = tl.max((slots[:, None] == (cs // SLOT_WIDTH).to(slots.dtype)[None, :]).to(tl.int32), axis=0) > 0
+    return tl.load(b_ptr + ns.to(tl.int64)[None, :] * stride_b + cs[:, None],
+                   mask=(used & (cs < W))[:, None] & live_n[None, :], other=0.0)
+
+
+@triton.jit
+def lora_expand_add_kernel(shrunk_ptr, b_ptr, slots_ptr, out_ptr, M, N, W, stride_b, stride_out,
+                           SLOT_WIDTH: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRETER: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
+    """out[m, n] = round(out[m, n] + sum over the columns c of slot slots[m] of shrunk[m, c] * B[n, c]), the sums in
+    fp32 and one rounding to out's dtype; rows of slot -1 are neither read nor written. A 16-bit B multiplies the
+    fp32 sums as hi + lo, hi the sums rounded to B's dtype and lo what that lost, in two 16-bit dots; with FP32_DOT
+    one exact fp32 dot. Grid [cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)]. The columns walked are those from the lowest to
+    the highest slot the tile's rows use (one slot's, in a decode step serving one adapter); the first B tile is
+    loaded before the PDL wait, each next one while the current one multiplies."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live_rows = rows < M
     live_n = ns < N
     rows64 = rows.to(tl.int64)
+    slots = tl.load(slots_ptr + rows64, mask=live_rows, other=-1)
+    has_slot = slots >= 0
+    # columns [w_lo, w_hi): empty (W, 0) when no row has an adapter
+    w_lo = tl.min(tl.where(has_slot, slots, W // SLOT_WIDTH), axis=0) * SLOT_WIDTH
+    w_hi = (tl.max(slots, axis=0) + 1) * SLOT_WIDTH
+    bt = _used_b_tile(b_ptr, ns, live_n, w_lo + tl.arange(0, BLOCK_W), slots, stride_b, W, SLOT_WIDTH)
+    pdl_handoff(PDL)  # the shrunk sums and out are read after the wait (module docstring)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    row_used = tl.zeros([BLOCK_M], dtype=tl.int32)
-    for w0 in range(0, W, BLOCK_W):
+    for w0 in range(w_lo, w_hi, BLOCK_W):
         cs = w0 + tl.arange(0, BLOCK_W)
-        live_c = cs < W
-        shrunk = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
-        for s in tl.static_range(SPLITS):  # unrolled: every partial's load is issued before the sums wait on them
-            shrunk += tl.load(part_ptr + s * M * W + rows64[:, None] * W + cs[None, :],
-                              mask=live_rows[:, None] & live_c[None, :], other=0.0)
-        # columns no row of the tile has a value in (slots it does not use: the shrink's exact zeros) skip their B
-        nonzero = (shrunk != 0).to(tl.int32)
-        needed = live_c & (tl.max(nonzero, axis=0) > 0)
-        row_used = tl.maximum(row_used, tl.max(nonzero, axis=1))
-        bt = tl.load(b_ptr + ns.to(tl.int64)[None, :] * stride_b + cs[:, None], mask=needed[:, None] & live_n[None, :],
-                     other=0.0)  # B^T tile [BLOCK_W, BLOCK_N]
+        own = (slots[:, None] == (cs // SLOT_WIDTH).to(slots.dtype)[None, :]) & (cs < W)[None, :]
+        shrunk = tl.load(shrunk_ptr + rows64[:, None] * W + cs[None, :], mask=own & live_rows[:, None], other=0.0)
+        next_bt = _used_b_tile(b_ptr, ns, live_n, cs + BLOCK_W, slots, stride_b, W, SLOT_WIDTH)  # none past w_hi
         if FP32_DOT:
             acc = tl.dot(shrunk, bt.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -154,9 +172,9 @@ def lora_expand_add_kernel(part_ptr, b_ptr, out_ptr, M, N, W, stride_b, stride_o
             lo = (shrunk - hi.to(tl.float32)).to(bt.dtype)
             acc = _dot(hi, bt, acc, INTERPRETER)
             acc = _dot(lo, bt, acc, INTERPRETER)
+        bt = next_bt
     ptrs = out_ptr + rows64[:, None] * stride_out + ns[None, :]
-    # rows without a delta (no adapter: all their sums are exact zeros) keep out as it is, unread and unwritten
-    live = (live_rows & (row_used > 0))[:, None] & live_n[None, :]
+    live = (live_rows & has_slot)[:, None] & live_n[None, :]
     out = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
     tl.store(ptrs, (out + acc).to(out_ptr.dtype.element_ty), mask=live)
 
@@ -225,33 +243,36 @@ def lora_shrink(x: torch.Tensor, a_all: torch.Tensor, token_slots: torch.Tensor,
     return out
 
 
-def lora_expand_add(out: torch.Tensor, shrunk: torch.Tensor, b_all: torch.Tensor) -> torch.Tensor:
-    """lora_expand_add_reference in one launch: out [M, N] += (shrunk summed over its splits) @ b_all^T, in place,
-    with fp32 sums and one rounding to out's dtype; shrunk fp32 [M, W] or lora_shrink's partials [splits, M, W],
-    b_all [N, W]. Returns out."""
+def lora_expand_add(out: torch.Tensor, shrunk: torch.Tensor, b_all: torch.Tensor, token_slots: torch.Tensor,
+                    slot_width: int) -> torch.Tensor:
+    """lora_expand_add_reference in one launch: out [M, N] += shrunk @ b_all^T over each row's own slot's columns
+    (token_slots[:M], read on the device; -1: the row is left as it is), in place, with fp32 sums and one rounding
+    to out's dtype; shrunk fp32 [M, W] (lora_shrink's), b_all [N, W]. Returns out."""
     _check_rows("lora_expand_add", out, "out")
     _check_rows("lora_expand_add", b_all, "b_all")
-    parts = shrunk if shrunk.dim() == 3 else shrunk[None]
     m, n = out.shape
     w = b_all.shape[1]
-    if parts.dtype != torch.float32 or parts.shape[1:] != (m, w) or not parts.is_contiguous():
-        raise ValueError(f"lora_expand_add: shrunk must be contiguous fp32 [splits, {m}, {w}] or [{m}, {w}], got "
-                         f"{shrunk.dtype} {tuple(shrunk.shape)}")
+    if shrunk.dtype != torch.float32 or shrunk.shape != (m, w) or not shrunk.is_contiguous():
+        raise ValueError(f"lora_expand_add: shrunk must be contiguous fp32 [{m}, {w}], got {shrunk.dtype} "
+                         f"{tuple(shrunk.shape)}")
     if b_all.shape[0] != n:
         raise ValueError(f"lora_expand_add: out has N={n} but b_all has {b_all.shape[0]} rows")
-    if not 1 <= parts.shape[0] <= MAX_SPLITS:
-        raise ValueError(f"lora_expand_add: at most {MAX_SPLITS} partials, got {parts.shape[0]}")
+    if w % slot_width:
+        raise ValueError(f"lora_expand_add: b_all's {w} columns are not whole slots of {slot_width}")
+    if token_slots.dim() != 1 or token_slots.shape[0] < m:
+        raise ValueError(f"lora_expand_add: token_slots needs a slot for each of the {m} rows, got shape "
+                         f"{tuple(token_slots.shape)}")
     if m == 0 or n == 0 or w == 0:
         return out
     block_m = DECODE_BLOCK_M if m <= DECODE_ROWS else PREFILL_BLOCK_M
     block_n = EXPAND_BLOCK_N if m <= DECODE_ROWS else 2 * EXPAND_BLOCK_N
     pdl = supports_pdl(out.device)
     grid = (-(-m // block_m), -(-n // block_n))
-    lora_expand_add_kernel[grid](parts, b_all, out, m, n, w, b_all.stride(0), out.stride(0), SPLITS=parts.shape[0],
-                                 FP32_DOT=b_all.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-                                 BLOCK_W=_block_w(w), INTERPRETER=not out.is_cuda, PDL=pdl, launch_pdl=pdl,
-                                 num_warps=4, num_stages=1)  # W is one or a few tiles: nothing to pipeline, and
-    # a pipelined loop staged every unrolled partial's tile in shared memory (270+ KiB at 32 splits, 64 rows)
+    lora_expand_add_kernel[grid](shrunk, b_all, token_slots, out, m, n, w, b_all.stride(0), out.stride(0),
+                                 SLOT_WIDTH=slot_width, FP32_DOT=b_all.dtype == torch.float32, BLOCK_M=block_m,
+                                 BLOCK_N=block_n, BLOCK_W=_block_w(slot_width), INTERPRETER=not out.is_cuda, PDL=pdl,
+                                 launch_pdl=pdl, num_warps=4, num_stages=1)  # the walk is a slot's columns: one or
+    # a few tiles, each next B tile loaded by hand while the current one multiplies
     return out
 
 
@@ -267,9 +288,14 @@ def lora_shrink_reference(x: torch.Tensor, a_all: torch.Tensor, token_slots: tor
     return torch.where(keep, shrunk, torch.zeros((), device=x.device))
 
 
-def lora_expand_add_reference(out: torch.Tensor, shrunk: torch.Tensor, b_all: torch.Tensor) -> torch.Tensor:
-    """out [M, N] = round(out + shrunk @ b_all^T) in place, in fp32 with one rounding to out's dtype; shrunk fp32
-    [M, W] or partials [splits, M, W] (summed first). Returns out."""
-    total = shrunk.sum(0) if shrunk.dim() == 3 else shrunk
-    out.copy_((out.float() + total.float() @ b_all.float().t()).to(out.dtype))
+def lora_expand_add_reference(out: torch.Tensor, shrunk: torch.Tensor, b_all: torch.Tensor, token_slots: torch.Tensor,
+                              slot_width: int) -> torch.Tensor:
+    """out [M, N] = round(out + shrunk @ b_all^T over each row's own slot's columns) in place, in fp32 with one
+    rounding to out's dtype; rows whose slot (token_slots[:M]) is -1 keep out as it is. Returns out."""
+    m = out.shape[0]
+    column_slots = torch.arange(b_all.shape[1], device=out.device) // slot_width
+    row_slots = token_slots[:m, None].to(column_slots.dtype)
+    own = torch.where(row_slots == column_slots[None, :], shrunk.float(), torch.zeros((), device=out.device))
+    summed = (out.float() + own @ b_all.float().t()).to(out.dtype)
+    out.copy_(torch.where(row_slots >= 0, summed, out))
     return out

@@ -211,7 +211,7 @@ class LoraLinear(nn.Module):
             out = out if out.is_contiguous() else out.contiguous()
             rows = out.view(-1, self.out_features)
         shrunk = lora_shrink(x2, self.lora_a, self.context.token_slots, self.slot_width, x_scale)
-        lora_expand_add(rows, shrunk, self.lora_b)
+        lora_expand_add(rows, shrunk, self.lora_b, self.context.token_slots, self.slot_width)
         return out
 
     @torch.no_grad()

@@ -28,10 +28,11 @@ def row_slots(m: int, loras: int, gen: torch.Generator, device) -> torch.Tensor:
     return slots.to(device)
 
 
-def check_shrink(m: int, k: int, loras: int, slot_width: int, x_kind: str, device, seed: int = 0) -> torch.Tensor:
+def check_shrink(m: int, k: int, loras: int, slot_width: int, x_kind: str, device,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """lora_shrink gives lora_shrink_reference's fp32 values within fp32 summation error (relative to |x| @ |A|^T),
     columns of other slots and rows without an adapter exact zeros, and the same bits when called again (its split
-    sums run in a fixed order and re-arm their counters). Returns its output."""
+    sums run in a fixed order and re-arm their counters). Returns its output and the rows' slots."""
     gen = torch.Generator().manual_seed(seed)
     x_dtype, a_dtype = X_KINDS[x_kind]
     w = loras * slot_width
@@ -55,26 +56,32 @@ def check_shrink(m: int, k: int, loras: int, slot_width: int, x_kind: str, devic
     kept = slots[:m, None].cpu() == torch.arange(w)[None, :] // slot_width
     assert torch.all(got.cpu()[~kept] == 0)  # other slots' columns, rows of slot -1
     assert torch.all(got.cpu()[kept] != 0)  # and the row's own columns were computed
-    return got
+    return got, slots
 
 
-def check_expand(m: int, n: int, w: int, out_kind: str, device, splits: int = 3, seed: int = 0) -> None:
-    """lora_expand_add adds the summed partials times B^T into out with one rounding: within an ulp of the fp32
-    reference's rounding (a few for fp32 out; rounding_bound), and, 16-bit, on CUDA equal to it but for rare
-    last-bit flips (the interpreter truncates fp32 -> bf16)."""
+def check_expand(m: int, n: int, loras: int, slot_width: int, out_kind: str, device, seed: int = 0) -> None:
+    """lora_expand_add adds each row's own slot's columns of shrunk (here nonzero in every column) times B^T into
+    out with one rounding: within an ulp of the fp32 reference's rounding (a few for fp32 out; rounding_bound),
+    and, 16-bit, on CUDA equal to it but for rare last-bit flips (the interpreter truncates fp32 -> bf16); rows
+    without an adapter keep their bits."""
     gen = torch.Generator().manual_seed(seed)
     out_dtype, b_dtype = OUT_KINDS[out_kind]
-    parts = (torch.randn(splits, m, w, generator=gen) / splits ** 0.5).to(device)
+    w = loras * slot_width
+    shrunk = torch.randn(m, w, generator=gen).to(device)
     b = (torch.randn(n, w, generator=gen) / w ** 0.5).to(device, b_dtype)
     out = torch.randn(m, n, generator=gen).to(device, out_dtype)
-    shrunk = parts if splits > 1 else parts[0]  # one split: the [M, W] form
-    ref = lora_expand_add_reference(out.clone(), shrunk, b)
+    slots = row_slots(m, loras, gen, device)
+    ref = lora_expand_add_reference(out.clone(), shrunk, b, slots, slot_width)
     got = out.clone()
-    assert lora_expand_add(got, shrunk, b) is got
+    assert lora_expand_add(got, shrunk, b, slots, slot_width) is got
+    own = slots[:m, None] == torch.arange(w, device=device)[None, :] // slot_width
     truncates = out_dtype == torch.bfloat16 and not got.is_cuda
-    bound = rounding_bound(ref, out, parts.sum(0), b, ulps=4 if out_dtype == torch.float32 else 2 if truncates else 1)
+    bound = rounding_bound(ref, out, shrunk * own, b, ulps=4 if out_dtype == torch.float32 else 2 if truncates else 1)
     diff = (got.float() - ref.float()).abs()
     assert torch.all(diff <= bound), float((diff / bound).max())
+    no_adapter = slots[:m] < 0
+    assert torch.equal(got[no_adapter], out[no_adapter])
+    assert (got[~no_adapter] != out[~no_adapter]).any(dim=1).all()  # and those with one got their delta
     if out_dtype == torch.float32:
         return
     assert truncates or (got != ref).float().mean() < 0.02
@@ -93,11 +100,11 @@ def rounding_bound(ref: torch.Tensor, out: torch.Tensor, shrunk: torch.Tensor, b
 def check_pair(m: int, k: int, n: int, loras: int, slot_width: int, x_kind: str, device, seed: int = 0) -> None:
     """shrink then expand (16-bit out) against both references in a row."""
     gen = torch.Generator().manual_seed(seed)
-    shrunk = check_shrink(m, k, loras, slot_width, x_kind, device, seed)
+    shrunk, slots = check_shrink(m, k, loras, slot_width, x_kind, device, seed)
     out_dtype = X_KINDS[x_kind][1]
     b = (torch.randn(n, loras * slot_width, generator=gen) / slot_width ** 0.5).to(device, out_dtype)
     out = torch.randn(m, n, generator=gen).to(device, out_dtype)
-    ref = lora_expand_add_reference(out.clone(), shrunk, b)
-    got = lora_expand_add(out.clone(), shrunk, b)
+    ref = lora_expand_add_reference(out.clone(), shrunk, b, slots, slot_width)
+    got = lora_expand_add(out.clone(), shrunk, b, slots, slot_width)
     truncates = out_dtype == torch.bfloat16 and not got.is_cuda
     assert torch.all((got.float() - ref.float()).abs() <= rounding_bound(ref, out, shrunk, b, 2 if truncates else 1))

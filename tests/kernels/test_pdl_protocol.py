@@ -49,15 +49,66 @@ def test_some_kernels_take_part():
     assert len(_kernels_with("PDL")) >= 8 and _kernels_with("PDL_PREFETCH") == ["w4a8_gemm_kernel"]
 
 
+# Kernels that read before their wait, and the memory they may read then: what the kernel launched before them does not
+# write (radiance.kernels.lora's docstring says why that holds for these two).
+READS_BEFORE_WAIT = {"lora_shrink_kernel": {"x_ptr", "scale_ptr", "a_ptr", "slots_ptr"},
+                     "lora_expand_add_kernel": {"b_ptr", "slots_ptr"}}
+WRITES = ("store", "atomic_", "inline_asm", "gdc_")
+
+
+def _is_handoff(stmt: ast.stmt) -> bool:
+    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+            and getattr(stmt.value.func, "id", None) == "pdl_handoff")
+
+
+def _pointers(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
+
+
+def _reads_only(stmts: list[ast.stmt], allowed: set[str], where: str) -> None:
+    """No write, asm or PDL call in stmts, every load's pointer built from `allowed` pointers alone, and the jit
+    helpers they call likewise (their `*_ptr` parameters bound to allowed pointers are theirs to read)."""
+    functions = _jit_functions()
+    for node in (n for stmt in stmts for n in ast.walk(stmt)):
+        if not isinstance(node, ast.Call):
+            continue
+        called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        assert not called.startswith(WRITES), f"{where}: {ast.unparse(node)} before the wait"
+        if called == "load":
+            pointers = _pointers(node.args[0])
+            assert pointers and pointers <= allowed, f"{where}: {ast.unparse(node.args[0])} read before the wait"
+        elif called in functions:
+            params = functions[called].arg_names
+            bound = {param for param, arg in zip(params, node.args) if _pointers(arg)}
+            assert all(_pointers(arg) <= allowed for arg in node.args), f"{where}: {ast.unparse(node)}"
+            _reads_only(_body_without_docstring(functions[called]), {p for p in bound if p.endswith("_ptr")},
+                        f"{where} -> {called}")
+
+
 @pytest.mark.parametrize("name", _kernels_with("PDL"))
 def test_pdl_kernels_wait_first(name):
-    """Their first statement is pdl_handoff(PDL) (or pdl_handoff(PDL, EARLY_RELEASE): the release may come first,
-    the wait still precedes every access): nothing is read or written before the wait."""
-    first = _body_without_docstring(_jit_functions()[name])[0]
-    assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Call), ast.dump(first)
-    call = first.value
-    assert getattr(call.func, "id", None) == "pdl_handoff", f"{name} starts with {ast.unparse(first)}"
+    """Exactly one pdl_handoff(PDL) (or pdl_handoff(PDL, EARLY_RELEASE): the release may come first, the wait still
+    precedes every access), the first statement: nothing is read or written before the wait. Only the kernels of
+    READS_BEFORE_WAIT put statements before it, and those read their allowed pointers and write nothing."""
+    body = _body_without_docstring(_jit_functions()[name])
+    handoffs = [i for i, stmt in enumerate(body) if _is_handoff(stmt)]
+    assert len(handoffs) == 1, f"{name}: {len(handoffs)} pdl_handoff statements at the top level"
+    call = body[handoffs[0]].value
     assert [ast.unparse(a) for a in call.args] in (["PDL"], ["PDL", "EARLY_RELEASE"])
+    if name in READS_BEFORE_WAIT:
+        _reads_only(body[:handoffs[0]], READS_BEFORE_WAIT[name], name)
+    else:
+        assert handoffs[0] == 0, f"{name} starts with {ast.unparse(body[0])}"
+
+
+def test_the_read_check_catches_writes_and_other_reads():
+    """_reads_only fails a store, an atomic, and a load of a pointer outside its set (also through a helper)."""
+    for src, allowed in (("tl.store(out_ptr + 1, x)", {"out_ptr"}), ("tl.atomic_add(count_ptr, 1)", {"count_ptr"}),
+                         ("y = tl.load(out_ptr + rows)", {"b_ptr"}),
+                         ("t = _used_b_tile(out_ptr, ns, live_n, cs, slots, stride_b, W, SLOT_WIDTH)", {"b_ptr"})):
+        with pytest.raises(AssertionError):
+            _reads_only(ast.parse(src).body, allowed, "case")
+    _reads_only(ast.parse("t = _used_b_tile(b_ptr, ns, live_n, cs, slots, stride_b, W, 16)").body, {"b_ptr"}, "ok")
 
 
 def _launches() -> list[tuple[Path, str, ast.Call]]:

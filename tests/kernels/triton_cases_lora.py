@@ -30,7 +30,7 @@ def test_expand_add_matches_reference(device, m, out_kind):
     i = M_BANDS.index(m)
     loras, slot_width = LAYOUTS[i % 3]
     # N 70 and 200: not multiples of the 64 / 128 column tiles
-    check_expand(m, (70, 96, 200)[i % 3], loras * slot_width, out_kind, device, splits=1 + i % 3, seed=i)
+    check_expand(m, (70, 96, 200)[i % 3], loras, slot_width, out_kind, device, seed=i)
 
 
 @pytest.mark.parametrize("x_kind", ["bf16", "e4m3-fp16"])
@@ -118,7 +118,8 @@ def test_no_rows(device):
                         torch.zeros(4, dtype=torch.long, device=device), 16)
     assert shrunk.shape == (0, 32)
     out = torch.empty(0, 48, device=device)
-    assert lora_expand_add(out, shrunk, torch.randn(48, 32, device=device)) is out
+    assert lora_expand_add(out, shrunk, torch.randn(48, 32, device=device), torch.zeros(4, dtype=torch.long,
+                                                                                       device=device), 16) is out
 
 
 class PartialSumsBase(torch.nn.Module):
@@ -191,10 +192,12 @@ def test_a_delta_joins_the_first_partial_sum_and_base_only_steps_keep_the_base_p
     assert base.glu_calls == 2
 
 
+@pytest.mark.parametrize("used", [(1,), (0, 2)], ids=["slot-1", "slots-0-2"])
 @pytest.mark.parametrize("m", [1, 17, 70])
-def test_the_weights_of_slots_no_row_uses_are_not_read(device, m):
-    """A step's rows on slot 1 of 3 (and none): the other slots' A and B hold NaN, which a read would carry into the
-    output (0 * NaN); the kernels skip them, so the delta is the used slot's alone."""
+def test_the_weights_of_slots_no_row_uses_are_not_read(device, m, used):
+    """A step's rows on some of 3 slots (and none): the other slots' A and B hold NaN, which a read would carry into
+    the output (0 * NaN); the kernels skip them (the expand walks from the lowest used slot to the highest, slot 1
+    lying between 0 and 2), so the delta is the used slots' alone."""
     from radiance.kernels.lora import (lora_expand_add, lora_expand_add_reference, lora_shrink,
                                        lora_shrink_reference)
 
@@ -202,14 +205,30 @@ def test_the_weights_of_slots_no_row_uses_are_not_read(device, m):
     k, n, width = 160, 96, 16
     a = torch.randn(3 * width, k, generator=gen) / k ** 0.5
     b = torch.randn(n, 3 * width, generator=gen) / width ** 0.5
-    used = slice(width, 2 * width)
     poisoned_a, poisoned_b = torch.full_like(a, float("nan")), torch.full_like(b, float("nan"))
-    poisoned_a[used], poisoned_b[:, used] = a[used], b[:, used]
+    for slot in used:
+        columns = slice(slot * width, (slot + 1) * width)
+        poisoned_a[columns], poisoned_b[:, columns] = a[columns], b[:, columns]
     x = torch.randn(m, k, generator=gen)
-    slots = torch.where(torch.arange(m + 2) % 3 == 0, -1, 1)
+    rows = torch.arange(m + 2)
+    slots = torch.where(rows % 3 == 0, -1, torch.tensor(used)[rows % len(used)])
     out = torch.randn(m, n, generator=gen)
     got = lora_expand_add(out.clone().to(device), lora_shrink(x.to(device), poisoned_a.to(device), slots.to(device),
-                                                             width), poisoned_b.to(device))
-    want = lora_expand_add_reference(out.clone(), lora_shrink_reference(x, a, slots, width), b)
+                                                             width), poisoned_b.to(device), slots.to(device), width)
+    want = lora_expand_add_reference(out.clone(), lora_shrink_reference(x, a, slots, width), b, slots, width)
     assert torch.isfinite(got).all()
     assert torch.allclose(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_expand_rejects_bad_arguments(device):
+    from radiance.kernels.lora import lora_expand_add
+    out = torch.zeros(3, 48, device=device)
+    shrunk = torch.zeros(3, 32, device=device)
+    b = torch.zeros(48, 32, device=device)
+    slots = torch.zeros(3, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="whole slots"):
+        lora_expand_add(out, shrunk, b, slots, 24)
+    with pytest.raises(ValueError, match="token_slots"):
+        lora_expand_add(out, shrunk, b, slots[:2], 16)
+    with pytest.raises(ValueError, match=r"fp32 \[3, 32\]"):
+        lora_expand_add(out, shrunk[None], b, slots, 16)

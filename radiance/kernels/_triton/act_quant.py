@@ -56,7 +56,8 @@ def pdl_handoff(PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """First statement of a kernel launched as a programmatic dependent (launch_pdl, sm_90+): wait
     until the kernel before it has finished and its writes are visible (it may have been launched
     while that kernel ran, which hides the launch), then let the kernel after this one launch in
-    turn (a GEMM prefetches its weights meanwhile). Nothing may be read or written before the wait.
+    turn (a GEMM prefetches its weights meanwhile). Nothing may be read or written before the wait
+    (but by the LoRA kernels, which read what the kernel before them does not write: radiance.kernels.lora).
     EARLY lets the kernel after this one launch before the wait, i.e. while the kernel before this
     one still runs (it still waits for this one's completion before it reads). It cannot starve this
     kernel of SM room: the dependents launch only once every CTA of this kernel has issued the release,
