@@ -1,9 +1,11 @@
 """What serving LoRA adapters costs a decode step on the GPU: a synthetic model's batch-1 (and batch-B) decode with
 LoRA off, with LoRA on and only base requests (the runner replays its decode graphs captured without the deltas,
 so this should match LoRA off), and with every request on a rank-r adapter over all seven projections (gate_up then
-gives up its fused GLU epilogue).
+gives up its fused GLU epilogue), once per --max-loras value (the other slots empty: a step reads only the
+adapters it serves, so this should not grow with max_loras).
 
     python3 tools/lora_decode_cost.py [--model synthetic:llama-3.1-8b] [--quantization mxfp4] [--rank 16]
+                                      [--max-loras 1 4]
 """
 
 from __future__ import annotations
@@ -75,14 +77,17 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="adapter rank (default: 16)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="default: 1 16")
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps (default: 64)")
+    parser.add_argument("--max-loras", type=int, nargs="+", default=[1],
+                        help="adapter slots of the adapter rows, one row each (default: 1)")
     args = parser.parse_args()
     arch = resolve_architecture(synthetic_config(args.model, None))[1]
     adapter = write_random_adapter(os.path.join(tempfile.mkdtemp(), "adapter"), arch, args.rank)
     rows = []
-    for name, lora_on, use in (("LoRA off", False, False), ("LoRA on, base requests", True, False),
-                               ("LoRA on, adapter requests", True, True)):
+    variants = [("LoRA off", 0, False), ("LoRA on, base requests", args.max_loras[0], False)]
+    variants += [(f"LoRA on, adapter requests, max_loras {slots}", slots, True) for slots in args.max_loras]
+    for name, slots, use in variants:
         ckpt = SyntheticCheckpoint(args.model, device="cuda", dtype=torch.bfloat16)
-        options = dict(enable_lora=True, max_loras=1, max_lora_rank=args.rank) if lora_on else {}
+        options = dict(enable_lora=True, max_loras=slots, max_lora_rank=args.rank) if slots else {}
         config = EngineConfig.from_flat(model=args.model, quantization=args.quantization, max_model_len=2048,
                                         device="cuda", **options)
         engine = LLMEngine(config, checkpoint=ckpt, progress=False)
