@@ -6,6 +6,10 @@ model name a request's `model` may give (its LoRARequest goes with every engine 
 The adapters --lora-modules names are loaded by the engine as it starts (ids 1, 2, ...); the server reads them from
 `engine.list_loras()` once the engine is attached, and ids of adapters loaded later continue after the largest (never
 reused after an unload, as vLLM's counter: an engine request still running with an old id cannot meet a new adapter).
+
+vLLM's `load_inplace` (a trainer pushing new weights under a served name) loads the new files under a new id, then
+points the name at it and unloads the old id: requests already running finish on the weights they started with, the
+next ones get the new weights, and a load that fails leaves the old adapter serving.
 """
 
 from __future__ import annotations
@@ -67,14 +71,16 @@ class ServedAdapters:
         """When adapter `name` was loaded (its model card's `created`)."""
         return self._created[name]
 
-    async def load(self, engine: Any, name: str, path: str, base_names: tuple[str, ...]) -> str:
-        """Loads adapter `path` as model `name` (vLLM's answers and messages); an OpenAIError when it cannot be."""
+    async def load(self, engine: Any, name: str, path: str, base_names: tuple[str, ...], inplace: bool = False) -> str:
+        """Loads adapter `path` as model `name` (vLLM's answers and messages); with `inplace` a served `name` is
+        reloaded from `path` (module docstring). An OpenAIError when it cannot be, the adapters served unchanged."""
         if not name or not path:
             raise OpenAIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if not getattr(engine, "lora_enabled", False):
             raise OpenAIError(400, "LoRA is not enabled: start the server with --enable-lora to load adapters")
         async with self._lock:
-            if name in self._by_name:
+            previous = self._by_name.get(name)
+            if previous is not None and not inplace:
                 raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
             if name in base_names:  # requests naming it would reach the base model, never the adapter
                 raise OpenAIError(400, f"The lora adapter name '{name}' is a name of the served base model: give "
@@ -92,7 +98,13 @@ class ServedAdapters:
                                       param="lora_path") from None
                 raise OpenAIError(400, f"Loading lora {name} failed: {exc}", param="lora_path") from None
             self._add(lora)
-        logger.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
+            if previous is not None:  # its running requests finish with it; False: the engine held it no more
+                await engine.remove_lora(previous.lora_int_id)
+        if previous is not None:
+            logger.info("Reloaded LoRA adapter in place: name '%s', path '%s' (id %d, was %d)", name, path,
+                        lora.lora_int_id, previous.lora_int_id)
+        else:
+            logger.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, engine: Any, name: str) -> str:

@@ -176,13 +176,34 @@ def test_load_and_unload_errors_are_vllms(preloaded, tmp_path):
     assert r.json()["error"]["message"] == "Both 'lora_name' and 'lora_path' must be provided."
     check_error_shape(preloaded.post(load, json={"lora_name": "y"}), 400, "lora_path")
     check_error_shape(preloaded.post(load, json={"lora_name": BASE, "lora_path": path}), 400, "lora_name")
-    # vLLM's in-place reload is not served: said, not taken as a second load
-    r = preloaded.post(load, json={"lora_name": "tone", "lora_path": path, "load_inplace": True})
-    check_error_shape(r, 400, "load_inplace")
     r = preloaded.post(unload, json={"lora_name": "nope"})
     check_error_shape(r, 404, "lora_name")
     assert r.json()["error"]["message"] == "The lora adapter 'nope' cannot be found."
     assert [c["id"] for c in models(preloaded)] == [BASE, "sql", "tone"]  # nothing changed
+
+
+def test_load_inplace_points_the_name_at_new_weights_under_a_new_id(preloaded, tmp_path):
+    """vLLM's load_inplace: the served name's next requests run on the adapter at the new path (a new engine id, the
+    old one unloaded), its card keeps its place with the new root; a failed reload leaves the old adapter serving;
+    on a name not served it is a plain load."""
+    engine, load = preloaded.engine, "/v1/load_lora_adapter"
+    newer = adapter_dir(tmp_path, "tone-v2")
+    r = preloaded.post(load, json={"lora_name": "tone", "lora_path": newer, "load_inplace": True})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tone' added successfully."
+    assert engine.loras == {1: engine.loras[1], 3: LoRARequest("tone", 3, newer)}  # id 2 unloaded
+    assert [(c["id"], c["root"]) for c in models(preloaded)][1:] == [("sql", engine.loras[1].lora_path),
+                                                                     ("tone", newer)]
+    assert preloaded.post("/v1/completions", json={"model": "tone", "prompt": "SAY:x"}).status_code == 200
+    assert engine.ran_with[-1] == LoRARequest("tone", 3, newer)
+
+    not_an_adapter = tmp_path / "empty"
+    not_an_adapter.mkdir()
+    r = preloaded.post(load, json={"lora_name": "tone", "lora_path": str(not_an_adapter), "load_inplace": True})
+    check_error_shape(r, 400, "lora_path")
+    assert sorted(engine.loras) == [1, 3] and models(preloaded)[2]["root"] == newer  # the old one serves on
+
+    r = preloaded.post(load, json={"lora_name": "fresh", "lora_path": newer, "load_inplace": True})
+    assert r.status_code == 200 and engine.loras[5] == LoRARequest("fresh", 5, newer)  # (id 4: the failed load's)
 
 
 def test_a_bad_adapter_is_a_client_error_and_the_server_serves_on(preloaded, tmp_path):
@@ -396,6 +417,13 @@ def test_real_runtime_load_use_unload_and_bad_loads(real_server, tmp_path):
     assert r.status_code == 404, r.text
     assert r.json()["error"]["message"].startswith(f"Loading lora gone failed: No adapter found for {missing} (")
     assert [lora.lora_name for lora in engine.list_loras()] == ["a1", "a2"]  # nothing half-loaded
+
+    # reloaded in place: the name's requests switch to the new weights (a1's here), and back
+    for weights in ("a1", "a2"):
+        r = httpx.post(load, json={"lora_name": "a2", "lora_path": paths[weights], "load_inplace": True})
+        assert r.status_code == 200, r.text
+        assert complete(url, "a2").json()["choices"][0]["text"] == offline[weights]
+    assert [lora.lora_name for lora in engine.list_loras()] == ["a1", "a2"]  # the old ids unloaded
 
     r = httpx.post(unload, json={"lora_name": "a2"})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a2' removed successfully."
