@@ -7,9 +7,11 @@ The adapters --lora-modules names are loaded by the engine as it starts (ids 1, 
 `engine.list_loras()` once the engine is attached, and ids of adapters loaded later continue after the largest (never
 reused after an unload, as vLLM's counter: an engine request still running with an old id cannot meet a new adapter).
 
-vLLM's `load_inplace` (a trainer pushing new weights under a served name) loads the new files under a new id, then
-points the name at it and unloads the old id: requests already running finish on the weights they started with, the
-next ones get the new weights, and a load that fails leaves the old adapter serving.
+vLLM's `load_inplace` (a trainer pushing new weights under a served name) loads the new files under a new id and
+points the name at it: the next requests get the new weights, requests already running finish on the old ones, and
+a load that fails leaves the old adapter serving. The old id stays loaded until the name's next reload or its
+unload, so a request that read the name just before the swap (its prompt still being rendered) runs on the old
+weights rather than failing.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ServedAdapters:
     def __init__(self) -> None:
         self._by_name: dict[str, Any] = {}  # name -> LoRARequest
         self._created: dict[str, int] = {}  # name -> when it was loaded (its card's `created`)
+        self._replaced: dict[str, Any] = {}  # name -> the LoRARequest its last in-place reload replaced (loaded still)
         self._next_id = 1
         # one load or unload at a time: the name checks and the engine's change happen as one step (vLLM locks per
         # name; loads are rare and an operator's, so one lock is enough)
@@ -98,11 +101,12 @@ class ServedAdapters:
                                       param="lora_path") from None
                 raise OpenAIError(400, f"Loading lora {name} failed: {exc}", param="lora_path") from None
             self._add(lora)
-            if previous is not None:  # its running requests finish with it; False: the engine held it no more
-                await engine.remove_lora(previous.lora_int_id)
+            if previous is not None:  # kept loaded one reload longer (module docstring)
+                await self._forget_replaced(engine, name)
+                self._replaced[name] = previous
         if previous is not None:
-            logger.info("Reloaded LoRA adapter in place: name '%s', path '%s' (id %d, was %d)", name, path,
-                        lora.lora_int_id, previous.lora_int_id)
+            logger.info("Reloaded LoRA adapter in place: name '%s', path '%s' (id %d; id %d kept for the requests "
+                        "that read the name before)", name, path, lora.lora_int_id, previous.lora_int_id)
         else:
             logger.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
@@ -116,6 +120,13 @@ class ServedAdapters:
                 raise _not_found(name)
             # False: the engine holds it no more (none of its requests can run): unloaded either way
             await engine.remove_lora(lora.lora_int_id)
+            await self._forget_replaced(engine, name)
             del self._by_name[name], self._created[name]
         logger.info("Removed LoRA adapter: name '%s'", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    async def _forget_replaced(self, engine: Any, name: str) -> None:
+        """Unloads the adapter an earlier in-place reload of `name` replaced (its running requests finish on it)."""
+        replaced = self._replaced.pop(name, None)
+        if replaced is not None:
+            await engine.remove_lora(replaced.lora_int_id)

@@ -183,27 +183,32 @@ def test_load_and_unload_errors_are_vllms(preloaded, tmp_path):
 
 
 def test_load_inplace_points_the_name_at_new_weights_under_a_new_id(preloaded, tmp_path):
-    """vLLM's load_inplace: the served name's next requests run on the adapter at the new path (a new engine id, the
-    old one unloaded), its card keeps its place with the new root; a failed reload leaves the old adapter serving;
-    on a name not served it is a plain load."""
+    """vLLM's load_inplace: the served name's next requests run on the adapter at the new path (a new engine id),
+    its card keeps its place with the new root; the replaced id stays loaded until the name's next reload (a
+    request that read the name before the swap still runs) or unload; a failed reload changes nothing; on a name
+    not served it is a plain load."""
     engine, load = preloaded.engine, "/v1/load_lora_adapter"
-    newer = adapter_dir(tmp_path, "tone-v2")
-    r = preloaded.post(load, json={"lora_name": "tone", "lora_path": newer, "load_inplace": True})
+    v2, v3 = adapter_dir(tmp_path, "tone-v2"), adapter_dir(tmp_path, "tone-v3")
+    r = preloaded.post(load, json={"lora_name": "tone", "lora_path": v2, "load_inplace": True})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tone' added successfully."
-    assert engine.loras == {1: engine.loras[1], 3: LoRARequest("tone", 3, newer)}  # id 2 unloaded
-    assert [(c["id"], c["root"]) for c in models(preloaded)][1:] == [("sql", engine.loras[1].lora_path),
-                                                                     ("tone", newer)]
+    assert sorted(engine.loras) == [1, 2, 3] and engine.loras[3] == LoRARequest("tone", 3, v2)
+    assert [(c["id"], c["root"]) for c in models(preloaded)][1:] == [("sql", engine.loras[1].lora_path), ("tone", v2)]
     assert preloaded.post("/v1/completions", json={"model": "tone", "prompt": "SAY:x"}).status_code == 200
-    assert engine.ran_with[-1] == LoRARequest("tone", 3, newer)
+    assert engine.ran_with[-1] == LoRARequest("tone", 3, v2)
 
     not_an_adapter = tmp_path / "empty"
     not_an_adapter.mkdir()
     r = preloaded.post(load, json={"lora_name": "tone", "lora_path": str(not_an_adapter), "load_inplace": True})
     check_error_shape(r, 400, "lora_path")
-    assert sorted(engine.loras) == [1, 3] and models(preloaded)[2]["root"] == newer  # the old one serves on
+    assert sorted(engine.loras) == [1, 2, 3] and models(preloaded)[2]["root"] == v2  # the reloaded one serves on
 
-    r = preloaded.post(load, json={"lora_name": "fresh", "lora_path": newer, "load_inplace": True})
-    assert r.status_code == 200 and engine.loras[5] == LoRARequest("fresh", 5, newer)  # (id 4: the failed load's)
+    r = preloaded.post(load, json={"lora_name": "tone", "lora_path": v3, "load_inplace": True})
+    assert r.status_code == 200 and sorted(engine.loras) == [1, 3, 5]  # (id 4: the failed load's)
+    assert preloaded.post("/v1/unload_lora_adapter", json={"lora_name": "tone"}).status_code == 200
+    assert sorted(engine.loras) == [1]
+
+    r = preloaded.post(load, json={"lora_name": "fresh", "lora_path": v2, "load_inplace": True})
+    assert r.status_code == 200 and engine.loras[6] == LoRARequest("fresh", 6, v2)
 
 
 def test_a_bad_adapter_is_a_client_error_and_the_server_serves_on(preloaded, tmp_path):
@@ -423,7 +428,8 @@ def test_real_runtime_load_use_unload_and_bad_loads(real_server, tmp_path):
         r = httpx.post(load, json={"lora_name": "a2", "lora_path": paths[weights], "load_inplace": True})
         assert r.status_code == 200, r.text
         assert complete(url, "a2").json()["choices"][0]["text"] == offline[weights]
-    assert [lora.lora_name for lora in engine.list_loras()] == ["a1", "a2"]  # the old ids unloaded
+    # the id the last reload replaced stays loaded until the next reload or the unload
+    assert [lora.lora_name for lora in engine.list_loras()] == ["a1", "a2", "a2"]
 
     r = httpx.post(unload, json={"lora_name": "a2"})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a2' removed successfully."
