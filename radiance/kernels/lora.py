@@ -65,6 +65,12 @@ def _dot(a, b, acc, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _own_columns(slots, cols, SLOT_WIDTH: tl.constexpr):
+    """[rows, cols] whether column c belongs to the row's slot (c // SLOT_WIDTH == slot; never for slot -1)."""
+    return slots[:, None] == (cols // SLOT_WIDTH).to(slots.dtype)[None, :]
+
+
+@triton.jit
 def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, count_ptr, M, K, W, stride_x, stride_a,
                        k_per_split, splits, SLOT_WIDTH: tl.constexpr, HAS_SCALE: tl.constexpr,
                        FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -84,7 +90,7 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, co
     rows64 = rows.to(tl.int64)
     slots = tl.load(slots_ptr + rows64, mask=live_rows, other=-1)
     # selected, not multiplied by a 0/1 mask: a row without an adapter gets an exact zero whatever its x holds
-    keep = slots[:, None] == (cols // SLOT_WIDTH).to(slots.dtype)[None, :]
+    keep = _own_columns(slots, cols, SLOT_WIDTH)
     # A's rows of slots no row of the tile uses are never read: the step reads the adapters it serves, not all slots
     needed = live_cols & (tl.max(keep.to(tl.int32), axis=0) > 0)
     k_start = split * k_per_split
@@ -131,7 +137,7 @@ def lora_shrink_kernel(x_ptr, scale_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, co
 def _used_b_tile(b_ptr, ns, live_n, cs, slots, stride_b, W, SLOT_WIDTH: tl.constexpr):
     """B^T [len(cs), len(ns)] for columns cs, loaded only where a row of the tile uses the column's slot (zeros
     elsewhere: no memory traffic)."""
-    used = tl.max((slots[:, None] == (cs // SLOT_WIDTH).to(slots.dtype)[None, :]).to(tl.int32), axis=0) > 0
+    used = tl.max(_own_columns(slots, cs, SLOT_WIDTH).to(tl.int32), axis=0) > 0
     return tl.load(b_ptr + ns.to(tl.int64)[None, :] * stride_b + cs[:, None],
                    mask=(used & (cs < W))[:, None] & live_n[None, :], other=0.0)
 
@@ -162,7 +168,7 @@ def lora_expand_add_kernel(shrunk_ptr, b_ptr, slots_ptr, out_ptr, M, N, W, strid
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for w0 in range(w_lo, w_hi, BLOCK_W):
         cs = w0 + tl.arange(0, BLOCK_W)
-        own = (slots[:, None] == (cs // SLOT_WIDTH).to(slots.dtype)[None, :]) & (cs < W)[None, :]
+        own = _own_columns(slots, cs, SLOT_WIDTH) & (cs < W)[None, :]
         shrunk = tl.load(shrunk_ptr + rows64[:, None] * W + cs[None, :], mask=own & live_rows[:, None], other=0.0)
         next_bt = _used_b_tile(b_ptr, ns, live_n, cs + BLOCK_W, slots, stride_b, W, SLOT_WIDTH)  # none past w_hi
         if FP32_DOT:
@@ -283,8 +289,7 @@ def lora_shrink_reference(x: torch.Tensor, a_all: torch.Tensor, token_slots: tor
     m = x.shape[0]
     xf = x.float() * x_scale if x_scale is not None else x.float()
     shrunk = xf @ a_all.float().t()
-    column_slots = torch.arange(a_all.shape[0], device=x.device) // slot_width
-    keep = token_slots[:m, None].to(column_slots.dtype) == column_slots[None, :]
+    keep = _own_columns_reference(token_slots[:m], a_all.shape[0], slot_width)
     return torch.where(keep, shrunk, torch.zeros((), device=x.device))
 
 
@@ -293,9 +298,14 @@ def lora_expand_add_reference(out: torch.Tensor, shrunk: torch.Tensor, b_all: to
     """out [M, N] = round(out + shrunk @ b_all^T over each row's own slot's columns) in place, in fp32 with one
     rounding to out's dtype; rows whose slot (token_slots[:M]) is -1 keep out as it is. Returns out."""
     m = out.shape[0]
-    column_slots = torch.arange(b_all.shape[1], device=out.device) // slot_width
-    row_slots = token_slots[:m, None].to(column_slots.dtype)
-    own = torch.where(row_slots == column_slots[None, :], shrunk.float(), torch.zeros((), device=out.device))
+    own = torch.where(_own_columns_reference(token_slots[:m], b_all.shape[1], slot_width), shrunk.float(),
+                      torch.zeros((), device=out.device))
     summed = (out.float() + own @ b_all.float().t()).to(out.dtype)
-    out.copy_(torch.where(row_slots >= 0, summed, out))
+    out.copy_(torch.where(token_slots[:m, None] >= 0, summed, out))
     return out
+
+
+def _own_columns_reference(row_slots: torch.Tensor, width: int, slot_width: int) -> torch.Tensor:
+    """[rows, width] whether column c belongs to the row's slot (_own_columns in torch)."""
+    column_slots = torch.arange(width, device=row_slots.device) // slot_width
+    return row_slots[:, None].to(column_slots.dtype) == column_slots[None, :]
