@@ -9,8 +9,10 @@ Without metadata (`meta=None`) attention is plain causal over the given [B, T] b
 Two options of gpt-oss, on every path: `sinks` (a learned logit per q head that joins each query's
 softmax denominator and contributes no value; unscaled, as HF's eager attention appends it) and a
 layer's `sliding_window` W (the query at position p sees the keys at p - W < j <= p; the cache keeps
-every token, the kernels skip what lies outside the window). Gemma 2's `softcap` c: each scaled logit x
-becomes c * tanh(x / c) before the mask and the softmax.
+every token, the kernels skip what lies outside the window). Llama 4's chunked local attention, a layer's
+`attention_chunk` C: the query at position p sees the keys of its own chunk up to itself, (p // C) * C <= j <= p
+(a window that starts at the chunk's start; one kind of local attention per layer). Gemma 2's `softcap` c:
+each scaled logit x becomes c * tanh(x / c) before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -86,10 +88,15 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 sliding_window: int | None = None, softcap: float | None = None):
+                 sliding_window: int | None = None, softcap: float | None = None, attention_chunk: int | None = None):
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
+        if attention_chunk is not None and attention_chunk < 1:
+            raise ValueError(f"attention_chunk must be at least 1 token, got {attention_chunk}")
+        if sliding_window is not None and attention_chunk is not None:
+            raise ValueError(f"a layer attends either within a sliding window ({sliding_window}) or within "
+                             f"chunks ({attention_chunk}), not both")
         if softcap is not None and not softcap > 0:
             raise ValueError(f"the attention soft cap must be positive, got {softcap}")
         self.softcap = softcap  # None: the logits as they are
@@ -98,6 +105,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.sliding_window = sliding_window  # None: full causal attention
+        self.attention_chunk = attention_chunk  # None: no chunks (Llama 4's chunked layers: 8192)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
         # without a cache (evaluation), K/V are rounded to this dtype first, as a cache of it would store them
@@ -149,7 +157,7 @@ class Attention(nn.Module):
         store_kv_cache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_valid, scales)
         out = paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables, meta.q_lens,
                                     meta.kv_lens, self.scale, meta.kv_first_blocks, scales, sinks,
-                                    self.sliding_window, self.softcap)
+                                    self.sliding_window, self.softcap, attention_chunk=self.attention_chunk)
         return out.reshape(*out.shape[:-2], self.num_heads * self.head_dim)
 
     def _paged_triton(self, q: torch.Tensor, meta: AttentionMetadata, quantize: bool = False,
@@ -162,7 +170,7 @@ class Attention(nn.Module):
             out = at.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                             meta.context_lens, self.scale, meta.decode_splits, quantize, rotary,
                                             kv_scales=scales, sinks=sinks, sliding_window=self.sliding_window,
-                                            softcap=self.softcap)
+                                            softcap=self.softcap, attention_chunk=self.attention_chunk)
             if isinstance(out, tuple):
                 return Fp8Activations(*out, q.dtype, tuple(q.shape[:-2]))
         elif self.cut is not None:  # capturing piecewise graphs: the capture runs it between two pieces
@@ -180,7 +188,7 @@ class Attention(nn.Module):
                                           meta.cu_seqlens_q, max(meta.q_lens), self.scale,
                                           self.kv_scales(self.k_cache.dtype), max_kv_len=max(meta.kv_lens),
                                           sinks=sinks, sliding_window=self.sliding_window, out=out,
-                                          softcap=self.softcap)
+                                          softcap=self.softcap, attention_chunk=self.attention_chunk)
 
     def _causal_no_cache(self, q, k, v, sinks: torch.Tensor | None = None):
         scales = UNIT_SCALES
@@ -191,10 +199,11 @@ class Attention(nn.Module):
         squeeze = q.dim() == 3  # [T, H, D] -> one sequence
         if squeeze:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        if sinks is None and self.sliding_window is None and self.softcap is None:
+        if sinks is None and self.sliding_window is None and self.softcap is None and self.attention_chunk is None:
             out = _sdpa(q, k, v, self.scale * scales.k, causal=True)
         else:
-            out = _windowed_attention(q, k, v, 0, self.scale * scales.k, sinks, self.sliding_window, self.softcap)
+            out = _windowed_attention(q, k, v, 0, self.scale * scales.k, sinks, self.sliding_window, self.softcap,
+                                      self.attention_chunk)
         out = _scaled_output(out, scales)
         if squeeze:
             out = out.squeeze(0)
@@ -214,23 +223,27 @@ def _sdpa(q, k, v, scale: float, causal: bool = False, mask: torch.Tensor | None
     return out.transpose(1, 2)
 
 
-def _window_start(kv_len: int, q_len: int, window: int | None) -> int:
-    """The first context position any of the last q_len queries of a kv_len context sees."""
-    return 0 if window is None else max(0, kv_len - q_len + 1 - window)
+def _window_start(kv_len: int, q_len: int, window: int | None, chunk: int | None = None) -> int:
+    """The first context position any of the last q_len queries of a kv_len context sees: the first query's
+    window start, or its chunk's."""
+    first = 0 if window is None else max(0, kv_len - q_len + 1 - window)
+    return first if chunk is None else max(first, (kv_len - q_len) // chunk * chunk)
 
 
 def _windowed_attention(q, k, v, first: int, scale: float, sinks: torch.Tensor | None, window: int | None,
-                        softcap: float | None = None):
+                        softcap: float | None = None, chunk: int | None = None):
     """Causal attention of q [B, Tq, Hq, D], the context's last Tq tokens, over its rows from position
-    `first` on (k/v [B, kv_len - first, Hkv, D]), within `window` (None: unlimited), each head's sink
-    logit in the denominator (None: no sinks), the logits soft-capped at `softcap` (None: not). In float32,
-    the sinks' precision."""
+    `first` on (k/v [B, kv_len - first, Hkv, D]), within `window` (None: unlimited) and the query's
+    `chunk` (None: no chunks), each head's sink logit in the denominator (None: no sinks), the logits
+    soft-capped at `softcap` (None: not). In float32, the sinks' precision."""
     kv_len = first + k.shape[1]
     queries = torch.arange(kv_len - q.shape[1], kv_len, device=q.device)[:, None]
     keys = torch.arange(first, kv_len, device=q.device)[None, :]
     allowed = keys <= queries
     if window is not None:
         allowed &= keys > queries - window
+    if chunk is not None:
+        allowed &= keys >= queries // chunk * chunk
     q32, k32, v32 = q.float(), k.float(), v.float()
     if softcap is not None:
         if sinks is not None:
@@ -324,18 +337,21 @@ def cached_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, first
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, first_blocks=None,
                           scales: KvScales = UNIT_SCALES, sinks: torch.Tensor | None = None,
-                          sliding_window: int | None = None, softcap: float | None = None):
+                          sliding_window: int | None = None, softcap: float | None = None,
+                          attention_chunk: int | None = None):
     """Reference paged attention: q [T, Hq, D] flattened over sequences -> [T, Hq, D]. The cache may be
     wider than q (float32 on the CPU): decode attends in float32 anyway, prefill in q's dtype (float32
-    with sinks or a window). An fp8 cache holds K / scales.k and V / scales.v (KvScales)."""
+    with sinks, a window or chunks). An fp8 cache holds K / scales.k and V / scales.v (KvScales).
+    attention_chunk C: the query at position p sees only keys (p // C) * C <= j <= p (None: no chunks)."""
     if scales != UNIT_SCALES:
         out = paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale * scales.k,
-                                    first_blocks, sinks=sinks, sliding_window=sliding_window, softcap=softcap)
+                                    first_blocks, sinks=sinks, sliding_window=sliding_window, softcap=softcap,
+                                    attention_chunk=attention_chunk)
         return _scaled_output(out, scales)
     firsts = first_blocks or [-1] * len(q_lens)
-    if sinks is not None or sliding_window is not None or softcap is not None:
+    if sinks is not None or sliding_window is not None or softcap is not None or attention_chunk is not None:
         return _paged_windowed_attention(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, firsts,
-                                         sinks, sliding_window, softcap)
+                                         sinks, sliding_window, softcap, attention_chunk)
     if len(q_lens) == 1 and q_lens[0] == 1:  # one sequence's decode step (the CPU's usual case): no copy-out
         k_1 = cached_kv(k_cache, block_tables[0], kv_lens[0], firsts[0])
         v_1 = cached_kv(v_cache, block_tables[0], kv_lens[0], firsts[0])
@@ -362,17 +378,17 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, q_lens, kv_lens, sc
 
 
 def _paged_windowed_attention(q, k_cache, v_cache, block_tables, q_lens, kv_lens, scale, firsts, sinks, window,
-                              softcap=None):
-    """paged_attention_torch with sinks, a sliding window and / or a soft cap: each sequence reads only the cached
-    rows from its first query's window on."""
+                              softcap=None, chunk=None):
+    """paged_attention_torch with sinks, a sliding window, chunks and / or a soft cap: each sequence reads only
+    the cached rows from its first query's window (or chunk) on."""
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-        first = _window_start(kv_len, q_len, window)
+        first = _window_start(kv_len, q_len, window, chunk)
         k_i = cached_kv(k_cache, block_tables[i], kv_len, firsts[i], first).unsqueeze(0)
         v_i = cached_kv(v_cache, block_tables[i], kv_len, firsts[i], first).unsqueeze(0)
         q_i = q[start:start + q_len].unsqueeze(0)
         out[start:start + q_len] = _windowed_attention(q_i, k_i, v_i, first, scale, sinks, window,
-                                                       softcap).squeeze(0)
+                                                       softcap, chunk).squeeze(0)
         start += q_len
     return out

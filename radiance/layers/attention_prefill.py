@@ -7,7 +7,8 @@
   prefill). One program per (q tile, sequence, q head); the cache tiles wholly below the q tile's first
   query run without the causal mask, only the diagonal ones mask (1.2x at 4k-8k tokens on the H200).
   gpt-oss's sinks fold into the final normalization; a sliding window masks every tile and skips those
-  wholly below it.
+  wholly below it; Llama 4's attention chunks skip the tiles below the chunk of the q tile's first query and
+  mask only the tiles below the chunk start of its last query (a q tile across chunks) and the diagonal ones.
 The decode kernels and the helpers both share are attention_triton.py's; the torch references are
 `radiance.layers.attention.paged_attention_torch` / `store_kv_cache_torch`.
 """
@@ -24,7 +25,8 @@ from radiance.kernels._triton.rotary import to_cache
 from radiance.kernels.device_info import large_shared_memory
 from radiance.layers.attention import UNIT_SCALES, KvScales
 from radiance.layers.attention_merge import LOG2E, sinks_argument
-from radiance.layers.attention_triton import _dots_in_fp16, _precision, _window, soft_capped, softcap_argument
+from radiance.layers.attention_triton import (_chunk, _dots_in_fp16, _precision, _window, soft_capped,
+                                              softcap_argument)
 
 _LOG2E = LOG2E.value
 
@@ -94,10 +96,10 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 def _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, stop, kv_len, q_pos,
                    stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
-                   WINDOW: tl.constexpr, softcap, SOFTCAP: tl.constexpr):
+                   WINDOW: tl.constexpr, softcap, SOFTCAP: tl.constexpr, CHUNK: tl.constexpr = 0):
     """Online softmax of the q tile over cache rows [start, stop) of sequence b, BLOCK_N rows a step. MASKED:
-    causal (and WINDOW) masks per row; otherwise every row sees every key (rows below the tile's first query).
-    SOFTCAP: the scores soft-capped at `softcap` (base-2 units) first."""
+    causal (and WINDOW, CHUNK) masks per row; otherwise every row sees every key (keys that every row of the
+    tile sees). SOFTCAP: the scores soft-capped at `softcap` (base-2 units) first."""
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_len
@@ -112,10 +114,12 @@ def _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, start, st
             allowed = (q_pos[:, None] >= offs_n[None, :]) & mask_n[None, :]
             if WINDOW > 0:
                 allowed &= q_pos[:, None] - offs_n[None, :] < WINDOW
+            if CHUNK > 0:  # keys from the start of the query's chunk
+                allowed &= offs_n[None, :] >= (q_pos // CHUNK * CHUNK)[:, None]
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = m_new
-        if WINDOW > 0:  # a row whose window starts past this tile has no key yet (m -inf): adds nothing
+        if MASKED and (WINDOW > 0 or CHUNK > 0):  # a row whose window / chunk starts past this tile: no key yet
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
@@ -132,9 +136,10 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     DOTS_FP16: tl.constexpr = False, HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
-                    softcap=0.0, SOFTCAP: tl.constexpr = False):
-    """WINDOW > 0: a sliding window of that many tokens (0: full causal). HAS_SINKS: the per-head logit
-    SINKS[h] joins each row's denominator. SOFTCAP: the scores soft-capped at `softcap` (Gemma 2)."""
+                    softcap=0.0, SOFTCAP: tl.constexpr = False, CHUNK: tl.constexpr = 0):
+    """WINDOW > 0: a sliding window of that many tokens (0: full causal). CHUNK > 0: each query sees the keys
+    of its chunk of CHUNK tokens up to itself (Llama 4; 0: none). HAS_SINKS: the per-head logit SINKS[h] joins
+    each row's denominator. SOFTCAP: the scores soft-capped at `softcap` (Gemma 2)."""
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -158,10 +163,29 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
         q_pos = before + offs_m
         end = tl.minimum(kv_len, before + (m_block + 1) * BLOCK_M)
         if WINDOW > 0:  # skip the tiles below the window of the tile's first query; mask every tile
-            lo = tl.maximum(before + m_block * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-            m_i, l_i, acc = _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, lo, end, kv_len,
+            lo = tl.maximum(before + m_block * BLOCK_M - WINDOW + 1, 0)
+            if CHUNK > 0:  # (both: the keys inside the two)
+                lo = tl.maximum(lo, (before + m_block * BLOCK_M) // CHUNK * CHUNK)
+            m_i, l_i, acc = _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, lo // BLOCK_N * BLOCK_N,
+                                           end, kv_len, q_pos, stride_tb, stride_cb, stride_cs, stride_ch, offs_d,
+                                           mask_d, PAGE, BLOCK_N, PRECISION, True, WINDOW, softcap, SOFTCAP, CHUNK)
+        elif CHUNK > 0:
+            # skip the tiles below the chunk of the tile's first query; the keys from the chunk start of its last
+            # real query (end - 1) up to its first query are seen by every row: unmasked there (whole tiles), as
+            # below. Masked: what lies under that chunk start (rows of an earlier chunk) and the diagonal
+            first_q = before + m_block * BLOCK_M
+            lo = first_q // CHUNK * CHUNK // BLOCK_N * BLOCK_N
+            full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+            full_lo = tl.minimum(tl.cdiv((end - 1) // CHUNK * CHUNK, BLOCK_N) * BLOCK_N, full_end)
+            m_i, l_i, acc = _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, lo, full_lo, kv_len,
                                            q_pos, stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
-                                           PAGE, BLOCK_N, PRECISION, True, WINDOW, softcap, SOFTCAP)
+                                           PAGE, BLOCK_N, PRECISION, True, WINDOW, softcap, SOFTCAP, CHUNK)
+            m_i, l_i, acc = _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, full_lo, full_end,
+                                           kv_len, q_pos, stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
+                                           PAGE, BLOCK_N, PRECISION, False, WINDOW, softcap, SOFTCAP, CHUNK)
+            m_i, l_i, acc = _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, full_end, end,
+                                           kv_len, q_pos, stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
+                                           PAGE, BLOCK_N, PRECISION, True, WINDOW, softcap, SOFTCAP, CHUNK)
         else:
             # keys up to the tile's first query position are seen by every row: no causal mask there (the
             # compare-and-select costs the softmax's ALU on every tile otherwise); only the diagonal masks
@@ -172,7 +196,7 @@ def _prefill_kernel(Q, KC, VC, O, tables, context_lens, cu_q, qk_scale, v_scale,
             m_i, l_i, acc = _prefill_tiles(q, m_i, l_i, acc, KC, VC, tables, qk_scale, b, kvh, full_end, end,
                                            kv_len, q_pos, stride_tb, stride_cb, stride_cs, stride_ch, offs_d, mask_d,
                                            PAGE, BLOCK_N, PRECISION, True, WINDOW, softcap, SOFTCAP)
-        if WINDOW > 0:  # a padding row past q_len may have seen no key (0 / 0; never stored)
+        if WINDOW > 0 or CHUNK > 0:  # a padding row past q_len may have seen no key (0 / 0; never stored)
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
         if HAS_SINKS:  # the sink's share of the denominator, in the scores' base-2 units (no value)
             l_i += tl.exp2(tl.load(SINKS + h) * LOG2E - m_i)
@@ -186,10 +210,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             scale: float, kv_scales: KvScales = UNIT_SCALES, max_kv_len: int | None = None,
                             tiling: PrefillTiling | None = None, sinks: torch.Tensor | None = None,
                             sliding_window: int | None = None, out: torch.Tensor | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] (sequences back to back) -> [T, Hq, D] (an fp8 cache read back times `kv_scales`).
     max_kv_len: the longest context (host side; None = the kernel's default tiling for short ones).
-    sinks: fp32 [Hq] logits in each row's denominator; sliding_window: tokens each query sees (None: all).
+    sinks: fp32 [Hq] logits in each row's denominator; sliding_window: tokens each query sees (None: all);
+    attention_chunk C: the query at position p sees keys (p // C) * C <= j <= p only (Llama 4; None: no chunks).
     out: where to write the result (like q; rows past cu_seqlens_q[-1] are left as they are); softcap: the logits'
     soft cap (Gemma 2), None for none."""
     tokens, heads, dim = q.shape
@@ -198,6 +223,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     dots_fp16 = _dots_in_fp16(q, k_cache)
     tiling = tiling or prefill_tiling(dim, max_q_len, max_kv_len or 0, dots_fp16, large_shared_memory(q.device))
     grid = (triton.cdiv(max_q_len, tiling.block_m), block_tables.shape[0], heads)
+    # no shortcut to the causal kernel where max_kv_len fits in a chunk: a prefill graph captured at a short
+    # context replays for longer ones (step_graphs.PrefillGraphs), so the chunk mask must be compiled in
+    chunk = _chunk(attention_chunk)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale * kv_scales.k * _LOG2E,
         kv_scales.v, sinks_argument(sinks, heads, q),
@@ -206,6 +234,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, HEAD_DIM=dim, D_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1],
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, PRECISION=_precision(q),
         DOTS_FP16=dots_fp16, HAS_SINKS=sinks is not None, WINDOW=_window(sliding_window),
-        softcap=softcap_argument(softcap), SOFTCAP=softcap is not None, num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages)
+        softcap=softcap_argument(softcap), SOFTCAP=softcap is not None, CHUNK=chunk,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return out

@@ -18,7 +18,7 @@ and the helpers it shares with the prefill kernel (attention_prefill.py: `store_
   RotaryEmbedding.rotate_and_store does at prefill), so a decode layer's attention is two launches.
 - gpt-oss's options (constexpr switches, off by default): attention sinks, a per-head logit in each
   row's denominator, fold into the decode merge; a sliding window narrows the decode splits to the new
-  token's window.
+  token's window, and Llama 4's chunked attention to the new token's chunk.
 The torch references are `radiance.layers.attention.paged_attention_torch` / `store_kv_cache_torch`.
 """
 
@@ -152,6 +152,15 @@ def _window(sliding_window: int | None) -> int:
     return sliding_window
 
 
+def _chunk(attention_chunk: int | None) -> int:
+    """The kernels' CHUNK constant: the attention chunk in tokens, 0 for none."""
+    if attention_chunk is None:
+        return 0
+    if attention_chunk < 1:
+        raise ValueError(f"attention_chunk must be at least 1 token, got {attention_chunk}")
+    return attention_chunk
+
+
 def softcap_argument(softcap: float | None) -> float:
     """The kernels' soft cap in their scores' base-2 units (0: none): Gemma 2's cap * tanh(logit / cap) is, on
     logits times log2(e), cap' * tanh(s / cap') with cap' = cap * log2(e)."""
@@ -209,10 +218,11 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
                          DOTS_FP16: tl.constexpr = False, LONG_BLOCK_N: tl.constexpr = 0,
                          LONG_FROM: tl.constexpr = 0, STAGES: tl.constexpr = 2, LONG_STAGES: tl.constexpr = 2,
                          V_WORDS: tl.constexpr = False, ASM: tl.constexpr = False, WINDOW: tl.constexpr = 0,
-                         softcap=0.0, SOFTCAP: tl.constexpr = False):
+                         softcap=0.0, SOFTCAP: tl.constexpr = False, CHUNK: tl.constexpr = 0):
     """With ROTARY, Q is unrotated and the new token's unrotated k and its v (KN, VN [B, Hkv, D]) are
     not in the cache yet: this launch does what rotary_kernel with STORE_KV would have done first.
     WINDOW > 0: the splits share only the window's last WINDOW tokens (the new one's keys), 0: all.
+    CHUNK > 0: only the new token's chunk of CHUNK tokens, from ((kv_len - 1) // CHUNK) * CHUNK.
     SOFTCAP: the scores soft-capped at `softcap` (Gemma 2; softcap_argument)."""
     pdl_handoff(PDL)
     b = tl.program_id(0)
@@ -222,6 +232,8 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
     first = 0
     if WINDOW > 0:
         first = tl.maximum(kv_len - WINDOW, 0)
+    if CHUNK > 0:  # (a padding row's kv_len is 0: clamped, not divided below zero)
+        first = tl.maximum(first, tl.maximum(kv_len - 1, 0) // CHUNK * CHUNK)
     share = tl.cdiv(kv_len - first, SPLITS)
     step = BLOCK_N
     if LONG_BLOCK_N > 0 and share >= LONG_FROM:
@@ -277,7 +289,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float, num_splits: int, quantize: bool = False,
                            rotary: tuple | None = None, tiling: DecodeTiling | None = None,
                            kv_scales: KvScales = UNIT_SCALES, sinks: torch.Tensor | None = None,
-                           sliding_window: int | None = None, softcap: float | None = None):
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           attention_chunk: int | None = None):
     """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]; with `quantize`, (x_q e4m3 [B, Hq * D],
     x_scale fp32 [B, 1]) for a W4A8 linear instead, the bytes of quantize_activations of that output,
     from the merge launch (attention_merge: the barrier kernel while merge_quant_serves, else the per-row
@@ -288,8 +301,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q is unrotated and the cache lacks the new tokens; the split kernel rotates q, and stores the
     rotated k and the v, as RotaryEmbedding.rotate_and_store would (one launch fewer).
     An fp8 cache holds K and V against `kv_scales` (stored divided, read back times them).
-    sliding_window: the splits read only the new token's window (None: the whole context); sinks: fp32
-    [Hq] logits, added to each row's denominator by the merge; softcap: the logits' soft cap (Gemma 2)."""
+    sliding_window: the splits read only the new token's window (None: the whole context); attention_chunk:
+    only its chunk (Llama 4; None: no chunks); sinks: fp32 [Hq] logits, added to each row's denominator by the
+    merge; softcap: the logits' soft cap (Gemma 2)."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -320,7 +334,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         LONG_BLOCK_N=tiling.long_block_n, LONG_FROM=tiling.long_from, STAGES=tiling.num_stages,
         LONG_STAGES=tiling.long_stages or tiling.num_stages, V_WORDS=v_words, ASM=q.is_cuda,
         WINDOW=_window(sliding_window), softcap=softcap_argument(softcap), SOFTCAP=softcap is not None,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+        CHUNK=_chunk(attention_chunk), num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     if not quantize:
         return merge_splits(acc, lse, q.dtype, pdl, sinks=sinks)
     if merge_quant_serves(q):

@@ -129,13 +129,13 @@ def _same_fp8(a: tuple, b: tuple) -> bool:
 def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                        splits: tuple[int, ...], big: bool = False, page: int = 16, seed: int = 0,
                        kv_dtype: torch.dtype | None = None, tiling=None, scales=None, sinks=None,
-                       window: int | None = None) -> dict:
+                       window: int | None = None, chunk: int | None = None) -> dict:
     """paged_decode_attention(rotary=...) (rotary and KV store inside the split kernel) against
     RotaryEmbedding.rotate_and_store + paged_decode_attention (the unfused launches) and against the
     torch reference (_rotate + store_kv_cache_torch + paged_attention_torch). Shuffled multi-page
     tables; contexts of 1 token, on a BLOCK_N boundary and just past it; a padding row (slot -1)
     whose context covers another sequence's blocks; q, k, v strided views of one qkv row. `sinks` and
-    `window` (gpt-oss) go to every path."""
+    `window` (gpt-oss), and Llama 4's attention `chunk`, go to every path."""
     from radiance.layers import attention_triton as at
     from radiance.layers.attention import UNIT_SCALES, paged_attention_torch, store_kv_cache_torch, to_cache_dtype
     from radiance.layers.rotary import RotaryEmbedding, _rotate
@@ -171,18 +171,19 @@ def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
     store_kv_cache_torch(_rotate(k, cos, sin), v, ref_k, ref_v, slot_mapping, scales=scales)
     ref = paged_attention_torch(_rotate(q, cos, sin).float()[real], ref_k.float(), ref_v.float(), block_tables,
                                 [1] * (batch - 1), contexts[:-1], scale, scales=scales, sinks=sinks,
-                                sliding_window=window)
+                                sliding_window=window, attention_chunk=chunk)
     unf_k, unf_v = k0.clone(), v0.clone()  # the unfused launches
     q_rot = rope.rotate_and_store(positions, q, k, v, unf_k, unf_v, slot_mapping, scales)
     errors = {"cache_vs_torch": ((unf_k.float() - ref_k.float()).norm() / ref_k.float().norm()).item(),
               "cache_differs": 0.0, "out_differs": 0.0, "out_vs_unfused": 0.0, "out_vs_torch": 0.0}
     for n in splits:
         unfused = at.paged_decode_attention(q_rot, unf_k, unf_v, block_tables, context_lens, scale, n, tiling=tiling,
-                                            kv_scales=scales, sinks=sinks, sliding_window=window)
+                                            kv_scales=scales, sinks=sinks, sliding_window=window,
+                                            attention_chunk=chunk)
         k_cache, v_cache = k0.clone(), v0.clone()
         out = at.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, n,
                                         rotary=(rope.cos, rope.sin, positions, k, v, slot_mapping), tiling=tiling,
-                                        kv_scales=scales, sinks=sinks, sliding_window=window)
+                                        kv_scales=scales, sinks=sinks, sliding_window=window, attention_chunk=chunk)
         errors["cache_differs"] += float(not (_same_bytes(k_cache, unf_k) and _same_bytes(v_cache, unf_v)))
         errors["out_differs"] += float(not _same_bytes(out[real], unfused[real]))
         diff = ((out[real].float() - unfused[real].float()).norm() / unfused[real].float().norm()).item()
