@@ -107,6 +107,19 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 201088,
         "initializer_range": 0.02,
     },
+    "llama-4-scout-17b-16e": {  # the text_config of meta-llama/Llama-4-Scout-17B-16E-Instruct, as a text model
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
+        "attention_bias": False, "hidden_act": "silu", "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
+        "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+        "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "use_qk_norm": True,
+        "no_rope_layers": [], "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192,
+        "attn_scale": 0.1, "max_position_embeddings": 10485760, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 202048,
+        "initializer_range": 0.02,
+    },
 }
 
 WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4")
@@ -192,7 +205,8 @@ class SyntheticCheckpoint(Checkpoint):
         if gpt_oss:
             entries += [(pre + "self_attn.o_proj.bias", (d["hidden"],), None),
                         (pre + "self_attn.sinks", (self.config["num_attention_heads"],), None)]
-        moe = MoeConfig.from_hf(self.config, "synthetic", self.config["num_hidden_layers"])
+        architecture = (self.config.get("architectures") or ["synthetic"])[0]
+        moe = MoeConfig.from_hf(self.config, architecture, self.config["num_hidden_layers"])
         if moe is not None and i in moe.layers:
             router = pre + ("mlp.router" if gpt_oss else "mlp.gate")
             entries.append((router + ".weight", (moe.num_experts, d["hidden"]), None))
@@ -203,8 +217,12 @@ class SyntheticCheckpoint(Checkpoint):
                 if moe.expert_bias:
                     expert += [(name + ".bias", shape[:1], None) for name, shape, _ in expert]
                 entries += expert
+            if moe.shared_expert_size:
+                entries += self._mlp_entries(pre + "mlp.shared_expert.", d["hidden"], moe.shared_expert_size)
+                if moe.shared_expert_gated:
+                    entries.append((pre + "mlp.shared_expert_gate.weight", (1, d["hidden"]), None))
         else:
-            entries += self._mlp_entries(pre + "mlp.", d["hidden"], d["inter"])
+            entries += self._mlp_entries(pre + "mlp.", d["hidden"], self.config.get("intermediate_size_mlp", d["inter"]))
         return entries
 
     @staticmethod

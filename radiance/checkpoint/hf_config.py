@@ -81,14 +81,35 @@ def mixtral_tensor(name: str) -> str:
     return f"{name[:match.start()]}.mlp.{part}{name[match.end():]}"
 
 
+# Llama 4's MLP (dense or sparse) as the other models name it: `feed_forward` is `mlp`, its router the sparse MLP's gate
+_LLAMA4_MLP = re.compile(r"\.feed_forward\.(router\.)?")
+
+
+def llama4_tensor(name: str) -> str:
+    """A Llama 4 checkpoint's tensor name in the naming radiance's decoder and sparse MLP read (others unchanged)."""
+    match = _LLAMA4_MLP.search(name)
+    if match is None:
+        return name
+    return f"{name[:match.start()]}.mlp.{'gate.' if match.group(1) else ''}{name[match.end():]}"
+
+
 def tensor_renames(config: dict, text_only: bool):
     """The stored -> served tensor names of a checkpoint (SafetensorsIndex's rename), or None: a vision-language
-    checkpoint's language model, Mixtral's sparse MLPs."""
+    checkpoint's language model, Mixtral's and Llama 4's MLPs."""
+    names = config.get("architectures") or []
+    if "Llama4ForCausalLM" in names or config.get("model_type") in ("llama4", "llama4_text"):
+        if text_only:
+            return lambda name: _renamed(language_model_tensor(name), llama4_tensor)
+        return llama4_tensor
     if text_only:
         return language_model_tensor
-    if "MixtralForCausalLM" in (config.get("architectures") or []) or config.get("model_type") == "mixtral":
+    if "MixtralForCausalLM" in names or config.get("model_type") == "mixtral":
         return mixtral_tensor
     return None
+
+
+def _renamed(name: str | None, rename) -> str | None:
+    return None if name is None else rename(name)
 
 
 def language_model_tensor(name: str) -> str | None:
@@ -167,6 +188,9 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
     if not (hidden and heads and hd and inter):
         return {}
     kv_heads = head_counts(config, heads)[0]
+    expert = config.get("moe_intermediate_size")
+    if config.get("intermediate_size_mlp"):  # Llama 4: the dense MLPs' size; intermediate_size is the experts'
+        inter, expert = config["intermediate_size_mlp"], inter
     if heads % kv_heads:
         return {}  # heads that cannot split: the model registry names the config error, not a shape
     q, kv = heads * hd, kv_heads * hd
@@ -177,7 +201,6 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
     }
     if config.get("vocab_size"):  # without it the model config names the missing key (not an [0, K] shape)
         shapes["lm_head"] = (config["vocab_size"], hidden)
-    expert = config.get("moe_intermediate_size")
     if expert:  # a sparse MLP's experts, keyed "experts.<leaf>" (hf_reader.HfCheckpoint._expected)
         shapes.update({"experts.gate_proj": (expert, hidden), "experts.up_proj": (expert, hidden),
                        "experts.down_proj": (hidden, expert)})

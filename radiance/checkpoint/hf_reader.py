@@ -292,7 +292,8 @@ class HfCheckpoint(Checkpoint):
                 experts = [f"{p}.mlp.experts.{e}" for e in range(moe.num_experts)]
                 if moe.shared_expert_size:
                     experts.append(f"{p}.mlp.shared_expert")
-                    needed.append(f"{p}.mlp.shared_expert_gate.weight")
+                    if moe.shared_expert_gated:
+                        needed.append(f"{p}.mlp.shared_expert_gate.weight")
                 for expert in experts:
                     needed += [f"{expert}.gate_up_proj", f"{expert}.down_proj"]
             else:
@@ -355,16 +356,19 @@ class HfCheckpoint(Checkpoint):
         out = []
         for proj in ("gate_up_proj", "down_proj"):
             metas = [self.index.meta[n] for n in group.tensor_names() if f".{proj}" in n and not n.endswith("_bias")]
-            bias = self.index.meta[f"{group.prefix}.{proj}_bias"]
-            rows = bias.shape[1]
-            k = metas[0].shape[2] * metas[0].shape[3] * 2 if group.format == "mxfp4" else metas[0].shape[1]
+            if group.format == "mxfp4":
+                rows, k = metas[0].shape[1], metas[0].shape[2] * metas[0].shape[3] * 2
+            else:  # stored input-major
+                k, rows = metas[0].shape[1], metas[0].shape[2]
             parts = (rows // 2, rows // 2) if proj == "gate_up_proj" else (rows,)
+            bias = self.index.meta[f"{group.prefix}.{proj}_bias"] if group.biased else None
             for e in range(group.num_experts):
                 name = f"{group.prefix}.{e}.{proj}"
                 out.append(EntryInfo(name, True, group.format, (rows, k), parts,
                                      sum(m.nbytes for m in metas) // group.num_experts))
-                out.append(EntryInfo(f"{name}.bias", False, str(bias.dtype).replace("torch.", ""), (rows,), (),
-                                     bias.nbytes // group.num_experts))
+                if bias is not None:
+                    out.append(EntryInfo(f"{name}.bias", False, str(bias.dtype).replace("torch.", ""), (rows,), (),
+                                         bias.nbytes // group.num_experts))
         return out
 
     def _stored_shape(self, module: str) -> tuple[int, int]:

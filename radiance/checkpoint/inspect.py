@@ -75,8 +75,9 @@ def _layer_list(layers: list[int]) -> str:
 
 
 def _attention_line(config: dict) -> str | None:
-    """Which layers attend through a sliding window, as the model will serve them (transformers' rules:
-    Qwen's use_sliding_window / max_window_layers, gpt-oss's layer_types or their alternating default);
+    """Which layers attend through a sliding window (or within chunks: Llama 4), as the model will serve them
+    (transformers' rules: Qwen's use_sliding_window / max_window_layers, gpt-oss's layer_types or their alternating
+    default);
     None for a config the model registry refuses (the servable line says why)."""
     from radiance.errors import ConfigError
     from radiance.models.registry import resolve_architecture
@@ -86,6 +87,11 @@ def _attention_line(config: dict) -> str | None:
         cfg = resolve_architecture(config)[1]
     except ConfigError:  # e.g. Phi-3: what config.json says, for the servable line's refusal to explain
         return f"config.json gives a sliding window of {declared} tokens" if declared else None
+    if cfg.chunked_layers:  # Llama 4 (no sliding windows)
+        chunked = sorted(cfg.chunked_layers)
+        rest = "full causal on the others" if len(chunked) < cfg.num_layers else "no full-attention layer"
+        return (f"chunks of {cfg.attention_chunk} tokens on layers {_layer_list(chunked)} ({len(chunked)} of "
+                f"{cfg.num_layers}), {rest}")
     layers = sorted(cfg.sliding_layers)
     caps = "".join(f", {what} logits soft-capped at {cap:g}" for what, cap in
                    (("attention", cfg.attn_softcap), ("output", cfg.final_softcap)) if cap is not None)

@@ -1,4 +1,4 @@
-"""Experts stored stacked, one tensor per layer for all E experts (gpt-oss), as radiance's per-expert linears.
+"""Experts stored stacked, one tensor per layer for all E experts (gpt-oss, Llama 4), as radiance's per-expert linears.
 
 gpt-oss checkpoints keep each sparse MLP's experts under `<layer>.mlp.experts` as
   - MXFP4 (the published checkpoints): `gate_up_proj_blocks` uint8 [E, 2I, K/32, 16] (32 e2m1 codes per
@@ -10,6 +10,9 @@ The rows of gate_up alternate gate and up (gate = rows 0, 2, 4, ..., up = rows 1
 linear is [gate | up], so they are regrouped here. MXFP4 rows are independent (scales run along K), so the
 regrouping is lossless. Each expert becomes `<layer>.mlp.experts.<e>.gate_up_proj` / `.down_proj` (a Weight)
 and `....gate_up_proj.bias` / `....down_proj.bias` (tensors), the names a per-expert checkpoint would use.
+
+Llama 4's 16-bit checkpoints stack theirs the same way (`feed_forward.experts`, read as `mlp.experts`), input-major,
+without biases, and with gate_up as [gate | up] halves already (transformers' Llama4TextExperts chunks it in two).
 """
 
 from __future__ import annotations
@@ -37,10 +40,13 @@ class StackedExperts:
     prefix: str
     format: str  # "mxfp4" | "dense"
     num_experts: int
+    interleaved: bool = True  # gate_up's rows alternate gate and up (gpt-oss); else [gate | up] (Llama 4)
+    biased: bool = True  # both projections have stacked biases (gpt-oss)
 
     def tensor_names(self) -> list[str]:
         suffixes = ("_blocks", "_scales") if self.format == "mxfp4" else ("",)
-        return [f"{self.prefix}.{p}{s}" for p in PROJECTIONS for s in suffixes + ("_bias",)]
+        suffixes += ("_bias",) if self.biased else ()
+        return [f"{self.prefix}.{p}{s}" for p in PROJECTIONS for s in suffixes]
 
     def linear_names(self) -> list[str]:
         return [f"{self.prefix}.{e}.{p}" for e in range(self.num_experts) for p in PROJECTIONS]
@@ -57,7 +63,8 @@ def find_stacked_experts(index: SafetensorsIndex, config: dict) -> dict[str, Sta
     for prefix, leaves in found.items():
         fmt = "mxfp4" if any(leaf.endswith("_blocks") for leaf in leaves) else "dense"
         experts = config.get("num_local_experts") or config.get("num_experts") or 0
-        group = StackedExperts(prefix, fmt, int(experts))
+        llama4 = config.get("model_type") in ("llama4", "llama4_text")
+        group = StackedExperts(prefix, fmt, int(experts), interleaved=not llama4, biased=not llama4)
         for name in group.tensor_names():
             if name not in index.meta:
                 raise CheckpointError("tensor missing from the checkpoint", file=index.model_dir, tensor=name)
@@ -69,7 +76,7 @@ def find_stacked_experts(index: SafetensorsIndex, config: dict) -> dict[str, Sta
 def _expected_shapes(group: StackedExperts, config: dict) -> dict[str, tuple[int, ...]]:
     e, hidden, inter = group.num_experts, config.get("hidden_size"), config.get("intermediate_size")
     p = group.prefix
-    shapes = {f"{p}.gate_up_proj_bias": (e, 2 * inter), f"{p}.down_proj_bias": (e, hidden)}
+    shapes = {f"{p}.gate_up_proj_bias": (e, 2 * inter), f"{p}.down_proj_bias": (e, hidden)} if group.biased else {}
     if group.format == "mxfp4":
         shapes.update({
             f"{p}.gate_up_proj_blocks": (e, 2 * inter, hidden // MX_BLOCK, MX_BLOCK // 2),
@@ -109,7 +116,8 @@ def gate_up_rows(t: torch.Tensor) -> torch.Tensor:
 def read_stacked_experts(group: StackedExperts, index: SafetensorsIndex) -> Iterator[tuple[str, object]]:
     """(canonical name, Weight or bias tensor) for every expert of the group."""
     p = group.prefix
-    biases = {proj: index.get(f"{p}.{proj}_bias") for proj in PROJECTIONS}
+    biases = {proj: index.get(f"{p}.{proj}_bias") for proj in PROJECTIONS} if group.biased else None
+    regroup = gate_up_rows if group.interleaved else (lambda t: t)
     if group.format == "mxfp4":
         stored = {proj: (index.get(f"{p}.{proj}_blocks"), index.get(f"{p}.{proj}_scales")) for proj in PROJECTIONS}
         for proj in PROJECTIONS:
@@ -124,15 +132,16 @@ def read_stacked_experts(group: StackedExperts, index: SafetensorsIndex) -> Iter
                 rows = weight.shape[1]
                 packed, scale = weight[e].reshape(rows, -1), scales[e]
                 if proj == "gate_up_proj":
-                    packed, scale = gate_up_rows(packed), gate_up_rows(scale)
+                    packed, scale = regroup(packed), regroup(scale)
                 item = Mxfp4Weight(packed.contiguous(), scale.contiguous(), _partitions(proj, rows))
             else:
                 w = weight[e].t()  # stored input-major
-                item = DenseWeight((gate_up_rows(w) if proj == "gate_up_proj" else w).contiguous(),
+                item = DenseWeight((regroup(w) if proj == "gate_up_proj" else w).contiguous(),
                                    _partitions(proj, w.shape[0]))
             yield f"{p}.{e}.{proj}", item
-            bias = biases[proj][e]
-            yield f"{p}.{e}.{proj}.bias", gate_up_rows(bias) if proj == "gate_up_proj" else bias.clone()
+            if biases is not None:
+                bias = biases[proj][e]
+                yield f"{p}.{e}.{proj}.bias", regroup(bias) if proj == "gate_up_proj" else bias.clone()
 
 
 def _partitions(proj: str, rows: int) -> tuple[int, ...]:

@@ -11,7 +11,8 @@ from radiance.formats.mxfp4 import MX_BLOCK, RULES, dequantize_mxfp4, quantize_m
 from radiance.formats.nvfp4 import NV_BLOCK, dequantize_nvfp4, quantize_nvfp4
 from radiance.formats.requant import dense_to_mxfp4, dense_to_mxfp4_pair, nvfp4_to_mxfp4
 from radiance.formats.weights import (DenseWeight, Fp8Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, Weight,
-                                      concat_partitions, dequantize, nbytes, scaled, to_mxfp4, weight_to)
+                                      concat_partitions, dequantize, nbytes, rows_reordered, scaled, to_mxfp4,
+                                      weight_to)
 
 __all__ = [
     "E2M1_MAGNITUDES", "MX_BLOCK", "NV_BLOCK", "INT4_GROUP", "RULES",
@@ -20,5 +21,5 @@ __all__ = [
     "quantize_fp8_per_channel", "dequantize_fp8_per_channel", "dense_to_mxfp4", "dense_to_mxfp4_pair",
     "dequantize_int4",
     "DenseWeight", "Mxfp4Weight", "Nvfp4Weight", "Fp8Weight", "Int4Weight", "Weight",
-    "concat_partitions", "dequantize", "scaled", "to_mxfp4", "nbytes", "weight_to",
+    "concat_partitions", "dequantize", "rows_reordered", "scaled", "to_mxfp4", "nbytes", "weight_to",
 ]

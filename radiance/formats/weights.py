@@ -217,6 +217,27 @@ def scaled(weight: Weight, factor: float) -> Weight:
     raise ValueError(f"not a weight: {type(weight).__name__}")
 
 
+def rows_reordered(weight: Weight, order: torch.Tensor) -> Weight:
+    """The weight with its output rows in `order` (row i of the result is row order[i]), exactly in every format: its
+    codes and per-row scales move with the rows. Each partition's rows must stay within it (an NVFP4 partition's
+    global scale, a per-tensor FP8 scale apply to all of its rows)."""
+    n = weight.shape[0]
+    order = order.to(torch.long)
+    if sorted(order.tolist()) != list(range(n)):
+        raise ValueError(f"not a permutation of the weight's {n} rows")
+    start = 0
+    for size in weight.partition_sizes:
+        part = order[start:start + size]
+        if size and (int(part.min()) < start or int(part.max()) >= start + size):
+            raise ValueError("a row order must keep each partition's rows within it")
+        start += size
+    moved = {}
+    for key, tensor in weight.tensors().items():
+        per_row = tensor.dim() >= 1 and tensor.shape[0] == n and key != "global_scale"
+        moved[key] = tensor.index_select(0, order.to(tensor.device)) if per_row else tensor
+    return replace(weight, **moved)
+
+
 def dequantize(weight: Weight) -> torch.Tensor:
     """float32 [N, K] values of any weight."""
     if isinstance(weight, DenseWeight):

@@ -1,6 +1,7 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, gpt-oss): a router picks `top_k` of E GLU experts
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, gpt-oss, Llama 4): a router picks `top_k` of E GLU experts
 per token; Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate; gpt-oss biases
-the router and both expert linears and clamps its SwiGLU (MoeConfig.activation).
+the router and both expert linears and clamps its SwiGLU (MoeConfig.activation); Llama 4 routes each token to one
+expert whose input it scales by the sigmoid of that expert's logit, and adds an ungated shared expert.
 
 Each expert is a pair of ordinary linears (`experts.<e>.gate_up_proj`, `experts.<e>.down_proj`) that the
 loader installs like any other, so every checkpoint format reaches MXFP4 the usual way. When all of them
@@ -60,13 +61,15 @@ class SparseMoeBlock(nn.Module):
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.activation = moe.activation
+        self.scores_scale_input = moe.scores_scale_input  # Llama 4 (its routing weights are then all 1)
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)  # the router, kept in 16 bits
         self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size, moe.expert_bias, moe.activation)
                                      for _ in range(moe.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = Expert(hidden_size, moe.shared_expert_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.grouped = None  # (gate_up, down) PreparedExperts once finish_loading stacked them
         self.grouped_16bit = None  # (gate_up [E, 2I, H], down [E, H, I]) 16-bit weights, likewise
         self.stacked_bias = (None, None)  # (gate_up [E, 2I], down [E, H]) expert biases, stacked likewise
@@ -75,6 +78,13 @@ class SparseMoeBlock(nn.Module):
         """(weights fp32 [T, top_k], expert ids int64 [T, top_k]): softmax over the router logits in fp32,
         the top_k of it, renormalized to sum to 1 where the model asks for it."""
         return moe_routing.top_k_experts(self.gate(x), self.top_k, self.norm_topk_prob)
+
+    def input_scales(self, router_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Llama 4: what each token's input to its expert is multiplied by, [T] in `dtype` (the sigmoid of its top
+        logit, computed in fp32 and rounded as transformers' Llama4Router does); None for the other models."""
+        if not self.scores_scale_input:
+            return None
+        return torch.sigmoid(router_logits.max(dim=-1).values.float()).to(dtype)
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """self.gate(x), through the routing module's GEMV at decode sizes (moe_routing.router_logits)."""
@@ -100,17 +110,24 @@ class SparseMoeBlock(nn.Module):
         elif self.grouped_16bit is not None and x2.dtype == self.grouped_16bit[0].dtype:
             out = self._grouped_16bit_forward(x2, valid_rows)
         else:
-            out = self._looped_forward(x2, *self.route(x2))
+            logits = self.gate(x2)
+            weights, ids = moe_routing.top_k_experts(logits, self.top_k, self.norm_topk_prob)
+            out = self._looped_forward(x2, weights, ids, self.input_scales(logits, x2.dtype))
         if self.shared_expert is not None:  # in x's dtype, as the model computes it
-            out = out + torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
+            shared = self.shared_expert(x2)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x2)) * shared
+            out = out + shared
         return out.reshape(*lead, self.hidden_size)
 
-    def _looped_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each picked expert on its own tokens (one host sync for the expert list): CPU and fallbacks."""
+    def _looped_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Each picked expert on its own tokens (one host sync for the expert list): CPU and fallbacks. `scales`
+        [T]: the tokens' inputs are multiplied by them first (input_scales)."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():
             token, choice = torch.where(ids == e)
-            h = self.experts[e](x[token])
+            h = self.experts[e](x[token] if scales is None else x[token] * scales[token, None])
             out.index_add_(0, token, h.float() * weights[token, choice, None])
         return out.to(x.dtype)
 
@@ -119,12 +136,15 @@ class SparseMoeBlock(nn.Module):
         """W4A8 experts: routing in one launch at decode sizes, both expert GEMMs as grouped launches.
         `quantized`: x's (e4m3 codes, scales) where the norm made them, else quantized here."""
         x_q, x_scale = quantized if quantized is not None else quantize_activations(x)
+        logits = self._router_logits(x)
+        scales = self.input_scales(logits, x.dtype)
+        if scales is not None:  # one expert per token: its input scale joins the token's activation scale
+            x_scale = x_scale * scales.float().view(-1, 1)
         if moe_expanded.expand_serves(x, x.shape[0] * self.top_k, self.grouped[0]):
-            return self._grouped_expanded_forward(x, x_q, x_scale, valid_rows)
+            return self._grouped_expanded_forward(x, x_q, x_scale, logits, valid_rows)
         gate_up, down = self.grouped
         block_m = grouped_kernels.moe_block_m(x.shape[0] * self.top_k, self.num_experts)
-        weights, _, routing = moe_routing.route_tokens(self._router_logits(x), self.top_k, self.norm_topk_prob,
-                                                       block_m, valid_rows)
+        weights, _, routing = moe_routing.route_tokens(logits, self.top_k, self.norm_topk_prob, block_m, valid_rows)
         gate_up_bias, down_bias = self.stacked_bias
         y_q, y_scale = grouped_kernels.w4a8_moe_gemm(x_q, x_scale, gate_up, routing, rows_per_pair_source="token",
                                                      glu=True, out_dtype=x.dtype, bias=gate_up_bias,
@@ -134,13 +154,12 @@ class SparseMoeBlock(nn.Module):
         return moe_routing.combine_experts(h, weights, x.dtype, valid_rows=valid_rows)
 
     def _grouped_expanded_forward(self, x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor,
-                                  valid_rows: torch.Tensor | None) -> torch.Tensor:
+                                  logits: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
         """W4A8 experts with many tokens each (prefill): the pairs sorted by expert, both GEMMs on the experts
         expanded to fp8 (torch's fp8 grouped GEMM); the expert biases and the way back to pair order are
         left to the GLU and combine launches, which read the sorted rows in place."""
         gate_up, down = self.grouped
-        weights, ids, routing = moe_routing.route_tokens(self._router_logits(x), self.top_k, self.norm_topk_prob, 1,
-                                                         valid_rows)
+        weights, ids, routing = moe_routing.route_tokens(logits, self.top_k, self.norm_topk_prob, 1, valid_rows)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair (a padding row's: parked last)
         rows = order // self.top_k
         # fp8 rows gathered as bytes (index_select has no e4m3 kernel)
@@ -156,10 +175,13 @@ class SparseMoeBlock(nn.Module):
         """16-bit experts: the pairs sorted by expert (a routing without padding), two grouped GEMMs
         (torch._grouped_mm); biases and pair order as in _grouped_expanded_forward."""
         gate_up, down = self.grouped_16bit
-        weights, ids, routing = moe_routing.route_tokens(self._router_logits(x), self.top_k, self.norm_topk_prob, 1,
-                                                         valid_rows)
+        logits = self._router_logits(x)
+        weights, ids, routing = moe_routing.route_tokens(logits, self.top_k, self.norm_topk_prob, 1, valid_rows)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair (a padding row's: parked last)
         rows = x[order // self.top_k]
+        scales = self.input_scales(logits, x.dtype)
+        if scales is not None:
+            rows = rows * scales[order // self.top_k, None]
         gate_up_out = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=routing.group_ends)
         y = glu_mul(gate_up_out, self.activation, **self._gate_up_bias(routing, len(order)))
         h_sorted = torch._grouped_mm(y, down.transpose(1, 2), offs=routing.group_ends)

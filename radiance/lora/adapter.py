@@ -88,10 +88,11 @@ def _fetch_from_hub(hub, path: str) -> str:
 
 
 def load_adapter(request: LoRARequest, targets: dict[str, LoraTarget], max_rank: int,
-                 scale_b: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> LoraAdapter:
+                 scale_b: Callable[[str, int | None, torch.Tensor], torch.Tensor] | None = None) -> LoraAdapter:
     """Reads and checks `request`'s adapter against the model's `targets` (canonical linear name -> LoraTarget).
-    `scale_b(name, B)`: what the model folds into that linear's weight (Granite's residual multiplier), applied to
-    B too. LoraAdapterError (a ValueError) for anything that cannot be served."""
+    `scale_b(name, partition, B)`: what the model does to that linear's weight at load (Granite's residual
+    multiplier, Llama 4's q / k row order), done to B too (partition None: B of every partition, fused).
+    LoraAdapterError (a ValueError) for anything that cannot be served."""
     directory = resolve_adapter_dir(request.lora_path)
     config_file = os.path.join(directory, CONFIG_FILE)
     weights_file = os.path.join(directory, WEIGHTS_FILE)
@@ -130,7 +131,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoraTarget], max_rank:
         a = a.float()
         b = b.float() * scale
         if scale_b is not None:
-            b = scale_b(canonical, b)
+            b = scale_b(canonical, index, b)
         parts = weights.setdefault(canonical, [None] * len(target.partitions))
         if index is None:  # stored fused: one A for every partition, B split into them
             if any(part is not None for part in parts):

@@ -54,9 +54,17 @@ class LoraManager:
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         return load_adapter(request, self.targets, self.config.max_lora_rank, self._scale_b)
 
-    def _scale_b(self, name: str, b: torch.Tensor) -> torch.Tensor:
-        """What the model folds into this linear's weight at load (Granite's residual multiplier) folded into B."""
-        return self.model.checkpoint_linear(name, DenseWeight(b)).tensor.float()
+    def _scale_b(self, name: str, partition: int | None, b: torch.Tensor) -> torch.Tensor:
+        """What the model does to this linear's weight at load (Granite's residual multiplier, Llama 4's q / k row
+        order) done to B: one partition's B (or all of them, fused) placed in the merged linear's rows for it."""
+        sizes = self.targets[name].partitions
+        if partition is None:
+            return self.model.checkpoint_linear(name, DenseWeight(b, tuple(sizes))).tensor.float()
+        start = sum(sizes[:partition])
+        merged = b.new_zeros(sum(sizes), b.shape[1])
+        merged[start:start + sizes[partition]] = b
+        done = self.model.checkpoint_linear(name, DenseWeight(merged, tuple(sizes))).tensor.float()
+        return done[start:start + sizes[partition]]
 
     def add(self, request: LoRARequest, adapter: LoraAdapter | None = None) -> bool:
         """Registers (and loads, unless `adapter` is given) an adapter; False when its id is already registered."""

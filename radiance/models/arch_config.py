@@ -43,7 +43,14 @@ class ArchConfig:
     final_softcap: float | None = None  # Gemma 2: each output logit likewise
     mlp_activation: GluActivation = SILU  # the dense MLP's GLU (Gemma: GeGLU)
     rotary_dim: int | None = None  # Phi-4-mini: the leading dims of each head that rotate; None: all of them
-    nope_layers: frozenset[int] = frozenset()  # SmolLM3: layers that attend without rotary positions
+    nope_layers: frozenset[int] = frozenset()  # SmolLM3, Llama 4: layers that attend without rotary positions
+    # Llama 4: chunked local attention (a query sees the keys of its own chunk of this many tokens, up to itself) on
+    # these layers
+    attention_chunk: int | None = None
+    chunked_layers: frozenset[int] = frozenset()
+    # Llama 4's NoPE layers: each query times 1 + attn_scale * log(1 + floor((position + 1) / floor_scale)),
+    # as (floor_scale, attn_scale); None: queries as they are
+    query_temperature: tuple[float, float] | None = None
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.layers
@@ -51,6 +58,10 @@ class ArchConfig:
     def window_of(self, index: int) -> int | None:
         """The sliding window of decoder layer `index`, None for full attention."""
         return self.sliding_window if index in self.sliding_layers else None
+
+    def chunk_of(self, index: int) -> int | None:
+        """The attention chunk of decoder layer `index` (Llama 4), None for attention without chunks."""
+        return self.attention_chunk if index in self.chunked_layers else None
 
     @property
     def context_length(self) -> int:
@@ -97,12 +108,13 @@ class ArchConfig:
         flags = {"qkv_bias": bias, "o_bias": bias}
         if architecture not in _OWN_ACTIVATION:
             flags["mlp_activation"] = _hidden_act(config, moe is not None)
-        flags.update(overrides)
+        fields = dict(intermediate_size=need("intermediate_size"))
+        fields.update(flags)
+        fields.update(overrides)  # the architecture's own reading of a field wins (Llama 4's dense MLP size)
         return cls(
             architecture=architecture,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
             num_layers=need("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -115,7 +127,7 @@ class ArchConfig:
             tie_word_embeddings=bool(given(config, "tie_word_embeddings", defaults.tie_word_embeddings)),
             moe=moe,
             **_sliding_window(config, architecture, need("num_hidden_layers")),
-            **flags,
+            **fields,
         )
 
 
@@ -154,6 +166,8 @@ HF_DEFAULTS = {
     "Qwen3ForCausalLM": HfDefaults(32768, head_dim=128, num_key_value_heads=32),  # not hidden // heads
     "Qwen3MoeForCausalLM": HfDefaults(32768, num_key_value_heads=4),
     "SmolLM3ForCausalLM": HfDefaults(32768, rope_theta=2_000_000.0, num_key_value_heads=4, tie_word_embeddings=True),
+    "Llama4ForCausalLM": HfDefaults(131072, rms_norm_eps=1e-5, rope_theta=500000.0, head_dim=128,
+                                    num_key_value_heads=8),
     "GptOssForCausalLM": HfDefaults(131072, rms_norm_eps=1e-5, rope_theta=150000.0, head_dim=64,
                                     num_key_value_heads=8, attention_bias=True, rope_parameters=_GPT_OSS_ROPE),
 }
@@ -171,6 +185,7 @@ MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -365,6 +380,9 @@ class MoeConfig:
     router_bias: bool = False  # gpt-oss: the router linear has a bias
     expert_bias: bool = False  # gpt-oss: both expert linears have biases
     activation: GluActivation = SILU  # the experts' GLU (gpt-oss: clamped SwiGLU)
+    # Llama 4: the picked expert's sigmoid score scales its input (not its output), and the shared expert has no gate
+    scores_scale_input: bool = False
+    shared_expert_gated: bool = True
 
     @classmethod
     def from_hf(cls, config: dict, architecture: str, num_layers: int) -> "MoeConfig | None":
@@ -375,6 +393,8 @@ class MoeConfig:
             return cls._gpt_oss(config, int(experts), num_layers)
         if architecture == "MixtralForCausalLM":
             return cls._mixtral(config, int(experts), num_layers)
+        if architecture == "Llama4ForCausalLM":
+            return cls._llama4(config, int(experts), num_layers)
         for key in ("num_experts_per_tok", "moe_intermediate_size"):
             if not config.get(key):
                 raise ConfigError(f"config.json of a {architecture} model with {experts} experts lacks {key!r}")
@@ -398,6 +418,30 @@ class MoeConfig:
             raise ConfigError("config.json of a Mixtral model lacks 'intermediate_size'")
         return cls(experts, _top_k(config, experts), int(config["intermediate_size"]), True,
                    frozenset(range(num_layers)))
+
+    @classmethod
+    def _llama4(cls, config: dict, experts: int, num_layers: int) -> "MoeConfig":
+        """Llama 4 (transformers' Llama4TextMoe): the router's top logit through a sigmoid scales the token's input
+        to that expert, and an ungated shared expert of the experts' size runs on every token; the sparse layers are
+        `moe_layers`, else every `interleave_moe_layer_step`-th (Scout: all, Maverick: every second)."""
+        if not config.get("intermediate_size"):
+            raise ConfigError("config.json of a Llama 4 model lacks 'intermediate_size'")
+        top_k = _top_k(config, experts)
+        if top_k != 1:
+            # each of k experts would take its own scaled copy of the input; the published models route to one
+            raise ConfigError(f"num_experts_per_tok={top_k}: radiance serves Llama 4's router with one expert per "
+                              "token (num_experts_per_tok 1, as Scout and Maverick)")
+        layers = config.get("moe_layers")
+        if layers is None:
+            step = positive(config, "interleave_moe_layer_step", 1, integer=True)
+            layers = range(step - 1, num_layers, step)
+        elif not isinstance(layers, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in layers):
+            raise ConfigError(f"config.json field 'moe_layers' must list layer indices below {num_layers}, "
+                              f"got {layers!r}")
+        inter = int(config["intermediate_size"])
+        # renormalized, one expert's routing weight is exactly 1: the score is applied to the input instead
+        return cls(experts, 1, inter, True, frozenset(layers), shared_expert_size=inter, scores_scale_input=True,
+                   shared_expert_gated=False)
 
     @classmethod
     def _gpt_oss(cls, config: dict, experts: int, num_layers: int) -> "MoeConfig":

@@ -56,7 +56,8 @@ class LlamaAttention(nn.Module):
         self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32), requires_grad=False)
                       if cfg.attention_sinks else None)
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale=cfg.attention_scale,
-                              sliding_window=cfg.window_of(index), softcap=cfg.attn_softcap)
+                              sliding_window=cfg.window_of(index), softcap=cfg.attn_softcap,
+                              attention_chunk=cfg.chunk_of(index))
 
     def finish_loading(self) -> None:
         """Hand the q/k/v and o biases (Qwen2, gpt-oss) to their linears where those add a bias themselves:
@@ -73,6 +74,10 @@ class LlamaAttention(nn.Module):
         k [..., kv_size] as they leave the qkv projection."""
         return q, k, ((self.q_norm, self.k_norm) if self.q_norm is not None else None)
 
+    def scaled_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q as attention takes it, given each row's position: unchanged here (Llama 4 scales its NoPE layers')."""
+        return q
+
     def forward(self, positions, x, meta):
         cfg = self.cfg
         qkv = self.qkv_proj(x)
@@ -80,6 +85,7 @@ class LlamaAttention(nn.Module):
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         q, k, qk_norm = self.normed_qk(q, k)
+        q = self.scaled_queries(q, positions)
         lead = qkv.shape[:-1]
         q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
         k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
@@ -113,10 +119,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention
+
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, launch="attn_norm")
-        self.self_attn = LlamaAttention(cfg, rotary, index)
+        self.self_attn = self.attention_class(cfg, rotary, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, launch="mlp_norm")
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe) if cfg.is_moe_layer(index) else LlamaMLP(cfg)
 

@@ -12,6 +12,7 @@ from radiance.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.granite import GraniteForCausalLM
 from radiance.models.llama import LlamaForCausalLM
+from radiance.models.llama4 import Llama4ForCausalLM
 from radiance.models.mistral import MistralForCausalLM
 from radiance.models.mixtral import MixtralForCausalLM
 from radiance.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
@@ -28,6 +29,7 @@ MODEL_CLASSES = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,

@@ -33,6 +33,10 @@ TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num
                          num_key_value_heads=8, head_dim=64, vocab_size=201088, num_local_experts=32,
                          num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0, rope_theta=150000,
                          tie_word_embeddings=False)),
+    ("llama-4-scout-17b-16e", dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                                   num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                                   vocab_size=202048, num_local_experts=16, num_experts_per_tok=1,
+                                   attention_chunk_size=8192, rope_theta=500000.0, tie_word_embeddings=False)),
 ])
 def test_public_configs(name, expected):
     # values copied by hand from the models' published config.json files
@@ -68,6 +72,19 @@ def test_gpt_oss_layers_carry_biases_sinks_and_a_biased_router():
     assert weights["model.layers.0.mlp.experts.3.gate_up_proj"].shape == (192, 64)
     assert weights["model.layers.0.mlp.experts.3.gate_up_proj.bias"].shape == (192,)
     assert weights["model.layers.0.mlp.experts.3.down_proj.bias"].shape == (64,)
+
+
+def test_llama4_layers_carry_a_shared_expert_and_dense_mlps_of_their_own_size():
+    tiny = dict(TINY, intermediate_size=32, intermediate_size_mlp=48, num_local_experts=4, interleave_moe_layer_step=2)
+    ckpt = SyntheticCheckpoint("synthetic:llama-4-scout-17b-16e", device="cpu", dtype=torch.float32, overrides=tiny)
+    weights = dict(ckpt.iter_weights(progress=False))
+    assert weights["model.layers.0.mlp.gate_up_proj"].partition_sizes == (48, 48)  # dense: intermediate_size_mlp
+    assert weights["model.layers.1.mlp.gate.weight"].shape == (4, 64)
+    assert weights["model.layers.1.mlp.experts.3.gate_up_proj"].partition_sizes == (32, 32)
+    assert weights["model.layers.1.mlp.shared_expert.down_proj"].shape == (64, 32)
+    assert not any("shared_expert_gate" in n or "q_norm" in n for n in weights)  # ungated; weightless head norms
+    # Llama-4-Scout-17B-16E: 109B with its vision tower, 107.8B of them the language model's
+    assert 107.7e9 < SyntheticCheckpoint("synthetic:llama-4-scout-17b-16e", device="cpu").num_parameters() < 107.8e9
 
 
 def test_moe_layers_have_router_and_experts():

@@ -111,6 +111,9 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_si
     (dict(QWEN2, architectures=["Gemma4ForCausalLM"], model_type="gemma4", sliding_window=4096),  # not served
      "config.json gives a sliding window of 4096 tokens"),
     (dict(QWEN2, architectures=["LlamaForCausalLM"], model_type="llama"), "full causal on all 36 layers"),
+    (dict(QWEN2, architectures=["Llama4ForCausalLM"], model_type="llama4_text", num_local_experts=4,
+          num_experts_per_tok=1, num_hidden_layers=8),  # Scout's layout: chunks on three layers in four
+     "chunks of 8192 tokens on layers 0-2, 4-6 (6 of 8), full causal on the others"),
 ])
 def test_inspect_shows_the_sliding_window_layout(config, line):
     """Was: "sliding window N on K layers" only when config.json listed layer_types, even where transformers

@@ -19,7 +19,7 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
     from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig,
-                              MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Llama4TextConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -78,6 +78,13 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     elif arch == "smollm3":  # layer 1 without rotary (NoPE), sliding over 24 tokens (use_sliding_window on)
         config = SmolLM3Config(**common, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=24,
                                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch == "llama4":  # 4 layers: 0 and 2 rotate (llama3 rope) within 16-token chunks, 1 and 3 NoPE with the
+        # query temperature from position 7 on; 1 and 3 sparse (4 experts, top 1, shared expert), 0 and 2 dense (MLP 96)
+        config = Llama4TextConfig(**dict(common, num_hidden_layers=4), head_dim=32, intermediate_size_mlp=96,
+                                  num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                  no_rope_layer_interval=2, attention_chunk_size=16, floor_scale=8, attn_scale=0.5,
+                                  rope_parameters={**LLAMA3_ROPE, "rope_theta": 5000.0}, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

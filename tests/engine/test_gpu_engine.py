@@ -217,6 +217,36 @@ def test_smollm3_nope_layer_matches_cpu(tiny_model_dir):
     _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 
 
+def test_llama4_chunks_temperature_and_scaled_expert_inputs_match_cpu(tiny_model_dir):
+    """Llama 4 on the GPU: 16-token attention chunks in the Triton prefill and decode attention (the split decode
+    kernel with its own rotation at 18 sequences), the NoPE layers' query temperature, the weightless head norms in
+    the rotary launch, the one-expert routing with the sigmoid score on the expert's input: fp32 greedy tokens equal
+    the CPU's. MXFP4 on the grouped W4A8 kernel (the score folded into the tokens' activation scales) gives the CPU
+    reference's logits within bf16 rounding."""
+    from radiance import LLM
+    from radiance.checkpoint import open_checkpoint
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+
+    path, _ = tiny_model_dir("llama4")
+    prompts = [[(5 * i + 7 * j) % 256 for j in range(12 + 3 * i)] for i in range(18)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32").generate(prompts, params)]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = LLM(path, device="cuda", dtype="float32", num_gpu_blocks_override=256, max_num_seqs=32,
+              cuda_graph_max_batch=32)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == cpu
+    ids = torch.tensor([prompts[-1] * 2])  # 130 tokens: eight chunks, and past the temperature's steps
+    logits = {}
+    for device in ("cpu", "cuda"):
+        loaded = load_model(ModelConfig(device=device, dtype="bfloat16", quantization="mxfp4"),
+                            checkpoint=open_checkpoint(path), progress=False)
+        if device == "cuda":
+            assert "2 layers on grouped W4A8 kernel" in "\n".join(loaded.summary), loaded.summary
+        logits[device] = loaded.model.forward_logits(ids.to(device)).float().cpu()
+    assert (logits["cuda"] - logits["cpu"]).norm() / logits["cpu"].norm() < 2e-2
+
+
 @pytest.mark.parametrize("max_model_len", [32, 128])  # LongRoPE's short factors, then its long ones
 def test_phi3_longrope_partial_rotary_matches_cpu(tiny_model_dir, max_model_len):
     """Phi-4-mini's rotary (12 of 16 dims rotated, LongRoPE past a 32-token pretraining context) on the GPU, where the
