@@ -19,7 +19,7 @@ from tqdm import tqdm
 from radiance.checkpoint.base import Checkpoint, EntryInfo
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import ConfigError
-from radiance.models.arch_config import MoeConfig
+from radiance.models.moe_config import MoeConfig
 
 logger = logging.getLogger(__name__)
 

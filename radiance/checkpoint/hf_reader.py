@@ -31,7 +31,7 @@ from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.checkpoint.stacked_experts import find_stacked_experts, read_stacked_experts
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight, concat_partitions, dequantize
-from radiance.models.arch_config import MoeConfig
+from radiance.models.moe_config import MoeConfig
 
 logger = logging.getLogger(__name__)
 

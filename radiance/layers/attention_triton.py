@@ -143,22 +143,21 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _window(sliding_window: int | None) -> int:
-    """The kernels' WINDOW constant: the window in tokens, 0 for full causal attention."""
-    if sliding_window is None:
+def _span(tokens: int | None, name: str) -> int:
+    """A kernel constant in tokens (WINDOW, CHUNK): 0 for None (full causal attention), else at least 1."""
+    if tokens is None:
         return 0
-    if sliding_window < 1:
-        raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
-    return sliding_window
+    if tokens < 1:
+        raise ValueError(f"{name} must be at least 1 token, got {tokens}")
+    return tokens
+
+
+def _window(sliding_window: int | None) -> int:
+    return _span(sliding_window, "sliding_window")
 
 
 def _chunk(attention_chunk: int | None) -> int:
-    """The kernels' CHUNK constant: the attention chunk in tokens, 0 for none."""
-    if attention_chunk is None:
-        return 0
-    if attention_chunk < 1:
-        raise ValueError(f"attention_chunk must be at least 1 token, got {attention_chunk}")
-    return attention_chunk
+    return _span(attention_chunk, "attention_chunk")
 
 
 def softcap_argument(softcap: float | None) -> float:

@@ -23,7 +23,7 @@ from radiance.kernels import moe_expanded, moe_routing
 from radiance.kernels.activation import Fp8Activations, quantize_activations
 from radiance.kernels.glu import SILU, GluActivation, glu_mul, glu_reference, silu_mul
 from radiance.layers.linear import DenseLinear, UnloadedLinear, takes_fp8
-from radiance.models.arch_config import MoeConfig
+from radiance.models.moe_config import MoeConfig
 
 
 class Expert(nn.Module):

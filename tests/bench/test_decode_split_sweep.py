@@ -79,7 +79,7 @@ def test_decode_shapes_leave_out_grouped_experts():
 
     from radiance.layers.linear import Mxfp4Linear
     from radiance.layers.moe import SparseMoeBlock
-    from radiance.models.arch_config import MoeConfig
+    from radiance.models.moe_config import MoeConfig
 
     def linear(n, k):
         return Mxfp4Linear(torch.zeros(n, k // 2, dtype=torch.uint8), torch.full((n, k // 32), 127, dtype=torch.uint8))

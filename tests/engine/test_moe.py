@@ -17,7 +17,7 @@ from radiance.errors import CheckpointError, ConfigError
 from radiance.kernels.activation import Fp8Activations
 from radiance.kernels.reference import quantize_activations_reference
 from radiance.layers.moe import SparseMoeBlock
-from radiance.models.arch_config import MoeConfig
+from radiance.models.moe_config import MoeConfig
 from radiance.models.registry import resolve_architecture
 
 
