@@ -343,8 +343,10 @@ def template_features(template: str | None) -> dict:
     return {
         "qwen3_coder": "<tool_call>" in text and "<function=" in text,
         "hermes": "<tool_call>" in text,
-        # Llama 3.x: calls written as {"name": ..., "parameters": ...} (and <|python_tag|> for built-in tools)
-        "llama3_json": "<|python_tag|>" in text or ("<|start_header_id|>" in text and '"parameters"' in text),
+        # Llama 3.x and 4: calls written as {"name": ..., "parameters": ...} (and <|python_tag|> for built-in tools);
+        # Llama 4's headers are <|header_start|>
+        "llama3_json": "<|python_tag|>" in text or (("<|start_header_id|>" in text or "<|header_start|>" in text)
+                                                   and '"parameters"' in text),
         "mistral": "[TOOL_CALLS]" in text,  # Mistral: calls after its [TOOL_CALLS] token
         "think": "<think>" in text,
         "mistral_think": "[THINK]" in text,  # Magistral: reasoning between its [THINK] and [/THINK] tokens

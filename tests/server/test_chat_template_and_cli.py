@@ -93,6 +93,8 @@ def test_template_features_pick_parsers(tmp_path):
     assert template_features('{{ "[TOOL_CALLS] [" }}')["mistral"]
     llama = '<|start_header_id|>assistant<|end_header_id|>{"name": "f", "parameters": {}}'
     assert template_features(llama)["llama3_json"] and template_features("<|python_tag|>")["llama3_json"]
+    llama4 = '<|header_start|>user<|header_end|>Respond in the format {"name": function name, "parameters": ...}'
+    assert template_features(llama4)["llama3_json"] and not template_features("<|header_start|>")["llama3_json"]
     path = tmp_path / "t.jinja"
     path.write_text(CHATML)
     assert load_template(str(path)) == CHATML
