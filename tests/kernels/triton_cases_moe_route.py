@@ -171,3 +171,14 @@ def test_zero_probabilities_rank_by_expert_and_never_pick_padding(device, tokens
     want = torch.tensor([1.0, math.exp(-1.0), 0, 0, 0, 0, 0, 0]) / (1.0 + math.exp(-1.0))
     torch.testing.assert_close(weights.cpu(), want.expand(tokens, 8), rtol=1e-6, atol=0)
     check_routing(_on_cpu(routing), ids.long().cpu(), 60, 16)
+
+
+@pytest.mark.parametrize("tokens,num_experts", [(1, 16), (7, 16), (40, 128)])
+def test_one_renormalized_expert_weighs_exactly_one(device, tokens, num_experts):
+    """Llama 4 routes each token to one expert and scales that expert's input by the router's sigmoid score
+    instead (SparseMoeBlock.input_scales): the renormalized top-1 weight the combine multiplies by must be 1
+    exactly, with the top logit's expert picked."""
+    logits = (torch.randn(tokens, num_experts, device=device) * 3).to(torch.bfloat16)
+    weights, ids, _ = moe.route_tokens(logits, 1, True, 16)
+    assert torch.equal(weights.cpu(), torch.ones(tokens, 1))
+    assert torch.equal(logits.float().gather(1, ids.long()).squeeze(1), logits.float().max(dim=1).values)
