@@ -58,6 +58,10 @@ _QWEN2MOE_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"
                     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
                     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
                     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+# Llama 4's shared expert (no gate: it adds to every token as it is)
+_LLAMA4_SHARED = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                  "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                  "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
 # gpt-oss: the norm before the MLP, the attention's sinks, the router (with a bias)
 _GPT_OSS_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
                   "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
@@ -115,6 +119,25 @@ def _gpt_oss_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
             "num_experts_per_tok": field_of("gpt-oss.expert_used_count", None),
             "sliding_window": field_of("gpt-oss.attention.sliding_window", 128),
             "rope_parameters": {**config["rope_parameters"], "truncate": False}}
+
+
+def _llama4_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """Llama 4 as llama.cpp reads it: experts of expert_feed_forward_length (the file's feed_forward_length is the
+    dense layers' MLP, intermediate_size_mlp), every interleave_moe_layer_step-th layer sparse, q / k head norms
+    except on the 128-expert model (Maverick). Unless the file's attention.sliding_window is 0 (then every layer
+    rotates and attends to the whole context), llama.cpp's constants: 8192-token chunks on three layers in four,
+    the fourth without rotary and with the query temperature (floor 8192, scale 0.1)."""
+    experts = field_of("llama4.expert_count", None)
+    extra = {"num_local_experts": experts, "num_experts_per_tok": field_of("llama4.expert_used_count", None),
+             "intermediate_size": field_of("llama4.expert_feed_forward_length", None),
+             "intermediate_size_mlp": config["intermediate_size"],
+             "interleave_moe_layer_step": int(field_of("llama4.interleave_moe_layer_step", 1)),
+             "use_qk_norm": experts != 128}
+    if field_of("llama4.attention.sliding_window", None) == 0:
+        return {**extra, "attention_chunk_size": None, "attn_temperature_tuning": False,
+                "no_rope_layers": [1] * config["num_hidden_layers"]}
+    return {**extra, "attention_chunk_size": 8192, "no_rope_layer_interval": 4, "attn_temperature_tuning": True,
+            "floor_scale": 8192, "attn_scale": 0.1}
 
 
 def _gemma2_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
@@ -177,6 +200,8 @@ ARCHITECTURES = {
     "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2"),
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", extra_config=_qwen3moe_config),
+    # llama.cpp's converter keeps Llama 4's q / k rows as stored (its rope rotates interleaved pairs, as the model)
+    "llama4": GgufArch("Llama4ForCausalLM", "llama4_text", block_names=_LLAMA4_SHARED, extra_config=_llama4_config),
     "qwen2moe": GgufArch("Qwen2MoeForCausalLM", "qwen2_moe", block_names=_QWEN2MOE_SHARED,
                          extra_config=_qwen2moe_config),
     "gpt-oss": GgufArch("GptOssForCausalLM", "gpt_oss", block_names=_GPT_OSS_NAMES,

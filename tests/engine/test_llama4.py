@@ -172,3 +172,64 @@ def test_rows_reordered_moves_codes_and_scales_with_their_rows(make):
         rows_reordered(weight, torch.tensor([8, 1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11]))
     with pytest.raises(ValueError, match="permutation"):
         rows_reordered(weight, torch.zeros(12, dtype=torch.long))
+
+
+def _llama4_for_gguf():
+    """A tiny Llama 4 with llama.cpp's fixed constants (8192-token chunks, NoPE every 4th layer, the temperature from
+    position 8191): 4 layers, dense (MLP 96) and sparse (4 experts of 32, a shared one) alternating."""
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+    from tests.engine.conftest import randomize
+
+    config = Llama4TextConfig(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+                              max_position_embeddings=512, num_local_experts=4, num_experts_per_tok=1,
+                              interleave_moe_layer_step=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(8)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    randomize(hf)
+    return hf
+
+
+class _AsStoredByLlamaCpp:
+    """The model's state dict under the names the GGUF test writer maps (feed_forward -> mlp) and its experts as
+    transformers' fused [experts, out, in] layout, which llama.cpp's converter splits into ffn_*_exps."""
+
+    def __init__(self, hf):
+        self.config = hf.config
+        self._tensors = {}
+        for name, t in hf.state_dict().items():
+            name = llama4_tensor(name)
+            self._tensors[name] = t.transpose(1, 2) if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else t
+
+    def state_dict(self):
+        return self._tensors
+
+
+def test_a_llama4_gguf_as_llama_cpp_writes_it(tmp_path):
+    """llama.cpp's llama4 file: q / k rows as stored, the shared expert as ffn_*_shexp, experts stacked, the dense
+    layers' MLP size as feed_forward_length and the experts' as expert_feed_forward_length: transformers' logits."""
+    from tests.engine.gguf_files import LLAMA_BLOCK, gguf_tensors, write_gguf
+
+    hf = _llama4_for_gguf()
+    c = hf.config
+    metadata = {"llama4.expert_count": 4, "llama4.expert_used_count": 1, "llama4.expert_feed_forward_length": 32,
+                "llama4.interleave_moe_layer_step": 2}
+    tensors = gguf_tensors(_AsStoredByLlamaCpp(hf), LLAMA_BLOCK)
+    c.intermediate_size = 96  # write_gguf's feed_forward_length: llama.cpp writes intermediate_size_mlp there
+    path = write_gguf(tmp_path / "l4.gguf", "llama4", c, tensors, metadata, head_dim=32)
+    c.intermediate_size = 32
+    ckpt = open_checkpoint(path)
+    cls, cfg = resolve_architecture(ckpt.config)
+    assert cls.__name__ == "Llama4ForCausalLM" and cfg.moe.layers == {1, 3} and cfg.nope_layers == {3}
+    assert cfg.attention_chunk == 8192 and cfg.query_temperature == (8192.0, 0.1) and cfg.qk_norm
+    assert cfg.intermediate_size == 96 and cfg.moe.intermediate_size == 32
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model.forward_logits(ids)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    unchunked = dict(metadata, **{"llama4.attention.sliding_window": 0})
+    c.intermediate_size = 96
+    other = open_checkpoint(write_gguf(tmp_path / "l4-full.gguf", "llama4", c, tensors, unchunked, head_dim=32))
+    assert resolve_architecture(other.config)[1].nope_layers == frozenset()  # every layer rotates then
