@@ -92,9 +92,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                                 {k: v for k, v in hf_config.items() if k != "no_rope_layers"})
         nope = frozenset(i for i, rope in enumerate(rotates) if not rope)
         fields = {"nope_layers": nope, "qk_norm": bool(given(hf_config, "use_qk_norm", True))}
-        dense = hf_config.get("intermediate_size_mlp")
-        if dense is not None:  # the dense layers' MLP (Maverick); Scout has none
-            fields["intermediate_size"] = positive(hf_config, "intermediate_size_mlp", 1, integer=True)
+        if hf_config.get("intermediate_size_mlp") is not None:  # the dense layers' MLP (Maverick's every second)
+            fields["intermediate_size"] = positive(hf_config, "intermediate_size_mlp", None, integer=True)
         chunk = hf_config.get("attention_chunk_size", 8192)  # transformers' default; null: no chunks
         if chunk is not None:
             fields["attention_chunk"] = positive(hf_config, "attention_chunk_size", 8192, integer=True)
