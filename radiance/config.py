@@ -107,6 +107,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None  # force a block count (tests, preemption drills); default: as many as the memory budget holds
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
     kv_cache_dtype: str = "auto"  # auto (the model's dtype; float32 on CPU) | fp8 (e4m3, scale 1: half a 16-bit cache's bytes)
+    # local layers (a sliding window, Llama 4's chunks) keep their own block tables and give back the pages behind
+    # their span (vLLM's hybrid KV cache manager; false: every layer keeps every token's K/V)
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self):
         _check_types(self)

@@ -4,6 +4,11 @@ A full block is identified by a digest of (the previous block's digest, its toke
 map to equal digest chains. Freed blocks keep their contents and hash until they are handed out again (LRU
 order), so a later request with the same prefix reuses them without recomputing.
 
+With local layers (engine.kv_layout), each KV group has its own block table, all drawn from this one pool; a local
+group's blocks behind its span are released as the sequence grows (table entries -> `null_block`), and a prefix hit
+needs, in each local group, the cached blocks of the span behind the hit. A group's cached block is keyed by its
+digest and the group.
+
 With `prefer_in_order` (the CPU engine), a growing sequence takes the block right after its last one
 when that block is free and holds no cached prefix, ahead of LRU order: its blocks then run in order, and the
 CPU attention reads the cache in place instead of gathering the context every step
@@ -16,6 +21,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from radiance.engine.kv_layout import KvLayout
 from radiance.engine.sequence import Sequence
 
 
@@ -40,13 +46,17 @@ def salt_digest(seq: Sequence) -> bytes | None:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 prefer_in_order: bool = False):
+                 prefer_in_order: bool = False, layout: KvLayout | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefer_in_order = prefer_in_order
+        self.layout = layout or KvLayout.single(1)
+        self.num_groups = self.layout.num_groups
+        # where a released entry points: the cache's extra zeroed block, never handed out (None: nothing released)
+        self.null_block = num_blocks if self.layout.releases_pages else None
         self.ref_counts = [0] * num_blocks
-        self.hash_of_block: list[bytes | None] = [None] * num_blocks
+        self.hash_of_block: list[bytes | None] = [None] * num_blocks  # its key in block_of_hash (digest + group)
         self.tokens_of_block: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against hash collisions
         self.block_of_hash: dict[bytes, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -61,35 +71,81 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """The block table of each KV group (a sequence's first call gives it the other groups' empty tables)."""
+        if len(seq.group_tables) != self.num_groups - 1:
+            seq.group_tables = [[] for _ in range(self.num_groups - 1)]
+        return [seq.block_table, *seq.group_tables]
+
+    def live_blocks(self, seq: Sequence) -> list[int]:
+        """Every block `seq` holds a reference to, each group's table in turn (released entries left out)."""
+        return [b for table in self.tables(seq) for b in table if b != self.null_block]
+
+    @staticmethod
+    def _key(digest: bytes, group: int) -> bytes:
+        return digest if group == 0 else digest + bytes([group])
+
+    def _first_kept(self, group: int, num_computed: int) -> int:
+        """The first block of `group` a step starting at token `num_computed` reads."""
+        return self.layout.first_kept_block(group, num_computed, self.block_size)
+
     # ---------------------------------------------------------------- prefix cache
 
-    def cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
-        """(block, hash) of the longest cached prefix of a sequence without blocks, looked up without taking
-        anything. At least one token is left to compute (its logits start generation)."""
+    def cached_prefix(self, seq: Sequence) -> tuple[list[list[int]], list[bytes]]:
+        """(each group's table, the digests) of the longest cached prefix of a sequence without blocks, looked up
+        without taking anything: every full-attention group's blocks, and in a local group those its span reaches
+        behind the prefix's end (null_block for the rest). At least one token is left to compute (its logits
+        start generation)."""
         if not self.enable_prefix_caching:
-            return []
-        found, parent = [], salt_digest(seq)
+            return [[] for _ in range(self.num_groups)], []
+        found: list[list[int | None]] = [[] for _ in range(self.num_groups)]
+        digests, parent = [], salt_digest(seq)
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             parent = block_hash(parent, tokens)
-            block = self.block_of_hash.get(parent)
-            if block is None or self.tokens_of_block[block] != tokens:
+            hits = [self._cached(parent, g, tokens) for g in range(self.num_groups)]
+            if any(hit is None and span is None for hit, span in zip(hits, self.layout.spans)):
                 break
-            found.append((block, parent))
-        return found
+            digests.append(parent)
+            for g, hit in enumerate(hits):
+                found[g].append(hit)
+        while digests and not self._span_cached(found, len(digests)):
+            digests.pop()
+            for table in found:
+                table.pop()
+        return [self._with_released(g, table) for g, table in enumerate(found)], digests
+
+    def _cached(self, digest: bytes, group: int, tokens: tuple[int, ...]) -> int | None:
+        block = self.block_of_hash.get(self._key(digest, group))
+        return block if block is not None and self.tokens_of_block[block] == tokens else None
+
+    def _span_cached(self, found: list[list[int | None]], num_blocks: int) -> bool:
+        """Whether each local group has the blocks its span reads behind a prefix of `num_blocks` blocks."""
+        position = num_blocks * self.block_size
+        return all(None not in found[g][self._first_kept(g, position):num_blocks]
+                   for g in range(self.num_groups) if self.layout.spans[g] is not None)
+
+    def _with_released(self, group: int, table: list[int | None]) -> list[int]:
+        first = self._first_kept(group, len(table) * self.block_size)
+        return [self.null_block] * first + table[first:]
 
     def match_prefix(self, seq: Sequence) -> int:
         """On admission of a sequence without blocks: take the cached blocks of its longest cached prefix.
         Returns tokens reused."""
         assert not seq.block_table
-        for block, h in self.cached_prefix(seq):
-            if self.ref_counts[block] == 0:
-                del self.free_blocks[block]
-            self.ref_counts[block] += 1
-            seq.block_table.append(block)
-            seq.block_hashes.append(h)
-        seq.num_hashed_blocks = len(seq.block_table)
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        tables, digests = self.cached_prefix(seq)
+        for table in tables:
+            for block in table:
+                if block == self.null_block:
+                    continue
+                if self.ref_counts[block] == 0:
+                    del self.free_blocks[block]
+                self.ref_counts[block] += 1
+        seq.block_table, seq.group_tables = tables[0], tables[1:]
+        seq.block_hashes = digests
+        seq.num_hashed_blocks = len(digests)
+        seq.num_computed_tokens = len(digests) * self.block_size
+        seq.released_blocks = [table.count(self.null_block) if self.null_block is not None else 0 for table in tables]
         return seq.num_computed_tokens
 
     def commit(self, seq: Sequence) -> None:
@@ -97,30 +153,72 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
+        tables = self.tables(seq)
         for i in range(seq.num_hashed_blocks, full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(seq.block_hashes[-1] if seq.block_hashes else salt_digest(seq), tokens)
             seq.block_hashes.append(h)
-            block = seq.block_table[i]
-            if h not in self.block_of_hash:
-                self.block_of_hash[h] = block
-                self.hash_of_block[block] = h
-                self.tokens_of_block[block] = tokens
+            for g, table in enumerate(tables):
+                block, key = table[i], self._key(h, g)
+                if block != self.null_block and key not in self.block_of_hash:  # released before it was full
+                    self.block_of_hash[key] = block
+                    self.hash_of_block[block] = key
+                    self.tokens_of_block[block] = tokens
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     # ---------------------------------------------------------------- allocation
 
     def new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks `seq` lacks to hold its computed tokens and `num_new_tokens` more."""
-        return self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        """Blocks `seq` lacks to hold its computed tokens and `num_new_tokens` more, less those its local groups
+        give back first (see blocks_to_take)."""
+        return self.blocks_to_take(self.tables(seq), seq.num_computed_tokens, num_new_tokens)
+
+    def blocks_to_take(self, tables: list[list[int]], num_computed: int, num_new_tokens: int,
+                       refs: dict[int, int] | None = None) -> int:
+        """Free blocks a step of `num_new_tokens` after `num_computed` takes from a sequence holding `tables`: the
+        new blocks of every group, less the blocks its local groups release behind their span that no other
+        sequence holds (reference counts from `refs` where it has them)."""
+        new = (self.blocks_needed(num_computed + num_new_tokens) - len(tables[0])) * self.num_groups
+        if self.null_block is None:
+            return new
+        refs = refs or {}
+        for g, table in enumerate(tables):
+            for block in table[:self._first_kept(g, num_computed)]:
+                if block != self.null_block and refs.get(block, self.ref_counts[block]) == 1:
+                    new -= 1
+        return new
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        for _ in range(self.new_blocks_needed(seq, num_new_tokens)):
-            following = seq.block_table[-1] + 1 if self.prefer_in_order and seq.block_table else None
-            seq.block_table.append(self._take_fresh_block(following))
+        if self.null_block is not None:
+            self._release_behind_spans(seq)
+        wanted = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for table in self.tables(seq):
+            for _ in range(wanted):
+                following = table[-1] + 1 if self.prefer_in_order and table and table[-1] != self.null_block else None
+                table.append(self._take_fresh_block(following))
+
+    def _release_behind_spans(self, seq: Sequence) -> None:
+        """Give back each local group's blocks that no step from token seq.num_computed_tokens on reads. The table
+        becomes a new list (step_inputs.BlockTableMirror sees it by identity) with null_block there."""
+        tables = self.tables(seq)
+        released = seq.released_blocks or [0] * len(tables)
+        for g, table in enumerate(tables):
+            first = self._first_kept(g, seq.num_computed_tokens)
+            if first <= released[g]:
+                continue
+            table = list(table)
+            for i in range(released[g], min(first, len(table))):
+                self._drop(table[i])
+                table[i] = self.null_block
+            released[g] = max(released[g], min(first, len(table)))
+            if g == 0:
+                seq.block_table = table
+            else:
+                seq.group_tables[g - 1] = table
+        seq.released_blocks = released
 
     def _take_fresh_block(self, wanted: int | None = None) -> int:
         """`wanted` when it is free and caches nothing, else the least recently freed block. A cached block is not
@@ -140,13 +238,22 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
+    def _drop(self, block: int) -> None:
+        if block == self.null_block:
+            return
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
+
     def free(self, seq: Sequence) -> None:
         # tail blocks first: they are the least likely to be shared, so they are evicted first
-        for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+        tables = self.tables(seq)
+        for i in reversed(range(len(seq.block_table))):
+            for table in tables:
+                self._drop(table[i])
         seq.block_table = []
+        seq.group_tables = [[] for _ in range(self.num_groups - 1)]
+        seq.released_blocks = []
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0

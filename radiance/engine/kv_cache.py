@@ -8,6 +8,7 @@ import logging
 import torch
 
 from radiance.config import CacheConfig, SchedulerConfig
+from radiance.engine.kv_layout import KvLayout
 from radiance.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,11 @@ def kv_cache_dtype(device: torch.device, model_dtype: torch.dtype, wanted: str =
     return model_dtype if device.type == "cuda" else torch.float32
 
 
-def block_bytes(arch, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block of a model whose ArchConfig is `arch`."""
-    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * torch.tensor([], dtype=dtype).element_size()
+def block_bytes(arch, block_size: int, dtype: torch.dtype, layout: KvLayout | None = None) -> int:
+    """Bytes of one KV block (a page: `layout.slots` layers, all of them without a layout) of a model whose
+    ArchConfig is `arch`."""
+    slots = arch.num_layers if layout is None else layout.slots
+    per_token = 2 * slots * arch.num_kv_heads * arch.head_dim * torch.tensor([], dtype=dtype).element_size()
     return per_token * block_size
 
 
@@ -48,7 +51,8 @@ def _peak_activation_bytes(model, device: torch.device, num_tokens: int, max_sam
     return peak
 
 
-def blocks_known_before_load(arch, cache: CacheConfig, device: torch.device, dtype: torch.dtype) -> int | None:
+def blocks_known_before_load(arch, cache: CacheConfig, device: torch.device, dtype: torch.dtype,
+                             layout: KvLayout | None = None) -> int | None:
     """The KV block count where no weights are needed to know it (an override, or the CPU's byte budget), so that
     a max_model_len it cannot hold is refused before the load; None on CUDA, where it comes from the memory left
     after the weights and an activation probe."""
@@ -56,16 +60,16 @@ def blocks_known_before_load(arch, cache: CacheConfig, device: torch.device, dty
         return cache.num_gpu_blocks_override
     if device.type == "cuda":
         return None
-    return _blocks_of(cache.cpu_kv_cache_bytes, block_bytes(arch, cache.block_size, dtype),
+    return _blocks_of(cache.cpu_kv_cache_bytes, block_bytes(arch, cache.block_size, dtype, layout),
                       f"raise --cpu-kv-cache-bytes (now {cache.cpu_kv_cache_bytes}); in Python: cpu_kv_cache_bytes")
 
 
 def num_kv_blocks(model, cache: CacheConfig, scheduler: SchedulerConfig, device: torch.device,
-                  dtype: torch.dtype) -> int:
-    known = blocks_known_before_load(model.config, cache, device, dtype)
+                  dtype: torch.dtype, layout: KvLayout | None = None) -> int:
+    known = blocks_known_before_load(model.config, cache, device, dtype, layout)
     if known is not None:
         return known
-    per_block = block_bytes(model.config, cache.block_size, dtype)
+    per_block = block_bytes(model.config, cache.block_size, dtype, layout)
     peak = _peak_activation_bytes(model, device, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, other processes, the allocator's reserve
@@ -88,14 +92,20 @@ def _blocks_of(budget: int, per_block: int, knobs: str) -> int:
     return int(blocks)
 
 
-def allocate_kv_cache(model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer gets views."""
+def allocate_kv_cache(model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                      layout: KvLayout | None = None) -> torch.Tensor:
+    """One tensor [2, layout.slots, blocks, block_size, kv_heads, head_dim] (zeros); each attention layer gets the
+    views of its slot and learns its group (Attention.kv_group). A layout that releases pages has one block more:
+    the null page (block `num_blocks`) its released table entries point at."""
     cfg = model.config
-    cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                        dtype=dtype, device=device)
+    layout = layout or KvLayout.single(cfg.num_layers)
+    pages = num_blocks + (1 if layout.releases_pages else 0)
+    cache = torch.zeros(2, layout.slots, pages, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
     for i, attn in enumerate(model.attention_layers()):
-        attn.k_cache = cache[0, i]
-        attn.v_cache = cache[1, i]
+        group, slot = layout.place(i)
+        attn.k_cache = cache[0, slot]
+        attn.v_cache = cache[1, slot]
+        attn.kv_group = group
     return cache
 
 
@@ -108,12 +118,23 @@ def check_max_model_len(requested: int | None, context: int, source: str = "max_
                           f"use --max-model-len {context} or less")
 
 
-def check_kv_capacity(requested: int | None, num_blocks: int, block_size: int, cache, device_type: str) -> None:
-    """Refuses an explicit max_model_len above what the KV cache holds (num_blocks x block_size tokens), as vLLM
-    does ("The model's max seq len (X) is larger than the maximum number of tokens that can be stored in KV
-    cache (Y)"): one line naming both numbers and the settings that raise the capacity on this device. None
-    (not set: the model's context) is not checked here; the runner lowers it to the capacity with a warning."""
-    capacity = num_blocks * block_size
+def kv_capacity(num_blocks: int, block_size: int, layout: KvLayout | None = None, step_tokens: int = 0,
+                limit: int | None = None) -> int:
+    """Tokens one sequence may hold in `num_blocks` blocks: all of them x block_size, or with a layout whose local
+    groups release pages (computed in steps of up to `step_tokens`), the longest length up to `limit` that fits."""
+    if layout is None or not layout.releases_pages or limit is None:
+        return num_blocks * block_size
+    return layout.capacity(num_blocks, block_size, step_tokens, limit)
+
+
+def check_kv_capacity(requested: int | None, num_blocks: int, block_size: int, cache, device_type: str,
+                      capacity: int | None = None) -> None:
+    """Refuses an explicit max_model_len above what the KV cache holds (`capacity` tokens, num_blocks x block_size
+    unless given: see kv_capacity), as vLLM does ("The model's max seq len (X) is larger than the maximum number
+    of tokens that can be stored in KV cache (Y)"): one line naming both numbers and the settings that raise the
+    capacity on this device. None (not set: the model's context) is not checked here; the runner lowers it to
+    the capacity with a warning."""
+    capacity = num_blocks * block_size if capacity is None else capacity
     if requested is None or requested <= capacity:
         return
     if cache.num_gpu_blocks_override is not None:

@@ -54,7 +54,7 @@ class LLMEngine:
         self.vocab_size = self.model.config.vocab_size  # the logits' width: prompt and bias ids are checked against it
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
                                           self.config.cache.enable_prefix_caching,
-                                          prefer_in_order=self.device.type == "cpu")
+                                          prefer_in_order=self.device.type == "cpu", layout=self.runner.kv_layout)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, lora=self.lora)
         overlap = self.config.runner.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
@@ -78,14 +78,21 @@ class LLMEngine:
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
             "num_gpu_blocks": str(self.runner.num_blocks),
             "num_gpu_blocks_override": str(cache.num_gpu_blocks_override)}
+        layout = self.runner.kv_layout
         kv_tokens = self.runner.num_blocks * self.config.cache.block_size
+        if layout.releases_pages:  # a block holds layout.slots layers: tokens of all of them are fewer
+            kv_tokens = f"{kv_tokens * layout.slots // self.model.config.num_layers} tokens of every layer"
+        else:
+            kv_tokens = f"{kv_tokens} tokens"
         graphs = self.runner.decode_graphs.buckets if self.runner.decode_graphs else "off"
         self.load_summary = loaded.summary + [
-            f"KV cache: {self.runner.num_blocks} blocks x {self.config.cache.block_size} = {kv_tokens} tokens "
+            f"KV cache: {self.runner.num_blocks} blocks x {self.config.cache.block_size} = {kv_tokens} "
             f"({str(self.runner.kv_cache.dtype).removeprefix('torch.')}); "
             f"max_model_len {self.max_model_len}; prefix caching "
             f"{'on' if self.config.cache.enable_prefix_caching else 'off'}; CUDA graphs {graphs}",
         ]
+        if layout.releases_pages:
+            self.load_summary[-1] += "; " + layout.describe()
         logger.info(self.load_summary[-1])
         if self.lora is not None:
             for i, (name, path) in enumerate(self.config.lora.parsed_modules()):

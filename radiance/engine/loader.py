@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radiance.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
+from radiance.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig
 from radiance.checkpoint import model_name
 from radiance.checkpoint.report import RequantReport
 from radiance.checkpoint.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from radiance.formats._checks import nonfinite_count
 from radiance.engine.devices import resolve_device, resolve_dtype
-from radiance.engine.kv_cache import blocks_known_before_load, check_kv_capacity, check_max_model_len, kv_cache_dtype
+from radiance.engine.kv_cache import (blocks_known_before_load, check_kv_capacity, check_max_model_len, kv_cache_dtype,
+                                      kv_capacity)
+from radiance.engine.kv_layout import KvLayout
 from radiance.engine.linears import Overflow16Bit, build_linear, build_lm_head, to_serving_dtype
 from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight
@@ -208,9 +210,12 @@ def open_for_loading(model_config: ModelConfig, cache_config: CacheConfig | None
 def _check_known_kv_capacity(requested: int | None, arch, cache, device: torch.device, dtype: torch.dtype) -> None:
     """check_kv_capacity where the block count needs no weights (the CPU's byte budget, a block override): a refusal
     before the load rather than after it. On CUDA without an override the runner checks once the memory is known."""
-    blocks = blocks_known_before_load(arch, cache, device, kv_cache_dtype(device, dtype, cache.kv_cache_dtype))
+    layout = KvLayout.of(arch, cache.hybrid_kv_cache)
+    blocks = blocks_known_before_load(arch, cache, device, kv_cache_dtype(device, dtype, cache.kv_cache_dtype), layout)
     if blocks is not None:
-        check_kv_capacity(requested, blocks, cache.block_size, cache, device.type)
+        # the default step budget: a larger one is refused by the runner's own check (it knows the scheduler's)
+        capacity = kv_capacity(blocks, cache.block_size, layout, SchedulerConfig().max_num_batched_tokens, requested)
+        check_kv_capacity(requested, blocks, cache.block_size, cache, device.type, capacity)
 
 
 def _context_source(checkpoint, arch) -> str:

@@ -13,9 +13,9 @@ their forward can still be queued ahead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,11 +23,13 @@ import torch
 
 from radiance.config import EngineConfig
 from radiance.engine.kv_cache import (allocate_kv_cache, check_kv_capacity, check_max_model_len, kv_cache_dtype,
-                                      num_kv_blocks)
+                                      kv_capacity, num_kv_blocks)
+from radiance.engine.kv_layout import KvLayout
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.engine.step_graphs import DecodeGraphs, PrefillGraphs, decode_num_splits
+from radiance.engine.step_inputs import StepInputs
 from radiance.engine.structured_output import fill_allowed_token_words
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.rotary import RotaryEmbedding
@@ -113,28 +115,6 @@ class StepHandle:
         return [ids[i] for i in self.host_rows]
 
 
-class BlockTableMirror:
-    """numpy copies of the sequences' block tables, extended as the tables grow, so a step copies arrays
-    instead of converting every sequence's whole Python list (at batch 64 and 8k context that conversion
-    took ~2 ms of host time per step). Sound because the block manager only appends to a table, or gives
-    the sequence a new list when it frees the blocks (the identity check catches that)."""
-
-    def __init__(self):
-        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def row(self, seq) -> np.ndarray:
-        table = seq.block_table
-        entry = self._rows.get(seq)
-        if entry is not None and entry[0] is table and len(entry[1]) == len(table):
-            return entry[1]
-        if entry is not None and entry[0] is table and len(entry[1]) < len(table):
-            array = np.concatenate((entry[1], np.asarray(table[len(entry[1]):], dtype=np.int32)))
-        else:
-            array = np.asarray(table, dtype=np.int32)
-        self._rows[seq] = (table, array)
-        return array
-
-
 def _uncapturable_module(model) -> str | None:
     """The name of a module whose forward a CUDA graph cannot capture (it says so with `capturable()`)."""
     for name, module in model.named_modules():
@@ -167,14 +147,17 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.cache.block_size
-        self.block_tables = BlockTableMirror()
         arch = model.config
         kv_dtype = kv_cache_dtype(device, dtype, config.cache.kv_cache_dtype)
-        self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype)
+        self.kv_layout = KvLayout.of(arch, config.cache.hybrid_kv_cache)
+        if self.kv_layout.releases_pages:
+            logger.info("%s", self.kv_layout.describe())
+        self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype, self.kv_layout)
         self.max_model_len = self._max_model_len(config.model.max_model_len, arch.context_length)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         _serve_rotary_context(model, self.max_model_len)
-        self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, kv_dtype)
+        self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size, device, kv_dtype, self.kv_layout)
+        self.inputs = StepInputs(self.block_size, self.kv_layout.num_groups, device)
         self.lora_context = lora_context
         if lora_context is not None:  # rows of the largest step: a whole unchunked prompt, or every sequence's drafts
             sched = config.scheduler
@@ -213,8 +196,10 @@ class ModelRunner:
         one above what the KV cache holds (as vLLM refuses it). Not requested (None), the model's context is
         lowered to what the KV cache holds, with a warning, so a bare `radiance serve` runs on a small machine."""
         check_max_model_len(requested, context)
-        check_kv_capacity(requested, self.num_blocks, self.block_size, self.config.cache, self.device.type)
-        capacity = self.num_blocks * self.block_size
+        step_tokens = self.config.scheduler.max_num_batched_tokens
+        check_kv_capacity(requested, self.num_blocks, self.block_size, self.config.cache, self.device.type,
+                          kv_capacity(self.num_blocks, self.block_size, self.kv_layout, step_tokens, requested))
+        capacity = kv_capacity(self.num_blocks, self.block_size, self.kv_layout, step_tokens, context)
         if requested is not None:
             return requested
         if capacity < context:
@@ -225,44 +210,6 @@ class ModelRunner:
         return context
 
     # ---------------------------------------------------------------- inputs
-
-    def _prepare(self, scheduled: list[ScheduledSequence], tokens_on_device: bool = False):
-        """Host-side inputs of a step; with tokens_on_device the tokens are not known here (empty list)."""
-        bs = self.block_size
-        rows = [self.block_tables.row(s.seq) for s in scheduled]
-        tables = np.zeros((len(scheduled), max(len(r) for r in rows)), dtype=np.int32)
-        for i, row in enumerate(rows):
-            tables[i, :len(row)] = row
-        if all(s.num_new_tokens == 1 for s in scheduled):  # decode: one lookup per sequence, no arrays
-            starts = [s.seq.num_computed_tokens for s in scheduled]
-            tokens = [] if tokens_on_device else [s.seq.token_ids[p] for s, p in zip(scheduled, starts)]
-            slots = [s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(scheduled, starts)]
-            return (tokens, np.array(starts, dtype=np.int64), np.array(slots, dtype=np.int64), [1] * len(starts),
-                    [p + 1 for p in starts], tables)
-        tokens, positions, slots, q_lens, kv_lens = [], [], [], [], []
-        for s, row in zip(scheduled, rows):
-            seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
-            if not tokens_on_device:
-                tokens.extend(seq.token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(row[pos // bs].astype(np.int64) * bs + pos % bs)
-            q_lens.append(n)
-            kv_lens.append(start + n)
-        return tokens, np.concatenate(positions), np.concatenate(slots), q_lens, kv_lens, tables
-
-    def _first_blocks_in_order(self, tables: np.ndarray, kv_lens: list[int]) -> list[int] | None:
-        """AttentionMetadata.kv_first_blocks for the torch attention (CPU): per sequence the first block of
-        its context when the blocks run in order (b, b + 1, ...), else -1; None on CUDA (paged kernels)."""
-        if self.device.type != "cpu":
-            return None
-        first = []
-        for row, kv_len in zip(tables, kv_lens):
-            blocks = row[:-(-kv_len // self.block_size)]
-            in_order = len(blocks) > 0 and bool(np.all(blocks - blocks[0] == np.arange(len(blocks))))
-            first.append(int(blocks[0]) if in_order else -1)
-        return first
 
     def _to_device(self, array, dtype) -> torch.Tensor:
         return torch.as_tensor(array, dtype=dtype).to(self.device, non_blocking=True)
@@ -278,7 +225,7 @@ class ModelRunner:
         `next_tokens` (device, one per sequence) makes it the decode step that follows a launched one
         whose tokens the host has not read yet: each sequence advances by that token at position
         seq.num_computed_tokens (whose slot the caller has allocated)."""
-        tokens, positions, slots, q_lens, kv_lens, tables = self._prepare(scheduled, next_tokens is not None)
+        tokens, positions, slots, q_lens, kv_lens, tables = self.inputs.prepare(scheduled, next_tokens is not None)
         tokens = next_tokens if next_tokens is not None else tokens
         is_decode = all(n == 1 for n in q_lens)
         batch = len(scheduled)
@@ -296,14 +243,19 @@ class ModelRunner:
             cu = np.zeros(batch + 1, dtype=np.int32)
             cu[1:] = np.cumsum(q_lens)
             meta = AttentionMetadata(
-                slot_mapping=self._to_device(slots, torch.int64),
-                block_tables=self._to_device(tables, torch.int32),
+                slot_mapping=self._to_device(slots[0], torch.int64),
+                block_tables=self._to_device(tables[0], torch.int32),
                 context_lens=self._to_device(kv_lens, torch.int32),
                 cu_seqlens_q=self._to_device(cu, torch.int32),
                 q_lens=q_lens, kv_lens=kv_lens, is_decode=is_decode,
                 decode_splits=decode_num_splits(batch, self.model.config.num_kv_heads),
                 slots_valid=bool(slots.size == 0 or slots.min() >= 0),
-                kv_first_blocks=self._first_blocks_in_order(tables, kv_lens))
+                kv_first_blocks=self.inputs.first_blocks_in_order(tables[0], kv_lens))
+            meta.other_groups = tuple(
+                dataclasses.replace(meta, slot_mapping=self._to_device(slots[g], torch.int64),
+                                    block_tables=self._to_device(tables[g], torch.int32),
+                                    kv_first_blocks=self.inputs.first_blocks_in_order(tables[g], kv_lens))
+                for g in range(1, len(tables)))
             token_tensor = tokens if isinstance(tokens, torch.Tensor) else self._to_device(tokens, torch.long)
             hidden = self.model(token_tensor, self._to_device(positions, torch.long), meta)
         if self.lora_context is not None:
@@ -401,11 +353,13 @@ class ModelRunner:
         base model's cost (the wrapped linears keep its fused GLU and split-sum paths there)."""
         max_batch = min(self.config.runner.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
         arch = self.model.config
-        self.decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, arch.num_kv_heads, self.device)
+        groups = self.kv_layout.num_groups
+        self.decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, arch.num_kv_heads, self.device, groups)
         with self._lora_capturing():
             pool = self.decode_graphs.capture(self.model)
         if self.lora_context is not None:  # one forward runs at a time: both sets share the pool
-            self.base_decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, arch.num_kv_heads, self.device)
+            self.base_decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, arch.num_kv_heads,
+                                                   self.device, groups)
             self.base_decode_graphs.capture(self.model, pool)
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode batches %s%s", self.decode_graphs.buckets,
@@ -428,7 +382,7 @@ class ModelRunner:
         sizes = sorted({t for t in sizes if 0 < t <= limit})
         if not sizes:
             return
-        self.prefill_graphs = PrefillGraphs(sizes, self.max_blocks_per_seq, self.device)
+        self.prefill_graphs = PrefillGraphs(sizes, self.max_blocks_per_seq, self.device, self.kv_layout.num_groups)
         with self._lora_capturing():
             self._pool = self.prefill_graphs.capture(self.model, self._pool)
         torch.cuda.synchronize(self.device)
@@ -446,7 +400,7 @@ class ModelRunner:
         dev, arch, seqs = self.device, self.model.config, self.config.scheduler.max_num_seqs
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(dev)
         self.piecewise = PiecewiseGraphs(sizes, seqs, self.max_blocks_per_seq, (arch.num_heads, arch.head_dim),
-                                         self.dtype, dev)
+                                         self.dtype, dev, self.kv_layout.num_groups)
         with self._lora_capturing():
             self._pool = self.piecewise.capture(self.model, self._pool)
         torch.cuda.synchronize(dev)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radiance.engine.step_graphs import StagingSets
+from radiance.engine.step_graphs import StagingSets, by_group, with_groups
 from radiance.layers.attention import Attention, AttentionMetadata
 
 
@@ -98,7 +98,9 @@ class PiecewiseForward:
         sequences (host lengths, device lengths and block tables for them) and the static slot mapping."""
         for graph, cut in zip(self.graphs, self.cuts):
             graph.replay()
-            cut.attn.prefill_attention(self.q, meta, cut.sinks, out=self.out)
+            group = cut.attn.kv_group
+            cut.attn.prefill_attention(self.q, meta if group == 0 else meta.other_groups[group - 1], cut.sinks,
+                                       out=self.out)
         self.graphs[-1].replay()
         return self.hidden
 
@@ -140,14 +142,14 @@ class PiecewiseGraphs:
     step_graphs.StagingSets, as the whole-step graphs are: the engine may queue steps ahead."""
 
     def __init__(self, sizes: list[int], max_seqs: int, max_blocks_per_seq: int, q_shape: tuple[int, int],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kv_groups: int = 1):
         self.sizes, self.max_seqs = sorted(sizes), max_seqs
         self.forwards: dict[int, PiecewiseForward] = {}
         top = self.sizes[-1]
-        self.meta = torch.zeros(3, top, dtype=torch.long, device=device)
+        self.meta = torch.zeros(2 + kv_groups, top, dtype=torch.long, device=device)  # tokens, positions, slots
         self.lens = torch.zeros(2 * max_seqs + 2, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.meta[2].fill_(-1)
+        self.tables = torch.zeros(kv_groups, max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.meta[2:].fill_(-1)
         self.staging = StagingSets([(tuple(t.shape), t.dtype) for t in (self.meta, self.lens, self.tables)], device)
         # the cuts' static buffers: rotated queries in, attention output out (zeroed: padding rows stay finite)
         self.q_buffer = torch.zeros(top, *q_shape, dtype=dtype, device=device)
@@ -155,7 +157,7 @@ class PiecewiseGraphs:
 
     def capture(self, model, pool=None):
         """Capture every bucket, largest first, sharing `pool`; returns the pool (for the next captures)."""
-        tokens, positions, _ = self.meta.unbind(0)
+        tokens, positions = self.meta[:2].unbind(0)
         for size in reversed(self.sizes):
             self.lens[:2].copy_(torch.tensor([0, size], dtype=torch.int32))
             self.lens[self.max_seqs + 1] = self.lens[-1] = size
@@ -174,28 +176,32 @@ class PiecewiseGraphs:
     def step_meta(self, size: int, q_lens: list[int], kv_lens: list[int]) -> AttentionMetadata:
         """The metadata of a step of len(q_lens) sequences in bucket `size`: views of the static inputs."""
         batch, first_len = len(q_lens), self.max_seqs + 1
-        return AttentionMetadata(slot_mapping=self.meta[2, :size], block_tables=self.tables[:batch],
+        meta = AttentionMetadata(slot_mapping=self.meta[2, :size], block_tables=self.tables[0, :batch],
                                  context_lens=self.lens[first_len:first_len + batch],
                                  cu_seqlens_q=self.lens[:batch + 1], q_lens=q_lens, kv_lens=kv_lens,
                                  is_decode=False, valid_rows=self.lens[-1:])
+        return with_groups(meta, self.meta[2:, :size], self.tables[:, :batch])
 
     def replay(self, tokens, positions, slots, q_lens: list[int], kv_lens: list[int], tables) -> torch.Tensor:
         """Hidden states of the step's rows: tokens, positions, slots (host, one per row), q_lens / kv_lens per
         sequence, tables [batch, width] its block tables."""
         rows, batch, first_len = len(positions), len(q_lens), self.max_seqs + 1
         size = self.sizes[bisect.bisect_left(self.sizes, rows)]
+        slots, tables = by_group(slots, tables)
         h_meta, h_lens, h_tables = self.staging.next()
         meta = h_meta.numpy()
-        meta[:, :rows] = (tokens, positions, slots)
-        meta[:, rows:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere
+        meta[:2, :rows] = (tokens, positions)
+        meta[2:, :rows] = slots
+        meta[:2, rows:size] = 0
+        meta[2:, rows:size] = -1  # padding rows: write nowhere
         lens = h_lens.numpy()
         lens[0] = 0
         lens[1:batch + 1] = np.cumsum(q_lens)
         lens[first_len:first_len + batch] = kv_lens
         lens[-1] = rows
-        width = tables.shape[1]
-        h_tables.numpy()[:batch, :width] = tables  # entries past a sequence's blocks are never read
+        width = tables.shape[2]
+        h_tables.numpy()[:, :batch, :width] = tables  # entries past a sequence's blocks are never read
         self.meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
         self.lens.copy_(h_lens, non_blocking=True)
-        self.tables[:batch, :width].copy_(h_tables[:batch, :width], non_blocking=True)
+        self.tables[:, :batch, :width].copy_(h_tables[:, :batch, :width], non_blocking=True)
         return self.forwards[size].replay(self.step_meta(size, q_lens, kv_lens))[:rows]

@@ -83,18 +83,22 @@ class Scheduler:
         return 0
 
     def _can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._fits(seq, len(seq.block_table), seq.num_computed_tokens, num_new_tokens,
+        return self._fits(seq, self.block_manager.tables(seq), seq.num_computed_tokens, num_new_tokens,
                           self.block_manager.num_free_blocks, beside_running=bool(self.running))
 
-    def _fits(self, seq: Sequence, num_held: int, num_computed: int, num_new_tokens: int, num_free: int,
-              beside_running: bool) -> bool:
-        """Whether a waiting sequence holding `num_held` blocks (`num_computed` tokens) may start with
+    def _fits(self, seq: Sequence, tables: list[list[int]], num_computed: int, num_new_tokens: int, num_free: int,
+              beside_running: bool, refs: dict[int, int] | None = None) -> bool:
+        """Whether a waiting sequence holding `tables` (one per KV group; `num_computed` tokens) may start with
         `num_new_tokens` while `num_free` blocks are free. Alone it needs just their blocks. Beside running
         sequences it leaves the watermark free too, and a preempted one waits until its whole recompute
-        fits: admitted with less, it would be the next victim as soon as they grow."""
+        fits: admitted with less, it would be the next victim as soon as they grow (in steps of the token budget,
+        its local KV groups holding their span and a step's blocks at most)."""
+        bm = self.block_manager
         if beside_running and seq.admitted:
-            num_new_tokens = seq.num_tokens - num_computed
-        needed = self.block_manager.blocks_needed(num_computed + num_new_tokens) - num_held
+            whole = bm.layout.pages_for(seq.num_tokens, bm.block_size, self.config.max_num_batched_tokens)
+            needed = whole - sum(b != bm.null_block for table in tables for b in table)
+        else:
+            needed = bm.blocks_to_take(tables, num_computed, num_new_tokens, refs)
         return needed + (self.watermark_blocks if beside_running else 0) <= num_free
 
     def admits_next(self, leaving: list[Sequence] | tuple[Sequence, ...] = ()) -> bool:
@@ -111,19 +115,20 @@ class Scheduler:
         freed = self._refs_after(leaving)
         num_free = bm.num_free_blocks + sum(1 for b, refs in freed.items() if refs == 0)
         seq = self.waiting[0]
-        num_held, num_computed = len(seq.block_table), seq.num_computed_tokens
+        tables, num_computed = bm.tables(seq), seq.num_computed_tokens
         if not seq.block_table and seq.params.prompt_logprobs is None:  # as schedule() matches it
-            prefix = [block for block, _ in bm.cached_prefix(seq)]
-            num_held, num_computed = len(prefix), len(prefix) * bm.block_size
-            num_free -= sum(1 for b in prefix if freed.get(b, bm.ref_counts[b]) == 0)  # taken off the free list
+            tables, digests = bm.cached_prefix(seq)
+            num_computed = len(digests) * bm.block_size
+            num_free -= sum(1 for table in tables for b in table  # taken off the free list
+                            if b != bm.null_block and freed.get(b, bm.ref_counts[b]) == 0)
         n = self._chunk(seq.num_tokens - num_computed, budget, nothing_scheduled=staying == 0)
-        return n > 0 and self._fits(seq, num_held, num_computed, n, num_free, beside_running=staying > 0)
+        return n > 0 and self._fits(seq, tables, num_computed, n, num_free, beside_running=staying > 0, refs=freed)
 
     def _refs_after(self, leaving) -> dict[int, int]:
         """Each block the `leaving` sequences hold: its reference count once they have freed it."""
         refs: dict[int, int] = {}
         for seq in leaving:
-            for block in seq.block_table:
+            for block in self.block_manager.live_blocks(seq):
                 refs[block] = refs.get(block, self.block_manager.ref_counts[block]) - 1
         return refs
 

@@ -27,7 +27,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0      # tokens whose K/V are in the cache
         self.num_cached_tokens = 0        # prompt tokens served from the prefix cache (first admission)
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # KV group 0's blocks (engine.kv_layout), one per block_size tokens
+        # the blocks of KV groups 1, 2, ... (as many as block_table); a local group's entries behind its span point
+        # at the null block once released, the first `released_blocks[g]` of group g's (group 0 included)
+        self.group_tables: list[list[int]] = []
+        self.released_blocks: list[int] = []
         self.num_hashed_blocks = 0        # leading full blocks already registered in the prefix cache
         self.block_hashes: list[bytes] = []  # block_manager.block_hash of each hashed block
         self.generator = generator
@@ -58,6 +62,10 @@ class Sequence:
         self.lora_int_id = 0
         self.lora_fingerprint: bytes | None = None
         self.lora_slot = -1
+
+    def kv_table(self, group: int) -> list[int]:
+        """The block table of KV group `group` (0: block_table)."""
+        return self.block_table if group == 0 else self.group_tables[group - 1]
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,9 @@ device).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
+import numpy as np
 import torch
 
 from radiance.layers.attention import AttentionMetadata
@@ -50,6 +52,21 @@ def graph_buckets(max_batch: int) -> list[int]:
     return buckets
 
 
+def by_group(slots, tables) -> tuple[np.ndarray, np.ndarray]:
+    """A step's host slots as [groups, tokens] and tables as [groups, sequences, blocks], whether given so
+    (step_inputs.StepInputs.prepare) or for one KV group ([tokens], [sequences, blocks])."""
+    slots = np.asarray(slots)
+    return slots.reshape(-1, slots.shape[-1]), tables.reshape((-1,) + tables.shape[-2:])
+
+
+def with_groups(meta: AttentionMetadata, slots: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+    """`meta` (group 0's: slots[0], tables[0]) with the metadata of KV groups 1, 2, ...: the other rows of the
+    static slots [groups, tokens] and tables [groups, sequences, blocks]."""
+    meta.other_groups = tuple(dataclasses.replace(meta, slot_mapping=slots[g], block_tables=tables[g])
+                              for g in range(1, slots.shape[0]))
+    return meta
+
+
 def capture_forward(model, pool, tokens: torch.Tensor, positions: torch.Tensor,
                     meta: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """(graph, its output) of one forward over static inputs, in memory `pool` (shared by a family's buckets:
@@ -64,16 +81,20 @@ def capture_forward(model, pool, tokens: torch.Tensor, positions: torch.Tensor,
 
 
 class DecodeGraphs:
-    """One graph per decode batch bucket. Static inputs: one int64 block [tokens, positions, slots, context lens,
-    the batch (column 0: the real rows)] and the block tables."""
+    """One graph per decode batch bucket. Static inputs: one int64 block [tokens, positions, context lens, the batch
+    (column 0: the real rows), then the slots of each KV group] and the block tables [groups, batch, blocks]."""
 
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, num_kv_heads: int, device: torch.device):
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, num_kv_heads: int, device: torch.device,
+                 kv_groups: int = 1):
         self.buckets = graph_buckets(max_batch)
         self.num_kv_heads = num_kv_heads
-        self.meta = torch.zeros(5, max_batch, dtype=torch.long, device=device)
-        self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.meta = torch.zeros(4 + kv_groups, max_batch, dtype=torch.long, device=device)
+        self.tables = torch.zeros(kv_groups, max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.staging = StagingSets([(tuple(t.shape), t.dtype) for t in (self.meta, self.tables)], device)
-        self.tokens, self.positions, self.slots, self.context, self.batch_row = self.meta.unbind(0)
+        self.tokens, self.positions, self.context, self.batch_row = self.meta[:4].unbind(0)
+        self.slots = self.meta[4:]
+        # a padding row: token 0 at position 0, writes nowhere, attends to nothing
+        self._padding = np.array([0, 0, 0, 0] + [-1] * kv_groups, dtype=np.int64)[:, None]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
 
@@ -84,11 +105,11 @@ class DecodeGraphs:
         self.context.fill_(1)
         for batch in reversed(self.buckets):
             self.batch_row[0] = batch
-            meta = AttentionMetadata(
-                slot_mapping=self.slots[:batch], block_tables=self.tables[:batch],
+            meta = with_groups(AttentionMetadata(
+                slot_mapping=self.slots[0, :batch], block_tables=self.tables[0, :batch],
                 context_lens=self.context[:batch], cu_seqlens_q=None, q_lens=[1] * batch,
                 kv_lens=[1] * batch, is_decode=True, decode_splits=decode_num_splits(batch, self.num_kv_heads),
-                valid_rows=self.batch_row[:1])
+                valid_rows=self.batch_row[:1]), self.slots[:, :batch], self.tables[:, :batch])
             self.graphs[batch], self.hidden[batch] = capture_forward(model, pool, self.tokens[:batch],
                                                                      self.positions[:batch], meta)
             pool = self.graphs[batch].pool()
@@ -102,19 +123,20 @@ class DecodeGraphs:
         behind the one that samples them)."""
         batch = len(positions)
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
+        slots, tables = by_group(slots, tables)
         h_meta, h_tables = self.staging.next()
         meta = h_meta.numpy()
-        meta[:, batch:bucket] = ((0,), (0,), (-1,), (0,), (0,))  # padding rows: write nowhere, attend to nothing
-        meta[4, 0] = batch
+        meta[:, batch:bucket] = self._padding
+        meta[3, 0] = batch
         on_device = isinstance(tokens, torch.Tensor)
         if not on_device:
             meta[0, :batch] = tokens
         meta[1, :batch] = positions
-        meta[2, :batch] = slots
-        meta[3, :batch] = kv_lens
-        h_tables.numpy()[:batch, :tables.shape[1]] = tables
+        meta[2, :batch] = kv_lens
+        meta[4:, :batch] = slots
+        h_tables.numpy()[:, :batch, :tables.shape[2]] = tables
         self.meta[:, :bucket].copy_(h_meta[:, :bucket], non_blocking=True)
-        self.tables[:batch].copy_(h_tables[:batch], non_blocking=True)
+        self.tables[:, :batch].copy_(h_tables[:, :batch], non_blocking=True)
         if on_device:
             self.tokens[:batch].copy_(tokens)
         self.graphs[bucket].replay()
@@ -127,24 +149,26 @@ class PrefillGraphs:
     block table. Padding rows lie outside cu_seqlens: attention never computes them; the caller keeps the
     first q_len rows of the output."""
 
-    def __init__(self, sizes: list[int], max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, sizes: list[int], max_blocks_per_seq: int, device: torch.device, kv_groups: int = 1):
         self.sizes = sorted(sizes)
-        self.meta = torch.zeros(3, self.sizes[-1], dtype=torch.long, device=device)
+        self.meta = torch.zeros(2 + kv_groups, self.sizes[-1], dtype=torch.long, device=device)  # slots per group
         self.lens = torch.zeros(3, dtype=torch.int32, device=device)
-        self.table = torch.zeros(1, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.table = torch.zeros(kv_groups, 1, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.staging = StagingSets([(tuple(t.shape), t.dtype) for t in (self.meta, self.lens, self.table)], device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
 
     def capture(self, model, pool=None):
         """Capture every bucket, largest first, in `pool` (None: a new one); returns the pool."""
-        tokens, positions, slots = self.meta.unbind(0)
+        tokens, positions = self.meta[:2].unbind(0)
+        slots = self.meta[2:]
         slots.fill_(-1)
         for size in reversed(self.sizes):
             self.lens.copy_(torch.tensor([0, size, size], dtype=torch.int32))
-            meta = AttentionMetadata(slot_mapping=slots[:size], block_tables=self.table,
-                                     context_lens=self.lens[2:], cu_seqlens_q=self.lens[:2], q_lens=[size],
-                                     kv_lens=[size], is_decode=False, valid_rows=self.lens[1:2])
+            meta = with_groups(AttentionMetadata(slot_mapping=slots[0, :size], block_tables=self.table[0],
+                                                 context_lens=self.lens[2:], cu_seqlens_q=self.lens[:2],
+                                                 q_lens=[size], kv_lens=[size], is_decode=False,
+                                                 valid_rows=self.lens[1:2]), slots[:, :size], self.table)
             self.graphs[size], self.hidden[size] = capture_forward(model, pool, tokens[:size], positions[:size], meta)
             pool = self.graphs[size].pool()
         return pool
@@ -157,14 +181,17 @@ class PrefillGraphs:
         q_len = len(positions)
         size = self.sizes[bisect.bisect_left(self.sizes, q_len)]
         h_meta, h_lens, h_table = self.staging.next()
+        slots, tables = by_group(slots, tables)
         meta = h_meta.numpy()
-        meta[:, :q_len] = (tokens, positions, slots)
-        meta[:, q_len:size] = ((0,), (0,), (-1,))  # padding rows: write nowhere
+        meta[:2, :q_len] = (tokens, positions)
+        meta[2:, :q_len] = slots
+        meta[:2, q_len:size] = 0
+        meta[2:, q_len:size] = -1  # padding rows: write nowhere
         h_lens.numpy()[:] = (0, q_len, kv_len)
-        width = tables.shape[1]
-        h_table.numpy()[0, :width] = tables[0]  # entries past the sequence's blocks are never read
+        width = tables.shape[2]
+        h_table.numpy()[:, 0, :width] = tables[:, 0]  # entries past the sequence's blocks are never read
         self.meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
         self.lens.copy_(h_lens, non_blocking=True)
-        self.table[:, :width].copy_(h_table[:, :width], non_blocking=True)
+        self.table[:, :, :width].copy_(h_table[:, :, :width], non_blocking=True)
         self.graphs[size].replay()
         return self.hidden[size][:q_len]

@@ -45,6 +45,12 @@ class AttentionMetadata:
     # a CUDA graph's count of real rows (device int, element 0): the rows after it pad the step to its bucket,
     # and the sparse MoE layers route them to no expert (None: every row is real)
     valid_rows: torch.Tensor | None = None
+    # the metadata of KV groups 1, 2, ... (engine.kv_layout): the same step, their own slots, tables and first
+    # blocks; a layer of group g reads `of_group(g)`
+    other_groups: tuple[AttentionMetadata, ...] = ()
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        return self if group == 0 else self.other_groups[group - 1]
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ class Attention(nn.Module):
         self.attention_chunk = attention_chunk  # None: no chunks (Llama 4's chunked layers: 8192)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
+        self.kv_group = 0  # its KV group (engine.kv_layout): which block tables and slots of a step it reads
         # without a cache (evaluation), K/V are rounded to this dtype first, as a cache of it would store them
         self.kv_storage_dtype: torch.dtype | None = None
         self.fp8_kv_scales = UNIT_SCALES  # what an fp8 cache of this layer stores against (the checkpoint's)
@@ -130,6 +137,8 @@ class Attention(nn.Module):
         `quantize` (the next linear runs W4A8) lets the decode path return Fp8Activations, quantized
         in its merge launch; every other path returns the tensor and leaves quantization to the linear.
         sinks: fp32 [num_heads] logits that join each row's softmax denominator (gpt-oss), or None."""
+        if meta is not None and self.kv_group:
+            meta = meta.other_groups[self.kv_group - 1]
         cached = meta is not None and self.k_cache is not None
         if rotary is not None:
             rope, positions = rotary

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from radiance.engine.kv_cache import kv_cache_dtype
-from radiance.engine.model_runner import ModelRunner
 from radiance.layers.attention import cached_kv, paged_attention_torch, store_kv_cache_torch
 from radiance.layers.rotary import RotaryEmbedding
 
@@ -141,11 +140,9 @@ def test_float32_cache_in_place_gives_the_16_bit_cache_bytes(q_lens, kv_lens):
 
 
 def test_runner_finds_the_sequences_whose_blocks_run_in_order():
-    from types import SimpleNamespace
+    from radiance.engine.step_inputs import StepInputs
 
-    runner = SimpleNamespace(device=torch.device("cpu"), block_size=4)
     tables = np.array([[7, 8, 9, 0], [2, 5, 6, 0], [4, 0, 0, 0], [3, 4, 9, 9]], dtype=np.int32)
     # 9 tokens: blocks 7-9; 9 tokens over 2, 5, 6: out of order; 1 token; 8 tokens: blocks 3-4 (the rest unused)
-    assert ModelRunner._first_blocks_in_order(runner, tables, [9, 9, 1, 8]) == [7, -1, 4, 3]
-    assert ModelRunner._first_blocks_in_order(SimpleNamespace(device=torch.device("cuda"), block_size=4),
-                                              tables, [9, 9, 1, 8]) is None
+    assert StepInputs(4, 1, torch.device("cpu")).first_blocks_in_order(tables, [9, 9, 1, 8]) == [7, -1, 4, 3]
+    assert StepInputs(4, 1, torch.device("cuda")).first_blocks_in_order(tables, [9, 9, 1, 8]) is None

@@ -278,11 +278,16 @@ def check_accounting(engine) -> None:
     assert all(s.status == SequenceStatus.WAITING and not s.block_table for s in sched.waiting)
     refs = [0] * bm.num_blocks
     for seq in sched.running:
-        assert len(set(seq.block_table)) == len(seq.block_table)
+        live = bm.live_blocks(seq)  # every KV group's table (engine.kv_layout), released entries left out
+        assert len(set(live)) == len(live)
+        assert all(len(table) == len(seq.block_table) for table in bm.tables(seq))
         assert len(seq.block_table) >= bm.blocks_needed(seq.num_computed_tokens)
         assert seq.num_computed_tokens < seq.num_tokens  # the last token is always to compute
         assert seq.num_draft_tokens == 0
-        for block in seq.block_table:
+        for g, table in enumerate(bm.tables(seq)):  # a local group keeps what its span reads from the next token on
+            first = bm.layout.first_kept_block(g, seq.num_computed_tokens, bm.block_size)
+            assert bm.null_block not in table[first:]
+        for block in live:
             refs[block] += 1
     assert refs == bm.ref_counts
     assert set(bm.free_blocks) == {b for b in range(bm.num_blocks) if refs[b] == 0}

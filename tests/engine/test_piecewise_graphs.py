@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radiance.engine import piecewise_graphs as pw
+from radiance.layers.attention import AttentionMetadata
 
 
 class FakeGraph:
@@ -36,8 +37,8 @@ class FakeGraph:
 class FakeAttention:
     """Stands for Attention: prefill_attention writes q + its layer index into `out`."""
 
-    def __init__(self, index: int):
-        self.index = index
+    def __init__(self, index: int, kv_group: int = 0):
+        self.index, self.kv_group = index, kv_group
 
     def prefill_attention(self, q, meta, sinks=None, out=None):
         FakeGraph.log.append(("attention", self.index, meta, sinks))
@@ -77,6 +78,23 @@ def test_each_cut_ends_a_piece_runs_the_launch_and_begins_the_next(fake_graphs):
     assert [e[:2] for e in fake_graphs] == [("replay", "graph0"), ("attention", 1), ("replay", "graph1"),
                                             ("attention", 2), ("replay", "graph2")]
     assert all(e[2] == "step-meta" for e in fake_graphs if e[0] == "attention")
+
+
+def test_a_cut_of_another_kv_group_runs_with_that_groups_metadata(fake_graphs):
+    """A local layer of KV group 1 (engine.kv_layout) reads its group's tables and slots at replay."""
+    capture = pw.PiecewiseCapture(torch.zeros(4, 2, 4), torch.zeros(4, 2, 4), pool=None)
+    layers = [FakeAttention(1), FakeAttention(2, kv_group=1)]
+    capture.begin()
+    for attn in layers:
+        capture(attn, torch.zeros(4, 2, 4), "meta", None)
+    capture.end()
+    forward = pw.PiecewiseForward(capture.graphs, capture.cuts, torch.zeros(4, 2, 4), torch.zeros(4, 2, 4),
+                                  torch.zeros(4, 3))
+    group_1 = AttentionMetadata(torch.zeros(4), torch.zeros(1, 2), None, None, [4], [4], False)
+    step = AttentionMetadata(torch.zeros(4), torch.zeros(1, 2), None, None, [4], [4], False, other_groups=(group_1,))
+    fake_graphs.clear()
+    forward.replay(step)
+    assert [e[2] for e in fake_graphs if e[0] == "attention"] == [step, group_1]
 
 
 def test_queries_that_do_not_fit_the_static_buffer_are_refused(fake_graphs):
@@ -131,6 +149,21 @@ def test_a_step_fills_the_static_inputs_of_its_bucket():
     meta = graphs.forwards[8].metas[1]
     assert meta.cu_seqlens_q.tolist() == [0, 1] and meta.context_lens.tolist() == [9] and meta.valid_rows.tolist() == [1]
     assert graphs.meta[2, :8].tolist() == [43] + [-1] * 7
+
+
+def test_a_step_of_two_kv_groups_fills_each_groups_slots_and_tables():
+    graphs = pw.PiecewiseGraphs([8], max_seqs=2, max_blocks_per_seq=4, q_shape=(2, 4), dtype=torch.float32,
+                                device=torch.device("cpu"), kv_groups=2)
+    graphs.forwards = {8: FakeForward(8)}
+    slots = np.array([[40, 41, 8], [72, 73, 24]])
+    tables = np.array([[[2, 3, 9], [1, 0, 0]], [[4, 5, 6], [7, 0, 0]]], dtype=np.int32)
+    graphs.replay([1, 2, 3], np.array([8, 9, 0]), slots, [2, 1], [10, 1], tables)
+    meta = graphs.forwards[8].metas[0]
+    (other,) = meta.other_groups
+    assert meta.slot_mapping.tolist() == [40, 41, 8] + [-1] * 5 and other.slot_mapping.tolist() == [72, 73, 24] + [-1] * 5
+    assert meta.block_tables[:, :3].tolist() == tables[0].tolist()
+    assert other.block_tables[:, :3].tolist() == tables[1].tolist()
+    assert other.cu_seqlens_q.tolist() == [0, 2, 3] and other.context_lens.tolist() == [10, 1]
 
 
 def test_capture_takes_the_buckets_largest_first_and_threads_the_pool(monkeypatch):

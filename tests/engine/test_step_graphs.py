@@ -74,14 +74,30 @@ def test_a_decode_step_fills_its_bucket_and_pads_the_rest(captured):
     hidden = graphs.replay([11, 12, 13], np.array([20, 3, 17]), np.array([85, 115, 145]), [21, 4, 18], tables)
     assert captured == [("replay", "graph1")]  # 3 sequences: the 4-bucket
     assert hidden.shape == (3, 2) and hidden[:, 0].tolist() == [0, 1, 2]
-    # tokens, positions, slots, context lens, then the real-row count in column 0; the padding row writes nowhere
-    assert graphs.meta[:, :4].tolist() == [[11, 12, 13, 0], [20, 3, 17, 0], [85, 115, 145, -1], [21, 4, 18, 0],
-                                           [3, 0, 0, 0]]
-    assert graphs.tables[:3, :2].tolist() == tables.tolist()
+    # tokens, positions, context lens, the real-row count in column 0, then the slots; the padding row writes nowhere
+    assert graphs.meta[:, :4].tolist() == [[11, 12, 13, 0], [20, 3, 17, 0], [21, 4, 18, 0], [3, 0, 0, 0],
+                                           [85, 115, 145, -1]]
+    assert graphs.tables[0, :3, :2].tolist() == tables.tolist()
     # tokens already on the device (a step queued behind the one that samples them)
     graphs.replay(torch.tensor([31, 32]), np.array([21, 4]), np.array([86, 116]), [22, 5], tables[:2])
     assert captured[-1] == ("replay", "graph2") and graphs.tokens[:2].tolist() == [31, 32]
-    assert graphs.meta[4, 0] == 2
+    assert graphs.meta[3, 0] == 2
+
+
+def test_a_decode_step_of_two_kv_groups_fills_each_groups_slots_and_tables(captured):
+    """A model with local layers (engine.kv_layout): each KV group's layers read their own slots and tables."""
+    graphs = sg.DecodeGraphs(max_batch=4, max_blocks_per_seq=3, num_kv_heads=8, device=CPU, kv_groups=2)
+    graphs.capture(model=None)
+    for _, _, batch, _, meta in captured:  # group 1's metadata: views of the second rows
+        (other,) = meta.other_groups
+        assert other.slot_mapping.data_ptr() == graphs.slots[1].data_ptr()
+        assert other.block_tables.shape == (batch, 3) and other.block_tables.data_ptr() == graphs.tables[1].data_ptr()
+        assert meta.of_group(1) is other and meta.of_group(0) is meta
+    tables = np.array([[[4, 5], [7, 0], [9, 2]], [[10, 11], [12, 13], [14, 15]]], dtype=np.int32)
+    graphs.replay([11, 12, 13], np.array([20, 3, 17]), np.array([[85, 115, 145], [181, 211, 241]]), [21, 4, 18],
+                  tables)
+    assert graphs.slots[:, :4].tolist() == [[85, 115, 145, -1], [181, 211, 241, -1]]
+    assert graphs.tables[:, :3, :2].tolist() == tables.tolist()
 
 
 def test_prefill_capture_and_a_chunk_in_its_bucket(captured):
@@ -98,7 +114,7 @@ def test_prefill_capture_and_a_chunk_in_its_bucket(captured):
     assert graphs.meta[:, :8].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], list(range(32, 37)) + [0] * 3,
                                            list(range(100, 105)) + [-1] * 3]
     # cu_seqlens (0, q_len) and the context length; the real rows are cu_seqlens' end (valid_rows)
-    assert graphs.lens.tolist() == [0, 5, 37] and graphs.table[0, :3].tolist() == [6, 2, 3]
+    assert graphs.lens.tolist() == [0, 5, 37] and graphs.table[0, 0, :3].tolist() == [6, 2, 3]
 
 
 def test_staging_sets_come_in_turn_and_skip_the_last_two():

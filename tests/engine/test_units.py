@@ -180,7 +180,7 @@ def test_sampling_params_validation(bad):
 def test_block_table_mirror_follows_appends_and_new_lists():
     """The runner's numpy block tables: extended as a table grows, rebuilt when the sequence gets a new list
     (its blocks were freed: preemption), equal to the list every time."""
-    from radiance.engine.model_runner import BlockTableMirror
+    from radiance.engine.step_inputs import BlockTableMirror
 
     class Seq:
         block_table: list
@@ -198,6 +198,11 @@ def test_block_table_mirror_follows_appends_and_new_lists():
     other = Seq()
     other.block_table = [1]
     assert mirror.row(other).tolist() == [1] and mirror.row(seq).tolist() == []  # one row per sequence
+    # KV groups: one row per group; a local group's released entries come as a new list of the same length
+    seq.block_table, seq.group_tables = [1, 2], [[3, 4]]
+    assert mirror.row(seq, 1).tolist() == [3, 4] and mirror.row(seq).tolist() == [1, 2]
+    seq.group_tables[0] = [99, 4]
+    assert mirror.row(seq, 1).tolist() == [99, 4]
 
 
 @pytest.mark.parametrize("field, value", [
