@@ -12,7 +12,8 @@ digest and the group.
 With `prefer_in_order` (the CPU engine), a growing sequence takes the block right after its last one
 when that block is free and holds no cached prefix, ahead of LRU order: its blocks then run in order, and the
 CPU attention reads the cache in place instead of gathering the context every step
-(AttentionMetadata.kv_first_blocks).
+(AttentionMetadata.kv_first_blocks). A local group's blocks, which never run in order, come from the other end of
+the free list, where its released blocks go, so that they do not take the full groups' next blocks.
 """
 
 from __future__ import annotations
@@ -195,10 +196,15 @@ class BlockManager:
         if self.null_block is not None:
             self._release_behind_spans(seq)
         wanted = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        for table in self.tables(seq):
+        for g, table in enumerate(self.tables(seq)):
+            local = self.layout.spans[g] is not None
             for _ in range(wanted):
-                following = table[-1] + 1 if self.prefer_in_order and table and table[-1] != self.null_block else None
-                table.append(self._take_fresh_block(following))
+                if not self.prefer_in_order:
+                    table.append(self._take_fresh_block())
+                elif local:  # its blocks never run in order: from the free list's end, where its releases go, so
+                    table.append(self._take_fresh_block(from_end=True))  # it leaves the full groups their runs
+                else:
+                    table.append(self._take_fresh_block(table[-1] + 1 if table else None))
 
     def _release_behind_spans(self, seq: Sequence) -> None:
         """Give back each local group's blocks that no step from token seq.num_computed_tokens on reads. The table
@@ -220,15 +226,16 @@ class BlockManager:
                 seq.group_tables[g - 1] = table
         seq.released_blocks = released
 
-    def _take_fresh_block(self, wanted: int | None = None) -> int:
-        """`wanted` when it is free and caches nothing, else the least recently freed block. A cached block is not
-        taken out of turn: after a prompt sharing a system prompt with another, the block after the shared one is
-        the other prompt's cached continuation, and taking it evicted that while hundreds of blocks were unused."""
+    def _take_fresh_block(self, wanted: int | None = None, from_end: bool = False) -> int:
+        """`wanted` when it is free and caches nothing, else the least recently freed block (the most recently freed
+        one `from_end`). A cached block is not taken out of turn: after a prompt sharing a system prompt with
+        another, the block after the shared one is the other prompt's cached continuation, and taking it evicted
+        that while hundreds of blocks were unused."""
         if wanted is not None and wanted in self.free_blocks and self.hash_of_block[wanted] is None:
             del self.free_blocks[wanted]
             block = wanted
         else:
-            block, _ = self.free_blocks.popitem(last=False)
+            block, _ = self.free_blocks.popitem(last=from_end)
         h = self.hash_of_block[block]
         if h is not None:
             if self.block_of_hash.get(h) == block:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,6 +191,27 @@ def test_engine_tokens_equal_without_groups_and_blocks_stay_within_the_window(ti
     step_tokens = chunk or hybrid.engine.config.scheduler.max_num_batched_tokens
     assert max(held) <= groups * (-(-(span + step_tokens) // 4) + 1)
     assert max(held[-30:]) <= groups * (-(-(span + 1) // 4) + 1)  # decoding: the window, one block more
+
+
+def test_on_the_cpu_the_full_attention_blocks_still_run_in_order(tiny_model_dir):
+    """The CPU attention reads a context in place when its blocks run in order (BlockManager.prefer_in_order): the
+    window layer's blocks come from the other end of the free list, so the full layer's stay in order."""
+    from radiance import LLM
+
+    engine = LLM(tiny_model_dir("gemma3")[0], device="cpu", dtype="float32", block_size=4,
+                 max_num_batched_tokens=8).engine
+    bm = engine.block_manager
+    engine.add_request("r", list(range(10, 60)), SamplingParams(max_tokens=30, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        for seq in engine.scheduler.running:
+            full = seq.block_table
+            assert full == list(range(full[0], full[0] + len(full)))
+            assert engine.runner.inputs.first_blocks_in_order(np.array([full]), [seq.num_computed_tokens]) == [full[0]]
+            assert any(b == bm.null_block for b in seq.group_tables[0]) or seq.num_computed_tokens < 40
+    assert steps > 30
 
 
 def test_llama4_chunked_layers_release_their_blocks_and_match_transformers(tiny_model_dir):
