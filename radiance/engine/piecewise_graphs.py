@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radiance.engine.step_graphs import StagingSets, by_group, with_groups
+from radiance.engine.step_graphs import StagingSets, by_group, copy_tables, with_groups
 from radiance.layers.attention import Attention, AttentionMetadata
 
 
@@ -149,6 +149,7 @@ class PiecewiseGraphs:
         self.meta = torch.zeros(2 + kv_groups, top, dtype=torch.long, device=device)  # tokens, positions, slots
         self.lens = torch.zeros(2 * max_seqs + 2, dtype=torch.int32, device=device)
         self.tables = torch.zeros(kv_groups, max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.table_stage = torch.zeros(self.tables.numel(), dtype=torch.int32, device=device) if kv_groups > 1 else None
         self.meta[2:].fill_(-1)
         self.staging = StagingSets([(tuple(t.shape), t.dtype) for t in (self.meta, self.lens, self.tables)], device)
         # the cuts' static buffers: rotated queries in, attention output out (zeroed: padding rows stay finite)
@@ -199,9 +200,7 @@ class PiecewiseGraphs:
         lens[1:batch + 1] = np.cumsum(q_lens)
         lens[first_len:first_len + batch] = kv_lens
         lens[-1] = rows
-        width = tables.shape[2]
-        h_tables.numpy()[:, :batch, :width] = tables  # entries past a sequence's blocks are never read
         self.meta[:, :size].copy_(h_meta[:, :size], non_blocking=True)
         self.lens.copy_(h_lens, non_blocking=True)
-        self.tables[:, :batch, :width].copy_(h_tables[:, :batch, :width], non_blocking=True)
+        copy_tables(self.tables, h_tables, self.table_stage, tables)
         return self.forwards[size].replay(self.step_meta(size, q_lens, kv_lens))[:rows]

@@ -117,6 +117,19 @@ def test_prefill_capture_and_a_chunk_in_its_bucket(captured):
     assert graphs.lens.tolist() == [0, 5, 37] and graphs.table[0, 0, :3].tolist() == [6, 2, 3]
 
 
+def test_a_prefill_chunk_of_two_kv_groups_lands_each_groups_slots_and_table(captured):
+    graphs = sg.PrefillGraphs([8], max_blocks_per_seq=6, device=CPU, kv_groups=2)
+    graphs.capture(model=None)
+    (other,) = captured[0][4].other_groups
+    assert other.block_tables.data_ptr() == graphs.table[1].data_ptr() and other.slot_mapping.shape == (8,)
+    tables = np.array([[[6, 2, 3, 1, 7]], [[9, 9, 4, 5, 8]]], dtype=np.int32)
+    graphs.replay([1, 2, 3], np.arange(16, 19), np.array([[4, 5, 6], [20, 21, 22]]), 19, tables)
+    assert graphs.meta[2:, :4].tolist() == [[4, 5, 6, -1], [20, 21, 22, -1]]
+    assert graphs.table[:, 0, :5].tolist() == [[6, 2, 3, 1, 7], [9, 9, 4, 5, 8]]
+    graphs.replay([4], np.arange(19, 20), np.array([[7], [23]]), 20, tables[:, :, :2])  # a narrower table next
+    assert graphs.table[:, 0, :5].tolist() == [[6, 2, 3, 1, 7], [9, 9, 4, 5, 8]]  # the rest is never read
+
+
 def test_staging_sets_come_in_turn_and_skip_the_last_two():
     staging = sg.StagingSets([((2, 3), torch.long), ((4,), torch.int32)], CPU)
     got = [staging.next() for _ in range(2 * sg.STAGING_SETS)]
