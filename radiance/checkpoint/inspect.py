@@ -105,6 +105,34 @@ def _attention_line(config: dict) -> str | None:
             f"({len(layers)} of {cfg.num_layers}), {rest}{caps}")
 
 
+def _kv_line(config: dict) -> str | None:
+    """The 16-bit KV cache a sequence of the model's whole context takes, all layers keeping every token, and with
+    the local layers' blocks released (engine.kv_layout, the default); None for a config the registry refuses."""
+    from radiance.config import CacheConfig, SchedulerConfig
+    from radiance.engine.kv_layout import KvLayout
+    from radiance.errors import ConfigError
+    from radiance.models.registry import resolve_architecture
+
+    try:
+        cfg = resolve_architecture(config)[1]
+    except ConfigError:
+        return None
+    per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V of one token in 16 bits
+    context, block = cfg.context_length, CacheConfig().block_size
+    line = (f"{_mib(per_layer * cfg.num_layers)} per token in 16 bits; a sequence of the whole context "
+            f"({context} tokens): {_gib(per_layer * cfg.num_layers * context)}")
+    layout = KvLayout.of(cfg)
+    if layout.releases_pages:
+        pages = layout.pages_for(context, block, SchedulerConfig().max_num_batched_tokens)
+        line += (f", {_gib(pages * block * layout.slots * per_layer)} with the local layers' blocks released "
+                 f"({layout.num_groups} groups of {layout.slots} layers)")
+    return line
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else _mib(nbytes)
+
+
 def _rotary_line(config: dict) -> str | None:
     """What is unusual about the model's rotary embedding (LongRoPE's two factor sets, a partial rotary, NoPE
     layers, sliding layers with a base of their own); None when nothing is, or for a config the registry refuses."""
@@ -195,6 +223,9 @@ def _header_lines(ckpt: Checkpoint, entries, problem: str | None, with_tokenizer
     attention = _attention_line(ckpt.config)
     if attention:
         lines.append(f"attention  {attention}")
+    kv = _kv_line(ckpt.config)
+    if kv:
+        lines.append(f"kv cache   {kv}")
     rotary = _rotary_line(ckpt.config)
     if rotary:
         lines.append(f"rotary     {rotary}")

@@ -271,3 +271,17 @@ def test_churn_with_a_window_layer_matches_an_engine_without_groups(tiny_windowe
     reference = make_reference(lambda **o: tiny_windowed_text_llm(**o, hybrid_kv_cache=False))
     engine, _, _ = sync_churn(tiny_windowed_text_llm, reference, seed)
     assert engine.block_manager.num_groups == 2
+
+
+def test_inspect_says_what_a_whole_context_takes_with_and_without_released_blocks(tiny_model_dir):
+    from radiance.checkpoint import open_checkpoint
+    from radiance.checkpoint.inspect import _kv_line, inspect_lines
+    from tests.engine.test_gemma3 import HUB_STYLE
+
+    # 12 layers, every 6th full: 2 full + 10 sliding in 6 groups of 2 slots; 256 bytes a layer a token
+    assert _kv_line(HUB_STYLE) == ("3.0 KiB per token in 16 bits; a sequence of the whole context (131072 tokens): "
+                                   "384.0 MiB, 71.5 MiB with the local layers' blocks released (6 groups of 2 layers)")
+    assert _kv_line({**HUB_STYLE, "sliding_window": None}).endswith("384.0 MiB")
+    lines = inspect_lines(open_checkpoint(tiny_model_dir("gemma3")[0]))
+    assert ("kv cache   0.5 KiB per token in 16 bits; a sequence of the whole context (512 tokens): 256.0 KiB, "
+            "256.0 KiB with the local layers' blocks released (2 groups of 1 layers)") in lines  # too short to gain
