@@ -149,9 +149,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         arch = model.config
         kv_dtype = kv_cache_dtype(device, dtype, config.cache.kv_cache_dtype)
-        self.kv_layout = KvLayout.of(arch, config.cache.hybrid_kv_cache)
-        if self.kv_layout.releases_pages:
-            logger.info("%s", self.kv_layout.describe())
+        self.kv_layout = KvLayout.of(arch, config.cache.hybrid_kv_cache)  # the engine's startup line describes it
         self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype, self.kv_layout)
         self.max_model_len = self._max_model_len(config.model.max_model_len, arch.context_length)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)

@@ -99,8 +99,7 @@ class PiecewiseForward:
         for graph, cut in zip(self.graphs, self.cuts):
             graph.replay()
             group = cut.attn.kv_group
-            cut.attn.prefill_attention(self.q, meta if group == 0 else meta.other_groups[group - 1], cut.sinks,
-                                       out=self.out)
+            cut.attn.prefill_attention(self.q, meta.of_group(group) if group else meta, cut.sinks, out=self.out)
         self.graphs[-1].replay()
         return self.hidden
 

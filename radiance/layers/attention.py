@@ -138,7 +138,7 @@ class Attention(nn.Module):
         in its merge launch; every other path returns the tensor and leaves quantization to the linear.
         sinks: fp32 [num_heads] logits that join each row's softmax denominator (gpt-oss), or None."""
         if meta is not None and self.kv_group:
-            meta = meta.other_groups[self.kv_group - 1]
+            meta = meta.of_group(self.kv_group)
         cached = meta is not None and self.k_cache is not None
         if rotary is not None:
             rope, positions = rotary
