@@ -17,7 +17,11 @@ from radiance.models.moe_config import MoeConfig
 from tests.kernels.conftest import random_mxfp4
 
 HIDDEN, INTER, EXPERTS = 128, 64, 4
-GATE = 2e-3  # the W4A8 kernels' gate against their exact reference
+GATE = 2e-3  # the W4A8 kernels' gate against their exact reference (the interpreter: fp32 sums)
+# On the GPU the fp8 MMA sums at reduced precision (triton_cases_moe.assert_close_quantized_rows): the GLU's
+# output lands an e4m3 step off here and there before the down GEMM (0.0039 of the block's output at 33 tokens
+# on an H100, sixty-second session).
+GPU_GATE = 1e-2
 
 
 def _block(device, seed: int):
@@ -61,6 +65,7 @@ def test_llama4_input_scaled_experts_on_the_grouped_kernels(device, tokens):
     with torch.no_grad():
         got = block(x)
     want = _reference(block, weights, x)
-    assert relative_error(got, want) < GATE, relative_error(got, want)
+    gate = GPU_GATE if device.type == "cuda" else GATE
+    assert relative_error(got, want) < gate, relative_error(got, want)
     # without the score the output is far off: the match depends on it
     assert relative_error(_reference(block, weights, x, scaled=False), want) > 0.1
