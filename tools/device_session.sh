@@ -17,6 +17,8 @@
 #   pdl      which norm releases its GEMM early (tools/early_release_ab.py) and how deep the down GEMM, resident
 #            during gate_up since the early-released quantize, prefetches (pdl_prefetch_sweep.py --shape), 8B and
 #            32B at batches 1 and 8 (about 5)
+#   hybrid   KV groups off / on (tools/kv_groups_ab.py, Gemma 3 12B: blocks, 32k sequences that fit, decode ms),
+#            then Llama 4 Scout in MXFP4 on the engine (~57 GB of weights: fits one H100; never run yet)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -72,8 +74,14 @@ pdl)
         --tiles 1 2 4 --batches 1 8 --repeats 2
     grep -h "batch 1" "$OUT"/early-*.log "$OUT"/prefetch-*.log
     ;;
+hybrid)
+    step 220 kv-groups python3 tools/kv_groups_ab.py synthetic:gemma-3-12b 128 32000
+    step 340 engine-scout python3 -m radiance.bench.engine_bench synthetic:llama-4-scout-17b-16e --quantization mxfp4 \
+        --contexts 128 16000 --prefills 1024 8192 --concurrency 1 16 64 --no-hf --json "$OUT/engine-scout.json"
+    tail -n 3 "$OUT/kv-groups.log"
+    ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|cases|kernels|models|sweep|splits|retune|pdl]" >&2
+    echo "usage: bash tools/device_session.sh [quick|cases|kernels|models|sweep|splits|retune|pdl|hybrid]" >&2
     exit 2
     ;;
 esac
