@@ -172,19 +172,22 @@ class BlockManager:
     def new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks `seq` lacks to hold its computed tokens and `num_new_tokens` more, less those its local groups
         give back first (see blocks_to_take)."""
-        return self.blocks_to_take(self.tables(seq), seq.num_computed_tokens, num_new_tokens)
+        return self.blocks_to_take(self.tables(seq), seq.num_computed_tokens, num_new_tokens,
+                                   released=seq.released_blocks)
 
     def blocks_to_take(self, tables: list[list[int]], num_computed: int, num_new_tokens: int,
-                       refs: dict[int, int] | None = None) -> int:
+                       refs: dict[int, int] | None = None, released: list[int] | None = None) -> int:
         """Free blocks a step of `num_new_tokens` after `num_computed` takes from a sequence holding `tables`: the
         new blocks of every group, less the blocks its local groups release behind their span that no other
-        sequence holds (reference counts from `refs` where it has them)."""
+        sequence holds (reference counts from `refs` where it has them). `released`: how many leading entries of
+        each table are released already (Sequence.released_blocks), so a long context's are not walked again."""
         new = (self.blocks_needed(num_computed + num_new_tokens) - len(tables[0])) * self.num_groups
         if self.null_block is None:
             return new
         refs = refs or {}
         for g, table in enumerate(tables):
-            for block in table[:self._first_kept(g, num_computed)]:
+            start = released[g] if released else 0
+            for block in table[start:self._first_kept(g, num_computed)]:
                 if block != self.null_block and refs.get(block, self.ref_counts[block]) == 1:
                     new -= 1
         return new
@@ -207,23 +210,17 @@ class BlockManager:
                     table.append(self._take_fresh_block(table[-1] + 1 if table else None))
 
     def _release_behind_spans(self, seq: Sequence) -> None:
-        """Give back each local group's blocks that no step from token seq.num_computed_tokens on reads. The table
-        becomes a new list (step_inputs.BlockTableMirror sees it by identity) with null_block there."""
+        """Give back each local group's blocks that no step from token seq.num_computed_tokens on reads: null_block
+        in their place, in the table itself, and Sequence.released_blocks counts them (step_inputs.BlockTableMirror
+        follows that count; copying a long context's table at each release cost milliseconds per step)."""
         tables = self.tables(seq)
         released = seq.released_blocks or [0] * len(tables)
         for g, table in enumerate(tables):
-            first = self._first_kept(g, seq.num_computed_tokens)
-            if first <= released[g]:
-                continue
-            table = list(table)
-            for i in range(released[g], min(first, len(table))):
+            first = min(self._first_kept(g, seq.num_computed_tokens), len(table))
+            for i in range(released[g], first):
                 self._drop(table[i])
                 table[i] = self.null_block
-            released[g] = max(released[g], min(first, len(table)))
-            if g == 0:
-                seq.block_table = table
-            else:
-                seq.group_tables[g - 1] = table
+            released[g] = max(released[g], first)
         seq.released_blocks = released
 
     def _take_fresh_block(self, wanted: int | None = None, from_end: bool = False) -> int:

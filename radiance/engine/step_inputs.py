@@ -14,23 +14,32 @@ from radiance.engine.scheduler import ScheduledSequence
 class BlockTableMirror:
     """numpy copies of the sequences' block tables (one per KV group), extended as the tables grow, so a step
     copies arrays instead of converting every sequence's whole Python list (at batch 64 and 8k context that
-    conversion took ~2 ms of host time per step). Sound because the block manager only appends to a table, or
-    gives the sequence a new list when it frees or releases blocks (the identity check catches that)."""
+    conversion took ~2 ms of host time per step). Sound because the block manager only appends to a table,
+    releases its leading entries in place (counted by Sequence.released_blocks), or gives the sequence a new
+    list when it frees its blocks or takes cached ones (the identity check catches that)."""
 
     def __init__(self):
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def row(self, seq, group: int = 0) -> np.ndarray:
         table = seq.block_table if group == 0 else seq.group_tables[group - 1]
+        counts = getattr(seq, "released_blocks", None) or ()
+        released = counts[group] if group < len(counts) else 0
         entries = self._rows.setdefault(seq, {})
         entry = entries.get(group)
-        if entry is not None and entry[0] is table and len(entry[1]) == len(table):
-            return entry[1]
-        if entry is not None and entry[0] is table and len(entry[1]) < len(table):
-            array = np.concatenate((entry[1], np.asarray(table[len(entry[1]):], dtype=np.int32)))
-        else:
+        if entry is None or entry[0] is not table or len(entry[1]) > len(table):
             array = np.asarray(table, dtype=np.int32)
-        entries[group] = (table, array)
+        else:
+            _, array, seen = entry
+            if len(array) == len(table) and released <= seen:
+                return array
+            if len(array) < len(table):
+                array = np.concatenate((array, np.asarray(table[len(array):], dtype=np.int32)))
+            elif released > seen:
+                array = array.copy()  # a step may still hold the array it was given
+            if released > seen:
+                array[seen:released] = table[seen:released]
+        entries[group] = (table, array, released)
         return array
 
 

@@ -179,7 +179,8 @@ def test_sampling_params_validation(bad):
 
 def test_block_table_mirror_follows_appends_and_new_lists():
     """The runner's numpy block tables: extended as a table grows, rebuilt when the sequence gets a new list
-    (its blocks were freed: preemption), equal to the list every time."""
+    (its blocks were freed: preemption), a local group's released entries updated in place: equal to the list
+    every time."""
     from radiance.engine.step_inputs import BlockTableMirror
 
     class Seq:
@@ -203,6 +204,13 @@ def test_block_table_mirror_follows_appends_and_new_lists():
     assert mirror.row(seq, 1).tolist() == [3, 4] and mirror.row(seq).tolist() == [1, 2]
     seq.group_tables[0] = [99, 4]
     assert mirror.row(seq, 1).tolist() == [99, 4]
+    # a local group's entries behind its span are released in place, Sequence.released_blocks counting them
+    held = mirror.row(seq, 1)
+    seq.group_tables[0][0], seq.released_blocks = -1, [0, 1]
+    assert mirror.row(seq, 1).tolist() == [-1, 4] and held.tolist() == [99, 4]  # an array handed out stays
+    seq.group_tables[0].extend([5, 6])
+    seq.group_tables[0][1], seq.released_blocks = -1, [0, 2]  # grown and released since the last step
+    assert mirror.row(seq, 1).tolist() == [-1, -1, 5, 6] and mirror.row(seq).tolist() == [1, 2]
 
 
 @pytest.mark.parametrize("field, value", [
