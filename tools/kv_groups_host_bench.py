@@ -23,7 +23,6 @@ layout = KvLayout(10, tuple((g,) for g in range(groups)), spans)
 bm = BlockManager(B * (ctx // bs + 200) * groups, bs, False, layout=layout)
 seqs = [Sequence(str(i), [1] * (ctx + 200), SamplingParams(max_tokens=4), 0) for i in range(B)]
 for seq in seqs:
-    seq.token_ids = [1] * (ctx + 200)
     while seq.num_computed_tokens < ctx:
         bm.allocate(seq, 8192)
         seq.num_computed_tokens += 8192
