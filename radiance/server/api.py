@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 import uuid
 
 from fastapi import FastAPI
@@ -47,6 +48,9 @@ def cors_options(allowed_origins: tuple[str, ...]) -> dict:
             "expose_headers": ["X-Request-Id"], "allow_credentials": False}
 
 
+_CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
+
+
 class RequestMiddleware:
     """What every request passes through: the API-key check, the request id, the error counts, the last-resort
     answer. Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass through
@@ -74,13 +78,21 @@ class RequestMiddleware:
             response = error_response(OpenAIError(401, "Incorrect or missing API key "
                                                        "(send Authorization: Bearer KEY)", code="invalid_api_key"))
             return await response(scope, receive, send)
+        encoding = dict(scope.get("headers") or ()).get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"", b"identity"):  # read as JSON it would be "not UTF-8": say what is wrong
+            response = error_response(OpenAIError(415, f"Content-Encoding {encoding.decode('latin-1')} is not "
+                                                       "supported: send the request body uncompressed"))
+            return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
     @staticmethod
     def _served_request(scope) -> ServedRequest:
+        """The client's X-Request-Id when it is a plain id (visible ASCII, at most 128 characters), else a new
+        one: the id becomes part of response bodies and log lines, where a 5,000-character or non-ASCII header
+        (read as latin-1: mojibake) has no place."""
         for name, value in scope.get("headers") or ():
-            if name == b"x-request-id" and value:
-                return ServedRequest(value.decode("latin-1"))
+            if name == b"x-request-id" and _CLIENT_REQUEST_ID.fullmatch(value):
+                return ServedRequest(value.decode("ascii"))
         return ServedRequest(uuid.uuid4().hex)
 
     @staticmethod

@@ -140,7 +140,9 @@ def chat_logprobs(tokenizer: Any, entries: list, as_ids: bool = False, texts: di
 def completion_logprobs(tokenizer: Any, entries: list, offset: int, as_ids: bool = False,
                         texts: dict[int, str] | None = None, textless: frozenset[int] = frozenset()) -> dict:
     """The legacy completions `logprobs` object; an entry with logprob None (an echoed prompt's first
-    token, which nothing scores) gets null logprobs, as OpenAI's API gives it. text_offset counts the tokens'
+    token, which nothing scores) gets null logprobs, as OpenAI's API gives it. Each top_logprobs entry names the
+    chosen token first, then the alternatives: OpenAI's "up to logprobs + 1 elements", so `logprobs: 0` still
+    gives the chosen token's and a chosen token outside the top k is there too. text_offset counts the tokens'
     texts whatever names them (`as_ids`)."""
     texts = texts if texts is not None else token_texts(tokenizer, entries)
     name = token_name(texts, as_ids)
@@ -148,7 +150,11 @@ def completion_logprobs(tokenizer: Any, entries: list, offset: int, as_ids: bool
     for entry in entries:
         tokens.append(name(entry.token_id))
         token_logprobs.append(None if entry.logprob is None else safe_logprob(entry.logprob))
-        top.append({name(tid): safe_logprob(lp) for tid, lp in entry.top} if entry.top else None)
+        if entry.logprob is None:
+            top.append(None)
+        else:
+            chosen = {name(entry.token_id): safe_logprob(entry.logprob)}
+            top.append(chosen | {name(tid): safe_logprob(lp) for tid, lp in entry.top if tid != entry.token_id})
         offsets.append(offset)
         offset += 0 if entry.token_id in textless else token_chars(texts[entry.token_id])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -149,7 +149,8 @@ def test_prompt_logprobs_score_and_rank_every_prompt_token(server):
         assert [v["rank"] for v in ranked][:2] == [1, 2] and len(entry) == (2 if own["rank"] <= 2 else 3)
         assert ranked[0]["logprob"] >= ranked[1]["logprob"] and ranked[0]["logprob"] >= own["logprob"]
         assert own["logprob"] == choice["logprobs"]["token_logprobs"][position]  # echo's, one alternative
-        assert len(choice["logprobs"]["top_logprobs"][position]) == 1
+        top = choice["logprobs"]["top_logprobs"][position]  # the token itself first, then the most likely
+        assert next(iter(top.values())) == own["logprob"] and len(top) == (1 if own["rank"] == 1 else 2)
     chat = post("/v1/chat/completions", {"model": "smol", "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 0})
     prompt_len = chat.json()["usage"]["prompt_tokens"]
     assert len(chat.json()["prompt_logprobs"]) == prompt_len and chat.json()["prompt_logprobs"][0] is None

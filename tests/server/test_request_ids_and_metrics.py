@@ -1,5 +1,6 @@
 """Response ids from the client's X-Request-Id (as vLLM derives them), engine request ids that stay unique, every
-engine request ending once in /metrics (finished, aborted or failed), and OpenAI's 404 shapes."""
+engine request ending once in /metrics (finished, aborted or failed), OpenAI's 404 shapes, and a compressed body's
+415."""
 
 import asyncio
 import json
@@ -76,6 +77,32 @@ def test_without_the_header_ids_are_new_each_time_and_the_header_names_the_body(
     assert all(re.fullmatch(re.escape(prefix) + "[0-9a-f]{32}", i) for i in ids), ids
     assert ids[0] != ids[1]
     assert [prefix + r.headers["x-request-id"] for r in answers] == ids
+
+
+@pytest.mark.parametrize("header", [b"x" * 129, "../weird-id/\u00fc".encode(), b"two words"])
+def test_an_id_that_is_not_plain_visible_ascii_is_replaced_by_a_new_one(server, header):
+    """A 129-character, a non-ASCII (mojibake once read as latin-1) or a spaced X-Request-Id would end up in the
+    body id and the log lines: the server makes its own id instead and sends that one back."""
+    r = httpx.post(server[0] + CHAT, json=chat_body("hi"), headers={"X-Request-Id": header}, timeout=30)
+    assert r.status_code == 200
+    assert re.fullmatch("[0-9a-f]{32}", r.headers["x-request-id"]) and r.json()["id"] == "chatcmpl-" + r.headers[
+        "x-request-id"]
+    longest = "a:b/c" + "9" * 123  # 128 visible ASCII characters: kept as sent
+    assert httpx.post(server[0] + CHAT, json=chat_body("hi"), headers={"X-Request-Id": longest},
+                      timeout=30).json()["id"] == "chatcmpl-" + longest
+
+
+def test_a_compressed_body_gets_a_415_that_says_so_and_the_server_goes_on(server):
+    import gzip
+
+    body = json.dumps(chat_body("hi")).encode()
+    r = httpx.post(server[0] + CHAT, content=gzip.compress(body), timeout=30,
+                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    check_error_shape(r, 415, None)
+    assert "Content-Encoding gzip is not supported" in r.json()["error"]["message"]
+    plain = httpx.post(server[0] + CHAT, content=body, timeout=30,
+                       headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] == "hi"
 
 
 def test_engine_request_ids_carry_the_body_id_and_stay_unique(server):
