@@ -74,7 +74,9 @@ class ModelConfig:
         _check(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _check(self.rule in MODEL_RULES, f"rule must be one of {MODEL_RULES}, got {self.rule!r}")
         _check(self.rule != "none" or self.quantization == "nvfp4",
-               f"rule 'none' only applies to quantization 'nvfp4', got quantization {self.quantization!r}")
+               f"rule 'none' only applies to quantization 'nvfp4', got quantization {self.quantization!r} (with "
+               "quantization nvfp4, rule none serves NVFP4 weights, a checkpoint's or 16-bit ones quantized at load, "
+               "dequantized as W4A16)")
         _check(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0,
                f"max_model_len must be positive, got {self.max_model_len!r}")

@@ -28,7 +28,7 @@ def register(subparsers) -> None:
     parser.add_argument("--min-tokens", type=int, default=0,
                         help="tokens to generate before end-of-sequence may stop the output (default: 0)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampling temperature; 0 = greedy (default: 0)")
+                        help="sampling temperature in [0, 2] (OpenAI's range); 0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="sample from the smallest set of tokens whose probability reaches this; 1 = off (default)")
     parser.add_argument("--top-k", type=int, default=-1,

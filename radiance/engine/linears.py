@@ -46,7 +46,8 @@ def to_serving_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: KernelConfig,
                  dtype: torch.dtype) -> tuple[nn.Module, str, float]:
-    """(module, how it is served: "dense" | "mxfp4" | "nvfp4-dequant" | "int4", requant relRMS or 0)."""
+    """(module, how it is served: "dense" | "mxfp4" | "int4" | "<format>-dequant" (rule none: a quantized weight
+    served 16-bit, NVFP4's or one stored in another format), requant relRMS or 0)."""
     quant = model_config.quantization
     # a pattern selecting only some parts of a merged linear (q_proj of qkv_proj) is a ConfigError: the loader names
     # the linear with it
@@ -68,7 +69,8 @@ def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: Ke
         packed, scale, global_scale = quantize_nvfp4(weight.tensor.float(), weight.partition_sizes)
         weight = Nvfp4Weight(packed, scale, global_scale, weight.partition_sizes)
     if model_config.rule == "none":  # only valid with nvfp4 (config checks): serve the NVFP4 values in 16 bit
-        return DenseLinear(to_serving_dtype(dequantize(weight), dtype), name=name), "nvfp4-dequant", 0.0
+        # (a weight stored in another format, MXFP4 or FP8, is served dequantized too, and says so)
+        return DenseLinear(to_serving_dtype(dequantize(weight), dtype), name=name), f"{weight.format}-dequant", 0.0
     module, err = Mxfp4Linear.from_weight(weight, model_config.rule, kernel_config, name=name)
     return module, "mxfp4", float(err)
 

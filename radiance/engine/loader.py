@@ -107,7 +107,8 @@ def _load_weights(model, checkpoint, model_config: ModelConfig, kernel_config: K
         if how in ("mxfp4", "mxfp4x2") and source_format != "mxfp4":
             report.add(name, source_format, err, target_format=how)
         else:
-            report.keep(name, source_format if how != "nvfp4-dequant" else "nvfp4 (dequantized)")
+            dequantized = how.removesuffix("-dequant")  # the format whose values it serves in 16 bit
+            report.keep(name, f"{dequantized} (dequantized)" if dequantized != how else source_format)
 
     stored_head = None  # a tied model's lm_head.weight: compared with the embeddings once they are in
     linears: list[tuple[str, int]] = []  # (name, partitions) of the linears built, for the ignore patterns' check

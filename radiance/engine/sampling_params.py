@@ -204,7 +204,7 @@ class SamplingParams:
         check_across("min_tokens")
         # NaN compares false: "must be non-negative, got nan" said the wrong thing
         check(not math.isnan(self.temperature), "temperature must be a number, got nan")
-        check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
+        check(self.temperature >= 0.0, f"temperature must be in [0, 2], got {self.temperature}")
         # an infinite temperature or penalty turns a masked (-inf) or zero logit into NaN
         for name in ("temperature", "repetition_penalty"):
             check(math.isfinite(getattr(self, name)), f"{name} must be finite, got {getattr(self, name)}")

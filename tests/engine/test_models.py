@@ -124,6 +124,24 @@ def test_quantization_options(tiny_model_dir, quantization, rule, served):
         assert 1e-3 < err < 2.0 * _mxfp4_oracle_error(hf, ids, ref)
 
 
+@pytest.mark.parametrize("stored", ["mxfp4", "nvfp4"])
+def test_rule_none_names_the_format_whose_values_it_serves_16_bit(stored):
+    """--quantization nvfp4 --rule none on a checkpoint already stored 4-bit: an MXFP4 weight is served dequantized
+    and its summary says mxfp4-dequant (it said nvfp4-dequant, a format it never was), with the stored values."""
+    from radiance.config import KernelConfig
+    from radiance.engine.linears import build_linear
+    from radiance.formats import DenseWeight, dequantize, to_mxfp4
+    from radiance.formats.nvfp4 import quantize_nvfp4
+    from radiance.formats.weights import Nvfp4Weight
+
+    dense = torch.randn(64, 96)
+    weight = to_mxfp4(DenseWeight(dense))[0] if stored == "mxfp4" else Nvfp4Weight(*quantize_nvfp4(dense, None))
+    module, how, err = build_linear("x", weight, ModelConfig(quantization="nvfp4", rule="none"), KernelConfig(),
+                                    torch.float32)
+    assert (how, err) == (f"{stored}-dequant", 0.0)
+    torch.testing.assert_close(module(torch.eye(96)), dequantize(weight).t(), rtol=0, atol=0)
+
+
 def _mxfp4_oracle_error(hf, ids, ref) -> float:
     import copy
 

@@ -46,7 +46,7 @@ def no_loading(monkeypatch):
     # each names the flag typed, not the field behind it ("max_tokens must be at least 1" before)
     (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
     (["--max-tokens", "-1"], "--max-tokens must be at least 1, got -1"),
-    (["--temperature", "-1"], "--temperature must be non-negative"),
+    (["--temperature", "-1"], "--temperature must be in [0, 2], got -1"),
     (["--temperature", "nan"], "--temperature must be a number, got nan"),  # was "must be non-negative, got nan"
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--frequency-penalty", "3"], "--frequency-penalty must be in [-2, 2]"),

@@ -18,7 +18,8 @@ from radiance.errors import ConfigError
 
 MESSAGES = [
     (lambda: ModelConfig(rule="none", quantization="mxfp4"),
-     "rule 'none' only applies to quantization 'nvfp4', got quantization 'mxfp4'"),
+     "rule 'none' only applies to quantization 'nvfp4', got quantization 'mxfp4' (with quantization nvfp4, rule "
+     "none serves NVFP4 weights, a checkpoint's or 16-bit ones quantized at load, dequantized as W4A16)"),
     (lambda: ModelConfig(max_model_len=0), "max_model_len must be positive, got 0"),
     (lambda: ModelConfig(quantize_lm_head=True),
      "quantize_lm_head needs quantization mxfp4 or nvfp4 (it quantizes a 16-bit head at load), got quantization "
