@@ -61,7 +61,7 @@ def convert_linear(weight, target: str, rule: str = "mse", chunk_rows: int | Non
         packed, scale, global_scale = quantize_nvfp4(source, sizes)
         new = Nvfp4Weight(packed, scale, global_scale, sizes)
     elif target == "fp8":
-        w8, scale = quantize_fp8_per_channel(source)
+        w8, scale = quantize_fp8_per_channel(source, power_of_two=weight.format == "mxfp4")  # MXFP4: exact
         new = Fp8Weight(w8, scale, sizes)
     else:
         new = DenseWeight(source.to(dense_dtype), sizes)

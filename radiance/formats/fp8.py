@@ -12,8 +12,10 @@ FP8_E4M3_MAX = 448.0
 FP32_TINIEST = 2.0 ** -149  # the smallest positive (subnormal) fp32
 
 
-def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (w8 float8_e4m3fn [N, K], scale fp32 [N, 1]) with w ~= w8 * scale."""
+def quantize_fp8_per_channel(w: torch.Tensor, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (w8 float8_e4m3fn [N, K], scale fp32 [N, 1]) with w ~= w8 * scale. power_of_two: each
+    scale the power of two at or above amax / 448, which keeps values of few significant bits exact (MXFP4's,
+    e2m1 codes times power-of-two block scales: exact in a row whose blocks span at most 14 binades)."""
     check_matrix(w, "w")
     if not w.is_floating_point():
         raise ValueError(f"quantize_fp8_per_channel needs a floating-point weight, got {w.dtype}")
@@ -25,6 +27,9 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     scale = amax / amax.new_full((), FP8_E4M3_MAX)
     # Rows below ~3e-43 would get scale amax/448 = 0 and then NaN codes: floor it at the tiniest fp32.
     scale = torch.where(amax > 0, scale.clamp(min=FP32_TINIEST), torch.ones_like(amax))
+    if power_of_two:  # frexp's exponent: 2 ** e >= scale; scale itself when it is a power of two already
+        mantissa, exponent = torch.frexp(scale)
+        scale = torch.where(mantissa == 0.5, scale, torch.ldexp(torch.ones_like(scale), exponent))
     w8 = (w / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return w8, scale
 
