@@ -465,7 +465,7 @@ DENSE_DTYPES = ("bfloat16", "float16")
 class ConvertConfig:
     """Checkpoint conversion (`radiance convert`): the format written and what stays 16-bit."""
 
-    format: str = "mxfp4"  # linears are written in this format (compressed-tensors layout): mxfp4, nvfp4 or fp8
+    format: str = "mxfp4"  # linears are written in this format (compressed-tensors layout): mxfp4, nvfp4 or fp8 (an MXFP4 source to nvfp4 / fp8 keeps its values exactly: power-of-two scales)
     rule: str = "mse"  # block-exponent rule when converting to MXFP4: mse (least squared error), noclip or ocp
     ignore: tuple[str, ...] = ()  # regexes (re.search) of linears to keep 16-bit, e.g. "layers\\.0\\.": radiance's names (qkv_proj) or the checkpoint's (q_proj, k_proj, v_proj: a fused linear's parts all or none)
     quantize_lm_head: bool = False  # lm_head stays 16-bit unless set (a tied head is then untied)

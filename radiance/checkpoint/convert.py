@@ -58,7 +58,7 @@ def convert_linear(weight, target: str, rule: str = "mse", chunk_rows: int | Non
     source = dequantize(weight)
     sizes = weight.partition_sizes
     if target == "nvfp4":
-        packed, scale, global_scale = quantize_nvfp4(source, sizes)
+        packed, scale, global_scale = quantize_nvfp4(source, sizes, power_of_two=weight.format == "mxfp4")
         new = Nvfp4Weight(packed, scale, global_scale, sizes)
     elif target == "fp8":
         w8, scale = quantize_fp8_per_channel(source, power_of_two=weight.format == "mxfp4")  # MXFP4: exact

@@ -23,8 +23,11 @@ def _row_global_scales(global_scale: torch.Tensor, sizes: tuple[int, ...]) -> to
     return torch.repeat_interleave(global_scale.float().reshape(-1), counts).unsqueeze(1)
 
 
-def quantize_nvfp4(w: torch.Tensor, partition_sizes=None):
-    """float [N, K] -> (packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 [P])."""
+def quantize_nvfp4(w: torch.Tensor, partition_sizes=None, power_of_two: bool = False):
+    """float [N, K] -> (packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 [P]). power_of_two: block
+    and global scales powers of two (each block's the one at or above its amax / 6, the largest of a partition
+    2^8), which keeps MXFP4's values exact (e2m1 codes times power-of-two block scales) in every block within
+    17 binades of its partition's largest; for 16-bit values it is MXFP4 on 16-blocks, worse than the default."""
     check_matrix(w, "w")
     check_k_multiple(w, NV_BLOCK, "NVFP4")
     if not w.is_floating_point():
@@ -38,17 +41,28 @@ def quantize_nvfp4(w: torch.Tensor, partition_sizes=None):
     # An all-zero partition gets global scale 1 (any value dequantizes its zero codes to zero). Below
     # amax ~8e-36, 448*6/amax overflows fp32: cap it, the block scales then just use fewer e4m3 steps.
     global_scale = torch.where(amax > 0, FP8_E4M3_MAX * E2M1_MAX / amax, torch.ones_like(amax)).float()
+    if power_of_two:  # the largest block scale 2 ** ceil(log2(amax / 6)) becomes 2^8 (e4m3 holds 2^-9 .. 2^8)
+        global_scale = torch.where(amax > 0, torch.exp2(8 - _ceil_log2(amax / E2M1_MAX)), global_scale)
     global_scale = global_scale.clamp(max=FP32_MAX)
     row_gs = _row_global_scales(global_scale, sizes)
     blocks = w.reshape(n, k // NV_BLOCK, NV_BLOCK)
     block_amax = blocks.abs().amax(-1)
     # divisor on the device: CUDA would multiply by a rounded 1/6 instead (scales then differ from the CPU's)
-    scale = (block_amax / block_amax.new_full((), E2M1_MAX) * row_gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = block_amax / block_amax.new_full((), E2M1_MAX)
+    if power_of_two:
+        scale = torch.where(scale > 0, torch.exp2(_ceil_log2(scale)), scale)
+    scale = (scale * row_gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     effective = scale.float() / row_gs  # the scale the dequantizer will apply
     safe = torch.where(effective > 0, effective, torch.ones_like(effective))
     codes = round_to_e2m1(blocks / safe.unsqueeze(-1))
     codes = torch.where((effective > 0).unsqueeze(-1), codes, torch.zeros_like(codes))
     return pack_e2m1(codes.reshape(n, k)), scale, global_scale
+
+
+def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(x)) of positive floats, exactly (frexp: x = m * 2^e, m in [0.5, 1); a power of two has m 0.5)."""
+    mantissa, exponent = torch.frexp(x)
+    return torch.where(mantissa == 0.5, exponent - 1, exponent).float()
 
 
 def check_block_scales(scale: torch.Tensor) -> None:

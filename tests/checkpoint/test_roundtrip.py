@@ -103,19 +103,22 @@ def test_same_format_is_not_requantized(source, tmp_path):
         assert a.read() == b.read()
 
 
-def test_mxfp4_to_fp8_keeps_the_mxfp4_values_exactly(source, tmp_path):
-    """MXFP4's values (e2m1 codes times power-of-two block scales) fit e4m3 under a power-of-two row scale: the FP8
-    checkpoint holds them exactly (relRMS 0; amax / 448 scales gave ~3%), and converting back gives the MXFP4 bytes."""
+@pytest.mark.parametrize("fmt,cls", [("fp8", Fp8Weight), ("nvfp4", Nvfp4Weight)])
+def test_mxfp4_to_fp8_or_nvfp4_keeps_the_mxfp4_values_exactly(source, tmp_path, fmt, cls):
+    """MXFP4's values (e2m1 codes times power-of-two block scales) fit e4m3 under a power-of-two row scale, and
+    NVFP4 under power-of-two block and global scales: the converted checkpoint holds them exactly (relRMS 0; amax
+    scales gave ~3% and ~6%), and converting back gives the MXFP4 bytes."""
     convert_checkpoint(source, str(tmp_path / "mx"), ConvertConfig(format="mxfp4"), progress=False)
-    report = convert_checkpoint(str(tmp_path / "mx"), str(tmp_path / "fp8"), ConvertConfig(format="fp8"),
+    report = convert_checkpoint(str(tmp_path / "mx"), str(tmp_path / fmt), ConvertConfig(format=fmt),
                                 progress=False)
     assert len(report.entries) == 8 and all(entry.rel_rms == 0.0 for entry in report.entries)
-    mx, fp8 = (open_checkpoint(str(tmp_path / d)).state_dict() for d in ("mx", "fp8"))
-    qkv = fp8[f"{P0}.qkv_proj"]
-    assert isinstance(qkv, Fp8Weight) and torch.equal(dequantize(qkv), dequantize(mx[f"{P0}.qkv_proj"]))
-    scales = qkv.scale.flatten()
+    mx, converted = (open_checkpoint(str(tmp_path / d)).state_dict() for d in ("mx", fmt))
+    qkv = converted[f"{P0}.qkv_proj"]
+    assert isinstance(qkv, cls) and torch.equal(dequantize(qkv), dequantize(mx[f"{P0}.qkv_proj"]))
+    scales = torch.cat([qkv.scale.float().flatten(), getattr(qkv, "global_scale", torch.ones(1)).flatten()])
+    scales = scales[scales > 0]
     assert torch.equal(torch.frexp(scales).mantissa, torch.full_like(scales, 0.5))  # powers of two
-    convert_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "back"), ConvertConfig(format="mxfp4"), progress=False)
+    convert_checkpoint(str(tmp_path / fmt), str(tmp_path / "back"), ConvertConfig(format="mxfp4"), progress=False)
     back = open_checkpoint(str(tmp_path / "back")).state_dict()[f"{P0}.qkv_proj"]
     assert torch.equal(back.packed, mx[f"{P0}.qkv_proj"].packed) and torch.equal(back.scale, mx[f"{P0}.qkv_proj"].scale)
 

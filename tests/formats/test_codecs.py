@@ -205,6 +205,28 @@ def test_nvfp4_matches_slow_reference_with_partitions():
     assert ((deq - w).norm() / w.norm()) < 0.12
 
 
+@pytest.mark.parametrize("binades", [10, 24])
+def test_power_of_two_scales_keep_mxfp4_values_within_their_range(binades):
+    """MXFP4 values through NVFP4 and FP8 with power-of-two scales: exact while a partition's (NVFP4) or a row's
+    (FP8) blocks lie within the scales' range below its largest (NVFP4 17 binades, FP8 14); below it only those
+    blocks round (or flush to zero), nothing turns NaN. Rows here spread over `binades`; partitions 48 / 16 rows."""
+    torch.manual_seed(binades)
+    w = torch.randn(64, 256) * torch.exp2(-torch.linspace(0, binades, 64)).unsqueeze(1)
+    w[0, :128] *= 2.0 ** -binades  # one row whose own blocks spread as far
+    w = dequantize_mxfp4(*quantize_mxfp4(w, "mse"))
+    packed, scale, gs = quantize_nvfp4(w, (48, 16), power_of_two=True)
+    for scales in (scale.float()[scale.float() > 0], gs):
+        assert torch.equal(torch.frexp(scales).mantissa, torch.full_like(scales, 0.5))
+    nv = dequantize_nvfp4(packed, scale, gs, (48, 16))
+    fp8 = dequantize_fp8_per_channel(*quantize_fp8_per_channel(w, power_of_two=True))
+    assert torch.equal(nv[1:32], w[1:32]) and torch.equal(fp8[1:], w[1:])
+    if binades <= 14:
+        assert torch.equal(nv, w) and torch.equal(fp8, w)
+    else:
+        for got in (nv, fp8):
+            assert torch.isfinite(got).all() and 0 < float((got - w).norm() / w.norm()) < 1e-4
+
+
 def test_nvfp4_bad_input():
     p, s, g = quantize_nvfp4(torch.randn(4, 32))
     with pytest.raises(ValueError, match="multiple of 16"):
