@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import io
 import logging
 import os
 import sys
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    _escape_what_stdout_cannot_encode()
     try:
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
@@ -140,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _escape_what_stdout_cannot_encode() -> None:
+    """Output in an encoding without the model's characters (a Windows pipe's cp1252, PYTHONIOENCODING=ascii) gets
+    them as \\u escapes, as stderr writes them: it was an error after generating, and the answer was lost."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
 
 
 def _one_line(message: str) -> str:

@@ -124,6 +124,20 @@ def test_a_constraint_that_parses_reaches_the_engine(fake, capsys):
     assert fake.engine.params.structured_output.regex == "[ab]+"
 
 
+def test_an_answer_stdout_cannot_encode_is_printed_escaped(fake, monkeypatch):
+    """stdout in ASCII (PYTHONIOENCODING=ascii; a Windows pipe's cp1252 is the same story): the answer's characters
+    come out as \\u escapes, exit 0 (was an encoding error after generating, exit 2, the answer lost)."""
+    import io
+    import sys
+
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    fake.engine.steps = [[_Output("\u732b ok", "stop")]]
+    assert main(["generate", "cat?", "--no-chat"]) == 0
+    sys.stdout.flush()
+    assert raw.getvalue().decode("ascii").startswith("\\u732b ok")
+
+
 def test_serve_a_chat_template_that_is_not_utf8_names_the_flag_and_file(capsys, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_bytes(b"\xd7\xff{{ messages }}")
