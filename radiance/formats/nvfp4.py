@@ -42,7 +42,8 @@ def quantize_nvfp4(w: torch.Tensor, partition_sizes=None, power_of_two: bool = F
     # amax ~8e-36, 448*6/amax overflows fp32: cap it, the block scales then just use fewer e4m3 steps.
     global_scale = torch.where(amax > 0, FP8_E4M3_MAX * E2M1_MAX / amax, torch.ones_like(amax)).float()
     if power_of_two:  # the largest block scale 2 ** ceil(log2(amax / 6)) becomes 2^8 (e4m3 holds 2^-9 .. 2^8)
-        global_scale = torch.where(amax > 0, torch.exp2(8 - _ceil_log2(amax / E2M1_MAX)), global_scale)
+        largest = _ceil_log2(amax / amax.new_full((), E2M1_MAX))  # a divisor on the device, as below
+        global_scale = torch.where(amax > 0, torch.exp2(8 - largest), global_scale)
     global_scale = global_scale.clamp(max=FP32_MAX)
     row_gs = _row_global_scales(global_scale, sizes)
     blocks = w.reshape(n, k // NV_BLOCK, NV_BLOCK)

@@ -154,7 +154,9 @@ def completion_logprobs(tokenizer: Any, entries: list, offset: int, as_ids: bool
             top.append(None)
         else:
             chosen = {name(entry.token_id): safe_logprob(entry.logprob)}
-            top.append(chosen | {name(tid): safe_logprob(lp) for tid, lp in entry.top if tid != entry.token_id})
+            # an alternative spelled like the chosen token (another id, the same text) does not overwrite it
+            alternatives = {name(tid): safe_logprob(lp) for tid, lp in entry.top if tid != entry.token_id}
+            top.append(chosen | {key: lp for key, lp in alternatives.items() if key not in chosen})
         offsets.append(offset)
         offset += 0 if entry.token_id in textless else token_chars(texts[entry.token_id])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -36,3 +36,12 @@ def test_an_unscored_echoed_first_token_keeps_null_top_logprobs():
     assert lp["token_logprobs"] == [None, -0.7]
     assert lp["top_logprobs"] == [None, {"c": -0.7, "d": -0.2}]
     assert lp["text_offset"] == [0, 1]
+
+
+def test_an_alternative_spelled_like_the_chosen_token_keeps_the_chosen_one_s_logprob():
+    class SameText(_Tokenizer):
+        def batch_decode(self, ids):
+            return ["x" if i[0] in (1, 2) else "y" for i in ids]
+
+    top = completion_logprobs(SameText(), [TokenLogprob(1, -2.0, [(2, -0.5), (3, -1.0)])], 0)["top_logprobs"]
+    assert top == [{"x": -2.0, "y": -1.0}]
