@@ -11,6 +11,7 @@ import torch
 
 from radiance.formats._checks import check_finite, check_k_multiple, check_matrix, check_partitions
 from radiance.formats.e2m1 import E2M1_MAX, e2m1_to_float, pack_e2m1, round_to_e2m1, unpack_e2m1
+from radiance.formats.mxfp4 import noclip_exponent, scale_by_pow2
 
 NV_BLOCK = 16
 FP8_E4M3_MAX = 448.0
@@ -41,9 +42,10 @@ def quantize_nvfp4(w: torch.Tensor, partition_sizes=None, power_of_two: bool = F
     # An all-zero partition gets global scale 1 (any value dequantizes its zero codes to zero). Below
     # amax ~8e-36, 448*6/amax overflows fp32: cap it, the block scales then just use fewer e4m3 steps.
     global_scale = torch.where(amax > 0, FP8_E4M3_MAX * E2M1_MAX / amax, torch.ones_like(amax)).float()
-    if power_of_two:  # the largest block scale 2 ** ceil(log2(amax / 6)) becomes 2^8 (e4m3 holds 2^-9 .. 2^8)
-        largest = _ceil_log2(amax / amax.new_full((), E2M1_MAX))  # a divisor on the device, as below
-        global_scale = torch.where(amax > 0, torch.exp2(8 - largest), global_scale)
+    if power_of_two:  # a block's scale 2^e, the least e with amax <= 6 * 2^e (MXFP4's noclip exponent): the
+        # largest of a partition becomes 2^8 (e4m3 holds 2^-9 .. 2^8)
+        global_scale = torch.where(amax > 0, scale_by_pow2(torch.ones_like(amax), 8 - noclip_exponent(amax)),
+                                   global_scale)
     global_scale = global_scale.clamp(max=FP32_MAX)
     row_gs = _row_global_scales(global_scale, sizes)
     blocks = w.reshape(n, k // NV_BLOCK, NV_BLOCK)
@@ -51,19 +53,13 @@ def quantize_nvfp4(w: torch.Tensor, partition_sizes=None, power_of_two: bool = F
     # divisor on the device: CUDA would multiply by a rounded 1/6 instead (scales then differ from the CPU's)
     scale = block_amax / block_amax.new_full((), E2M1_MAX)
     if power_of_two:
-        scale = torch.where(scale > 0, torch.exp2(_ceil_log2(scale)), scale)
+        scale = torch.where(block_amax > 0, scale_by_pow2(torch.ones_like(scale), noclip_exponent(block_amax)), scale)
     scale = (scale * row_gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     effective = scale.float() / row_gs  # the scale the dequantizer will apply
     safe = torch.where(effective > 0, effective, torch.ones_like(effective))
     codes = round_to_e2m1(blocks / safe.unsqueeze(-1))
     codes = torch.where((effective > 0).unsqueeze(-1), codes, torch.zeros_like(codes))
     return pack_e2m1(codes.reshape(n, k)), scale, global_scale
-
-
-def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
-    """ceil(log2(x)) of positive floats, exactly (frexp: x = m * 2^e, m in [0.5, 1); a power of two has m 0.5)."""
-    mantissa, exponent = torch.frexp(x)
-    return torch.where(mantissa == 0.5, exponent - 1, exponent).float()
 
 
 def check_block_scales(scale: torch.Tensor) -> None:
