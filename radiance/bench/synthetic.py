@@ -107,6 +107,17 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 201088,
         "initializer_range": 0.02,
     },
+    "glm-4.5-air": {  # zai-org/GLM-4.5-Air's config.json (its multi-token-prediction layer is not built)
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+        "attention_bias": True, "hidden_act": "silu", "eos_token_id": [151329, 151336, 151338],
+        "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+        "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+        "first_k_dense_replace": 1, "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+        "use_qk_norm": False, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 1000000,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151552,
+        "initializer_range": 0.02,
+    },
     "llama-4-scout-17b-16e": {  # the text_config of meta-llama/Llama-4-Scout-17B-16E-Instruct, as a text model
         "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
         "attention_bias": False, "hidden_act": "silu", "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
@@ -193,7 +204,8 @@ class SyntheticCheckpoint(Checkpoint):
         if self.config.get("attention_bias") or self.config.get("model_type") == "qwen2":
             entries.append((pre + "self_attn.qkv_proj.bias", (d["q"] + 2 * d["kv"],), None))
         gemma = self.config.get("model_type") == "gemma3_text"
-        if self.config.get("model_type") in ("qwen3", "qwen3_moe") or gemma:
+        if self.config.get("model_type") in ("qwen3", "qwen3_moe") or gemma or self.config.get("use_qk_norm") and \
+                self.config.get("model_type") == "glm4_moe":
             entries += [(pre + "self_attn.q_norm.weight", (d["head_dim"],), None),
                         (pre + "self_attn.k_norm.weight", (d["head_dim"],), None)]
         entries += [(pre + "self_attn.o_proj", (d["hidden"], d["q"]), (d["hidden"],)),
@@ -212,6 +224,8 @@ class SyntheticCheckpoint(Checkpoint):
             entries.append((router + ".weight", (moe.num_experts, d["hidden"]), None))
             if moe.router_bias:
                 entries.append((router + ".bias", (moe.num_experts,), None))
+            if moe.sigmoid_grouped:
+                entries.append((router + ".e_score_correction_bias", (moe.num_experts,), None))
             for e in range(moe.num_experts):
                 expert = self._mlp_entries(f"{pre}mlp.experts.{e}.", d["hidden"], moe.intermediate_size)
                 if moe.expert_bias:

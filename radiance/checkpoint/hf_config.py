@@ -93,10 +93,28 @@ def llama4_tensor(name: str) -> str:
     return f"{name[:match.start()]}.mlp.{'gate.' if match.group(1) else ''}{name[match.end():]}"
 
 
+# GLM-4.5's layers past num_hidden_layers: its multi-token-prediction module (a draft model radiance does not run)
+_LAYER_OF = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def glm4_moe_renames(num_layers: int):
+    """GLM-4.5's tensor names as radiance's decoder reads them: `shared_experts` is Qwen-MoE's `shared_expert`; the
+    layers from num_layers on (the multi-token-prediction layer) are not read (None), as transformers skips them."""
+    def rename(name: str) -> str | None:
+        layer = _LAYER_OF.match(name)
+        if layer is not None and int(layer.group(1)) >= num_layers:
+            return None
+        return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+    return rename
+
+
 def tensor_renames(config: dict, text_only: bool):
     """The stored -> served tensor names of a checkpoint (SafetensorsIndex's rename), or None: a vision-language
-    checkpoint's language model, Mixtral's and Llama 4's MLPs."""
+    checkpoint's language model, Mixtral's, Llama 4's and GLM-4.5's MLPs."""
     names = config.get("architectures") or []
+    if ("Glm4MoeForCausalLM" in names or config.get("model_type") == "glm4_moe") and not text_only \
+            and isinstance(config.get("num_hidden_layers"), int):
+        return glm4_moe_renames(config["num_hidden_layers"])
     if "Llama4ForCausalLM" in names or config.get("model_type") in ("llama4", "llama4_text"):
         if text_only:
             return lambda name: _renamed(language_model_tensor(name), llama4_tensor)

@@ -31,7 +31,7 @@ from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.checkpoint.stacked_experts import find_stacked_experts, read_stacked_experts
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight, concat_partitions, dequantize
-from radiance.models.moe_config import MoeConfig
+from radiance.models.moe_config import MoeConfig, expert_count
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,13 @@ class HfCheckpoint(Checkpoint):
         quant = parse_quantization_config(qc, qc_file)
         super().__init__(path=path, kind="hf", config=config, quant=quant, warnings=quant.warnings)
         self.index = SafetensorsIndex(path, rename=tensor_renames(config, text_only is not None))
-        if self.index.skipped:
+        if self.index.skipped and text_only:
             logger.info("serving the language model of %s: %d other tensors (vision tower, projector) not read, "
                         "e.g. %s", config["served_from"], len(self.index.skipped), self.index.skipped[0])
+        elif self.index.skipped:
+            logger.info("%d tensors of the layers past num_hidden_layers=%s (a multi-token-prediction module, which "
+                        "radiance does not run) not read, e.g. %s", len(self.index.skipped),
+                        config.get("num_hidden_layers"), self.index.skipped[0])
         self._module_tensors: dict[str, list[str]] = {}
         # the modules' names in the files, which quantization_config's targets and exclusions name
         self._stored_module: dict[str, str] = {}
@@ -277,7 +281,7 @@ class HfCheckpoint(Checkpoint):
         needed = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.tie_word_embeddings:
             needed.append("lm_head")
-        sparse = self.config.get("num_experts") or self.config.get("num_local_experts")
+        sparse = expert_count(self.config)
         try:
             moe = MoeConfig.from_hf(self.config, self.architecture, layers) if sparse else None
         except ConfigError:  # a layout radiance does not know: the architecture check says why (inspect warns)
@@ -289,6 +293,8 @@ class HfCheckpoint(Checkpoint):
             needed += [f"{p}.{norm}.weight" for norm in _LAYER_NORMS.get(self.architecture, _LAYER_NORMS[None])]
             if moe is not None and i in moe.layers:
                 needed.append(f"{p}.mlp.{router}.weight")
+                if moe.sigmoid_grouped:
+                    needed.append(f"{p}.mlp.gate.e_score_correction_bias")
                 experts = [f"{p}.mlp.experts.{e}" for e in range(moe.num_experts)]
                 if moe.shared_expert_size:
                     experts.append(f"{p}.mlp.shared_expert")

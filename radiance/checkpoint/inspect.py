@@ -10,6 +10,7 @@ from radiance.checkpoint.base import Checkpoint
 from radiance.checkpoint.names import layer_kind
 from radiance.checkpoint.servable import servability_problem
 from radiance.checkpoint.values import value_warnings
+from radiance.models.moe_config import expert_count
 
 _LAYER = re.compile(r"\.layers\.\d+\.")
 
@@ -33,7 +34,7 @@ def _model_line(config: dict) -> str:
             parts.append(f"{label} {config[key]}")
     if config.get("num_attention_heads"):
         parts.append(f"heads {config['num_attention_heads']}/{config.get('num_key_value_heads') or config['num_attention_heads']} kv")
-    experts = config.get("num_experts") or config.get("num_local_experts")
+    experts = expert_count(config)
     if experts:
         size = config.get("moe_intermediate_size") or config.get("intermediate_size")  # gpt-oss: the latter
         parts.append(f"experts {experts} (top {config.get('num_experts_per_tok')}) of {size}")

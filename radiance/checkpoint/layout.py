@@ -315,9 +315,14 @@ def weight_tensors(module: str, weight, dense_dtype: torch.dtype = torch.bfloat1
     return {f"{module}.weight": cast_16bit(tensor, _dense_dtype(tensor.dtype, dense_dtype))}
 
 
-def plain_tensor(tensor: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Non-linear tensors (embeddings, norms, biases): fp32 -> the 16-bit dtype; 16-bit kept."""
-    if tensor.dtype == torch.float32:
+# plain tensors the models hold in fp32 whatever their dtype, written so: GLM-4.5's router correction bias (its
+# releases store it fp32; in bf16 its small differences between experts, which decide picks, would round away)
+FP32_LEAVES = ("e_score_correction_bias",)
+
+
+def plain_tensor(tensor: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16, name: str = "") -> torch.Tensor:
+    """Non-linear tensors (embeddings, norms, biases): fp32 -> the 16-bit dtype (but FP32_LEAVES); 16-bit kept."""
+    if tensor.dtype == torch.float32 and not name.endswith(FP32_LEAVES):
         return cast_16bit(tensor, dense_dtype)
     return tensor
 

@@ -26,6 +26,7 @@ import torch
 from radiance.checkpoint.layout import check_scales
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.errors import CheckpointError
+from radiance.models.moe_config import expert_count
 from radiance.formats import DenseWeight, Mxfp4Weight
 from radiance.formats.mxfp4 import MX_BLOCK
 
@@ -62,7 +63,7 @@ def find_stacked_experts(index: SafetensorsIndex, config: dict) -> dict[str, Sta
     groups = {}
     for prefix, leaves in found.items():
         fmt = "mxfp4" if any(leaf.endswith("_blocks") for leaf in leaves) else "dense"
-        experts = config.get("num_local_experts") or config.get("num_experts") or 0
+        experts = expert_count(config) or 0
         llama4 = config.get("model_type") in ("llama4", "llama4_text")
         group = StackedExperts(prefix, fmt, int(experts), interleaved=not llama4, biased=not llama4)
         for name in group.tensor_names():

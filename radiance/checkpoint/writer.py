@@ -253,4 +253,4 @@ def _write_weights(ckpt: Checkpoint, writer: ShardWriter, config: ConvertConfig,
                     writer.add(f"{module}.bias", plain_tensor(piece, dense_dtype))
         else:
             with _naming(name, ckpt):
-                writer.add(name, plain_tensor(obj, dense_dtype))
+                writer.add(name, plain_tensor(obj, dense_dtype, name))

@@ -125,6 +125,27 @@ def top_k_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) ->
     return weights, ids
 
 
+def grouped_sigmoid_top_k(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, groups: int,
+                          top_groups: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, top_k], expert ids int64 [T, top_k]) of GLM-4.5's / DeepSeek-V3's router in torch ops of
+    fixed shapes (CUDA-graph capturable): sigmoid scores; the `top_groups` of `groups` expert groups whose two best
+    scores + correction_bias sum highest; in them the top_k experts by score + bias; their unbiased scores,
+    renormalized to sum to 1 with `renormalize`, times `scaling` (transformers' Glm4MoeTopkRouter)."""
+    scores = torch.sigmoid(router_logits.float())
+    biased = scores + correction_bias.float()
+    tokens, experts = biased.shape
+    if groups > 1:
+        group_scores = biased.view(tokens, groups, experts // groups).topk(2, dim=-1).values.sum(dim=-1)
+        picked = torch.topk(group_scores, top_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, picked, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(experts // groups, dim=1), float("-inf"))
+    ids = torch.topk(biased, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
                  valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertRouting]:
     """(weights fp32 [T, top_k], expert ids int32 [T, top_k], ExpertRouting) from router logits [T, E]:

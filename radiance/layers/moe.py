@@ -1,7 +1,9 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, gpt-oss, Llama 4): a router picks `top_k` of E GLU experts
-per token; Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate; gpt-oss biases
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, gpt-oss, Llama 4, GLM-4.5): a router picks `top_k` of E GLU
+experts per token; Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate; gpt-oss biases
 the router and both expert linears and clamps its SwiGLU (MoeConfig.activation); Llama 4 routes each token to one
-expert whose input it scales by the sigmoid of that expert's logit, and adds an ungated shared expert.
+expert whose input it scales by the sigmoid of that expert's logit, and adds an ungated shared expert; GLM-4.5 picks
+by sigmoid score plus a learned bias within the best expert groups (moe_routing.grouped_sigmoid_top_k), in fp32, and
+adds an ungated shared expert.
 
 Each expert is a pair of ordinary linears (`experts.<e>.gate_up_proj`, `experts.<e>.down_proj`) that the
 loader installs like any other, so every checkpoint format reaches MXFP4 the usual way. When all of them
@@ -62,7 +64,13 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = moe.norm_topk_prob
         self.activation = moe.activation
         self.scores_scale_input = moe.scores_scale_input  # Llama 4 (its routing weights are then all 1)
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)  # the router, kept in 16 bits
+        self.moe = moe
+        if moe.sigmoid_grouped:  # GLM-4.5: the router and its correction bias in fp32, as transformers keeps them
+            self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False, dtype=torch.float32)
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32),
+                                                             requires_grad=False)
+        else:  # the router, kept in 16 bits
+            self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size, moe.expert_bias, moe.activation)
                                      for _ in range(moe.num_experts))
         self.shared_expert = self.shared_expert_gate = None
@@ -76,8 +84,25 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [T, top_k], expert ids int64 [T, top_k]): softmax over the router logits in fp32,
-        the top_k of it, renormalized to sum to 1 where the model asks for it."""
-        return moe_routing.top_k_experts(self.gate(x), self.top_k, self.norm_topk_prob)
+        the top_k of it, renormalized to sum to 1 where the model asks for it (or GLM-4.5's grouped sigmoid pick)."""
+        return self._pick(self.gate(x.float()) if self.moe.sigmoid_grouped else self.gate(x))
+
+    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [T, top_k], expert ids int64 [T, top_k]) from the router logits, in torch ops."""
+        moe = self.moe
+        if moe.sigmoid_grouped:
+            return moe_routing.grouped_sigmoid_top_k(logits, self.gate.e_score_correction_bias, self.top_k,
+                                                     moe.num_groups, moe.top_groups, self.norm_topk_prob,
+                                                     moe.routed_scaling)
+        return moe_routing.top_k_experts(logits, self.top_k, self.norm_topk_prob)
+
+    def _route_tokens(self, logits: torch.Tensor, block_m: int, valid_rows: torch.Tensor | None):
+        """moe_routing.route_tokens' (weights, int32 ids, ExpertRouting): its one launch for the softmax routers,
+        the grouped sigmoid pick in torch ops and route_to_experts for GLM-4.5's."""
+        if not self.moe.sigmoid_grouped:
+            return moe_routing.route_tokens(logits, self.top_k, self.norm_topk_prob, block_m, valid_rows)
+        weights, ids = self._pick(logits)
+        return weights, ids.to(torch.int32), moe_routing.route_to_experts(ids, self.num_experts, block_m, valid_rows)
 
     def input_scales(self, router_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Llama 4: what each token's input to its expert is multiplied by, [T] in `dtype` (the sigmoid of its top
@@ -87,7 +112,10 @@ class SparseMoeBlock(nn.Module):
         return torch.sigmoid(router_logits.max(dim=-1).values.float()).to(dtype)
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """self.gate(x), through the routing module's GEMV at decode sizes (moe_routing.router_logits)."""
+        """self.gate(x), through the routing module's GEMV at decode sizes (moe_routing.router_logits); GLM-4.5's
+        fp32 router on x in fp32."""
+        if self.moe.sigmoid_grouped:
+            return self.gate(x.float())
         return moe_routing.router_logits(x, self.gate.weight, self.gate.bias)
 
     def takes_fp8(self) -> bool:
@@ -110,8 +138,8 @@ class SparseMoeBlock(nn.Module):
         elif self.grouped_16bit is not None and x2.dtype == self.grouped_16bit[0].dtype:
             out = self._grouped_16bit_forward(x2, valid_rows)
         else:
-            logits = self.gate(x2)
-            weights, ids = moe_routing.top_k_experts(logits, self.top_k, self.norm_topk_prob)
+            logits = self.gate(x2.float()) if self.moe.sigmoid_grouped else self.gate(x2)
+            weights, ids = self._pick(logits)
             out = self._looped_forward(x2, weights, ids, self.input_scales(logits, x2.dtype))
         if self.shared_expert is not None:  # in x's dtype, as the model computes it
             shared = self.shared_expert(x2)
@@ -144,7 +172,7 @@ class SparseMoeBlock(nn.Module):
             return self._grouped_expanded_forward(x, x_q, x_scale, logits, valid_rows)
         gate_up, down = self.grouped
         block_m = grouped_kernels.moe_block_m(x.shape[0] * self.top_k, self.num_experts)
-        weights, _, routing = moe_routing.route_tokens(logits, self.top_k, self.norm_topk_prob, block_m, valid_rows)
+        weights, _, routing = self._route_tokens(logits, block_m, valid_rows)
         gate_up_bias, down_bias = self.stacked_bias
         y_q, y_scale = grouped_kernels.w4a8_moe_gemm(x_q, x_scale, gate_up, routing, rows_per_pair_source="token",
                                                      glu=True, out_dtype=x.dtype, bias=gate_up_bias,
@@ -159,7 +187,7 @@ class SparseMoeBlock(nn.Module):
         expanded to fp8 (torch's fp8 grouped GEMM); the expert biases and the way back to pair order are
         left to the GLU and combine launches, which read the sorted rows in place."""
         gate_up, down = self.grouped
-        weights, ids, routing = moe_routing.route_tokens(logits, self.top_k, self.norm_topk_prob, 1, valid_rows)
+        weights, ids, routing = self._route_tokens(logits, 1, valid_rows)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair (a padding row's: parked last)
         rows = order // self.top_k
         # fp8 rows gathered as bytes (index_select has no e4m3 kernel)
@@ -176,7 +204,7 @@ class SparseMoeBlock(nn.Module):
         (torch._grouped_mm); biases and pair order as in _grouped_expanded_forward."""
         gate_up, down = self.grouped_16bit
         logits = self._router_logits(x)
-        weights, ids, routing = moe_routing.route_tokens(logits, self.top_k, self.norm_topk_prob, 1, valid_rows)
+        weights, ids, routing = self._route_tokens(logits, 1, valid_rows)
         order = routing.sorted_pairs.long()  # block_m 1: every slot holds a pair (a padding row's: parked last)
         rows = x[order // self.top_k]
         scales = self.input_scales(logits, x.dtype)

@@ -30,7 +30,7 @@ PICKLE_WEIGHTS_FILE = "adapter_model.bin"
 _PEFT_PREFIX = "base_model.model."
 # <module>.lora_A.weight, or with PEFT's adapter name before .weight (lora_A.default.weight)
 _LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight")
-_MOE_MODULE = re.compile(r"\.(experts|shared_expert|block_sparse_moe)(\.|$)|\.mlp\.gate$|\.router$")
+_MOE_MODULE = re.compile(r"\.(experts|shared_experts?|block_sparse_moe)(\.|$)|\.mlp\.gate$|\.router$")
 
 
 @dataclass(frozen=True)

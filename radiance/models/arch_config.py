@@ -171,6 +171,7 @@ HF_DEFAULTS = {
                                     num_key_value_heads=8),
     "GptOssForCausalLM": HfDefaults(131072, rms_norm_eps=1e-5, rope_theta=150000.0, head_dim=64,
                                     num_key_value_heads=8, attention_bias=True, rope_parameters=_GPT_OSS_ROPE),
+    "Glm4MoeForCausalLM": HfDefaults(131072, rms_norm_eps=1e-5, num_key_value_heads=8),
 }
 
 
@@ -182,6 +183,7 @@ def hf_defaults(architecture: str) -> HfDefaults:
 # model_type -> class, for configs that omit `architectures` (as transformers' AutoModelForCausalLM maps them)
 MODEL_TYPES = {
     "gemma2": "Gemma2ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "granite": "GraniteForCausalLM",

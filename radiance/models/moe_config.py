@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from radiance.errors import ConfigError
 from radiance.kernels.glu import SILU, GluActivation
-from radiance.models.config_fields import positive
+from radiance.models.config_fields import given, positive
+
+
+def expert_count(config: dict):
+    """config.json's number of routed experts under any of its spellings (Qwen's num_experts, Mixtral's and gpt-oss's
+    num_local_experts, GLM-4.5's n_routed_experts); None or 0 for a dense model."""
+    return config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -25,12 +31,21 @@ class MoeConfig:
     # Llama 4: the picked expert's sigmoid score scales its input (not its output), and the shared expert has no gate
     scores_scale_input: bool = False
     shared_expert_gated: bool = True
+    # GLM-4.5 (DeepSeek-V3's router): sigmoid scores; the experts are picked by score + a learned correction bias
+    # within the `top_groups` of `num_groups` expert groups whose two best biased scores sum highest; the routing
+    # weights are the unbiased scores (renormalized with norm_topk_prob) times routed_scaling
+    sigmoid_grouped: bool = False
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scaling: float = 1.0
 
     @classmethod
     def from_hf(cls, config: dict, architecture: str, num_layers: int) -> "MoeConfig | None":
-        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        experts = expert_count(config) or 0
         if not experts:
             return None
+        if architecture == "Glm4MoeForCausalLM":
+            return cls._glm4_moe(config, int(experts), num_layers)
         if config.get("model_type") == "gpt_oss":
             return cls._gpt_oss(config, int(experts), num_layers)
         if architecture == "MixtralForCausalLM":
@@ -84,6 +99,33 @@ class MoeConfig:
         # renormalized, one expert's routing weight is exactly 1: the score is applied to the input instead
         return cls(experts, 1, inter, True, frozenset(layers), shared_expert_size=inter, scores_scale_input=True,
                    shared_expert_gated=False)
+
+    @classmethod
+    def _glm4_moe(cls, config: dict, experts: int, num_layers: int) -> "MoeConfig":
+        """GLM-4.5 / 4.6 (transformers' Glm4MoeMoE): the first `first_k_dense_replace` layers dense, the rest sparse
+        with the grouped sigmoid router (Glm4MoeTopkRouter) and an ungated shared expert of n_shared_experts
+        experts' width."""
+        for key in ("num_experts_per_tok", "moe_intermediate_size"):
+            if not config.get(key):
+                raise ConfigError(f"config.json of a GLM-4 MoE model with {experts} experts lacks {key!r}")
+        top_k = _top_k(config, experts)
+        groups = positive(config, "n_group", 1, integer=True)
+        top_groups = positive(config, "topk_group", 1, integer=True)
+        if experts % groups or experts // groups < 2:
+            raise ConfigError(f"n_group={groups} must divide the {experts} experts into groups of at least 2 (a "
+                              "group is scored by its two best experts)")
+        if top_groups > groups or top_k > top_groups * (experts // groups):
+            raise ConfigError(f"topk_group={top_groups} of n_group={groups} leaves fewer than "
+                              f"num_experts_per_tok={top_k} experts to pick from")
+        dense = int(given(config, "first_k_dense_replace", 1))
+        if not 0 <= dense <= num_layers:
+            raise ConfigError(f"config.json field 'first_k_dense_replace' must lie in 0..{num_layers}, got {dense!r}")
+        inter = int(config["moe_intermediate_size"])
+        shared = int(given(config, "n_shared_experts", 1))
+        return cls(experts, top_k, inter, bool(given(config, "norm_topk_prob", True)),
+                   frozenset(range(dense, num_layers)), shared_expert_size=inter * shared, shared_expert_gated=False,
+                   sigmoid_grouped=True, num_groups=groups, top_groups=top_groups,
+                   routed_scaling=float(positive(config, "routed_scaling_factor", 1.0)))
 
     @classmethod
     def _gpt_oss(cls, config: dict, experts: int, num_layers: int) -> "MoeConfig":

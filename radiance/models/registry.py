@@ -9,12 +9,14 @@ from __future__ import annotations
 from radiance.errors import ConfigError
 from radiance.models.arch_config import ArchConfig, named_architectures
 from radiance.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
+from radiance.models.glm4_moe import Glm4MoeForCausalLM
 from radiance.models.gpt_oss import GptOssForCausalLM
 from radiance.models.granite import GraniteForCausalLM
 from radiance.models.llama import LlamaForCausalLM
 from radiance.models.llama4 import Llama4ForCausalLM
 from radiance.models.mistral import MistralForCausalLM
 from radiance.models.mixtral import MixtralForCausalLM
+from radiance.models.moe_config import expert_count
 from radiance.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from radiance.models.phi3 import Phi3ForCausalLM
 from radiance.models.qwen2 import Qwen2ForCausalLM
@@ -26,6 +28,7 @@ from radiance.models.smollm3 import SmolLM3ForCausalLM
 MODEL_CLASSES = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -63,7 +66,7 @@ def resolve_architecture(hf_config: dict) -> tuple[type[LlamaForCausalLM], ArchC
     for name in named_architectures(hf_config):
         if name in MODEL_CLASSES:
             cls = MODEL_CLASSES[name]
-            experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+            experts = expert_count(hf_config)
             if experts and not cls.supports_moe:  # before ArchConfig asks for the expert sizes
                 moe_classes = ", ".join(n for n, c in MODEL_CLASSES.items() if c.supports_moe)
                 raise ConfigError(f"config.json gives {name} {experts} experts; radiance serves "

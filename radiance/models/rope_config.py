@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
               "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",), "longrope": ()}
 
-# architectures whose transformers model rotates only the leading partial_rotary_factor of each head
-PARTIAL_ROTARY = {"Phi3ForCausalLM"}
+# architectures whose transformers model rotates only the leading partial_rotary_factor of each head, and the factor
+# their config assumes when config.json gives none
+PARTIAL_ROTARY = {"Phi3ForCausalLM": 1.0, "Glm4MoeForCausalLM": 0.5}
 
 # architectures whose transformers config keeps the rope per layer type (sliding_attention / full_attention) even where
 # config.json gives a flat rope_scaling (merged into the full layers'): the scaling is then read as a nested one
@@ -115,6 +116,8 @@ def rotary_dim_of(config: dict, architecture: str, head_dim: int) -> int | None:
         if isinstance(source, dict) and source.get("partial_rotary_factor") is not None:
             partial = source["partial_rotary_factor"]
             break
+    if partial is None:
+        partial = PARTIAL_ROTARY.get(architecture)
     if partial is None or partial == 1:
         return None
     if architecture not in PARTIAL_ROTARY:

@@ -157,3 +157,16 @@ def test_gemma3_builds_as_its_model_class():
     assert type(loaded.model).__name__ == "Gemma3ForCausalLM"
     assert loaded.model.config.sliding_layers == {0, 1, 2, 3, 4}  # every 6th layer attends to everything
     assert torch.isfinite(loaded.model.forward_logits(torch.arange(20)[None])).all()
+
+
+def test_glm_layers_carry_a_dense_first_mlp_a_corrected_router_and_a_shared_expert():
+    tiny = dict(TINY, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2)
+    ckpt = SyntheticCheckpoint("synthetic:glm-4.5-air", device="cpu", dtype=torch.float32, overrides=tiny)
+    weights = dict(ckpt.iter_weights(progress=False))
+    assert weights["model.layers.0.mlp.gate_up_proj"].partition_sizes == (96, 96)  # first_k_dense_replace 1
+    assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].shape == (4,)
+    assert weights["model.layers.1.mlp.shared_expert.down_proj"].shape == (64, 32)
+    assert weights["model.layers.1.self_attn.qkv_proj.bias"].shape == (64 + 2 * 32,)
+    assert not any("o_proj.bias" in n or "shared_expert_gate" in n or "q_norm" in n for n in weights)
+    # GLM-4.5-Air: "106B total parameters" by its model card (the multi-token-prediction layer not counted)
+    assert 106.8e9 < SyntheticCheckpoint("synthetic:glm-4.5-air", device="cpu").num_parameters() < 106.9e9

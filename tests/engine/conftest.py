@@ -18,7 +18,8 @@ YARN_ROPE = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow":
 def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
     """A 2-layer random model of `arch` with every parameter random (biases and norms too), so a
     missing bias, norm or rope variant changes the logits."""
-    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig,
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig,
+                              GraniteConfig, LlamaConfig,
                               Llama4TextConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
@@ -85,6 +86,12 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
                                   no_rope_layer_interval=2, attention_chunk_size=16, floor_scale=8, attn_scale=0.5,
                                   rope_parameters={**LLAMA3_ROPE, "rope_theta": 5000.0}, pad_token_id=0,
                                   bos_token_id=1, eos_token_id=2)
+    elif arch == "glm4moe":  # 3 layers: 0 dense, 1 and 2 sparse (8 experts in 4 groups, the best 2 groups, top 2,
+        # scaled 2.5, a shared expert); q / k / v biases, q / k norms, rotary on half of each head
+        config = Glm4MoeConfig(**dict(common, num_hidden_layers=3), moe_intermediate_size=32, n_routed_experts=8,
+                               num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+                               first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True,
+                               use_qk_norm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -103,6 +110,9 @@ def randomize(model) -> None:
                 p.copy_(2.0 + torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's router bias: large enough to move picks
+                b.copy_(0.3 * torch.randn_like(b))
 
 
 @pytest.fixture(scope="session")

@@ -136,6 +136,26 @@ def test_gpt_oss_grouped_experts_match_the_loop(tiny_model_dir):
     _assert_graphs_give_the_eager_tokens(path, common, llm, max_tokens=16)
 
 
+def test_glm4moe_grouped_experts_match_the_loop(tiny_model_dir):
+    """GLM-4.5's grouped sigmoid router (torch ops, route_to_experts) feeding the grouped W4A8 experts against the
+    per-expert loop, and CUDA graphs over them (the router's ops must capture)."""
+    path, _ = tiny_model_dir("glm4moe")
+    common = dict(device="cuda", quantization="mxfp4", num_gpu_blocks_override=256, max_num_seqs=4,
+                  cuda_graph_max_batch=4)
+    llm = LLM(path, enforce_eager=True, **common)
+    blocks = _blocks(llm)
+    assert len(blocks) == 2 and all(b.grouped is not None for b in blocks)
+    for tokens in (1, 5, 300):
+        x = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
+        for block in blocks:
+            grouped = block(x)
+            stacked, block.grouped = block.grouped, None  # the loop runs the same weight bytes (views)
+            looped = block(x)
+            block.grouped = stacked
+            assert _rel(grouped, looped) <= 2e-2, tokens
+    _assert_graphs_give_the_eager_tokens(path, common, llm, max_tokens=16)
+
+
 @pytest.mark.parametrize("model", ["qwen3moe", "gptoss"])
 def test_expanded_experts_match_the_grouped_kernel(tiny_model_dir, monkeypatch, model):
     """The prefill path (experts expanded to fp8, torch's fp8 grouped GEMM; moe_expanded.EXPAND_PAIRS_PER_EXPERT set to
