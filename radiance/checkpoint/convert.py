@@ -19,7 +19,7 @@ from radiance.checkpoint.report import RequantReport
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import (DenseWeight, Fp8Weight, Nvfp4Weight, dequantize, quantize_fp8_per_channel,
                               quantize_nvfp4, to_mxfp4)
-from radiance.formats._checks import nonfinite_count
+from radiance.formats._checks import MX_SCALE_MAX_BYTE, nonfinite_count
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,13 @@ def convert_linear(weight, target: str, rule: str = "mse", chunk_rows: int | Non
 def culprit_tensor(name: str, weight) -> str:
     """The checkpoint tensor behind a conversion that failed on a NaN or inf: the weight of the partition
     (q/k/v, gate/up) holding the first one; the merged name when there is none to find."""
-    rows = (~torch.isfinite(dequantize(weight))).any(dim=1).nonzero()
+    try:
+        bad = ~torch.isfinite(dequantize(weight))
+    except ValueError:  # the codec refused the stored scales themselves: an MXFP4 scale past float32
+        if weight.format != "mxfp4":
+            return name
+        bad = weight.scale > MX_SCALE_MAX_BYTE
+    rows = bad.any(dim=1).nonzero()
     modules = partition_modules(name)
     if not len(rows) or len(modules) != len(weight.partition_sizes):
         return name

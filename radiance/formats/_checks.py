@@ -54,6 +54,10 @@ def check_partitions(n_rows: int, partition_sizes, n_global: int | None = None) 
     return sizes
 
 
+# the largest e8m0 scale byte whose blocks stay finite in float32 (and bfloat16): 6 x 2^125 < 2^128 <= 4 x 2^126
+MX_SCALE_MAX_BYTE = 252
+
+
 def check_mxfp4_pair(packed, scale) -> None:
     """An MXFP4 weight's two tensors agree: uint8 codes [N, K/2], uint8 e8m0 scales [N, K/32], no NaN scale."""
     check_matrix(packed, "packed")
@@ -66,3 +70,7 @@ def check_mxfp4_pair(packed, scale) -> None:
                          f"[{n}, {half_k * 2 // 32}] and K a multiple of 32, got scale {tuple(scale.shape)}")
     if scale.numel() and int(scale.max()) == 255:
         raise ValueError("MXFP4 scale contains 0xFF (the e8m0 NaN encoding)")
+    if scale.numel() and int(scale.max()) > MX_SCALE_MAX_BYTE:
+        bad = (scale > MX_SCALE_MAX_BYTE).nonzero()[0].tolist()
+        raise ValueError(f"MXFP4 scale byte {int(scale.max())} (2^{int(scale.max()) - 127}) at [row, block] {bad}: "
+                         "its values (up to 6 x that) overflow float32")

@@ -91,4 +91,7 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: to
     check_block_scales(scale)
     values = e2m1_to_float(unpack_e2m1(packed)).reshape(n, -1, NV_BLOCK)
     block = scale.float() / _row_global_scales(global_scale, sizes)
+    if not bool(torch.isfinite(block * 6).all()):  # a tiny global scale (a divisor) sends the values past float32
+        raise ValueError(f"NVFP4 global scales {global_scale.tolist()} make values overflow float32 (block scale / "
+                         "global scale x 6 is inf)")
     return (values * block.unsqueeze(-1)).reshape(n, half_k * 2)

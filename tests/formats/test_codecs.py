@@ -248,3 +248,17 @@ def test_fp8_per_channel_round_trip():
     assert ((deq - w).norm() / w.norm()) < 0.04
     with pytest.raises(ValueError, match="NaN"):
         quantize_fp8_per_channel(torch.tensor([[float("nan"), 1.0]]))
+
+
+def test_an_mxfp4_scale_past_float32_is_refused_where_the_largest_finite_one_is_served():
+    """e8m0 byte 252 (2^125): 6 x 2^125 is finite in float32; 253 and up overflow (4 x 2^126 = 2^128), which loaded
+    silently made NaN logits: refused now, with the block named, as the NaN byte 255 is."""
+    from radiance.formats.mxfp4 import dequantize_mxfp4
+
+    packed = torch.full((2, 16), 0x77, dtype=torch.uint8)  # every code 6
+    scale = torch.full((2, 1), 127, dtype=torch.uint8)
+    scale[1, 0] = 252
+    assert torch.isfinite(dequantize_mxfp4(packed, scale)).all()
+    scale[1, 0] = 253
+    with pytest.raises(ValueError, match=r"scale byte 253 \(2\^126\) at \[row, block\] \[1, 0\]"):
+        dequantize_mxfp4(packed, scale)
