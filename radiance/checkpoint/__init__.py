@@ -62,6 +62,8 @@ def open_checkpoint(path: str | None = None) -> Checkpoint:
             raise CheckpointError("no such file or directory", file=path)
         path = fetch(hub)  # org/name: the Hugging Face Hub's, cached
     if os.path.isdir(path):
+        if not os.access(path, os.R_OK | os.X_OK):  # else it reads as empty: "holds neither config.json nor ..."
+            raise CheckpointError("permission denied: the directory is not readable", file=path)
         if os.path.exists(os.path.join(path, "config.json")):
             from radiance.checkpoint.hf_reader import HfCheckpoint
             return HfCheckpoint(path)

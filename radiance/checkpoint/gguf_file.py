@@ -18,6 +18,7 @@ from typing import NamedTuple
 import gguf
 import numpy as np
 
+from radiance.checkpoint.hf_config import unreadable_file
 from radiance.errors import CheckpointError
 
 _SCALARS = {  # GGUFValueType -> struct format
@@ -100,6 +101,9 @@ class GgufFile:
 
     def __init__(self, path: str):
         self.path = path
+        unreadable = unreadable_file(path)
+        if unreadable:
+            raise CheckpointError(f"unreadable GGUF file: {unreadable}", file=path)
         try:
             blob = np.memmap(path, mode="r")
         except (OSError, ValueError) as exc:  # a missing file, or an empty one (mmap of length 0)

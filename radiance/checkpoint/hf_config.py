@@ -13,7 +13,19 @@ import re
 from radiance.errors import CheckpointError
 
 
+def unreadable_file(path: str) -> str | None:
+    """Why `path` cannot be read before opening it (a FIFO would block the open for ever; safetensors
+    reports a file it may not read as missing), or None."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        return "not a regular file (a FIFO, device or directory)"
+    if os.path.isfile(path) and not os.access(path, os.R_OK):
+        return "permission denied: the file is not readable"
+    return None
+
+
 def load_json(path: str, what: str) -> dict:
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):  # a FIFO: open would block
+        raise CheckpointError(f"cannot read {what}: not a regular file (a FIFO or device)", file=path)
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)

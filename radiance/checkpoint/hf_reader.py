@@ -257,7 +257,7 @@ class HfCheckpoint(Checkpoint):
                 raise CheckpointError(f"wrong shape {list(meta.shape)}, expected {list(expected)}",
                                       file=meta.file, tensor=name)
             if meta.dtype not in FLOAT_DTYPES:
-                raise CheckpointError(f"wrong dtype {str(meta.dtype).replace('torch.', '')}, expected a 16/32-bit "
+                raise CheckpointError(f"wrong dtype {meta.dtype_name}, expected a 16/32-bit "
                                       "float", file=meta.file, tensor=name)
 
     def _plain_shape(self, name: str) -> tuple[int, ...] | None:

@@ -184,7 +184,7 @@ def check_linear(module: str, fmt: str, src: TensorSource, expected: tuple[int, 
                                   file=getattr(src, "model_dir", None))
         if meta.dtype not in slot.dtypes:
             allowed = " or ".join(str(d).replace("torch.", "") for d in slot.dtypes)
-            raise CheckpointError(f"wrong dtype {str(meta.dtype).replace('torch.', '')} for {slot.what}, "
+            raise CheckpointError(f"wrong dtype {meta.dtype_name} for {slot.what}, "
                                   f"expected {allowed}", file=meta.file, tensor=slot.name)
         if slot.shape is not None and tuple(meta.shape) != tuple(slot.shape):
             raise CheckpointError(f"wrong shape {list(meta.shape)} for {slot.what}, expected {list(slot.shape)}",

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from radiance.checkpoint.hf_config import load_json
+from radiance.checkpoint.hf_config import load_json, unreadable_file
 from radiance.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -39,10 +39,16 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype | None  # None: a dtype torch cannot hold
     stored_name: str = ""  # the name in the file, where the index renames it ("": the same)
+    stored_dtype: str = ""  # the header's dtype string (U16, F8_E8M0, ...)
 
     @property
     def stored(self) -> str:
         return self.stored_name or self.name
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype for messages: torch's name, or the header's where torch has none."""
+        return str(self.dtype).replace("torch.", "") if self.dtype is not None else self.stored_dtype
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +84,7 @@ class SafetensorsIndex:
                                           tensor=stored)
                 piece = handle.get_slice(stored)
                 self.meta[name] = TensorMeta(name, path, tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype()),
-                                             "" if name == stored else stored)
+                                             "" if name == stored else stored, piece.get_dtype())
         self._check_index()
 
     def _find_files(self) -> list[str]:
@@ -142,6 +148,9 @@ class SafetensorsIndex:
     def _open(self, path: str):
         handle = self._handles.get(path)
         if handle is None:
+            unreadable = unreadable_file(path)
+            if unreadable:
+                raise CheckpointError(unreadable, file=path)
             try:
                 handle = safe_open(path, framework="pt")
             except Exception as exc:  # SafetensorError is not importable under one name across versions

@@ -399,3 +399,44 @@ def test_convert_writes_the_dtype_it_wrote_under_both_names(tmp_path):
     with open(tmp_path / "out" / "config.json", encoding="utf-8") as handle:
         config = json.load(handle)
     assert (config["dtype"], config["torch_dtype"]) == ("float16", "float16")
+
+
+def test_a_fifo_for_weights_config_or_gguf_is_refused_not_waited_on(tmp_path):
+    """open() of a FIFO blocks until a writer comes: each is named as not a regular file instead."""
+    path = str(tmp_path / "m")
+    write_dir(path, dense_state_dict(), TINY)
+    os.remove(os.path.join(path, "model.safetensors"))
+    os.mkfifo(os.path.join(path, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"not a regular file .*model\.safetensors"):
+        open_checkpoint(path)
+    os.remove(os.path.join(path, "config.json"))
+    os.mkfifo(os.path.join(path, "config.json"))
+    with pytest.raises(CheckpointError, match=r"config.json: not a regular file .*config\.json"):
+        open_checkpoint(path)
+    os.mkfifo(str(tmp_path / "x.gguf"))
+    with pytest.raises(CheckpointError, match=r"not a regular file .*x\.gguf"):
+        open_checkpoint(str(tmp_path / "x.gguf"))
+
+
+def test_unreadable_weights_and_directories_say_permission_denied(tmp_path, monkeypatch):
+    """safetensors reports a file it may not read as missing, and an unreadable directory lists as empty ("holds
+    neither config.json nor a .gguf file"): both say permission denied (os.access stubbed: the tests run as root)."""
+    path = str(tmp_path / "m")
+    write_dir(path, dense_state_dict(), TINY)
+    weights = os.path.join(path, "model.safetensors")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if p == weights else real(p, mode))
+    with pytest.raises(CheckpointError, match=r"permission denied: the file is not readable .*model\.safetensors"):
+        open_checkpoint(path)
+    monkeypatch.setattr(os, "access", lambda p, mode: False if p == path else real(p, mode))
+    with pytest.raises(CheckpointError, match="permission denied: the directory is not readable"):
+        open_checkpoint(path)
+
+
+def test_a_dtype_torch_lacks_is_named_as_the_header_spells_it(tmp_path):
+    sd = dense_state_dict()
+    sd[DOWN + ".weight"] = sd[DOWN + ".weight"].view(torch.int16).to(torch.uint16)
+    path = str(tmp_path / "m")
+    write_dir(path, sd, TINY)
+    with pytest.raises(CheckpointError, match=r"wrong dtype U16"):
+        open_checkpoint(path)
