@@ -3,10 +3,13 @@ errors that name the file at fault (transformers' own messages name none)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 from radiance.checkpoint.hf_config import load_json
 from radiance.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 # a tokenizer's own files (tokenizer_config.json alone is settings, not a vocabulary); Kimi's: *.tiktoken
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -39,11 +42,28 @@ def load_tokenizer(model_dir: str):
                                   "of the original model", file=model_dir) from None
         config_fault = _transformers_config_fault(model_dir)
         if config_fault is not None:  # transformers reads config.json to pick the tokenizer class
+            tokenizer = _without_model_config(model_dir, config_fault)
+            if tokenizer is not None:
+                return tokenizer
             raise CheckpointError(f"cannot load the tokenizer: transformers, which reads config.json to "
                                   f"choose the tokenizer, cannot read it ({config_fault})",
                                   file=os.path.join(model_dir, "config.json")) from None
         one_line = " ".join(str(exc).split())  # transformers' messages span lines
         raise CheckpointError(f"cannot load the tokenizer: {one_line}", file=model_dir) from None
+
+
+def _without_model_config(model_dir: str, config_fault: str):
+    """The tokenizer loaded without config.json, which transformers cannot read but radiance can (a `torch_dtype` torch
+    lacks: radiance picks its own dtype), with a warning; None when that fails too. tokenizer_config.json names the
+    class; without it transformers takes tokenizer.json as it is."""
+    from transformers import AutoTokenizer, PretrainedConfig
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, config=PretrainedConfig())
+    except Exception:  # noqa: BLE001 - the caller reports the config fault instead
+        return None
+    logger.warning("transformers cannot read %s (%s): the tokenizer was loaded without it",
+                   os.path.join(model_dir, "config.json"), config_fault)
+    return tokenizer
 
 
 def _transformers_config_fault(model_dir: str) -> str | None:

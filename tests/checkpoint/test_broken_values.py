@@ -369,14 +369,19 @@ def test_a_tokenizer_json_of_another_shape_is_named(tmp_path, capsys):
     assert err.endswith(f"(file {os.path.join(path, 'tokenizer.json')})")
 
 
-def test_a_config_fault_met_while_loading_the_tokenizer_names_config_json(tmp_path, capsys):
-    """transformers reads config.json to choose a tokenizer: a `torch_dtype` torch lacks read "cannot load the
-    tokenizer: module 'torch' has no attribute 'float128' (file <the directory>)", a tokenizer fault."""
+def test_a_config_transformers_cannot_read_still_gives_the_tokenizer(tmp_path, caplog):
+    """transformers reads config.json to choose a tokenizer: a `torch_dtype` torch lacks (which radiance, choosing its
+    own dtype, serves) made the tokenizer fail, and a server answered token ids only. The tokenizer now loads without
+    the config, the same ids as with a readable one, and a warning names the file and the fault."""
+    from radiance.checkpoint import open_checkpoint
+
+    good = write_dir(str(tmp_path / "good"), dense_state_dict(), TINY, tokenizer=True)
     path = write_dir(str(tmp_path / "m"), dense_state_dict(), {**TINY, "torch_dtype": "float128"}, tokenizer=True)
-    assert main(["inspect", path, "--tokenizer"]) == 2
-    err = _one_error_line(capsys, "inspect")
-    assert "cannot read it (module 'torch' has no attribute 'float128')" in err
-    assert f"(file {path}/config.json)" in err
+    with caplog.at_level("WARNING", logger="radiance"):
+        tokenizer = open_checkpoint(path).tokenizer()
+    text = "The quick brown fox"
+    assert tokenizer.encode(text) == open_checkpoint(good).tokenizer().encode(text)
+    assert f"transformers cannot read {path}/config.json (module 'torch' has no attribute 'float128')" in caplog.text
 
 
 def test_a_directory_with_no_tokenizer_files_says_so(tmp_path, capsys):
