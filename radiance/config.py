@@ -156,7 +156,7 @@ class KernelConfig:
     # the H200); False: each GEMM sums its own
     defer_split_sum: bool = True
     # on the CPU, float32 with cpu_int4 False is the exact path: decode 2.8x slower on the embedded model
-    cpu_int4: bool = True  # 4-bit GGUF linears (Q4_0/Q4_1/Q4_K) on a CPU run torch's int4 kernel from their codes (bf16 activations); False: dequantized to the model dtype
+    cpu_int4: bool = True  # 4-bit GGUF linears (Q4_0/Q4_1/Q4_K) on a CPU run torch's int4 kernel from their codes (bf16 activations, whose sums round with the batch's shape: a greedy answer alone and under load may differ); False: dequantized to the model dtype
 
     def __post_init__(self):
         _check_types(self)

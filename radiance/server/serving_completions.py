@@ -105,7 +105,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     request_id = response_id("cmpl")
     jobs, choices = [], []
     for p, (text, ids) in enumerate(prompts):
-        max_tokens = resolve_max_tokens(state, len(ids), 1 if req.scores_only() else req.output_limit(), "max_tokens",
+        requested = 1 if req.scores_only() else req.output_limit()
+        if requested is not None and "max_tokens" not in req.model_fields_set:
+            # OpenAI's implicit 16, which the client never sent, shrinks to the room the prompt leaves (vLLM's rule)
+            requested = min(requested, max(1, state.max_model_len - len(ids)))
+        max_tokens = resolve_max_tokens(state, len(ids), requested, "max_tokens",
                                         "prompt" if len(prompts) == 1 else f"prompt[{p}]")
         for i in range(req.n):
             index = p * req.n + i
