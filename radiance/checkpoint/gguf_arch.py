@@ -62,6 +62,9 @@ _QWEN2MOE_SHARED = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"
 _LLAMA4_SHARED = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
                   "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
                   "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+# GLM-4.5: the norm before the MLP, the router's correction bias, the ungated shared expert
+_GLM4MOE_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias", **_LLAMA4_SHARED}
 # gpt-oss: the norm before the MLP, the attention's sinks, the router (with a bias)
 _GPT_OSS_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
                   "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
@@ -140,6 +143,33 @@ def _llama4_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
             "floor_scale": 8192, "attn_scale": 0.1}
 
 
+# llama.cpp's expert_gating_func values
+_SOFTMAX_GATING, _SIGMOID_GATING = 1, 2
+
+
+def _glm4moe_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
+    """GLM-4.5 as llama.cpp's converter writes it: block_count counts the multi-token-prediction layers too
+    (nextn_predict_layers, not served), the experts' sizes, shared count, leading dense layers, routed scaling and
+    groups under their llama.cpp names; the router must be the sigmoid one (expert_gating_func 2)."""
+    gating = field_of("glm4moe.expert_gating_func", _SIGMOID_GATING)
+    if gating != _SIGMOID_GATING:
+        raise ValueError(f"glm4moe.expert_gating_func is {gating}: radiance serves GLM-4.5's sigmoid router ("
+                         f"{_SIGMOID_GATING}) only")
+    nextn = int(field_of("glm4moe.nextn_predict_layers", 0))
+    if not 0 <= nextn < config["num_hidden_layers"]:
+        raise ValueError(f"glm4moe.nextn_predict_layers {nextn} of {config['num_hidden_layers']} blocks")
+    return {"num_hidden_layers": config["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
+            "num_local_experts": None, "n_routed_experts": field_of("glm4moe.expert_count", None),
+            "num_experts_per_tok": field_of("glm4moe.expert_used_count", None),
+            "moe_intermediate_size": field_of("glm4moe.expert_feed_forward_length", None),
+            "n_shared_experts": field_of("glm4moe.expert_shared_count", 1),
+            "first_k_dense_replace": field_of("glm4moe.leading_dense_block_count", 1),
+            "routed_scaling_factor": float(field_of("glm4moe.expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(field_of("glm4moe.expert_weights_norm", True)),
+            "n_group": field_of("glm4moe.expert_group_count", 1),
+            "topk_group": field_of("glm4moe.expert_group_used_count", 1)}
+
+
 def _gemma2_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
     """Gemma 2's soft caps and window from the metadata; the query scale llama.cpp computes (hidden / heads on the
     27B, its 46 layers, else head_dim), sliding and full layers alternating as in transformers."""
@@ -202,6 +232,8 @@ ARCHITECTURES = {
     "qwen3moe": GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", extra_config=_qwen3moe_config),
     # llama.cpp's converter keeps Llama 4's q / k rows as stored (its rope rotates interleaved pairs, as the model)
     "llama4": GgufArch("Llama4ForCausalLM", "llama4_text", block_names=_LLAMA4_SHARED, extra_config=_llama4_config),
+    # its rope rotates the two halves of each head's leading dims (NEOX): q / k rows as stored
+    "glm4moe": GgufArch("Glm4MoeForCausalLM", "glm4_moe", block_names=_GLM4MOE_NAMES, extra_config=_glm4moe_config),
     "qwen2moe": GgufArch("Qwen2MoeForCausalLM", "qwen2_moe", block_names=_QWEN2MOE_SHARED,
                          extra_config=_qwen2moe_config),
     "gpt-oss": GgufArch("GptOssForCausalLM", "gpt_oss", block_names=_GPT_OSS_NAMES,

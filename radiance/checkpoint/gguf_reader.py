@@ -51,8 +51,9 @@ DEFAULT_CONTEXT_LENGTH = 2048  # a file without {arch}.context_length (llama.cpp
 # converted before 2024-04, one tensor per expert
 _STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|bias)$")
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+_BLOCK_INDEX = re.compile(r"^blk\.(\d+)\.")
 # canonical names of plain tensors (norms, embeddings, biases, gpt-oss's sinks); the others name linears
-_PLAIN_LEAVES = (".weight", ".bias", ".sinks")
+_PLAIN_LEAVES = (".weight", ".bias", ".sinks", ".e_score_correction_bias")
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
@@ -272,6 +273,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos, "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
             "hidden_act": known.hidden_act, "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in self.tensors,  # GLM-4.5 (Llama 4 decides its own)
             # a llama file with experts is a Mixtral (gguf_arch._llama_config); an architecture radiance serves
             # without experts has the model registry refuse them in one line
             "num_local_experts": self._field(key("num_local_experts")),
@@ -291,7 +293,12 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         """canonical name -> {partition index: gguf tensor name, or (name, expert) for one expert of a stacked
         tensor}."""
         groups: dict[str, dict[int, str | tuple[str, int]]] = {}
+        layers, past = self.config.get("num_hidden_layers"), []
         for name in self.tensors:
+            block = _BLOCK_INDEX.match(name)
+            if block and isinstance(layers, int) and int(block.group(1)) >= layers and self.arch in ARCHITECTURES:
+                past.append(name)  # GLM-4.5's multi-token-prediction layer, counted in block_count
+                continue
             target = hf_name(name, self.arch)
             if (name == ROPE_FREQS or name in LONGROPE_FACTORS.values()) and self.arch in ARCHITECTURES:
                 continue  # read into the config's rope scaling
@@ -321,6 +328,9 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             else:
                 canonical, index = target, 0
             groups.setdefault(canonical, {})[index] = name
+        if past:
+            logger.info("%d tensors of the blocks past the model's %d layers (a multi-token-prediction module, which "
+                        "radiance does not run) not read, e.g. %s", len(past), layers, past[0])
         self._check_partitions(groups)
         return dict(sorted(groups.items(), key=lambda kv: sort_key(kv[0])))
 

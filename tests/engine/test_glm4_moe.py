@@ -171,3 +171,54 @@ def test_mxfp4_at_load_and_converted_on_disk_serve_the_same_logits(tiny_model_di
     with safe_open(str(tmp_path / "mx" / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.layers.1.mlp.gate.e_score_correction_bias").get_dtype() == "F32"
     assert torch.equal(at_load, _forward(str(tmp_path / "mx"), ids, dtype="bfloat16"))
+
+
+# llama.cpp's names of a GLM-4.5 layer's modules (convert_hf_to_gguf.py's Glm4MoeModel)
+GLM_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+             "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+             "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+
+
+def test_a_glm4moe_gguf_as_llama_cpp_writes_it(tiny_model_dir, tmp_path, caplog):
+    """llama.cpp's glm4moe file: block_count counting the multi-token-prediction layer (its tensors not read), the
+    router's correction bias as exp_probs_b, the experts' sizes, groups and scaling as glm4moe.* metadata, half of
+    each head rotating (rope.dimension_count), q / k rows as stored: transformers' logits."""
+    from tests.engine.gguf_files import gguf_tensors, write_gguf
+
+    _, hf = tiny_model_dir("glm4moe")
+    c = hf.config
+    tensors = gguf_tensors(hf, GLM_BLOCK)
+    for i in (1, 2):
+        tensors[f"blk.{i}.exp_probs_b.bias"] = tensors.pop(f"blk.{i}.ffn_gate_inp.e_score_correction_bias")
+    tensors["blk.3.nextn.eh_proj.weight"] = torch.zeros(64, 128).numpy()  # the MTP layer: not read
+    tensors["blk.3.attn_q.weight"] = torch.zeros(64, 64).numpy()
+    metadata = {"glm4moe.expert_count": 8, "glm4moe.expert_used_count": 2, "glm4moe.expert_shared_count": 1,
+                "glm4moe.expert_feed_forward_length": 32, "glm4moe.leading_dense_block_count": 1,
+                "glm4moe.expert_weights_scale": 2.5, "glm4moe.expert_weights_norm": True,
+                "glm4moe.expert_gating_func": 2, "glm4moe.expert_group_count": 4,
+                "glm4moe.expert_group_used_count": 2, "glm4moe.nextn_predict_layers": 1,
+                "glm4moe.rope.dimension_count": 8}
+    c.num_hidden_layers = 4  # block_count: the three layers and the MTP one
+    try:
+        path = write_gguf(tmp_path / "glm.gguf", "glm4moe", c, tensors, metadata, head_dim=16)
+    finally:
+        c.num_hidden_layers = 3
+    ckpt = open_checkpoint(path)
+    cls, cfg = resolve_architecture(ckpt.config)
+    assert cls.__name__ == "Glm4MoeForCausalLM" and cfg.num_layers == 3 and cfg.rotary_dim == 8
+    assert cfg.qk_norm and cfg.qkv_bias and not cfg.o_bias and cfg.moe.layers == {1, 2}
+    assert (cfg.moe.num_groups, cfg.moe.top_groups, cfg.moe.routed_scaling) == (4, 2, 2.5)
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = hf(ids).logits
+    with caplog.at_level("INFO", logger="radiance"):
+        got = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model.forward_logits(ids)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert "2 tensors of the blocks past the model's 3 layers" in caplog.text
+    softmax = write_gguf(tmp_path / "softmax.gguf", "glm4moe", c, tensors,
+                         dict(metadata, **{"glm4moe.expert_gating_func": 1}), head_dim=16)
+    with pytest.raises(Exception, match="expert_gating_func is 1"):
+        open_checkpoint(softmax)
