@@ -147,15 +147,20 @@ def grouped_sigmoid_top_k(router_logits: torch.Tensor, correction_bias: torch.Te
 
 
 def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
-                 valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertRouting]:
+                 valid_rows: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
+                 scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, ExpertRouting]:
     """(weights fp32 [T, top_k], expert ids int32 [T, top_k], ExpertRouting) from router logits [T, E]:
     softmax in fp32, the top_k experts per token (renormalized to sum to 1 with `renormalize`), the pairs
-    grouped by expert as route_to_experts does (valid_rows: only the first valid_rows[0] tokens). One Triton
-    launch up to ROUTE_KERNEL_MAX_TOKENS tokens where Triton serves (no host sync: CUDA-graph capturable),
+    grouped by expert as route_to_experts does (valid_rows: only the first valid_rows[0] tokens). With
+    `correction_bias` [E] GLM-4.5's router instead: grouped_sigmoid_top_k with one group, times `scaling`. One
+    Triton launch up to ROUTE_KERNEL_MAX_TOKENS tokens where Triton serves (no host sync: CUDA-graph capturable),
     torch ops otherwise."""
     tokens, num_experts = router_logits.shape
     if not (triton_serves(router_logits) and 0 < tokens <= ROUTE_KERNEL_MAX_TOKENS):
-        weights, ids = top_k_experts(router_logits, top_k, renormalize)
+        if correction_bias is not None:
+            weights, ids = grouped_sigmoid_top_k(router_logits, correction_bias, top_k, 1, 1, renormalize, scaling)
+        else:
+            weights, ids = top_k_experts(router_logits, top_k, renormalize)
         return weights, ids.to(torch.int32), route_to_experts(ids, num_experts, block_m, valid_rows)
     device = router_logits.device
     num_pairs = tokens * top_k
@@ -183,6 +188,8 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool, blo
         TB=token_tile, PB=pair_block, SB=64, PDL=pdl, launch_pdl=pdl,
         ONE_BLOCK=ROUTE_ONE_BLOCK and tokens <= token_tile and num_pairs <= pair_block,
         OB=min(64, next_pow2(num_tiles)),
+        bias_ptr=correction_bias if correction_bias is not None else logits, scale=float(scaling),
+        SIGMOID=correction_bias is not None,
         num_warps=1 if tokens <= ROUTE_ONE_WARP_MAX_TOKENS else 4)
     return weights, ids, ExpertRouting(sorted_pairs, tile_expert, num_pairs, top_k, block_m, group_ends)
 

@@ -97,10 +97,16 @@ class SparseMoeBlock(nn.Module):
         return moe_routing.top_k_experts(logits, self.top_k, self.norm_topk_prob)
 
     def _route_tokens(self, logits: torch.Tensor, block_m: int, valid_rows: torch.Tensor | None):
-        """moe_routing.route_tokens' (weights, int32 ids, ExpertRouting): its one launch for the softmax routers,
-        the grouped sigmoid pick in torch ops and route_to_experts for GLM-4.5's."""
-        if not self.moe.sigmoid_grouped:
+        """moe_routing.route_tokens' (weights, int32 ids, ExpertRouting): its one launch for the softmax routers and
+        GLM-4.5's sigmoid one over a single expert group (every GLM-4.5 / 4.6 release); with groups, the grouped
+        pick in torch ops and route_to_experts."""
+        moe = self.moe
+        if not moe.sigmoid_grouped:
             return moe_routing.route_tokens(logits, self.top_k, self.norm_topk_prob, block_m, valid_rows)
+        if moe.num_groups == 1:
+            return moe_routing.route_tokens(logits, self.top_k, self.norm_topk_prob, block_m, valid_rows,
+                                            correction_bias=self.gate.e_score_correction_bias,
+                                            scaling=moe.routed_scaling)
         weights, ids = self._pick(logits)
         return weights, ids.to(torch.int32), moe_routing.route_to_experts(ids, self.num_experts, block_m, valid_rows)
 

@@ -69,3 +69,37 @@ def test_llama4_input_scaled_experts_on_the_grouped_kernels(device, tokens):
     assert relative_error(got, want) < gate, relative_error(got, want)
     # without the score the output is far off: the match depends on it
     assert relative_error(_reference(block, weights, x, scaled=False), want) > 0.1
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_glm_sigmoid_routed_experts_on_the_grouped_kernels(device, tokens):
+    """GLM-4.5's sparse MLP (MoeConfig.sigmoid_grouped, one expert group) on the grouped kernels, its routing in the
+    routing kernel's sigmoid mode: the top 2 of 4 experts by sigmoid + correction bias, weighed by the unbiased
+    scores renormalized times 2.5; against that sum in float32 on the W4A8 activations."""
+    from radiance.kernels.moe_routing import grouped_sigmoid_top_k
+
+    torch.manual_seed(tokens)
+    moe = MoeConfig(EXPERTS, 2, INTER, True, frozenset({0}), shared_expert_gated=False, sigmoid_grouped=True,
+                    routed_scaling=2.5)
+    block = SparseMoeBlock(HIDDEN, moe).to(device)
+    with torch.no_grad():
+        block.gate.weight.normal_(0.0, 0.1)
+        block.gate.e_score_correction_bias.normal_(0.0, 0.3)  # large enough to move picks
+    raw = [(random_mxfp4(2 * INTER, HIDDEN, device, seed=10 * tokens + e),
+            random_mxfp4(HIDDEN, INTER, device, seed=10 * tokens + e + 5)) for e in range(EXPERTS)]
+    block.grouped = tuple(stack_experts([prepare_mxfp4(*pair[i]) for pair in raw]) for i in (0, 1))
+    weights = [[dequantize_mxfp4(*pair[i]).to(device) for i in (0, 1)] for pair in raw]
+    x = torch.randn(tokens, HIDDEN, device=device)
+    with torch.no_grad():
+        got = block(x)
+    route, ids = grouped_sigmoid_top_k(x @ block.gate.weight.detach().t(), block.gate.e_score_correction_bias, 2, 1,
+                                       1, True, 2.5)
+    x8 = _e4m3(x)
+    want = torch.zeros_like(x)
+    for t in range(tokens):
+        for k in range(2):
+            gate_up, down = weights[int(ids[t, k])]
+            gate, up = (x8[t] @ gate_up.t()).chunk(2)
+            want[t] += route[t, k] * (_e4m3((torch.nn.functional.silu(gate) * up)[None])[0] @ down.t())
+    gate = GPU_GATE if device.type == "cuda" else GATE
+    assert relative_error(got, want) < gate, relative_error(got, want)

@@ -182,3 +182,23 @@ def test_one_renormalized_expert_weighs_exactly_one(device, tokens, num_experts)
     weights, ids, _ = moe.route_tokens(logits, 1, True, 16)
     assert torch.equal(weights.cpu(), torch.ones(tokens, 1))
     assert torch.equal(logits.float().gather(1, ids.long()).squeeze(1), logits.float().max(dim=1).values)
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (8, 128, 8), (17, 60, 4), (200, 32, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("one_block", [True, False])
+def test_sigmoid_routing_with_a_correction_bias_is_the_torch_pick(device, monkeypatch, tokens, num_experts, top_k,
+                                                                  renormalize, one_block):
+    """GLM-4.5's router in the kernel (one expert group): experts picked by sigmoid + a bias of either sign, weighed
+    by the unbiased score, renormalized or not, times the routed scaling: grouped_sigmoid_top_k's ids and weights
+    (in its order: the kernel's argmax steps pick by descending key too), and the slot layout of its ids."""
+    monkeypatch.setattr(moe, "ROUTE_ONE_BLOCK", one_block)
+    gen = torch.Generator().manual_seed(tokens)
+    logits = (torch.randn(tokens, num_experts, generator=gen) * 3).to(device)
+    bias = (torch.randn(num_experts, generator=gen) * 0.5).to(device)
+    count = torch.tensor([max(tokens - 1, 0)], dtype=torch.int32, device=device) if tokens > 2 else None
+    weights, ids, routing = moe.route_tokens(logits, top_k, renormalize, 16, count, correction_bias=bias, scaling=2.5)
+    want_weights, want_ids = moe.grouped_sigmoid_top_k(logits, bias, top_k, 1, 1, renormalize, 2.5)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
+    check_routing(_on_cpu(routing), ids.long().cpu(), num_experts, 16, valid_rows=None if count is None else int(count))
