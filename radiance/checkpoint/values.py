@@ -45,7 +45,13 @@ def _check_values(ckpt: Checkpoint, name: str, item: object, warnings: list[str]
     if isinstance(item, torch.Tensor):
         bad, culprit = nonfinite_count(item), name
     else:  # a linear in any format: its values as the model would multiply them
-        bad = nonfinite_count(item.tensor if isinstance(item, DenseWeight) else dequantize(item))
+        try:
+            bad = nonfinite_count(item.tensor if isinstance(item, DenseWeight) else dequantize(item))
+        except ValueError as exc:  # scales the codec refuses (an MXFP4 scale past float32): as a load says it
+            culprit = culprit_tensor(name, item)
+            warnings.append(f"a load refuses it: {exc} (file {ckpt.file_of(culprit)}, tensor "
+                            f"{ckpt.stored_name(culprit)})")
+            return
         culprit = culprit_tensor(name, item) if bad else name
     if bad:
         warnings.append(f"{bad} NaN or inf value(s) (file {ckpt.file_of(culprit)}, tensor "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from radiance.checkpoint import open_checkpoint
@@ -80,3 +81,22 @@ def test_a_gguf_is_read_entry_by_entry_past_a_refused_tensor(tmp_path):
     refused = sorted(w.split("tensor ")[-1] for w in warnings if w.startswith("a load refuses it: malformed Q4_0"))
     assert refused == ["blk.0.attn_v.weight)", "blk.0.ffn_down.weight)"], warnings
     assert any("NaN" in w and "blk.0.ffn_norm.weight" in w for w in warnings), warnings
+
+
+def test_an_mxfp4_scale_past_float32_is_listed_and_a_load_refuses_it(tmp_path):
+    """An e8m0 scale byte of 254 (2^127) makes inf values: a load gave NaN logits and an empty answer with exit 0;
+    now --values lists it as a load's refusal, and the load names file and tensor."""
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+    from radiance.errors import CheckpointError
+    from tests.checkpoint.factory import CT_MXFP4_CONFIG, ct_mxfp4_tensors
+
+    tensors = ct_mxfp4_tensors(dense_state_dict(), linear_modules())
+    scale = "model.layers.0.mlp.up_proj.weight_scale"
+    tensors[scale][3, 0] = 254
+    path = write_dir(str(tmp_path / "m"), tensors, TINY, CT_MXFP4_CONFIG, tokenizer=True)
+    _, warnings = value_warnings(open_checkpoint(path), progress=False)
+    assert len(warnings) == 1 and warnings[0].startswith("a load refuses it: MXFP4 scale byte 254"), warnings
+    assert "tensor model.layers.0.mlp.up_proj.weight)" in warnings[0]
+    with pytest.raises(CheckpointError, match=r"scale byte 254 .*tensor model\.layers\.0\.mlp\.up_proj\.weight"):
+        load_model(ModelConfig(device="cpu"), checkpoint=open_checkpoint(path), progress=False)
