@@ -191,6 +191,8 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False, with_values: 
     if not ckpt.has_tokenizer:
         warnings.append("no tokenizer: only token-id prompts can be served (no text, no chat)")
     warnings += _template_warnings(ckpt)
+    if with_tokenizer and ckpt.has_tokenizer:
+        warnings += _tokenizer_warnings(ckpt)
     values_line = None
     if with_values and not problem:  # an unservable layout is not read: its reader may not know its tensors
         read, faults = value_warnings(ckpt, progress)
@@ -205,6 +207,16 @@ def inspect_report(ckpt: Checkpoint, with_tokenizer: bool = False, with_values: 
     lines += ["", f"total      {len(entries)} entries, {_mib(sum(e.nbytes for e in entries))}"]
     lines += ["", f"warnings   {len(warnings) or 'none'}"] + [f"  - {w}" for w in warnings]
     return lines, warnings
+
+
+def _tokenizer_warnings(ckpt: Checkpoint) -> list[str]:
+    """A tokenizer with more tokens than the model's vocabulary: text that encodes to the ids past it is refused at
+    request time ("token id(s) outside the vocabulary"). Fewer is common (padded embeddings) and fine."""
+    vocab, tokens = ckpt.config.get("vocab_size"), len(ckpt.tokenizer())
+    if isinstance(vocab, int) and tokens > vocab:
+        return [f"the tokenizer has {tokens} tokens, the model's vocabulary {vocab}: text holding the {tokens - vocab} "
+                f"past it is refused at request time"]
+    return []
 
 
 def _template_warnings(ckpt: Checkpoint) -> list[str]:

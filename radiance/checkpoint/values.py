@@ -19,29 +19,45 @@ def value_warnings(ckpt: Checkpoint, progress: bool = True) -> tuple[int, list[s
     """(tensors read, one warning per tensor holding NaN / inf values or refused by the reader (a bad scale)).
     Entries are read one at a time where the checkpoint can (weight_reads), so a refused one is recorded and the
     pass goes on; otherwise a refusal ends the pass ("reading stopped: ...")."""
-    warnings, read = [], 0
+    warnings, read, tied = [], 0, {}
     reads = getattr(ckpt, "weight_reads", None)
     if reads is None:  # one stream: a refusal ends it, nothing after it can be read
         try:
             for name, item in ckpt.iter_weights(progress=progress):
                 read += 1
-                _check_values(ckpt, name, item, warnings)
+                _check_values(ckpt, name, item, warnings, tied)
         except CheckpointError as exc:
             warnings.append(f"reading stopped: {exc}")
-        return read, warnings
+        return read, warnings + _tied_head_warnings(ckpt, tied)
     for read_entry in reads(progress=progress):
         try:
             for name, item in read_entry():
                 read += 1
-                _check_values(ckpt, name, item, warnings)
+                _check_values(ckpt, name, item, warnings, tied)
         except CheckpointError as exc:  # a scale or layout fault the reader refuses: this entry only
             read += 1
             warnings.append(f"a load refuses it: {exc}")
-    return read, warnings
+    return read, warnings + _tied_head_warnings(ckpt, tied)
 
 
-def _check_values(ckpt: Checkpoint, name: str, item: object, warnings: list[str]) -> None:
-    """A warning naming the stored tensor where `item` (one weight as read) holds NaN / inf values."""
+_TIED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _tied_head_warnings(ckpt: Checkpoint, tied: dict) -> list[str]:
+    """tie_word_embeddings with a stored lm_head.weight that differs from the embeddings (the load warns: the
+    embeddings serve as the head, as in vLLM, where transformers 5 serves the stored one)."""
+    if len(tied) < 2 or (tied[_TIED[0]].shape == tied[_TIED[1]].shape and torch.equal(*tied.values())):
+        return []
+    return [f"config.json sets tie_word_embeddings, but an lm_head.weight differs from the embeddings (file "
+            f"{ckpt.file_of('lm_head.weight')}): the embeddings serve as the head; if the flag is wrong, set "
+            "\"tie_word_embeddings\": false"]
+
+
+def _check_values(ckpt: Checkpoint, name: str, item: object, warnings: list[str], tied: dict) -> None:
+    """A warning naming the stored tensor where `item` (one weight as read) holds NaN / inf values; the embeddings and
+    a stored head kept in `tied` when config.json ties them."""
+    if name in _TIED and isinstance(item, torch.Tensor) and ckpt.config.get("tie_word_embeddings"):
+        tied[name] = item
     if isinstance(item, torch.Tensor):
         bad, culprit = nonfinite_count(item), name
     else:  # a linear in any format: its values as the model would multiply them

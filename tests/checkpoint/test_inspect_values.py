@@ -100,3 +100,29 @@ def test_an_mxfp4_scale_past_float32_is_listed_and_a_load_refuses_it(tmp_path):
     assert "tensor model.layers.0.mlp.up_proj.weight)" in warnings[0]
     with pytest.raises(CheckpointError, match=r"scale byte 254 .*tensor model\.layers\.0\.mlp\.up_proj\.weight"):
         load_model(ModelConfig(device="cpu"), checkpoint=open_checkpoint(path), progress=False)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_a_warning(tmp_path, capsys):
+    """300 tokens for a 128-row embedding passed `inspect --tokenizer --strict` and failed at request time; a
+    tokenizer no larger than the vocabulary (padded embeddings are common) stays clean."""
+    from tests.checkpoint.factory import write_tokenizer
+
+    path = _model(tmp_path)
+    assert main(["inspect", path, "--tokenizer", "--strict"]) == 0
+    write_tokenizer(path, 300)
+    capsys.readouterr()
+    assert main(["inspect", path, "--tokenizer", "--strict"]) == 1
+    assert "the tokenizer has 300 tokens, the model's vocabulary 128" in capsys.readouterr().out
+
+
+def test_a_tied_model_storing_another_head_is_a_warning_of_values(tmp_path):
+    """tie_word_embeddings with a stored lm_head.weight unlike the embeddings: the load warned, `inspect --values
+    --strict` passed; the same head as the embeddings stays clean."""
+    tensors = dense_state_dict()
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    same = write_dir(str(tmp_path / "same"), tensors, {**TINY, "tie_word_embeddings": True}, tokenizer=True)
+    assert value_warnings(open_checkpoint(same), progress=False)[1] == []
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
+    other = write_dir(str(tmp_path / "other"), tensors, {**TINY, "tie_word_embeddings": True}, tokenizer=True)
+    warnings = value_warnings(open_checkpoint(other), progress=False)[1]
+    assert len(warnings) == 1 and "an lm_head.weight differs from the embeddings" in warnings[0], warnings
