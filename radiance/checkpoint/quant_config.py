@@ -265,7 +265,7 @@ def _parse_compressed_tensors(qc: dict, source: str) -> QuantSpec:
                               f"{type(groups).__name__}", file=source)
     if not groups:
         raise CheckpointError("compressed-tensors quantization_config has no config_groups", file=source)
-    schemes = []
+    schemes, warnings = [], []
     for name, group in groups.items():
         if isinstance(group, list):  # preset name -> targets
             weights = _CT_PRESET_WEIGHTS.get(name.upper())
@@ -291,7 +291,13 @@ def _parse_compressed_tensors(qc: dict, source: str) -> QuantSpec:
             raise CheckpointError(f"config group {name!r} has no targets", file=source)
         scales, block = _ct_fp8_scales(weights, fmt)
         schemes.append(QuantScheme(fmt, "compressed-tensors", tuple(targets), name, scales, block))
-    return QuantSpec(method="compressed-tensors", storage=storage, schemes=tuple(schemes), source=source)
+        activations = group.get("input_activations") if isinstance(group, dict) else None
+        if isinstance(activations, dict) and activations.get("num_bits") == 4:
+            warnings.append(f"config group {name!r} declares 4-bit input activations (W4A4, {source}): radiance "
+                            "serves its weights with fp8 activations per token (W4A8), more exact than its "
+                            "calibration assumed")
+    return QuantSpec(method="compressed-tensors", storage=storage, schemes=tuple(schemes), source=source,
+                     warnings=warnings)
 
 
 def _quark_format(spec: dict | None, where: str, source: str) -> str:

@@ -126,3 +126,16 @@ def test_modelopt_nvfp4_with_glob_excludes():
     for excluded in ("lm_head", "model.layers.2.mlp.gate", "model.layers.0.self_attn.o_proj"):
         assert spec.scheme_for(excluded, linear=True).format == "dense", excluded
     assert parse_quantization_config({"quant_method": "modelopt", "quant_algo": "FP8"}).formats() == ["fp8"]
+
+
+def test_w4a4_input_activations_are_a_warning_not_silence():
+    """An NVFP4 group calibrated for 4-bit activations (llm-compressor's NVFP4 scheme) is served W4A8: said once,
+    naming the group and the file; weight-only groups stay quiet."""
+    qc = copy.deepcopy(CT_NVFP4_CONFIG)
+    assert parse_quantization_config(qc, "config.json").warnings == []
+    qc["config_groups"]["group_0"]["input_activations"] = {"num_bits": 4, "type": "float", "group_size": 16,
+                                                          "strategy": "tensor_group", "dynamic": "local"}
+    warnings = parse_quantization_config(qc, "config.json").warnings
+    assert warnings == ["config group 'group_0' declares 4-bit input activations (W4A4, config.json): radiance "
+                        "serves its weights with fp8 activations per token (W4A8), more exact than its calibration "
+                        "assumed"]
