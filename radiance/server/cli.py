@@ -180,6 +180,30 @@ def request_ids_in_logs(loggers=("", "uvicorn", "uvicorn.access", "uvicorn.error
             handler.removeFilter(log_filter)
 
 
+class GracefulTimeoutNote(logging.Filter):
+    """uvicorn's ERROR "Cancel N running task(s), timeout graceful shutdown exceeded" after a shutdown signal is the
+    expected end of streams still running after the 5 s grace (each gets "the server is shutting down", then
+    [DONE]): an INFO line saying so, not an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and str(record.msg).startswith("Cancel %s running task(s), timeout graceful"):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg = "shutdown: %s request(s) still running after the 5 s grace were ended (\"the server is " \
+                         "shutting down\")"
+        return True
+
+
+@contextlib.contextmanager
+def graceful_timeout_as_info():
+    """GracefulTimeoutNote on uvicorn's error logger while the server runs."""
+    log_filter, uvicorn_error = GracefulTimeoutNote(), logging.getLogger("uvicorn.error")
+    uvicorn_error.addFilter(log_filter)
+    try:
+        yield
+    finally:
+        uvicorn_error.removeFilter(log_filter)
+
+
 def _force_quit() -> None:
     """A second Ctrl+C during uvicorn's graceful wait (its "CTRL+C to force quit"): the streams still open are cut
     and the process ends here with one line. Left to uvicorn, the re-raised signal met the lifespan task and two
@@ -248,7 +272,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                            ssl_keyfile=server_config.ssl_keyfile,
                                            ssl_certfile=server_config.ssl_certfile))
     try:
-        with request_ids_in_logs():  # after uvicorn.Config: it sets up uvicorn's log handlers
+        with request_ids_in_logs(), graceful_timeout_as_info():  # after uvicorn.Config: it sets up its log handlers
             server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn stopped, then raised the SIGINT it caught
         if state.loading:

@@ -163,3 +163,34 @@ def test_the_bound_socket_takes_connections_before_uvicorn_starts():
                 assert accepted.recv(4) == b"ping"
     finally:
         server.close()
+
+
+def test_uvicorns_graceful_timeout_error_becomes_an_info_line():
+    """The streams still running 5 s after a shutdown signal are ended by design; uvicorn's ERROR line for it read as
+    a failure. Its exact format string (uvicorn.server) is what the filter rewrites; other errors pass unchanged."""
+    import inspect
+    import logging
+
+    import uvicorn.server
+
+    from radiance.server.cli import graceful_timeout_as_info
+
+    class Keep(logging.Handler):  # on the logger itself: uvicorn's config may have stopped its propagation
+        records: list = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    fmt = "Cancel %s running task(s), timeout graceful shutdown exceeded"
+    assert fmt in inspect.getsource(uvicorn.server)
+    uvicorn_error, keep = logging.getLogger("uvicorn.error"), Keep()
+    uvicorn_error.addHandler(keep)
+    try:
+        with graceful_timeout_as_info():
+            uvicorn_error.error(fmt, 3)
+            uvicorn_error.error("something else")
+    finally:
+        uvicorn_error.removeHandler(keep)
+    (note, other) = keep.records[-2:]
+    assert note.levelname == "INFO" and note.getMessage().startswith("shutdown: 3 request(s) still running")
+    assert other.levelname == "ERROR" and other.getMessage() == "something else"
