@@ -338,11 +338,12 @@ def _json_list_form(values: tuple[str, ...], name: str) -> tuple[str, ...]:
     return tuple(listed)
 
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "none")
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "harmony", "none")
 REASONING_PARSERS = ("auto", "think", "mistral", "harmony", "none")
 # vLLM's names of the same parsers, so that a `vllm serve` command line's flags serve as they are
 VLLM_TOOL_CALL_PARSERS = {"openai": "harmony"}
-VLLM_REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think", "openai_gptoss": "harmony", "gpt_oss": "harmony"}
+VLLM_REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think", "glm45": "think", "openai_gptoss": "harmony",
+                          "gpt_oss": "harmony"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 GENERATION_CONFIGS = ("auto", "none", "vllm")  # vllm: vLLM's name for none
 CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format values
@@ -366,7 +367,7 @@ class ServerConfig:
     # tool_use one: the rendering before vLLM's flag of this name); off: rendered, as vLLM and OpenAI do (the model
     # knows its tools and calls none: no call is parsed out of its answer)
     exclude_tools_when_tool_choice_none: bool = False
-    tool_call_parser: str = "auto"  # hermes, qwen3_coder, llama3_json, mistral, harmony (vLLM's openai), none; auto: the template's markup
+    tool_call_parser: str = "auto"  # hermes, qwen3_coder, glm45, llama3_json, mistral, harmony (vLLM's openai), none; auto: the template's markup
     reasoning_parser: str = "auto"  # think (vLLM's qwen3, deepseek_r1), mistral, harmony (openai_gptoss), none; auto: from the template (<|channel|>: harmony, [THINK]: mistral, <think>: think)
     # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty) fill what a request leaves out and its max_new_tokens caps the output, as vLLM does;

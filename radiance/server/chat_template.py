@@ -342,6 +342,7 @@ def template_features(template: str | None) -> dict:
     text = template or ""
     return {
         "qwen3_coder": "<tool_call>" in text and "<function=" in text,
+        "glm45": "<tool_call>" in text and "<arg_key>" in text,
         "hermes": "<tool_call>" in text,
         # Llama 3.x and 4: calls written as {"name": ..., "parameters": ...} (and <|python_tag|> for built-in tools);
         # Llama 4's headers are <|header_start|>

@@ -64,7 +64,7 @@ def default_model_name(model_path: str | None, engine: Any = None) -> str:
 # Reasoning: harmony and Magistral's [THINK] first, since their markers are the models' own tokens, while <think>
 # could appear in any template's text. Every parser of the two registries is listed (tests/server/test_tool_parsers).
 AUTO_REASONING_PARSERS = (("harmony", "harmony"), ("mistral", "mistral_think"), ("think", "think"))
-AUTO_TOOL_PARSERS = (("harmony", "harmony"), ("qwen3_coder", "qwen3_coder"), ("hermes", "hermes"),
+AUTO_TOOL_PARSERS = (("harmony", "harmony"), ("qwen3_coder", "qwen3_coder"), ("glm45", "glm45"), ("hermes", "hermes"),
                      ("mistral", "mistral"), ("llama3_json", "llama3_json"))
 
 

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from radiance.server.reasoning_parser import FunctionMessage, ThinkReasoningParser, split_reasoning
-from radiance.server.tool_parsers import (HarmonyToolParser, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                          ParseDelta, Qwen3CoderToolParser, parse_tool_calls)
+from radiance.server.tool_parsers import (Glm45ToolParser, HarmonyToolParser, HermesToolParser, Llama3JsonToolParser,
+                                          MistralToolParser, ParseDelta, Qwen3CoderToolParser, parse_tool_calls)
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -162,6 +162,42 @@ def test_qwen3_coder_same_result_at_every_chunk_boundary(text, truncated, conten
     check(whole, content, calls)
     for chunks in chunkings(text):
         assert as_tuple(stream_tools(Qwen3CoderToolParser, chunks, truncated)) == as_tuple(whole), chunks
+
+
+# GLM-4.5's template: the name on the call's first line, then key / value pairs; non-string values written as JSON
+GLM_CALL = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n<arg_value>true</arg_value>\n"
+            "<arg_key>extra</arg_key>\n<arg_value>{\"a\": [1, 2]}</arg_value>\n</tool_call>")
+GLM_ARGS = {"city": "New York", "days": 3, "metric": True, "extra": {"a": [1, 2]}}
+
+GLM_CASES = [
+    (GLM_CALL, False, "", [("get_weather", GLM_ARGS)]),
+    ("<think>no</think>\nLet me check.\n" + GLM_CALL + "\n" + GLM_CALL.replace("New York", "Rome"), False,
+     "<think>no</think>\nLet me check.", [("get_weather", GLM_ARGS), ("get_weather", dict(GLM_ARGS, city="Rome"))]),
+    # cut inside the second value: whole arguments only
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Lyon</arg_value>\n<arg_key>days</arg_key>\n"
+     "<arg_value>1", True, "", [("get_weather", {"city": "Lyon"})]),
+    # a call without arguments
+    ("<tool_call>get_weather\n</tool_call>", False, "", [("get_weather", {})]),
+    # a value that writes the end tag: the call goes on to the </tool_call> after its closed value
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>x = '</tool_call>'</arg_value>\n</tool_call> ok",
+     False, "ok", [("get_weather", {"city": "x = '</tool_call>'"})]),
+    # a tool the request does not offer: text
+    ("<tool_call>get_time\n</tool_call>", False, "<tool_call>get_time\n</tool_call>", []),
+    # the model stopped (no end tag) after a closed value: whole; inside a value: text
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>", False, "",
+     [("get_weather", {"city": "Oslo"})]),
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Os", False,
+     "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Os", []),
+]
+
+
+@pytest.mark.parametrize("text,truncated,content,calls", GLM_CASES)
+def test_glm45_same_result_at_every_chunk_boundary(text, truncated, content, calls):
+    whole = parse_tool_calls(Glm45ToolParser([WEATHER_TOOL]), text, truncated)
+    check(whole, content, calls)
+    for chunks in chunkings(text):
+        assert as_tuple(stream_tools(Glm45ToolParser, chunks, truncated)) == as_tuple(whole), chunks
 
 
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'
@@ -386,6 +422,8 @@ def test_auto_picks_from_every_registered_parser_by_a_known_template_feature():
         assert {feature for _, feature in order} <= features
     assert auto_parsers("{{ messages }}") == (None, None)
     assert auto_parsers("<think>{{ m }}</think><tool_call>{{ t }}</tool_call>") == ("think", "hermes")
+    # GLM-4.5's template writes <tool_call> too, with its key / value markup: not Hermes JSON
+    assert auto_parsers("<think></think><tool_call>{{ n }}<arg_key>{{ k }}</arg_key></tool_call>") == ("think", "glm45")
 
 
 @pytest.mark.parametrize("parser_cls,opening", [

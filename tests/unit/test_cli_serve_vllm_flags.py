@@ -30,7 +30,8 @@ def test_a_vllm_command_line_parses_to_the_same_configs():
         parse(["m"]))[0]
 
 
-@pytest.mark.parametrize("vllm_name, ours", [("qwen3", "think"), ("deepseek_r1", "think"), ("gpt_oss", "harmony")])
+@pytest.mark.parametrize("vllm_name, ours", [("qwen3", "think"), ("deepseek_r1", "think"), ("glm45", "think"),
+                                             ("gpt_oss", "harmony")])
 def test_vllm_reasoning_parser_names(vllm_name, ours):
     assert ServerConfig(reasoning_parser=vllm_name).reasoning_parser == ours
 

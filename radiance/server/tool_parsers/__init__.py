@@ -1,7 +1,8 @@
 """Tool-call parsers: turn model text with tool-call markup into OpenAI tool calls.
 
-Four markups in the text: Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), Qwen3-coder
-(`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`), Llama 3.x (an answer
+Five markups in the text: Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), Qwen3-coder
+(`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`), GLM-4.5
+(`<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`), Llama 3.x (an answer
 that is `{"name": ..., "parameters": {...}}`, Llama3JsonToolParser) and Mistral (`[TOOL_CALLS] [{...}, ...]`, or
 `[TOOL_CALLS]NAME[ARGS]{...}` per call, MistralToolParser). gpt-oss's harmony format calls a function with a
 message of its own, which the harmony reasoning parser hands over whole (HarmonyToolParser). One module per format;
@@ -31,6 +32,7 @@ markup) does not end it (`end_tag_closes`).
 from __future__ import annotations
 
 from radiance.server.tool_parsers.base import ParseDelta, ParsedToolCall, ToolParser
+from radiance.server.tool_parsers.glm45 import Glm45ToolParser
 from radiance.server.tool_parsers.harmony import HarmonyToolParser
 from radiance.server.tool_parsers.json_calls import HermesToolParser, Llama3JsonToolParser
 from radiance.server.tool_parsers.mistral import MistralToolParser
@@ -39,6 +41,7 @@ from radiance.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 PARSERS: dict[str, type[ToolParser]] = {
     HermesToolParser.name: HermesToolParser,
     Qwen3CoderToolParser.name: Qwen3CoderToolParser,
+    Glm45ToolParser.name: Glm45ToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
     MistralToolParser.name: MistralToolParser,
     HarmonyToolParser.name: HarmonyToolParser,
@@ -52,5 +55,5 @@ def parse_tool_calls(parser: ToolParser, text: str, truncated: bool = False) -> 
     return out
 
 
-__all__ = ["PARSERS", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
+__all__ = ["PARSERS", "Glm45ToolParser", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
            "ParseDelta", "ParsedToolCall", "Qwen3CoderToolParser", "ToolParser", "parse_tool_calls"]
