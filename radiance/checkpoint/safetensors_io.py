@@ -118,6 +118,10 @@ class SafetensorsIndex:
             if not isinstance(file, str) or not file:
                 raise CheckpointError(f"weight_map must map tensors to file names, got {file!r}", file=path,
                                       tensor=name)
+            # a shard of this directory (or below it): a Hub repo's index must not have the server read elsewhere
+            if os.path.isabs(file) or os.path.normpath(file).split(os.sep)[0] == os.pardir:
+                raise CheckpointError(f"weight_map names {file!r}, a file outside the model directory", file=path,
+                                      tensor=name)
         return weight_map
 
     def unlisted_note(self, exc: CheckpointError) -> CheckpointError:

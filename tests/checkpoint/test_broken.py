@@ -440,3 +440,30 @@ def test_a_dtype_torch_lacks_is_named_as_the_header_spells_it(tmp_path):
     write_dir(path, sd, TINY)
     with pytest.raises(CheckpointError, match=r"wrong dtype U16"):
         open_checkpoint(path)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/outside.safetensors", "a/../../x.safetensors"])
+def test_an_index_naming_a_file_outside_the_model_directory_is_refused(tmp_path, shard):
+    """A Hub repo's model.safetensors.index.json could point the server at any file it can read."""
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), TINY)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as handle:
+        json.dump({"weight_map": {"model.norm.weight": shard}}, handle)
+    with pytest.raises(CheckpointError, match="a file outside the model directory"):
+        open_checkpoint(path)
+
+
+def test_an_index_naming_shards_in_a_subdirectory_still_reads(tmp_path):
+    path = write_dir(str(tmp_path / "m"), dense_state_dict(), TINY)
+    os.makedirs(os.path.join(path, "weights"))
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "weights", "model.safetensors"))
+    names = list(_stored_names(os.path.join(path, "weights", "model.safetensors")))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as handle:
+        json.dump({"weight_map": {name: "weights/../weights/model.safetensors" for name in names}}, handle)
+    assert sorted(open_checkpoint(path).index.meta) == sorted(names)
+
+
+def _stored_names(shard: str) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(shard, "pt") as handle:
+        return list(handle.keys())
