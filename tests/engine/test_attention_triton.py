@@ -129,13 +129,14 @@ def _same_fp8(a: tuple, b: tuple) -> bool:
 def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                        splits: tuple[int, ...], big: bool = False, page: int = 16, seed: int = 0,
                        kv_dtype: torch.dtype | None = None, tiling=None, scales=None, sinks=None,
-                       window: int | None = None, chunk: int | None = None) -> dict:
+                       window: int | None = None, chunk: int | None = None, rotary_dim: int | None = None) -> dict:
     """paged_decode_attention(rotary=...) (rotary and KV store inside the split kernel) against
     RotaryEmbedding.rotate_and_store + paged_decode_attention (the unfused launches) and against the
     torch reference (_rotate + store_kv_cache_torch + paged_attention_torch). Shuffled multi-page
     tables; contexts of 1 token, on a BLOCK_N boundary and just past it; a padding row (slot -1)
     whose context covers another sequence's blocks; q, k, v strided views of one qkv row. `sinks` and
-    `window` (gpt-oss), and Llama 4's attention `chunk`, go to every path."""
+    `window` (gpt-oss), and Llama 4's attention `chunk`, go to every path; `rotary_dim` (GLM-4.5: half the head)
+    rotates each head's leading dims only."""
     from radiance.layers import attention_triton as at
     from radiance.layers.attention import UNIT_SCALES, paged_attention_torch, store_kv_cache_torch, to_cache_dtype
     from radiance.layers.rotary import RotaryEmbedding, _rotate
@@ -144,7 +145,7 @@ def check_fused_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
 
     gen = torch.Generator().manual_seed(seed)
     contexts = [1, 64, 65, 200, 130] + ([5000, 1000, 129] if big else [])  # new token included
-    rope = RotaryEmbedding(head_dim, 8192, 10000.0).to(device)
+    rope = RotaryEmbedding(head_dim, 8192, 10000.0, rotary_dim=rotary_dim).to(device)
     blocks = sum(-(-n // page) for n in contexts) + 2
     perm = torch.randperm(blocks, generator=gen).tolist()
     tables = [[perm.pop() for _ in range(-(-n // page))] for n in contexts]

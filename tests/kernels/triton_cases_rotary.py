@@ -8,10 +8,11 @@ from radiance.layers.rotary import RotaryEmbedding, _rotate, _rotate_triton
 
 
 @pytest.mark.parametrize("head_dim,q_heads,k_heads", [(64, 9, 3), (128, 32, 8)])
-def test_rotary_kernel_matches_torch(device, head_dim, q_heads, k_heads):
+@pytest.mark.parametrize("partial", [False, True])  # True: the leading half of each head rotates (GLM-4.5)
+def test_rotary_kernel_matches_torch(device, head_dim, q_heads, k_heads, partial):
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
-    rope = RotaryEmbedding(head_dim, 4096, 500000.0, llama3)
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, llama3, rotary_dim=head_dim // 2 if partial else None)
     rope = rope.to(device)
     t = 11
     positions = torch.randint(0, 4096, (t,), device=device)
@@ -24,6 +25,8 @@ def test_rotary_kernel_matches_torch(device, head_dim, q_heads, k_heads):
     assert torch.allclose(q_out, _rotate(q, cos, sin), rtol=1e-5, atol=1e-5)
     assert torch.allclose(k_out, _rotate(k, cos, sin), rtol=1e-5, atol=1e-5)
     assert q_out.shape == q.shape and k_out.is_contiguous()
+    if partial:  # the trailing half passes through as it is
+        assert torch.equal(q_out[..., head_dim // 2:], q[..., head_dim // 2:])
 
 
 @pytest.mark.parametrize("head_dim,q_heads,k_heads", [(64, 9, 3), (128, 32, 8)])
@@ -56,14 +59,15 @@ def test_rotate_and_store_writes_the_cache(device, head_dim, q_heads, k_heads):
 
 
 @pytest.mark.parametrize("store", [False, True])
-def test_fused_head_norm_matches_norm_then_rotate(device, store):
+@pytest.mark.parametrize("partial", [False, True])
+def test_fused_head_norm_matches_norm_then_rotate(device, store, partial):
     """Qwen3's q_norm / k_norm inside the rotary launch: what the RMSNorm modules followed by the rotation
     give (bf16 on CUDA; fp32 under the interpreter), for the plain launch and the one writing the cache."""
     from radiance.layers.norm import RMSNorm
 
     head_dim, q_heads, k_heads, t = 128, 12, 4, 5
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rope = RotaryEmbedding(head_dim, 1024, 1000000.0).to(device)
+    rope = RotaryEmbedding(head_dim, 1024, 1000000.0, rotary_dim=64 if partial else None).to(device)
     q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(device), RMSNorm(head_dim, 1e-6).to(device)
     with torch.no_grad():
         q_norm.weight.copy_(1 + 0.3 * torch.randn(head_dim)), k_norm.weight.copy_(1 + 0.3 * torch.randn(head_dim))
@@ -71,7 +75,8 @@ def test_fused_head_norm_matches_norm_then_rotate(device, store):
     q = (torch.randn(t, q_heads, head_dim, device=device) * 4).to(dtype)
     k = (torch.randn(t, k_heads, head_dim, device=device) * 4).to(dtype)
     v = torch.randn(t, k_heads, head_dim, device=device).to(dtype)
-    want_q, want_k = _rotate_triton(positions, q_norm(q), k_norm(k), rope.cos, rope.sin)
+    cos, sin = rope.cos[positions].unsqueeze(-2), rope.sin[positions].unsqueeze(-2)
+    want_q, want_k = _rotate(q_norm(q), cos, sin), _rotate(k_norm(k), cos, sin)
     tol = dict(rtol=2 ** -7, atol=2 ** -7) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     if store:
         k_cache = torch.zeros(2, 4, k_heads, head_dim, device=device, dtype=dtype)
@@ -85,3 +90,15 @@ def test_fused_head_norm_matches_norm_then_rotate(device, store):
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
     assert not torch.allclose(got_q.float(), _rotate_triton(positions, q, k, rope.cos, rope.sin)[0].float(), atol=0.1)
+
+
+@pytest.mark.parametrize("splits", [(1, 3)])
+def test_fused_rotary_decode_of_half_heads(device, splits):
+    """GLM-4.5's rotary (the leading half of each head) inside the decode attention kernel, which rotates q and
+    stores the new K/V itself: the same bytes as the rotary launch then attention, and torch's."""
+    from tests.engine.test_attention_triton import check_fused_decode
+
+    errors = check_fused_decode(device.type, torch.float32, heads=6, kv_heads=2, head_dim=32, splits=splits,
+                                seed=7, rotary_dim=16)
+    assert errors["cache_differs"] == 0.0 and errors["out_differs"] == 0.0, errors
+    assert errors["out_vs_torch"] < 1e-5 and errors["cache_vs_torch"] < 1e-6, errors
