@@ -183,8 +183,8 @@ def hf_defaults(architecture: str) -> HfDefaults:
 # model_type -> class, for configs that omit `architectures` (as transformers' AutoModelForCausalLM maps them)
 MODEL_TYPES = {
     "gemma2": "Gemma2ForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",

@@ -117,11 +117,13 @@ class MoeConfig:
         if top_groups > groups or top_k > top_groups * (experts // groups):
             raise ConfigError(f"topk_group={top_groups} of n_group={groups} leaves fewer than "
                               f"num_experts_per_tok={top_k} experts to pick from")
-        dense = int(given(config, "first_k_dense_replace", 1))
-        if not 0 <= dense <= num_layers:
+        dense = given(config, "first_k_dense_replace", 1)
+        if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= num_layers:
             raise ConfigError(f"config.json field 'first_k_dense_replace' must lie in 0..{num_layers}, got {dense!r}")
         inter = int(config["moe_intermediate_size"])
-        shared = int(given(config, "n_shared_experts", 1))
+        shared = given(config, "n_shared_experts", 1)
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ConfigError(f"config.json field 'n_shared_experts' must be an integer >= 0, got {shared!r}")
         return cls(experts, top_k, inter, bool(given(config, "norm_topk_prob", True)),
                    frozenset(range(dense, num_layers)), shared_expert_size=inter * shared, shared_expert_gated=False,
                    sigmoid_grouped=True, num_groups=groups, top_groups=top_groups,

@@ -60,6 +60,8 @@ def test_glm_45_air_config_as_transformers_reads_it():
     ({"n_group": 4, "topk_group": 5}, "topk_group=5 of n_group=4"),
     ({"n_group": 64, "topk_group": 1, "num_experts_per_tok": 3}, "fewer than num_experts_per_tok=3"),
     ({"first_k_dense_replace": 47}, "first_k_dense_replace"),
+    ({"first_k_dense_replace": "1"}, "first_k_dense_replace"),
+    ({"n_shared_experts": -1}, "n_shared_experts"),
     ({"routed_scaling_factor": -1}, "routed_scaling_factor"),
     ({"moe_intermediate_size": None}, "moe_intermediate_size"),
 ])
