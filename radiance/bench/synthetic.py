@@ -204,8 +204,8 @@ class SyntheticCheckpoint(Checkpoint):
         if self.config.get("attention_bias") or self.config.get("model_type") == "qwen2":
             entries.append((pre + "self_attn.qkv_proj.bias", (d["q"] + 2 * d["kv"],), None))
         gemma = self.config.get("model_type") == "gemma3_text"
-        if self.config.get("model_type") in ("qwen3", "qwen3_moe") or gemma or self.config.get("use_qk_norm") and \
-                self.config.get("model_type") == "glm4_moe":
+        glm_norms = self.config.get("model_type") == "glm4_moe" and self.config.get("use_qk_norm")
+        if self.config.get("model_type") in ("qwen3", "qwen3_moe") or gemma or glm_norms:
             entries += [(pre + "self_attn.q_norm.weight", (d["head_dim"],), None),
                         (pre + "self_attn.k_norm.weight", (d["head_dim"],), None)]
         entries += [(pre + "self_attn.o_proj", (d["hidden"], d["q"]), (d["hidden"],)),
