@@ -19,6 +19,9 @@
 #            32B at batches 1 and 8 (about 5)
 #   hybrid   KV groups off / on (tools/kv_groups_ab.py, Gemma 3 12B: blocks, 32k sequences that fit, decode ms),
 #            then Llama 4 Scout in MXFP4 on the engine (~57 GB of weights: fits one H100; never run yet)
+#   glm      GLM-4.5's GPU checks: grouped experts vs the loop, graphs; the routing and rotary kernel cases
+#            compiled (about 7)
+#   glm-engine  GLM-4.5-Air in MXFP4 on the engine (~57 GB of weights: fits one H100; never run yet; up to 9)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -80,8 +83,17 @@ hybrid)
         --contexts 128 16000 --prefills 1024 8192 --concurrency 1 16 64 --no-hf --json "$OUT/engine-scout.json"
     tail -n 3 "$OUT/kv-groups.log"
     ;;
+glm)
+    step 240 glm-tests python3 -m pytest -q -m gpu tests/engine/test_gpu_moe.py -k glm4moe
+    step 200 glm-cases python3 -m pytest -q tests/kernels/triton_cases_rotary.py tests/kernels/triton_cases_moe_route.py \
+        tests/kernels/triton_cases_moe_block.py
+    ;;
+glm-engine)
+    step 500 engine-glm python3 -m radiance.bench.engine_bench synthetic:glm-4.5-air --quantization mxfp4 \
+        --contexts 128 8192 --prefills 1024 8192 --concurrency 1 16 64 --no-hf --json "$OUT/engine-glm.json"
+    ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|cases|kernels|models|sweep|splits|retune|pdl|hybrid]" >&2
+    echo "usage: bash tools/device_session.sh [quick|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine]" >&2
     exit 2
     ;;
 esac
