@@ -341,7 +341,7 @@ def _json_list_form(values: tuple[str, ...], name: str) -> tuple[str, ...]:
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "harmony", "none")
 REASONING_PARSERS = ("auto", "think", "mistral", "harmony", "none")
 # vLLM's names of the same parsers, so that a `vllm serve` command line's flags serve as they are
-VLLM_TOOL_CALL_PARSERS = {"openai": "harmony"}
+VLLM_TOOL_CALL_PARSERS = {"openai": "harmony", "glm47": "glm45"}
 VLLM_REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think", "glm45": "think", "openai_gptoss": "harmony",
                           "gpt_oss": "harmony"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -179,6 +179,9 @@ GLM_CASES = [
      "<arg_value>1", True, "", [("get_weather", {"city": "Lyon"})]),
     # a call without arguments
     ("<tool_call>get_weather\n</tool_call>", False, "", [("get_weather", {})]),
+    # GLM-4.7's template writes no newlines between the parts
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>", False, "",
+     [("get_weather", {"city": "Oslo"})]),
     # a value that writes the end tag: the call goes on to the </tool_call> after its closed value
     ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>x = '</tool_call>'</arg_value>\n</tool_call> ok",
      False, "ok", [("get_weather", {"city": "x = '</tool_call>'"})]),

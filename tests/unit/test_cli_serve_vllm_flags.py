@@ -57,3 +57,9 @@ def test_allowed_origins_take_vllms_json_list(flag, want):
 def test_a_broken_json_list_of_origins_is_refused(flag):
     with pytest.raises(ConfigError, match="allowed_origins"):
         ServerConfig(allowed_origins=(flag,))
+
+
+@pytest.mark.parametrize("vllm_name", ["glm45", "glm47"])
+def test_vllm_glm_tool_parser_names(vllm_name):
+    """GLM-4.5 / 4.6 (glm45) and GLM-4.7 (glm47, the same markup without newlines) name radiance's glm45 parser."""
+    assert ServerConfig(tool_call_parser=vllm_name).tool_call_parser == "glm45"

@@ -1,5 +1,6 @@
 """GLM-4.5's calls (zai-org's chat template): `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...
-</tool_call>`, the values text the tool's JSON schema types (a template writes non-string values as JSON)."""
+</tool_call>` (GLM-4.7's without the newlines), the values text the tool's JSON schema types (a template writes
+non-string values as JSON)."""
 
 from __future__ import annotations
 
