@@ -3,6 +3,8 @@
 A chat template writes a call in one of these markups (`ToolCallMarkup`): Hermes, the call as JSON
 (`<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`); Qwen3-coder, the arguments as XML
 parameters (`<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>`);
+GLM-4.5, the name then key / value pairs
+(`<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>`);
 Llama 3.x, a bare JSON object (`{"name": NAME, "parameters": {...}}`); Mistral, a JSON array of calls after its
 `[TOOL_CALLS]` token (`[TOOL_CALLS] [{"name": NAME, "arguments": {...}}, ...]`) or, from its v11 tokenizer on, one
 `[TOOL_CALLS]NAME[ARGS]{...}` per call, in some templates with an id the model writes (`[CALL_ID]ID[ARGS]`;
@@ -81,6 +83,10 @@ HERMES = ToolCallMarkup("hermes", CALL_START + '\n{{"name": {name}, "arguments":
                         quote_name=True, arguments_style=None)
 QWEN3_CODER = ToolCallMarkup("qwen3_coder", CALL_START + "\n<function={name}>\n", "</function>\n</tool_call>",
                              quote_name=False, arguments_style="qwen_xml")
+# GLM-4.5 / 4.6: the name right after the tag, then key / value pairs (xgrammar's glm_xml: values typed by the schema,
+# newlines between the parts optional, as GLM-4.7 leaves them out)
+GLM45 = ToolCallMarkup("glm45", CALL_START + "{name}\n", "</tool_call>", quote_name=False, arguments_style="glm_xml",
+                       required_prefix=CALL_START)
 # Llama 3.x: the answer is a call only when it starts as one (its parser reads calls there alone); calls
 # after the first follow it, e.g. separated by "; "
 LLAMA3_JSON = ToolCallMarkup("llama3_json", '{{"name": {name}, "parameters": ', "}", quote_name=True,
@@ -88,7 +94,7 @@ LLAMA3_JSON = ToolCallMarkup("llama3_json", '{{"name": {name}, "parameters": ', 
                              calls_open_answer=True, separator="; ")
 # an answer the Llama 3.x parser reads as text: empty, or its first non-space character is not "{"
 _TEXT_NOT_A_CALL = {"type": "regex", "pattern": r"\s*([^\s{][\s\S]*)?"}
-MARKUPS = {m.name: m for m in (HERMES, QWEN3_CODER, LLAMA3_JSON)}
+MARKUPS = {m.name: m for m in (HERMES, QWEN3_CODER, GLM45, LLAMA3_JSON)}
 # gpt-oss (harmony): a call is a commentary message to functions.NAME; its end, <|call|>, is one of the model's stop
 # tokens, so a call's grammar ends with its arguments (and generation with the call: no parallel calls). Only
 # forced calls use it: under "auto" gpt-oss may also write the recipient before the channel

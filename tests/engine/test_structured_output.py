@@ -387,6 +387,42 @@ def test_qwen3_coder_calls_are_held_to_the_tools(byte_backend):
     assert not matches(byte_backend, strict, f"<tool_call>\n{XML_WEATHER.replace('Rome', 'rome')}\n</tool_call>")
 
 
+# the same calls in GLM-4.5's markup, as its chat template writes them (after "<tool_call>")
+GLM_WEATHER = "get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n<arg_key>unit</arg_key>\n" \
+              "<arg_value>celsius</arg_value>\n</tool_call>"
+GLM_TIME = "get_time\n<arg_key>zone</arg_key>\n<arg_value>CET</arg_value>\n</tool_call>"
+
+
+def test_glm45_calls_are_held_to_the_tools(byte_backend):
+    """GLM-4.5 markup (xgrammar's glm_xml): a forced named call's values follow the schema (pattern, enum, required),
+    GLM-4.7's run-together parts too; a forced "required" call names one of the tools, parallel calls after it are
+    held too; with strict functions, the calls the model opens in free text. What the grammar lets through parses."""
+    from radiance.engine.tool_grammars import GLM45, strict_tools_grammar, tool_call_grammar
+    from radiance.server.tool_parsers import Glm45ToolParser, parse_tool_calls
+
+    named = tool_call_grammar(TOOLS, GLM45, "get_weather")  # after "<tool_call>get_weather\n"
+    args = GLM_WEATHER.removeprefix("get_weather\n")
+    assert matches(byte_backend, named, args)
+    assert matches(byte_backend, named, args.replace("\n", ""))
+    assert not matches(byte_backend, named, args.replace("Rome", "rome"))
+    assert not matches(byte_backend, named, args.replace("celsius", "kelvin"))
+    assert not matches(byte_backend, named, "<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>")
+
+    required = tool_call_grammar(TOOLS, GLM45, parallel=True)  # after "<tool_call>"
+    assert matches(byte_backend, required, GLM_TIME)
+    assert matches(byte_backend, required, GLM_TIME + "\n<tool_call>" + GLM_WEATHER)
+    assert not matches(byte_backend, required, "get_date\n</tool_call>")
+    assert not matches(byte_backend, tool_call_grammar(TOOLS, GLM45), GLM_TIME + "\n<tool_call>" + GLM_TIME)
+    calls = parse_tool_calls(Glm45ToolParser(TOOLS), "<tool_call>" + GLM_TIME + "\n<tool_call>" + GLM_WEATHER).tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_time", {"zone": "CET"}), ("get_weather", {"city": "Rome", "unit": "celsius"})]
+
+    strict = strict_tools_grammar(STRICT_TOOLS, GLM45, parallel=False)
+    assert matches(byte_backend, strict, "It is sunny.")
+    assert matches(byte_backend, strict, "Let me check.\n<tool_call>" + GLM_WEATHER)
+    assert not matches(byte_backend, strict, "<tool_call>" + GLM_WEATHER.replace("Rome", "rome"))
+
+
 def test_llama3_json_calls_are_held_to_the_tools(byte_backend):
     """Llama 3.x JSON calls: a forced named call's parameters follow the schema, a forced "required" call
     names one of the tools, and further calls after it (e.g. "; " between them) are held too."""
