@@ -119,14 +119,6 @@ def check(result, content, calls):
         assert "<tool_call>" not in got_content and "</tool_call>" not in got_content
 
 
-@pytest.mark.parametrize("text,truncated,content,calls", HERMES_CASES)
-def test_hermes_same_result_at_every_chunk_boundary(text, truncated, content, calls):
-    whole = parse_tool_calls(HermesToolParser([WEATHER_TOOL]), text, truncated)
-    check(whole, content, calls)
-    for chunks in chunkings(text):
-        assert as_tuple(stream_tools(HermesToolParser, chunks, truncated)) == as_tuple(whole), chunks
-
-
 QWEN3_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
               "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
               "<parameter=extra>\n{\"a\": [1, 2]}\n</parameter>\n</function>\n</tool_call>")
@@ -156,18 +148,10 @@ QWEN3_CASES = [
 ]
 
 
-@pytest.mark.parametrize("text,truncated,content,calls", QWEN3_CASES)
-def test_qwen3_coder_same_result_at_every_chunk_boundary(text, truncated, content, calls):
-    whole = parse_tool_calls(Qwen3CoderToolParser([WEATHER_TOOL]), text, truncated)
-    check(whole, content, calls)
-    for chunks in chunkings(text):
-        assert as_tuple(stream_tools(Qwen3CoderToolParser, chunks, truncated)) == as_tuple(whole), chunks
-
-
 # GLM-4.5's template: the name on the call's first line, then key / value pairs; non-string values written as JSON
 GLM_CALL = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"
-            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n<arg_value>true</arg_value>\n"
-            "<arg_key>extra</arg_key>\n<arg_value>{\"a\": [1, 2]}</arg_value>\n</tool_call>")
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n"
+            "<arg_value>true</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>{\"a\": [1, 2]}</arg_value>\n</tool_call>")
 GLM_ARGS = {"city": "New York", "days": 3, "metric": True, "extra": {"a": [1, 2]}}
 
 GLM_CASES = [
@@ -195,12 +179,18 @@ GLM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("text,truncated,content,calls", GLM_CASES)
-def test_glm45_same_result_at_every_chunk_boundary(text, truncated, content, calls):
-    whole = parse_tool_calls(Glm45ToolParser([WEATHER_TOOL]), text, truncated)
+# the markups whose calls sit between <tool_call> and </tool_call>: each parser's cases
+TAGGED_PARSERS = ((HermesToolParser, HERMES_CASES), (Qwen3CoderToolParser, QWEN3_CASES), (Glm45ToolParser, GLM_CASES))
+TAGGED_CASES = [(parser, *case) for parser, cases in TAGGED_PARSERS for case in cases]
+
+
+@pytest.mark.parametrize("parser_cls,text,truncated,content,calls", TAGGED_CASES,
+                         ids=[f"{c[0].name}-{i}" for i, c in enumerate(TAGGED_CASES)])
+def test_tagged_calls_same_result_at_every_chunk_boundary(parser_cls, text, truncated, content, calls):
+    whole = parse_tool_calls(parser_cls([WEATHER_TOOL]), text, truncated)
     check(whole, content, calls)
     for chunks in chunkings(text):
-        assert as_tuple(stream_tools(Glm45ToolParser, chunks, truncated)) == as_tuple(whole), chunks
+        assert as_tuple(stream_tools(parser_cls, chunks, truncated)) == as_tuple(whole), chunks
 
 
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'
