@@ -151,7 +151,8 @@ QWEN3_CASES = [
 # GLM-4.5's template: the name on the call's first line, then key / value pairs; non-string values written as JSON
 GLM_CALL = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"
             "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n"
-            "<arg_value>true</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>{\"a\": [1, 2]}</arg_value>\n</tool_call>")
+            "<arg_value>true</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>{\"a\": [1, 2]}</arg_value>\n"
+            "</tool_call>")
 GLM_ARGS = {"city": "New York", "days": 3, "metric": True, "extra": {"a": [1, 2]}}
 
 GLM_CASES = [
