@@ -15,7 +15,7 @@ from radiance.errors import CheckpointError
 
 def unreadable_file(path: str) -> str | None:
     """Why `path` cannot be read before opening it (a FIFO would block the open for ever; safetensors
-    reports a file it may not read as missing), or None."""
+    reports a file it may not read as missing), or None (also for a missing one: each caller words that)."""
     if os.path.exists(path) and not os.path.isfile(path):
         return "not a regular file (a FIFO, device or directory)"
     if os.path.isfile(path) and not os.access(path, os.R_OK):
@@ -24,14 +24,15 @@ def unreadable_file(path: str) -> str | None:
 
 
 def load_json(path: str, what: str) -> dict:
-    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):  # a FIFO: open would block
-        raise CheckpointError(f"cannot read {what}: not a regular file (a FIFO or device)", file=path)
+    unreadable = unreadable_file(path)  # a FIFO would block the open
+    if unreadable:
+        raise CheckpointError(f"cannot read {what}: {unreadable}", file=path)
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
     except FileNotFoundError:
         raise CheckpointError(f"{what} not found", file=path) from None
-    except OSError as exc:  # a directory of that name, no permission, ...
+    except OSError as exc:  # an I/O error
         raise CheckpointError(f"cannot read {what}: {exc.strerror or exc}", file=path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{what} is not valid JSON: {exc}", file=path) from None

@@ -85,7 +85,11 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [T, top_k], expert ids int64 [T, top_k]): softmax over the router logits in fp32,
         the top_k of it, renormalized to sum to 1 where the model asks for it (or GLM-4.5's grouped sigmoid pick)."""
-        return self._pick(self.gate(x.float()) if self.moe.sigmoid_grouped else self.gate(x))
+        return self._pick(self._gate_logits(x))
+
+    def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits in torch's linear: in x's dtype, or fp32 for GLM-4.5's fp32 router."""
+        return self.gate(x.float()) if self.moe.sigmoid_grouped else self.gate(x)
 
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [T, top_k], expert ids int64 [T, top_k]) from the router logits, in torch ops."""
@@ -121,7 +125,7 @@ class SparseMoeBlock(nn.Module):
         """self.gate(x), through the routing module's GEMV at decode sizes (moe_routing.router_logits); GLM-4.5's
         fp32 router on x in fp32."""
         if self.moe.sigmoid_grouped:
-            return self.gate(x.float())
+            return self._gate_logits(x)
         return moe_routing.router_logits(x, self.gate.weight, self.gate.bias)
 
     def takes_fp8(self) -> bool:
@@ -144,7 +148,7 @@ class SparseMoeBlock(nn.Module):
         elif self.grouped_16bit is not None and x2.dtype == self.grouped_16bit[0].dtype:
             out = self._grouped_16bit_forward(x2, valid_rows)
         else:
-            logits = self.gate(x2.float()) if self.moe.sigmoid_grouped else self.gate(x2)
+            logits = self._gate_logits(x2)
             weights, ids = self._pick(logits)
             out = self._looped_forward(x2, weights, ids, self.input_scales(logits, x2.dtype))
         if self.shared_expert is not None:  # in x's dtype, as the model computes it
