@@ -293,11 +293,14 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         """canonical name -> {partition index: gguf tensor name, or (name, expert) for one expert of a stacked
         tensor}."""
         groups: dict[str, dict[int, str | tuple[str, int]]] = {}
-        layers, past = self.config.get("num_hidden_layers"), []
+        # GLM-4.5's multi-token-prediction blocks, which block_count counts: not read (elsewhere a block past the
+        # layers is a tensor the model does not use, which the servability check reports)
+        layers = self.config.get("num_hidden_layers") if self.config.get("num_nextn_predict_layers") else None
+        past = []
         for name in self.tensors:
             block = _BLOCK_INDEX.match(name)
-            if block and isinstance(layers, int) and int(block.group(1)) >= layers and self.arch in ARCHITECTURES:
-                past.append(name)  # GLM-4.5's multi-token-prediction layer, counted in block_count
+            if block and layers is not None and int(block.group(1)) >= layers:
+                past.append(name)
                 continue
             target = hf_name(name, self.arch)
             if (name == ROPE_FREQS or name in LONGROPE_FACTORS.values()) and self.arch in ARCHITECTURES:
