@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.request_checks import check_not_empty
-from radiance.server.errors import JSONAnswer
+from radiance.server.errors import JSONAnswer, OpenAIError
 from radiance.server.protocol import CompletionRequest
 from radiance.server.response_bodies import now, usage
 from radiance.server.logprobs_json import LogprobCursor, completion_logprobs, prompt_logprobs_json
@@ -105,12 +105,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     request_id = response_id("cmpl")
     jobs, choices = [], []
     for p, (text, ids) in enumerate(prompts):
-        requested = 1 if req.scores_only() else req.output_limit()
-        if requested is not None and "max_tokens" not in req.model_fields_set:
-            # OpenAI's implicit 16, which the client never sent, shrinks to the room the prompt leaves (vLLM's rule)
-            requested = min(requested, max(1, state.max_model_len - len(ids)))
-        max_tokens = resolve_max_tokens(state, len(ids), requested, "max_tokens",
-                                        "prompt" if len(prompts) == 1 else f"prompt[{p}]")
+        try:
+            max_tokens = resolve_max_tokens(state, len(ids), 1 if req.scores_only() else req.output_limit(),
+                                            "max_tokens", "prompt" if len(prompts) == 1 else f"prompt[{p}]")
+        except OpenAIError as exc:
+            if exc.code == "context_length_exceeded" and "max_tokens" not in req.model_fields_set:
+                # OpenAI's and vLLM's refusal of the default 16: say where a 16 the client never sent came from
+                exc.message += (" max_tokens was not sent: completions default to 16 (send a smaller one, or null for "
+                                "the rest of the context).")
+            raise
         for i in range(req.n):
             index = p * req.n + i
             jobs.append(EngineJob(engine_request_id(request_id, index), ids,

@@ -227,16 +227,17 @@ def test_context_length_error_names_both_numbers(server):
     assert f"you requested {prompt_len + 600} tokens ({prompt_len} in the prompt, 600 for the completion)" in message
 
 
-def test_the_implicit_max_tokens_shrinks_to_the_room_left(server):
-    """Completions' default of 16, never sent, was a 400 "you requested 524 tokens (508 in the prompt, 16 for the
-    completion)" for a prompt 4 tokens short of the context: it now shrinks to those 4, as in vLLM; a 16 the client
-    sends is still refused."""
+def test_the_implicit_max_tokens_is_named_where_it_does_not_fit(server):
+    """Completions' default of 16 past the room a prompt leaves is refused, as OpenAI and vLLM refuse it, and the
+    message now says that 16 is the default the client never sent; a 16 it sends reads as before."""
     prompt = [104] * 508
     r = http(server, "POST", "/v1/completions", {"model": "fake", "prompt": prompt})
-    assert r.status_code == 200, r.text
-    assert 1 <= r.json()["usage"]["completion_tokens"] <= 4
+    check_error_shape(r, 400, "max_tokens")
+    assert "(508 in the prompt, 16 for the completion)" in r.json()["error"]["message"]
+    assert "max_tokens was not sent: completions default to 16" in r.json()["error"]["message"]
     r = http(server, "POST", "/v1/completions", {"model": "fake", "prompt": prompt, "max_tokens": 16})
     check_error_shape(r, 400, "max_tokens")
+    assert "not sent" not in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("case", MALFORMED, ids=[c[0] for c in MALFORMED])

@@ -85,11 +85,12 @@ def test_template_helpers_and_errors():
 
 
 def test_template_features_pick_parsers(tmp_path):
-    assert template_features(QWEN_LIKE) == {"qwen3_coder": False, "hermes": True, "llama3_json": False, "think": True,
-                                            "harmony": False, "mistral": False, "mistral_think": False}
+    assert template_features(QWEN_LIKE) == {"qwen3_coder": False, "glm45": False, "hermes": True, "llama3_json": False,
+                                            "think": True, "harmony": False, "mistral": False, "mistral_think": False}
     assert template_features("<tool_call><function=x>")["qwen3_coder"]
-    assert template_features(None) == {"qwen3_coder": False, "hermes": False, "llama3_json": False, "think": False,
-                                       "harmony": False, "mistral": False, "mistral_think": False}
+    assert template_features(None) == {"qwen3_coder": False, "glm45": False, "hermes": False, "llama3_json": False,
+                                       "think": False, "harmony": False, "mistral": False, "mistral_think": False}
+    assert template_features("<tool_call>{{ n }}<arg_key>{{ k }}</arg_key>")["glm45"]
     assert template_features('{{ "[TOOL_CALLS] [" }}')["mistral"]
     llama = '<|start_header_id|>assistant<|end_header_id|>{"name": "f", "parameters": {}}'
     assert template_features(llama)["llama3_json"] and template_features("<|python_tag|>")["llama3_json"]
