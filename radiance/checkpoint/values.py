@@ -43,10 +43,16 @@ def value_warnings(ckpt: Checkpoint, progress: bool = True) -> tuple[int, list[s
 _TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
 
+def stored_head_differs(stored: torch.Tensor, embedding: torch.Tensor) -> bool:
+    """Whether a tied model's stored lm_head.weight is not its embeddings (compared in the embeddings' dtype)."""
+    return tuple(stored.shape) != tuple(embedding.shape) or not torch.equal(
+        stored.to(embedding.device, embedding.dtype), embedding)
+
+
 def _tied_head_warnings(ckpt: Checkpoint, tied: dict) -> list[str]:
     """tie_word_embeddings with a stored lm_head.weight that differs from the embeddings (the load warns: the
     embeddings serve as the head, as in vLLM, where transformers 5 serves the stored one)."""
-    if len(tied) < 2 or (tied[_TIED[0]].shape == tied[_TIED[1]].shape and torch.equal(*tied.values())):
+    if len(tied) < 2 or not stored_head_differs(tied[_TIED[1]], tied[_TIED[0]]):
         return []
     return [f"config.json sets tie_word_embeddings, but an lm_head.weight differs from the embeddings (file "
             f"{ckpt.file_of('lm_head.weight')}): the embeddings serve as the head; if the flag is wrong, set "

@@ -288,9 +288,9 @@ def _cast_named(tensor: torch.Tensor, dtype: torch.dtype, name: str, checkpoint)
 def _warn_if_the_stored_head_differs(stored: torch.Tensor, model, checkpoint) -> None:
     """tie_word_embeddings with an lm_head.weight stored beside the embeddings: the embeddings serve as the head, as
     vLLM serves them. transformers 5 serves the stored head when it differs (a tie flag set wrongly), so say so."""
-    embedding = model.lm_head.tied_to.weight
-    if tuple(stored.shape) == tuple(embedding.shape) and torch.equal(stored.to(embedding.device, embedding.dtype),
-                                                                     embedding):
+    from radiance.checkpoint.values import stored_head_differs
+
+    if not stored_head_differs(stored, model.lm_head.tied_to.weight):
         return
     logger.warning("config.json sets tie_word_embeddings, but %s also stores an lm_head.weight that differs from the "
                    "embeddings: the embeddings serve as the head (as in vLLM; transformers 5 serves the stored head). "
