@@ -118,6 +118,34 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151552,
         "initializer_range": 0.02,
     },
+    "qwen3.5-9b": {  # transformers' Qwen3_5TextConfig defaults ("the Qwen3.5-9B style configuration", its docstring)
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "attention_bias": False, "hidden_act": "silu", "eos_token_id": 248044,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 8,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 248320,
+        "initializer_range": 0.02,
+    },
+    "qwen3-next-80b-a3b": {  # transformers' Qwen3NextConfig defaults: Qwen3-Next-80B-A3B's sizes (MTP not built)
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "attention_bias": False, "hidden_act": "silu", "eos_token_id": 151645,
+        "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
+        "initializer_range": 0.02,
+    },
     "llama-4-scout-17b-16e": {  # the text_config of meta-llama/Llama-4-Scout-17B-16E-Instruct, as a text model
         "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
         "attention_bias": False, "hidden_act": "silu", "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
@@ -134,6 +162,7 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
 }
 
 WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4")
+Entry = tuple[str, tuple[int, ...], tuple[int, ...] | None]  # (name, shape, partition sizes or None: a plain tensor)
 
 
 def is_synthetic(model: str | None) -> bool:
@@ -199,13 +228,30 @@ class SyntheticCheckpoint(Checkpoint):
     def _layer_entries(self, i: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...] | None]]:
         """(name, shape, partition_sizes or None for a plain tensor) of layer i, in load order."""
         d, pre = self._dims(), f"model.layers.{i}."
+        hybrid = self.config.get("model_type") in ("qwen3_5_text", "qwen3_next")
+        if hybrid and self.config["layer_types"][i] == "linear_attention":
+            entries = self._linear_attention_entries(pre, d["hidden"])
+        else:
+            q = 2 * d["q"] if hybrid else d["q"]  # Qwen3.5's / Qwen3-Next's q_proj gives each head a gate too
+            entries = self._attention_entries(pre, d, q)
+        architecture = (self.config.get("architectures") or ["synthetic"])[0]
+        moe = MoeConfig.from_hf(self.config, architecture, self.config["num_hidden_layers"])
+        if moe is not None and i in moe.layers:
+            entries += self._sparse_mlp_entries(pre, d["hidden"], moe)
+        else:
+            inter = self.config.get("intermediate_size_mlp", d["inter"])
+            entries += self._mlp_entries(pre + "mlp.", d["hidden"], inter)
+        return entries
+
+    def _attention_entries(self, pre: str, d: dict, q: int) -> list[Entry]:
+        """A layer's norms and attention (q: the q rows of qkv_proj)."""
         entries = [(pre + "input_layernorm.weight", (d["hidden"],), None),
-                   (pre + "self_attn.qkv_proj", (d["q"] + 2 * d["kv"], d["hidden"]), (d["q"], d["kv"], d["kv"]))]
+                   (pre + "self_attn.qkv_proj", (q + 2 * d["kv"], d["hidden"]), (q, d["kv"], d["kv"]))]
         if self.config.get("attention_bias") or self.config.get("model_type") == "qwen2":
             entries.append((pre + "self_attn.qkv_proj.bias", (d["q"] + 2 * d["kv"],), None))
         gemma = self.config.get("model_type") == "gemma3_text"
         glm_norms = self.config.get("model_type") == "glm4_moe" and self.config.get("use_qk_norm")
-        if self.config.get("model_type") in ("qwen3", "qwen3_moe") or gemma or glm_norms:
+        if self.config.get("model_type") in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_next") or gemma or glm_norms:
             entries += [(pre + "self_attn.q_norm.weight", (d["head_dim"],), None),
                         (pre + "self_attn.k_norm.weight", (d["head_dim"],), None)]
         entries += [(pre + "self_attn.o_proj", (d["hidden"], d["q"]), (d["hidden"],)),
@@ -213,31 +259,51 @@ class SyntheticCheckpoint(Checkpoint):
         if gemma:  # the norm before the MLP and the one of its output
             entries += [(pre + "pre_feedforward_layernorm.weight", (d["hidden"],), None),
                         (pre + "post_feedforward_layernorm.weight", (d["hidden"],), None)]
-        gpt_oss = self.config.get("model_type") == "gpt_oss"
-        if gpt_oss:
+        if self.config.get("model_type") == "gpt_oss":
             entries += [(pre + "self_attn.o_proj.bias", (d["hidden"],), None),
                         (pre + "self_attn.sinks", (self.config["num_attention_heads"],), None)]
-        architecture = (self.config.get("architectures") or ["synthetic"])[0]
-        moe = MoeConfig.from_hf(self.config, architecture, self.config["num_hidden_layers"])
-        if moe is not None and i in moe.layers:
-            router = pre + ("mlp.router" if gpt_oss else "mlp.gate")
-            entries.append((router + ".weight", (moe.num_experts, d["hidden"]), None))
-            if moe.router_bias:
-                entries.append((router + ".bias", (moe.num_experts,), None))
-            if moe.sigmoid_grouped:
-                entries.append((router + ".e_score_correction_bias", (moe.num_experts,), None))
-            for e in range(moe.num_experts):
-                expert = self._mlp_entries(f"{pre}mlp.experts.{e}.", d["hidden"], moe.intermediate_size)
-                if moe.expert_bias:
-                    expert += [(name + ".bias", shape[:1], None) for name, shape, _ in expert]
-                entries += expert
-            if moe.shared_expert_size:
-                entries += self._mlp_entries(pre + "mlp.shared_expert.", d["hidden"], moe.shared_expert_size)
-                if moe.shared_expert_gated:
-                    entries.append((pre + "mlp.shared_expert_gate.weight", (1, d["hidden"]), None))
-        else:
-            entries += self._mlp_entries(pre + "mlp.", d["hidden"], self.config.get("intermediate_size_mlp", d["inter"]))
         return entries
+
+    def _sparse_mlp_entries(self, pre: str, hidden: int, moe) -> list[Entry]:
+        """A sparse MLP: its router, experts and shared expert."""
+        router = pre + ("mlp.router" if self.config.get("model_type") == "gpt_oss" else "mlp.gate")
+        entries = [(router + ".weight", (moe.num_experts, hidden), None)]
+        if moe.router_bias:
+            entries.append((router + ".bias", (moe.num_experts,), None))
+        if moe.sigmoid_grouped:
+            entries.append((router + ".e_score_correction_bias", (moe.num_experts,), None))
+        for e in range(moe.num_experts):
+            expert = self._mlp_entries(f"{pre}mlp.experts.{e}.", hidden, moe.intermediate_size)
+            if moe.expert_bias:
+                expert += [(name + ".bias", shape[:1], None) for name, shape, _ in expert]
+            entries += expert
+        if moe.shared_expert_size:
+            entries += self._mlp_entries(pre + "mlp.shared_expert.", hidden, moe.shared_expert_size)
+            if moe.shared_expert_gated:
+                entries.append((pre + "mlp.shared_expert_gate.weight", (1, hidden), None))
+        return entries
+
+    def _linear_attention_entries(self, pre: str, hidden: int) -> list[Entry]:
+        """A Gated DeltaNet layer (Qwen3.5; Qwen3-Next's two projections grouped by key head): its norm,
+        projections, conv, decay parameters and gated norm."""
+        from radiance.models.qwen3_5 import linear_attention_config
+
+        la, pre = linear_attention_config(self.config), pre + "linear_attn."
+        heads = la.num_value_heads
+        if self.config.get("model_type") == "qwen3_next":
+            qkvz, ba = la.conv_channels + la.value_size, 2 * heads
+            projections = [(pre + "in_proj_qkvz", (qkvz, hidden), (qkvz,)), (pre + "in_proj_ba", (ba, hidden), (ba,))]
+        else:
+            projections = [(pre + "in_proj_qkv", (la.conv_channels, hidden), (la.conv_channels,)),
+                           (pre + "in_proj_z", (la.value_size, hidden), (la.value_size,)),
+                           (pre + "in_proj_b", (heads, hidden), (heads,)),
+                           (pre + "in_proj_a", (heads, hidden), (heads,))]
+        return [(pre.removesuffix("linear_attn.") + "input_layernorm.weight", (hidden,), None), *projections,
+                (pre + "conv1d.weight", (la.conv_channels, 1, la.conv_kernel), None),
+                (pre + "dt_bias", (heads,), None), (pre + "A_log", (heads,), None),
+                (pre + "norm.weight", (la.value_head_dim,), None),
+                (pre + "out_proj", (hidden, la.value_size), (hidden,)),
+                (pre.removesuffix("linear_attn.") + "post_attention_layernorm.weight", (hidden,), None)]
 
     @staticmethod
     def _mlp_entries(pre: str, hidden: int, inter: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 
+from radiance.checkpoint.names import LINEAR_ATTENTION_LINEARS
 from radiance.errors import CheckpointError
 
 
@@ -121,13 +122,21 @@ def glm4_moe_renames(num_layers: int):
     return rename
 
 
+def _without_mtp(name: str) -> str | None:
+    """Qwen3.5's and Qwen3-Next's multi-token-prediction weights (`mtp.*`, a draft model radiance does not run) are
+    not read, as transformers skips them."""
+    return None if name.startswith("mtp.") else name
+
+
 def tensor_renames(config: dict, text_only: bool):
     """The stored -> served tensor names of a checkpoint (SafetensorsIndex's rename), or None: a vision-language
-    checkpoint's language model, Mixtral's, Llama 4's and GLM-4.5's MLPs."""
+    checkpoint's language model, Mixtral's, Llama 4's and GLM-4.5's MLPs, Qwen3.5's / Qwen3-Next's MTP weights."""
     names = config.get("architectures") or []
     if ("Glm4MoeForCausalLM" in names or config.get("model_type") == "glm4_moe") and not text_only \
             and isinstance(config.get("num_hidden_layers"), int):
         return glm4_moe_renames(config["num_hidden_layers"])
+    if any(name in LINEAR_ATTENTION_LINEARS for name in names) and not text_only:
+        return _without_mtp
     if "Llama4ForCausalLM" in names or config.get("model_type") in ("llama4", "llama4_text"):
         if text_only:
             return lambda name: _renamed(language_model_tensor(name), llama4_tensor)
@@ -210,11 +219,11 @@ def head_dim(config: dict) -> int | None:
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
     """(N, K) of each projection of a Llama/Qwen-style decoder layer, by leaf name ({} if unknown)."""
-    from radiance.models.arch_config import head_counts
+    from radiance.models.arch_config import head_counts, named_architectures
 
     hidden = config.get("hidden_size")
     heads = config.get("num_attention_heads")
-    inter = config.get("intermediate_size")
+    inter = config.get("intermediate_size") or config.get("moe_intermediate_size")  # Qwen3.5-MoE: experts only
     hd = head_dim(config)
     if not (hidden and heads and hd and inter):
         return {}
@@ -230,11 +239,33 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, int]]:
         "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
         "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden),  # Phi-3 stores them merged
     }
+    hybrid = [name for name in named_architectures(config) if name in LINEAR_ATTENTION_LINEARS]
+    if hybrid:
+        shapes.update(_hybrid_shapes(config, hidden, q, kv))
     if config.get("vocab_size"):  # without it the model config names the missing key (not an [0, K] shape)
         shapes["lm_head"] = (config["vocab_size"], hidden)
     if expert:  # a sparse MLP's experts, keyed "experts.<leaf>" (hf_reader.HfCheckpoint._expected)
         shapes.update({"experts.gate_proj": (expert, hidden), "experts.up_proj": (expert, hidden),
                        "experts.down_proj": (hidden, expert)})
+    return shapes
+
+
+def _hybrid_shapes(config: dict, hidden: int, q: int, kv: int) -> dict[str, tuple[int, int]]:
+    """Qwen3.5's and Qwen3-Next's q_proj, which gives each head a gate beside its query, and their linear-attention
+    projections (keyed "linear_attn.<leaf>"; none where the config's sizes are wrong: the model registry names that)."""
+    from radiance.errors import ConfigError
+    from radiance.models.qwen3_5 import linear_attention_config
+
+    shapes = {"q_proj": (2 * q, hidden), "qkv_proj": (2 * q + 2 * kv, hidden)}
+    try:
+        la = linear_attention_config(config)
+    except ConfigError:
+        return shapes
+    heads, value = la.num_value_heads, la.value_size
+    for leaf, rows in (("in_proj_qkv", la.conv_channels), ("in_proj_z", value), ("in_proj_b", heads),
+                       ("in_proj_a", heads), ("in_proj_qkvz", la.conv_channels + value), ("in_proj_ba", 2 * heads)):
+        shapes[f"linear_attn.{leaf}"] = (rows, hidden)
+    shapes["linear_attn.out_proj"] = (hidden, value)
     return shapes
 
 

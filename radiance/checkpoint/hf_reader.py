@@ -24,8 +24,9 @@ from radiance.checkpoint.hf_config import (chat_template_files, eos_token_ids, e
 from radiance.checkpoint.hf_tokenizer import has_tokenizer_files, load_tokenizer
 from radiance.checkpoint.layout import (FLOAT_DTYPES, check_linear, check_no_stray_tensors, detect_format, read_linear,
                                         required_tensors)
-from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
-                                       leaf, partition_modules, sort_key, split_tensor_name)
+from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, LINEAR_ATTENTION_LINEARS, QUANT_SUFFIXES,
+                                       canonical_linear, is_linear_module, leaf, partition_modules, sort_key,
+                                       split_tensor_name)
 from radiance.checkpoint.quant_config import parse_quantization_config
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.checkpoint.stacked_experts import find_stacked_experts, read_stacked_experts
@@ -41,6 +42,9 @@ _LAYER_NORMS = {None: ("input_layernorm", "post_attention_layernorm"), "Olmo2For
                 "Olmo3ForCausalLM": _OUTPUT_NORMS}
 _DECODER_PROJ = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj$")
 _EXPERT_PROJ = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj$")
+_LINEAR_ATTN_PROJ = re.compile(r"^model\.layers\.\d+\.linear_attn\.(in_proj_\w+|out_proj)$")
+# a Gated DeltaNet layer's tensors besides its linears (Qwen3.5)
+_LINEAR_ATTN_TENSORS = ("conv1d.weight", "A_log", "dt_bias", "norm.weight")
 
 
 # buffers older exports saved with the weights (transformers < 4.31 Llama: rotary_emb.inv_freq in every layer);
@@ -127,6 +131,8 @@ class HfCheckpoint(Checkpoint):
             return self._shapes.get(leaf(module))
         if _EXPERT_PROJ.match(module):
             return self._shapes.get(f"experts.{leaf(module)}")
+        if _LINEAR_ATTN_PROJ.match(module):
+            return self._shapes.get(f"linear_attn.{leaf(module)}")
         return None
 
     def _check_layer_exists(self, module: str) -> None:
@@ -287,9 +293,14 @@ class HfCheckpoint(Checkpoint):
         except ConfigError:  # a layout radiance does not know: the architecture check says why (inspect warns)
             return
         router = "router" if self.config.get("model_type") == "gpt_oss" else "gate"
+        linear = self._linear_attention_layers(layers)
         for i in range(layers):
             p = f"model.layers.{i}"
-            needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj"]
+            if i in linear:
+                needed += [f"{p}.linear_attn.{name}"
+                           for name in LINEAR_ATTENTION_LINEARS[self.architecture] + _LINEAR_ATTN_TENSORS]
+            else:
+                needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj"]
             needed += [f"{p}.{norm}.weight" for norm in _LAYER_NORMS.get(self.architecture, _LAYER_NORMS[None])]
             if moe is not None and i in moe.layers:
                 needed.append(f"{p}.mlp.{router}.weight")
@@ -310,6 +321,17 @@ class HfCheckpoint(Checkpoint):
             if name not in have:
                 tensor = name if name.endswith(".weight") else f"{partition_modules(name)[0]}.weight"
                 raise CheckpointError("tensor missing from the checkpoint", file=self.path, tensor=tensor)
+
+    def _linear_attention_layers(self, layers: int) -> set[int]:
+        """The layers a hybrid model (Qwen3.5, Qwen3-Next) runs as linear attention (none where its layer_types are
+        wrong: the model registry names that)."""
+        if self.architecture not in LINEAR_ATTENTION_LINEARS:
+            return set()
+        from radiance.models.qwen3_5 import layer_types
+        try:
+            return {i for i, kind in enumerate(layer_types(self.config, layers)) if kind == "linear_attention"}
+        except ConfigError:
+            return set()
 
     # ------------------------------------------------------------------ interface
 

@@ -88,6 +88,10 @@ def _attention_line(config: dict) -> str | None:
         cfg = resolve_architecture(config)[1]
     except ConfigError:  # e.g. Phi-3: what config.json says, for the servable line's refusal to explain
         return f"config.json gives a sliding window of {declared} tokens" if declared else None
+    if cfg.linear_layers:  # Qwen3.5 (no sliding windows)
+        full = cfg.attention_layer_ids
+        return (f"Gated DeltaNet linear attention on {len(cfg.linear_layers)} of {cfg.num_layers} layers, full "
+                f"causal on layers {_layer_list(full)}" if full else "no full-attention layer")
     if cfg.chunked_layers:  # Llama 4 (no sliding windows)
         chunked = sorted(cfg.chunked_layers)
         rest = "full causal on the others" if len(chunked) < cfg.num_layers else "no full-attention layer"
@@ -120,8 +124,15 @@ def _kv_line(config: dict) -> str | None:
         return None
     per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V of one token in 16 bits
     context, block = cfg.context_length, CacheConfig().block_size
-    line = (f"{_mib(per_layer * cfg.num_layers)} per token in 16 bits; a sequence of the whole context "
-            f"({context} tokens): {_gib(per_layer * cfg.num_layers * context)}")
+    layers = len(cfg.attention_layer_ids)
+    line = (f"{_mib(per_layer * layers)} per token in 16 bits; a sequence of the whole context "
+            f"({context} tokens): {_gib(per_layer * layers * context)}")
+    la = cfg.linear_attention
+    if cfg.linear_layers and la is not None:  # a state per sequence instead (engine.state_cache)
+        state = (la.conv_channels * (la.conv_kernel - 1) * 2  # the conv tail in 16 bits, the float32 state
+                 + la.num_value_heads * la.key_head_dim * la.value_head_dim * 4)
+        line += (f"; the {len(cfg.linear_layers)} linear-attention layers keep {_mib(state * len(cfg.linear_layers))} "
+                 "of state per sequence instead, whatever its length")
     layout = KvLayout.of(cfg)
     if layout.releases_pages:
         pages = layout.pages_for(context, block, SchedulerConfig().max_num_batched_tokens)

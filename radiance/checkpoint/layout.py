@@ -316,8 +316,9 @@ def weight_tensors(module: str, weight, dense_dtype: torch.dtype = torch.bfloat1
 
 
 # plain tensors the models hold in fp32 whatever their dtype, written so: GLM-4.5's router correction bias (its
-# releases store it fp32; in bf16 its small differences between experts, which decide picks, would round away)
-FP32_LEAVES = ("e_score_correction_bias",)
+# releases store it fp32; in bf16 its small differences between experts, which decide picks, would round away) and
+# Qwen3.5's linear-attention decay parameters (exp / softplus of them scale every state at every token)
+FP32_LEAVES = ("e_score_correction_bias", "linear_attn.A_log", "linear_attn.dt_bias")
 
 
 def plain_tensor(tensor: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16, name: str = "") -> torch.Tensor:

@@ -21,6 +21,12 @@ PARTITION_OF: dict[str, tuple[str, int]] = {
 # projections that are linears but not merged
 SINGLE_LINEARS = ("o_proj", "down_proj")
 LINEAR_LEAVES = tuple(PARTITION_OF) + SINGLE_LINEARS + tuple(MERGES)
+# the projections of a Gated DeltaNet layer, linears only under a `linear_attn` module: Qwen3.5's, Qwen3-Next's
+_QWEN3_5_LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+LINEAR_ATTENTION_LINEARS = {"Qwen3_5ForCausalLM": _QWEN3_5_LINEAR_ATTENTION,
+                            "Qwen3_5MoeForCausalLM": _QWEN3_5_LINEAR_ATTENTION,
+                            "Qwen3NextForCausalLM": ("in_proj_qkvz", "in_proj_ba", "out_proj")}
+LINEAR_ATTENTION_LEAVES = tuple(dict.fromkeys(leaf for leaves in LINEAR_ATTENTION_LINEARS.values() for leaf in leaves))
 
 # per-module tensors a quantized linear may carry besides `weight`
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2", "weight_scale_inv",
@@ -45,7 +51,10 @@ def leaf(module: str) -> str:
 
 def is_linear_module(module: str) -> bool:
     """True for the projections radiance serves with a linear kernel (and lm_head)."""
-    return leaf(module) in LINEAR_LEAVES or module == "lm_head" or module.endswith(".lm_head")
+    parent, _, name = module.rpartition(".")
+    if name in LINEAR_ATTENTION_LEAVES and parent.endswith(".linear_attn"):
+        return True
+    return name in LINEAR_LEAVES or module == "lm_head" or module.endswith(".lm_head")
 
 
 def canonical_linear(module: str) -> tuple[str, int]:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 
 from radiance.engine.kv_layout import KvLayout
 from radiance.engine.sequence import Sequence
+from radiance.engine.state_cache import StateSlots
 
 
 def block_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
@@ -47,7 +48,7 @@ def salt_digest(seq: Sequence) -> bytes | None:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 prefer_in_order: bool = False, layout: KvLayout | None = None):
+                 prefer_in_order: bool = False, layout: KvLayout | None = None, state_slots: StateSlots | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -61,6 +62,8 @@ class BlockManager:
         self.tokens_of_block: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against hash collisions
         self.block_of_hash: dict[bytes, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # a hybrid model's linear-attention states: a sequence holds a slot while it holds blocks
+        self.state_slots = state_slots
 
     @property
     def num_free_blocks(self) -> int:
@@ -196,6 +199,8 @@ class BlockManager:
         return self.new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        if self.state_slots is not None and seq.state_slot < 0:
+            seq.state_slot = self.state_slots.take()
         if self.null_block is not None:
             self._release_behind_spans(seq)
         wanted = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -261,3 +266,6 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
+        if seq.state_slot >= 0:
+            self.state_slots.give_back(seq.state_slot)
+            seq.state_slot = -1

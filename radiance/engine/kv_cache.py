@@ -29,7 +29,7 @@ def kv_cache_dtype(device: torch.device, model_dtype: torch.dtype, wanted: str =
 def block_bytes(arch, block_size: int, dtype: torch.dtype, layout: KvLayout | None = None) -> int:
     """Bytes of one KV block (a page: `layout.slots` layers, all of them without a layout) of a model whose
     ArchConfig is `arch`."""
-    slots = arch.num_layers if layout is None else layout.slots
+    slots = len(arch.attention_layer_ids) if layout is None else layout.slots
     per_token = 2 * slots * arch.num_kv_heads * arch.head_dim * torch.tensor([], dtype=dtype).element_size()
     return per_token * block_size
 
@@ -52,21 +52,22 @@ def _peak_activation_bytes(model, device: torch.device, num_tokens: int, max_sam
 
 
 def blocks_known_before_load(arch, cache: CacheConfig, device: torch.device, dtype: torch.dtype,
-                             layout: KvLayout | None = None) -> int | None:
-    """The KV block count where no weights are needed to know it (an override, or the CPU's byte budget), so that
-    a max_model_len it cannot hold is refused before the load; None on CUDA, where it comes from the memory left
-    after the weights and an activation probe."""
+                             layout: KvLayout | None = None, states_bytes: int = 0) -> int | None:
+    """The KV block count where no weights are needed to know it (an override, or the CPU's byte budget, less the
+    `states_bytes` a hybrid model's linear-attention states take of it), so that a max_model_len it cannot hold is
+    refused before the load; None on CUDA, where it comes from the memory left after the weights (and the states)
+    and an activation probe."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     if device.type == "cuda":
         return None
-    return _blocks_of(cache.cpu_kv_cache_bytes, block_bytes(arch, cache.block_size, dtype, layout),
+    return _blocks_of(cache.cpu_kv_cache_bytes - states_bytes, block_bytes(arch, cache.block_size, dtype, layout),
                       f"raise --cpu-kv-cache-bytes (now {cache.cpu_kv_cache_bytes}); in Python: cpu_kv_cache_bytes")
 
 
 def num_kv_blocks(model, cache: CacheConfig, scheduler: SchedulerConfig, device: torch.device,
-                  dtype: torch.dtype, layout: KvLayout | None = None) -> int:
-    known = blocks_known_before_load(model.config, cache, device, dtype, layout)
+                  dtype: torch.dtype, layout: KvLayout | None = None, states_bytes: int = 0) -> int:
+    known = blocks_known_before_load(model.config, cache, device, dtype, layout, states_bytes)
     if known is not None:
         return known
     per_block = block_bytes(model.config, cache.block_size, dtype, layout)
@@ -98,7 +99,7 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, device: torch.dev
     views of its slot and learns its group (Attention.kv_group). A layout that releases pages has one block more:
     the null page (block `num_blocks`) its released table entries point at."""
     cfg = model.config
-    layout = layout or KvLayout.single(cfg.num_layers)
+    layout = layout or KvLayout.single(len(cfg.attention_layer_ids))
     pages = num_blocks + (1 if layout.releases_pages else 0)
     cache = torch.zeros(2, layout.slots, pages, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
     for i, attn in enumerate(model.attention_layers()):

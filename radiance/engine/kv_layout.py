@@ -56,24 +56,26 @@ class KvLayout:
 
     @classmethod
     def of(cls, arch, hybrid: bool = True) -> KvLayout:
-        """The layout of a model whose ArchConfig is `arch` (window_of / chunk_of name each layer's span)."""
-        layers = range(arch.num_layers)
-        span_of = [_span(arch.window_of(i), arch.chunk_of(i)) for i in layers]
+        """The layout of a model whose ArchConfig is `arch` (window_of / chunk_of name each layer's span) over its
+        attention layers (a hybrid model's linear-attention layers keep no KV: engine.state_cache)."""
+        ids = arch.attention_layer_ids
+        layers = range(len(ids))  # attention layer indices (model.attention_layers())
+        span_of = [_span(arch.window_of(i), arch.chunk_of(i)) for i in ids]
         if not hybrid or all(s is None for s in span_of):
-            return cls.single(arch.num_layers)
+            return cls.single(len(ids))
         kinds: dict[LocalSpan | None, list[int]] = {}
         for i in layers:
             kinds.setdefault(span_of[i], []).append(i)
         if len(kinds) == 1:  # every layer local, one kind (Mistral): one group whose pages are released
-            return cls(arch.num_layers, (tuple(layers),), (span_of[0],))
+            return cls(len(ids), (tuple(layers),), (span_of[0],))
         slots = len(kinds[None]) if None in kinds else min(len(v) for v in kinds.values())
         groups, spans = [], []
         for span, members in sorted(kinds.items(), key=lambda kv: kv[0] is not None):  # full attention first
             for start in range(0, len(members), slots):
                 groups.append(tuple(members[start:start + slots]))
                 spans.append(span)
-        if len(groups) * slots - arch.num_layers > MAX_UNUSED_SLOTS * arch.num_layers:
-            return cls.single(arch.num_layers)
+        if len(groups) * slots - len(ids) > MAX_UNUSED_SLOTS * len(ids):
+            return cls.single(len(ids))
         return cls(slots, tuple(groups), tuple(spans))
 
     @property

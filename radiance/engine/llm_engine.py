@@ -24,6 +24,7 @@ from radiance.engine.sampling_params import SamplingParams, generator_seed, toke
 from radiance.engine.scheduler import ScheduledSequence, Scheduler
 from radiance.engine.sequence import Sequence, SequenceStatus
 from radiance.engine.speculation import NgramSpeculator
+from radiance.engine.state_cache import has_recurrent_state, serving_config
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError
 from radiance.layers.sampler import BadWords
 from radiance.lora import LoraManager, LoRARequest
@@ -45,6 +46,8 @@ class LLMEngine:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.eos_token_ids = set(loaded.eos_token_ids)
+        if has_recurrent_state(self.model):
+            self.config = serving_config(self.config, self.model, self.device, self.dtype)
         # LoRA: the model's linears wrapped before the runner captures its graphs with them
         self.lora = (LoraManager(self.config.lora, self.model, self.device, self.dtype)
                      if self.config.lora.enable_lora else None)
@@ -54,7 +57,8 @@ class LLMEngine:
         self.vocab_size = self.model.config.vocab_size  # the logits' width: prompt and bias ids are checked against it
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
                                           self.config.cache.enable_prefix_caching,
-                                          prefer_in_order=self.device.type == "cpu", layout=self.runner.kv_layout)
+                                          prefer_in_order=self.device.type == "cpu", layout=self.runner.kv_layout,
+                                          state_slots=self.runner.state_slots)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, lora=self.lora)
         overlap = self.config.runner.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
@@ -81,7 +85,8 @@ class LLMEngine:
         layout = self.runner.kv_layout
         kv_tokens = self.runner.num_blocks * self.config.cache.block_size
         if layout.releases_pages:  # a block holds layout.slots layers: tokens of all of them are fewer
-            kv_tokens = f"{kv_tokens * layout.slots // self.model.config.num_layers} tokens of every layer"
+            layers = len(self.model.config.attention_layer_ids)
+            kv_tokens = f"{kv_tokens * layout.slots // layers} tokens of every layer"
         else:
             kv_tokens = f"{kv_tokens} tokens"
         graphs = self.runner.decode_graphs.buckets if self.runner.decode_graphs else "off"

@@ -28,6 +28,7 @@ from radiance.engine.kv_layout import KvLayout
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence
+from radiance.engine.state_cache import allocate_state_cache, bytes_per_slot, has_recurrent_state
 from radiance.engine.step_graphs import DecodeGraphs, PrefillGraphs, decode_num_splits
 from radiance.engine.step_inputs import StepInputs
 from radiance.engine.structured_output import fill_allowed_token_words
@@ -149,8 +150,15 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         arch = model.config
         kv_dtype = kv_cache_dtype(device, dtype, config.cache.kv_cache_dtype)
+        # a hybrid model's linear-attention states, one slot per running sequence: before the KV cache is sized on
+        # the memory left
+        self.state_slots, states_bytes = None, 0
+        if has_recurrent_state(model):
+            self.state_slots = allocate_state_cache(model, config.scheduler.max_num_seqs, device, dtype)
+            states_bytes = self.state_slots.count * bytes_per_slot(model, dtype)
         self.kv_layout = KvLayout.of(arch, config.cache.hybrid_kv_cache)  # the engine's startup line describes it
-        self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype, self.kv_layout)
+        self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype, self.kv_layout,
+                                        states_bytes)
         self.max_model_len = self._max_model_len(config.model.max_model_len, arch.context_length)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         _serve_rotary_context(model, self.max_model_len)
@@ -231,7 +239,8 @@ class ModelRunner:
             self.lora_context.begin_step(_lora_row_slots(scheduled, q_lens))
         decode_graphs = self._decode_graphs_for_step()
         if is_decode and decode_graphs and decode_graphs.serves(batch):
-            hidden = decode_graphs.replay(tokens, positions, slots, kv_lens, tables)
+            state_slots = [s.seq.state_slot for s in scheduled] if self.state_slots is not None else None
+            hidden = decode_graphs.replay(tokens, positions, slots, kv_lens, tables, state_slots)
         elif (batch == 1 and not is_decode and next_tokens is None and self.prefill_graphs
               and self.prefill_graphs.serves(q_lens[0])):
             hidden = self.prefill_graphs.replay(tokens, positions, slots, kv_lens[0], tables)
@@ -249,6 +258,9 @@ class ModelRunner:
                 decode_splits=decode_num_splits(batch, self.model.config.num_kv_heads),
                 slots_valid=bool(slots.size == 0 or slots.min() >= 0),
                 kv_first_blocks=self.inputs.first_blocks_in_order(tables[0], kv_lens))
+            if self.state_slots is not None:
+                meta.state_slots = self._to_device([s.seq.state_slot for s in scheduled], torch.int64)
+                meta.continues_state = [s.seq.num_computed_tokens > 0 for s in scheduled]
             meta.other_groups = tuple(
                 dataclasses.replace(meta, slot_mapping=self._to_device(slots[g], torch.int64),
                                     block_tables=self._to_device(tables[g], torch.int32),
@@ -352,12 +364,14 @@ class ModelRunner:
         max_batch = min(self.config.runner.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
         arch = self.model.config
         groups = self.kv_layout.num_groups
-        self.decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, arch.num_kv_heads, self.device, groups)
+        states = self.state_slots is not None
+        self.decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, arch.num_kv_heads, self.device, groups,
+                                          states)
         with self._lora_capturing():
             pool = self.decode_graphs.capture(self.model)
         if self.lora_context is not None:  # one forward runs at a time: both sets share the pool
             self.base_decode_graphs = DecodeGraphs(max_batch, self.max_blocks_per_seq, arch.num_kv_heads,
-                                                   self.device, groups)
+                                                   self.device, groups, states)
             self.base_decode_graphs.capture(self.model, pool)
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode batches %s%s", self.decode_graphs.buckets,

@@ -62,6 +62,7 @@ class Sequence:
         self.lora_int_id = 0
         self.lora_fingerprint: bytes | None = None
         self.lora_slot = -1
+        self.state_slot = -1  # its slot of a hybrid model's linear-attention states (engine.state_cache), -1: none
 
     def kv_table(self, group: int) -> list[int]:
         """The block table of KV group `group` (0: block_table)."""

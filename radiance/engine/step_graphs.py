@@ -102,27 +102,30 @@ def capture_forward(model, pool, tokens: torch.Tensor, positions: torch.Tensor,
 
 class DecodeGraphs:
     """One graph per decode batch bucket. Static inputs: one int64 block [tokens, positions, context lens, the batch
-    (column 0: the real rows), then the slots of each KV group] and the block tables [groups, batch, blocks]."""
+    (column 0: the real rows), then the slots of each KV group, then with `state_slots` each sequence's slot of a
+    hybrid model's linear-attention states (engine.state_cache)] and the block tables [groups, batch, blocks]."""
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, num_kv_heads: int, device: torch.device,
-                 kv_groups: int = 1):
+                 kv_groups: int = 1, state_slots: bool = False):
         self.buckets = graph_buckets(max_batch)
         self.num_kv_heads = num_kv_heads
-        self.meta = torch.zeros(4 + kv_groups, max_batch, dtype=torch.long, device=device)
+        self.kv_groups = kv_groups
+        self.meta = torch.zeros(4 + kv_groups + int(state_slots), max_batch, dtype=torch.long, device=device)
         self.tables = torch.zeros(kv_groups, max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.table_stage = torch.zeros(self.tables.numel(), dtype=torch.int32, device=device) if kv_groups > 1 else None
         self.staging = StagingSets([(tuple(t.shape), t.dtype) for t in (self.meta, self.tables)], device)
         self.tokens, self.positions, self.context, self.batch_row = self.meta[:4].unbind(0)
-        self.slots = self.meta[4:]
-        # a padding row: token 0 at position 0, writes nowhere, attends to nothing
-        self._padding = np.array([0, 0, 0, 0] + [-1] * kv_groups, dtype=np.int64)[:, None]
+        self.slots = self.meta[4:4 + kv_groups]
+        self.state_slots = self.meta[4 + kv_groups] if state_slots else None
+        # a padding row: token 0 at position 0, writes nowhere (no KV, no state), attends to nothing
+        self._padding = np.array([0, 0, 0, 0] + [-1] * (kv_groups + int(state_slots)), dtype=np.int64)[:, None]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
 
     def capture(self, model, pool=None):
         """(Re)capture every bucket, largest first, in `pool` (None: a new one; a re-capture picks up changed kernel
         tilings); returns the pool."""
-        self.slots.fill_(-1)
+        self.meta[4:].fill_(-1)  # the warm-ups and captures write no KV and no state
         self.context.fill_(1)
         for batch in reversed(self.buckets):
             self.batch_row[0] = batch
@@ -130,7 +133,9 @@ class DecodeGraphs:
                 slot_mapping=self.slots[0, :batch], block_tables=self.tables[0, :batch],
                 context_lens=self.context[:batch], cu_seqlens_q=None, q_lens=[1] * batch,
                 kv_lens=[1] * batch, is_decode=True, decode_splits=decode_num_splits(batch, self.num_kv_heads),
-                valid_rows=self.batch_row[:1]), self.slots[:, :batch], self.tables[:, :batch])
+                valid_rows=self.batch_row[:1],
+                state_slots=self.state_slots[:batch] if self.state_slots is not None else None),
+                self.slots[:, :batch], self.tables[:, :batch])
             self.graphs[batch], self.hidden[batch] = capture_forward(model, pool, self.tokens[:batch],
                                                                      self.positions[:batch], meta)
             pool = self.graphs[batch].pool()
@@ -139,9 +144,9 @@ class DecodeGraphs:
     def serves(self, batch: int) -> bool:
         return bool(self.graphs) and batch <= self.buckets[-1]
 
-    def replay(self, tokens, positions, slots, kv_lens, tables) -> torch.Tensor:
+    def replay(self, tokens, positions, slots, kv_lens, tables, state_slots=None) -> torch.Tensor:
         """The hidden states [batch, H] of a decode step. tokens: host ints, or a device tensor (a step queued
-        behind the one that samples them)."""
+        behind the one that samples them); state_slots: host ints, with the graphs' state slots."""
         batch = len(positions)
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
         slots, tables = by_group(slots, tables)
@@ -154,7 +159,9 @@ class DecodeGraphs:
             meta[0, :batch] = tokens
         meta[1, :batch] = positions
         meta[2, :batch] = kv_lens
-        meta[4:, :batch] = slots
+        meta[4:4 + self.kv_groups, :batch] = slots
+        if self.state_slots is not None:
+            meta[4 + self.kv_groups, :batch] = state_slots
         self.meta[:, :bucket].copy_(h_meta[:, :bucket], non_blocking=True)
         copy_tables(self.tables, h_tables, self.table_stage, tables)
         if on_device:

@@ -48,6 +48,10 @@ class AttentionMetadata:
     # the metadata of KV groups 1, 2, ... (engine.kv_layout): the same step, their own slots, tables and first
     # blocks; a layer of group g reads `of_group(g)`
     other_groups: tuple[AttentionMetadata, ...] = ()
+    # a hybrid model's linear-attention layers (engine.state_cache): each sequence's state slot (device int64 [B]) and
+    # whether it continues the state there (host; False: its first tokens, the slot's old contents are not read)
+    state_slots: torch.Tensor | None = None
+    continues_state: list[bool] | None = None
 
     def of_group(self, group: int) -> AttentionMetadata:
         return self if group == 0 else self.other_groups[group - 1]

@@ -32,6 +32,17 @@ def weights_in_fp32(module: nn.Module) -> None:
             norm.fp32_weight = True
 
 
+def scale_by_one_plus_weight(module: nn.Module) -> None:
+    """Every RMSNorm under `module` whose checkpoint weight w means a scale of 1 + w (Gemma, Qwen3.5) becomes a norm of
+    weight 1 + w, once, after the load, so every norm kernel serves it unchanged. Kept in fp32, as transformers
+    computes it (1 + w rounded to bf16 loses w's low bits: a bf16 ulp of the output); the CUDA kernels round it to
+    the model's dtype as they load it."""
+    with torch.no_grad():
+        for norm in module.modules():
+            if isinstance(norm, RMSNorm):
+                norm.weight = nn.Parameter(norm.weight.float() + 1.0, requires_grad=False)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6, launch: str = "norm"):
         super().__init__()

@@ -236,9 +236,10 @@ class LoraLinear(nn.Module):
 
 def lora_partitions(owner: nn.Module, leaf: str, linear: nn.Module) -> tuple[int, ...]:
     """The output partitions of a linear that takes adapters: q, k, v of a qkv_proj; gate, up of a gate_up_proj."""
-    if leaf == "qkv_proj":
+    if leaf == "qkv_proj":  # Qwen3.5's q_proj gives each head its gate too
         cfg = owner.cfg
-        return (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        q = 2 * cfg.q_size if cfg.attention_output_gate else cfg.q_size
+        return (q, cfg.kv_size, cfg.kv_size)
     if leaf == "gate_up_proj":
         half = linear.out_features // 2
         return (half, half)

@@ -12,6 +12,31 @@ from radiance.models.rope_config import longrope, read_rope, rotary_dim_of
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3.5): k / v heads and their sizes, the causal conv's
+    width. Each value head keeps a [key_head_dim, value_head_dim] float32 state per sequence instead of a KV cache."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_size(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """q, k and v side by side: the channels the depthwise conv runs over."""
+        return 2 * self.key_size + self.value_size
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     architecture: str
     vocab_size: int
@@ -52,6 +77,16 @@ class ArchConfig:
     # Llama 4's NoPE layers: each query times 1 + attn_scale * log(1 + floor((position + 1) / floor_scale)),
     # as (floor_scale, attn_scale); None: queries as they are
     query_temperature: tuple[float, float] | None = None
+    # Qwen3.5: these layers are Gated DeltaNet linear attention (a recurrent state per sequence, no KV cache)
+    linear_attention: LinearAttentionConfig | None = None
+    linear_layers: frozenset[int] = frozenset()
+    attention_output_gate: bool = False  # Qwen3.5: q_proj also gives a per-head gate, sigmoid(gate) * attention
+
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        """The decoder layers that attend over the KV cache (all of them but the linear-attention ones), in order:
+        model.attention_layers() lists their Attention modules in this order."""
+        return [i for i in range(self.num_layers) if i not in self.linear_layers]
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.layers
@@ -109,7 +144,8 @@ class ArchConfig:
         flags = {"qkv_bias": bias, "o_bias": bias}
         if architecture not in _OWN_ACTIVATION:
             flags["mlp_activation"] = _hidden_act(config, moe is not None)
-        fields = dict(intermediate_size=need("intermediate_size"))
+        # (an architecture without dense MLPs gives its own: Qwen3.5-MoE's config has no intermediate_size)
+        fields = {} if "intermediate_size" in overrides else dict(intermediate_size=need("intermediate_size"))
         fields.update(flags)
         fields.update(overrides)  # the architecture's own reading of a field wins (Llama 4's dense MLP size)
         return cls(
@@ -172,6 +208,9 @@ HF_DEFAULTS = {
     "GptOssForCausalLM": HfDefaults(131072, rms_norm_eps=1e-5, rope_theta=150000.0, head_dim=64,
                                     num_key_value_heads=8, attention_bias=True, rope_parameters=_GPT_OSS_ROPE),
     "Glm4MoeForCausalLM": HfDefaults(131072, rms_norm_eps=1e-5, num_key_value_heads=8),
+    "Qwen3_5ForCausalLM": HfDefaults(32768, head_dim=256, num_key_value_heads=4),
+    "Qwen3_5MoeForCausalLM": HfDefaults(32768, head_dim=256, num_key_value_heads=2),
+    "Qwen3NextForCausalLM": HfDefaults(32768, head_dim=256, num_key_value_heads=2),
 }
 
 
@@ -198,6 +237,9 @@ MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
 }
 

@@ -26,7 +26,7 @@ from radiance.errors import ConfigError
 from radiance.models.config_fields import is_positive_number
 from radiance.kernels.glu import GELU_TANH, GELU_TANH_NAMES
 from radiance.layers.linear import takes_fp8
-from radiance.layers.norm import RMSNorm, weights_in_fp32
+from radiance.layers.norm import RMSNorm, scale_by_one_plus_weight, weights_in_fp32
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.models.arch_config import ArchConfig
 from radiance.models.llama import LlamaAttention, LlamaBody, LlamaForCausalLM, LlamaMLP, input_norm
@@ -79,13 +79,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def finish_loading(self) -> None:
-        """Gemma's RMSNorm scales by 1 + weight: the weight becomes 1 + weight once, so every norm kernel serves it
-        unchanged. Kept in fp32, as transformers computes it (1 + w rounded to bf16 loses w's low bits: a bf16 ulp
-        of the output); the CUDA kernels round it to the model's dtype as they load it, as before."""
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.weight = nn.Parameter(module.weight.float() + 1.0, requires_grad=False)
+        scale_by_one_plus_weight(self)  # Gemma's RMSNorm scales by 1 + weight
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):

@@ -132,7 +132,10 @@ class LlamaDecoderLayer(nn.Module):
         # the norms hand W4A8 linears fp8 activations straight from their fused kernel, and sum the
         # split-K partials the o_proj and down_proj GEMMs leave them at decode sizes (for_norm)
         x, residual = input_norm(self.input_layernorm, x, residual, fp8=takes_fp8(self.self_attn.qkv_proj))
-        x = self.self_attn(positions, x, meta)
+        return self.feed_forward(self.self_attn(positions, x, meta), residual, meta)
+
+    def feed_forward(self, x, residual, meta):
+        """The layer's second half: the residual add and norm of the attention's output `x`, then the MLP."""
         # a sparse MLP's router reads the 16-bit norm output: W4A8 experts get it with its fp8 codes
         sparse = isinstance(self.mlp, SparseMoeBlock)
         mlp_fp8 = self.mlp.takes_fp8() if sparse else takes_fp8(self.mlp.gate_up_proj)

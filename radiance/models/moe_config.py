@@ -64,8 +64,9 @@ class MoeConfig:
             # transformers still builds a 0-wide shared expert (it adds zeros) and saves its gate
             raise ConfigError("shared_expert_intermediate_size 0 is not supported for Qwen2-MoE (a shared expert "
                               "of no rows; radiance serves one of at least one row)")
-        return cls(int(experts), top_k, int(config["moe_intermediate_size"]),
-                   bool(config.get("norm_topk_prob", False)), layers, int(shared or 0))
+        # transformers' Qwen3.5-MoE router always renormalizes its top k (it reads no norm_topk_prob)
+        renormalize = architecture == "Qwen3_5MoeForCausalLM" or bool(config.get("norm_topk_prob", False))
+        return cls(int(experts), top_k, int(config["moe_intermediate_size"]), renormalize, layers, int(shared or 0))
 
     @classmethod
     def _mixtral(cls, config: dict, experts: int, num_layers: int) -> "MoeConfig":

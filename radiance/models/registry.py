@@ -23,6 +23,7 @@ from radiance.models.qwen2 import Qwen2ForCausalLM
 from radiance.models.qwen2_moe import Qwen2MoeForCausalLM
 from radiance.models.qwen3 import Qwen3ForCausalLM
 from radiance.models.qwen3_moe import Qwen3MoeForCausalLM
+from radiance.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from radiance.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES = {
@@ -42,6 +43,9 @@ MODEL_CLASSES = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 

@@ -21,7 +21,8 @@ ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "origin
 
 # architectures whose transformers model rotates only the leading partial_rotary_factor of each head, and the factor
 # their config assumes when config.json gives none
-PARTIAL_ROTARY = {"Phi3ForCausalLM": 1.0, "Glm4MoeForCausalLM": 0.5}
+PARTIAL_ROTARY = {"Phi3ForCausalLM": 1.0, "Glm4MoeForCausalLM": 0.5, "Qwen3_5ForCausalLM": 0.25,
+                  "Qwen3_5MoeForCausalLM": 0.25, "Qwen3NextForCausalLM": 0.25}
 
 # architectures whose transformers config keeps the rope per layer type (sliding_attention / full_attention) even where
 # config.json gives a flat rope_scaling (merged into the full layers'): the scaling is then read as a nested one

@@ -170,3 +170,41 @@ def test_glm_layers_carry_a_dense_first_mlp_a_corrected_router_and_a_shared_expe
     assert not any("o_proj.bias" in n or "shared_expert_gate" in n or "q_norm" in n for n in weights)
     # GLM-4.5-Air: "106B total parameters" by its model card (the multi-token-prediction layer not counted)
     assert 106.8e9 < SyntheticCheckpoint("synthetic:glm-4.5-air", device="cpu").num_parameters() < 106.9e9
+
+
+def test_qwen3_5_alternates_linear_attention_and_gated_attention_layers():
+    """Three Gated DeltaNet layers to one gated attention layer, loaded and run."""
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+
+    tiny = dict(TINY, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=8, layer_types=["linear_attention"] * 3 + ["full_attention"], vocab_size=300)
+    ckpt = SyntheticCheckpoint("synthetic:qwen3.5-9b", device="cpu", dtype=torch.float32, overrides=tiny)
+    weights = dict(ckpt.iter_weights(progress=False))
+    assert weights["model.layers.0.linear_attn.in_proj_qkv"].shape == (2 * 2 * 16 + 4 * 8, 64)
+    assert weights["model.layers.0.linear_attn.conv1d.weight"].shape == (96, 1, 4)
+    assert weights["model.layers.3.self_attn.qkv_proj"].partition_sizes == (2 * 64, 32, 32)  # q and its gate
+    assert "model.layers.0.self_attn.qkv_proj" not in weights and "model.layers.3.linear_attn.A_log" not in weights
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False)
+    assert loaded.model.config.linear_layers == {0, 1, 2}
+    assert torch.isfinite(loaded.model.forward_logits(torch.arange(20)[None])).all()
+    # transformers' defaults (hidden 4096, 32 layers, vocab 248320): about 9B parameters
+    assert 8.5e9 < SyntheticCheckpoint("synthetic:qwen3.5-9b", device="cpu").num_parameters() < 10e9
+
+
+def test_qwen3_next_builds_grouped_projections_and_sparse_mlps():
+    from radiance.config import ModelConfig
+    from radiance.engine.loader import load_model
+
+    tiny = dict(TINY, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=8, layer_types=["linear_attention"] * 3 + ["full_attention"], vocab_size=300,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    ckpt = SyntheticCheckpoint("synthetic:qwen3-next-80b-a3b", device="cpu", dtype=torch.float32, overrides=tiny)
+    weights = dict(ckpt.iter_weights(progress=False))
+    assert weights["model.layers.0.linear_attn.in_proj_qkvz"].shape == (96 + 32, 64)
+    assert weights["model.layers.0.linear_attn.in_proj_ba"].shape == (8, 64)
+    assert weights["model.layers.3.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False)
+    assert torch.isfinite(loaded.model.forward_logits(torch.arange(20)[None])).all()
+    # Qwen3-Next-80B-A3B: "80B total parameters" by its model card (the MTP layer not built)
+    assert 79e9 < SyntheticCheckpoint("synthetic:qwen3-next-80b-a3b", device="cpu").num_parameters() < 82e9

@@ -157,7 +157,8 @@ def test_a_kv_cache_too_small_on_cuda_names_the_flags_and_the_fields(monkeypatch
     """CUDA's budget: what the weights and the activation peak leave of gpu_memory_utilization (faked here)."""
     from radiance.engine import kv_cache
 
-    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16,
+                                                               attention_layer_ids=[0, 1]))
     monkeypatch.setattr(kv_cache, "_peak_activation_bytes", lambda *args: 1 << 30)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 29, 1 << 30))
     with pytest.raises(ConfigError) as info:

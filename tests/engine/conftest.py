@@ -92,6 +92,30 @@ def tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = 256):
                                num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
                                first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True,
                                use_qk_norm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch == "qwen3_5":  # Gated DeltaNet on layers 0, 1 and 3 (grouped: 2 k heads for 4 v heads), gated
+        # attention with q / k norms and a quarter of each head rotating on layer 2
+        from transformers import Qwen3_5TextConfig
+        config = Qwen3_5TextConfig(**dict(common, num_hidden_layers=4), head_dim=16,
+                                   layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                "linear_attention"],
+                                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                   linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.25},
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch in ("qwen3_5_moe", "qwen3_next"):  # the same layers with sparse MLPs (8 experts, top 2, a gated shared
+        # expert); Qwen3-Next's linear attention projections grouped by key head, its layer 0's MLP dense
+        from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
+        hybrid = dict(common, num_hidden_layers=4, head_dim=16,
+                      layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                      linear_conv_kernel_dim=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      num_experts=8, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        if arch == "qwen3_next":
+            config = Qwen3NextConfig(**hybrid, norm_topk_prob=True, mlp_only_layers=[0])
+        else:
+            config = Qwen3_5MoeTextConfig(**hybrid)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -369,3 +369,13 @@ def test_bad_words_on_the_gpu(tiny_llm):
                                                                          [params, params, free])]
         if temperature == 0.0:  # greedy rows are queued ahead (a seeded draw is not)
             assert llm.engine.overlapped_steps > steps
+
+
+def test_qwen3_5_linear_attention_states_match_cpu(tiny_model_dir):
+    """Qwen3.5 on the GPU (eager: its Gated DeltaNet layers' state slots through torch ops, the gated attention
+    layer on the Triton attention with a torch rotary of a quarter of each head): fp32 greedy tokens of three
+    prompts, prefilled in 16-token chunks beside decodes, equal the CPU's."""
+    path, _ = tiny_model_dir("qwen3_5")
+    prompts = [[(11 * i + 3 * j) % 256 for j in range(25 + 9 * i)] for i in range(3)]
+    _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                                  max_num_batched_tokens=16)

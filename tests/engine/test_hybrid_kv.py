@@ -20,7 +20,8 @@ from tests.engine.test_engine_churn import PROFILES, make_reference, sync_churn
 
 def arch(num_layers: int, window: int | None = None, sliding=(), chunk: int | None = None, chunked=()):
     return SimpleNamespace(num_layers=num_layers, window_of=lambda i: window if i in sliding else None,
-                           chunk_of=lambda i: chunk if i in chunked else None)
+                           chunk_of=lambda i: chunk if i in chunked else None,
+                           attention_layer_ids=list(range(num_layers)))
 
 
 # ---------------------------------------------------------------- layouts

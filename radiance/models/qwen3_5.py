@@ -1,0 +1,288 @@
+"""Qwen3.5 (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, and the language model of their
+`...ForConditionalGeneration`) and Qwen3-Next (`Qwen3NextForCausalLM`): hybrid decoders, as transformers computes them.
+
+- Three layers of four (config.json's `layer_types`, else every `full_attention_interval`-th layer attends) are Gated
+  DeltaNet linear attention: q / k / v from one projection through a causal depthwise conv (SiLU), q and k
+  L2-normalized, a per-head decay g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b), the
+  delta rule over a [key_dim, value_dim] state per value head (radiance.layers.gated_delta), then an RMSNorm gated
+  by SiLU(z) and out_proj. Each sequence keeps that state and the conv's last inputs in a slot of the engine's
+  recurrent-state cache (engine.state_cache) instead of a KV cache.
+- The other layers attend over the paged KV cache with Qwen3's q / k norms, rotary on the leading quarter of each
+  head (partial_rotary_factor 0.25; the vision model's mRoPE is the plain rope for text), and an output gate: q_proj
+  gives each head's query and a gate, and the attention's output is multiplied by sigmoid(gate) before o_proj.
+- Every RMSNorm but the gated one scales by 1 + weight, as Gemma's (folded at load).
+- The MoE models' sparse MLPs are Qwen2-MoE's (a gated shared expert); Qwen3-Next's linear attention stores its
+  projections grouped by key head (GroupedGatedDeltaNet).
+The checkpoints' multi-token-prediction weights (`mtp.*`) are not read, as transformers skips them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radiance.errors import ConfigError
+from radiance.kernels._triton.gated_delta import conv_update, recurrent_step
+from radiance.layers.attention import AttentionMetadata
+from radiance.layers.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen, gated_rms_norm
+from radiance.layers.linear import UnloadedLinear
+from radiance.layers.moe import SparseMoeBlock
+from radiance.layers.norm import RMSNorm, scale_by_one_plus_weight, weights_in_fp32
+from radiance.layers.rotary import RotaryEmbedding
+from radiance.models.arch_config import ArchConfig, LinearAttentionConfig
+from radiance.models.config_fields import positive
+from radiance.models.llama import (LlamaAttention, LlamaBody, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, for_norm,
+                                   input_norm)
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class GatedAttention(LlamaAttention):
+    """Llama's attention (with Qwen3's q / k norms) whose q_proj also gives a gate per head: [q_h | gate_h] for each
+    head h, and the output is attention * sigmoid(gate)."""
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int = 0):
+        super().__init__(cfg, rotary, index)
+        self.qkv_proj = UnloadedLinear(cfg.hidden_size, 2 * cfg.q_size + 2 * cfg.kv_size,
+                                       (2 * cfg.q_size, cfg.kv_size, cfg.kv_size))
+
+    def forward(self, positions, x, meta):
+        cfg = self.cfg
+        q_gate, k, v = self.qkv_proj(x).split((2 * cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        lead = q_gate.shape[:-1]
+        q, gate = q_gate.reshape(*lead, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
+        q, k, qk_norm = self.normed_qk(q.reshape(*lead, cfg.q_size), k)
+        q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        rotary = (self.rotary[0], positions) if self.rotary[0] is not None else None
+        # 16-bit out (no fp8 codes from the attention's merge): the gate multiplies it first
+        attended = self.attn(q, k, v, meta, rotary=rotary, quantize=False, qk_norm=qk_norm)
+        return for_norm(self.o_proj, attended * torch.sigmoid(gate.reshape(*lead, cfg.q_size)))
+
+
+class CausalConv1d(nn.Module):
+    """The depthwise causal conv's weight, [channels, 1, kernel] as checkpoints store nn.Conv1d's."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel), requires_grad=False)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head times SiLU(z) (a plain weight: not one of the 1 + weight norms)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer. With a cache (meta and bound states) it reads and updates each sequence's slot;
+    without one (evaluation, the activation probe) every row of the batch starts from a zero state."""
+
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        la = self.la = cfg.linear_attention
+        self.in_proj_qkv = UnloadedLinear(cfg.hidden_size, la.conv_channels)  # one tensor in checkpoints
+        self.in_proj_z = UnloadedLinear(cfg.hidden_size, la.value_size)
+        self.in_proj_b = UnloadedLinear(cfg.hidden_size, la.num_value_heads)
+        self.in_proj_a = UnloadedLinear(cfg.hidden_size, la.num_value_heads)
+        self.conv1d = CausalConv1d(la.conv_channels, la.conv_kernel)
+        # the decay's parameters in fp32 whatever the model's dtype (exp / softplus of them set every state's decay)
+        self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads, dtype=torch.float32), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(la.num_value_heads, dtype=torch.float32), requires_grad=False)
+        self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps)
+        self.out_proj = UnloadedLinear(la.value_size, cfg.hidden_size)
+        # bound by the engine (engine.state_cache): [slots, conv_channels, conv_kernel - 1] and
+        # [slots, value heads, key_head_dim, value_head_dim] float32
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None):
+        la = self.la
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, x.shape[-1])
+        if meta is not None and self.recurrent_state is not None:
+            conv_state, state = self.conv_state, self.recurrent_state
+            # a decode step's sequences all continue their states (a graph's metadata gives no list)
+            slots, q_lens = meta.state_slots, meta.q_lens
+            continues = meta.continues_state if meta.continues_state is not None else [True] * len(q_lens)
+        else:  # each row of a [B, T] batch (a [T] one: one sequence) from zero states
+            batch = rows.shape[0] // lead[-1] if lead else 1
+            conv_state = rows.new_zeros(batch, la.conv_channels, la.conv_kernel - 1)
+            state = torch.zeros(batch, la.num_value_heads, la.key_head_dim, la.value_head_dim, dtype=torch.float32,
+                                device=x.device)
+            slots, q_lens, continues = torch.arange(batch, device=x.device), [lead[-1]] * batch, [False] * batch
+        # on CUDA a decode step takes the two Triton launches (no host data: CUDA graphs capture them; a graph's
+        # padding rows, slot -1, touch no state); the torch ops elsewhere
+        decode = rows.is_cuda and meta is not None and meta.is_decode and self.recurrent_state is not None
+        qkv, z, b, a = self.projections(rows)
+        weight = self.conv1d.weight[:, 0]
+        if decode:
+            mixed = conv_update(qkv, weight, conv_state, slots)
+        else:
+            mixed = causal_conv1d_varlen(qkv, weight, conv_state, slots, q_lens, continues)
+        n = rows.shape[0]
+        q, k, v = mixed.split((la.key_size, la.key_size, la.value_size), dim=-1)
+        q = q.reshape(n, la.num_key_heads, la.key_head_dim)
+        k = k.reshape(n, la.num_key_heads, la.key_head_dim)
+        v = v.reshape(n, la.num_value_heads, la.value_head_dim)
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        if decode:
+            out = recurrent_step(q, k, v, g, torch.sigmoid(b), state, slots)
+        else:
+            out = gated_delta_rule_varlen(q, k, v, g, torch.sigmoid(b), state, slots, q_lens, continues)
+        out = self.norm(out, z.reshape(n, la.num_value_heads, la.value_head_dim)).reshape(*lead, la.value_size)
+        return for_norm(self.out_proj, out)
+
+    def projections(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q | k | v [N, conv_channels] as the conv reads them, z [N, value_size], b and a [N, value heads])."""
+        return self.in_proj_qkv(rows), self.in_proj_z(rows), self.in_proj_b(rows), self.in_proj_a(rows)
+
+
+class GroupedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's layer: the same computation from two projections whose rows run key head by key head,
+    in_proj_qkvz = [q_g | k_g | v_g | z_g] and in_proj_ba = [b_g | a_g] for each key head g (with the value heads it
+    serves), regrouped here into the conv's q | k | v order."""
+
+    def __init__(self, cfg: ArchConfig):
+        super().__init__(cfg)
+        la = self.la
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        self.in_proj_qkvz = UnloadedLinear(cfg.hidden_size, 2 * la.key_size + 2 * la.value_size)
+        self.in_proj_ba = UnloadedLinear(cfg.hidden_size, 2 * la.num_value_heads)
+
+    def projections(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        la, n = self.la, rows.shape[0]
+        per_group = la.num_value_heads // la.num_key_heads
+        value = per_group * la.value_head_dim
+        q, k, v, z = self.in_proj_qkvz(rows).reshape(n, la.num_key_heads, -1).split(
+            (la.key_head_dim, la.key_head_dim, value, value), dim=-1)
+        b, a = self.in_proj_ba(rows).reshape(n, la.num_key_heads, -1).split((per_group, per_group), dim=-1)
+        qkv = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
+        return qkv, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
+
+class Qwen3_5DecoderLayer(LlamaDecoderLayer):
+    attention_class = GatedAttention
+    linear_attention_class = GatedDeltaNet
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int):
+        linear = index in cfg.linear_layers
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, launch="attn_norm")
+        self.self_attn = None if linear else self.attention_class(cfg, rotary, index)
+        self.linear_attn = self.linear_attention_class(cfg) if linear else None
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, launch="mlp_norm")
+        self.mlp = self._mlp(cfg, index)
+
+    @staticmethod
+    def _mlp(cfg: ArchConfig, index: int) -> nn.Module:
+        return SparseMoeBlock(cfg.hidden_size, cfg.moe) if cfg.is_moe_layer(index) else LlamaMLP(cfg)
+
+    def forward(self, positions, x, residual, meta):
+        if self.linear_attn is None:
+            return super().forward(positions, x, residual, meta)
+        # 16-bit norm output: four projections read it, whatever format each is served in
+        x, residual = input_norm(self.input_layernorm, x, residual, fp8=False)
+        return self.feed_forward(self.linear_attn(x, meta), residual, meta)
+
+
+class Qwen3_5Body(LlamaBody):
+    layer_class = Qwen3_5DecoderLayer
+
+    def __init__(self, cfg: ArchConfig):
+        super().__init__(cfg)
+        weights_in_fp32(self)  # transformers' Qwen3_5RMSNorm: (x * (1 + w)) in fp32, then one rounding
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    body_class = Qwen3_5Body
+    arch_overrides = {"qk_norm": True, "attention_output_gate": True}
+
+    @classmethod
+    def overrides(cls, hf_config: dict) -> dict:
+        num_layers = hf_config.get("num_hidden_layers")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            return dict(cls.arch_overrides)  # ArchConfig names the missing size
+        types = layer_types(hf_config, num_layers)
+        return {**cls.arch_overrides, "linear_attention": linear_attention_config(hf_config),
+                "linear_layers": frozenset(i for i, t in enumerate(types) if t == "linear_attention")}
+
+    def finish_loading(self) -> None:
+        scale_by_one_plus_weight(self.model)  # every RMSNorm but the gated ones (another class)
+
+    def attention_layers(self):
+        return [layer.self_attn.attn for layer in self.model.layers if layer.self_attn is not None]
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        """The layers that keep a recurrent state per sequence (engine.state_cache binds theirs)."""
+        return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5's MoE models: the same layers with sparse MLPs (softmax top-k, always renormalized, and a shared expert
+    behind a sigmoid gate, as Qwen2-MoE's) on every layer."""
+
+    supports_moe = True
+
+    @classmethod
+    def overrides(cls, hf_config: dict) -> dict:
+        # no dense MLP, and transformers' config has no intermediate_size: the experts' size stands in for it
+        return {**super().overrides(hf_config),
+                "intermediate_size": hf_config.get("intermediate_size") or hf_config.get("moe_intermediate_size")}
+
+
+class Qwen3NextDecoderLayer(Qwen3_5DecoderLayer):
+    linear_attention_class = GroupedGatedDeltaNet
+
+
+class Qwen3NextBody(Qwen3_5Body):
+    layer_class = Qwen3NextDecoderLayer
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next (Qwen3-Next-80B-A3B): Qwen3.5's layers with the linear attention's projections grouped by key head
+    (GroupedGatedDeltaNet) and sparse MLPs as Qwen2-MoE's (norm_topk_prob, decoder_sparse_step, mlp_only_layers, a
+    gated shared expert)."""
+
+    supports_moe = True
+    body_class = Qwen3NextBody
+
+
+def layer_types(config: dict, num_layers: int) -> list[str]:
+    """config.json's layer_types, else transformers' rule: every full_attention_interval-th layer attends (4)."""
+    types = config.get("layer_types")
+    if types is None:
+        interval = positive(config, "full_attention_interval", 4, integer=True)
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        count = len(types) if isinstance(types, list) else repr(types)
+        raise ConfigError(f"config.json lists {count} layer_types for {num_layers} layers")
+    unknown = sorted(set(map(str, types)) - set(LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"unsupported layer_types {unknown} (supported: {', '.join(LAYER_TYPES)})")
+    return types
+
+
+def linear_attention_config(config: dict) -> LinearAttentionConfig:
+    """The linear-attention sizes, with transformers' Qwen3_5TextConfig defaults."""
+    la = LinearAttentionConfig(
+        num_key_heads=positive(config, "linear_num_key_heads", 16, integer=True),
+        num_value_heads=positive(config, "linear_num_value_heads", 32, integer=True),
+        key_head_dim=positive(config, "linear_key_head_dim", 128, integer=True),
+        value_head_dim=positive(config, "linear_value_head_dim", 128, integer=True),
+        conv_kernel=positive(config, "linear_conv_kernel_dim", 4, integer=True))
+    if la.num_value_heads % la.num_key_heads:
+        raise ConfigError(f"config.json: linear_num_value_heads {la.num_value_heads} is not a multiple of "
+                          f"linear_num_key_heads {la.num_key_heads}")
+    if la.conv_kernel < 2:
+        raise ConfigError(f"config.json field 'linear_conv_kernel_dim' must be at least 2, got {la.conv_kernel}")
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"hidden_act {config.get('hidden_act')!r} is not supported for Qwen3.5 (only silu)")
+    return la
