@@ -132,7 +132,7 @@ def _route_one_block(logits_ptr, bias_ptr, weights_ptr, ids_ptr, pairs_ptr, tile
         top_w = tl.where(choices[None, :] == j, top[:, None], top_w)
         top_id = tl.where(choices[None, :] == j, pick[:, None], top_id)
     if NORM:  # the top_k weights of a token sum to 1 (K_PAD's extra columns hold 0)
-        top_w = top_w / tl.maximum(tl.sum(top_w, axis=1), 1e-30)[:, None]
+        top_w = tl.div_rn(top_w, tl.maximum(tl.sum(top_w, axis=1), 1e-30)[:, None])  # IEEE: x / x is 1
     if SIGMOID:
         top_w = top_w * scale
     pair = toks[:, None] * TOP_K + choices[None, :]
@@ -215,7 +215,7 @@ def _route_blocks(logits_ptr, bias_ptr, weights_ptr, ids_ptr, pairs_ptr, tile_ex
             live = (toks < T)[:, None] & (choices < TOP_K)[None, :]
             ptrs = weights_ptr + toks[:, None] * TOP_K + choices[None, :]
             w = tl.load(ptrs, mask=live, other=0.0)
-            w = w / tl.maximum(tl.sum(w, axis=1), 1e-30)[:, None]  # dead rows: 0, not NaN
+            w = tl.div_rn(w, tl.maximum(tl.sum(w, axis=1), 1e-30)[:, None])  # dead rows: 0, not NaN; x / x is 1
             if SIGMOID:
                 w = w * scale
             tl.store(ptrs, w, mask=live)
