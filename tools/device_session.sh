@@ -22,6 +22,9 @@
 #   glm      GLM-4.5's GPU checks: grouped experts vs the loop, graphs; the routing and rotary kernel cases
 #            compiled (about 7)
 #   glm-engine  GLM-4.5-Air in MXFP4 on the engine (~57 GB of weights: fits one H100; never run yet; up to 9)
+#   hybrid-qwen  Qwen3.5 / Qwen3-Next: the Gated DeltaNet decode kernels compiled against their torch reference, the
+#            engine on CUDA (decode graphs carrying state slots) against the CPU's greedy tokens, then Qwen3.5-9B's
+#            decode / prefill in bf16 and MXFP4 (never run yet; about 8)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -92,8 +95,14 @@ glm-engine)
     step 500 engine-glm python3 -m radiance.bench.engine_bench synthetic:glm-4.5-air --quantization mxfp4 \
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 16 64 --no-hf --json "$OUT/engine-glm.json"
     ;;
+hybrid-qwen)
+    step 150 gd-cases python3 -m pytest -q -x tests/kernels/triton_cases_gated_delta.py
+    step 150 gd-engine python3 -m pytest -q -m gpu tests/engine/test_gpu_engine.py -k qwen3_5
+    step 240 engine-qwen35 python3 -m radiance.bench.engine_bench synthetic:qwen3.5-9b --quantization none mxfp4 \
+        --contexts 128 8192 --prefills 1024 --concurrency 1 16 --no-hf --json "$OUT/engine-qwen35.json"
+    ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine]" >&2
+    echo "usage: bash tools/device_session.sh [quick|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine|hybrid-qwen]" >&2
     exit 2
     ;;
 esac

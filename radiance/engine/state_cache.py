@@ -69,8 +69,6 @@ def allocate_state_cache(model, slots: int, device: torch.device, dtype: torch.d
         layer.conv_state = torch.zeros(slots, la.conv_channels, la.conv_kernel - 1, dtype=dtype, device=device)
         layer.recurrent_state = torch.zeros(slots, la.num_value_heads, la.key_head_dim, la.value_head_dim,
                                             dtype=torch.float32, device=device)
-    logger.info("linear-attention state: %d slots x %.2f MiB (%d layers)", slots,
-                bytes_per_slot(model, dtype) / 2**20, len(model.linear_attention_layers()))
     return StateSlots(slots, functools.partial(_zero_slot, model.linear_attention_layers()))
 
 

@@ -4,6 +4,7 @@ rotating; the engine keeps each sequence's linear-attention state in a slot (eng
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -148,6 +149,7 @@ def test_the_engine_serves_it_without_what_a_state_cannot_undo(tiny_model_dir, c
     assert not config.cache.enable_prefix_caching and config.speculative.ngram_draft_tokens == 0
     assert "prefix caching, n-gram speculative decoding off for this model" in caplog.text
     assert llm.engine.runner.kv_cache.shape[1] == 1  # one layer slot per page
+    assert "linear-attention states: 64 slots x 0.01 MiB (3 layers)" in llm.engine.load_summary[-1]
     prompt = _prompts(1, 20)[0]  # the same prompt twice: the second recomputes it (no cached prefix to take)
     assert _greedy(llm, [prompt], 5) == _greedy(llm, [prompt], 5)
 
@@ -289,3 +291,103 @@ def test_lora_serves_the_gated_attention(tiny_model_dir):
     prompt = _prompts(1, 15)[0]
     llm = LLM(path, device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8)
     assert _greedy(llm, [prompt], 8) == [_hf_greedy(hf, prompt, 8)]
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's qwen35, qwen35moe, qwen3next)
+
+def _periodic_hf_model(arch: str):
+    """A tiny model whose attention layer is every second one (llama.cpp's files give a full_attention_interval, not
+    a list), every MLP of the MoE ones sparse (llama.cpp reads no mlp_only_layers)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.conftest import randomize, tiny_hf_model
+
+    config = tiny_hf_model(arch).config
+    config.layer_types = ["linear_attention", "full_attention"] * 2
+    if arch == "qwen3_next":
+        config.mlp_only_layers = []
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    randomize(model)
+    return model
+
+
+def _llama_cpp_hybrid_tensors(hf, reorder: bool) -> dict:
+    """The model's tensors as llama.cpp's Qwen3-Next / Qwen3.5 converter writes them: its names, norms but ssm_norm as
+    1 + weight, ssm_a = -exp(A_log), the conv squeezed, Qwen3-Next's grouped in_proj_qkvz split into attn_qkv and
+    attn_gate, and with `reorder` (Qwen3.5) the value heads tiled (file head j * key_heads + g = head g * r + j)."""
+    from tests.engine.gguf_files import LLAMA_BLOCK, gguf_tensors
+
+    c = hf.config
+    nk, nv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    r, keys = nv // nk, 2 * nk * dk
+    tiled = torch.tensor([(p % nk) * r + p // nk for p in range(nv)])  # file position p holds this head
+
+    def tile(x, dim=0):
+        return x.unflatten(dim, (nv, -1)).index_select(dim, tiled).flatten(dim, dim + 1) if reorder else x
+
+    block = {**LLAMA_BLOCK, "post_attention_layernorm": "post_attention_norm", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm"}
+    state = {n: t for n, t in hf.state_dict().items() if ".linear_attn." not in n}
+    plain = type("Plain", (), {"config": c, "state_dict": lambda self: state})()
+    tensors = {n: v + 1.0 if n.endswith("norm.weight") else v for n, v in gguf_tensors(plain, block).items()}
+    for i, layer in enumerate(hf.model.layers):
+        la = getattr(layer, "linear_attn", None)
+        if la is None:
+            continue
+        p = f"blk.{i}."
+        if hasattr(la, "in_proj_qkvz"):  # Qwen3-Next: [q_g | k_g | v_g | z_g] per key head g
+            q, k, v, z = la.in_proj_qkvz.weight.detach().unflatten(0, (nk, -1)).split((dk, dk, r * dv, r * dv), 1)
+            qkv = torch.cat((q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)))
+            gate = z.flatten(0, 1)
+            tensors[p + "ssm_ba.weight"] = la.in_proj_ba.weight.detach().numpy()
+        else:
+            qkv, gate = la.in_proj_qkv.weight.detach(), la.in_proj_z.weight.detach()
+            tensors[p + "ssm_beta.weight"] = tile(la.in_proj_b.weight.detach()).numpy()
+            tensors[p + "ssm_alpha.weight"] = tile(la.in_proj_a.weight.detach()).numpy()
+        tensors[p + "attn_qkv.weight"] = torch.cat((qkv[:keys], tile(qkv[keys:]))).numpy()
+        tensors[p + "attn_gate.weight"] = tile(gate).numpy()
+        conv = la.conv1d.weight.detach()[:, 0]
+        tensors[p + "ssm_conv1d.weight"] = torch.cat((conv[:keys], tile(conv[keys:]))).numpy()
+        tensors[p + "ssm_a"] = tile(-la.A_log.detach().float().exp()).numpy()
+        tensors[p + "ssm_dt.bias"] = tile(la.dt_bias.detach()).numpy()
+        tensors[p + "ssm_norm.weight"] = la.norm.weight.detach().numpy()  # the gated norm: not shifted
+        tensors[p + "ssm_out.weight"] = tile(la.out_proj.weight.detach(), 1).numpy()
+    return tensors
+
+
+@pytest.mark.parametrize("model, arch", [("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe"),
+                                         ("qwen3_next", "qwen3next")])
+def test_a_llama_cpp_gguf_serves_transformers_logits(tmp_path, model, arch):
+    """llama.cpp's qwen35 / qwen35moe / qwen3next files (their ssm.* sizes, full_attention_interval, the transforms
+    its converter applies; qwen35's value heads tiled): transformers' logits. The qwen35 files' tiling matters: read
+    as stored, the logits differ."""
+    from radiance.checkpoint import gguf_arch
+    from tests.engine.gguf_files import write_gguf
+
+    hf = _periodic_hf_model(model)
+    c = hf.config
+    metadata = {f"{arch}.ssm.conv_kernel": 4, f"{arch}.ssm.state_size": 16, f"{arch}.ssm.group_count": 2,
+                f"{arch}.ssm.time_step_rank": 4, f"{arch}.ssm.inner_size": 32, f"{arch}.full_attention_interval": 2,
+                f"{arch}.rope.dimension_count": 4}
+    if arch != "qwen35":
+        metadata.update({f"{arch}.expert_count": 8, f"{arch}.expert_used_count": 2,
+                         f"{arch}.expert_feed_forward_length": 32, f"{arch}.expert_shared_feed_forward_length": 48})
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, c, _llama_cpp_hybrid_tensors(hf, reorder=arch != "qwen3next"),
+                      metadata, head_dim=16)
+    ckpt = open_checkpoint(path)
+    cls, cfg = resolve_architecture(ckpt.config)
+    assert cfg.linear_layers == {0, 2} and cfg.rotary_dim == 4 and (cfg.moe is None) == (arch == "qwen35")
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=ckpt, progress=False).model.forward_logits(ids)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    if arch == "qwen35":  # without putting the value heads back in order
+        untiled = dataclasses.replace(gguf_arch.ARCHITECTURES[arch], derived=gguf_arch._hybrid_derived(reorder=False))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(gguf_arch.ARCHITECTURES, arch, untiled)
+            wrong = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=open_checkpoint(path),
+                               progress=False).model.forward_logits(ids)
+        assert ((wrong - want).norm() / want.norm()).item() > 1e-2
