@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radiance.errors import ConfigError
-from radiance.kernels._triton.gated_delta import conv_update, recurrent_step
+from radiance.kernels._triton import gated_delta as decode_kernels
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen, gated_rms_norm
 from radiance.layers.linear import UnloadedLinear
@@ -118,13 +118,13 @@ class GatedDeltaNet(nn.Module):
             state = torch.zeros(batch, la.num_value_heads, la.key_head_dim, la.value_head_dim, dtype=torch.float32,
                                 device=x.device)
             slots, q_lens, continues = torch.arange(batch, device=x.device), [lead[-1]] * batch, [False] * batch
-        # on CUDA a decode step takes the two Triton launches (no host data: CUDA graphs capture them; a graph's
-        # padding rows, slot -1, touch no state); the torch ops elsewhere
+        # on CUDA a decode step takes the Triton launches (no host data: CUDA graphs capture them; a graph's padding
+        # rows, slot -1, touch no state); the torch ops elsewhere
         decode = rows.is_cuda and meta is not None and meta.is_decode and self.recurrent_state is not None
         qkv, z, b, a = self.projections(rows)
         weight = self.conv1d.weight[:, 0]
         if decode:
-            mixed = conv_update(qkv, weight, conv_state, slots)
+            mixed = decode_kernels.conv_update(qkv, weight, conv_state, slots)
         else:
             mixed = causal_conv1d_varlen(qkv, weight, conv_state, slots, q_lens, continues)
         n = rows.shape[0]
@@ -132,13 +132,16 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(n, la.num_key_heads, la.key_head_dim)
         k = k.reshape(n, la.num_key_heads, la.key_head_dim)
         v = v.reshape(n, la.num_value_heads, la.value_head_dim)
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        if decode:
-            out = recurrent_step(q, k, v, g, torch.sigmoid(b), state, slots)
+        if decode:  # the gates, the state step and the gated norm: three launches
+            g, beta = decode_kernels.decay_and_beta(a, b, self.A_log, self.dt_bias)
+            out = decode_kernels.recurrent_step(q, k, v, g, beta, state, slots)
+            out = decode_kernels.gated_rms_norm(out.reshape(-1, la.value_head_dim), z.reshape(-1, la.value_head_dim),
+                                                self.norm.weight, self.norm.eps)
         else:
+            g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
             out = gated_delta_rule_varlen(q, k, v, g, torch.sigmoid(b), state, slots, q_lens, continues)
-        out = self.norm(out, z.reshape(n, la.num_value_heads, la.value_head_dim)).reshape(*lead, la.value_size)
-        return for_norm(self.out_proj, out)
+            out = self.norm(out, z.reshape(n, la.num_value_heads, la.value_head_dim))
+        return for_norm(self.out_proj, out.reshape(*lead, la.value_size))
 
     def projections(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q | k | v [N, conv_channels] as the conv reads them, z [N, value_size], b and a [N, value heads])."""

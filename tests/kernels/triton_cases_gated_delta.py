@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radiance.kernels._triton.gated_delta import conv_update, recurrent_step
+from radiance.kernels._triton.gated_delta import conv_update, decay_and_beta, gated_rms_norm, recurrent_step
 from radiance.layers.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
+from radiance.layers.gated_delta import gated_rms_norm as gated_rms_norm_reference
 
 SLOTS = 10
 DTYPES = [torch.float32, torch.bfloat16]
@@ -220,3 +221,36 @@ def test_wrappers_reject_what_they_cannot_update_in_place(device):
         conv_update(x, weight, conv_state, slots.float())
     with pytest.raises(ValueError, match="do not fit"):
         conv_update(x, weight[:, :3], conv_state, slots)
+
+
+@pytest.mark.parametrize("batch, heads", [(1, 32), (5, 4), (3, 48)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decay_and_beta_match_the_torch_ops(device, batch, heads, dtype):
+    """g = -exp(A_log) * softplus(a + dt_bias) (past softplus's threshold of 20 too) and beta = sigmoid(b) as
+    GatedDeltaNet computes them in torch (beta in float32 here: the reference's sigmoid rounds to the dtype)."""
+    gen = torch.Generator().manual_seed(batch * heads)
+    a = (torch.randn(batch, 2 * heads, generator=gen) * 8).to(device, dtype)[:, :heads]  # strided rows: a view
+    b = (torch.randn(batch, heads, generator=gen) * 4).to(device, dtype)
+    a[0, 0] = 30.0  # softplus(x) = x past 20
+    a_log = torch.randn(heads, generator=gen).to(device)
+    dt_bias = torch.randn(heads, generator=gen).to(device)
+    g, beta = decay_and_beta(a, b, a_log, dt_bias)
+    torch.testing.assert_close(g, -a_log.exp() * F.softplus(a.float() + dt_bias), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(beta, torch.sigmoid(b.float()), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 128), (7, 64), (12, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gated_rms_norm_matches_the_reference(device, rows, dim, dtype):
+    """The gated norm's roundings as the torch reference (transformers' Qwen3_5RMSNormGated) makes them."""
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(device, dtype)
+    gate = (torch.randn(rows, dim, generator=gen) * 2).to(device, dtype)
+    weight = (1 + 0.3 * torch.randn(dim, generator=gen)).to(device, dtype)
+    want = gated_rms_norm_reference(x, gate, weight, 1e-6)
+    got = gated_rms_norm(x, gate, weight, 1e-6)
+    torch.testing.assert_close(got, want, **(dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else
+                                             dict(rtol=2e-2, atol=2e-2)))
+    if dtype != torch.float32:  # a few 16-bit ulps at most: the same roundings in the same places (a norm that
+        # lands on the other side of a rounding boundary moves the product by an ulp or two)
+        assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -6

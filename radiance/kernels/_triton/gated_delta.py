@@ -107,6 +107,74 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return out
 
 
+def decay_and_beta(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's per-head gates of a step in one launch: a, b [B, Hv] (the in_proj_a / in_proj_b outputs,
+    rows may be strided), a_log, dt_bias [Hv] float32 -> (g = -exp(a_log) * softplus(a + dt_bias), beta =
+    sigmoid(b)), both float32 [B, Hv]; softplus as torch's (x itself above 20). Was six torch launches a layer."""
+    if a.dim() != 2 or b.shape != a.shape or a_log.shape != (a.shape[1],) or dt_bias.shape != (a.shape[1],):
+        raise ValueError(f"decay_and_beta expects a, b [B, Hv] and a_log, dt_bias [Hv]; got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}, {tuple(a_log.shape)}, {tuple(dt_bias.shape)}")
+    if a.stride(1) != 1 or b.stride(1) != 1 or not a_log.is_contiguous() or not dt_bias.is_contiguous():
+        raise ValueError("decay_and_beta: the heads of a, b, a_log and dt_bias must be contiguous")
+    B, H = a.shape
+    g = torch.empty((B, H), dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if B:
+        block = _next_pow2(H)
+        decay_beta_kernel[(B,)](a, b, a_log, dt_bias, g, beta, H, a.stride(0), b.stride(0), BLOCK=block,
+                                num_warps=max(1, min(4, block // 128)))
+    return g, beta
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers.gated_delta.gated_rms_norm in one launch: rows x, gate [N, D] (contiguous rows), weight [D] -> x
+    RMS-normalized in float32, rounded to x's dtype, times weight (rounded again: transformers' `weight *
+    normed.to(dtype)`), times silu(gate) in float32, in x's dtype. Was about eight torch launches a layer."""
+    if x.dim() != 2 or gate.shape != x.shape or weight.shape != (x.shape[1],):
+        raise ValueError(f"gated_rms_norm expects x, gate [N, D] and weight [D]; got {tuple(x.shape)}, "
+                         f"{tuple(gate.shape)}, {tuple(weight.shape)}")
+    if not (x.is_contiguous() and gate.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("gated_rms_norm: x, gate and weight must be contiguous")
+    N, D = x.shape
+    out = torch.empty_like(x)
+    if N:
+        block = _next_pow2(D)
+        gated_rms_norm_kernel[(N,)](x, gate, weight, out, D, float(eps), BLOCK=block,
+                                    num_warps=max(1, min(4, block // 128)))
+    return out
+
+
+@triton.jit
+def decay_beta_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, H, stride_a, stride_b,
+                      BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK)
+    live = h < H
+    x = tl.load(a_ptr + row * stride_a + h, mask=live, other=0.0).to(tl.float32) \
+        + tl.load(dt_bias_ptr + h, mask=live, other=0.0)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(a_log_ptr + h, mask=live, other=0.0)) * softplus
+    b = tl.load(b_ptr + row * stride_b + h, mask=live, other=0.0).to(tl.float32)
+    tl.store(g_ptr + row * H + h, g, mask=live)
+    tl.store(beta_ptr + row * H + h, tl.sigmoid(b), mask=live)
+
+
+@triton.jit
+def gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    live = d < D
+    x = tl.load(x_ptr + row * D + d, mask=live, other=0.0)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)).to(x.dtype)
+    w = tl.load(w_ptr + d, mask=live, other=0.0)
+    scaled = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)  # the weight product, rounded as torch rounds it
+    z = tl.load(gate_ptr + row * D + d, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + d, (scaled.to(tl.float32) * z * tl.sigmoid(z)).to(out_ptr.dtype.element_ty),
+             mask=live)
+
+
 @triton.jit
 def conv_update_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, C, stride_xb, stride_wc, stride_wk,
                        stride_ss, stride_sc, stride_sk, K: tl.constexpr, BLOCK_C: tl.constexpr):
