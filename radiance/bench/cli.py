@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -196,8 +197,8 @@ def run_serve(args) -> int:
         plot_serve_results(args.plot, earlier + [result])
     if result.get("interrupted"):
         return 130
-    failed = sum(lv["failed"] for lv in result["levels"])
-    return 1 if failed and not any(lv["ok"] for lv in result["levels"]) else 0
+    # a level none of whose requests succeeded: the server is down or refuses them (a script checks the exit code)
+    return 1 if any(lv["failed"] and not lv["ok"] for lv in result["levels"]) else 0
 
 
 def _result_path(args, opts: ServeBenchOptions) -> str | None:
@@ -325,8 +326,9 @@ def _add_eval_mode(sub, mode: str) -> None:
     defaults = _eval_defaults(mode)
     p.add_argument("--quantization", action=_Typed, choices=("none", "mxfp4", "nvfp4"),
                    default=defaults["quantization"],
-                   help="nvfp4: quantize to NVFP4, then serve as the engine would (requantized with --rule) "
-                        f"(default: {defaults['quantization']})")
+                   help="none: the checkpoint as stored, 16-bit (a quantized one dequantized; kl's reference); "
+                        "mxfp4: every linear to MXFP4 with --rule; nvfp4: quantize to NVFP4, then serve as the "
+                        f"engine would (requantized with --rule) (default: {defaults['quantization']})")
     p.add_argument("--rule", action=_Typed, choices=MODEL_RULES, default=defaults["rule"],
                    help="block-exponent rule of the conversion to MXFP4; none (with nvfp4): NVFP4 as W4A16 (default: mse)")
     p.add_argument("--activations", action=_Typed, choices=("fp8", "bf16"), default=defaults["activations"],
@@ -394,9 +396,11 @@ def run_eval_command(args) -> int:
     with errors_in_flag_words({}, fields=("chunk_len", "first_chunk")), shared_checkpoints():
         result = quality.run_eval(req, partial(load_eval_model, progress=progress), progress=progress,
                                   tokenizer_loader=quality.load_eval_tokenizer)
+    if result.get("interrupted"):  # Ctrl-C: the chunks scored so far, then the usual exit status
+        print(f"interrupted (Ctrl-C) after {result['chunks']} chunk(s)", file=sys.stderr)
     if args.json:
         print(to_json(result))
-        return 0
+        return 130 if result.get("interrupted") else 0
     chunks = f"{result['chunks']} chunk" + ("s" if result["chunks"] != 1 else "")
     print(f"{result['model']}: {chunks} of {result['chunk_len']} tokens "
           f"({result['tokens']} scored) from {result['text']}, {result['seconds']:.0f} s")
@@ -409,7 +413,7 @@ def run_eval_command(args) -> int:
         print(format_table(headers, rows, digits=(0, 4, 5, 4, 4)))
     else:
         print(format_table(("configuration", "ppl"), [(r["label"], r["ppl"]) for r in result["results"]], (0, 4)))
-    return 0
+    return 130 if result.get("interrupted") else 0
 
 
 # ------------------------------------------------------------------------------ registration

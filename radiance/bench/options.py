@@ -79,9 +79,9 @@ def add_kernels_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_engine_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("model_arg", nargs="?", metavar="MODEL",
                    help="synthetic:llama-3.1-8b (default), synthetic:qwen3-8b, synthetic:qwen3-32b, "
-                        "synthetic:gemma-3-12b, synthetic:gemma-3-27b, "
-                        "synthetic:qwen3-30b-a3b, synthetic:gpt-oss-20b, synthetic:glm-4.5-air or "
-                        "synthetic:llama-4-scout-17b-16e (mixtures of experts)")
+                        "synthetic:gemma-3-12b, synthetic:gemma-3-27b, synthetic:qwen3.5-9b (hybrid linear "
+                        "attention), synthetic:qwen3-30b-a3b, synthetic:gpt-oss-20b, synthetic:glm-4.5-air, "
+                        "synthetic:qwen3-next-80b-a3b or synthetic:llama-4-scout-17b-16e (mixtures of experts)")
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the positional's older spelling
     p.add_argument("--quantization", "--variants", dest="variants", nargs="+", default=["none", "mxfp4"],
                    help="quantization options to compare side by side (none = bf16; mxfp4; nvfp4; a '+head' "

@@ -298,17 +298,32 @@ def evaluate(chunks: torch.Tensor, models: dict[str, LogitsModel], reference: Lo
     accs = {name: _Accumulator() for name in models}
     ref_acc = _Accumulator() if reference is not None else None
     bar = tqdm(chunks, desc="eval", unit="chunk", disable=not progress, leave=False)
-    for window in bar:
-        targets = window[1:]
-        ref_logits = _scored_logits(reference, window, device) if reference is not None else None
-        if ref_acc is not None:
-            ref_acc.add(ref_logits, targets, None)
-        for name, model in models.items():
-            accs[name].add(_scored_logits(model, window, device), targets, ref_logits)
-        # running numbers of the first model, so a long run shows where it is heading
-        first = next(iter(accs.values()))
-        bar.set_postfix(ppl=f"{metrics.perplexity(first.nll, first.tokens):.3f}",
-                        **({"kl": f"{torch.cat(first.kl_values).double().mean().item():.4f}"} if first.kl_values else {}))
+    scored = 0
+    try:
+        for window in bar:
+            targets = window[1:]
+            # every model's logits of the chunk first, then the sums: a Ctrl-C leaves whole chunks counted
+            ref_logits = _scored_logits(reference, window, device) if reference is not None else None
+            logits = {name: _scored_logits(model, window, device) for name, model in models.items()}
+            if ref_acc is not None:
+                ref_acc.add(ref_logits, targets, None)
+            for name, acc in accs.items():
+                acc.add(logits[name], targets, ref_logits)
+            scored += 1
+            # running numbers of the first model, so a long run shows where it is heading
+            first = next(iter(accs.values()))
+            bar.set_postfix(ppl=f"{metrics.perplexity(first.nll, first.tokens):.3f}",
+                            **({"kl": f"{torch.cat(first.kl_values).double().mean().item():.4f}"}
+                               if first.kl_values else {}))
+    except KeyboardInterrupt:
+        if not scored:
+            raise
+        bar.close()
+        return {**_results(accs, ref_acc), "interrupted_after": scored}
+    return _results(accs, ref_acc)
+
+
+def _results(accs: dict[str, _Accumulator], ref_acc: _Accumulator | None) -> dict:
     out = {name: acc.result() for name, acc in accs.items()}
     if ref_acc is not None:
         out["reference"] = ref_acc.result()
@@ -367,13 +382,16 @@ def run_eval(req: EvalRequest, loader, progress: bool = True, tokenizer_loader=N
         stored = getattr(models[variant.label], "stored_formats", None)  # loading.load_eval_model's
         row = {**variant.applied(), "label": variant.label_in(dtype, stored), **scores[variant.label]}
         results.append(row)
+    scored = scores.get("interrupted_after", int(chunks.shape[0]))  # Ctrl-C: the whole chunks scored before it
     out = {"mode": req.mode, "model": req.model or "embedded SmolLM2", "text": req.text,
-           "chunks": int(chunks.shape[0]), "first_chunk": req.first_chunk, "chunk_len": req.chunk_len, "tokens": results[0]["tokens"],
+           "chunks": scored, "first_chunk": req.first_chunk, "chunk_len": req.chunk_len, "tokens": results[0]["tokens"],
            "dtype": dtype, "device": str(device), "seconds": time.perf_counter() - start, "results": results}
     if "reference" in scores:
         out["reference_ppl"] = scores["reference"]["ppl"]
         # the reference is the checkpoint served unquantized: a 4-bit one's values dequantized, not a 16-bit model
         out["reference_label"] = Variant("none").label_in(dtype, getattr(reference, "stored_formats", None))
+    if "interrupted_after" in scores:
+        out["interrupted"] = True
     # the first variant's numbers at the top level: `--json | jq .ppl` works for the single case
     out.update({k: results[0][k] for k in ("ppl", "kl", "kl_p99", "top1_agreement") if k in results[0]})
     return out

@@ -140,3 +140,27 @@ def test_bench_serve_flags_default_to_the_options_dataclass(monkeypatch):
     for field in dataclasses.fields(serve_bench.ServeBenchOptions):
         if field.name not in ("url", "progress"):
             assert getattr(given, field.name) == field.default, field.name
+
+
+@pytest.mark.parametrize("levels, code", [
+    ([{"ok": 4, "failed": 0}, {"ok": 4, "failed": 0}], 0),
+    ([{"ok": 3, "failed": 1}, {"ok": 4, "failed": 0}], 0),  # a failed request among successes: reported, not fatal
+    ([{"ok": 1, "failed": 3}, {"ok": 0, "failed": 4}], 1),  # the server died during the run: a whole level failed
+])
+def test_bench_serve_exits_1_when_a_whole_level_failed(monkeypatch, levels, code):
+    from radiance.bench import cli as bench_cli
+    from radiance.bench import serve_bench
+
+    monkeypatch.setattr(serve_bench, "run_serve_bench", lambda opts: {"levels": levels, "model": "m"})
+    monkeypatch.setattr(serve_bench, "serve_table", lambda result: "")
+    args = build_parser().parse_args(["bench", "serve", "--url", "http://127.0.0.1:1"])
+    assert bench_cli.run_serve(args) == code
+
+
+def test_bench_engine_help_lists_every_synthetic_model(capsys):
+    from radiance.bench.synthetic import SYNTHETIC_CONFIGS
+
+    with pytest.raises(SystemExit):
+        main(["bench", "engine", "--help"])
+    help_text = "".join(capsys.readouterr().out.split())
+    assert all(f"synthetic:{name}" in help_text for name in SYNTHETIC_CONFIGS)

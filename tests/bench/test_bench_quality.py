@@ -228,3 +228,33 @@ def test_a_variant_past_float_range_reports_inf_perplexity():
     from radiance.bench.report import to_json
 
     assert json.loads(to_json(out))["broken"]["ppl"] is None
+
+
+class InterruptedAt(BigramModel):
+    """A bigram model whose forward on the `at`-th chunk (0-based) is cut short by Ctrl-C."""
+
+    def __init__(self, table: torch.Tensor, at: int):
+        super().__init__(table)
+        self.calls, self.at = 0, at
+
+    def forward_logits(self, input_ids):
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            raise KeyboardInterrupt
+        return super().forward_logits(input_ids)
+
+
+def test_ctrl_c_keeps_the_whole_chunks_scored_before_it():
+    """Ctrl-C during the third chunk's model forward: the first two chunks' numbers (the reference's too: it had
+    scored the third chunk already, which is not counted), marked interrupted; during the first, nothing to report."""
+    v = 6
+    gen = torch.Generator().manual_seed(0)
+    chunks = torch.randint(0, v, (5, 9), generator=gen)
+    table, ref_table = torch.randn(v, v, generator=gen), torch.randn(v, v, generator=gen)
+    out = quality.evaluate(chunks, {"m": InterruptedAt(table, at=2)}, reference=BigramModel(ref_table),
+                           progress=False)
+    whole = quality.evaluate(chunks[:2], {"m": BigramModel(table)}, reference=BigramModel(ref_table), progress=False)
+    assert out["interrupted_after"] == 2
+    assert out["m"] == whole["m"] and out["reference"] == whole["reference"]
+    with pytest.raises(KeyboardInterrupt):
+        quality.evaluate(chunks, {"m": InterruptedAt(table, at=0)}, progress=False)
