@@ -391,3 +391,45 @@ def test_a_llama_cpp_gguf_serves_transformers_logits(tmp_path, model, arch):
             wrong = load_model(ModelConfig(device="cpu", dtype="float32"), checkpoint=open_checkpoint(path),
                                progress=False).model.forward_logits(ids)
         assert ((wrong - want).norm() / want.norm()).item() > 1e-2
+
+
+def test_an_nvfp4_qwen3_next_checkpoint_serves_its_values(tiny_model_dir, tmp_path):
+    """A compressed-tensors NVFP4 Qwen3-Next (every linear but lm_head and the linear attention's small in_proj_ba,
+    as exports leave them 16-bit): its linear-attention projections read as NVFP4; served 16-bit
+    (quantization none) it gives, bit for bit, the logits of a dense checkpoint holding the dequantized values; served
+    on MXFP4 (the default) it loads every quantized linear there."""
+    from radiance.formats import Nvfp4Weight, dequantize
+    from tests.checkpoint.factory import CT_NVFP4_CONFIG, ct_nvfp4_tensors
+
+    path, _hf = tiny_model_dir("qwen3_next")
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = {k: v for k, v in json.load(f).items() if k != "quantization_config"}
+    # (the tiny shared expert's down_proj, K = 48, stays 16-bit too: MXFP4 blocks need K a multiple of 32)
+    modules = [n[:-len(".weight")] for n in sd if n.endswith(("_proj.weight", "in_proj_qkvz.weight"))
+               and "in_proj_ba" not in n and "shared_expert.down_proj" not in n]
+    quantized = ct_nvfp4_tensors(sd, modules)
+    nvfp4 = str(tmp_path / "nvfp4")
+    os.makedirs(nvfp4)
+    save_file(quantized, os.path.join(nvfp4, "model.safetensors"))
+    with open(os.path.join(nvfp4, "config.json"), "w") as f:
+        json.dump(dict(config, quantization_config=dict(CT_NVFP4_CONFIG, ignore=[
+            "lm_head", "re:.*in_proj_ba", "re:.*shared_expert.down_proj"])), f)
+    ckpt = open_checkpoint(nvfp4)
+    weights = dict(ckpt.iter_weights(progress=False))
+    assert isinstance(weights["model.layers.0.linear_attn.in_proj_qkvz"], Nvfp4Weight)
+    assert not isinstance(weights["model.layers.0.linear_attn.in_proj_ba"], Nvfp4Weight)
+    dense = dict(sd)
+    for m in modules:
+        parts = {k.rpartition(".")[2]: v for k, v in quantized.items() if k.rpartition(".")[0] == m}
+        dense[f"{m}.weight"] = dequantize(Nvfp4Weight(parts["weight_packed"], parts["weight_scale"],
+                                                      parts["weight_global_scale"])).to(sd[f"{m}.weight"].dtype)
+    _rewrite(path, str(tmp_path / "dense"), lambda n: n)
+    save_file(dense, os.path.join(str(tmp_path / "dense"), "model.safetensors"))
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(9))
+    assert torch.equal(_forward(nvfp4, ids, quantization="none"), _forward(str(tmp_path / "dense"), ids))
+    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16"), checkpoint=open_checkpoint(nvfp4), progress=False)
+    summary = "\n".join(loaded.summary)
+    # 3 x in_proj_ba, 3 shared down_proj 16-bit; the rest requantized, the linear attention's 3 x (qkvz + out) too
+    assert "linears: 6 dense, 61 mxfp4" in summary and "in_proj_qkvz 3, out_proj 3" in summary
+    assert torch.isfinite(loaded.model.forward_logits(ids)).all()
