@@ -3,9 +3,9 @@
 running sequence (vLLM's mamba cache). A sequence takes a slot with its first KV blocks and gives it back with them
 (finished, aborted or preempted: a preempted sequence recomputes from its tokens, so from a fresh state).
 
-A state holds the whole prefix in a few hundred KB per layer and cannot be rewound or shared: the engine serves such
-models without prefix caching, speculative decoding or decode steps queued ahead (one discarded after it ran would
-have advanced the states). The decode graphs carry each sequence's slot (step_graphs.DecodeGraphs; a padding row's
+A state holds the whole prefix in a fixed size (2 MiB a layer for Qwen3.5-9B) and cannot be rewound or shared: the
+engine serves such models without prefix caching, speculative decoding or decode steps queued ahead (one discarded
+after it ran would have advanced the states). The decode graphs carry each sequence's slot (step_graphs.DecodeGraphs; a padding row's
 slot -1 touches no state); the prefill and piecewise graphs, whose steps would need each sequence's "starts here"
 flag, are off (`serving_config`)."""
 
