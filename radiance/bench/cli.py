@@ -48,7 +48,10 @@ def _positive_float(text: str) -> float:
 
 
 def _chunk_len(text: str) -> int:
-    value = non_negative_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count of at least 2, got {text!r}") from None
     if value < 2:
         raise argparse.ArgumentTypeError(f"expected at least 2 tokens (one predicts the next), got {value}")
     return value

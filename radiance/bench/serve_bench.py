@@ -209,7 +209,8 @@ def summarize_level(concurrency: int, results: list[RequestResult], duration_s: 
         text_tokens=sum(r.output_tokens for r in by_text),
         text_chunks=sum(len(r.stream.chunk_times) for r in by_text),
         interrupted=interrupted,
-        tpot_ms=summary([r.tpot_s * 1e3 for r in good if r.output_tokens > 1]),  # vLLM leaves one-token answers out
+        # vLLM leaves one-token answers out, and reports 0 where none is left (its `tpots or 0`)
+        tpot_ms=summary([r.tpot_s * 1e3 for r in good if r.output_tokens > 1] or ([0.0] if good else [])),
         input_tokens=sum(prompt_counts),
         total_tok_s=metrics.tokens_per_second(sum(prompt_counts) + out_tokens, duration_s),
         peak_output_tok_s=metrics.peak_output_tokens_per_second(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import random
 import time
 
@@ -381,3 +382,14 @@ def test_sharegpt_output_len_still_applies_vllm_s_length_filter(monkeypatch, tmp
         serve_bench.run_serve_bench(dataclasses.replace(opts, progress=False))
         assert sent == [("a question of six words", 1100)] * 2  # the one conversation vLLM keeps, twice
         assert opts.sharegpt_filter
+
+
+def test_one_token_answers_report_a_tpot_of_zero_as_vllm_does():
+    """vLLM leaves one-token answers out of TPOT and reports 0 when none is left (`np.mean(tpots or 0)`), not NaN;
+    a level whose requests all failed has no TPOT at all."""
+    one = RequestResult(ok=True, start_s=0.0, ttft_s=0.1, e2e_s=0.1, output_tokens=1, requested_tokens=1)
+    v = serve_bench.vllm_metrics(serve_bench.summarize_level(1, [one, one], 1.0).as_dict())
+    assert v["mean_tpot_ms"] == 0.0 and v["p99_tpot_ms"] == 0.0
+    assert "Mean TPOT (ms):                          0.00" in serve_bench.vllm_summary(v, ("tpot",), (99.0,))
+    failed = serve_bench.summarize_level(1, [RequestResult(ok=False, error="HTTP 500", start_s=0.0)], 1.0).as_dict()
+    assert math.isnan(serve_bench.vllm_metrics(failed)["mean_tpot_ms"])

@@ -78,6 +78,8 @@ def test_eval_dtype_takes_vllms_names_and_names_them_on_a_typo(capsys):
     (["--chunks", "0"], "argument --chunks: expected a positive integer, got 0"),
     (["--chunks", "-1"], "argument --chunks: expected a positive integer, got -1"),
     (["--chunk-len", "1"], "argument --chunk-len: expected at least 2 tokens (one predicts the next), got 1"),
+    (["--chunk-len", "-5"], "argument --chunk-len: expected at least 2 tokens (one predicts the next), got -5"),
+    (["--chunk-len", "x"], "argument --chunk-len: expected a token count of at least 2, got 'x'"),
     (["--first-chunk", "-1"], "argument --first-chunk: expected a non-negative integer, got -1"),
 ])
 def test_eval_refuses_counts_out_of_range_as_it_reads_them(capsys, flags, error):
