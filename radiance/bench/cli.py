@@ -387,9 +387,9 @@ def run_eval_command(args) -> int:
         variant = quality.Variant(args.quantization, args.rule, args.activations)
         typed = getattr(args, "typed", ())
         unused = variant.unused_parts(rule_given="rule" in typed, activations_given="activations" in typed)
-        if unused:
-            raise ConfigError(f"--quantization {args.quantization} --rule {args.rule} --activations "
-                              f"{args.activations}: {unused}")
+        if unused:  # the flags as the user typed them (a default they never wrote is not quoted back)
+            given = " ".join(f"--{flag} {getattr(args, flag)}" for flag in ("rule", "activations") if flag in typed)
+            raise ConfigError(f"--quantization {args.quantization} {given}: {unused}")
         variants = (variant,)
     req = quality.EvalRequest(args.eval_mode, args.model, variants, args.text, args.chunks, args.chunk_len,
                               args.device, args.dtype, args.first_chunk)

@@ -119,6 +119,7 @@ def test_eval_of_the_16_bit_model_refuses_a_rule_or_activations(flags, tmp_path,
     assert main(["eval", "ppl", "--text", str(text), *flags]) == 2
     err = capsys.readouterr().err
     assert "the 16-bit model (none) has no block-exponent rule" in err and len(err.strip().splitlines()) == 1
+    assert f"--quantization none {' '.join(flags)}:" in err  # only what was typed (no default --rule mse quoted)
 
 
 def test_run_eval_end_to_end_with_a_fake_loader(tmp_path):
