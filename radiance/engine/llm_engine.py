@@ -24,7 +24,7 @@ from radiance.engine.sampling_params import SamplingParams, generator_seed, toke
 from radiance.engine.scheduler import ScheduledSequence, Scheduler
 from radiance.engine.sequence import Sequence, SequenceStatus
 from radiance.engine.speculation import NgramSpeculator
-from radiance.engine.state_cache import bytes_per_slot, has_recurrent_state, serving_config
+from radiance.engine.state_cache import has_recurrent_state, serving_config
 from radiance.engine.structured_output import GrammarBackend, StructuredOutput, StructuredOutputError
 from radiance.layers.sampler import BadWords
 from radiance.lora import LoraManager, LoRARequest
@@ -100,8 +100,8 @@ class LLMEngine:
             self.load_summary[-1] += "; " + layout.describe()
         slots = self.runner.state_slots
         if slots is not None:
-            per_slot = bytes_per_slot(self.model, self.dtype)
-            self.load_summary[-1] += (f"; linear-attention states: {slots.count} slots x {per_slot / 2**20:.2f} MiB "
+            self.load_summary[-1] += (f"; linear-attention states: {slots.count} slots x "
+                                      f"{slots.slot_bytes / 2**20:.2f} MiB "
                                       f"({len(self.model.linear_attention_layers())} layers)")
         logger.info(self.load_summary[-1])
         if self.lora is not None:

@@ -31,9 +31,10 @@ class StateSlots:
     handed out (`reset`): the CUDA decode kernels continue whatever state a slot holds, and a sequence may start in a
     one-token step (a one-token prompt, or a chunk of one beside decodes)."""
 
-    def __init__(self, count: int, reset=lambda slot: None):
+    def __init__(self, count: int, reset=lambda slot: None, slot_bytes: int = 0):
         self.count = count
         self.reset = reset
+        self.slot_bytes = slot_bytes  # one sequence's states over every layer (bytes_per_slot)
         self._free = list(range(count - 1, -1, -1))  # popped from the end: slot 0 first
 
     @property
@@ -69,7 +70,8 @@ def allocate_state_cache(model, slots: int, device: torch.device, dtype: torch.d
         layer.conv_state = torch.zeros(slots, la.conv_channels, la.conv_kernel - 1, dtype=dtype, device=device)
         layer.recurrent_state = torch.zeros(slots, la.num_value_heads, la.key_head_dim, la.value_head_dim,
                                             dtype=torch.float32, device=device)
-    return StateSlots(slots, functools.partial(_zero_slot, model.linear_attention_layers()))
+    return StateSlots(slots, functools.partial(_zero_slot, model.linear_attention_layers()),
+                      bytes_per_slot(model, dtype))
 
 
 def _zero_slot(layers, slot: int) -> None:
