@@ -96,10 +96,11 @@ glm-engine)
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 16 64 --no-hf --json "$OUT/engine-glm.json"
     ;;
 hybrid-qwen)
-    step 150 gd-cases python3 -m pytest -q -x tests/kernels/triton_cases_gated_delta.py
+    step 150 gd-cases python3 -m pytest -q -x tests/kernels/triton_cases_gated_delta.py \
+        tests/kernels/triton_cases_gated_delta_prefill.py
     step 150 gd-engine python3 -m pytest -q -m gpu tests/engine/test_gpu_engine.py -k qwen3_5
     step 240 engine-qwen35 python3 -m radiance.bench.engine_bench synthetic:qwen3.5-9b --quantization none mxfp4 \
-        --contexts 128 8192 --prefills 1024 --concurrency 1 16 --no-hf --json "$OUT/engine-qwen35.json"
+        --contexts 128 8192 --prefills 1024 8192 --concurrency 1 16 --no-hf --json "$OUT/engine-qwen35.json"
     ;;
 *)
     echo "usage: bash tools/device_session.sh [quick|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine|hybrid-qwen]" >&2

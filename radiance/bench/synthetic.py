@@ -290,14 +290,11 @@ class SyntheticCheckpoint(Checkpoint):
 
         la, pre = linear_attention_config(self.config), pre + "linear_attn."
         heads = la.num_value_heads
-        if self.config.get("model_type") == "qwen3_next":
-            qkvz, ba = la.conv_channels + la.value_size, 2 * heads
-            projections = [(pre + "in_proj_qkvz", (qkvz, hidden), (qkvz,)), (pre + "in_proj_ba", (ba, hidden), (ba,))]
-        else:
-            projections = [(pre + "in_proj_qkv", (la.conv_channels, hidden), (la.conv_channels,)),
-                           (pre + "in_proj_z", (la.value_size, hidden), (la.value_size,)),
-                           (pre + "in_proj_b", (heads, hidden), (heads,)),
-                           (pre + "in_proj_a", (heads, hidden), (heads,))]
+        qkvz, ba = la.conv_channels + la.value_size, 2 * heads
+        # as served: Qwen3.5's in_proj_qkv | in_proj_z and in_proj_b | in_proj_a merged (names.LINEAR_ATTENTION_MERGES)
+        qkvz_parts, ba_parts = (((qkvz,), (ba,)) if self.config.get("model_type") == "qwen3_next"
+                                else ((la.conv_channels, la.value_size), (heads, heads)))
+        projections = [(pre + "in_proj_qkvz", (qkvz, hidden), qkvz_parts), (pre + "in_proj_ba", (ba, hidden), ba_parts)]
         return [(pre.removesuffix("linear_attn.") + "input_layernorm.weight", (hidden,), None), *projections,
                 (pre + "conv1d.weight", (la.conv_channels, 1, la.conv_kernel), None),
                 (pre + "dt_bias", (heads,), None), (pre + "A_log", (heads,), None),

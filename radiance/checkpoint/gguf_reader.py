@@ -372,8 +372,8 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
     def describe(self) -> list[EntryInfo]:
         out = []
         for canonical, parts in self._plan().items():
-            if isinstance(parts[0], DerivedTensor):
-                out.append(self._describe_derived(canonical, parts[0]))
+            if any(isinstance(ref, DerivedTensor) for ref in parts.values()):
+                out.append(self._describe_derived(canonical, [parts[i] for i in sorted(parts)]))
                 continue
             infos = [self._part(parts[i]) for i in sorted(parts)]
             rows = [int(shape[-1]) if len(shape) > 1 else int(shape[0]) for _, _, _, shape in infos]
@@ -390,13 +390,23 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
                                  "/".join(kinds)))
         return out
 
-    def _describe_derived(self, canonical: str, ref: DerivedTensor) -> EntryInfo:
-        """A derived entry as describe() lists it: its shape from the transform run on a shapeless (meta) tensor."""
-        t = self.tensors[ref.name]
-        shape = tuple(ref.transform(torch.empty(tuple(int(d) for d in reversed(t.shape)), device="meta")).shape)
-        is_linear = not canonical.endswith(_PLAIN_LEAVES)
-        return EntryInfo(canonical, is_linear, "dense" if is_linear else "float32", shape,
-                         (shape[0],) if is_linear else (), int(t.data.nbytes), t.tensor_type.name)
+    def _describe_derived(self, canonical: str, refs: list) -> EntryInfo:
+        """An entry with a derived part as describe() lists it: each derived part's shape from its transform run on
+        a shapeless (meta) tensor; a linear of several parts (Qwen3.5's in_proj_qkvz) 16-bit, as it is read."""
+        shapes, kinds, stored = [], set(), {}
+        for ref in refs:
+            name, t, data, fastest_first = self._part(ref_name(ref))
+            shape = tuple(int(d) for d in reversed(fastest_first))
+            if isinstance(ref, DerivedTensor):
+                shape = tuple(ref.transform(torch.empty(shape, device="meta")).shape)
+            shapes.append(shape)
+            kinds.add(t.tensor_type.name)
+            stored[name] = int(data.nbytes)  # qwen3next's ssm_ba gives both parts of in_proj_ba: counted once
+        kind, n_bytes = "/".join(sorted(kinds)), sum(stored.values())
+        if canonical.endswith(_PLAIN_LEAVES):
+            return EntryInfo(canonical, False, "float32", shapes[0], (), n_bytes, kind)
+        rows = tuple(shape[0] for shape in shapes)
+        return EntryInfo(canonical, True, "dense", (sum(rows), *shapes[0][1:]), rows, n_bytes, kind)
 
     def _part(self, ref: str | tuple[str, int]):
         """(GGUF name, its tensor, this part's data, this part's shape fastest dimension first): a whole tensor, or
@@ -417,8 +427,10 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
         return w
 
     def _linear(self, ref: str | tuple[str, int]):
-        """One linear's weight (a tensor, or one expert of a stacked one): Int4Weight for Q4_0 / Q4_1 / Q4_K,
-        otherwise DenseWeight of the float32 values."""
+        """One linear's weight (a tensor, one expert of a stacked one, or a derived part): Int4Weight for Q4_0 /
+        Q4_1 / Q4_K, otherwise DenseWeight of the float32 values."""
+        if isinstance(ref, DerivedTensor):
+            return DenseWeight(ref.transform(self._dequantize(ref.name)))
         gguf_name, t, data, shape = self._part(ref)
         if t.tensor_type.name == "MXFP4" and len(shape) == 2:  # gpt-oss's experts: served as they are
             return mxfp4_from_blocks(data, int(shape[1]), int(shape[0]))
@@ -455,10 +467,8 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             yield functools.partial(self._read_entry, canonical, parts)
 
     def _read_entry(self, canonical: str, parts: dict) -> Iterator[tuple[str, object]]:
-        if isinstance(parts[0], DerivedTensor):
-            ref = parts[0]
-            values = ref.transform(self._dequantize(ref.name))
-            yield canonical, values if canonical.endswith(_PLAIN_LEAVES) else DenseWeight(values)
+        if canonical.endswith(_PLAIN_LEAVES) and isinstance(parts[0], DerivedTensor):
+            yield canonical, parts[0].transform(self._dequantize(parts[0].name))
             return
         if canonical.endswith(_PLAIN_LEAVES):
             tensors = [self._dequantize(parts[i]) for i in sorted(parts)]

@@ -26,7 +26,7 @@ from radiance.checkpoint.layout import (FLOAT_DTYPES, check_linear, check_no_str
                                         required_tensors)
 from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, LINEAR_ATTENTION_LINEARS, QUANT_SUFFIXES,
                                        canonical_linear, is_linear_module, leaf, partition_modules, sort_key,
-                                       split_tensor_name)
+                                       split_tensor_name, stored_modules)
 from radiance.checkpoint.quant_config import parse_quantization_config
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.checkpoint.stacked_experts import find_stacked_experts, read_stacked_experts
@@ -297,8 +297,9 @@ class HfCheckpoint(Checkpoint):
         for i in range(layers):
             p = f"model.layers.{i}"
             if i in linear:
-                needed += [f"{p}.linear_attn.{name}"
-                           for name in LINEAR_ATTENTION_LINEARS[self.architecture] + _LINEAR_ATTN_TENSORS]
+                # Qwen3.5's four input projections are served as two linears (names.LINEAR_ATTENTION_MERGES)
+                needed += dict.fromkeys(canonical_linear(f"{p}.linear_attn.{name}")[0]
+                                        for name in LINEAR_ATTENTION_LINEARS[self.architecture] + _LINEAR_ATTN_TENSORS)
             else:
                 needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj"]
             needed += [f"{p}.{norm}.weight" for norm in _LAYER_NORMS.get(self.architecture, _LAYER_NORMS[None])]
@@ -319,7 +320,7 @@ class HfCheckpoint(Checkpoint):
             if name == "lm_head" and ("lm_head.weight" in have or "lm_head" in have):
                 continue
             if name not in have:
-                tensor = name if name.endswith(".weight") else f"{partition_modules(name)[0]}.weight"
+                tensor = name if name.endswith(".weight") else f"{stored_modules(name, self.architecture)[0]}.weight"
                 raise CheckpointError("tensor missing from the checkpoint", file=self.path, tensor=tensor)
 
     def _linear_attention_layers(self, layers: int) -> set[int]:
@@ -355,7 +356,7 @@ class HfCheckpoint(Checkpoint):
         for group in self._stacked.values():  # gpt-oss: every expert of a layer in the same few tensors
             if module.startswith(f"{group.prefix}."):
                 return group.tensor_names()
-        return [t for m in partition_modules(module) for t in self._module_tensors.get(m, ())]
+        return [t for m in dict.fromkeys((*partition_modules(module), module)) for t in self._module_tensors.get(m, ())]
 
     def describe(self) -> list[EntryInfo]:
         out = []

@@ -18,6 +18,17 @@ MERGES: dict[str, tuple[str, ...]] = {
 PARTITION_OF: dict[str, tuple[str, int]] = {
     proj: (merged, i) for merged, projs in MERGES.items() for i, proj in enumerate(projs)
 }
+# a Gated DeltaNet layer's four input projections served as two linears (as vLLM serves them): Qwen3.5 stores the
+# parts, Qwen3-Next the merged modules themselves (its rows grouped by key head). Pairs, not one linear of four:
+# quantized checkpoints keep the small b / a projections 16-bit while q / k / v / z are quantized, and the parts of
+# one linear share one format. Only under a `linear_attn` module.
+LINEAR_ATTENTION_MERGES: dict[str, tuple[str, ...]] = {
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
+}
+_LINEAR_ATTENTION_PARTITION_OF = {
+    proj: (merged, i) for merged, projs in LINEAR_ATTENTION_MERGES.items() for i, proj in enumerate(projs)
+}
 # projections that are linears but not merged
 SINGLE_LINEARS = ("o_proj", "down_proj")
 LINEAR_LEAVES = tuple(PARTITION_OF) + SINGLE_LINEARS + tuple(MERGES)
@@ -60,8 +71,9 @@ def is_linear_module(module: str) -> bool:
 def canonical_linear(module: str) -> tuple[str, int]:
     """Checkpoint projection -> (canonical module, partition index)."""
     parent, _, proj = module.rpartition(".")
-    if proj in PARTITION_OF:
-        merged, index = PARTITION_OF[proj]
+    partition_of = _LINEAR_ATTENTION_PARTITION_OF if parent.endswith(".linear_attn") else PARTITION_OF
+    if proj in partition_of:
+        merged, index = partition_of[proj]
         return f"{parent}.{merged}", index
     return module, 0
 
@@ -82,9 +94,18 @@ def canonical_tensor(name: str) -> tuple[str, int]:
 def partition_modules(canonical: str) -> tuple[str, ...]:
     """Canonical linear -> the checkpoint projections it is made of, in partition order."""
     parent, _, name = canonical.rpartition(".")
-    if name in MERGES:
-        return tuple(f"{parent}.{proj}" for proj in MERGES[name])
+    merges = LINEAR_ATTENTION_MERGES if parent.endswith(".linear_attn") else MERGES
+    if name in merges:
+        return tuple(f"{parent}.{proj}" for proj in merges[name])
     return (canonical,)
+
+
+def stored_modules(canonical: str, architecture: str | None) -> tuple[str, ...]:
+    """The checkpoint modules linear `canonical` is read from in `architecture`'s checkpoints: Qwen3-Next stores
+    its linear attention's merged projections whole, every other model the parts (partition_modules)."""
+    if leaf(canonical) in LINEAR_ATTENTION_LINEARS.get(architecture, ()):
+        return (canonical,)
+    return partition_modules(canonical)
 
 
 _EXPERT_RE = re.compile(r"\.(experts)\.\d+\.|\.(shared_expert)\.")

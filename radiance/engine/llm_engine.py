@@ -63,7 +63,9 @@ class LLMEngine:
         overlap = self.config.runner.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
         self.speculator = NgramSpeculator(self.config, self.scheduler, self.block_manager, self.max_model_len)
-        self.ahead = DecodeAhead(self.runner, self.scheduler, self.block_manager, self.speculator, self.max_model_len)
+        # a model with recurrent state: a step queued ahead must run as queued (state_cache's docstring)
+        self.ahead = DecodeAhead(self.runner, self.scheduler, self.block_manager, self.speculator, self.max_model_len,
+                                 pinned=has_recurrent_state(self.model))
         self._grammar_backend: GrammarBackend | None = None  # built on the first structured-output request
         self._grammar_lock = threading.Lock()  # the server compiles on its own thread (warm_grammar_backend)
         self.sequences: dict[str, Sequence] = {}
@@ -278,7 +280,7 @@ class LLMEngine:
         outputs = list(self._aborted)
         self._aborted.clear()
         self.speculator.propose()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(admit=self.ahead.admits())
         handle = self.ahead.take(scheduled)
         if not scheduled:
             return outputs

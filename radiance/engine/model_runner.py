@@ -261,6 +261,7 @@ class ModelRunner:
             if self.state_slots is not None:
                 meta.state_slots = self._to_device([s.seq.state_slot for s in scheduled], torch.int64)
                 meta.continues_state = [s.seq.num_computed_tokens > 0 for s in scheduled]
+                meta.continues_state_device = self._to_device(meta.continues_state, torch.int32)
             meta.other_groups = tuple(
                 dataclasses.replace(meta, slot_mapping=self._to_device(slots[g], torch.int64),
                                     block_tables=self._to_device(tables[g], torch.int32),

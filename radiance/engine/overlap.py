@@ -3,7 +3,9 @@ each advanced by its step-n token, taken from the device) is already queued. The
 asks for those sequences' decodes, or a subset of them (some finished); anything else (a new admission, a
 preemption) discards it. A discarded step only wrote K/V at each sequence's next slot, which the step that
 replaces it rewrites, or which belonged to a sequence that is gone; its partial block is never in the prefix
-cache."""
+cache. A model with recurrent state (Qwen3.5's linear attention) cannot discard one: it advanced the states. Its
+steps queued ahead are `pinned`: the next schedule admits nobody (the queued step holds every running sequence
+but those finishing, and their blocks for it), so it asks for the queued decodes or a subset."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from radiance.engine.speculation import NgramSpeculator
 
 class DecodeAhead:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, block_manager: BlockManager,
-                 speculator: NgramSpeculator, max_model_len: int):
+                 speculator: NgramSpeculator, max_model_len: int, pinned: bool = False):
         self.runner = runner
         self.scheduler = scheduler
         self.block_manager = block_manager
@@ -23,6 +25,11 @@ class DecodeAhead:
         self.max_model_len = max_model_len
         self.queued = None  # (the queued step's handle, each sequence's position in it)
         self.overlapped_steps = 0  # steps served by a step queued ahead
+        self.pinned = pinned  # a queued step is never discarded: the next schedule admits nobody
+
+    def admits(self) -> bool:
+        """Whether the next schedule may admit waiting requests (not while a pinned step is queued)."""
+        return not (self.pinned and self.queued is not None)
 
     def take(self, scheduled: list[ScheduledSequence]):
         """The queued step restricted to `scheduled` when it computes exactly these decodes, else None; the
@@ -36,6 +43,8 @@ class DecodeAhead:
         for s in scheduled:
             hit = row.get(id(s.seq))
             if s.num_new_tokens != 1 or hit is None or hit[1] != s.seq.num_computed_tokens:
+                if self.pinned:  # its sequences' states moved on a token this schedule does not compute
+                    raise RuntimeError("a decode step queued ahead of a model with recurrent state was discarded")
                 return None
             keep.append(hit[0])
         self.overlapped_steps += 1

@@ -132,7 +132,9 @@ class Scheduler:
                 refs[block] = refs.get(block, self.block_manager.ref_counts[block]) - 1
         return refs
 
-    def schedule(self) -> list[ScheduledSequence]:
+    def schedule(self, admit: bool = True) -> list[ScheduledSequence]:
+        """This step's sequences: the running ones (preempting from the back when blocks run out), then, with
+        `admit`, waiting ones while the token budget, max_num_seqs and the blocks allow."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         bm = self.block_manager
@@ -159,7 +161,7 @@ class Scheduler:
         # LoRA: a sequence whose adapter would exceed max_loras in this step waits (skipped, keeping its place)
         active = self.lora.step_adapters(self.running) if self.lora is not None else None
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if active is not None and not self.lora.admits(seq, active):
                 skipped.append(self.waiting.popleft())

@@ -4,10 +4,11 @@ running sequence (vLLM's mamba cache). A sequence takes a slot with its first KV
 (finished, aborted or preempted: a preempted sequence recomputes from its tokens, so from a fresh state).
 
 A state holds the whole prefix in a fixed size (2 MiB a layer for Qwen3.5-9B) and cannot be rewound or shared: the
-engine serves such models without prefix caching, speculative decoding or decode steps queued ahead (one discarded
-after it ran would have advanced the states). The decode graphs carry each sequence's slot (step_graphs.DecodeGraphs; a padding row's
-slot -1 touches no state); the prefill and piecewise graphs, whose steps would need each sequence's "starts here"
-flag, are off (`serving_config`)."""
+engine serves such models without prefix caching or speculative decoding, and a decode step queued ahead
+(overlap.DecodeAhead) is never discarded — one that ran would have advanced the states — so while one is queued the
+scheduler admits nobody (the engine's `pin_queued_steps`; a request waits one decode step longer). The decode graphs
+carry each sequence's slot (step_graphs.DecodeGraphs; a padding row's slot -1 touches no state); the prefill and
+piecewise graphs, whose steps would need each sequence's "starts here" flag, are off (`serving_config`)."""
 
 from __future__ import annotations
 
@@ -104,8 +105,8 @@ def slots_that_fit(config: EngineConfig, model, device: torch.device, dtype: tor
 
 def serving_config(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> EngineConfig:
     """`config` as a model with recurrent state is served: max_num_seqs within the states' share of memory
-    (slots_that_fit); prefix caching, n-gram speculation, overlapped decode and CUDA graphs off (see the module's
-    docstring), the ones that were on named in the log."""
+    (slots_that_fit); prefix caching, n-gram speculation and the prefill / piecewise CUDA graphs off (see the
+    module's docstring), the ones that were on named in the log."""
     off = []
     cache, runner, spec = config.cache, config.runner, config.speculative
     scheduler = dataclasses.replace(config.scheduler, max_num_seqs=slots_that_fit(config, model, device, dtype))
@@ -115,11 +116,9 @@ def serving_config(config: EngineConfig, model, device: torch.device, dtype: tor
     if spec.ngram_draft_tokens:
         off.append("n-gram speculative decoding")
         spec = dataclasses.replace(spec, ngram_draft_tokens=0)
-    if runner.overlap_decode:
-        off.append("overlapped decode")
     if not runner.enforce_eager and device.type == "cuda":
         off.append("prefill and piecewise CUDA graphs")
-    runner = dataclasses.replace(runner, overlap_decode=False, prefill_graph_tokens=(0,), piecewise_graph_tokens=(0,))
+    runner = dataclasses.replace(runner, prefill_graph_tokens=(0,), piecewise_graph_tokens=(0,))
     if off:
         logger.info("linear-attention layers keep a recurrent state per sequence: %s off for this model",
                     ", ".join(off))

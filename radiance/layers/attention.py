@@ -52,6 +52,7 @@ class AttentionMetadata:
     # whether it continues the state there (host; False: its first tokens, the slot's old contents are not read)
     state_slots: torch.Tensor | None = None
     continues_state: list[bool] | None = None
+    continues_state_device: torch.Tensor | None = None  # the same flags, int32 [B], for the CUDA prefill kernel
 
     def of_group(self, group: int) -> AttentionMetadata:
         return self if group == 0 else self.other_groups[group - 1]

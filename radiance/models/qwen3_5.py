@@ -23,9 +23,11 @@ from torch import nn
 
 from radiance.errors import ConfigError
 from radiance.kernels._triton import gated_delta as decode_kernels
+from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
 from radiance.layers.attention import AttentionMetadata
+from radiance.kernels.activation import Fp8Activations
 from radiance.layers.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen, gated_rms_norm
-from radiance.layers.linear import UnloadedLinear
+from radiance.layers.linear import UnloadedLinear, takes_fp8
 from radiance.layers.moe import SparseMoeBlock
 from radiance.layers.norm import RMSNorm, scale_by_one_plus_weight, weights_in_fp32
 from radiance.layers.rotary import RotaryEmbedding
@@ -88,10 +90,12 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         la = self.la = cfg.linear_attention
-        self.in_proj_qkv = UnloadedLinear(cfg.hidden_size, la.conv_channels)  # one tensor in checkpoints
-        self.in_proj_z = UnloadedLinear(cfg.hidden_size, la.value_size)
-        self.in_proj_b = UnloadedLinear(cfg.hidden_size, la.num_value_heads)
-        self.in_proj_a = UnloadedLinear(cfg.hidden_size, la.num_value_heads)
+        # the checkpoint's in_proj_qkv | in_proj_z and in_proj_b | in_proj_a, each pair one linear
+        # (names.LINEAR_ATTENTION_MERGES): two GEMMs per step, one fp8 quantization of their input
+        self.in_proj_qkvz = UnloadedLinear(cfg.hidden_size, la.conv_channels + la.value_size,
+                                           (la.conv_channels, la.value_size))
+        self.in_proj_ba = UnloadedLinear(cfg.hidden_size, 2 * la.num_value_heads,
+                                         (la.num_value_heads, la.num_value_heads))
         self.conv1d = CausalConv1d(la.conv_channels, la.conv_kernel)
         # the decay's parameters in fp32 whatever the model's dtype (exp / softplus of them set every state's decay)
         self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads, dtype=torch.float32), requires_grad=False)
@@ -102,6 +106,11 @@ class GatedDeltaNet(nn.Module):
         # [slots, value heads, key_head_dim, value_head_dim] float32
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
+
+    def takes_fp8(self) -> bool:
+        """Whether both input projections run the W4A8 kernel: the norm before them then hands them one
+        Fp8Activations."""
+        return takes_fp8(self.in_proj_qkvz) and takes_fp8(self.in_proj_ba)
 
     def _states(self, meta: AttentionMetadata | None, rows: torch.Tensor, lead: tuple) -> tuple:
         """(conv states, recurrent states, each sequence's slot, q_lens, whether each continues its state): the
@@ -118,29 +127,40 @@ class GatedDeltaNet(nn.Module):
                             device=rows.device)
         return conv_state, state, torch.arange(batch, device=rows.device), [lead[-1]] * batch, [False] * batch
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None):
+    def forward(self, x: torch.Tensor | Fp8Activations, meta: AttentionMetadata | None):
         la = self.la
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, x.shape[-1])
-        conv_state, state, slots, q_lens, continues = self._states(meta, rows, lead)
-        # on CUDA a decode step takes the Triton launches (no host data: CUDA graphs capture them; a graph's padding
-        # rows, slot -1, touch no state); the torch ops elsewhere
-        decode = rows.is_cuda and meta is not None and meta.is_decode and self.recurrent_state is not None
+        if isinstance(x, Fp8Activations):  # quantized by the norm for both projections (takes_fp8)
+            lead, rows = x.lead, x._replace(lead=(x.x_q.shape[0],))
+            probe = x.x_q.new_empty((x.x_q.shape[0], 0), dtype=x.dtype)  # rows' count, device and dtype
+        else:
+            lead = x.shape[:-1]
+            rows = probe = x.reshape(-1, x.shape[-1])
+        conv_state, state, slots, q_lens, continues = self._states(meta, probe, lead)
+        # on CUDA with the engine's states the Triton launches (a decode step's take no host data: CUDA graphs
+        # capture them; a graph's padding rows, slot -1, touch no state); the torch ops elsewhere
+        triton_path = probe.is_cuda and meta is not None and self.recurrent_state is not None
+        decode = triton_path and meta.is_decode
         qkv, z, b, a = self.projections(rows)
         weight = self.conv1d.weight[:, 0]
         if decode:
             mixed = decode_kernels.conv_update(qkv, weight, conv_state, slots)
         else:
             mixed = causal_conv1d_varlen(qkv, weight, conv_state, slots, q_lens, continues)
-        n = rows.shape[0]
+        n = probe.shape[0]
         q, k, v = mixed.split((la.key_size, la.key_size, la.value_size), dim=-1)
         q = q.reshape(n, la.num_key_heads, la.key_head_dim)
         k = k.reshape(n, la.num_key_heads, la.key_head_dim)
         v = v.reshape(n, la.num_value_heads, la.value_head_dim)
-        if decode:  # the gates, the state step and the gated norm: three launches
+        if triton_path:  # the gates, the delta rule and the gated norm: three launches
             g, beta = decode_kernels.decay_and_beta(a, b, self.A_log, self.dt_bias)
-            out = decode_kernels.recurrent_step(q, k, v, g, beta, state, slots)
-            out = decode_kernels.gated_rms_norm(out.reshape(-1, la.value_head_dim), z.reshape(-1, la.value_head_dim),
+            if decode:
+                out = decode_kernels.recurrent_step(q, k, v, g, beta, state, slots)
+            else:
+                flags = meta.continues_state_device
+                flags = torch.tensor(continues, device=probe.device) if flags is None else flags
+                out = recurrent_prefill(q, k, v, g, beta, state, slots, meta.cu_seqlens_q, flags)
+            out = decode_kernels.gated_rms_norm(out.reshape(-1, la.value_head_dim),
+                                                z.reshape(n, la.num_value_heads, la.value_head_dim),
                                                 self.norm.weight, self.norm.eps)
         else:
             g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
@@ -148,9 +168,13 @@ class GatedDeltaNet(nn.Module):
             out = self.norm(out, z.reshape(n, la.num_value_heads, la.value_head_dim))
         return for_norm(self.out_proj, out.reshape(*lead, la.value_size))
 
-    def projections(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q | k | v [N, conv_channels] as the conv reads them, z [N, value_size], b and a [N, value heads])."""
-        return self.in_proj_qkv(rows), self.in_proj_z(rows), self.in_proj_b(rows), self.in_proj_a(rows)
+    def projections(self, rows: torch.Tensor | Fp8Activations) -> tuple[torch.Tensor, ...]:
+        """(q | k | v [N, conv_channels] as the conv reads them, z [N, value_size], b and a [N, value heads]): views
+        of the two GEMMs' outputs (the kernels after them read strided rows)."""
+        la = self.la
+        qkv, z = self.in_proj_qkvz(rows).split((la.conv_channels, la.value_size), dim=-1)
+        b, a = self.in_proj_ba(rows).split((la.num_value_heads, la.num_value_heads), dim=-1)
+        return qkv, z, b, a
 
 
 class GroupedGatedDeltaNet(GatedDeltaNet):
@@ -161,15 +185,17 @@ class GroupedGatedDeltaNet(GatedDeltaNet):
     def __init__(self, cfg: ArchConfig):
         super().__init__(cfg)
         la = self.la
-        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        # stored whole (one partition each), rows grouped by key head
         self.in_proj_qkvz = UnloadedLinear(cfg.hidden_size, 2 * la.key_size + 2 * la.value_size)
         self.in_proj_ba = UnloadedLinear(cfg.hidden_size, 2 * la.num_value_heads)
 
-    def projections(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        la, n = self.la, rows.shape[0]
+    def projections(self, rows: torch.Tensor | Fp8Activations) -> tuple[torch.Tensor, ...]:
+        la = self.la
         per_group = la.num_value_heads // la.num_key_heads
         value = per_group * la.value_head_dim
-        q, k, v, z = self.in_proj_qkvz(rows).reshape(n, la.num_key_heads, -1).split(
+        qkvz = self.in_proj_qkvz(rows)
+        n = qkvz.shape[0]
+        q, k, v, z = qkvz.reshape(n, la.num_key_heads, -1).split(
             (la.key_head_dim, la.key_head_dim, value, value), dim=-1)
         b, a = self.in_proj_ba(rows).reshape(n, la.num_key_heads, -1).split((per_group, per_group), dim=-1)
         qkv = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
@@ -196,8 +222,8 @@ class Qwen3_5DecoderLayer(LlamaDecoderLayer):
     def forward(self, positions, x, residual, meta):
         if self.linear_attn is None:
             return super().forward(positions, x, residual, meta)
-        # 16-bit norm output: four projections read it, whatever format each is served in
-        x, residual = input_norm(self.input_layernorm, x, residual, fp8=False)
+        # fp8 norm output when both input projections take it, else 16-bit (a 16-bit in_proj_ba, say)
+        x, residual = input_norm(self.input_layernorm, x, residual, fp8=self.linear_attn.takes_fp8())
         return self.feed_forward(self.linear_attn(x, meta), residual, meta)
 
 

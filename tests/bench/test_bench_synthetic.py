@@ -181,7 +181,9 @@ def test_qwen3_5_alternates_linear_attention_and_gated_attention_layers():
                 linear_value_head_dim=8, layer_types=["linear_attention"] * 3 + ["full_attention"], vocab_size=300)
     ckpt = SyntheticCheckpoint("synthetic:qwen3.5-9b", device="cpu", dtype=torch.float32, overrides=tiny)
     weights = dict(ckpt.iter_weights(progress=False))
-    assert weights["model.layers.0.linear_attn.in_proj_qkv"].shape == (2 * 2 * 16 + 4 * 8, 64)
+    # q | k | v and z, b and a: the checkpoint's four projections served as two linears
+    assert weights["model.layers.0.linear_attn.in_proj_qkvz"].partition_sizes == (2 * 2 * 16 + 4 * 8, 4 * 8)
+    assert weights["model.layers.0.linear_attn.in_proj_ba"].partition_sizes == (4, 4)
     assert weights["model.layers.0.linear_attn.conv1d.weight"].shape == (96, 1, 4)
     assert weights["model.layers.3.self_attn.qkv_proj"].partition_sizes == (2 * 64, 32, 32)  # q and its gate
     assert "model.layers.0.self_attn.qkv_proj" not in weights and "model.layers.3.linear_attn.A_log" not in weights

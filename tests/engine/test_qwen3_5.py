@@ -5,11 +5,14 @@ rotating; the engine keeps each sequence's linear-attention state in a slot (eng
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
+import re
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from radiance import LLM, SamplingParams
@@ -154,6 +157,41 @@ def test_the_engine_serves_it_without_what_a_state_cannot_undo(tiny_model_dir, c
     assert _greedy(llm, [prompt], 5) == _greedy(llm, [prompt], 5)
 
 
+def test_overlapped_decode_never_discards_a_step_that_advanced_the_states(tiny_model_dir):
+    """Decode steps queued ahead on a hybrid model: requests arriving while one is queued, one stopping on a token
+    (not foreseen when its step was queued), different lengths, two slots for five requests. A queued step is
+    taken, never discarded (it advanced the states: the engine would raise); every answer is transformers'."""
+    path, hf = tiny_model_dir("qwen3_5")
+    prompts = _prompts(5, 9, seed=13)
+    want = [_hf_greedy(hf, p, 12) for p in prompts]
+    stop = want[1][4]  # request 1 stops on its fifth token (or earlier, should the token come sooner)
+    llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, overlap_decode=True)
+    engine = llm.engine
+    params = [SamplingParams(max_tokens=12 - i, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=[stop] if i == 1 else None) for i in range(5)]
+    got, pending = {}, list(range(5))
+    engine.add_request("0", prompts[0], params[0])
+    steps = 0
+    while engine.has_unfinished_requests() or pending:
+        if pending and steps % 3 == 0:  # arrivals between steps, with a step queued or not
+            i = pending.pop(0)
+            if str(i) not in engine.sequences and i:
+                engine.add_request(str(i), prompts[i], params[i])
+            pending = [j for j in pending if j != i]
+        for out in engine.step():
+            if out.finished:
+                got[int(out.request_id)] = out.token_ids
+        steps += 1
+    assert engine.overlapped_steps > 0
+    for i in range(5):
+        if i == 1:
+            end = want[1].index(stop) + 1
+            assert got[1] == want[1][:end]
+        else:
+            assert got[i] == want[i][:12 - i], i
+    assert engine.block_manager.state_slots.num_free == 2
+
+
 def _rewrite(path: str, out: str, rename, extra: dict | None = None, config_change=None) -> None:
     tensors = {rename(name): t for name, t in load_file(os.path.join(path, "model.safetensors")).items()}
     os.makedirs(out, exist_ok=True)
@@ -216,16 +254,21 @@ def test_a_wrong_linear_attention_shape_is_named(tiny_model_dir, tmp_path):
 
 
 def test_mxfp4_at_load_and_converted_on_disk_serve_the_same_logits(tiny_model_dir, tmp_path):
-    """Every linear on MXFP4 at load (3 linear-attention layers x 5 projections, 1 x (qkv + o), 4 x (gate_up + down));
-    the same logits, bit for bit, from what `radiance convert` wrote."""
+    """Every linear on MXFP4 at load (3 linear-attention layers x (in_proj_qkvz, in_proj_ba, out_proj), 1 x (qkv + o),
+    4 x (gate_up + down)); the same logits, bit for bit, from what `radiance convert` wrote, which keeps the
+    checkpoint's own four input projections."""
     path = str(tmp_path / "bf16")
     _rewrite(tiny_model_dir("qwen3_5")[0], path, lambda n: n)
     loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", quantization="mxfp4"),
                         checkpoint=open_checkpoint(path), progress=False)
-    assert "linears: 25 mxfp4" in "\n".join(loaded.summary)
+    assert "linears: 19 mxfp4" in "\n".join(loaded.summary)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
     at_load = loaded.model.forward_logits(ids)
     convert_checkpoint(path, str(tmp_path / "mx"), ConvertConfig(format="mxfp4"), progress=False)
+    written = {name for file in glob.glob(str(tmp_path / "mx" / "*.safetensors"))
+               for name in safe_open(file, "pt").keys()}
+    assert {n.split(".")[4] for n in written if n.startswith("model.layers.0.linear_attn.")} == {
+        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "conv1d", "norm", "A_log", "dt_bias"}
     assert torch.equal(at_load, _forward(str(tmp_path / "mx"), ids, dtype="bfloat16"))
 
 
@@ -258,10 +301,13 @@ def test_max_num_seqs_is_lowered_to_the_states_that_fit(tiny_model_dir, caplog):
 
 
 @pytest.mark.parametrize("model, tensor", [("qwen3_5_moe", "model.layers.2.linear_attn.in_proj_z.weight"),
+                                           ("qwen3_5", "model.layers.1.linear_attn.in_proj_a.weight"),
+                                           ("qwen3_5", "model.layers.0.linear_attn.in_proj_qkv.weight"),
                                            ("qwen3_next", "model.layers.2.linear_attn.in_proj_ba.weight")])
-def test_the_moe_models_checkpoints_are_checked_too(tiny_model_dir, tmp_path, model, tensor):
-    """A linear-attention projection missing from a Qwen3.5-MoE (no intermediate_size in its config) or Qwen3-Next
-    checkpoint is named when the checkpoint opens."""
+def test_a_missing_projection_is_named(tiny_model_dir, tmp_path, model, tensor):
+    """A linear-attention projection missing from a Qwen3.5, Qwen3.5-MoE (no intermediate_size in its config) or
+    Qwen3-Next checkpoint is named when the checkpoint opens: the part the checkpoint lacks, not the merged linear
+    (in_proj_qkvz, in_proj_ba) it is served in."""
     path, _ = tiny_model_dir(model)
     out = str(tmp_path / "missing")
     _rewrite(path, out, lambda n: n)
@@ -393,32 +439,39 @@ def test_a_llama_cpp_gguf_serves_transformers_logits(tmp_path, model, arch):
         assert ((wrong - want).norm() / want.norm()).item() > 1e-2
 
 
-def test_an_nvfp4_qwen3_next_checkpoint_serves_its_values(tiny_model_dir, tmp_path):
-    """A compressed-tensors NVFP4 Qwen3-Next (every linear but lm_head and the linear attention's small in_proj_ba,
-    as exports leave them 16-bit): its linear-attention projections read as NVFP4; served 16-bit
-    (quantization none) it gives, bit for bit, the logits of a dense checkpoint holding the dequantized values; served
-    on MXFP4 (the default) it loads every quantized linear there."""
+@pytest.mark.parametrize("model, served", [("qwen3_next", "linears: 6 dense, 61 mxfp4"),
+                                           ("qwen3_5", "linears: 3 dense, 16 mxfp4")])
+def test_an_nvfp4_checkpoint_serves_its_values(tiny_model_dir, tmp_path, model, served):
+    """A compressed-tensors NVFP4 Qwen3-Next / Qwen3.5 (every linear but lm_head and the linear attention's small
+    b / a projections, as exports leave them 16-bit): its linear-attention projections read as NVFP4 (Qwen3.5's
+    in_proj_qkv and in_proj_z as one linear of two NVFP4 partitions, its 16-bit in_proj_b and in_proj_a as another);
+    served 16-bit (quantization none) it gives, bit for bit, the logits of a dense checkpoint holding the dequantized
+    values; served on MXFP4 (the default) it loads every quantized linear there."""
     from radiance.formats import Nvfp4Weight, dequantize
     from tests.checkpoint.factory import CT_NVFP4_CONFIG, ct_nvfp4_tensors
 
-    path, _hf = tiny_model_dir("qwen3_next")
+    path, _hf = tiny_model_dir(model)
     sd = load_file(os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json")) as f:
         config = {k: v for k, v in json.load(f).items() if k != "quantization_config"}
     # (the tiny shared expert's down_proj, K = 48, stays 16-bit too: MXFP4 blocks need K a multiple of 32)
-    modules = [n[:-len(".weight")] for n in sd if n.endswith(("_proj.weight", "in_proj_qkvz.weight"))
-               and "in_proj_ba" not in n and "shared_expert.down_proj" not in n]
+    small = re.compile(r"in_proj_(ba|b|a)\.weight$")
+    modules = [n[:-len(".weight")] for n in sd if n.endswith(("_proj.weight", "in_proj_qkvz.weight",
+                                                              "in_proj_qkv.weight", "in_proj_z.weight"))
+               and not small.search(n) and "shared_expert.down_proj" not in n]
     quantized = ct_nvfp4_tensors(sd, modules)
     nvfp4 = str(tmp_path / "nvfp4")
     os.makedirs(nvfp4)
     save_file(quantized, os.path.join(nvfp4, "model.safetensors"))
     with open(os.path.join(nvfp4, "config.json"), "w") as f:
         json.dump(dict(config, quantization_config=dict(CT_NVFP4_CONFIG, ignore=[
-            "lm_head", "re:.*in_proj_ba", "re:.*shared_expert.down_proj"])), f)
+            "lm_head", "re:.*in_proj_(ba|b|a)$", "re:.*shared_expert.down_proj"])), f)
     ckpt = open_checkpoint(nvfp4)
     weights = dict(ckpt.iter_weights(progress=False))
     assert isinstance(weights["model.layers.0.linear_attn.in_proj_qkvz"], Nvfp4Weight)
-    assert not isinstance(weights["model.layers.0.linear_attn.in_proj_ba"], Nvfp4Weight)
+    assert weights["model.layers.0.linear_attn.in_proj_ba"].format == "dense"
+    if model == "qwen3_5":  # the parts keep their own global scales
+        assert len(weights["model.layers.0.linear_attn.in_proj_qkvz"].partition_sizes) == 2
     dense = dict(sd)
     for m in modules:
         parts = {k.rpartition(".")[2]: v for k, v in quantized.items() if k.rpartition(".")[0] == m}
@@ -430,6 +483,19 @@ def test_an_nvfp4_qwen3_next_checkpoint_serves_its_values(tiny_model_dir, tmp_pa
     assert torch.equal(_forward(nvfp4, ids, quantization="none"), _forward(str(tmp_path / "dense"), ids))
     loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16"), checkpoint=open_checkpoint(nvfp4), progress=False)
     summary = "\n".join(loaded.summary)
-    # 3 x in_proj_ba, 3 shared down_proj 16-bit; the rest requantized, the linear attention's 3 x (qkvz + out) too
-    assert "linears: 6 dense, 61 mxfp4" in summary and "in_proj_qkvz 3, out_proj 3" in summary
+    # 3 x in_proj_ba (and Qwen3-Next's 3 shared down_proj) 16-bit; the rest requantized, the linear attention's
+    # 3 x (qkvz + out) too
+    assert served in summary and "in_proj_qkvz 3, out_proj 3" in summary
     assert torch.isfinite(loaded.model.forward_logits(ids)).all()
+
+
+def test_ignoring_one_part_of_a_merged_projection_is_refused(tiny_model_dir):
+    """in_proj_b and in_proj_a are served as one linear: an ignore pattern keeping only one of them 16-bit is a
+    refused naming both (vLLM refuses it too); both together are kept 16-bit."""
+    path, _ = tiny_model_dir("qwen3_5")
+    with pytest.raises(ValueError, match=r"select in_proj_b but not in_proj_a of model\.layers\.0\.linear_attn"):
+        load_model(ModelConfig(device="cpu", dtype="float32", quantization="mxfp4", ignore=(r"in_proj_b$",)),
+                   checkpoint=open_checkpoint(path), progress=False)
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32", quantization="mxfp4", ignore=(r"in_proj_[ba]$",)),
+                        checkpoint=open_checkpoint(path), progress=False)
+    assert "linears: 3 dense, 16 mxfp4" in "\n".join(loaded.summary)

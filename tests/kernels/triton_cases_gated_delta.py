@@ -254,3 +254,25 @@ def test_gated_rms_norm_matches_the_reference(device, rows, dim, dtype):
     if dtype != torch.float32:  # a few 16-bit ulps at most: the same roundings in the same places (a norm that
         # lands on the other side of a rounding boundary moves the product by an ulp or two)
         assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -6
+
+
+@pytest.mark.parametrize("batch, heads, dim", [(1, 32, 128), (3, 4, 64), (5, 2, 40)])
+def test_gated_rms_norm_reads_its_gate_from_a_strided_projection_view(device, batch, heads, dim):
+    """The gate as the decode step hands it over: z, the tail of each row of in_proj_qkvz's output [B, C + H * D],
+    viewed [B, H, D] (rows strided by C + H * D). Equal to the contiguous gate's result, bit for bit."""
+    gen = torch.Generator().manual_seed(batch * heads + dim)
+    x = (torch.randn(batch * heads, dim, generator=gen) * 3).to(device, torch.bfloat16)
+    projection = torch.randn(batch, 96 + heads * dim, generator=gen).to(device, torch.bfloat16)
+    z = projection[:, 96:].reshape(batch, heads, dim)  # a view: no copy
+    assert z.data_ptr() == projection.data_ptr() + 96 * projection.element_size()
+    weight = (1 + 0.3 * torch.randn(dim, generator=gen)).to(device, torch.bfloat16)
+    got = gated_rms_norm(x, z, weight, 1e-6)
+    assert torch.equal(got, gated_rms_norm(x, z.reshape(-1, dim).contiguous(), weight, 1e-6))
+    torch.testing.assert_close(got, gated_rms_norm_reference(x, z.reshape(-1, dim), weight, 1e-6),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_gated_rms_norm_refuses_a_gate_of_other_rows(device):
+    x = torch.randn(6, 16, device=device)
+    with pytest.raises(ValueError, match=r"B \* H = N"):
+        gated_rms_norm(x, torch.randn(2, 2, 16, device=device), torch.ones(16, device=device), 1e-6)

@@ -128,20 +128,23 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bia
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """layers.gated_delta.gated_rms_norm in one launch: rows x, gate [N, D] (contiguous rows), weight [D] -> x
+    """layers.gated_delta.gated_rms_norm in one launch: rows x [N, D] (contiguous), gate [N, D] or [B, H, D] (N = B *
+    H: a view of the input projection's z, rows and heads may be strided, D contiguous), weight [D] -> x
     RMS-normalized in float32, rounded to x's dtype, times weight (rounded again: transformers' `weight *
     normed.to(dtype)`), times silu(gate) in float32, in x's dtype. Was about eight torch launches a layer."""
-    if x.dim() != 2 or gate.shape != x.shape or weight.shape != (x.shape[1],):
-        raise ValueError(f"gated_rms_norm expects x, gate [N, D] and weight [D]; got {tuple(x.shape)}, "
-                         f"{tuple(gate.shape)}, {tuple(weight.shape)}")
-    if not (x.is_contiguous() and gate.is_contiguous() and weight.is_contiguous()):
-        raise ValueError("gated_rms_norm: x, gate and weight must be contiguous")
+    heads = gate.reshape(-1, 1, gate.shape[-1]) if gate.dim() == 2 else gate
+    if (x.dim() != 2 or heads.dim() != 3 or heads.shape[0] * heads.shape[1] != x.shape[0]
+            or heads.shape[2] != x.shape[1] or weight.shape != (x.shape[1],)):
+        raise ValueError(f"gated_rms_norm expects x [N, D], gate [N, D] or [B, H, D] with B * H = N, and weight "
+                         f"[D]; got {tuple(x.shape)}, {tuple(gate.shape)}, {tuple(weight.shape)}")
+    if not (x.is_contiguous() and heads.stride(2) == 1 and weight.is_contiguous()):
+        raise ValueError("gated_rms_norm: x and weight must be contiguous, and the gate's last dim")
     N, D = x.shape
     out = torch.empty_like(x)
     if N:
         block = _next_pow2(D)
-        gated_rms_norm_kernel[(N,)](x, gate, weight, out, D, float(eps), BLOCK=block,
-                                    num_warps=max(1, min(4, block // 128)))
+        gated_rms_norm_kernel[(N,)](x, heads, weight, out, D, heads.shape[1], heads.stride(0), heads.stride(1),
+                                    float(eps), BLOCK=block, num_warps=max(1, min(4, block // 128)))
     return out
 
 
@@ -161,8 +164,8 @@ def decay_beta_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, H, 
 
 
 @triton.jit
-def gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, D, H, stride_gb, stride_gh, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (batch row, head) = divmod(row, H)
     d = tl.arange(0, BLOCK)
     live = d < D
     x = tl.load(x_ptr + row * D + d, mask=live, other=0.0)
@@ -170,7 +173,7 @@ def gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.con
     normed = (xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)).to(x.dtype)
     w = tl.load(w_ptr + d, mask=live, other=0.0)
     scaled = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)  # the weight product, rounded as torch rounds it
-    z = tl.load(gate_ptr + row * D + d, mask=live, other=0.0).to(tl.float32)
+    z = tl.load(gate_ptr + (row // H) * stride_gb + (row % H) * stride_gh + d, mask=live, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * D + d, (scaled.to(tl.float32) * z * tl.sigmoid(z)).to(out_ptr.dtype.element_ty),
              mask=live)
 

@@ -1,0 +1,104 @@
+"""Gated DeltaNet prefill (Qwen3.5 / Qwen3-Next): the delta rule over each sequence's new tokens in one launch, token
+by token, the state kept in registers from the first token to the last (FLA's fused_recurrent form of
+layers/gated_delta.py's gated_delta_rule_varlen). The torch reference runs the chunked form as a Python loop of
+small launches per 64-token chunk and per layer: host-bound, the GPU idle half of a Qwen3.5 prefill.
+
+One program per (sequence, value head, block_v columns of the state): a [Dk, block_v] float32 tile (32 registers a
+thread for 128 x 32 over 4 warps) starts from the sequence's slot (or zeros: its first tokens), takes each token
+in order and goes back to the slot at the end. Sequences of any lengths share the launch (cu_seqlens); the work
+per token is two reductions over Dk, so a long prompt costs about a microsecond a token per layer, not tensor-core
+throughput (the chunked form's; not written yet).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radiance.kernels._triton.gated_delta import _FLOATS, _next_pow2
+
+
+def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                      continues: torch.Tensor, scale: float | None = None, block_v: int | None = None) -> torch.Tensor:
+    """The delta rule over sequences back to back: q, k [T, Hk, Dk], v [T, Hv, Dv] (Hv a multiple of Hk; rows and
+    heads may be strided, the last dim contiguous: views of the conv's output), g [T, Hv] float32 log decay, beta
+    [T, Hv], state [S, Hv, Dk, Dv] float32 UPDATED IN PLACE at state_slots [B] (< 0: nothing read or written),
+    cu_seqlens [B + 1] (sequence i's rows cu_seqlens[i]:cu_seqlens[i + 1]), continues [B] (0: the sequence starts
+    here, its slot's old contents are not read). q, k l2-normalized in fp32 (eps 1e-6 inside the root), q times scale
+    (default Dk**-0.5). Returns [T, Hv, Dv] in v's dtype."""
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or state.dim() != 4:
+        raise ValueError(f"recurrent_prefill expects q, k [T, Hk, Dk], v [T, Hv, Dv], state [S, Hv, Dk, Dv]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(state.shape)}")
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    B = state_slots.shape[0] if state_slots.dim() == 1 else -1
+    if v.shape[0] != T or Hv % Hk or state.shape[1:] != (Hv, Dk, Dv):
+        raise ValueError(f"recurrent_prefill: v {tuple(v.shape)} / state {tuple(state.shape)} do not fit q "
+                         f"{tuple(q.shape)} (Hv a multiple of Hk)")
+    if g.shape != (T, Hv) or beta.shape != (T, Hv) or cu_seqlens.shape != (B + 1,) or continues.shape != (B,):
+        raise ValueError(f"recurrent_prefill: g, beta must be [{T}, {Hv}], state_slots and continues [B] and "
+                         f"cu_seqlens [B + 1]; got {tuple(g.shape)}, {tuple(beta.shape)}, "
+                         f"{tuple(state_slots.shape)}, {tuple(continues.shape)}, {tuple(cu_seqlens.shape)}")
+    if g.dtype != torch.float32 or state.dtype != torch.float32 or beta.dtype not in _FLOATS:
+        raise ValueError(f"recurrent_prefill: g and state float32, beta a float dtype; got {g.dtype}, {state.dtype}, "
+                         f"{beta.dtype}")
+    if q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS:
+        raise ValueError(f"recurrent_prefill: q, k, v float32 or 16-bit, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or g.stride(1) != 1 or beta.stride(1) != 1
+            or state.stride(3) != 1):
+        raise ValueError("recurrent_prefill: the last dim of q, k, v, g, beta and state must be contiguous")
+    block_k = _next_pow2(Dk)
+    block_v = block_v or min(_next_pow2(Dv), 32)
+    if block_k > 256 or block_v & (block_v - 1):
+        raise ValueError(f"recurrent_prefill: Dk up to 256 (got {Dk}), block_v a power of two (got {block_v})")
+    out = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
+    if B == 0 or T == 0:
+        return out
+    scale = Dk ** -0.5 if scale is None else float(scale)
+    continues = continues if continues.dtype == torch.int32 else continues.to(torch.int32)
+    grid = (B * Hv, triton.cdiv(Dv, block_v))
+    recurrent_prefill_kernel[grid](q, k, v, g, beta, state, state_slots, cu_seqlens, continues, out, scale, Dk, Dv,
+                                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                   g.stride(0), beta.stride(0), state.stride(0), state.stride(1), state.stride(2),
+                                   HV=Hv, GROUP=Hv // Hk, BLOCK_K=block_k, BLOCK_V=block_v,
+                                   num_warps=max(1, min(4, block_k * block_v // 1024)))
+    return out
+
+
+@triton.jit
+def recurrent_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, cu_ptr, continues_ptr, out_ptr,
+                             scale, Dk, Dv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                             stride_gt, stride_bt, stride_ss, stride_sh, stride_sk, HV: tl.constexpr,
+                             GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Grid [B * HV, cdiv(Dv, BLOCK_V)]: value head h of sequence b, state columns dv, every token of the sequence."""
+    bh = tl.program_id(0)
+    b = bh // HV
+    h = bh % HV
+    hk = h // GROUP
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_live = dk < Dk
+    v_live = dv < Dv
+    live = k_live[:, None] & v_live[None, :]
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    end = tl.load(cu_ptr + b + 1).to(tl.int64)
+    if slot >= 0:
+        tile = state_ptr + slot * stride_ss + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+        s = tl.load(tile, mask=live, other=0.0)
+        s = tl.where(tl.load(continues_ptr + b) != 0, s, 0.0)  # a fresh sequence: whatever the slot held, not read
+        for t in range(start, end):
+            q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + dk, mask=k_live, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + dk, mask=k_live, other=0.0).to(tl.float32)
+            q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+            k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=v_live, other=0.0).to(tl.float32)
+            s = s * tl.exp(tl.load(g_ptr + t * stride_gt + h))
+            beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+            delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # what the decayed state mispredicts for k
+            s = s + k[:, None] * delta[None, :]
+            tl.store(out_ptr + (t * HV + h) * Dv + dv, tl.sum(s * q[:, None], axis=0).to(out_ptr.dtype.element_ty),
+                     mask=v_live)
+        tl.store(tile, s, mask=live)

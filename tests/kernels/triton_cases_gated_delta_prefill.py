@@ -1,0 +1,82 @@
+"""The Gated DeltaNet prefill kernel (recurrent_prefill) vs the torch reference's chunked form
+(layers/gated_delta.gated_delta_rule_varlen), run on CUDA or on the CPU through the Triton interpreter
+(test_triton_interpreter.py): several sequences of different lengths in one launch, across the reference's 64-token
+chunks, sequences that continue their slot's state beside ones that start fresh, slots out of order, strided
+views, a padding slot."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
+from radiance.layers.gated_delta import gated_delta_rule_varlen
+
+SLOTS = 8
+
+
+def _inputs(lens, hk, hv, dk, dv, dtype, device, seed):
+    """q | k | v as views of one conv-output row per token, as the layer hands them over; g, beta as its gates."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    mixed = (torch.randn(total, 2 * hk * dk + hv * dv, generator=gen) * 2).to(device, dtype)
+    q, k, v = mixed.split((hk * dk, hk * dk, hv * dv), dim=-1)
+    q, k, v = q.reshape(total, hk, dk), k.reshape(total, hk, dk), v.reshape(total, hv, dv)
+    g = F.logsigmoid(torch.randn(total, hv, generator=gen) + 2).to(device)  # decays near 1, as trained models'
+    beta = torch.sigmoid(torch.randn(total, 2 * hv, generator=gen)).to(device, dtype)[:, hv:]  # strided rows
+    state = torch.randn(SLOTS, hv, dk, dv, generator=gen).to(device) * 0.1
+    return q, k, v, g, beta, state
+
+
+def _cu(lens, device):
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lens).cumsum(0)
+    return cu.to(device)
+
+
+MIXED = [True, False, True, False]
+SMALL, ODD = ((1, 2), (16, 16)), ((2, 4), (24, 40))  # (Hk, Hv), (Dk, Dv); ODD: two value heads per key head
+
+
+@pytest.mark.parametrize("lens, continues, heads, dims, dtype", [
+    ([9], [False], *SMALL, torch.float32), ([9], [False], *SMALL, torch.bfloat16),
+    ([70], [True], *SMALL, torch.float32),  # past the reference's 64-token chunk
+    ([3, 66, 1, 20], MIXED, *SMALL, torch.float32), ([3, 66, 1, 20], MIXED, *SMALL, torch.bfloat16),
+    ([3, 12, 1, 5], MIXED, *ODD, torch.float32), ([3, 12, 1, 5], MIXED, *ODD, torch.bfloat16)])
+def test_recurrent_prefill_matches_the_chunked_reference(device, lens, continues, heads, dims, dtype):
+    (hk, hv), (dk, dv) = heads, dims
+    q, k, v, g, beta, state = _inputs(lens, hk, hv, dk, dv, dtype, device, seed=sum(lens) + hv + dk)
+    slots = torch.tensor([5, 0, 3, 6][:len(lens)], device=device)
+    want_state = state.clone()
+    want = gated_delta_rule_varlen(q, k, v, g, beta, want_state, slots, lens, continues)
+    before = state.clone()
+    got = recurrent_prefill(q, k, v, g, beta, state, slots, _cu(lens, device),
+                            torch.tensor(continues, device=device), block_v=16)
+    assert got.dtype == dtype and got.shape == v.shape
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)  # fp32 states from the same inputs
+    untouched = [s for s in range(SLOTS) if s not in slots.tolist()]
+    assert torch.equal(state[untouched], before[untouched])
+
+
+def test_a_fresh_sequence_ignores_its_slot_and_a_padding_slot_is_untouched(device):
+    """continues 0: the slot's old contents (here NaN) are not read; slot -1: nothing read or written."""
+    lens = [5, 4]
+    q, k, v, g, beta, state = _inputs(lens, 1, 2, 16, 16, torch.float32, device, seed=3)
+    state[2] = float("nan")
+    slots = torch.tensor([2, -1], device=device)
+    got = recurrent_prefill(q, k, v, g, beta, state, slots, _cu(lens, device), torch.tensor([0, 1], device=device))
+    clean = torch.zeros_like(state[:1])
+    want = gated_delta_rule_varlen(q[:5], k[:5], v[:5], g[:5], beta[:5], clean, torch.tensor([0], device=device),
+                                   [5], [False])
+    torch.testing.assert_close(got[:5], want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state[2], clean[0], rtol=1e-4, atol=1e-4)
+
+
+def test_recurrent_prefill_refuses_mismatched_inputs(device):
+    q, k, v, g, beta, state = _inputs([4], 1, 2, 16, 16, torch.float32, device, seed=4)
+    slots, cu = torch.tensor([0], device=device), _cu([4], device)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        recurrent_prefill(q, k, v, g, beta, state, slots, cu[:1], torch.tensor([1], device=device))
+    with pytest.raises(ValueError, match="float32"):
+        recurrent_prefill(q, k, v, g.half(), beta, state, slots, cu, torch.tensor([1], device=device))
