@@ -3,10 +3,11 @@ by token, the state kept in registers from the first token to the last (FLA's fu
 layers/gated_delta.py's gated_delta_rule_varlen). The torch reference runs the chunked form as a Python loop of
 small launches per 64-token chunk and per layer: host-bound, the GPU idle half of a Qwen3.5 prefill.
 
-One program per (sequence, value head, block_v columns of the state): a [Dk, block_v] float32 tile (32 registers a
-thread for 128 x 32 over 4 warps) starts from the sequence's slot (or zeros: its first tokens), takes each token
-in order and goes back to the slot at the end. Sequences of any lengths share the launch (cu_seqlens); the work
-per token is two reductions over Dk, so a long prompt costs about a microsecond a token per layer, not tensor-core
+One program per (sequence, value head, block_v columns of the state): a [Dk, block_v] float32 tile (one warp, 32
+registers a thread for 128 x 8) starts from the sequence's slot (or zeros: its first tokens), takes each token in
+order and goes back to the slot at the end. Sequences of any lengths share the launch (cu_seqlens). Each token is a
+chain of dependent loads and reductions: ~1.1 us a token a layer at Qwen3.5-9B's heads on an H100 whatever the
+tiling (tools/gated_delta_prefill_sweep.py; 128 x 32 tiles over 4 warps took 1.5-2.0 us), not tensor-core
 throughput (the chunked form's; not written yet).
 """
 
@@ -21,13 +22,15 @@ from radiance.kernels._triton.gated_delta import _FLOATS, _next_pow2
 
 def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                      continues: torch.Tensor, scale: float | None = None, block_v: int | None = None) -> torch.Tensor:
+                      continues: torch.Tensor, scale: float | None = None, block_v: int | None = None,
+                      num_warps: int | None = None) -> torch.Tensor:
     """The delta rule over sequences back to back: q, k [T, Hk, Dk], v [T, Hv, Dv] (Hv a multiple of Hk; rows and
     heads may be strided, the last dim contiguous: views of the conv's output), g [T, Hv] float32 log decay, beta
     [T, Hv], state [S, Hv, Dk, Dv] float32 UPDATED IN PLACE at state_slots [B] (< 0: nothing read or written),
     cu_seqlens [B + 1] (sequence i's rows cu_seqlens[i]:cu_seqlens[i + 1]), continues [B] (0: the sequence starts
     here, its slot's old contents are not read). q, k l2-normalized in fp32 (eps 1e-6 inside the root), q times scale
-    (default Dk**-0.5). Returns [T, Hv, Dv] in v's dtype."""
+    (default Dk**-0.5). Returns [T, Hv, Dv] in v's dtype. block_v / num_warps: the tiling (defaults min(Dv, 8) and
+    one warp, the sweep's best)."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or state.dim() != 4:
         raise ValueError(f"recurrent_prefill expects q, k [T, Hk, Dk], v [T, Hv, Dv], state [S, Hv, Dk, Dv]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(state.shape)}")
@@ -50,7 +53,7 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
             or state.stride(3) != 1):
         raise ValueError("recurrent_prefill: the last dim of q, k, v, g, beta and state must be contiguous")
     block_k = _next_pow2(Dk)
-    block_v = block_v or min(_next_pow2(Dv), 32)
+    block_v = block_v or min(_next_pow2(Dv), 8)
     if block_k > 256 or block_v & (block_v - 1):
         raise ValueError(f"recurrent_prefill: Dk up to 256 (got {Dk}), block_v a power of two (got {block_v})")
     out = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
@@ -63,7 +66,7 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                    g.stride(0), beta.stride(0), state.stride(0), state.stride(1), state.stride(2),
                                    HV=Hv, GROUP=Hv // Hk, BLOCK_K=block_k, BLOCK_V=block_v,
-                                   num_warps=max(1, min(4, block_k * block_v // 1024)))
+                                   num_warps=num_warps or 1)
     return out
 
 

@@ -1,0 +1,79 @@
+"""Times the Gated DeltaNet prefill kernel (kernels/_triton/gated_delta_prefill.recurrent_prefill) at Qwen3.5-9B's
+head shapes (16 key heads, 32 value heads, 128 x 128 state per value head) over its tilings (block_v, num_warps),
+for one sequence of each length; prints ms per layer, us per token, and x 24 layers (the 9B's linear-attention
+layers) per tiling, each checked against the default tiling's output first.
+
+    python3 tools/gated_delta_prefill_sweep.py [--lengths 1024 8192] [--tilings 8x1 4x1 16x1 32x4 16x4 8x2]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
+
+HK, HV, DK, DV, LAYERS = 16, 32, 128, 128, 24
+
+
+def parse_tiling(text: str) -> tuple[int, int]:
+    block_v, warps = text.split("x")
+    return int(block_v), int(warps)
+
+
+def inputs(length: int, device: torch.device):
+    gen = torch.Generator(device=device).manual_seed(length)
+    mixed = torch.randn(length, 2 * HK * DK + HV * DV, device=device, generator=gen).bfloat16()
+    q, k, v = mixed.split((HK * DK, HK * DK, HV * DV), dim=-1)
+    q, k, v = q.view(length, HK, DK), k.view(length, HK, DK), v.view(length, HV, DV)
+    g = F.logsigmoid(torch.randn(length, HV, device=device, generator=gen) + 3)
+    beta = torch.sigmoid(torch.randn(length, HV, device=device, generator=gen))
+    state = torch.zeros(1, HV, DK, DV, device=device)
+    cu = torch.tensor([0, length], dtype=torch.int32, device=device)
+    return q, k, v, g, beta, state, cu
+
+
+def time_ms(fn, repeats: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--tilings", type=parse_tiling, nargs="+",
+                        default=[(8, 1), (4, 1), (16, 1), (32, 4), (16, 4), (8, 2)])
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    slots, continues = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32,
+                                                                                       device=device)
+    rows = []
+    for length in args.lengths:
+        q, k, v, g, beta, state, cu = inputs(length, device)
+        want = recurrent_prefill(q, k, v, g, beta, state.clone(), slots, cu, continues)
+        for block_v, warps in args.tilings:
+            def run():
+                return recurrent_prefill(q, k, v, g, beta, state.clone(), slots, cu, continues, block_v=block_v,
+                                         num_warps=warps)
+            error = ((run().float() - want.float()).abs().max() / want.float().abs().max()).item()
+            ms = time_ms(run)
+            rows.append((length, f"{block_v}x{warps}", ms, ms * 1e3 / length, ms * LAYERS, error))
+            print(rows[-1], flush=True)
+    print("\n| tokens | block_v x warps | ms / layer | us / token | ms x 24 layers | max rel. diff vs default |")
+    for length, tiling, ms, per_token, total, error in rows:
+        print(f"| {length} | {tiling} | {ms:.3f} | {per_token:.3f} | {total:.1f} | {error:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
