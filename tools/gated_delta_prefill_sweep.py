@@ -1,9 +1,10 @@
-"""Times the Gated DeltaNet prefill kernel (kernels/_triton/gated_delta_prefill.recurrent_prefill) at Qwen3.5-9B's
-head shapes (16 key heads, 32 value heads, 128 x 128 state per value head) over its tilings (block_v, num_warps),
-for one sequence of each length; prints ms per layer, us per token, and x 24 layers (the 9B's linear-attention
-layers) per tiling, each checked against the default tiling's output first.
+"""Times the Gated DeltaNet prefill kernels (kernels/_triton/gated_delta_prefill: the recurrent form over its tilings
+block_v x num_warps, the chunked form over its block_v) at Qwen3.5-9B's head shapes (16 key heads, 32 value heads,
+128 x 128 state per value head), for one sequence of each length; prints ms per layer, us per token, and x 24 layers
+(the 9B's linear-attention layers), each checked against the recurrent form's default output first.
 
-    python3 tools/gated_delta_prefill_sweep.py [--lengths 1024 8192] [--tilings 8x1 4x1 16x1 32x4 16x4 8x2]
+    python3 tools/gated_delta_prefill_sweep.py [--lengths 64 1024 8192] [--tilings 8x1 4x1 16x1 32x4]
+        [--chunked 16 32 64]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from radiance.kernels._triton.gated_delta_chunked import chunked_prefill, delta_chunks
 from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
 
 HK, HV, DK, DV, LAYERS = 16, 32, 128, 128, 24
@@ -49,11 +51,20 @@ def time_ms(fn, repeats: int = 5) -> float:
     return best
 
 
+def measure(length: int, label: str, run, want: torch.Tensor) -> tuple:
+    error = ((run().float() - want.float()).abs().max() / want.float().abs().max()).item()
+    ms = time_ms(run)
+    row = (length, label, ms, ms * 1e3 / length, ms * LAYERS, error)
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 1024, 8192])
     parser.add_argument("--tilings", type=parse_tiling, nargs="+",
                         default=[(8, 1), (4, 1), (16, 1), (32, 4), (16, 4), (8, 2)])
+    parser.add_argument("--chunked", type=int, nargs="+", default=[16, 32, 64], metavar="BLOCK_V")
     args = parser.parse_args()
     device = torch.device("cuda")
     slots, continues = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32,
@@ -66,11 +77,13 @@ def main() -> None:
             def run():
                 return recurrent_prefill(q, k, v, g, beta, state.clone(), slots, cu, continues, block_v=block_v,
                                          num_warps=warps)
-            error = ((run().float() - want.float()).abs().max() / want.float().abs().max()).item()
-            ms = time_ms(run)
-            rows.append((length, f"{block_v}x{warps}", ms, ms * 1e3 / length, ms * LAYERS, error))
-            print(rows[-1], flush=True)
-    print("\n| tokens | block_v x warps | ms / layer | us / token | ms x 24 layers | max rel. diff vs default |")
+            rows.append(measure(length, f"{block_v}x{warps}", run, want))
+        chunks = delta_chunks([length], device)
+        for block_v in args.chunked:
+            def run():
+                return chunked_prefill(q, k, v, g, beta, state.clone(), slots, chunks, continues, block_v=block_v)
+            rows.append(measure(length, f"chunked {block_v}", run, want))
+    print("\n| tokens | form | ms / layer | us / token | ms x 24 layers | max rel. diff vs default |")
     for length, tiling, ms, per_token, total, error in rows:
         print(f"| {length} | {tiling} | {ms:.3f} | {per_token:.3f} | {total:.1f} | {error:.1e} |")
 

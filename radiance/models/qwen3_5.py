@@ -156,6 +156,7 @@ class GatedDeltaNet(nn.Module):
             if decode:
                 out = decode_kernels.recurrent_step(q, k, v, g, beta, state, slots)
             else:
+                # token by token (gated_delta_prefill.recurrent_prefill; the chunked form measured slower so far)
                 flags = meta.continues_state_device
                 flags = torch.tensor(continues, device=probe.device) if flags is None else flags
                 out = recurrent_prefill(q, k, v, g, beta, state, slots, meta.cu_seqlens_q, flags)

@@ -372,12 +372,14 @@ def test_bad_words_on_the_gpu(tiny_llm):
 
 
 @pytest.mark.parametrize("model", ["qwen3_5", "qwen3_next"])
-def test_qwen3_5_linear_attention_states_match_cpu(tiny_model_dir, model):
-    """Qwen3.5 / Qwen3-Next on the GPU (prefill chunks through the torch ops, decode steps through the two Triton
-    launches per linear-attention layer, replayed from decode graphs that carry the state slots where the model's
-    experts allow graphs; the gated attention layer on the Triton attention with a torch rotary of a quarter of each
-    head): fp32 greedy tokens of three prompts, prefilled in 16-token chunks beside decodes, equal the CPU's."""
+@pytest.mark.parametrize("budget, length", [(16, 25), (512, 70)])
+def test_qwen3_5_linear_attention_states_match_cpu(tiny_model_dir, model, budget, length):
+    """Qwen3.5 / Qwen3-Next on the GPU (the prefill's delta rule through the Triton recurrent form, in 16-token
+    chunks beside decodes or whole prompts of 70 tokens and more in one step; decode steps through the Triton launches,
+    replayed from decode graphs that carry the state slots where the model's experts allow graphs, queued ahead; the
+    gated attention layer on the Triton attention with a torch rotary of a quarter of each head): fp32 greedy tokens
+    of three prompts equal the CPU's (torch's chunked form)."""
     path, _ = tiny_model_dir(model)
-    prompts = [[(11 * i + 3 * j) % 256 for j in range(25 + 9 * i)] for i in range(3)]
+    prompts = [[(11 * i + 3 * j) % 256 for j in range(length + 9 * i)] for i in range(3)]
     _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
-                                  max_num_batched_tokens=16)
+                                  max_num_batched_tokens=budget)

@@ -1,13 +1,14 @@
-"""The Gated DeltaNet prefill kernel (recurrent_prefill) vs the torch reference's chunked form
-(layers/gated_delta.gated_delta_rule_varlen), run on CUDA or on the CPU through the Triton interpreter
-(test_triton_interpreter.py): several sequences of different lengths in one launch, across the reference's 64-token
-chunks, sequences that continue their slot's state beside ones that start fresh, slots out of order, strided
-views, a padding slot."""
+"""The Gated DeltaNet prefill kernels (recurrent_prefill, which serves; chunked_prefill, not yet fast enough to) vs
+the torch reference's chunked form (layers/gated_delta.gated_delta_rule_varlen), run on CUDA or on the CPU through
+the Triton interpreter (test_triton_interpreter.py): several sequences of different lengths in one launch, across
+the reference's 64-token chunks, sequences that continue their slot's state beside ones that start fresh, slots out
+of order, strided views, a padding slot."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from radiance.kernels._triton.gated_delta_chunked import chunked_prefill, delta_chunks
 from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
 from radiance.layers.gated_delta import gated_delta_rule_varlen
 
@@ -80,3 +81,51 @@ def test_recurrent_prefill_refuses_mismatched_inputs(device):
         recurrent_prefill(q, k, v, g, beta, state, slots, cu[:1], torch.tensor([1], device=device))
     with pytest.raises(ValueError, match="float32"):
         recurrent_prefill(q, k, v, g.half(), beta, state, slots, cu, torch.tensor([1], device=device))
+
+
+@pytest.mark.parametrize("lens, continues, heads, dims, dtype", [
+    ([9], [False], *SMALL, torch.float32),
+    ([70], [True], *SMALL, torch.float32),  # a whole chunk and a partial one, continuing a state
+    ([3, 66, 1, 20], MIXED, *SMALL, torch.bfloat16),
+    ([3, 130, 1, 5], MIXED, *ODD, torch.float32),
+    ([70, 2], [False, True], (2, 4), (12, 8), torch.float32)])  # head dims below tl.dot's 16: padded
+def test_chunked_prefill_matches_the_chunked_reference(device, lens, continues, heads, dims, dtype):
+    """The chunked form: chunks of 64 tokens per sequence, a sequence of one token a chunk of one row, odd head dims
+    padded to powers of two, two value heads per key head."""
+    (hk, hv), (dk, dv) = heads, dims
+    q, k, v, g, beta, state = _inputs(lens, hk, hv, dk, dv, dtype, device, seed=sum(lens) * 3 + hv)
+    slots = torch.tensor([5, 0, 3, 6][:len(lens)], device=device)
+    want_state = state.clone()
+    want = gated_delta_rule_varlen(q, k, v, g, beta, want_state, slots, lens, continues)
+    before = state.clone()
+    got = chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device),
+                          torch.tensor(continues, device=device), block_v=16)
+    assert got.dtype == dtype and got.shape == v.shape
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
+    untouched = [s for s in range(SLOTS) if s not in slots.tolist()]
+    assert torch.equal(state[untouched], before[untouched])
+
+
+def test_chunked_prefill_keeps_repeated_keys_exact(device):
+    """Every token the same key (a repeated token): the chunk's interactions are all ones below the diagonal, whose
+    inverse a power series could not take in fp32; the forward substitution and the recurrent form agree."""
+    lens = [64]
+    q, k, v, g, beta, state = _inputs(lens, 1, 2, 16, 16, torch.float32, device, seed=11)
+    k = k[:1].expand(64, -1, -1)
+    q = q[:1].expand(64, -1, -1)
+    g = torch.zeros_like(g)
+    beta = torch.ones_like(beta)
+    slots, flags = torch.tensor([1], device=device), torch.tensor([1], device=device)
+    s1, s2 = state.clone(), state.clone()
+    want = recurrent_prefill(q, k, v, g, beta, s1, slots, _cu(lens, device), flags)
+    got = chunked_prefill(q, k, v, g, beta, s2, slots, delta_chunks(lens, device), flags)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s2, s1, rtol=1e-4, atol=1e-4)
+
+
+def test_delta_chunks_cut_each_sequence_on_its_own():
+    chunks = delta_chunks([3, 130, 0, 64], torch.device("cpu"))
+    assert chunks.starts.tolist() == [0, 3, 67, 131, 133] and chunks.lens.tolist() == [3, 64, 64, 2, 64]
+    assert chunks.first_chunk.tolist() == [0, 1, 4, 4, 5] and chunks.count == 5

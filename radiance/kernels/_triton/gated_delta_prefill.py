@@ -31,27 +31,12 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     here, its slot's old contents are not read). q, k l2-normalized in fp32 (eps 1e-6 inside the root), q times scale
     (default Dk**-0.5). Returns [T, Hv, Dv] in v's dtype. block_v / num_warps: the tiling (defaults min(Dv, 8) and
     one warp, the sweep's best)."""
-    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or state.dim() != 4:
-        raise ValueError(f"recurrent_prefill expects q, k [T, Hk, Dk], v [T, Hv, Dv], state [S, Hv, Dk, Dv]; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(state.shape)}")
+    _check_prefill_inputs(q, k, v, g, beta, state, state_slots, continues)
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
-    B = state_slots.shape[0] if state_slots.dim() == 1 else -1
-    if v.shape[0] != T or Hv % Hk or state.shape[1:] != (Hv, Dk, Dv):
-        raise ValueError(f"recurrent_prefill: v {tuple(v.shape)} / state {tuple(state.shape)} do not fit q "
-                         f"{tuple(q.shape)} (Hv a multiple of Hk)")
-    if g.shape != (T, Hv) or beta.shape != (T, Hv) or cu_seqlens.shape != (B + 1,) or continues.shape != (B,):
-        raise ValueError(f"recurrent_prefill: g, beta must be [{T}, {Hv}], state_slots and continues [B] and "
-                         f"cu_seqlens [B + 1]; got {tuple(g.shape)}, {tuple(beta.shape)}, "
-                         f"{tuple(state_slots.shape)}, {tuple(continues.shape)}, {tuple(cu_seqlens.shape)}")
-    if g.dtype != torch.float32 or state.dtype != torch.float32 or beta.dtype not in _FLOATS:
-        raise ValueError(f"recurrent_prefill: g and state float32, beta a float dtype; got {g.dtype}, {state.dtype}, "
-                         f"{beta.dtype}")
-    if q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS:
-        raise ValueError(f"recurrent_prefill: q, k, v float32 or 16-bit, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or g.stride(1) != 1 or beta.stride(1) != 1
-            or state.stride(3) != 1):
-        raise ValueError("recurrent_prefill: the last dim of q, k, v, g, beta and state must be contiguous")
+    B = state_slots.shape[0]
+    if cu_seqlens.shape != (B + 1,):
+        raise ValueError(f"recurrent_prefill: cu_seqlens must be [{B + 1}], got {tuple(cu_seqlens.shape)}")
     block_k = _next_pow2(Dk)
     block_v = block_v or min(_next_pow2(Dv), 8)
     if block_k > 256 or block_v & (block_v - 1):
@@ -68,6 +53,30 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                                    HV=Hv, GROUP=Hv // Hk, BLOCK_K=block_k, BLOCK_V=block_v,
                                    num_warps=num_warps or 1)
     return out
+
+
+def _check_prefill_inputs(q, k, v, g, beta, state, state_slots, continues) -> None:
+    """What both prefill forms refuse: shapes that do not fit together, dtypes, last dims that are not contiguous."""
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or state.dim() != 4 or state_slots.dim() != 1:
+        raise ValueError(f"the delta-rule prefill expects q, k [T, Hk, Dk], v [T, Hv, Dv], state [S, Hv, Dk, Dv], "
+                         f"state_slots [B]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
+                         f"{tuple(state.shape)}, {tuple(state_slots.shape)}")
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    if v.shape[0] != T or Hv % Hk or state.shape[1:] != (Hv, Dk, Dv):
+        raise ValueError(f"the delta-rule prefill: v {tuple(v.shape)} / state {tuple(state.shape)} do not fit q "
+                         f"{tuple(q.shape)} (Hv a multiple of Hk)")
+    if g.shape != (T, Hv) or beta.shape != (T, Hv) or continues.shape != state_slots.shape:
+        raise ValueError(f"the delta-rule prefill: g, beta must be [{T}, {Hv}] and continues like state_slots; got "
+                         f"{tuple(g.shape)}, {tuple(beta.shape)}, {tuple(continues.shape)}")
+    if g.dtype != torch.float32 or state.dtype != torch.float32 or beta.dtype not in _FLOATS:
+        raise ValueError(f"the delta-rule prefill: g and state float32, beta a float dtype; got {g.dtype}, "
+                         f"{state.dtype}, {beta.dtype}")
+    if q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS:
+        raise ValueError(f"the delta-rule prefill: q, k, v float32 or 16-bit, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or g.stride(1) != 1 or beta.stride(1) != 1
+            or state.stride(3) != 1):
+        raise ValueError("the delta-rule prefill: the last dim of q, k, v, g, beta and state must be contiguous")
 
 
 @triton.jit
@@ -105,3 +114,4 @@ def recurrent_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, sl
             tl.store(out_ptr + (t * HV + h) * Dv + dv, tl.sum(s * q[:, None], axis=0).to(out_ptr.dtype.element_ty),
                      mask=v_live)
         tl.store(tile, s, mask=live)
+
