@@ -193,14 +193,17 @@ def check_chunking(chunks: int, chunk_len: int, first: int = 0) -> None:
         raise ConfigError("chunks must be positive and first_chunk non-negative")
 
 
+def check_chunk_fits(chunk_len: int, context_length: int | None) -> None:
+    if context_length is not None and chunk_len > context_length:
+        raise ConfigError(f"chunk_len {chunk_len} exceeds the model's context of {context_length} tokens")
+
+
 def check_context(model: LogitsModel, chunk_len: int) -> None:
     """A chunk must fit the model's positions: past its context (ArchConfig.context_length) there are no rotary
     angles (an IndexError on the CPU, out-of-bounds reads on CUDA). The rotary tables are sized to one chunk, each
     chunk being one forward: LongRoPE then picks its factors by the chunk's length, as transformers does per
     forward (the short ones for chunks within the pretraining context; the model's whole context took the long)."""
-    limit = getattr(getattr(model, "config", None), "context_length", None)
-    if limit is not None and chunk_len > limit:
-        raise ConfigError(f"chunk_len {chunk_len} exceeds the model's context of {limit} tokens")
+    check_chunk_fits(chunk_len, getattr(getattr(model, "config", None), "context_length", None))
     for module in model.modules() if isinstance(model, torch.nn.Module) else ():
         if isinstance(module, RotaryEmbedding):  # built for the first EAGER_TABLE_POSITIONS positions only
             module.serve_context(chunk_len)
@@ -343,11 +346,12 @@ class EvalRequest:
     first_chunk: int = 0
 
 
-def run_eval(req: EvalRequest, loader, progress: bool = True, tokenizer_loader=None) -> dict:
+def run_eval(req: EvalRequest, loader, progress: bool = True, tokenizer_loader=None, context_of=None) -> dict:
     """Load the reference (for kl) and every variant with `loader(model, variant, device, dtype)`,
     which returns (model with forward_logits, tokenizer), then score them on the same chunks. With
     `tokenizer_loader(model, device)` the text is tokenized and chunked before any model loads, so a text too short
-    for the chunks asked is an error in seconds, not after minutes of loading and quantizing."""
+    for the chunks asked is an error in seconds, not after minutes of loading and quantizing; with
+    `context_of(model)` (the model's context in tokens, from its config) so is a chunk longer than the context."""
     if req.mode not in ("ppl", "kl"):
         raise ConfigError(f"eval mode must be ppl or kl, got {req.mode!r}")
     if not req.variants or len({v.label for v in req.variants}) != len(req.variants):
@@ -357,6 +361,8 @@ def run_eval(req: EvalRequest, loader, progress: bool = True, tokenizer_loader=N
                           f"(or {KV_SUFFIX})")
     # the request's own mistakes before any model loads (a large one takes minutes, kl loads two)
     check_chunking(req.chunks, req.chunk_len, req.first_chunk)
+    if context_of is not None:
+        check_chunk_fits(req.chunk_len, context_of(req.model))
     text = read_text(req.text)
     start = time.perf_counter()
     chunks = None
@@ -413,6 +419,14 @@ def load_eval_tokenizer(model: str | None, device: str | None):
     if is_synthetic(model):
         raise ConfigError("synthetic models have no tokenizer; evaluate a real checkpoint (or omit MODEL)")
     return open_eval_checkpoint(model).tokenizer()
+
+
+def eval_context_length(model: str | None) -> int | None:
+    """The model's context in tokens from its config alone (run_eval's context_of; the checkpoint opened once
+    within loading.shared_checkpoints())."""
+    from radiance.bench.loading import open_eval_checkpoint
+
+    return open_eval_checkpoint(model).resolve_architecture()[1].context_length
 
 
 SIXTEEN_BIT = "16-bit"

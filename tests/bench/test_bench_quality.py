@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import re
@@ -172,6 +173,25 @@ def test_chunks_longer_than_the_model_context_are_refused(tmp_path):
         quality.run_eval(EvalRequest("ppl", None, (Variant("none"),), str(text), 2, 33), loader, progress=False)
     at_limit = quality.run_eval(EvalRequest("ppl", None, (Variant("none"),), str(text), 2, 32), loader, progress=False)
     assert at_limit["tokens"] == 2 * 31
+
+
+def test_a_chunk_past_the_context_from_the_config_fails_before_any_model_loads(tmp_path):
+    """With context_of (the context read from the model's config), a chunk longer than it is refused before the
+    load of one or two models, not after."""
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat " * 50)
+    loaded = []
+
+    def loader(model, variant, device, dtype):
+        loaded.append(variant)
+        return BigramModel(torch.zeros(3, 3)), WordTokenizer(["the", "cat", "sat"])
+
+    req = EvalRequest("kl", "m", (Variant("mxfp4"),), str(text), 2, 33)
+    with pytest.raises(ConfigError, match="chunk_len 33 exceeds the model's context of 32 tokens"):
+        quality.run_eval(req, loader, progress=False, context_of=lambda model: 32 if model == "m" else None)
+    assert loaded == []
+    fits = quality.run_eval(dataclasses.replace(req, chunk_len=16), loader, progress=False, context_of=lambda m: 32)
+    assert fits["chunks"] == 2 and len(loaded) == 2
 
 
 @pytest.mark.parametrize("text_name, chunks, chunk_len, first, match", [

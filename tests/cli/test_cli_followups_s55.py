@@ -95,6 +95,18 @@ def test_eval_on_a_text_too_short_fails_before_the_model_loads(no_load, capsys, 
     assert message in _error_line(capsys, f"eval {mode}")
 
 
+def test_eval_with_a_chunk_past_the_context_fails_before_the_model_loads(no_load, capsys, tmp_path):
+    """The embedded model's context comes from its GGUF metadata: a --chunk-len beyond it is one line, no load."""
+    from radiance.bench.quality import eval_context_length
+
+    context = eval_context_length(None)
+    short = tmp_path / "short.txt"
+    short.write_text("The city was founded in the twelfth century . " * 20)
+    assert main(["eval", "ppl", "--text", str(short), "--chunk-len", str(context + 1), "--no-progress"]) == 2
+    assert f"--chunk-len {context + 1} exceeds the model's context of {context} tokens" in _error_line(capsys,
+                                                                                                      "eval ppl")
+
+
 def test_run_eval_chunks_the_text_with_the_tokenizer_alone_before_any_load(text):
     loaded = []
 
