@@ -4,7 +4,7 @@ block_v x num_warps, the chunked form over its block_v) at Qwen3.5-9B's head sha
 (the 9B's linear-attention layers), each checked against the recurrent form's default output first.
 
     python3 tools/gated_delta_prefill_sweep.py [--lengths 64 1024 8192] [--tilings 8x1 4x1 16x1 32x4]
-        [--chunked 16 32 64]
+        [--chunked 32/ieee/8 32/tf32x3/4 ...]   (block_v / tl.dot input_precision / num_warps)
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ def inputs(length: int, device: torch.device):
     return q, k, v, g, beta, state, cu
 
 
+def parse_chunked(text: str) -> tuple[int, str, int]:
+    block_v, precision, warps = text.split("/")
+    return int(block_v), precision, int(warps)
+
+
 def time_ms(fn, repeats: int = 5) -> float:
     fn()
     torch.cuda.synchronize()
@@ -64,7 +69,9 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 1024, 8192])
     parser.add_argument("--tilings", type=parse_tiling, nargs="+",
                         default=[(8, 1), (4, 1), (16, 1), (32, 4), (16, 4), (8, 2)])
-    parser.add_argument("--chunked", type=int, nargs="+", default=[16, 32, 64], metavar="BLOCK_V")
+    parser.add_argument("--chunked", type=parse_chunked, nargs="+", metavar="BLOCK_V/PRECISION/WARPS",
+                        default=[parse_chunked(c) for c in ("32/ieee/8", "32/tf32x3/8", "32/tf32x3/4", "16/tf32x3/4",
+                                                            "32/tf32/4")])
     args = parser.parse_args()
     device = torch.device("cuda")
     slots, continues = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32,
@@ -79,10 +86,11 @@ def main() -> None:
                                          num_warps=warps)
             rows.append(measure(length, f"{block_v}x{warps}", run, want))
         chunks = delta_chunks([length], device)
-        for block_v in args.chunked:
+        for block_v, precision, warps in args.chunked:
             def run():
-                return chunked_prefill(q, k, v, g, beta, state.clone(), slots, chunks, continues, block_v=block_v)
-            rows.append(measure(length, f"chunked {block_v}", run, want))
+                return chunked_prefill(q, k, v, g, beta, state.clone(), slots, chunks, continues, block_v=block_v,
+                                       precision=precision, num_warps=warps)
+            rows.append(measure(length, f"chunked {block_v}/{precision}/{warps}", run, want))
     print("\n| tokens | form | ms / layer | us / token | ms x 24 layers | max rel. diff vs default |")
     for length, tiling, ms, per_token, total, error in rows:
         print(f"| {length} | {tiling} | {ms:.3f} | {per_token:.3f} | {total:.1f} | {error:.1e} |")

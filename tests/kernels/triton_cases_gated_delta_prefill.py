@@ -87,7 +87,7 @@ def test_recurrent_prefill_refuses_mismatched_inputs(device):
     ([9], [False], *SMALL, torch.float32),
     ([70], [True], *SMALL, torch.float32),  # a whole chunk and a partial one, continuing a state
     ([3, 66, 1, 20], MIXED, *SMALL, torch.bfloat16),
-    ([3, 130, 1, 5], MIXED, *ODD, torch.float32),
+    ([3, 70, 1, 5], MIXED, *ODD, torch.float32),
     ([70, 2], [False, True], (2, 4), (12, 8), torch.float32)])  # head dims below tl.dot's 16: padded
 def test_chunked_prefill_matches_the_chunked_reference(device, lens, continues, heads, dims, dtype):
     """The chunked form: chunks of 64 tokens per sequence, a sequence of one token a chunk of one row, odd head dims
@@ -106,6 +106,24 @@ def test_chunked_prefill_matches_the_chunked_reference(device, lens, continues, 
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
     untouched = [s for s in range(SLOTS) if s not in slots.tolist()]
     assert torch.equal(state[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("precision, tol", [("tf32x3", 1e-4), ("tf32", 3e-2)])
+def test_chunked_prefill_on_the_tensor_cores(device, precision, tol):
+    """tl.dot's tf32x3 (about fp32) and tf32 (10-bit mantissas) inputs, fewer warps: the same results within their
+    precision."""
+    lens, continues = [70, 5], [True, False]
+    q, k, v, g, beta, state = _inputs(lens, 1, 2, 16, 16, torch.float32, device, seed=21)
+    slots = torch.tensor([4, 1], device=device)
+    want_state = state.clone()
+    want = gated_delta_rule_varlen(q, k, v, g, beta, want_state, slots, lens, continues)
+    got = chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device),
+                          torch.tensor(continues, device=device), precision=precision, num_warps=4)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(state, want_state, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="precision"):
+        chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device),
+                        torch.tensor(continues, device=device), precision="bf16")
 
 
 def test_chunked_prefill_keeps_repeated_keys_exact(device):

@@ -10,7 +10,7 @@ T = (I + A)^-1 by forward substitution (row by row: exact, as the reference's tr
 exp(cum)), U = T (V beta) and the chunk's own attention (Q K^T * decay, diagonal included). Launch 2, every
 (sequence, value head, block_v state columns): the scan over the sequence's chunks with the state in registers,
 V_new = U - W S, O = (Q exp(cum)) S + attn V_new, S = exp(cum_last) S + (K exp(cum_last - cum))^T V_new.
-Matrix products in fp32 (input_precision ieee): a few MFLOP a chunk, not worth a rounding.
+Matrix products in fp32 by default (input_precision ieee: on the CUDA cores; tf32x3 takes the tensor cores).
 """
 
 from __future__ import annotations
@@ -55,10 +55,15 @@ def delta_chunks(q_lens: list[int], device: torch.device, chunk: int = CHUNK) ->
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, state_slots: torch.Tensor, chunks: DeltaChunks, continues: torch.Tensor,
-                    scale: float | None = None, block_v: int = 32) -> torch.Tensor:
+                    scale: float | None = None, block_v: int = 32, precision: str = "ieee",
+                    num_warps: int = 8) -> torch.Tensor:
     """recurrent_prefill's result in the chunked form (same arguments, the chunk table `chunks` in place of
     cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (Dk + Dv
-    + CHUNK) fp32 values a token and value head."""
+    + CHUNK) fp32 values a token and value head. precision: tl.dot's input_precision ("ieee": fp32 products on the
+    CUDA cores; "tf32x3": three tf32 tensor-core products, about fp32's accuracy; "tf32"), num_warps: both launches'
+    (tools/gated_delta_prefill_sweep.py times them)."""
+    if precision not in ("ieee", "tf32x3", "tf32"):
+        raise ValueError(f"chunked_prefill: precision ieee, tf32x3 or tf32, got {precision!r}")
     _check_prefill_inputs(q, k, v, g, beta, state, state_slots, continues)
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
@@ -81,13 +86,13 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if chunks.count:
         chunk_prepare_kernel[(chunks.count, Hv)](q, k, v, g, beta, chunks.starts, chunks.lens, w, u, attn, scale, Dk,
                                                  Dv, *strides, HV=Hv, GROUP=Hv // Hk, C=CHUNK, BLOCK_K=block_k,
-                                                 BLOCK_DV=block_dv, num_warps=8)
+                                                 BLOCK_DV=block_dv, PRECISION=precision, num_warps=num_warps)
     block_v = max(16, min(block_v, block_dv))
     chunk_scan_kernel[(B * Hv, triton.cdiv(Dv, block_v))](
         q, k, g, w, u, attn, state, state_slots, chunks.starts, chunks.lens, chunks.first_chunk, continues, out,
         scale, Dk, Dv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), state.stride(0),
         state.stride(1), state.stride(2), HV=Hv, GROUP=Hv // Hk, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=block_dv,
-        BLOCK_V=block_v, num_warps=8)
+        BLOCK_V=block_v, PRECISION=precision, num_warps=num_warps)
     return out
 
 
@@ -108,7 +113,7 @@ def _normalized(x):
 def chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, lens_ptr, w_ptr, u_ptr, attn_ptr, scale,
                          Dk, Dv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
                          stride_bt, HV: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_DV: tl.constexpr):
+                         BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """Grid [chunks, HV]: W [C, BLOCK_K], U [C, BLOCK_DV], attn [C, C] of value head h in chunk c."""
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -127,7 +132,7 @@ def chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, lens_
     cum = tl.cumsum(g, axis=0)
     lower = r[:, None] >= r[None, :]
     decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    a = tl.dot(k * beta[:, None], tl.trans(k), input_precision="ieee") * decay
+    a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * decay
     a = tl.where(r[:, None] > r[None, :], a, 0.0)
     # T = (I + A)^-1, A strictly lower: row i of T is e_i - sum_{j < i} A_ij T_j (rows j >= i are still e_j, and
     # A_ij = 0 there)
@@ -136,9 +141,9 @@ def chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, lens_
         a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)
         row = tl.where(r == i, 1.0, -tl.sum(a_i[:, None] * t, axis=0))
         t = tl.where(r[:, None] == i, row[None, :], t)
-    w = tl.dot(t, k * (beta * tl.exp(cum))[:, None], input_precision="ieee")
-    u = tl.dot(t, v * beta[:, None], input_precision="ieee")
-    attn = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
+    w = tl.dot(t, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)
+    u = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
+    attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
     base = (c * HV + h).to(tl.int64) * C
     tl.store(w_ptr + (base + r[:, None]) * BLOCK_K + dk[None, :], w)
     tl.store(u_ptr + (base + r[:, None]) * BLOCK_DV + dv[None, :], u)
@@ -149,7 +154,8 @@ def chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, lens_
 def chunk_scan_kernel(q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, attn_ptr, state_ptr, slot_ptr, starts_ptr, lens_ptr,
                       first_ptr, continues_ptr, out_ptr, scale, Dk, Dv, stride_qt, stride_qh, stride_kt, stride_kh,
                       stride_gt, stride_ss, stride_sh, stride_sk, HV: tl.constexpr, GROUP: tl.constexpr,
-                      C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_V: tl.constexpr):
+                      C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                      PRECISION: tl.constexpr):
     """Grid [B * HV, cdiv(Dv, BLOCK_V)]: sequence b's chunks in order for value head h, state columns dv."""
     bh = tl.program_id(0)
     b = bh // HV
@@ -178,11 +184,11 @@ def chunk_scan_kernel(q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, attn_ptr, state_ptr, sl
             w = tl.load(w_ptr + (base + r[:, None]) * BLOCK_K + dk[None, :])
             u = tl.load(u_ptr + (base + r[:, None]) * BLOCK_DV + dv[None, :], mask=v_live[None, :], other=0.0)
             attn = tl.load(attn_ptr + (base + r[:, None]) * C + r[None, :])
-            v_new = u - tl.dot(w, s, input_precision="ieee")
-            o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision="ieee") + tl.dot(attn, v_new,
-                                                                                   input_precision="ieee")
+            v_new = u - tl.dot(w, s, input_precision=PRECISION)
+            o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=PRECISION) + tl.dot(attn, v_new,
+                                                                                   input_precision=PRECISION)
             tl.store(out_ptr + ((t0 + r[:, None]).to(tl.int64) * HV + h) * Dv + dv[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=rows_live[:, None] & v_live[None, :])
             k_decayed = k * tl.exp(last - cum)[:, None]
-            s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="ieee")
+            s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision=PRECISION)
         tl.store(tile, s, mask=live)
