@@ -44,14 +44,21 @@ SMALL, ODD = ((1, 2), (16, 16)), ((2, 4), (24, 40))  # (Hk, Hv), (Dk, Dv); ODD: 
     ([3, 66, 1, 20], MIXED, *SMALL, torch.float32), ([3, 66, 1, 20], MIXED, *SMALL, torch.bfloat16),
     ([3, 12, 1, 5], MIXED, *ODD, torch.float32), ([3, 12, 1, 5], MIXED, *ODD, torch.bfloat16)])
 def test_recurrent_prefill_matches_the_chunked_reference(device, lens, continues, heads, dims, dtype):
+    _check_against_reference(lambda *args, cu, chunks: recurrent_prefill(*args[:7], cu, args[7], block_v=16),
+                             lens, continues, heads, dims, dtype, device, seed=sum(lens) + heads[1] + dims[0])
+
+
+def _check_against_reference(prefill, lens, continues, heads, dims, dtype, device, seed):
+    """prefill(q, k, v, g, beta, state, slots, continues, cu=..., chunks=...) against gated_delta_rule_varlen: the
+    outputs, the final states at the sequences' slots, every other slot untouched."""
     (hk, hv), (dk, dv) = heads, dims
-    q, k, v, g, beta, state = _inputs(lens, hk, hv, dk, dv, dtype, device, seed=sum(lens) + hv + dk)
+    q, k, v, g, beta, state = _inputs(lens, hk, hv, dk, dv, dtype, device, seed=seed)
     slots = torch.tensor([5, 0, 3, 6][:len(lens)], device=device)
     want_state = state.clone()
     want = gated_delta_rule_varlen(q, k, v, g, beta, want_state, slots, lens, continues)
     before = state.clone()
-    got = recurrent_prefill(q, k, v, g, beta, state, slots, _cu(lens, device),
-                            torch.tensor(continues, device=device), block_v=16)
+    got = prefill(q, k, v, g, beta, state, slots, torch.tensor(continues, device=device), cu=_cu(lens, device),
+                  chunks=delta_chunks(lens, device))
     assert got.dtype == dtype and got.shape == v.shape
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, want, **tol)
@@ -92,20 +99,8 @@ def test_recurrent_prefill_refuses_mismatched_inputs(device):
 def test_chunked_prefill_matches_the_chunked_reference(device, lens, continues, heads, dims, dtype):
     """The chunked form: chunks of 64 tokens per sequence, a sequence of one token a chunk of one row, odd head dims
     padded to powers of two, two value heads per key head."""
-    (hk, hv), (dk, dv) = heads, dims
-    q, k, v, g, beta, state = _inputs(lens, hk, hv, dk, dv, dtype, device, seed=sum(lens) * 3 + hv)
-    slots = torch.tensor([5, 0, 3, 6][:len(lens)], device=device)
-    want_state = state.clone()
-    want = gated_delta_rule_varlen(q, k, v, g, beta, want_state, slots, lens, continues)
-    before = state.clone()
-    got = chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device),
-                          torch.tensor(continues, device=device), block_v=16)
-    assert got.dtype == dtype and got.shape == v.shape
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got, want, **tol)
-    torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
-    untouched = [s for s in range(SLOTS) if s not in slots.tolist()]
-    assert torch.equal(state[untouched], before[untouched])
+    _check_against_reference(lambda *args, cu, chunks: chunked_prefill(*args[:7], chunks, args[7], block_v=16),
+                             lens, continues, heads, dims, dtype, device, seed=sum(lens) * 3 + heads[1])
 
 
 @pytest.mark.parametrize("precision, tol", [("tf32x3", 1e-4), ("tf32", 3e-2)])

@@ -68,28 +68,12 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     One program per (row, value head, block_v columns of the state): the [Dk, block_v] state tile stays in
     registers from load to store (default block_v min(Dv, 32): a 128 x 32 fp32 tile is 32 registers a thread
     over 4 warps)."""
-    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or state.dim() != 4:
-        raise ValueError(f"recurrent_step expects q, k [B, Hk, Dk], v [B, Hv, Dv], state [S, Hv, Dk, Dv]; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(state.shape)}")
+    check_delta_rule_inputs("recurrent_step", q, k, v, g, beta, state, state_slots)
     B, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
-    if v.shape[0] != B or Hv % Hk or state.shape[1:] != (Hv, Dk, Dv):
-        raise ValueError(f"recurrent_step: v {tuple(v.shape)} / state {tuple(state.shape)} do not fit q "
-                         f"{tuple(q.shape)} (Hv a multiple of Hk)")
-    if g.shape != (B, Hv) or beta.shape != (B, Hv) or state_slots.shape != (B,):
-        raise ValueError(f"recurrent_step: g, beta must be [{B}, {Hv}] and state_slots [{B}], got "
-                         f"{tuple(g.shape)}, {tuple(beta.shape)}, {tuple(state_slots.shape)}")
-    if g.dtype != torch.float32 or state.dtype != torch.float32 or beta.dtype not in _FLOATS:
-        raise ValueError(f"recurrent_step: g and state float32, beta a float dtype; got {g.dtype}, {state.dtype}, "
-                         f"{beta.dtype}")
-    if q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS:
-        raise ValueError(f"recurrent_step: q, k, v float32 or 16-bit, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if state_slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"recurrent_step: state_slots must be int32/int64, got {state_slots.dtype}")
-    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or g.stride(1) != 1 or beta.stride(1) != 1
-            or state.stride(3) != 1):
-        # the state is written in place, so it is never copied: its rows must already be contiguous
-        raise ValueError("recurrent_step: the last dim of q, k, v, g, beta and state must be contiguous")
+    if state_slots.shape != (B,):
+        raise ValueError(f"recurrent_step: one state slot per row: state_slots must be [{B}], got "
+                         f"{tuple(state_slots.shape)}")
     block_k = _next_pow2(Dk)
     block_v = block_v or min(_next_pow2(Dv), 32)
     if block_k > 256 or block_v & (block_v - 1):
@@ -105,6 +89,33 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                                 HV=Hv, GROUP=Hv // Hk, BLOCK_K=block_k, BLOCK_V=block_v,
                                 num_warps=max(1, min(4, block_k * block_v // 1024)))
     return out
+
+
+def check_delta_rule_inputs(what: str, q, k, v, g, beta, state, state_slots) -> None:
+    """What every delta-rule launch refuses (`what` names it): q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv],
+    state [S, Hv, Dk, Dv] and state_slots [B] that do not fit together, dtypes, last dims that are not contiguous."""
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or state.dim() != 4 or state_slots.dim() != 1:
+        raise ValueError(f"{what} expects q, k [T, Hk, Dk], v [T, Hv, Dv], state [S, Hv, Dk, Dv], state_slots [B]; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(state.shape)}, "
+                         f"{tuple(state_slots.shape)}")
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    if v.shape[0] != T or Hv % Hk or state.shape[1:] != (Hv, Dk, Dv):
+        raise ValueError(f"{what}: v {tuple(v.shape)} / state {tuple(state.shape)} do not fit q {tuple(q.shape)} "
+                         "(Hv a multiple of Hk)")
+    if g.shape != (T, Hv) or beta.shape != (T, Hv):
+        raise ValueError(f"{what}: g, beta must be [{T}, {Hv}], got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if g.dtype != torch.float32 or state.dtype != torch.float32 or beta.dtype not in _FLOATS:
+        raise ValueError(f"{what}: g and state float32, beta a float dtype; got {g.dtype}, {state.dtype}, "
+                         f"{beta.dtype}")
+    if q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS:
+        raise ValueError(f"{what}: q, k, v float32 or 16-bit, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if state_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: state_slots must be int32/int64, got {state_slots.dtype}")
+    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or g.stride(1) != 1 or beta.stride(1) != 1
+            or state.stride(3) != 1):
+        # the state is written in place, so it is never copied: its rows must already be contiguous
+        raise ValueError(f"{what}: the last dim of q, k, v, g, beta and state must be contiguous")
 
 
 def decay_and_beta(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor

@@ -64,7 +64,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     (tools/gated_delta_prefill_sweep.py times them)."""
     if precision not in ("ieee", "tf32x3", "tf32"):
         raise ValueError(f"chunked_prefill: precision ieee, tf32x3 or tf32, got {precision!r}")
-    _check_prefill_inputs(q, k, v, g, beta, state, state_slots, continues)
+    _check_prefill_inputs("chunked_prefill", q, k, v, g, beta, state, state_slots, continues)
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     B = state_slots.shape[0]

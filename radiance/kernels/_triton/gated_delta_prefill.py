@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radiance.kernels._triton.gated_delta import _FLOATS, _next_pow2
+from radiance.kernels._triton.gated_delta import _next_pow2, check_delta_rule_inputs
 
 
 def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -31,7 +31,7 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     here, its slot's old contents are not read). q, k l2-normalized in fp32 (eps 1e-6 inside the root), q times scale
     (default Dk**-0.5). Returns [T, Hv, Dv] in v's dtype. block_v / num_warps: the tiling (defaults min(Dv, 8) and
     one warp, the sweep's best)."""
-    _check_prefill_inputs(q, k, v, g, beta, state, state_slots, continues)
+    _check_prefill_inputs("recurrent_prefill", q, k, v, g, beta, state, state_slots, continues)
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     B = state_slots.shape[0]
@@ -55,28 +55,12 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return out
 
 
-def _check_prefill_inputs(q, k, v, g, beta, state, state_slots, continues) -> None:
-    """What both prefill forms refuse: shapes that do not fit together, dtypes, last dims that are not contiguous."""
-    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or state.dim() != 4 or state_slots.dim() != 1:
-        raise ValueError(f"the delta-rule prefill expects q, k [T, Hk, Dk], v [T, Hv, Dv], state [S, Hv, Dk, Dv], "
-                         f"state_slots [B]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
-                         f"{tuple(state.shape)}, {tuple(state_slots.shape)}")
-    T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[1], v.shape[2]
-    if v.shape[0] != T or Hv % Hk or state.shape[1:] != (Hv, Dk, Dv):
-        raise ValueError(f"the delta-rule prefill: v {tuple(v.shape)} / state {tuple(state.shape)} do not fit q "
-                         f"{tuple(q.shape)} (Hv a multiple of Hk)")
-    if g.shape != (T, Hv) or beta.shape != (T, Hv) or continues.shape != state_slots.shape:
-        raise ValueError(f"the delta-rule prefill: g, beta must be [{T}, {Hv}] and continues like state_slots; got "
-                         f"{tuple(g.shape)}, {tuple(beta.shape)}, {tuple(continues.shape)}")
-    if g.dtype != torch.float32 or state.dtype != torch.float32 or beta.dtype not in _FLOATS:
-        raise ValueError(f"the delta-rule prefill: g and state float32, beta a float dtype; got {g.dtype}, "
-                         f"{state.dtype}, {beta.dtype}")
-    if q.dtype not in _FLOATS or k.dtype not in _FLOATS or v.dtype not in _FLOATS:
-        raise ValueError(f"the delta-rule prefill: q, k, v float32 or 16-bit, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or g.stride(1) != 1 or beta.stride(1) != 1
-            or state.stride(3) != 1):
-        raise ValueError("the delta-rule prefill: the last dim of q, k, v, g, beta and state must be contiguous")
+def _check_prefill_inputs(what: str, q, k, v, g, beta, state, state_slots, continues) -> None:
+    """check_delta_rule_inputs, and one `continues` flag per sequence."""
+    check_delta_rule_inputs(what, q, k, v, g, beta, state, state_slots)
+    if continues.shape != state_slots.shape:
+        raise ValueError(f"{what}: continues must be like state_slots {tuple(state_slots.shape)}, got "
+                         f"{tuple(continues.shape)}")
 
 
 @triton.jit
