@@ -55,8 +55,8 @@ def _generate_counting(llm, prompts):
     scheduler = llm.engine.scheduler
     schedule, computed = scheduler.schedule, [0]
 
-    def counting():
-        scheduled = schedule()
+    def counting(**options):
+        scheduled = schedule(**options)
         computed[0] += sum(s.num_new_tokens for s in scheduled)
         return scheduled
 

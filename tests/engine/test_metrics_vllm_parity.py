@@ -32,9 +32,9 @@ def _run(engine, prompts, params=GREEDY):
     steps: list[int] = []
     schedule = engine.scheduler.schedule
 
-    def recording_schedule():
+    def recording_schedule(**options):
         waiting = {id(seq) for seq in engine.scheduler.waiting}
-        scheduled = schedule()
+        scheduled = schedule(**options)
         now = time.monotonic()
         for s in scheduled:
             if id(s.seq) in waiting:
