@@ -22,29 +22,22 @@ from radiance.checkpoint.hf_config import (chat_template_files, eos_token_ids, e
                                            language_model, load_config, modelopt_quant_file,
                                            quantization_config, tensor_renames)
 from radiance.checkpoint.hf_tokenizer import has_tokenizer_files, load_tokenizer
+from radiance.checkpoint.decoder_tensors import first_missing, needed_decoder_tensors
 from radiance.checkpoint.layout import (FLOAT_DTYPES, check_linear, check_no_stray_tensors, detect_format, read_linear,
                                         required_tensors)
-from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, LINEAR_ATTENTION_LINEARS, QUANT_SUFFIXES,
-                                       canonical_linear, is_linear_module, leaf, partition_modules, sort_key,
-                                       split_tensor_name, stored_modules)
+from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
+                                       leaf, partition_modules, sort_key, split_tensor_name)
 from radiance.checkpoint.quant_config import parse_quantization_config
 from radiance.checkpoint.safetensors_io import SafetensorsIndex
 from radiance.checkpoint.stacked_experts import find_stacked_experts, read_stacked_experts
-from radiance.errors import CheckpointError, ConfigError
+from radiance.errors import CheckpointError
 from radiance.formats import DenseWeight, concat_partitions, dequantize
-from radiance.models.moe_config import MoeConfig, expert_count
 
 logger = logging.getLogger(__name__)
 
-# the norms every decoder layer has (OLMo 2 and 3 normalize the attention and MLP outputs only)
-_OUTPUT_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
-_LAYER_NORMS = {None: ("input_layernorm", "post_attention_layernorm"), "Olmo2ForCausalLM": _OUTPUT_NORMS,
-                "Olmo3ForCausalLM": _OUTPUT_NORMS}
 _DECODER_PROJ = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj$")
 _EXPERT_PROJ = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj$")
 _LINEAR_ATTN_PROJ = re.compile(r"^model\.layers\.\d+\.linear_attn\.(in_proj_\w+|out_proj)$")
-# a Gated DeltaNet layer's tensors besides its linears (Qwen3.5)
-_LINEAR_ATTN_TENSORS = ("conv1d.weight", "A_log", "dt_bias", "norm.weight")
 
 
 # buffers older exports saved with the weights (transformers < 4.31 Llama: rotary_emb.inv_freq in every layer);
@@ -154,6 +147,7 @@ class HfCheckpoint(Checkpoint):
         linears = [self._plan_linear(canonical, found, tensors.module_tensors, mismatches)
                    for canonical, found in tensors.parts.items()]
         self._warn_format_mismatches(mismatches)
+        self._warn_mixed_partitions(linears)
         if tensors.derived:
             logger.info("skipping %d rotary buffer(s) the model computes itself (e.g. %s)", len(tensors.derived),
                         tensors.derived[0])
@@ -180,7 +174,13 @@ class HfCheckpoint(Checkpoint):
             elif is_linear_module(module) or leafname in QUANT_SUFFIXES:
                 canonical, index = canonical_linear(module)
                 if leafname != "bias":
-                    out.parts.setdefault(canonical, {})[index] = module
+                    parts = out.parts.setdefault(canonical, {})
+                    if module not in parts.values() and parts and canonical in (module, *parts.values()):
+                        other = next(m for m in parts.values() if m != module)
+                        raise CheckpointError(f"{canonical} is stored both whole and as its parts ({leaf(other)}, "
+                                              f"{leaf(module)}): one would be served and the other ignored",
+                                              file=self.index.meta[name].file, tensor=name)
+                    parts[index] = module
                     out.module_tensors.setdefault(module, []).append(name)
                 elif canonical != module:
                     out.biases.setdefault(f"{canonical}.bias", {})[index] = name
@@ -214,6 +214,19 @@ class HfCheckpoint(Checkpoint):
             formats.append(detected)
             schemes.append(scheme)
         return _Linear(canonical, modules, tuple(formats), tuple(schemes))
+
+    def _warn_mixed_partitions(self, linears: list["_Linear"]) -> None:
+        """A merged linear whose parts are stored in different formats (an NVFP4 in_proj_qkv beside a 16-bit
+        in_proj_z) is read as 16-bit values (one kernel serves one format): said once per kind at open."""
+        mixed: dict[tuple, list[_Linear]] = {}
+        for entry in linears:
+            if len(set(entry.formats)) > 1:
+                mixed.setdefault((leaf(entry.canonical), tuple(map(leaf, entry.modules)), entry.formats),
+                                 []).append(entry)
+        for (kind, parts, formats), entries in mixed.items():
+            stored = ", ".join(f"{part} {fmt}" for part, fmt in zip(parts, formats))
+            self.warn(f"{len(entries)} {kind} linear(s) (e.g. {entries[0].canonical}) store their parts in different "
+                      f"formats ({stored}): served as one linear, each is read as its 16-bit values")
 
     def _holds_floats(self, name: str) -> bool:
         return self.index.meta[name].dtype in FLOAT_DTYPES
@@ -278,61 +291,15 @@ class HfCheckpoint(Checkpoint):
         return None
 
     def _check_complete(self, linears: list[_Linear], plain: list[str]) -> None:
-        """Llama/Qwen-style decoders: every layer must have all its linears and norms."""
-        layers = self.config.get("num_hidden_layers")
-        if not layers or not self._shapes or not any(n.startswith("model.layers.") for n in self.index.meta):
+        """Llama/Qwen-style decoders: every layer must have all its linears and norms (decoder_tensors)."""
+        if not self._shapes or not any(n.startswith("model.layers.") for n in self.index.meta):
             return
         have = {e.canonical for e in linears} | set(plain)
         have |= {name for group in self._stacked.values() for name in group.linear_names()}
-        needed = ["model.embed_tokens.weight", "model.norm.weight"]
-        if not self.tie_word_embeddings:
-            needed.append("lm_head")
-        sparse = expert_count(self.config)
-        try:
-            moe = MoeConfig.from_hf(self.config, self.architecture, layers) if sparse else None
-        except ConfigError:  # a layout radiance does not know: the architecture check says why (inspect warns)
-            return
-        router = "router" if self.config.get("model_type") == "gpt_oss" else "gate"
-        linear = self._linear_attention_layers(layers)
-        for i in range(layers):
-            p = f"model.layers.{i}"
-            if i in linear:
-                # Qwen3.5's four input projections are served as two linears (names.LINEAR_ATTENTION_MERGES)
-                needed += dict.fromkeys(canonical_linear(f"{p}.linear_attn.{name}")[0]
-                                        for name in LINEAR_ATTENTION_LINEARS[self.architecture] + _LINEAR_ATTN_TENSORS)
-            else:
-                needed += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj"]
-            needed += [f"{p}.{norm}.weight" for norm in _LAYER_NORMS.get(self.architecture, _LAYER_NORMS[None])]
-            if moe is not None and i in moe.layers:
-                needed.append(f"{p}.mlp.{router}.weight")
-                if moe.sigmoid_grouped:
-                    needed.append(f"{p}.mlp.gate.e_score_correction_bias")
-                experts = [f"{p}.mlp.experts.{e}" for e in range(moe.num_experts)]
-                if moe.shared_expert_size:
-                    experts.append(f"{p}.mlp.shared_expert")
-                    if moe.shared_expert_gated:
-                        needed.append(f"{p}.mlp.shared_expert_gate.weight")
-                for expert in experts:
-                    needed += [f"{expert}.gate_up_proj", f"{expert}.down_proj"]
-            else:
-                needed += [f"{p}.mlp.gate_up_proj", f"{p}.mlp.down_proj"]
-        for name in needed:
-            if name == "lm_head" and ("lm_head.weight" in have or "lm_head" in have):
-                continue
-            if name not in have:
-                tensor = name if name.endswith(".weight") else f"{stored_modules(name, self.architecture)[0]}.weight"
-                raise CheckpointError("tensor missing from the checkpoint", file=self.path, tensor=tensor)
-
-    def _linear_attention_layers(self, layers: int) -> set[int]:
-        """The layers a hybrid model (Qwen3.5, Qwen3-Next) runs as linear attention (none where its layer_types are
-        wrong: the model registry names that)."""
-        if self.architecture not in LINEAR_ATTENTION_LINEARS:
-            return set()
-        from radiance.models.qwen3_5 import layer_types
-        try:
-            return {i for i, kind in enumerate(layer_types(self.config, layers)) if kind == "linear_attention"}
-        except ConfigError:
-            return set()
+        missing = first_missing(needed_decoder_tensors(self.config, self.architecture, self.tie_word_embeddings),
+                                have, self.architecture)
+        if missing is not None:
+            raise CheckpointError("tensor missing from the checkpoint", file=self.path, tensor=missing)
 
     # ------------------------------------------------------------------ interface
 
@@ -441,10 +408,9 @@ class HfCheckpoint(Checkpoint):
         if len(weights) == 1:
             return weights[0]
         if len(set(entry.formats)) > 1:
-            # partitions stored in different formats cannot share one kernel: serve them 16-bit
-            self.warn(f"{entry.canonical}: partitions stored as {', '.join(entry.formats)}; "
-                             "merged as 16-bit (bfloat16)")
-            return concat_partitions([DenseWeight(dequantize(w).to(torch.bfloat16)) for w in weights])
+            # partitions stored in different formats cannot share one kernel: their values, in float32 (exact; the
+            # loader casts them to the serving dtype), said at open (_warn_mixed_partitions)
+            return concat_partitions([DenseWeight(dequantize(w).float()) for w in weights])
         return concat_partitions(weights)
 
     @property

@@ -219,6 +219,9 @@ def _target_of(module: str, targets: dict[str, LoraTarget], file: str, tensor: s
     if _MOE_MODULE.search(module):
         raise LoraAdapterError(f"{file}: tensor {tensor}: LoRA on MoE experts or routers is not supported "
                                "(attention and dense MLP linears only)")
+    if module.rpartition(".")[0].endswith(".linear_attn"):
+        raise LoraAdapterError(f"{file}: tensor {tensor}: LoRA on the linear-attention projections ({module}) is not "
+                               "supported (attention and dense MLP linears only)")
     canonical, index = canonical_linear(module)
     if canonical not in targets:
         raise LoraAdapterError(f"{file}: tensor {tensor}: the model has no linear {canonical} that takes an "

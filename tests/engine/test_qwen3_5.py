@@ -499,3 +499,63 @@ def test_ignoring_one_part_of_a_merged_projection_is_refused(tiny_model_dir):
     loaded = load_model(ModelConfig(device="cpu", dtype="float32", quantization="mxfp4", ignore=(r"in_proj_[ba]$",)),
                         checkpoint=open_checkpoint(path), progress=False)
     assert "linears: 3 dense, 16 mxfp4" in "\n".join(loaded.summary)
+
+
+def _nvfp4_copy(path: str, out: str, modules: list[str], ignore: list[str]) -> dict:
+    """The checkpoint at `path` with `modules` stored as compressed-tensors NVFP4 (the rest as they were); returns
+    the dense state dict holding the NVFP4 values instead (what serving it 16-bit must equal)."""
+    from radiance.formats import Nvfp4Weight, dequantize
+    from tests.checkpoint.factory import CT_NVFP4_CONFIG, ct_nvfp4_tensors
+
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = {k: v for k, v in json.load(f).items() if k != "quantization_config"}
+    quantized = ct_nvfp4_tensors(sd, modules)
+    os.makedirs(out)
+    save_file(quantized, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dict(config, quantization_config=dict(CT_NVFP4_CONFIG, ignore=ignore)), f)
+    dense = dict(sd)
+    for m in modules:
+        parts = {k.rpartition(".")[2]: v for k, v in quantized.items() if k.rpartition(".")[0] == m}
+        dense[f"{m}.weight"] = dequantize(Nvfp4Weight(parts["weight_packed"], parts["weight_scale"],
+                                                      parts["weight_global_scale"])).to(sd[f"{m}.weight"].dtype)
+    return dense
+
+
+def test_a_pair_stored_in_two_formats_is_said_once_at_open_and_served_exactly(tiny_model_dir, tmp_path):
+    """in_proj_qkv NVFP4 beside a 16-bit in_proj_z (one linear, one kernel): one warning at open naming the parts
+    and their formats, listed by inspect too; served 16-bit in float32 the NVFP4 values exactly (the merge no
+    longer rounds them through bfloat16)."""
+    path, _ = tiny_model_dir("qwen3_5")
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    modules = [n[:-len(".weight")] for n in sd if n.endswith("in_proj_qkv.weight")]
+    dense = _nvfp4_copy(path, str(tmp_path / "mixed"), modules,
+                        ["lm_head", "re:.*_proj$", "re:.*in_proj_[zba]$", "re:.*out_proj$"])
+    ckpt = open_checkpoint(str(tmp_path / "mixed"))
+    mixed = [w for w in ckpt.warnings if "different formats" in w]
+    assert mixed == ["3 in_proj_qkvz linear(s) (e.g. model.layers.0.linear_attn.in_proj_qkvz) store their parts in "
+                     "different formats (in_proj_qkv nvfp4, in_proj_z dense): served as one linear, each is read as "
+                     "its 16-bit values"]
+    _rewrite(path, str(tmp_path / "dense"), lambda n: n)
+    save_file(dense, os.path.join(str(tmp_path / "dense"), "model.safetensors"))
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_forward(str(tmp_path / "mixed"), ids, quantization="none"),
+                       _forward(str(tmp_path / "dense"), ids))
+
+
+@pytest.mark.parametrize("model, extra, named", [
+    ("qwen3_5", {"model.layers.0.linear_attn.in_proj_qkvz.weight": (128, 64)}, "in_proj_qkvz is stored both whole"),
+    ("qwen3_next", {"model.layers.0.linear_attn.in_proj_z.weight": (32, 64)}, "in_proj_qkvz is stored both whole"),
+])
+def test_a_linear_stored_both_whole_and_in_parts_is_refused(tiny_model_dir, tmp_path, model, extra, named):
+    """Both spellings of one linear in a checkpoint: one would be served and the other silently ignored."""
+    path, _ = tiny_model_dir(model)
+    out = str(tmp_path / "dup")
+    _rewrite(path, out, lambda n: n)
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    tensors.update({name: torch.randn(shape) for name, shape in extra.items()})
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=named) as info:
+        open_checkpoint(out)
+    assert "model.layers.0.linear_attn." in str(info.value)

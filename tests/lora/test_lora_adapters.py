@@ -65,6 +65,13 @@ BAD = {  # case -> (tensors, config changes, the message's words, the tensor it 
                                 f"{PEFT_PREFIX}model.layers.0.mlp.experts.0.gate_proj.lora_B.weight":
                                 torch.zeros(96, 4)}), {}, "MoE experts",
                     f"{PEFT_PREFIX}model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"),
+    # Qwen3.5's in_proj_qkv: named as the adapter wrote it, not the merged in_proj_qkvz it is served in
+    "linear attention": (_tensors(**{f"{PEFT_PREFIX}model.layers.0.linear_attn.in_proj_qkv.lora_A.weight":
+                                     torch.zeros(4, 64),
+                                     f"{PEFT_PREFIX}model.layers.0.linear_attn.in_proj_qkv.lora_B.weight":
+                                     torch.zeros(96, 4)}), {}, r"linear-attention projections \(model\.layers\.0"
+                         r"\.linear_attn\.in_proj_qkv\)",
+                         f"{PEFT_PREFIX}model.layers.0.linear_attn.in_proj_qkv.lora_A.weight"),
     "wrong shape": (_tensors(**{f"{Q0}.lora_B.weight": torch.zeros(32, 4)}), {}, r"shape \(32, 4\), expected \(64, 4\)",
                     f"{Q0}.lora_B.weight"),
     "nan": (_tensors(**{f"{Q0}.lora_A.weight": torch.full((4, 64), float("nan"))}), {}, "NaN or inf",
