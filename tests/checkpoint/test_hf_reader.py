@@ -312,3 +312,19 @@ def test_modelopt_fp8_scalar_scales(tmp_path):
     assert isinstance(gate_up, Fp8Weight) and gate_up.scale.shape == (192, 1)
     m = "model.layers.1.self_attn.o_proj"
     assert torch.equal(dequantize(got[m]), sd[f"{m}.weight"].float() * scales[m])
+
+
+@pytest.mark.parametrize("extra", ["model.layers.1.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"])
+def test_a_merged_linear_stored_beside_its_parts_is_refused(tmp_path, extra):
+    """q_proj / k_proj / v_proj and a qkv_proj too (a half-merged export): one would be served, the other ignored
+    without a word; refused at open naming the tensor."""
+    from radiance.errors import CheckpointError
+
+    sd = dense_state_dict()
+    parts = ("q", "k", "v") if "qkv" in extra else ("gate", "up")
+    prefix = extra.rsplit(".", 2)[0]
+    sd[extra] = torch.cat([sd[f"{prefix}.{p}_proj.weight"] for p in parts])
+    path = write_dir(str(tmp_path / "both"), sd, TINY)
+    with pytest.raises(CheckpointError, match=r"stored both whole and as its parts") as info:
+        open_checkpoint(path)
+    assert prefix in str(info.value)
