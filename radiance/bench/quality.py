@@ -361,13 +361,13 @@ def run_eval(req: EvalRequest, loader, progress: bool = True, tokenizer_loader=N
                           f"(or {KV_SUFFIX})")
     # the request's own mistakes before any model loads (a large one takes minutes, kl loads two)
     check_chunking(req.chunks, req.chunk_len, req.first_chunk)
-    if context_of is not None:
-        check_chunk_fits(req.chunk_len, context_of(req.model))
     text = read_text(req.text)
     start = time.perf_counter()
     chunks = None
-    if tokenizer_loader is not None:
+    if tokenizer_loader is not None:  # (it refuses a bad --device and a synthetic model first)
         chunks = _chunked(tokenizer_loader(req.model, req.device), text, req)
+    if context_of is not None:
+        check_chunk_fits(req.chunk_len, context_of(req.model))
     models, tokenizer = {}, None
     reference = None
     if req.mode == "kl":

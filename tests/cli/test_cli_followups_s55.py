@@ -100,9 +100,9 @@ def test_eval_with_a_chunk_past_the_context_fails_before_the_model_loads(no_load
     from radiance.bench.quality import eval_context_length
 
     context = eval_context_length(None)
-    short = tmp_path / "short.txt"
-    short.write_text("The city was founded in the twelfth century . " * 20)
-    assert main(["eval", "ppl", "--text", str(short), "--chunk-len", str(context + 1), "--no-progress"]) == 2
+    long = tmp_path / "long.txt"  # enough tokens for one chunk: the text is not what is refused
+    long.write_text("The city was founded in the twelfth century . " * (context // 8))
+    assert main(["eval", "ppl", "--text", str(long), "--chunk-len", str(context + 1), "--no-progress"]) == 2
     assert f"--chunk-len {context + 1} exceeds the model's context of {context} tokens" in _error_line(capsys,
                                                                                                       "eval ppl")
 
