@@ -2,8 +2,10 @@
 
 auto:  MXFP4 as is; NVFP4 / FP8 requantized to MXFP4 (ModelConfig.rule); 16-bit stays 16-bit; 4-bit GGUF
        (Int4Weight) on a CPU runs from its codes (KernelConfig.cpu_int4), elsewhere dequantized to 16 bit.
-mxfp4: 16-bit linears are quantized to MXFP4 too (except those ModelConfig.ignore selects: radiance's linear name
-       or the checkpoint modules it is made of, convert.IgnoreSelection).
+mxfp4: 16-bit linears are quantized to MXFP4 too.
+A linear ModelConfig.ignore selects (radiance's linear name or the checkpoint modules it is made of,
+convert.IgnoreSelection) is served 16-bit under auto, mxfp4 and nvfp4: a 16-bit one as it is, one stored quantized
+as its dequantized values (a layer whose MXFP4 requantization hurts, a shape the W4A8 kernel does not take).
 nvfp4: 16-bit linears are quantized to NVFP4, then requantized to MXFP4 with the rule, or with rule
        "none" served as the dequantized NVFP4 values in 16 bit (W4A16 emulation of an NVFP4 model).
 none:  everything dequantized to 16 bit.
@@ -63,6 +65,8 @@ def build_linear(name: str, weight, model_config: ModelConfig, kernel_config: Ke
     if quant == "none":
         tensor = dequantize(weight) if weight.format != "dense" else weight.tensor
         return DenseLinear(to_serving_dtype(tensor, dtype), name=name), "dense", 0.0
+    if keep_16bit and weight.format != "dense":  # asked 16-bit: a linear stored quantized serves its values
+        return DenseLinear(to_serving_dtype(dequantize(weight), dtype), name=name), f"{weight.format}-dequant", 0.0
     if weight.format == "dense" and (quant == "auto" or keep_16bit):
         return DenseLinear(to_serving_dtype(weight.tensor, dtype), name=name), "dense", 0.0
     if weight.format == "dense" and quant == "nvfp4":

@@ -246,3 +246,24 @@ def test_readme_lists_only_refused_flags_as_refused():
     refused = {**vllm_serve_args._VLLM_REFUSED, **vllm_serve_args._VLLM_AT_DEFAULT}
     assert named and all(flag in refused for flag in named), named
     assert "--goodput" in readme and "--goodput" not in refused
+
+
+def test_ignore_serves_a_linear_stored_quantized_as_its_values(tmp_path):
+    """--ignore on an NVFP4 checkpoint: the linears it selects are served 16-bit as their dequantized NVFP4 values
+    (the summary counts them nvfp4-dequant), the rest requantized to MXFP4 as before."""
+    import torch
+
+    from radiance.engine.loader import load_model
+    from radiance.formats import dequantize
+    from tests.checkpoint.factory import CT_NVFP4_CONFIG, ct_nvfp4_tensors, linear_modules
+
+    sd = dense_state_dict()
+    path = write_dir(str(tmp_path / "nvfp4"), ct_nvfp4_tensors(sd, linear_modules()), TINY,
+                     quantization_config=dict(CT_NVFP4_CONFIG, ignore=["lm_head"]))
+    loaded = load_model(ModelConfig(model=path, device="cpu", dtype="float32", ignore=("down_proj",)), progress=False)
+    mlp = loaded.model.get_submodule("model.layers.1.mlp")
+    assert isinstance(mlp.down_proj, DenseLinear) and isinstance(mlp.gate_up_proj, Mxfp4Linear)
+    stored = dict(open_checkpoint(path).iter_weights(progress=False))["model.layers.1.mlp.down_proj"]
+    assert torch.equal(mlp.down_proj.weight, dequantize(stored).float())
+    layers = TINY["num_hidden_layers"]
+    assert f"{layers} nvfp4-dequant" in "\n".join(loaded.summary)
