@@ -6,7 +6,7 @@ running sequence (vLLM's mamba cache). A sequence takes a slot with its first KV
 A state holds the whole prefix in a fixed size (2 MiB a layer for Qwen3.5-9B) and cannot be rewound or shared: the
 engine serves such models without prefix caching or speculative decoding, and a decode step queued ahead
 (overlap.DecodeAhead) is never discarded — one that ran would have advanced the states — so while one is queued the
-scheduler admits nobody (the engine's `pin_queued_steps`; a request waits one decode step longer). The decode graphs
+scheduler admits nobody (`DecodeAhead.pinned`; a request waits one decode step longer). The decode graphs
 carry each sequence's slot (step_graphs.DecodeGraphs; a padding row's slot -1 touches no state); the prefill and
 piecewise graphs, whose steps would need each sequence's "starts here" flag, are off (`serving_config`)."""
 

@@ -24,8 +24,8 @@ from torch import nn
 from radiance.errors import ConfigError
 from radiance.kernels._triton import gated_delta as decode_kernels
 from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
-from radiance.layers.attention import AttentionMetadata
 from radiance.kernels.activation import Fp8Activations
+from radiance.layers.attention import AttentionMetadata
 from radiance.layers.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen, gated_rms_norm
 from radiance.layers.linear import UnloadedLinear, takes_fp8
 from radiance.layers.moe import SparseMoeBlock
