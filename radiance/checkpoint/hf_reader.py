@@ -298,6 +298,10 @@ class HfCheckpoint(Checkpoint):
         have |= {name for group in self._stacked.values() for name in group.linear_names()}
         missing = first_missing(needed_decoder_tensors(self.config, self.architecture, self.tie_word_embeddings),
                                 have, self.architecture)
+        if missing is not None and missing.endswith(".weight") and is_linear_module(missing[:-len(".weight")]):
+            module = missing[:-len(".weight")]  # named as quantization_config stores it: NVFP4's weight_packed, ...
+            scheme = self.quant.scheme_for(module, linear=True)
+            missing = required_tensors(module, scheme.format, scheme.layout)[0]
         if missing is not None:
             raise CheckpointError("tensor missing from the checkpoint", file=self.path, tensor=missing)
 

@@ -559,3 +559,18 @@ def test_a_linear_stored_both_whole_and_in_parts_is_refused(tiny_model_dir, tmp_
     with pytest.raises(CheckpointError, match=named) as info:
         open_checkpoint(out)
     assert "model.layers.0.linear_attn." in str(info.value)
+
+
+def test_a_missing_quantized_projection_is_named_as_stored(tiny_model_dir, tmp_path):
+    """An NVFP4 Qwen3-Next without layer 2's in_proj_ba: named by the tensor quantization_config says it stores
+    (weight_packed), not a .weight it never had."""
+    path, _ = tiny_model_dir("qwen3_next")
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    modules = [n[:-len(".weight")] for n in sd if ".linear_attn.in_proj_" in n]
+    out = str(tmp_path / "nvfp4")
+    _nvfp4_copy(path, out, modules, ["lm_head", "re:.*_proj$"])
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.2.linear_attn.in_proj_ba.")}
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.2\.linear_attn\.in_proj_ba\.weight_packed"):
+        open_checkpoint(out)
