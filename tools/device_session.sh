@@ -2,8 +2,10 @@
 # Device calls that re-check and re-measure everything GPU-side, writing logs under $OUT and printing the
 # tables last. Run from the repo root on the device (after `../shared/tools/device-wheels.sh` with the packages
 # the README's developer section lists filled .whl/ here; carry ".whl"):  bash tools/device_session.sh MODE   (each mode fits one 10-minute call)
-#   quick    GPU tests, the 8B engine in bf16 and MXFP4 (about 9 minutes on a cold machine: the tests compile
-#            for about 5)
+#   quick    the kernel and format GPU tests, the 8B engine in bf16 and MXFP4 (about 9 minutes on a cold machine:
+#            the tests compile for about 5)
+#   gpu-engine  the engine and LoRA GPU tests (the rest of `-m gpu`: since the sixty-sixth session the whole GPU
+#            suite no longer fits one call; up to 10)
 #   cases    the Triton kernel cases on the GPU (about 4)
 #   kernels  the full kernel table (ours, cuBLAS bf16, cuBLAS fp8) and the per-CTA GEMM trace (about 5)
 #   models   the 32B engine in bf16 and MXFP4, the batch-64 step timeline of the 8B, its GEMMs traced
@@ -37,9 +39,12 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, keep the log, p
 }
 case "${1:-quick}" in
 quick)
-    step 380 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/engine tests/formats
+    step 380 gpu-tests python3 -m pytest -q -m gpu tests/kernels tests/formats
     step 200 engine-8b python3 -m radiance.bench.engine_bench synthetic:llama-3.1-8b --quantization none mxfp4 \
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 64 128 --no-hf --json "$OUT/engine-8b.json"
+    ;;
+gpu-engine)
+    step 570 gpu-engine-tests python3 -m pytest -q -m gpu tests/engine tests/lora
     ;;
 cases)
     step 500 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_*.py
@@ -104,7 +109,7 @@ hybrid-qwen)
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 16 --no-hf --json "$OUT/engine-qwen35.json"
     ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine|hybrid-qwen]" >&2
+    echo "usage: bash tools/device_session.sh [quick|gpu-engine|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine|hybrid-qwen]" >&2
     exit 2
     ;;
 esac
