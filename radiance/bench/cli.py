@@ -377,7 +377,7 @@ def _check_variants_alone(args) -> None:
 
 def run_eval_command(args) -> int:
     from radiance.bench import quality
-    from radiance.bench.loading import load_eval_model, shared_checkpoints
+    from radiance.bench.loading import eval_context_length, load_eval_model, load_eval_tokenizer, shared_checkpoints
     from radiance.bench.report import format_table, to_json
 
     if args.variants:
@@ -398,8 +398,7 @@ def run_eval_command(args) -> int:
     # the checkpoint opened (and its tokenizer built) once, for the text and every model loaded
     with errors_in_flag_words({}, fields=("chunk_len", "first_chunk")), shared_checkpoints():
         result = quality.run_eval(req, partial(load_eval_model, progress=progress), progress=progress,
-                                  tokenizer_loader=quality.load_eval_tokenizer,
-                                  context_of=quality.eval_context_length)
+                                  tokenizer_loader=load_eval_tokenizer, context_of=eval_context_length)
     if result.get("interrupted"):  # Ctrl-C: the chunks scored so far, then the usual exit status
         print(f"interrupted (Ctrl-C) after {result['chunks']} chunk(s)", file=sys.stderr)
     if args.json:

@@ -44,6 +44,23 @@ def open_eval_checkpoint(model: str | None):
     return opened[model]
 
 
+def load_eval_tokenizer(model: str | None, device: str | None):
+    """The checkpoint's tokenizer alone: its headers and vocabulary read, no weights (run_eval's tokenizer_loader).
+    Within shared_checkpoints() the models then load from the checkpoint opened here, with this tokenizer."""
+    from radiance.engine.devices import resolve_device
+
+    resolve_device(device)  # a bad --device is still the first error, as when the model loaded first
+    if is_synthetic(model):
+        raise ConfigError("synthetic models have no tokenizer; evaluate a real checkpoint (or omit MODEL)")
+    return open_eval_checkpoint(model).tokenizer()
+
+
+def eval_context_length(model: str | None) -> int | None:
+    """The model's context in tokens from its config alone (run_eval's context_of; the checkpoint opened once
+    within shared_checkpoints())."""
+    return open_eval_checkpoint(model).resolve_architecture()[1].context_length
+
+
 def load_eval_model(model: str | None, variant: Variant, device: str | None, dtype: str | None,
                     progress: bool = True):
     """(model with forward_logits, tokenizer) for one variant; the signature quality.run_eval expects. The bar

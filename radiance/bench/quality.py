@@ -408,27 +408,6 @@ def _chunked(tokenizer, text: str, req: EvalRequest) -> torch.Tensor:
     return chunk_token_ids(ids, req.chunks, req.chunk_len, req.first_chunk)
 
 
-def load_eval_tokenizer(model: str | None, device: str | None):
-    """The checkpoint's tokenizer alone: its headers and vocabulary read, no weights (run_eval's tokenizer_loader).
-    Within loading.shared_checkpoints() the models then load from the checkpoint opened here, with this tokenizer."""
-    from radiance.bench.loading import open_eval_checkpoint
-    from radiance.bench.synthetic import is_synthetic
-    from radiance.engine.devices import resolve_device
-
-    resolve_device(device)  # a bad --device is still the first error, as when the model loaded first
-    if is_synthetic(model):
-        raise ConfigError("synthetic models have no tokenizer; evaluate a real checkpoint (or omit MODEL)")
-    return open_eval_checkpoint(model).tokenizer()
-
-
-def eval_context_length(model: str | None) -> int | None:
-    """The model's context in tokens from its config alone (run_eval's context_of; the checkpoint opened once
-    within loading.shared_checkpoints())."""
-    from radiance.bench.loading import open_eval_checkpoint
-
-    return open_eval_checkpoint(model).resolve_architecture()[1].context_length
-
-
 SIXTEEN_BIT = "16-bit"
 HF_QUANTIZED = ("mxfp4", "nvfp4", "fp8")  # linear formats a quantized HF checkpoint stores (and MXFP4 GGUF tensors)
 _GGUF_16BIT = ("F32", "F16", "BF16")

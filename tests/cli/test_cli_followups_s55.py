@@ -75,7 +75,7 @@ def fake_eval(monkeypatch):
         return _Bigram(6, state["dtype"]), _Words()
 
     monkeypatch.setattr(radiance.bench.loading, "load_eval_model", load)
-    monkeypatch.setattr(quality, "load_eval_tokenizer", lambda model, device: _Words())
+    monkeypatch.setattr(radiance.bench.loading, "load_eval_tokenizer", lambda model, device: _Words())
     return state
 
 
@@ -97,7 +97,7 @@ def test_eval_on_a_text_too_short_fails_before_the_model_loads(no_load, capsys, 
 
 def test_eval_with_a_chunk_past_the_context_fails_before_the_model_loads(no_load, capsys, tmp_path):
     """The embedded model's context comes from its GGUF metadata: a --chunk-len beyond it is one line, no load."""
-    from radiance.bench.quality import eval_context_length
+    from radiance.bench.loading import eval_context_length
 
     context = eval_context_length(None)
     long = tmp_path / "long.txt"  # enough tokens for one chunk: the text is not what is refused
