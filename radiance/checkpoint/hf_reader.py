@@ -18,11 +18,11 @@ import torch
 from tqdm.auto import tqdm
 
 from radiance.checkpoint.base import Checkpoint, EntryInfo
+from radiance.checkpoint.decoder_tensors import first_missing, needed_decoder_tensors
 from radiance.checkpoint.hf_config import (chat_template_files, eos_token_ids, expected_shapes,
                                            language_model, load_config, modelopt_quant_file,
                                            quantization_config, tensor_renames)
 from radiance.checkpoint.hf_tokenizer import has_tokenizer_files, load_tokenizer
-from radiance.checkpoint.decoder_tensors import first_missing, needed_decoder_tensors
 from radiance.checkpoint.layout import (FLOAT_DTYPES, check_linear, check_no_stray_tensors, detect_format, read_linear,
                                         required_tensors)
 from radiance.checkpoint.names import (ATTENTION_SCALE_SUFFIXES, QUANT_SUFFIXES, canonical_linear, is_linear_module,
