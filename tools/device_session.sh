@@ -103,7 +103,7 @@ glm-engine)
 hybrid-qwen)
     step 150 gd-cases python3 -m pytest -q -x tests/kernels/triton_cases_gated_delta.py \
         tests/kernels/triton_cases_gated_delta_prefill.py
-    step 100 gd-sweep python3 tools/gated_delta_prefill_sweep.py --tilings 8x1 32x4
+    step 180 gd-sweep python3 tools/gated_delta_prefill_sweep.py --tilings 8x1 32x4
     step 150 gd-engine python3 -m pytest -q -m gpu tests/engine/test_gpu_engine.py -k qwen3_5
     step 240 engine-qwen35 python3 -m radiance.bench.engine_bench synthetic:qwen3.5-9b --quantization none mxfp4 \
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 16 --no-hf --json "$OUT/engine-qwen35.json"
@@ -118,4 +118,4 @@ grep -h "^| [0-9]" "$OUT/kernel-table.log" 2>/dev/null
 grep -h "^==\|SMs holding" "$OUT/cta-trace.log" 2>/dev/null
 cat "$OUT/engine-trace.log" 2>/dev/null | grep -v "^INFO" | tail -n 8
 grep -h -A8 "^removed |" "$OUT/ablation.log" 2>/dev/null
-grep -h "^| [0-9]* | " "$OUT/gd-sweep.log" 2>/dev/null
+grep -h "^| [0-9]* | \|ms by launch" "$OUT/gd-sweep.log" 2>/dev/null

@@ -4,7 +4,8 @@ block_v x num_warps, the chunked form over its block_v) at Qwen3.5-9B's head sha
 (the 9B's linear-attention layers), each checked against the recurrent form's default output first.
 
     python3 tools/gated_delta_prefill_sweep.py [--lengths 64 1024 8192] [--tilings 8x1 4x1 16x1 32x4]
-        [--chunked 32/ieee/8 32/tf32x3/4 ...]   (block_v / tl.dot input_precision / num_warps)
+        [--chunked 32/ieee/8/rows 32/tf32x3/4/blocks ...]   (block_v / tl.dot input_precision / num_warps /
+        how a chunk's (I + A) is inverted); each chunked form's two launches timed apart too (torch.profiler)
 """
 
 from __future__ import annotations
@@ -37,9 +38,18 @@ def inputs(length: int, device: torch.device):
     return q, k, v, g, beta, state, cu
 
 
-def parse_chunked(text: str) -> tuple[int, str, int]:
-    block_v, precision, warps = text.split("/")
-    return int(block_v), precision, int(warps)
+def parse_chunked(text: str) -> tuple[int, str, int, str]:
+    block_v, precision, warps, inverse = text.split("/")
+    return int(block_v), precision, int(warps), inverse
+
+
+def launch_split(run) -> str:
+    """The device time of each kernel one call of `run` launches, by kernel name (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    times = {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+    return ", ".join(f"{name.removesuffix('_kernel')} {ms:.3f}" for name, ms in times.items() if "chunk" in name)
 
 
 def time_ms(fn, repeats: int = 5) -> float:
@@ -70,8 +80,9 @@ def main() -> None:
     parser.add_argument("--tilings", type=parse_tiling, nargs="+",
                         default=[(8, 1), (4, 1), (16, 1), (32, 4), (16, 4), (8, 2)])
     parser.add_argument("--chunked", type=parse_chunked, nargs="+", metavar="BLOCK_V/PRECISION/WARPS",
-                        default=[parse_chunked(c) for c in ("32/ieee/8", "32/tf32x3/8", "32/tf32x3/4", "16/tf32x3/4",
-                                                            "32/tf32/4")])
+                        default=[parse_chunked(c) for c in ("32/ieee/8/rows", "32/ieee/8/blocks", "32/tf32x3/8/blocks",
+                                                            "32/tf32x3/4/blocks", "16/tf32x3/4/blocks",
+                                                            "32/tf32/4/blocks")])
     args = parser.parse_args()
     device = torch.device("cuda")
     slots, continues = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32,
@@ -86,11 +97,13 @@ def main() -> None:
                                          num_warps=warps)
             rows.append(measure(length, f"{block_v}x{warps}", run, want))
         chunks = delta_chunks([length], device)
-        for block_v, precision, warps in args.chunked:
+        for block_v, precision, warps, inverse in args.chunked:
             def run():
                 return chunked_prefill(q, k, v, g, beta, state.clone(), slots, chunks, continues, block_v=block_v,
-                                       precision=precision, num_warps=warps)
-            rows.append(measure(length, f"chunked {block_v}/{precision}/{warps}", run, want))
+                                       precision=precision, num_warps=warps, inverse=inverse)
+            label = f"chunked {block_v}/{precision}/{warps}/{inverse}"
+            rows.append(measure(length, label, run, want))
+            print(f"{length} {label}: ms by launch: {launch_split(run)}", flush=True)
     print("\n| tokens | form | ms / layer | us / token | ms x 24 layers | max rel. diff vs default |")
     for length, tiling, ms, per_token, total, error in rows:
         print(f"| {length} | {tiling} | {ms:.3f} | {per_token:.3f} | {total:.1f} | {error:.1e} |")

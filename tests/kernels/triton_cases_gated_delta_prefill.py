@@ -96,10 +96,12 @@ def test_recurrent_prefill_refuses_mismatched_inputs(device):
     ([3, 66, 1, 20], MIXED, *SMALL, torch.bfloat16),
     ([3, 70, 1, 5], MIXED, *ODD, torch.float32),
     ([70, 2], [False, True], (2, 4), (12, 8), torch.float32)])  # head dims below tl.dot's 16: padded
-def test_chunked_prefill_matches_the_chunked_reference(device, lens, continues, heads, dims, dtype):
+@pytest.mark.parametrize("inverse", ["blocks", "rows"])
+def test_chunked_prefill_matches_the_chunked_reference(device, lens, continues, heads, dims, dtype, inverse):
     """The chunked form: chunks of 64 tokens per sequence, a sequence of one token a chunk of one row, odd head dims
-    padded to powers of two, two value heads per key head."""
-    _check_against_reference(lambda *args, cu, chunks: chunked_prefill(*args[:7], chunks, args[7], block_v=16),
+    padded to powers of two, two value heads per key head; both ways of inverting a chunk's interactions."""
+    _check_against_reference(lambda *args, cu, chunks: chunked_prefill(*args[:7], chunks, args[7], block_v=16,
+                                                                       inverse=inverse),
                              lens, continues, heads, dims, dtype, device, seed=sum(lens) * 3 + heads[1])
 
 
@@ -119,9 +121,13 @@ def test_chunked_prefill_on_the_tensor_cores(device, precision, tol):
     with pytest.raises(ValueError, match="precision"):
         chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device),
                         torch.tensor(continues, device=device), precision="bf16")
+    with pytest.raises(ValueError, match="inverse"):
+        chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device),
+                        torch.tensor(continues, device=device), inverse="power")
 
 
-def test_chunked_prefill_keeps_repeated_keys_exact(device):
+@pytest.mark.parametrize("inverse", ["blocks", "rows"])
+def test_chunked_prefill_keeps_repeated_keys_exact(device, inverse):
     """Every token the same key (a repeated token): the chunk's interactions are all ones below the diagonal, whose
     inverse a power series could not take in fp32; the forward substitution and the recurrent form agree."""
     lens = [64]
@@ -133,7 +139,7 @@ def test_chunked_prefill_keeps_repeated_keys_exact(device):
     slots, flags = torch.tensor([1], device=device), torch.tensor([1], device=device)
     s1, s2 = state.clone(), state.clone()
     want = recurrent_prefill(q, k, v, g, beta, s1, slots, _cu(lens, device), flags)
-    got = chunked_prefill(q, k, v, g, beta, s2, slots, delta_chunks(lens, device), flags)
+    got = chunked_prefill(q, k, v, g, beta, s2, slots, delta_chunks(lens, device), flags, inverse=inverse)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s2, s1, rtol=1e-4, atol=1e-4)
 

@@ -1,16 +1,18 @@
-"""The Gated DeltaNet prefill in the chunked form (layers/gated_delta._chunked on the GPU). NOT on the serving path:
-on an H100 at Qwen3.5-9B's heads it took 6.2-6.5 us a token a layer against the recurrent form's 1.2-1.5
-(gated_delta_prefill.recurrent_prefill; bench/RESULTS.md, sixty-sixth session), correct to the reference on the
-GPU all the same. Kept as the start of the tensor-core version: its launch 1 (a 63-step forward substitution over
-a 64 x 64 tile of where-masks) and fp32 FMA products are the suspects, not profiled yet.
+"""The Gated DeltaNet prefill in the chunked form (layers/gated_delta._chunked on the GPU): each sequence cut into
+CHUNK-token chunks, three launches.
 
-layers/gated_delta._chunked on the GPU: each sequence cut into CHUNK-token chunks. Launch 1, every (chunk, value
-head) at once: the chunk's decays, its delta-rule interactions A = strictly_lower(beta K K^T * decay) folded into
-T = (I + A)^-1 by forward substitution (row by row: exact, as the reference's triangular solve), then W = T (K beta
-exp(cum)), U = T (V beta) and the chunk's own attention (Q K^T * decay, diagonal included). Launch 2, every
-(sequence, value head, block_v state columns): the scan over the sequence's chunks with the state in registers,
-V_new = U - W S, O = (Q exp(cum)) S + attn V_new, S = exp(cum_last) S + (K exp(cum_last - cum))^T V_new.
-Matrix products in fp32 by default (input_precision ieee: on the CUDA cores; tf32x3 takes the tensor cores).
+1. Every (chunk, value head) at once: the chunk's decays, its delta-rule interactions A = strictly_lower(beta K
+   K^T * decay), T = (I + A)^-1 (exact: forward substitution, row by row or four rows at a time within 16-row
+   blocks joined by products), W = T (K beta exp(cum)), U = T (V beta), K exp(cum_last - cum), exp(cum_last).
+2. Every (sequence, value head, block_v state columns): the scan over the sequence's chunks with the state in
+   registers, the only sequential part: each chunk's entering state S kept, V_new = U - W S kept, S = exp(cum_last)
+   S + (K exp(cum_last - cum))^T V_new.
+3. Every (chunk, value head, block_v columns) at once: O = (Q exp(cum)) S_entering + (Q K^T * decay) V_new.
+
+Matrix products in fp32 by default (input_precision ieee: on the CUDA cores; tf32x3 takes the tensor cores). The
+sixty-sixth session's two-launch version (the output inside the scan, A inverted row by row) took 6.2-6.5 us a
+token a layer on an H100 at Qwen3.5-9B's heads, against the token-by-token kernel's 1.1
+(gated_delta_prefill.recurrent_prefill); tools/gated_delta_prefill_sweep.py times both forms.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from radiance.kernels._triton.gated_delta_prefill import _check_prefill_inputs
 
 
 CHUNK = 64
+CHUNKED_FROM = 128  # the longest sequence of a step from which the chunked form serves it
 
 
 class DeltaChunks(NamedTuple):
@@ -53,17 +56,27 @@ def delta_chunks(q_lens: list[int], device: torch.device, chunk: int = CHUNK) ->
                        len(starts))
 
 
+def serving_chunks(q_lens: list[int], device: torch.device) -> DeltaChunks | None:
+    """The chunk table of a prefill step the chunked form serves faster than the token-by-token kernel (its
+    longest sequence at least CHUNKED_FROM tokens), else None."""
+    return delta_chunks(q_lens, device) if max(q_lens, default=0) >= CHUNKED_FROM else None
+
+
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, state_slots: torch.Tensor, chunks: DeltaChunks, continues: torch.Tensor,
                     scale: float | None = None, block_v: int = 32, precision: str = "ieee",
-                    num_warps: int = 8) -> torch.Tensor:
+                    num_warps: int = 8, inverse: str = "blocks") -> torch.Tensor:
     """recurrent_prefill's result in the chunked form (same arguments, the chunk table `chunks` in place of
-    cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (Dk + Dv
-    + CHUNK) fp32 values a token and value head. precision: tl.dot's input_precision ("ieee": fp32 products on the
-    CUDA cores; "tf32x3": three tf32 tensor-core products, about fp32's accuracy; "tf32"), num_warps: both launches'
-    (tools/gated_delta_prefill_sweep.py times them)."""
+    cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (3 Dk +
+    2 Dv) fp32 values a token and value head, and one Dk x Dv state a chunk and value head. precision: tl.dot's
+    input_precision ("ieee": fp32 products on the CUDA cores; "tf32x3": three tf32 tensor-core products, about
+    fp32's accuracy; "tf32"), num_warps: the three launches' (tools/gated_delta_prefill_sweep.py times them),
+    inverse: how launch 1 inverts (I + A) ("rows": forward substitution row by row, C - 1 steps; "blocks": four rows
+    at a time within 16-row blocks, then the blocks joined by matrix products, 15 steps)."""
     if precision not in ("ieee", "tf32x3", "tf32"):
         raise ValueError(f"chunked_prefill: precision ieee, tf32x3 or tf32, got {precision!r}")
+    if inverse not in ("rows", "blocks"):
+        raise ValueError(f"chunked_prefill: inverse rows or blocks, got {inverse!r}")
     _check_prefill_inputs("chunked_prefill", q, k, v, g, beta, state, state_slots, continues)
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
@@ -78,21 +91,25 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         return out
     scale = Dk ** -0.5 if scale is None else float(scale)
     continues = continues if continues.dtype == torch.int32 else continues.to(torch.int32)
-    w = torch.empty((chunks.count, Hv, CHUNK, block_k), dtype=torch.float32, device=v.device)
-    u = torch.empty((chunks.count, Hv, CHUNK, block_dv), dtype=torch.float32, device=v.device)
-    attn = torch.empty((chunks.count, Hv, CHUNK, CHUNK), dtype=torch.float32, device=v.device)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-               beta.stride(0))
-    if chunks.count:
-        chunk_prepare_kernel[(chunks.count, Hv)](q, k, v, g, beta, chunks.starts, chunks.lens, w, u, attn, scale, Dk,
-                                                 Dv, *strides, HV=Hv, GROUP=Hv // Hk, C=CHUNK, BLOCK_K=block_k,
-                                                 BLOCK_DV=block_dv, PRECISION=precision, num_warps=num_warps)
+    n, device = chunks.count, v.device
+    w, k_decayed = (torch.empty((n, Hv, CHUNK, block_k), dtype=torch.float32, device=device) for _ in range(2))
+    u, v_new = (torch.empty((n, Hv, CHUNK, block_dv), dtype=torch.float32, device=device) for _ in range(2))
+    entering = torch.empty((n, Hv, block_k, block_dv), dtype=torch.float32, device=device)
+    chunk_decay = torch.empty((n, Hv), dtype=torch.float32, device=device)
+    common = dict(HV=Hv, GROUP=Hv // Hk, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=block_dv, PRECISION=precision,
+                  num_warps=num_warps)
+    if n:
+        chunk_prepare_kernel[(n, Hv)](k, v, g, beta, chunks.starts, chunks.lens, w, u, k_decayed, chunk_decay, Dk,
+                                      Dv, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+                                      beta.stride(0), BLOCKED=inverse == "blocks", **common)
     block_v = max(16, min(block_v, block_dv))
     chunk_scan_kernel[(B * Hv, triton.cdiv(Dv, block_v))](
-        q, k, g, w, u, attn, state, state_slots, chunks.starts, chunks.lens, chunks.first_chunk, continues, out,
-        scale, Dk, Dv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), state.stride(0),
-        state.stride(1), state.stride(2), HV=Hv, GROUP=Hv // Hk, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=block_dv,
-        BLOCK_V=block_v, PRECISION=precision, num_warps=num_warps)
+        w, u, k_decayed, chunk_decay, v_new, entering, state, state_slots, chunks.first_chunk, continues, Dk, Dv,
+        state.stride(0), state.stride(1), state.stride(2), BLOCK_V=block_v, **common)
+    if n:
+        chunk_output_kernel[(n, Hv, triton.cdiv(Dv, block_v))](
+            q, k, g, v_new, entering, chunks.starts, chunks.lens, out, scale, Dk, Dv, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), g.stride(0), BLOCK_V=block_v, **common)
     return out
 
 
@@ -110,57 +127,93 @@ def _normalized(x):
 
 
 @triton.jit
-def chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, lens_ptr, w_ptr, u_ptr, attn_ptr, scale,
-                         Dk, Dv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
-                         stride_bt, HV: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid [chunks, HV]: W [C, BLOCK_K], U [C, BLOCK_DV], attn [C, C] of value head h in chunk c."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
-    t0 = tl.load(starts_ptr + c)
-    n = tl.load(lens_ptr + c)
-    r = tl.arange(0, C)
-    dk = tl.arange(0, BLOCK_K)
-    dv = tl.arange(0, BLOCK_DV)
-    k = _normalized(_load_rows(k_ptr + hk * stride_kh, t0, n, stride_kt, dk, Dk, C).to(tl.float32))
-    q = _normalized(_load_rows(q_ptr + hk * stride_qh, t0, n, stride_qt, dk, Dk, C).to(tl.float32)) * scale
-    v = _load_rows(v_ptr + h * stride_vh, t0, n, stride_vt, dv, Dv, C).to(tl.float32)
-    live = r < n
-    g = tl.load(g_ptr + (t0 + r).to(tl.int64) * stride_gt + h, mask=live, other=0.0)
-    beta = tl.load(beta_ptr + (t0 + r).to(tl.int64) * stride_bt + h, mask=live, other=0.0).to(tl.float32)
-    cum = tl.cumsum(g, axis=0)
-    lower = r[:, None] >= r[None, :]
-    decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * decay
-    a = tl.where(r[:, None] > r[None, :], a, 0.0)
-    # T = (I + A)^-1, A strictly lower: row i of T is e_i - sum_{j < i} A_ij T_j (rows j >= i are still e_j, and
-    # A_ij = 0 there)
+def _unit_lower_inverse_rows(a, r, C: tl.constexpr):
+    """(I + A)^-1 for A [C, C] strictly lower: row i of T is e_i - sum_{j < i} A_ij T_j (rows j >= i are still
+    e_j, and A_ij = 0 there)."""
     t = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     for i in range(1, C):
         a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)
         row = tl.where(r == i, 1.0, -tl.sum(a_i[:, None] * t, axis=0))
         t = tl.where(r[:, None] == i, row[None, :], t)
-    w = tl.dot(t, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)
-    u = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
-    attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
-    base = (c * HV + h).to(tl.int64) * C
-    tl.store(w_ptr + (base + r[:, None]) * BLOCK_K + dk[None, :], w)
-    tl.store(u_ptr + (base + r[:, None]) * BLOCK_DV + dv[None, :], u)
-    tl.store(attn_ptr + (base + r[:, None]) * C + r[None, :], attn)
+    return t
 
 
 @triton.jit
-def chunk_scan_kernel(q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, attn_ptr, state_ptr, slot_ptr, starts_ptr, lens_ptr,
-                      first_ptr, continues_ptr, out_ptr, scale, Dk, Dv, stride_qt, stride_qh, stride_kt, stride_kh,
-                      stride_gt, stride_ss, stride_sh, stride_sk, HV: tl.constexpr, GROUP: tl.constexpr,
+def _unit_lower_inverse_blocks(a, r, C: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)^-1 for A [C, C] strictly lower, C = 4 blocks of 16 rows: with D A's diagonal blocks and L the rest,
+    I + A = (I + D)(I + M), M = (I + D)^-1 L strictly block-lower, so M^4 = 0 and (I + M)^-1 = (I - M)(I + M^2).
+    (I + D)^-1 by forward substitution, the four blocks' row i at once (one product a step). Only products of
+    16-row blocks, never powers of A: exact where the row-by-row substitution is (all-ones A included)."""
+    tl.static_assert(C == 64, "four blocks of 16 rows: (I + M)^-1 = (I - M)(I + M^2) needs M^4 = 0")
+    block = r // 16
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    same = block[:, None] == block[None, :]
+    d = tl.where(same, a, 0.0)
+    d_inv = eye
+    for i in range(1, 16):
+        rows = r % 16 == i
+        found = tl.dot(tl.where(rows[:, None], d, 0.0), d_inv, input_precision=PRECISION)
+        d_inv = tl.where(rows[:, None], eye - found, d_inv)
+    m = tl.dot(d_inv, tl.where(same, 0.0, a), input_precision=PRECISION)
+    m2 = tl.dot(m, m, input_precision=PRECISION)
+    return tl.dot(tl.dot(eye - m, eye + m2, input_precision=PRECISION), d_inv, input_precision=PRECISION)
+
+
+@triton.jit
+def _chunk_decays(g_ptr, t0, n, h, stride_gt, C: tl.constexpr):
+    """The chunk's cumulative log decays [C] (flat past its n rows) and the lower-triangular exp(cum_i - cum_j)."""
+    r = tl.arange(0, C)
+    g = tl.load(g_ptr + (t0 + r).to(tl.int64) * stride_gt + h, mask=r < n, other=0.0)
+    cum = tl.cumsum(g, axis=0)
+    lower = r[:, None] >= r[None, :]
+    return cum, tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, lens_ptr, w_ptr, u_ptr, kd_ptr, decay_ptr, Dk,
+                         Dv, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, HV: tl.constexpr,
+                         GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         PRECISION: tl.constexpr, BLOCKED: tl.constexpr):
+    """Grid [chunks, HV], value head h in chunk c: W = T (K beta exp(cum)) [C, BLOCK_K], U = T (V beta) [C,
+    BLOCK_DV], K exp(cum_last - cum) [C, BLOCK_K] and exp(cum_last), T = (I + A)^-1."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(starts_ptr + c)
+    n = tl.load(lens_ptr + c)
+    r = tl.arange(0, C)
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.arange(0, BLOCK_DV)
+    k = _normalized(_load_rows(k_ptr + (h // GROUP) * stride_kh, t0, n, stride_kt, dk, Dk, C).to(tl.float32))
+    v = _load_rows(v_ptr + h * stride_vh, t0, n, stride_vt, dv, Dv, C).to(tl.float32)
+    beta = tl.load(beta_ptr + (t0 + r).to(tl.int64) * stride_bt + h, mask=r < n, other=0.0).to(tl.float32)
+    cum, decay = _chunk_decays(g_ptr, t0, n, h, stride_gt, C)
+    last = tl.sum(tl.where(r == C - 1, cum, 0.0), axis=0)  # cum is flat past the n rows: cum[n - 1]
+    a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * decay
+    a = tl.where(r[:, None] > r[None, :], a, 0.0)
+    if BLOCKED:
+        t = _unit_lower_inverse_blocks(a, r, C, PRECISION)
+    else:
+        t = _unit_lower_inverse_rows(a, r, C)
+    w = tl.dot(t, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)
+    u = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
+    base = (c * HV + h).to(tl.int64) * C
+    tl.store(w_ptr + (base + r[:, None]) * BLOCK_K + dk[None, :], w)
+    tl.store(u_ptr + (base + r[:, None]) * BLOCK_DV + dv[None, :], u)
+    tl.store(kd_ptr + (base + r[:, None]) * BLOCK_K + dk[None, :], k * tl.exp(last - cum)[:, None])
+    tl.store(decay_ptr + c * HV + h, tl.exp(last))
+
+
+@triton.jit
+def chunk_scan_kernel(w_ptr, u_ptr, kd_ptr, decay_ptr, v_new_ptr, entering_ptr, state_ptr, slot_ptr, first_ptr,
+                      continues_ptr, Dk, Dv, stride_ss, stride_sh, stride_sk, HV: tl.constexpr, GROUP: tl.constexpr,
                       C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_V: tl.constexpr,
                       PRECISION: tl.constexpr):
-    """Grid [B * HV, cdiv(Dv, BLOCK_V)]: sequence b's chunks in order for value head h, state columns dv."""
+    """Grid [B * HV, cdiv(Dv, BLOCK_V)]: sequence b's chunks in order for value head h, state columns dv, the only
+    sequential part: each chunk's entering state kept for the output launch, V_new = U - W S, S = exp(cum_last) S +
+    (K exp(cum_last - cum))^T V_new."""
     bh = tl.program_id(0)
     b = bh // HV
     h = bh % HV
-    hk = h // GROUP
     r = tl.arange(0, C)
     dk = tl.arange(0, BLOCK_K)
     dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -172,23 +225,43 @@ def chunk_scan_kernel(q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, attn_ptr, state_ptr, sl
         s = tl.load(tile, mask=live, other=0.0)
         s = tl.where(tl.load(continues_ptr + b) != 0, s, 0.0)  # a fresh sequence: whatever the slot held, not read
         for c in range(tl.load(first_ptr + b), tl.load(first_ptr + b + 1)):
-            t0 = tl.load(starts_ptr + c)
-            n = tl.load(lens_ptr + c)
-            rows_live = r < n
-            k = _normalized(_load_rows(k_ptr + hk * stride_kh, t0, n, stride_kt, dk, Dk, C).to(tl.float32))
-            q = _normalized(_load_rows(q_ptr + hk * stride_qh, t0, n, stride_qt, dk, Dk, C).to(tl.float32)) * scale
-            g = tl.load(g_ptr + (t0 + r).to(tl.int64) * stride_gt + h, mask=rows_live, other=0.0)
-            cum = tl.cumsum(g, axis=0)
-            last = tl.sum(g, axis=0)
-            base = (c * HV + h).to(tl.int64) * C
-            w = tl.load(w_ptr + (base + r[:, None]) * BLOCK_K + dk[None, :])
-            u = tl.load(u_ptr + (base + r[:, None]) * BLOCK_DV + dv[None, :], mask=v_live[None, :], other=0.0)
-            attn = tl.load(attn_ptr + (base + r[:, None]) * C + r[None, :])
+            base = (c * HV + h).to(tl.int64)
+            tl.store(entering_ptr + (base * BLOCK_K + dk[:, None]) * BLOCK_DV + dv[None, :], s,
+                     mask=v_live[None, :])
+            w = tl.load(w_ptr + (base * C + r[:, None]) * BLOCK_K + dk[None, :])
+            u = tl.load(u_ptr + (base * C + r[:, None]) * BLOCK_DV + dv[None, :], mask=v_live[None, :], other=0.0)
             v_new = u - tl.dot(w, s, input_precision=PRECISION)
-            o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=PRECISION) + tl.dot(attn, v_new,
-                                                                                   input_precision=PRECISION)
-            tl.store(out_ptr + ((t0 + r[:, None]).to(tl.int64) * HV + h) * Dv + dv[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=rows_live[:, None] & v_live[None, :])
-            k_decayed = k * tl.exp(last - cum)[:, None]
-            s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision=PRECISION)
+            tl.store(v_new_ptr + (base * C + r[:, None]) * BLOCK_DV + dv[None, :], v_new, mask=v_live[None, :])
+            kd = tl.load(kd_ptr + (base * C + r[:, None]) * BLOCK_K + dk[None, :])
+            s = s * tl.load(decay_ptr + base) + tl.dot(tl.trans(kd), v_new, input_precision=PRECISION)
         tl.store(tile, s, mask=live)
+
+
+@triton.jit
+def chunk_output_kernel(q_ptr, k_ptr, g_ptr, v_new_ptr, entering_ptr, starts_ptr, lens_ptr, out_ptr, scale, Dk, Dv,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, HV: tl.constexpr,
+                        GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid [chunks, HV, cdiv(Dv, BLOCK_V)], every chunk at once: O = (Q exp(cum)) S_entering + (Q K^T * decay)
+    V_new, the chunk's own attention with its diagonal."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    t0 = tl.load(starts_ptr + c)
+    n = tl.load(lens_ptr + c)
+    r = tl.arange(0, C)
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_live = dv < Dv
+    k = _normalized(_load_rows(k_ptr + hk * stride_kh, t0, n, stride_kt, dk, Dk, C).to(tl.float32))
+    q = _normalized(_load_rows(q_ptr + hk * stride_qh, t0, n, stride_qt, dk, Dk, C).to(tl.float32)) * scale
+    cum, decay = _chunk_decays(g_ptr, t0, n, h, stride_gt, C)
+    attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+    base = (c * HV + h).to(tl.int64)
+    s = tl.load(entering_ptr + (base * BLOCK_K + dk[:, None]) * BLOCK_DV + dv[None, :], mask=v_live[None, :],
+                other=0.0)
+    v_new = tl.load(v_new_ptr + (base * C + r[:, None]) * BLOCK_DV + dv[None, :], mask=v_live[None, :], other=0.0)
+    o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=PRECISION) + tl.dot(attn, v_new,
+                                                                           input_precision=PRECISION)
+    tl.store(out_ptr + ((t0 + r[:, None]).to(tl.int64) * HV + h) * Dv + dv[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=(r[:, None] < n) & v_live[None, :])
