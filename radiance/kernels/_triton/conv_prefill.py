@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radiance.kernels._triton.gated_delta import _FLOATS, _next_pow2
+from radiance.kernels._triton.gated_delta import _next_pow2, check_conv_inputs
 
 _INTS = (torch.int32, torch.int64)
 
@@ -28,14 +28,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     (0: the sequence starts here, its slot's old contents read as zeros), max_q_len: a host bound on every q_len (the
     grid). Returns [T, C] in x's dtype = silu(causal conv) in float32, the old inputs rounded to x's dtype first (as
     the reference concatenates them with x). Rows past cu_seqlens[B] are left unwritten."""
-    if x.dim() != 2 or weight.dim() != 2 or conv_state.dim() != 3:
-        raise ValueError(f"causal_conv1d_prefill expects x [T, C], weight [C, K], conv_state [S, C, K-1]; got "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(conv_state.shape)}")
-    T, C = x.shape
-    K = weight.shape[1]
-    if weight.shape[0] != C or conv_state.shape[1:] != (C, K - 1) or K < 2:
-        raise ValueError(f"causal_conv1d_prefill: weight {tuple(weight.shape)} / conv_state "
-                         f"{tuple(conv_state.shape)} do not fit x {tuple(x.shape)} (kernel K >= 2)")
+    T, C, K = check_conv_inputs("causal_conv1d_prefill", x, weight, conv_state)
     if state_slots.dim() != 1 or state_slots.dtype not in _INTS:
         raise ValueError(f"causal_conv1d_prefill: state_slots must be int32/int64 [B], got {state_slots.dtype} "
                          f"{tuple(state_slots.shape)}")
@@ -46,11 +39,6 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     if continues.shape != (B,) or continues.dtype not in _INTS:
         raise ValueError(f"causal_conv1d_prefill: continues must be int32/int64 [{B}], got {continues.dtype} "
                          f"{tuple(continues.shape)}")
-    if x.dtype not in _FLOATS or weight.dtype not in _FLOATS or conv_state.dtype not in _FLOATS:
-        raise ValueError(f"causal_conv1d_prefill: float32/16-bit tensors only, got x {x.dtype}, weight "
-                         f"{weight.dtype}, conv_state {conv_state.dtype}")
-    if x.stride(1) != 1:  # coalesced channel loads
-        raise ValueError("causal_conv1d_prefill: x's channels must be contiguous")
     if int(max_q_len) < 0:
         raise ValueError(f"causal_conv1d_prefill: max_q_len must be >= 0, got {max_q_len}")
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)

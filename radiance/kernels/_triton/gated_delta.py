@@ -28,22 +28,10 @@ def conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
     K-1 previous inputs, oldest first) UPDATED IN PLACE at state_slots [B] (int32/int64, < 0: padding) to the last
     K-1 inputs. Returns [B, C] in x's dtype = silu(sum_j weight[:, j] * [old inputs; x][:, j]), in float32
     (the old inputs rounded to x's dtype first, as the reference concatenates them with x)."""
-    if x.dim() != 2 or weight.dim() != 2 or conv_state.dim() != 3:
-        raise ValueError(f"conv_update expects x [B, C], weight [C, K], conv_state [S, C, K-1]; got "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(conv_state.shape)}")
-    B, C = x.shape
-    K = weight.shape[1]
-    if weight.shape[0] != C or conv_state.shape[1:] != (C, K - 1) or K < 2:
-        raise ValueError(f"conv_update: weight {tuple(weight.shape)} / conv_state {tuple(conv_state.shape)} "
-                         f"do not fit x {tuple(x.shape)} (kernel K >= 2)")
+    B, C, K = check_conv_inputs("conv_update", x, weight, conv_state)
     if state_slots.shape != (B,) or state_slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"conv_update: state_slots must be int32/int64 [{B}], got {state_slots.dtype} "
                          f"{tuple(state_slots.shape)}")
-    if x.dtype not in _FLOATS or weight.dtype not in _FLOATS or conv_state.dtype not in _FLOATS:
-        raise ValueError(f"conv_update: float32/16-bit tensors only, got x {x.dtype}, weight {weight.dtype}, "
-                         f"conv_state {conv_state.dtype}")
-    if x.stride(1) != 1:  # coalesced channel loads; a copy would be fine for x but never for the state
-        raise ValueError("conv_update: x's channels must be contiguous")
     out = torch.empty((B, C), dtype=x.dtype, device=x.device)
     if B == 0:
         return out
@@ -55,6 +43,25 @@ def conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                              weight.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
                              K=K, BLOCK_C=block_c, num_warps=max(1, min(4, block_c // 64)))
     return out
+
+
+def check_conv_inputs(what: str, x, weight, conv_state) -> tuple[int, int, int]:
+    """(rows, C, K) of a conv launch's x [rows, C], weight [C, K] and conv_state [S, C, K-1], or the ValueError
+    naming `what`: shapes that do not fit, K < 2, dtypes, x's channels not contiguous."""
+    if x.dim() != 2 or weight.dim() != 2 or conv_state.dim() != 3:
+        raise ValueError(f"{what} expects x [rows, C], weight [C, K], conv_state [S, C, K-1]; got "
+                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(conv_state.shape)}")
+    rows, C = x.shape
+    K = weight.shape[1]
+    if weight.shape[0] != C or conv_state.shape[1:] != (C, K - 1) or K < 2:
+        raise ValueError(f"{what}: weight {tuple(weight.shape)} / conv_state {tuple(conv_state.shape)} "
+                         f"do not fit x {tuple(x.shape)} (kernel K >= 2)")
+    if x.dtype not in _FLOATS or weight.dtype not in _FLOATS or conv_state.dtype not in _FLOATS:
+        raise ValueError(f"{what}: float32/16-bit tensors only, got x {x.dtype}, weight {weight.dtype}, "
+                         f"conv_state {conv_state.dtype}")
+    if x.stride(1) != 1:  # coalesced channel loads; a copy would be fine for x but never for the state
+        raise ValueError(f"{what}: x's channels must be contiguous")
+    return rows, C, K
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
