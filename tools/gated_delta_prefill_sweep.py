@@ -11,6 +11,7 @@ block_v x num_warps, the chunked form over its block_v) at Qwen3.5-9B's head sha
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +82,8 @@ def main() -> None:
                         default=[(8, 1), (4, 1), (16, 1), (32, 4), (16, 4), (8, 2)])
     parser.add_argument("--chunked", type=parse_chunked, nargs="+", metavar="BLOCK_V/PRECISION/WARPS",
                         default=[parse_chunked(c) for c in ("32/ieee/8/rows", "32/ieee/8/blocks", "32/tf32x3/8/blocks",
-                                                            "32/tf32x3/4/blocks", "16/tf32x3/4/blocks",
-                                                            "32/tf32/4/blocks")])
+                                                            "32/tf32x3/4/blocks", "64/tf32x3/8/blocks")])
+    parser.add_argument("--json", help="write the table's rows here too")
     args = parser.parse_args()
     device = torch.device("cuda")
     slots, continues = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32,
@@ -104,6 +105,10 @@ def main() -> None:
             label = f"chunked {block_v}/{precision}/{warps}/{inverse}"
             rows.append(measure(length, label, run, want))
             print(f"{length} {label}: ms by launch: {launch_split(run)}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([dict(zip(("tokens", "form", "ms", "us_per_token", "ms_24_layers", "error"), row)) for row in rows],
+                      fh, indent=1)
     print("\n| tokens | form | ms / layer | us / token | ms x 24 layers | max rel. diff vs default |")
     for length, tiling, ms, per_token, total, error in rows:
         print(f"| {length} | {tiling} | {ms:.3f} | {per_token:.3f} | {total:.1f} | {error:.1e} |")

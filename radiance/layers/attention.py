@@ -53,6 +53,9 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
     continues_state: list[bool] | None = None
     continues_state_device: torch.Tensor | None = None  # the same flags, int32 [B], for the CUDA prefill kernel
+    # a CUDA prefill step the chunked delta rule serves: its chunk table (gated_delta_chunked.serving_chunks),
+    # built once for every linear-attention layer; None: the token-by-token kernel
+    delta_chunks: object | None = None
 
     def of_group(self, group: int) -> AttentionMetadata:
         return self if group == 0 else self.other_groups[group - 1]

@@ -23,7 +23,10 @@ from torch import nn
 
 from radiance.errors import ConfigError
 from radiance.kernels._triton import gated_delta as decode_kernels
+from radiance.kernels._triton.conv_prefill import causal_conv1d_prefill
+from radiance.kernels._triton.gated_delta_chunked import chunked_prefill
 from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
+from radiance.kernels._triton.gated_norm_quant import gated_rms_norm_quant
 from radiance.kernels.activation import Fp8Activations
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen, gated_rms_norm
@@ -144,6 +147,10 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]
         if decode:
             mixed = decode_kernels.conv_update(qkv, weight, conv_state, slots)
+        elif triton_path:
+            flags = meta.continues_state_device
+            flags = torch.tensor(continues, dtype=torch.int32, device=probe.device) if flags is None else flags
+            mixed = causal_conv1d_prefill(qkv, weight, conv_state, slots, meta.cu_seqlens_q, flags, max(q_lens))
         else:
             mixed = causal_conv1d_varlen(qkv, weight, conv_state, slots, q_lens, continues)
         n = probe.shape[0]
@@ -151,18 +158,20 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(n, la.num_key_heads, la.key_head_dim)
         k = k.reshape(n, la.num_key_heads, la.key_head_dim)
         v = v.reshape(n, la.num_value_heads, la.value_head_dim)
-        if triton_path:  # the gates, the delta rule and the gated norm: three launches
+        if triton_path:  # the gates, the delta rule and the gated norm
             g, beta = decode_kernels.decay_and_beta(a, b, self.A_log, self.dt_bias)
             if decode:
                 out = decode_kernels.recurrent_step(q, k, v, g, beta, state, slots)
-            else:
-                # token by token (gated_delta_prefill.recurrent_prefill; the chunked form measured slower so far)
-                flags = meta.continues_state_device
-                flags = torch.tensor(continues, device=probe.device) if flags is None else flags
+            elif meta.delta_chunks is not None:  # a step of long enough sequences: in chunks, on the tensor cores
+                out = chunked_prefill(q, k, v, g, beta, state, slots, meta.delta_chunks, flags)
+            else:  # token by token
                 out = recurrent_prefill(q, k, v, g, beta, state, slots, meta.cu_seqlens_q, flags)
-            out = decode_kernels.gated_rms_norm(out.reshape(-1, la.value_head_dim),
-                                                z.reshape(n, la.num_value_heads, la.value_head_dim),
-                                                self.norm.weight, self.norm.eps)
+            gate = z.reshape(n, la.num_value_heads, la.value_head_dim)
+            if takes_fp8(self.out_proj):  # the norm quantizes for the W4A8 kernel: one launch, not two
+                fp8 = gated_rms_norm_quant(out.reshape(-1, la.value_head_dim), gate, self.norm.weight, self.norm.eps)
+                return for_norm(self.out_proj, fp8._replace(lead=tuple(lead)))
+            out = decode_kernels.gated_rms_norm(out.reshape(-1, la.value_head_dim), gate, self.norm.weight,
+                                                self.norm.eps)
         else:
             g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
             out = gated_delta_rule_varlen(q, k, v, g, torch.sigmoid(b), state, slots, q_lens, continues)

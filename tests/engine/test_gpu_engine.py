@@ -372,10 +372,11 @@ def test_bad_words_on_the_gpu(tiny_llm):
 
 
 @pytest.mark.parametrize("model", ["qwen3_5", "qwen3_next"])
-@pytest.mark.parametrize("budget, length", [(16, 25), (512, 70)])
+@pytest.mark.parametrize("budget, length", [(16, 25), (512, 70), (512, 260)])
 def test_qwen3_5_linear_attention_states_match_cpu(tiny_model_dir, model, budget, length):
-    """Qwen3.5 / Qwen3-Next on the GPU (the prefill's delta rule through the Triton recurrent form, in 16-token
-    chunks beside decodes or whole prompts of 70 tokens and more in one step; decode steps through the Triton launches,
+    """Qwen3.5 / Qwen3-Next on the GPU (the prefill's conv and delta rule through Triton, in 16-token chunks beside
+    decodes or whole prompts of 70 tokens and more in one step, the chunked delta rule for prompts of 260 and more;
+    decode steps through the Triton launches,
     replayed from decode graphs that carry the state slots where the model's experts allow graphs, queued ahead; the
     gated attention layer on the Triton attention with a torch rotary of a quarter of each head): fp32 greedy tokens
     of three prompts equal the CPU's (torch's chunked form)."""
@@ -383,3 +384,25 @@ def test_qwen3_5_linear_attention_states_match_cpu(tiny_model_dir, model, budget
     prompts = [[(11 * i + 3 * j) % 256 for j in range(length + 9 * i)] for i in range(3)]
     _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                                   max_num_batched_tokens=budget)
+
+
+def test_qwen3_5_gated_norm_quantizes_for_the_w4a8_out_proj(tiny_model_dir, monkeypatch):
+    """MXFP4 Qwen3.5 on the GPU: each linear-attention layer's gated norm quantizes its output for the W4A8
+    out_proj in the same launch (gated_norm_quant); the greedy tokens equal those of the norm, then the linear's own
+    quantization (the fusion off)."""
+    from radiance import LLM
+    from radiance.models import qwen3_5
+
+    path, _ = tiny_model_dir("qwen3_5")
+    fused, calls = qwen3_5.gated_rms_norm_quant, []
+    monkeypatch.setattr(qwen3_5, "gated_rms_norm_quant", lambda *args: calls.append(1) or fused(*args))
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", quantization="mxfp4", enforce_eager=True,
+              num_gpu_blocks_override=128, max_num_seqs=4)
+    prompts = [[(7 * i + 5 * j) % 256 for j in range(30 + 11 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls  # prefill and decode steps both took the fused launch
+    monkeypatch.setattr(qwen3_5, "takes_fp8", lambda linear: False)
+    calls.clear()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == got
+    assert not calls

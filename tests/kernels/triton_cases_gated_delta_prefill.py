@@ -105,7 +105,7 @@ def test_chunked_prefill_matches_the_chunked_reference(device, lens, continues, 
                              lens, continues, heads, dims, dtype, device, seed=sum(lens) * 3 + heads[1])
 
 
-@pytest.mark.parametrize("precision, tol", [("tf32x3", 1e-4), ("tf32", 3e-2)])
+@pytest.mark.parametrize("precision, tol", [("ieee", 1e-4), ("tf32x3", 1e-4), ("tf32", 3e-2)])
 def test_chunked_prefill_on_the_tensor_cores(device, precision, tol):
     """tl.dot's tf32x3 (about fp32) and tf32 (10-bit mantissas) inputs, fewer warps: the same results within their
     precision."""

@@ -32,6 +32,13 @@ def _assert_same_bytes(got, want):
     x_q, x_scale = want
     assert got.x_q.shape == x_q.shape and got.x_q.dtype == torch.float8_e4m3fn
     assert got.x_scale.shape == x_scale.shape and got.x_scale.dtype == torch.float32
+    if got.dtype == torch.float32 and x_q.is_cuda:
+        # compiled, the tile's per-head sums of squares add in another order than the one-head kernel's: an fp32
+        # norm output (no 16-bit rounding to absorb it) may move by an ulp, so the scale by an ulp and a code by a
+        # step (seen on an H100)
+        assert (got.x_scale.view(torch.int32) - x_scale.view(torch.int32)).abs().max() <= 1
+        assert (got.x_q.view(torch.uint8).int() - x_q.view(torch.uint8).int()).abs().max() <= 1
+        return
     assert torch.equal(got.x_q.view(torch.uint8), x_q.view(torch.uint8))
     assert torch.equal(got.x_scale.view(torch.int32), x_scale.view(torch.int32))  # NaN scales too
 
