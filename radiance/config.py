@@ -108,6 +108,7 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 512 << 20  # KV budget when running on the CPU (a float32 cache there)
     num_gpu_blocks_override: int | None = None  # force a block count (tests, preemption drills); default: as many as the memory budget holds
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
+    prefix_states: int | None = None  # a model with recurrent state (Qwen3.5): how many prefixes' states its prefix cache keeps (taken where prefill chunks end on a block boundary); default as many as max_num_seqs, 0 turns its prefix caching off
     kv_cache_dtype: str = "auto"  # auto (the model's dtype; float32 on CPU) | fp8 (e4m3, scale 1: half a 16-bit cache's bytes)
     # local layers (a sliding window, Llama 4's chunks) keep their own block tables and give back the pages behind
     # their span (vLLM's hybrid KV cache manager; false: every layer keeps every token's K/V)
@@ -122,6 +123,8 @@ class CacheConfig:
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check(self.cpu_kv_cache_bytes > 0, f"cpu_kv_cache_bytes must be positive, got {self.cpu_kv_cache_bytes!r}")
+        _check(self.prefix_states is None or self.prefix_states >= 0,
+               f"prefix_states must be 0 or more, got {self.prefix_states!r}")
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
                f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override!r}")
 

@@ -9,6 +9,10 @@ group's blocks behind its span are released as the sequence grows (table entries
 needs, in each local group, the cached blocks of the span behind the hit. A group's cached block is keyed by its
 digest and the group.
 
+A model with recurrent state (Qwen3.5's linear attention) also needs the states at the end of a prefix: a hit is cut
+back to the last block whose states the prefix cache kept (state_cache.PrefixStates), and admission copies them into
+the sequence's slot.
+
 With `prefer_in_order` (the CPU engine), a growing sequence takes the block right after its last one
 when that block is free and holds no cached prefix, ahead of LRU order: its blocks then run in order, and the
 CPU attention reads the cache in place instead of gathering the context every step
@@ -64,6 +68,8 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         # a hybrid model's linear-attention states: a sequence holds a slot while it holds blocks
         self.state_slots = state_slots
+        # and its prefix cache needs, besides the KV blocks of a prefix, the states at the prefix's end
+        self.prefix_states = state_slots.prefix if state_slots is not None and enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,7 +119,7 @@ class BlockManager:
             digests.append(parent)
             for g, hit in enumerate(hits):
                 found[g].append(hit)
-        while digests and not self._span_cached(found, len(digests)):
+        while digests and not (self._span_cached(found, len(digests)) and self._states_cached(digests)):
             digests.pop()
             for table in found:
                 table.pop()
@@ -128,6 +134,10 @@ class BlockManager:
         position = num_blocks * self.block_size
         return all(None not in found[g][self._first_kept(g, position):num_blocks]
                    for g in range(self.num_groups) if self.layout.spans[g] is not None)
+
+    def _states_cached(self, digests: list[bytes]) -> bool:
+        """Whether a model with recurrent state has the states at the end of the prefix (always, without one)."""
+        return self.state_slots is None or (self.prefix_states is not None and digests[-1] in self.prefix_states)
 
     def _with_released(self, group: int, table: list[int | None]) -> list[int]:
         first = self._first_kept(group, len(table) * self.block_size)
@@ -150,6 +160,9 @@ class BlockManager:
         seq.num_hashed_blocks = len(digests)
         seq.num_computed_tokens = len(digests) * self.block_size
         seq.released_blocks = [table.count(self.null_block) if self.null_block is not None else 0 for table in tables]
+        if digests and self.prefix_states is not None:  # the states the prefix left, in the sequence's own slot
+            seq.state_slot = self.state_slots.take(zeroed=False)
+            self.prefix_states.restore(digests[-1], seq.state_slot)
         return seq.num_computed_tokens
 
     def commit(self, seq: Sequence) -> None:
@@ -169,6 +182,17 @@ class BlockManager:
                     self.hash_of_block[block] = key
                     self.tokens_of_block[block] = tokens
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        if self.prefix_states is not None and seq.state_slot >= 0 and seq.num_computed_tokens == full * self.block_size:
+            self._save_states(seq, full)
+
+    def _save_states(self, seq: Sequence, full: int) -> None:
+        """Keep a hybrid model's states where a prefill chunk ended on a block boundary (the scheduler cuts chunks
+        there). Only a chunk short of the sequence's last token: saving at decode boundaries too would copy each
+        sequence's states every block_size tokens (48 MiB for Qwen3.5-9B) for answers a later prompt rarely
+        repeats whole. The engine commits a step right after queuing it, before queuing any other, so the copy
+        lands behind the step that computed the states on the device's stream."""
+        if 0 < seq.num_computed_tokens < seq.num_tokens:
+            self.prefix_states.save(seq.state_slot, seq.block_hashes[full - 1])
 
     # ---------------------------------------------------------------- allocation
 

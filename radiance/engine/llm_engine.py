@@ -102,7 +102,8 @@ class LLMEngine:
             self.load_summary[-1] += "; " + layout.describe()
         slots = self.runner.state_slots
         if slots is not None:
-            self.load_summary[-1] += (f"; linear-attention states: {slots.count} slots x "
+            self.load_summary[-1] += (f"; linear-attention states: {slots.count} slots"
+                                      f"{f' + {slots.prefix.count} prefix states' if slots.prefix is not None else ''} x "
                                       f"{slots.slot_bytes / 2**20:.2f} MiB "
                                       f"({len(self.model.linear_attention_layers())} layers)")
         logger.info(self.load_summary[-1])

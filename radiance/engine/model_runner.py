@@ -29,10 +29,10 @@ from radiance.engine.outputs import TokenLogprob
 from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence
 from radiance.engine.state_cache import allocate_state_cache, has_recurrent_state
-from radiance.kernels._triton.gated_delta_chunked import serving_chunks
 from radiance.engine.step_graphs import DecodeGraphs, PrefillGraphs, decode_num_splits
 from radiance.engine.step_inputs import StepInputs
 from radiance.engine.structured_output import fill_allowed_token_words
+from radiance.kernels._triton.gated_delta_chunked import serving_chunks
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
@@ -155,8 +155,9 @@ class ModelRunner:
         # the memory left
         self.state_slots, states_bytes = None, 0
         if has_recurrent_state(model):
-            self.state_slots = allocate_state_cache(model, config.scheduler.max_num_seqs, device, dtype)
-            states_bytes = self.state_slots.count * self.state_slots.slot_bytes
+            prefix_states = config.cache.prefix_states or 0  # serving_config fitted it
+            self.state_slots = allocate_state_cache(model, config.scheduler.max_num_seqs, device, dtype, prefix_states)
+            states_bytes = (self.state_slots.count + prefix_states) * self.state_slots.slot_bytes
         self.kv_layout = KvLayout.of(arch, config.cache.hybrid_kv_cache)  # the engine's startup line describes it
         self.num_blocks = num_kv_blocks(model, config.cache, config.scheduler, device, kv_dtype, self.kv_layout,
                                         states_bytes)

@@ -11,6 +11,9 @@ again before it samples, its recompute lost each time): beside running sequences
 admitted only when its blocks leave a watermark of free blocks (as vLLM's) for the running ones to grow
 into, and a preempted one only when the blocks of its whole recompute do. So a sequence preempted in a
 step is not re-admitted in it either: the blocks it freed, less those the grower took, are too few.
+
+A model with recurrent state and prefix caching has its prefill chunks cut to end on block boundaries, where the
+prefix cache keeps its states (`_ending_on_a_block`).
 """
 
 from __future__ import annotations
@@ -74,13 +77,25 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.request_id, seq.num_tokens)
 
-    def _chunk(self, remaining: int, budget: int, nothing_scheduled: bool) -> int:
+    def _chunk(self, seq: Sequence, num_computed: int, budget: int, nothing_scheduled: bool) -> int:
+        """Tokens `seq` computes next, from `num_computed` on, within `budget`."""
+        remaining = seq.num_tokens - num_computed
         if self.config.enable_chunked_prefill:
-            return min(remaining, budget)
-        # unchunked: a prefill goes whole; one larger than the budget runs alone rather than never
-        if remaining <= budget or nothing_scheduled:
-            return remaining
-        return 0
+            n = min(remaining, budget)
+        elif remaining <= budget or nothing_scheduled:  # unchunked: a prefill goes whole; one larger than the budget
+            n = remaining                                # runs alone rather than never
+        else:
+            return 0
+        return self._ending_on_a_block(seq, num_computed, n) if self.block_manager.prefix_states is not None else n
+
+    def _ending_on_a_block(self, seq: Sequence, num_computed: int, n: int) -> int:
+        """A hybrid model's chunk cut to end on a block boundary, where the prefix cache keeps its states
+        (state_cache.PrefixStates): a chunk short of the sequence's end at the last boundary it reaches; the last
+        one at the last boundary before the final token (where a hit on the same prompt ends), its tail in the next
+        step. A chunk that reaches no boundary stays whole."""
+        end, size = num_computed + n, self.block_manager.block_size
+        boundary = (end if end < seq.num_tokens else seq.num_tokens - 1) // size * size
+        return boundary - num_computed if boundary > num_computed else n
 
     def _can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self._fits(seq, self.block_manager.tables(seq), seq.num_computed_tokens, num_new_tokens,
@@ -121,7 +136,7 @@ class Scheduler:
             num_computed = len(digests) * bm.block_size
             num_free -= sum(1 for table in tables for b in table  # taken off the free list
                             if b != bm.null_block and freed.get(b, bm.ref_counts[b]) == 0)
-        n = self._chunk(seq.num_tokens - num_computed, budget, nothing_scheduled=staying == 0)
+        n = self._chunk(seq, num_computed, budget, nothing_scheduled=staying == 0)
         return n > 0 and self._fits(seq, tables, num_computed, n, num_free, beside_running=staying > 0, refs=freed)
 
     def _refs_after(self, leaving) -> dict[int, int]:
@@ -142,7 +157,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, not scheduled)
+            n = self._chunk(seq, seq.num_computed_tokens, budget, not scheduled)
             if n == 0:
                 i += 1
                 continue
@@ -169,7 +184,7 @@ class Scheduler:
             cached = None
             if not seq.block_table and seq.params.prompt_logprobs is None:  # those score every prompt token
                 cached = bm.match_prefix(seq)
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, not scheduled)
+            n = self._chunk(seq, seq.num_computed_tokens, budget, not scheduled)
             if n == 0 or not self._can_admit(seq, n):
                 if not scheduled and not self.running and not bm.can_allocate(seq, n):
                     raise RuntimeError(f"request {seq.request_id} needs more KV blocks than the cache holds")

@@ -1,20 +1,23 @@
 """The recurrent state of a hybrid model's linear-attention layers (Qwen3.5's Gated DeltaNet): per layer, a conv tail
-[slots, channels, kernel - 1] and a float32 state [slots, value heads, key_head_dim, value_head_dim], one slot per
-running sequence (vLLM's mamba cache). A sequence takes a slot with its first KV blocks and gives it back with them
-(finished, aborted or preempted: a preempted sequence recomputes from its tokens, so from a fresh state).
+[rows, channels, kernel - 1] and a float32 state [rows, value heads, key_head_dim, value_head_dim]: one row (slot) per
+running sequence (vLLM's mamba cache), then the rows of the prefix cache's states (PrefixStates). A sequence takes a
+slot with its first KV blocks and gives it back with them (finished, aborted or preempted: a preempted sequence
+recomputes from its tokens, so from a fresh state or a cached prefix's).
 
-A state holds the whole prefix in a fixed size (2 MiB a layer for Qwen3.5-9B) and cannot be rewound or shared: the
-engine serves such models without prefix caching or speculative decoding, and a decode step queued ahead
-(overlap.DecodeAhead) is never discarded — one that ran would have advanced the states — so while one is queued the
-scheduler admits nobody (`DecodeAhead.pinned`; a request waits one decode step longer). The decode graphs
-carry each sequence's slot (step_graphs.DecodeGraphs; a padding row's slot -1 touches no state); the prefill and
-piecewise graphs, whose steps would need each sequence's "starts here" flag, are off (`serving_config`)."""
+A state holds the whole prefix in a fixed size (2 MiB a layer for Qwen3.5-9B) and cannot be rewound: the engine
+serves such models without speculative decoding, and a decode step queued ahead (overlap.DecodeAhead) is never
+discarded — one that ran would have advanced the states — so while one is queued the scheduler admits nobody
+(`DecodeAhead.pinned`; a request waits one decode step longer). Prefix caching keeps copies of the states where
+prefill chunks end on a block boundary (PrefixStates; the scheduler cuts chunks there). The decode graphs carry each
+sequence's slot (step_graphs.DecodeGraphs; a padding row's slot -1 touches no state); the prefill and piecewise
+graphs, whose steps would need each sequence's "starts here" flag, are off (`serving_config`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+from collections import OrderedDict
 
 import torch
 
@@ -30,27 +33,71 @@ def has_recurrent_state(model) -> bool:
 class StateSlots:
     """The free slots of the state cache; slot numbers index each layer's state tensors. A slot is zeroed as it is
     handed out (`reset`): the CUDA decode kernels continue whatever state a slot holds, and a sequence may start in a
-    one-token step (a one-token prompt, or a chunk of one beside decodes)."""
+    one-token step (a one-token prompt, or a chunk of one beside decodes). `prefix`: the prefix cache's states, in
+    the rows after the slots (None: no prefix caching)."""
 
-    def __init__(self, count: int, reset=lambda slot: None, slot_bytes: int = 0):
+    def __init__(self, count: int, reset=lambda slot: None, slot_bytes: int = 0, prefix: PrefixStates | None = None):
         self.count = count
         self.reset = reset
         self.slot_bytes = slot_bytes  # one sequence's states over every layer (bytes_per_slot)
+        self.prefix = prefix
         self._free = list(range(count - 1, -1, -1))  # popped from the end: slot 0 first
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def take(self) -> int:
+    def take(self, zeroed: bool = True) -> int:
+        """A free slot, zeroed unless the caller fills it (`zeroed=False`: a cached prefix's states go in)."""
         if not self._free:  # the scheduler runs at most max_num_seqs sequences, one slot each
             raise RuntimeError(f"all {self.count} linear-attention state slots are taken")
         slot = self._free.pop()
-        self.reset(slot)
+        if zeroed:
+            self.reset(slot)
         return slot
 
     def give_back(self, slot: int) -> None:
         self._free.append(slot)
+
+
+class PrefixStates:
+    """The prefix cache of a model with recurrent state (vLLM's mamba prefix caching, "align" mode): a copy of a
+    sequence's states where one of its prefill chunks ended on a block boundary, keyed by the digest of the block
+    ending there (block_manager.block_hash: it stands for every token before, cache salt and adapter included). A
+    prefix hit needs the states at its end besides its KV blocks; admission copies them into the sequence's slot.
+    Least recently used out first. Every copy is queued on the device's stream, so a save lands after the step
+    that computed the states and a restore before the step that continues them."""
+
+    def __init__(self, rows: range, copy):
+        self.count = len(rows)
+        self._copy = copy  # copy(src_row, dst_row) over every layer
+        self._free = list(reversed(rows))
+        self._row_of: OrderedDict[bytes, int] = OrderedDict()
+        self.saves = self.restores = 0
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._row_of
+
+    @property
+    def num_kept(self) -> int:
+        return len(self._row_of)
+
+    def save(self, slot: int, digest: bytes) -> None:
+        """Keep the states in `slot` as the prefix ending with block `digest` (the least recently used out when all
+        rows hold one). Equal digests mean equal tokens before them: one already kept is only touched."""
+        if digest in self._row_of:
+            self._row_of.move_to_end(digest)
+            return
+        row = self._free.pop() if self._free else self._row_of.popitem(last=False)[1]
+        self._copy(slot, row)
+        self._row_of[digest] = row
+        self.saves += 1
+
+    def restore(self, digest: bytes, slot: int) -> None:
+        """Copy the states kept for the prefix ending with block `digest` into `slot`."""
+        self._row_of.move_to_end(digest)
+        self._copy(self._row_of[digest], slot)
+        self.restores += 1
 
 
 def bytes_per_slot(model, dtype: torch.dtype) -> int:
@@ -63,16 +110,20 @@ def bytes_per_slot(model, dtype: torch.dtype) -> int:
     return total
 
 
-def allocate_state_cache(model, slots: int, device: torch.device, dtype: torch.dtype) -> StateSlots:
-    """Zeroed states of `slots` sequences, bound to each linear-attention layer (conv_state in the model's dtype,
-    recurrent_state in float32); their free list."""
-    for layer in model.linear_attention_layers():
+def allocate_state_cache(model, slots: int, device: torch.device, dtype: torch.dtype,
+                         prefix_states: int = 0) -> StateSlots:
+    """Zeroed states of `slots` sequences and `prefix_states` cached prefixes, bound to each linear-attention layer
+    (conv_state in the model's dtype, recurrent_state in float32); the slots' free list, with the prefix cache."""
+    layers = model.linear_attention_layers()
+    for layer in layers:
         la = layer.la
-        layer.conv_state = torch.zeros(slots, la.conv_channels, la.conv_kernel - 1, dtype=dtype, device=device)
-        layer.recurrent_state = torch.zeros(slots, la.num_value_heads, la.key_head_dim, la.value_head_dim,
+        rows = slots + prefix_states
+        layer.conv_state = torch.zeros(rows, la.conv_channels, la.conv_kernel - 1, dtype=dtype, device=device)
+        layer.recurrent_state = torch.zeros(rows, la.num_value_heads, la.key_head_dim, la.value_head_dim,
                                             dtype=torch.float32, device=device)
-    return StateSlots(slots, functools.partial(_zero_slot, model.linear_attention_layers()),
-                      bytes_per_slot(model, dtype))
+    prefix = (PrefixStates(range(slots, slots + prefix_states), functools.partial(_copy_row, layers))
+              if prefix_states else None)
+    return StateSlots(slots, functools.partial(_zero_slot, layers), bytes_per_slot(model, dtype), prefix)
 
 
 def _zero_slot(layers, slot: int) -> None:
@@ -81,38 +132,54 @@ def _zero_slot(layers, slot: int) -> None:
         layer.recurrent_state[slot].zero_()
 
 
+def _copy_row(layers, src: int, dst: int) -> None:
+    for layer in layers:
+        layer.conv_state[dst].copy_(layer.conv_state[src])
+        layer.recurrent_state[dst].copy_(layer.recurrent_state[src])
+
+
 # of the memory left after the weights (CUDA) or of cpu_kv_cache_bytes (CPU): the most the states of max_num_seqs
-# sequences may take; more lowers max_num_seqs. The KV cache gets the rest (kv_cache.num_kv_blocks)
+# sequences and of the cached prefixes may take; more lowers both. The KV cache gets the rest (kv_cache.num_kv_blocks)
 MAX_STATE_SHARE = 0.5
 
 
-def slots_that_fit(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
-    """max_num_seqs, lowered (with a warning) to the sequences whose states fit MAX_STATE_SHARE of the memory left."""
-    wanted, per_slot = config.scheduler.max_num_seqs, bytes_per_slot(model, dtype)
+def rows_that_fit(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+    """(max_num_seqs, prefix states) whose states fit MAX_STATE_SHARE of the memory left: as asked when they fit,
+    else the prefix cache gets at most half of what fits and the sequences the rest (a warning names each one
+    lowered). Prefix states asked for: CacheConfig.prefix_states, as many as max_num_seqs when unset, none without
+    prefix caching."""
+    cache, per_slot = config.cache, bytes_per_slot(model, dtype)
+    seqs = config.scheduler.max_num_seqs
+    prefix = 0 if not cache.enable_prefix_caching else seqs if cache.prefix_states is None else cache.prefix_states
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * config.cache.gpu_memory_utilization) - (total - free)
+        budget = int(total * cache.gpu_memory_utilization) - (total - free)
         knob = "--gpu-memory-utilization"
     else:
-        budget, knob = config.cache.cpu_kv_cache_bytes, "--cpu-kv-cache-bytes"
+        budget, knob = cache.cpu_kv_cache_bytes, "--cpu-kv-cache-bytes"
     fits = max(1, int(budget * MAX_STATE_SHARE) // per_slot)
-    if fits < wanted:
-        logger.warning("max_num_seqs lowered to %d from %d: each sequence's linear-attention state takes %.1f MiB "
-                       "(%s raises it)", fits, wanted, per_slot / 2**20, knob)
-        return fits
-    return wanted
+    if seqs + prefix <= fits:
+        return seqs, prefix
+    fit_prefix = min(prefix, fits // 2)
+    fit_seqs = min(seqs, max(1, fits - fit_prefix))
+    for name, want, got in (("max_num_seqs", seqs, fit_seqs), ("prefix_states", prefix, fit_prefix)):
+        if got < want:
+            logger.warning("%s lowered to %d from %d: each linear-attention state takes %.1f MiB (%s raises it)",
+                           name, got, want, per_slot / 2**20, knob)
+    return fit_seqs, fit_prefix
 
 
 def serving_config(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> EngineConfig:
-    """`config` as a model with recurrent state is served: max_num_seqs within the states' share of memory
-    (slots_that_fit); prefix caching, n-gram speculation and the prefill / piecewise CUDA graphs off (see the
-    module's docstring), the ones that were on named in the log."""
+    """`config` as a model with recurrent state is served: max_num_seqs and the prefix states within the states'
+    share of memory (rows_that_fit: prefix caching off when no prefix state fits); n-gram speculation and the
+    prefill / piecewise CUDA graphs off (see the module's docstring), the ones that were on named in the log."""
     off = []
     cache, runner, spec = config.cache, config.runner, config.speculative
-    scheduler = dataclasses.replace(config.scheduler, max_num_seqs=slots_that_fit(config, model, device, dtype))
-    if cache.enable_prefix_caching:
+    seqs, prefix = rows_that_fit(config, model, device, dtype)
+    scheduler = dataclasses.replace(config.scheduler, max_num_seqs=seqs)
+    if cache.enable_prefix_caching and not prefix:
         off.append("prefix caching")
-        cache = dataclasses.replace(cache, enable_prefix_caching=False)
+    cache = dataclasses.replace(cache, enable_prefix_caching=bool(prefix), prefix_states=prefix)
     if spec.ngram_draft_tokens:
         off.append("n-gram speculative decoding")
         spec = dataclasses.replace(spec, ngram_draft_tokens=0)

@@ -143,18 +143,20 @@ def test_preempted_sequences_recompute_from_a_fresh_state(tiny_model_dir):
 
 
 def test_the_engine_serves_it_without_what_a_state_cannot_undo(tiny_model_dir, caplog):
-    """Prefix caching and n-gram speculation asked for are turned off, with one log line naming them; the KV cache
-    holds only the full-attention layer (one of four)."""
+    """N-gram speculation asked for is turned off, with one log line naming it; prefix caching stays on, with a
+    prefix state kept for each of the 64 sequences' slots; the KV cache holds only the full-attention layer (one of
+    four)."""
     path, _ = tiny_model_dir("qwen3_5")
     with caplog.at_level("INFO", logger="radiance"):
         llm = LLM(path, device="cpu", dtype="float32", ngram_draft_tokens=4, enable_prefix_caching=True)
     config = llm.engine.config
-    assert not config.cache.enable_prefix_caching and config.speculative.ngram_draft_tokens == 0
-    assert "prefix caching, n-gram speculative decoding off for this model" in caplog.text
+    assert config.cache.enable_prefix_caching and config.speculative.ngram_draft_tokens == 0
+    assert "n-gram speculative decoding off for this model" in caplog.text
     assert llm.engine.runner.kv_cache.shape[1] == 1  # one layer slot per page
-    assert "linear-attention states: 64 slots x 0.01 MiB (3 layers)" in llm.engine.load_summary[-1]
-    prompt = _prompts(1, 20)[0]  # the same prompt twice: the second recomputes it (no cached prefix to take)
-    assert _greedy(llm, [prompt], 5) == _greedy(llm, [prompt], 5)
+    assert "linear-attention states: 64 slots + 64 prefix states x 0.01 MiB (3 layers)" in llm.engine.load_summary[-1]
+    prompt = _prompts(1, 20)[0]  # the same prompt twice: the second continues from the first block's states
+    first, second = _greedy(llm, [prompt], 5), _greedy(llm, [prompt], 5)
+    assert first == second and llm.engine.scheduler.prefix_cache_hits == 16
 
 
 def test_overlapped_decode_never_discards_a_step_that_advanced_the_states(tiny_model_dir):
@@ -285,15 +287,22 @@ def test_inspect_describes_the_hybrid_layers(tiny_model_dir):
                                 "its length")
 
 
-def test_max_num_seqs_is_lowered_to_the_states_that_fit(tiny_model_dir, caplog):
+@pytest.mark.parametrize("prefix_caching, seqs, prefix_states", [(True, 3, 3), (False, 6, 0)])
+def test_max_num_seqs_is_lowered_to_the_states_that_fit(tiny_model_dir, caplog, prefix_caching, seqs, prefix_states):
     """Each sequence's states take 3 x (96 x 3 + 4 x 16 x 8) x 4 B = 9600 B in float32: half a CPU budget of 128 KiB
-    (MAX_STATE_SHARE) holds 6, and max_num_seqs 64 comes down to that with a warning; the engine still serves more
-    prompts than that (they wait their turn)."""
+    (MAX_STATE_SHARE) holds 6. With prefix caching, the prefix states get half of them and max_num_seqs the rest
+    (64 each asked for), else max_num_seqs all six; a warning names each one lowered, and the engine still serves
+    more prompts than that (they wait their turn)."""
     path, hf = tiny_model_dir("qwen3_5")
     with caplog.at_level("WARNING", logger="radiance"):
-        llm = LLM(path, device="cpu", dtype="float32", cpu_kv_cache_bytes=128 << 10, max_model_len=64)
-    assert llm.engine.config.scheduler.max_num_seqs == 6 and llm.engine.block_manager.state_slots.count == 6
-    assert "max_num_seqs lowered to 6 from 64" in caplog.text
+        llm = LLM(path, device="cpu", dtype="float32", cpu_kv_cache_bytes=128 << 10, max_model_len=64,
+                  enable_prefix_caching=prefix_caching)
+    slots = llm.engine.block_manager.state_slots
+    assert llm.engine.config.scheduler.max_num_seqs == seqs and slots.count == seqs
+    assert llm.engine.config.cache.prefix_states == prefix_states
+    assert (slots.prefix.count if slots.prefix is not None else 0) == prefix_states
+    assert f"max_num_seqs lowered to {seqs} from 64" in caplog.text
+    assert ("prefix_states lowered to 3 from 64" in caplog.text) == prefix_caching
     # the KV cache takes what the states leave of the budget: (131072 - 6 x 9600) // (16 tokens x 256 B) blocks
     assert llm.engine.runner.num_blocks == 17
     prompts = _prompts(9, 5, seed=11)
