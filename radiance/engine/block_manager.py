@@ -29,6 +29,7 @@ from collections import OrderedDict
 from radiance.engine.kv_layout import KvLayout
 from radiance.engine.sequence import Sequence
 from radiance.engine.state_cache import StateSlots
+from radiance.kernels._triton.gated_delta_chunked import CHUNK
 
 
 def block_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
@@ -182,8 +183,38 @@ class BlockManager:
                     self.hash_of_block[block] = key
                     self.tokens_of_block[block] = tokens
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        if seq.state_save is not None:  # written by the step's launches
+            _, digest, row = seq.state_save
+            seq.state_save = None
+            self.prefix_states.publish(digest, row)
         if self.prefix_states is not None and seq.state_slot >= 0 and seq.num_computed_tokens == full * self.block_size:
             self._save_states(seq, full)
+
+    def _plan_state_save(self, seq: Sequence, num_new_tokens: int) -> None:
+        """A prompt's last chunk keeps its states from inside the step at its last whole 64-token chunk of the
+        delta rule that ends on a block boundary before the final token (Sequence.state_save; model_runner passes
+        it on as AttentionMetadata.state_saves): a chunk cut there would give the last tokens a step of their own,
+        an eager forward (~30 ms of host time for Qwen3.5-9B on an H100)."""
+        start = seq.num_computed_tokens
+        if start + num_new_tokens != seq.num_tokens or start % self.block_size:
+            return
+        grid = max(CHUNK, self.block_size)  # both powers of two: a whole number of chunks ending on a boundary
+        tokens = (num_new_tokens - 1) // grid * grid
+        if tokens <= 0:
+            return
+        digest = self._digest_of_prefix(seq, (start + tokens) // self.block_size)
+        if not self.prefix_states.touch(digest):
+            row = self.prefix_states.reserve()
+            seq.state_save = None if row is None else (tokens, digest, row)
+
+    def _digest_of_prefix(self, seq: Sequence, num_blocks: int) -> bytes:
+        """The digest of the sequence's first `num_blocks` blocks (past its committed ones, from its tokens)."""
+        if num_blocks <= len(seq.block_hashes):
+            return seq.block_hashes[num_blocks - 1]
+        parent = seq.block_hashes[-1] if seq.block_hashes else salt_digest(seq)
+        for i in range(len(seq.block_hashes), num_blocks):
+            parent = block_hash(parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
+        return parent
 
     def _save_states(self, seq: Sequence, full: int) -> None:
         """Keep a hybrid model's states where a prefill chunk ended on a block boundary (the scheduler cuts chunks
@@ -225,6 +256,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         if self.state_slots is not None and seq.state_slot < 0:
             seq.state_slot = self.state_slots.take()
+        if self.prefix_states is not None:
+            self._plan_state_save(seq, num_new_tokens)
         if self.null_block is not None:
             self._release_behind_spans(seq)
         wanted = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -293,3 +326,6 @@ class BlockManager:
         if seq.state_slot >= 0:
             self.state_slots.give_back(seq.state_slot)
             seq.state_slot = -1
+        if seq.state_save is not None:  # freed between its schedule and its step
+            self.prefix_states.release(seq.state_save[2])
+            seq.state_save = None

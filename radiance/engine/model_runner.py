@@ -28,11 +28,11 @@ from radiance.engine.kv_layout import KvLayout
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence
-from radiance.engine.state_cache import allocate_state_cache, has_recurrent_state
+from radiance.engine.state_cache import allocate_state_cache, has_recurrent_state, step_state_saves
 from radiance.engine.step_graphs import DecodeGraphs, PrefillGraphs, decode_num_splits
 from radiance.engine.step_inputs import StepInputs
 from radiance.engine.structured_output import fill_allowed_token_words
-from radiance.kernels._triton.gated_delta_chunked import serving_chunks
+from radiance.kernels._triton.gated_delta_chunked import delta_chunks, serving_chunks
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
@@ -264,8 +264,10 @@ class ModelRunner:
                 meta.state_slots = self._to_device([s.seq.state_slot for s in scheduled], torch.int64)
                 meta.continues_state = [s.seq.num_computed_tokens > 0 for s in scheduled]
                 meta.continues_state_device = self._to_device(meta.continues_state, torch.int32)
-                if not is_decode and self.device.type == "cuda":
-                    meta.delta_chunks = serving_chunks(q_lens, self.device)
+                meta.state_saves = step_state_saves([s.seq for s in scheduled], q_lens)
+                if not is_decode and self.device.type == "cuda":  # the chunked delta rule keeps the saves' states
+                    meta.delta_chunks = (delta_chunks(q_lens, self.device) if meta.state_saves
+                                         else serving_chunks(q_lens, self.device))
             meta.other_groups = tuple(
                 dataclasses.replace(meta, slot_mapping=self._to_device(slots[g], torch.int64),
                                     block_tables=self._to_device(tables[g], torch.int32),

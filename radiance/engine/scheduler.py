@@ -12,8 +12,8 @@ admitted only when its blocks leave a watermark of free blocks (as vLLM's) for t
 into, and a preempted one only when the blocks of its whole recompute do. So a sequence preempted in a
 step is not re-admitted in it either: the blocks it freed, less those the grower took, are too few.
 
-A model with recurrent state and prefix caching has its prefill chunks cut to end on block boundaries, where the
-prefix cache keeps its states (`_ending_on_a_block`).
+A model with recurrent state and prefix caching has its prefill chunks short of a prompt's end cut on block
+boundaries, where the prefix cache keeps its states (`_ending_on_a_block`).
 """
 
 from __future__ import annotations
@@ -89,12 +89,13 @@ class Scheduler:
         return self._ending_on_a_block(seq, num_computed, n) if self.block_manager.prefix_states is not None else n
 
     def _ending_on_a_block(self, seq: Sequence, num_computed: int, n: int) -> int:
-        """A hybrid model's chunk cut to end on a block boundary, where the prefix cache keeps its states
-        (state_cache.PrefixStates): a chunk short of the sequence's end at the last boundary it reaches; the last
-        one at the last boundary before the final token (where a hit on the same prompt ends), its tail in the next
-        step. A chunk that reaches no boundary stays whole."""
+        """A hybrid model's chunk short of the sequence's end cut at the last block boundary it reaches, where the
+        prefix cache keeps its states (state_cache.PrefixStates; the last chunk keeps them from inside its step).
+        A chunk that reaches no boundary stays whole."""
         end, size = num_computed + n, self.block_manager.block_size
-        boundary = (end if end < seq.num_tokens else seq.num_tokens - 1) // size * size
+        if end >= seq.num_tokens:
+            return n
+        boundary = end // size * size
         return boundary - num_computed if boundary > num_computed else n
 
     def _can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:

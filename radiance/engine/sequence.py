@@ -63,6 +63,9 @@ class Sequence:
         self.lora_fingerprint: bytes | None = None
         self.lora_slot = -1
         self.state_slot = -1  # its slot of a hybrid model's linear-attention states (engine.state_cache), -1: none
+        # the states its prefix cache keeps from inside this step: (tokens into the step, the digest of the block
+        # ending there, the row), kept by block_manager until the step is committed (None: none)
+        self.state_save: tuple[int, bytes, int] | None = None
 
     def kv_table(self, group: int) -> list[int]:
         """The block table of KV group `group` (0: block_table)."""

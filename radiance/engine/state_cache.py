@@ -7,8 +7,8 @@ recomputes from its tokens, so from a fresh state or a cached prefix's).
 A state holds the whole prefix in a fixed size (2 MiB a layer for Qwen3.5-9B) and cannot be rewound: the engine
 serves such models without speculative decoding, and a decode step queued ahead (overlap.DecodeAhead) is never
 discarded — one that ran would have advanced the states — so while one is queued the scheduler admits nobody
-(`DecodeAhead.pinned`; a request waits one decode step longer). Prefix caching keeps copies of the states where
-prefill chunks end on a block boundary (PrefixStates; the scheduler cuts chunks there). The decode graphs carry each
+(`DecodeAhead.pinned`; a request waits one decode step longer). Prefix caching keeps copies of the states at block
+boundaries (PrefixStates). The decode graphs carry each
 sequence's slot (step_graphs.DecodeGraphs; a padding row's slot -1 touches no state); the prefill and piecewise
 graphs, whose steps would need each sequence's "starts here" flag, are off (`serving_config`)."""
 
@@ -22,6 +22,8 @@ from collections import OrderedDict
 import torch
 
 from radiance.config import EngineConfig
+from radiance.kernels._triton.gated_delta_chunked import CHUNK
+from radiance.layers.attention import StateSave
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +63,12 @@ class StateSlots:
 
 
 class PrefixStates:
-    """The prefix cache of a model with recurrent state (vLLM's mamba prefix caching, "align" mode): a copy of a
-    sequence's states where one of its prefill chunks ended on a block boundary, keyed by the digest of the block
-    ending there (block_manager.block_hash: it stands for every token before, cache salt and adapter included). A
+    """The prefix cache of a model with recurrent state (vLLM's mamba prefix caching, "align" mode): copies of a
+    sequence's states at block boundaries, keyed by the digest of the block ending there (block_manager.block_hash:
+    it stands for every token before, cache salt and adapter included): where a prefill chunk short of the prompt's
+    end stops (the scheduler cuts those on a boundary; `save` copies the slot after the step), and inside a
+    prompt's last chunk at its last whole 64-token chunk of the delta rule on a boundary (the step's launches write
+    a `reserve`d row: AttentionMetadata.state_saves), so that the prompt's last tokens take no step of their own. A
     prefix hit needs the states at its end besides its KV blocks; admission copies them into the sequence's slot.
     Least recently used out first. Every copy is queued on the device's stream, so a save lands after the step
     that computed the states and a restore before the step that continues them."""
@@ -83,21 +88,59 @@ class PrefixStates:
         return len(self._row_of)
 
     def save(self, slot: int, digest: bytes) -> None:
-        """Keep the states in `slot` as the prefix ending with block `digest` (the least recently used out when all
-        rows hold one). Equal digests mean equal tokens before them: one already kept is only touched."""
+        """Keep the states in `slot` as the prefix ending with block `digest`. Equal digests mean equal tokens
+        before them: one already kept is only touched."""
+        if self.touch(digest):
+            return
+        row = self.reserve()
+        if row is not None:
+            self._copy(slot, row)
+            self.publish(digest, row)
+
+    def touch(self, digest: bytes) -> bool:
+        """Whether the prefix ending with block `digest` is kept (then it is the most recently used)."""
         if digest in self._row_of:
             self._row_of.move_to_end(digest)
+            return True
+        return False
+
+    def reserve(self) -> int | None:
+        """A row for states a step writes (AttentionMetadata.state_saves): a free one, else the least recently used
+        prefix's (None: every row is reserved by this step's other saves). Not found by lookups until `publish`."""
+        if self._free:
+            return self._free.pop()
+        return self._row_of.popitem(last=False)[1] if self._row_of else None
+
+    def publish(self, digest: bytes, row: int) -> None:
+        """The reserved `row` holds the states of the prefix ending with block `digest` (or gives the row back when
+        another sequence's step kept that prefix first)."""
+        if digest in self._row_of:
+            self.release(row)
             return
-        row = self._free.pop() if self._free else self._row_of.popitem(last=False)[1]
-        self._copy(slot, row)
         self._row_of[digest] = row
         self.saves += 1
+
+    def release(self, row: int) -> None:
+        """A reserved row whose states were not kept."""
+        self._free.append(row)
 
     def restore(self, digest: bytes, slot: int) -> None:
         """Copy the states kept for the prefix ending with block `digest` into `slot`."""
         self._row_of.move_to_end(digest)
         self._copy(self._row_of[digest], slot)
         self.restores += 1
+
+
+def step_state_saves(seqs, q_lens: list[int]) -> tuple[StateSave, ...]:
+    """AttentionMetadata.state_saves of a step computing q_lens[i] tokens of seqs[i]: their Sequence.state_save,
+    with the chunk each starts in the step's table of 64-token chunks (gated_delta_chunked.delta_chunks)."""
+    saves, first_chunk = [], 0
+    for i, (seq, n) in enumerate(zip(seqs, q_lens)):
+        if seq.state_save is not None:
+            tokens, _, row = seq.state_save
+            saves.append(StateSave(i, tokens, row, first_chunk + tokens // CHUNK))
+        first_chunk += -(-n // CHUNK)
+    return tuple(saves)
 
 
 def bytes_per_slot(model, dtype: torch.dtype) -> int:

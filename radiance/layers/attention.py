@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,13 @@ from torch import nn
 
 from radiance.formats.fp8 import FP8_E4M3_MAX
 from radiance.kernels.activation import Fp8Activations
+
+
+class StateSave(NamedTuple):
+    seq: int
+    tokens: int
+    row: int
+    chunk: int
 
 
 @dataclass
@@ -56,6 +64,10 @@ class AttentionMetadata:
     # a CUDA prefill step the chunked delta rule serves: its chunk table (gated_delta_chunked.serving_chunks),
     # built once for every linear-attention layer; None: the token-by-token kernel
     delta_chunks: object | None = None
+    # the states a prefix cache keeps from inside this step (engine.state_cache.PrefixStates): per save, the
+    # sequence's index, the tokens into its step (a whole number of the delta rule's 64-token chunks), the row
+    # they go to, and that chunk's index in delta_chunks' table
+    state_saves: tuple[StateSave, ...] = ()
 
     def of_group(self, group: int) -> AttentionMetadata:
         return self if group == 0 else self.other_groups[group - 1]

@@ -73,9 +73,10 @@ def _recurrent_step(q, k, v, g, beta, s):
     return (s * q[..., None]).sum(-2), s
 
 
-def _chunked(q, k, v, g, beta, s, chunk_size):
+def _chunked(q, k, v, g, beta, s, chunk_size, keep_chunk=None):
     """One sequence in HF's chunked form: q, k [H, L, Dk], v [H, L, Dv], g, beta [H, L], s [H, Dk, Dv].
-    Zero padding to whole chunks is inert (k = beta = 0 writes nothing, g = 0 decays nothing)."""
+    Zero padding to whole chunks is inert (k = beta = 0 writes nothing, g = 0 decays nothing). Returns (outputs,
+    final state, the state entering chunk `keep_chunk` or None)."""
     L, pad = q.shape[1], -q.shape[1] % chunk_size
     q, k, v = (F.pad(t, (0, 0, 0, pad)).unflatten(1, (-1, chunk_size)) for t in (q, k, v))   # [H, N, C, D]
     g, beta = (F.pad(t, (0, pad)).unflatten(1, (-1, chunk_size)) for t in (g, beta))          # [H, N, C]
@@ -90,21 +91,26 @@ def _chunked(q, k, v, g, beta, s, chunk_size):
     attn = (q @ k.mT) * decay
     q_dec, k_dec = q * cum.exp()[..., None], k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
-    out = torch.empty_like(u)
+    out, kept = torch.empty_like(u), None
     for n in range(q.shape[1]):  # the scan over chunks, carrying the state
+        if n == keep_chunk:
+            kept = s
         v_new = u[:, n] - w[:, n] @ s
         out[:, n] = q_dec[:, n] @ s + attn[:, n] @ v_new
         s = s * chunk_decay[:, n] + k_dec[:, n].mT @ v_new
-    return out.flatten(1, 2)[:, :L], s
+    return out.flatten(1, 2)[:, :L], s, kept
 
 
-def gated_delta_rule_varlen(q, k, v, g, beta, state, state_slots, q_lens, has_initial_state, chunk_size=64):
+def gated_delta_rule_varlen(q, k, v, g, beta, state, state_slots, q_lens, has_initial_state, chunk_size=64,
+                            keep=()):
     """q, k [T, Hk, Dk], v [T, Hv, Dv] (each q/k head serves Hv//Hk consecutive v heads, HF's repeat_interleave);
     g [T, Hv] float32 log decay (<= 0); beta [T, Hv]; state [S, Hv, Dk, Dv] float32, UPDATED IN PLACE at each
     sequence's slot to its final state; state_slots [B] int64; q_lens, has_initial_state host lists as in
     causal_conv1d_varlen. q and k are l2-normalized here (fp32, eps 1e-6) and q scaled by Dk**-0.5 (HF's
     use_qk_l2norm_in_kernel=True). Returns [T, Hv, Dv] in v's dtype. One-token sequences take the recurrent step,
-    all of them in one batch (a decode step: no loop over sequences); longer ones the chunked form, one by one."""
+    all of them in one batch (a decode step: no loop over sequences); longer ones the chunked form, one by one.
+    keep: (sequence, chunk, row) triples, one a sequence at most: the state entering that chunk of that sequence
+    (its state after chunk x chunk_size tokens) copied into `state[row]` (a prefix cache's row)."""
     Hv, Dk = v.shape[1], q.shape[-1]
     q, k = (t.repeat_interleave(Hv // t.shape[1], dim=1).float() for t in (q, k))
     q, k = _l2norm(q) * Dk ** -0.5, _l2norm(k)
@@ -117,12 +123,17 @@ def gated_delta_rule_varlen(q, k, v, g, beta, state, state_slots, q_lens, has_in
         single = torch.tensor(single, device=v.device)
         r = starts[single]
         out[r], s[single] = _recurrent_step(q[r], k[r], vf[r], g[r], beta[r], s[single])
+    kept = {i: (chunk, row) for i, chunk, row in keep}
     start = 0
     for i, n in enumerate(q_lens):
         if n > 1:
             a = slice(start, start + n)
-            o, s[i] = _chunked(*(t[a].transpose(0, 1) for t in (q, k, vf, g, beta)), s[i], chunk_size)
+            chunk, row = kept.get(i, (None, None))
+            o, s[i], entering = _chunked(*(t[a].transpose(0, 1) for t in (q, k, vf, g, beta)), s[i], chunk_size,
+                                         chunk)
             out[a] = o.transpose(0, 1)
+            if row is not None:
+                state[row] = entering.to(state.dtype)
         start += n
     state[state_slots] = s.to(state.dtype)
     return out.to(v.dtype)

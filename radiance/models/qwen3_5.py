@@ -24,7 +24,7 @@ from torch import nn
 from radiance.errors import ConfigError
 from radiance.kernels._triton import gated_delta as decode_kernels
 from radiance.kernels._triton.conv_prefill import causal_conv1d_prefill
-from radiance.kernels._triton.gated_delta_chunked import chunked_prefill
+from radiance.kernels._triton.gated_delta_chunked import CHUNK, chunked_prefill
 from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
 from radiance.kernels._triton.gated_norm_quant import gated_rms_norm_quant
 from radiance.kernels.activation import Fp8Activations
@@ -153,6 +153,9 @@ class GatedDeltaNet(nn.Module):
             mixed = causal_conv1d_prefill(qkv, weight, conv_state, slots, meta.cu_seqlens_q, flags, max(q_lens))
         else:
             mixed = causal_conv1d_varlen(qkv, weight, conv_state, slots, q_lens, continues)
+        saves = meta.state_saves if meta is not None else ()
+        if saves:
+            self._keep_conv_tails(qkv, conv_state, q_lens, saves)
         n = probe.shape[0]
         q, k, v = mixed.split((la.key_size, la.key_size, la.value_size), dim=-1)
         q = q.reshape(n, la.num_key_heads, la.key_head_dim)
@@ -163,7 +166,8 @@ class GatedDeltaNet(nn.Module):
             if decode:
                 out = decode_kernels.recurrent_step(q, k, v, g, beta, state, slots)
             elif meta.delta_chunks is not None:  # a step of long enough sequences: in chunks, on the tensor cores
-                out = chunked_prefill(q, k, v, g, beta, state, slots, meta.delta_chunks, flags)
+                out = chunked_prefill(q, k, v, g, beta, state, slots, meta.delta_chunks, flags,
+                                      keep=tuple((save.chunk, save.row) for save in saves))
             else:  # token by token
                 out = recurrent_prefill(q, k, v, g, beta, state, slots, meta.cu_seqlens_q, flags)
             gate = z.reshape(n, la.num_value_heads, la.value_head_dim)
@@ -174,9 +178,21 @@ class GatedDeltaNet(nn.Module):
                                                 self.norm.eps)
         else:
             g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-            out = gated_delta_rule_varlen(q, k, v, g, torch.sigmoid(b), state, slots, q_lens, continues)
+            out = gated_delta_rule_varlen(q, k, v, g, torch.sigmoid(b), state, slots, q_lens, continues,
+                                          keep=tuple((save.seq, save.tokens // CHUNK, save.row) for save in saves))
             out = self.norm(out, z.reshape(n, la.num_value_heads, la.value_head_dim))
         return for_norm(self.out_proj, out.reshape(*lead, la.value_size))
+
+    def _keep_conv_tails(self, qkv: torch.Tensor, conv_state: torch.Tensor, q_lens: list[int], saves) -> None:
+        """A prefix cache's conv tails from inside the step: the kernel - 1 inputs before each save's token (its
+        delta-rule state is kept by the delta rule's launch)."""
+        width = self.la.conv_kernel - 1
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        for save in saves:
+            end = starts[save.seq] + save.tokens  # tokens >= 64 > width: the inputs are this step's
+            conv_state[save.row] = qkv[end - width:end].T.to(conv_state.dtype)
 
     def projections(self, rows: torch.Tensor | Fp8Activations) -> tuple[torch.Tensor, ...]:
         """(q | k | v [N, conv_channels] as the conv reads them, z [N, value_size], b and a [N, value heads]): views

@@ -211,3 +211,22 @@ def test_gated_rms_norm_equals_hf(dtype):
     out = gated_rms_norm(x, gate, norm.weight.detach(), 1e-6)
     assert out.dtype == dtype
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("q_lens, keep", [([200], [(0, 3, 7)]), ([200], [(0, 1, 6)]),
+                                          ([3, 130, 1, 70], [(1, 2, 6), (3, 1, 7)])])
+def test_delta_rule_keeps_the_state_entering_a_chunk(q_lens, keep):
+    """keep (sequence, chunk, row): the sequence's state after chunk x 64 of its tokens goes to `row` (a prefix
+    cache's), as HF's run over those tokens alone leaves it; the slots still end where a run without keep does."""
+    q, k, v, g, beta, state = _delta_inputs(q_lens, 2, 4, 16, seed=5)
+    before, plain = state.clone(), state.clone()
+    slots = torch.tensor([0, 1, 2, 3][:len(q_lens)])
+    flags = [True] * len(q_lens)
+    out = gated_delta_rule_varlen(q, k, v, g, beta, state, slots, q_lens, flags, keep=keep)
+    assert torch.equal(out, gated_delta_rule_varlen(q, k, v, g, beta, plain, slots, q_lens, flags))
+    assert torch.equal(state[slots], plain[slots])
+    for seq, chunk, row in keep:
+        rows = [t[:chunk * 64] for t in next(r for i, r in enumerate(zip(*(_split(t, q_lens) for t in
+                                                                              (q, k, v, g, beta)))) if i == seq)]
+        _, final = _hf_delta(*rows, before[slots[seq]])
+        torch.testing.assert_close(state[row], final, atol=1e-5, rtol=1e-4)

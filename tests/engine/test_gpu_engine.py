@@ -387,22 +387,24 @@ def test_qwen3_5_linear_attention_states_match_cpu(tiny_model_dir, model, budget
 
 
 @pytest.mark.parametrize("model", ["qwen3_5", "qwen3_next"])
-def test_qwen3_5_prefix_states_continue_on_the_gpu(tiny_model_dir, model):
-    """Prefix caching on the GPU: a 300-token prompt, then two sharing its first 270 tokens, in 128-token steps
-    (chunks cut on block boundaries, the chunked delta rule): the states kept and restored by copies queued on the
-    device's stream, decode graphs and steps queued ahead. Greedy fp32 tokens equal the CPU's, and the later
-    prompts continued from the first's states at 256."""
+@pytest.mark.parametrize("budget", [128, 512])
+def test_qwen3_5_prefix_states_continue_on_the_gpu(tiny_model_dir, model, budget):
+    """Prefix caching on the GPU: a 300-token prompt, then two sharing its first 270 tokens. In 128-token steps the
+    chunks are cut on block boundaries and the states at 256 copied after their step; in one 512-token step the
+    chunked delta rule's launch keeps the state entering its fifth 64-token chunk (and the layer the conv's inputs
+    before it). Restored by copies queued on the device's stream; decode graphs and steps queued ahead. Greedy fp32
+    tokens equal the CPU's, and the later prompts continued from the first's states at 256."""
     from radiance import LLM
 
     path, _ = tiny_model_dir(model)
     first = [(7 * j + 1) % 256 for j in range(300)]
     later = [first[:270] + [(5 * j + i) % 256 for j in range(20)] for i in range(2)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    cpu = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=128)
+    cpu = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=budget)
     want = [o.outputs[0].token_ids for o in cpu.generate([first], params) + cpu.generate(later, params)]
     torch.backends.cuda.matmul.allow_tf32 = False
     gpu = LLM(str(path), device="cuda", dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4,
-              cuda_graph_max_batch=4, max_num_batched_tokens=128)
+              cuda_graph_max_batch=4, max_num_batched_tokens=budget)
     outs = gpu.generate([first], params) + gpu.generate(later, params)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert [o.num_cached_tokens for o in outs] == [0, 256, 256]

@@ -50,33 +50,33 @@ def _run(llm: LLM, prompt: list[int], new_tokens: int, salt: str | None = None):
 
 
 @pytest.mark.parametrize("model", HYBRIDS)
-@pytest.mark.parametrize("budget, chunks", [(None, [32, 13]), (20, [16, 16, 13])])
-def test_a_repeated_prompt_continues_from_its_cached_states(tiny_model_dir, model, budget, chunks):
-    """A 45-token prompt's prefill ends its chunks on block boundaries (16 tokens): whole, it stops at 32 (the last
-    boundary before its final token) and computes the 13 left next step; in 20-token steps, at 16 and 32. Sent
-    again it takes the 32 tokens from the cache, states included, and computes 13; both answers are
-    transformers'. Another cache salt finds nothing."""
+@pytest.mark.parametrize("budget, chunks, kept", [(None, [150], 1), (40, [32, 32, 32, 32, 22], 4)])
+def test_a_repeated_prompt_continues_from_its_cached_states(tiny_model_dir, model, budget, chunks, kept):
+    """A 150-token prompt keeps its states at 128: whole, from inside its one step (the last whole 64-token chunk
+    of the delta rule before its final token); in 40-token steps, each chunk short of the end cut on a block
+    boundary (16 tokens) and kept after its step: 32, 64, 96, 128. Sent again it takes 128 tokens from the cache,
+    states included, and computes 22; both answers are transformers'. Another cache salt finds nothing."""
     path, hf = tiny_model_dir(model)
     options = {"max_num_batched_tokens": budget} if budget else {}
     llm = LLM(path, device="cpu", dtype="float32", **options)
-    prompt = _prompt(45, seed=1)
+    prompt = _prompt(150, seed=1)
     want = _hf_greedy(hf, prompt, 8)
     assert _run(llm, prompt, 8) == (want, 0, chunks)
-    assert _run(llm, prompt, 8) == (want, 32, [13])
+    assert _run(llm, prompt, 8) == (want, 128, [22])
     prefix = llm.engine.block_manager.prefix_states
-    assert prefix.restores == 1 and prefix.num_kept == len(chunks) - 1
+    assert prefix.restores == 1 and prefix.num_kept == kept
     assert _run(llm, prompt, 8, salt="other") == (want, 0, chunks)
 
 
 def test_a_follow_up_turn_continues_from_the_first_turns_prompt(tiny_model_dir):
-    """A second turn (the first prompt, its answer, a new message) takes the first prompt's cached prefix up to its
-    last block boundary (48 of 50 tokens) and answers as transformers does on the whole conversation."""
+    """A second turn (the first prompt, its answer, a new message) takes the first prompt's cached prefix up to the
+    states kept inside its step (192 of 200 tokens) and answers as transformers does on the whole conversation."""
     path, hf = tiny_model_dir("qwen3_5")
     llm = LLM(path, device="cpu", dtype="float32")
-    first = _prompt(50, seed=2)
+    first = _prompt(200, seed=2)
     answer, _, _ = _run(llm, first, 10)
     second = first + answer + _prompt(9, seed=3)
-    assert _run(llm, second, 10)[:2] == (_hf_greedy(hf, second, 10), 48)
+    assert _run(llm, second, 10)[:2] == (_hf_greedy(hf, second, 10), 192)
 
 
 @pytest.mark.parametrize("prefix_states, hit", [(1, 0), (2, 32), (3, 32)])
@@ -115,6 +115,10 @@ def test_prefix_states_keep_the_least_recently_used_out():
     assert copies == [(0, 8), (1, 9), (8, 5), (2, 9)]
     assert b"a" in states and b"c" in states and b"b" not in states and states.num_kept == 2
     assert (states.saves, states.restores) == (3, 1)
+    row = states.reserve()  # a step's row: c's, the least recently used since a was touched
+    assert row == 9 and b"c" not in states and b"a" in states
+    states.publish(b"a", row)  # a is kept already: the row goes back
+    assert states.reserve() == 9 and states.num_kept == 1
 
 
 def test_a_preempted_sequence_resumes_from_its_own_cached_states(tiny_model_dir):
@@ -130,3 +134,19 @@ def test_a_preempted_sequence_resumes_from_its_own_cached_states(tiny_model_dir)
     engine = llm.engine
     assert engine.scheduler.num_preemptions > 0 and engine.block_manager.prefix_states.restores > 0
     assert engine.block_manager.state_slots.num_free == engine.block_manager.state_slots.count
+
+
+def test_more_saves_in_a_step_than_rows_keep_what_fits(tiny_model_dir):
+    """One row for the prefix cache, three 150-token prompts in one step (each would keep its states at 128): the
+    first takes the row, the others keep nothing, and every answer is transformers'. Sent again, the first prompt
+    continues from its states."""
+    path, hf = tiny_model_dir("qwen3_5")
+    llm = LLM(path, device="cpu", dtype="float32", prefix_states=1)
+    prompts = [_prompt(150, seed=20 + i) for i in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [_hf_greedy(hf, p, 4) for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert llm.engine.block_manager.prefix_states.num_kept == 1
+    again = llm.generate(prompts[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == want[:2]
+    assert [o.num_cached_tokens for o in again] == [128, 0]

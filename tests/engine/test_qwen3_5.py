@@ -154,9 +154,9 @@ def test_the_engine_serves_it_without_what_a_state_cannot_undo(tiny_model_dir, c
     assert "n-gram speculative decoding off for this model" in caplog.text
     assert llm.engine.runner.kv_cache.shape[1] == 1  # one layer slot per page
     assert "linear-attention states: 64 slots + 64 prefix states x 0.01 MiB (3 layers)" in llm.engine.load_summary[-1]
-    prompt = _prompts(1, 20)[0]  # the same prompt twice: the second continues from the first block's states
+    prompt = _prompts(1, 100)[0]  # the same prompt twice: the second continues from the states at 64
     first, second = _greedy(llm, [prompt], 5), _greedy(llm, [prompt], 5)
-    assert first == second and llm.engine.scheduler.prefix_cache_hits == 16
+    assert first == second and llm.engine.scheduler.prefix_cache_hits == 64
 
 
 def test_overlapped_decode_never_discards_a_step_that_advanced_the_states(tiny_model_dir):

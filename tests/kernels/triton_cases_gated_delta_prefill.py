@@ -148,3 +148,23 @@ def test_delta_chunks_cut_each_sequence_on_its_own():
     chunks = delta_chunks([3, 130, 0, 64], torch.device("cpu"))
     assert chunks.starts.tolist() == [0, 3, 67, 131, 133] and chunks.lens.tolist() == [3, 64, 64, 2, 64]
     assert chunks.first_chunk.tolist() == [0, 1, 4, 4, 5] and chunks.count == 5
+
+
+@pytest.mark.parametrize("lens, keep, heads, dims", [([200], [(0, 3, 7)], *SMALL),
+                                                     ([3, 130, 1, 70], [(1, 2, 1), (3, 1, 7)], *ODD)])
+def test_chunked_prefill_keeps_the_states_entering_chosen_chunks(device, lens, keep, heads, dims):
+    """keep (a chunk of the table, a row): the state entering the chunk (its sequence's state after that many
+    64-token chunks) copied into the row, as the torch form's keep (sequence, chunk, row) does; the slots' final
+    states as without it."""
+    (hk, hv), (dk, dv) = heads, dims
+    q, k, v, g, beta, state = _inputs(lens, hk, hv, dk, dv, torch.float32, device, seed=sum(lens))
+    slots = torch.tensor([5, 0, 3, 6][:len(lens)], device=device)
+    continues = [True] * len(lens)
+    want = state.clone()
+    gated_delta_rule_varlen(q, k, v, g, beta, want, slots, lens, continues, keep=keep)
+    first = [0]
+    for n in lens:
+        first.append(first[-1] + -(-n // 64))
+    chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device), torch.tensor(continues, device=device),
+                    keep=tuple((first[seq] + chunk, row) for seq, chunk, row in keep))
+    torch.testing.assert_close(state, want, rtol=1e-4, atol=1e-4)

@@ -67,14 +67,17 @@ def serving_chunks(q_lens: list[int], device: torch.device) -> DeltaChunks | Non
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, state_slots: torch.Tensor, chunks: DeltaChunks, continues: torch.Tensor,
                     scale: float | None = None, block_v: int = 32, precision: str = "tf32x3",
-                    num_warps: int = 4, inverse: str = "blocks") -> torch.Tensor:
+                    num_warps: int = 4, inverse: str = "blocks",
+                    keep: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """recurrent_prefill's result in the chunked form (same arguments, the chunk table `chunks` in place of
     cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (3 Dk +
     2 Dv) fp32 values a token and value head, and one Dk x Dv state a chunk and value head. precision: tl.dot's
     input_precision ("ieee": fp32 products on the CUDA cores; "tf32x3": three tf32 tensor-core products, about
     fp32's accuracy; "tf32"), num_warps: the three launches' (tools/gated_delta_prefill_sweep.py times them),
     inverse: how launch 1 inverts (I + A) ("rows": forward substitution row by row, C - 1 steps; "blocks": four rows
-    at a time within 16-row blocks, then the blocks joined by matrix products, 15 steps)."""
+    at a time within 16-row blocks, then the blocks joined by matrix products, 15 steps). keep: (chunk, row) pairs:
+    the state entering that chunk of the table (its sequence's state at the chunk's first token) copied into
+    `state[row]` (a prefix cache's row)."""
     if precision not in ("ieee", "tf32x3", "tf32"):
         raise ValueError(f"chunked_prefill: precision ieee, tf32x3 or tf32, got {precision!r}")
     if inverse not in ("rows", "blocks"):
@@ -112,6 +115,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         chunk_output_kernel[(n, Hv, triton.cdiv(Dv, block_v))](
             q, k, g, v_new, entering, chunks.starts, chunks.lens, out, scale, Dk, Dv, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), g.stride(0), BLOCK_V=block_v, **common)
+    for chunk, row in keep:
+        state[row].copy_(entering[chunk, :, :Dk, :Dv])
     return out
 
 
