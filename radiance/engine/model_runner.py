@@ -1,9 +1,10 @@
 """Turns a scheduled step into tensors, runs the model over the paged KV cache and samples.
 
 Decode-only steps on CUDA replay a CUDA graph captured for the smallest batch bucket that fits, single-sequence
-prefills one captured per token bucket (`step_graphs`), and other steps up to the largest piecewise bucket
-(several sequences prefilling, prefill chunks next to decodes) replay a forward captured in pieces between its
-prefill-attention launches (`piecewise_graphs`); larger steps, and everything on the CPU, run eagerly.
+prefills one captured per token bucket (`step_graphs`; not a hybrid model's), and other steps up to the largest
+piecewise bucket (several sequences prefilling, prefill chunks next to decodes) replay a forward captured in pieces
+between its prefill-attention launches (and a hybrid model's conv and delta-rule launches: `piecewise_graphs`);
+larger steps, and everything on the CPU, run eagerly.
 `launch` queues a step (sampling included; the sampled ids start their copy home behind an event) and
 `finish` waits for that step alone, so the engine can queue the next decode step in between. Steps with
 structured output sample separately (`sample`), once the host has the tokens their masks depend on, so
@@ -28,11 +29,10 @@ from radiance.engine.kv_layout import KvLayout
 from radiance.engine.outputs import TokenLogprob
 from radiance.engine.piecewise_graphs import PiecewiseGraphs
 from radiance.engine.scheduler import ScheduledSequence
-from radiance.engine.state_cache import allocate_state_cache, has_recurrent_state, step_state_saves
+from radiance.engine.state_cache import StepStates, allocate_state_cache, has_recurrent_state
 from radiance.engine.step_graphs import DecodeGraphs, PrefillGraphs, decode_num_splits
 from radiance.engine.step_inputs import StepInputs
 from radiance.engine.structured_output import fill_allowed_token_words
-from radiance.kernels._triton.gated_delta_chunked import delta_chunks, serving_chunks
 from radiance.layers.attention import AttentionMetadata
 from radiance.layers.rotary import RotaryEmbedding
 from radiance.layers.sampler import (LogitAdjustment, OutputCounts, SamplerOutput, SamplingRow, read_samples,
@@ -239,15 +239,15 @@ class ModelRunner:
         batch = len(scheduled)
         if self.lora_context is not None:  # before the forward, eager or replayed: its LoraLinears read the slots
             self.lora_context.begin_step(_lora_row_slots(scheduled, q_lens))
+        states = StepStates.of([s.seq for s in scheduled], q_lens) if self.state_slots is not None else None
         decode_graphs = self._decode_graphs_for_step()
         if is_decode and decode_graphs and decode_graphs.serves(batch):
-            state_slots = [s.seq.state_slot for s in scheduled] if self.state_slots is not None else None
-            hidden = decode_graphs.replay(tokens, positions, slots, kv_lens, tables, state_slots)
+            hidden = decode_graphs.replay(tokens, positions, slots, kv_lens, tables, states and states.slots)
         elif (batch == 1 and not is_decode and next_tokens is None and self.prefill_graphs
               and self.prefill_graphs.serves(q_lens[0])):
             hidden = self.prefill_graphs.replay(tokens, positions, slots, kv_lens[0], tables)
         elif not is_decode and next_tokens is None and self.piecewise and self.piecewise.serves(len(positions), batch):
-            hidden = self.piecewise.replay(tokens, positions, slots, q_lens, kv_lens, tables)
+            hidden = self.piecewise.replay(tokens, positions, slots, q_lens, kv_lens, tables, states)
         else:
             cu = np.zeros(batch + 1, dtype=np.int32)
             cu[1:] = np.cumsum(q_lens)
@@ -260,14 +260,12 @@ class ModelRunner:
                 decode_splits=decode_num_splits(batch, self.model.config.num_kv_heads),
                 slots_valid=bool(slots.size == 0 or slots.min() >= 0),
                 kv_first_blocks=self.inputs.first_blocks_in_order(tables[0], kv_lens))
-            if self.state_slots is not None:
-                meta.state_slots = self._to_device([s.seq.state_slot for s in scheduled], torch.int64)
-                meta.continues_state = [s.seq.num_computed_tokens > 0 for s in scheduled]
-                meta.continues_state_device = self._to_device(meta.continues_state, torch.int32)
-                meta.state_saves = step_state_saves([s.seq for s in scheduled], q_lens)
-                if not is_decode and self.device.type == "cuda":  # the chunked delta rule keeps the saves' states
-                    meta.delta_chunks = (delta_chunks(q_lens, self.device) if meta.state_saves
-                                         else serving_chunks(q_lens, self.device))
+            if states is not None:
+                meta.state_slots = self._to_device(states.slots, torch.int64)
+                meta.continues_state, meta.state_saves = states.continues, states.saves
+                meta.continues_state_device = self._to_device(states.continues, torch.int32)
+                if not is_decode and self.device.type == "cuda":
+                    meta.delta_chunks = states.chunk_table(q_lens, self.device)
             meta.other_groups = tuple(
                 dataclasses.replace(meta, slot_mapping=self._to_device(slots[g], torch.int64),
                                     block_tables=self._to_device(tables[g], torch.int32),
@@ -419,7 +417,8 @@ class ModelRunner:
         dev, arch, seqs = self.device, self.model.config, self.config.scheduler.max_num_seqs
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(dev)
         self.piecewise = PiecewiseGraphs(sizes, seqs, self.max_blocks_per_seq, (arch.num_heads, arch.head_dim),
-                                         self.dtype, dev, self.kv_layout.num_groups)
+                                         self.dtype, dev, self.kv_layout.num_groups,
+                                         arch.linear_attention if self.state_slots is not None else None)
         with self._lora_capturing():
             self._pool = self.piecewise.capture(self.model, self._pool)
         torch.cuda.synchronize(dev)

@@ -9,8 +9,10 @@ serves such models without speculative decoding, and a decode step queued ahead 
 discarded — one that ran would have advanced the states — so while one is queued the scheduler admits nobody
 (`DecodeAhead.pinned`; a request waits one decode step longer). Prefix caching keeps copies of the states at block
 boundaries (PrefixStates). The decode graphs carry each
-sequence's slot (step_graphs.DecodeGraphs; a padding row's slot -1 touches no state); the prefill and piecewise
-graphs, whose steps would need each sequence's "starts here" flag, are off (`serving_config`)."""
+sequence's slot (step_graphs.DecodeGraphs; a padding row's slot -1 touches no state); other steps replay the
+piecewise graphs (piecewise_graphs), which run each linear-attention layer's conv and delta rule eagerly between two
+pieces with the step's slots, flags and saves (StepStates); the whole-step prefill graphs, which could not, are off
+(`serving_config`)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ import dataclasses
 import functools
 import logging
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
 from radiance.config import EngineConfig
-from radiance.kernels._triton.gated_delta_chunked import CHUNK
+from radiance.kernels._triton.gated_delta_chunked import CHUNK, DeltaChunks, delta_chunks, serving_chunks
 from radiance.layers.attention import StateSave
 
 logger = logging.getLogger(__name__)
@@ -131,6 +134,25 @@ class PrefixStates:
         self.restores += 1
 
 
+class StepStates(NamedTuple):
+    """A step's linear-attention inputs on the host: each sequence's state slot, whether it continues the state
+    there (False: its first tokens), and the prefix cache's saves inside the step (step_state_saves)."""
+
+    slots: list[int]
+    continues: list[bool]
+    saves: tuple[StateSave, ...]
+
+    @classmethod
+    def of(cls, seqs, q_lens: list[int]) -> StepStates:
+        return cls([seq.state_slot for seq in seqs], [seq.num_computed_tokens > 0 for seq in seqs],
+                   step_state_saves(seqs, q_lens))
+
+    def chunk_table(self, q_lens: list[int], device: torch.device) -> DeltaChunks | None:
+        """The chunk table of a CUDA prefill step's delta rule: always with saves (the chunked launches keep their
+        states), else where the chunked form is the faster (serving_chunks); None: token by token."""
+        return delta_chunks(q_lens, device) if self.saves else serving_chunks(q_lens, device)
+
+
 def step_state_saves(seqs, q_lens: list[int]) -> tuple[StateSave, ...]:
     """AttentionMetadata.state_saves of a step computing q_lens[i] tokens of seqs[i]: their Sequence.state_save,
     with the chunk each starts in the step's table of 64-token chunks (gated_delta_chunked.delta_chunks)."""
@@ -215,7 +237,7 @@ def rows_that_fit(config: EngineConfig, model, device: torch.device, dtype: torc
 def serving_config(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> EngineConfig:
     """`config` as a model with recurrent state is served: max_num_seqs and the prefix states within the states'
     share of memory (rows_that_fit: prefix caching off when no prefix state fits); n-gram speculation and the
-    prefill / piecewise CUDA graphs off (see the module's docstring), the ones that were on named in the log."""
+    whole-step prefill CUDA graphs off (see the module's docstring), the ones that were on named in the log."""
     off = []
     cache, runner, spec = config.cache, config.runner, config.speculative
     seqs, prefix = rows_that_fit(config, model, device, dtype)
@@ -227,8 +249,8 @@ def serving_config(config: EngineConfig, model, device: torch.device, dtype: tor
         off.append("n-gram speculative decoding")
         spec = dataclasses.replace(spec, ngram_draft_tokens=0)
     if not runner.enforce_eager and device.type == "cuda":
-        off.append("prefill and piecewise CUDA graphs")
-    runner = dataclasses.replace(runner, prefill_graph_tokens=(0,), piecewise_graph_tokens=(0,))
+        off.append("single-sequence prefill CUDA graphs (piecewise graphs serve those steps)")
+    runner = dataclasses.replace(runner, prefill_graph_tokens=(0,))
     if off:
         logger.info("linear-attention layers keep a recurrent state per sequence: %s off for this model",
                     ", ".join(off))

@@ -109,6 +109,7 @@ class GatedDeltaNet(nn.Module):
         # [slots, value heads, key_head_dim, value_head_dim] float32
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
+        self.cut = None  # while piecewise CUDA graphs are captured: the capture (engine.piecewise_graphs)
 
     def takes_fp8(self) -> bool:
         """Whether both input projections run the W4A8 kernel: the norm before them then hands them one
@@ -138,49 +139,68 @@ class GatedDeltaNet(nn.Module):
         else:
             lead = x.shape[:-1]
             rows = probe = x.reshape(-1, x.shape[-1])
-        conv_state, state, slots, q_lens, continues = self._states(meta, probe, lead)
+        qkv, z, b, a = self.projections(rows)
         # on CUDA with the engine's states the Triton launches (a decode step's take no host data: CUDA graphs
         # capture them; a graph's padding rows, slot -1, touch no state); the torch ops elsewhere
-        triton_path = probe.is_cuda and meta is not None and self.recurrent_state is not None
-        decode = triton_path and meta.is_decode
-        qkv, z, b, a = self.projections(rows)
-        weight = self.conv1d.weight[:, 0]
-        if decode:
-            mixed = decode_kernels.conv_update(qkv, weight, conv_state, slots)
-        elif triton_path:
-            flags = meta.continues_state_device
-            flags = torch.tensor(continues, dtype=torch.int32, device=probe.device) if flags is None else flags
-            mixed = causal_conv1d_prefill(qkv, weight, conv_state, slots, meta.cu_seqlens_q, flags, max(q_lens))
+        if not (probe.is_cuda and meta is not None and self.recurrent_state is not None):
+            return self._torch_forward(qkv, z, b, a, meta, probe, lead)
+        g, beta = decode_kernels.decay_and_beta(a, b, self.A_log, self.dt_bias)
+        if meta.is_decode:
+            mixed = decode_kernels.conv_update(qkv, self.conv1d.weight[:, 0], self.conv_state, meta.state_slots)
+            q, k, v = self._heads(mixed)
+            out = decode_kernels.recurrent_step(q, k, v, g, beta, self.recurrent_state, meta.state_slots)
+        elif self.cut is not None:  # capturing piecewise graphs: the capture runs the step's launches between pieces
+            out = self.cut.delta_rule(self, qkv, g, beta, meta)
         else:
-            mixed = causal_conv1d_varlen(qkv, weight, conv_state, slots, q_lens, continues)
+            out = self.prefill_delta_rule(qkv, g, beta, meta)
+        n = probe.shape[0]
+        gate = z.reshape(n, la.num_value_heads, la.value_head_dim)
+        if takes_fp8(self.out_proj):  # the norm quantizes for the W4A8 kernel: one launch, not two
+            fp8 = gated_rms_norm_quant(out.reshape(-1, la.value_head_dim), gate, self.norm.weight, self.norm.eps)
+            return for_norm(self.out_proj, fp8._replace(lead=tuple(lead)))
+        out = decode_kernels.gated_rms_norm(out.reshape(-1, la.value_head_dim), gate, self.norm.weight, self.norm.eps)
+        return for_norm(self.out_proj, out.reshape(*lead, la.value_size))
+
+    def prefill_delta_rule(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        """A CUDA prefill step's conv and delta rule (the layer's launches whose grids depend on how the step's
+        tokens split into sequences: a piecewise CUDA graph runs them between its pieces): qkv [T, conv_channels]
+        the conv's inputs, g and beta [T, Hv] the gates; the states at meta.state_slots updated in place, the prefix
+        cache's saves kept. Returns the delta rule's output [T, Hv, Dv] (in `out` if given)."""
+        flags = meta.continues_state_device
+        if flags is None:
+            flags = torch.tensor(meta.continues_state, dtype=torch.int32, device=qkv.device)
+        mixed = causal_conv1d_prefill(qkv, self.conv1d.weight[:, 0], self.conv_state, meta.state_slots,
+                                      meta.cu_seqlens_q, flags, max(meta.q_lens))
+        if meta.state_saves:
+            self._keep_conv_tails(qkv, self.conv_state, meta.q_lens, meta.state_saves)
+        q, k, v = self._heads(mixed)
+        state, slots = self.recurrent_state, meta.state_slots
+        if meta.delta_chunks is not None:  # a step of long enough sequences: in chunks, on the tensor cores
+            return chunked_prefill(q, k, v, g, beta, state, slots, meta.delta_chunks, flags,
+                                   keep=tuple((save.chunk, save.row) for save in meta.state_saves), out=out)
+        return recurrent_prefill(q, k, v, g, beta, state, slots, meta.cu_seqlens_q, flags, out=out)  # token by token
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k [N, key heads, key_head_dim] and v [N, value heads, value_head_dim]: views of the conv's output."""
+        la, n = self.la, mixed.shape[0]
+        q, k, v = mixed.split((la.key_size, la.key_size, la.value_size), dim=-1)
+        return (q.reshape(n, la.num_key_heads, la.key_head_dim), k.reshape(n, la.num_key_heads, la.key_head_dim),
+                v.reshape(n, la.num_value_heads, la.value_head_dim))
+
+    def _torch_forward(self, qkv, z, b, a, meta: AttentionMetadata | None, probe: torch.Tensor, lead: tuple):
+        """The layer in torch ops after its projections (the CPU, and the reference)."""
+        la = self.la
+        conv_state, state, slots, q_lens, continues = self._states(meta, probe, lead)
+        mixed = causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], conv_state, slots, q_lens, continues)
         saves = meta.state_saves if meta is not None else ()
         if saves:
             self._keep_conv_tails(qkv, conv_state, q_lens, saves)
-        n = probe.shape[0]
-        q, k, v = mixed.split((la.key_size, la.key_size, la.value_size), dim=-1)
-        q = q.reshape(n, la.num_key_heads, la.key_head_dim)
-        k = k.reshape(n, la.num_key_heads, la.key_head_dim)
-        v = v.reshape(n, la.num_value_heads, la.value_head_dim)
-        if triton_path:  # the gates, the delta rule and the gated norm
-            g, beta = decode_kernels.decay_and_beta(a, b, self.A_log, self.dt_bias)
-            if decode:
-                out = decode_kernels.recurrent_step(q, k, v, g, beta, state, slots)
-            elif meta.delta_chunks is not None:  # a step of long enough sequences: in chunks, on the tensor cores
-                out = chunked_prefill(q, k, v, g, beta, state, slots, meta.delta_chunks, flags,
-                                      keep=tuple((save.chunk, save.row) for save in saves))
-            else:  # token by token
-                out = recurrent_prefill(q, k, v, g, beta, state, slots, meta.cu_seqlens_q, flags)
-            gate = z.reshape(n, la.num_value_heads, la.value_head_dim)
-            if takes_fp8(self.out_proj):  # the norm quantizes for the W4A8 kernel: one launch, not two
-                fp8 = gated_rms_norm_quant(out.reshape(-1, la.value_head_dim), gate, self.norm.weight, self.norm.eps)
-                return for_norm(self.out_proj, fp8._replace(lead=tuple(lead)))
-            out = decode_kernels.gated_rms_norm(out.reshape(-1, la.value_head_dim), gate, self.norm.weight,
-                                                self.norm.eps)
-        else:
-            g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-            out = gated_delta_rule_varlen(q, k, v, g, torch.sigmoid(b), state, slots, q_lens, continues,
-                                          keep=tuple((save.seq, save.tokens // CHUNK, save.row) for save in saves))
-            out = self.norm(out, z.reshape(n, la.num_value_heads, la.value_head_dim))
+        q, k, v = self._heads(mixed)
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        out = gated_delta_rule_varlen(q, k, v, g, torch.sigmoid(b), state, slots, q_lens, continues,
+                                      keep=tuple((save.seq, save.tokens // CHUNK, save.row) for save in saves))
+        out = self.norm(out, z.reshape(probe.shape[0], la.num_value_heads, la.value_head_dim))
         return for_norm(self.out_proj, out.reshape(*lead, la.value_size))
 
     def _keep_conv_tails(self, qkv: torch.Tensor, conv_state: torch.Tensor, q_lens: list[int], saves) -> None:

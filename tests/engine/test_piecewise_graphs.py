@@ -3,12 +3,18 @@ thing, captured and replayed on a GPU against eager steps: test_gpu_engine.py)."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from radiance.engine import piecewise_graphs as pw
-from radiance.layers.attention import AttentionMetadata
+from radiance.engine.state_cache import StepStates
+from radiance.layers.attention import AttentionMetadata, StateSave
+
+# a hybrid model's linear-attention shapes (models.arch_config.LinearAttentionConfig's fields the buffers read)
+LINEAR = SimpleNamespace(conv_channels=6, num_value_heads=2, value_head_dim=2)
 
 
 class FakeGraph:
@@ -46,6 +52,19 @@ class FakeAttention:
         return out
 
 
+class FakeDeltaLayer:
+    """Stands for GatedDeltaNet: prefill_delta_rule writes qkv's first four columns times g's first column, plus
+    beta's and its index, into `out`."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def prefill_delta_rule(self, qkv, g, beta, meta, out=None):
+        FakeGraph.log.append(("delta", self.index, meta))
+        out.copy_((qkv[:, :4] * g[:, :1] + beta[:, :1] + self.index).reshape(out.shape))
+        return out
+
+
 @pytest.fixture
 def fake_graphs(monkeypatch):
     FakeGraph.log, FakeGraph.made = [], 0
@@ -72,7 +91,7 @@ def test_each_cut_ends_a_piece_runs_the_launch_and_begins_the_next(fake_graphs):
     assert [e[2] for e in fake_graphs if e[0] == "begin"] == [None, "pool-of-graph0", "pool-of-graph0"]
     assert [c.attn for c in capture.cuts] == layers and capture.cuts[1].sinks == "sinks"
 
-    forward = pw.PiecewiseForward(capture.graphs, capture.cuts, q_buffer[:6], out_buffer[:6], torch.zeros(6, 3))
+    forward = pw.PiecewiseForward(capture.graphs, capture.cuts, torch.zeros(6, 3))
     fake_graphs.clear()
     forward.replay("step-meta")
     assert [e[:2] for e in fake_graphs] == [("replay", "graph0"), ("attention", 1), ("replay", "graph1"),
@@ -88,13 +107,53 @@ def test_a_cut_of_another_kv_group_runs_with_that_groups_metadata(fake_graphs):
     for attn in layers:
         capture(attn, torch.zeros(4, 2, 4), "meta", None)
     capture.end()
-    forward = pw.PiecewiseForward(capture.graphs, capture.cuts, torch.zeros(4, 2, 4), torch.zeros(4, 2, 4),
-                                  torch.zeros(4, 3))
+    forward = pw.PiecewiseForward(capture.graphs, capture.cuts, torch.zeros(4, 3))
     group_1 = AttentionMetadata(torch.zeros(4), torch.zeros(1, 2), None, None, [4], [4], False)
     step = AttentionMetadata(torch.zeros(4), torch.zeros(1, 2), None, None, [4], [4], False, other_groups=(group_1,))
     fake_graphs.clear()
     forward.replay(step)
     assert [e[2] for e in fake_graphs if e[0] == "attention"] == [step, group_1]
+
+
+def test_a_linear_attention_cut_runs_the_conv_and_delta_rule_between_pieces(fake_graphs):
+    """At a linear-attention layer the piece copies the conv's inputs and the gates into the static buffers and
+    ends; the layer's prefill_delta_rule runs eagerly from them into the static output, which the layer goes on
+    with; a replay runs it again, with the step's metadata, on what the piece before wrote."""
+    buffers = pw.DeltaRuleBuffers.allocate(8, LINEAR, torch.float32, torch.device("cpu"))
+    assert [tuple(t.shape) for t in buffers] == [(8, 6), (8, 2), (8, 2), (8, 2, 2)]
+    capture = pw.PiecewiseCapture(torch.zeros(5, 1, 2), torch.zeros(5, 1, 2), pool=None, delta=buffers.rows(5))
+    layers = [FakeDeltaLayer(1), FakeAttention(2)]
+    qkv, g, beta = torch.randn(5, 6), torch.randn(5, 2), torch.randn(5, 2)
+    capture.begin()
+    out = capture.delta_rule(layers[0], qkv, g, beta, "meta")
+    capture(layers[1], torch.zeros(5, 1, 2), "meta", None)
+    capture.end()
+    assert out.data_ptr() == buffers.out.data_ptr() and out.shape == (5, 2, 2)
+    assert torch.equal(buffers.qkv[:5], qkv) and torch.equal(buffers.g[:5], g) and torch.equal(buffers.beta[:5], beta)
+    assert torch.equal(out, (qkv[:, :4] * g[:, :1] + beta[:, :1] + 1).reshape(5, 2, 2))
+    assert [e[:2] for e in fake_graphs] == [("begin", "graph0"), ("end", "graph0"), ("delta", 1),
+                                            ("begin", "graph1"), ("end", "graph1"), ("attention", 2),
+                                            ("begin", "graph2"), ("end", "graph2")]
+    forward = pw.PiecewiseForward(capture.graphs, capture.cuts, torch.zeros(5, 3))
+    fake_graphs.clear()
+    buffers.qkv.zero_()  # as the first piece's replay writes this step's conv inputs
+    forward.replay("step-meta")
+    assert [e[:3] for e in fake_graphs] == [("replay", "graph0"), ("delta", 1, "step-meta"), ("replay", "graph1"),
+                                            ("attention", 2, "step-meta"), ("replay", "graph2")]
+    assert torch.equal(out, (beta[:, :1] + 1).expand(5, 4).reshape(5, 2, 2))
+
+
+def test_a_linear_attention_cut_refuses_what_its_buffers_do_not_hold(fake_graphs):
+    capture = pw.PiecewiseCapture(torch.zeros(4, 1, 2), torch.zeros(4, 1, 2), pool=None,
+                                  delta=pw.DeltaRuleBuffers.allocate(4, LINEAR, torch.float32, torch.device("cpu")))
+    layer, gate = FakeDeltaLayer(0), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="qkv"):
+        capture.delta_rule(layer, torch.zeros(4, 7), gate, gate, "meta")
+    with pytest.raises(ValueError, match="beta"):
+        capture.delta_rule(layer, torch.zeros(4, 6), gate, gate.half(), "meta")
+    without = pw.PiecewiseCapture(torch.zeros(4, 1, 2), torch.zeros(4, 1, 2), pool=None)
+    with pytest.raises(RuntimeError, match="without its buffers"):
+        without.delta_rule(layer, torch.zeros(4, 6), gate, gate, "meta")
 
 
 def test_queries_that_do_not_fit_the_static_buffer_are_refused(fake_graphs):
@@ -178,10 +237,10 @@ def test_capture_takes_the_buckets_largest_first_and_threads_the_pool(monkeypatc
         seen.append(("warm-up", tokens.shape[0], meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(),
                      meta.valid_rows.tolist()))
 
-    def fake_capture(model_, tokens, positions, meta, q_buffer, out_buffer, pool):
+    def fake_capture(model_, tokens, positions, meta, q_buffer, out_buffer, pool, delta):
         seen.append(("capture", tokens.shape[0], pool, q_buffer is graphs.q_buffer))
         graph = FakeGraph()
-        return pw.PiecewiseForward([graph], [], q_buffer, out_buffer, None)
+        return pw.PiecewiseForward([graph], [], None)
 
     FakeGraph.log, FakeGraph.made = [], 0
     monkeypatch.setattr(pw, "capture_piecewise", fake_capture)
@@ -190,3 +249,54 @@ def test_capture_takes_the_buckets_largest_first_and_threads_the_pool(monkeypatc
     assert seen == [("warm-up", 16, [0, 16], [16], [16]), ("capture", 16, "start", True),
                     ("warm-up", 8, [0, 8], [8], [8]), ("capture", 8, "pool-of-graph0", True)]
     assert sorted(graphs.forwards) == [8, 16]
+
+
+def test_a_hybrid_models_step_fills_its_state_slots_and_continue_flags():
+    """A hybrid model's static inputs also hold each sequence's state slot and whether it continues its state; the
+    step's metadata views them and carries the host flags, the prefix cache's saves and the delta rule's chunk
+    table (none for short sequences without saves: the token-by-token kernel; always with a save)."""
+    graphs = pw.PiecewiseGraphs([8, 16], max_seqs=3, max_blocks_per_seq=5, q_shape=(2, 4), dtype=torch.float32,
+                                device=torch.device("cpu"), linear_attention=LINEAR)
+    graphs.forwards = {8: FakeForward(8), 16: FakeForward(16)}
+    assert graphs.delta.qkv.shape == (16, 6) and graphs.delta.out.shape == (16, 2, 2)
+    tokens, positions = [11, 12, 13, 21, 22, 23, 24], np.array([5, 6, 7, 0, 1, 2, 3])
+    slots, tables = np.array([40, 41, 42, 8, 9, 10, 11]), np.array([[2, 3, 9], [1, 0, 0]], dtype=np.int32)
+    graphs.replay(tokens, positions, slots, [3, 4], [8, 4], tables, StepStates([5, 2], [True, False], ()))
+    meta = graphs.forwards[8].metas[0]
+    assert meta.state_slots.tolist() == [5, 2] and meta.continues_state_device.tolist() == [1, 0]
+    assert meta.continues_state == [True, False] and meta.state_saves == () and meta.delta_chunks is None
+    assert meta.slot_mapping.tolist() == slots.tolist() + [-1] and meta.cu_seqlens_q.tolist() == [0, 3, 7]
+    assert meta.context_lens.tolist() == [8, 4] and meta.valid_rows.tolist() == [7] and meta.other_groups == ()
+    saves = (StateSave(0, 0, 9, 0),)
+    graphs.replay(tokens[:4], positions[:4], slots[:4], [4], [4], tables[1:], StepStates([1], [False], saves))
+    meta = graphs.forwards[8].metas[1]
+    assert meta.state_slots.tolist() == [1] and meta.continues_state_device.tolist() == [0]
+    assert meta.state_saves == saves and meta.delta_chunks.count == 1 and meta.delta_chunks.lens.tolist() == [4]
+    with pytest.raises(ValueError, match="StepStates"):
+        graphs.replay(tokens, positions, slots, [3, 4], [8, 4], tables)
+    plain = pw.PiecewiseGraphs([8], max_seqs=3, max_blocks_per_seq=5, q_shape=(2, 4), dtype=torch.float32,
+                               device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="StepStates"):
+        plain.replay(tokens, positions, slots, [3, 4], [8, 4], tables, StepStates([5, 2], [True, False], ()))
+
+
+def test_a_hybrid_models_capture_runs_one_sequence_from_state_slot_zero(monkeypatch):
+    """The warm-up and the capture of each bucket run the delta rule for real: one sequence starting (not
+    continuing) in state slot 0, through the runner's linear-attention buffers."""
+    graphs = pw.PiecewiseGraphs([8], max_seqs=2, max_blocks_per_seq=4, q_shape=(1, 2), dtype=torch.float32,
+                                device=torch.device("cpu"), linear_attention=LINEAR)
+    graphs.state_slots.fill_(7)
+    seen = []
+
+    def model(tokens, positions, meta):
+        seen.append((meta.state_slots.tolist(), meta.continues_state_device.tolist(), meta.continues_state,
+                     meta.state_saves))
+
+    def fake_capture(model_, tokens, positions, meta, q_buffer, out_buffer, pool, delta):
+        seen.append(delta is graphs.delta)
+        return pw.PiecewiseForward([FakeGraph()], [], None)
+
+    monkeypatch.setattr(pw, "capture_piecewise", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graphs.capture(model)
+    assert seen == [([0], [0], [False], ()), True]

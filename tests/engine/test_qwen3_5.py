@@ -143,15 +143,17 @@ def test_preempted_sequences_recompute_from_a_fresh_state(tiny_model_dir):
 
 
 def test_the_engine_serves_it_without_what_a_state_cannot_undo(tiny_model_dir, caplog):
-    """N-gram speculation asked for is turned off, with one log line naming it; prefix caching stays on, with a
-    prefix state kept for each of the 64 sequences' slots; the KV cache holds only the full-attention layer (one of
-    four)."""
+    """N-gram speculation (and the single-sequence prefill graphs) turned off, with one log line naming it; prefix
+    caching stays on, with a prefix state kept for each of the 64 sequences' slots; the KV cache holds only the
+    full-attention layer (one of four)."""
     path, _ = tiny_model_dir("qwen3_5")
     with caplog.at_level("INFO", logger="radiance"):
         llm = LLM(path, device="cpu", dtype="float32", ngram_draft_tokens=4, enable_prefix_caching=True)
     config = llm.engine.config
     assert config.cache.enable_prefix_caching and config.speculative.ngram_draft_tokens == 0
     assert "n-gram speculative decoding off for this model" in caplog.text
+    # the whole-step prefill graphs off (none could run the delta rule), the piecewise ones kept
+    assert config.runner.prefill_graph_tokens == (0,) and config.runner.piecewise_graph_tokens is None
     assert llm.engine.runner.kv_cache.shape[1] == 1  # one layer slot per page
     assert "linear-attention states: 64 slots + 64 prefix states x 0.01 MiB (3 layers)" in llm.engine.load_summary[-1]
     prompt = _prompts(1, 100)[0]  # the same prompt twice: the second continues from the states at 64

@@ -168,3 +168,29 @@ def test_chunked_prefill_keeps_the_states_entering_chosen_chunks(device, lens, k
     chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device), torch.tensor(continues, device=device),
                     keep=tuple((first[seq] + chunk, row) for seq, chunk, row in keep))
     torch.testing.assert_close(state, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+def test_both_forms_write_into_a_given_output(device, form):
+    """`out` (a piecewise CUDA graph's static buffer: rows past the step's sequences pad it to its bucket): the
+    sequences' rows written as a new output's, the padding rows left as they were; a buffer of another shape or
+    dtype is refused."""
+    lens, continues = [70, 5], [True, False]
+    q, k, v, g, beta, state = _inputs(lens + [5], 1, 2, 16, 16, torch.float32, device, seed=31)  # 5 padding rows
+    slots, flags = torch.tensor([4, 1], device=device), torch.tensor(continues, device=device)
+
+    def run(state, out=None):
+        if form == "recurrent":
+            return recurrent_prefill(q, k, v, g, beta, state, slots, _cu(lens, device), flags, out=out)
+        return chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device), flags, out=out)
+
+    want = run(state.clone())
+    buffer = torch.full((80, 2, 16), 7.0, device=device)
+    got = run(state.clone(), out=buffer)
+    assert got.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[:75], want[:75], rtol=0, atol=0)
+    assert bool((buffer[75:] == 7.0).all())
+    with pytest.raises(ValueError, match="out must be"):
+        run(state.clone(), out=buffer[:75])
+    with pytest.raises(ValueError, match="out must be"):
+        run(state.clone(), out=buffer.to(torch.bfloat16))

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from radiance.kernels._triton.gated_delta import _next_pow2
-from radiance.kernels._triton.gated_delta_prefill import _check_prefill_inputs
+from radiance.kernels._triton.gated_delta_prefill import _check_prefill_inputs, output_buffer
 
 
 CHUNK = 64
@@ -68,7 +68,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     state: torch.Tensor, state_slots: torch.Tensor, chunks: DeltaChunks, continues: torch.Tensor,
                     scale: float | None = None, block_v: int = 32, precision: str = "tf32x3",
                     num_warps: int = 4, inverse: str = "blocks",
-                    keep: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+                    keep: tuple[tuple[int, int], ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_prefill's result in the chunked form (same arguments, the chunk table `chunks` in place of
     cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (3 Dk +
     2 Dv) fp32 values a token and value head, and one Dk x Dv state a chunk and value head. precision: tl.dot's
@@ -77,7 +77,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     inverse: how launch 1 inverts (I + A) ("rows": forward substitution row by row, C - 1 steps; "blocks": four rows
     at a time within 16-row blocks, then the blocks joined by matrix products, 15 steps). keep: (chunk, row) pairs:
     the state entering that chunk of the table (its sequence's state at the chunk's first token) copied into
-    `state[row]` (a prefix cache's row)."""
+    `state[row]` (a prefix cache's row). out: as recurrent_prefill's."""
     if precision not in ("ieee", "tf32x3", "tf32"):
         raise ValueError(f"chunked_prefill: precision ieee, tf32x3 or tf32, got {precision!r}")
     if inverse not in ("rows", "blocks"):
@@ -91,7 +91,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     block_k, block_dv = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))  # tl.dot's least: zeros pad the rest
     if block_k > 256 or block_dv > 256 or block_v & (block_v - 1):
         raise ValueError(f"chunked_prefill: Dk and Dv up to 256 (got {Dk}, {Dv}), block_v a power of two")
-    out = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
+    out = output_buffer("chunked_prefill", out, (T, Hv, Dv), v)
     if B == 0 or T == 0:
         return out
     scale = Dk ** -0.5 if scale is None else float(scale)

@@ -23,14 +23,15 @@ from radiance.kernels._triton.gated_delta import _next_pow2, check_delta_rule_in
 def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
                       continues: torch.Tensor, scale: float | None = None, block_v: int | None = None,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The delta rule over sequences back to back: q, k [T, Hk, Dk], v [T, Hv, Dv] (Hv a multiple of Hk; rows and
     heads may be strided, the last dim contiguous: views of the conv's output), g [T, Hv] float32 log decay, beta
     [T, Hv], state [S, Hv, Dk, Dv] float32 UPDATED IN PLACE at state_slots [B] (< 0: nothing read or written),
     cu_seqlens [B + 1] (sequence i's rows cu_seqlens[i]:cu_seqlens[i + 1]), continues [B] (0: the sequence starts
     here, its slot's old contents are not read). q, k l2-normalized in fp32 (eps 1e-6 inside the root), q times scale
-    (default Dk**-0.5). Returns [T, Hv, Dv] in v's dtype. block_v / num_warps: the tiling (defaults min(Dv, 8) and
-    one warp, the sweep's best)."""
+    (default Dk**-0.5). Returns [T, Hv, Dv] in v's dtype (`out` if given: a contiguous one, e.g. a CUDA graph's
+    static buffer; rows past cu_seqlens[B] left as they were). block_v / num_warps: the tiling (defaults min(Dv, 8)
+    and one warp, the sweep's best)."""
     _check_prefill_inputs("recurrent_prefill", q, k, v, g, beta, state, state_slots, continues)
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
@@ -41,7 +42,7 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     block_v = block_v or min(_next_pow2(Dv), 8)
     if block_k > 256 or block_v & (block_v - 1):
         raise ValueError(f"recurrent_prefill: Dk up to 256 (got {Dk}), block_v a power of two (got {block_v})")
-    out = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
+    out = output_buffer("recurrent_prefill", out, (T, Hv, Dv), v)
     if B == 0 or T == 0:
         return out
     scale = Dk ** -0.5 if scale is None else float(scale)
@@ -52,6 +53,16 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                                    g.stride(0), beta.stride(0), state.stride(0), state.stride(1), state.stride(2),
                                    HV=Hv, GROUP=Hv // Hk, BLOCK_K=block_k, BLOCK_V=block_v,
                                    num_warps=num_warps or 1)
+    return out
+
+
+def output_buffer(what: str, out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A kernel's output: a new tensor, or the caller's `out` once its shape, dtype and layout are checked."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(f"{what}: out must be a contiguous {like.dtype} {shape} on {like.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
     return out
 
 
