@@ -419,15 +419,14 @@ def test_qwen3_5_prefix_states_continue_on_the_gpu(tiny_model_dir, model, budget
     assert gpu.engine.block_manager.prefix_states.restores == 2
 
 
-@pytest.mark.parametrize("model", ["qwen3_5", "qwen3_next"])
-def test_hybrid_piecewise_graphs_do_not_change_greedy_outputs(tiny_model_dir, model):
-    """A hybrid model in MXFP4 (Qwen3-Next's experts on the W4A8 kernel: graphs on): steps replayed from piecewise
-    graphs, each linear-attention layer's conv and delta rule eager between two pieces, give the eager engine's
-    greedy tokens: prompts prefilling together, arriving while others decode, in chunks of a 48-token budget (cut on
-    block boundaries, their states kept), and a repeated prompt continuing from its kept states."""
+def test_hybrid_piecewise_graphs_do_not_change_greedy_outputs(tiny_model_dir):
+    """Qwen3.5 in MXFP4 (the tiny Qwen3-Next's 48-wide shared expert cannot be: MXFP4 takes K in 32s): steps replayed
+    from piecewise graphs, each linear-attention layer's conv and delta rule eager between two pieces, give the eager
+    engine's greedy tokens: prompts prefilling together, arriving while others decode, in chunks of a 48-token budget
+    (cut on block boundaries, their states kept), and a repeated prompt continuing from its kept states."""
     from radiance import LLM
 
-    path, _ = tiny_model_dir(model)
+    path, _ = tiny_model_dir("qwen3_5")
     common = dict(device="cuda", dtype="bfloat16", quantization="mxfp4", num_gpu_blocks_override=128, max_num_seqs=4,
                   cuda_graph_max_batch=4, max_num_batched_tokens=48)
     eager = LLM(path, enforce_eager=True, **common)
