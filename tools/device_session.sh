@@ -24,9 +24,11 @@
 #   glm      GLM-4.5's GPU checks: grouped experts vs the loop, graphs; the routing and rotary kernel cases
 #            compiled (about 7)
 #   glm-engine  GLM-4.5-Air in MXFP4 on the engine (~57 GB of weights: fits one H100; never run yet; up to 9)
-#   hybrid-qwen  Qwen3.5 / Qwen3-Next: the Gated DeltaNet decode kernels compiled against their torch reference, the
-#            engine on CUDA (decode graphs carrying state slots) against the CPU's greedy tokens, then Qwen3.5-9B's
-#            decode / prefill in bf16 and MXFP4 (never run yet; about 8)
+#   hybrid-qwen  Qwen3.5 / Qwen3-Next: the Gated DeltaNet kernels compiled against their torch reference, the
+#            engine on CUDA (decode graphs carrying state slots, piecewise graphs) against the CPU's greedy tokens and
+#            eager MXFP4, then Qwen3.5-9B's decode / prefill in bf16 and MXFP4 (up to 9)
+#   hybrid-steps  Qwen3.5-9B's delta-rule kernels timed (tools/gated_delta_prefill_sweep.py), then its engine steps
+#            eager against piecewise graphs (tools/prefill_steps.py; about 6)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -103,13 +105,17 @@ glm-engine)
 hybrid-qwen)
     step 150 gd-cases python3 -m pytest -q -x tests/kernels/triton_cases_gated_delta.py \
         tests/kernels/triton_cases_gated_delta_prefill.py
-    step 180 gd-sweep python3 tools/gated_delta_prefill_sweep.py --tilings 8x1 32x4
-    step 150 gd-engine python3 -m pytest -q -m gpu tests/engine/test_gpu_engine.py -k qwen3_5
+    step 150 gd-engine python3 -m pytest -q -m gpu tests/engine/test_gpu_engine.py -k "qwen3_5 or hybrid"
     step 240 engine-qwen35 python3 -m radiance.bench.engine_bench synthetic:qwen3.5-9b --quantization none mxfp4 \
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 16 --no-hf --json "$OUT/engine-qwen35.json"
     ;;
+hybrid-steps)
+    step 180 gd-sweep python3 tools/gated_delta_prefill_sweep.py --tilings 8x1 32x4
+    step 200 prefill-steps python3 tools/prefill_steps.py --model synthetic:qwen3.5-9b --quantization mxfp4 \
+        --variants eager piecewise --shapes 1024 1024 2048 4x256 same1024x3 8192
+    ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|gpu-engine|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine|hybrid-qwen]" >&2
+    echo "usage: bash tools/device_session.sh [quick|gpu-engine|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine|hybrid-qwen|hybrid-steps]" >&2
     exit 2
     ;;
 esac
