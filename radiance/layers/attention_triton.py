@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from radiance.kernels._triton.act_quant import pdl_handoff
-from radiance.kernels._triton.rotary import rotary_tables, rotated_heads, store_rotated_kv
+from radiance.kernels._triton.rotary import partial_width, rotary_tables, rotated_heads, rotates, store_rotated_kv
 from radiance.kernels.activation import quantize_activations
 from radiance.kernels.device_info import large_shared_memory, sm_count, supports_pdl
 from radiance.layers.attention import UNIT_SCALES, KvScales
@@ -218,7 +218,7 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
                          LONG_FROM: tl.constexpr = 0, STAGES: tl.constexpr = 2, LONG_STAGES: tl.constexpr = 2,
                          V_WORDS: tl.constexpr = False, ASM: tl.constexpr = False, WINDOW: tl.constexpr = 0,
                          softcap=0.0, SOFTCAP: tl.constexpr = False, CHUNK: tl.constexpr = 0,
-                         PARTIAL: tl.constexpr = False):
+                         ROT: tl.constexpr = 0):
     """With ROTARY, Q is unrotated and the new token's unrotated k and its v (KN, VN [B, Hkv, D]) are
     not in the cache yet: this launch does what rotary_kernel with STORE_KV would have done first.
     WINDOW > 0: the splits share only the window's last WINDOW tokens (the new one's keys), 0: all.
@@ -249,7 +249,7 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
     if ROTARY:
         HALF: tl.constexpr = HEAD_DIM // 2
         pos = tl.load(POS + b).to(tl.int64)
-        cos, sin = rotary_tables(COS, SIN, pos, HALF, PARTIAL)
+        cos, sin = rotary_tables(COS, SIN, pos, HALF, ROT)
         # the new token is the context's last (kv_len - 1): the one split holding it stores its k and v
         # (slot -1: a padding row, nothing) and only then reads the cache; the barrier orders this
         # CTA's global stores before its loads (__syncthreads). The other splits never read that slot.
@@ -257,10 +257,10 @@ def _decode_split_kernel(Q, KC, VC, ACC, LSE, tables, context_lens, qk_scale, v_
         if (slot >= 0) & (start <= kv_len - 1) & (kv_len - 1 < end):
             store_rotated_kv(KN + b * stride_knb + kvh * stride_knh, VN + b * stride_vnb + kvh * stride_vnh,
                              KC + slot * stride_cs + kvh * stride_ch, VC + slot * stride_cs + kvh * stride_ch,
-                             stride_knh, stride_vnh, 1, cos, sin, HALF, 1, k_inv, v_inv, PARTIAL=PARTIAL)
+                             stride_knh, stride_vnh, 1, cos, sin, HALF, 1, k_inv, v_inv, ROT=ROT)
         tl.debug_barrier()
         q = rotated_heads(Q + b * stride_qb + kvh * GROUP * stride_qh, stride_qh, GROUP, cos, sin, HALF, G_PAD,
-                          PARTIAL)
+                          ROT)
     else:
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_g[:, None] & mask_d[None, :], other=0.0)
@@ -318,9 +318,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         cos = sin = positions = k_new = v_new = slots = q  # unused
     else:
         cos, sin, positions, k_new, v_new, slots = rotary
-        if dim != d_pad or cos.dtype != torch.float32 or cos.shape[-1] not in (dim // 2, dim // 4):
+        if dim != d_pad or cos.dtype != torch.float32 or not rotates(dim, 2 * cos.shape[-1]):
             raise ValueError(f"rotary decode: the head size must be a power of 2 ({dim}), the tables fp32 "
-                             f"({cos.dtype}) and as wide as half a head, or a quarter ({cos.shape[-1]})")
+                             f"({cos.dtype}) and as wide as half a head, or a power-of-2 part of a quarter "
+                             f"({cos.shape[-1]})")
         q, k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_new, v_new))
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, acc, lse, block_tables, context_lens, scale * kv_scales.k * _LOG2E, kv_scales.v,
@@ -330,7 +331,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         cos, sin, positions, k_new, v_new, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, D_PAD=d_pad,
         PAGE=k_cache.shape[1], SPLITS=num_splits, BLOCK_N=tiling.block_n, PRECISION=_precision(q),
-        ROTARY=rotary is not None, PARTIAL=rotary is not None and cos.shape[-1] == dim // 4,
+        ROTARY=rotary is not None, ROT=partial_width(dim, 2 * cos.shape[-1]) if rotary is not None else 0,
         PDL=pdl, launch_pdl=pdl, DOTS_FP16=_dots_in_fp16(q, k_cache),
         LONG_BLOCK_N=tiling.long_block_n, LONG_FROM=tiling.long_from, STAGES=tiling.num_stages,
         LONG_STAGES=tiling.long_stages or tiling.num_stages, V_WORDS=v_words, ASM=q.is_cuda,

@@ -12,6 +12,7 @@ import triton
 from torch import nn
 
 from radiance.errors import ConfigError
+from radiance.kernels._triton.rotary import partial_width, rotates as kernel_rotates
 from radiance.kernels.device_info import supports_pdl
 
 
@@ -179,10 +180,10 @@ class RotaryEmbedding(nn.Module):
     def fuses_kv_store(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
         """Whether `rotate_and_store` serves these inputs (the Triton path: CUDA, [T, H, D], D/2 a power of 2);
         then at decode paged_decode_attention(rotary=...) rotates and stores in its own launch instead."""
-        half = q.shape[-1] // 2
-        # the kernels rotate whole heads, or their leading half (GLM-4.5); Phi-4-mini's 3/4 stays on torch
-        rotates = self.rotary_dim == q.shape[-1] or (2 * self.rotary_dim == q.shape[-1] and half >= 2)
-        return q.is_cuda and q.dim() == 3 and positions.dim() == 1 and rotates and half & (half - 1) == 0
+        # the kernels rotate whole heads, or a power-of-2 part of their leading half (GLM-4.5's half, Qwen3.5's
+        # quarter); Phi-4-mini's 3/4 stays on torch
+        return (q.is_cuda and q.dim() == 3 and positions.dim() == 1
+                and kernel_rotates(q.shape[-1], self.rotary_dim))
 
     def rotate_and_store(self, positions, q, k, v, k_cache, v_cache, slot_mapping, scales=None,
                          qk_norm=None, q_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -243,7 +244,7 @@ ROTARY_Q_HEADS_PER_PROGRAM = 8
 def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None, qk_norm: tuple | None = None,
                    q_out: torch.Tensor | None = None):
     """RotaryEmbedding.forward in one Triton kernel: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous views ok);
-    tables D / 4 wide rotate each head's leading half (rotary_kernel's PARTIAL).
+    narrower tables (rotary_dim / 2 wide) rotate each head's leading rotary_dim dims (rotary_kernel's ROT).
     With store = (v, k_cache, v_cache, slot_mapping, k_inv, v_inv) the rotated k and v go to their cache
     slots (an fp8 cache times k_inv / v_inv) and only q is returned. With qk_norm = (q_norm, k_norm) (RMSNorm
     modules of one eps) each head of q and k is normalized before its rotation. q_out: the rotated q's
@@ -276,5 +277,5 @@ def _rotate_triton(positions, q, k, cos, sin, store: tuple | None = None, qk_nor
                         q_norm_w, k_norm_w, eps, HALF=head_dim // 2, BLOCK_QH=block_qh,
                         BLOCK_KH=triton.next_power_of_2(k_heads), STORE_KV=store is not None,
                         NORM=qk_norm is not None, PDL=pdl, launch_pdl=pdl,
-                        PARTIAL=cos.shape[-1] == head_dim // 4, num_warps=4)
+                        ROT=partial_width(head_dim, 2 * cos.shape[-1]), num_warps=4)
     return q_out if store is not None else (q_out, k_out)

@@ -383,8 +383,8 @@ def test_qwen3_5_linear_attention_states_match_cpu(tiny_model_dir, model, budget
     decodes or whole prompts of 70 tokens and more in one step, the chunked delta rule for prompts of 260 and more;
     decode steps through the Triton launches; where the model's experts allow graphs, decode graphs that carry the
     state slots, queued ahead, and every prefill step a piecewise graph's, the conv and delta rule eager between
-    its pieces; the gated attention layer on the Triton attention with a torch rotary of a quarter of each head):
-    fp32 greedy tokens of three prompts equal the CPU's (torch's chunked form)."""
+    its pieces; the gated attention layer on the Triton attention, a quarter of each head rotated by the rotary
+    launch): fp32 greedy tokens of three prompts equal the CPU's (torch's chunked form)."""
     path, _ = tiny_model_dir(model)
     prompts = [[(11 * i + 3 * j) % 256 for j in range(length + 9 * i)] for i in range(3)]
     served = _assert_gpu_greedy_equals_cpu(path, prompts, SamplingParams(max_tokens=16, temperature=0.0,

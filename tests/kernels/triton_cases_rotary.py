@@ -8,11 +8,12 @@ from radiance.layers.rotary import RotaryEmbedding, _rotate, _rotate_triton
 
 
 @pytest.mark.parametrize("head_dim,q_heads,k_heads", [(64, 9, 3), (128, 32, 8)])
-@pytest.mark.parametrize("partial", [False, True])  # True: the leading half of each head rotates (GLM-4.5)
-def test_rotary_kernel_matches_torch(device, head_dim, q_heads, k_heads, partial):
+# the rotated part of each head: whole, the leading half (GLM-4.5), a quarter (Qwen3.5), an eighth
+@pytest.mark.parametrize("part", [1, 2, 4, 8])
+def test_rotary_kernel_matches_torch(device, head_dim, q_heads, k_heads, part):
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
-    rope = RotaryEmbedding(head_dim, 4096, 500000.0, llama3, rotary_dim=head_dim // 2 if partial else None)
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, llama3, rotary_dim=head_dim // part)
     rope = rope.to(device)
     t = 11
     positions = torch.randint(0, 4096, (t,), device=device)
@@ -25,8 +26,11 @@ def test_rotary_kernel_matches_torch(device, head_dim, q_heads, k_heads, partial
     assert torch.allclose(q_out, _rotate(q, cos, sin), rtol=1e-5, atol=1e-5)
     assert torch.allclose(k_out, _rotate(k, cos, sin), rtol=1e-5, atol=1e-5)
     assert q_out.shape == q.shape and k_out.is_contiguous()
-    if partial:  # the trailing half passes through as it is
-        assert torch.equal(q_out[..., head_dim // 2:], q[..., head_dim // 2:])
+    assert rope.fuses_kv_store(positions, q) == (device.type == "cuda")
+    rotated = head_dim // part  # the dims past it pass through as they are
+    assert torch.equal(q_out[..., rotated:], q[..., rotated:]) and torch.equal(k_out[..., rotated:], k[..., rotated:])
+    if part > 1:  # a partial rotation moves the rotated dims
+        assert not torch.allclose(q_out[..., :rotated], q[..., :rotated], atol=1e-3)
 
 
 @pytest.mark.parametrize("head_dim,q_heads,k_heads", [(64, 9, 3), (128, 32, 8)])
@@ -59,15 +63,15 @@ def test_rotate_and_store_writes_the_cache(device, head_dim, q_heads, k_heads):
 
 
 @pytest.mark.parametrize("store", [False, True])
-@pytest.mark.parametrize("partial", [False, True])
-def test_fused_head_norm_matches_norm_then_rotate(device, store, partial):
+@pytest.mark.parametrize("part", [1, 2, 4])
+def test_fused_head_norm_matches_norm_then_rotate(device, store, part):
     """Qwen3's q_norm / k_norm inside the rotary launch: what the RMSNorm modules followed by the rotation
     give (bf16 on CUDA; fp32 under the interpreter), for the plain launch and the one writing the cache."""
     from radiance.layers.norm import RMSNorm
 
     head_dim, q_heads, k_heads, t = 128, 12, 4, 5
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rope = RotaryEmbedding(head_dim, 1024, 1000000.0, rotary_dim=64 if partial else None).to(device)
+    rope = RotaryEmbedding(head_dim, 1024, 1000000.0, rotary_dim=head_dim // part).to(device)
     q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(device), RMSNorm(head_dim, 1e-6).to(device)
     with torch.no_grad():
         q_norm.weight.copy_(1 + 0.3 * torch.randn(head_dim)), k_norm.weight.copy_(1 + 0.3 * torch.randn(head_dim))
@@ -93,12 +97,14 @@ def test_fused_head_norm_matches_norm_then_rotate(device, store, partial):
 
 
 @pytest.mark.parametrize("splits", [(1, 3)])
-def test_fused_rotary_decode_of_half_heads(device, splits):
-    """GLM-4.5's rotary (the leading half of each head) inside the decode attention kernel, which rotates q and
-    stores the new K/V itself: the same bytes as the rotary launch then attention, and torch's."""
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_fused_rotary_decode_of_partial_heads(device, splits, rotary_dim):
+    """A partial rotary inside the decode attention kernel, which rotates q and stores the new K/V itself (the
+    leading half of each head, GLM-4.5's; a quarter, Qwen3.5's): the same bytes as the rotary launch then
+    attention, and torch's."""
     from tests.engine.test_attention_triton import check_fused_decode
 
     errors = check_fused_decode(device.type, torch.float32, heads=6, kv_heads=2, head_dim=32, splits=splits,
-                                seed=7, rotary_dim=16)
+                                seed=7, rotary_dim=rotary_dim)
     assert errors["cache_differs"] == 0.0 and errors["out_differs"] == 0.0, errors
     assert errors["out_vs_torch"] < 1e-5 and errors["cache_vs_torch"] < 1e-6, errors
