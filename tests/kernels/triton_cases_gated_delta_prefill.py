@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radiance.kernels._triton.gated_delta_chunked import chunked_prefill, delta_chunks
+from radiance.kernels._triton.gated_delta_chunked import INVERSES, chunked_prefill, delta_chunks
 from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
 from radiance.layers.gated_delta import gated_delta_rule_varlen
 
@@ -96,13 +96,28 @@ def test_recurrent_prefill_refuses_mismatched_inputs(device):
     ([3, 66, 1, 20], MIXED, *SMALL, torch.bfloat16),
     ([3, 70, 1, 5], MIXED, *ODD, torch.float32),
     ([70, 2], [False, True], (2, 4), (12, 8), torch.float32)])  # head dims below tl.dot's 16: padded
-@pytest.mark.parametrize("inverse", ["blocks", "rows"])
+@pytest.mark.parametrize("inverse", INVERSES)
 def test_chunked_prefill_matches_the_chunked_reference(device, lens, continues, heads, dims, dtype, inverse):
     """The chunked form: chunks of 64 tokens per sequence, a sequence of one token a chunk of one row, odd head dims
     padded to powers of two, two value heads per key head; both ways of inverting a chunk's interactions."""
     _check_against_reference(lambda *args, cu, chunks: chunked_prefill(*args[:7], chunks, args[7], block_v=16,
                                                                        inverse=inverse),
                              lens, continues, heads, dims, dtype, device, seed=sum(lens) * 3 + heads[1])
+
+
+@pytest.mark.parametrize("block_v, output_block_v", [(16, 64), (32, 16)])
+def test_the_output_launch_takes_its_own_column_block(device, block_v, output_block_v):
+    """The output launch's state columns apart from the scan's (40 value columns: one program past Dv's end, or
+    three); a block that is no power of two is refused."""
+    lens, continues = [70, 5], [True, False]
+    _check_against_reference(
+        lambda *args, cu, chunks: chunked_prefill(*args[:7], chunks, args[7], block_v=block_v, inverse="doubling",
+                                                  output_block_v=output_block_v),
+        lens, continues, *ODD, torch.float32, device, seed=block_v + output_block_v)
+    q, k, v, g, beta, state = _inputs(lens, *ODD[0], *ODD[1], torch.float32, device, seed=3)
+    with pytest.raises(ValueError, match="output_block_v"):
+        chunked_prefill(q, k, v, g, beta, state, torch.tensor([4, 1], device=device), delta_chunks(lens, device),
+                        torch.tensor(continues, device=device), output_block_v=48)
 
 
 @pytest.mark.parametrize("precision, tol", [("ieee", 1e-4), ("tf32x3", 1e-4), ("tf32", 3e-2)])
@@ -126,7 +141,7 @@ def test_chunked_prefill_on_the_tensor_cores(device, precision, tol):
                         torch.tensor(continues, device=device), inverse="power")
 
 
-@pytest.mark.parametrize("inverse", ["blocks", "rows"])
+@pytest.mark.parametrize("inverse", INVERSES)
 def test_chunked_prefill_keeps_repeated_keys_exact(device, inverse):
     """Every token the same key (a repeated token): the chunk's interactions are all ones below the diagonal, whose
     inverse a power series could not take in fp32; the forward substitution and the recurrent form agree."""

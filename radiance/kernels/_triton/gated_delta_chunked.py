@@ -31,6 +31,8 @@ CHUNK = 64
 # the longest sequence of a step from which the chunked form serves it: on an H100 at Qwen3.5-9B's heads it took 0.98
 # us a token a layer at 256 tokens against the token-by-token kernel's 1.35 (0.54 against 1.54 at 8192)
 CHUNKED_FROM = 256
+# how the prepare launch inverts a chunk's (I + A): see chunked_prefill
+INVERSES = ("blocks", "doubling", "rows")
 
 
 class DeltaChunks(NamedTuple):
@@ -67,7 +69,7 @@ def serving_chunks(q_lens: list[int], device: torch.device) -> DeltaChunks | Non
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, state_slots: torch.Tensor, chunks: DeltaChunks, continues: torch.Tensor,
                     scale: float | None = None, block_v: int = 32, precision: str = "tf32x3",
-                    num_warps: int = 4, inverse: str = "blocks",
+                    num_warps: int = 4, inverse: str = "blocks", output_block_v: int = 64,
                     keep: tuple[tuple[int, int], ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_prefill's result in the chunked form (same arguments, the chunk table `chunks` in place of
     cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (3 Dk +
@@ -75,13 +77,16 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     input_precision ("ieee": fp32 products on the CUDA cores; "tf32x3": three tf32 tensor-core products, about
     fp32's accuracy; "tf32"), num_warps: the three launches' (tools/gated_delta_prefill_sweep.py times them),
     inverse: how launch 1 inverts (I + A) ("rows": forward substitution row by row, C - 1 steps; "blocks": four rows
-    at a time within 16-row blocks, then the blocks joined by matrix products, 15 steps). keep: (chunk, row) pairs:
-    the state entering that chunk of the table (its sequence's state at the chunk's first token) copied into
-    `state[row]` (a prefix cache's row). out: as recurrent_prefill's."""
+    at a time within 16-row blocks, then the blocks joined by matrix products, 15 steps; "doubling": the inverses of
+    the 2-, 4-, ... 64-row diagonal blocks in turn, 10 steps of two products). block_v: the state columns a scan
+    program carries, output_block_v an output program's (each recomputes the chunk's Q K^T: on an H200 at Qwen3.5-9B's
+    heads 64 columns took the output launch from 1.32 to 0.85 ms at 8192 tokens, against 32; the scan keeps 32).
+    keep: (chunk, row) pairs: the state entering that chunk of the table (its sequence's state at the chunk's first
+    token) copied into `state[row]` (a prefix cache's row). out: as recurrent_prefill's."""
     if precision not in ("ieee", "tf32x3", "tf32"):
         raise ValueError(f"chunked_prefill: precision ieee, tf32x3 or tf32, got {precision!r}")
-    if inverse not in ("rows", "blocks"):
-        raise ValueError(f"chunked_prefill: inverse rows or blocks, got {inverse!r}")
+    if inverse not in INVERSES:
+        raise ValueError(f"chunked_prefill: inverse one of {', '.join(INVERSES)}, got {inverse!r}")
     _check_prefill_inputs("chunked_prefill", q, k, v, g, beta, state, state_slots, continues)
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
@@ -89,8 +94,9 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if chunks.first_chunk.shape != (B + 1,):
         raise ValueError(f"chunked_prefill: a chunk table of {chunks.first_chunk.shape[0] - 1} sequences for {B}")
     block_k, block_dv = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))  # tl.dot's least: zeros pad the rest
-    if block_k > 256 or block_dv > 256 or block_v & (block_v - 1):
-        raise ValueError(f"chunked_prefill: Dk and Dv up to 256 (got {Dk}, {Dv}), block_v a power of two")
+    if block_k > 256 or block_dv > 256 or block_v & (block_v - 1) or output_block_v & (output_block_v - 1):
+        raise ValueError(f"chunked_prefill: Dk and Dv up to 256 (got {Dk}, {Dv}), block_v and output_block_v "
+                         f"powers of two (got {block_v}, {output_block_v})")
     out = output_buffer("chunked_prefill", out, (T, Hv, Dv), v)
     if B == 0 or T == 0:
         return out
@@ -106,15 +112,16 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if n:
         chunk_prepare_kernel[(n, Hv)](k, v, g, beta, chunks.starts, chunks.lens, w, u, k_decayed, chunk_decay, Dk,
                                       Dv, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-                                      beta.stride(0), BLOCKED=inverse == "blocks", **common)
+                                      beta.stride(0), INVERSE=inverse, **common)
     block_v = max(16, min(block_v, block_dv))
     chunk_scan_kernel[(B * Hv, triton.cdiv(Dv, block_v))](
         w, u, k_decayed, chunk_decay, v_new, entering, state, state_slots, chunks.first_chunk, continues, Dk, Dv,
         state.stride(0), state.stride(1), state.stride(2), BLOCK_V=block_v, **common)
     if n:
-        chunk_output_kernel[(n, Hv, triton.cdiv(Dv, block_v))](
+        output_block_v = max(16, min(output_block_v, block_dv))
+        chunk_output_kernel[(n, Hv, triton.cdiv(Dv, output_block_v))](
             q, k, g, v_new, entering, chunks.starts, chunks.lens, out, scale, Dk, Dv, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), g.stride(0), BLOCK_V=block_v, **common)
+            k.stride(0), k.stride(1), g.stride(0), BLOCK_V=output_block_v, **common)
     for chunk, row in keep:
         state[row].copy_(entering[chunk, :, :Dk, :Dv])
     return out
@@ -167,6 +174,25 @@ def _unit_lower_inverse_blocks(a, r, C: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _unit_lower_inverse_doubling(a, r, C: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)^-1 for A [C, C] strictly lower by doubling diagonal blocks: with T the inverse of (I + A)'s diagonal
+    blocks of s rows, those of 2s rows are [[T1, 0], [-T2 A21 T1, T2]] = T - T L T, L the lower-left s x s quadrant of
+    each 2s block. The 1-row blocks are I, so the 2-row ones are I - L; then five levels of two products (10 against
+    the "blocks" form's 19 dependent products), only products of inverse blocks, never powers of A."""
+    tl.static_assert(C == 64, "six levels of doubling")
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    same_pair = r[:, None] // 2 == r[None, :] // 2
+    t = eye - tl.where(same_pair & (r[:, None] > r[None, :]), a, 0.0)
+    for level in tl.static_range(1, 6):
+        half: tl.constexpr = 1 << level
+        quadrant = ((r[:, None] // (2 * half)) == (r[None, :] // (2 * half))) & ((r[:, None] // half) % 2 == 1) \
+            & ((r[None, :] // half) % 2 == 0)
+        t = t - tl.dot(t, tl.dot(tl.where(quadrant, a, 0.0), t, input_precision=PRECISION),
+                       input_precision=PRECISION)
+    return t
+
+
+@triton.jit
 def _chunk_decays(g_ptr, t0, n, h, stride_gt, C: tl.constexpr):
     """The chunk's cumulative log decays [C] (flat past its n rows) and the lower-triangular exp(cum_i - cum_j)."""
     r = tl.arange(0, C)
@@ -180,7 +206,7 @@ def _chunk_decays(g_ptr, t0, n, h, stride_gt, C: tl.constexpr):
 def chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, lens_ptr, w_ptr, u_ptr, kd_ptr, decay_ptr, Dk,
                          Dv, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, HV: tl.constexpr,
                          GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-                         PRECISION: tl.constexpr, BLOCKED: tl.constexpr):
+                         PRECISION: tl.constexpr, INVERSE: tl.constexpr):
     """Grid [chunks, HV], value head h in chunk c: W = T (K beta exp(cum)) [C, BLOCK_K], U = T (V beta) [C,
     BLOCK_DV], K exp(cum_last - cum) [C, BLOCK_K] and exp(cum_last), T = (I + A)^-1."""
     c = tl.program_id(0)
@@ -197,8 +223,10 @@ def chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, lens_ptr, w_
     last = tl.sum(tl.where(r == C - 1, cum, 0.0), axis=0)  # cum is flat past the n rows: cum[n - 1]
     a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * decay
     a = tl.where(r[:, None] > r[None, :], a, 0.0)
-    if BLOCKED:
+    if INVERSE == "blocks":
         t = _unit_lower_inverse_blocks(a, r, C, PRECISION)
+    elif INVERSE == "doubling":
+        t = _unit_lower_inverse_doubling(a, r, C, PRECISION)
     else:
         t = _unit_lower_inverse_rows(a, r, C)
     w = tl.dot(t, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)
