@@ -10,7 +10,9 @@ import inspect
 
 import pytest
 
-import radiance.config as config_module
+import radiance.config.convert as config_convert
+import radiance.config.engine as config_engine
+import radiance.config.server as config_server
 from radiance.cli import main
 from radiance.config import (CacheConfig, ConvertConfig, KernelConfig, ModelConfig, RunnerConfig, SchedulerConfig,
                              ServerConfig, SpeculativeConfig)
@@ -133,12 +135,15 @@ def test_a_bad_api_key_is_described_not_repeated(key, fault):
     assert key.strip() not in str(err.value)
 
 
-def _check_messages() -> list[tuple[int, str]]:
-    """(line, source) of the message of every _check(...) call in radiance/config.py."""
-    source = inspect.getsource(config_module)
-    calls = [node for node in ast.walk(ast.parse(source))
-             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_check"]
-    return [(call.lineno, ast.get_source_segment(source, call.args[1])) for call in calls]
+def _check_messages() -> list[tuple[str, int, str]]:
+    """(module, line, source) of the message of every check(...) call in the radiance.config package."""
+    messages = []
+    for module in (config_engine, config_server, config_convert):
+        source = inspect.getsource(module)
+        calls = [node for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check"]
+        messages += [(module.__name__, call.lineno, ast.get_source_segment(source, call.args[1])) for call in calls]
+    return messages
 
 
 # messages that quote the value given in words of their own
@@ -149,7 +154,7 @@ def test_every_check_in_config_says_the_value_given():
     """A new check without `got ...` fails here, not in a user's terminal."""
     messages = _check_messages()
     assert len(messages) >= 35
-    silent = [(line, text) for line, text in messages
+    silent = [(module, line, text) for module, line, text in messages
               if "got " not in text and not any(words in text for words in QUOTE_THE_VALUE_OTHERWISE)]
     assert silent == []
 

@@ -1,20 +1,16 @@
-"""Every knob of radiance as frozen dataclasses.
-
-Each area owns one dataclass; `EngineConfig` bundles the ones the engine needs. Validation lives
-in `__post_init__` so a bad value fails where it is built, with the field's name in the message.
-radiance.config_cli turns any of these into argparse flags and back, so every field is reachable from the
-command line without a hand-written flag per field.
-"""
+"""The engine's knobs: what to load and how to quantize it, the KV cache, the scheduler, the kernels, the runner's
+graphs, speculative decoding and LoRA, bundled as EngineConfig."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 
+from radiance.config.validation import check, check_regexes, check_seed
 from radiance.config_types import check_types as _check_types
 from radiance.errors import ConfigError
+
 
 QUANTIZATIONS = ("auto", "mxfp4", "nvfp4", "none")
 RULES = ("mse", "noclip", "ocp")
@@ -26,32 +22,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "auto": None}
 # a quantized lm_head: one MXFP4 term (4.25 bits per weight) or two (the head, then its residual: 8.5 bits)
 LM_HEAD_FORMATS = ("mxfp4", "mxfp4x2")
-
-
-def _check(cond: bool, msg: str) -> None:
-    """Every message names the field, what it takes and the value given (`got ...`): the CLI words it in flags
-    (config_cli.in_flag_words), which adds no value of its own to a message that says one."""
-    if not cond:
-        raise ConfigError(msg)
-
-
-SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.long's, as the server's request `seed` (and vLLM's) takes
-
-
-def check_seed(seed: int, name: str) -> None:
-    """A seed torch takes: beyond 64 bits torch.manual_seed failed after the checkpoint opened, as "Overflow when
-    unpacking long long". Negatives stay valid: torch maps one to seed + 2**64, so -1 and 1 differ."""
-    low, high = SEED_RANGE
-    _check(low <= seed <= high, f"{name} must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {seed}")
-
-
-def _check_regexes(patterns: tuple[str, ...], name: str) -> None:
-    """Each pattern compiles: a typo is the user's to fix before a model loads, not a traceback halfway through."""
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ConfigError(f"{name}: {pattern!r} is not a regular expression: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -71,26 +41,26 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _check(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        _check(self.rule in MODEL_RULES, f"rule must be one of {MODEL_RULES}, got {self.rule!r}")
-        _check(self.rule != "none" or self.quantization == "nvfp4",
+        check(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        check(self.rule in MODEL_RULES, f"rule must be one of {MODEL_RULES}, got {self.rule!r}")
+        check(self.rule != "none" or self.quantization == "nvfp4",
                f"rule 'none' only applies to quantization 'nvfp4', got quantization {self.quantization!r} (with "
                "quantization nvfp4, rule none serves NVFP4 weights, a checkpoint's or 16-bit ones quantized at load, "
                "dequantized as W4A16)")
-        _check(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _check(self.max_model_len is None or self.max_model_len > 0,
+        check(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.max_model_len is None or self.max_model_len > 0,
                f"max_model_len must be positive, got {self.max_model_len!r}")
         check_seed(self.seed, "seed")
-        _check_regexes(self.ignore, "ignore")
-        _check(not self.quantize_lm_head or self.quantization in ("mxfp4", "nvfp4"),
+        check_regexes(self.ignore, "ignore")
+        check(not self.quantize_lm_head or self.quantization in ("mxfp4", "nvfp4"),
                "quantize_lm_head needs quantization mxfp4 or nvfp4 (it quantizes a 16-bit head at load), got "
                f"quantization {self.quantization!r}")
-        _check(self.lm_head_format in LM_HEAD_FORMATS,
+        check(self.lm_head_format in LM_HEAD_FORMATS,
                f"lm_head_format must be one of {LM_HEAD_FORMATS}, got {self.lm_head_format!r}")
-        _check(self.lm_head_format == "mxfp4" or self.quantize_lm_head,
+        check(self.lm_head_format == "mxfp4" or self.quantize_lm_head,
                f"lm_head_format {self.lm_head_format!r} applies to a quantized lm_head, got quantize_lm_head off: "
                "add quantize_lm_head")
-        _check(self.lm_head_format == "mxfp4" or self.rule != "none",
+        check(self.lm_head_format == "mxfp4" or self.rule != "none",
                "lm_head_format 'mxfp4x2' quantizes to MXFP4: it needs a rule other than 'none' ('mse', 'noclip' or "
                "'ocp'), got rule 'none'")
 
@@ -116,16 +86,16 @@ class CacheConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+        check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                f"block_size must be a power of two, got {self.block_size!r}")
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _check(0.0 < self.gpu_memory_utilization <= 1.0,
+        check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        _check(self.cpu_kv_cache_bytes > 0, f"cpu_kv_cache_bytes must be positive, got {self.cpu_kv_cache_bytes!r}")
-        _check(self.prefix_states is None or self.prefix_states >= 0,
+        check(self.cpu_kv_cache_bytes > 0, f"cpu_kv_cache_bytes must be positive, got {self.cpu_kv_cache_bytes!r}")
+        check(self.prefix_states is None or self.prefix_states >= 0,
                f"prefix_states must be 0 or more, got {self.prefix_states!r}")
-        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
+        check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
                f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override!r}")
 
 
@@ -139,8 +109,8 @@ class SchedulerConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _check(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs!r}")
-        _check(self.max_num_batched_tokens > 0,
+        check(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs!r}")
+        check(self.max_num_batched_tokens > 0,
                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens!r}")
 
 
@@ -163,14 +133,14 @@ class KernelConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _check(1 <= self.decode_band <= 256, f"decode_band must be in [1, 256], got {self.decode_band!r}")
-        _check(self.activations in ACTIVATIONS, f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
-        _check(self.numerics_check_every > 0,
+        check(1 <= self.decode_band <= 256, f"decode_band must be in [1, 256], got {self.decode_band!r}")
+        check(self.activations in ACTIVATIONS, f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        check(self.numerics_check_every > 0,
                f"numerics_check_every must be positive, got {self.numerics_check_every!r}")
 
 
 def _check_token_counts(counts: tuple[int, ...] | None, name: str, graphs: str) -> None:
-    _check(counts is None or all(isinstance(t, int) and t >= 0 for t in counts),
+    check(counts is None or all(isinstance(t, int) and t >= 0 for t in counts),
            f"{name} must be token counts, integers >= 0 (0 alone: no {graphs} graphs), got {counts!r}")
 
 
@@ -216,7 +186,7 @@ class RunnerConfig:
         _check_token_counts(self.prefill_graph_tokens, "prefill_graph_tokens", "prefill")
         _check_token_counts(self.piecewise_graph_tokens, "piecewise_graph_tokens", "piecewise")
         _check_types(self)
-        _check(self.cuda_graph_max_batch > 0,
+        check(self.cuda_graph_max_batch > 0,
                f"cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch!r}")
 
     def prefill_graph_buckets(self, sparse_moe: bool) -> tuple[int, ...]:
@@ -245,9 +215,9 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _check(0 <= self.ngram_draft_tokens <= 32,
+        check(0 <= self.ngram_draft_tokens <= 32,
                f"ngram_draft_tokens must be in [0, 32], got {self.ngram_draft_tokens!r}")
-        _check(1 <= self.ngram_min <= self.ngram_max,
+        check(1 <= self.ngram_min <= self.ngram_max,
                f"ngram_min must be in [1, ngram_max], got ngram_min {self.ngram_min!r} with ngram_max "
                f"{self.ngram_max!r}")
 
@@ -264,15 +234,15 @@ class LoraConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _check(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras!r}")
-        _check(1 <= self.max_lora_rank <= 512, f"max_lora_rank must be in [1, 512], got {self.max_lora_rank!r}")
-        _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+        check(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras!r}")
+        check(1 <= self.max_lora_rank <= 512, f"max_lora_rank must be in [1, 512], got {self.max_lora_rank!r}")
+        check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
                f"max_cpu_loras must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
         modules = self.parsed_modules()  # each one checked here
-        _check(not modules or self.enable_lora,
+        check(not modules or self.enable_lora,
                f"lora_modules need enable_lora, got {len(modules)} module(s) with enable_lora off")
         names = [name for name, _ in modules]
-        _check(len(set(names)) == len(names), f"lora_modules names must differ, got {names!r}")
+        check(len(set(names)) == len(names), f"lora_modules names must differ, got {names!r}")
 
     def parsed_modules(self) -> tuple[tuple[str, str], ...]:
         """lora_modules as (name, path) pairs, in order (adapter ids 1, 2, ...)."""
@@ -287,12 +257,12 @@ def _lora_module(spec: str) -> tuple[str, str]:
             value = json.loads(text)
         except ValueError:
             raise ConfigError(f"lora_modules: {spec!r} is not valid JSON") from None
-        _check(isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("path"), str)
+        check(isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("path"), str)
                and value["name"] and value["path"],
                f"lora_modules: a JSON module needs string \"name\" and \"path\", got {spec!r}")
         return value["name"], value["path"]
     name, sep, path = text.partition("=")
-    _check(bool(sep and name.strip() and path.strip()), f"lora_modules: expected name=path, got {spec!r}")
+    check(bool(sep and name.strip() and path.strip()), f"lora_modules: expected name=path, got {spec!r}")
     return name.strip(), path.strip()
 
 
@@ -324,164 +294,3 @@ class EngineConfig:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
         return cls(**{name: dataclasses.fields(cls)[i].default_factory(**vals)  # type: ignore[misc]
                       for i, (name, vals) in enumerate(parts.items())})
-
-
-
-def _json_list_form(values: tuple[str, ...], name: str) -> tuple[str, ...]:
-    """vLLM's form of a list flag, one JSON list (`--allowed-origins '["*"]'`), as the values it lists; taken as
-    one literal value, it would match nothing."""
-    if len(values) != 1 or not values[0].lstrip().startswith("["):
-        return values
-    try:
-        listed = json.loads(values[0])
-    except ValueError:
-        raise ConfigError(f"{name}: {values[0]!r} is neither a value nor a JSON list of strings") from None
-    _check(isinstance(listed, list) and all(isinstance(v, str) for v in listed),
-           f"{name}: {values[0]!r} is no JSON list of strings")
-    return tuple(listed)
-
-
-TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "harmony", "none")
-REASONING_PARSERS = ("auto", "think", "mistral", "harmony", "none")
-# vLLM's names of the same parsers, so that a `vllm serve` command line's flags serve as they are
-VLLM_TOOL_CALL_PARSERS = {"openai": "harmony", "glm47": "glm45"}
-VLLM_REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think", "glm45": "think", "openai_gptoss": "harmony",
-                          "gpt_oss": "harmony"}
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-GENERATION_CONFIGS = ("auto", "none", "vllm")  # vllm: vLLM's name for none
-CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format values
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The OpenAI-compatible HTTP server (`radiance serve`)."""
-
-    host: str = "127.0.0.1"  # interface to listen on; 0.0.0.0 for every interface
-    port: int = 8000  # TCP port of the HTTP API; 0: a free one (the startup lines name it)
-    served_model_name: tuple[str, ...] = ()  # first = the name, the rest aliases (each once); default from the model
-    api_key: str | None = None  # when set, every route but /health, /metrics, /version and /ping needs `Authorization: Bearer KEY` (printable ASCII)
-    chat_template: str | None = None  # a jinja file (or literal template) overriding the model's; default: the model's own
-    # how a message's content reaches the template (vLLM's --chat-template-content-format): string (text parts joined
-    # by newlines), openai (a list of {"type": "text", "text": ...} parts); auto: openai for a template that loops over a
-    # message's content, else string
-    chat_template_content_format: str = "auto"
-    trust_request_chat_template: bool = False  # render a request's own `chat_template` (vLLM's field); off: such a request is a 400, since a template is code the server runs
-    # a request's tools stay out of its prompt when its tool_choice is "none" (the model's default template, not its
-    # tool_use one: the rendering before vLLM's flag of this name); off: rendered, as vLLM and OpenAI do (the model
-    # knows its tools and calls none: no call is parsed out of its answer)
-    exclude_tools_when_tool_choice_none: bool = False
-    tool_call_parser: str = "auto"  # hermes, qwen3_coder, glm45, llama3_json, mistral, harmony (vLLM's openai), none; auto: the template's markup
-    reasoning_parser: str = "auto"  # think (vLLM's qwen3, deepseek_r1), mistral, harmony (openai_gptoss), none; auto: from the template (<|channel|>: harmony, [THINK]: mistral, <think>: think)
-    # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,
-    # repetition_penalty) fill what a request leaves out and its max_new_tokens caps the output, as vLLM does;
-    # none (or vllm, vLLM's name for it): OpenAI's defaults (temperature 1 ...)
-    generation_config: str = "auto"
-    max_logprobs: int = 20  # upper bound of logprobs / top_logprobs a request may ask for, in [0, 20] (OpenAI's limit: it only lowers it)
-    max_n: int = 16  # upper bound of `n` (each choice is one engine request)
-    responses_store: int = 1000  # /v1/responses kept in memory for previous_response_id and GET; 0 = none
-    # the most bytes (as JSON) the stored /v1/responses take, oldest dropped first, one larger not kept; 0 = none.
-    # Each keeps its whole input history: under the count alone a previous_response_id chain grows without end
-    responses_store_bytes: int = 256 << 20
-    # the start of every /metrics name: "vllm:" exports vLLM's names (vllm:num_requests_waiting, ...), which its
-    # Grafana dashboard and autoscaling rules read
-    metrics_prefix: str = "radiance_"
-    uvicorn_log_level: str = "warning"  # log level of uvicorn's own access and error logs: critical, error, warning, info, debug, trace
-    allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS), e.g. https://chat.example.com, or * for any; default: pages of localhost / 127.0.0.1 / [::1] on any port
-    ssl_keyfile: str | None = None  # serve HTTPS: the private key (PEM), with ssl_certfile
-    ssl_certfile: str | None = None  # serve HTTPS: the certificate chain (PEM) of ssl_keyfile
-    # serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), which
-    # load any adapter path the server can read; default off: the routes answer 404 as unknown routes do
-    allow_runtime_lora_updating: bool = False
-
-    def __post_init__(self):
-        _check_types(self)
-        # an empty host (an unset shell variable) would listen on every interface
-        _check(self.host.strip() != "",
-               f"host must be non-empty (0.0.0.0 listens on every interface), got {self.host!r}")
-        _check(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port!r}")
-        _check(self.uvicorn_log_level.lower() in UVICORN_LOG_LEVELS,
-               f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, got {self.uvicorn_log_level!r}")
-        # frozen: the vLLM name becomes ours as the dataclass is made
-        object.__setattr__(self, "tool_call_parser", VLLM_TOOL_CALL_PARSERS.get(self.tool_call_parser,
-                                                                                self.tool_call_parser))
-        object.__setattr__(self, "reasoning_parser", VLLM_REASONING_PARSERS.get(self.reasoning_parser,
-                                                                                self.reasoning_parser))
-        _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
-        _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
-        _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in [0, 20], got {self.max_logprobs!r}")
-        _check(self.max_n >= 1, f"max_n must be positive, got {self.max_n!r}")
-        _check(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", self.metrics_prefix) is not None,
-               f"metrics_prefix must start a Prometheus metric name (letters, digits, _ and :), got "
-               f"{self.metrics_prefix!r}")
-        _check(self.chat_template_content_format in CONTENT_FORMATS, f"chat_template_content_format must be one of "
-               f"{CONTENT_FORMATS}, got {self.chat_template_content_format!r}")
-        _check(self.generation_config in GENERATION_CONFIGS,
-               f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
-        _check(self.responses_store >= 0, f"responses_store must be >= 0, got {self.responses_store!r}")
-        _check(self.responses_store_bytes >= 0,
-               f"responses_store_bytes must be >= 0, got {self.responses_store_bytes!r}")
-        _check(all(name for name in self.served_model_name),
-               f"served_model_name entries must be non-empty, got {self.served_model_name!r}")
-        _check_distinct(self.served_model_name, "served_model_name")
-        _check((self.ssl_keyfile is None) == (self.ssl_certfile is None),
-               f"HTTPS needs both ssl_keyfile and ssl_certfile (or neither, for HTTP), got {_lone_ssl_file(self)}")
-        object.__setattr__(self, "allowed_origins", _json_list_form(self.allowed_origins, "allowed_origins"))
-        _check(all(origin for origin in self.allowed_origins),
-               f"allowed_origins entries must be non-empty, got {self.allowed_origins!r}")
-        _check(self.api_key is None or self.api_key != "", "api_key must be non-empty when given, got ''")
-        _check(self.api_key is None or _HEADER_TOKEN.fullmatch(self.api_key) is not None,
-               "api_key must be printable ASCII without leading or trailing spaces: the Authorization header "
-               "carries it, and clients strip the spaces (a key of spaces or a newline could never match), got "
-               f"{_api_key_fault(self.api_key or '')}")
-
-
-# printable ASCII, inner spaces allowed: what an HTTP header value carries unchanged
-_HEADER_TOKEN = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
-
-
-def _api_key_fault(key: str) -> str:
-    """What is wrong with an API key, without the key: a message may reach a log others read."""
-    odd = next((i for i, ch in enumerate(key) if not "\x20" <= ch <= "\x7e"), None)
-    if odd is not None:
-        return f"a key of {len(key)} characters whose character {odd + 1} is {_char_name(key[odd])}"
-    return f"a key of {len(key)} characters with a leading or trailing space"
-
-
-def _char_name(ch: str) -> str:
-    return f"U+{ord(ch):04X}" + (" (a control character)" if ord(ch) < 0x20 or ord(ch) == 0x7f else "")
-
-
-def _lone_ssl_file(config: ServerConfig) -> str:
-    return "ssl_keyfile without ssl_certfile" if config.ssl_certfile is None else "ssl_certfile without ssl_keyfile"
-
-
-def _check_distinct(values: tuple[str, ...], name: str) -> None:
-    """A name given twice is a typo (two names meant) or a copy: either way /v1/models would list it twice."""
-    repeated = sorted({v for v in values if values.count(v) > 1})
-    _check(not repeated, f"{name} lists {', '.join(map(repr, repeated))} more than once")
-
-
-CONVERT_FORMATS = ("mxfp4", "nvfp4", "fp8")
-DENSE_DTYPES = ("bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class ConvertConfig:
-    """Checkpoint conversion (`radiance convert`): the format written and what stays 16-bit."""
-
-    format: str = "mxfp4"  # linears are written in this format (compressed-tensors layout): mxfp4, nvfp4 or fp8 (an MXFP4 source to nvfp4 / fp8 keeps its values exactly: power-of-two scales)
-    rule: str = "mse"  # block-exponent rule when converting to MXFP4: mse (least squared error), noclip or ocp
-    ignore: tuple[str, ...] = ()  # regexes (re.search) of linears to keep 16-bit, e.g. "layers\\.0\\.": radiance's names (qkv_proj) or the checkpoint's (q_proj, k_proj, v_proj: a fused linear's parts all or none)
-    quantize_lm_head: bool = False  # lm_head stays 16-bit unless set (a tied head is then untied)
-    dense_dtype: str = "bfloat16"  # dtype of the 16-bit tensors written (embeddings, norms, kept linears): bfloat16 or float16
-    max_shard_bytes: int = 2 << 30  # safetensors shard size
-    chunk_rows: int | None = None  # rows per requant chunk (bounds the fp32 transient); default: automatic
-
-    def __post_init__(self):
-        _check_types(self)
-        _check(self.format in CONVERT_FORMATS, f"format must be one of {CONVERT_FORMATS}, got {self.format!r}")
-        _check(self.rule in RULES, f"rule must be one of {RULES}, got {self.rule!r}")
-        _check(self.dense_dtype in DENSE_DTYPES, f"dense_dtype must be one of {DENSE_DTYPES}, got {self.dense_dtype!r}")
-        _check(self.max_shard_bytes > 0, f"max_shard_bytes must be positive, got {self.max_shard_bytes!r}")
-        _check(self.chunk_rows is None or self.chunk_rows > 0, f"chunk_rows must be positive, got {self.chunk_rows!r}")
-        _check_regexes(self.ignore, "ignore")
