@@ -26,7 +26,8 @@ from radiance.server.errors import JSONAnswer, OpenAIError, field_named_first, i
 from radiance.server.protocol_responses import (ReasoningConfig, ResponsesRequest, check_includes, conversation_units,
                                                 input_messages, listed_input_items)
 from radiance.server.response_store import StoredResponse
-from radiance.server.serving_chat import ChoiceStream, prepare_chat
+from radiance.server.chat_choice import ChoiceStream
+from radiance.server.serving_chat import prepare_chat
 from radiance.server.logprobs_json import token_chars
 from radiance.server.serving_common import check_unicode, collect_until_disconnect, guarded_sse, merged_outputs
 from radiance.server.state import ServerState

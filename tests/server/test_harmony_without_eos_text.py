@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from radiance.engine.outputs import StepOutput
-from radiance.server.serving_chat import ChoiceStream
+from radiance.server.chat_choice import ChoiceStream
 
 CALL_ID, RETURN_ID, WORD_ID = 200012, 200002, 17
 MARKUP = {CALL_ID: "<|call|>", RETURN_ID: "<|return|>", WORD_ID: "Paris"}
