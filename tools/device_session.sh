@@ -112,7 +112,7 @@ hybrid-qwen)
     ;;
 hybrid-steps)
     step 180 gd-sweep python3 tools/gated_delta_prefill_sweep.py --tilings 8x1 --lengths 256 1024 8192 \
-        --chunked 32:32/tf32x3/4/blocks 32:64/tf32x3/4/blocks 32:64/tf32x3/4/doubling 32:64/tf32x3/8/doubling
+        --chunked 32:32/tf32x3/4:4/blocks 32:64/tf32x3/4:8/blocks 32:64/tf32x3/4:8/doubling 32:64/tf32x3/8/doubling
     step 200 prefill-steps python3 tools/prefill_steps.py --model synthetic:qwen3.5-9b --quantization mxfp4 \
         --variants eager piecewise --shapes 1024 1024 2048 4x256 same1024x3 8192
     ;;

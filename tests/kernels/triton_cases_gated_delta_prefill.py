@@ -130,7 +130,7 @@ def test_chunked_prefill_on_the_tensor_cores(device, precision, tol):
     want_state = state.clone()
     want = gated_delta_rule_varlen(q, k, v, g, beta, want_state, slots, lens, continues)
     got = chunked_prefill(q, k, v, g, beta, state, slots, delta_chunks(lens, device),
-                          torch.tensor(continues, device=device), precision=precision, num_warps=4)
+                          torch.tensor(continues, device=device), precision=precision, num_warps=4, scan_warps=4)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(state, want_state, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="precision"):

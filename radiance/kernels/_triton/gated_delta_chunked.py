@@ -69,13 +69,15 @@ def serving_chunks(q_lens: list[int], device: torch.device) -> DeltaChunks | Non
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, state_slots: torch.Tensor, chunks: DeltaChunks, continues: torch.Tensor,
                     scale: float | None = None, block_v: int = 32, precision: str = "tf32x3",
-                    num_warps: int = 4, inverse: str = "blocks", output_block_v: int = 64,
+                    num_warps: int = 4, scan_warps: int = 8, inverse: str = "blocks", output_block_v: int = 64,
                     keep: tuple[tuple[int, int], ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_prefill's result in the chunked form (same arguments, the chunk table `chunks` in place of
     cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (3 Dk +
     2 Dv) fp32 values a token and value head, and one Dk x Dv state a chunk and value head. precision: tl.dot's
     input_precision ("ieee": fp32 products on the CUDA cores; "tf32x3": three tf32 tensor-core products, about
-    fp32's accuracy; "tf32"), num_warps: the three launches' (tools/gated_delta_prefill_sweep.py times them),
+    fp32's accuracy; "tf32"), num_warps: the prepare and output launches', scan_warps the scan's (on an H200 at
+    Qwen3.5-9B's heads 8 warps scanned 8192 tokens in 0.80 ms against 0.90 at 4, where the prepare launch took twice
+    as long at 8; tools/gated_delta_prefill_sweep.py times them),
     inverse: how launch 1 inverts (I + A) ("rows": forward substitution row by row, C - 1 steps; "blocks": four rows
     at a time within 16-row blocks, then the blocks joined by matrix products, 15 steps; "doubling": the inverses of
     the 2-, 4-, ... 64-row diagonal blocks in turn, 10 steps of two products). block_v: the state columns a scan
@@ -116,7 +118,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     block_v = max(16, min(block_v, block_dv))
     chunk_scan_kernel[(B * Hv, triton.cdiv(Dv, block_v))](
         w, u, k_decayed, chunk_decay, v_new, entering, state, state_slots, chunks.first_chunk, continues, Dk, Dv,
-        state.stride(0), state.stride(1), state.stride(2), BLOCK_V=block_v, **common)
+        state.stride(0), state.stride(1), state.stride(2), BLOCK_V=block_v, **dict(common, num_warps=scan_warps))
     if n:
         output_block_v = max(16, min(output_block_v, block_dv))
         chunk_output_kernel[(n, Hv, triton.cdiv(Dv, output_block_v))](
