@@ -4,8 +4,9 @@
 # the README's developer section lists filled .whl/ here; carry ".whl"):  bash tools/device_session.sh MODE   (each mode fits one 10-minute call)
 #   quick    the kernel and format GPU tests, the 8B engine in bf16 and MXFP4 (about 9 minutes on a cold machine:
 #            the tests compile for about 5)
-#   gpu-engine  the engine and LoRA GPU tests (the rest of `-m gpu`: since the sixty-sixth session the whole GPU
-#            suite no longer fits one call; up to 10)
+#   gpu-engine  the attention and engine GPU tests (test_attention*_triton.py, test_gpu_engine.py: on a cold H200
+#            the whole engine + LoRA set ran past 560 s at 74 of 93 tests in the seventieth session; up to 10)
+#   gpu-more    the rest of the engine and LoRA GPU tests (MoE, min_tokens, speculative, structured output, LoRA)
 #   cases    the Triton kernel cases on the GPU (about 4)
 #   kernels  the full kernel table (ours, cuBLAS bf16, cuBLAS fp8) and the per-CTA GEMM trace (about 5)
 #   models   the 32B engine in bf16 and MXFP4, the batch-64 step timeline of the 8B, its GEMMs traced
@@ -47,7 +48,13 @@ quick)
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 64 128 --no-hf --json "$OUT/engine-8b.json"
     ;;
 gpu-engine)
-    step 570 gpu-engine-tests python3 -m pytest -q -m gpu tests/engine tests/lora
+    step 570 gpu-engine-tests python3 -m pytest -q -m gpu tests/engine/test_attention_sinks_triton.py \
+        tests/engine/test_attention_triton.py tests/engine/test_gpu_engine.py
+    ;;
+gpu-more)
+    step 570 gpu-more-tests python3 -m pytest -q -m gpu tests/engine tests/lora \
+        --deselect tests/engine/test_attention_sinks_triton.py --deselect tests/engine/test_attention_triton.py \
+        --deselect tests/engine/test_gpu_engine.py
     ;;
 cases)
     step 500 kernel-cases python3 -m pytest -q tests/kernels/triton_cases_*.py
@@ -117,7 +124,7 @@ hybrid-steps)
         --variants eager piecewise --shapes 1024 1024 2048 4x256 same1024x3 8192
     ;;
 *)
-    echo "usage: bash tools/device_session.sh [quick|gpu-engine|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine|hybrid-qwen|hybrid-steps]" >&2
+    echo "usage: bash tools/device_session.sh [quick|gpu-engine|gpu-more|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine|hybrid-qwen|hybrid-steps]" >&2
     exit 2
     ;;
 esac
