@@ -4,9 +4,9 @@ block_v x num_warps, the chunked form over its block_v) at Qwen3.5-9B's head sha
 (the 9B's linear-attention layers), each checked against the recurrent form's default output first.
 
     python3 tools/gated_delta_prefill_sweep.py [--lengths 64 1024 8192] [--tilings 8x1 4x1 16x1 32x4]
-        [--chunked 32/ieee/8/rows 32:64/tf32x3/4:8/doubling ...]   (block_v[:output_block_v] / tl.dot
-        input_precision / num_warps[:scan_warps] / how a chunk's (I + A) is inverted); each chunked form's three
-        launches timed apart too (torch.profiler)
+        [--chunked 32/ieee/8/rows 32:64/tf32x3:tf32/4:8:8/doubling ...]   (block_v[:output_block_v] / tl.dot
+        input_precision[:the output launch's] / num_warps[:scan_warps[:output_warps]] / how a chunk's (I + A) is
+        inverted); each chunked form's three launches timed apart too (torch.profiler)
 """
 
 from __future__ import annotations
@@ -40,13 +40,22 @@ def inputs(length: int, device: torch.device):
     return q, k, v, g, beta, state, cu
 
 
-def parse_chunked(text: str) -> tuple[int, int, str, int, int, str]:
-    """BLOCK_V[:OUTPUT_BLOCK_V]/PRECISION/WARPS[:SCAN_WARPS]/INVERSE -> (block_v, output_block_v, precision, warps,
-    scan_warps, inverse); a value not given is the one before it."""
+def parse_chunked(text: str) -> dict:
+    """BLOCK_V[:OUTPUT_BLOCK_V]/PRECISION[:OUTPUT_PRECISION]/WARPS[:SCAN_WARPS[:OUTPUT_WARPS]]/INVERSE -> chunked_prefill's
+    keyword arguments; a value not given is the one before it (the output launch's warps: WARPS)."""
     block_v, precision, warps, inverse = text.split("/")
     scan_v, _, output_v = block_v.partition(":")
-    warps, _, scan_warps = warps.partition(":")
-    return int(scan_v), int(output_v or scan_v), precision, int(warps), int(scan_warps or warps), inverse
+    precision, _, output_precision = precision.partition(":")
+    warps, _, rest = warps.partition(":")
+    scan_warps, _, output_warps = rest.partition(":")
+    return dict(block_v=int(scan_v), output_block_v=int(output_v or scan_v), precision=precision,
+                output_precision=output_precision or precision, num_warps=int(warps),
+                scan_warps=int(scan_warps or warps), output_warps=int(output_warps or warps), inverse=inverse)
+
+
+def chunked_label(form: dict) -> str:
+    return (f"chunked {form['block_v']}:{form['output_block_v']}/{form['precision']}:{form['output_precision']}/"
+            f"{form['num_warps']}:{form['scan_warps']}:{form['output_warps']}/{form['inverse']}")
 
 
 def launch_split(run) -> str:
@@ -88,7 +97,7 @@ def main() -> None:
     # default: the served form (32:64/tf32x3/4:8/blocks), the doubling inverse, the form served until the seventieth
     # session, the ieee row-by-row one
     parser.add_argument("--chunked", type=parse_chunked, nargs="+",
-                        metavar="BLOCK_V[:OUT]/PRECISION/WARPS[:SCAN]/INVERSE",
+                        metavar="BLOCK_V[:OUT]/PRECISION[:OUT]/WARPS[:SCAN[:OUT]]/INVERSE",
                         default=[parse_chunked(c) for c in ("32:64/tf32x3/4:8/blocks", "32:64/tf32x3/4:8/doubling",
                                                             "32/tf32x3/4/blocks", "32/ieee/8/rows")])
     parser.add_argument("--json", help="write the table's rows here too")
@@ -106,12 +115,10 @@ def main() -> None:
                                          num_warps=warps)
             rows.append(measure(length, f"{block_v}x{warps}", run, want))
         chunks = delta_chunks([length], device)
-        for block_v, output_v, precision, warps, scan_warps, inverse in args.chunked:
+        for form in args.chunked:
             def run():
-                return chunked_prefill(q, k, v, g, beta, state.clone(), slots, chunks, continues, block_v=block_v,
-                                       precision=precision, num_warps=warps, scan_warps=scan_warps, inverse=inverse,
-                                       output_block_v=output_v)
-            label = f"chunked {block_v}:{output_v}/{precision}/{warps}:{scan_warps}/{inverse}"
+                return chunked_prefill(q, k, v, g, beta, state.clone(), slots, chunks, continues, **form)
+            label = chunked_label(form)
             rows.append(measure(length, label, run, want))
             print(f"{length} {label}: ms by launch: {launch_split(run)}", flush=True)
     if args.json:

@@ -120,6 +120,20 @@ def test_the_output_launch_takes_its_own_column_block(device, block_v, output_bl
                         torch.tensor(continues, device=device), output_block_v=48)
 
 
+def test_the_output_launch_takes_its_own_precision_and_warps(device):
+    """Single tf32 products and 8 warps in the output launch alone (the prepare and scan keep tf32x3 and their
+    warps): within a bf16 output's tolerance; a precision tl.dot does not know is refused by name."""
+    lens, continues = [70, 5], [True, False]
+    _check_against_reference(
+        lambda *args, cu, chunks: chunked_prefill(*args[:7], chunks, args[7], output_precision="tf32",
+                                                  output_warps=8),
+        lens, continues, *SMALL, torch.bfloat16, device, seed=11)
+    q, k, v, g, beta, state = _inputs(lens, *SMALL[0], *SMALL[1], torch.float32, device, seed=3)
+    with pytest.raises(ValueError, match="output_precision"):
+        chunked_prefill(q, k, v, g, beta, state, torch.tensor([4, 1], device=device), delta_chunks(lens, device),
+                        torch.tensor(continues, device=device), output_precision="fp16")
+
+
 @pytest.mark.parametrize("precision, tol", [("ieee", 1e-4), ("tf32x3", 1e-4), ("tf32", 3e-2)])
 def test_chunked_prefill_on_the_tensor_cores(device, precision, tol):
     """tl.dot's tf32x3 (about fp32) and tf32 (10-bit mantissas) inputs, fewer warps: the same results within their

@@ -33,6 +33,7 @@ CHUNK = 64
 CHUNKED_FROM = 256
 # how the prepare launch inverts a chunk's (I + A): see chunked_prefill
 INVERSES = ("blocks", "doubling", "rows")
+PRECISIONS = ("ieee", "tf32x3", "tf32")  # tl.dot input_precision
 
 
 class DeltaChunks(NamedTuple):
@@ -70,6 +71,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     state: torch.Tensor, state_slots: torch.Tensor, chunks: DeltaChunks, continues: torch.Tensor,
                     scale: float | None = None, block_v: int = 32, precision: str = "tf32x3",
                     num_warps: int = 4, scan_warps: int = 8, inverse: str = "blocks", output_block_v: int = 64,
+                    output_precision: str | None = None, output_warps: int | None = None,
                     keep: tuple[tuple[int, int], ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_prefill's result in the chunked form (same arguments, the chunk table `chunks` in place of
     cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (3 Dk +
@@ -83,10 +85,14 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     the 2-, 4-, ... 64-row diagonal blocks in turn, 10 steps of two products). block_v: the state columns a scan
     program carries, output_block_v an output program's (each recomputes the chunk's Q K^T: on an H200 at Qwen3.5-9B's
     heads 64 columns took the output launch from 1.32 to 0.85 ms at 8192 tokens, against 32; the scan keeps 32).
+    output_precision and output_warps: the output launch's own (default: precision and num_warps); its products feed
+    no recurrence, so single tf32 may do there what the prepare and scan need tf32x3 for.
     keep: (chunk, row) pairs: the state entering that chunk of the table (its sequence's state at the chunk's first
     token) copied into `state[row]` (a prefix cache's row). out: as recurrent_prefill's."""
-    if precision not in ("ieee", "tf32x3", "tf32"):
-        raise ValueError(f"chunked_prefill: precision ieee, tf32x3 or tf32, got {precision!r}")
+    output_precision = precision if output_precision is None else output_precision
+    for name, given in (("precision", precision), ("output_precision", output_precision)):
+        if given not in PRECISIONS:
+            raise ValueError(f"chunked_prefill: {name} one of {', '.join(PRECISIONS)}, got {given!r}")
     if inverse not in INVERSES:
         raise ValueError(f"chunked_prefill: inverse one of {', '.join(INVERSES)}, got {inverse!r}")
     _check_prefill_inputs("chunked_prefill", q, k, v, g, beta, state, state_slots, continues)
@@ -123,7 +129,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         output_block_v = max(16, min(output_block_v, block_dv))
         chunk_output_kernel[(n, Hv, triton.cdiv(Dv, output_block_v))](
             q, k, g, v_new, entering, chunks.starts, chunks.lens, out, scale, Dk, Dv, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), g.stride(0), BLOCK_V=output_block_v, **common)
+            k.stride(0), k.stride(1), g.stride(0), BLOCK_V=output_block_v,
+            **dict(common, PRECISION=output_precision, num_warps=output_warps or num_warps))
     for chunk, row in keep:
         state[row].copy_(entering[chunk, :, :Dk, :Dv])
     return out
