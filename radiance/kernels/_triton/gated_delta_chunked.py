@@ -32,7 +32,7 @@ CHUNK = 64
 # us a token a layer at 256 tokens against the token-by-token kernel's 1.35 (0.54 against 1.54 at 8192)
 CHUNKED_FROM = 256
 # how the prepare launch inverts a chunk's (I + A): see chunked_prefill
-INVERSES = ("blocks", "doubling", "rows")
+INVERSES = ("blocks", "doubling", "refined", "rows")
 PRECISIONS = ("ieee", "tf32x3", "tf32")  # tl.dot input_precision
 
 
@@ -82,7 +82,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     as long at 8; tools/gated_delta_prefill_sweep.py times them),
     inverse: how launch 1 inverts (I + A) ("rows": forward substitution row by row, C - 1 steps; "blocks": four rows
     at a time within 16-row blocks, then the blocks joined by matrix products, 15 steps; "doubling": the inverses of
-    the 2-, 4-, ... 64-row diagonal blocks in turn, 10 steps of two products). block_v: the state columns a scan
+    the 2-, 4-, ... 64-row diagonal blocks in turn, 10 steps of two products; "refined": doubling in single tf32,
+    then one Newton step at `precision`). block_v: the state columns a scan
     program carries, output_block_v an output program's (each recomputes the chunk's Q K^T: on an H200 at Qwen3.5-9B's
     heads 64 columns took the output launch from 1.32 to 0.85 ms at 8192 tokens, against 32; the scan keeps 32).
     output_precision and output_warps: the output launch's own (default: precision and num_warps); its products feed
@@ -202,6 +203,17 @@ def _unit_lower_inverse_doubling(a, r, C: tl.constexpr, PRECISION: tl.constexpr)
 
 
 @triton.jit
+def _unit_lower_inverse_refined(a, r, C: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)^-1 by doubling in single tf32 products (a third of tf32x3's tensor-core work), then one Newton step
+    T + T E, E = I - (I + A) T: E's products at PRECISION, so the step squares tf32's relative error (~1e-3) away.
+    T E is E-sized, so one tf32 product keeps it to PRECISION's accuracy too."""
+    t = _unit_lower_inverse_doubling(a, r, C, "tf32")
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    residual = eye - t - tl.dot(a, t, input_precision=PRECISION)
+    return t + tl.dot(t, residual, input_precision="tf32")
+
+
+@triton.jit
 def _chunk_decays(g_ptr, t0, n, h, stride_gt, C: tl.constexpr):
     """The chunk's cumulative log decays [C] (flat past its n rows) and the lower-triangular exp(cum_i - cum_j)."""
     r = tl.arange(0, C)
@@ -236,6 +248,8 @@ def chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, lens_ptr, w_
         t = _unit_lower_inverse_blocks(a, r, C, PRECISION)
     elif INVERSE == "doubling":
         t = _unit_lower_inverse_doubling(a, r, C, PRECISION)
+    elif INVERSE == "refined":
+        t = _unit_lower_inverse_refined(a, r, C, PRECISION)
     else:
         t = _unit_lower_inverse_rows(a, r, C)
     w = tl.dot(t, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)
