@@ -42,19 +42,21 @@ def inputs(length: int, device: torch.device):
 
 def parse_chunked(text: str) -> dict:
     """BLOCK_V[:OUTPUT_BLOCK_V]/PRECISION[:OUTPUT_PRECISION]/WARPS[:SCAN_WARPS[:OUTPUT_WARPS]]/INVERSE -> chunked_prefill's
-    keyword arguments; a value not given is the one before it (the output launch's warps: WARPS)."""
+    keyword arguments; a value not given is the one before it (the output launch's warps: WARPS), but for
+    OUTPUT_PRECISION: chunked_prefill's default (single tf32 for a 16-bit output under tf32x3)."""
     block_v, precision, warps, inverse = text.split("/")
     scan_v, _, output_v = block_v.partition(":")
     precision, _, output_precision = precision.partition(":")
     warps, _, rest = warps.partition(":")
     scan_warps, _, output_warps = rest.partition(":")
     return dict(block_v=int(scan_v), output_block_v=int(output_v or scan_v), precision=precision,
-                output_precision=output_precision or precision, num_warps=int(warps),
+                output_precision=output_precision or None, num_warps=int(warps),
                 scan_warps=int(scan_warps or warps), output_warps=int(output_warps or warps), inverse=inverse)
 
 
 def chunked_label(form: dict) -> str:
-    return (f"chunked {form['block_v']}:{form['output_block_v']}/{form['precision']}:{form['output_precision']}/"
+    output_precision = f":{form['output_precision']}" if form["output_precision"] else ""
+    return (f"chunked {form['block_v']}:{form['output_block_v']}/{form['precision']}{output_precision}/"
             f"{form['num_warps']}:{form['scan_warps']}:{form['output_warps']}/{form['inverse']}")
 
 
