@@ -29,8 +29,9 @@
 #            engine on CUDA (decode graphs carrying state slots, piecewise graphs) against the CPU's greedy tokens and
 #            eager MXFP4, then Qwen3.5-9B's decode / prefill in bf16 and MXFP4 (up to 9)
 #   hybrid-steps  Qwen3.5-9B's delta-rule kernels timed (tools/gated_delta_prefill_sweep.py: the served chunked
-#            form against the "doubling" inverse, never timed yet), then its engine steps eager against piecewise
-#            graphs (tools/prefill_steps.py; about 6)
+#            form against its output launch in tf32x3 and the "doubling" and "refined" inverses, never compiled on a
+#            GPU since their fix), then its engine steps eager against piecewise graphs (tools/prefill_steps.py;
+#            about 6)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -119,7 +120,8 @@ hybrid-qwen)
     ;;
 hybrid-steps)
     step 180 gd-sweep python3 tools/gated_delta_prefill_sweep.py --tilings 8x1 --lengths 256 1024 8192 \
-        --chunked 32:32/tf32x3/4:4/blocks 32:64/tf32x3/4:8/blocks 32:64/tf32x3/4:8/doubling 32:64/tf32x3/8/doubling
+        --chunked 32:64/tf32x3/4:8/blocks 32:64/tf32x3:tf32x3/4:8/blocks 32:64/tf32x3/4:8/doubling \
+        32:64/tf32x3/4:8/refined
     step 200 prefill-steps python3 tools/prefill_steps.py --model synthetic:qwen3.5-9b --quantization mxfp4 \
         --variants eager piecewise --shapes 1024 1024 2048 4x256 same1024x3 8192
     ;;

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radiance.kernels._triton.gated_delta_chunked import INVERSES, chunked_prefill, delta_chunks
+from radiance.kernels._triton.gated_delta_chunked import (INVERSES, chunked_prefill, default_output_precision,
+                                                         delta_chunks)
 from radiance.kernels._triton.gated_delta_prefill import recurrent_prefill
 from radiance.layers.gated_delta import gated_delta_rule_varlen
 
@@ -118,6 +119,13 @@ def test_the_output_launch_takes_its_own_column_block(device, block_v, output_bl
     with pytest.raises(ValueError, match="output_block_v"):
         chunked_prefill(q, k, v, g, beta, state, torch.tensor([4, 1], device=device), delta_chunks(lens, device),
                         torch.tensor(continues, device=device), output_block_v=48)
+
+
+def test_the_output_launch_drops_to_single_tf32_only_for_a_16_bit_output_under_tf32x3():
+    assert default_output_precision("tf32x3", torch.bfloat16) == "tf32"
+    assert default_output_precision("tf32x3", torch.float16) == "tf32"
+    assert default_output_precision("tf32x3", torch.float32) == "tf32x3"  # fp32 outputs keep fp32's accuracy
+    assert default_output_precision("ieee", torch.bfloat16) == "ieee"  # asked for fp32 products: all of them
 
 
 def test_the_output_launch_takes_its_own_precision_and_warps(device):

@@ -34,7 +34,6 @@ CHUNKED_FROM = 256
 # how the prepare launch inverts a chunk's (I + A): see chunked_prefill
 INVERSES = ("blocks", "doubling", "refined", "rows")
 PRECISIONS = ("ieee", "tf32x3", "tf32")  # tl.dot input_precision
-SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 class DeltaChunks(NamedTuple):
@@ -68,6 +67,12 @@ def serving_chunks(q_lens: list[int], device: torch.device) -> DeltaChunks | Non
     return delta_chunks(q_lens, device) if max(q_lens, default=0) >= CHUNKED_FROM else None
 
 
+def default_output_precision(precision: str, dtype: torch.dtype) -> str:
+    """The output launch's products: single tf32 for a 16-bit output under tf32x3 (see chunked_prefill), else the
+    prepare and scan launches' precision."""
+    return "tf32" if precision == "tf32x3" and dtype in (torch.bfloat16, torch.float16) else precision
+
+
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, state_slots: torch.Tensor, chunks: DeltaChunks, continues: torch.Tensor,
                     scale: float | None = None, block_v: int = 32, precision: str = "tf32x3",
@@ -93,8 +98,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     difference from the recurrent form 2.3e-3 -> 4.6e-3 of the output's largest value, one bf16 step).
     keep: (chunk, row) pairs: the state entering that chunk of the table (its sequence's state at the chunk's first
     token) copied into `state[row]` (a prefix cache's row). out: as recurrent_prefill's."""
-    if output_precision is None:
-        output_precision = "tf32" if precision == "tf32x3" and v.dtype in SIXTEEN_BIT else precision
+    output_precision = output_precision or default_output_precision(precision, v.dtype)
     for name, given in (("precision", precision), ("output_precision", output_precision)):
         if given not in PRECISIONS:
             raise ValueError(f"chunked_prefill: {name} one of {', '.join(PRECISIONS)}, got {given!r}")
