@@ -42,8 +42,8 @@ def inputs(length: int, device: torch.device):
 
 def parse_chunked(text: str) -> dict:
     """BLOCK_V[:OUTPUT_BLOCK_V]/PRECISION[:OUTPUT_PRECISION]/WARPS[:SCAN_WARPS[:OUTPUT_WARPS]]/INVERSE ->
-    chunked_prefill's keyword arguments; a value not given is the one before it (the output launch's warps: WARPS), but for
-    OUTPUT_PRECISION: chunked_prefill's default (single tf32 for a 16-bit output under tf32x3)."""
+    chunked_prefill's keyword arguments; a value not given is the one before it (the output launch's warps: WARPS),
+    but for OUTPUT_PRECISION: chunked_prefill's default (single tf32 for a 16-bit output under tf32x3)."""
     block_v, precision, warps, inverse = text.split("/")
     scan_v, _, output_v = block_v.partition(":")
     precision, _, output_precision = precision.partition(":")
@@ -100,7 +100,8 @@ def main() -> None:
     # output launch in tf32x3 (served until the seventy-first session), the doubling inverse, the ieee row-by-row one
     parser.add_argument("--chunked", type=parse_chunked, nargs="+",
                         metavar="BLOCK_V[:OUT]/PRECISION[:OUT]/WARPS[:SCAN[:OUT]]/INVERSE",
-                        default=[parse_chunked(c) for c in ("32:64/tf32x3/4:8/blocks", "32:64/tf32x3:tf32x3/4:8/blocks",
+                        default=[parse_chunked(c) for c in ("32:64/tf32x3/4:8/blocks",
+                                                            "32:64/tf32x3:tf32x3/4:8/blocks",
                                                             "32:64/tf32x3/4:8/doubling", "32/ieee/8/rows")])
     parser.add_argument("--json", help="write the table's rows here too")
     args = parser.parse_args()
