@@ -30,8 +30,8 @@
 #            eager MXFP4, then Qwen3.5-9B's decode / prefill in bf16 and MXFP4 (up to 9)
 #   hybrid-steps  Qwen3.5-9B's delta-rule kernels timed (tools/gated_delta_prefill_sweep.py: the served chunked
 #            form against its output launch in tf32x3 and the "doubling" and "refined" inverses, never compiled on a
-#            GPU since their fix), then its engine steps eager against piecewise graphs (tools/prefill_steps.py;
-#            about 6)
+#            GPU since their fix), then the same forms' MXFP4 prefill tok/s on the engine
+#            (tools/delta_rule_engine_ab.py; up to 8)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -122,8 +122,9 @@ hybrid-steps)
     step 180 gd-sweep python3 tools/gated_delta_prefill_sweep.py --tilings 8x1 --lengths 256 1024 8192 \
         --chunked 32:64/tf32x3/4:8/blocks 32:64/tf32x3:tf32x3/4:8/blocks 32:64/tf32x3/4:8/doubling \
         32:64/tf32x3/4:8/refined
-    step 200 prefill-steps python3 tools/prefill_steps.py --model synthetic:qwen3.5-9b --quantization mxfp4 \
-        --variants eager piecewise --shapes 1024 1024 2048 4x256 same1024x3 8192
+    step 300 delta-engine python3 tools/delta_rule_engine_ab.py --forms served 32:64/tf32x3:tf32x3/4:8/blocks \
+        32:64/tf32x3/4:8/doubling 32:64/tf32x3/4:8/refined
+    grep -h "^| " "$OUT/delta-engine.log"
     ;;
 *)
     echo "usage: bash tools/device_session.sh [quick|gpu-engine|gpu-more|cases|kernels|models|sweep|splits|retune|pdl|hybrid|glm|glm-engine|hybrid-qwen|hybrid-steps]" >&2
