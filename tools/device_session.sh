@@ -28,10 +28,10 @@
 #   hybrid-qwen  Qwen3.5 / Qwen3-Next: the Gated DeltaNet kernels compiled against their torch reference, the
 #            engine on CUDA (decode graphs carrying state slots, piecewise graphs) against the CPU's greedy tokens and
 #            eager MXFP4, then Qwen3.5-9B's decode / prefill in bf16 and MXFP4 (up to 9)
-#   hybrid-steps  Qwen3.5-9B's delta-rule kernels timed (tools/gated_delta_prefill_sweep.py: the served chunked
-#            form against its output launch in tf32x3 and the "doubling" and "refined" inverses, never compiled on a
-#            GPU since their fix), then the same forms' MXFP4 prefill tok/s on the engine
-#            (tools/delta_rule_engine_ab.py; up to 8)
+#   hybrid-steps  the chunked delta rule's cases compiled, then Qwen3.5-9B's delta-rule kernels timed
+#            (tools/gated_delta_prefill_sweep.py: the served chunked form against its output launch in tf32x3 and the
+#            "doubling" and "refined" inverses, never compiled on a GPU since their fix), then the same forms' MXFP4
+#            prefill tok/s on the engine (tools/delta_rule_engine_ab.py; up to 9)
 set -u
 OUT=${OUT:-/tmp/radiance-out}
 mkdir -p "$OUT"
@@ -119,7 +119,8 @@ hybrid-qwen)
         --contexts 128 8192 --prefills 1024 8192 --concurrency 1 16 --no-hf --json "$OUT/engine-qwen35.json"
     ;;
 hybrid-steps)
-    step 180 gd-sweep python3 tools/gated_delta_prefill_sweep.py --tilings 8x1 --lengths 256 1024 8192 \
+    step 90 gd-prefill-cases python3 -m pytest -q tests/kernels/triton_cases_gated_delta_prefill.py
+    step 150 gd-sweep python3 tools/gated_delta_prefill_sweep.py --tilings 8x1 --lengths 1024 8192 \
         --chunked 32:64/tf32x3/4:8/blocks 32:64/tf32x3:tf32x3/4:8/blocks 32:64/tf32x3/4:8/doubling \
         32:64/tf32x3/4:8/refined
     step 300 delta-engine python3 tools/delta_rule_engine_ab.py --forms served 32:64/tf32x3:tf32x3/4:8/blocks \
