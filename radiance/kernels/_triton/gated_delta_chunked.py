@@ -2,16 +2,18 @@
 CHUNK-token chunks, three launches.
 
 1. Every (chunk, value head) at once: the chunk's decays, its delta-rule interactions A = strictly_lower(beta K
-   K^T * decay), T = (I + A)^-1 (exact: forward substitution, row by row or four rows at a time within 16-row
-   blocks joined by products), W = T (K beta exp(cum)), U = T (V beta), K exp(cum_last - cum), exp(cum_last).
+   K^T * decay), T = (I + A)^-1 (exact: forward substitution row by row, or four rows at a time within 16-row
+   blocks joined by products, or doubling diagonal blocks: see chunked_prefill's `inverse`), W = T (K beta
+   exp(cum)), U = T (V beta), K exp(cum_last - cum), exp(cum_last).
 2. Every (sequence, value head, block_v state columns): the scan over the sequence's chunks with the state in
    registers, the only sequential part: each chunk's entering state S kept, V_new = U - W S kept, S = exp(cum_last)
    S + (K exp(cum_last - cum))^T V_new.
-3. Every (chunk, value head, block_v columns) at once: O = (Q exp(cum)) S_entering + (Q K^T * decay) V_new.
+3. Every (chunk, value head, output_block_v columns) at once: O = (Q exp(cum)) S_entering + (Q K^T * decay) V_new.
 
-Matrix products in fp32 by default (input_precision ieee: on the CUDA cores; tf32x3 takes the tensor cores). The
-sixty-sixth session's two-launch version (the output inside the scan, A inverted row by row) took 6.2-6.5 us a
-token a layer on an H100 at Qwen3.5-9B's heads, against the token-by-token kernel's 1.1
+Matrix products by default as three tf32 tensor-core products each (tf32x3, about fp32's accuracy), but the output
+launch's in single tf32 for a 16-bit output (its terms feed no recurrence); ieee runs them in fp32 on the CUDA
+cores. On an H100 at Qwen3.5-9B's heads the three launches took 0.40 us a token a layer at 8192 tokens and 0.50 at
+1024 (seventy-first session), against the token-by-token kernel's 1.56 and 1.30
 (gated_delta_prefill.recurrent_prefill); tools/gated_delta_prefill_sweep.py times both forms.
 """
 
