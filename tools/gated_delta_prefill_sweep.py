@@ -41,23 +41,28 @@ def inputs(length: int, device: torch.device):
 
 
 def parse_chunked(text: str) -> dict:
-    """BLOCK_V[:OUTPUT_BLOCK_V]/PRECISION[:OUTPUT_PRECISION]/WARPS[:SCAN_WARPS[:OUTPUT_WARPS]]/INVERSE ->
-    chunked_prefill's keyword arguments; a value not given is the one before it (the output launch's warps: WARPS),
-    but for OUTPUT_PRECISION: chunked_prefill's default (single tf32 for a 16-bit output under tf32x3)."""
-    block_v, precision, warps, inverse = text.split("/")
+    """BLOCK_V[:OUTPUT_BLOCK_V]/PRECISION[:OUTPUT_PRECISION]/WARPS[:SCAN_WARPS[:OUTPUT_WARPS]]/INVERSE[/SCAN_STAGES]
+    -> chunked_prefill's keyword arguments; a value not given is the one before it (the output launch's warps: WARPS),
+    but for OUTPUT_PRECISION and SCAN_STAGES: chunked_prefill's defaults (single tf32 for a 16-bit output under
+    tf32x3; Triton's num_stages)."""
+    block_v, precision, warps, inverse, *stages = text.split("/")
+    if len(stages) > 1:
+        raise ValueError(f"a chunked form has 4 or 5 fields: {text!r}")
     scan_v, _, output_v = block_v.partition(":")
     precision, _, output_precision = precision.partition(":")
     warps, _, rest = warps.partition(":")
     scan_warps, _, output_warps = rest.partition(":")
     return dict(block_v=int(scan_v), output_block_v=int(output_v or scan_v), precision=precision,
                 output_precision=output_precision or None, num_warps=int(warps),
-                scan_warps=int(scan_warps or warps), output_warps=int(output_warps or warps), inverse=inverse)
+                scan_warps=int(scan_warps or warps), output_warps=int(output_warps or warps), inverse=inverse,
+                scan_stages=int(stages[0]) if stages else None)
 
 
 def chunked_label(form: dict) -> str:
     output_precision = f":{form['output_precision']}" if form["output_precision"] else ""
+    stages = f"/{form['scan_stages']}" if form.get("scan_stages") is not None else ""
     return (f"chunked {form['block_v']}:{form['output_block_v']}/{form['precision']}{output_precision}/"
-            f"{form['num_warps']}:{form['scan_warps']}:{form['output_warps']}/{form['inverse']}")
+            f"{form['num_warps']}:{form['scan_warps']}:{form['output_warps']}/{form['inverse']}{stages}")
 
 
 def launch_split(run) -> str:

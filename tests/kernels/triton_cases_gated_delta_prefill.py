@@ -142,6 +142,16 @@ def test_the_output_launch_takes_its_own_precision_and_warps(device):
                         torch.tensor(continues, device=device), output_precision="fp16")
 
 
+@pytest.mark.parametrize("scan_stages", [1, 2, 4])
+def test_the_scan_takes_its_own_pipeline_depth(device, scan_stages):
+    """The scan loop at 1 (no prefetch), 2 and 4 software pipeline stages over several chunks of two sequences: the
+    recurrent form's results."""
+    lens, continues = [200, 70], [True, False]
+    _check_against_reference(
+        lambda *args, cu, chunks: chunked_prefill(*args[:7], chunks, args[7], scan_stages=scan_stages),
+        lens, continues, *SMALL, torch.float32, device, seed=5)
+
+
 @pytest.mark.parametrize("precision, tol", [("ieee", 1e-4), ("tf32x3", 1e-4), ("tf32", 3e-2)])
 def test_chunked_prefill_on_the_tensor_cores(device, precision, tol):
     """tl.dot's tf32x3 (about fp32) and tf32 (10-bit mantissas) inputs, fewer warps: the same results within their

@@ -80,7 +80,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     scale: float | None = None, block_v: int = 32, precision: str = "tf32x3",
                     num_warps: int = 4, scan_warps: int = 8, inverse: str = "blocks", output_block_v: int = 64,
                     output_precision: str | None = None, output_warps: int | None = None,
-                    keep: tuple[tuple[int, int], ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
+                    scan_stages: int | None = None, keep: tuple[tuple[int, int], ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_prefill's result in the chunked form (same arguments, the chunk table `chunks` in place of
     cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (3 Dk +
     2 Dv) fp32 values a token and value head, and one Dk x Dv state a chunk and value head. precision: tl.dot's
@@ -98,6 +98,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     output under tf32x3: single tf32 products, whose ~1e-3 relative error feeds no recurrence and sits at the output's
     own rounding: on an H100 at Qwen3.5-9B's heads the output launch 0.84 -> 0.35 ms at 8192 tokens, the largest
     difference from the recurrent form 2.3e-3 -> 4.6e-3 of the output's largest value, one bf16 step).
+    scan_stages: the scan loop's software pipeline depth (Triton's num_stages; None: Triton's default), how many
+    chunks' W, U and K loads are in flight ahead of the chunk being scanned.
     keep: (chunk, row) pairs: the state entering that chunk of the table (its sequence's state at the chunk's first
     token) copied into `state[row]` (a prefix cache's row). out: as recurrent_prefill's."""
     output_precision = output_precision or default_output_precision(precision, v.dtype)
@@ -135,7 +137,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     block_v = max(16, min(block_v, block_dv))
     chunk_scan_kernel[(B * Hv, triton.cdiv(Dv, block_v))](
         w, u, k_decayed, chunk_decay, v_new, entering, state, state_slots, chunks.first_chunk, continues, Dk, Dv,
-        state.stride(0), state.stride(1), state.stride(2), BLOCK_V=block_v, **dict(common, num_warps=scan_warps))
+        state.stride(0), state.stride(1), state.stride(2), BLOCK_V=block_v, **dict(common, num_warps=scan_warps),
+        **({} if scan_stages is None else dict(num_stages=scan_stages)))
     if n:
         output_block_v = max(16, min(output_block_v, block_dv))
         chunk_output_kernel[(n, Hv, triton.cdiv(Dv, output_block_v))](
