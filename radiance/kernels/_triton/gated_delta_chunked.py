@@ -80,7 +80,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     scale: float | None = None, block_v: int = 32, precision: str = "tf32x3",
                     num_warps: int = 4, scan_warps: int = 8, inverse: str = "blocks", output_block_v: int = 64,
                     output_precision: str | None = None, output_warps: int | None = None,
-                    scan_stages: int | None = None, keep: tuple[tuple[int, int], ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
+                    scan_stages: int | None = None, keep: tuple[tuple[int, int], ...] = (),
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_prefill's result in the chunked form (same arguments, the chunk table `chunks` in place of
     cu_seqlens: delta_chunks(q_lens)). Head dims below 16 (tl.dot's least) are padded with zeros. Scratch: (3 Dk +
     2 Dv) fp32 values a token and value head, and one Dk x Dv state a chunk and value head. precision: tl.dot's
