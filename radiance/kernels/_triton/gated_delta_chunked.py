@@ -69,6 +69,11 @@ def serving_chunks(q_lens: list[int], device: torch.device) -> DeltaChunks | Non
     return delta_chunks(q_lens, device) if max(q_lens, default=0) >= CHUNKED_FROM else None
 
 
+def block_dims(Dk: int, Dv: int) -> tuple[int, int]:
+    """The key and value head dims the launches compute in: powers of two, at least tl.dot's 16 (zeros pad)."""
+    return max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
+
+
 def default_output_precision(precision: str, dtype: torch.dtype) -> str:
     """The output launch's products: single tf32 for a 16-bit output under tf32x3 (see chunked_prefill), else the
     prepare and scan launches' precision."""
@@ -115,7 +120,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     B = state_slots.shape[0]
     if chunks.first_chunk.shape != (B + 1,):
         raise ValueError(f"chunked_prefill: a chunk table of {chunks.first_chunk.shape[0] - 1} sequences for {B}")
-    block_k, block_dv = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))  # tl.dot's least: zeros pad the rest
+    block_k, block_dv = block_dims(Dk, Dv)
     if block_k > 256 or block_dv > 256 or block_v & (block_v - 1) or output_block_v & (output_block_v - 1):
         raise ValueError(f"chunked_prefill: Dk and Dv up to 256 (got {Dk}, {Dv}), block_v and output_block_v "
                          f"powers of two (got {block_v}, {output_block_v})")
