@@ -105,8 +105,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     own rounding: on an H100 at Qwen3.5-9B's heads the output launch 0.84 -> 0.35 ms at 8192 tokens, the largest
     difference from the recurrent form 2.3e-3 -> 4.6e-3 of the output's largest value, one bf16 step).
     scan_stages: the scan loop's software pipeline depth (Triton's num_stages; None: Triton's default), how many
-    chunks' W, U and K loads are in flight ahead of the chunk being scanned (at 128 x 128 heads Triton 3.6's default 3
-    takes 176 KB of shared memory, 4 more than an SM has: tools/delta_rule_resources.py).
+    chunks' W, U and K loads are in flight ahead of the chunk being scanned (at 128 x 128 heads Triton 3.6's default of
+    3 takes 176 KB of shared memory, and 4 stages more than an SM has: tools/delta_rule_resources.py).
     keep: (chunk, row) pairs: the state entering that chunk of the table (its sequence's state at the chunk's first
     token) copied into `state[row]` (a prefix cache's row). out: as recurrent_prefill's."""
     output_precision = output_precision or default_output_precision(precision, v.dtype)
