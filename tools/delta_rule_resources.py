@@ -15,6 +15,7 @@ installed here.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -81,16 +82,20 @@ def launches(dk: int, dv: int, heads: tuple[int, int] = (16, 32), precision: str
              inverses: tuple[str, ...] = ("blocks", "doubling", "refined")):
     """(name, kernel, signature, constants, num_warps, num_stages) of each launch chunked_prefill makes with its
     defaults at these head dims (the output launch for a bf16 output: single tf32)."""
+    defaults = {name: p.default for name, p in inspect.signature(chunked.chunked_prefill).parameters.items()}
     block_k, block_dv = chunked.block_dims(dk, dv)
     hk, hv = heads
+    stages = 3  # Triton's default num_stages, which chunked_prefill keeps (scan_stages None)
     common = dict(HV=hv, GROUP=hv // hk, C=chunked.CHUNK, BLOCK_K=block_k, BLOCK_DV=block_dv, PRECISION=precision)
     for inverse in inverses:
-        yield (f"prepare ({inverse})", chunked.chunk_prepare_kernel, PREPARE,
-               dict(common, INVERSE=inverse), 4, 3)
-    yield "scan", chunked.chunk_scan_kernel, SCAN, dict(common, BLOCK_V=32), 8, 3
+        yield (f"prepare ({inverse})", chunked.chunk_prepare_kernel, PREPARE, dict(common, INVERSE=inverse),
+               defaults["num_warps"], stages)
+    yield ("scan", chunked.chunk_scan_kernel, SCAN, dict(common, BLOCK_V=max(16, min(defaults["block_v"], block_dv))),
+           defaults["scan_warps"], stages)
     output = chunked.default_output_precision(precision, torch.bfloat16)
-    yield ("output", chunked.chunk_output_kernel, OUTPUT, dict(common, BLOCK_V=min(64, block_dv), PRECISION=output),
-           4, 3)
+    yield ("output", chunked.chunk_output_kernel, OUTPUT,
+           dict(common, BLOCK_V=max(16, min(defaults["output_block_v"], block_dv)), PRECISION=output),
+           defaults["output_warps"] or defaults["num_warps"], stages)
 
 
 def main(argv=None) -> int:
