@@ -5,8 +5,9 @@ form that wins tools/gated_delta_prefill_sweep.py by launch is worth to a whole 
         [--lengths 1024 8192] [--rounds 2] --forms 32:64/tf32x3:tf32x3/4:8/blocks 32:64/tf32x3/4:8/doubling
 
 A form is the sweep's spec (BLOCK_V[:OUT]/PRECISION[:OUT]/WARPS[:SCAN[:OUT]]/INVERSE[/SCAN_STAGES]), or "served"
-(chunked_prefill's defaults). The forms take turns, `--rounds` times, each timing every length (best of three prompts after a warm-up:
-engine_bench's prefill measure). CUDA only: the CPU runs torch's chunked form, never these kernels.
+(chunked_prefill's defaults). The forms take turns, `--rounds` times, each timing every length (best of three
+prompts after a warm-up: engine_bench's prefill measure). CUDA only: the CPU runs torch's chunked form, never these
+kernels.
 """
 
 from __future__ import annotations
